@@ -1,0 +1,74 @@
+"""The contract between the torch front end and a kernel family.
+
+The front end (`cute_flash.interface`) validates every input before it reaches a backend, allocates the outputs and
+normalises the mask; a backend only checks what its kernels support (`unsupported_reason`), compiles through
+`cute_flash.compile_cache`, and launches on torch's current stream.
+
+Tensor conventions handed to a backend (all on one CUDA device, last dimension contiguous, other strides arbitrary):
+  q (b, sq, h, d), k (b, sk, h_kv, d), v (b, sk, h_kv, dv), out (b, sq, h, dv) in the input dtype,
+  lse (b, h, sq) float32 contiguous, natural log; -inf for a row that sees no key (its out row is 0).
+  GQA: query head i reads kv head i // (h // h_kv).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Protocol
+
+import torch
+
+from ..spec import AttentionSpec, MaskBounds
+
+
+@dataclass
+class KernelArtifact:
+    """One compiled kernel as the `compile` command reports it."""
+
+    kernel: str  # a short role name: "fwd", "bwd_preprocess", "bwd", ...
+    ptx: str
+    cubin: bytes
+    config: Dict[str, object] = field(default_factory=dict)  # tile sizes etc., for the report
+
+
+class ArchBackend(Protocol):
+    name: str  # "sm80" | "sm90" | "sm100"
+    cute_arch: str  # default CuTe DSL target when cross-compiling: "sm_80" | "sm_90a" | "sm_100a"
+
+    def unsupported_reason(self, spec: AttentionSpec, backward: bool) -> Optional[str]:
+        """None when this family has kernels for `spec` (and its backward if asked), else what is missing."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        spec: AttentionSpec,
+        softmax_scale: float,
+        mask: MaskBounds,
+        descale: Optional[Dict[str, torch.Tensor]] = None,
+    ) -> None:
+        """Fills `out` and `lse`."""
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        *,
+        spec: AttentionSpec,
+        softmax_scale: float,
+        mask: MaskBounds,
+    ) -> None:
+        """Fills dq, dk, dv (same shapes and dtype as q, k, v)."""
+
+    def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
+        """Compiles every kernel that serves `spec` for CuTe DSL target `target` with fake tensors (no GPU needed)."""

@@ -1,0 +1,187 @@
+"""`python -m cute_flash {info,compile,demo,bench}`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import List, Optional
+
+from .arch import ARCH_PACKAGES, CUTE_DSL_ARCH
+from .spec import AttentionSpec
+
+DTYPE_NAMES = ("bf16", "fp16", "fp8")
+
+
+def _gpu_capability():
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+# --- info -----------------------------------------------------------------------------------------------------
+def cmd_info(args) -> int:
+    import torch
+
+    from . import __version__
+
+    print(f"cute_flash {__version__}")
+    print(f"python {sys.version.split()[0]}, torch {torch.__version__}")
+    try:
+        from importlib.metadata import version
+
+        print(f"nvidia-cutlass-dsl {version('nvidia-cutlass-dsl')}")
+    except Exception as e:  # noqa: BLE001 - report, never crash `info`
+        print(f"nvidia-cutlass-dsl: not installed ({e.__class__.__name__})")
+    cap = _gpu_capability()
+    if cap is None:
+        print("GPU: none visible (kernels can still be cross-compiled: python -m cute_flash compile --arch ...)")
+    else:
+        import torch
+
+        print(f"GPU: {torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]})")
+    from .interface import backend
+
+    try:
+        print(f"backend: {backend()}")
+    except (RuntimeError, NotImplementedError) as e:
+        print(f"backend: none ({e})")
+    return 0
+
+
+# --- compile --------------------------------------------------------------------------------------------------
+def _spec_from_args(args) -> AttentionSpec:
+    mask = "causal" if args.causal else ("local" if args.local else "none")
+    out_dtype = "bf16" if args.dtype == "fp8" else args.dtype
+    dv = args.head_dim_v if args.head_dim_v is not None else args.head_dim
+    return AttentionSpec(dtype=args.dtype, head_dim=args.head_dim, head_dim_v=dv, mask=mask, out_dtype=out_dtype)
+
+
+def compile_report(arch: str, spec: AttentionSpec, backward: bool, out_dir: str) -> List[dict]:
+    """Cross-compiles every kernel serving `spec` on `arch`, writes .ptx/.cubin into out_dir, returns one report each."""
+    from .census import capture_fd_stderr, cubin_resources, parse_ptxas_report, ptx_census, ptx_threads
+    from .arch import get_backend
+
+    backend = get_backend(arch)
+    reason = backend.unsupported_reason(spec, backward)
+    if reason is not None:
+        raise NotImplementedError(f"{arch}: {reason}")
+    os.makedirs(out_dir, exist_ok=True)
+    start = time.perf_counter()
+    with capture_fd_stderr() as captured:
+        artifacts = backend.compile_artifacts(spec, backward, CUTE_DSL_ARCH[arch])
+    seconds = time.perf_counter() - start
+    ptxas = parse_ptxas_report("".join(captured))
+    reports = []
+    for art in artifacts:
+        stem = f"{arch}_{art.kernel}_{spec.dtype}_d{spec.head_dim}x{spec.head_dim_v}_{spec.mask}"
+        with open(os.path.join(out_dir, stem + ".ptx"), "w") as f:
+            f.write(art.ptx)
+        with open(os.path.join(out_dir, stem + ".cubin"), "wb") as f:
+            f.write(art.cubin)
+        resources = cubin_resources(art.cubin)
+        entry, res = next(iter(resources.items()), ("?", {}))
+        rep = ptxas.get(entry, {})
+        reports.append(
+            {
+                "arch": arch,
+                "kernel": art.kernel,
+                "entry": entry,
+                "dtype": spec.dtype,
+                "head_dim": spec.head_dim,
+                "head_dim_v": spec.head_dim_v,
+                "mask": spec.mask,
+                "registers": res.get("registers", rep.get("registers")),
+                "spill_bytes": rep.get("spill_bytes"),
+                "stack_frame_bytes": res.get("stack_frame_bytes", rep.get("stack_frame_bytes")),
+                "shared_bytes": art.config.get("shared_bytes", res.get("static_shared_bytes", 0)),
+                "threads": art.config.get("threads", ptx_threads(art.ptx)),
+                "census": ptx_census(art.ptx),
+                "config": {k: v for k, v in art.config.items() if k not in ("shared_bytes", "threads")},
+                "files": [stem + ".ptx", stem + ".cubin"],
+                "compile_seconds": round(seconds / max(len(artifacts), 1), 2),
+            }
+        )
+    return reports
+
+
+def cmd_compile(args) -> int:
+    # CuTe DSL reads CUTE_DSL_ARCH once, at import: set it before anything imports cutlass.
+    os.environ.setdefault("CUTE_DSL_ARCH", CUTE_DSL_ARCH[args.arch])
+    spec = _spec_from_args(args)
+    try:
+        reports = compile_report(args.arch, spec, args.backward, args.out)
+    except NotImplementedError as e:
+        print(f"cute_flash compile: no kernel: {e}", file=sys.stderr)
+        return 2
+    for r in reports:
+        if args.json:
+            print(json.dumps(r, sort_keys=True))
+        else:
+            census = ", ".join(f"{k} {v}" for k, v in r["census"].items() if v)
+            print(
+                f"{r['arch']} {r['kernel']:<16} regs {r['registers']} spill {r['spill_bytes']} B "
+                f"smem {r['shared_bytes']} B threads {r['threads']}  [{census}]  -> {args.out}/{r['files'][0]}"
+            )
+    return 0
+
+
+# --- demo -----------------------------------------------------------------------------------------------------
+def cmd_demo(args) -> int:
+    from . import demo
+
+    return demo.run(args)
+
+
+# --- bench ----------------------------------------------------------------------------------------------------
+def _bench_module():
+    try:
+        from .bench import cli as bench_cli
+    except ImportError:
+        return None
+    return bench_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m cute_flash", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("info", help="versions, GPU and the backend that would serve it").set_defaults(func=cmd_info)
+
+    c = sub.add_parser("compile", help="cross-compile kernels (no GPU needed), write .ptx/.cubin, report resources")
+    c.add_argument("--arch", choices=sorted(ARCH_PACKAGES), required=True)
+    c.add_argument("--head-dim", type=int, required=True)
+    c.add_argument("--head-dim-v", type=int, default=None)
+    c.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16")
+    mask = c.add_mutually_exclusive_group()
+    mask.add_argument("--causal", action="store_true", help="bottom-right causal mask")
+    mask.add_argument("--local", action="store_true", help="sliding-window mask (bounds are runtime values)")
+    c.add_argument("--backward", action="store_true", help="also compile the backward kernels")
+    c.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "cute_flash_kernels"))
+    c.add_argument("--json", action="store_true", help="one JSON object per kernel")
+    c.set_defaults(func=cmd_compile)
+
+    d = sub.add_parser("demo", help="the main job: check and time cute_flash on this machine")
+    d.add_argument("--batch", type=int, default=4)
+    d.add_argument("--seqlen", type=int, default=4096)
+    d.add_argument("--nheads", type=int, default=16)
+    d.add_argument("--head-dim", type=int, default=128)
+    d.add_argument("--causal", action="store_true")
+    d.set_defaults(func=cmd_demo)
+
+    bench = _bench_module()
+    if bench is not None:
+        b = sub.add_parser("bench", help="benchmark against peers (torch SDPA, FlashAttention-4, naive)")
+        bench.add_arguments(b)
+        b.set_defaults(func=lambda a: bench.main(a))
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

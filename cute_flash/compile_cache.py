@@ -1,0 +1,78 @@
+"""The one compile cache, and the few facts every backend needs to compile a kernel.
+
+Keys hold only what changes generated code: kernel family, CuTe DSL target, kernel role, the `AttentionSpec` and the
+tile configuration. Kernels are compiled once with fake tensors whose batch, sequence and head extents are symbolic,
+so new shapes reuse the compiled function. They are built with TVM-FFI and read torch's current stream from the
+environment, which keeps a warm call to a few microseconds of host time.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable, Dict, Hashable, Optional, Tuple
+
+_cache: Dict[Hashable, Callable] = {}
+_compile_seconds: Dict[Hashable, float] = {}
+_lock = threading.Lock()
+
+
+def get_or_compile(key: Hashable, build: Callable[[], Callable]) -> Callable:
+    """Returns the compiled kernel for `key`, building it on first use."""
+    fn = _cache.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _cache.get(key)
+        if fn is None:
+            start = time.perf_counter()
+            fn = build()
+            _compile_seconds[key] = time.perf_counter() - start
+            _cache[key] = fn
+    return fn
+
+
+def cache_info() -> Dict[Hashable, float]:
+    """Compile seconds of every cached kernel, by key (the benchmark reports first-call cost from this)."""
+    return dict(_compile_seconds)
+
+
+def clear() -> None:
+    with _lock:
+        _cache.clear()
+        _compile_seconds.clear()
+
+
+def target_for_capability(capability: Tuple[int, int]) -> str:
+    """The CuTe DSL target for a GPU; arch-specific features (wgmma, tcgen05) need the `a` variant."""
+    major, minor = capability
+    suffix = "a" if major >= 9 else ""
+    return f"sm_{major}{minor}{suffix}"
+
+
+def compile_options(target: str, *, tvm_ffi: bool = True, extra: str = "") -> str:
+    opts = [f"--gpu-arch {target}"]
+    if tvm_ffi:
+        opts.append("--enable-tvm-ffi")
+    if extra:
+        opts.append(extra)
+    return " ".join(opts)
+
+
+def keep_artifacts_options(dump_dir: str) -> str:
+    """Options that make `compiled.artifacts` hold the PTX and cubin (the dump dir must exist beforehand) and make
+    ptxas print its resource report (registers, spills), which `cute_flash.census` parses."""
+    os.makedirs(dump_dir, exist_ok=True)
+    return f"--keep-ptx --keep-cubin --dump-dir {dump_dir} remarks{{ptx}}"
+
+
+def ensure_cute_dsl_arch(default_target: Optional[str]) -> None:
+    """Sets CUTE_DSL_ARCH before cutlass is first imported, so that CPU-only processes can cross-compile.
+
+    CuTe DSL reads its environment once, at import; later compiles pass `--gpu-arch` explicitly.
+    """
+    import sys
+
+    if "cutlass" not in sys.modules and default_target and not os.environ.get("CUTE_DSL_ARCH"):
+        os.environ["CUTE_DSL_ARCH"] = default_target

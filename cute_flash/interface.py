@@ -1,0 +1,121 @@
+"""The public torch API: `attention` and `backend`."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .arch import get_backend, resolve_arch
+from .arch.base import ArchBackend
+from .spec import AttentionSpec, MaskBounds
+from .validation import Problem, aligned_view, check_backend_supports, validate
+
+
+def backend(device: Optional[Union[torch.device, int, str]] = None) -> str:
+    """Which kernel family ("sm80", "sm90", "sm100") serves `device` (default: the current CUDA device).
+
+    The environment variable CUTE_FLASH_ARCH overrides the choice, e.g. to run the sm80 kernels on an H100.
+    """
+    capability = None
+    if torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability(device)
+    return resolve_arch(capability)
+
+
+def _backend_for(t: torch.Tensor) -> ArchBackend:
+    return get_backend(resolve_arch(torch.cuda.get_device_capability(t.device)))
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, problem: Problem, arch: ArchBackend):
+        out, lse = _run_forward(q, k, v, problem, arch)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.problem = problem
+        ctx.arch = arch
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        problem: Problem = ctx.problem
+        arch: ArchBackend = ctx.arch
+        check_backend_supports(arch, problem.spec, backward=True)
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if _is_empty(problem):
+            for g in (dq, dk, dv):
+                g.zero_()
+        else:
+            with torch.cuda.device(q.device):
+                arch.backward(
+                    aligned_view(dout),
+                    q,
+                    k,
+                    v,
+                    out,
+                    lse,
+                    dq,
+                    dk,
+                    dv,
+                    spec=problem.spec,
+                    softmax_scale=problem.softmax_scale,
+                    mask=problem.mask,
+                )
+        return dq, dk, dv, None, None
+
+
+def _is_empty(p: Problem) -> bool:
+    return p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0
+
+
+def _run_forward(q, k, v, problem: Problem, arch: ArchBackend) -> Tuple[torch.Tensor, torch.Tensor]:
+    spec: AttentionSpec = problem.spec
+    out_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec.out_dtype]
+    out = torch.empty(
+        problem.batch, problem.seqlen_q, problem.nheads, problem.head_dim_v, dtype=out_dtype, device=q.device
+    )
+    lse = torch.empty(problem.batch, problem.nheads, problem.seqlen_q, dtype=torch.float32, device=q.device)
+    if _is_empty(problem):
+        # No key at all: every row is fully masked (out 0, lse -inf); nothing to launch.
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    with torch.cuda.device(q.device):
+        arch.forward(q, k, v, out, lse, spec=spec, softmax_scale=problem.softmax_scale, mask=problem.mask)
+    return out, lse
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size: Tuple[Optional[int], Optional[int]] = (None, None),
+    dtype: Optional[str] = None,
+    return_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Exact attention softmax(q kᵀ · scale + mask) v on a CUDA GPU, by the kernel family that serves it.
+
+    q (batch, seqlen_q, nheads, head_dim); k (batch, seqlen_k, nheads_kv, head_dim); v (batch, seqlen_k, nheads_kv,
+    head_dim_v); nheads % nheads_kv == 0 (GQA/MQA). Returns out (batch, seqlen_q, nheads, head_dim_v) in the inputs'
+    dtype and, with return_lse, the float32 log-sum-exp (batch, nheads, seqlen_q).
+
+    causal: bottom-right aligned, query i sees key j iff j <= i + seqlen_k - seqlen_q. window_size=(left, right)
+    restricts that further to i + off - left <= j <= i + off + right (None = unlimited). A row that sees no key gives
+    out 0 and lse -inf. dtype=None computes in the inputs' dtype; dtype="fp8" asks for the FP8 path.
+    Differentiable when the serving family has a backward kernel (the error says so when it has none).
+    """
+    problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=dtype)
+    arch = _backend_for(q)
+    check_backend_supports(arch, problem.spec, backward=False)
+    q, k, v = aligned_view(q), aligned_view(k), aligned_view(v)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if needs_grad:
+        out, lse = _Attention.apply(q, k, v, problem, arch)
+    else:
+        out, lse = _run_forward(q, k, v, problem, arch)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,134 @@
+"""Reference attention in plain torch, on any device.
+
+`attention_reference` materialises the whole score matrix in a chosen precision (float64 by default); it is the
+ground truth every kernel is tested against. `attention_tiled` is the FlashAttention algorithm itself in readable
+form: it visits one (block_m x block_n) score tile at a time, keeps a running row max and row sum, skips tiles the
+mask hides entirely, and never holds more than one tile of scores.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .spec import MaskBounds, normalize_mask
+
+Window = Tuple[Optional[int], Optional[int]]
+
+
+def visible_keys(seqlen_q: int, seqlen_k: int, mask: MaskBounds, device=None) -> torch.Tensor:
+    """Boolean (seqlen_q, seqlen_k): True where query i may attend to key j (bottom-right aligned)."""
+    i = torch.arange(seqlen_q, device=device).unsqueeze(1)
+    j = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    diag = i + (seqlen_k - seqlen_q)
+    return (j >= diag - mask.left) & (j <= diag + mask.right)
+
+
+def _expand_kv(x: torch.Tensor, nheads: int) -> torch.Tensor:
+    """(b, s, h_kv, d) -> (b, s, h, d): each kv head serves h // h_kv consecutive query heads."""
+    return x.repeat_interleave(nheads // x.shape[2], dim=2)
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size: Window = (None, None),
+    compute_dtype: torch.dtype = torch.float64,
+    return_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Exact attention with the semantics of `cute_flash.attention`, computed in `compute_dtype`.
+
+    Returns out (b, sq, h, dv) in `compute_dtype` and, if asked, lse (b, h, sq) in float32. Rows that see no key give
+    out = 0 and lse = -inf. With compute_dtype equal to the inputs' dtype this is "plain torch in the input dtype",
+    the baseline of FlashAttention's acceptance rule.
+    """
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    mask = normalize_mask(causal, window_size)
+    qc = q.to(compute_dtype)
+    kc = _expand_kv(k.to(compute_dtype), h)
+    vc = _expand_kv(v.to(compute_dtype), h)
+    scores = torch.einsum("bqhd,bkhd->bhqk", qc, kc) * scale
+    allowed = visible_keys(sq, sk, mask, device=q.device)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    # A fully masked row has max = -inf; substituting 0 keeps exp() at 0 instead of NaN.
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    p = torch.exp(scores - row_max)
+    row_sum = p.sum(dim=-1, keepdim=True)
+    safe_sum = torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
+    out = torch.einsum("bhqk,bkhd->bqhd", p / safe_sum, vc)
+    if not return_lse:
+        return out
+    lse = (row_max + torch.log(row_sum)).squeeze(-1).float()  # log(0) = -inf for fully masked rows
+    return out, lse
+
+
+def attention_tiled(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size: Window = (None, None),
+    block_m: int = 64,
+    block_n: int = 64,
+    compute_dtype: torch.dtype = torch.float32,
+) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """FlashAttention's forward pass, one score tile at a time.
+
+    Returns (out, lse, tiles_visited); tiles_visited lets tests check that fully masked tiles are skipped.
+    """
+    b, sq, h, d = q.shape
+    sk, dv = k.shape[1], v.shape[3]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    mask = normalize_mask(causal, window_size)
+    kc = _expand_kv(k, h)
+    vc = _expand_kv(v, h)
+    out = torch.zeros(b, sq, h, dv, dtype=compute_dtype, device=q.device)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    tiles_visited = 0
+    for m0 in range(0, sq, block_m):
+        m1 = min(m0 + block_m, sq)
+        n_lo, n_hi = key_block_range(m0, m1, sq, sk, mask, block_n)
+        q_tile = q[:, m0:m1].to(compute_dtype)
+        row_max = torch.full((b, h, m1 - m0, 1), float("-inf"), dtype=compute_dtype, device=q.device)
+        row_sum = torch.zeros((b, h, m1 - m0, 1), dtype=compute_dtype, device=q.device)
+        acc = torch.zeros((b, h, m1 - m0, dv), dtype=compute_dtype, device=q.device)
+        for n_block in range(n_lo, n_hi):
+            tiles_visited += 1
+            n0, n1 = n_block * block_n, min((n_block + 1) * block_n, sk)
+            s = torch.einsum("bqhd,bkhd->bhqk", q_tile, kc[:, n0:n1].to(compute_dtype)) * scale
+            allowed = visible_keys(sq, sk, mask, device=q.device)[m0:m1, n0:n1]
+            s = s.masked_fill(~allowed, float("-inf"))
+            new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
+            # Rows with no visible key so far keep max = -inf; exp against 0 keeps their p at 0, never NaN.
+            safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+            correction = torch.exp(row_max - safe_max)
+            p = torch.exp(s - safe_max)
+            row_sum = row_sum * correction + p.sum(dim=-1, keepdim=True)
+            acc = acc * correction + torch.einsum("bhqk,bkhd->bhqd", p, vc[:, n0:n1].to(compute_dtype))
+            row_max = new_max
+        safe_sum = torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
+        out[:, m0:m1] = (acc / safe_sum).permute(0, 2, 1, 3)
+        lse[:, :, m0:m1] = (row_max + torch.log(row_sum)).squeeze(-1).float()
+    return out, lse, tiles_visited
+
+
+def key_block_range(m0: int, m1: int, seqlen_q: int, seqlen_k: int, mask: MaskBounds, block_n: int) -> Tuple[int, int]:
+    """Half-open range of key blocks that query rows [m0, m1) can see; blocks outside it are entirely masked."""
+    off = seqlen_k - seqlen_q
+    n_blocks = (seqlen_k + block_n - 1) // block_n
+    lo_key = max(0, m0 + off - mask.left)
+    hi_key = min(seqlen_k, (m1 - 1) + off + mask.right + 1)
+    if hi_key <= lo_key:
+        return 0, 0
+    return min(lo_key // block_n, n_blocks), min((hi_key + block_n - 1) // block_n, n_blocks)

@@ -1,0 +1,64 @@
+"""What a kernel is compiled for, and how the mask of one call is described.
+
+`AttentionSpec` holds exactly the properties that change generated code; it is the arch-independent part of every
+compile-cache key. Sequence lengths, batch, head counts, strides, the softmax scale and the window bounds are runtime
+values and never appear here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional, Tuple
+
+MaskKind = Literal["none", "causal", "local"]
+ComputeDtype = Literal["fp16", "bf16", "fp8"]
+
+# Window bound passed to kernels for "unbounded". Any value >= max(seqlen_q, seqlen_k) behaves the same; it stays far
+# from Int32 overflow when kernels add seqlen differences to it.
+UNBOUNDED_WINDOW = 1 << 30
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    dtype: ComputeDtype  # operand dtype of the matrix products
+    head_dim: int
+    head_dim_v: int
+    mask: MaskKind
+    out_dtype: Literal["fp16", "bf16"] = "bf16"  # differs from dtype only on the fp8 path
+
+    @property
+    def causal(self) -> bool:
+        return self.mask == "causal"
+
+    @property
+    def local(self) -> bool:
+        return self.mask == "local"
+
+
+@dataclass(frozen=True)
+class MaskBounds:
+    """Runtime window of one call. Query i sees key j iff i + off - left <= j <= i + off + right, off = sk - sq."""
+
+    kind: MaskKind
+    left: int  # UNBOUNDED_WINDOW when unlimited
+    right: int  # UNBOUNDED_WINDOW when unlimited
+
+
+def normalize_mask(causal: bool, window_size: Tuple[Optional[int], Optional[int]]) -> MaskBounds:
+    """Folds `causal` and `window_size` into one mask description.
+
+    Causal is a window whose right bound is 0; with a finite left bound as well it becomes a general local window,
+    which kernels handle with runtime bounds so that every window size shares one compiled kernel.
+    """
+    left, right = window_size
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if left is None and right is None:
+        return MaskBounds("none", UNBOUNDED_WINDOW, UNBOUNDED_WINDOW)
+    if causal and left is None and right == 0:
+        return MaskBounds("causal", UNBOUNDED_WINDOW, 0)
+    return MaskBounds(
+        "local",
+        UNBOUNDED_WINDOW if left is None else int(left),
+        UNBOUNDED_WINDOW if right is None else int(right),
+    )

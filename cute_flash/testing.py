@@ -1,0 +1,137 @@
+"""Inputs and acceptance checks shared by the GPU tests and the benchmark.
+
+The rule is FlashAttention's: a kernel's error against the float64 reference may be at most twice the error of the
+same computation done by plain torch in the input dtype, plus 1e-5. It applies to outputs and to each gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+from .reference import attention_reference
+
+ABS_SLACK = 1e-5
+
+
+@dataclass
+class ErrorReport:
+    name: str
+    err: float  # max |kernel - reference|
+    baseline_err: float  # max |plain torch in the input dtype - reference|
+
+    @property
+    def bound(self) -> float:
+        return 2.0 * self.baseline_err + ABS_SLACK
+
+    @property
+    def ok(self) -> bool:
+        return self.err <= self.bound
+
+    def __str__(self) -> str:
+        verdict = "ok" if self.ok else "FAIL"
+        return f"{self.name}: err {self.err:.3e} vs bound {self.bound:.3e} (torch {self.baseline_err:.3e}) {verdict}"
+
+
+def random_qkv(
+    batch: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    nheads: int,
+    nheads_kv: int,
+    head_dim: int,
+    head_dim_v: Optional[int] = None,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cuda",
+    seed: Optional[int] = None,
+    requires_grad: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fresh N(0, 1) inputs; never zeros, which hide unwritten outputs and indexing errors."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else torch.seed() % (2**31))
+    dv = head_dim if head_dim_v is None else head_dim_v
+
+    def make(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype).requires_grad_(requires_grad)
+
+    q = make(batch, seqlen_q, nheads, head_dim)
+    k = make(batch, seqlen_k, nheads_kv, head_dim)
+    v = make(batch, seqlen_k, nheads_kv, dv)
+    return q, k, v
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    return (a.double() - b.double()).abs().max().item()
+
+
+def check_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: Optional[torch.Tensor] = None,
+    **attn_kwargs,
+) -> Sequence[ErrorReport]:
+    """Error reports for out (and lse when given); raises AssertionError when any breaks the rule or is not finite.
+
+    attn_kwargs: causal, softmax_scale, window_size — as passed to cute_flash.attention.
+    """
+    ref, ref_lse = attention_reference(q, k, v, return_lse=True, **attn_kwargs)
+    low, low_lse = attention_reference(q, k, v, compute_dtype=q.dtype, return_lse=True, **attn_kwargs)
+    reports = [ErrorReport("out", _max_abs(out, ref), _max_abs(low, ref))]
+    if lse is not None:
+        reports.append(_lse_report(lse, ref_lse, low_lse))
+    _assert_all(reports, finite=[("out", out)])
+    return reports
+
+
+def _lse_report(lse: torch.Tensor, ref_lse: torch.Tensor, low_lse: torch.Tensor) -> ErrorReport:
+    """LSE rows that see no key must be -inf exactly; the rest follow the rule (with an fp32 floor on the baseline)."""
+    masked = torch.isinf(ref_lse)
+    if not torch.equal(torch.isinf(lse) & (lse < 0), masked):
+        return ErrorReport("lse(-inf rows)", float("inf"), 0.0)
+    keep = ~masked
+    err = _max_abs(lse[keep], ref_lse[keep])
+    baseline = max(_max_abs(low_lse[keep], ref_lse[keep]), 1e-4)
+    return ErrorReport("lse", err, baseline)
+
+
+def check_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    grads: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    **attn_kwargs,
+) -> Sequence[ErrorReport]:
+    """Error reports for (dq, dk, dv) against float64 autograd through the reference, with the same rule."""
+
+    def reference_grads(compute_dtype):
+        leaves = [t.detach().to(compute_dtype).requires_grad_(True) for t in (q, k, v)]
+        out = attention_reference(*leaves, compute_dtype=compute_dtype, **attn_kwargs)
+        out.backward(dout.to(compute_dtype))
+        return [t.grad for t in leaves]
+
+    ref = reference_grads(torch.float64)
+    low = reference_grads(q.dtype)
+    reports = [ErrorReport(n, _max_abs(g, r), _max_abs(l, r)) for n, g, r, l in zip(("dq", "dk", "dv"), grads, ref, low)]
+    _assert_all(reports, finite=list(zip(("dq", "dk", "dv"), grads)))
+    return reports
+
+
+def _assert_all(reports: Sequence[ErrorReport], finite) -> None:
+    for name, t in finite:
+        if not torch.isfinite(t).all():
+            raise AssertionError(f"{name} has non-finite values")
+    bad = [str(r) for r in reports if not r.ok]
+    if bad:
+        raise AssertionError("; ".join(bad))
+
+
+def summarize(reports: Sequence[ErrorReport]) -> Dict[str, float]:
+    return {r.name: r.err for r in reports}

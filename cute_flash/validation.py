@@ -1,0 +1,163 @@
+"""The one place that checks a call's inputs, before anything is compiled or launched.
+
+Every message names the argument and what was expected. Backend-specific limits (head dims a family lacks, fp8 on a
+family without an fp8 kernel) are asked of the backend here too, so that they surface as `NotImplementedError`
+before any work starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from .spec import AttentionSpec, MaskBounds, normalize_mask
+
+INPUT_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+COMPUTE_DTYPES = (None, "fp8")
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8
+# Device types whose tensors reach the kernels (tests add "meta" to exercise validation without a GPU).
+KERNEL_DEVICE_TYPES = ("cuda",)
+# Kernels load rows 16 bytes at a time; strides that break that alignment are copied once (see `aligned_view`).
+ALIGN_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A validated call: shapes, the compile spec and the runtime mask."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    head_dim_v: int
+    spec: AttentionSpec
+    mask: MaskBounds
+    softmax_scale: float
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type not in KERNEL_DEVICE_TYPES:
+        raise ValueError(
+            f"{name} is on {t.device}; cute_flash kernels run on CUDA GPUs only. "
+            f"For CPU tensors use cute_flash.reference.attention_reference (same semantics, plain torch)."
+        )
+    if t.dim() != 4:
+        raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, nheads, head_dim), got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(
+            f"{name} must be contiguous in its last dimension (head_dim stride 1), got strides {tuple(t.stride())}"
+        )
+    return t
+
+
+def _check_window(window_size: object) -> Tuple[Optional[int], Optional[int]]:
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
+        raise ValueError(f"window_size must be a pair (left, right) of None or ints >= 0, got {window_size!r}")
+    out = []
+    for side, w in zip(("left", "right"), window_size):
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+            raise ValueError(f"window_size {side} must be None (unlimited) or an int >= 0, got {w!r}")
+        out.append(w)
+    return out[0], out[1]
+
+
+def validate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: Optional[float],
+    window_size: Tuple[Optional[int], Optional[int]],
+    dtype: Optional[str],
+) -> Problem:
+    q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+    if q.dtype not in INPUT_DTYPES:
+        raise TypeError(
+            f"q, k, v have dtype {q.dtype}; expected torch.float16 or torch.bfloat16 "
+            f"(for FP8 compute pass fp16/bf16 inputs with dtype='fp8')"
+        )
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype must be None (compute in the inputs' dtype) or 'fp8', got {dtype!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+
+    batch, seqlen_q, nheads, head_dim = q.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(f"batch sizes differ: q {batch}, k {k.shape[0]}, v {v.shape[0]}")
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    if v.shape[1] != seqlen_k:
+        raise ValueError(f"k and v must have the same seqlen (dim 1): k {seqlen_k}, v {v.shape[1]}")
+    if v.shape[2] != nheads_kv:
+        raise ValueError(f"k and v must have the same number of heads (dim 2): k {nheads_kv}, v {v.shape[2]}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k head_dim {k.shape[3]} must equal q head_dim {head_dim}")
+    if nheads_kv == 0 or nheads % nheads_kv != 0:
+        raise ValueError(
+            f"nheads of q ({nheads}) must be a multiple of nheads of k/v ({nheads_kv}) (GQA/MQA share each kv head "
+            f"between nheads // nheads_kv query heads)"
+        )
+    head_dim_v = v.shape[3]
+    for name, dim in (("head_dim of q/k", head_dim), ("head_dim of v", head_dim_v)):
+        if dim <= 0 or dim > MAX_HEAD_DIM or dim % HEAD_DIM_MULTIPLE != 0:
+            raise NotImplementedError(
+                f"{name} is {dim}; cute_flash supports multiples of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
+            )
+
+    left, right = _check_window(window_size)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
+
+    in_dtype = INPUT_DTYPES[q.dtype]
+    spec = AttentionSpec(
+        dtype="fp8" if dtype == "fp8" else in_dtype,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        mask=normalize_mask(causal, (left, right)).kind,
+        out_dtype=in_dtype,
+    )
+    return Problem(
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        nheads=nheads,
+        nheads_kv=nheads_kv,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        spec=spec,
+        mask=normalize_mask(causal, (left, right)),
+        softmax_scale=float(softmax_scale),
+    )
+
+
+def check_backend_supports(backend, spec: AttentionSpec, backward: bool) -> None:
+    reason = backend.unsupported_reason(spec, backward)
+    if reason is not None:
+        raise NotImplementedError(f"cute_flash backend {backend.name}: {reason}")
+
+
+def aligned_view(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when its base and outer strides are 16-byte aligned (no copy), else a contiguous copy."""
+    elem = t.element_size()
+    ok = t.data_ptr() % ALIGN_BYTES == 0 and all(
+        (s * elem) % ALIGN_BYTES == 0 or n == 1 for s, n in zip(t.stride()[:-1], t.shape[:-1])
+    )
+    if ok:
+        return t
+    # A contiguous tensor can still start at a misaligned offset; clone() gives it fresh, aligned storage.
+    return t.clone(memory_format=torch.contiguous_format)

@@ -1,0 +1,44 @@
+"""GPU-family markers: a test marked sm80/sm90/sm100 runs only where that family's kernels can run.
+
+sm80 kernels also run on Hopper and Blackwell, so an sm80-marked test there forces the sm80 backend through
+CUTE_FLASH_ARCH. Unmarked tests run anywhere (the CPU cross-compile tests included).
+"""
+
+import pytest
+import torch
+
+FAMILIES = ("sm80", "sm90", "sm100")
+
+
+def _capability():
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+def _can_run(family: str, cap) -> bool:
+    if cap is None:
+        return False
+    if family == "sm80":
+        return cap[0] >= 8
+    if family == "sm90":
+        return cap == (9, 0)
+    return cap[0] == 10
+
+
+def pytest_collection_modifyitems(config, items):
+    cap = _capability()
+    for item in items:
+        for family in FAMILIES:
+            if item.get_closest_marker(family) is not None and not _can_run(family, cap):
+                where = "no CUDA GPU" if cap is None else f"GPU is compute capability {cap[0]}.{cap[1]}"
+                item.add_marker(pytest.mark.skip(reason=f"needs a GPU that runs {family} kernels ({where})"))
+
+
+@pytest.fixture(autouse=True)
+def _force_family(request, monkeypatch):
+    for family in FAMILIES:
+        if request.node.get_closest_marker(family) is not None:
+            monkeypatch.setenv("CUTE_FLASH_ARCH", family)
+            break
+    yield

@@ -1,0 +1,61 @@
+"""The command line works on a machine without a GPU."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cute_flash.census import parse_ptxas_report, ptx_census, ptx_threads
+
+
+def run_cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "cute_flash", *args], capture_output=True, text=True, **kw)
+
+
+def test_info_runs():
+    proc = run_cli("info")
+    assert proc.returncode == 0, proc.stderr
+    assert "cute_flash" in proc.stdout and "backend" in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU demo is exercised by the GPU tests")
+def test_demo_without_gpu_shows_the_algorithm():
+    proc = run_cli("demo", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "tiled online softmax vs float64 reference" in proc.stdout
+
+
+def test_compile_rejects_unknown_arch():
+    proc = run_cli("compile", "--arch", "sm70", "--head-dim", "128")
+    assert proc.returncode != 0 and "invalid choice" in proc.stderr
+
+
+def test_ptx_census_counts_instructions():
+    ptx = "\n".join(
+        [
+            "\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1, %f2, %f3, %f4}, {%r1, %r2}, {%r3}, {%f5};",
+            "\t@%p1 cp.async.cg.shared.global [%r1], [%rd1], 16;",
+            "\twgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, p, 1, 1, 1, 1;",
+            "\twgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%f1}, {%r1, %r2, %r3, %r4}, %rd2, p, 1, 1, 1;",
+            "\tsetmaxnreg.inc.sync.aligned.u32 240;",
+            "\t// mma.sync in a comment does not count",
+            "\ttcgen05.mma.cta_group::2.kind::f16 [%r1], %rd1, %rd2, %r2, p;",
+            ".reqntid 384, 1, 1",
+        ]
+    )
+    c = ptx_census(ptx)
+    assert c["mma.sync"] == 1 and c["cp.async"] == 1 and c["setmaxnreg"] == 1
+    assert c["wgmma.mma_async"] == 2 and c["wgmma.mma_async.rs"] == 1
+    assert c["tcgen05.mma"] == 1 and c["tcgen05.mma.cta_group::2"] == 1
+    assert ptx_threads(ptx) == 384
+
+
+def test_parse_ptxas_report():
+    text = """ptxas info    : Compiling entry function 'kern_a' for 'sm_90a'
+ptxas info    : Function properties for kern_a
+ptxas         .     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers
+"""
+    assert parse_ptxas_report(text) == {"kern_a": {"stack_frame_bytes": 8, "spill_bytes": 8, "registers": 168}}

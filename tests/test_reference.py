@@ -1,0 +1,123 @@
+"""The tiled online-softmax algorithm equals the materialising float64 reference, and both honour the mask rules."""
+
+import math
+
+import pytest
+import torch
+
+from cute_flash.reference import attention_reference, attention_tiled, key_block_range, visible_keys
+from cute_flash.spec import UNBOUNDED_WINDOW, MaskBounds, normalize_mask
+
+
+def _inputs(b, sq, sk, h, hkv, d, dv, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, sq, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, sk, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, sk, hkv, dv, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+CASES = [
+    # b, sq, sk, h, hkv, d, dv
+    (1, 1, 1, 1, 1, 8, 8),
+    (2, 113, 203, 4, 2, 32, 16),
+    (1, 239, 1, 3, 1, 16, 16),
+    (1, 128, 128, 2, 2, 64, 64),
+    (2, 65, 64, 4, 1, 24, 40),
+    (1, 200, 90, 2, 2, 16, 16),
+]
+MASKS = [
+    {},
+    {"causal": True},
+    {"window_size": (64, 0)},
+    {"window_size": (5, 7)},
+    {"causal": True, "window_size": (17, None)},
+    {"window_size": (None, 3)},
+]
+
+
+@pytest.mark.parametrize("shape", CASES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("kwargs", MASKS, ids=lambda k: str(k) or "nomask")
+def test_tiled_equals_reference(shape, kwargs):
+    q, k, v = _inputs(*shape, seed=hash((shape, str(kwargs))) % 1000)
+    ref, ref_lse = attention_reference(q, k, v, return_lse=True, **kwargs)
+    out, lse, _ = attention_tiled(q, k, v, block_m=32, block_n=48, compute_dtype=torch.float64, **kwargs)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-5, rtol=1e-6)
+
+
+def test_reference_matches_sdpa_without_mask():
+    q, k, v = _inputs(2, 50, 70, 4, 4, 32, 32, seed=1)
+    ref = attention_reference(q, k, v)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    torch.testing.assert_close(ref, sdpa.transpose(1, 2))
+
+
+def test_causal_is_bottom_right_aligned():
+    # seqlen_q < seqlen_k: the last query sees every key, the first sees sk - sq + 1 keys.
+    allowed = visible_keys(3, 5, normalize_mask(True, (None, None)))
+    assert allowed.tolist() == [
+        [True, True, True, False, False],
+        [True, True, True, True, False],
+        [True, True, True, True, True],
+    ]
+
+
+def test_fully_masked_rows_give_zero_and_minus_inf():
+    # seqlen_q > seqlen_k with causal: the first sq - sk queries see no key.
+    q, k, v = _inputs(1, 10, 4, 2, 1, 16, 16, seed=3)
+    out, lse = attention_reference(q, k, v, causal=True, return_lse=True)
+    assert torch.all(out[:, :6] == 0)
+    assert torch.all(torch.isneginf(lse[:, :, :6]))
+    assert torch.isfinite(lse[:, :, 6:]).all()
+    tiled, tiled_lse, _ = attention_tiled(q, k, v, causal=True, block_m=4, block_n=4, compute_dtype=torch.float64)
+    assert torch.all(tiled[:, :6] == 0) and torch.all(torch.isneginf(tiled_lse[:, :, :6]))
+
+
+def test_gqa_shares_kv_heads_between_consecutive_query_heads():
+    q, k, v = _inputs(1, 9, 11, 4, 2, 8, 8, seed=4)
+    out = attention_reference(q, k, v)
+    for head in range(4):
+        single = attention_reference(q[:, :, head : head + 1], k[:, :, head // 2 : head // 2 + 1],
+                                     v[:, :, head // 2 : head // 2 + 1])
+        torch.testing.assert_close(out[:, :, head : head + 1], single)
+
+
+def test_softmax_scale_is_applied():
+    q, k, v = _inputs(1, 7, 7, 1, 1, 16, 16, seed=5)
+    # scale s on q·k equals the default 1/sqrt(d) applied to q scaled by s·sqrt(d)
+    torch.testing.assert_close(
+        attention_reference(q, k, v, softmax_scale=0.5), attention_reference(q * (0.5 * math.sqrt(16)), k, v)
+    )
+
+
+def test_tiled_skips_hidden_blocks():
+    q, k, v = _inputs(1, 256, 256, 1, 1, 8, 8, seed=6)
+    _, _, dense = attention_tiled(q, k, v, block_m=64, block_n=64)
+    _, _, causal = attention_tiled(q, k, v, causal=True, block_m=64, block_n=64)
+    _, _, window = attention_tiled(q, k, v, window_size=(64, 0), block_m=64, block_n=64)
+    assert dense == 16 and causal == 10 and window == 7
+
+
+@pytest.mark.parametrize(
+    "causal, window, expected",
+    [
+        (False, (None, None), MaskBounds("none", UNBOUNDED_WINDOW, UNBOUNDED_WINDOW)),
+        (True, (None, None), MaskBounds("causal", UNBOUNDED_WINDOW, 0)),
+        (True, (64, None), MaskBounds("local", 64, 0)),
+        (False, (64, 0), MaskBounds("local", 64, 0)),
+        (False, (None, 5), MaskBounds("local", UNBOUNDED_WINDOW, 5)),
+        (True, (None, 5), MaskBounds("causal", UNBOUNDED_WINDOW, 0)),
+    ],
+)
+def test_normalize_mask(causal, window, expected):
+    assert normalize_mask(causal, window) == expected
+
+
+def test_key_block_range_empty_when_nothing_visible():
+    mask = normalize_mask(True, (None, None))
+    assert key_block_range(0, 4, 10, 4, mask, 4) == (0, 0)  # rows 0..3 see no key (sq - sk = 6)
+    assert key_block_range(6, 10, 10, 4, mask, 4) == (0, 1)

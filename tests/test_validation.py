@@ -1,0 +1,176 @@
+"""Every bad input is rejected by the one validation place, with a message naming the argument.
+
+These run without a GPU: tensors on the "meta" device stand in for CUDA tensors (the device check is widened for
+the test), and the backend lookup is pointed at a family explicitly.
+"""
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash import interface, validation
+from cute_flash.arch import arch_for_capability, get_backend, resolve_arch
+
+
+@pytest.fixture
+def meta_is_gpu(monkeypatch):
+    monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "meta"))
+
+
+@pytest.fixture
+def on_sm80(monkeypatch, meta_is_gpu):
+    monkeypatch.setattr(interface, "_backend_for", lambda t: get_backend("sm80"))
+
+
+def qkv(b=2, sq=16, sk=16, h=4, hkv=4, d=64, dv=None, dtype=torch.bfloat16, device="meta"):
+    dv = d if dv is None else dv
+    return (
+        torch.empty(b, sq, h, d, dtype=dtype, device=device),
+        torch.empty(b, sk, hkv, d, dtype=dtype, device=device),
+        torch.empty(b, sk, hkv, dv, dtype=dtype, device=device),
+    )
+
+
+def test_cpu_tensors_point_at_the_reference():
+    q, k, v = qkv(device="cpu")
+    with pytest.raises(ValueError, match=r"q is on cpu.*cute_flash\.reference"):
+        cute_flash.attention(q, k, v)
+
+
+def test_mismatched_devices(monkeypatch):
+    monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("meta", "cpu"))
+    q, _, v = qkv()
+    _, k, _ = qkv(device="cpu")
+    with pytest.raises(ValueError, match="k is on cpu but q is on meta"):
+        cute_flash.attention(q, k, v)
+
+
+def test_mismatched_dtypes(meta_is_gpu):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="v has dtype torch.float16 but q has torch.bfloat16"):
+        cute_flash.attention(q, k, v.to(torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int8])
+def test_unsupported_dtype(meta_is_gpu, dtype):
+    q, k, v = qkv(dtype=dtype)
+    with pytest.raises(TypeError, match="expected torch.float16 or torch.bfloat16"):
+        cute_flash.attention(q, k, v)
+
+
+@pytest.mark.parametrize("d", [4, 12, 264, 512])
+def test_unsupported_head_dim(meta_is_gpu, d):
+    q, k, v = qkv(d=d)
+    with pytest.raises(NotImplementedError, match=f"head_dim of q/k is {d}"):
+        cute_flash.attention(q, k, v)
+
+
+def test_unsupported_head_dim_v(meta_is_gpu):
+    q, k, v = qkv(dv=100)
+    with pytest.raises(NotImplementedError, match="head_dim of v is 100"):
+        cute_flash.attention(q, k, v)
+
+
+def test_wrong_rank(meta_is_gpu):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"q must have 4 dimensions.*\(2, 16, 256\)"):
+        cute_flash.attention(q.flatten(2), k, v)
+
+
+@pytest.mark.parametrize(
+    "which, make, pattern",
+    [
+        ("batch", lambda: qkv()[:2] + (torch.empty(3, 16, 4, 64, dtype=torch.bfloat16, device="meta"),), "batch sizes differ"),
+        ("seqlen", lambda: qkv()[:2] + (torch.empty(2, 15, 4, 64, dtype=torch.bfloat16, device="meta"),), "same seqlen"),
+        ("heads", lambda: qkv()[:2] + (torch.empty(2, 16, 2, 64, dtype=torch.bfloat16, device="meta"),), "same number of heads"),
+        ("qk_dim", lambda: (qkv()[0], torch.empty(2, 16, 4, 32, dtype=torch.bfloat16, device="meta"), qkv()[2]), "k head_dim 32 must equal q head_dim 64"),
+    ],
+)
+def test_wrong_shapes(meta_is_gpu, which, make, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        cute_flash.attention(*make())
+
+
+def test_nheads_not_divisible(meta_is_gpu):
+    q, k, v = qkv(h=6, hkv=4)
+    with pytest.raises(ValueError, match=r"nheads of q \(6\) must be a multiple of nheads of k/v \(4\)"):
+        cute_flash.attention(q, k, v)
+
+
+def test_last_dim_not_contiguous(meta_is_gpu):
+    q, k, v = qkv()
+    q_t = torch.empty(2, 16, 64, 4, dtype=torch.bfloat16, device="meta").transpose(2, 3)
+    with pytest.raises(ValueError, match="q must be contiguous in its last dimension"):
+        cute_flash.attention(q_t, k, v)
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (0, -5), (1.5, None), "wide", (1, 2, 3)])
+def test_bad_window(meta_is_gpu, window):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="window_size"):
+        cute_flash.attention(q, k, v, window_size=window)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.1"])
+def test_bad_softmax_scale(meta_is_gpu, scale):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="softmax_scale"):
+        cute_flash.attention(q, k, v, softmax_scale=scale)
+
+
+def test_bad_compute_dtype(meta_is_gpu):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="dtype must be None"):
+        cute_flash.attention(q, k, v, dtype="int4")
+
+
+def test_fp8_on_sm80_is_not_implemented(on_sm80):
+    q, k, v = qkv()
+    with pytest.raises(NotImplementedError, match="sm80"):
+        cute_flash.attention(q, k, v, dtype="fp8")
+
+
+def test_non_contiguous_inputs_with_unit_last_stride_pass_validation(meta_is_gpu):
+    # (b, h, s, d) storage viewed as (b, s, h, d): unit last stride, other strides permuted.
+    q = torch.empty(2, 4, 16, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+    k = torch.empty(2, 4, 16, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+    v = torch.empty(2, 4, 16, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+    problem = validation.validate(q, k, v, causal=True, softmax_scale=None, window_size=(None, None), dtype=None)
+    assert problem.spec.mask == "causal" and problem.seqlen_q == 16 and problem.nheads == 4
+
+
+def test_spec_ignores_sequence_lengths(meta_is_gpu):
+    """The compile-cache key (AttentionSpec) must not change with seqlen, batch or heads."""
+    specs = {
+        validation.validate(*qkv(b=b, sq=sq, sk=sk, h=h, hkv=h), causal=False, softmax_scale=None,
+                            window_size=(None, None), dtype=None).spec
+        for b, sq, sk, h in [(1, 1, 1, 1), (2, 113, 203, 4), (3, 4096, 17, 8)]
+    }
+    assert len(specs) == 1
+
+
+def test_window_sizes_share_one_spec(meta_is_gpu):
+    specs = {
+        validation.validate(*qkv(), causal=False, softmax_scale=None, window_size=w, dtype=None).spec
+        for w in [(64, 0), (3, 9), (None, 1)]
+    }
+    assert len(specs) == 1
+
+
+def test_unknown_capability_lists_families():
+    with pytest.raises(NotImplementedError, match=r"sm80 .*sm90 .*sm100"):
+        arch_for_capability((7, 5))
+
+
+def test_arch_override(monkeypatch):
+    monkeypatch.setenv("CUTE_FLASH_ARCH", "sm80")
+    assert resolve_arch((9, 0)) == "sm80"
+    monkeypatch.setenv("CUTE_FLASH_ARCH", "sm70")
+    with pytest.raises(ValueError, match="CUTE_FLASH_ARCH"):
+        resolve_arch((9, 0))
+
+
+@pytest.mark.parametrize("cap, family", [((8, 0), "sm80"), ((8, 9), "sm80"), ((9, 0), "sm90"), ((10, 0), "sm100")])
+def test_capability_dispatch(monkeypatch, cap, family):
+    monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
+    assert resolve_arch(cap) == family
