@@ -59,3 +59,21 @@ ptxas         .     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loa
 ptxas info    : Used 168 registers, used 1 barriers
 """
     assert parse_ptxas_report(text) == {"kern_a": {"stack_frame_bytes": 8, "spill_bytes": 8, "registers": 168}}
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90a", "sm_100a"])
+def test_census_reads_a_real_cross_compiled_kernel(target):
+    import os
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, CUTE_DSL_ARCH=target, PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, str(root / "tests" / "tiny_kernel.py"), target], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rep = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rep["target_line"] == f".target {target}"
+    (entry, res), = rep["resources"].items()
+    assert 0 < res["registers"] <= 32 and res["stack_frame_bytes"] == 0
+    assert rep["ptxas"][entry]["spill_bytes"] == 0 and rep["ptxas"][entry]["registers"] == res["registers"]
+    assert rep["threads"] in (0, 128)
