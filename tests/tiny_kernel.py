@@ -7,6 +7,7 @@ import tempfile
 
 import cutlass
 import cutlass.cute as cute
+from cuda.bindings.driver import CUstream
 from cutlass import Float32
 
 from cute_flash.census import capture_fd_stderr, cubin_resources, parse_ptxas_report, ptx_census, ptx_threads
@@ -23,18 +24,23 @@ def _scale_kernel(x: cute.Tensor, y: cute.Tensor, s: Float32):
 
 
 @cute.jit
-def _scale(x: cute.Tensor, y: cute.Tensor, s: Float32):
-    _scale_kernel(x, y, s).launch(grid=[cute.ceil_div(x.shape[0], 128), 1, 1], block=[128, 1, 1])
+def _scale(x: cute.Tensor, y: cute.Tensor, s: Float32, stream: CUstream):
+    _scale_kernel(x, y, s).launch(grid=[cute.ceil_div(x.shape[0], 128), 1, 1], block=[128, 1, 1], stream=stream)
+
+
+def fake_args():
+    """Fake tensors with a symbolic length and torch's current stream taken from the TVM-FFI environment."""
+    n = cute.sym_int()
+    x = cute.runtime.make_fake_tensor(cutlass.BFloat16, (n,), (1,), assumed_align=16)
+    y = cute.runtime.make_fake_tensor(cutlass.BFloat16, (n,), (1,), assumed_align=16)
+    return x, y, Float32(1.0), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
 if __name__ == "__main__":
     target = sys.argv[1]
-    n = cute.sym_int()
-    x = cute.runtime.make_fake_tensor(cutlass.BFloat16, (n,), (1,), assumed_align=16)
-    y = cute.runtime.make_fake_tensor(cutlass.BFloat16, (n,), (1,), assumed_align=16)
     opts = compile_options(target) + " " + keep_artifacts_options(tempfile.mkdtemp())
     with capture_fd_stderr() as err:
-        compiled = cute.compile(_scale, x, y, Float32(1.0), options=opts)
+        compiled = cute.compile(_scale, *fake_args(), options=opts)
     ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
     print(json.dumps({
         "resources": cubin_resources(cubin),
