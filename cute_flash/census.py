@@ -5,6 +5,7 @@ from the cubin's `.nv.info` attributes, and spill bytes from ptxas' own report.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import struct
@@ -125,43 +126,58 @@ def cubin_resources(cubin: bytes) -> Dict[str, Dict[str, int]]:
 
 # --- ptxas report ---------------------------------------------------------------------------------------------
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PTXAS_PROPERTIES = re.compile(r"Function properties for (\S+)")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 
 
 def parse_ptxas_report(text: str) -> Dict[str, Dict[str, int]]:
-    """Per kernel from ptxas -v output (CuTe DSL's `remarks{ptx}`): registers and spill bytes."""
+    """Per kernel from ptxas -v output (CuTe DSL's `remarks{ptx}`): registers and spill bytes.
+
+    Spill lines belong to the function named by the "Function properties for" line just before them, which is not
+    always the entry being compiled (callees get their own), so each line is keyed by the name it follows.
+    """
     out: Dict[str, Dict[str, int]] = {}
-    current = None
+    entry = None
+    props = None
     for line in text.splitlines():
         m = _PTXAS_ENTRY.search(line)
         if m:
-            current = out.setdefault(m.group(1), {})
+            entry = m.group(1)
+            out.setdefault(entry, {})
             continue
-        if current is None:
+        m = _PTXAS_PROPERTIES.search(line)
+        if m:
+            props = m.group(1)
             continue
         m = _PTXAS_SPILL.search(line)
-        if m:
-            current["stack_frame_bytes"] = int(m.group(1))
-            current["spill_bytes"] = int(m.group(2)) + int(m.group(3))
+        if m and props is not None:
+            rec = out.setdefault(props, {})
+            rec["stack_frame_bytes"] = int(m.group(1))
+            rec["spill_bytes"] = int(m.group(2)) + int(m.group(3))
+            continue
         m = _PTXAS_REGS.search(line)
-        if m:
-            current["registers"] = int(m.group(1))
+        if m and entry is not None:
+            out[entry]["registers"] = int(m.group(1))
     return out
 
 
 @contextlib.contextmanager
 def capture_fd_stderr() -> Iterator[List[str]]:
-    """Captures everything written to file descriptor 2 (where the DSL's native code prints ptxas remarks)."""
+    """Captures what is written to stderr during the block, at both levels: file descriptor 2 (native code) and
+    `sys.stderr` (CuTe DSL prints ptxas remarks from Python, and pytest replaces `sys.stderr`)."""
     sink: List[str] = []
+    py_err = io.StringIO()
     saved = os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as tmp:
         os.dup2(tmp.fileno(), 2)
         try:
-            yield sink
+            with contextlib.redirect_stderr(py_err):
+                yield sink
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
             tmp.seek(0)
             sink.append(tmp.read().decode(errors="replace"))
+            sink.append(py_err.getvalue())

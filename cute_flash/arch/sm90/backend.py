@@ -1,0 +1,130 @@
+"""The sm90 entry point for the front end (see cute_flash.arch.base.ArchBackend).
+
+Forward: `flash_fwd.Sm90FlashForward` (TMA + wgmma, warp-specialised ping-pong consumers), compiled once per
+(target, spec, tile config) with symbolic shapes and launched through TVM-FFI on torch's current stream.
+Backward: there is no sm90 backward kernel yet; training on Hopper runs the sm80 backward kernels (mma.sync,
+compiled for sm_90a) on the saved forward outputs, which they accept as they are (same out / lse conventions).
+FP8 (`spec.dtype == "fp8"`, forward only) is served by `fp8_launch` (a separate kernel, flash_fwd_fp8.py).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import List, Optional
+
+from ... import compile_cache
+from ...spec import AttentionSpec, MaskBounds
+from ..base import KernelArtifact
+from .tile_config import FwdTileConfig, budget_problem, fwd_tile_config, smem_bytes
+
+FAMILY = "sm90"
+# Head dims with a measured tile configuration (tile_config.py); d == dv.
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+def forward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
+    if spec.dtype == "fp8":
+        return _fp8().fp8_unsupported_reason(spec)
+    if spec.dtype not in ("fp16", "bf16"):
+        return f"the sm90 forward computes in fp16, bf16 or fp8, not {spec.dtype}"
+    if spec.out_dtype != spec.dtype:
+        return f"the sm90 forward writes out in its input dtype ({spec.dtype}), not {spec.out_dtype}"
+    if spec.head_dim != spec.head_dim_v:
+        return f"the sm90 forward needs head_dim == head_dim_v (got {spec.head_dim} and {spec.head_dim_v})"
+    if spec.head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"the sm90 forward has tile configurations for head dims {SUPPORTED_HEAD_DIMS}, not {spec.head_dim}"
+    if spec.mask not in ("none", "causal", "local"):
+        return f"unknown mask kind {spec.mask!r}"
+    return budget_problem(fwd_tile_config(spec), spec.head_dim, spec.head_dim_v)
+
+
+def _fp8():
+    from . import fp8_launch  # the FP8 forward (its own kernel and tile configuration)
+
+    return fp8_launch
+
+
+def _sm80():
+    from .. import get_backend
+
+    return get_backend("sm80")
+
+
+def _build_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_options: str = ""):
+    from .build import compile_forward  # imports cutlass: only when a kernel is needed
+
+    return compile_forward(spec, cfg, target, extra_options)
+
+
+class _Backend:
+    name = FAMILY
+    cute_arch = "sm_90a"
+
+    def unsupported_reason(self, spec: AttentionSpec, backward: bool) -> Optional[str]:
+        reason = forward_unsupported_reason(spec)
+        if reason is not None or not backward:
+            return reason
+        if spec.dtype == "fp8":
+            return "the sm90 FP8 path is forward-only: there is no FP8 backward"
+        bwd_reason = _sm80().unsupported_reason(spec, True)
+        if bwd_reason is not None:
+            return f"sm90 training runs the sm80 backward, which says: {bwd_reason}"
+        return None
+
+    def _forward_kernel(self, spec: AttentionSpec, target: str):
+        cfg = fwd_tile_config(spec)
+        key = (FAMILY, target, "fwd", spec, cfg)
+        return compile_cache.get_or_compile(key, lambda: _build_forward(spec, cfg, target))
+
+    def forward(self, q, k, v, out, lse, *, spec: AttentionSpec, softmax_scale: float, mask: MaskBounds, descale=None):
+        if spec.dtype == "fp8":
+            _fp8().run_forward_fp8(
+                q, k, v, out, lse, descale=descale, spec=spec, softmax_scale=softmax_scale, mask=mask
+            )
+            return
+        if descale is not None:
+            raise NotImplementedError("descale factors belong to the FP8 path; this call computes in " + spec.dtype)
+        import torch
+
+        compile_cache.ensure_cute_dsl_arch(self.cute_arch)
+        target = compile_cache.target_for_capability(torch.cuda.get_device_capability(q.device))
+        kernel = self._forward_kernel(spec, target)
+        kernel(q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right))
+
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask) -> None:
+        # No sm90 backward kernel yet: the sm80 kernels run on Hopper (compiled for sm_90a by their backend).
+        _sm80().backward(dout, q, k, v, out, lse, dq, dk, dv, spec=spec, softmax_scale=softmax_scale, mask=mask)
+
+    def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
+        reason = self.unsupported_reason(spec, backward)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        compile_cache.ensure_cute_dsl_arch(target)
+        if spec.dtype == "fp8":
+            return _fp8().compile_fp8_artifacts(spec, target)
+        cfg = fwd_tile_config(spec)
+        with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_") as dump:
+            extra = compile_cache.keep_artifacts_options(dump) + " remarks{ptx}"
+            compiled = _build_forward(spec, cfg, target, extra)
+            artifacts = [
+                KernelArtifact(
+                    kernel="fwd",
+                    ptx=compiled.artifacts.PTX,
+                    cubin=compiled.artifacts.CUBIN,
+                    config={
+                        **cfg.as_dict(),
+                        "shared_bytes": smem_bytes(cfg, spec.head_dim, spec.head_dim_v),
+                        "threads": cfg.num_threads,
+                    },
+                )
+            ]
+        if backward:
+            for art in _sm80().compile_artifacts(spec, True, target):
+                if art.kernel != "fwd":
+                    artifacts.append(
+                        KernelArtifact(f"sm80_{art.kernel}", art.ptx, art.cubin, {**art.config, "family": "sm80"})
+                    )
+        return artifacts
+
+
+BACKEND = _Backend()

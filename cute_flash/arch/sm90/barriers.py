@@ -1,0 +1,58 @@
+"""Named hardware barriers of the sm90 forward kernel.
+
+Barrier 0 belongs to `__syncthreads`. Ids 1..3 are the consumers' turn barriers (ping-pong), ids 4..6 the per-warpgroup
+epilogue barriers (before a warpgroup's TMA store reads the O tile its 128 threads wrote to shared memory).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from .tile_config import WARPGROUP_THREADS
+
+MAX_CONSUMER_WGS = 3
+
+
+class BarrierId(enum.IntEnum):
+    TURN_FIRST = 1  # TURN_FIRST + c: consumer c may issue its GEMMs
+    EPILOGUE_FIRST = TURN_FIRST + MAX_CONSUMER_WGS  # EPILOGUE_FIRST + c: consumer c's O tile is in shared memory
+
+
+class WarpGroupTurns:
+    """Ping-pong between consumer warpgroups: they take turns issuing their GEMMs, so that while one warpgroup runs
+    its softmax (FMA/MUFU units) the other's wgmmas own the tensor cores.
+
+    Consumer c waits on barrier TURN_FIRST + c before issuing and, once issued, arrives on the next consumer's
+    barrier. Each barrier counts the waiting warpgroup plus the arriving one (256 threads). The first consumer primes
+    its own barrier once, so it goes first. With `enabled` False every call is a no-op.
+    """
+
+    def __init__(self, consumer_idx: Int32, num_consumers: int, enabled: bool):
+        self.consumer_idx = consumer_idx
+        self.num_consumers = num_consumers
+        self.enabled = enabled and num_consumers > 1
+        self.threads = 2 * WARPGROUP_THREADS
+
+    @cute.jit
+    def prime(self) -> None:
+        if cutlass.const_expr(self.enabled):
+            if self.consumer_idx == 0:
+                cute.arch.barrier_arrive(barrier_id=int(BarrierId.TURN_FIRST), number_of_threads=self.threads)
+
+    def wait_turn(self) -> None:
+        if cutlass.const_expr(self.enabled):
+            cute.arch.barrier(barrier_id=int(BarrierId.TURN_FIRST) + self.consumer_idx, number_of_threads=self.threads)
+
+    def pass_turn(self) -> None:
+        if cutlass.const_expr(self.enabled):
+            nxt = (self.consumer_idx + 1) % self.num_consumers
+            cute.arch.barrier_arrive(barrier_id=int(BarrierId.TURN_FIRST) + nxt, number_of_threads=self.threads)
+
+
+def epilogue_sync(consumer_idx: Int32) -> None:
+    """All 128 threads of one consumer warpgroup (its O tile is complete in shared memory)."""
+    cute.arch.barrier(barrier_id=int(BarrierId.EPILOGUE_FIRST) + consumer_idx, number_of_threads=WARPGROUP_THREADS)

@@ -1,0 +1,605 @@
+"""The sm90 forward kernel: FlashAttention-3's Hopper design (TMA producer, wgmma consumers, ping-pong) in CuTe DSL.
+
+One CTA computes `tile_m = 64 * num_consumer_wgs` query rows of one (batch, head):
+
+  warpgroup 0 (producer, setmaxnreg.dec): warp 0 issues TMA loads of each consumer's 64-row Q slice once, then
+      K and V tiles through `num_stages`-deep mbarrier rings, from the last key block down to the first.
+  warpgroups 1.. (consumers, setmaxnreg.inc): consumer c owns query rows [64 c, 64 c + 64). Per key block j:
+      S = Q·K_jᵀ by SS wgmma, mask (only on boundary blocks), online softmax, P_j converted in registers and
+      O += P_j·V_j by RS wgmma (A from registers). Intra-warpgroup overlap: Q·K_{j-1}ᵀ and P_j·V_j are issued
+      together, and the softmax of block j-1 runs while P_j·V_j is still on the tensor cores. Ping-pong: named
+      barriers let the consumers issue their GEMMs in turn, so one's softmax overlaps the other's GEMMs.
+  epilogue (per consumer): O normalised in registers, stored with stmatrix into the consumer's own Q slice of
+      shared memory (its wgmmas are done reading it) and written with one TMA store (clipped at seqlen_q);
+      LSE straight from registers.
+
+Global tensors are viewed as (seqlen, head_dim, heads, batch) so that TMA boxes never cross a (batch, head): rows past
+seqlen are out of bounds of their own dimension, zero-filled on load and clipped on store. GQA/MQA index the K/V head
+as head // (heads // heads_kv).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Type
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+import cutlass.utils.hopper_helpers as sm90_utils
+
+from ...common.acc_views import rows_cols_view
+from ...common.block_info import BlockInfo
+from ...common.mask import apply_mask
+from ...common.online_softmax import LOG2_E, OnlineSoftmax
+from .barriers import WarpGroupTurns, epilogue_sync
+from .pipelines import consumer_state, make_load_pipelines, producer_state
+from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, FwdTileConfig
+from . import wgmma
+
+SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
+
+
+def _smem_layout(dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: int) -> cute.ComposedLayout:
+    """(rows, cols, stages) tile with `cols` contiguous, swizzled as wgmma expects for a K-major operand."""
+    row_bits = cols * dtype.width
+    kinds = warpgroup.SmemLayoutAtomKind
+    if row_bits % 1024 == 0:
+        kind = kinds.K_SW128
+    elif row_bits % 512 == 0:
+        kind = kinds.K_SW64
+    elif row_bits % 256 == 0:
+        kind = kinds.K_SW32
+    else:
+        kind = kinds.K_INTER
+    atom = warpgroup.make_smem_layout_atom(kind, dtype)
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def _seq_major_view(t: cute.Tensor) -> cute.Tensor:
+    """(batch, seqlen, heads, dim) -> (seqlen, dim, heads, batch)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+
+
+class Sm90FlashForward:
+    """Callable compiled once per (dtype, head dims, mask kind, tile config); shapes and strides are runtime."""
+
+    def __init__(
+        self,
+        dtype: Type[cutlass.Numeric],
+        head_dim: int,
+        head_dim_v: int,
+        mask_kind: str,
+        cfg: FwdTileConfig,
+    ):
+        assert dtype in (cutlass.BFloat16, cutlass.Float16)
+        assert mask_kind in ("none", "causal", "local")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.mask_kind = mask_kind
+        self.causal = mask_kind == "causal"
+        self.local = mask_kind == "local"
+        self.cfg = cfg
+        self.num_consumers = cfg.num_consumer_wgs
+        self.tile_m = cfg.tile_m
+        self.tile_n = cfg.tile_n
+        self.num_stages = cfg.num_stages
+        # O reuses each consumer's Q slice when the two have the same shape (and hence the same swizzled layout).
+        self.o_aliases_q = head_dim == head_dim_v
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, sq, h, d)
+        mK: cute.Tensor,  # (b, sk, h_kv, d)
+        mV: cute.Tensor,  # (b, sk, h_kv, dv)
+        mO: cute.Tensor,  # (b, sq, h, dv)
+        mLSE: cute.Tensor,  # (b, h, sq) fp32
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        stream: cuda.CUstream,
+    ):
+        mQ, mK, mV, mO = [_seq_major_view(t) for t in (mQ, mK, mV, mO)]
+        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (sq, h, b)
+
+        rows = ROWS_PER_CONSUMER
+        sQ_layout = _smem_layout(self.dtype, rows, self.head_dim, self.num_consumers)
+        sK_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
+        sV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim_v, self.num_stages)
+        sO_layout = _smem_layout(self.dtype, rows, self.head_dim_v, self.num_consumers)
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=(1, 1, 1),
+            tiler_mn=(rows, self.tile_n),
+        )
+        # B = Vᵀ (dv x keys) with dv contiguous: MN-major. A = P from registers.
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.MN,
+            Float32,
+            atom_layout_mnk=(1, 1, 1),
+            tiler_mn=(rows, self.head_dim_v),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+
+        one = lambda layout: cute.select(layout, mode=[0, 1])  # noqa: E731  (one stage / one consumer slice)
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, one(sQ_layout), (rows, self.head_dim))
+        atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, one(sK_layout), (self.tile_n, self.head_dim))
+        atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, one(sV_layout), (self.tile_n, self.head_dim_v))
+        atom_o, tma_o = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, one(sO_layout), (rows, self.head_dim_v)
+        )
+        self.bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)  # every consumer's slice, one barrier
+        self.bytes_k = cute.size_in_bytes(self.dtype, one(sK_layout))
+        self.bytes_v = cute.size_in_bytes(self.dtype, one(sV_layout))
+
+        q_cosize = cute.cosize(sQ_layout)
+        o_cosize = 0
+        if const_expr(self.o_aliases_q):
+            q_cosize = max(q_cosize, cute.cosize(sO_layout))
+        else:
+            o_cosize = cute.cosize(sO_layout)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_cosize], SMEM_ALIGN]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_cosize], SMEM_ALIGN]
+
+        num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
+        self.kernel(
+            tma_q,
+            tma_k,
+            tma_v,
+            tma_o,
+            mLSE,
+            atom_q,
+            atom_k,
+            atom_v,
+            atom_o,
+            tiled_mma_qk,
+            tiled_mma_pv,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            sO_layout,
+            softmax_scale,
+            window_left,
+            window_right,
+            SharedStorage,
+        ).launch(
+            grid=[num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])],
+            block=[self.cfg.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # TMA coordinate tensors (s, d, h, b)
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,  # (sq, h, b) fp32
+        atom_q: cute.CopyAtom,
+        atom_k: cute.CopyAtom,
+        atom_v: cute.CopyAtom,
+        atom_o: cute.CopyAtom,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in (atom_q, atom_k, atom_v, atom_o):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        pipes = make_load_pipelines(
+            storage.mbar_q.data_ptr(),
+            storage.mbar_k.data_ptr(),
+            storage.mbar_v.data_ptr(),
+            num_stages=self.num_stages,
+            num_consumer_threads=self.num_consumers * WARPGROUP_THREADS,
+            q_bytes=self.bytes_q,
+            k_bytes=self.bytes_k,
+            v_bytes=self.bytes_v,
+        )
+        pipeline.pipeline_init_arrive(is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        if const_expr(self.o_aliases_q):
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        else:
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+
+        bidx, head, batch = cute.arch.block_idx()
+        m_block = bidx
+        if const_expr(self.causal):
+            # Longest rows first: the causal CTAs with the most key blocks start before the short ones.
+            m_block = cute.arch.grid_dim()[0] - 1 - bidx
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        info = BlockInfo(
+            self.tile_m, self.tile_n, self.mask_kind, seqlen_q, seqlen_k, window_left, window_right
+        )
+        n_min, n_max = info.kv_block_range(m_block)
+
+        pipeline.pipeline_init_wait()
+
+        warp_group = warp_idx // 4
+        if warp_group == 0:
+            cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
+            if warp_idx == 0:
+                self.produce(
+                    pipes, atom_q, atom_k, atom_v, mQ, mK, mV, sQ, sK, sV, m_block, head, head_kv, batch, n_min, n_max
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
+            consumer = warp_group - 1
+            self.consume(
+                pipes,
+                tiled_mma_qk,
+                tiled_mma_pv,
+                sQ,
+                sK,
+                sV,
+                sO,
+                mO,
+                mLSE,
+                atom_o,
+                softmax_scale,
+                m_block,
+                head,
+                batch,
+                seqlen_q,
+                info,
+                n_min,
+                n_max,
+                consumer,
+                tidx % WARPGROUP_THREADS,
+                warp_idx % 4,
+            )
+
+    @cute.jit
+    def produce(
+        self,
+        pipes,
+        atom_q: cute.CopyAtom,
+        atom_k: cute.CopyAtom,
+        atom_v: cute.CopyAtom,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        m_block: Int32,
+        head: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        n_min: Int32,
+        n_max: Int32,
+    ):
+        rows = ROWS_PER_CONSUMER
+        gQ = cute.local_tile(mQ[None, None, head, batch], (rows, self.head_dim), (None, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
+        no_cluster = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(atom_q, 0, no_cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(atom_k, 0, no_cluster, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(atom_v, 0, no_cluster, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        if n_max > n_min:
+            q_state = producer_state(1)
+            pipes.q.producer_acquire(q_state)
+            for c in cutlass.range_constexpr(self.num_consumers):
+                cute.copy(
+                    atom_q,
+                    tQgQ[None, m_block * self.num_consumers + c],
+                    tQsQ[None, c],
+                    tma_bar_ptr=pipes.q.producer_get_barrier(q_state),
+                )
+
+            # K_last first; then K_{j-1} with V_j, so each consumer step finds both; V_first last.
+            kv = producer_state(self.num_stages)
+            n_last = n_max - 1
+            pipes.k.producer_acquire(kv)
+            cute.copy(atom_k, tKgK[None, n_last], tKsK[None, kv.index], tma_bar_ptr=pipes.k.producer_get_barrier(kv))
+            for i in cutlass.range(n_max - 1 - n_min, unroll=1):
+                n_v = n_last - i
+                kv_v = kv.clone()
+                kv.advance()
+                pipes.k.producer_acquire(kv)
+                cute.copy(
+                    atom_k, tKgK[None, n_v - 1], tKsK[None, kv.index], tma_bar_ptr=pipes.k.producer_get_barrier(kv)
+                )
+                pipes.v.producer_acquire(kv_v)
+                cute.copy(atom_v, tVgV[None, n_v], tVsV[None, kv_v.index], tma_bar_ptr=pipes.v.producer_get_barrier(kv_v))
+            pipes.v.producer_acquire(kv)
+            cute.copy(
+                atom_v, tVgV[None, n_min], tVsV[None, kv.index], tma_bar_ptr=pipes.v.producer_get_barrier(kv)
+            )
+
+    @cute.jit
+    def consume(
+        self,
+        pipes,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        sO: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        atom_o: cute.CopyAtom,
+        softmax_scale: Float32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+        info: BlockInfo,
+        n_min: Int32,
+        n_max: Int32,
+        consumer: Int32,
+        tidx: Int32,
+        warp_in_wg: Int32,
+    ):
+        rows = ROWS_PER_CONSUMER
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        sVt = cute.composition(
+            sV, cute.make_ordered_layout((self.head_dim_v, self.tile_n, self.num_stages), order=(1, 0, 2))
+        )
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, 1, k-blocks, consumer)
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, 1, k-blocks, stage)
+        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))  # (MMA, 1, key k-blocks, stage)
+        tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((rows, self.tile_n)))
+        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((rows, self.head_dim_v)), Float32)
+        acc_O.fill(0.0)
+
+        # (row, col) coordinates of this thread's scores within the CTA tile (rows offset by this consumer's slice),
+        # and thread 0's within a consumer tile (compile-time constants): what the mask compares.
+        coords = cute.local_tile(
+            cute.make_identity_tensor((self.tile_m, self.tile_n)), (rows, self.tile_n), (consumer, 0)
+        )
+        coords_rc = rows_cols_view(thr_qk.partition_C(coords))
+        coords0_rc = rows_cols_view(tiled_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((rows, self.tile_n))))
+
+        softmax = OnlineSoftmax.create(softmax_scale * LOG2_E, cute.size(rows_cols_view(acc_O), mode=[0]))
+        turns = WarpGroupTurns(consumer, self.num_consumers, self.cfg.ping_pong)
+        turns.prime()
+
+        if n_max > n_min:
+            self.mainloop(
+                pipes,
+                tiled_mma_qk,
+                tiled_mma_pv,
+                tSrQ[None, None, None, consumer],
+                tSrK,
+                tOrVt,
+                tOrP,
+                acc_O,
+                softmax,
+                turns,
+                info,
+                m_block,
+                n_min,
+                n_max,
+                coords_rc,
+                coords0_rc,
+            )
+
+        row_scale, lse = softmax.finalize()
+        softmax.rescale(rows_cols_view(acc_O), row_scale)
+        self.epilogue(
+            acc_O, lse, tiled_mma_pv, thr_pv, sO, mO, mLSE, atom_o, m_block, head, batch, seqlen_q, consumer, tidx,
+            warp_in_wg,
+        )
+
+    @cute.jit
+    def mainloop(
+        self,
+        pipes,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tSrQ: cute.Tensor,
+        tSrK: cute.Tensor,
+        tOrVt: cute.Tensor,
+        tOrP: cute.Tensor,
+        acc_O: cute.Tensor,
+        softmax: OnlineSoftmax,
+        turns: WarpGroupTurns,
+        info: BlockInfo,
+        m_block: Int32,
+        n_min: Int32,
+        n_max: Int32,
+        coords_rc: cute.Tensor,
+        coords0_rc: cute.Tensor,
+    ):
+        """All key blocks of one CTA tile, right to left, for one consumer warpgroup."""
+        pipes.q.consumer_wait(consumer_state(1))
+        kv = consumer_state(self.num_stages)
+        s_shape = tiled_mma_qk.get_slice(0).partition_shape_C((ROWS_PER_CONSUMER, self.tile_n))
+        masked = self.causal or self.local
+
+        mask = partial(self.mask_scores, coords_rc=coords_rc, coords0_rc=coords0_rc, info=info, m_block=m_block)
+
+        # The right-most block first: the seqlen_k tail and the diagonal both live there.
+        n_first = n_max - 1
+        pipes.k.consumer_wait(kv)
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=0)
+        pipes.k.consumer_release(kv)
+        mask(acc_S, n_first, True, masked)
+        softmax.update(rows_cols_view(acc_S), is_first=True)
+        wgmma.store_p_operand(acc_S, tOrP)
+
+        step = partial(
+            self.step,
+            pipes=pipes,
+            tiled_mma_qk=tiled_mma_qk,
+            tiled_mma_pv=tiled_mma_pv,
+            tSrQ=tSrQ,
+            tSrK=tSrK,
+            tOrVt=tOrVt,
+            tOrP=tOrP,
+            acc_O=acc_O,
+            s_shape=s_shape,
+            softmax=softmax,
+            turns=turns,
+            mask=mask,
+        )
+
+        # Then, right to left: blocks crossing the diagonal / right window edge, blocks needing no mask, blocks
+        # crossing the left window edge. Only those boundary blocks pay for masking.
+        right_lo = n_first
+        if const_expr(masked):
+            right_lo = cutlass.min(cutlass.max(info.kv_right_masked_start(m_block), n_min), n_first)
+            for i in cutlass.range(n_first - right_lo, unroll=1):
+                kv = step(kv, n_first - 1 - i, True)
+        left_hi = n_min
+        if const_expr(self.local):
+            left_hi = cutlass.min(cutlass.max(info.kv_left_masked_end(m_block), n_min), right_lo)
+        for i in cutlass.range(right_lo - left_hi, unroll=1):
+            kv = step(kv, right_lo - 1 - i, False)
+        if const_expr(self.local):
+            for i in cutlass.range(left_hi - n_min, unroll=1):
+                kv = step(kv, left_hi - 1 - i, True)
+
+        # The last P·V.
+        pipes.v.consumer_wait(kv)
+        wgmma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], zero_init=False, wait=0)
+        pipes.v.consumer_release(kv)
+
+    @staticmethod
+    @cute.jit
+    def mask_scores(
+        acc_S: cute.Tensor,
+        n_block: Int32,
+        mask_seqlen: cutlass.Constexpr[bool],
+        mask_window: cutlass.Constexpr[bool],
+        coords_rc: cute.Tensor,
+        coords0_rc: cute.Tensor,
+        info: BlockInfo,
+        m_block: Int32,
+    ):
+        apply_mask(rows_cols_view(acc_S), coords_rc, coords0_rc, info, m_block, n_block, mask_seqlen, mask_window)
+
+    @cute.jit
+    def step(
+        self,
+        kv: pipeline.PipelineState,
+        n_block: Int32,
+        mask_window: cutlass.Constexpr[bool],
+        pipes,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tSrQ: cute.Tensor,
+        tSrK: cute.Tensor,
+        tOrVt: cute.Tensor,
+        tOrP: cute.Tensor,
+        acc_O: cute.Tensor,
+        s_shape: cutlass.Constexpr,
+        softmax: OnlineSoftmax,
+        turns: WarpGroupTurns,
+        mask: cutlass.Constexpr,
+    ) -> pipeline.PipelineState:
+        """S_n = Q·K_nᵀ issued together with O += P_{n+1}·V_{n+1}; the softmax of S_n overlaps that P·V."""
+        kv_v = kv.clone()  # the V stage of the previous (right-hand) block
+        kv.advance()
+        pipes.k.consumer_wait(kv)
+        turns.wait_turn()
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=-1)
+        pipes.v.consumer_wait(kv_v)
+        wgmma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_v.index], zero_init=False, wait=-1)
+        turns.pass_turn()
+        warpgroup.wait_group(1)  # S is ready; P·V may still run
+        pipes.k.consumer_release(kv)
+        if const_expr(mask_window):
+            mask(acc_S, n_block, False, True)
+        row_scale = softmax.update(rows_cols_view(acc_S), is_first=False)
+        warpgroup.wait_group(0)  # P·V done: the P registers and the V stage are free, O may be rescaled
+        pipes.v.consumer_release(kv_v)
+        wgmma.store_p_operand(acc_S, tOrP)
+        softmax.rescale(rows_cols_view(acc_O), row_scale)
+        return kv
+
+    @cute.jit
+    def epilogue(
+        self,
+        acc_O: cute.Tensor,
+        lse: cute.Tensor,
+        tiled_mma_pv: cute.TiledMma,
+        thr_pv,
+        sO: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        atom_o: cute.CopyAtom,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+        consumer: Int32,
+        tidx: Int32,
+        warp_in_wg: Int32,
+    ):
+        rows = ROWS_PER_CONSUMER
+        rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
+        wgmma.convert_to_16bit(acc_O, rO)
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        smem_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma_pv).get_slice(tidx)
+        cute.copy(smem_copy, smem_copy.retile(rO), smem_copy.partition_D(sO[None, None, consumer]))
+        cute.arch.fence_view_async_shared()  # the generic-proxy stores must be visible to the TMA (async proxy)
+        epilogue_sync(consumer)
+
+        slice_idx = m_block * self.num_consumers + consumer
+        if warp_in_wg == 0:
+            gO = cute.local_tile(mO[None, None, head, batch], (rows, self.head_dim_v), (None, 0))
+            tOsO, tOgO = cpasync.tma_partition(
+                atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+            )
+            cute.copy(atom_o, tOsO[None, consumer], tOgO[None, slice_idx])
+            cute.arch.cp_async_bulk_commit_group()
+
+        # LSE straight from registers: of the 4 threads sharing a row, the one holding column 0 writes it.
+        coords = rows_cols_view(thr_pv.partition_C(cute.make_identity_tensor((rows, self.head_dim_v))))
+        if coords[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = slice_idx * rows + coords[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[row, head, batch] = lse[r]
+
+        if warp_in_wg == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the store's reads

@@ -1,0 +1,103 @@
+"""Tile configurations of the sm90 forward kernel, one per head dim, and the budget checks behind them.
+
+A CTA has one producer warpgroup (one warp issues every TMA load) and `num_consumer_wgs` consumer warpgroups. Each
+consumer warpgroup owns 64 query rows: its own Q slice in shared memory, its own S = Q·Kᵀ and O accumulators and its
+own slice of the O store. So `tile_m = 64 * num_consumer_wgs`; K and V tiles of `tile_n` keys go through
+`num_stages`-deep TMA pipelines shared by all consumers.
+
+Choices (measured on an H200, bf16; the sweep table is in docs/sm90.md, `bench_fwd.py --sweep` reproduces it):
+  d <= 64:  3 consumers, 192 x 128, ping-pong. Short GEMMs: a third warpgroup keeps the tensor cores fed (+4-21%
+            over 128-row tiles from 4k on); 160 registers per consumer thread suffice (O 32 + S 64 fp32).
+  d <= 128: 2 consumers, 128 x 128, ping-pong. 240 registers hold S (64), P (32) and O (64) with the next block's S
+            in flight; Q 32 KiB + 2 stages of K and V (32 KiB each) = 160 KiB of shared memory. tile_n 176 wins
+            only at 16k without a mask; a third stage (tile_n 112) never does.
+  d <= 256: 2 consumers, 128 x 80, no ping-pong. O alone is 128 registers per thread; tile_n = 80 is the widest
+            that fits Q 64 KiB + 2 x (K 40 KiB + V 40 KiB) = 224 KiB; ping-pong costs up to 5% here (the GEMMs
+            dominate, the handshake only adds latency) and gains at most 3% with a causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ...spec import AttentionSpec
+
+# Hopper: 227 KiB of dynamic shared memory per CTA; mbarriers and alignment padding take the last few hundred bytes.
+SMEM_CAPACITY_BYTES = 227 * 1024
+SMEM_RESERVED_BYTES = 1024
+REGISTERS_PER_SM = 64 * 1024
+WARPGROUP_THREADS = 128
+ROWS_PER_CONSUMER = 64  # wgmma's M per warpgroup
+
+
+@dataclass(frozen=True)
+class FwdTileConfig:
+    num_consumer_wgs: int  # consumer warpgroups; each owns 64 query rows
+    tile_n: int  # keys per K/V tile
+    num_stages: int  # depth of the K and the V TMA pipelines
+    intra_wg_overlap: bool = True  # issue Q·K_{j+1}ᵀ before the softmax of block j
+    ping_pong: bool = True  # named barriers make the consumers take turns issuing their GEMMs
+    consumer_regs: int = 240  # setmaxnreg.inc for consumer threads
+    producer_regs: int = 24  # setmaxnreg.dec for the producer warpgroup
+
+    @property
+    def tile_m(self) -> int:
+        return ROWS_PER_CONSUMER * self.num_consumer_wgs
+
+    @property
+    def num_threads(self) -> int:
+        return WARPGROUP_THREADS * (self.num_consumer_wgs + 1)
+
+    def as_dict(self) -> dict:
+        return {
+            "tile_m": self.tile_m,
+            "tile_n": self.tile_n,
+            "num_stages": self.num_stages,
+            "num_consumer_wgs": self.num_consumer_wgs,
+            "intra_wg_overlap": self.intra_wg_overlap,
+            "ping_pong": self.ping_pong,
+            "consumer_regs": self.consumer_regs,
+            "producer_regs": self.producer_regs,
+        }
+
+
+def smem_bytes(cfg: FwdTileConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
+    """Shared memory the kernel allocates: Q (O reuses it when it fits), K and V stages, a separate O otherwise."""
+    q = cfg.tile_m * head_dim * elem_bytes
+    o = cfg.tile_m * head_dim_v * elem_bytes
+    kv = cfg.num_stages * cfg.tile_n * (head_dim + head_dim_v) * elem_bytes
+    o_extra = 0 if (head_dim == head_dim_v) else o
+    return q + kv + o_extra + SMEM_RESERVED_BYTES
+
+
+def budget_problem(cfg: FwdTileConfig, head_dim: int, head_dim_v: int) -> Optional[str]:
+    """A sentence saying why `cfg` cannot run, or None."""
+    if cfg.tile_n % 16 != 0 or not 16 <= cfg.tile_n <= 256:
+        return f"tile_n={cfg.tile_n} must be a multiple of 16 in [16, 256] (wgmma N for S, K for P·V)"
+    if head_dim_v > 256:
+        return f"head_dim_v={head_dim_v} exceeds wgmma's N limit of 256"
+    regs = cfg.consumer_regs * WARPGROUP_THREADS * cfg.num_consumer_wgs + cfg.producer_regs * WARPGROUP_THREADS
+    if regs > REGISTERS_PER_SM:
+        return f"register split {cfg.consumer_regs}/{cfg.producer_regs} needs {regs} > {REGISTERS_PER_SM} registers"
+    need = smem_bytes(cfg, head_dim, head_dim_v)
+    if need > SMEM_CAPACITY_BYTES:
+        return f"tile {cfg.tile_m}x{cfg.tile_n} x {cfg.num_stages} stages needs {need} B of shared memory"
+    return None
+
+
+_BY_HEAD_DIM = (
+    # (largest head dim served, config)
+    (64, FwdTileConfig(num_consumer_wgs=3, tile_n=128, num_stages=2, consumer_regs=160, producer_regs=32)),
+    (128, FwdTileConfig(num_consumer_wgs=2, tile_n=128, num_stages=2)),
+    (256, FwdTileConfig(num_consumer_wgs=2, tile_n=80, num_stages=2, ping_pong=False)),
+)
+
+
+def fwd_tile_config(spec: AttentionSpec) -> FwdTileConfig:
+    """The measured default for `spec` (the caller checks `unsupported_reason` first)."""
+    width = max(spec.head_dim, spec.head_dim_v)
+    for limit, cfg in _BY_HEAD_DIM:
+        if width <= limit:
+            return cfg
+    raise ValueError(f"no sm90 forward tile configuration for head dim {width} (at most 256)")

@@ -1,0 +1,92 @@
+"""Warpgroup MMA helpers: issuing a (possibly asynchronous) wgmma sequence and turning an S accumulator into the
+register A operand of P·V (the RS form, so P never touches shared memory).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cute.nvgpu import warpgroup
+
+
+@cute.jit
+def gemm(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    frag_a: cute.Tensor,
+    frag_b: cute.Tensor,
+    zero_init: cutlass.Constexpr[bool],
+    wait: cutlass.Constexpr[int],
+) -> None:
+    """acc (=|+=) A·B over every k-block of the fragments, as one wgmma group.
+
+    `wait` >= 0 waits until at most that many groups are pending; -1 returns with the group in flight, so the caller
+    can issue more work (or do math on other registers) before `warpgroup.wait_group`.
+    """
+    warpgroup.fence()
+    # A fresh atom per call: mutating the ACCUMULATE field of a shared tiled MMA across dynamic regions
+    # trips MLIR dominance checks.
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for kb in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
+        cute.gemm(atom, acc, frag_a[None, None, kb], frag_b[None, None, kb], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if cutlass.const_expr(wait >= 0):
+        warpgroup.wait_group(wait)
+
+
+def acc_layout_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
+    """Views a 16-bit wgmma accumulator layout ((2, 2, N/8), M_tiles, N_tiles) as the RS A-operand layout
+    ((2, 2, 2), M_tiles, (N/16, N_tiles)): two adjacent 8-column groups of S form one 16-wide k-block of P.
+    """
+    groups = acc_layout.shape[0][2]
+    assert groups % 2 == 0, "the S tile width must be a multiple of 16 to feed P·V"
+    split = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
+    return cute.make_layout(
+        (
+            (split.shape[0][0], split.shape[0][1], split.shape[0][2][0]),
+            split.shape[1],
+            (split.shape[0][2][1], split.shape[2]),
+        ),
+        stride=(
+            (split.stride[0][0], split.stride[0][1], split.stride[0][2][0]),
+            split.stride[1],
+            (split.stride[0][2][1], split.stride[2]),
+        ),
+    )
+
+
+@dsl_user_op
+def _pack_f32x2(lo: Float32, hi: Float32, to_bf16: bool, *, loc=None, ip=None) -> Int32:
+    # One cvt for two values; the generic TensorSSA conversion is not always paired by the compiler.
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+            f"cvt.rn.{'bf16x2' if to_bf16 else 'f16x2'}.f32 $0, $2, $1;",
+            "=r,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@cute.jit
+def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor) -> None:
+    """dst (fp16/bf16) = src (fp32), element for element in each tensor's own order (same sizes)."""
+    dst_words = cute.recast_tensor(dst, Int32)
+    to_bf16 = dst.element_type is cutlass.BFloat16
+    for i in cutlass.range_constexpr(cute.size(dst_words)):
+        dst_words[i] = _pack_f32x2(src[2 * i], src[2 * i + 1], to_bf16)
+
+
+@cute.jit
+def store_p_operand(acc_s: cute.Tensor, frag_p: cute.Tensor) -> None:
+    """Writes softmax probabilities (fp32 S accumulator) into the 16-bit A fragment of P·V."""
+    acc_as_a = cute.make_tensor(acc_s.iterator, acc_layout_as_operand_a(acc_s.layout))
+    convert_to_16bit(acc_as_a, frag_p)

@@ -1,0 +1,90 @@
+"""GPU (Hopper): the sm90 forward against the float64 reference with FlashAttention's rule
+(max |out - ref| <= 2 * max |torch in the input dtype - ref| + 1e-5; LSE likewise, -inf rows exactly).
+
+Run: pytest -m sm90 tests/test_sm90_fwd.py  (skips without a compute capability 9.0 GPU).
+"""
+
+import pytest
+import torch
+
+from cute_flash import attention
+from cute_flash.spec import AttentionSpec
+from cute_flash.testing import check_backward, check_forward, random_qkv
+
+pytestmark = pytest.mark.sm90
+
+HEAD_DIMS = [64, 128, 256]
+SEQLENS = [(1, 1), (113, 203), (128, 128), (239, 1), (1023, 1024), (2048, 2048)]
+HEADS = [(8, 8), (8, 2), (8, 1)]
+MASKS = {"full": {}, "causal": {"causal": True}, "window64_0": {"window_size": (64, 0)}}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _run(q, k, v, **mask):
+    out, lse = attention(q, k, v, return_lse=True, **mask)
+    return check_forward(q, k, v, out, lse, **mask)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"q{s[0]}k{s[1]}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_forward_matrix(head_dim, seqlens, heads, mask, dtype):
+    seqlen_q, seqlen_k = seqlens
+    batch = 2 if seqlen_q * seqlen_k <= (1 << 20) else 1
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, *heads, head_dim, dtype=DTYPES[dtype], seed=seqlen_q + head_dim)
+    _run(q, k, v, **MASKS[mask])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen", [8192, 16384])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_forward_long(head_dim, seqlen, causal):
+    # Few heads: the float64 reference materialises (heads x seqlen x seqlen) scores.
+    q, k, v = random_qkv(1, seqlen, seqlen, 2, 1, head_dim, dtype=torch.bfloat16, seed=seqlen)
+    _run(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_fully_masked_rows(head_dim):
+    # Causal with seqlen_q > seqlen_k: query i sees key j iff j <= i - 200, so rows 0..199 see nothing.
+    q, k, v = random_qkv(2, 300, 100, 4, 2, head_dim, dtype=torch.bfloat16, seed=7)
+    out, lse = attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(out[:, :200], torch.zeros_like(out[:, :200]))
+    assert torch.isneginf(lse[:, :, :200]).all()
+    check_forward(q, k, v, out, lse, causal=True)
+    # A window that no key of a short K reaches from the first rows: rows 0..(sq - sk - 1) are empty.
+    q, k, v = random_qkv(1, 257, 64, 2, 2, head_dim, dtype=torch.float16, seed=8)
+    _run(q, k, v, window_size=(16, 0))
+
+
+def test_forward_strided_views():
+    # q, k, v cut from one packed (b, s, 3, h, d) tensor: row strides are 3 * h * d, not h * d.
+    qkv = torch.randn(2, 517, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(dim=2)
+    _run(q, k, v)
+    _run(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("head_dim", [96, 192])
+def test_forward_other_head_dims(head_dim):
+    q, k, v = random_qkv(2, 333, 517, 6, 2, head_dim, dtype=torch.bfloat16, seed=head_dim)
+    _run(q, k, v)
+    _run(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_runs_sm80_kernels(causal):
+    """Training on sm90: forward by the sm90 kernel, backward by the sm80 kernels (documented in docs/sm90.md)."""
+    from cute_flash.arch.sm90 import BACKEND
+
+    spec = AttentionSpec("bf16", 128, 128, "causal" if causal else "none")
+    reason = BACKEND.unsupported_reason(spec, backward=True)
+    if reason is not None:
+        pytest.skip(reason)
+    q, k, v = random_qkv(2, 300, 431, 4, 2, 128, dtype=torch.bfloat16, seed=3, requires_grad=True)
+    out = attention(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    check_backward(q, k, v, dout, (q.grad, k.grad, v.grad), causal=causal)
