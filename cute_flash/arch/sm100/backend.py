@@ -1,0 +1,250 @@
+"""The sm100 entry point for the front end (see cute_flash.arch.base.ArchBackend): forward only, 1-CTA and 2-CTA."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from ... import compile_cache
+from ...spec import AttentionSpec, MaskBounds
+from ..base import KernelArtifact
+from . import config as cfgmod
+
+
+def _kernel_role(cfg: cfgmod.FwdConfig) -> str:
+    return "fwd_2cta" if cfg.use_2cta else "fwd"
+
+
+def _build(spec: AttentionSpec, cfg: cfgmod.FwdConfig, target: str, extra_options: str = "") -> Callable:
+    """Compiles the forward kernel with fake tensors: batch, seqlens and head counts symbolic, strides symbolic."""
+    return _build_with_kernel(spec, cfg, target, extra_options)[0]
+
+
+def _build_with_kernel(spec: AttentionSpec, cfg: cfgmod.FwdConfig, target: str, extra_options: str = ""):
+    import cutlass
+    import cutlass.cute as cute
+
+    from .fwd_kernel import _DTYPES, Sm100FwdKernel
+
+    in_dtype = _DTYPES[spec.dtype]
+    out_dtype = _DTYPES[spec.out_dtype]
+    b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
+
+    def strided(dtype, shape):
+        # Last dim contiguous; the others any multiple of 16 bytes (the front end guarantees it; TMA needs it).
+        div = 16 * 8 // dtype.width
+        strides = tuple(cute.sym_int64(divisibility=div) for _ in shape[:-1]) + (1,)
+        return cute.runtime.make_fake_tensor(dtype, shape, strides, assumed_align=16)
+
+    q = strided(in_dtype, (b, sq, h, spec.head_dim))
+    k = strided(in_dtype, (b, sk, hk, spec.head_dim))
+    if spec.dtype == "fp8":
+        # The front end's fp8 V: transposed (b, h_kv, dv, sk_pad), keys contiguous (cute_flash.fp8.prepare).
+        v = strided(in_dtype, (b, hk, spec.head_dim_v, cute.sym_int()))
+    else:
+        v = strided(in_dtype, (b, sk, hk, spec.head_dim_v))
+    o = strided(out_dtype, (b, sq, h, spec.head_dim_v))
+
+    def fp32(shape):
+        strides = tuple(cute.sym_int64() for _ in shape[:-1]) + (1,)
+        return cute.runtime.make_fake_tensor(cutlass.Float32, shape, strides, assumed_align=4)
+
+    lse = fp32((b, h, sq))
+    descale = (None, None, None)
+    if spec.dtype == "fp8":
+        # Block scales: q per 64 query rows, k and v per 128-key block (config.FP8_*).
+        descale = (fp32((b, h, cute.sym_int())), fp32((b, hk, cute.sym_int())), fp32((b, hk, cute.sym_int())))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = compile_cache.compile_options(target, extra=f"--opt-level {cfg.opt_level} {extra_options}".strip())
+    kernel = Sm100FwdKernel(spec, cfg)
+    compiled = cute.compile(
+        kernel,
+        q, k, v, o, lse,
+        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0),
+        *descale,
+        stream,
+        options=options,
+    )
+    return compiled, kernel
+
+
+def _tma_view(t: torch.Tensor) -> torch.Tensor:
+    """`t` with the stride of every size-1 dimension set to 16 bytes' worth of elements.
+
+    Such strides are never used to address memory, but the compiled kernel checks that each stride is a multiple of
+    16 bytes (what TMA descriptors need), and torch leaves arbitrary values there after slicing.
+    """
+    step = max(1, 16 // t.element_size())
+    if all(n != 1 or st % step == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1])):
+        return t
+    strides = [st if n != 1 else step for n, st in zip(t.shape[:-1], t.stride()[:-1])] + [1]
+    return t.as_strided(t.shape, strides)
+
+
+def _fp8_args(spec: AttentionSpec, q, k, v, descale: Optional[Dict[str, torch.Tensor]]):
+    """Checks the front end's fp8 contract (cute_flash.fp8.prepare.Fp8Inputs) and returns the kernel's descales.
+
+    q (b, sq, h, d) and k (b, sk, h_kv, d) e4m3; v transposed (b, h_kv, dv, sk_pad >= sk) e4m3; float32 descales
+    q (b, h, ceil(sq / 64)), k and v (b, h_kv, ceil(sk / 128)).
+    """
+    if spec.dtype != "fp8":
+        if descale is not None:
+            raise ValueError(f"descale factors are only meaningful for fp8 inputs, not {spec.dtype}")
+        return (None, None, None)
+    b, sq, h, _ = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"fp8 {name} must be torch.float8_e4m3fn, got {t.dtype}")
+    if v.dim() != 4 or tuple(v.shape[:3]) != (b, hkv, spec.head_dim_v) or v.shape[3] < sk:
+        raise ValueError(
+            f"fp8 v must be transposed (batch, nheads_kv, head_dim_v, seqlen_k padded) = ({b}, {hkv}, "
+            f"{spec.head_dim_v}, >= {sk}), got {tuple(v.shape)}"
+        )
+    if descale is None or any(name not in descale for name in ("q", "k", "v")):
+        raise ValueError("the fp8 path needs descale tensors {'q', 'k', 'v'} (see cute_flash.fp8.prepare)")
+    expected = {
+        "q": (b, h, -(-sq // cfgmod.FP8_Q_SCALE_ROWS)),
+        "k": (b, hkv, -(-sk // cfgmod.FP8_KV_SCALE_KEYS)),
+        "v": (b, hkv, -(-sk // cfgmod.FP8_KV_SCALE_KEYS)),
+    }
+    out = []
+    for name, shape in expected.items():
+        t = descale[name]
+        if tuple(t.shape) != shape or t.dtype != torch.float32:
+            raise NotImplementedError(
+                f"descale[{name!r}] is {t.dtype} {tuple(t.shape)}; the sm100 fp8 kernel reads float32 {shape} "
+                f"(one factor per {cfgmod.FP8_Q_SCALE_ROWS} query rows for q, per {cfgmod.FP8_KV_SCALE_KEYS} keys "
+                f"for k and v)"
+            )
+        out.append(t)
+    return tuple(out)
+
+
+class _Backend:
+    name = "sm100"
+    cute_arch = "sm_100a"
+
+    def unsupported_reason(self, spec: AttentionSpec, backward: bool) -> Optional[str]:
+        if backward:
+            return "there is no sm100 backward kernel yet (forward only; use the sm80 backward via CUTE_FLASH_ARCH=sm80)"
+        return cfgmod.unsupported_reason(spec)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        spec: AttentionSpec,
+        softmax_scale: float,
+        mask: MaskBounds,
+        descale: Optional[Dict[str, torch.Tensor]] = None,
+    ) -> None:
+        reason = self.unsupported_reason(spec, backward=False)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        capability = torch.cuda.get_device_capability(q.device)
+        if capability[0] != 10:
+            raise NotImplementedError(
+                f"the sm100 kernels need a compute capability 10.x GPU (tcgen05, tensor memory); this one is "
+                f"{capability[0]}.{capability[1]}. CUTE_FLASH_ARCH=sm100 elsewhere can only cross-compile: "
+                f"python -m cute_flash compile --arch sm100 ..."
+            )
+        if not softmax_scale > 0.0:
+            # The row max is taken over raw scores and scaled afterwards, which needs a positive scale.
+            raise NotImplementedError(f"the sm100 forward needs softmax_scale > 0, got {softmax_scale}")
+        descale_args = _fp8_args(spec, q, k, v, descale)
+        cfg = cfgmod.choose_config(spec, seqlen_q=q.shape[1])
+        target = compile_cache.target_for_capability(capability)
+        key = ("sm100", target, _kernel_role(cfg), spec, cfg)
+        compiled = compile_cache.get_or_compile(key, lambda: _build(spec, cfg, target))
+        compiled(
+            _tma_view(q), _tma_view(k), _tma_view(v), _tma_view(out), lse,
+            softmax_scale * math.log2(math.e), int(mask.left), int(mask.right),
+            *descale_args,
+        )
+
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask) -> None:
+        raise NotImplementedError(self.unsupported_reason(spec, True))
+
+    def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
+        reason = self.unsupported_reason(spec, backward)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        compile_cache.ensure_cute_dsl_arch(target)
+        artifacts = []
+        for cfg in cfgmod.configs_for(spec):
+            with tempfile.TemporaryDirectory(prefix="cute_flash_sm100_") as dump:
+                # remarks{ptx} makes ptxas print registers and spill bytes (the CLI parses them from stderr).
+                extra = compile_cache.keep_artifacts_options(dump) + " remarks{ptx}"
+                compiled, kernel = _build_with_kernel(spec, cfg, target, extra_options=extra)
+                ptx, cubin = _read_artifacts(compiled)
+            artifacts.append(
+                KernelArtifact(
+                    kernel=_kernel_role(cfg),
+                    ptx=ptx,
+                    cubin=cubin,
+                    config={
+                        "cta_group": cfg.cta_group,
+                        "cluster": [cfg.cta_group, 1, 1],
+                        "tile_m_per_cta": cfgmod.Q_STAGES * cfgmod.M_BLOCK,
+                        "tile_n": cfgmod.N_BLOCK,
+                        "kv_stages": cfg.kv_stages,
+                        "regs_softmax/correction/other": [cfg.regs_softmax, cfg.regs_correction, cfg.regs_other],
+                        "opt_level": cfg.opt_level,
+                        "threads": 512,
+                        "shared_bytes": kernel.smem_bytes,
+                        "used_when": "seqlen_q > 256" if cfg.use_2cta else (
+                            "seqlen_q <= 256" if cfgmod.two_cta_eligible(spec) else "always"
+                        ),
+                    },
+                )
+            )
+        if spec.dtype == "fp8":
+            artifacts.extend(_fp8_prepass_artifacts(spec, target))
+        return artifacts
+
+
+def _fp8_prepass_artifacts(spec: AttentionSpec, target: str) -> List[KernelArtifact]:
+    """The front end's fp16/bf16 -> e4m3 pre-pass (cute_flash.fp8.prepass_kernel), built for this target: on a
+    B200 `attention(..., dtype="fp8")` runs it before the forward kernel."""
+    from ...fp8.prepare import BLOCK_M, BLOCK_N
+    from ...fp8.prepass_kernel import build_prepass
+
+    artifacts = []
+    for role, d, block, rotate, transpose in (
+        ("fp8_prepass_q", spec.head_dim, BLOCK_M, True, False),
+        ("fp8_prepass_k", spec.head_dim, BLOCK_N, True, False),
+        ("fp8_prepass_v", spec.head_dim_v, BLOCK_N, False, True),
+    ):
+        with tempfile.TemporaryDirectory(prefix="cute_flash_sm100_prepass_") as dump:
+            options = compile_cache.compile_options(
+                target, extra=compile_cache.keep_artifacts_options(dump) + " remarks{ptx}"
+            )
+            compiled = build_prepass(spec.out_dtype, d, block, rotate, transpose, options)
+            ptx, cubin = _read_artifacts(compiled)
+        artifacts.append(
+            KernelArtifact(kernel=role, ptx=ptx, cubin=cubin, config={"block": block, "rotate": rotate})
+        )
+    return artifacts
+
+
+def _read_artifacts(compiled):
+    ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
+    if isinstance(ptx, str) and os.path.isfile(ptx):
+        with open(ptx) as f:
+            ptx = f.read()
+    if isinstance(cubin, str) and os.path.isfile(cubin):
+        with open(cubin, "rb") as f:
+            cubin = f.read()
+    return ptx, cubin
+
+
+BACKEND = _Backend()

@@ -1,0 +1,120 @@
+"""Tile shapes, 2-CTA choice, pipeline depths and register split of the sm100 forward kernel: the one place they live.
+
+Kernel anatomy (see `fwd_kernel.py`): a CTA owns two query tiles of 128 rows ("q stages"), each handled by its own
+softmax warpgroup, and walks the KV blocks of 128 keys. TMEM (512 columns of 128 lanes x 32 bit) holds
+S0 | S1 | O0 | O1 side by side; P (16 or 8 bit) overwrites the upper half of its S tile.
+
+2-CTA mode (`use_2cta`): a cluster of two CTAs shares one `tcgen05.mma.cta_group::2` of M = 256, so each MMA issue
+covers both CTAs' 128-row tiles while each CTA stages only half of every K and V tile in shared memory. It halves
+the K/V bytes each SM loads per query row (memory and smem bandwidth are what limit d=128 attention on B200), at the
+price of a 512-row cluster tile. The rule, applied at launch because it depends on seqlen_q:
+
+  * head_dim == head_dim_v == 128, fp16/bf16, mask "none" or "causal", and seqlen_q > 256 (at least two 1-CTA tiles,
+    so the 512-row cluster is not mostly padding)  ->  2-CTA;
+  * everything else (d=64/96, fp8, local windows, short queries)  ->  1-CTA.
+
+Local windows stay 1-CTA because the shared KV range of a 512-row cluster widens a narrow window's work by up to
+384 keys per row; fp8 stays 1-CTA to keep the number of built variants small (its smem already fits 8 KV stages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ...spec import AttentionSpec
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128)  # S0|S1|O0|O1 must fit 512 TMEM columns: 256 + 2 * d
+M_BLOCK = 128  # query rows per softmax warpgroup = TMEM lanes
+N_BLOCK = 128  # keys per KV block = S columns in TMEM
+Q_STAGES = 2  # query tiles per CTA (two softmax warpgroups ping-pong on the tensor core)
+TMEM_COLUMNS = 512
+# FP8 dequantisation granularity the front end produces (cute_flash.fp8.prepare: BLOCK_M, BLOCK_N): one Q factor per
+# 64 query rows, one K and one V factor per block of N_BLOCK = 128 keys.
+FP8_Q_SCALE_ROWS = 64
+FP8_KV_SCALE_KEYS = N_BLOCK
+# Shared memory one CTA may use on sm100 (227 KiB), minus room for mbarriers and alignment.
+SMEM_BUDGET_BYTES = 227 * 1024 - 3 * 1024
+MAX_KV_STAGES = 8
+# 2-CTA only when the query sequence fills at least two 1-CTA tiles.
+TWO_CTA_MIN_SEQLEN_Q = Q_STAGES * M_BLOCK + 1
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Everything besides the AttentionSpec that changes the generated forward kernel (part of the compile key)."""
+
+    use_2cta: bool
+    kv_stages: int
+    # setmaxnreg per role; 2 softmax WGs + 1 correction WG + 4 single warps must fit 64K registers (512 threads).
+    regs_softmax: int = 192
+    regs_correction: int = 80
+    regs_other: int = 48
+    # Compiler optimisation level. This kernel is spill-free at O2 and O3 today; O2 is kept for its margin: the
+    # softmax warpgroups sit at their register budget, and the closest relative (the CUTLASS Blackwell FMHA) spills
+    # 104 B in them at O3 and none at O2. docs/sm100.md has the measurements.
+    opt_level: int = 2
+
+    @property
+    def cta_group(self) -> int:
+        return 2 if self.use_2cta else 1
+
+    @property
+    def rows_per_cta(self) -> int:
+        return Q_STAGES * M_BLOCK
+
+    @property
+    def rows_per_cluster(self) -> int:
+        return Q_STAGES * M_BLOCK * self.cta_group
+
+    def __post_init__(self):
+        total = 8 * 32 * self.regs_softmax + 4 * 32 * self.regs_correction + 4 * 32 * self.regs_other
+        if total > 64 * 1024:
+            raise ValueError(f"register split {self} needs {total} registers, more than the 65536 of an SM")
+
+
+def unsupported_reason(spec: AttentionSpec) -> Optional[str]:
+    if spec.head_dim != spec.head_dim_v:
+        return f"head_dim {spec.head_dim} != head_dim_v {spec.head_dim_v}: the sm100 forward needs equal head dims"
+    if spec.head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {spec.head_dim} is not built for sm100 (supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})"
+    if spec.dtype == "fp8" and spec.out_dtype not in ("bf16", "fp16"):
+        return f"fp8 needs a bf16 or fp16 output, got {spec.out_dtype}"
+    return None
+
+
+def _element_bytes(dtype: str) -> int:
+    return 1 if dtype == "fp8" else 2
+
+
+def _kv_stages(spec: AttentionSpec, use_2cta: bool) -> int:
+    """As many K/V ring slots as shared memory holds after Q (2 tiles) and the O staging buffer (2 tiles)."""
+    in_bytes = _element_bytes(spec.dtype)
+    q_bytes = Q_STAGES * M_BLOCK * spec.head_dim * in_bytes
+    o_bytes = Q_STAGES * M_BLOCK * spec.head_dim_v * 2
+    # K and V tiles share the ring; in 2-CTA mode each CTA holds half of every tile.
+    slot_bytes = N_BLOCK * max(spec.head_dim, spec.head_dim_v) * in_bytes // (2 if use_2cta else 1)
+    return max(2, min(MAX_KV_STAGES, (SMEM_BUDGET_BYTES - q_bytes - o_bytes) // slot_bytes))
+
+
+def two_cta_eligible(spec: AttentionSpec) -> bool:
+    return spec.dtype in ("bf16", "fp16") and spec.head_dim == 128 and spec.head_dim_v == 128 and spec.mask != "local"
+
+
+def make_config(spec: AttentionSpec, use_2cta: bool) -> FwdConfig:
+    if use_2cta and not two_cta_eligible(spec):
+        raise ValueError(f"2-CTA mode is not built for {spec}")
+    return FwdConfig(use_2cta=use_2cta, kv_stages=_kv_stages(spec, use_2cta))
+
+
+def choose_config(spec: AttentionSpec, seqlen_q: int) -> FwdConfig:
+    """The launch-time choice between the 1-CTA and the 2-CTA kernel (see the module docstring)."""
+    return make_config(spec, use_2cta=two_cta_eligible(spec) and seqlen_q >= TWO_CTA_MIN_SEQLEN_Q)
+
+
+def configs_for(spec: AttentionSpec):
+    """Every config `choose_config` can return for `spec` (what `compile_artifacts` builds)."""
+    configs = [make_config(spec, use_2cta=False)]
+    if two_cta_eligible(spec):
+        configs.append(make_config(spec, use_2cta=True))
+    return configs

@@ -1,0 +1,758 @@
+"""The sm100 (Blackwell) attention forward kernel: tcgen05 MMA, accumulators in tensor memory, optional 2-CTA MMA.
+
+One CTA (one cluster of two CTAs in 2-CTA mode) computes two query tiles of 128 rows per CTA against every KV
+block the mask lets them see. Sixteen warps, each with one job:
+
+  warps 0-3   softmax, q stage 0   read S0 from TMEM, online softmax, write P0 (bf16/fp16/e4m3) back into TMEM
+  warps 4-7   softmax, q stage 1   the same for S1 / P1
+  warps 8-11  correction           rescale O0/O1 in TMEM when a row max moves; final 1/rowsum, LSE, O -> smem
+  warp  12    MMA                  allocates TMEM and issues every tcgen05.mma (leader CTA only in 2-CTA mode)
+  warp  13    epilogue             TMA-stores O tiles from smem
+  warp  14    load                 TMA-loads Q (2 tiles) and the K/V ring
+  warp  15    idle
+
+MMA order per KV block j (walked from the last block down, so the seqlen_k tail and the causal diagonal come
+first):  S_s = Q_s K_j^T for both stages, then for each stage O_s += P_s V_j once softmax has written P_s and
+correction has rescaled O_s, immediately followed by S_s = Q_s K_{j-1}^T into the same TMEM columns (tcgen05.mma
+executes in issue order, so the PV reading P_s finishes before the next QK overwrites it).
+
+Synchronisation (every mbarrier pipeline has one slot per q stage unless noted):
+  q        TMA -> MMA               Q tiles, used once
+  kv       TMA -> MMA               K and V tiles alternate in one ring of `kv_stages` slots
+  s_p_o    MMA -> softmax+correction  full: S_s is in TMEM (tcgen05.commit); empty: P_s written AND O_s rescaled
+  o_full   MMA -> correction        the last PV of a stage has completed
+  stats    softmax -> correction    per block the O rescale factor; after the last block row sum and row max
+  o_epi    correction -> epilogue   the normalised O tile is in smem
+A tcgen05.commit tracks every MMA issued before it, so "S_s(j) full" also means "PV_s(j+1) done": the correction
+warps may rescale O_s as soon as softmax reports block j, without a separate O-ready barrier.
+
+2-CTA mode: `tcgen05.mma.cta_group::2` with M = 256 spans both CTAs of the cluster; each CTA loads its own 128 Q rows
+and half of every K tile (64 keys) and V tile (half of head_dim_v). The leader's MMA warp issues for both; its
+commits multicast to both CTAs' barriers, and the peer's softmax/correction threads arrive remotely on the leader's
+s_p_o barriers. Both CTAs walk the KV range of the whole 512-row cluster tile; per-row masking keeps it exact.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+from ...common.block_info import BlockInfo
+from ...spec import AttentionSpec
+from .config import FP8_Q_SCALE_ROWS, M_BLOCK, N_BLOCK, Q_STAGES, TMEM_COLUMNS, FwdConfig
+from .tmem_softmax import TmemRowSoftmax, finalize_row, mask_row
+
+_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8": cutlass.Float8E4M3FN}
+
+# Warp roles.
+SOFTMAX_WARPS = 8  # warps 0..7: two warpgroups, one per q stage
+CORRECTION_WARP0 = 8  # warps 8..11
+MMA_WARP = 12
+EPILOGUE_WARP = 13
+LOAD_WARP = 14
+NUM_WARPS = 16
+THREADS = NUM_WARPS * 32
+WG_THREADS = 128
+
+# Named barrier 1: TMEM allocation / deallocation handshake between the MMA warp and every TMEM user.
+TMEM_BARRIER_ID = 1
+TMEM_USER_THREADS = 32 * (1 + SOFTMAX_WARPS + 4)
+
+
+def _stage_state(index, phase) -> pipeline.PipelineState:
+    """Pipeline position for a pipeline whose slot is always the q stage (`index`); only the phase advances."""
+    return pipeline.PipelineState(Q_STAGES, Int32(0), index, phase)
+
+
+class Sm100FwdKernel:
+    """Builds (via `cute.compile`) the forward kernel for one `AttentionSpec` and one `FwdConfig`."""
+
+    def __init__(self, spec: AttentionSpec, cfg: FwdConfig, v_seq_major: Optional[bool] = None):
+        self.spec = spec
+        self.cfg = cfg
+        self.is_fp8 = spec.dtype == "fp8"
+        # fp8 V arrives transposed from the front end, (b, h_kv, dv, sk_pad) with keys contiguous (K-major B for P @ V);
+        # fp16/bf16 V stays (b, sk, h_kv, dv), head-dim contiguous (MN-major B). tcgen05 takes either for both kinds.
+        self.v_seq_major = self.is_fp8 if v_seq_major is None else v_seq_major
+        self.head_dim = spec.head_dim
+        self.head_dim_v = spec.head_dim_v
+        self.cta = cfg.cta_group
+        self.use_2cta = cfg.use_2cta
+        self.has_right = spec.mask in ("causal", "local")
+        self.has_left = spec.mask == "local"
+        self.mma_tiler_qk = (M_BLOCK * self.cta, N_BLOCK, self.head_dim)
+        self.mma_tiler_pv = (M_BLOCK * self.cta, self.head_dim_v, N_BLOCK)
+        self.epi_tile = (M_BLOCK, self.head_dim_v)
+        # TMEM columns: S0 | S1 | O0 | O1. P_s overwrites the upper half of S_s.
+        self.tmem_s = (0, N_BLOCK)
+        self.tmem_o = (2 * N_BLOCK, 2 * N_BLOCK + self.head_dim_v)
+        self.tmem_s_to_p = N_BLOCK // 2
+        assert 2 * N_BLOCK + 2 * self.head_dim_v <= TMEM_COLUMNS
+        # See tmem_softmax: 16-bit P tolerates a lagging max; fp8 P instead uses e4m3's range above 1.
+        self.rescale_threshold = 0.0 if self.is_fp8 else 8.0
+        self.max_offset = 8.0 if self.is_fp8 else 0.0
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Host side
+    # ------------------------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, sq, h, d)
+        mK: cute.Tensor,  # (b, sk, h_kv, d)
+        mV: cute.Tensor,  # (b, sk, h_kv, dv), or (b, h_kv, dv, sk_pad) when v_seq_major
+        mO: cute.Tensor,  # (b, sq, h, dv)
+        mLSE: cute.Tensor,  # (b, h, sq) fp32
+        softmax_scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        mDescaleQ: Optional[cute.Tensor],  # fp8 only: (b, h, ceil(sq / 64)) fp32, one factor per 64 query rows
+        mDescaleK: Optional[cute.Tensor],  # fp8 only: (b, h_kv, ceil(sk / 128)) fp32, one per KV block
+        mDescaleV: Optional[cute.Tensor],  # fp8 only: (b, h_kv, ceil(sk / 128)) fp32, one per KV block
+        stream,
+    ):
+        self.q_dtype = mQ.element_type
+        self.k_dtype = mK.element_type
+        self.v_dtype = mV.element_type
+        self.o_dtype = mO.element_type
+        if const_expr(self.q_dtype != self.k_dtype or self.q_dtype != self.v_dtype):
+            raise TypeError("q, k and v must share one dtype")
+
+        # Mode orders the TMA atoms and MMA partitioners expect: (seqlen, head_dim, head, batch); V as (dv, seqlen).
+        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+        if const_expr(self.v_seq_major):
+            # Keys bounded by seqlen_k (not sk_pad): the TMA zero-fills the tail instead of reading the padding.
+            mV = cute.make_tensor(
+                mV.iterator,
+                cute.make_layout(
+                    (mV.shape[2], mK.shape[0], mV.shape[1], mV.shape[0]),
+                    stride=(mV.stride[2], mV.stride[3], mV.stride[1], mV.stride[0]),
+                ),
+            )
+        else:
+            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (sq, h, b)
+
+        cta_group = tcgen05.CtaGroup.TWO if const_expr(self.use_2cta) else tcgen05.CtaGroup.ONE
+        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
+            self.q_dtype, self.k_dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, cta_group,
+            self.mma_tiler_qk[:2],
+        )
+        # P comes from TMEM (always K-major there). Head-dim-contiguous V is MN-major for P @ V; kind::f8f6f4 accepts
+        # an MN-major 8-bit B too, so sm100 needs no transposed V (the front end's fp8 path sends one anyway).
+        v_major = OperandMajorMode.K if const_expr(self.v_seq_major) else OperandMajorMode.MN
+        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
+            self.v_dtype, self.v_dtype, OperandMajorMode.K, v_major, Float32, cta_group,
+            self.mma_tiler_pv[:2], tcgen05.OperandSource.TMEM,
+        )
+        cluster_shape = (self.cta, 1, 1)
+        cta_layout_vmnk = cute.tiled_divide(cute.make_layout(cluster_shape), (tiled_mma_qk.thr_id.shape,))
+
+        sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, self.mma_tiler_qk, self.q_dtype, Q_STAGES)
+        sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, self.mma_tiler_qk, self.k_dtype, self.cfg.kv_stages)
+        sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, self.mma_tiler_pv, self.v_dtype, self.cfg.kv_stages)
+        tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, self.mma_tiler_pv, self.v_dtype, 1)
+        o_layout_enum = cutlass.utils.LayoutEnum.from_tensor(mO)
+        sO_layout = sm100_utils.make_smem_layout_epi(self.o_dtype, o_layout_enum, self.epi_tile, Q_STAGES)
+        # K and V tiles take turns in the same ring slots.
+        if const_expr(cute.cosize(sK_layout) != cute.cosize(sV_layout)):
+            raise ValueError("K and V ring slots must have the same size (head_dim == head_dim_v)")
+
+        tma_load_op = cpasync.CopyBulkTensorTileG2SOp(cta_group)
+        tma_atom_q, tma_q = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_load_op, mQ, cute.select(sQ_layout, mode=[0, 1, 2]), self.mma_tiler_qk, tiled_mma_qk,
+            cta_layout_vmnk.shape,
+        )
+        tma_atom_k, tma_k = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load_op, mK, cute.select(sK_layout, mode=[0, 1, 2]), self.mma_tiler_qk, tiled_mma_qk,
+            cta_layout_vmnk.shape,
+        )
+        tma_atom_v, tma_v = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load_op, mV, cute.select(sV_layout, mode=[0, 1, 2]), self.mma_tiler_pv, tiled_mma_pv,
+            cta_layout_vmnk.shape,
+        )
+        tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), self.epi_tile
+        )
+        # In 2-CTA mode both CTAs' halves land on the leader's full barrier.
+        self.q_tx_bytes = cute.size_in_bytes(self.q_dtype, cute.select(sQ_layout, mode=[0, 1, 2])) * self.cta
+        self.kv_tx_bytes = cute.size_in_bytes(self.k_dtype, cute.select(sK_layout, mode=[0, 1, 2])) * self.cta
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[Int64, Q_STAGES * 2]
+            mbar_kv: cute.struct.MemRange[Int64, self.cfg.kv_stages * 2]
+            mbar_s_p_o: cute.struct.MemRange[Int64, Q_STAGES * 2]
+            mbar_o_full: cute.struct.MemRange[Int64, Q_STAGES * 2]
+            mbar_stats: cute.struct.MemRange[Int64, Q_STAGES * 2]
+            mbar_o_epi: cute.struct.MemRange[Int64, Q_STAGES * 2]
+            tmem_dealloc_mbar: Int64
+            tmem_holding_buf: Int32
+            # Per q stage and row: rescale factor / final row sum, then final row max.
+            stats: cute.struct.MemRange[Float32, 2 * Q_STAGES * M_BLOCK]
+            sO: cute.struct.Align[cute.struct.MemRange[self.o_dtype, cute.cosize(sO_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.q_dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.k_dtype, cute.cosize(sK_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
+        if const_expr(self.smem_bytes > cutlass.memory.SmemAllocator.capacity_in_bytes("sm_100")):
+            raise ValueError(f"shared memory {self.smem_bytes} B exceeds sm100's {227 * 1024} B (kv_stages too deep)")
+
+        num_clusters = cute.ceil_div(cute.size(mQ.shape[0]), self.cfg.rows_per_cluster)
+        grid = (num_clusters * self.cta, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        self.kernel(
+            tiled_mma_qk,
+            tiled_mma_pv,
+            tma_atom_q,
+            tma_q,
+            tma_atom_k,
+            tma_k,
+            tma_atom_v,
+            tma_v,
+            tma_atom_o,
+            tma_o,
+            mLSE,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            tP_layout,
+            sO_layout,
+            softmax_scale_log2,
+            window_left,
+            window_right,
+            mDescaleQ,
+            mDescaleK,
+            mDescaleV,
+        ).launch(
+            grid=grid,
+            block=[THREADS, 1, 1],
+            cluster=cluster_shape if const_expr(self.cta > 1) else None,
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tma_atom_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_atom_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_atom_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        tma_atom_o: cute.CopyAtom,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        tP_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        softmax_scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        mDescaleQ: Optional[cute.Tensor],
+        mDescaleK: Optional[cute.Tensor],
+        mDescaleV: Optional[cute.Tensor],
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        bidx, head, batch = cute.arch.block_idx()
+        if const_expr(self.use_2cta):
+            cta_v = bidx % 2
+            cluster_m = bidx // 2
+        else:
+            cta_v = 0
+            cluster_m = bidx
+        if const_expr(self.has_right):
+            # Causal/windowed work grows with the query index: launch the heaviest clusters first.
+            cluster_m = cute.arch.grid_dim()[0] // self.cta - 1 - cluster_m
+        head_kv = head // (cute.size(mQ.shape[2]) // cute.size(mK.shape[2]))
+
+        if warp_idx == LOAD_WARP:
+            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        cluster_shape = (self.cta, 1, 1)
+        cta_layout_vmnk = cute.tiled_divide(cute.make_layout(cluster_shape), (tiled_mma_qk.thr_id.shape,))
+
+        def threads(n):
+            return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
+
+        pipe_q = pipeline.PipelineTmaUmma.create(
+            num_stages=Q_STAGES, producer_group=threads(1), consumer_group=threads(1), tx_count=self.q_tx_bytes,
+            barrier_storage=storage.mbar_q.data_ptr(), cta_layout_vmnk=cta_layout_vmnk, defer_sync=True,
+        )
+        pipe_kv = pipeline.PipelineTmaUmma.create(
+            num_stages=self.cfg.kv_stages, producer_group=threads(1), consumer_group=threads(1),
+            tx_count=self.kv_tx_bytes, barrier_storage=storage.mbar_kv.data_ptr(), cta_layout_vmnk=cta_layout_vmnk,
+            defer_sync=True,
+        )
+        # Released by one softmax warpgroup and the correction warpgroup of every CTA of the pair.
+        pipe_s_p_o = pipeline.PipelineUmmaAsync.create(
+            num_stages=Q_STAGES, producer_group=threads(1), consumer_group=threads(2 * WG_THREADS * self.cta),
+            barrier_storage=storage.mbar_s_p_o.data_ptr(), cta_layout_vmnk=cta_layout_vmnk, defer_sync=True,
+        )
+        pipe_o_full = pipeline.PipelineUmmaAsync.create(
+            num_stages=Q_STAGES, producer_group=threads(1), consumer_group=threads(WG_THREADS * self.cta),
+            barrier_storage=storage.mbar_o_full.data_ptr(), cta_layout_vmnk=cta_layout_vmnk, defer_sync=True,
+        )
+        pipe_stats = pipeline.PipelineAsync.create(
+            num_stages=Q_STAGES, producer_group=threads(WG_THREADS), consumer_group=threads(WG_THREADS),
+            barrier_storage=storage.mbar_stats.data_ptr(), defer_sync=True,
+        )
+        pipe_o_epi = pipeline.PipelineAsync.create(
+            num_stages=Q_STAGES, producer_group=threads(WG_THREADS), consumer_group=threads(32),
+            barrier_storage=storage.mbar_o_epi.data_ptr(), defer_sync=True,
+        )
+        tmem_barrier = pipeline.NamedBarrier(barrier_id=TMEM_BARRIER_ID, num_threads=TMEM_USER_THREADS)
+        tmem = cutlass.utils.TmemAllocator(
+            storage.tmem_holding_buf.ptr,
+            barrier_for_retrieve=tmem_barrier,
+            allocator_warp_id=MMA_WARP,
+            is_two_cta=self.use_2cta,
+            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
+        )
+        pipeline_init_arrive(cluster_shape_mn=cta_layout_vmnk, is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sStats = storage.stats.get_tensor(cute.make_layout(2 * Q_STAGES * M_BLOCK))
+
+        thr_mma_qk = tiled_mma_qk.get_slice(cta_v)
+        thr_mma_pv = tiled_mma_pv.get_slice(cta_v)
+        # Layouts the other roles need from the tiled MMAs, derived once before the role branches.
+        s_layout = thr_mma_qk.make_fragment_C(thr_mma_qk.partition_shape_C(self.mma_tiler_qk[:2])).layout
+        o_layout = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C(self.mma_tiler_pv[:2])).layout
+        # sO holds only this CTA's 128 rows in either mode, so it is partitioned with the CTA-0 slice.
+        epi_mma = tiled_mma_pv.get_slice(0)
+        tOsO = [epi_mma.partition_C(sO[None, None, s]) for s in range(Q_STAGES)]
+        tOcO = epi_mma.partition_C(cute.make_identity_tensor((M_BLOCK, self.head_dim_v)))
+
+        seqlen_q = cute.size(mQ.shape[0])
+        seqlen_k = cute.size(mK.shape[0])
+        # The KV range is shared by every query row of the cluster (one MMA serves them all).
+        cluster_blocks = BlockInfo(
+            self.cfg.rows_per_cluster, N_BLOCK, self.spec.mask, seqlen_q, seqlen_k, window_left, window_right
+        )
+        n_block_min, n_block_max = cluster_blocks.kv_block_range(cluster_m)
+
+        pipeline_init_wait(cluster_shape_mn=cta_layout_vmnk)
+
+        if warp_idx == LOAD_WARP:
+            cute.arch.setmaxregister_decrease(self.cfg.regs_other)
+            self.load_warp(
+                thr_mma_qk, thr_mma_pv, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV,
+                pipe_q, pipe_kv, head, head_kv, batch, cluster_m, n_block_min, n_block_max,
+            )
+        if warp_idx == EPILOGUE_WARP:
+            cute.arch.setmaxregister_decrease(self.cfg.regs_other)
+            self.epilogue_warp(tma_atom_o, mO, sO, pipe_o_epi, head, batch, cluster_m, cta_v)
+        if warp_idx == NUM_WARPS - 1:
+            cute.arch.setmaxregister_decrease(self.cfg.regs_other)
+        if warp_idx < SOFTMAX_WARPS:
+            cute.arch.setmaxregister_increase(self.cfg.regs_softmax)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.softmax_warpgroup(
+                warp_idx // 4, s_layout, tmem_ptr, sStats, pipe_s_p_o, pipe_stats, softmax_scale_log2,
+                mDescaleQ, mDescaleK, head, head_kv, batch,
+                seqlen_q, seqlen_k, window_left, window_right, cluster_m, cta_v, n_block_min, n_block_max,
+            )
+            tmem_barrier.arrive()
+        if warp_idx >= CORRECTION_WARP0 and warp_idx < MMA_WARP:
+            cute.arch.setmaxregister_decrease(self.cfg.regs_correction)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.correction_warpgroup(
+                o_layout, tOsO, tOcO, tmem_ptr, sStats, mLSE, pipe_s_p_o, pipe_o_full, pipe_stats,
+                pipe_o_epi, mDescaleV, seqlen_q, head, head_kv, batch, cluster_m, cta_v, n_block_min, n_block_max,
+            )
+            tmem_barrier.arrive()
+        if warp_idx == MMA_WARP:
+            cute.arch.setmaxregister_decrease(self.cfg.regs_other)
+            tmem.allocate(TMEM_COLUMNS)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            if cta_v == 0:
+                self.mma_warp(
+                    tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, s_layout, o_layout, tmem_ptr,
+                    pipe_q, pipe_kv, pipe_s_p_o, pipe_o_full, n_block_max - n_block_min,
+                )
+            tmem.relinquish_alloc_permit()
+            tmem_barrier.arrive_and_wait()
+            tmem.free(tmem_ptr)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Load warp
+    # ------------------------------------------------------------------------------------------------------------
+    @cute.jit
+    def load_warp(
+        self, thr_mma_qk, thr_mma_pv, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV,
+        pipe_q, pipe_kv, head, head_kv, batch, cluster_m, n_block_min, n_block_max,
+    ):
+        q_producer = pipe_q.make_producer()
+        kv_producer = pipe_kv.make_producer()
+        # Tiles of the MMA's M extent (256 rows in 2-CTA mode); partition_A keeps this CTA's 128 rows.
+        gQ = cute.local_tile(mQ[None, None, head, batch], cute.select(self.mma_tiler_qk, mode=[0, 2]), (None, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], cute.select(self.mma_tiler_qk, mode=[1, 2]), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], cute.select(self.mma_tiler_pv, mode=[1, 2]), (0, None))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
+            cute.group_modes(thr_mma_qk.partition_A(gQ), 0, 3),
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
+            cute.group_modes(thr_mma_qk.partition_B(gK), 0, 3),
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
+            cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3),
+        )
+        n_blocks = n_block_max - n_block_min
+        if n_blocks > 0:
+            # Same order as the MMA warp consumes: K_last, Q0, Q1, V_last, then K, V per block downwards.
+            n_block = n_block_max - 1
+            handle = kv_producer.acquire_and_advance()
+            cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, handle.index], tma_bar_ptr=handle.barrier)
+            for stage in cutlass.range_constexpr(Q_STAGES):
+                q_handle = q_producer.acquire_and_advance()
+                cute.copy(
+                    tma_atom_q, tQgQ[None, cluster_m * Q_STAGES + stage], tQsQ[None, q_handle.index],
+                    tma_bar_ptr=q_handle.barrier,
+                )
+            handle = kv_producer.acquire_and_advance()
+            cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, handle.index], tma_bar_ptr=handle.barrier)
+            for i in cutlass.range(1, n_blocks, unroll=1):
+                n_block_i = n_block_max - 1 - i
+                k_handle = kv_producer.acquire_and_advance()
+                cute.copy(tma_atom_k, tKgK[None, n_block_i], tKsK[None, k_handle.index], tma_bar_ptr=k_handle.barrier)
+                v_handle = kv_producer.acquire_and_advance()
+                cute.copy(tma_atom_v, tVgV[None, n_block_i], tVsV[None, v_handle.index], tma_bar_ptr=v_handle.barrier)
+        # Wait until the MMA warp released every slot: no tcgen05.commit may still target this CTA after exit.
+        kv_producer.tail()
+        q_producer.tail()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # MMA warp (leader CTA)
+    # ------------------------------------------------------------------------------------------------------------
+    @cute.jit
+    def _gemm(self, tiled_mma, acc, a, b, accumulate):
+        """acc (+)= a @ b over the K blocks of the fragments.
+
+        A fresh atom per call carries the ACCUMULATE field: mutating the shared TiledMma inside staged control flow
+        would leak values out of their regions.
+        """
+        atom = cute.make_mma_atom(tiled_mma.op)
+        for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
+            atom.set(tcgen05.Field.ACCUMULATE, accumulate or k != 0)
+            cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
+
+    @cute.jit
+    def mma_warp(
+        self, tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, s_layout, o_layout, tmem_ptr,
+        pipe_q, pipe_kv, pipe_s_p_o, pipe_o_full, n_blocks,
+    ):
+        tSrQ = tiled_mma_qk.make_fragment_A(sQ)
+        tSrK = tiled_mma_qk.make_fragment_B(sK)
+        tOrV = tiled_mma_pv.make_fragment_B(sV)
+        tStS = [cute.make_tensor(tmem_ptr + self.tmem_s[s], s_layout) for s in range(Q_STAGES)]
+        tOtO = [cute.make_tensor(tmem_ptr + self.tmem_o[s], o_layout) for s in range(Q_STAGES)]
+        # P as the TMEM A operand of P @ V, in P's dtype, at the upper half of each S tile.
+        p_frag = thr_mma_pv.make_fragment_A(cute.make_tensor(tmem_ptr, tP_layout.outer))[None, None, None, 0]
+        tOrP = [
+            cute.make_tensor(
+                cute.recast_ptr(tmem_ptr + self.tmem_s[s] + self.tmem_s_to_p, dtype=p_frag.element_type),
+                p_frag.layout,
+            )
+            for s in range(Q_STAGES)
+        ]
+        q_consumer = pipe_q.make_consumer()
+        kv_consumer = pipe_kv.make_consumer()
+        if n_blocks > 0:
+            q_handles = [q_consumer.wait_and_advance() for _ in range(Q_STAGES)]
+            k_handle = kv_consumer.wait_and_advance()
+            for s in cutlass.range_constexpr(Q_STAGES):
+                self._gemm(tiled_mma_qk, tStS[s], tSrQ[None, None, None, s], tSrK[None, None, None, k_handle.index], False)
+                pipe_s_p_o.producer_commit(_stage_state(s, 0))
+            k_handle.release()
+            # The first wait for "P written and O rescaled" is on phase 0 (not the producer's usual 1): the
+            # consumers have not released anything yet.
+            p_phase = Int32(0)
+            for i in cutlass.range(n_blocks - 1, unroll=1):
+                v_handle = kv_consumer.wait_and_advance()
+                k_next = v_handle
+                for s in cutlass.range_constexpr(Q_STAGES):
+                    pipe_s_p_o.producer_acquire(_stage_state(s, p_phase))
+                    self._gemm(tiled_mma_pv, tOtO[s], tOrP[s], tOrV[None, None, None, v_handle.index], i > 0)
+                    if const_expr(s == 0):
+                        k_next = kv_consumer.wait_and_advance()
+                    if const_expr(s == Q_STAGES - 1):
+                        v_handle.release()
+                    self._gemm(
+                        tiled_mma_qk, tStS[s], tSrQ[None, None, None, s], tSrK[None, None, None, k_next.index], False
+                    )
+                    pipe_s_p_o.producer_commit(_stage_state(s, 0))
+                k_next.release()
+                p_phase ^= 1
+            for h in q_handles:
+                h.release()
+            v_handle = kv_consumer.wait_and_advance()
+            for s in cutlass.range_constexpr(Q_STAGES):
+                pipe_s_p_o.producer_acquire(_stage_state(s, p_phase))
+                self._gemm(tiled_mma_pv, tOtO[s], tOrP[s], tOrV[None, None, None, v_handle.index], n_blocks > 1)
+                pipe_o_full.producer_commit(_stage_state(s, 0))
+            v_handle.release()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Softmax warpgroups
+    # ------------------------------------------------------------------------------------------------------------
+    @cute.jit
+    def softmax_warpgroup(
+        self, stage, s_layout, tmem_ptr, sStats, pipe_s_p_o, pipe_stats, softmax_scale_log2,
+        mDescaleQ, mDescaleK, head, head_kv, batch,
+        seqlen_q, seqlen_k, window_left, window_right, cluster_m, cta_v, n_block_min, n_block_max,
+    ):
+        tidx = cute.arch.thread_idx()[0] % WG_THREADS
+        tSAcc = cute.make_tensor(tmem_ptr + stage * N_BLOCK, s_layout)[(None, None), 0, 0]  # (128, N) fp32
+        load_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
+        thr_load = tcgen05.make_tmem_copy(load_atom, tSAcc).get_slice(tidx)
+        tStS_t2r = thr_load.partition_S(tSAcc)
+        tScS_t2r = thr_load.partition_D(cute.make_identity_tensor((M_BLOCK, N_BLOCK)))
+        # P in TMEM, viewed as 32-bit columns: 2 (16-bit) or 4 (fp8) probabilities per column.
+        p_cols = N_BLOCK * self.v_dtype.width // 32
+        tStP = cute.make_tensor(
+            tSAcc.iterator + self.tmem_s_to_p, cute.composition(tSAcc.layout, cute.make_layout((M_BLOCK, p_cols)))
+        )
+        store_atom = cute.make_copy_atom(
+            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(p_cols // 4)), Float32
+        )
+        thr_store = tcgen05.make_tmem_copy(store_atom, tStP).get_slice(tidx)
+        tStP_r2t = thr_store.partition_D(tStP)
+        tPshape = thr_store.partition_S(cute.make_identity_tensor((M_BLOCK, p_cols))).shape
+
+        # Query row of this thread, and its tile (of M_BLOCK rows) for the mask boundaries.
+        m_tile = (cluster_m * Q_STAGES + stage) * self.cta + cta_v
+        row = m_tile * M_BLOCK + tidx
+        row_blocks = BlockInfo(M_BLOCK, N_BLOCK, self.spec.mask, seqlen_q, seqlen_k, window_left, window_right)
+        n_right_masked = n_block_max
+        if const_expr(self.has_right):
+            n_right_masked = row_blocks.kv_right_masked_start(m_tile)
+        n_left_masked = n_block_min
+        if const_expr(self.has_left):
+            n_left_masked = row_blocks.kv_left_masked_end(m_tile)
+        # Column bounds of this row in key coordinates: [key_begin, key_end).
+        key_end = seqlen_k
+        if const_expr(self.has_right):
+            key_end = cutlass.min(seqlen_k, row + row_blocks.offset + row_blocks.right + 1)
+        key_begin = Int32(0)
+        if const_expr(self.has_left):
+            key_begin = row + row_blocks.offset - row_blocks.left
+
+        # Scores are scaled into log2 units by softmax_scale * log2(e); fp8 adds this row's Q factor (one per
+        # FP8_Q_SCALE_ROWS rows) and, per KV block, the block's K factor.
+        row_scale = softmax_scale_log2
+        if const_expr(self.is_fp8):
+            q_block = cutlass.min(row // FP8_Q_SCALE_ROWS, cute.size(mDescaleQ.shape[2]) - 1)
+            row_scale = row_scale * mDescaleQ[batch, head, q_block]
+
+        softmax = TmemRowSoftmax(self.rescale_threshold, self.max_offset)
+        softmax.reset()
+        s_phase = Int32(0)
+        stats_phase = Int32(1)
+        n_blocks = n_block_max - n_block_min
+        for i in cutlass.range(n_blocks, unroll=1):
+            n_block = n_block_max - 1 - i
+            needs_mask = i == 0 or n_block >= n_right_masked or n_block < n_left_masked
+            block_scale = row_scale
+            if const_expr(self.is_fp8):
+                block_scale = row_scale * mDescaleK[batch, head_kv, n_block]
+            step_args = (
+                stage, n_block, tidx, s_phase, stats_phase, key_begin, key_end, block_scale, softmax, thr_load,
+                tStS_t2r, tScS_t2r, thr_store, tStP_r2t, tPshape, sStats, pipe_s_p_o, pipe_stats,
+            )
+            if needs_mask:
+                self._softmax_step(*step_args, masked=True, is_first=i == 0)
+            else:
+                self._softmax_step(*step_args, masked=False, is_first=False)
+            s_phase ^= 1
+            stats_phase ^= 1
+        if n_blocks > 0:
+            pipe_stats.producer_acquire(_stage_state(stage, stats_phase))
+            sStats[stage * M_BLOCK + tidx] = softmax.row_sum[0]
+            sStats[(Q_STAGES + stage) * M_BLOCK + tidx] = softmax.row_max[0]
+            pipe_stats.producer_commit(_stage_state(stage, 0))
+
+    @cute.jit
+    def _softmax_step(
+        self, stage, n_block, tidx, s_phase, stats_phase, key_begin, key_end, block_scale, softmax, thr_load,
+        tStS_t2r, tScS_t2r, thr_store, tStP_r2t, tPshape, sStats, pipe_s_p_o, pipe_stats,
+        masked: cutlass.Constexpr[bool], is_first,
+    ):
+        pipe_s_p_o.consumer_wait(_stage_state(stage, s_phase))
+        tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
+        cute.copy(thr_load, tStS_t2r, tSrS)
+        cute.arch.fence_view_async_tmem_load()
+        if const_expr(masked):
+            block_start = n_block * N_BLOCK
+            mask_row(tSrS, tScS_t2r, key_end - block_start, key_begin - block_start, self.has_left)
+        bias, acc_scale = softmax.update_max(tSrS, block_scale, is_first)
+        # Hand the O rescale factor to the correction warps (they rescale while we exponentiate).
+        pipe_stats.producer_acquire(_stage_state(stage, stats_phase))
+        sStats[stage * M_BLOCK + tidx] = acc_scale
+        pipe_stats.producer_commit(_stage_state(stage, 0))
+
+        tSrP_words = cute.make_rmem_tensor(tPshape, Float32)
+        tSrP = cute.make_tensor(cute.recast_ptr(tSrP_words.iterator, dtype=self.v_dtype), tSrS.layout)
+        softmax.exp2_convert(tSrS, tSrP, block_scale, bias)
+        for j in cutlass.range_constexpr(cute.size(tStP_r2t, mode=[2])):
+            cute.copy(thr_store, tSrP_words[None, None, j], tStP_r2t[None, None, j])
+        cute.arch.fence_view_async_tmem_store()
+        pipe_s_p_o.consumer_release(_stage_state(stage, 0))
+        softmax.update_sum(tSrS, acc_scale)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Correction warpgroup
+    # ------------------------------------------------------------------------------------------------------------
+    @cute.jit
+    def correction_warpgroup(
+        self, o_layout, tOsO, tOcO, tmem_ptr, sStats, mLSE, pipe_s_p_o, pipe_o_full, pipe_stats,
+        pipe_o_epi, mDescaleV, seqlen_q, head, head_kv, batch, cluster_m, cta_v, n_block_min, n_block_max,
+    ):
+        tidx = cute.arch.thread_idx()[0] % WG_THREADS
+        tOtO = [cute.make_tensor(tmem_ptr + self.tmem_o[s], o_layout) for s in range(Q_STAGES)]
+        n_blocks = n_block_max - n_block_min
+        if n_blocks > 0:
+            stats_phase = Int32(0)
+            # fp8: O is kept in units of the current KV block's V factor. Before P_j V_j is added, O is rescaled by
+            # v_descale[j-1] / v_descale[j] (together with the max correction); the epilogue multiplies by the last.
+            v_scale = Float32(1.0)
+            for i in cutlass.range(n_blocks, unroll=1):
+                v_ratio = Float32(1.0)
+                if const_expr(self.is_fp8):
+                    v_scale_j = mDescaleV[batch, head_kv, n_block_max - 1 - i]
+                    if i > 0:
+                        v_ratio = v_scale / v_scale_j
+                    v_scale = v_scale_j
+                for s in cutlass.range_constexpr(Q_STAGES):
+                    pipe_stats.consumer_wait(_stage_state(s, stats_phase))
+                    scale = sStats[s * M_BLOCK + tidx] * v_ratio
+                    pipe_stats.consumer_release(_stage_state(s, 0))
+                    # The first block reports 1.0; O_s is only read back when some row of this warp needs a factor.
+                    if cute.arch.vote_ballot_sync(scale != 1.0) != 0:
+                        self._rescale_o(tOtO[s], tidx, scale)
+                    pipe_s_p_o.consumer_release(_stage_state(s, 0))
+                stats_phase ^= 1
+            for s in cutlass.range_constexpr(Q_STAGES):
+                pipe_stats.consumer_wait(_stage_state(s, stats_phase))
+                row_sum = sStats[s * M_BLOCK + tidx]
+                row_max = sStats[(Q_STAGES + s) * M_BLOCK + tidx]
+                pipe_stats.consumer_release(_stage_state(s, 0))
+                inv_sum, lse = finalize_row(row_sum, row_max, self.max_offset)
+                pipe_o_full.consumer_wait(_stage_state(s, 0))
+                pipe_o_epi.producer_acquire(_stage_state(s, 1))
+                self._write_o_tile(tOtO[s], tOsO[s], tOcO, tidx, inv_sum * v_scale, True)
+                pipe_o_epi.producer_commit(_stage_state(s, 0))
+                self._write_lse(mLSE, lse, seqlen_q, head, batch, cluster_m, cta_v, s, tidx)
+        else:
+            # No key is visible to any row of this tile: out = 0, lse = -inf.
+            for s in cutlass.range_constexpr(Q_STAGES):
+                pipe_o_epi.producer_acquire(_stage_state(s, 1))
+                self._write_o_tile(tOtO[s], tOsO[s], tOcO, tidx, Float32(0.0), False)
+                pipe_o_epi.producer_commit(_stage_state(s, 0))
+                self._write_lse(mLSE, -Float32.inf, seqlen_q, head, batch, cluster_m, cta_v, s, tidx)
+
+    @cute.jit
+    def _write_lse(self, mLSE, lse, seqlen_q, head, batch, cluster_m, cta_v, stage: cutlass.Constexpr[int], tidx):
+        row = ((cluster_m * Q_STAGES + stage) * self.cta + cta_v) * M_BLOCK + tidx
+        if row < seqlen_q:
+            mLSE[row, head, batch] = lse
+
+    @cute.jit
+    def _rescale_o(self, tOtO_s, tidx, scale):
+        """O_s[row, :] *= scale for this thread's row, 16 columns at a time through registers."""
+        cols = 16
+        load_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(cols)), Float32)
+        store_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(cols)), Float32)
+        tOtO_i = cute.composition(tOtO_s, cute.make_layout((M_BLOCK, cols)))
+        thr_load = tcgen05.make_tmem_copy(load_atom, tOtO_i).get_slice(tidx)
+        thr_store = tcgen05.make_tmem_copy(store_atom, tOtO_i).get_slice(tidx)
+        tOtO_t2r = thr_load.partition_S(tOtO_i)
+        tOtO_r2t = thr_store.partition_D(tOtO_i)
+        frag_shape = thr_load.partition_D(cute.make_identity_tensor((M_BLOCK, cols))).shape
+        for c in cutlass.range_constexpr(self.head_dim_v // cols):
+            frag = cute.make_rmem_tensor(frag_shape, Float32)
+            cute.copy(thr_load, cute.make_tensor(tOtO_t2r.iterator + c * cols, tOtO_t2r.layout), frag)
+            for j in cutlass.range_constexpr(0, cute.size(frag), 2):
+                frag[j], frag[j + 1] = cute.arch.mul_packed_f32x2((frag[j], frag[j + 1]), (scale, scale))
+            cute.copy(thr_store, frag, cute.make_tensor(tOtO_r2t.iterator + c * cols, tOtO_r2t.layout))
+        cute.arch.fence_view_async_tmem_store()
+
+    @cute.jit
+    def _write_o_tile(self, tOtO_s, tOsO, tOcO, tidx, scale, from_tmem: cutlass.Constexpr[bool]):
+        """sO (this stage, MMA-partitioned) <- O_s * scale in the output dtype (or zeros), fenced for the TMA store."""
+        cols = 32 * 8 // self.o_dtype.width  # 32 bytes of output per thread and step
+        tOtO_i = cute.logical_divide(tOtO_s, cute.make_layout((M_BLOCK, cols)))
+        tOsO_i = cute.logical_divide(tOsO, cute.make_layout((M_BLOCK, cols)))
+        tOcO_i = cute.logical_divide(tOcO, cute.make_layout((M_BLOCK, cols)))
+        load_atom = sm100_utils.get_tmem_load_op(
+            self.mma_tiler_pv, cutlass.utils.LayoutEnum.ROW_MAJOR, self.o_dtype, Float32, (M_BLOCK, cols),
+            self.use_2cta,
+        )
+        tiled_load = tcgen05.make_tmem_copy(load_atom, tOtO_i[(None, None), 0])
+        thr_load = tiled_load.get_slice(tidx)
+        smem_atom = sm100_utils.get_smem_store_op(
+            cutlass.utils.LayoutEnum.ROW_MAJOR, self.o_dtype, Float32, tiled_load
+        )
+        tiled_smem_store = cute.make_tiled_copy_D(smem_atom, tiled_load)
+        tOtO_t2r = thr_load.partition_S(tOtO_i[(None, None), None])
+        tOsO_r2s = thr_load.partition_D(tOsO_i[(None, None), None])
+        tOcO_t2r = thr_load.partition_D(tOcO_i[(None, None), None])
+        for c in cutlass.range_constexpr(self.head_dim_v // cols):
+            frag = cute.make_rmem_tensor(tOcO_t2r[None, 0, 0, c].shape, Float32)
+            if const_expr(from_tmem):
+                cute.copy(tiled_load, tOtO_t2r[None, 0, 0, c], frag)
+                for j in cutlass.range_constexpr(0, cute.size(frag), 2):
+                    frag[j], frag[j + 1] = cute.arch.mul_packed_f32x2((frag[j], frag[j + 1]), (scale, scale))
+            else:
+                frag.fill(0.0)
+            out = cute.make_rmem_tensor(frag.shape, self.o_dtype)
+            out.store(frag.load().to(self.o_dtype))
+            cute.copy(tiled_smem_store, out, tOsO_r2s[None, 0, 0, c])
+        # Make the generic-proxy smem writes visible to the TMA (async proxy) store.
+        cute.arch.fence_view_async_shared()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Epilogue warp
+    # ------------------------------------------------------------------------------------------------------------
+    @cute.jit
+    def epilogue_warp(self, tma_atom_o, mO, sO, pipe_o_epi, head, batch, cluster_m, cta_v):
+        gO = cute.local_tile(mO[None, None, head, batch], self.epi_tile, (None, 0))
+        tOsO, tOgO = cpasync.tma_partition(
+            tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+        )
+        for s in cutlass.range_constexpr(Q_STAGES):
+            pipe_o_epi.consumer_wait(_stage_state(s, 0))
+            # Rows past seqlen_q are clipped by the TMA unit.
+            cute.copy(tma_atom_o, tOsO[None, s], tOgO[None, (cluster_m * Q_STAGES + s) * self.cta + cta_v])
+            cute.arch.cp_async_bulk_commit_group()
+        # sO must stay valid until the bulk stores have read it.
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+

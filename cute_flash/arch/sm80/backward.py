@@ -1,0 +1,264 @@
+"""The sm80 backward pass: preprocess, main kernel, postprocess (see flash_bwd.py for the algorithm).
+
+    1. preprocess:  D = rowsum(dO * O) and lse_log2 (both (b, h, sq_padded) fp32, padding rows inert)
+    2. main:        per key tile: dK, dV in registers; dQ added with fp32 atomics to dq_accum (b, sq_padded, h, d)
+    3. postprocess: dq = scale * dq_accum in the input dtype
+
+Under GQA/MQA the main kernel's dK/dV are partial sums per query head; they are added with fp32 atomics into
+(b, sk_padded, h_kv, d) buffers that the postprocess converts as well. Kernels are compiled once per
+(target, role, spec, tile config) with symbolic batch, sequence and head extents and launched through TVM-FFI on
+torch's current stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import tempfile
+from typing import List, Optional
+
+import torch
+
+from ... import compile_cache
+from ...spec import AttentionSpec, MaskBounds
+from ..base import KernelArtifact
+from .bwd_tiles import bwd_tile_config
+
+FAMILY = "sm80"
+_PRE_POST_BLOCK_M = 64  # rows per CTA of the preprocess / postprocess kernels
+_SUPPORTED_DTYPES = ("fp16", "bf16")
+_MAX_HEAD_DIM = 256
+
+
+# ---------------------------------------------------------------------------------------------------- support
+def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
+    if spec.dtype not in _SUPPORTED_DTYPES:
+        return f"the sm80 backward supports fp16 and bf16 inputs, not {spec.dtype}"
+    if spec.out_dtype != spec.dtype:
+        return f"the sm80 backward needs out_dtype equal to the input dtype ({spec.dtype}), got {spec.out_dtype}"
+    if spec.head_dim_v != spec.head_dim:
+        return (
+            f"the sm80 backward needs head_dim_v == head_dim, got head_dim {spec.head_dim} and head_dim_v "
+            f"{spec.head_dim_v}"
+        )
+    if spec.head_dim % 32 != 0 or not 0 < spec.head_dim <= _MAX_HEAD_DIM:
+        return (
+            f"the sm80 backward supports head dims that are multiples of 32 up to {_MAX_HEAD_DIM} "
+            f"(32, 64, 96, 128, 160, 192, 224, 256), got {spec.head_dim}"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------- compiling
+def _cutlass_dtype(name: str):
+    import cutlass
+
+    return {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[name]
+
+
+def _fake_bshd(dtype, batch, seqlen, heads, head_dim, align=16):
+    import cutlass.cute as cute
+
+    strides = tuple(cute.sym_int64(divisibility=8) for _ in range(3)) + (1,)
+    return cute.runtime.make_fake_tensor(dtype, (batch, seqlen, heads, head_dim), strides, assumed_align=align)
+
+
+def _fake_bhs(batch, heads, seqlen, divisibility=1):
+    import cutlass
+    import cutlass.cute as cute
+
+    strides = (cute.sym_int64(divisibility=divisibility), cute.sym_int64(divisibility=divisibility), 1)
+    return cute.runtime.make_fake_tensor(cutlass.Float32, (batch, heads, seqlen), strides, assumed_align=4)
+
+
+def _build_preprocess(spec: AttentionSpec, options: str):
+    import cutlass.cute as cute
+
+    from .flash_bwd_preprocess import BackwardPreprocessSm80
+
+    dt = _cutlass_dtype(spec.dtype)
+    b, sq, sq_pad, h = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    kernel = BackwardPreprocessSm80(dt, spec.head_dim_v, block_m=_PRE_POST_BLOCK_M)
+    return cute.compile(
+        kernel,
+        _fake_bshd(dt, b, sq, h, spec.head_dim_v),
+        _fake_bshd(dt, b, sq, h, spec.head_dim_v),
+        _fake_bhs(b, h, sq),
+        _fake_bhs(b, h, sq_pad, divisibility=_PRE_POST_BLOCK_M),
+        _fake_bhs(b, h, sq_pad, divisibility=_PRE_POST_BLOCK_M),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=options,
+    )
+
+
+def _build_main(spec: AttentionSpec, options: str, *, gqa: bool):
+    import cutlass
+    import cutlass.cute as cute
+
+    from .flash_bwd import FlashBackwardSm80
+
+    dt = _cutlass_dtype(spec.dtype)
+    d = spec.head_dim
+    b, sq, sk, h, h_kv = (cute.sym_int() for _ in range(5))
+    sq_pad, sk_pad = cute.sym_int(), cute.sym_int()
+    dkv_dtype = cutlass.Float32 if gqa else dt
+    dkv_rows = sk_pad if gqa else sk
+    kernel = FlashBackwardSm80(dt, d, bwd_tile_config(d), spec.mask, gqa)
+    return cute.compile(
+        kernel,
+        _fake_bshd(dt, b, sq, h, d),  # q
+        _fake_bshd(dt, b, sk, h_kv, d),  # k
+        _fake_bshd(dt, b, sk, h_kv, d),  # v
+        _fake_bshd(dt, b, sq, h, d),  # dout
+        _fake_bhs(b, h, sq_pad, divisibility=_PRE_POST_BLOCK_M),  # lse_log2
+        _fake_bhs(b, h, sq_pad, divisibility=_PRE_POST_BLOCK_M),  # dpsum
+        _fake_bshd(cutlass.Float32, b, sq_pad, h, d),  # dq_accum
+        _fake_bshd(dkv_dtype, b, dkv_rows, h_kv, d),  # dk or dk_accum
+        _fake_bshd(dkv_dtype, b, dkv_rows, h_kv, d),  # dv or dv_accum
+        cutlass.Float32(1.0),
+        cutlass.Int32(0),
+        cutlass.Int32(0),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=options,
+    )
+
+
+def _build_postprocess(spec: AttentionSpec, options: str):
+    import cutlass
+    import cutlass.cute as cute
+
+    from .flash_bwd_postprocess import AccumConvertSm80
+
+    dt = _cutlass_dtype(spec.dtype)
+    b, s, s_pad, h = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    kernel = AccumConvertSm80(dt, spec.head_dim, block_m=_PRE_POST_BLOCK_M)
+    return cute.compile(
+        kernel,
+        _fake_bshd(cutlass.Float32, b, s_pad, h, spec.head_dim),
+        _fake_bshd(dt, b, s, h, spec.head_dim),
+        cutlass.Float32(1.0),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=options,
+    )
+
+
+_ROLES = {
+    "bwd_preprocess": _build_preprocess,
+    "bwd": functools.partial(_build_main, gqa=False),
+    "bwd_gqa": functools.partial(_build_main, gqa=True),
+    "bwd_postprocess": _build_postprocess,
+}
+
+
+def _role_config(role: str, spec: AttentionSpec) -> dict:
+    if role in ("bwd", "bwd_gqa"):
+        return bwd_tile_config(spec.head_dim).as_dict(spec.head_dim)
+    return {"block_m": _PRE_POST_BLOCK_M, "threads": 128, "shared_bytes": 0}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_key(role: str, spec: AttentionSpec, target: str) -> tuple:
+    """(family, target, role, spec, tile): preprocess / postprocess code depends on dtype and head dim, not the mask.
+    Memoised because the launch path asks for it on every call."""
+    key_spec = spec if role in ("bwd", "bwd_gqa") else AttentionSpec(spec.dtype, spec.head_dim, spec.head_dim_v, "none")
+    return (FAMILY, target, role, key_spec, tuple(sorted(_role_config(role, spec).items())))
+
+
+def _kernel(role: str, spec: AttentionSpec, target: str):
+    key = _cache_key(role, spec, target)
+    compile_cache.ensure_cute_dsl_arch(target)
+    return compile_cache.get_or_compile(key, lambda: _ROLES[role](key[3], compile_cache.compile_options(target)))
+
+
+def compile_backward_artifacts(spec: AttentionSpec, target: str) -> List[KernelArtifact]:
+    """Compiles every backward kernel serving `spec` for `target` with fake tensors (no GPU needed)."""
+    reason = backward_unsupported_reason(spec)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    compile_cache.ensure_cute_dsl_arch(target)
+    artifacts = []
+    with tempfile.TemporaryDirectory(prefix="cute_flash_sm80_bwd_") as dump:
+        for role, build in _ROLES.items():
+            sub = os.path.join(dump, role)
+            # remarks{ptx}: ptxas reports registers and spills on stderr, where the compile command reads them.
+            options = compile_cache.compile_options(
+                target, extra=compile_cache.keep_artifacts_options(sub) + " remarks{ptx}"
+            )
+            compiled = build(spec, options)
+            artifacts.append(
+                KernelArtifact(
+                    kernel=role,
+                    ptx=compiled.artifacts.PTX,
+                    cubin=compiled.artifacts.CUBIN,
+                    config=_role_config(role, spec),
+                )
+            )
+    return artifacts
+
+
+# ---------------------------------------------------------------------------------------------------- running
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _kernel_view(t: torch.Tensor) -> torch.Tensor:
+    """`t`, with the (never used) stride of any size-1 outer dim replaced by one divisible by 8, as the kernels'
+    compiled signatures require of every outer stride."""
+    strides = list(t.stride())
+    fixed = False
+    for i in range(t.dim() - 1):
+        if t.shape[i] == 1 and strides[i] % 8 != 0:
+            strides[i] = math.prod(t.shape[i + 1 :])
+            fixed = True
+    return t.as_strided(t.shape, strides) if fixed else t
+
+
+def run_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    *,
+    spec: AttentionSpec,
+    softmax_scale: float,
+    mask: MaskBounds,
+) -> None:
+    """Fills dq, dk, dv (shaped and typed like q, k, v) on torch's current stream."""
+    reason = backward_unsupported_reason(spec)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    target = compile_cache.target_for_capability(torch.cuda.get_device_capability(q.device))
+    cfg = bwd_tile_config(spec.head_dim)
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    gqa = nheads != nheads_kv
+    seqlen_q_pad = _round_up(seqlen_q, max(cfg.block_m, _PRE_POST_BLOCK_M))
+    f32 = dict(dtype=torch.float32, device=q.device)
+
+    lse_log2 = torch.empty(batch, nheads, seqlen_q_pad, **f32)
+    dpsum = torch.empty(batch, nheads, seqlen_q_pad, **f32)
+    dq_accum = torch.zeros(batch, seqlen_q_pad, nheads, head_dim, **f32)
+    q, k, v, dout, out, dq, dk, dv = (_kernel_view(t) for t in (q, k, v, dout, out, dq, dk, dv))
+
+    _kernel("bwd_preprocess", spec, target)(out, dout, lse, dpsum, lse_log2)
+    if gqa:
+        seqlen_k_pad = _round_up(seqlen_k, cfg.block_n)
+        dk_out = torch.zeros(batch, seqlen_k_pad, nheads_kv, head_dim, **f32)
+        dv_out = torch.zeros(batch, seqlen_k_pad, nheads_kv, head_dim, **f32)
+    else:
+        dk_out, dv_out = dk, dv
+    _kernel("bwd_gqa" if gqa else "bwd", spec, target)(
+        q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, softmax_scale, mask.left, mask.right
+    )
+    postprocess = _kernel("bwd_postprocess", spec, target)
+    postprocess(dq_accum, dq, softmax_scale)
+    if gqa:
+        # The main kernel already applied the softmax scale to dK.
+        postprocess(dk_out, dk, 1.0)
+        postprocess(dv_out, dv, 1.0)

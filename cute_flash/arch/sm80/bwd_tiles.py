@@ -1,0 +1,77 @@
+"""Tile shapes of the sm80 backward main kernel (kept free of cutlass imports: the front end asks for them early)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Largest dynamic shared memory per CTA on an A100; the same tiles serve sm_90a, where the sm80 kernels also run.
+SM80_SMEM_CAPACITY = 163 * 1024
+
+
+@dataclass(frozen=True)
+class BwdTileConfig:
+    """Tile shape and warp arrangement of the main backward kernel (part of its compile key)."""
+
+    block_m: int  # query rows per inner step
+    block_n: int  # keys owned by one CTA
+    num_stages: int  # shared-memory buffers for the Q / dO tiles (1 or 2)
+    warps_m_sdp: int  # warps along the query dim of S and dP (the rest go along keys)
+    warps_n_dkv: int  # warps along the key dim of dK and dV (the rest go along the head dim)
+    warps_m_dq: int  # warps along the query dim of dQ (the rest go along the head dim)
+    num_warps: int = 8
+    dq_chunk: int = 0  # head-dim columns of dQ per pass (0: all at once); smaller bounds the dQ accumulator
+
+    @property
+    def num_threads(self) -> int:
+        return self.num_warps * 32
+
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+        qdo = 2 * self.num_stages * self.block_m * head_dim
+        kv = 2 * self.block_n * head_dim
+        pds = 2 * self.block_m * self.block_n
+        return (qdo + kv + pds) * elem_bytes
+
+    def as_dict(self, head_dim: int) -> dict:
+        return {
+            "block_m": self.block_m,
+            "block_n": self.block_n,
+            "num_stages": self.num_stages,
+            "num_warps": self.num_warps,
+            "warps_mn_sdp": (self.warps_m_sdp, self.num_warps // self.warps_m_sdp),
+            "warps_nd_dkv": (self.warps_n_dkv, self.num_warps // self.warps_n_dkv),
+            "warps_md_dq": (self.warps_m_dq, self.num_warps // self.warps_m_dq),
+            "dq_chunk": self.dq_chunk or head_dim,
+            "threads": self.num_threads,
+            "shared_bytes": self.smem_bytes(head_dim),
+        }
+
+
+def bwd_tile_config(head_dim: int) -> BwdTileConfig:
+    """FlashAttention-2's arrangement, 8 warps, head_dim a multiple of 32 up to 256:
+
+    head dim   tile (m x n)   Q/dO stages   why
+    <= 128     64 x 128       2             dK + dV accumulators (128 regs/thread at d128) leave room for S and dP
+    <= 224     64 x 64        2             a 128-key tile would need 192+ accumulator registers per thread
+    256        64 x 64        1             two stages of 64 x 256 Q and dO exceed the A100's 163 KiB
+
+    Each warp arrangement must tile its product: a warp covers 16 rows and 16 columns per mma step, so along the head
+    dim the warps need head_dim % (16 * warps) == 0 (96, 160, 224 take 2 warps there instead of 4).
+    """
+    warps = 8
+    block_m = 64
+    block_n = 128 if head_dim <= 128 else 64
+
+    def fits(rows: int, warps_rows: int) -> bool:
+        return rows % (16 * warps_rows) == 0 and head_dim % (16 * (warps // warps_rows)) == 0
+
+    warps_n_dkv = next(w for w in (block_n // 32, 4, 8) if fits(block_n, w))
+    warps_m_dq = next(w for w in (2, 4) if fits(block_m, w))
+    warps_m_sdp = 2 if block_n == 128 else 4
+    # From d128 up, dQ in 64-column passes: its accumulator then takes 16 registers instead of d / 4, which is what
+    # keeps these kernels free of spills next to the dK/dV accumulators (measured with ptxas for sm_80).
+    dq_chunk = 64 if head_dim >= 128 and head_dim % 64 == 0 else 0
+    for stages in (2, 1):
+        cfg = BwdTileConfig(block_m, block_n, stages, warps_m_sdp, warps_n_dkv, warps_m_dq, warps, dq_chunk)
+        if cfg.smem_bytes(head_dim) <= SM80_SMEM_CAPACITY:
+            return cfg
+    raise AssertionError(f"no backward tile fits head_dim {head_dim}")

@@ -1,0 +1,76 @@
+"""Backward postprocess: converts an fp32 gradient accumulator to the output dtype, times a scale.
+
+The main backward kernel accumulates dQ (and, with GQA, dK/dV) with fp32 atomics into a (b, s_padded, h, d) buffer;
+this kernel writes out[b, i, h, :] = scale * accum[b, i, h, :] for i < s. One CTA converts `block_m` rows of one
+(batch, head).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Type
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+
+class AccumConvertSm80:
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, block_m: int = 64, num_threads: int = 128):
+        assert head_dim % 8 == 0
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.block_m = block_m
+        self.num_threads = num_threads
+        self.lanes_per_row = math.gcd(head_dim // 8, 32)  # each lane moves 8 elements at a time
+
+    @cute.jit
+    def __call__(
+        self,
+        mAccum: cute.Tensor,  # (b, s_padded, h, d) fp32
+        mOut: cute.Tensor,  # (b, s, h, d) dtype
+        scale: Float32,
+        stream,
+    ):
+        thread_layout = cute.make_ordered_layout(
+            (self.num_threads // self.lanes_per_row, self.lanes_per_row), order=(1, 0)
+        )
+        value_layout = cute.make_layout((1, 8))
+        load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        tiled_load = cute.make_tiled_copy_tv(load_atom, thread_layout, value_layout)
+        tiled_store = cute.make_tiled_copy_tv(store_atom, thread_layout, value_layout)
+        grid = (cute.ceil_div(mOut.shape[1], self.block_m), mOut.shape[2], mOut.shape[0])
+        self.kernel(mAccum, mOut, scale, tiled_load, tiled_store).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mAccum: cute.Tensor,
+        mOut: cute.Tensor,
+        scale: Float32,
+        tiled_load: cute.TiledCopy,
+        tiled_store: cute.TiledCopy,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen = mOut.shape[1]
+        tile = (self.block_m, self.head_dim)
+
+        gAccum = cute.local_tile(mAccum[batch, None, head, None], tile, (m_block, 0))
+        gOut = cute.local_tile(mOut[batch, None, head, None], tile, (m_block, 0))
+        cOut = cute.make_identity_tensor(tile)
+        thr_load = tiled_load.get_slice(tidx)
+        thr_store = tiled_store.get_slice(tidx)
+        tAgA = thr_load.partition_S(gAccum)
+        tOgO = thr_store.partition_D(gOut)
+        tOcO = thr_store.partition_D(cOut)
+        tArA = cute.make_fragment_like(tAgA)
+        tOrO = cute.make_fragment_like(tOgO)
+        for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
+            if m_block * self.block_m + tOcO[0, m, 0][0] < seqlen:
+                cute.copy(tiled_load, tAgA[None, m, None], tArA[None, m, None])
+                tOrO[None, m, None].store((tArA[None, m, None].load() * scale).to(self.dtype))
+                cute.copy(tiled_store, tOrO[None, m, None], tOgO[None, m, None])

@@ -1,0 +1,117 @@
+"""Backward preprocess: D = rowsum(dO * O) and the log2-domain LSE the main backward kernel reads.
+
+One CTA handles 64 query rows of one (batch, head), one warp per 16 rows. Both outputs are (b, h, seqlen_q_padded)
+fp32, padded to the main kernel's query tile so that it reads them without predicates. Padding rows, and rows whose
+forward saw no key (lse = -inf), get D = 0 and lse_log2 = +inf: the main kernel then computes P = exp2(s - inf) = 0
+for them, so their gradients vanish without any special case there.
+
+D is the diagonal of dO O^T computed with the same mma.sync chain (m16n8k16, fp32 accumulation, k-blocks in order
+from a zero accumulator) as the main kernel's dP = dO V^T. When a row's output is exactly one value row (a row that
+sees a single key: P = 1, O = V_j bitwise), dP_ij - D_i is then exactly 0, as it is in plain torch, instead of the
+rounding difference between two summation orders.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Type
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+from cutlass.cute.nvgpu import warp
+
+LOG2_E = math.log2(math.e)
+ROWS_PER_WARP = 16  # the mma's m
+
+
+class BackwardPreprocessSm80:
+    """Computes dpsum = rowsum(dO * O) and lse_log2 = lse * log2(e) (+inf where the row is empty or padding)."""
+
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim_v: int, block_m: int = 64):
+        assert head_dim_v % 16 == 0 and block_m % ROWS_PER_WARP == 0
+        self.dtype = dtype
+        self.head_dim_v = head_dim_v
+        self.block_m = block_m
+        self.num_warps = block_m // ROWS_PER_WARP
+
+    @cute.jit
+    def __call__(
+        self,
+        mO: cute.Tensor,  # (b, sq, h, dv)
+        mdO: cute.Tensor,  # (b, sq, h, dv)
+        mLSE: cute.Tensor,  # (b, h, sq) natural log
+        mdPsum: cute.Tensor,  # (b, h, sq_padded), sq_padded a multiple of block_m
+        mLSElog2: cute.Tensor,  # (b, h, sq_padded)
+        stream,
+    ):
+        # One warp computes a 16 x 16 tile of dO O^T per k-block (two n8 atoms), of which it keeps the diagonal.
+        tiled_mma = cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
+            (1, 1, 1),
+            permutation_mnk=(ROWS_PER_WARP, ROWS_PER_WARP, 16),
+        )
+        grid = (cute.ceil_div(mdPsum.shape[2], self.block_m), mO.shape[2], mO.shape[0])
+        self.kernel(mO, mdO, mLSE, mdPsum, mLSElog2, tiled_mma).launch(
+            grid=grid, block=[self.num_warps * 32, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mO: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mLSElog2: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        warp_idx = tidx // 32
+        lane = tidx % 32
+        seqlen_q = mO.shape[1]
+        rows_block = m_block * (self.block_m // ROWS_PER_WARP) + warp_idx
+        first_row = rows_block * ROWS_PER_WARP
+        tile = (ROWS_PER_WARP, self.head_dim_v)
+
+        gO = cute.local_tile(mO[batch, None, head, None], tile, (rows_block, 0))
+        gdO = cute.local_tile(mdO[batch, None, head, None], tile, (rows_block, 0))
+        cT = cute.make_identity_tensor(tile)
+        thr_mma = tiled_mma.get_slice(lane)
+        tAgdO = thr_mma.partition_A(gdO)
+        tBgO = thr_mma.partition_B(gO)
+        tAcT = thr_mma.partition_A(cT)
+        tBcT = thr_mma.partition_B(cT)
+        tArdO = thr_mma.make_fragment_A(tAgdO)
+        tBrO = thr_mma.make_fragment_B(tBgO)
+        if first_row + ROWS_PER_WARP <= seqlen_q:
+            cute.autovec_copy(tAgdO, tArdO)
+            cute.autovec_copy(tBgO, tBrO)
+        else:
+            # Rows past the sequence end are zero, so their D is 0.
+            tArdO.fill(0)
+            tBrO.fill(0)
+            for i in cutlass.range_constexpr(cute.size(tArdO)):
+                if first_row + tAcT[i][0] < seqlen_q:
+                    tArdO[i] = tAgdO[i]
+            for i in cutlass.range_constexpr(cute.size(tBrO)):
+                if first_row + tBcT[i][0] < seqlen_q:
+                    tBrO[i] = tBgO[i]
+
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS_PER_WARP, ROWS_PER_WARP)), Float32)
+        acc.fill(0.0)
+        for k in cutlass.range_constexpr(cute.size(tArdO, mode=[2])):
+            cute.gemm(tiled_mma, acc, tArdO[None, None, k], tBrO[None, None, k], acc)
+
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((ROWS_PER_WARP, ROWS_PER_WARP)))
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            if tCcC[i][0] == tCcC[i][1]:
+                row_global = first_row + tCcC[i][0]
+                lse_log2 = Float32.inf
+                if row_global < seqlen_q:
+                    lse = Float32(mLSE[batch, head, row_global])
+                    if lse != -Float32.inf:
+                        lse_log2 = lse * LOG2_E
+                mdPsum[batch, head, row_global] = acc[i]
+                mLSElog2[batch, head, row_global] = lse_log2

@@ -1,0 +1,96 @@
+"""CPU: the sm100 forward cross-compiles for sm_100a and is built the way the design says (no GPU needed).
+
+Through the same path as `python -m cute_flash compile --arch sm100`: the PTX must hold tcgen05.mma (cta_group::2 and
+tcgen05.alloc.cta_group::2 in the 2-CTA build, kind::f8f6f4 in the fp8 build), TMA bulk-tensor copies and
+setmaxnreg; ptxas must report zero spill bytes. Four compile calls (five kernels) keep this near a minute.
+"""
+
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
+
+import pytest  # noqa: E402
+
+from cute_flash.arch.sm100 import BACKEND  # noqa: E402
+from cute_flash.arch.sm100 import config  # noqa: E402
+from cute_flash.cli import compile_report  # noqa: E402
+from cute_flash.spec import AttentionSpec  # noqa: E402
+
+
+def _reports(capsys, tmp_path, spec):
+    # ptxas' register/spill report reaches Python's sys.stderr, which pytest replaces; compile_report captures file
+    # descriptor 2, so pytest's own capture is suspended while compiling.
+    with capsys.disabled():
+        return compile_report("sm100", spec, backward=False, out_dir=str(tmp_path))
+
+
+def _check_common(report):
+    census = report["census"]
+    assert census["tcgen05.mma"] > 0
+    assert census["cp.async.bulk.tensor"] > 0
+    assert census["setmaxnreg"] >= 2  # the 16 warps re-split the register file by role
+    assert report["threads"] == 512
+    assert report["spill_bytes"] == 0, f"{report['kernel']} spills {report['spill_bytes']} bytes"
+
+
+def test_sm100_bf16_d128_causal_builds_1cta_and_2cta(capsys, tmp_path):
+    spec = AttentionSpec("bf16", 128, 128, "causal")
+    reports = {r["kernel"]: r for r in _reports(capsys, tmp_path, spec)}
+    assert set(reports) == {"fwd", "fwd_2cta"}
+    for r in reports.values():
+        _check_common(r)
+    one, two = reports["fwd"]["census"], reports["fwd_2cta"]["census"]
+    assert one["tcgen05.mma.cta_group::2"] == 0 and one["tcgen05.alloc.cta_group::2"] == 0
+    assert two["tcgen05.mma.cta_group::2"] == two["tcgen05.mma"] > 0
+    assert two["tcgen05.alloc.cta_group::2"] == 1
+    assert reports["fwd_2cta"]["config"]["cluster"] == [2, 1, 1]
+
+
+def test_sm100_fp8_d128_builds_f8f6f4(capsys, tmp_path):
+    spec = AttentionSpec("fp8", 128, 128, "none", out_dtype="bf16")
+    reports = {r["kernel"]: r for r in _reports(capsys, tmp_path, spec)}
+    # The front end's e4m3 pre-pass runs before the forward on a B200 too: it must build for sm_100a.
+    assert set(reports) == {"fwd", "fp8_prepass_q", "fp8_prepass_k", "fp8_prepass_v"}
+    report = reports["fwd"]
+    _check_common(report)
+    census = report["census"]
+    assert census["tcgen05.mma.kind::f8f6f4"] == census["tcgen05.mma"] > 0
+    assert census["tcgen05.mma.cta_group::2"] == 0
+
+
+def test_sm100_bf16_d64_local_builds(capsys, tmp_path):
+    spec = AttentionSpec("bf16", 64, 64, "local")
+    (report,) = _reports(capsys, tmp_path, spec)
+    _check_common(report)
+    assert report["kernel"] == "fwd"
+
+
+def test_sm100_fp16_d96_causal_builds(capsys, tmp_path):
+    # 96 is not a multiple of the 64-element swizzle atom: Q/K/V/O tiles take the narrower smem layouts.
+    spec = AttentionSpec("fp16", 96, 96, "causal", out_dtype="fp16")
+    (report,) = _reports(capsys, tmp_path, spec)
+    _check_common(report)
+
+
+def test_sm100_two_cta_choice():
+    causal = AttentionSpec("bf16", 128, 128, "causal")
+    assert config.choose_config(causal, seqlen_q=4096).use_2cta
+    assert not config.choose_config(causal, seqlen_q=256).use_2cta
+    assert not config.choose_config(AttentionSpec("bf16", 64, 64, "none"), seqlen_q=4096).use_2cta
+    assert not config.choose_config(AttentionSpec("bf16", 128, 128, "local"), seqlen_q=4096).use_2cta
+    assert not config.choose_config(AttentionSpec("fp8", 128, 128, "none"), seqlen_q=4096).use_2cta
+    # Shared memory: Q (2 tiles) + O staging (2 tiles) + the K/V ring must fit 227 KiB.
+    for spec in (causal, AttentionSpec("fp8", 128, 128, "none"), AttentionSpec("fp16", 64, 64, "none")):
+        for cfg in config.configs_for(spec):
+            assert cfg.kv_stages >= 2
+
+
+def test_sm100_rejects_what_it_lacks():
+    assert BACKEND.unsupported_reason(AttentionSpec("bf16", 128, 128, "none"), backward=False) is None
+    assert BACKEND.unsupported_reason(AttentionSpec("fp8", 64, 64, "causal"), backward=False) is None
+    assert "backward" in BACKEND.unsupported_reason(AttentionSpec("bf16", 128, 128, "none"), backward=True)
+    assert BACKEND.unsupported_reason(AttentionSpec("bf16", 96, 96, "local"), backward=False) is None
+    assert "head_dim 256" in BACKEND.unsupported_reason(AttentionSpec("bf16", 256, 256, "none"), backward=False)
+    assert "head_dim_v" in BACKEND.unsupported_reason(AttentionSpec("bf16", 128, 64, "none"), backward=False)
+    with pytest.raises(NotImplementedError):
+        BACKEND.compile_artifacts(AttentionSpec("bf16", 256, 256, "none"), backward=False, target="sm_100a")

@@ -1,0 +1,60 @@
+"""CPU: the sm80 backward kernels cross-compile for sm_80 with the instructions FlashAttention-2's design implies.
+
+A few specs only (each main kernel takes several seconds to build); the CLI's `compile --arch sm80 --backward` covers
+any other head dim.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cute_flash.spec import AttentionSpec
+
+SPECS = [
+    AttentionSpec("bf16", 64, 64, "none", "bf16"),
+    AttentionSpec("fp16", 128, 128, "causal", "fp16"),
+    AttentionSpec("bf16", 256, 256, "local", "bf16"),
+]
+
+
+@pytest.fixture(scope="module")
+def artifacts():
+    from cute_flash.arch.sm80.backward import compile_backward_artifacts
+
+    return {spec: {a.kernel: a for a in compile_backward_artifacts(spec, "sm_80")} for spec in SPECS}
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.dtype}-d{s.head_dim}-{s.mask}")
+def test_backward_kernels_census(spec, artifacts):
+    from cute_flash.census import cubin_resources, ptx_census
+
+    kernels = artifacts[spec]
+    assert set(kernels) == {"bwd_preprocess", "bwd", "bwd_gqa", "bwd_postprocess"}
+    for name in ("bwd", "bwd_gqa"):
+        census = ptx_census(kernels[name].ptx)
+        # Five products per step (S, dP, dV, dK, dQ), all mma.sync; operands through ldmatrix (plain and .trans);
+        # Q, dO, K, V arrive by cp.async; dQ (and dK/dV under GQA) leave through fp32 atomics.
+        assert census["mma.sync"] > 0 and census["ldmatrix"] > 0 and census["cp.async"] > 0, (name, census)
+        assert census["wgmma.mma_async"] == 0 and census["tcgen05.mma"] == 0
+        assert "ldmatrix.sync.aligned.m8n8.x4.trans" in kernels[name].ptx
+        assert "atom.global" in kernels[name].ptx or "red.global" in kernels[name].ptx
+        cfg = kernels[name].config
+        assert cfg["shared_bytes"] <= 163 * 1024
+        (res,) = cubin_resources(kernels[name].cubin).values()
+        assert res["registers"] <= 255
+    # D = rowsum(dO * O) is the diagonal of dO O^T by the same mma chain as dP (two n8 atoms per 16-wide k-block).
+    assert ptx_census(kernels["bwd_preprocess"].ptx)["mma.sync"] == 2 * spec.head_dim_v // 16
+    assert ptx_census(kernels["bwd_postprocess"].ptx)["mma.sync"] == 0
+
+
+def test_unsupported_specs_say_why():
+    from cute_flash.arch.sm80.backward import backward_unsupported_reason
+
+    assert backward_unsupported_reason(AttentionSpec("bf16", 128, 128, "causal", "bf16")) is None
+    for spec, words in (
+        (AttentionSpec("fp8", 128, 128, "none", "bf16"), "fp8"),
+        (AttentionSpec("bf16", 128, 64, "none", "bf16"), "head_dim_v"),
+        (AttentionSpec("bf16", 72, 72, "none", "bf16"), "multiples of 32"),
+    ):
+        reason = backward_unsupported_reason(spec)
+        assert reason is not None and words in reason, reason

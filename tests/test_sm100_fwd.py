@@ -1,0 +1,193 @@
+"""GPU (Blackwell, compute capability 10.x): the sm100 forward against the float64 reference with FlashAttention's
+rule (max |out - ref| <= 2 * max |torch in the input dtype - ref| + 1e-5; LSE likewise, -inf rows exactly).
+
+Run: pytest -m sm100 tests/test_sm100_fwd.py  (skips without a compute capability 10.x GPU).
+
+The matrix is the sm90 one with the head dims sm100 builds (64, 96, 128; 192 and 256 raise NotImplementedError).
+seqlen_q > 256 at d=128 runs the 2-CTA kernel, shorter ones the 1-CTA kernel (config.choose_config);
+`test_one_and_two_cta_agree` runs both on the same inputs.
+"""
+
+import pytest
+import torch
+
+from cute_flash import attention
+from cute_flash.arch.sm100 import config as sm100_config
+from cute_flash.reference import attention_reference
+from cute_flash.spec import AttentionSpec
+from cute_flash.testing import check_forward, random_qkv
+
+pytestmark = pytest.mark.sm100
+
+HEAD_DIMS = [64, 96, 128]
+SEQLENS = [(1, 1), (113, 203), (128, 128), (239, 1), (1023, 1024), (2048, 2048)]
+HEADS = [(8, 8), (8, 2), (8, 1)]
+MASKS = {"full": {}, "causal": {"causal": True}, "window64_0": {"window_size": (64, 0)}}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _run(q, k, v, **mask):
+    out, lse = attention(q, k, v, return_lse=True, **mask)
+    return check_forward(q, k, v, out, lse, **mask)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"q{s[0]}k{s[1]}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_forward_matrix(head_dim, seqlens, heads, mask, dtype):
+    seqlen_q, seqlen_k = seqlens
+    batch = 2 if seqlen_q * seqlen_k <= (1 << 20) else 1
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, *heads, head_dim, dtype=DTYPES[dtype], seed=seqlen_q + head_dim)
+    _run(q, k, v, **MASKS[mask])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen", [8192, 16384])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_forward_long(head_dim, seqlen, causal):
+    # Few heads: the float64 reference materialises (heads x seqlen x seqlen) scores.
+    q, k, v = random_qkv(1, seqlen, seqlen, 2, 1, head_dim, dtype=torch.bfloat16, seed=seqlen)
+    _run(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_fully_masked_rows(head_dim):
+    # Causal with seqlen_q > seqlen_k: query i sees key j iff j <= i - 200, so rows 0..199 see nothing. With 2-CTA
+    # (d=128, sq=300 > 256) the whole 512-row cluster shares one KV range; the empty rows must still be 0 / -inf.
+    q, k, v = random_qkv(2, 300, 100, 4, 2, head_dim, dtype=torch.bfloat16, seed=7)
+    out, lse = attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(out[:, :200], torch.zeros_like(out[:, :200]))
+    assert torch.isneginf(lse[:, :, :200]).all()
+    check_forward(q, k, v, out, lse, causal=True)
+    # A window that no key of a short K reaches from the first rows: rows 0..(sq - sk - 1) are empty.
+    q, k, v = random_qkv(1, 257, 64, 2, 2, head_dim, dtype=torch.float16, seed=8)
+    _run(q, k, v, window_size=(16, 0))
+    # Every row of whole tiles sees nothing: those CTAs run no MMA at all and write 0 / -inf directly.
+    q, k, v = random_qkv(1, 1200, 64, 2, 1, head_dim, dtype=torch.bfloat16, seed=9)
+    _run(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("window", [(0, 0), (100, 30), (None, 5), (7, None), (300, 300)])
+def test_local_windows(window):
+    q, k, v = random_qkv(2, 777, 901, 4, 4, 128, dtype=torch.bfloat16, seed=11)
+    _run(q, k, v, window_size=window)
+    _run(q, k, v, causal=True, window_size=window)
+
+
+def test_forward_strided_views():
+    # q, k, v cut from one packed (b, s, 3, h, d) tensor: row strides are 3 * h * d, not h * d.
+    qkv = torch.randn(2, 517, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(dim=2)
+    _run(q, k, v)
+    _run(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_one_and_two_cta_agree(monkeypatch, causal):
+    q, k, v = random_qkv(2, 1000, 1111, 4, 2, 128, dtype=torch.bfloat16, seed=5)
+    spec = AttentionSpec("bf16", 128, 128, "causal" if causal else "none")
+    outs = []
+    for use_2cta in (False, True):
+        monkeypatch.setattr(sm100_config, "choose_config", lambda spec_, seqlen_q, u=use_2cta: sm100_config.make_config(spec_, u))
+        out, lse = attention(q, k, v, causal=causal, return_lse=True)
+        check_forward(q, k, v, out, lse, causal=causal)
+        outs.append((out, lse))
+    assert sm100_config.two_cta_eligible(spec)
+    # Same arithmetic in both (only the MMA grouping differs): results agree to the last bits of the output dtype.
+    assert (outs[0][0].float() - outs[1][0].float()).abs().max().item() <= 2 * 2.0**-8
+    assert torch.allclose(outs[0][1], outs[1][1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_unbuilt_head_dims_say_so(head_dim):
+    q, k, v = random_qkv(1, 64, 64, 2, 2, head_dim, dtype=torch.bfloat16, seed=1)
+    with pytest.raises(NotImplementedError, match="head_dim"):
+        attention(q, k, v)
+
+
+# --- FP8 (kind::f8f6f4) through the front end --------------------------------------------------------------------------
+# Budget of docs/fp8.md (the same as tests/test_fp8_gpu.py): against float64, the kernel may be at most 1.25x the RMSE
+# and 2x the max error of the same quantisation emulated in torch (cute_flash.fp8.emulate); pre-quantised inputs are
+# compared with float64 on the dequantised values. Rows that see no key: out 0, lse -inf.
+FP8_CASES = [
+    # b, sq, sk, h, hkv, d, causal, window
+    (2, 512, 512, 4, 4, 128, False, (None, None)),
+    (1, 1000, 1000, 4, 2, 128, True, (None, None)),  # tails, GQA
+    (2, 300, 700, 6, 2, 128, False, (None, None)),  # sq != sk
+    (1, 700, 300, 2, 1, 128, True, (None, None)),  # sq > sk: the first rows see no key
+    (1, 640, 640, 4, 4, 128, False, (100, 20)),  # local window
+    (1, 500, 2048, 2, 2, 64, True, (None, None)),
+    (1, 333, 517, 4, 2, 96, False, (None, None)),
+]
+
+
+def _rmse(a, b):
+    return (a.double() - b.double()).pow(2).mean().sqrt().item()
+
+
+def _check_fp8(q, k, v, out, lse, causal, window, rotate=True):
+    from cute_flash.fp8.emulate import emulated_attention
+    from cute_flash.fp8.prepare import BLOCK_M, BLOCK_N
+
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, window_size=window, return_lse=True)
+    emu = emulated_attention(
+        q, k, v, scheme="fp8_block_rotate" if rotate else "fp8_block", causal=causal, window_size=window,
+        block_m=BLOCK_M, block_n=BLOCK_N,
+    )
+    assert torch.isfinite(out).all()
+    err, emu_err = _rmse(out, ref), _rmse(emu, ref)
+    max_err = (out.double() - ref).abs().max().item()
+    emu_max = (emu.double() - ref).abs().max().item()
+    assert err <= 1.25 * emu_err + 1e-4, f"rmse {err:.3e} vs emulated {emu_err:.3e}"
+    assert max_err <= 2 * emu_max + 2e-3, f"max {max_err:.3e} vs emulated {emu_max:.3e}"
+    masked = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse) & (lse < 0), masked), "rows with no key must have lse = -inf"
+    if masked.any():
+        assert (out[masked.permute(0, 2, 1)] == 0).all(), "rows with no key must be 0"
+    keep = ~masked
+    assert (lse[keep] - ref_lse[keep]).abs().mean().item() < 0.05
+
+
+@pytest.mark.parametrize(
+    "case", FP8_CASES,
+    ids=lambda c: "b{}_sq{}_sk{}_h{}/{}_d{}_{}_{}".format(*c[:6], "causal" if c[6] else "full", c[7]),
+)
+def test_fp8_attention_matches_budget(case):
+    b, sq, sk, h, hkv, d, causal, window = case
+    q, k, v = random_qkv(b, sq, sk, h, hkv, d, dtype=torch.bfloat16, seed=sq + sk)
+    out, lse = attention(q, k, v, causal=causal, window_size=window, dtype="fp8", return_lse=True)
+    assert out.dtype == torch.bfloat16 and out.shape == (b, sq, h, d)
+    _check_fp8(q, k, v, out, lse, causal, window)
+
+
+@pytest.mark.parametrize("per_block", [False, True])
+def test_fp8_prequantized_inputs(per_block):
+    from cute_flash.fp8 import quantize
+    from cute_flash.fp8.prepare import BLOCK_M, BLOCK_N
+
+    b, s, h, hkv, d = 2, 600, 4, 2, 128
+    q, k, v = random_qkv(b, s, s, h, hkv, d, dtype=torch.bfloat16, seed=11)
+    if per_block:
+        q8, qd = quantize.quantize_blocks(q, BLOCK_M)
+        k8, kd = quantize.quantize_blocks(k, BLOCK_N)
+        v8, vd = quantize.quantize_blocks(v, BLOCK_N)
+        deq = [quantize.dequantize_blocks(x8, xd, blk) for x8, xd, blk in ((q8, qd, BLOCK_M), (k8, kd, BLOCK_N), (v8, vd, BLOCK_N))]
+    else:
+        # One factor per (batch, kv head), FlashAttention-3's convention.
+        def per_head(x, heads_per_kv):
+            amax = x.float().abs().amax(dim=(1, 3)).reshape(b, hkv, heads_per_kv).amax(-1)
+            descale = amax / quantize.E4M3_MAX
+            scale = descale.repeat_interleave(heads_per_kv, dim=1)[:, None, :, None]
+            x8 = quantize.to_e4m3(x.float() / scale)
+            return x8, descale, x8.float() * scale
+
+        (q8, qd, q_deq), (k8, kd, k_deq), (v8, vd, v_deq) = per_head(q, h // hkv), per_head(k, 1), per_head(v, 1)
+        deq = [q_deq, k_deq, v_deq]
+    out, lse = attention(q8, k8, v8, causal=True, descale=(qd, kd, vd), return_lse=True)
+    assert out.dtype == torch.bfloat16
+    ref = attention_reference(*deq, causal=True)
+    # Only P's e4m3 rounding remains (the K and V factors change from block to block when per_block).
+    assert _rmse(out, ref) <= 0.01 * ref.pow(2).mean().sqrt().item() + 1e-4
+    assert (out.double() - ref).abs().max().item() <= 2.0**-3 * deq[2].abs().max().item()
