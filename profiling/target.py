@@ -1,0 +1,124 @@
+"""One attention configuration, launched so that a profiler sees only the launches that matter.
+
+Warm-up calls (JIT compilation included) run first; then the profiled calls run between
+cudaProfilerStart/Stop, each inside an NVTX range named `cf_profile`, so that
+`ncu --profile-from-start off --nvtx --nvtx-include cf_profile/` picks exactly those kernels.
+
+  python -m profiling.target --impl cute-flash --dtype bf16 --direction fwd --batch 2 --seqlen 8192 \
+      --heads 16 --head-dim 128 --causal --meta out/meta.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+NVTX_RANGE = "cf_profile"
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """The configuration flags, shared with profiling.ncu_profile, which passes them through."""
+    p.add_argument("--impl", default="cute-flash", help="cute-flash, fa4, sdpa-cudnn, ... (as in the benchmark)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp8"))
+    p.add_argument("--direction", default="fwd", choices=("fwd", "bwd"))
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seqlen", type=int, default=8192, help="seqlen_q and seqlen_k unless --seqlen-k is given")
+    p.add_argument("--seqlen-k", type=int, default=None)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--heads-kv", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--head-dim-v", type=int, default=None)
+    p.add_argument("--tile-m", type=int, default=128, help="query tile of the IO model (bytes FlashAttention reads)")
+    p.add_argument("--tile-n", type=int, default=128, help="key tile of the backward IO model")
+
+
+def config_argv(args) -> list:
+    """The flags that reproduce `args`' configuration (for the profiled subprocess)."""
+    argv = ["--impl", args.impl, "--dtype", args.dtype, "--direction", args.direction, "--batch", str(args.batch),
+            "--seqlen", str(args.seqlen), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
+            "--tile-m", str(args.tile_m), "--tile-n", str(args.tile_n)]
+    for flag, value in (("--seqlen-k", args.seqlen_k), ("--heads-kv", args.heads_kv),
+                        ("--head-dim-v", args.head_dim_v)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + (["--causal"] if args.causal else [])
+
+
+def case_from_args(args):
+    from cute_flash.bench.grid import Case, Shape
+
+    shape = Shape(args.batch, args.seqlen, args.seqlen_k or args.seqlen, args.heads, args.heads_kv or args.heads,
+                  args.head_dim, args.head_dim_v or args.head_dim)
+    return Case(args.dtype, args.direction, args.causal, shape)
+
+
+def describe(args) -> dict:
+    """The configuration, its FLOPs and the DRAM bytes the IO model predicts (see profiling/io_model.py)."""
+    from .io_model import predicted_bytes
+
+    case = case_from_args(args)
+    return {"impl": args.impl, "case": case.as_dict(), "label": case.label(), "flops": case.flops,
+            "io_bytes": predicted_bytes(case, tile_m=args.tile_m, tile_n=args.tile_n)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_arguments(p)
+    p.add_argument("--warmup", type=int, default=2, help="unprofiled calls first (compilation happens here)")
+    p.add_argument("--iters", type=int, default=1, help="profiled calls")
+    p.add_argument("--meta", default=None, help="write the configuration, FLOPs and IO-model bytes here (JSON)")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from cute_flash.bench.peers import select_impls
+    from cute_flash.bench.runner import make_inputs
+
+    case = case_from_args(args)
+    impls = select_impls([args.impl], log=lambda m: print(m, file=sys.stderr))
+    if not impls:
+        return 2
+    impl = impls[0]
+    reason = impl.unsupported_reason(case)
+    if reason:
+        print(f"target: {args.impl} cannot run {case.label()}: {reason}", file=sys.stderr)
+        return 2
+    if args.meta:
+        os.makedirs(os.path.dirname(os.path.abspath(args.meta)), exist_ok=True)
+        with open(args.meta, "w") as f:
+            json.dump(describe(args), f, indent=1)
+
+    scale = 1.0 / math.sqrt(case.shape.head_dim)
+    if case.direction == "fwd":
+        q, k, v = make_inputs(case)
+        call = lambda: impl(q, k, v, case, scale)  # noqa: E731
+    else:
+        q, k, v = make_inputs(case, requires_grad=True)
+        out = impl(q, k, v, case, scale)
+        dout = torch.randn_like(out)
+
+        def call():
+            for t in (q, k, v):
+                t.grad = None
+            out.backward(dout, retain_graph=True)
+
+    for _ in range(args.warmup):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for _ in range(args.iters):
+        torch.cuda.nvtx.range_push(NVTX_RANGE)
+        call()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print(f"target: profiled {args.iters} call(s) of {args.impl} on {case.label()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
