@@ -4,7 +4,9 @@ Forward: two matrix products per visible pair, QK^T (2·d FLOPs) and PV (2·dv F
 2·b·h·sq·sk·(d + dv) = 4·b·h·sq·sk·d when dv = d. Backward is counted as 2.5 times the forward (five matrix products
 against two), the convention FlashAttention's papers use, so forward and backward TFLOP/s are comparable.
 Causal and local masks are bottom-right aligned (see `cute_flash.spec`): with off = sk - sq, query i sees key j iff
-i + off - left <= j <= i + off + right. A causal square call sees s·(s+1)/2 pairs, the "unmasked half".
+i + off - left <= j <= i + off + right. A plain causal call is counted as exactly half of the dense call
+(4·b·h·sq·sk·d / 2), the convention FlashAttention, FA3/FA4 and cuDNN publish with, so our numbers compare with theirs;
+windows count the pairs they actually leave visible.
 """
 
 from __future__ import annotations
@@ -80,7 +82,10 @@ def attention_flops(
     left, right = window
     if causal:
         right = 0 if right is None else min(right, 0)
-    pairs = visible_pairs(seqlen_q, seqlen_k, left, right)
+    if causal and left is None and right == 0:
+        pairs = seqlen_q * seqlen_k / 2  # the published convention, see the module docstring
+    else:
+        pairs = visible_pairs(seqlen_q, seqlen_k, left, right)
     fwd = 2.0 * batch * heads * pairs * (head_dim + dv)
     return fwd * BACKWARD_FLOP_FACTOR if backward else fwd
 
