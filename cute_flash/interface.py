@@ -70,7 +70,9 @@ def _is_empty(p: Problem) -> bool:
     return p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0
 
 
-def _run_forward(q, k, v, problem: Problem, arch: ArchBackend) -> Tuple[torch.Tensor, torch.Tensor]:
+def _run_forward(q, k, v, problem: Problem, arch: ArchBackend, fp8=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp8: a callable returning `cute_flash.fp8.prepare.Fp8Inputs` when the spec computes in FP8 (run only when
+    there is work to launch)."""
     spec: AttentionSpec = problem.spec
     out_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec.out_dtype]
     out = torch.empty(
@@ -83,8 +85,39 @@ def _run_forward(q, k, v, problem: Problem, arch: ArchBackend) -> Tuple[torch.Te
         lse.fill_(float("-inf"))
         return out, lse
     with torch.cuda.device(q.device):
-        arch.forward(q, k, v, out, lse, spec=spec, softmax_scale=problem.softmax_scale, mask=problem.mask)
+        if fp8 is None:
+            arch.forward(q, k, v, out, lse, spec=spec, softmax_scale=problem.softmax_scale, mask=problem.mask)
+        else:
+            # FP8: q, k e4m3 (b, s, h, d); v transposed e4m3 (b, h_kv, dv, sk_pad); block descales (see Fp8Inputs).
+            f = fp8()
+            arch.forward(
+                f.q, f.k, f.v_t, out, lse, spec=spec, softmax_scale=problem.softmax_scale, mask=problem.mask,
+                descale=f.descales(),
+            )
     return out, lse
+
+
+class _Fp8NoBackward(torch.autograd.Function):
+    """Passes the FP8 output through; asking for its gradient raises (the FP8 path has no backward kernel)."""
+
+    @staticmethod
+    def forward(ctx, out, q, k, v):
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, dout):
+        raise NotImplementedError(
+            "cute_flash: the FP8 path (dtype='fp8' or float8_e4m3fn inputs) is forward-only; gradients need "
+            "dtype=None (fp16/bf16 compute)"
+        )
+
+
+def _fp8_inputs(q, k, v, descale, fp8_rotate: bool):
+    from .fp8.prepare import check_prequantized, prepare_fp8_inputs
+
+    if descale is not None:
+        return lambda: check_prequantized(q, k, v, descale)
+    return lambda: prepare_fp8_inputs(q, k, v, rotate=fp8_rotate)
 
 
 def attention(
@@ -97,6 +130,8 @@ def attention(
     window_size: Tuple[Optional[int], Optional[int]] = (None, None),
     dtype: Optional[str] = None,
     return_lse: bool = False,
+    fp8_rotate: bool = True,
+    descale: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention softmax(q kᵀ · scale + mask) v on a CUDA GPU, by the kernel family that serves it.
 
@@ -108,13 +143,27 @@ def attention(
     restricts that further to i + off - left <= j <= i + off + right (None = unlimited). A row that sees no key gives
     out 0 and lse -inf. dtype=None computes in the inputs' dtype; dtype="fp8" asks for the FP8 path.
     Differentiable when the serving family has a backward kernel (the error says so when it has none).
+
+    FP8 (forward only; see docs/fp8.md): dtype="fp8" with fp16/bf16 inputs quantises q, k, v on the GPU to e4m3 with
+    one scale per block, after multiplying q and k by a random orthogonal (Hadamard) matrix unless
+    fp8_rotate=False; out keeps the inputs' dtype. Already quantised float8_e4m3fn inputs take
+    descale=(q_descale, k_descale, v_descale), float32 of shape (batch, nheads_kv) or per block (see
+    cute_flash.fp8.prepare); their out is bf16. A gradient through the FP8 path raises NotImplementedError.
     """
-    problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=dtype)
+    problem = validate(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=dtype, descale=descale,
+        fp8_rotate=fp8_rotate,
+    )
     arch = _backend_for(q)
     check_backend_supports(arch, problem.spec, backward=False)
     q, k, v = aligned_view(q), aligned_view(k), aligned_view(v)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if needs_grad:
+    if problem.spec.dtype == "fp8":
+        with torch.no_grad():
+            out, lse = _run_forward(q, k, v, problem, arch, fp8=_fp8_inputs(q, k, v, descale, fp8_rotate))
+        if needs_grad:
+            out = _Fp8NoBackward.apply(out, q, k, v)
+    elif needs_grad:
         out, lse = _Attention.apply(q, k, v, problem, arch)
     else:
         out, lse = _run_forward(q, k, v, problem, arch)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -17,6 +17,9 @@ from .spec import AttentionSpec, MaskBounds, normalize_mask
 
 INPUT_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 COMPUTE_DTYPES = (None, "fp8")
+# Pre-quantised FP8 inputs (with descale factors) and the dtype their output is written in.
+FP8_INPUT_DTYPE = torch.float8_e4m3fn
+FP8_OUT_DTYPE = "bf16"
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
 # Device types whose tensors reach the kernels (tests add "meta" to exercise validation without a GPU).
@@ -78,6 +81,8 @@ def validate(
     softmax_scale: Optional[float],
     window_size: Tuple[Optional[int], Optional[int]],
     dtype: Optional[str],
+    descale: Optional[Sequence[torch.Tensor]] = None,
+    fp8_rotate: bool = True,
 ) -> Problem:
     q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
     for name, t in (("k", k), ("v", v)):
@@ -85,13 +90,23 @@ def validate(
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
         if t.dtype != q.dtype:
             raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
-    if q.dtype not in INPUT_DTYPES:
+    prequantized = q.dtype == FP8_INPUT_DTYPE
+    if prequantized and descale is None:
+        raise ValueError(
+            "q, k, v are float8_e4m3fn: pass descale=(q_descale, k_descale, v_descale), float32 tensors of shape "
+            "(batch, nheads_kv) or per block (see cute_flash.fp8.prepare)"
+        )
+    if q.dtype not in INPUT_DTYPES and not prequantized:
         raise TypeError(
             f"q, k, v have dtype {q.dtype}; expected torch.float16 or torch.bfloat16 "
-            f"(for FP8 compute pass fp16/bf16 inputs with dtype='fp8')"
+            f"(for FP8 compute pass fp16/bf16 inputs with dtype='fp8', or float8_e4m3fn inputs with descale=...)"
         )
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype must be None (compute in the inputs' dtype) or 'fp8', got {dtype!r}")
+    if descale is not None and not prequantized:
+        raise ValueError(f"descale is only for float8_e4m3fn inputs; q, k, v have dtype {q.dtype}")
+    if not isinstance(fp8_rotate, bool):
+        raise TypeError(f"fp8_rotate must be a bool, got {type(fp8_rotate).__name__}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
 
@@ -123,9 +138,12 @@ def validate(
     elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
 
-    in_dtype = INPUT_DTYPES[q.dtype]
+    if prequantized:
+        _check_descale(descale, q, k)
+    # Pre-quantised inputs are written out in bf16; fp16/bf16 inputs keep their dtype on the FP8 path too.
+    in_dtype = FP8_OUT_DTYPE if prequantized else INPUT_DTYPES[q.dtype]
     spec = AttentionSpec(
-        dtype="fp8" if dtype == "fp8" else in_dtype,
+        dtype="fp8" if (dtype == "fp8" or prequantized) else in_dtype,
         head_dim=head_dim,
         head_dim_v=head_dim_v,
         mask=normalize_mask(causal, (left, right)).kind,
@@ -143,6 +161,27 @@ def validate(
         mask=normalize_mask(causal, (left, right)),
         softmax_scale=float(softmax_scale),
     )
+
+
+def _check_descale(descale: object, q: torch.Tensor, k: torch.Tensor) -> None:
+    """descale = (q_descale, k_descale, v_descale) for float8_e4m3fn inputs: float32, on q's device, each either
+    (batch, nheads_kv) or per block (batch, heads, blocks) with the FP8 kernel's block sizes."""
+    from .fp8.prepare import BLOCK_M, BLOCK_N, descale_problem
+
+    if not (isinstance(descale, (tuple, list)) and len(descale) == 3):
+        raise ValueError("descale must be a tuple (q_descale, k_descale, v_descale) of float32 tensors")
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    for name, t, heads, seqlen, block in (
+        ("q_descale", descale[0], nheads, seqlen_q, BLOCK_M),
+        ("k_descale", descale[1], nheads_kv, seqlen_k, BLOCK_N),
+        ("v_descale", descale[2], nheads_kv, seqlen_k, BLOCK_N),
+    ):
+        problem = descale_problem(name, t, batch, heads, nheads_kv, seqlen, block)
+        if problem is not None:
+            raise ValueError(problem)
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
 
 
 def check_backend_supports(backend, spec: AttentionSpec, backward: bool) -> None:

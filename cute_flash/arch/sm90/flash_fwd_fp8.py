@@ -1,0 +1,601 @@
+"""The sm90 FP8 forward kernel: the bf16 kernel's Hopper design with e4m3 wgmma for both GEMMs.
+
+Same CTA as `flash_fwd.Sm90FlashForward` (its pipelines, barriers, ping-pong turns, block ranges and masks): a
+producer warp issues TMA loads of Q once and K / Vᵀ tiles right to left; each consumer warpgroup owns 64 query rows.
+What FP8 changes:
+
+  operands  Q (b, sq, h, d), K (b, sk, h_kv, d) in e4m3, d contiguous: Q·Kᵀ is an SS e4m3 wgmma (k = 32).
+            V arrives transposed, Vᵀ (b, h_kv, dv, sk_pad) with keys contiguous, because an e4m3 wgmma needs its B
+            operand K-major and P·V reduces over keys. Its keys are permuted within groups of 16 (`fp8_permute`), so
+            P goes from the fp32 score accumulator to the e4m3 A operand of the RS P·V wgmma by register renaming
+            and `cvt.rn.satfinite.e4m3x2` only — no shuffles.
+  scales    one descale per 64 query rows (q), per key tile (k, v); see `cute_flash.fp8.prepare`. Q and K scales
+            fold into the softmax exponent (`fp8_softmax`: one factor per tile), V scales into O's per-tile
+            rescale: O is kept in units of the V scale of the last tile it absorbed, and the ratio of consecutive
+            V scales joins the online-softmax rescale factor (no extra instruction per element).
+  P         2^(s − m + 8) ∈ [0, 256], keeping small probabilities out of e4m3's subnormals.
+  O         staged in shared memory in the 16-bit output dtype (its own buffer: the e4m3 Q slice is too small), one
+            TMA store per consumer; LSE from registers.
+  promote   with `promote_pv`, P·V of each tile lands in a fresh wgmma accumulator, added to O in fp32 in the same
+            FFMA that rescales O; otherwise O accumulates inside the wgmma like the bf16 kernel.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Type
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+import cutlass.utils.hopper_helpers as sm90_utils
+
+from ...common.acc_views import rows_cols_view
+from ...common.block_info import BlockInfo
+from ...common.mask import apply_mask
+from ...common.online_softmax import LOG2_E
+from ...fp8.prepare import BLOCK_M, BLOCK_N
+from .barriers import WarpGroupTurns, epilogue_sync
+from .fp8_permute import store_p_operand_e4m3
+from .fp8_softmax import MIN_TILE_SCALE, Fp8OnlineSoftmax
+from .fp8_tile_config import Fp8FwdConfig
+from .pipelines import consumer_state, make_load_pipelines, producer_state
+from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS
+from . import wgmma
+
+SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
+FP8 = cutlass.Float8E4M3FN
+
+
+def _k_major_smem_layout(dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: int) -> cute.ComposedLayout:
+    """(rows, cols, stages) with `cols` contiguous, in the widest swizzle the row length allows (wgmma K-major)."""
+    row_bits = cols * dtype.width
+    kinds = warpgroup.SmemLayoutAtomKind
+    if row_bits % 1024 == 0:
+        kind = kinds.K_SW128
+    elif row_bits % 512 == 0:
+        kind = kinds.K_SW64
+    elif row_bits % 256 == 0:
+        kind = kinds.K_SW32
+    else:
+        kind = kinds.K_INTER
+    return cute.tile_to_shape(warpgroup.make_smem_layout_atom(kind, dtype), (rows, cols, stages), order=(0, 1, 2))
+
+
+def _select(t: cute.Tensor, modes) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+class Sm90FlashForwardFp8:
+    """Compiled once per (output dtype, head dims, mask kind, config); shapes, strides and scales are runtime."""
+
+    def __init__(self, out_dtype: Type[cutlass.Numeric], head_dim: int, head_dim_v: int, mask_kind: str,
+                 cfg: Fp8FwdConfig):
+        assert out_dtype in (cutlass.BFloat16, cutlass.Float16)
+        assert mask_kind in ("none", "causal", "local")
+        assert head_dim % 32 == 0 and head_dim_v % 32 == 0
+        self.out_dtype = out_dtype
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.mask_kind = mask_kind
+        self.causal = mask_kind == "causal"
+        self.local = mask_kind == "local"
+        self.cfg = cfg.tile
+        self.promote_pv = cfg.promote_pv
+        self.num_consumers = cfg.tile.num_consumer_wgs
+        self.tile_m = cfg.tile.tile_m
+        self.tile_n = cfg.tile.tile_n
+        self.num_stages = cfg.tile.num_stages
+        assert BLOCK_M == ROWS_PER_CONSUMER, "one Q descale per consumer slice"
+        assert BLOCK_N % self.tile_n == 0
+        self.tiles_per_scale = BLOCK_N // self.tile_n
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, sq, h, d) e4m3
+        mK: cute.Tensor,  # (b, sk, h_kv, d) e4m3
+        mVt: cute.Tensor,  # (b, h_kv, dv, sk_pad) e4m3, keys permuted per 16
+        mO: cute.Tensor,  # (b, sq, h, dv) bf16/fp16
+        mLSE: cute.Tensor,  # (b, h, sq) fp32
+        mQd: cute.Tensor,  # (b, h, ceil(sq / BLOCK_M)) fp32
+        mKd: cute.Tensor,  # (b, h_kv, ceil(sk / BLOCK_N)) fp32
+        mVd: cute.Tensor,  # (b, h_kv, ceil(sk / BLOCK_N)) fp32
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        stream: cuda.CUstream,
+    ):
+        # Sequence-major views: TMA boxes never cross a (batch, head); rows past seqlen are out of bounds.
+        mQ, mK, mO = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]  # (s, d, h, b)
+        mVt = _select(mVt, [2, 3, 1, 0])  # (dv, sk_pad, h_kv, b)
+        mLSE = _select(mLSE, [2, 1, 0])  # (sq, h, b)
+
+        rows = ROWS_PER_CONSUMER
+        sQ_layout = _k_major_smem_layout(FP8, rows, self.head_dim, self.num_consumers)
+        sK_layout = _k_major_smem_layout(FP8, self.tile_n, self.head_dim, self.num_stages)
+        sVt_layout = _k_major_smem_layout(FP8, self.head_dim_v, self.tile_n, self.num_stages)
+        sO_layout = _k_major_smem_layout(self.out_dtype, rows, self.head_dim_v, self.num_consumers)
+
+        k_major = cute.nvgpu.OperandMajorMode.K
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            FP8, FP8, k_major, k_major, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(rows, self.tile_n)
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            FP8, FP8, k_major, k_major, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(rows, self.head_dim_v),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+
+        one = lambda layout: cute.select(layout, mode=[0, 1])  # noqa: E731  (one stage / one consumer slice)
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, one(sQ_layout), (rows, self.head_dim))
+        atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, one(sK_layout), (self.tile_n, self.head_dim))
+        atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mVt, one(sVt_layout), (self.head_dim_v, self.tile_n))
+        atom_o, tma_o = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, one(sO_layout), (rows, self.head_dim_v)
+        )
+        self.bytes_q = cute.size_in_bytes(FP8, sQ_layout)
+        self.bytes_k = cute.size_in_bytes(FP8, one(sK_layout))
+        self.bytes_v = cute.size_in_bytes(FP8, one(sVt_layout))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sQ_layout)], SMEM_ALIGN]
+            sK: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sK_layout)], SMEM_ALIGN]
+            sVt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sVt_layout)], SMEM_ALIGN]
+            sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(sO_layout)], SMEM_ALIGN]
+
+        num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
+        self.kernel(
+            tma_q, tma_k, tma_v, tma_o, mLSE, mQd, mKd, mVd,
+            atom_q, atom_k, atom_v, atom_o,
+            tiled_mma_qk, tiled_mma_pv,
+            sQ_layout, sK_layout, sVt_layout, sO_layout,
+            softmax_scale, window_left, window_right,
+            SharedStorage,
+        ).launch(
+            grid=[num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])],
+            block=[self.cfg.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # TMA coordinate tensors: (s, d, h, b), Vᵀ (dv, sk_pad, h_kv, b)
+        mK: cute.Tensor,
+        mVt: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,  # (sq, h, b) fp32
+        mQd: cute.Tensor,  # (b, h, q blocks)
+        mKd: cute.Tensor,  # (b, h_kv, k blocks)
+        mVd: cute.Tensor,
+        atom_q: cute.CopyAtom,
+        atom_k: cute.CopyAtom,
+        atom_v: cute.CopyAtom,
+        atom_o: cute.CopyAtom,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sVt_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in (atom_q, atom_k, atom_v, atom_o):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = SmemAllocator().allocate(SharedStorage)
+        pipes = make_load_pipelines(
+            storage.mbar_q.data_ptr(),
+            storage.mbar_k.data_ptr(),
+            storage.mbar_v.data_ptr(),
+            num_stages=self.num_stages,
+            num_consumer_threads=self.num_consumers * WARPGROUP_THREADS,
+            q_bytes=self.bytes_q,
+            k_bytes=self.bytes_k,
+            v_bytes=self.bytes_v,
+        )
+        pipeline.pipeline_init_arrive(is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
+        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+
+        bidx, head, batch = cute.arch.block_idx()
+        m_block = bidx
+        if const_expr(self.causal):
+            m_block = cute.arch.grid_dim()[0] - 1 - bidx  # longest rows first
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        info = BlockInfo(self.tile_m, self.tile_n, self.mask_kind, seqlen_q, seqlen_k, window_left, window_right)
+        n_min, n_max = info.kv_block_range(m_block)
+
+        pipeline.pipeline_init_wait()
+
+        warp_group = warp_idx // 4
+        if warp_group == 0:
+            cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
+            if warp_idx == 0:
+                self.produce(
+                    pipes, atom_q, atom_k, atom_v, mQ, mK, mVt, sQ, sK, sVt, m_block, head, head_kv, batch, n_min,
+                    n_max,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
+            consumer = warp_group - 1
+            self.consume(
+                pipes, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, mO, mLSE, mQd, mKd, mVd, atom_o, softmax_scale,
+                m_block, head, head_kv, batch, seqlen_q, info, n_min, n_max, consumer, tidx % WARPGROUP_THREADS,
+                warp_idx % 4,
+            )
+
+    @cute.jit
+    def produce(
+        self,
+        pipes,
+        atom_q: cute.CopyAtom,
+        atom_k: cute.CopyAtom,
+        atom_v: cute.CopyAtom,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mVt: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sVt: cute.Tensor,
+        m_block: Int32,
+        head: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        n_min: Int32,
+        n_max: Int32,
+    ):
+        rows = ROWS_PER_CONSUMER
+        gQ = cute.local_tile(mQ[None, None, head, batch], (rows, self.head_dim), (None, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+        gVt = cute.local_tile(mVt[None, None, head_kv, batch], (self.head_dim_v, self.tile_n), (0, None))
+        no_cluster = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(atom_q, 0, no_cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(atom_k, 0, no_cluster, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(
+            atom_v, 0, no_cluster, cute.group_modes(sVt, 0, 2), cute.group_modes(gVt, 0, 2)
+        )
+
+        if n_max > n_min:
+            q_state = producer_state(1)
+            pipes.q.producer_acquire(q_state)
+            for c in cutlass.range_constexpr(self.num_consumers):
+                cute.copy(
+                    atom_q,
+                    tQgQ[None, m_block * self.num_consumers + c],
+                    tQsQ[None, c],
+                    tma_bar_ptr=pipes.q.producer_get_barrier(q_state),
+                )
+            # Consumption order: K_last; then (K_{j-1}, V_j) pairs; V_first last.
+            kv = producer_state(self.num_stages)
+            n_last = n_max - 1
+            pipes.k.producer_acquire(kv)
+            cute.copy(atom_k, tKgK[None, n_last], tKsK[None, kv.index], tma_bar_ptr=pipes.k.producer_get_barrier(kv))
+            for i in cutlass.range(n_max - 1 - n_min, unroll=1):
+                n_v = n_last - i
+                kv_v = kv.clone()
+                kv.advance()
+                pipes.k.producer_acquire(kv)
+                cute.copy(
+                    atom_k, tKgK[None, n_v - 1], tKsK[None, kv.index], tma_bar_ptr=pipes.k.producer_get_barrier(kv)
+                )
+                pipes.v.producer_acquire(kv_v)
+                cute.copy(
+                    atom_v, tVgV[None, n_v], tVsV[None, kv_v.index], tma_bar_ptr=pipes.v.producer_get_barrier(kv_v)
+                )
+            pipes.v.producer_acquire(kv)
+            cute.copy(atom_v, tVgV[None, n_min], tVsV[None, kv.index], tma_bar_ptr=pipes.v.producer_get_barrier(kv))
+
+    @cute.jit
+    def consume(
+        self,
+        pipes,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sVt: cute.Tensor,
+        sO: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mQd: cute.Tensor,
+        mKd: cute.Tensor,
+        mVd: cute.Tensor,
+        atom_o: cute.CopyAtom,
+        softmax_scale: Float32,
+        m_block: Int32,
+        head: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+        info: BlockInfo,
+        n_min: Int32,
+        n_max: Int32,
+        consumer: Int32,
+        tidx: Int32,
+        warp_in_wg: Int32,
+    ):
+        rows = ROWS_PER_CONSUMER
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, 1, k-blocks, consumer)
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, 1, k-blocks, stage)
+        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))  # (MMA, 1, key k-blocks, stage)
+        tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((rows, self.tile_n)))
+        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((rows, self.head_dim_v)), Float32)
+        acc_O.fill(0.0)
+
+        coords = cute.local_tile(
+            cute.make_identity_tensor((self.tile_m, self.tile_n)), (rows, self.tile_n), (consumer, 0)
+        )
+        coords_rc = rows_cols_view(thr_qk.partition_C(coords))
+        coords0_rc = rows_cols_view(tiled_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((rows, self.tile_n))))
+
+        softmax = Fp8OnlineSoftmax.create(cute.size(rows_cols_view(acc_O), mode=[0]))
+        turns = WarpGroupTurns(consumer, self.num_consumers, self.cfg.ping_pong)
+        turns.prime()
+
+        # This consumer's Q scale times softmax_scale·log2(e); slices past seqlen_q have no descale entry.
+        slice_idx = m_block * self.num_consumers + consumer
+        q_scale = softmax_scale * LOG2_E
+        if slice_idx < mQd.shape[2]:
+            q_scale = q_scale * mQd[batch, head, slice_idx]
+
+        v_scale_last = Float32(1.0)
+        if n_max > n_min:
+            v_scale_last = self.mainloop(
+                pipes, tiled_mma_qk, tiled_mma_pv, tSrQ[None, None, None, consumer], tSrK, tOrVt, tOrP, acc_O,
+                softmax, turns, info, m_block, n_min, n_max, coords_rc, coords0_rc, q_scale, mKd, mVd, batch,
+                head_kv,
+            )
+
+        row_scale, lse = softmax.finalize(v_scale_last)
+        rows_O = rows_cols_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            rows_O[r, None].store(rows_O[r, None].load() * row_scale[r])
+        self.epilogue(
+            acc_O, lse, tiled_mma_pv, thr_pv, sO, mO, mLSE, atom_o, head, batch, seqlen_q, slice_idx, consumer, tidx,
+            warp_in_wg,
+        )
+
+    @cute.jit
+    def tile_scales(self, mKd: cute.Tensor, mVd: cute.Tensor, batch: Int32, head_kv: Int32, n_block: Int32,
+                    q_scale: Float32):
+        """(exponent factor c_n, V descale) of key tile n_block."""
+        blk = n_block // self.tiles_per_scale
+        # Clamped above 0: a zero descale would give NaN from masked -inf scores and from the V-descale ratio.
+        c = cute.arch.fmax(q_scale * mKd[batch, head_kv, blk], Float32(MIN_TILE_SCALE))
+        return c, cute.arch.fmax(Float32(mVd[batch, head_kv, blk]), Float32(MIN_TILE_SCALE))
+
+    @cute.jit
+    def mainloop(
+        self,
+        pipes,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tSrQ: cute.Tensor,
+        tSrK: cute.Tensor,
+        tOrVt: cute.Tensor,
+        tOrP: cute.Tensor,
+        acc_O: cute.Tensor,
+        softmax: Fp8OnlineSoftmax,
+        turns: WarpGroupTurns,
+        info: BlockInfo,
+        m_block: Int32,
+        n_min: Int32,
+        n_max: Int32,
+        coords_rc: cute.Tensor,
+        coords0_rc: cute.Tensor,
+        q_scale: Float32,
+        mKd: cute.Tensor,
+        mVd: cute.Tensor,
+        batch: Int32,
+        head_kv: Int32,
+    ) -> Float32:
+        """All key tiles of one CTA tile, right to left; returns the V descale O is expressed in at the end."""
+        pipes.q.consumer_wait(consumer_state(1))
+        kv = consumer_state(self.num_stages)
+        s_shape = tiled_mma_qk.get_slice(0).partition_shape_C((ROWS_PER_CONSUMER, self.tile_n))
+        masked = self.causal or self.local
+        mask = partial(self.mask_scores, coords_rc=coords_rc, coords0_rc=coords0_rc, info=info, m_block=m_block)
+        scales = partial(self.tile_scales, mKd, mVd, batch, head_kv, q_scale=q_scale)
+
+        n_first = n_max - 1
+        c_first, v_first = scales(n_block=n_first)
+        pipes.k.consumer_wait(kv)
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=0)
+        pipes.k.consumer_release(kv)
+        mask(acc_S, n_first, True, masked)
+        softmax.update(rows_cols_view(acc_S), c_first, is_first=True)
+        store_p_operand_e4m3(acc_S, tOrP)
+
+        # O-update state: the V descale of the tile whose P is pending (in tOrP), and, with promotion, the factor for
+        # the O accumulated so far (the previous tile's softmax rescale times the ratio of V descales).
+        acc_PV = acc_O
+        if const_expr(self.promote_pv):
+            acc_PV = cute.make_rmem_tensor(acc_O.shape, Float32)
+        pending = cute.make_rmem_tensor(softmax.num_rows, Float32)
+        pending.fill(1.0)
+        v_prev = v_first
+
+        step = partial(
+            self.step, pipes=pipes, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
+            tOrVt=tOrVt, tOrP=tOrP, acc_O=acc_O, acc_PV=acc_PV, pending=pending, s_shape=s_shape, softmax=softmax,
+            turns=turns, mask=mask, scales=scales,
+        )
+        right_lo = n_first
+        if const_expr(masked):
+            right_lo = cutlass.min(cutlass.max(info.kv_right_masked_start(m_block), n_min), n_first)
+            for i in cutlass.range(n_first - right_lo, unroll=1):
+                kv, v_prev = step(kv, v_prev, n_first - 1 - i, True)
+        left_hi = n_min
+        if const_expr(self.local):
+            left_hi = cutlass.min(cutlass.max(info.kv_left_masked_end(m_block), n_min), right_lo)
+        for i in cutlass.range(right_lo - left_hi, unroll=1):
+            kv, v_prev = step(kv, v_prev, right_lo - 1 - i, False)
+        if const_expr(self.local):
+            for i in cutlass.range(left_hi - n_min, unroll=1):
+                kv, v_prev = step(kv, v_prev, left_hi - 1 - i, True)
+
+        # The last P·V (tile n_min), in units of its own V descale.
+        pipes.v.consumer_wait(kv)
+        wgmma.gemm(
+            tiled_mma_pv, acc_PV, tOrP, tOrVt[None, None, None, kv.index], zero_init=self.promote_pv, wait=0
+        )
+        pipes.v.consumer_release(kv)
+        if const_expr(self.promote_pv):
+            self.absorb(acc_O, acc_PV, pending)
+        return v_prev
+
+    @staticmethod
+    @cute.jit
+    def mask_scores(
+        acc_S: cute.Tensor,
+        n_block: Int32,
+        mask_seqlen: cutlass.Constexpr[bool],
+        mask_window: cutlass.Constexpr[bool],
+        coords_rc: cute.Tensor,
+        coords0_rc: cute.Tensor,
+        info: BlockInfo,
+        m_block: Int32,
+    ):
+        apply_mask(rows_cols_view(acc_S), coords_rc, coords0_rc, info, m_block, n_block, mask_seqlen, mask_window)
+
+    @staticmethod
+    @cute.jit
+    def absorb(acc_O: cute.Tensor, acc_PV: cute.Tensor, factor: cute.Tensor):
+        """O = O · factor[row] + PV: the fp32 promotion of one tile's P·V, fused with O's rescale."""
+        rows_O = rows_cols_view(acc_O)
+        rows_PV = rows_cols_view(acc_PV)
+        for r in cutlass.range_constexpr(cute.size(factor)):
+            rows_O[r, None].store(rows_O[r, None].load() * factor[r] + rows_PV[r, None].load())
+
+    @cute.jit
+    def step(
+        self,
+        kv: pipeline.PipelineState,
+        v_prev: Float32,
+        n_block: Int32,
+        mask_window: cutlass.Constexpr[bool],
+        pipes,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tSrQ: cute.Tensor,
+        tSrK: cute.Tensor,
+        tOrVt: cute.Tensor,
+        tOrP: cute.Tensor,
+        acc_O: cute.Tensor,
+        acc_PV: cute.Tensor,
+        pending: cute.Tensor,
+        s_shape: cutlass.Constexpr,
+        softmax: Fp8OnlineSoftmax,
+        turns: WarpGroupTurns,
+        mask: cutlass.Constexpr,
+        scales: cutlass.Constexpr,
+    ):
+        """S_n = Q·K_nᵀ issued together with P_{n+1}·V_{n+1}; the softmax of S_n overlaps that P·V.
+
+        Without promotion O accumulates in the wgmma and is then rescaled by scale_n · v_{n+1} / v_n, keeping it in
+        units of v_n for the next P·V. With promotion PV_{n+1} lands in acc_PV (zero-initialised) and
+        O = O · pending + PV_{n+1}, where pending = scale_{n+1} · v_{n+2} / v_{n+1} came from the previous step.
+        """
+        c_n, v_n = scales(n_block=n_block)
+        kv_v = kv.clone()  # the V stage of the previous (right-hand) tile
+        kv.advance()
+        pipes.k.consumer_wait(kv)
+        turns.wait_turn()
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=-1)
+        pipes.v.consumer_wait(kv_v)
+        wgmma.gemm(
+            tiled_mma_pv, acc_PV, tOrP, tOrVt[None, None, None, kv_v.index], zero_init=self.promote_pv, wait=-1
+        )
+        turns.pass_turn()
+        warpgroup.wait_group(1)  # S is ready; P·V may still run
+        pipes.k.consumer_release(kv)
+        if const_expr(mask_window):
+            mask(acc_S, n_block, False, True)
+        row_scale = softmax.update(rows_cols_view(acc_S), c_n, is_first=False)
+        ratio = v_prev / v_n
+        warpgroup.wait_group(0)  # P·V done: the P registers and the V stage are free
+        pipes.v.consumer_release(kv_v)
+        if const_expr(self.promote_pv):
+            self.absorb(acc_O, acc_PV, pending)
+            for r in cutlass.range_constexpr(cute.size(pending)):
+                pending[r] = row_scale[r] * ratio
+        else:
+            rows_O = rows_cols_view(acc_O)
+            for r in cutlass.range_constexpr(cute.size(row_scale)):
+                rows_O[r, None].store(rows_O[r, None].load() * (row_scale[r] * ratio))
+        store_p_operand_e4m3(acc_S, tOrP)
+        return kv, v_n
+
+    @cute.jit
+    def epilogue(
+        self,
+        acc_O: cute.Tensor,
+        lse: cute.Tensor,
+        tiled_mma_pv: cute.TiledMma,
+        thr_pv,
+        sO: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        atom_o: cute.CopyAtom,
+        head: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+        slice_idx: Int32,
+        consumer: Int32,
+        tidx: Int32,
+        warp_in_wg: Int32,
+    ):
+        rows = ROWS_PER_CONSUMER
+        rO = cute.make_rmem_tensor(acc_O.shape, self.out_dtype)
+        wgmma.convert_to_16bit(acc_O, rO)
+        stmatrix = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.out_dtype
+        )
+        smem_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma_pv).get_slice(tidx)
+        cute.copy(smem_copy, smem_copy.retile(rO), smem_copy.partition_D(sO[None, None, consumer]))
+        cute.arch.fence_view_async_shared()  # generic-proxy stores must be visible to the TMA (async proxy)
+        epilogue_sync(consumer)
+
+        if warp_in_wg == 0:
+            gO = cute.local_tile(mO[None, None, head, batch], (rows, self.head_dim_v), (None, 0))
+            tOsO, tOgO = cpasync.tma_partition(
+                atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+            )
+            cute.copy(atom_o, tOsO[None, consumer], tOgO[None, slice_idx])
+            cute.arch.cp_async_bulk_commit_group()
+
+        coords = rows_cols_view(thr_pv.partition_C(cute.make_identity_tensor((rows, self.head_dim_v))))
+        if coords[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = slice_idx * rows + coords[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[row, head, batch] = lse[r]
+
+        if warp_in_wg == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -1,0 +1,82 @@
+"""Online softmax for FP8 scores: a per-tile exponent scale, and P in [0, 256].
+
+The scores of key tile n come out of the e4m3 wgmma unscaled: S = q8·k8ᵀ. The real logits times log2(e) are
+S · c_n with c_n = softmax_scale · log2(e) · q_descale · k_descale[n], a per-tile factor (block scales). So the running
+row max is kept in that scaled log2 domain:
+    m_new = max(m_old, c_n · max_j S_j)            (c_n > 0)
+    P_j   = 2^(S_j · c_n − m_new + 8)              (one FFMA + ex2 per score, as in bf16)
+    scale = 2^(m_old − m_new);  l = l · scale + Σ_j P_j
+P lies in [0, 256] rather than [0, 1]: e4m3 is subnormal below 2^-6, so without the offset every probability under
+~1/64 of the row max would lose precision, and under 2^-10 would vanish; with it they stay normal down to 2^-14.
+l carries the same factor 2^8, so O / l is unchanged; LSE = (m + log2 l − 8) · ln 2.
+Row maxima are reduced over the 4 lanes of a quad every tile (the common module's helpers); sums stay per-thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from ...common.online_softmax import LN2, _add, _lane_group_reduce, _tree_reduce
+
+P_OFFSET_LOG2 = 8.0
+MIN_TILE_SCALE = 1e-30  # keeps c_n > 0 (a zero descale would turn masked -inf scores into NaN)
+
+
+@dataclass(frozen=True)
+class Fp8OnlineSoftmax:
+    num_rows: int
+    threads_per_row: int
+    row_max: cute.Tensor  # scaled log2 domain
+    row_sum: cute.Tensor
+
+    @staticmethod
+    def create(num_rows: int, threads_per_row: int = 4) -> "Fp8OnlineSoftmax":
+        row_max = cute.make_rmem_tensor(num_rows, Float32)
+        row_sum = cute.make_rmem_tensor(num_rows, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        return Fp8OnlineSoftmax(num_rows, threads_per_row, row_max, row_sum)
+
+    @cute.jit
+    def update(self, acc_rc: cute.Tensor, tile_scale: Float32, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
+        """Scores of one tile -> P (in place, fp32, in [0, 256]); returns each row's factor for the older O."""
+        row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            row = acc_rc[r, None]
+            raw_max = _tree_reduce(row, cute.arch.fmax, None)
+            raw_max = _lane_group_reduce(raw_max, cute.arch.fmax, self.threads_per_row)
+            prev_max = self.row_max[r]
+            new_max = raw_max * tile_scale
+            if cutlass.const_expr(not is_first):
+                new_max = cute.arch.fmax(new_max, prev_max)
+            self.row_max[r] = new_max
+            # A row with no visible key so far keeps max -inf; use 0 instead so P = 2^-inf = 0, not NaN.
+            safe_max = 0.0 if new_max == -Float32.inf else new_max
+            bias = P_OFFSET_LOG2 - safe_max
+            p = cute.math.exp2(row.load() * tile_scale + bias, fastmath=True)
+            row.store(p)
+            if cutlass.const_expr(is_first):
+                row_scale[r] = 1.0
+                self.row_sum[r] = _tree_reduce(row, _add, None)
+            else:
+                scale = cute.math.exp2(prev_max - safe_max, fastmath=True)
+                row_scale[r] = scale
+                self.row_sum[r] = _tree_reduce(row, _add, self.row_sum[r] * scale)
+        return row_scale
+
+    @cute.jit
+    def finalize(self, out_scale: Float32) -> tuple:
+        """(row factor for O, lse): out_scale / l (0 for rows that saw no key) and the natural-log LSE."""
+        row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
+        lse = cute.make_rmem_tensor(self.num_rows, Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            total = _lane_group_reduce(self.row_sum[r], _add, self.threads_per_row)
+            empty = total == 0.0
+            row_scale[r] = 0.0 if empty else out_scale * cute.arch.rcp_approx(total)
+            log2_sum = cute.math.log2(1.0 if empty else total, fastmath=True)
+            lse[r] = -Float32.inf if empty else (self.row_max[r] + log2_sum - P_OFFSET_LOG2) * LN2
+        return row_scale, lse

@@ -1,0 +1,165 @@
+"""FP8 speed on an sm90 GPU: the FP8 kernel alone, with its pre-pass, the pre-pass alone, our bf16 sm90 kernel and
+FlashAttention-4's bf16 forward (when `flash_attn.cute` imports), in TFLOP/s (4·b·h·sq·sk·d, halved when causal;
+the pre-pass row gives GB/s of its own traffic: one read of q, k, v, one e4m3 write).
+
+    python -m cute_flash.fp8.benchmark [--seqlen 16384] [--heads 16] [--head-dim 128 ...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+
+def _bench_ms(fn: Callable[[], object]) -> float:
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=50, rep=200))
+    except ImportError:  # pragma: no cover - the GPU machine has triton
+        for _ in range(5):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 20
+
+
+def _fa4() -> Optional[Callable]:
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        return flash_attn_func
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _variants(head_dim: int):
+    """Configurations tried beside the default (kernel-alone timing): deeper pipelines, no promotion, wider key tiles.
+
+    A key tile wider than the scale block (`BLOCK_N`) would need two K scales per tile; the kernel is built with
+    its scale block widened to the tile for these rows, so they time the kernel but do not compute with the right
+    scales ("timing only").
+    """
+    from ..arch.sm90.fp8_tile_config import Fp8FwdConfig
+    from ..arch.sm90.tile_config import FwdTileConfig
+
+    if head_dim != 128:
+        return {}
+    return {
+        "stages3": Fp8FwdConfig(FwdTileConfig(2, 128, 3), promote_pv=True),
+        "stages3_no_promote": Fp8FwdConfig(FwdTileConfig(2, 128, 3), promote_pv=False),
+        "tile256_no_promote_timing_only": Fp8FwdConfig(FwdTileConfig(2, 256, 2), promote_pv=False),
+    }
+
+
+def bench_case(batch: int, seqlen: int, heads: int, head_dim: int, causal: bool, *, peers: bool = True,
+               variants: bool = False) -> Dict[str, object]:
+    import cute_flash
+
+    from ..arch.sm90.fp8_launch import run_forward_fp8
+    from ..arch.sm90.fp8_tile_config import fp8_fwd_config
+    from ..spec import AttentionSpec, normalize_mask
+    from .prepare import prepare_fp8_inputs
+
+    torch.manual_seed(0)
+    shape = (batch, seqlen, heads, head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flops = 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
+    tflops = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
+    row: Dict[str, object] = {"b": batch, "s": seqlen, "h": heads, "d": head_dim, "causal": causal}
+
+    f = prepare_fp8_inputs(q, k, v)
+    spec = AttentionSpec("fp8", head_dim, head_dim, "causal" if causal else "none", "bf16")
+    mask = normalize_mask(causal, (None, None))
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, seqlen, device="cuda", dtype=torch.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    cfg = fp8_fwd_config(head_dim, head_dim)
+
+    def timed(name, fn, unit=tflops):
+        try:
+            fn()
+            torch.cuda.synchronize()
+            ms = _bench_ms(fn)
+            row[name + "_ms"] = round(ms, 4)
+            row[name] = round(unit(ms), 1)
+        except Exception as e:  # noqa: BLE001  (a row records what failed instead of ending the run)
+            row[name] = f"error: {type(e).__name__}: {str(e)[:160]}"
+
+    for promote in sorted({cfg.promote_pv, False}, reverse=True):
+        c = type(cfg)(cfg.tile, promote)
+        timed(f"fp8_kernel{'' if promote == cfg.promote_pv else '_no_promote'}",
+              lambda c=c: run_forward_fp8(f.q, f.k, f.v_t, out, lse, descale=f.descales(), spec=spec,
+                                          softmax_scale=scale, mask=mask, cfg=c))
+    def fp8_with_prepass():
+        # What cute_flash.attention(q, k, v, dtype="fp8") launches (without its Python validation).
+        g = prepare_fp8_inputs(q, k, v)
+        run_forward_fp8(g.q, g.k, g.v_t, out, lse, descale=g.descales(), spec=spec, softmax_scale=scale, mask=mask)
+
+    if variants:
+        from ..arch.sm90 import flash_fwd_fp8
+
+        for name, c in _variants(head_dim).items():
+            saved = flash_fwd_fp8.BLOCK_N
+            flash_fwd_fp8.BLOCK_N = max(saved, c.tile.tile_n)
+            try:
+                timed(f"fp8_kernel_{name}",
+                      lambda c=c: run_forward_fp8(f.q, f.k, f.v_t, out, lse, descale=f.descales(), spec=spec,
+                                                  softmax_scale=scale, mask=mask, cfg=c))
+            finally:
+                flash_fwd_fp8.BLOCK_N = saved
+    if not peers:
+        timed("bf16_ours", lambda: cute_flash.attention(q, k, v, causal=causal))
+        ours, fp8 = row.get("bf16_ours"), row.get("fp8_kernel")
+        if isinstance(ours, float) and isinstance(fp8, float):
+            row["fp8_kernel_over_bf16_ours"] = round(fp8 / ours, 2)
+        return row
+    timed("fp8_with_prepass", fp8_with_prepass)
+    prepass_bytes = 3 * q.numel() * 2 + 3 * q.numel()
+    timed("prepass_GBps", lambda: prepare_fp8_inputs(q, k, v), unit=lambda ms: prepass_bytes / (ms * 1e-3) / 1e9)
+    timed("bf16_ours", lambda: cute_flash.attention(q, k, v, causal=causal))
+    fa4 = _fa4()
+    if fa4 is not None:
+        timed("bf16_fa4", lambda: fa4(q, k, v, causal=causal))
+    else:
+        row["bf16_fa4"] = "n/a (flash_attn.cute does not import)"
+    ours, fp8 = row.get("bf16_ours"), row.get("fp8_kernel")
+    if isinstance(ours, float) and isinstance(fp8, float):
+        row["fp8_kernel_over_bf16_ours"] = round(fp8 / ours, 2)
+    return row
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqlen", type=int, nargs="+", default=[16384])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, nargs="+", default=[128])
+    ap.add_argument("--causal", choices=("no", "yes", "both"), default="both")
+    ap.add_argument("--json")
+    ap.add_argument("--no-peers", action="store_true", help="only the FP8 kernel and our bf16 kernel")
+    ap.add_argument("--variants", action="store_true", help="also the alternative FP8 configurations (d=128)")
+    args = ap.parse_args(argv)
+    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    rows = []
+    for d in args.head_dim:
+        for s in args.seqlen:
+            for causal in causals:
+                row = bench_case(args.batch, s, args.heads, d, causal, peers=not args.no_peers, variants=args.variants)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""CPU: the sm90 FP8 forward and its pre-pass cross-compile for sm_90a, built the way docs/fp8.md says.
+
+The census must show e4m3 wgmma for both GEMMs (Q·Kᵀ from shared memory, P·V with P from registers), TMA loads and
+stores, setmaxnreg, and ptxas must report zero spill bytes at d <= 128; the pre-pass must use 16-byte loads and the
+saturating e4m3 conversion.
+"""
+
+import contextlib
+import io
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import pytest  # noqa: E402
+
+from cute_flash.census import capture_fd_stderr, cubin_resources, parse_ptxas_report, ptx_census  # noqa: E402
+from cute_flash.spec import AttentionSpec  # noqa: E402
+
+
+def _compile(spec):
+    from cute_flash.arch.sm90.fp8_launch import compile_fp8_artifacts
+
+    # The DSL prints ptxas' report through sys.stderr, which pytest swaps for its own object: capture both it and fd 2.
+    py_stderr = io.StringIO()
+    with capture_fd_stderr() as captured, contextlib.redirect_stderr(py_stderr):
+        artifacts = compile_fp8_artifacts(spec, "sm_90a")
+    ptxas = parse_ptxas_report("".join(captured) + py_stderr.getvalue())
+    out = {}
+    for art in artifacts:
+        entry = next(iter(cubin_resources(art.cubin)))
+        out[art.kernel] = (art, ptx_census(art.ptx), ptxas.get(entry, {}).get("spill_bytes"))
+    return out
+
+
+@pytest.mark.parametrize(
+    "head_dim,mask", [(128, "none"), (128, "causal"), (64, "local"), (256, "causal")], ids=lambda x: str(x)
+)
+def test_fp8_forward_compiles(head_dim, mask):
+    kernels = _compile(AttentionSpec("fp8", head_dim, head_dim, mask, "bf16"))
+    art, census, spill = kernels["fwd_fp8"]
+    assert census["wgmma.mma_async.e4m3"] == census["wgmma.mma_async"] > 0, "both GEMMs must be e4m3 wgmma"
+    assert 0 < census["wgmma.mma_async.rs"] < census["wgmma.mma_async"], "Q·Kᵀ from smem (SS), P·V from registers (RS)"
+    assert census["cp.async.bulk.tensor"] >= 4  # Q, K, Vᵀ loads and the O store
+    assert census["setmaxnreg"] >= 2
+    assert "cvt.rn.satfinite.e4m3x2.f32" in art.ptx
+    # No lane exchange for P (the few indexed shuffles are warp-uniform broadcasts at kernel start).
+    n_idx_shuffles = art.ptx.count("shfl.sync.idx")
+    assert n_idx_shuffles <= 4 and "prmt.b32" not in art.ptx, f"P needs no shuffle or byte permute ({n_idx_shuffles})"
+    assert spill is not None
+    if head_dim <= 128:
+        assert spill == 0, f"d={head_dim} spills {spill} bytes"
+    for role in ("fp8_prepass_q", "fp8_prepass_k", "fp8_prepass_v"):
+        pre, pre_census, pre_spill = kernels[role]
+        assert pre_spill == 0
+        assert "cvt.rn.satfinite.e4m3x2.f32" in pre.ptx
+        assert "ld.global.v4" in pre.ptx, "the pre-pass reads with vector loads"
+
+
+def test_fp8_rejects_what_it_lacks():
+    from cute_flash.arch.sm90.fp8_launch import fp8_unsupported_reason
+
+    assert fp8_unsupported_reason(AttentionSpec("fp8", 128, 128, "causal", "bf16")) is None
+    assert "multiple of 32" in fp8_unsupported_reason(AttentionSpec("fp8", 80, 80, "none", "bf16"))
+    assert "computes in fp8" in fp8_unsupported_reason(AttentionSpec("bf16", 128, 128, "none", "bf16"))

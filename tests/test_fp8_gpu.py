@@ -1,0 +1,158 @@
+"""GPU (Hopper): the FP8 pre-pass against its torch reference, and FP8 attention against float64 within the budget.
+
+Error budget (docs/fp8.md): FP8 attention is compared with the same arithmetic emulated in torch
+(`cute_flash.fp8.emulate`, the kernel's quantisation, tile order and P rounding) and with float64:
+  RMSE(kernel − float64) <= 1.25 · RMSE(emulated − float64) + 1e-4
+  max |kernel − float64| <= 2 · max |emulated − float64| + 2e-3
+and for already quantised inputs the same two bounds against float64 on the dequantised inputs, the emulation then
+rounding only P (scheme GIVEN).
+Rows that see no key must give out 0 and lse -inf exactly.
+"""
+
+import math
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash.fp8 import quantize
+from cute_flash.fp8.emulate import GIVEN, emulated_attention
+from cute_flash.fp8.hadamard import DEFAULT_SEED, hadamard_signs, unrotate
+from cute_flash.fp8.prepare import BLOCK_M, BLOCK_N, check_prequantized, prepare_fp8_inputs
+from cute_flash.reference import attention_reference
+
+pytestmark = pytest.mark.sm90
+
+
+def _qkv(b, sq, sk, h, hkv, d, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda s, n: torch.randn(b, s, n, d, generator=g, device="cuda").to(dtype)  # noqa: E731
+    return mk(sq, h), mk(sk, hkv), mk(sk, hkv)
+
+
+def _rmse(a, b):
+    return (a.double() - b.double()).pow(2).mean().sqrt().item()
+
+
+# --- the pre-pass ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("d", [96, 128])
+@pytest.mark.parametrize("rotate", [True, False])
+def test_prepass_matches_torch_reference(d, rotate):
+    q, k, v = _qkv(2, 300, 1000, 4, 2, d, seed=d)
+    k[1, 517, 1, 3] = 40.0  # an outlier in one block
+    got = prepare_fp8_inputs(q, k, v, rotate=rotate)
+    signs = hadamard_signs(d, DEFAULT_SEED, "cuda") if rotate else None
+    for name, x, block, x8 in (("q", q, BLOCK_M, got.q), ("k", k, BLOCK_N, got.k)):
+        ref8, ref_d = quantize.quantize_blocks(x, block, signs)
+        descale = got.q_descale if name == "q" else got.k_descale
+        torch.testing.assert_close(descale, ref_d, rtol=1e-6, atol=0, msg=f"{name} descale")
+        a, r = x8.float(), ref8.float()
+        differ = (a != r).float().mean().item()
+        # Same arithmetic in the same order: at most a rare 1-ulp difference where fp32 sums differ.
+        assert differ < 1e-3, f"{name}: {differ:.2%} of e4m3 values differ"
+        assert ((a - r).abs() <= r.abs() * 2.0**-3 + 2.0**-9).all(), f"{name}: a difference beyond one e4m3 ulp"
+    ref_vt, ref_vd = quantize.quantize_v_transposed(v, BLOCK_N)
+    torch.testing.assert_close(got.v_descale, ref_vd, rtol=1e-6, atol=0)
+    assert got.v_t.shape == ref_vt.shape
+    # V is not rotated: the same fp32 multiply and the same rounding, so every value must match (compared as values,
+    # so that a zero's sign does not count).
+    assert torch.equal(got.v_t.float(), ref_vt.float()), "transposed V differs"
+
+
+def test_prepass_hadamard_round_trip():
+    q, k, v = _qkv(1, 256, 256, 2, 2, 128, seed=3)
+    got = prepare_fp8_inputs(q, k, v, rotate=True)
+    back = unrotate(quantize.dequantize_blocks(got.q, got.q_descale, BLOCK_M), hadamard_signs(128, DEFAULT_SEED, "cuda"))
+    assert _rmse(back, q.float()) < 0.04 * q.float().pow(2).mean().sqrt().item()
+
+
+# --- FP8 attention -----------------------------------------------------------------------------------------------------
+CASES = [
+    # b, sq, sk, h, hkv, d, causal, window
+    (2, 512, 512, 4, 4, 128, False, (None, None)),
+    (1, 1000, 1000, 4, 2, 128, True, (None, None)),  # tails, GQA
+    (2, 300, 700, 6, 2, 128, False, (None, None)),  # sq != sk
+    (1, 700, 300, 2, 1, 128, True, (None, None)),  # sq > sk: the first rows see no key
+    (1, 640, 640, 4, 4, 128, False, (100, 20)),  # local window
+    (1, 500, 2048, 2, 2, 64, True, (None, None)),
+    (1, 400, 900, 2, 1, 256, True, (None, None)),
+]
+
+
+def _check_against_emulation(q, k, v, out, lse, causal, window, rotate=True):
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, window_size=window, return_lse=True)
+    scheme = "fp8_block_rotate" if rotate else "fp8_block"
+    emu = emulated_attention(q, k, v, scheme=scheme, causal=causal, window_size=window, block_m=BLOCK_M,
+                             block_n=BLOCK_N)
+    assert torch.isfinite(out).all()
+    err, emu_err = _rmse(out, ref), _rmse(emu, ref)
+    max_err = (out.double() - ref).abs().max().item()
+    emu_max = (emu.double() - ref).abs().max().item()
+    assert err <= 1.25 * emu_err + 1e-4, f"rmse {err:.3e} vs emulated {emu_err:.3e}"
+    assert max_err <= 2 * emu_max + 2e-3, f"max {max_err:.3e} vs emulated {emu_max:.3e}"
+    masked = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse) & (lse < 0), masked), "rows with no key must have lse = -inf"
+    if masked.any():
+        rows = masked.permute(0, 2, 1)  # (b, sq, h)
+        assert (out[rows] == 0).all(), "rows with no key must be 0"
+    keep = ~masked
+    assert (lse[keep] - ref_lse[keep]).abs().mean().item() < 0.05
+    return err, emu_err
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_sq{}_sk{}_h{}/{}_d{}_{}_{}".format(*c[:6], "causal" if c[6] else "full", c[7]))
+def test_fp8_attention_matches_budget(case):
+    b, sq, sk, h, hkv, d, causal, window = case
+    q, k, v = _qkv(b, sq, sk, h, hkv, d, seed=sq + sk)
+    out, lse = cute_flash.attention(q, k, v, causal=causal, window_size=window, dtype="fp8", return_lse=True)
+    assert out.dtype == torch.bfloat16 and out.shape == (b, sq, h, d)
+    _check_against_emulation(q, k, v, out, lse, causal, window)
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+def test_fp8_fp16_inputs_and_rotation_switch(rotate):
+    q, k, v = _qkv(1, 384, 384, 2, 2, 128, dtype=torch.float16, seed=5)
+    out, lse = cute_flash.attention(q, k, v, causal=True, dtype="fp8", fp8_rotate=rotate, return_lse=True)
+    assert out.dtype == torch.float16
+    _check_against_emulation(q, k, v, out, lse, True, (None, None), rotate=rotate)
+
+
+@pytest.mark.parametrize("per_block", [False, True])
+def test_prequantized_inputs(per_block):
+    b, s, h, hkv, d = 2, 600, 4, 2, 128
+    q, k, v = _qkv(b, s, s, h, hkv, d, seed=11)
+    if per_block:
+        q8, qd = quantize.quantize_blocks(q, BLOCK_M)
+        k8, kd = quantize.quantize_blocks(k, BLOCK_N)
+        v8, vd = quantize.quantize_blocks(v, BLOCK_N)
+        deq = [quantize.dequantize_blocks(x8, xd, blk) for x8, xd, blk in ((q8, qd, BLOCK_M), (k8, kd, BLOCK_N), (v8, vd, BLOCK_N))]
+    else:
+        # One factor per (batch, kv head), as FlashAttention-3 takes them.
+        def per_head(x, heads_per_kv):
+            amax = x.float().abs().amax(dim=(1, 3))  # (b, heads)
+            amax = amax.reshape(b, hkv, heads_per_kv).amax(-1)
+            descale = amax / quantize.E4M3_MAX
+            scale = descale.repeat_interleave(heads_per_kv, dim=1)[:, None, :, None]
+            x8 = quantize.to_e4m3(x.float() / scale)
+            return x8, descale, x8.float() * scale
+        q8, qd, q_deq = per_head(q, h // hkv)
+        k8, kd, k_deq = per_head(k, 1)
+        v8, vd, v_deq = per_head(v, 1)
+        deq = [q_deq, k_deq, v_deq]
+    out, lse = cute_flash.attention(q8, k8, v8, causal=True, descale=(qd, kd, vd), return_lse=True)
+    assert out.dtype == torch.bfloat16
+    # Against float64 on the dequantised inputs; only P's rounding (and fp32 order) remains, which the model has.
+    ref = attention_reference(*deq, causal=True)
+    emu = emulated_attention(*deq, scheme=GIVEN, causal=True, block_m=BLOCK_M, block_n=BLOCK_N)
+    err, emu_err = _rmse(out, ref), _rmse(emu, ref)
+    assert err <= 1.25 * emu_err + 1e-4, f"rmse {err:.3e} vs emulated {emu_err:.3e}"
+    max_err = (out.double() - ref).abs().max().item()
+    assert max_err <= 2 * (emu.double() - ref).abs().max().item() + 2e-3
+
+
+def test_fp8_gradient_raises():
+    q, k, v = _qkv(1, 128, 128, 2, 2, 128, seed=1)
+    q.requires_grad_(True)
+    out = cute_flash.attention(q, k, v, dtype="fp8")
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        out.sum().backward()
