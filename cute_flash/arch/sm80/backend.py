@@ -1,0 +1,216 @@
+"""The sm80 entry point for the front end (see cute_flash.arch.base.ArchBackend).
+
+Forward: `flash_fwd.Sm80AttentionForward`, compiled once per (target, spec, tile) with symbolic batch / seqlen / head
+extents and launched through TVM-FFI on torch's current stream. Backward: delegated to `backward.py` (the sm80
+backward kernels), imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+from ... import compile_cache
+from ...spec import AttentionSpec, MaskBounds
+from ..base import KernelArtifact
+from ...census import cubin_resources
+from .tile_config import FwdTile, fwd_tile_candidates
+
+FAMILY = "sm80"
+MAX_HEAD_DIM = 256
+MAX_GRID_YZ = 65535  # CUDA's limit on grid.y and grid.z
+
+
+def _kernel_view(t):
+    """`t`, with the stride of any size-1 dimension set to 0 when it breaks the kernels' 8-element stride contract.
+
+    Such a stride is never used to address memory, but the compiled launcher checks every stride's divisibility.
+    """
+    if all(n != 1 or s % 8 == 0 for n, s in zip(t.shape[:-1], t.stride()[:-1])):
+        return t
+    return t.as_strided(t.shape, [0 if n == 1 else s for n, s in zip(t.shape, t.stride())])
+
+
+def forward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
+    if spec.dtype not in ("fp16", "bf16"):
+        return f"the sm80 kernels compute in fp16 or bf16, not {spec.dtype} (fp8 needs sm90 or sm100)"
+    if spec.out_dtype != spec.dtype:
+        return f"the sm80 forward writes out in its input dtype ({spec.dtype}), not {spec.out_dtype}"
+    for name, d in (("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)):
+        if d <= 0 or d % 8 != 0 or d > MAX_HEAD_DIM:
+            return f"{name} {d} is not supported by the sm80 forward (multiples of 8 up to {MAX_HEAD_DIM})"
+    if spec.mask not in ("none", "causal", "local"):
+        return f"unknown mask kind {spec.mask!r}"
+    return None
+
+
+def _backward_module():
+    try:
+        return importlib.import_module(__package__ + ".backward")
+    except ModuleNotFoundError as e:
+        if e.name == __package__ + ".backward":
+            return None
+        raise
+
+
+def _cutlass_dtype(name: str):
+    import cutlass
+
+    return {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[name]
+
+
+def _build_forward(spec: AttentionSpec, tile: FwdTile, options: str):
+    """Compiles the forward kernel with fake tensors: batch, seqlens and head counts are symbolic."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .flash_fwd import Sm80AttentionForward
+
+    dtype = _cutlass_dtype(spec.dtype)
+    batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
+
+    def strided(shape, divisibility=8):
+        stride = tuple(cute.sym_int64(divisibility=divisibility) for _ in shape[:-1]) + (1,)
+        return stride
+
+    def operand(seqlen, nheads, d):
+        shape = (batch, seqlen, nheads, d)
+        return cute.runtime.make_fake_tensor(dtype, shape, strided(shape), assumed_align=16)
+
+    q = operand(seqlen_q, heads, spec.head_dim)
+    k = operand(seqlen_k, heads_kv, spec.head_dim)
+    v = operand(seqlen_k, heads_kv, spec.head_dim_v)
+    out = operand(seqlen_q, heads, spec.head_dim_v)
+    lse_shape = (batch, heads, seqlen_q)
+    lse = cute.runtime.make_fake_tensor(cutlass.Float32, lse_shape, strided(lse_shape, 1), assumed_align=4)
+    kernel = Sm80AttentionForward(dtype, spec.head_dim, spec.head_dim_v, spec.mask, tile)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(
+        kernel, q, k, v, out, lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream, options=options
+    )
+
+
+SPILL_FREE_MAX_HEAD_DIM = 128  # the contract: no register spills up to this head dim
+_dump_root: Optional[str] = None
+
+
+def _dump_dir() -> str:
+    """A fresh directory for one compile's .ptx/.cubin, under a per-process root removed at exit."""
+    global _dump_root
+    if _dump_root is None:
+        _dump_root = tempfile.mkdtemp(prefix="cute_flash_sm80_")
+        atexit.register(shutil.rmtree, _dump_root, ignore_errors=True)
+    return tempfile.mkdtemp(dir=_dump_root)
+
+
+@dataclass
+class CompiledForward:
+    kernel: Callable  # the TVM-FFI launcher: (q, k, v, out, lse, softmax_scale, window_left, window_right)
+    tile: FwdTile
+    ptx: str
+    cubin: bytes
+    tried: List[Dict[str, object]]  # every candidate compiled, with its stack frame (spill) bytes
+
+
+def compile_forward(spec: AttentionSpec, target: str, extra_options: str = "") -> CompiledForward:
+    """Compiles the first tile candidate that ptxas fits in registers without spilling (see fwd_tile_candidates).
+
+    Spills are read from the cubin's stack frame size (the kernel has no local arrays, so any frame is spill space).
+    Above SPILL_FREE_MAX_HEAD_DIM the first candidate is kept whatever it spills.
+    """
+    candidates = fwd_tile_candidates(spec.head_dim, spec.head_dim_v, target)
+    strict = max(spec.head_dim, spec.head_dim_v) <= SPILL_FREE_MAX_HEAD_DIM
+    tried: List[Dict[str, object]] = []
+    for i, tile in enumerate(candidates):
+        keep = compile_cache.keep_artifacts_options(_dump_dir())
+        compiled = _build_forward(spec, tile, _options(target, tile, f"{keep} {extra_options}"))
+        ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
+        frame = max((r.get("stack_frame_bytes", 0) for r in cubin_resources(cubin).values()), default=0)
+        tried.append({**tile.as_dict(), "stack_frame_bytes": frame})
+        if frame == 0 or not strict or i == len(candidates) - 1:
+            return CompiledForward(compiled, tile, ptx, cubin, tried)
+    raise AssertionError("unreachable: the last candidate always returns")
+
+
+def _compile_runnable_forward(spec: AttentionSpec, target: str):
+    # CuTe DSL only loads a kernel compiled for the arch it was imported for (CUTE_DSL_ARCH, else the GPU's own).
+    dsl_arch = os.environ.get("CUTE_DSL_ARCH")
+    if dsl_arch and dsl_arch != target:
+        raise RuntimeError(
+            f"CUTE_DSL_ARCH={dsl_arch} but this GPU runs {target} kernels; unset CUTE_DSL_ARCH (it is only for "
+            f"cross-compiling without a GPU)"
+        )
+    return compile_forward(spec, target).kernel
+
+
+def _options(target: str, tile: FwdTile, extra: str = "") -> str:
+    return compile_cache.compile_options(target, extra=f"--opt-level {tile.opt_level} {extra}".strip())
+
+
+class _Backend:
+    name = FAMILY
+    cute_arch = "sm_80"
+
+    def unsupported_reason(self, spec: AttentionSpec, backward: bool) -> Optional[str]:
+        reason = forward_unsupported_reason(spec)
+        if reason is not None or not backward:
+            return reason
+        bwd = _backward_module()
+        if bwd is None:
+            return "sm80 backward not implemented yet"
+        return bwd.backward_unsupported_reason(spec)
+
+    def _forward_kernel(self, spec: AttentionSpec, target: str):
+        # The tile is a function of (spec, target) (see compile_forward), so it needs no place in the key.
+        key = (FAMILY, target, "fwd", spec)
+        return compile_cache.get_or_compile(key, lambda: _compile_runnable_forward(spec, target))
+
+    def forward(self, q, k, v, out, lse, *, spec: AttentionSpec, softmax_scale: float, mask: MaskBounds, descale=None):
+        if descale is not None:
+            raise NotImplementedError("the sm80 forward has no fp8 path, so it takes no descale factors")
+        reason = forward_unsupported_reason(spec)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        if softmax_scale < 0:
+            # The running max is taken over raw scores, which is only the max of the scaled scores for scale >= 0.
+            raise NotImplementedError(f"the sm80 forward needs softmax_scale >= 0, got {softmax_scale}")
+        if q.shape[0] > MAX_GRID_YZ or q.shape[2] > MAX_GRID_YZ:
+            raise NotImplementedError(
+                f"the sm80 forward launches (heads, batch) as grid y/z: each must be <= {MAX_GRID_YZ}"
+            )
+        import torch
+
+        # The DSL's target must be the device's own for the compiled kernel to load here (sm_90a on Hopper).
+        target = compile_cache.target_for_capability(torch.cuda.get_device_capability(q.device))
+        compile_cache.ensure_cute_dsl_arch(target)
+        kernel = self._forward_kernel(spec, target)
+        q, k, v = _kernel_view(q), _kernel_view(k), _kernel_view(v)
+        kernel(q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right))
+
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask) -> None:
+        bwd = _backward_module()
+        if bwd is None:
+            raise NotImplementedError("sm80 backward not implemented yet")
+        bwd.run_backward(dout, q, k, v, out, lse, dq, dk, dv, spec=spec, softmax_scale=softmax_scale, mask=mask)
+
+    def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
+        reason = self.unsupported_reason(spec, backward)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        compile_cache.ensure_cute_dsl_arch(target)
+        # remarks{ptx} makes ptxas print its register / spill report, which the compile command reads.
+        fwd = compile_forward(spec, target, "remarks{ptx}")
+        config = {**fwd.tile.as_dict(), "candidates_tried": fwd.tried}
+        config.update(shared_bytes=fwd.tile.smem_bytes(), threads=fwd.tile.num_threads)
+        artifacts = [KernelArtifact(kernel="fwd", ptx=fwd.ptx, cubin=fwd.cubin, config=config)]
+        if backward:
+            artifacts += _backward_module().compile_backward_artifacts(spec, target)
+        return artifacts
+
+
+BACKEND = _Backend()

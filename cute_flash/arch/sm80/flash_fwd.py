@@ -1,0 +1,593 @@
+"""sm80 attention forward: FlashAttention-2's design in CuTe DSL.
+
+One CTA computes one (query block, head, batch) tile of O and its LSE. Warps split the query rows (tile_m / warps
+each) and every warp spans the whole head dim, so a row's softmax needs only shuffles within a quad of lanes.
+Per KV block:
+
+    wait for K[n] -> start loading V (cp.async) -> S = Q K^T (ldmatrix + mma.sync, fp32)
+    -> mask (boundary blocks only) -> online softmax in registers, rescale O
+    -> wait for V[n] -> start loading the next K -> O += P V (P stays in registers, V^T read with ldmatrix.trans)
+
+K and V live in `num_stages` swizzled shared-memory stages, so one block's loads overlap the previous block's math.
+KV blocks are visited from the last to the first: the seqlen_k tail and the causal diagonal come first (masked), the
+interior blocks run without any mask arithmetic, and local windows end with masked blocks on their left edge.
+
+Tails are handled by predication: Q/K/V rows past the sequence ends are not loaded (V's are zero-filled, K's are
+masked to -inf), head-dim padding (see tile_config) is zero-filled once, and only in-range rows of O and LSE are
+stored. GQA reads kv head (head // (h / h_kv)) directly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Type
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warp
+
+from ...common.acc_views import rows_cols_view, sm80_acc_as_a_operand
+from ...common.block_info import BlockInfo
+from ...common.mask import apply_mask
+from ...common.online_softmax import LOG2_E, OnlineSoftmax
+from .tile_config import FwdTile, row_chunk_elems
+
+COPY_BITS = 128  # one cp.async / vector store moves 16 bytes
+
+
+def smem_layout_atom(dtype: Type[cutlass.Numeric], row_elems: int) -> cute.ComposedLayout:
+    """8-row swizzled atom for a row-major tile of `row_elems` (a multiple of 16) 16-bit elements.
+
+    The atom's row is as wide as the tile allows up to 128 bytes; the XOR swizzle spreads the 16-byte chunks that
+    one ldmatrix phase reads (8 rows, same column) over distinct banks.
+    """
+    chunk = row_chunk_elems(row_elems)
+    bits = {64: 3, 32: 2, 16: 1}[chunk]
+    base = int(math.log2(16 // (dtype.width // 8)))  # 16-byte vectors are the swizzle unit
+    return cute.make_composed_layout(
+        cute.make_swizzle(bits, base, base), 0, cute.make_ordered_layout((8, chunk), order=(1, 0))
+    )
+
+
+def _split_mode(t: cute.Tensor, mode: int, size: int) -> cute.Tensor:
+    """Views mode `mode` of t as (size, rest) so that t[..., (None, g), ...] selects the g-th group of `size`."""
+    tiler = tuple(size if i == mode else None for i in range(cute.rank(t.layout)))
+    return cute.make_tensor(t.iterator, cute.logical_divide(t.layout, tiler))
+
+
+@cute.jit
+def _gemm_b_streamed(tiled_mma, acc, tCrA, tCrB, tCsB, copy_B, load_A):
+    """acc += A B, k-block by k-block, with B read from shared memory one ldmatrix (one N group) ahead of its MMAs.
+
+    Streaming B a group at a time rather than a whole k-block ahead keeps the loads overlapped with the math while
+    holding only two groups of B in registers, which is what lets the full O accumulator, the score tile and the
+    fragments share 255 registers. load_A(k) (or None when A is already in registers) fetches A's k-block k.
+    """
+    tCrB_view = copy_B.retile(tCrB)  # (V, N groups, K)
+    num_k = cute.size(tCrA.shape[2])
+    num_groups = cute.size(tCrB_view.shape[1])
+    atoms_per_group = cute.size(tCrB.shape[1]) // num_groups
+    acc_g = _split_mode(acc, 2, atoms_per_group)  # (V, M, (atoms, groups))
+    tCrB_g = _split_mode(tCrB, 1, atoms_per_group)  # (V, (atoms, groups), K)
+    if cutlass.const_expr(load_A is not None):
+        load_A(0)
+    cute.copy(copy_B, tCsB[None, 0, 0], tCrB_view[None, 0, 0])
+    for k in cutlass.range_constexpr(num_k):
+        if cutlass.const_expr(load_A is not None and k + 1 < num_k):
+            load_A(k + 1)
+        for g in cutlass.range_constexpr(num_groups):
+            g_next, k_next = (g + 1, k) if g + 1 < num_groups else (0, k + 1)
+            if cutlass.const_expr(k_next < num_k):
+                cute.copy(copy_B, tCsB[None, g_next, k_next], tCrB_view[None, g_next, k_next])
+            acc_group = acc_g[None, None, (None, g)]
+            cute.gemm(tiled_mma, acc_group, tCrA[None, None, k], tCrB_g[None, (None, g), k], acc_group)
+
+
+def gemm_smem_smem(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, copy_A, copy_B):
+    """acc += A B with both operands read from shared memory (A one k-block ahead, B one N group ahead)."""
+    tCrA_view = copy_A.retile(tCrA)
+
+    def load_A(k):
+        cute.copy(copy_A, tCsA[None, None, k], tCrA_view[None, None, k])
+
+    _gemm_b_streamed(tiled_mma, acc, tCrA, tCrB, tCsB, copy_B, load_A)
+
+
+def gemm_reg_smem(tiled_mma, acc, tCrA, tCrB, tCsB, copy_B):
+    """acc += A B with A already in registers (P) and B read from shared memory (V^T)."""
+    _gemm_b_streamed(tiled_mma, acc, tCrA, tCrB, tCsB, copy_B, None)
+
+
+def _column_predicate(coords: cute.Tensor, limit: int, padded: int):
+    """Per (vector, column-step) predicate of a gmem-copy partition: column < limit (rows are tested separately).
+
+    None when the tile has no padding columns (limit == padded): unpredicated copies keep registers free.
+    """
+    if limit == padded:
+        return None
+    pred = cute.make_rmem_tensor(
+        cute.make_layout(
+            (cute.size(coords, mode=[0, 1]), cute.size(coords, mode=[1]), cute.size(coords, mode=[2])),
+            stride=(cute.size(coords, mode=[2]), 0, 1),
+        ),
+        cutlass.Boolean,
+    )
+    for v in range(pred.shape[0]):  # plain Python: unrolled at trace time
+        for k in range(pred.shape[2]):
+            pred[v, 0, k] = cute.elem_less(coords[(0, v), 0, k][1], limit)
+    return pred
+
+
+def _slice_rows(pred, row: int):
+    return None if pred is None else pred[None, row, None]
+
+
+class Sm80AttentionForward:
+    """Compile-time configuration of one forward kernel; `__call__` is the @cute.jit host entry.
+
+    Host signature (TVM-FFI, torch's current stream): (q, k, v, out, lse, softmax_scale, window_left, window_right)
+    with q (b, sq, h, d), k (b, sk, h_kv, d), v (b, sk, h_kv, dv), out (b, sq, h, dv), lse (b, h, sq) fp32.
+    window_left / window_right are read only by the "local" mask.
+    """
+
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, head_dim_v: int, mask: str, tile: FwdTile):
+        if dtype not in (cutlass.Float16, cutlass.BFloat16):
+            raise TypeError("the sm80 forward kernel computes in fp16 or bf16")
+        if head_dim % 8 or head_dim_v % 8:
+            raise ValueError("head dims must be multiples of 8 (16-byte rows)")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.mask = mask
+        self.tile = tile
+        self.tile_m, self.tile_n = tile.tile_m, tile.tile_n
+        self.d_pad, self.dv_pad = tile.head_dim_pad, tile.head_dim_v_pad
+        self.num_threads = tile.num_threads
+        self.num_stages = tile.num_stages
+        assert self.tile_n % 16 == 0 and self.tile_m % (16 * tile.num_warps) == 0
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Host side: layouts, copy atoms, MMA, launch.
+    # ------------------------------------------------------------------------------------------------------------
+    def _gmem_tiled_copy(self, atom_op, row_elems: int) -> cute.TiledCopy:
+        """Threads tile a (rows, chunk) block 16 bytes each; chunk matches the smem atom width (no bank conflicts)."""
+        vec = COPY_BITS // self.dtype.width
+        threads_per_row = row_chunk_elems(row_elems) // vec
+        thread_layout = cute.make_ordered_layout((self.num_threads // threads_per_row, threads_per_row), order=(1, 0))
+        atom = cute.make_copy_atom(atom_op, self.dtype, num_bits_per_copy=COPY_BITS)
+        return cute.make_tiled_copy_tv(atom, thread_layout, cute.make_layout((1, vec)))
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        stream: cuda.CUstream,
+    ):
+        qk_atom = smem_layout_atom(self.dtype, self.d_pad)
+        v_atom = smem_layout_atom(self.dtype, self.dv_pad)
+        sQ_layout = cute.tile_to_shape(qk_atom, (self.tile_m, self.d_pad), (0, 1))
+        sK_layout = cute.tile_to_shape(qk_atom, (self.tile_n, self.d_pad, self.num_stages), (0, 1, 2))
+        sV_layout = cute.tile_to_shape(v_atom, (self.tile_n, self.dv_pad, self.num_stages), (0, 1, 2))
+        sO_layout = cute.tile_to_shape(v_atom, (self.tile_m, self.dv_pad), (0, 1))
+
+        q_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))  # O is staged through Q's buffer
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        load_op = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
+        copy_qk = self._gmem_tiled_copy(load_op, self.d_pad)
+        copy_v = self._gmem_tiled_copy(load_op, self.dv_pad)
+        copy_o = self._gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), self.dv_pad)
+
+        # Warps stack along M; the N permutation of 16 lets one ldmatrix.x4 feed two n8 MMAs of the B operand.
+        tiled_mma = cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
+            (self.tile.num_warps, 1, 1),
+            permutation_mnk=(self.tile.num_warps * 16, 16, 16),
+        )
+
+        num_m_blocks = cute.ceil_div(mQ.shape[1], self.tile_m)
+        grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
+        self.kernel(
+            mQ,
+            mK,
+            mV,
+            mO,
+            mLSE,
+            softmax_scale * LOG2_E,
+            window_left,
+            window_right,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            sO_layout,
+            copy_qk,
+            copy_v,
+            copy_o,
+            tiled_mma,
+            SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Device side.
+    # ------------------------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        copy_qk: cute.TiledCopy,
+        copy_v: cute.TiledCopy,
+        copy_o: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.mask == "causal"):
+            # Bottom query blocks see the most keys: start them first so the short ones fill the tail of the grid.
+            m_block = cute.arch.grid_dim()[0] - 1 - m_block
+        seqlen_q = mQ.shape[1]
+        seqlen_k = mK.shape[1]
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+
+        info = BlockInfo(self.tile_m, self.tile_n, self.mask, seqlen_q, seqlen_k, window_left, window_right)
+        n_block_min, n_block_max = info.kv_block_range(m_block)
+
+        # ---- global tiles of this CTA ----------------------------------------------------------------------------
+        gQ = cute.local_tile(mQ[batch, None, head, None], (self.tile_m, self.d_pad), (m_block, 0))
+        gK = cute.local_tile(mK[batch, None, head_kv, None], (self.tile_n, self.d_pad), (None, 0))
+        gV = cute.local_tile(mV[batch, None, head_kv, None], (self.tile_n, self.dv_pad), (None, 0))
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sK_layout)
+        sV = storage.sV.get_tensor(sV_layout)
+        # V^T (dv, tile_n, stage): the B operand of O += P V, read with transposing ldmatrix.
+        vt_layout = cute.make_ordered_layout((self.dv_pad, self.tile_n, self.num_stages), order=(1, 0, 2))
+        sVt = cute.composition(sV, vt_layout)
+
+        # ---- gmem -> smem copies and their predicates ---------------------------------------------------------------
+        thr_copy_qk = copy_qk.get_slice(tidx)
+        thr_copy_v = copy_v.get_slice(tidx)
+        tQgQ, tQsQ = thr_copy_qk.partition_S(gQ), thr_copy_qk.partition_D(sQ)
+        tKgK, tKsK = thr_copy_qk.partition_S(gK), thr_copy_qk.partition_D(sK)
+        tVgV, tVsV = thr_copy_v.partition_S(gV), thr_copy_v.partition_D(sV)
+        cQK = cute.make_identity_tensor((self.tile_m, self.d_pad))
+        cKV = cute.make_identity_tensor((self.tile_n, self.d_pad))
+        cV = cute.make_identity_tensor((self.tile_n, self.dv_pad))
+        tQcQ = thr_copy_qk.partition_S(cQK)
+        tKcK = thr_copy_qk.partition_S(cKV)
+        tVcV = thr_copy_v.partition_S(cV)
+        # Thread 0's coordinates are compile-time constants; comparing them with a limit shifted by this thread's
+        # offset keeps the row tests to one compare each.
+        t0QcQ = copy_qk.get_slice(0).partition_S(cQK)
+        t0KcK = copy_qk.get_slice(0).partition_S(cKV)
+        t0VcV = copy_v.get_slice(0).partition_S(cV)
+        tQpQ = _column_predicate(tQcQ, self.head_dim, self.d_pad)
+        tKpK = _column_predicate(tKcK, self.head_dim, self.d_pad)
+        tVpV = _column_predicate(tVcV, self.head_dim_v, self.dv_pad)
+
+        if cutlass.const_expr(self.head_dim != self.d_pad):
+            # Q K^T sums over the padded head dim: those columns must be zero in Q and in every K stage. cp.async never
+            # writes them (predicated off), so zeroing them once up front is enough.
+            for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+                for k in cutlass.range_constexpr(cute.size(tQsQ.shape[2])):
+                    if not tQpQ[0, m, k]:
+                        tQsQ[None, m, k].fill(0)
+            for s in cutlass.range_constexpr(self.num_stages):
+                for n in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
+                    for k in cutlass.range_constexpr(cute.size(tKsK.shape[2])):
+                        if not tKpK[0, n, k]:
+                            tKsK[None, n, k, s].fill(0)
+
+        # ---- MMA partitions and register fragments ----------------------------------------------------------------
+        thr_mma = tiled_mma.get_slice(tidx)
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.dv_pad)), Float32)
+        acc_O.fill(0.0)
+
+        ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+        ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
+        smem_copy_Q = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, self.dtype), tiled_mma).get_slice(tidx)
+        smem_copy_K = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, self.dtype), tiled_mma).get_slice(tidx)
+        smem_copy_V = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, self.dtype), tiled_mma).get_slice(tidx)
+        tSsQ = smem_copy_Q.partition_S(sQ)
+        tSsK = smem_copy_K.partition_S(sK)
+        tOsVt = smem_copy_V.partition_S(sVt)
+
+        # Coordinates of the score tile, partitioned like the accumulator (for masking).
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS_rc = rows_cols_view(thr_mma.partition_C(cS))
+        t0ScS_rc = rows_cols_view(tiled_mma.get_slice(0).partition_C(cS))
+
+        softmax = OnlineSoftmax.create(scale_log2, cute.size(rows_cols_view(acc_O), mode=[0]))
+
+        # ---- prologue: Q, then the first stages of K and V ---------------------------------------------------------
+        q_row_limit = seqlen_q - m_block * self.tile_m - tQcQ[0][0]
+        for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+            if t0QcQ[0, m, 0][0] < q_row_limit:
+                cute.copy(copy_qk, tQgQ[None, m, None], tQsQ[None, m, None], pred=_slice_rows(tQpQ, m))
+        cute.arch.cp_async_commit_group()
+
+        kv = _KVLoader(self, copy_qk, copy_v, tKgK, tKsK, tKcK, t0KcK, tKpK, tVgV, tVsV, tVcV, t0VcV, tVpV, seqlen_k)
+        n_block_last = n_block_max - 1
+        has_work = n_block_max > n_block_min
+        for s in cutlass.range_constexpr(self.num_stages):
+            if has_work and n_block_last - s >= n_block_min:
+                kv.load_K(n_block_last - s, s, s == 0)
+            cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(s < self.num_stages - 1):
+                if has_work and n_block_last - s >= n_block_min:
+                    kv.load_V(n_block_last - s, s, s == 0)
+                cute.arch.cp_async_commit_group()
+
+        step = _BlockStep(
+            self, tiled_mma, thr_mma, kv, softmax, acc_O, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt,
+            smem_copy_Q, smem_copy_K, smem_copy_V, tScS_rc, t0ScS_rc, info, m_block, n_block_min,
+        )  # fmt: skip
+
+        # ---- main loop over KV blocks, last to first ------------------------------------------------------------
+        read_stage = Int32(0)
+        if has_work:
+            # The last block is the seqlen_k tail (and on the diagonal for causal/local): always masked.
+            read_stage = step.run(n_block_last, read_stage, is_first=True, mask_seqlen=True, mask_window=True)
+            n_hi = n_block_last  # blocks [n_block_min, n_hi) remain
+            if cutlass.const_expr(info.has_right_bound):
+                n_right = cutlass.max(info.kv_right_masked_start(m_block), n_block_min)
+                for i in cutlass.range(n_hi - n_right, unroll=1):
+                    read_stage = step.run(n_hi - 1 - i, read_stage, is_first=False, mask_seqlen=False, mask_window=True)
+                n_hi = cutlass.min(n_hi, n_right)
+            n_lo = n_block_min
+            if cutlass.const_expr(info.has_left_bound):
+                n_lo = cutlass.max(info.kv_left_masked_end(m_block), n_block_min)
+            for i in cutlass.range(n_hi - n_lo, unroll=1):
+                read_stage = step.run(n_hi - 1 - i, read_stage, is_first=False, mask_seqlen=False, mask_window=False)
+            if cutlass.const_expr(info.has_left_bound):
+                n_hi = cutlass.min(n_hi, n_lo)
+                for i in cutlass.range(n_hi - n_block_min, unroll=1):
+                    read_stage = step.run(n_hi - 1 - i, read_stage, is_first=False, mask_seqlen=False, mask_window=True)
+
+        # ---- epilogue: normalise, write LSE and O ------------------------------------------------------------------
+        row_scale, lse = softmax.finalize()
+        softmax.rescale(rows_cols_view(acc_O), row_scale)
+        self.epilogue(acc_O, lse, mO, mLSE, sQ, sO_layout, copy_o, tiled_mma, tidx, m_block, head, batch, seqlen_q)
+
+    @cute.jit
+    def epilogue(self, acc_O, lse, mO, mLSE, sQ, sO_layout, copy_o, tiled_mma, tidx, m_block, head, batch, seqlen_q):
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        sO = cute.make_tensor(sQ.iterator, sO_layout)
+        thr_mma = tiled_mma.get_slice(tidx)
+
+        # LSE: the lane holding column 0 of a row writes it.
+        cO = cute.make_identity_tensor((self.tile_m, self.dv_pad))
+        tOcO_rc = rows_cols_view(thr_mma.partition_C(cO))
+        gLSE = mLSE[batch, head, None]
+        row_base = m_block * self.tile_m
+        if tOcO_rc[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = row_base + tOcO_rc[r, 0][0]
+                if row < seqlen_q:
+                    gLSE[row] = lse[r]
+
+        # O: registers -> smem (reusing Q's buffer once every warp is done with Q and V) -> 16-byte global stores.
+        # A CTA with no KV block never waited for its Q load: drain it before its buffer is reused.
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
+        smem_copy_O = cute.make_tiled_copy_C(store_atom, tiled_mma).get_slice(tidx)
+        cute.copy(store_atom, smem_copy_O.retile(rO), smem_copy_O.partition_D(sO))
+        cute.arch.barrier()
+
+        thr_copy_o = copy_o.get_slice(tidx)
+        tOsO = thr_copy_o.partition_S(sO)
+        tOrO = cute.make_fragment_like(tOsO, self.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        gO = cute.local_tile(mO[batch, None, head, None], (self.tile_m, self.dv_pad), (m_block, 0))
+        tOgO = thr_copy_o.partition_D(gO)
+        tOcO = thr_copy_o.partition_S(cO)
+        t0OcO = copy_o.get_slice(0).partition_S(cO)
+        tOpO = _column_predicate(tOcO, self.head_dim_v, self.dv_pad)
+        row_limit = seqlen_q - row_base - tOcO[0][0]
+        for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+            if t0OcO[0, m, 0][0] < row_limit:
+                cute.copy(copy_o, tOrO[None, m, None], tOgO[None, m, None], pred=_slice_rows(tOpO, m))
+
+
+# The two helpers below are frozen dataclasses: the DSL treats calls on frozen objects inside runtime branches and
+# loops as reads, whereas a mutable object there would have to be carried as loop state.
+@dataclass(frozen=True)
+class _KVLoader:
+    """cp.async loads of one K or V block into a shared-memory stage, predicated on seqlen_k for the tail block."""
+
+    k: Sm80AttentionForward
+    copy_qk: cute.TiledCopy
+    copy_v: cute.TiledCopy
+    tKgK: cute.Tensor
+    tKsK: cute.Tensor
+    tKcK: cute.Tensor
+    t0KcK: cute.Tensor
+    tKpK: cute.Tensor
+    tVgV: cute.Tensor
+    tVsV: cute.Tensor
+    tVcV: cute.Tensor
+    t0VcV: cute.Tensor
+    tVpV: cute.Tensor
+    seqlen_k: Int32
+
+    @cute.jit
+    def load_K(self, n_block: Int32, stage, tail: cutlass.Constexpr[bool]):
+        if cutlass.const_expr(tail):
+            # Rows past seqlen_k are skipped; their scores are masked to -inf, so stale smem there is harmless.
+            row_limit = self.seqlen_k - n_block * self.k.tile_n - self.tKcK[0][0]
+            for n in cutlass.range_constexpr(cute.size(self.tKsK.shape[1])):
+                if self.t0KcK[0, n, 0][0] < row_limit:
+                    cute.copy(
+                        self.copy_qk,
+                        self.tKgK[None, n, None, n_block],
+                        self.tKsK[None, n, None, stage],
+                        pred=_slice_rows(self.tKpK, n),
+                    )
+        else:
+            src, dst = self.tKgK[None, None, None, n_block], self.tKsK[None, None, None, stage]
+            cute.copy(self.copy_qk, src, dst, pred=self.tKpK)
+
+    @cute.jit
+    def load_V(self, n_block: Int32, stage, tail: cutlass.Constexpr[bool]):
+        if cutlass.const_expr(tail):
+            # Rows past seqlen_k are zero-filled: P is 0 there, but 0 * (stale NaN) would still poison O.
+            row_limit = self.seqlen_k - n_block * self.k.tile_n - self.tVcV[0][0]
+            for n in cutlass.range_constexpr(cute.size(self.tVsV.shape[1])):
+                if self.t0VcV[0, n, 0][0] < row_limit:
+                    cute.copy(
+                        self.copy_v,
+                        self.tVgV[None, n, None, n_block],
+                        self.tVsV[None, n, None, stage],
+                        pred=_slice_rows(self.tVpV, n),
+                    )
+                else:
+                    self.tVsV[None, n, None, stage].fill(0)
+        else:
+            src, dst = self.tVgV[None, None, None, n_block], self.tVsV[None, None, None, stage]
+            cute.copy(self.copy_v, src, dst, pred=self.tVpV)
+
+
+@dataclass(frozen=True)
+class _BlockStep:
+    """One KV block of the main loop: S = Q K^T, mask, online softmax, O += P V, with the K/V loads interleaved."""
+
+    k: Sm80AttentionForward
+    tiled_mma: cute.TiledMma
+    thr_mma: object
+    kv: _KVLoader
+    softmax: OnlineSoftmax
+    acc_O: cute.Tensor
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor
+    tOrVt: cute.Tensor
+    tSsQ: cute.Tensor
+    tSsK: cute.Tensor
+    tOsVt: cute.Tensor
+    smem_copy_Q: object
+    smem_copy_K: object
+    smem_copy_V: object
+    tScS_rc: cute.Tensor
+    t0ScS_rc: cute.Tensor
+    info: BlockInfo
+    m_block: Int32
+    n_block_min: Int32
+
+    @cute.jit
+    def _wait_stage(self):
+        # Groups are committed in the order Q, K, V, K, V, ...; leaving the newest 2*(stages-1) in flight means the
+        # block about to be read has landed. The barrier also tells every warp that the others finished reading.
+        cute.arch.cp_async_wait_group(2 * self.k.num_stages - 2)
+        cute.arch.barrier()
+
+    @cute.jit
+    def run(
+        self,
+        n_block: Int32,
+        read_stage: Int32,
+        is_first: cutlass.Constexpr[bool],
+        mask_seqlen: cutlass.Constexpr[bool],
+        mask_window: cutlass.Constexpr[bool],
+    ) -> Int32:
+        """Processes `n_block` from stage `read_stage`; returns the stage the next block will be read from."""
+        stages = self.k.num_stages
+        # The stage whose V was consumed one block ago receives V[n - stages + 1]; K[n - stages] reuses this block's K
+        # stage right after Q K^T has read it.
+        v_write_stage = read_stage
+        next_read_stage = read_stage
+        if cutlass.const_expr(stages > 1):
+            v_write_stage = (read_stage + stages - 1) % stages
+            next_read_stage = (read_stage + 1) % stages
+
+        acc_S = cute.make_rmem_tensor(self.thr_mma.partition_shape_C((self.k.tile_m, self.k.tile_n)), Float32)
+        acc_S.fill(0.0)
+        self._wait_stage()
+        n_v = n_block - (stages - 1)
+        if n_v >= self.n_block_min:
+            self.kv.load_V(n_v, v_write_stage, is_first and stages == 1)
+        cute.arch.cp_async_commit_group()
+
+        gemm_smem_smem(
+            self.tiled_mma,
+            acc_S,
+            self.tSrQ,
+            self.tSrK,
+            self.tSsQ,
+            self.tSsK[None, None, None, read_stage],
+            self.smem_copy_Q,
+            self.smem_copy_K,
+        )
+
+        if cutlass.const_expr(stages == 1):
+            self._wait_stage()
+            self._load_next_K(n_block, read_stage)
+
+        if cutlass.const_expr(mask_seqlen or (mask_window and self.info.has_right_bound)):
+            apply_mask(
+                rows_cols_view(acc_S),
+                self.tScS_rc,
+                self.t0ScS_rc,
+                self.info,
+                self.m_block,
+                n_block,
+                mask_seqlen,
+                mask_window,
+            )
+        row_scale = self.softmax.update(rows_cols_view(acc_S), is_first)
+        if cutlass.const_expr(not is_first):
+            self.softmax.rescale(rows_cols_view(self.acc_O), row_scale)
+        rP = cute.make_fragment_like(acc_S, self.k.dtype)
+        rP.store(acc_S.load().to(self.k.dtype))
+
+        if cutlass.const_expr(stages > 1):
+            self._wait_stage()
+            self._load_next_K(n_block, read_stage)
+
+        gemm_reg_smem(
+            self.tiled_mma,
+            self.acc_O,
+            sm80_acc_as_a_operand(rP),
+            self.tOrVt,
+            self.tOsVt[None, None, None, read_stage],
+            self.smem_copy_V,
+        )
+        return next_read_stage
+
+    @cute.jit
+    def _load_next_K(self, n_block: Int32, stage: Int32):
+        n_k = n_block - self.k.num_stages
+        if n_k >= self.n_block_min:
+            self.kv.load_K(n_k, stage, False)
+        cute.arch.cp_async_commit_group()

@@ -1,0 +1,159 @@
+"""Which tiles of the score matrix a kernel visits, and which of them need element-wise masking.
+
+Mask semantics (bottom-right aligned, see `cute_flash.spec`): with off = seqlen_k - seqlen_q, query row i sees key j
+iff  i + off - left <= j <= i + off + right  and  0 <= j < seqlen_k.  "causal" is right = 0 with left unbounded,
+"local" takes runtime `left`/`right` (either may be `UNBOUNDED_WINDOW`), "none" sees every key.
+
+The score matrix is cut into tiles of `tile_m` query rows by `tile_n` key rows. Forward kernels walk the KV blocks of
+one query block (`kv_block_range`); backward kernels walk the query blocks of one KV block (`q_block_range`). Inside
+a range, only blocks crossing a window edge or the seqlen_k tail need element-wise masking; the helpers below give
+those boundaries so kernels can run the interior blocks without any mask arithmetic.
+
+Everything here is plain integer arithmetic written so that it works on Python ints (host code, CPU tests that check
+it against brute force) and on CuTe DSL `Int32` values inside kernels. Divisions only ever see non-negative
+numerators, so Python's floor division and the DSL's truncating division agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Tuple
+
+Int = Any  # a Python int or a cutlass.Int32
+
+
+def _is_py_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _min(a: Int, b: Int) -> Int:
+    if _is_py_int(a) and _is_py_int(b):
+        return a if a < b else b
+    import cutlass
+
+    return cutlass.min(a, b)
+
+
+def _max(a: Int, b: Int) -> Int:
+    if _is_py_int(a) and _is_py_int(b):
+        return a if a > b else b
+    import cutlass
+
+    return cutlass.max(a, b)
+
+
+def _ceil_div_nonneg(x: Int, d: int) -> Int:
+    """ceil(x / d) for x >= 0 (callers clamp first)."""
+    return (x + (d - 1)) // d
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """Tile arithmetic for one (batch, head) attention problem.
+
+    tile_m, tile_n and mask are compile-time constants; seqlen_q, seqlen_k and the window bounds may be runtime Int32.
+    `window_left` / `window_right` are only read for mask == "local" (causal fixes right = 0, left unbounded).
+    """
+
+    tile_m: int
+    tile_n: int
+    mask: str  # "none" | "causal" | "local"
+    seqlen_q: Int
+    seqlen_k: Int
+    window_left: Int = 0
+    window_right: Int = 0
+
+    def __post_init__(self):
+        if self.mask not in ("none", "causal", "local"):
+            raise ValueError(f"unknown mask kind {self.mask!r}")
+
+    @property
+    def has_right_bound(self) -> bool:
+        return self.mask in ("causal", "local")
+
+    @property
+    def has_left_bound(self) -> bool:
+        return self.mask == "local"
+
+    @property
+    def offset(self) -> Int:
+        """Key index aligned with query row 0 (bottom-right alignment)."""
+        return self.seqlen_k - self.seqlen_q
+
+    @property
+    def right(self) -> Int:
+        return 0 if self.mask == "causal" else self.window_right
+
+    @property
+    def left(self) -> Int:
+        return self.window_left
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Forward direction: KV blocks of one query block.
+    # ----------------------------------------------------------------------------------------------------------------
+    def kv_block_range(self, m_block: Int) -> Tuple[Int, Int]:
+        """[n_block_min, n_block_max) of the KV blocks that hold at least one key some row of `m_block` sees.
+
+        Empty (n_block_max <= n_block_min) when every row of the block sees no key; the kernel then writes 0 / -inf.
+        Rows past seqlen_q do not widen the range.
+        """
+        n_block_max = _ceil_div_nonneg(self.seqlen_k, self.tile_n)
+        if self.has_right_bound:
+            last_row = _min((m_block + 1) * self.tile_m, self.seqlen_q) - 1
+            key_end = last_row + self.offset + self.right + 1  # exclusive
+            key_end = _max(_min(key_end, self.seqlen_k), 0)
+            n_block_max = _ceil_div_nonneg(key_end, self.tile_n)
+        n_block_min = 0
+        if self.has_left_bound:
+            key_start = m_block * self.tile_m + self.offset - self.left
+            n_block_min = _max(key_start, 0) // self.tile_n
+        return n_block_min, n_block_max
+
+    def kv_right_masked_start(self, m_block: Int) -> Int:
+        """KV blocks n >= this may hold keys right of some row's window (or past seqlen_k): they need masking.
+
+        Blocks below it are free of the right edge. Only meaningful when `has_right_bound`; the seqlen_k tail is
+        always the last block of the range, which kernels mask anyway.
+        """
+        first_row = m_block * self.tile_m
+        # Block n is clear of the right edge iff its last key (n+1)*tile_n - 1 <= first_row + off + right.
+        return _max(first_row + self.offset + self.right + 1, 0) // self.tile_n
+
+    def kv_left_masked_end(self, m_block: Int) -> Int:
+        """KV blocks n < this may hold keys left of some row's window: they need masking (local masks only)."""
+        last_row = _min((m_block + 1) * self.tile_m, self.seqlen_q) - 1
+        # Block n is clear of the left edge iff its first key n*tile_n >= last_row + off - left.
+        return _ceil_div_nonneg(_max(last_row + self.offset - self.left, 0), self.tile_n)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Backward direction: query blocks of one KV block.
+    # ----------------------------------------------------------------------------------------------------------------
+    def q_block_range(self, n_block: Int) -> Tuple[Int, Int]:
+        """[m_block_min, m_block_max) of the query blocks with at least one row that sees a key of `n_block`.
+
+        Keys past seqlen_k do not widen the range; a KV block no row sees gives an empty range.
+        """
+        m_block_max = _ceil_div_nonneg(self.seqlen_q, self.tile_m)
+        m_block_min = 0
+        if self.has_right_bound:
+            # Row i reaches key j iff j <= i + off + right, i.e. i >= first_key - off - right.
+            first_key = n_block * self.tile_n
+            m_block_min = _max(first_key - self.offset - self.right, 0) // self.tile_m
+        if self.has_left_bound:
+            # Row i reaches key j iff j >= i + off - left, i.e. i <= last_key - off + left.
+            last_key = _min((n_block + 1) * self.tile_n, self.seqlen_k) - 1
+            row_end = _max(_min(last_key - self.offset + self.left + 1, self.seqlen_q), 0)
+            m_block_max = _ceil_div_nonneg(row_end, self.tile_m)
+        return m_block_min, m_block_max
+
+    def q_right_masked_end(self, n_block: Int) -> Int:
+        """Query blocks m < this have a row whose right edge cuts `n_block`: they need masking (causal / local)."""
+        last_key = (n_block + 1) * self.tile_n - 1
+        # Block m is clear iff its first row m*tile_m satisfies last_key <= m*tile_m + off + right.
+        return _ceil_div_nonneg(_max(last_key - self.offset - self.right, 0), self.tile_m)
+
+    def q_left_masked_start(self, n_block: Int) -> Int:
+        """Query blocks m >= this have a row whose left edge cuts `n_block`: they need masking (local only)."""
+        first_key = n_block * self.tile_n
+        # Block m is clear iff its last row (m+1)*tile_m - 1 satisfies first_key >= row + off - left.
+        return _max(first_key - self.offset + self.left + 1, 0) // self.tile_m

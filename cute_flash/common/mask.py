@@ -1,0 +1,122 @@
+"""Element-wise attention masking of a score accumulator, for any MMA whose fragment has a (rows, cols) view.
+
+Callers hand over three views made by `acc_views.rows_cols_view` from partitions by the same tiled MMA:
+  - `acc_rc`     the scores S (float32), modified in place: masked entries become -inf;
+  - `coords_rc`  this thread's identity-tensor partition of the (tile_rows, tile_cols) tile: (row, col) in the tile;
+  - `coords0_rc` the same partition for thread 0, whose entries are compile-time constants.
+The column test compares thread 0's constant columns against limits shifted by this thread's column offset, so the
+per-element work is one compare + select against a per-row limit. This needs each thread's columns to be thread 0's
+shifted by one constant, which holds for mma.sync (m16n8k16) and WGMMA accumulators alike.
+
+`keys_on_rows=False` (the default) is the forward orientation: rows are queries, columns keys. Backward kernels that
+compute S^T (keys on rows) pass `keys_on_rows=True`; that path masks element by element without the thread-0 trick.
+
+Which blocks to mask at all comes from `block_info`; this module only decides element by element.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .block_info import BlockInfo
+
+
+@cute.jit
+def apply_mask(
+    acc_rc: cute.Tensor,
+    coords_rc: cute.Tensor,
+    coords0_rc: cute.Tensor,
+    info: BlockInfo,
+    m_block: Int32,
+    n_block: Int32,
+    mask_seqlen: cutlass.Constexpr[bool],
+    mask_window: cutlass.Constexpr[bool],
+    keys_on_rows: cutlass.Constexpr[bool] = False,
+):
+    """Sets S[i, j] = -inf where query i must not see key j.
+
+    mask_seqlen: mask keys >= seqlen_k (the block may run past the end of K).
+    mask_window: mask keys outside [i + off - left, i + off + right] for causal / local specs (a no-op for "none").
+    Rows past seqlen_q are left alone: kernels never store them.
+    """
+    if cutlass.const_expr(not keys_on_rows):
+        _mask_queries_on_rows(acc_rc, coords_rc, coords0_rc, info, m_block, n_block, mask_seqlen, mask_window)
+    else:
+        _mask_keys_on_rows(acc_rc, coords_rc, info, m_block, n_block, mask_seqlen, mask_window)
+
+
+@cute.jit
+def _mask_queries_on_rows(
+    acc_rc: cute.Tensor,
+    coords_rc: cute.Tensor,
+    coords0_rc: cute.Tensor,
+    info: BlockInfo,
+    m_block: Int32,
+    n_block: Int32,
+    mask_seqlen: cutlass.Constexpr[bool],
+    mask_window: cutlass.Constexpr[bool],
+):
+    num_rows = cute.size(acc_rc, mode=[0])
+    num_cols = cute.size(acc_rc, mode=[1])
+    # Limits below are in thread 0's column frame: key n_block*tile_n + thread_col + c0  <->  c0.
+    thread_col = coords_rc[0, 0][1] - coords0_rc[0, 0][1]
+    key_base = n_block * info.tile_n + thread_col
+    seqlen_limit = info.seqlen_k - key_base  # columns c0 >= this are past seqlen_k
+    apply_window = cutlass.const_expr(mask_window and info.has_right_bound)
+    if cutlass.const_expr(not apply_window):
+        if cutlass.const_expr(mask_seqlen):
+            for c in cutlass.range_constexpr(num_cols):
+                past_end = coords0_rc[0, c][1] >= seqlen_limit
+                for r in cutlass.range_constexpr(num_rows):
+                    acc_rc[r, c] = -Float32.inf if past_end else acc_rc[r, c]
+    else:
+        # Query row i sees keys in [i + off - left, i + off + right]; shift both ends into the column frame.
+        diag_base = m_block * info.tile_m + info.offset - key_base
+        for r in cutlass.range_constexpr(num_rows):
+            diag = coords_rc[r, 0][0] + diag_base
+            col_end = diag + info.right + 1  # exclusive
+            if cutlass.const_expr(mask_seqlen):
+                col_end = cutlass.min(col_end, seqlen_limit)
+            if cutlass.const_expr(info.has_left_bound):
+                col_begin = diag - info.left
+                for c in cutlass.range_constexpr(num_cols):
+                    c0 = coords0_rc[0, c][1]
+                    outside = c0 >= col_end or c0 < col_begin
+                    acc_rc[r, c] = -Float32.inf if outside else acc_rc[r, c]
+            else:
+                for c in cutlass.range_constexpr(num_cols):
+                    outside = coords0_rc[0, c][1] >= col_end
+                    acc_rc[r, c] = -Float32.inf if outside else acc_rc[r, c]
+
+
+@cute.jit
+def _mask_keys_on_rows(
+    acc_rc: cute.Tensor,
+    coords_rc: cute.Tensor,
+    info: BlockInfo,
+    m_block: Int32,
+    n_block: Int32,
+    mask_seqlen: cutlass.Constexpr[bool],
+    mask_window: cutlass.Constexpr[bool],
+):
+    # Here the tile is (keys of n_block) x (queries of m_block): rows are keys, columns are queries.
+    num_rows = cute.size(acc_rc, mode=[0])
+    num_cols = cute.size(acc_rc, mode=[1])
+    key_base = n_block * info.tile_n
+    query_base = m_block * info.tile_m
+    apply_window = cutlass.const_expr(mask_window and info.has_right_bound)
+    for r in cutlass.range_constexpr(num_rows):
+        key = coords_rc[r, 0][0] + key_base
+        for c in cutlass.range_constexpr(num_cols):
+            diag = coords_rc[0, c][1] + query_base + info.offset
+            masked = False
+            if cutlass.const_expr(mask_seqlen):
+                masked = key >= info.seqlen_k
+            if cutlass.const_expr(apply_window):
+                masked = masked or key > diag + info.right
+                if cutlass.const_expr(info.has_left_bound):
+                    masked = masked or key < diag - info.left
+            if cutlass.const_expr(mask_seqlen or apply_window):
+                acc_rc[r, c] = -Float32.inf if masked else acc_rc[r, c]
