@@ -8,7 +8,7 @@ import torch
 
 from .arch import get_backend, resolve_arch
 from .arch.base import ArchBackend
-from .spec import AttentionSpec, MaskBounds
+from .spec import AttentionSpec
 from .validation import Problem, aligned_view, check_backend_supports, validate
 
 

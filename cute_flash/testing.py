@@ -15,6 +15,12 @@ from .reference import attention_reference
 
 ABS_SLACK = 1e-5
 
+# The correctness matrix every family's GPU tests run (with the head dims that family builds).
+MATRIX_SEQLENS = [(1, 1), (113, 203), (128, 128), (239, 1), (1023, 1024), (2048, 2048)]
+MATRIX_HEADS = [(8, 8), (8, 2), (8, 1)]
+MATRIX_MASKS = {"full": {}, "causal": {"causal": True}, "window64_0": {"window_size": (64, 0)}}
+MATRIX_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 @dataclass
 class ErrorReport:
@@ -61,6 +67,22 @@ def random_qkv(
     k = make(batch, seqlen_k, nheads_kv, head_dim)
     v = make(batch, seqlen_k, nheads_kv, dv)
     return q, k, v
+
+
+def matrix_inputs(head_dim: int, seqlens: Tuple[int, int], heads: Tuple[int, int], dtype: str):
+    """Inputs of one matrix case; two batch entries unless the float64 reference would get large."""
+    seqlen_q, seqlen_k = seqlens
+    batch = 2 if seqlen_q * seqlen_k <= (1 << 20) else 1
+    return random_qkv(batch, seqlen_q, seqlen_k, *heads, head_dim, dtype=MATRIX_DTYPES[dtype],
+                      seed=seqlen_q + head_dim)
+
+
+def attention_and_check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **attn_kwargs) -> Sequence["ErrorReport"]:
+    """Runs `cute_flash.attention` and checks out and lse against the reference (raises AssertionError)."""
+    from .interface import attention
+
+    out, lse = attention(q, k, v, return_lse=True, **attn_kwargs)
+    return check_forward(q, k, v, out, lse, **attn_kwargs)
 
 
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:

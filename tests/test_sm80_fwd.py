@@ -10,20 +10,22 @@ import pytest
 import torch
 
 from cute_flash import attention
-from cute_flash.testing import check_forward, random_qkv
+from cute_flash.testing import (
+    MATRIX_DTYPES,
+    MATRIX_HEADS,
+    MATRIX_MASKS,
+    MATRIX_SEQLENS,
+    attention_and_check,
+    check_forward,
+    matrix_inputs,
+    random_qkv,
+)
 
 pytestmark = pytest.mark.sm80
 
 HEAD_DIMS = [64, 128, 256]
-SEQLENS = [(1, 1), (113, 203), (128, 128), (239, 1), (1023, 1024), (2048, 2048)]
-HEADS = [(8, 8), (8, 2), (8, 1)]
-MASKS = {"full": {}, "causal": {"causal": True}, "window64_0": {"window_size": (64, 0)}}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _run(q, k, v, **mask):
-    out, lse = attention(q, k, v, return_lse=True, **mask)
-    return check_forward(q, k, v, out, lse, **mask)
+SEQLENS, HEADS, MASKS, DTYPES = MATRIX_SEQLENS, MATRIX_HEADS, MATRIX_MASKS, MATRIX_DTYPES
+_run = attention_and_check
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -32,10 +34,7 @@ def _run(q, k, v, **mask):
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"q{s[0]}k{s[1]}")
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_forward_matrix(head_dim, seqlens, heads, mask, dtype):
-    seqlen_q, seqlen_k = seqlens
-    batch = 2 if seqlen_q * seqlen_k <= (1 << 20) else 1
-    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, *heads, head_dim, dtype=DTYPES[dtype], seed=seqlen_q + head_dim)
-    _run(q, k, v, **MASKS[mask])
+    _run(*matrix_inputs(head_dim, seqlens, heads, dtype), **MASKS[mask])
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)

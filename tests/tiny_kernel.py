@@ -1,7 +1,6 @@
 """A minimal CuTe DSL kernel, cross-compiled in a subprocess to check that the census reads real compiler output."""
 
 import json
-import os
 import sys
 import tempfile
 
