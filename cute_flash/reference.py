@@ -13,6 +13,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from .common.block_info import BlockInfo
 from .spec import MaskBounds, normalize_mask
 
 Window = Tuple[Optional[int], Optional[int]]
@@ -96,9 +97,11 @@ def attention_tiled(
     out = torch.zeros(b, sq, h, dv, dtype=compute_dtype, device=q.device)
     lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
     tiles_visited = 0
+    # The kernels' own block arithmetic decides which tiles are visited, so these tests cover it too.
+    blocks = BlockInfo(block_m, block_n, mask.kind, sq, sk, window_left=mask.left, window_right=mask.right)
     for m0 in range(0, sq, block_m):
         m1 = min(m0 + block_m, sq)
-        n_lo, n_hi = key_block_range(m0, m1, sq, sk, mask, block_n)
+        n_lo, n_hi = blocks.kv_block_range(m0 // block_m)
         q_tile = q[:, m0:m1].to(compute_dtype)
         row_max = torch.full((b, h, m1 - m0, 1), float("-inf"), dtype=compute_dtype, device=q.device)
         row_sum = torch.zeros((b, h, m1 - m0, 1), dtype=compute_dtype, device=q.device)
@@ -121,14 +124,3 @@ def attention_tiled(
         out[:, m0:m1] = (acc / safe_sum).permute(0, 2, 1, 3)
         lse[:, :, m0:m1] = (row_max + torch.log(row_sum)).squeeze(-1).float()
     return out, lse, tiles_visited
-
-
-def key_block_range(m0: int, m1: int, seqlen_q: int, seqlen_k: int, mask: MaskBounds, block_n: int) -> Tuple[int, int]:
-    """Half-open range of key blocks that query rows [m0, m1) can see; blocks outside it are entirely masked."""
-    off = seqlen_k - seqlen_q
-    n_blocks = (seqlen_k + block_n - 1) // block_n
-    lo_key = max(0, m0 + off - mask.left)
-    hi_key = min(seqlen_k, (m1 - 1) + off + mask.right + 1)
-    if hi_key <= lo_key:
-        return 0, 0
-    return min(lo_key // block_n, n_blocks), min((hi_key + block_n - 1) // block_n, n_blocks)

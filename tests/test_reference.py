@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from cute_flash.reference import attention_reference, attention_tiled, key_block_range, visible_keys
+from cute_flash.common.block_info import BlockInfo
+from cute_flash.reference import attention_reference, attention_tiled, visible_keys
 from cute_flash.spec import UNBOUNDED_WINDOW, MaskBounds, normalize_mask
 
 
@@ -117,7 +118,8 @@ def test_normalize_mask(causal, window, expected):
     assert normalize_mask(causal, window) == expected
 
 
-def test_key_block_range_empty_when_nothing_visible():
-    mask = normalize_mask(True, (None, None))
-    assert key_block_range(0, 4, 10, 4, mask, 4) == (0, 0)  # rows 0..3 see no key (sq - sk = 6)
-    assert key_block_range(6, 10, 10, 4, mask, 4) == (0, 1)
+def test_kv_block_range_empty_when_nothing_visible():
+    blocks = BlockInfo(4, 4, "causal", seqlen_q=10, seqlen_k=4)
+    lo, hi = blocks.kv_block_range(0)  # rows 0..3 see no key (sq - sk = 6)
+    assert hi <= lo
+    assert blocks.kv_block_range(2) == (0, 1)  # rows 8..9 see keys 0..3
