@@ -47,6 +47,31 @@ def test_backward_kernels_census(spec, artifacts):
     assert ptx_census(kernels["bwd_postprocess"].ptx)["mma.sync"] == 0
 
 
+def test_default_sm90_variant_uses_vector_dq_reductions():
+    """On sm_90a at d128 the default variant adds dQ with red.global.add.v4.f32 in the "fragment" layout, converted
+    by its own postprocess (only the two kernels that change are compiled, to keep this file fast)."""
+    from cute_flash.arch.sm80 import backward
+    from cute_flash.arch.sm80.bwd_tiles import bwd_tile_config
+    from cute_flash.census import cubin_resources
+    from cute_flash.compile_cache import compile_options, keep_artifacts_options
+    import tempfile
+
+    spec = AttentionSpec("bf16", 128, 128, "causal", "bf16")
+    cfg = bwd_tile_config(128, "sm_90a")
+    assert (cfg.dq_layout, cfg.dq_vec, cfg.dq_before_dk) == ("fragment", 4, True)
+    assert bwd_tile_config(128, "sm_80").dq_layout == "rows"
+    assert "bwd_dq_postprocess" in backward._roles(spec, "sm_90a")
+    for role in ("bwd", "bwd_dq_postprocess"):
+        with tempfile.TemporaryDirectory() as dump:
+            compiled = backward._ROLES[role](spec, compile_options("sm_90a", extra=keep_artifacts_options(dump)), "sm_90a")
+            ptx = compiled.artifacts.PTX
+            (res,) = cubin_resources(compiled.artifacts.CUBIN).values()
+        assert res["registers"] <= 255
+        if role == "bwd":
+            # 64 x 128 dQ per step, 256 threads: 32 floats each, as 8 four-wide reductions and no scalar ones.
+            assert ptx.count("red.global.add.v4.f32") == 8 and "atom.global.add.f32" not in ptx
+
+
 def test_unsupported_specs_say_why():
     from cute_flash.arch.sm80.backward import backward_unsupported_reason
 

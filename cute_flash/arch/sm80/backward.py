@@ -1,7 +1,8 @@
 """The sm80 backward pass: preprocess, main kernel, postprocess (see flash_bwd.py for the algorithm).
 
     1. preprocess:  D = rowsum(dO * O) and lse_log2 (both (b, h, sq_padded) fp32, padding rows inert)
-    2. main:        per key tile: dK, dV in registers; dQ added with fp32 atomics to dq_accum (b, sq_padded, h, d)
+    2. main:        per key tile: dK, dV in registers; dQ added with fp32 atomics to dq_accum, (b, sq_padded, h, d)
+                    or, in the "fragment" layout (bwd_tiles.BwdTileConfig.dq_layout), (b, h, sq_padded * d)
     3. postprocess: dq = scale * dq_accum in the input dtype
 
 Under GQA/MQA the main kernel's dK/dV are partial sums per query head; they are added with fp32 atomics into
@@ -23,7 +24,7 @@ import torch
 from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
 from ..base import KernelArtifact
-from .bwd_tiles import bwd_tile_config
+from .bwd_tiles import VARIANT_ENV, bwd_tile_config
 
 FAMILY = "sm80"
 _PRE_POST_BLOCK_M = 64  # rows per CTA of the preprocess / postprocess kernels
@@ -72,7 +73,7 @@ def _fake_bhs(batch, heads, seqlen, divisibility=1):
     return cute.runtime.make_fake_tensor(cutlass.Float32, (batch, heads, seqlen), strides, assumed_align=4)
 
 
-def _build_preprocess(spec: AttentionSpec, options: str):
+def _build_preprocess(spec: AttentionSpec, options: str, target: str):
     import cutlass.cute as cute
 
     from .flash_bwd_preprocess import BackwardPreprocessSm80
@@ -92,7 +93,17 @@ def _build_preprocess(spec: AttentionSpec, options: str):
     )
 
 
-def _build_main(spec: AttentionSpec, options: str, *, gqa: bool):
+def _fake_dq_accum(cfg, b, sq_pad, h, d):
+    import cutlass
+    import cutlass.cute as cute
+
+    if cfg.dq_layout == "fragment":
+        strides = (cute.sym_int64(divisibility=cfg.block_m * d), cute.sym_int64(divisibility=cfg.block_m * d), 1)
+        return cute.runtime.make_fake_tensor(cutlass.Float32, (b, h, cute.sym_int()), strides, assumed_align=16)
+    return _fake_bshd(cutlass.Float32, b, sq_pad, h, d)
+
+
+def _build_main(spec: AttentionSpec, options: str, target: str, *, gqa: bool):
     import cutlass
     import cutlass.cute as cute
 
@@ -104,7 +115,8 @@ def _build_main(spec: AttentionSpec, options: str, *, gqa: bool):
     sq_pad, sk_pad = cute.sym_int(), cute.sym_int()
     dkv_dtype = cutlass.Float32 if gqa else dt
     dkv_rows = sk_pad if gqa else sk
-    kernel = FlashBackwardSm80(dt, d, bwd_tile_config(d), spec.mask, gqa)
+    cfg = bwd_tile_config(d, target)
+    kernel = FlashBackwardSm80(dt, d, cfg, spec.mask, gqa)
     return cute.compile(
         kernel,
         _fake_bshd(dt, b, sq, h, d),  # q
@@ -113,7 +125,7 @@ def _build_main(spec: AttentionSpec, options: str, *, gqa: bool):
         _fake_bshd(dt, b, sq, h, d),  # dout
         _fake_bhs(b, h, sq_pad, divisibility=_PRE_POST_BLOCK_M),  # lse_log2
         _fake_bhs(b, h, sq_pad, divisibility=_PRE_POST_BLOCK_M),  # dpsum
-        _fake_bshd(cutlass.Float32, b, sq_pad, h, d),  # dq_accum
+        _fake_dq_accum(cfg, b, sq_pad, h, d),  # dq_accum
         _fake_bshd(dkv_dtype, b, dkv_rows, h_kv, d),  # dk or dk_accum
         _fake_bshd(dkv_dtype, b, dkv_rows, h_kv, d),  # dv or dv_accum
         cutlass.Float32(1.0),
@@ -124,7 +136,7 @@ def _build_main(spec: AttentionSpec, options: str, *, gqa: bool):
     )
 
 
-def _build_postprocess(spec: AttentionSpec, options: str):
+def _build_postprocess(spec: AttentionSpec, options: str, target: str):
     import cutlass
     import cutlass.cute as cute
 
@@ -143,32 +155,65 @@ def _build_postprocess(spec: AttentionSpec, options: str):
     )
 
 
+def _build_dq_postprocess(spec: AttentionSpec, options: str, target: str):
+    import cutlass
+    import cutlass.cute as cute
+
+    from .flash_bwd_postprocess import DqFragmentConvertSm80
+
+    dt = _cutlass_dtype(spec.dtype)
+    cfg = bwd_tile_config(spec.head_dim, target)
+    b, s, s_pad, h = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    kernel = DqFragmentConvertSm80(dt, spec.head_dim, cfg)
+    return cute.compile(
+        kernel,
+        _fake_dq_accum(cfg, b, s_pad, h, spec.head_dim),
+        _fake_bshd(dt, b, s, h, spec.head_dim),
+        cutlass.Float32(1.0),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=options,
+    )
+
+
 _ROLES = {
     "bwd_preprocess": _build_preprocess,
     "bwd": functools.partial(_build_main, gqa=False),
     "bwd_gqa": functools.partial(_build_main, gqa=True),
     "bwd_postprocess": _build_postprocess,
+    "bwd_dq_postprocess": _build_dq_postprocess,  # only for the "fragment" dQ layout
 }
+_TILED_ROLES = ("bwd", "bwd_gqa", "bwd_dq_postprocess")  # roles whose code depends on the main kernel's tile config
 
 
-def _role_config(role: str, spec: AttentionSpec) -> dict:
-    if role in ("bwd", "bwd_gqa"):
-        return bwd_tile_config(spec.head_dim).as_dict(spec.head_dim)
+def _roles(spec: AttentionSpec, target: str) -> List[str]:
+    fragment = bwd_tile_config(spec.head_dim, target).dq_layout == "fragment"
+    return [r for r in _ROLES if fragment or r != "bwd_dq_postprocess"]
+
+
+def _role_config(role: str, spec: AttentionSpec, target: str) -> dict:
+    if role in _TILED_ROLES:
+        return bwd_tile_config(spec.head_dim, target).as_dict(spec.head_dim)
     return {"block_m": _PRE_POST_BLOCK_M, "threads": 128, "shared_bytes": 0}
 
 
 @functools.lru_cache(maxsize=None)
+def _cache_key_memo(role: str, spec: AttentionSpec, target: str, variant: Optional[str]) -> tuple:
+    key_spec = spec if role in ("bwd", "bwd_gqa") else AttentionSpec(spec.dtype, spec.head_dim, spec.head_dim_v, "none")
+    return (FAMILY, target, role, key_spec, tuple(sorted(_role_config(role, spec, target).items())))
+
+
 def _cache_key(role: str, spec: AttentionSpec, target: str) -> tuple:
     """(family, target, role, spec, tile): preprocess / postprocess code depends on dtype and head dim, not the mask.
-    Memoised because the launch path asks for it on every call."""
-    key_spec = spec if role in ("bwd", "bwd_gqa") else AttentionSpec(spec.dtype, spec.head_dim, spec.head_dim_v, "none")
-    return (FAMILY, target, role, key_spec, tuple(sorted(_role_config(role, spec).items())))
+    Memoised (per tile variant) because the launch path asks for it on every call."""
+    return _cache_key_memo(role, spec, target, os.environ.get(VARIANT_ENV))
 
 
 def _kernel(role: str, spec: AttentionSpec, target: str):
     key = _cache_key(role, spec, target)
     compile_cache.ensure_cute_dsl_arch(target)
-    return compile_cache.get_or_compile(key, lambda: _ROLES[role](key[3], compile_cache.compile_options(target)))
+    return compile_cache.get_or_compile(
+        key, lambda: _ROLES[role](key[3], compile_cache.compile_options(target), target)
+    )
 
 
 def compile_backward_artifacts(spec: AttentionSpec, target: str) -> List[KernelArtifact]:
@@ -179,19 +224,20 @@ def compile_backward_artifacts(spec: AttentionSpec, target: str) -> List[KernelA
     compile_cache.ensure_cute_dsl_arch(target)
     artifacts = []
     with tempfile.TemporaryDirectory(prefix="cute_flash_sm80_bwd_") as dump:
-        for role, build in _ROLES.items():
+        for role in _roles(spec, target):
+            build = _ROLES[role]
             sub = os.path.join(dump, role)
             # remarks{ptx}: ptxas reports registers and spills on stderr, where the compile command reads them.
             options = compile_cache.compile_options(
                 target, extra=compile_cache.keep_artifacts_options(sub) + " remarks{ptx}"
             )
-            compiled = build(spec, options)
+            compiled = build(spec, options, target)
             artifacts.append(
                 KernelArtifact(
                     kernel=role,
                     ptx=compiled.artifacts.PTX,
                     cubin=compiled.artifacts.CUBIN,
-                    config=_role_config(role, spec),
+                    config=_role_config(role, spec, target),
                 )
             )
     return artifacts
@@ -234,7 +280,7 @@ def run_backward(
     if reason is not None:
         raise NotImplementedError(reason)
     target = compile_cache.target_for_capability(torch.cuda.get_device_capability(q.device))
-    cfg = bwd_tile_config(spec.head_dim)
+    cfg = bwd_tile_config(spec.head_dim, target)
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     gqa = nheads != nheads_kv
@@ -243,7 +289,10 @@ def run_backward(
 
     lse_log2 = torch.empty(batch, nheads, seqlen_q_pad, **f32)
     dpsum = torch.empty(batch, nheads, seqlen_q_pad, **f32)
-    dq_accum = torch.zeros(batch, seqlen_q_pad, nheads, head_dim, **f32)
+    if cfg.dq_layout == "fragment":
+        dq_accum = torch.zeros(batch, nheads, seqlen_q_pad * head_dim, **f32)
+    else:
+        dq_accum = torch.zeros(batch, seqlen_q_pad, nheads, head_dim, **f32)
     q, k, v, dout, out, dq, dk, dv = (_kernel_view(t) for t in (q, k, v, dout, out, dq, dk, dv))
 
     _kernel("bwd_preprocess", spec, target)(out, dout, lse, dpsum, lse_log2)
@@ -257,7 +306,10 @@ def run_backward(
         q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, softmax_scale, mask.left, mask.right
     )
     postprocess = _kernel("bwd_postprocess", spec, target)
-    postprocess(dq_accum, dq, softmax_scale)
+    if cfg.dq_layout == "fragment":
+        _kernel("bwd_dq_postprocess", spec, target)(dq_accum, dq, softmax_scale)
+    else:
+        postprocess(dq_accum, dq, softmax_scale)
     if gqa:
         # The main kernel already applied the softmax scale to dK.
         postprocess(dk_out, dk, 1.0)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
 
 # Largest dynamic shared memory per CTA on an A100; the same tiles serve sm_90a, where the sm80 kernels also run.
 SM80_SMEM_CAPACITY = 163 * 1024
@@ -20,6 +22,13 @@ class BwdTileConfig:
     warps_m_dq: int  # warps along the query dim of dQ (the rest go along the head dim)
     num_warps: int = 8
     dq_chunk: int = 0  # head-dim columns of dQ per pass (0: all at once); smaller bounds the dQ accumulator
+    # How dQ leaves the CTA. "rows": fp32 atomics into a (b, sq_padded, h, d) buffer, one per element: a warp's 32
+    # atomics land on 8 rows, 8 cache lines. "fragment": the buffer is (b, h, sq_padded * d) and each m-block's
+    # block_m * d floats are stored in the dQ mma's register order, thread-interleaved, so a warp's atomic covers
+    # 32 * dq_vec consecutive floats (FlashAttention-2's scheme); the postprocess undoes the permutation.
+    dq_layout: str = "rows"
+    dq_vec: int = 1  # floats per dQ atomic: 1 (red.f32, any target) or 2 / 4 (red.v2/v4.f32, sm_90 and newer)
+    dq_before_dk: bool = False  # dQ product and its atomics before the dK product (atomics overlap the dK mmas)
 
     @property
     def num_threads(self) -> int:
@@ -41,12 +50,58 @@ class BwdTileConfig:
             "warps_nd_dkv": (self.warps_n_dkv, self.num_warps // self.warps_n_dkv),
             "warps_md_dq": (self.warps_m_dq, self.num_warps // self.warps_m_dq),
             "dq_chunk": self.dq_chunk or head_dim,
+            "dq_layout": self.dq_layout,
+            "dq_vec": self.dq_vec,
+            "dq_before_dk": self.dq_before_dk,
             "threads": self.num_threads,
             "shared_bytes": self.smem_bytes(head_dim),
         }
 
 
-def bwd_tile_config(head_dim: int) -> BwdTileConfig:
+def bwd_tile_config(head_dim: int, target: Optional[str] = None) -> BwdTileConfig:
+    """The backward tile config for `head_dim` on `target` ("sm_80", "sm_90a", ...): the default variant, or the one
+    named by the environment variable CUTE_FLASH_SM80_BWD_VARIANT (see VARIANTS; for timing them side by side)."""
+    major = _target_major(target)
+    name = os.environ.get(VARIANT_ENV) or default_variant(head_dim, major)
+    if name not in VARIANTS:
+        raise ValueError(f"{VARIANT_ENV}={name!r}: the sm80 backward variants are {sorted(VARIANTS)}")
+    return VARIANTS[name](_fa2_tile_config(head_dim), head_dim, major)
+
+
+def _target_major(target: Optional[str]) -> int:
+    if target is None:
+        return 8
+    return int(target.removeprefix("sm_").rstrip("a")) // 10
+
+
+def _vector_dq(cfg: BwdTileConfig, vec: int, major: int) -> BwdTileConfig:
+    # Vector reductions (red.global.add.v2/v4.f32) exist from sm_90 on; older targets get the scalar form of the
+    # same layout.
+    return replace(cfg, dq_layout="fragment", dq_vec=vec if major >= 9 else 1)
+
+
+VARIANT_ENV = "CUTE_FLASH_SM80_BWD_VARIANT"
+# name -> (FlashAttention-2 tile config, head_dim, target major) -> config. Timed on an H200 by
+# profiling/sm80_bwd_variants.py.
+VARIANTS = {
+    "rows": lambda cfg, d, major: cfg,
+    "fragment": lambda cfg, d, major: replace(cfg, dq_layout="fragment"),
+    "fragment_v4": lambda cfg, d, major: _vector_dq(cfg, 4, major),
+    "fragment_v4_dq_first": lambda cfg, d, major: replace(_vector_dq(cfg, 4, major), dq_before_dk=cfg.num_stages == 2),
+}
+# The default where it was measured faster and passed the GPU test matrix (H200, sm_90a target, 2026-11-21:
+# fragment_v4_dq_first 1.07-1.12x SDPA flash at d128 seqlen 4k/16k, 0.98-1.03x at d64; "rows" 0.72-0.79x). Other
+# head dims, sm_80 targets (where the same layout takes scalar atomics) and sm_100a keep the previously tested "rows"
+# until a GPU run covers them.
+DEFAULT_VARIANT = "fragment_v4_dq_first"
+_DEFAULT_VARIANT_HEAD_DIMS = (64, 128)
+
+
+def default_variant(head_dim: int, target_major: int) -> str:
+    return DEFAULT_VARIANT if target_major == 9 and head_dim in _DEFAULT_VARIANT_HEAD_DIMS else "rows"
+
+
+def _fa2_tile_config(head_dim: int) -> BwdTileConfig:
     """FlashAttention-2's arrangement, 8 warps, head_dim a multiple of 32 up to 256:
 
     head dim   tile (m x n)   Q/dO stages   why

@@ -4,7 +4,8 @@ One CTA owns one key tile (block_n keys) of one query head and walks the query t
 it recomputes S = Q K^T, P = exp2(S * scale * log2e - lse_log2) (the forward's softmax, from the saved LSE), then
 dP = dO V^T and dS = P * (dP - D), and accumulates
     dV += P^T dO,   dK += dS^T Q   (in registers, across the whole walk),
-    dQ_tile = dS K                  (added with fp32 atomics to a (b, sq_padded, h, d) buffer).
+    dQ_tile = dS K                  (added with fp32 atomics to a (b, sq_padded, h, d) buffer, or in the "fragment"
+                                     layout to (b, h, sq_padded * d) in register order, with red.v4 on sm_90+).
 P and dS go through shared memory to serve as transposed operands (ldmatrix.trans). The softmax scale is applied to dK
 here and to dQ in the postprocess kernel.
 
@@ -24,12 +25,53 @@ from typing import Type
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cutlass_dsl import dsl_user_op
 
 from .bwd_block_range import query_block_range, tile_needs_mask
 from .bwd_tiles import BwdTileConfig
 
 LOG2_E = math.log2(math.e)
+
+
+def dq_tiled_mma(dtype: Type[cutlass.Numeric], config: BwdTileConfig) -> cute.TiledMma:
+    """The dQ = dS K product's tiled mma; the "fragment" dQ layout is its register order, so the postprocess that
+    undoes that layout builds the same one."""
+    return _tiled_mma(dtype, config.warps_m_dq, config.num_warps)
+
+
+def _tiled_mma(dtype: Type[cutlass.Numeric], warps_m: int, num_warps: int) -> cute.TiledMma:
+    warps_n = num_warps // warps_m
+    return cute.make_tiled_mma(
+        warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)),
+        (warps_m, warps_n, 1),
+        permutation_mnk=(warps_m * 16, warps_n * 16, 16),
+    )
+
+
+def dq_fragment_offset(i: int, tidx, num_threads: int, vec: int):
+    """Offset, in an m-block's (chunk's) slice of the "fragment" dQ buffer, of dQ accumulator element `i` of thread
+    `tidx`: groups of `vec` consecutive elements, thread-interleaved, so one warp-wide atomic covers 32 * vec floats."""
+    return (i // vec) * (num_threads * vec) + tidx * vec + i % vec
+
+
+@dsl_user_op
+def red_add_f32_vec(ptr: cute.Pointer, values, *, loc=None, ip=None) -> None:
+    """*ptr[0:len(values)] += values with one vector reduction (red.global.add.v2/v4.f32, sm_90 and newer); ptr must
+    be aligned to the vector's size."""
+    n = len(values)
+    assert n in (2, 4)
+    operands = ", ".join(f"${i + 1}" for i in range(n))
+    llvm.inline_asm(
+        None,
+        [ptr.toint(loc=loc, ip=ip).ir_value()] + [Float32(v).ir_value(loc=loc, ip=ip) for v in values],
+        f"red.global.add.v{n}.f32 [$0], {{{operands}}};",
+        "l" + ",f" * n,
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 def _swizzled_smem_atom(dtype: Type[cutlass.Numeric], cols: int) -> cute.ComposedLayout:
@@ -112,15 +154,12 @@ class FlashBackwardSm80:
         self.gqa = gqa
         self.dq_chunk = config.dq_chunk or head_dim
         assert head_dim % self.dq_chunk == 0
+        assert config.dq_layout in ("rows", "fragment")
+        assert config.dq_vec == 1 or config.dq_layout == "fragment"
 
     # ------------------------------------------------------------------ host side
     def _tiled_mma(self, warps_m: int) -> cute.TiledMma:
-        warps_n = self.cfg.num_warps // warps_m
-        return cute.make_tiled_mma(
-            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
-            (warps_m, warps_n, 1),
-            permutation_mnk=(warps_m * 16, warps_n * 16, 16),
-        )
+        return _tiled_mma(self.dtype, warps_m, self.cfg.num_warps)
 
     def _g2s_copy(self, cols: int, atom_op) -> cute.TiledCopy:
         """128-bit copies of a row-major tile `cols` wide, threads laid out to match the swizzle atom's width."""
@@ -140,7 +179,7 @@ class FlashBackwardSm80:
         mdO: cute.Tensor,  # (b, sq, h, d)
         mLSElog2: cute.Tensor,  # (b, h, sq_padded) fp32, from the preprocess
         mdPsum: cute.Tensor,  # (b, h, sq_padded) fp32, from the preprocess
-        mdQaccum: cute.Tensor,  # (b, sq_padded, h, d) fp32, zeroed
+        mdQaccum: cute.Tensor,  # (b, sq_padded, h, d) fp32 zeroed; (b, h, sq_padded * d) in the "fragment" layout
         mdK: cute.Tensor,  # (b, sk, h_kv, d) dtype, or (b, sk_padded, h_kv, d) fp32 zeroed under GQA
         mdV: cute.Tensor,  # like mdK
         softmax_scale: Float32,
@@ -372,6 +411,11 @@ class FlashBackwardSm80:
                 _gemm_smem(
                     tiled_mma_dkv, acc_dV, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt[None, None, None, slot], s2r_PdSt, s2r_QdOt
                 )
+                if cutlass.const_expr(cfg.dq_before_dk):
+                    self._dq_product(
+                        tiled_mma_dq, thr_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, s2r_dS, s2r_Kt, mdQaccum, batch, head, m_block,
+                        tidx,
+                    )
                 _gemm_smem(
                     tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt[None, None, None, slot], s2r_PdSt, s2r_QdOt
                 )
@@ -382,15 +426,11 @@ class FlashBackwardSm80:
                         self._load_q_do(g2s_copy, tQgQ, tQsQ, tdOgdO, tdOsdO, tQcQ, m_block + 1, 0, seqlen_q)
                     cute.arch.cp_async_commit_group()
 
-                # dQ_tile = dS K, added to the fp32 accumulator.
-                for chunk in cutlass.range_constexpr(d // dq_chunk):
-                    acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((block_m, dq_chunk)), Float32)
-                    acc_dQ.fill(0.0)
-                    _gemm_smem(
-                        tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tdQsdS, tdQsKt[None, None, None, chunk], s2r_dS, s2r_Kt
+                if cutlass.const_expr(not cfg.dq_before_dk):
+                    self._dq_product(
+                        tiled_mma_dq, thr_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, s2r_dS, s2r_Kt, mdQaccum, batch, head, m_block,
+                        tidx,
                     )
-                    gdQ = cute.local_tile(mdQaccum[batch, None, head, None], (block_m, dq_chunk), (m_block, chunk))
-                    self._atomic_add(acc_dQ, thr_dq.partition_C(gdQ))
 
         # ---------------------------------------------------------- epilogue: dK (scaled) and dV
         acc_dK.store(acc_dK.load() * softmax_scale)
@@ -454,6 +494,50 @@ class FlashBackwardSm80:
         """dst += acc element-wise with fp32 atomics (dst is the matching partition of a padded fp32 buffer)."""
         for i in cutlass.range(cute.size(acc), unroll_full=True):
             cute.arch.atomic_add(dst.iterator + cute.crd2idx(i, dst.layout), acc[i])
+
+    @cute.jit
+    def _dq_product(
+        self,
+        tiled_mma_dq: cute.TiledMma,
+        thr_dq,
+        tdQrdS: cute.Tensor,
+        tdQrKt: cute.Tensor,
+        tdQsdS: cute.Tensor,
+        tdQsKt: cute.Tensor,
+        s2r_dS,
+        s2r_Kt,
+        mdQaccum: cute.Tensor,
+        batch: Int32,
+        head: Int32,
+        m_block: Int32,
+        tidx: Int32,
+    ):
+        """dQ_tile = dS K, added to the fp32 accumulator, dq_chunk head-dim columns at a time."""
+        block_m, d, dq_chunk = self.cfg.block_m, self.head_dim, self.dq_chunk
+        for chunk in cutlass.range_constexpr(d // dq_chunk):
+            acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((block_m, dq_chunk)), Float32)
+            acc_dQ.fill(0.0)
+            _gemm_smem(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tdQsdS, tdQsKt[None, None, None, chunk], s2r_dS, s2r_Kt)
+            if cutlass.const_expr(self.cfg.dq_layout == "fragment"):
+                # This m-block's chunk is block_m * dq_chunk consecutive floats of the (b, h, sq_padded * d) buffer.
+                gdQ = cute.local_tile(
+                    mdQaccum[batch, head, None], (block_m * dq_chunk,), (m_block * (d // dq_chunk) + chunk,)
+                )
+                self._atomic_add_fragment(acc_dQ, gdQ, tidx)
+            else:
+                gdQ = cute.local_tile(mdQaccum[batch, None, head, None], (block_m, dq_chunk), (m_block, chunk))
+                self._atomic_add(acc_dQ, thr_dq.partition_C(gdQ))
+
+    @cute.jit
+    def _atomic_add_fragment(self, acc: cute.Tensor, dst: cute.Tensor, tidx: Int32):
+        """dst[dq_fragment_offset(i)] += acc[i]: a warp's reduction covers 32 * dq_vec consecutive floats."""
+        vec = self.cfg.dq_vec
+        for j in cutlass.range_constexpr(cute.size(acc) // vec):
+            ptr = dst.iterator + dq_fragment_offset(j * vec, tidx, self.cfg.num_threads, vec)
+            if cutlass.const_expr(vec == 1):
+                cute.arch.atomic_add(ptr, acc[j])
+            else:
+                red_add_f32_vec(ptr, [acc[j * vec + e] for e in range(vec)])
 
     @cute.jit
     def _store_dkv(

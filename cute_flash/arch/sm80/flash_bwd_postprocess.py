@@ -1,6 +1,7 @@
 """Backward postprocess: converts an fp32 gradient accumulator to the output dtype, times a scale.
 
-The main backward kernel accumulates dQ (and, with GQA, dK/dV) with fp32 atomics into a (b, s_padded, h, d) buffer;
+The main backward kernel accumulates dQ (and, with GQA, dK/dV) with fp32 atomics into a (b, s_padded, h, d) buffer
+(dQ may instead use the "fragment" layout, converted by DqFragmentConvertSm80 below);
 this kernel writes out[b, i, h, :] = scale * accum[b, i, h, :] for i < s. One CTA converts `block_m` rows of one
 (batch, head).
 """
@@ -74,3 +75,49 @@ class AccumConvertSm80:
                 cute.copy(tiled_load, tAgA[None, m, None], tArA[None, m, None])
                 tOrO[None, m, None].store((tArA[None, m, None].load() * scale).to(self.dtype))
                 cute.copy(tiled_store, tOrO[None, m, None], tOgO[None, m, None])
+
+
+class DqFragmentConvertSm80:
+    """dq = scale * dQ accumulator, from the main kernel's "fragment" layout: (b, h, sq_padded * d) fp32 where each
+    m-block (and each dq_chunk of its columns) holds the dQ mma's accumulator registers thread-interleaved
+    (flash_bwd.dq_fragment_offset). One CTA, with the main kernel's thread count, converts one m-block: thread t reads
+    what thread t of the main kernel added, and finds its (row, column) from the same tiled mma."""
+
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, config):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.cfg = config
+        self.dq_chunk = config.dq_chunk or head_dim
+
+    @cute.jit
+    def __call__(
+        self,
+        mAccum: cute.Tensor,  # (b, h, sq_padded * d) fp32
+        mOut: cute.Tensor,  # (b, sq, h, d) dtype
+        scale: Float32,
+        stream,
+    ):
+        from .flash_bwd import dq_tiled_mma
+
+        grid = (cute.ceil_div(mOut.shape[1], self.cfg.block_m), mOut.shape[2], mOut.shape[0])
+        self.kernel(mAccum, mOut, scale, dq_tiled_mma(self.dtype, self.cfg)).launch(
+            grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mAccum: cute.Tensor, mOut: cute.Tensor, scale: Float32, tiled_mma: cute.TiledMma):
+        from .flash_bwd import dq_fragment_offset
+
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen = mOut.shape[1]
+        block_m, chunk_cols = self.cfg.block_m, self.dq_chunk
+        num_chunks = self.head_dim // chunk_cols
+        tCcC = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((block_m, chunk_cols)))
+        for chunk in cutlass.range_constexpr(num_chunks):
+            gAccum = cute.local_tile(mAccum[batch, head, None], (block_m * chunk_cols,), (m_block * num_chunks + chunk,))
+            for i in cutlass.range_constexpr(cute.size(tCcC)):
+                row = m_block * block_m + tCcC[i][0]
+                if row < seqlen:
+                    value = gAccum[dq_fragment_offset(i, tidx, self.cfg.num_threads, self.cfg.dq_vec)]
+                    mOut[batch, row, head, chunk * chunk_cols + tCcC[i][1]] = (value * scale).to(self.dtype)

@@ -1,0 +1,171 @@
+"""The sm80 backward's tile variants (bwd_tiles.VARIANTS) side by side.
+
+    python3 -m profiling.sm80_bwd_variants cpu [--variants a,b] [--head-dims 128,64] [--target sm_90a]
+        cross-compiles each variant's main kernel (and its dQ postprocess) on the CPU: registers, spills, census.
+    python3 -m profiling.sm80_bwd_variants gpu [--variants a,b] [--check VARIANT]
+        times every variant's backward (preprocess + main + postprocess, allocations included) against torch SDPA's
+        flash backward (FlashAttention-2) at bf16, 16k tokens, h * d = 2048, seqlen 4k and 16k, causal or not; with
+        --check, then runs the tests/test_sm80_bwd.py matrix (fp16 + bf16, d64 + d128) with that variant forced.
+The table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+
+def _variants(arg):
+    from cute_flash.arch.sm80.bwd_tiles import VARIANTS
+
+    return list(VARIANTS) if not arg else arg.split(",")
+
+
+def cpu(args) -> None:
+    from cute_flash.arch.sm80 import backward
+    from cute_flash.arch.sm80.bwd_tiles import VARIANT_ENV
+    from cute_flash.census import capture_fd_stderr, cubin_resources, parse_ptxas_report, ptx_census
+    from cute_flash.compile_cache import compile_options, ensure_cute_dsl_arch, keep_artifacts_options
+    from cute_flash.spec import AttentionSpec
+    import tempfile
+
+    ensure_cute_dsl_arch(args.target)
+    rows = []
+    for variant in _variants(args.variants):
+        os.environ[VARIANT_ENV] = variant
+        for d in (int(x) for x in args.head_dims.split(",")):
+            spec = AttentionSpec("bf16", d, d, args.mask, "bf16")
+            for role in [r for r in backward._roles(spec, args.target) if r in ("bwd", "bwd_dq_postprocess")]:
+                with tempfile.TemporaryDirectory() as dump, capture_fd_stderr() as err:
+                    opts = compile_options(args.target, extra=keep_artifacts_options(dump) + " remarks{ptx}")
+                    start = time.perf_counter()
+                    compiled = backward._ROLES[role](spec, opts, args.target)
+                    secs = time.perf_counter() - start
+                ptx = compiled.artifacts.PTX
+                (entry, res), = cubin_resources(compiled.artifacts.CUBIN).items()
+                rep = parse_ptxas_report("".join(err))
+                spill = rep.get(entry, {}).get("spill_bytes", f"frame{res.get('stack_frame_bytes')}")
+                c = ptx_census(ptx)
+                reds = sum(ptx.count(s) for s in ("atom.global.add", "red.global.add"))
+                rows.append(f"{variant:<22} d{d:<4} {role:<19} regs {res['registers']:>3} spill {spill} "
+                            f"mma {c['mma.sync']:>4} ldsm {c['ldmatrix']:>4} red/atom {reds:>3} "
+                            f"v4 {ptx.count('red.global.add.v4')} bar {ptx.count('bar.sync')} {secs:.1f}s")
+                print(rows[-1], flush=True)
+    print("\n".join(["", "== cpu compile (" + args.target + ") =="] + rows))
+
+
+def _time_ms(fn, iters):
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return min(times)
+
+
+def gpu(args) -> int:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from cute_flash import compile_cache
+    from cute_flash.arch.sm80.backward import run_backward
+    from cute_flash.arch.sm80.bwd_tiles import VARIANT_ENV
+    from cute_flash.spec import AttentionSpec, MaskBounds, UNBOUNDED_WINDOW
+
+    compile_cache.ensure_cute_dsl_arch(compile_cache.target_for_capability(torch.cuda.get_device_capability()))
+    variants = _variants(args.variants)
+    configs = [(d, s, causal) for d in (128, 64) for s in (4096, 16384) for causal in (False, True)]
+    table = {}
+    for d, s, causal in configs:
+        h, b = 2048 // d, 16384 // s
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+        flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+        qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out_t = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        ms = _time_ms(lambda: torch.autograd.grad(out_t, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True), 5)
+        table[(d, s, causal, "sdpa-flash")] = flops / ms / 1e9
+        # out / lse from SDPA's flash forward (the backward kernels only read them).
+        with torch.no_grad():
+            out_ref, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, is_causal=causal)[:2]
+        out = out_ref.transpose(1, 2)
+        mask = MaskBounds("causal", UNBOUNDED_WINDOW, 0) if causal else MaskBounds("none", UNBOUNDED_WINDOW, UNBOUNDED_WINDOW)
+        spec = AttentionSpec("bf16", d, d, "causal" if causal else "none", "bf16")
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        ref_grads = None
+        for variant in variants:
+            os.environ[VARIANT_ENV] = variant
+            try:
+                call = lambda: run_backward(dout, q, k, v, out, lse, *grads, spec=spec, softmax_scale=d**-0.5, mask=mask)
+                ms = _time_ms(call, 5)
+                table[(d, s, causal, variant)] = flops / ms / 1e9
+                # Cheap agreement check between variants (the full check is the test matrix).
+                if ref_grads is None:
+                    ref_grads = [t.clone() for t in grads]
+                else:
+                    err = max((a.float() - r.float()).abs().max().item() for a, r in zip(grads, ref_grads))
+                    if err > 5e-2:
+                        table[(d, s, causal, variant)] = f"DIFF{err:.2g}"
+            except Exception as e:  # a variant that fails to compile or launch must not hide the others
+                table[(d, s, causal, variant)] = f"ERR {type(e).__name__}"
+                print(f"{variant} d{d} s{s} causal={causal}: {e!r}"[:2000], flush=True)
+            print(d, s, causal, variant, table[(d, s, causal, variant)], flush=True)
+        del q, k, v, dout, out, grads, ref_grads, out_t, qt, kt, vt
+        torch.cuda.empty_cache()
+    os.environ.pop(VARIANT_ENV, None)
+
+    check = None
+    if args.check:
+        env = dict(os.environ, **{VARIANT_ENV: args.check})
+        test = os.path.join(os.path.dirname(__file__), "..", "tests", "test_sm80_bwd.py")
+        cmd = [sys.executable, test, "-j", "7", "--test", "test_sm80_backward_kernels or test_sm80_attention_backward",
+               "-k", "d64- or d128-"]
+        start = time.time()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        check = f"correctness of {args.check} (rc {proc.returncode}, {time.time() - start:.0f} s):\n{proc.stdout[-4000:]}"
+
+    cols = ["sdpa-flash"] + variants
+    print(f"\n== {torch.cuda.get_device_name()}: backward TFLOP/s, bf16, 16k tokens, h*d=2048 (x = ratio to sdpa) ==")
+    print(f"{'d':>4} {'seqlen':>6} {'causal':>6} " + " ".join(f"{c[:22]:>22}" for c in cols))
+    for d, s, causal in configs:
+        base = table[(d, s, causal, "sdpa-flash")]
+        cells = []
+        for c in cols:
+            val = table.get((d, s, causal, c))
+            cells.append(f"{val:>14.0f} ({val / base:.2f}x)" if isinstance(val, float) else f"{str(val):>22}")
+        print(f"{d:>4} {s:>6} {str(causal):>6} " + " ".join(f"{x:>22}" for x in cells))
+    if check:
+        print(check)
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["cpu", "gpu"])
+    p.add_argument("--variants", default="")
+    p.add_argument("--head-dims", default="128,64")
+    p.add_argument("--mask", default="causal")
+    p.add_argument("--target", default="sm_90a")
+    p.add_argument("--check", default="")
+    args = p.parse_args()
+    if args.mode == "cpu":
+        cpu(args)
+        return 0
+    return gpu(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
