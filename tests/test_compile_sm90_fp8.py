@@ -62,3 +62,35 @@ def test_fp8_rejects_what_it_lacks():
     assert fp8_unsupported_reason(AttentionSpec("fp8", 128, 128, "causal", "bf16")) is None
     assert "multiple of 32" in fp8_unsupported_reason(AttentionSpec("fp8", 80, 80, "none", "bf16"))
     assert "computes in fp8" in fp8_unsupported_reason(AttentionSpec("bf16", 128, 128, "none", "bf16"))
+
+
+def test_fp8_variants_fit_and_the_environment_selects_them(monkeypatch):
+    from cute_flash.arch.sm90.fp8_tile_config import VARIANT_ENV, VARIANTS, budget_problem, fp8_default_config, fp8_fwd_config
+
+    for name, cfg in VARIANTS.items():
+        assert budget_problem(cfg, 128, 128) is None, name
+    monkeypatch.setenv(VARIANT_ENV, "poly8")
+    assert fp8_fwd_config(128, 128) == VARIANTS["poly8"]
+    assert fp8_fwd_config(64, 64) == fp8_default_config(64, 64)  # variants replace the d <= 128 default only
+    monkeypatch.setenv(VARIANT_ENV, "no_such_variant")
+    with pytest.raises(ValueError, match="not one of"):
+        fp8_fwd_config(128, 128)
+
+
+def test_fp8_polynomial_exp2_variant_compiles_without_spills():
+    """The FMA-pipe exponential (`fp8_softmax.exp2_poly`) replaces MUFU.EX2 for part of each row and keeps 0 spills."""
+    import tempfile
+
+    from cute_flash.arch.sm90.fp8_launch import build_fp8_forward
+    from cute_flash.arch.sm90.fp8_tile_config import VARIANTS
+    from cute_flash.compile_cache import keep_artifacts_options
+
+    py_stderr = io.StringIO()
+    with tempfile.TemporaryDirectory() as dump, capture_fd_stderr() as captured, contextlib.redirect_stderr(py_stderr):
+        compiled = build_fp8_forward(AttentionSpec("fp8", 128, 128, "causal", "bf16"), VARIANTS["poly8"], "sm_90a",
+                                     keep_artifacts_options(dump))
+    ptx = compiled.artifacts.PTX
+    assert "add.rm.f32" in ptx and "ex2.approx.ftz.f32" in ptx, "both exponentials must be present"
+    entry = next(iter(cubin_resources(compiled.artifacts.CUBIN)))
+    spill = parse_ptxas_report("".join(captured) + py_stderr.getvalue()).get(entry, {}).get("spill_bytes")
+    assert spill == 0, f"spills {spill} bytes"

@@ -41,31 +41,25 @@ def _fa4() -> Optional[Callable]:
         return None
 
 
-def _variants(head_dim: int):
-    """Configurations tried beside the default (kernel-alone timing): deeper pipelines, no promotion, wider key tiles.
+def _variants(head_dim: int, names: Optional[List[str]] = None):
+    """Named alternatives to the default configuration (`fp8_tile_config.VARIANTS`, kernel-alone timing), for the
+    head dims they replace (d <= 128 above 64); `names` picks some of them (all by default)."""
+    from ..arch.sm90.fp8_tile_config import VARIANT_HEAD_DIMS, VARIANTS
 
-    A key tile wider than the scale block (`BLOCK_N`) would need two K scales per tile; the kernel is built with
-    its scale block widened to the tile for these rows, so they time the kernel but do not compute with the right
-    scales ("timing only").
-    """
-    from ..arch.sm90.fp8_tile_config import Fp8FwdConfig
-    from ..arch.sm90.tile_config import FwdTileConfig
-
-    if head_dim != 128:
+    lo, hi = VARIANT_HEAD_DIMS
+    if not lo <= head_dim <= hi:
         return {}
-    return {
-        "stages3": Fp8FwdConfig(FwdTileConfig(2, 128, 3), promote_pv=True),
-        "stages3_no_promote": Fp8FwdConfig(FwdTileConfig(2, 128, 3), promote_pv=False),
-        "tile256_no_promote_timing_only": Fp8FwdConfig(FwdTileConfig(2, 256, 2), promote_pv=False),
-    }
+    return {n: c for n, c in VARIANTS.items() if names is None or n in names}
 
 
 def bench_case(batch: int, seqlen: int, heads: int, head_dim: int, causal: bool, *, peers: bool = True,
-               variants: bool = False) -> Dict[str, object]:
+               variants: Optional[List[str]] = None) -> Dict[str, object]:
+    """One shape; `variants` = names of `fp8_tile_config.VARIANTS` to time beside the default ([] or None: none,
+    ["all"]: every one)."""
     import cute_flash
 
     from ..arch.sm90.fp8_launch import run_forward_fp8
-    from ..arch.sm90.fp8_tile_config import fp8_fwd_config
+    from ..arch.sm90.fp8_tile_config import fp8_default_config
     from ..spec import AttentionSpec, normalize_mask
     from .prepare import prepare_fp8_inputs
 
@@ -82,7 +76,7 @@ def bench_case(batch: int, seqlen: int, heads: int, head_dim: int, causal: bool,
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, seqlen, device="cuda", dtype=torch.float32)
     scale = 1.0 / math.sqrt(head_dim)
-    cfg = fp8_fwd_config(head_dim, head_dim)
+    cfg = fp8_default_config(head_dim, head_dim)
 
     def timed(name, fn, unit=tflops):
         try:
@@ -105,17 +99,10 @@ def bench_case(batch: int, seqlen: int, heads: int, head_dim: int, causal: bool,
         run_forward_fp8(g.q, g.k, g.v_t, out, lse, descale=g.descales(), spec=spec, softmax_scale=scale, mask=mask)
 
     if variants:
-        from ..arch.sm90 import flash_fwd_fp8
-
-        for name, c in _variants(head_dim).items():
-            saved = flash_fwd_fp8.BLOCK_N
-            flash_fwd_fp8.BLOCK_N = max(saved, c.tile.tile_n)
-            try:
-                timed(f"fp8_kernel_{name}",
-                      lambda c=c: run_forward_fp8(f.q, f.k, f.v_t, out, lse, descale=f.descales(), spec=spec,
-                                                  softmax_scale=scale, mask=mask, cfg=c))
-            finally:
-                flash_fwd_fp8.BLOCK_N = saved
+        for name, c in _variants(head_dim, None if variants == ["all"] else variants).items():
+            timed(f"fp8_kernel_{name}",
+                  lambda c=c: run_forward_fp8(f.q, f.k, f.v_t, out, lse, descale=f.descales(), spec=spec,
+                                              softmax_scale=scale, mask=mask, cfg=c))
     if not peers:
         timed("bf16_ours", lambda: cute_flash.attention(q, k, v, causal=causal))
         ours, fp8 = row.get("bf16_ours"), row.get("fp8_kernel")
@@ -137,6 +124,24 @@ def bench_case(batch: int, seqlen: int, heads: int, head_dim: int, causal: bool,
     return row
 
 
+def format_table(rows: List[Dict[str, object]]) -> str:
+    """TFLOP/s (GB/s for the pre-pass) per measurement (rows) and shape (columns), errors shortened."""
+    shapes = [f"d{r['d']} s{r['s']} {'causal' if r['causal'] else 'full'}" for r in rows]
+    names: List[str] = []
+    for r in rows:
+        names += [k for k in r if k not in ("b", "s", "h", "d", "causal") and not k.endswith("_ms") and k not in names]
+    width = max(len(n) for n in names) if names else 10
+    lines = [" " * width + "".join(f" | {s:>18}" for s in shapes)]
+    for n in names:
+        cells = []
+        for r in rows:
+            v = r.get(n, "")
+            cells.append(f"{v:>18.1f}" if isinstance(v, float) and n != "fp8_kernel_over_bf16_ours" else
+                         f"{v:>18.2f}" if isinstance(v, float) else f"{str(v)[:18]:>18}")
+        lines.append(f"{n:<{width}}" + "".join(f" | {c}" for c in cells))
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlen", type=int, nargs="+", default=[16384])
@@ -146,16 +151,20 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--causal", choices=("no", "yes", "both"), default="both")
     ap.add_argument("--json")
     ap.add_argument("--no-peers", action="store_true", help="only the FP8 kernel and our bf16 kernel")
-    ap.add_argument("--variants", action="store_true", help="also the alternative FP8 configurations (d=128)")
+    ap.add_argument("--variants", nargs="?", const="all", default="",
+                    help="also time alternative FP8 configurations (d <= 128): 'all' (the default when the flag has no "
+                         "value) or comma-separated names of fp8_tile_config.VARIANTS")
     args = ap.parse_args(argv)
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     rows = []
     for d in args.head_dim:
         for s in args.seqlen:
             for causal in causals:
-                row = bench_case(args.batch, s, args.heads, d, causal, peers=not args.no_peers, variants=args.variants)
+                row = bench_case(args.batch, s, args.heads, d, causal, peers=not args.no_peers,
+                                 variants=[v for v in args.variants.split(",") if v])
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    print(format_table(rows))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)

@@ -86,6 +86,7 @@ class Sm90FlashForwardFp8:
         self.local = mask_kind == "local"
         self.cfg = cfg.tile
         self.promote_pv = cfg.promote_pv
+        self.exp2_poly_per_row = cfg.exp2_poly_per_row
         self.num_consumers = cfg.tile.num_consumer_wgs
         self.tile_m = cfg.tile.tile_m
         self.tile_n = cfg.tile.tile_n
@@ -352,7 +353,9 @@ class Sm90FlashForwardFp8:
         coords_rc = rows_cols_view(thr_qk.partition_C(coords))
         coords0_rc = rows_cols_view(tiled_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((rows, self.tile_n))))
 
-        softmax = Fp8OnlineSoftmax.create(cute.size(rows_cols_view(acc_O), mode=[0]))
+        softmax = Fp8OnlineSoftmax.create(
+            cute.size(rows_cols_view(acc_O), mode=[0]), exp2_poly_per_row=self.exp2_poly_per_row
+        )
         turns = WarpGroupTurns(consumer, self.num_consumers, self.cfg.ping_pong)
         turns.prime()
 

@@ -10,6 +10,11 @@ P lies in [0, 256] rather than [0, 1]: e4m3 is subnormal below 2^-6, so without 
 ~1/64 of the row max would lose precision, and under 2^-10 would vanish; with it they stay normal down to 2^-14.
 l carries the same factor 2^8, so O / l is unchanged; LSE = (m + log2 l − 8) · ln 2.
 Row maxima are reduced over the 4 lanes of a quad every tile (the common module's helpers); sums stay per-thread.
+
+With `exp2_poly_per_row` = k > 0 the last k values of each row (per thread and tile) are computed by `exp2_poly`
+(FMA pipe) instead of MUFU.EX2. It clamps its argument at -126, so a masked score gives ~2^-126
+instead of 0: it still rounds to an e4m3 zero, and an empty row is recognised by its sum staying below 1 (a row that
+saw a key has sum >= ~256, the 2^8 of its maximum).
 """
 
 from __future__ import annotations
@@ -19,11 +24,54 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ...common.online_softmax import LN2, _add, _lane_group_reduce, _tree_reduce
 
 P_OFFSET_LOG2 = 8.0
 MIN_TILE_SCALE = 1e-30  # keeps c_n > 0 (a zero descale would turn masked -inf scores into NaN)
+
+# 2^f on [0, 1): the degree-3 minimax fit in relative error (max 7.5e-5), evaluated by Horner's rule.
+EXP2_POLY = (0.9999251961708069, 0.6958335638046265, 0.22606714069843292, 0.07802452892065048)
+
+
+def _f32_hex(x: float) -> str:
+    import struct
+
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+@dsl_user_op
+def exp2_poly(x: Float32, *, loc=None, ip=None) -> Float32:
+    """2^x without MUFU: floor(x) by adding 1.5·2^23 rounding down (the integer lands in the low mantissa bits), a
+    cubic for the fraction, the integer added to the exponent field (t's bits · 2^23 keep exactly floor(x) · 2^23).
+    x is clamped at -126 (−inf → ~2^-126; at -127 a p(0) < 1 would underflow the exponent field into NaN bits)."""
+    c0, c1, c2, c3 = (_f32_hex(c) for c in EXP2_POLY)
+    magic = _f32_hex(12582912.0)
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(x).ir_value(loc=loc, ip=ip)],
+            "{\n.reg .f32 xc, t, j, f, p;\n.reg .b32 tb, pb;\n"
+            "max.f32 xc, $1, 0fC2FC0000;\n"
+            f"add.rm.f32 t, xc, {magic};\n"
+            f"sub.f32 j, t, {magic};\n"
+            "sub.f32 f, xc, j;\n"
+            f"fma.rn.f32 p, f, {c3}, {c2};\n"
+            f"fma.rn.f32 p, p, f, {c1};\n"
+            f"fma.rn.f32 p, p, f, {c0};\n"
+            "mov.b32 tb, t;\nmov.b32 pb, p;\n"
+            "mad.lo.u32 pb, tb, 8388608, pb;\n"
+            "mov.b32 $0, pb;\n}",
+            "=f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -32,14 +80,15 @@ class Fp8OnlineSoftmax:
     threads_per_row: int
     row_max: cute.Tensor  # scaled log2 domain
     row_sum: cute.Tensor
+    exp2_poly_per_row: int = 0
 
     @staticmethod
-    def create(num_rows: int, threads_per_row: int = 4) -> "Fp8OnlineSoftmax":
+    def create(num_rows: int, threads_per_row: int = 4, exp2_poly_per_row: int = 0) -> "Fp8OnlineSoftmax":
         row_max = cute.make_rmem_tensor(num_rows, Float32)
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        return Fp8OnlineSoftmax(num_rows, threads_per_row, row_max, row_sum)
+        return Fp8OnlineSoftmax(num_rows, threads_per_row, row_max, row_sum, exp2_poly_per_row)
 
     @cute.jit
     def update(self, acc_rc: cute.Tensor, tile_scale: Float32, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
@@ -57,8 +106,16 @@ class Fp8OnlineSoftmax:
             # A row with no visible key so far keeps max -inf; use 0 instead so P = 2^-inf = 0, not NaN.
             safe_max = 0.0 if new_max == -Float32.inf else new_max
             bias = P_OFFSET_LOG2 - safe_max
-            p = cute.math.exp2(row.load() * tile_scale + bias, fastmath=True)
-            row.store(p)
+            if cutlass.const_expr(self.exp2_poly_per_row == 0):
+                row.store(cute.math.exp2(row.load() * tile_scale + bias, fastmath=True))
+            else:
+                row.store(row.load() * tile_scale + bias)
+                n = cute.size(row)
+                for j in cutlass.range_constexpr(n):
+                    if cutlass.const_expr(j < n - self.exp2_poly_per_row):
+                        row[j] = cute.math.exp2(row[j], fastmath=True)
+                    else:
+                        row[j] = exp2_poly(row[j])
             if cutlass.const_expr(is_first):
                 row_scale[r] = 1.0
                 self.row_sum[r] = _tree_reduce(row, _add, None)
@@ -76,6 +133,8 @@ class Fp8OnlineSoftmax:
         for r in cutlass.range_constexpr(self.num_rows):
             total = _lane_group_reduce(self.row_sum[r], _add, self.threads_per_row)
             empty = total == 0.0
+            if cutlass.const_expr(self.exp2_poly_per_row > 0):
+                empty = total < 1.0
             row_scale[r] = 0.0 if empty else out_scale * cute.arch.rcp_approx(total)
             log2_sum = cute.math.log2(1.0 if empty else total, fastmath=True)
             lse[r] = -Float32.inf if empty else (self.row_max[r] + log2_sum - P_OFFSET_LOG2) * LN2

@@ -10,12 +10,22 @@ per consumer warpgroup, ping-pong) with three differences:
     (folded into O's per-block rescale, so it costs registers, not instructions). FP8 wgmma accumulates with less
     than fp32 precision; without promotion O is carried through every P·V wgmma of the row and its rounding grows
     with seqlen. It needs one more O-sized register tile, so it is on for d <= 128 only.
+  - `exp2_poly_per_row`: of the tile_n / 4 probabilities each thread computes per row and tile, this many (the last
+    ones) come from a degree-3 polynomial on the FMA pipe instead of MUFU.EX2. At d = 128 the e4m3 wgmma is fast
+    enough that the exponentials (16 per clock per SM) take as long as both GEMMs; moving some to the 128-wide FMA
+    pipe trades issue slots for MUFU time (FlashAttention-4's idea on Blackwell). P is rounded to e4m3 afterwards,
+    so the polynomial's 1e-4 relative error is invisible. Measured (H200, docs/fp8.md): accurate (the GPU tests pass)
+    but 7-11% slower, because the loop is bound by instruction issue, not by MUFU; so the default keeps 0.
+
+Named variants (`VARIANTS`, for the speed study) can replace the default through the environment:
+`CUTE_FLASH_FP8_VARIANT=<name>` makes `fp8_fwd_config` return that variant for the head dims it covers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import os
+from dataclasses import dataclass, replace
+from typing import Dict, Optional
 
 from ...fp8.prepare import BLOCK_M, BLOCK_N
 from .tile_config import REGISTERS_PER_SM, ROWS_PER_CONSUMER, SMEM_CAPACITY_BYTES, SMEM_RESERVED_BYTES, FwdTileConfig
@@ -28,9 +38,10 @@ FP8_MAX_HEAD_DIM = 256
 class Fp8FwdConfig:
     tile: FwdTileConfig
     promote_pv: bool
+    exp2_poly_per_row: int = 0
 
     def as_dict(self) -> dict:
-        return {**self.tile.as_dict(), "promote_pv": self.promote_pv}
+        return {**self.tile.as_dict(), "promote_pv": self.promote_pv, "exp2_poly_per_row": self.exp2_poly_per_row}
 
 
 def smem_bytes(cfg: Fp8FwdConfig, head_dim: int, head_dim_v: int, out_bytes: int = 2) -> int:
@@ -50,6 +61,8 @@ def budget_problem(cfg: Fp8FwdConfig, head_dim: int, head_dim_v: int) -> Optiona
     regs = t.consumer_regs * WARPGROUP_THREADS * t.num_consumer_wgs + t.producer_regs * WARPGROUP_THREADS
     if regs > REGISTERS_PER_SM:
         return f"register split {t.consumer_regs}/{t.producer_regs} needs {regs} > {REGISTERS_PER_SM} registers"
+    if not 0 <= cfg.exp2_poly_per_row <= t.tile_n // 4:
+        return f"exp2_poly_per_row={cfg.exp2_poly_per_row} must lie in [0, tile_n / 4 = {t.tile_n // 4}]"
     need = smem_bytes(cfg, head_dim, head_dim_v)
     if need > SMEM_CAPACITY_BYTES:
         return f"FP8 tile {t.tile_m}x{t.tile_n} x {t.num_stages} stages needs {need} B of shared memory"
@@ -63,9 +76,41 @@ _BY_HEAD_DIM = (
 )
 
 
-def fp8_fwd_config(head_dim: int, head_dim_v: int) -> Fp8FwdConfig:
+VARIANT_ENV = "CUTE_FLASH_FP8_VARIANT"
+_D128 = _BY_HEAD_DIM[1][1]
+
+# Alternatives to the d <= 128 default, timed by `python -m cute_flash.fp8.benchmark --variants`.
+VARIANTS: Dict[str, Fp8FwdConfig] = {
+    "stages3": replace(_D128, tile=FwdTileConfig(2, 128, 3)),
+    "stages3_no_promote": Fp8FwdConfig(FwdTileConfig(2, 128, 3), promote_pv=False),
+    "poly4": replace(_D128, exp2_poly_per_row=4),
+    "poly8": replace(_D128, exp2_poly_per_row=8),
+    "poly12": replace(_D128, exp2_poly_per_row=12),
+    "poly8_stages3": Fp8FwdConfig(FwdTileConfig(2, 128, 3), promote_pv=True, exp2_poly_per_row=8),
+    "poly8_no_promote": Fp8FwdConfig(FwdTileConfig(2, 128, 2), promote_pv=False, exp2_poly_per_row=8),
+}
+# Tried and dropped on the CPU compile: 3 consumers x 64 rows at d = 128 without promotion (160 registers per consumer
+# thread) spills (96-byte stack frame); key tiles wider than the 128-key scale block need two K/V scales per tile.
+VARIANT_HEAD_DIMS = (65, 128)  # the width range the variants are built for (they replace the d <= 128 default)
+
+
+def fp8_default_config(head_dim: int, head_dim_v: int) -> Fp8FwdConfig:
     width = max(head_dim, head_dim_v)
     for limit, cfg in _BY_HEAD_DIM:
         if width <= limit:
             return cfg
     raise ValueError(f"no sm90 FP8 tile configuration for head dim {width} (at most {FP8_MAX_HEAD_DIM})")
+
+
+def fp8_fwd_config(head_dim: int, head_dim_v: int) -> Fp8FwdConfig:
+    """The configuration for these head dims: the default, or the variant named by $CUTE_FLASH_FP8_VARIANT."""
+    name = os.environ.get(VARIANT_ENV, "")
+    width = max(head_dim, head_dim_v)
+    if name and name != "default":
+        if name not in VARIANTS:
+            raise ValueError(f"{VARIANT_ENV}={name!r} is not one of {sorted(VARIANTS)} (or 'default')")
+        lo, hi = VARIANT_HEAD_DIMS
+        if lo <= width <= hi:
+            return VARIANTS[name]
+    return fp8_default_config(head_dim, head_dim_v)
+
