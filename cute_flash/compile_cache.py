@@ -60,11 +60,14 @@ def compile_options(target: str, *, tvm_ffi: bool = True, extra: str = "") -> st
     return " ".join(opts)
 
 
-def keep_artifacts_options(dump_dir: str) -> str:
-    """Options that make `compiled.artifacts` hold the PTX and cubin (the dump dir must exist beforehand) and make
-    ptxas print its resource report (registers, spills), which `cute_flash.census` parses."""
+def keep_artifacts_options(dump_dir: str, ptxas_report: bool = True) -> str:
+    """Options that make `compiled.artifacts` hold the PTX and cubin (the dump dir must exist beforehand), and with
+    `ptxas_report` make ptxas print its resource report (registers, spills), which `cute_flash.census` parses.
+
+    Launch paths that only need the cubin pass ptxas_report=False: the report goes to the user's stderr."""
     os.makedirs(dump_dir, exist_ok=True)
-    return f"--keep-ptx --keep-cubin --dump-dir {dump_dir} remarks{{ptx}}"
+    report = " remarks{ptx}" if ptxas_report else ""
+    return f"--keep-ptx --keep-cubin --dump-dir {dump_dir}{report}"
 
 
 def ensure_cute_dsl_arch(default_target: Optional[str]) -> None:

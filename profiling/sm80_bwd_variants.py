@@ -40,7 +40,7 @@ def cpu(args) -> None:
             spec = AttentionSpec("bf16", d, d, args.mask, "bf16")
             for role in [r for r in backward._roles(spec, args.target) if r in ("bwd", "bwd_dq_postprocess")]:
                 with tempfile.TemporaryDirectory() as dump, capture_fd_stderr() as err:
-                    opts = compile_options(args.target, extra=keep_artifacts_options(dump) + " remarks{ptx}")
+                    opts = compile_options(args.target, extra=keep_artifacts_options(dump))
                     start = time.perf_counter()
                     compiled = backward._ROLES[role](spec, opts, args.target)
                     secs = time.perf_counter() - start

@@ -183,7 +183,7 @@ class _Backend:
         for cfg in cfgmod.configs_for(spec):
             with tempfile.TemporaryDirectory(prefix="cute_flash_sm100_") as dump:
                 # remarks{ptx} makes ptxas print registers and spill bytes (the CLI parses them from stderr).
-                extra = compile_cache.keep_artifacts_options(dump) + " remarks{ptx}"
+                extra = compile_cache.keep_artifacts_options(dump)
                 compiled, kernel = _build_with_kernel(spec, cfg, target, extra_options=extra)
                 ptx, cubin = _read_artifacts(compiled)
             artifacts.append(
@@ -226,7 +226,7 @@ def _fp8_prepass_artifacts(spec: AttentionSpec, target: str) -> List[KernelArtif
     ):
         with tempfile.TemporaryDirectory(prefix="cute_flash_sm100_prepass_") as dump:
             options = compile_cache.compile_options(
-                target, extra=compile_cache.keep_artifacts_options(dump) + " remarks{ptx}"
+                target, extra=compile_cache.keep_artifacts_options(dump)
             )
             compiled = build_prepass(spec.out_dtype, d, block, rotate, transpose, options)
             ptx, cubin = _read_artifacts(compiled)

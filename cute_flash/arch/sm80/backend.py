@@ -127,7 +127,7 @@ def compile_forward(spec: AttentionSpec, target: str, extra_options: str = "") -
     strict = max(spec.head_dim, spec.head_dim_v) <= SPILL_FREE_MAX_HEAD_DIM
     tried: List[Dict[str, object]] = []
     for i, tile in enumerate(candidates):
-        keep = compile_cache.keep_artifacts_options(_dump_dir())
+        keep = compile_cache.keep_artifacts_options(_dump_dir(), ptxas_report=False)
         compiled = _build_forward(spec, tile, _options(target, tile, f"{keep} {extra_options}"))
         ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
         frame = max((r.get("stack_frame_bytes", 0) for r in cubin_resources(cubin).values()), default=0)

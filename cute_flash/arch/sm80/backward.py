@@ -229,7 +229,7 @@ def compile_backward_artifacts(spec: AttentionSpec, target: str) -> List[KernelA
             sub = os.path.join(dump, role)
             # remarks{ptx}: ptxas reports registers and spills on stderr, where the compile command reads them.
             options = compile_cache.compile_options(
-                target, extra=compile_cache.keep_artifacts_options(sub) + " remarks{ptx}"
+                target, extra=compile_cache.keep_artifacts_options(sub)
             )
             compiled = build(spec, options, target)
             artifacts.append(

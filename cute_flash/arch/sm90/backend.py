@@ -104,7 +104,7 @@ class _Backend:
             return _fp8().compile_fp8_artifacts(spec, target)
         cfg = fwd_tile_config(spec)
         with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_") as dump:
-            extra = compile_cache.keep_artifacts_options(dump) + " remarks{ptx}"
+            extra = compile_cache.keep_artifacts_options(dump)
             compiled = _build_forward(spec, cfg, target, extra)
             artifacts = [
                 KernelArtifact(
