@@ -11,7 +11,7 @@ import re
 import struct
 import sys
 import tempfile
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional, Tuple
 
 # Each counted pattern is an instruction prefix; the census counts lines that start with it (after predicates).
 CENSUS_PATTERNS: Dict[str, str] = {
@@ -125,41 +125,44 @@ def cubin_resources(cubin: bytes) -> Dict[str, Dict[str, int]]:
 
 
 # --- ptxas report ---------------------------------------------------------------------------------------------
-_PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
-_PTXAS_PROPERTIES = re.compile(r"Function properties for (\S+)")
-_PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+# CuTe DSL wraps long remark lines, so a kernel name may start on the line after its label: match across whitespace.
+_PTXAS_EVENT = re.compile(
+    r"Compiling entry function\s+'(?P<entry>[^']+)'"
+    r"|Function properties for\s+(?P<props>[^\s']+)"
+    r"|(?P<frame>\d+) bytes stack frame,\s+(?P<stores>\d+) bytes spill stores,\s+(?P<loads>\d+) bytes spill loads"
+    r"|Used\s+(?P<regs>\d+) registers"
+)
+
+
+def parse_ptxas_reports(text: str) -> List[Tuple[str, Dict[str, int]]]:
+    """Every entry ptxas compiled, in order, with its registers and spill bytes (ptxas -v output, which CuTe DSL
+    prints under `remarks{ptx}`).
+
+    Order matters: two builds of one kernel class (say with and without GQA) can share an entry name. Spill lines
+    belong to the function named by the "Function properties for" line just before them, which is not always the
+    entry being compiled (callees get their own).
+    """
+    entries: List[Tuple[str, Dict[str, int]]] = []
+    props: Optional[str] = None
+    for m in _PTXAS_EVENT.finditer(text):
+        if m.group("entry"):
+            entries.append((m.group("entry"), {}))
+        elif m.group("props"):
+            props = m.group("props")
+        elif m.group("frame") is not None:
+            current = entries[-1] if entries else None
+            if current is not None and props == current[0]:
+                current[1]["stack_frame_bytes"] = int(m.group("frame"))
+                current[1]["spill_bytes"] = int(m.group("stores")) + int(m.group("loads"))
+            props = None  # one report per "Function properties" line: never reuse a stale name
+        elif m.group("regs") is not None and entries:
+            entries[-1][1]["registers"] = int(m.group("regs"))
+    return entries
 
 
 def parse_ptxas_report(text: str) -> Dict[str, Dict[str, int]]:
-    """Per kernel from ptxas -v output (CuTe DSL's `remarks{ptx}`): registers and spill bytes.
-
-    Spill lines belong to the function named by the "Function properties for" line just before them, which is not
-    always the entry being compiled (callees get their own), so each line is keyed by the name it follows.
-    """
-    out: Dict[str, Dict[str, int]] = {}
-    entry = None
-    props = None
-    for line in text.splitlines():
-        m = _PTXAS_ENTRY.search(line)
-        if m:
-            entry = m.group(1)
-            out.setdefault(entry, {})
-            continue
-        m = _PTXAS_PROPERTIES.search(line)
-        if m:
-            props = m.group(1)
-            continue
-        m = _PTXAS_SPILL.search(line)
-        if m and props is not None:
-            rec = out.setdefault(props, {})
-            rec["stack_frame_bytes"] = int(m.group(1))
-            rec["spill_bytes"] = int(m.group(2)) + int(m.group(3))
-            continue
-        m = _PTXAS_REGS.search(line)
-        if m and entry is not None:
-            out[entry]["registers"] = int(m.group(1))
-    return out
+    """`parse_ptxas_reports` by entry name (the last report wins when a name repeats)."""
+    return dict(parse_ptxas_reports(text))
 
 
 @contextlib.contextmanager

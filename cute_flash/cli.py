@@ -64,7 +64,7 @@ def _spec_from_args(args) -> AttentionSpec:
 
 def compile_report(arch: str, spec: AttentionSpec, backward: bool, out_dir: str) -> List[dict]:
     """Cross-compiles every kernel serving `spec` on `arch`, writes .ptx/.cubin into out_dir, returns one report each."""
-    from .census import capture_fd_stderr, cubin_resources, parse_ptxas_report, ptx_census, ptx_threads
+    from .census import capture_fd_stderr, cubin_resources, parse_ptxas_reports, ptx_census, ptx_threads
     from .arch import get_backend
 
     backend = get_backend(arch)
@@ -76,7 +76,7 @@ def compile_report(arch: str, spec: AttentionSpec, backward: bool, out_dir: str)
     with capture_fd_stderr() as captured:
         artifacts = backend.compile_artifacts(spec, backward, CUTE_DSL_ARCH[arch])
     seconds = time.perf_counter() - start
-    ptxas = parse_ptxas_report("".join(captured))
+    ptxas = parse_ptxas_reports("".join(captured))
     reports = []
     for art in artifacts:
         stem = f"{arch}_{art.kernel}_{spec.dtype}_d{spec.head_dim}x{spec.head_dim_v}_{spec.mask}"
@@ -86,7 +86,7 @@ def compile_report(arch: str, spec: AttentionSpec, backward: bool, out_dir: str)
             f.write(art.cubin)
         resources = cubin_resources(art.cubin)
         entry, res = next(iter(resources.items()), ("?", {}))
-        rep = ptxas.get(entry, {})
+        rep = _take_report(ptxas, entry, res.get("stack_frame_bytes"))
         reports.append(
             {
                 "arch": arch,
@@ -108,6 +108,20 @@ def compile_report(arch: str, spec: AttentionSpec, backward: bool, out_dir: str)
             }
         )
     return reports
+
+
+def _take_report(reports: List[tuple], entry: str, stack_frame_bytes: Optional[int]) -> dict:
+    """Removes and returns ptxas' report for one artifact.
+
+    Reports come in compile order, but an entry name can repeat: two builds of one kernel class (with and without
+    GQA), or candidates a backend compiled and discarded (the sm80 forward tries tiles until one does not spill). The
+    report whose stack frame matches the cubin's is this artifact's; failing that, the first with its name.
+    """
+    named = [i for i, (name, _) in enumerate(reports) if name == entry]
+    for i in named:
+        if reports[i][1].get("stack_frame_bytes") == stack_frame_bytes:
+            return reports.pop(i)[1]
+    return reports.pop(named[0])[1] if named else {}
 
 
 def cmd_compile(args) -> int:

@@ -77,3 +77,36 @@ def test_census_reads_a_real_cross_compiled_kernel(target):
     assert 0 < res["registers"] <= 32 and res["stack_frame_bytes"] == 0
     assert rep["ptxas"][entry]["spill_bytes"] == 0 and rep["ptxas"][entry]["registers"] == res["registers"]
     assert rep["threads"] in (0, 128)
+
+
+def test_parse_ptxas_report_with_wrapped_names_and_several_kernels():
+    # CuTe DSL's remark printer wraps long lines: the name can follow its label on the next line.
+    text = """ptxas info    : Compiling entry function
+          'kern_pre' for 'sm_80'
+ptxas info    : Function properties for kern_pre
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 80 registers
+ptxas info    : Compiling entry function 'kern_main' for 'sm_80'
+ptxas info    : Function properties for
+          kern_main
+ptxas         .     16 bytes stack frame, 24 bytes spill stores, 28 bytes spill loads
+ptxas info    : Used 255 registers
+"""
+    rep = parse_ptxas_report(text)
+    assert rep["kern_pre"] == {"stack_frame_bytes": 0, "spill_bytes": 0, "registers": 80}
+    assert rep["kern_main"] == {"stack_frame_bytes": 16, "spill_bytes": 52, "registers": 255}
+
+
+def test_reports_are_matched_to_artifacts_by_name_and_stack_frame():
+    from cute_flash.cli import _take_report
+
+    reports = [
+        ("fwd", {"stack_frame_bytes": 16, "spill_bytes": 120}),  # a discarded candidate
+        ("fwd", {"stack_frame_bytes": 0, "spill_bytes": 0}),
+        ("bwd", {"stack_frame_bytes": 8, "spill_bytes": 16}),
+        ("bwd", {"stack_frame_bytes": 32, "spill_bytes": 68}),  # same class, GQA build
+    ]
+    assert _take_report(reports, "fwd", 0)["spill_bytes"] == 0
+    assert _take_report(reports, "bwd", 8)["spill_bytes"] == 16
+    assert _take_report(reports, "bwd", 32)["spill_bytes"] == 68
+    assert _take_report(reports, "missing", 0) == {}

@@ -83,3 +83,25 @@ def test_unsupported_specs_say_why():
     ):
         reason = backward_unsupported_reason(spec)
         assert reason is not None and words in reason, reason
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap: at the default optimisation level (the one measured at 1.05-1.11x FlashAttention-2 on the "
+    "H200) the d128 backward spills 16 B (68 B with GQA) for sm_80 with no mask; --opt-level 1 removes the spills "
+    "on sm_80 and sm_90a but its speed is not yet measured (docs/status.md)",
+)
+def test_d128_backward_has_no_spills():
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "cute_flash", "compile", "--arch", "sm80", "--head-dim", "128", "--dtype", "bf16",
+           "--backward", "--json"]
+    import json
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reports = [json.loads(line) for line in proc.stdout.splitlines()]
+    spills = {r["kernel"]: r["spill_bytes"] for r in reports}
+    assert all(v is not None for v in spills.values()), spills
+    assert all(v == 0 for v in spills.values()), spills
