@@ -9,7 +9,6 @@ rounding only P (scheme GIVEN).
 Rows that see no key must give out 0 and lse -inf exactly.
 """
 
-import math
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import cute_flash
 from cute_flash.fp8 import quantize
 from cute_flash.fp8.emulate import GIVEN, emulated_attention
 from cute_flash.fp8.hadamard import DEFAULT_SEED, hadamard_signs, unrotate
-from cute_flash.fp8.prepare import BLOCK_M, BLOCK_N, check_prequantized, prepare_fp8_inputs
+from cute_flash.fp8.prepare import BLOCK_M, BLOCK_N, prepare_fp8_inputs
 from cute_flash.reference import attention_reference
 
 pytestmark = pytest.mark.sm90

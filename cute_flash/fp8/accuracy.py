@@ -25,7 +25,6 @@ import torch
 
 from ..reference import attention_reference
 from .emulate import SCHEMES, emulated_attention
-from .hadamard import DEFAULT_SEED
 
 OUTLIER_FRACTION = 1e-3
 OUTLIER_STD = 10.0
