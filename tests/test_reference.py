@@ -123,3 +123,22 @@ def test_kv_block_range_empty_when_nothing_visible():
     lo, hi = blocks.kv_block_range(0)  # rows 0..3 see no key (sq - sk = 6)
     assert hi <= lo
     assert blocks.kv_block_range(2) == (0, 1)  # rows 8..9 see keys 0..3
+
+
+@pytest.mark.parametrize("kind, left, right", [("none", UNBOUNDED_WINDOW, UNBOUNDED_WINDOW), ("causal", UNBOUNDED_WINDOW, 0), ("local", 64, 0),
+                                               ("local", 5, 17), ("local", UNBOUNDED_WINDOW, 3)])
+def test_backward_block_ranges_match_brute_force(kind, left, right):
+    """BlockInfo's backward direction: q_block_range holds exactly the query tiles with a row that sees a key of
+    the key tile, and tile_needs_mask is never False for a tile holding a masked (row, key) pair."""
+    for sq, sk, bm, bn in [(113, 203, 16, 32), (239, 1, 64, 128), (300, 100, 64, 64), (1, 1, 64, 128), (97, 97, 16, 16)]:
+        blocks = BlockInfo(bm, bn, kind, sq, sk, window_left=left, window_right=right)
+        seen = visible_keys(sq, sk, MaskBounds(kind, left, right))
+        for n in range((sk + bn - 1) // bn):
+            lo, hi = blocks.q_block_range(n)
+            expect = [m for m in range((sq + bm - 1) // bm) if seen[m * bm:(m + 1) * bm, n * bn:(n + 1) * bn].any()]
+            assert list(range(lo, hi)) == expect, (sq, sk, bm, bn, n)
+            for m in expect:
+                rows = slice(m * bm, min((m + 1) * bm, sq))
+                fully_visible = bool(seen[rows, n * bn:(n + 1) * bn].all()) and (n + 1) * bn <= sk
+                if not fully_visible:
+                    assert bool(blocks.tile_needs_mask(m, n)), (sq, sk, bm, bn, m, n)

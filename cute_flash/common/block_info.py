@@ -157,3 +157,17 @@ class BlockInfo:
         first_key = n_block * self.tile_n
         # Block m is clear iff its last row (m+1)*tile_m - 1 satisfies first_key >= row + off - left.
         return _max(first_key - self.offset + self.left + 1, 0) // self.tile_m
+
+    def tile_needs_mask(self, m_block: Int, n_block: Int) -> Int:
+        """Whether tile (m_block, n_block) needs element-wise masking: it holds keys past seqlen_k, or some row of it
+        has a window edge inside it. Rows past seqlen_q are not considered (kernels neutralise them otherwise).
+
+        Combined with `|` so it works on Python bools and on DSL booleans alike.
+        """
+        needs = (n_block + 1) * self.tile_n > self.seqlen_k
+        if self.has_right_bound:
+            needs = needs | (m_block < self.q_right_masked_end(n_block))
+        if self.has_left_bound:
+            needs = needs | (m_block >= self.q_left_masked_start(n_block))
+        return needs
+

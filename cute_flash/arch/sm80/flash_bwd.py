@@ -29,7 +29,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .bwd_block_range import query_block_range, tile_needs_mask
+from ...common.block_info import BlockInfo
 from .bwd_tiles import BwdTileConfig
 
 LOG2_E = math.log2(math.e)
@@ -253,10 +253,8 @@ class FlashBackwardSm80:
         seqlen_q = mQ.shape[1]
         seqlen_k = mK.shape[1]
         head_kv = head // (mQ.shape[2] // mK.shape[2])
-        m_block_min, m_block_max = query_block_range(
-            n_block, seqlen_q, seqlen_k, window_left, window_right,
-            block_m=block_m, block_n=block_n, mask_kind=self.mask_kind,
-        )
+        blocks = BlockInfo(block_m, block_n, self.mask_kind, seqlen_q, seqlen_k, window_left, window_right)
+        m_block_min, m_block_max = blocks.q_block_range(n_block)
 
         # ---------------------------------------------------------- shared memory and its transposed views
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
@@ -380,10 +378,7 @@ class FlashBackwardSm80:
                 acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
                 acc_S.fill(0.0)
                 _gemm_smem(tiled_mma_sdp, acc_S, tSrQ, tSrK, tSsQ[None, None, None, slot], tSsK, s2r_QdO, s2r_KV)
-                if tile_needs_mask(
-                    m_block, n_block, seqlen_q, seqlen_k, window_left, window_right,
-                    block_m=block_m, block_n=block_n, mask_kind=self.mask_kind,
-                ):
+                if blocks.tile_needs_mask(m_block, n_block):
                     self._apply_mask(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
                 acc_S_rc = _acc_rows_cols(acc_S)
                 for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
