@@ -8,6 +8,7 @@ environment, which keeps a warm call to a few microseconds of host time.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -79,3 +80,27 @@ def ensure_cute_dsl_arch(default_target: Optional[str]) -> None:
 
     if "cutlass" not in sys.modules and default_target and not os.environ.get("CUTE_DSL_ARCH"):
         os.environ["CUTE_DSL_ARCH"] = default_target
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime_target_for_index(device_index: int) -> str:
+    import torch
+
+    target = target_for_capability(torch.cuda.get_device_capability(device_index))
+    ensure_cute_dsl_arch(target)
+    return target
+
+
+def runtime_target(device) -> str:
+    """The CuTe DSL target for launching on `device` (a torch.device or index), looked up once per device.
+
+    Also makes sure CuTe DSL is imported for that target: a kernel compiled while CUTE_DSL_ARCH names another arch
+    does not load on this GPU, and the DSL reads the variable only at its first import.
+    """
+    index = device.index if hasattr(device, "index") else device
+    if index is None:
+        import torch
+
+        index = torch.cuda.current_device()
+    return _runtime_target_for_index(int(index))
+

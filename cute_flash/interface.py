@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple, Union
 
 import torch
@@ -23,8 +24,14 @@ def backend(device: Optional[Union[torch.device, int, str]] = None) -> str:
     return resolve_arch(capability)
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 def _backend_for(t: torch.Tensor) -> ArchBackend:
-    return get_backend(resolve_arch(torch.cuda.get_device_capability(t.device)))
+    # Looked up on every call (CUTE_FLASH_ARCH may change); the capability itself is read once per device.
+    return get_backend(resolve_arch(_capability(t.device.index)))
 
 
 class _Attention(torch.autograd.Function):

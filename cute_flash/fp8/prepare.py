@@ -100,9 +100,9 @@ def _prepass(dtype_name: str, head_dim: int, block: int, rotate: bool, transpose
 
 
 def _prepare_on_gpu(q, k, v, block_m, block_n, rotate, seed) -> Fp8Inputs:
-    compile_cache.ensure_cute_dsl_arch("sm_90a")
     dev = q.device
-    target = compile_cache.target_for_capability(torch.cuda.get_device_capability(dev))
+    # The device's own target: this pre-pass also feeds the sm100 FP8 kernel on Blackwell.
+    target = compile_cache.runtime_target(dev)
     dtype_name = INPUT_DTYPES[q.dtype]
     b, sq, h, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]

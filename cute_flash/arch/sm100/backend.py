@@ -162,7 +162,7 @@ class _Backend:
             raise NotImplementedError(f"the sm100 forward needs softmax_scale > 0, got {softmax_scale}")
         descale_args = _fp8_args(spec, q, k, v, descale)
         cfg = cfgmod.choose_config(spec, seqlen_q=q.shape[1])
-        target = compile_cache.target_for_capability(capability)
+        target = compile_cache.runtime_target(q.device)
         key = ("sm100", target, _kernel_role(cfg), spec, cfg)
         compiled = compile_cache.get_or_compile(key, lambda: _build(spec, cfg, target))
         compiled(

@@ -183,11 +183,9 @@ class _Backend:
             raise NotImplementedError(
                 f"the sm80 forward launches (heads, batch) as grid y/z: each must be <= {MAX_GRID_YZ}"
             )
-        import torch
 
         # The DSL's target must be the device's own for the compiled kernel to load here (sm_90a on Hopper).
-        target = compile_cache.target_for_capability(torch.cuda.get_device_capability(q.device))
-        compile_cache.ensure_cute_dsl_arch(target)
+        target = compile_cache.runtime_target(q.device)
         kernel = self._forward_kernel(spec, target)
         q, k, v = _kernel_view(q), _kernel_view(k), _kernel_view(v)
         kernel(q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right))

@@ -279,7 +279,7 @@ def run_backward(
     reason = backward_unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(reason)
-    target = compile_cache.target_for_capability(torch.cuda.get_device_capability(q.device))
+    target = compile_cache.runtime_target(q.device)
     cfg = bwd_tile_config(spec.head_dim, target)
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]

@@ -84,10 +84,8 @@ class _Backend:
             return
         if descale is not None:
             raise NotImplementedError("descale factors belong to the FP8 path; this call computes in " + spec.dtype)
-        import torch
 
-        compile_cache.ensure_cute_dsl_arch(self.cute_arch)
-        target = compile_cache.target_for_capability(torch.cuda.get_device_capability(q.device))
+        target = compile_cache.runtime_target(q.device)
         kernel = self._forward_kernel(spec, target)
         kernel(q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right))
 

@@ -97,7 +97,7 @@ def run_forward_fp8(
         raise NotImplementedError(reason)
     if descale is None:
         raise ValueError("the FP8 kernel needs descale factors {'q', 'k', 'v'} (see cute_flash.fp8.prepare)")
-    target = compile_cache.target_for_capability(torch.cuda.get_device_capability(q8.device))
+    target = compile_cache.runtime_target(q8.device)
     kernel = _kernel(spec, target, cfg)
     kernel(
         q8, k8, v_t8, out, lse, descale["q"], descale["k"], descale["v"],
