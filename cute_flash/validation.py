@@ -142,11 +142,12 @@ def validate(
         _check_descale(descale, q, k)
     # Pre-quantised inputs are written out in bf16; fp16/bf16 inputs keep their dtype on the FP8 path too.
     in_dtype = FP8_OUT_DTYPE if prequantized else INPUT_DTYPES[q.dtype]
+    mask = normalize_mask(causal, (left, right))
     spec = AttentionSpec(
         dtype="fp8" if (dtype == "fp8" or prequantized) else in_dtype,
         head_dim=head_dim,
         head_dim_v=head_dim_v,
-        mask=normalize_mask(causal, (left, right)).kind,
+        mask=mask.kind,
         out_dtype=in_dtype,
     )
     return Problem(
@@ -158,7 +159,7 @@ def validate(
         head_dim=head_dim,
         head_dim_v=head_dim_v,
         spec=spec,
-        mask=normalize_mask(causal, (left, right)),
+        mask=mask,
         softmax_scale=float(softmax_scale),
     )
 
