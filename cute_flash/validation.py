@@ -107,6 +107,9 @@ def validate(
         raise ValueError(f"descale is only for float8_e4m3fn inputs; q, k, v have dtype {q.dtype}")
     if not isinstance(fp8_rotate, bool):
         raise TypeError(f"fp8_rotate must be a bool, got {type(fp8_rotate).__name__}")
+    if not fp8_rotate and (dtype != "fp8" or prequantized):
+        # The rotation is part of quantising fp16/bf16 inputs; anywhere else the option would be silently ignored.
+        raise ValueError("fp8_rotate=False applies only to dtype='fp8' with fp16/bf16 inputs (they are quantised here)")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
 
@@ -137,6 +140,10 @@ def validate(
         softmax_scale = 1.0 / math.sqrt(head_dim)
     elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
+    elif softmax_scale < 0:
+        # Every kernel takes the running row max over raw scores, which is the max of the scaled scores only when
+        # the scale is not negative.
+        raise NotImplementedError(f"softmax_scale must be >= 0 for cute_flash kernels, got {softmax_scale}")
 
     if prequantized:
         _check_descale(descale, q, k)

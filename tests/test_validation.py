@@ -118,6 +118,18 @@ def test_bad_softmax_scale(meta_is_gpu, scale):
         cute_flash.attention(q, k, v, softmax_scale=scale)
 
 
+def test_negative_softmax_scale_is_not_implemented(meta_is_gpu):
+    q, k, v = qkv()
+    with pytest.raises(NotImplementedError, match="softmax_scale must be >= 0"):
+        cute_flash.attention(q, k, v, softmax_scale=-0.1)
+
+
+def test_fp8_rotate_off_without_fp8_quantisation_is_rejected(meta_is_gpu):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="fp8_rotate=False applies only"):
+        cute_flash.attention(q, k, v, fp8_rotate=False)
+
+
 def test_bad_compute_dtype(meta_is_gpu):
     q, k, v = qkv()
     with pytest.raises(ValueError, match="dtype must be None"):

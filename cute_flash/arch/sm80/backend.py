@@ -176,9 +176,6 @@ class _Backend:
         reason = forward_unsupported_reason(spec)
         if reason is not None:
             raise NotImplementedError(reason)
-        if softmax_scale < 0:
-            # The running max is taken over raw scores, which is only the max of the scaled scores for scale >= 0.
-            raise NotImplementedError(f"the sm80 forward needs softmax_scale >= 0, got {softmax_scale}")
         if q.shape[0] > MAX_GRID_YZ or q.shape[2] > MAX_GRID_YZ:
             raise NotImplementedError(
                 f"the sm80 forward launches (heads, batch) as grid y/z: each must be <= {MAX_GRID_YZ}"
