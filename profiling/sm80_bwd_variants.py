@@ -28,7 +28,7 @@ def cpu(args) -> None:
     from cute_flash.arch.sm80 import backward
     from cute_flash.arch.sm80.bwd_tiles import VARIANT_ENV
     from cute_flash.census import capture_fd_stderr, cubin_resources, parse_ptxas_report, ptx_census
-    from cute_flash.compile_cache import compile_options, ensure_cute_dsl_arch, keep_artifacts_options
+    from cute_flash.compile_cache import ensure_cute_dsl_arch, keep_artifacts_options
     from cute_flash.spec import AttentionSpec
     import tempfile
 
@@ -40,7 +40,7 @@ def cpu(args) -> None:
             spec = AttentionSpec("bf16", d, d, args.mask, "bf16")
             for role in [r for r in backward._roles(spec, args.target) if r in ("bwd", "bwd_dq_postprocess")]:
                 with tempfile.TemporaryDirectory() as dump, capture_fd_stderr() as err:
-                    opts = compile_options(args.target, extra=keep_artifacts_options(dump))
+                    opts = backward._options(role, spec, args.target, keep_artifacts_options(dump))
                     start = time.perf_counter()
                     compiled = backward._ROLES[role](spec, opts, args.target)
                     secs = time.perf_counter() - start

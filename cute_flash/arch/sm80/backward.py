@@ -208,12 +208,16 @@ def _cache_key(role: str, spec: AttentionSpec, target: str) -> tuple:
     return _cache_key_memo(role, spec, target, os.environ.get(VARIANT_ENV))
 
 
+def _options(role: str, spec: AttentionSpec, target: str, extra: str = "") -> str:
+    if role in _TILED_ROLES:
+        extra = f"--opt-level {bwd_tile_config(spec.head_dim, target).opt_level} {extra}".strip()
+    return compile_cache.compile_options(target, extra=extra)
+
+
 def _kernel(role: str, spec: AttentionSpec, target: str):
     key = _cache_key(role, spec, target)
     compile_cache.ensure_cute_dsl_arch(target)
-    return compile_cache.get_or_compile(
-        key, lambda: _ROLES[role](key[3], compile_cache.compile_options(target), target)
-    )
+    return compile_cache.get_or_compile(key, lambda: _ROLES[role](key[3], _options(role, key[3], target), target))
 
 
 def compile_backward_artifacts(spec: AttentionSpec, target: str) -> List[KernelArtifact]:
@@ -228,9 +232,7 @@ def compile_backward_artifacts(spec: AttentionSpec, target: str) -> List[KernelA
             build = _ROLES[role]
             sub = os.path.join(dump, role)
             # remarks{ptx}: ptxas reports registers and spills on stderr, where the compile command reads them.
-            options = compile_cache.compile_options(
-                target, extra=compile_cache.keep_artifacts_options(sub)
-            )
+            options = _options(role, spec, target, compile_cache.keep_artifacts_options(sub))
             compiled = build(spec, options, target)
             artifacts.append(
                 KernelArtifact(
