@@ -6,6 +6,7 @@ saturating e4m3 conversion.
 """
 
 import contextlib
+from dataclasses import replace
 import io
 import os
 
@@ -94,3 +95,32 @@ def test_fp8_polynomial_exp2_variant_compiles_without_spills():
     entry = next(iter(cubin_resources(compiled.artifacts.CUBIN)))
     spill = parse_ptxas_report("".join(captured) + py_stderr.getvalue()).get(entry, {}).get("spill_bytes")
     assert spill == 0, f"spills {spill} bytes"
+
+
+def test_fp8_row_sum_mma_variant_takes_the_sums_from_the_pv_wgmma():
+    """row_sum_mma: P·V is one wgmma with N = dv + 8 (the ones rows under Vᵀ give Σ P), no spills, and the softmax
+    no longer sums P itself (fewer fp32 adds than scores)."""
+    import tempfile
+
+    from cute_flash.arch.sm90.fp8_launch import build_fp8_forward
+    from cute_flash.arch.sm90.fp8_tile_config import VARIANTS, budget_problem, fp8_default_config
+    from cute_flash.compile_cache import keep_artifacts_options
+
+    cfg = VARIANTS["row_sum_mma"]
+    assert budget_problem(replace(cfg, promote_pv=False), 128, 128) is not None  # the sums need the fresh accumulator
+    assert budget_problem(replace(fp8_default_config(256, 256), row_sum_mma=True), 256, 256) is not None
+    builds = {}
+    for name, c in (("default", fp8_default_config(128, 128)), ("row_sum_mma", cfg)):
+        py_stderr = io.StringIO()
+        with tempfile.TemporaryDirectory() as dump, capture_fd_stderr() as captured, \
+                contextlib.redirect_stderr(py_stderr):
+            compiled = build_fp8_forward(AttentionSpec("fp8", 128, 128, "none", "bf16"), c, "sm_90a",
+                                         keep_artifacts_options(dump))
+        entry = next(iter(cubin_resources(compiled.artifacts.CUBIN)))
+        spill = parse_ptxas_report("".join(captured) + py_stderr.getvalue()).get(entry, {}).get("spill_bytes")
+        assert spill == 0, f"{name}: spills {spill} bytes"
+        builds[name] = compiled.artifacts.PTX
+    assert "m64n136k32.f32.e4m3.e4m3" in builds["row_sum_mma"]
+    assert "m64n136k32" not in builds["default"]
+    adds = {name: ptx.count("add.f32") for name, ptx in builds.items()}
+    assert adds["default"] - adds["row_sum_mma"] >= 64, adds

@@ -78,11 +78,19 @@ CASES = [
 ]
 
 
+def _sums_rounded_p(head_dim: int, head_dim_v: int, causal: bool, window=(None, None)) -> bool:
+    # With row_sum_mma the kernel normalises by the sum of the e4m3-rounded P (what the P·V wgmma sees).
+    from cute_flash.arch.sm90.fp8_tile_config import fp8_fwd_config
+    from cute_flash.spec import normalize_mask
+
+    return fp8_fwd_config(head_dim, head_dim_v, normalize_mask(causal, window).kind).row_sum_mma
+
+
 def _check_against_emulation(q, k, v, out, lse, causal, window, rotate=True):
     ref, ref_lse = attention_reference(q, k, v, causal=causal, window_size=window, return_lse=True)
     scheme = "fp8_block_rotate" if rotate else "fp8_block"
     emu = emulated_attention(q, k, v, scheme=scheme, causal=causal, window_size=window, block_m=BLOCK_M,
-                             block_n=BLOCK_N)
+                             block_n=BLOCK_N, sum_rounded_p=_sums_rounded_p(q.shape[-1], v.shape[-1], causal, window))
     assert torch.isfinite(out).all()
     err, emu_err = _rmse(out, ref), _rmse(emu, ref)
     max_err = (out.double() - ref).abs().max().item()
@@ -142,7 +150,8 @@ def test_prequantized_inputs(per_block):
     assert out.dtype == torch.bfloat16
     # Against float64 on the dequantised inputs; only P's rounding (and fp32 order) remains, which the model has.
     ref = attention_reference(*deq, causal=True)
-    emu = emulated_attention(*deq, scheme=GIVEN, causal=True, block_m=BLOCK_M, block_n=BLOCK_N)
+    emu = emulated_attention(*deq, scheme=GIVEN, causal=True, block_m=BLOCK_M, block_n=BLOCK_N,
+                             sum_rounded_p=_sums_rounded_p(q.shape[-1], v.shape[-1], True))
     err, emu_err = _rmse(out, ref), _rmse(emu, ref)
     assert err <= 1.25 * emu_err + 1e-4, f"rmse {err:.3e} vs emulated {emu_err:.3e}"
     max_err = (out.double() - ref).abs().max().item()

@@ -16,6 +16,7 @@ per-(batch, kv-head) descales that all equal the tensor's one scale).
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import json
 import math
 import time
@@ -98,9 +99,9 @@ def _fp8_kernel_out(q, k, v, causal: bool, scheme: str, promote_pv: Optional[boo
     else:
         f = prepare_fp8_inputs(q, k, v, rotate=scheme == "fp8_block_rotate")
     d, dv_ = q.shape[-1], v.shape[-1]
-    cfg = fp8_fwd_config(d, dv_)
+    cfg = fp8_fwd_config(d, dv_, "causal" if causal else "none")
     if promote_pv is not None:
-        cfg = type(cfg)(cfg.tile, promote_pv)
+        cfg = replace(cfg, promote_pv=promote_pv, row_sum_mma=cfg.row_sum_mma and promote_pv)
     spec = AttentionSpec("fp8", d, dv_, "causal" if causal else "none", "bf16")
     out = torch.empty(*q.shape[:3], dv_, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)

@@ -8,6 +8,7 @@ the pre-pass row gives GB/s of its own traffic: one read of q, k, v, one e4m3 wr
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import json
 import math
 from typing import Callable, Dict, List, Optional
@@ -76,7 +77,7 @@ def bench_case(batch: int, seqlen: int, heads: int, head_dim: int, causal: bool,
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, seqlen, device="cuda", dtype=torch.float32)
     scale = 1.0 / math.sqrt(head_dim)
-    cfg = fp8_default_config(head_dim, head_dim)
+    cfg = fp8_default_config(head_dim, head_dim, spec.mask)
 
     def timed(name, fn, unit=tflops):
         try:
@@ -89,7 +90,7 @@ def bench_case(batch: int, seqlen: int, heads: int, head_dim: int, causal: bool,
             row[name] = f"error: {type(e).__name__}: {str(e)[:160]}"
 
     for promote in sorted({cfg.promote_pv, False}, reverse=True):
-        c = type(cfg)(cfg.tile, promote)
+        c = cfg if promote == cfg.promote_pv else replace(cfg, promote_pv=False, row_sum_mma=False)
         timed(f"fp8_kernel{'' if promote == cfg.promote_pv else '_no_promote'}",
               lambda c=c: run_forward_fp8(f.q, f.k, f.v_t, out, lse, descale=f.descales(), spec=spec,
                                           softmax_scale=scale, mask=mask, cfg=c))

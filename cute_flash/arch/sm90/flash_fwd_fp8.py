@@ -18,6 +18,9 @@ What FP8 changes:
             TMA store per consumer; LSE from registers.
   promote   with `promote_pv`, P·V of each tile lands in a fresh wgmma accumulator, added to O in fp32 in the same
             FFMA that rescales O; otherwise O accumulates inside the wgmma like the bf16 kernel.
+  row sums  with `row_sum_mma`, each Vᵀ stage has 8 extra rows of ones below the dv rows the TMA fills (written
+            once by the consumers), so the P·V wgmma (N = dv + 8) also returns Σ P per row; the softmax then does
+            no additions per score.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from ...fp8.prepare import BLOCK_M, BLOCK_N
 from .barriers import WarpGroupTurns, epilogue_sync
 from .fp8_permute import store_p_operand_e4m3
 from .fp8_softmax import MIN_TILE_SCALE, Fp8OnlineSoftmax
-from .fp8_tile_config import Fp8FwdConfig
+from .fp8_tile_config import ROW_SUM_COLUMNS, Fp8FwdConfig
 from .pipelines import consumer_state, make_load_pipelines, producer_state
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS
 from . import wgmma
@@ -87,6 +90,8 @@ class Sm90FlashForwardFp8:
         self.cfg = cfg.tile
         self.promote_pv = cfg.promote_pv
         self.exp2_poly_per_row = cfg.exp2_poly_per_row
+        self.row_sum_mma = cfg.row_sum_mma
+        self.pv_n = cfg.pv_width(head_dim_v)
         self.num_consumers = cfg.tile.num_consumer_wgs
         self.tile_m = cfg.tile.tile_m
         self.tile_n = cfg.tile.tile_n
@@ -119,29 +124,33 @@ class Sm90FlashForwardFp8:
         rows = ROWS_PER_CONSUMER
         sQ_layout = _k_major_smem_layout(FP8, rows, self.head_dim, self.num_consumers)
         sK_layout = _k_major_smem_layout(FP8, self.tile_n, self.head_dim, self.num_stages)
-        sVt_layout = _k_major_smem_layout(FP8, self.head_dim_v, self.tile_n, self.num_stages)
+        sVt_layout = _k_major_smem_layout(FP8, self.pv_n, self.tile_n, self.num_stages)
+        sVt_load_layout = _k_major_smem_layout(FP8, self.head_dim_v, self.tile_n, self.num_stages)  # what TMA fills
         sO_layout = _k_major_smem_layout(self.out_dtype, rows, self.head_dim_v, self.num_consumers)
 
         k_major = cute.nvgpu.OperandMajorMode.K
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             FP8, FP8, k_major, k_major, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(rows, self.tile_n)
         )
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            FP8, FP8, k_major, k_major, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(rows, self.head_dim_v),
-            a_source=warpgroup.OperandSource.RMEM,
+        tiled_mma_pv, tiled_mma_o = (
+            sm90_utils.make_trivial_tiled_mma(
+                FP8, FP8, k_major, k_major, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(rows, n),
+                a_source=warpgroup.OperandSource.RMEM,
+            )
+            for n in (self.pv_n, self.head_dim_v)  # P·[V | 1], and the O columns alone (O's registers, epilogue)
         )
 
         one = lambda layout: cute.select(layout, mode=[0, 1])  # noqa: E731  (one stage / one consumer slice)
         load = cpasync.CopyBulkTensorTileG2SOp()
         atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, one(sQ_layout), (rows, self.head_dim))
         atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, one(sK_layout), (self.tile_n, self.head_dim))
-        atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mVt, one(sVt_layout), (self.head_dim_v, self.tile_n))
+        atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mVt, one(sVt_load_layout), (self.head_dim_v, self.tile_n))
         atom_o, tma_o = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, one(sO_layout), (rows, self.head_dim_v)
         )
         self.bytes_q = cute.size_in_bytes(FP8, sQ_layout)
         self.bytes_k = cute.size_in_bytes(FP8, one(sK_layout))
-        self.bytes_v = cute.size_in_bytes(FP8, one(sVt_layout))
+        self.bytes_v = cute.size_in_bytes(FP8, one(sVt_load_layout))
 
         @cute.struct
         class SharedStorage:
@@ -157,7 +166,7 @@ class Sm90FlashForwardFp8:
         self.kernel(
             tma_q, tma_k, tma_v, tma_o, mLSE, mQd, mKd, mVd,
             atom_q, atom_k, atom_v, atom_o,
-            tiled_mma_qk, tiled_mma_pv,
+            tiled_mma_qk, tiled_mma_pv, tiled_mma_o,
             sQ_layout, sK_layout, sVt_layout, sO_layout,
             softmax_scale, window_left, window_right,
             SharedStorage,
@@ -185,6 +194,7 @@ class Sm90FlashForwardFp8:
         atom_o: cute.CopyAtom,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
+        tiled_mma_o: cute.TiledMma,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sVt_layout: cute.ComposedLayout,
@@ -216,6 +226,17 @@ class Sm90FlashForwardFp8:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
+        # The first dv rows of every stage (all of it without row_sum_mma): where the TMA writes Vᵀ.
+        sVt_load = cute.make_tensor(
+            sVt.iterator,
+            cute.composition(
+                sVt.layout,
+                cute.make_layout(
+                    (self.head_dim_v, self.tile_n, self.num_stages),
+                    stride=(1, self.pv_n, self.pv_n * self.tile_n),
+                ),
+            ),
+        )
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         bidx, head, batch = cute.arch.block_idx()
@@ -235,14 +256,15 @@ class Sm90FlashForwardFp8:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
                 self.produce(
-                    pipes, atom_q, atom_k, atom_v, mQ, mK, mVt, sQ, sK, sVt, m_block, head, head_kv, batch, n_min,
+                    pipes, atom_q, atom_k, atom_v, mQ, mK, mVt, sQ, sK, sVt_load, m_block, head, head_kv, batch, n_min,
                     n_max,
                 )
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             consumer = warp_group - 1
             self.consume(
-                pipes, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, mO, mLSE, mQd, mKd, mVd, atom_o, softmax_scale,
+                pipes, tiled_mma_qk, tiled_mma_pv, tiled_mma_o, sQ, sK, sVt, storage.sVt.data_ptr(), sO, mO, mLSE,
+                mQd, mKd, mVd, atom_o, softmax_scale,
                 m_block, head, head_kv, batch, seqlen_q, info, n_min, n_max, consumer, tidx % WARPGROUP_THREADS,
                 warp_idx % 4,
             )
@@ -314,9 +336,11 @@ class Sm90FlashForwardFp8:
         pipes,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
+        tiled_mma_o: cute.TiledMma,
         sQ: cute.Tensor,
         sK: cute.Tensor,
         sVt: cute.Tensor,
+        sVt_base: cute.Pointer,  # sVt's buffer without the swizzle, for the ones rows
         sO: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
@@ -340,12 +364,15 @@ class Sm90FlashForwardFp8:
         rows = ROWS_PER_CONSUMER
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
+        thr_o = tiled_mma_o.get_slice(tidx)
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, 1, k-blocks, consumer)
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, 1, k-blocks, stage)
         tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))  # (MMA, 1, key k-blocks, stage)
         tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((rows, self.tile_n)))
-        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((rows, self.head_dim_v)), Float32)
+        acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((rows, self.head_dim_v)), Float32)
         acc_O.fill(0.0)
+        if const_expr(self.row_sum_mma):
+            self.fill_ones_rows(sVt_base, sVt.layout, tidx, consumer)
 
         coords = cute.local_tile(
             cute.make_identity_tensor((self.tile_m, self.tile_n)), (rows, self.tile_n), (consumer, 0)
@@ -354,7 +381,8 @@ class Sm90FlashForwardFp8:
         coords0_rc = rows_cols_view(tiled_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((rows, self.tile_n))))
 
         softmax = Fp8OnlineSoftmax.create(
-            cute.size(rows_cols_view(acc_O), mode=[0]), exp2_poly_per_row=self.exp2_poly_per_row
+            cute.size(rows_cols_view(acc_O), mode=[0]), exp2_poly_per_row=self.exp2_poly_per_row,
+            sum_in_mma=self.row_sum_mma,
         )
         turns = WarpGroupTurns(consumer, self.num_consumers, self.cfg.ping_pong)
         turns.prime()
@@ -369,8 +397,8 @@ class Sm90FlashForwardFp8:
         if n_max > n_min:
             v_scale_last = self.mainloop(
                 pipes, tiled_mma_qk, tiled_mma_pv, tSrQ[None, None, None, consumer], tSrK, tOrVt, tOrP, acc_O,
-                softmax, turns, info, m_block, n_min, n_max, coords_rc, coords0_rc, q_scale, mKd, mVd, batch,
-                head_kv,
+                thr_pv.partition_shape_C((rows, self.pv_n)), softmax, turns, info, m_block, n_min, n_max, coords_rc,
+                coords0_rc, q_scale, mKd, mVd, batch, head_kv,
             )
 
         row_scale, lse = softmax.finalize(v_scale_last)
@@ -378,9 +406,26 @@ class Sm90FlashForwardFp8:
         for r in cutlass.range_constexpr(cute.size(row_scale)):
             rows_O[r, None].store(rows_O[r, None].load() * row_scale[r])
         self.epilogue(
-            acc_O, lse, tiled_mma_pv, thr_pv, sO, mO, mLSE, atom_o, head, batch, seqlen_q, slice_idx, consumer, tidx,
+            acc_O, lse, tiled_mma_o, thr_o, sO, mO, mLSE, atom_o, head, batch, seqlen_q, slice_idx, consumer, tidx,
             warp_in_wg,
         )
+
+    @cute.jit
+    def fill_ones_rows(self, sVt_base: cute.Pointer, sVt_layout: cute.Layout, tidx: Int32, consumer: Int32):
+        """Rows dv..dv+7 of every Vᵀ stage = 1.0 (e4m3 0x38). With tile_n <= 128 keys they are one whole swizzle
+        atom per stage (8 rows of tile_n bytes), so the bytes go in unpermuted. Each consumer writes them all (the
+        same bytes) and waits only for its own warpgroup, before its first P·V."""
+        assert self.tile_n <= 128, "the ones rows must be one swizzle atom wide"
+        words_per_stage = ROW_SUM_COLUMNS * self.tile_n // 4
+        for stage in cutlass.range_constexpr(self.num_stages):
+            offset = cute.crd2idx((self.head_dim_v, 0, stage), sVt_layout)
+            words = cute.make_tensor(cute.recast_ptr(sVt_base + offset, dtype=Int32), cute.make_layout(words_per_stage))
+            for i in cutlass.range_constexpr(cute.ceil_div(words_per_stage, WARPGROUP_THREADS)):
+                w = tidx + i * WARPGROUP_THREADS
+                if w < words_per_stage:
+                    words[w] = Int32(0x38383838)
+        cute.arch.fence_view_async_shared()  # generic-proxy stores, read by wgmma (async proxy)
+        epilogue_sync(consumer)
 
     @cute.jit
     def tile_scales(self, mKd: cute.Tensor, mVd: cute.Tensor, batch: Int32, head_kv: Int32, n_block: Int32,
@@ -402,6 +447,7 @@ class Sm90FlashForwardFp8:
         tOrVt: cute.Tensor,
         tOrP: cute.Tensor,
         acc_O: cute.Tensor,
+        pv_shape: cutlass.Constexpr,
         softmax: Fp8OnlineSoftmax,
         turns: WarpGroupTurns,
         info: BlockInfo,
@@ -438,14 +484,17 @@ class Sm90FlashForwardFp8:
         # the O accumulated so far (the previous tile's softmax rescale times the ratio of V descales).
         acc_PV = acc_O
         if const_expr(self.promote_pv):
-            acc_PV = cute.make_rmem_tensor(acc_O.shape, Float32)
+            acc_PV = cute.make_rmem_tensor(pv_shape, Float32)
         pending = cute.make_rmem_tensor(softmax.num_rows, Float32)
         pending.fill(1.0)
+        pending_sum = cute.make_rmem_tensor(softmax.num_rows, Float32)  # with row_sum_mma: l's factor (no V ratio)
+        pending_sum.fill(1.0)
         v_prev = v_first
 
         step = partial(
             self.step, pipes=pipes, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
-            tOrVt=tOrVt, tOrP=tOrP, acc_O=acc_O, acc_PV=acc_PV, pending=pending, s_shape=s_shape, softmax=softmax,
+            tOrVt=tOrVt, tOrP=tOrP, acc_O=acc_O, acc_PV=acc_PV, pending=pending, pending_sum=pending_sum,
+            s_shape=s_shape, softmax=softmax,
             turns=turns, mask=mask, scales=scales,
         )
         right_lo = n_first
@@ -469,7 +518,7 @@ class Sm90FlashForwardFp8:
         )
         pipes.v.consumer_release(kv)
         if const_expr(self.promote_pv):
-            self.absorb(acc_O, acc_PV, pending)
+            self.absorb(acc_O, acc_PV, pending, softmax, pending_sum)
         return v_prev
 
     @staticmethod
@@ -486,14 +535,26 @@ class Sm90FlashForwardFp8:
     ):
         apply_mask(rows_cols_view(acc_S), coords_rc, coords0_rc, info, m_block, n_block, mask_seqlen, mask_window)
 
-    @staticmethod
     @cute.jit
-    def absorb(acc_O: cute.Tensor, acc_PV: cute.Tensor, factor: cute.Tensor):
-        """O = O · factor[row] + PV: the fp32 promotion of one tile's P·V, fused with O's rescale."""
+    def absorb(self, acc_O: cute.Tensor, acc_PV: cute.Tensor, factor: cute.Tensor, softmax: Fp8OnlineSoftmax,
+               factor_sum: cute.Tensor):
+        """O = O · factor[row] + PV: the fp32 promotion of one tile's P·V, fused with O's rescale. With row_sum_mma
+        PV has 8 more columns (all equal: Σ P of the row), added to the softmax's row sums with their own factor."""
         rows_O = rows_cols_view(acc_O)
         rows_PV = rows_cols_view(acc_PV)
-        for r in cutlass.range_constexpr(cute.size(factor)):
-            rows_O[r, None].store(rows_O[r, None].load() * factor[r] + rows_PV[r, None].load())
+        if const_expr(not self.row_sum_mma):
+            for r in cutlass.range_constexpr(cute.size(factor)):
+                rows_O[r, None].store(rows_O[r, None].load() * factor[r] + rows_PV[r, None].load())
+        else:
+            # Column j < dv/4 of a thread's row is the same register in both accumulators (the extra columns
+            # form the last 8-column group of the wider one).
+            n_o = cute.size(rows_O, mode=[1])
+            sums = cute.make_rmem_tensor(cute.size(factor), Float32)
+            for r in cutlass.range_constexpr(cute.size(factor)):
+                for j in cutlass.range_constexpr(n_o):
+                    rows_O[r, j] = rows_O[r, j] * factor[r] + rows_PV[r, j]
+                sums[r] = rows_PV[r, n_o]
+            softmax.absorb_row_sums(sums, factor_sum)
 
     @cute.jit
     def step(
@@ -512,6 +573,7 @@ class Sm90FlashForwardFp8:
         acc_O: cute.Tensor,
         acc_PV: cute.Tensor,
         pending: cute.Tensor,
+        pending_sum: cute.Tensor,
         s_shape: cutlass.Constexpr,
         softmax: Fp8OnlineSoftmax,
         turns: WarpGroupTurns,
@@ -545,9 +607,10 @@ class Sm90FlashForwardFp8:
         warpgroup.wait_group(0)  # P·V done: the P registers and the V stage are free
         pipes.v.consumer_release(kv_v)
         if const_expr(self.promote_pv):
-            self.absorb(acc_O, acc_PV, pending)
+            self.absorb(acc_O, acc_PV, pending, softmax, pending_sum)
             for r in cutlass.range_constexpr(cute.size(pending)):
                 pending[r] = row_scale[r] * ratio
+                pending_sum[r] = row_scale[r]
         else:
             rows_O = rows_cols_view(acc_O)
             for r in cutlass.range_constexpr(cute.size(row_scale)):
@@ -560,8 +623,8 @@ class Sm90FlashForwardFp8:
         self,
         acc_O: cute.Tensor,
         lse: cute.Tensor,
-        tiled_mma_pv: cute.TiledMma,
-        thr_pv,
+        tiled_mma_o: cute.TiledMma,
+        thr_o,
         sO: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
@@ -580,7 +643,7 @@ class Sm90FlashForwardFp8:
         stmatrix = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.out_dtype
         )
-        smem_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma_pv).get_slice(tidx)
+        smem_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma_o).get_slice(tidx)
         cute.copy(smem_copy, smem_copy.retile(rO), smem_copy.partition_D(sO[None, None, consumer]))
         cute.arch.fence_view_async_shared()  # generic-proxy stores must be visible to the TMA (async proxy)
         epilogue_sync(consumer)
@@ -593,7 +656,7 @@ class Sm90FlashForwardFp8:
             cute.copy(atom_o, tOsO[None, consumer], tOgO[None, slice_idx])
             cute.arch.cp_async_bulk_commit_group()
 
-        coords = rows_cols_view(thr_pv.partition_C(cute.make_identity_tensor((rows, self.head_dim_v))))
+        coords = rows_cols_view(thr_o.partition_C(cute.make_identity_tensor((rows, self.head_dim_v))))
         if coords[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = slice_idx * rows + coords[r, 0][0]

@@ -34,7 +34,7 @@ def fp8_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
             return f"the sm90 FP8 kernel needs {name} a multiple of 32 up to {FP8_MAX_HEAD_DIM} (e4m3 wgmma k = 32), got {d}"
     if spec.mask not in ("none", "causal", "local"):
         return f"unknown mask kind {spec.mask!r}"
-    return budget_problem(fp8_fwd_config(spec.head_dim, spec.head_dim_v), spec.head_dim, spec.head_dim_v)
+    return budget_problem(fp8_fwd_config(spec.head_dim, spec.head_dim_v, spec.mask), spec.head_dim, spec.head_dim_v)
 
 
 def build_fp8_forward(spec: AttentionSpec, cfg: Fp8FwdConfig, target: str, extra_options: str = ""):
@@ -73,7 +73,7 @@ def build_fp8_forward(spec: AttentionSpec, cfg: Fp8FwdConfig, target: str, extra
 
 
 def _kernel(spec: AttentionSpec, target: str, cfg: Optional[Fp8FwdConfig] = None):
-    cfg = cfg or fp8_fwd_config(spec.head_dim, spec.head_dim_v)
+    cfg = cfg or fp8_fwd_config(spec.head_dim, spec.head_dim_v, spec.mask)
     key = (FAMILY, target, "fwd_fp8", spec, cfg)
     return compile_cache.get_or_compile(key, lambda: build_fp8_forward(spec, cfg, target))
 
@@ -110,7 +110,7 @@ def compile_fp8_artifacts(spec: AttentionSpec, target: str, cfg: Optional[Fp8Fwd
     if reason is not None:
         raise NotImplementedError(reason)
     compile_cache.ensure_cute_dsl_arch(target)
-    cfg = cfg or fp8_fwd_config(spec.head_dim, spec.head_dim_v)
+    cfg = cfg or fp8_fwd_config(spec.head_dim, spec.head_dim_v, spec.mask)
     from ...fp8.prepare import BLOCK_M, BLOCK_N
     from ...fp8.prepass_kernel import Fp8Prepass, build_prepass
 

@@ -10,6 +10,8 @@ P lies in [0, 256] rather than [0, 1]: e4m3 is subnormal below 2^-6, so without 
 ~1/64 of the row max would lose precision, and under 2^-10 would vanish; with it they stay normal down to 2^-14.
 l carries the same factor 2^8, so O / l is unchanged; LSE = (m + log2 l − 8) · ln 2.
 Row maxima are reduced over the 4 lanes of a quad every tile (the common module's helpers); sums stay per-thread.
+With `sum_in_mma` the kernel takes each tile's Σ_j P_j from its P·V wgmma (a column of ones next to V) and adds it
+with `absorb_row_sums`; those sums are already complete rows, so `finalize` skips the quad reduction.
 
 With `exp2_poly_per_row` = k > 0 the last k values of each row (per thread and tile) are computed by `exp2_poly`
 (FMA pipe) instead of MUFU.EX2. It clamps its argument at -126, so a masked score gives ~2^-126
@@ -81,14 +83,23 @@ class Fp8OnlineSoftmax:
     row_max: cute.Tensor  # scaled log2 domain
     row_sum: cute.Tensor
     exp2_poly_per_row: int = 0
+    sum_in_mma: bool = False
 
     @staticmethod
-    def create(num_rows: int, threads_per_row: int = 4, exp2_poly_per_row: int = 0) -> "Fp8OnlineSoftmax":
+    def create(
+        num_rows: int, threads_per_row: int = 4, exp2_poly_per_row: int = 0, sum_in_mma: bool = False
+    ) -> "Fp8OnlineSoftmax":
         row_max = cute.make_rmem_tensor(num_rows, Float32)
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        return Fp8OnlineSoftmax(num_rows, threads_per_row, row_max, row_sum, exp2_poly_per_row)
+        return Fp8OnlineSoftmax(num_rows, threads_per_row, row_max, row_sum, exp2_poly_per_row, sum_in_mma)
+
+    @cute.jit
+    def absorb_row_sums(self, tile_sums: cute.Tensor, factor: cute.Tensor):
+        """l = l · factor + Σ P of one tile (sum_in_mma): the tile's sums arrive one step after its update, like O."""
+        for r in cutlass.range_constexpr(self.num_rows):
+            self.row_sum[r] = self.row_sum[r] * factor[r] + tile_sums[r]
 
     @cute.jit
     def update(self, acc_rc: cute.Tensor, tile_scale: Float32, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
@@ -118,11 +129,13 @@ class Fp8OnlineSoftmax:
                         row[j] = exp2_poly(row[j])
             if cutlass.const_expr(is_first):
                 row_scale[r] = 1.0
-                self.row_sum[r] = _tree_reduce(row, _add, None)
+                if cutlass.const_expr(not self.sum_in_mma):
+                    self.row_sum[r] = _tree_reduce(row, _add, None)
             else:
                 scale = cute.math.exp2(prev_max - safe_max, fastmath=True)
                 row_scale[r] = scale
-                self.row_sum[r] = _tree_reduce(row, _add, self.row_sum[r] * scale)
+                if cutlass.const_expr(not self.sum_in_mma):
+                    self.row_sum[r] = _tree_reduce(row, _add, self.row_sum[r] * scale)
         return row_scale
 
     @cute.jit
@@ -131,7 +144,9 @@ class Fp8OnlineSoftmax:
         row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
         lse = cute.make_rmem_tensor(self.num_rows, Float32)
         for r in cutlass.range_constexpr(self.num_rows):
-            total = _lane_group_reduce(self.row_sum[r], _add, self.threads_per_row)
+            total = self.row_sum[r]
+            if cutlass.const_expr(not self.sum_in_mma):
+                total = _lane_group_reduce(total, _add, self.threads_per_row)
             empty = total == 0.0
             if cutlass.const_expr(self.exp2_poly_per_row > 0):
                 empty = total < 1.0

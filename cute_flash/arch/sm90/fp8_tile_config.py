@@ -16,6 +16,10 @@ per consumer warpgroup, ping-pong) with three differences:
     pipe trades issue slots for MUFU time (FlashAttention-4's idea on Blackwell). P is rounded to e4m3 afterwards,
     so the polynomial's 1e-4 relative error is invisible. Measured (H200, docs/fp8.md): accurate (the GPU tests pass)
     but 7-11% slower, because the loop is bound by instruction issue, not by MUFU; so the default keeps 0.
+  - `row_sum_mma`: the softmax row sums come out of the P·V wgmma instead of 64 FADDs per thread and tile: V's shared
+    tile gets 8 more rows of ones (written once), so P·[V | 1] has N = dv + 8 and its last columns hold Σ P — of the
+    e4m3-rounded P that multiplies V, which is also what normalises it (the accuracy study measured the same RMSE
+    either way). Needs promotion (the sums land in the fresh P·V accumulator) and dv + 8 <= 256.
 
 Named variants (`VARIANTS`, for the speed study) can replace the default through the environment:
 `CUTE_FLASH_FP8_VARIANT=<name>` makes `fp8_fwd_config` return that variant for the head dims it covers.
@@ -39,15 +43,28 @@ class Fp8FwdConfig:
     tile: FwdTileConfig
     promote_pv: bool
     exp2_poly_per_row: int = 0
+    row_sum_mma: bool = False
 
     def as_dict(self) -> dict:
-        return {**self.tile.as_dict(), "promote_pv": self.promote_pv, "exp2_poly_per_row": self.exp2_poly_per_row}
+        return {
+            **self.tile.as_dict(),
+            "promote_pv": self.promote_pv,
+            "exp2_poly_per_row": self.exp2_poly_per_row,
+            "row_sum_mma": self.row_sum_mma,
+        }
+
+    def pv_width(self, head_dim_v: int) -> int:
+        """N of the P·V wgmma: dv, plus the 8 columns of ones whose products are the row sums."""
+        return head_dim_v + (ROW_SUM_COLUMNS if self.row_sum_mma else 0)
+
+
+ROW_SUM_COLUMNS = 8  # the narrowest wgmma N step
 
 
 def smem_bytes(cfg: Fp8FwdConfig, head_dim: int, head_dim_v: int, out_bytes: int = 2) -> int:
     t = cfg.tile
     q = t.tile_m * head_dim
-    kv = t.num_stages * t.tile_n * (head_dim + head_dim_v)
+    kv = t.num_stages * t.tile_n * (head_dim + cfg.pv_width(head_dim_v))
     o = t.tile_m * head_dim_v * out_bytes
     return q + kv + o + SMEM_RESERVED_BYTES
 
@@ -61,6 +78,10 @@ def budget_problem(cfg: Fp8FwdConfig, head_dim: int, head_dim_v: int) -> Optiona
     regs = t.consumer_regs * WARPGROUP_THREADS * t.num_consumer_wgs + t.producer_regs * WARPGROUP_THREADS
     if regs > REGISTERS_PER_SM:
         return f"register split {t.consumer_regs}/{t.producer_regs} needs {regs} > {REGISTERS_PER_SM} registers"
+    if cfg.row_sum_mma and not cfg.promote_pv:
+        return "row_sum_mma needs promote_pv (the row sums are taken from each tile's fresh P·V accumulator)"
+    if cfg.pv_width(head_dim_v) > 256:
+        return f"row_sum_mma needs head_dim_v + {ROW_SUM_COLUMNS} <= 256 (the widest wgmma), got {head_dim_v}"
     if not 0 <= cfg.exp2_poly_per_row <= t.tile_n // 4:
         return f"exp2_poly_per_row={cfg.exp2_poly_per_row} must lie in [0, tile_n / 4 = {t.tile_n // 4}]"
     need = smem_bytes(cfg, head_dim, head_dim_v)
@@ -88,21 +109,31 @@ VARIANTS: Dict[str, Fp8FwdConfig] = {
     "poly12": replace(_D128, exp2_poly_per_row=12),
     "poly8_stages3": Fp8FwdConfig(FwdTileConfig(2, 128, 3), promote_pv=True, exp2_poly_per_row=8),
     "poly8_no_promote": Fp8FwdConfig(FwdTileConfig(2, 128, 2), promote_pv=False, exp2_poly_per_row=8),
+    "row_sum_mma": replace(_D128, row_sum_mma=True),
+    "row_sum_mma_stages3": replace(_D128, tile=FwdTileConfig(2, 128, 3), row_sum_mma=True),
+    "no_ping_pong": replace(_D128, tile=FwdTileConfig(2, 128, 2, ping_pong=False)),
+    "row_sum_mma_no_ping_pong": replace(_D128, tile=FwdTileConfig(2, 128, 2, ping_pong=False), row_sum_mma=True),
 }
 # Tried and dropped on the CPU compile: 3 consumers x 64 rows at d = 128 without promotion (160 registers per consumer
 # thread) spills (96-byte stack frame); key tiles wider than the 128-key scale block need two K/V scales per tile.
 VARIANT_HEAD_DIMS = (65, 128)  # the width range the variants are built for (they replace the d <= 128 default)
 
 
-def fp8_default_config(head_dim: int, head_dim_v: int) -> Fp8FwdConfig:
+# Causal at 64 < d <= 128 takes the row sums from the P·V wgmma: 2-3% faster causal in three runs (H200,
+# 2026-11-21: 867 vs 839, 855 vs 831, 866 vs 849 TFLOP/s at seqlen 16k), but 1-3% slower without a mask, where the
+# wider P·V costs more than the adds it saves (docs/fp8.md).
+_D128_CAUSAL = replace(_D128, row_sum_mma=True)
+
+
+def fp8_default_config(head_dim: int, head_dim_v: int, mask_kind: str = "none") -> Fp8FwdConfig:
     width = max(head_dim, head_dim_v)
     for limit, cfg in _BY_HEAD_DIM:
         if width <= limit:
-            return cfg
+            return _D128_CAUSAL if cfg is _D128 and mask_kind == "causal" else cfg
     raise ValueError(f"no sm90 FP8 tile configuration for head dim {width} (at most {FP8_MAX_HEAD_DIM})")
 
 
-def fp8_fwd_config(head_dim: int, head_dim_v: int) -> Fp8FwdConfig:
+def fp8_fwd_config(head_dim: int, head_dim_v: int, mask_kind: str = "none") -> Fp8FwdConfig:
     """The configuration for these head dims: the default, or the variant named by $CUTE_FLASH_FP8_VARIANT."""
     name = os.environ.get(VARIANT_ENV, "")
     width = max(head_dim, head_dim_v)
@@ -112,5 +143,5 @@ def fp8_fwd_config(head_dim: int, head_dim_v: int) -> Fp8FwdConfig:
         lo, hi = VARIANT_HEAD_DIMS
         if lo <= width <= hi:
             return VARIANTS[name]
-    return fp8_default_config(head_dim, head_dim_v)
+    return fp8_default_config(head_dim, head_dim_v, mask_kind)
 
