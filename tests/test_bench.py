@@ -295,6 +295,28 @@ def test_ncu_summary_parses_raw_csv(tmp_path):
     assert "-50.0%" in table
 
 
+SOURCE_CSV = """"Kernel Name","kernel_fwd",
+"Address","Source","# Samples","stall_barrier","stall_wait","stall_barrier (Not Issued)"
+"0x10","MUFU.EX2 R1, R1","30","0","28","0"
+"0x20","@!P0  BRA 0x40","60","55","1","50"
+"0x30","MUFU.EX2 R2, R2","10","0","9","0"
+"""
+
+
+def test_hotspots_rank_instructions_and_opcodes(tmp_path):
+    from profiling import hotspots
+
+    (tmp_path / "src.csv").write_text(SOURCE_CSV)
+    rows = hotspots.read_source_csv(str(tmp_path / "src.csv"))
+    assert [r["Address"] for r in rows] == ["0x10", "0x20", "0x30"]
+    text = hotspots.report(rows, top=2)
+    assert "stall mix: barrier 59.1%, wait 40.9%" in text  # "(Not Issued)" columns are not counted twice
+    assert "by opcode: BRA 60.0%, MUFU 40.0%" in text
+    lines = text.splitlines()
+    ranked = lines[lines.index(next(l for l in lines if l.strip().startswith("address"))) + 1 :]
+    assert len(ranked) == 2 and "BRA" in ranked[0] and "barrier:55" in ranked[0] and "R1, R1" in ranked[1]
+
+
 def test_io_model_bounds():
     from profiling.io_model import predicted_bytes
 
