@@ -4,8 +4,9 @@
         cross-compiles each variant's main kernel (and its dQ postprocess) on the CPU: registers, spills, census.
     python3 -m profiling.sm80_bwd_variants gpu [--variants a,b] [--check VARIANT]
         times every variant's backward (preprocess + main + postprocess, allocations included) against torch SDPA's
-        flash backward (FlashAttention-2) at bf16, 16k tokens, h * d = 2048, seqlen 4k and 16k, causal or not; with
-        --check, then runs the tests/test_sm80_bwd.py matrix (fp16 + bf16, d64 + d128) with that variant forced.
+        flash backward (FlashAttention-2) at bf16, 16k tokens, h * d = 2048, seqlen 4k and 16k, causal or not, for
+        --head-dims (default 128,64); with --check, then runs the tests/test_sm80_bwd.py matrix (fp16 + bf16, those
+        head dims) with that variant forced.
 The table is printed last.
 """
 
@@ -86,7 +87,8 @@ def gpu(args) -> int:
 
     compile_cache.ensure_cute_dsl_arch(compile_cache.target_for_capability(torch.cuda.get_device_capability()))
     variants = _variants(args.variants)
-    configs = [(d, s, causal) for d in (128, 64) for s in (4096, 16384) for causal in (False, True)]
+    head_dims = [int(x) for x in args.head_dims.split(",")]
+    configs = [(d, s, causal) for d in head_dims for s in (4096, 16384) for causal in (False, True)]
     table = {}
     for d, s, causal in configs:
         h, b = 2048 // d, 16384 // s
@@ -132,7 +134,7 @@ def gpu(args) -> int:
         env = dict(os.environ, **{VARIANT_ENV: args.check})
         test = os.path.join(os.path.dirname(__file__), "..", "tests", "test_sm80_bwd.py")
         cmd = [sys.executable, test, "-j", "7", "--test", "test_sm80_backward_kernels or test_sm80_attention_backward",
-               "-k", "d64- or d128-"]
+               "-k", " or ".join(f"d{d}-" for d in head_dims)]
         start = time.time()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         check = f"correctness of {args.check} (rc {proc.returncode}, {time.time() - start:.0f} s):\n{proc.stdout[-4000:]}"

@@ -105,11 +105,11 @@ VARIANTS.update(
     }
 )
 # The default where it was measured faster and passed the GPU test matrix (H200, sm_90a target, 2026-11-21:
-# fragment_v4_dq_first 1.07-1.12x SDPA flash at d128 seqlen 4k/16k, 0.98-1.03x at d64; "rows" 0.72-0.79x). Other
-# head dims, sm_80 targets (where the same layout takes scalar atomics) and sm_100a keep the previously tested "rows"
-# until a GPU run covers them.
+# fragment_v4_dq_first 1.07-1.12x SDPA flash at d128 seqlen 4k/16k, 0.98-1.03x at d64, 1.05-1.09x at d256 (where,
+# with one Q/dO stage, it is fragment_v4); "rows" 0.59-0.79x). Other head dims, sm_80 targets (where the same layout
+# takes scalar atomics) and sm_100a keep the previously tested "rows" until a GPU run covers them.
 DEFAULT_VARIANT = "fragment_v4_dq_first"
-_DEFAULT_VARIANT_HEAD_DIMS = (64, 128)
+_DEFAULT_VARIANT_HEAD_DIMS = (64, 128, 256)
 
 
 def default_opt_level(head_dim: int, target_major: int) -> int:
