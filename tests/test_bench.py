@@ -252,11 +252,19 @@ def test_backward_check_on_the_naive_peer():
 
 
 def test_fp8_check_uses_the_fp8_emulation_as_baseline():
-    case = grid.Case("fp8", "fwd", False, grid.Shape(1, 64, 64, 1, 1, 64, 64))
-    q, k, v = (torch.randn(1, 64, 1, 64).bfloat16() for _ in range(3))
-    emulated = check._fp8_emulation(q, k, v, causal=False, softmax_scale=0.125).bfloat16()
-    verdict = check.check_forward(case, q, k, v, emulated, 0.125)
+    """The fp8 baseline is per-tensor FP8 from cute_flash.fp8.emulate; our block-scaled, rotated recipe passes it
+    and an output off by more than the budget does not."""
+    from cute_flash.fp8.emulate import emulated_attention
+
+    case = grid.Case("fp8", "fwd", True, grid.Shape(1, 96, 128, 2, 1, 64, 64))
+    q, k, v = torch.randn(1, 96, 2, 64).bfloat16(), torch.randn(1, 128, 1, 64).bfloat16(), torch.randn(1, 128, 1, 64).bfloat16()
+    ours = emulated_attention(q, k, v, scheme="fp8_block_rotate", causal=True, softmax_scale=0.125).bfloat16()
+    verdict = check.check_forward(case, q, k, v, ours, 0.125)
     assert verdict.ok and verdict.reports[0].baseline_err > 1e-3  # fp8 error, far above bf16's
+    assert verdict.reports[0].bound == pytest.approx(2 * verdict.reports[0].baseline_err + 2e-3)
+    wrong = ours.clone()
+    wrong[0, -1, 0, 0] += 0.5
+    assert not check.check_forward(case, q, k, v, wrong, 0.125).ok
 
 
 # --- profiling tools --------------------------------------------------------------------------------------------
