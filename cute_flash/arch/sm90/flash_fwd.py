@@ -35,28 +35,16 @@ from ...common.acc_views import rows_cols_view
 from ...common.block_info import BlockInfo
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
-from .barriers import WarpGroupTurns, epilogue_sync
-from .pipelines import consumer_state, make_load_pipelines, producer_state
+from .barriers import WarpGroupTurns
+from .pipelines import consumer_state, make_load_pipelines
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, FwdTileConfig
 from . import wgmma
+from .epilogue import store_o_and_lse
+from .loads import load_q_k_v
 
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
 
 
-def _smem_layout(dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: int) -> cute.ComposedLayout:
-    """(rows, cols, stages) tile with `cols` contiguous, swizzled as wgmma expects for a K-major operand."""
-    row_bits = cols * dtype.width
-    kinds = warpgroup.SmemLayoutAtomKind
-    if row_bits % 1024 == 0:
-        kind = kinds.K_SW128
-    elif row_bits % 512 == 0:
-        kind = kinds.K_SW64
-    elif row_bits % 256 == 0:
-        kind = kinds.K_SW32
-    else:
-        kind = kinds.K_INTER
-    atom = warpgroup.make_smem_layout_atom(kind, dtype)
-    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
 def _seq_major_view(t: cute.Tensor) -> cute.Tensor:
@@ -108,10 +96,10 @@ class Sm90FlashForward:
         mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (sq, h, b)
 
         rows = ROWS_PER_CONSUMER
-        sQ_layout = _smem_layout(self.dtype, rows, self.head_dim, self.num_consumers)
-        sK_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
-        sV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim_v, self.num_stages)
-        sO_layout = _smem_layout(self.dtype, rows, self.head_dim_v, self.num_consumers)
+        sQ_layout = wgmma.k_major_smem_layout(self.dtype, rows, self.head_dim, self.num_consumers)
+        sK_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
+        sV_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, self.head_dim_v, self.num_stages)
+        sO_layout = wgmma.k_major_smem_layout(self.dtype, rows, self.head_dim_v, self.num_consumers)
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype,
@@ -314,41 +302,10 @@ class Sm90FlashForward:
         gQ = cute.local_tile(mQ[None, None, head, batch], (rows, self.head_dim), (None, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
-        no_cluster = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(atom_q, 0, no_cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(atom_k, 0, no_cluster, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(atom_v, 0, no_cluster, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-
-        if n_max > n_min:
-            q_state = producer_state(1)
-            pipes.q.producer_acquire(q_state)
-            for c in cutlass.range_constexpr(self.num_consumers):
-                cute.copy(
-                    atom_q,
-                    tQgQ[None, m_block * self.num_consumers + c],
-                    tQsQ[None, c],
-                    tma_bar_ptr=pipes.q.producer_get_barrier(q_state),
-                )
-
-            # K_last first; then K_{j-1} with V_j, so each consumer step finds both; V_first last.
-            kv = producer_state(self.num_stages)
-            n_last = n_max - 1
-            pipes.k.producer_acquire(kv)
-            cute.copy(atom_k, tKgK[None, n_last], tKsK[None, kv.index], tma_bar_ptr=pipes.k.producer_get_barrier(kv))
-            for i in cutlass.range(n_max - 1 - n_min, unroll=1):
-                n_v = n_last - i
-                kv_v = kv.clone()
-                kv.advance()
-                pipes.k.producer_acquire(kv)
-                cute.copy(
-                    atom_k, tKgK[None, n_v - 1], tKsK[None, kv.index], tma_bar_ptr=pipes.k.producer_get_barrier(kv)
-                )
-                pipes.v.producer_acquire(kv_v)
-                cute.copy(atom_v, tVgV[None, n_v], tVsV[None, kv_v.index], tma_bar_ptr=pipes.v.producer_get_barrier(kv_v))
-            pipes.v.producer_acquire(kv)
-            cute.copy(
-                atom_v, tVgV[None, n_min], tVsV[None, kv.index], tma_bar_ptr=pipes.v.producer_get_barrier(kv)
-            )
+        load_q_k_v(
+            pipes, atom_q, atom_k, atom_v, gQ, gK, gV, sQ, sK, sV, m_block * self.num_consumers, self.num_consumers,
+            self.num_stages, n_min, n_max,
+        )
 
     @cute.jit
     def consume(
@@ -575,31 +532,7 @@ class Sm90FlashForward:
         tidx: Int32,
         warp_in_wg: Int32,
     ):
-        rows = ROWS_PER_CONSUMER
-        rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
-        wgmma.convert_to_16bit(acc_O, rO)
-        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        smem_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma_pv).get_slice(tidx)
-        cute.copy(smem_copy, smem_copy.retile(rO), smem_copy.partition_D(sO[None, None, consumer]))
-        cute.arch.fence_view_async_shared()  # the generic-proxy stores must be visible to the TMA (async proxy)
-        epilogue_sync(consumer)
-
-        slice_idx = m_block * self.num_consumers + consumer
-        if warp_in_wg == 0:
-            gO = cute.local_tile(mO[None, None, head, batch], (rows, self.head_dim_v), (None, 0))
-            tOsO, tOgO = cpasync.tma_partition(
-                atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
-            )
-            cute.copy(atom_o, tOsO[None, consumer], tOgO[None, slice_idx])
-            cute.arch.cp_async_bulk_commit_group()
-
-        # LSE straight from registers: of the 4 threads sharing a row, the one holding column 0 writes it.
-        coords = rows_cols_view(thr_pv.partition_C(cute.make_identity_tensor((rows, self.head_dim_v))))
-        if coords[0, 0][1] == 0:
-            for r in cutlass.range_constexpr(cute.size(lse)):
-                row = slice_idx * rows + coords[r, 0][0]
-                if row < seqlen_q:
-                    mLSE[row, head, batch] = lse[r]
-
-        if warp_in_wg == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the store's reads
+        store_o_and_lse(
+            acc_O, lse, self.dtype, self.head_dim_v, tiled_mma_pv, thr_pv, sO, mO, mLSE, atom_o,
+            m_block * self.num_consumers + consumer, head, batch, seqlen_q, consumer, tidx, warp_in_wg,
+        )

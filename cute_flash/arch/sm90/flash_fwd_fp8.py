@@ -46,27 +46,16 @@ from .barriers import WarpGroupTurns, epilogue_sync
 from .fp8_permute import store_p_operand_e4m3
 from .fp8_softmax import MIN_TILE_SCALE, Fp8OnlineSoftmax
 from .fp8_tile_config import ROW_SUM_COLUMNS, Fp8FwdConfig
-from .pipelines import consumer_state, make_load_pipelines, producer_state
+from .pipelines import consumer_state, make_load_pipelines
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS
 from . import wgmma
+from .epilogue import store_o_and_lse
+from .loads import load_q_k_v
 
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
 FP8 = cutlass.Float8E4M3FN
 
 
-def _k_major_smem_layout(dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: int) -> cute.ComposedLayout:
-    """(rows, cols, stages) with `cols` contiguous, in the widest swizzle the row length allows (wgmma K-major)."""
-    row_bits = cols * dtype.width
-    kinds = warpgroup.SmemLayoutAtomKind
-    if row_bits % 1024 == 0:
-        kind = kinds.K_SW128
-    elif row_bits % 512 == 0:
-        kind = kinds.K_SW64
-    elif row_bits % 256 == 0:
-        kind = kinds.K_SW32
-    else:
-        kind = kinds.K_INTER
-    return cute.tile_to_shape(warpgroup.make_smem_layout_atom(kind, dtype), (rows, cols, stages), order=(0, 1, 2))
 
 
 def _select(t: cute.Tensor, modes) -> cute.Tensor:
@@ -122,11 +111,11 @@ class Sm90FlashForwardFp8:
         mLSE = _select(mLSE, [2, 1, 0])  # (sq, h, b)
 
         rows = ROWS_PER_CONSUMER
-        sQ_layout = _k_major_smem_layout(FP8, rows, self.head_dim, self.num_consumers)
-        sK_layout = _k_major_smem_layout(FP8, self.tile_n, self.head_dim, self.num_stages)
-        sVt_layout = _k_major_smem_layout(FP8, self.pv_n, self.tile_n, self.num_stages)
-        sVt_load_layout = _k_major_smem_layout(FP8, self.head_dim_v, self.tile_n, self.num_stages)  # what TMA fills
-        sO_layout = _k_major_smem_layout(self.out_dtype, rows, self.head_dim_v, self.num_consumers)
+        sQ_layout = wgmma.k_major_smem_layout(FP8, rows, self.head_dim, self.num_consumers)
+        sK_layout = wgmma.k_major_smem_layout(FP8, self.tile_n, self.head_dim, self.num_stages)
+        sVt_layout = wgmma.k_major_smem_layout(FP8, self.pv_n, self.tile_n, self.num_stages)
+        sVt_load_layout = wgmma.k_major_smem_layout(FP8, self.head_dim_v, self.tile_n, self.num_stages)  # what TMA fills
+        sO_layout = wgmma.k_major_smem_layout(self.out_dtype, rows, self.head_dim_v, self.num_consumers)
 
         k_major = cute.nvgpu.OperandMajorMode.K
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
@@ -293,42 +282,10 @@ class Sm90FlashForwardFp8:
         gQ = cute.local_tile(mQ[None, None, head, batch], (rows, self.head_dim), (None, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
         gVt = cute.local_tile(mVt[None, None, head_kv, batch], (self.head_dim_v, self.tile_n), (0, None))
-        no_cluster = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(atom_q, 0, no_cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(atom_k, 0, no_cluster, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(
-            atom_v, 0, no_cluster, cute.group_modes(sVt, 0, 2), cute.group_modes(gVt, 0, 2)
+        load_q_k_v(
+            pipes, atom_q, atom_k, atom_v, gQ, gK, gVt, sQ, sK, sVt, m_block * self.num_consumers, self.num_consumers,
+            self.num_stages, n_min, n_max,
         )
-
-        if n_max > n_min:
-            q_state = producer_state(1)
-            pipes.q.producer_acquire(q_state)
-            for c in cutlass.range_constexpr(self.num_consumers):
-                cute.copy(
-                    atom_q,
-                    tQgQ[None, m_block * self.num_consumers + c],
-                    tQsQ[None, c],
-                    tma_bar_ptr=pipes.q.producer_get_barrier(q_state),
-                )
-            # Consumption order: K_last; then (K_{j-1}, V_j) pairs; V_first last.
-            kv = producer_state(self.num_stages)
-            n_last = n_max - 1
-            pipes.k.producer_acquire(kv)
-            cute.copy(atom_k, tKgK[None, n_last], tKsK[None, kv.index], tma_bar_ptr=pipes.k.producer_get_barrier(kv))
-            for i in cutlass.range(n_max - 1 - n_min, unroll=1):
-                n_v = n_last - i
-                kv_v = kv.clone()
-                kv.advance()
-                pipes.k.producer_acquire(kv)
-                cute.copy(
-                    atom_k, tKgK[None, n_v - 1], tKsK[None, kv.index], tma_bar_ptr=pipes.k.producer_get_barrier(kv)
-                )
-                pipes.v.producer_acquire(kv_v)
-                cute.copy(
-                    atom_v, tVgV[None, n_v], tVsV[None, kv_v.index], tma_bar_ptr=pipes.v.producer_get_barrier(kv_v)
-                )
-            pipes.v.producer_acquire(kv)
-            cute.copy(atom_v, tVgV[None, n_min], tVsV[None, kv.index], tma_bar_ptr=pipes.v.producer_get_barrier(kv))
 
     @cute.jit
     def consume(
@@ -637,31 +594,7 @@ class Sm90FlashForwardFp8:
         tidx: Int32,
         warp_in_wg: Int32,
     ):
-        rows = ROWS_PER_CONSUMER
-        rO = cute.make_rmem_tensor(acc_O.shape, self.out_dtype)
-        wgmma.convert_to_16bit(acc_O, rO)
-        stmatrix = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.out_dtype
+        store_o_and_lse(
+            acc_O, lse, self.out_dtype, self.head_dim_v, tiled_mma_o, thr_o, sO, mO, mLSE, atom_o, slice_idx, head,
+            batch, seqlen_q, consumer, tidx, warp_in_wg,
         )
-        smem_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma_o).get_slice(tidx)
-        cute.copy(smem_copy, smem_copy.retile(rO), smem_copy.partition_D(sO[None, None, consumer]))
-        cute.arch.fence_view_async_shared()  # generic-proxy stores must be visible to the TMA (async proxy)
-        epilogue_sync(consumer)
-
-        if warp_in_wg == 0:
-            gO = cute.local_tile(mO[None, None, head, batch], (rows, self.head_dim_v), (None, 0))
-            tOsO, tOgO = cpasync.tma_partition(
-                atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
-            )
-            cute.copy(atom_o, tOsO[None, consumer], tOgO[None, slice_idx])
-            cute.arch.cp_async_bulk_commit_group()
-
-        coords = rows_cols_view(thr_o.partition_C(cute.make_identity_tensor((rows, self.head_dim_v))))
-        if coords[0, 0][1] == 0:
-            for r in cutlass.range_constexpr(cute.size(lse)):
-                row = slice_idx * rows + coords[r, 0][0]
-                if row < seqlen_q:
-                    mLSE[row, head, batch] = lse[r]
-
-        if warp_in_wg == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -4,12 +4,30 @@ register A operand of P·V (the RS form, so P never touches shared memory).
 
 from __future__ import annotations
 
+from typing import Type
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import warpgroup
+
+
+def k_major_smem_layout(dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: int) -> cute.ComposedLayout:
+    """(rows, cols, stages) shared-memory tile with `cols` contiguous, in the widest swizzle the row length allows:
+    what wgmma reads as a K-major operand (and what TMA writes)."""
+    row_bits = cols * dtype.width
+    kinds = warpgroup.SmemLayoutAtomKind
+    if row_bits % 1024 == 0:
+        kind = kinds.K_SW128
+    elif row_bits % 512 == 0:
+        kind = kinds.K_SW64
+    elif row_bits % 256 == 0:
+        kind = kinds.K_SW32
+    else:
+        kind = kinds.K_INTER
+    return cute.tile_to_shape(warpgroup.make_smem_layout_atom(kind, dtype), (rows, cols, stages), order=(0, 1, 2))
 
 
 @cute.jit
