@@ -49,6 +49,7 @@ from .fp8_tile_config import ROW_SUM_COLUMNS, Fp8FwdConfig
 from .pipelines import consumer_state, make_load_pipelines
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS
 from . import wgmma
+from .cta import cta_work
 from .epilogue import store_o_and_lse
 from .loads import load_q_k_v
 
@@ -228,15 +229,9 @@ class Sm90FlashForwardFp8:
         )
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
-        bidx, head, batch = cute.arch.block_idx()
-        m_block = bidx
-        if const_expr(self.causal):
-            m_block = cute.arch.grid_dim()[0] - 1 - bidx  # longest rows first
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
-        info = BlockInfo(self.tile_m, self.tile_n, self.mask_kind, seqlen_q, seqlen_k, window_left, window_right)
-        n_min, n_max = info.kv_block_range(m_block)
+        m_block, head, head_kv, batch, seqlen_q, info, n_min, n_max = cta_work(
+            mQ, mK, self.tile_m, self.tile_n, self.mask_kind, window_left, window_right
+        )
 
         pipeline.pipeline_init_wait()
 
