@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ..reference import attention_reference
-from ..testing import FP8_ABS_SLACK, ErrorReport
+from ..testing import ABS_SLACK, FP8_ABS_SLACK, ErrorReport
 from .grid import Case
 
 # Largest score matrix (sq · sk elements of one head) the backward reference materialises in float64.
@@ -61,9 +61,10 @@ def _fp8_baseline(q, k, v, *, causal: bool, softmax_scale: float) -> torch.Tenso
     return emulated_attention(q, k, v, scheme="fp8_tensor", causal=causal, softmax_scale=softmax_scale)
 
 
-def _report(name: str, got: torch.Tensor, ref: torch.Tensor, baseline_err: float, fp8: bool = False) -> ErrorReport:
+def _report(name: str, got: torch.Tensor, ref: torch.Tensor, baseline_err: float,
+            abs_slack: float = ABS_SLACK) -> ErrorReport:
     err = _max_abs(got, ref) if torch.isfinite(got).all() else float("inf")
-    return ErrorReport(name, err, baseline_err, FP8_ABS_SLACK) if fp8 else ErrorReport(name, err, baseline_err)
+    return ErrorReport(name, err, baseline_err, abs_slack)
 
 
 class ForwardReference:
@@ -72,7 +73,7 @@ class ForwardReference:
 
     def __init__(self, case: Case, q, k, v, scale: float, max_rows: int = 4096):
         self.heads, kv_heads = _slices(case)
-        self.fp8 = case.dtype == "fp8"
+        self.abs_slack = FP8_ABS_SLACK if case.dtype == "fp8" else ABS_SLACK
         self.rows = slice(max(0, case.shape.seqlen_q - max_rows), case.shape.seqlen_q)
         qs, ks, vs = (t.detach() for t in (q[:1, self.rows, self.heads], k[:1, :, kv_heads], v[:1, :, kv_heads]))
         with torch.no_grad():
@@ -85,7 +86,7 @@ class ForwardReference:
             self.baseline_err = _max_abs(baseline, self.ref)
 
     def verdict(self, out: torch.Tensor) -> Verdict:
-        report = _report("out", out[:1, self.rows, self.heads], self.ref, self.baseline_err, self.fp8)
+        report = _report("out", out[:1, self.rows, self.heads], self.ref, self.baseline_err, self.abs_slack)
         return Verdict(report.ok, [report])
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -63,8 +64,14 @@ class BwdTileConfig:
 def bwd_tile_config(head_dim: int, target: Optional[str] = None) -> BwdTileConfig:
     """The backward tile config for `head_dim` on `target` ("sm_80", "sm_90a", ...): the default variant, or the one
     named by the environment variable CUTE_FLASH_SM80_BWD_VARIANT (see VARIANTS; for timing them side by side)."""
+    return _tile_config(head_dim, target, os.environ.get(VARIANT_ENV))
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_config(head_dim: int, target: Optional[str], variant: Optional[str]) -> BwdTileConfig:
+    # Memoised: every backward call asks for its config, and building one takes ~20 us of host time.
     major = _target_major(target)
-    name = os.environ.get(VARIANT_ENV) or default_variant(head_dim, major)
+    name = variant or default_variant(head_dim, major)
     if name not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV}={name!r}: the sm80 backward variants are {sorted(VARIANTS)}")
     base = replace(_fa2_tile_config(head_dim), opt_level=default_opt_level(head_dim, major))
@@ -95,14 +102,12 @@ VARIANTS = {
 # Every variant also at a forced optimisation level ("<variant>_o1" ... "_o3"; the level only changes ptxas, the PTX
 # is the same): at 3, ptxas hoists shared-memory loads ahead of the mmas and spills a few bytes at d96-d128; 1
 # schedules conservatively and does not spill. See default_opt_level.
+def _at_opt_level(variant, level: int):
+    return lambda cfg, d, major: replace(variant(cfg, d, major), opt_level=level)
+
+
 VARIANTS.update(
-    {
-        f"{name}_o{level}": (lambda base, level: lambda cfg, d, major: replace(base(cfg, d, major), opt_level=level))(
-            base, level
-        )
-        for name, base in list(VARIANTS.items())
-        for level in (1, 2, 3)
-    }
+    {f"{name}_o{level}": _at_opt_level(variant, level) for name, variant in list(VARIANTS.items()) for level in (1, 2, 3)}
 )
 # The default where it was measured faster and passed the GPU test matrix (H200, sm_90a target, 2026-11-21:
 # fragment_v4_dq_first 1.07-1.12x SDPA flash at d128 seqlen 4k/16k, 0.98-1.03x at d64, 1.05-1.09x at d256 (where,

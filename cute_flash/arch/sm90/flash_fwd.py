@@ -36,12 +36,12 @@ from ...common.block_info import BlockInfo
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
 from .barriers import WarpGroupTurns
-from .pipelines import consumer_state, make_load_pipelines
-from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, FwdTileConfig
-from . import wgmma
 from .cta import cta_work
 from .epilogue import store_o_and_lse
 from .loads import load_q_k_v
+from .pipelines import consumer_state, make_load_pipelines
+from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, FwdTileConfig
+from . import wgmma
 
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
 
@@ -371,9 +371,9 @@ class Sm90FlashForward:
 
         row_scale, lse = softmax.finalize()
         softmax.rescale(rows_cols_view(acc_O), row_scale)
-        self.epilogue(
-            acc_O, lse, tiled_mma_pv, thr_pv, sO, mO, mLSE, atom_o, m_block, head, batch, seqlen_q, consumer, tidx,
-            warp_in_wg,
+        store_o_and_lse(
+            acc_O, lse, self.dtype, self.head_dim_v, tiled_mma_pv, thr_pv, sO, mO, mLSE, atom_o,
+            m_block * self.num_consumers + consumer, head, batch, seqlen_q, consumer, tidx, warp_in_wg,
         )
 
     @cute.jit
@@ -504,27 +504,3 @@ class Sm90FlashForward:
         wgmma.store_p_operand(acc_S, tOrP)
         softmax.rescale(rows_cols_view(acc_O), row_scale)
         return kv
-
-    @cute.jit
-    def epilogue(
-        self,
-        acc_O: cute.Tensor,
-        lse: cute.Tensor,
-        tiled_mma_pv: cute.TiledMma,
-        thr_pv,
-        sO: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        atom_o: cute.CopyAtom,
-        m_block: Int32,
-        head: Int32,
-        batch: Int32,
-        seqlen_q: Int32,
-        consumer: Int32,
-        tidx: Int32,
-        warp_in_wg: Int32,
-    ):
-        store_o_and_lse(
-            acc_O, lse, self.dtype, self.head_dim_v, tiled_mma_pv, thr_pv, sO, mO, mLSE, atom_o,
-            m_block * self.num_consumers + consumer, head, batch, seqlen_q, consumer, tidx, warp_in_wg,
-        )

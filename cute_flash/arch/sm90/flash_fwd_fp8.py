@@ -43,20 +43,18 @@ from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E
 from ...fp8.prepare import BLOCK_M, BLOCK_N
 from .barriers import WarpGroupTurns, epilogue_sync
+from .cta import cta_work
+from .epilogue import store_o_and_lse
 from .fp8_permute import store_p_operand_e4m3
 from .fp8_softmax import MIN_TILE_SCALE, Fp8OnlineSoftmax
 from .fp8_tile_config import ROW_SUM_COLUMNS, Fp8FwdConfig
+from .loads import load_q_k_v
 from .pipelines import consumer_state, make_load_pipelines
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS
 from . import wgmma
-from .cta import cta_work
-from .epilogue import store_o_and_lse
-from .loads import load_q_k_v
 
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
 FP8 = cutlass.Float8E4M3FN
-
-
 
 
 def _select(t: cute.Tensor, modes) -> cute.Tensor:
@@ -357,9 +355,9 @@ class Sm90FlashForwardFp8:
         rows_O = rows_cols_view(acc_O)
         for r in cutlass.range_constexpr(cute.size(row_scale)):
             rows_O[r, None].store(rows_O[r, None].load() * row_scale[r])
-        self.epilogue(
-            acc_O, lse, tiled_mma_o, thr_o, sO, mO, mLSE, atom_o, head, batch, seqlen_q, slice_idx, consumer, tidx,
-            warp_in_wg,
+        store_o_and_lse(
+            acc_O, lse, self.out_dtype, self.head_dim_v, tiled_mma_o, thr_o, sO, mO, mLSE, atom_o, slice_idx, head,
+            batch, seqlen_q, consumer, tidx, warp_in_wg,
         )
 
     @cute.jit
@@ -569,27 +567,3 @@ class Sm90FlashForwardFp8:
                 rows_O[r, None].store(rows_O[r, None].load() * (row_scale[r] * ratio))
         store_p_operand_e4m3(acc_S, tOrP)
         return kv, v_n
-
-    @cute.jit
-    def epilogue(
-        self,
-        acc_O: cute.Tensor,
-        lse: cute.Tensor,
-        tiled_mma_o: cute.TiledMma,
-        thr_o,
-        sO: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        atom_o: cute.CopyAtom,
-        head: Int32,
-        batch: Int32,
-        seqlen_q: Int32,
-        slice_idx: Int32,
-        consumer: Int32,
-        tidx: Int32,
-        warp_in_wg: Int32,
-    ):
-        store_o_and_lse(
-            acc_O, lse, self.out_dtype, self.head_dim_v, tiled_mma_o, thr_o, sO, mO, mLSE, atom_o, slice_idx, head,
-            batch, seqlen_q, consumer, tidx, warp_in_wg,
-        )
