@@ -121,3 +121,23 @@ def test_sm80_backward_main_kernels_do_not_spill(head_dim, mask):
         ((entry, _),) = cubin_resources(compiled.artifacts.CUBIN).items()
         report = parse_ptxas_report("".join(err))
         assert report.get(entry, {}).get("spill_bytes") == 0, (role, report)
+
+
+@pytest.mark.parametrize("role", ["bwd_postprocess", "bwd_dq_postprocess"])
+def test_backward_postprocess_issues_every_load_before_any_branch(role):
+    """With a branch per row around its load, each load waited for the one before (the FP8 pre-pass's 1.4 TB/s
+    problem, docs/fp8.md); the accumulators are padded to whole blocks, so every load goes first."""
+    import re
+    import tempfile
+
+    from cute_flash.arch.sm80 import backward
+    from cute_flash.compile_cache import compile_options, keep_artifacts_options
+
+    spec = AttentionSpec("bf16", 128, 128, "none", "bf16")
+    options = compile_options("sm_90a", extra=keep_artifacts_options(tempfile.mkdtemp(), ptxas_report=False))
+    compiled = backward._ROLES[role](spec, options, "sm_90a")
+    lines = [line.strip() for line in compiled.artifacts.PTX.splitlines()]
+    loads = [i for i, line in enumerate(lines) if re.match(r"ld\.global\.", line)]
+    branches = [i for i, line in enumerate(lines) if re.search(r"\bbra\b", line)]
+    assert loads, "no global loads found"
+    assert not branches or max(loads) < min(branches), (len(loads), loads[-1], branches[:3])

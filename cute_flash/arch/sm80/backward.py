@@ -299,7 +299,7 @@ def run_backward(
 
     _kernel("bwd_preprocess", spec, target)(out, dout, lse, dpsum, lse_log2)
     if gqa:
-        seqlen_k_pad = _round_up(seqlen_k, cfg.block_n)
+        seqlen_k_pad = _round_up(seqlen_k, max(cfg.block_n, _PRE_POST_BLOCK_M))  # whole postprocess blocks too
         dk_out = torch.zeros(batch, seqlen_k_pad, nheads_kv, head_dim, **f32)
         dv_out = torch.zeros(batch, seqlen_k_pad, nheads_kv, head_dim, **f32)
     else:

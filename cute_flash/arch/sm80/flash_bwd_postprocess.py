@@ -4,6 +4,10 @@ The main backward kernel accumulates dQ (and, with GQA, dK/dV) with fp32 atomics
 (dQ may instead use the "fragment" layout, converted by DqFragmentConvertSm80 below);
 this kernel writes out[b, i, h, :] = scale * accum[b, i, h, :] for i < s. One CTA converts `block_m` rows of one
 (batch, head).
+
+Both kernels issue every load of a thread before its first branch: the accumulators are padded to whole blocks of
+rows, so the loads need no predicate, and only the stores check the sequence length. (A load inside each row's
+branch is converted before the next one is issued, so a thread would wait for one memory latency per row.)
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Type
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+
+from ...common.pin import pin_values
 
 
 class AccumConvertSm80:
@@ -70,10 +76,10 @@ class AccumConvertSm80:
         tOcO = thr_store.partition_D(cOut)
         tArA = cute.make_fragment_like(tAgA)
         tOrO = cute.make_fragment_like(tOgO)
+        cute.copy(tiled_load, tAgA, tArA)  # rows past seqlen are padding of mAccum: in bounds
+        tOrO.store((tArA.load() * scale).to(self.dtype))
         for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
             if m_block * self.block_m + tOcO[0, m, 0][0] < seqlen:
-                cute.copy(tiled_load, tAgA[None, m, None], tArA[None, m, None])
-                tOrO[None, m, None].store((tArA[None, m, None].load() * scale).to(self.dtype))
                 cute.copy(tiled_store, tOrO[None, m, None], tOgO[None, m, None])
 
 
@@ -114,10 +120,17 @@ class DqFragmentConvertSm80:
         block_m, chunk_cols = self.cfg.block_m, self.dq_chunk
         num_chunks = self.head_dim // chunk_cols
         tCcC = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((block_m, chunk_cols)))
-        for chunk in cutlass.range_constexpr(num_chunks):
+        per_chunk = cute.size(tCcC)
+        values = cute.make_rmem_tensor(num_chunks * per_chunk, Float32)
+        for chunk in cutlass.range_constexpr(num_chunks):  # the block is padding past seqlen: in bounds
             gAccum = cute.local_tile(mAccum[batch, head, None], (block_m * chunk_cols,), (m_block * num_chunks + chunk,))
-            for i in cutlass.range_constexpr(cute.size(tCcC)):
+            for i in cutlass.range_constexpr(per_chunk):
+                offset = dq_fragment_offset(i, tidx, self.cfg.num_threads, self.cfg.dq_vec)
+                values[chunk * per_chunk + i] = gAccum[offset]
+        pin_values([values[j] for j in range(num_chunks * per_chunk)])
+        for chunk in cutlass.range_constexpr(num_chunks):
+            for i in cutlass.range_constexpr(per_chunk):
                 row = m_block * block_m + tCcC[i][0]
                 if row < seqlen:
-                    value = gAccum[dq_fragment_offset(i, tidx, self.cfg.num_threads, self.cfg.dq_vec)]
-                    mOut[batch, row, head, chunk * chunk_cols + tCcC[i][1]] = (value * scale).to(self.dtype)
+                    value = values[chunk * per_chunk + i] * scale
+                    mOut[batch, row, head, chunk * chunk_cols + tCcC[i][1]] = value.to(self.dtype)
