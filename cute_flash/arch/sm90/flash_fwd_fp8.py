@@ -42,7 +42,7 @@ from ...common.block_info import BlockInfo
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E
 from ...fp8.prepare import BLOCK_M, BLOCK_N
-from .barriers import BarrierId, WarpGroupTurns, epilogue_sync
+from .barriers import WarpGroupTurns, epilogue_sync
 from .cta import cta_work
 from .epilogue import store_o_and_lse
 from .fp8_permute import store_p_operand_e4m3
@@ -78,20 +78,15 @@ class Sm90FlashForwardFp8:
         self.cfg = cfg.tile
         self.promote_pv = cfg.promote_pv
         self.exp2_poly_per_row = cfg.exp2_poly_per_row
-        self.exp2_poly_degree = cfg.exp2_poly_degree
         self.row_sum_mma = cfg.row_sum_mma
-        self.exp_turns = cfg.exp_turns
-        self.lean_step = cfg.lean_step
         self.pv_n = cfg.pv_width(head_dim_v)
         self.num_consumers = cfg.tile.num_consumer_wgs
         self.tile_m = cfg.tile.tile_m
         self.tile_n = cfg.tile.tile_n
         self.num_stages = cfg.tile.num_stages
         assert BLOCK_M == ROWS_PER_CONSUMER, "one Q descale per consumer slice"
-        assert BLOCK_N % self.tile_n == 0 or self.tile_n % BLOCK_N == 0
-        self.tiles_per_scale = max(1, BLOCK_N // self.tile_n)
-        self.scales_per_tile = max(1, self.tile_n // BLOCK_N)
-        self.intra_wg_overlap = cfg.tile.intra_wg_overlap
+        assert BLOCK_N % self.tile_n == 0
+        self.tiles_per_scale = BLOCK_N // self.tile_n
 
     @cute.jit
     def __call__(
@@ -150,7 +145,6 @@ class Sm90FlashForwardFp8:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            zero_word: cute.struct.MemRange[Int32, 1]  # a 0 that exp_turns reads to order its arithmetic
             sQ: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sQ_layout)], SMEM_ALIGN]
             sK: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sK_layout)], SMEM_ALIGN]
             sVt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sVt_layout)], SMEM_ALIGN]
@@ -215,9 +209,6 @@ class Sm90FlashForwardFp8:
             k_bytes=self.bytes_k,
             v_bytes=self.bytes_v,
         )
-        if const_expr(self.exp_turns):
-            if tidx == 0:
-                cute.make_tensor(storage.zero_word.data_ptr(), cute.make_layout(1))[0] = Int32(0)
         pipeline.pipeline_init_arrive(is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -254,7 +245,7 @@ class Sm90FlashForwardFp8:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             consumer = warp_group - 1
             self.consume(
-                pipes, tiled_mma_qk, tiled_mma_pv, tiled_mma_o, sQ, sK, sVt, storage.sVt.data_ptr(), storage.zero_word.data_ptr(), sO, mO, mLSE,
+                pipes, tiled_mma_qk, tiled_mma_pv, tiled_mma_o, sQ, sK, sVt, storage.sVt.data_ptr(), sO, mO, mLSE,
                 mQd, mKd, mVd, atom_o, softmax_scale,
                 m_block, head, head_kv, batch, seqlen_q, info, n_min, n_max, consumer, tidx % WARPGROUP_THREADS,
                 warp_idx % 4,
@@ -300,7 +291,6 @@ class Sm90FlashForwardFp8:
         sK: cute.Tensor,
         sVt: cute.Tensor,
         sVt_base: cute.Pointer,  # sVt's buffer without the swizzle, for the ones rows
-        zero_word: cute.Pointer,
         sO: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
@@ -342,17 +332,10 @@ class Sm90FlashForwardFp8:
 
         softmax = Fp8OnlineSoftmax.create(
             cute.size(rows_cols_view(acc_O), mode=[0]), exp2_poly_per_row=self.exp2_poly_per_row,
-            sum_in_mma=self.row_sum_mma, exp2_poly_degree=self.exp2_poly_degree,
+            sum_in_mma=self.row_sum_mma,
         )
         turns = WarpGroupTurns(consumer, self.num_consumers, self.cfg.ping_pong)
         turns.prime()
-        exp_turns = None
-        if const_expr(self.exp_turns):
-            exp_turns = WarpGroupTurns(
-                consumer, self.num_consumers, True, BarrierId.EXP_TURN_FIRST, zero_word
-            )
-            exp_turns.load_zero()
-            exp_turns.prime()
 
         # This consumer's Q scale times softmax_scale·log2(e); slices past seqlen_q have no descale entry.
         slice_idx = m_block * self.num_consumers + consumer
@@ -362,10 +345,9 @@ class Sm90FlashForwardFp8:
 
         v_scale_last = Float32(1.0)
         if n_max > n_min:
-            run_mainloop = self.mainloop if const_expr(self.intra_wg_overlap) else self.mainloop_sequential
-            v_scale_last = run_mainloop(
+            v_scale_last = self.mainloop(
                 pipes, tiled_mma_qk, tiled_mma_pv, tSrQ[None, None, None, consumer], tSrK, tOrVt, tOrP, acc_O,
-                thr_pv.partition_shape_C((rows, self.pv_n)), softmax, turns, exp_turns, info, m_block, n_min, n_max, coords_rc,
+                thr_pv.partition_shape_C((rows, self.pv_n)), softmax, turns, info, m_block, n_min, n_max, coords_rc,
                 coords0_rc, q_scale, mKd, mVd, batch, head_kv,
             )
 
@@ -399,7 +381,7 @@ class Sm90FlashForwardFp8:
     def tile_scales(self, mKd: cute.Tensor, mVd: cute.Tensor, batch: Int32, head_kv: Int32, n_block: Int32,
                     q_scale: Float32):
         """(exponent factor c_n, V descale) of key tile n_block."""
-        blk = n_block * self.scales_per_tile // self.tiles_per_scale  # PROBE: first block only when tile > block
+        blk = n_block // self.tiles_per_scale
         # Clamped above 0: a zero descale would give NaN from masked -inf scores and from the V-descale ratio.
         c = cute.arch.fmax(q_scale * mKd[batch, head_kv, blk], Float32(MIN_TILE_SCALE))
         return c, cute.arch.fmax(Float32(mVd[batch, head_kv, blk]), Float32(MIN_TILE_SCALE))
@@ -418,7 +400,6 @@ class Sm90FlashForwardFp8:
         pv_shape: cutlass.Constexpr,
         softmax: Fp8OnlineSoftmax,
         turns: WarpGroupTurns,
-        exp_turns: cutlass.Constexpr,
         info: BlockInfo,
         m_block: Int32,
         n_min: Int32,
@@ -446,7 +427,7 @@ class Sm90FlashForwardFp8:
         wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=0)
         pipes.k.consumer_release(kv)
         mask(acc_S, n_first, True, masked)
-        softmax.update(rows_cols_view(acc_S), c_first, is_first=True, exp_turns=exp_turns)
+        softmax.update(rows_cols_view(acc_S), c_first, is_first=True)
         store_p_operand_e4m3(acc_S, tOrP)
 
         # O-update state: the V descale of the tile whose P is pending (in tOrP), and, with promotion, the factor for
@@ -464,7 +445,7 @@ class Sm90FlashForwardFp8:
             self.step, pipes=pipes, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
             tOrVt=tOrVt, tOrP=tOrP, acc_O=acc_O, acc_PV=acc_PV, pending=pending, pending_sum=pending_sum,
             s_shape=s_shape, softmax=softmax,
-            turns=turns, exp_turns=exp_turns, mask=mask, scales=scales,
+            turns=turns, mask=mask, scales=scales,
         )
         right_lo = n_first
         if const_expr(masked):
@@ -489,113 +470,6 @@ class Sm90FlashForwardFp8:
         if const_expr(self.promote_pv):
             self.absorb(acc_O, acc_PV, pending, softmax, pending_sum)
         return v_prev
-
-    @cute.jit
-    def mainloop_sequential(
-        self,
-        pipes,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        tSrQ: cute.Tensor,
-        tSrK: cute.Tensor,
-        tOrVt: cute.Tensor,
-        tOrP: cute.Tensor,
-        acc_O: cute.Tensor,
-        pv_shape: cutlass.Constexpr,
-        softmax: Fp8OnlineSoftmax,
-        turns: WarpGroupTurns,
-        exp_turns: cutlass.Constexpr,
-        info: BlockInfo,
-        m_block: Int32,
-        n_min: Int32,
-        n_max: Int32,
-        coords_rc: cute.Tensor,
-        coords0_rc: cute.Tensor,
-        q_scale: Float32,
-        mKd: cute.Tensor,
-        mVd: cute.Tensor,
-        batch: Int32,
-        head_kv: Int32,
-    ) -> Float32:
-        """All key tiles, right to left, each one Q·Kᵀ -> softmax -> P·V before the next (no intra-warpgroup
-        overlap): only one tile's scores are live, so a 256-key tile fits beside O and a promoted P·V. The other
-        consumer warpgroup's GEMMs fill the tensor pipe during this one's softmax."""
-        pipes.q.consumer_wait(consumer_state(1))
-        kv = consumer_state(self.num_stages)
-        s_shape = tiled_mma_qk.get_slice(0).partition_shape_C((ROWS_PER_CONSUMER, self.tile_n))
-        masked = self.causal or self.local
-        mask = partial(self.mask_scores, coords_rc=coords_rc, coords0_rc=coords0_rc, info=info, m_block=m_block)
-        scales = partial(self.tile_scales, mKd, mVd, batch, head_kv, q_scale=q_scale)
-        acc_PV = cute.make_rmem_tensor(pv_shape, Float32)
-        tile = partial(
-            self.sequential_tile, pipes=pipes, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ,
-            tSrK=tSrK, tOrVt=tOrVt, tOrP=tOrP, acc_O=acc_O, acc_PV=acc_PV, s_shape=s_shape, softmax=softmax,
-            turns=turns, mask=mask, scales=scales,
-        )
-        n_first = n_max - 1
-        kv, v_prev = tile(kv, Float32(1.0), n_first, True, masked, True)
-        right_lo = n_first
-        if const_expr(masked):
-            right_lo = cutlass.min(cutlass.max(info.kv_right_masked_start(m_block), n_min), n_first)
-            for i in cutlass.range(n_first - right_lo, unroll=1):
-                kv, v_prev = tile(kv, v_prev, n_first - 1 - i, False, True, False)
-        left_hi = n_min
-        if const_expr(self.local):
-            left_hi = cutlass.min(cutlass.max(info.kv_left_masked_end(m_block), n_min), right_lo)
-        for i in cutlass.range(right_lo - left_hi, unroll=1):
-            kv, v_prev = tile(kv, v_prev, right_lo - 1 - i, False, False, False)
-        if const_expr(self.local):
-            for i in cutlass.range(left_hi - n_min, unroll=1):
-                kv, v_prev = tile(kv, v_prev, left_hi - 1 - i, False, True, False)
-        return v_prev
-
-    @cute.jit
-    def sequential_tile(
-        self,
-        kv: pipeline.PipelineState,
-        v_prev: Float32,
-        n_block: Int32,
-        mask_seqlen: cutlass.Constexpr[bool],
-        mask_window: cutlass.Constexpr[bool],
-        is_first: cutlass.Constexpr[bool],
-        pipes,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        tSrQ: cute.Tensor,
-        tSrK: cute.Tensor,
-        tOrVt: cute.Tensor,
-        tOrP: cute.Tensor,
-        acc_O: cute.Tensor,
-        acc_PV: cute.Tensor,
-        s_shape: cutlass.Constexpr,
-        softmax: Fp8OnlineSoftmax,
-        turns: WarpGroupTurns,
-        mask: cutlass.Constexpr,
-        scales: cutlass.Constexpr,
-    ):
-        """One key tile: O (in units of the tile's V descale) = O · scale · v_prev / v_n + P·V_n, P·V promoted."""
-        c_n, v_n = scales(n_block=n_block)
-        pipes.k.consumer_wait(kv)
-        turns.wait_turn()
-        acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=-1)
-        turns.pass_turn()
-        warpgroup.wait_group(0)
-        pipes.k.consumer_release(kv)
-        if const_expr(mask_seqlen or mask_window):
-            mask(acc_S, n_block, mask_seqlen, mask_window)
-        row_scale = softmax.update(rows_cols_view(acc_S), c_n, is_first=is_first)
-        store_p_operand_e4m3(acc_S, tOrP)
-        pipes.v.consumer_wait(kv)
-        wgmma.gemm(tiled_mma_pv, acc_PV, tOrP, tOrVt[None, None, None, kv.index], zero_init=True, wait=0)
-        pipes.v.consumer_release(kv)
-        ratio = v_prev * cute.arch.rcp_approx(v_n)
-        rows_O = rows_cols_view(acc_O)
-        rows_PV = rows_cols_view(acc_PV)
-        for r in cutlass.range_constexpr(cute.size(row_scale)):
-            rows_O[r, None].store(rows_O[r, None].load() * (row_scale[r] * ratio) + rows_PV[r, None].load())
-        kv.advance()
-        return kv, v_n
 
     @staticmethod
     @cute.jit
@@ -653,7 +527,6 @@ class Sm90FlashForwardFp8:
         s_shape: cutlass.Constexpr,
         softmax: Fp8OnlineSoftmax,
         turns: WarpGroupTurns,
-        exp_turns: cutlass.Constexpr,
         mask: cutlass.Constexpr,
         scales: cutlass.Constexpr,
     ):
@@ -679,13 +552,8 @@ class Sm90FlashForwardFp8:
         pipes.k.consumer_release(kv)
         if const_expr(mask_window):
             mask(acc_S, n_block, False, True)
-        row_scale = softmax.update(
-            rows_cols_view(acc_S), c_n, is_first=False, exp_turns=exp_turns,
-            all_finite=self.lean_step and not mask_window,
-        )
+        row_scale = softmax.update(rows_cols_view(acc_S), c_n, is_first=False)
         ratio = v_prev / v_n
-        if const_expr(self.lean_step):
-            ratio = v_prev * cute.arch.rcp_approx(v_n)
         warpgroup.wait_group(0)  # P·V done: the P registers and the V stage are free
         pipes.v.consumer_release(kv_v)
         if const_expr(self.promote_pv):

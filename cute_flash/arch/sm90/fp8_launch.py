@@ -65,8 +65,6 @@ def build_fp8_forward(spec: AttentionSpec, cfg: Fp8FwdConfig, target: str, extra
     v_descale = tensor(cutlass.Float32, (b, hkv, nkb), 1, align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     kernel = Sm90FlashForwardFp8(out_dtype, spec.head_dim, spec.head_dim_v, spec.mask, cfg)
-    if cfg.opt_level != 3:
-        extra_options = f"--opt-level {cfg.opt_level} {extra_options}".strip()
     options = compile_cache.compile_options(target, extra=extra_options)
     return cute.compile(
         kernel, q, k, v_t, out, lse, q_descale, k_descale, v_descale,

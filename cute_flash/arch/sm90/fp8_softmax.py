@@ -34,10 +34,8 @@ from ...common.online_softmax import LN2, _add, _lane_group_reduce, _tree_reduce
 P_OFFSET_LOG2 = 8.0
 MIN_TILE_SCALE = 1e-30  # keeps c_n > 0 (a zero descale would turn masked -inf scores into NaN)
 
-# 2^f on [0, 1): minimax fits in relative error, evaluated by Horner's rule. Degree 3: max 7.5e-5; degree 2: max
-# 1.7e-3, still 36x under half an e4m3 step (P is rounded to e4m3 next), one FFMA fewer.
+# 2^f on [0, 1): the degree-3 minimax fit in relative error (max 7.5e-5), evaluated by Horner's rule.
 EXP2_POLY = (0.9999251961708069, 0.6958335638046265, 0.22606714069843292, 0.07802452892065048)
-EXP2_POLY_DEG2 = (1.00172476, 0.65763629, 0.33718942)
 
 
 def _f32_hex(x: float) -> str:
@@ -47,15 +45,11 @@ def _f32_hex(x: float) -> str:
 
 
 @dsl_user_op
-def exp2_poly(x: Float32, degree: int = 3, *, loc=None, ip=None) -> Float32:
+def exp2_poly(x: Float32, *, loc=None, ip=None) -> Float32:
     """2^x without MUFU: floor(x) by adding 1.5·2^23 rounding down (the integer lands in the low mantissa bits), a
-    polynomial for the fraction, the integer shifted into the exponent field (t's bits · 2^23 keep exactly
-    floor(x) · 2^23). x is clamped at -126 (−inf → ~2^-126; at -127 a p(0) < 1 would underflow the exponent field
-    into NaN bits)."""
-    coeffs = [_f32_hex(c) for c in (EXP2_POLY if degree == 3 else EXP2_POLY_DEG2)]
-    horner = f"fma.rn.f32 p, f, {coeffs[-1]}, {coeffs[-2]};\n"
-    for c in reversed(coeffs[:-2]):
-        horner += f"fma.rn.f32 p, p, f, {c};\n"
+    cubic for the fraction, the integer added to the exponent field (t's bits · 2^23 keep exactly floor(x) · 2^23).
+    x is clamped at -126 (−inf → ~2^-126; at -127 a p(0) < 1 would underflow the exponent field into NaN bits)."""
+    c0, c1, c2, c3 = (_f32_hex(c) for c in EXP2_POLY)
     magic = _f32_hex(12582912.0)
     return Float32(
         llvm.inline_asm(
@@ -66,9 +60,11 @@ def exp2_poly(x: Float32, degree: int = 3, *, loc=None, ip=None) -> Float32:
             f"add.rm.f32 t, xc, {magic};\n"
             f"sub.f32 j, t, {magic};\n"
             "sub.f32 f, xc, j;\n"
-            + horner +
+            f"fma.rn.f32 p, f, {c3}, {c2};\n"
+            f"fma.rn.f32 p, p, f, {c1};\n"
+            f"fma.rn.f32 p, p, f, {c0};\n"
             "mov.b32 tb, t;\nmov.b32 pb, p;\n"
-            "shl.b32 tb, tb, 23;\nadd.s32 pb, pb, tb;\n"
+            "mad.lo.u32 pb, tb, 8388608, pb;\n"
             "mov.b32 $0, pb;\n}",
             "=f,f",
             has_side_effects=False,
@@ -88,20 +84,16 @@ class Fp8OnlineSoftmax:
     row_sum: cute.Tensor
     exp2_poly_per_row: int = 0
     sum_in_mma: bool = False
-    exp2_poly_degree: int = 3
 
     @staticmethod
     def create(
-        num_rows: int, threads_per_row: int = 4, exp2_poly_per_row: int = 0, sum_in_mma: bool = False,
-        exp2_poly_degree: int = 3,
+        num_rows: int, threads_per_row: int = 4, exp2_poly_per_row: int = 0, sum_in_mma: bool = False
     ) -> "Fp8OnlineSoftmax":
         row_max = cute.make_rmem_tensor(num_rows, Float32)
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        return Fp8OnlineSoftmax(
-            num_rows, threads_per_row, row_max, row_sum, exp2_poly_per_row, sum_in_mma, exp2_poly_degree
-        )
+        return Fp8OnlineSoftmax(num_rows, threads_per_row, row_max, row_sum, exp2_poly_per_row, sum_in_mma)
 
     @cute.jit
     def absorb_row_sums(self, tile_sums: cute.Tensor, factor: cute.Tensor):
@@ -110,99 +102,41 @@ class Fp8OnlineSoftmax:
             self.row_sum[r] = self.row_sum[r] * factor[r] + tile_sums[r]
 
     @cute.jit
-    def update(self, acc_rc: cute.Tensor, tile_scale: Float32, is_first: cutlass.Constexpr[bool],
-               exp_turns: cutlass.Constexpr = None, all_finite: cutlass.Constexpr[bool] = False) -> cute.Tensor:
-        """Scores of one tile -> P (in place, fp32, in [0, 256]); returns each row's factor for the older O.
-
-        Row by row by default. With `exp_turns` (a `WarpGroupTurns`) in three phases: every row's max, then all the
-        exponentials inside this warpgroup's turn, then the sums, so that the MUFU phases of the consumer warpgroups
-        alternate instead of sharing the pipe. `all_finite`: no score of this tile is masked, so no row max can be
-        -inf afterwards and the guard against it is left out."""
+    def update(self, acc_rc: cute.Tensor, tile_scale: Float32, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
+        """Scores of one tile -> P (in place, fp32, in [0, 256]); returns each row's factor for the older O."""
         row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
-        if cutlass.const_expr(exp_turns is None):
-            for r in cutlass.range_constexpr(self.num_rows):
-                row = acc_rc[r, None]
-                prev_max, safe_max, bias = self._new_max(row, r, tile_scale, is_first, all_finite)
-                self._exponentials(row, tile_scale, bias)
-                self._sum_and_scale(row, r, prev_max, safe_max, row_scale, is_first)
-        else:
-            prev_maxes = cute.make_rmem_tensor(self.num_rows, Float32)
-            safe_maxes = cute.make_rmem_tensor(self.num_rows, Float32)
-            biases = cute.make_rmem_tensor(self.num_rows, Float32)
-            for r in cutlass.range_constexpr(self.num_rows):
-                prev_maxes[r], safe_maxes[r], biases[r] = self._new_max(acc_rc[r, None], r, tile_scale, is_first, all_finite)
-            zero = exp_turns.wait_turn_after(self._max_of(safe_maxes))
-            for r in cutlass.range_constexpr(self.num_rows):
-                self._exponentials(acc_rc[r, None], tile_scale, biases[r] + zero)
-            for r in cutlass.range_constexpr(self.num_rows):
-                self._sum_and_scale(acc_rc[r, None], r, prev_maxes[r], safe_maxes[r], row_scale, is_first)
-            exp_turns.pass_turn_after(self._turn_result(acc_rc))
-        return row_scale
-
-    @cute.jit
-    def _max_of(self, values: cute.Tensor) -> Float32:
-        top = values[0]
-        for r in cutlass.range_constexpr(1, self.num_rows):
-            top = cute.arch.fmax(top, values[r])
-        return top
-
-    @cute.jit
-    def _turn_result(self, acc_rc: cute.Tensor) -> Float32:
-        """A value computed from every exponential of the tile: the row sums (they add every P), or without them
-        (sum_in_mma) the maximum of each row's P."""
-        if cutlass.const_expr(not self.sum_in_mma):
-            total = self.row_sum[0]
-            for r in cutlass.range_constexpr(1, self.num_rows):
-                total = total + self.row_sum[r]
-            return total
-        else:
-            top = _tree_reduce(acc_rc[0, None], cute.arch.fmax, None)
-            for r in cutlass.range_constexpr(1, self.num_rows):
-                top = cute.arch.fmax(top, _tree_reduce(acc_rc[r, None], cute.arch.fmax, None))
-            return top
-
-    @cute.jit
-    def _new_max(self, row: cute.Tensor, r: cutlass.Constexpr[int], tile_scale: Float32,
-                 is_first: cutlass.Constexpr[bool], all_finite: cutlass.Constexpr[bool] = False):
-        """Updates row r's running max; returns (old max, max usable as a bias, exponent bias of this tile)."""
-        raw_max = _tree_reduce(row, cute.arch.fmax, None)
-        raw_max = _lane_group_reduce(raw_max, cute.arch.fmax, self.threads_per_row)
-        prev_max = self.row_max[r]
-        new_max = raw_max * tile_scale
-        if cutlass.const_expr(not is_first):
-            new_max = cute.arch.fmax(new_max, prev_max)
-        self.row_max[r] = new_max
-        # A row with no visible key so far keeps max -inf; use 0 instead so P = 2^-inf = 0, not NaN.
-        safe_max = new_max
-        if cutlass.const_expr(not all_finite):
+        for r in cutlass.range_constexpr(self.num_rows):
+            row = acc_rc[r, None]
+            raw_max = _tree_reduce(row, cute.arch.fmax, None)
+            raw_max = _lane_group_reduce(raw_max, cute.arch.fmax, self.threads_per_row)
+            prev_max = self.row_max[r]
+            new_max = raw_max * tile_scale
+            if cutlass.const_expr(not is_first):
+                new_max = cute.arch.fmax(new_max, prev_max)
+            self.row_max[r] = new_max
+            # A row with no visible key so far keeps max -inf; use 0 instead so P = 2^-inf = 0, not NaN.
             safe_max = 0.0 if new_max == -Float32.inf else new_max
-        return prev_max, safe_max, P_OFFSET_LOG2 - safe_max
-
-    @cute.jit
-    def _exponentials(self, row: cute.Tensor, tile_scale: Float32, bias: Float32):
-        if cutlass.const_expr(self.exp2_poly_per_row == 0):
-            row.store(cute.math.exp2(row.load() * tile_scale + bias, fastmath=True))
-        else:
-            row.store(row.load() * tile_scale + bias)
-            n = cute.size(row)
-            for j in cutlass.range_constexpr(n):
-                if cutlass.const_expr(j < n - self.exp2_poly_per_row):
-                    row[j] = cute.math.exp2(row[j], fastmath=True)
-                else:
-                    row[j] = exp2_poly(row[j], self.exp2_poly_degree)
-
-    @cute.jit
-    def _sum_and_scale(self, row: cute.Tensor, r: cutlass.Constexpr[int], prev_max: Float32, safe_max: Float32,
-                       row_scale: cute.Tensor, is_first: cutlass.Constexpr[bool]):
-        if cutlass.const_expr(is_first):
-            row_scale[r] = 1.0
-            if cutlass.const_expr(not self.sum_in_mma):
-                self.row_sum[r] = _tree_reduce(row, _add, None)
-        else:
-            scale = cute.math.exp2(prev_max - safe_max, fastmath=True)
-            row_scale[r] = scale
-            if cutlass.const_expr(not self.sum_in_mma):
-                self.row_sum[r] = _tree_reduce(row, _add, self.row_sum[r] * scale)
+            bias = P_OFFSET_LOG2 - safe_max
+            if cutlass.const_expr(self.exp2_poly_per_row == 0):
+                row.store(cute.math.exp2(row.load() * tile_scale + bias, fastmath=True))
+            else:
+                row.store(row.load() * tile_scale + bias)
+                n = cute.size(row)
+                for j in cutlass.range_constexpr(n):
+                    if cutlass.const_expr(j < n - self.exp2_poly_per_row):
+                        row[j] = cute.math.exp2(row[j], fastmath=True)
+                    else:
+                        row[j] = exp2_poly(row[j])
+            if cutlass.const_expr(is_first):
+                row_scale[r] = 1.0
+                if cutlass.const_expr(not self.sum_in_mma):
+                    self.row_sum[r] = _tree_reduce(row, _add, None)
+            else:
+                scale = cute.math.exp2(prev_max - safe_max, fastmath=True)
+                row_scale[r] = scale
+                if cutlass.const_expr(not self.sum_in_mma):
+                    self.row_sum[r] = _tree_reduce(row, _add, self.row_sum[r] * scale)
+        return row_scale
 
     @cute.jit
     def finalize(self, out_scale: Float32) -> tuple:

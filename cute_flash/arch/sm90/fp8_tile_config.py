@@ -20,10 +20,6 @@ per consumer warpgroup, ping-pong) with three differences:
     tile gets 8 more rows of ones (written once), so P·[V | 1] has N = dv + 8 and its last columns hold Σ P — of the
     e4m3-rounded P that multiplies V, which is also what normalises it (the accuracy study measured the same RMSE
     either way). Needs promotion (the sums land in the fresh P·V accumulator) and dv + 8 <= 256.
-  - `exp_turns`: the consumers take turns for their exponentials (a second ping-pong, barriers 7..9) instead of, or
-    besides (`tile.ping_pong`), for their GEMM issue. At d = 128 the MUFU time of a tile equals its GEMM time, and
-    the profile showed both warpgroups' exponential phases overlapping ~88% of the time, each then running at half
-    the MUFU rate while the tensor pipe idled; alternating them is the schedule the GEMM-issue ping-pong assumes.
 
 Named variants (`VARIANTS`, for the speed study) can replace the default through the environment:
 `CUTE_FLASH_FP8_VARIANT=<name>` makes `fp8_fwd_config` return that variant for the head dims it covers.
@@ -48,10 +44,6 @@ class Fp8FwdConfig:
     promote_pv: bool
     exp2_poly_per_row: int = 0
     row_sum_mma: bool = False
-    exp_turns: bool = False
-    exp2_poly_degree: int = 3
-    lean_step: bool = False
-    opt_level: int = 3  # the DSL's --opt-level (ptxas); the PTX does not change
 
     def as_dict(self) -> dict:
         return {
@@ -59,10 +51,6 @@ class Fp8FwdConfig:
             "promote_pv": self.promote_pv,
             "exp2_poly_per_row": self.exp2_poly_per_row,
             "row_sum_mma": self.row_sum_mma,
-            "exp_turns": self.exp_turns,
-            "exp2_poly_degree": self.exp2_poly_degree,
-            "lean_step": self.lean_step,
-            "opt_level": self.opt_level,
         }
 
     def pv_width(self, head_dim_v: int) -> int:
@@ -83,14 +71,8 @@ def smem_bytes(cfg: Fp8FwdConfig, head_dim: int, head_dim_v: int, out_bytes: int
 
 def budget_problem(cfg: Fp8FwdConfig, head_dim: int, head_dim_v: int) -> Optional[str]:
     t = cfg.tile
-    if t.tile_n % 32 != 0 or (BLOCK_N % t.tile_n != 0 and t.tile_n % BLOCK_N != 0):
-        return f"tile_n={t.tile_n} must be a multiple of 32 dividing, or a multiple of, the K/V scale block {BLOCK_N}"
-    if t.tile_n > BLOCK_N and t.intra_wg_overlap:
-        return f"a key tile wider than the scale block ({t.tile_n} > {BLOCK_N}) needs intra_wg_overlap=False"
-    if not t.intra_wg_overlap and not cfg.promote_pv:
-        return "intra_wg_overlap=False is built with promote_pv only"
-    if not t.intra_wg_overlap and (cfg.row_sum_mma or cfg.exp_turns):
-        return "intra_wg_overlap=False does not take row_sum_mma or exp_turns"
+    if t.tile_n % 32 != 0 or BLOCK_N % t.tile_n != 0:
+        return f"tile_n={t.tile_n} must be a multiple of 32 dividing the K/V scale block {BLOCK_N}"
     if ROWS_PER_CONSUMER % BLOCK_M != 0 and BLOCK_M % ROWS_PER_CONSUMER != 0:
         return f"the Q scale block {BLOCK_M} must align with the {ROWS_PER_CONSUMER} rows of a consumer"
     regs = t.consumer_regs * WARPGROUP_THREADS * t.num_consumer_wgs + t.producer_regs * WARPGROUP_THREADS
@@ -100,8 +82,6 @@ def budget_problem(cfg: Fp8FwdConfig, head_dim: int, head_dim_v: int) -> Optiona
         return "row_sum_mma needs promote_pv (the row sums are taken from each tile's fresh P·V accumulator)"
     if cfg.pv_width(head_dim_v) > 256:
         return f"row_sum_mma needs head_dim_v + {ROW_SUM_COLUMNS} <= 256 (the widest wgmma), got {head_dim_v}"
-    if cfg.exp_turns and t.num_consumer_wgs < 2:
-        return "exp_turns needs at least two consumer warpgroups to alternate"
     if not 0 <= cfg.exp2_poly_per_row <= t.tile_n // 4:
         return f"exp2_poly_per_row={cfg.exp2_poly_per_row} must lie in [0, tile_n / 4 = {t.tile_n // 4}]"
     need = smem_bytes(cfg, head_dim, head_dim_v)
@@ -127,30 +107,12 @@ VARIANTS: Dict[str, Fp8FwdConfig] = {
     "poly4": replace(_D128, exp2_poly_per_row=4),
     "poly8": replace(_D128, exp2_poly_per_row=8),
     "poly12": replace(_D128, exp2_poly_per_row=12),
-    "poly4_deg2": replace(_D128, exp2_poly_per_row=4, exp2_poly_degree=2),
-    "poly8_deg2": replace(_D128, exp2_poly_per_row=8, exp2_poly_degree=2),
-    "poly16_deg2": replace(_D128, exp2_poly_per_row=16, exp2_poly_degree=2),
     "poly8_stages3": Fp8FwdConfig(FwdTileConfig(2, 128, 3), promote_pv=True, exp2_poly_per_row=8),
     "poly8_no_promote": Fp8FwdConfig(FwdTileConfig(2, 128, 2), promote_pv=False, exp2_poly_per_row=8),
     "row_sum_mma": replace(_D128, row_sum_mma=True),
     "row_sum_mma_stages3": replace(_D128, tile=FwdTileConfig(2, 128, 3), row_sum_mma=True),
     "no_ping_pong": replace(_D128, tile=FwdTileConfig(2, 128, 2, ping_pong=False)),
     "row_sum_mma_no_ping_pong": replace(_D128, tile=FwdTileConfig(2, 128, 2, ping_pong=False), row_sum_mma=True),
-    "exp_turns": replace(_D128, tile=FwdTileConfig(2, 128, 2, ping_pong=False), exp_turns=True),
-    "exp_turns_gemm_turns": replace(_D128, exp_turns=True),
-    "lean": replace(_D128, lean_step=True),
-    "lean_row_sum_mma": replace(_D128, lean_step=True, row_sum_mma=True),
-    "o2": replace(_D128, opt_level=2),
-    "o1": replace(_D128, opt_level=1),
-    "o2_row_sum_mma": replace(_D128, opt_level=2, row_sum_mma=True),
-    "o1_row_sum_mma": replace(_D128, opt_level=1, row_sum_mma=True),
-    "seq256": replace(_D128, tile=FwdTileConfig(2, 256, 2, intra_wg_overlap=False)),
-    "seq128": replace(_D128, tile=FwdTileConfig(2, 128, 2, intra_wg_overlap=False)),
-    "seq128_stages3": replace(_D128, tile=FwdTileConfig(2, 128, 3, intra_wg_overlap=False)),
-    "exp_turns_stages3": replace(_D128, tile=FwdTileConfig(2, 128, 3, ping_pong=False), exp_turns=True),
-    "exp_turns_row_sum_mma": replace(
-        _D128, tile=FwdTileConfig(2, 128, 2, ping_pong=False), exp_turns=True, row_sum_mma=True
-    ),
 }
 # Tried and dropped on the CPU compile: 3 consumers x 64 rows at d = 128 without promotion (160 registers per consumer
 # thread) spills (96-byte stack frame); key tiles wider than the 128-key scale block need two K/V scales per tile.
