@@ -119,12 +119,13 @@ class _Fp8NoBackward(torch.autograd.Function):
         )
 
 
-def _fp8_inputs(q, k, v, descale, fp8_rotate: bool):
+def _fp8_inputs(q, k, v, descale, fp8_rotate: bool, arch: ArchBackend, spec: AttentionSpec):
     from .fp8.prepare import check_prequantized, prepare_fp8_inputs
 
+    block_n = arch.fp8_kv_scale_block(spec)
     if descale is not None:
-        return lambda: check_prequantized(q, k, v, descale)
-    return lambda: prepare_fp8_inputs(q, k, v, rotate=fp8_rotate)
+        return lambda: check_prequantized(q, k, v, descale, block_n=block_n)
+    return lambda: prepare_fp8_inputs(q, k, v, rotate=fp8_rotate, block_n=block_n)
 
 
 def attention(
@@ -167,7 +168,7 @@ def attention(
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if problem.spec.dtype == "fp8":
         with torch.no_grad():
-            out, lse = _run_forward(q, k, v, problem, arch, fp8=_fp8_inputs(q, k, v, descale, fp8_rotate))
+            out, lse = _run_forward(q, k, v, problem, arch, fp8=_fp8_inputs(q, k, v, descale, fp8_rotate, arch, problem.spec))
         if needs_grad:
             out = _Fp8NoBackward.apply(out, q, k, v)
     elif needs_grad:

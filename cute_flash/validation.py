@@ -173,8 +173,9 @@ def validate(
 
 def _check_descale(descale: object, q: torch.Tensor, k: torch.Tensor) -> None:
     """descale = (q_descale, k_descale, v_descale) for float8_e4m3fn inputs: float32, on q's device, each either
-    (batch, nheads_kv) or per block (batch, heads, blocks) with the FP8 kernel's block sizes."""
-    from .fp8.prepare import BLOCK_M, BLOCK_N, descale_problem
+    (batch, nheads_kv) or per block (batch, heads, blocks). The number of key blocks depends on the serving kernel's
+    block (`ArchBackend.fp8_kv_scale_block`), which `fp8.prepare.check_prequantized` checks once it is known."""
+    from .fp8.prepare import BLOCK_M, descale_problem
 
     if not (isinstance(descale, (tuple, list)) and len(descale) == 3):
         raise ValueError("descale must be a tuple (q_descale, k_descale, v_descale) of float32 tensors")
@@ -182,8 +183,8 @@ def _check_descale(descale: object, q: torch.Tensor, k: torch.Tensor) -> None:
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     for name, t, heads, seqlen, block in (
         ("q_descale", descale[0], nheads, seqlen_q, BLOCK_M),
-        ("k_descale", descale[1], nheads_kv, seqlen_k, BLOCK_N),
-        ("v_descale", descale[2], nheads_kv, seqlen_k, BLOCK_N),
+        ("k_descale", descale[1], nheads_kv, seqlen_k, None),
+        ("v_descale", descale[2], nheads_kv, seqlen_k, None),
     ):
         problem = descale_problem(name, t, batch, heads, nheads_kv, seqlen, block)
         if problem is not None:

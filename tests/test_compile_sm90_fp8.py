@@ -106,11 +106,12 @@ def test_fp8_row_sum_mma_variant_takes_the_sums_from_the_pv_wgmma():
     from cute_flash.arch.sm90.fp8_tile_config import VARIANTS, budget_problem, fp8_default_config
     from cute_flash.compile_cache import keep_artifacts_options
 
-    cfg = VARIANTS["row_sum_mma"]
+    cfg = VARIANTS["tile128_promote_row_sum_mma"]
     assert budget_problem(replace(cfg, promote_pv=False), 128, 128) is not None  # the sums need the fresh accumulator
     assert budget_problem(replace(fp8_default_config(256, 256), row_sum_mma=True), 256, 256) is not None
+    assert budget_problem(replace(fp8_default_config(128, 128), promote_pv=True, row_sum_mma=True), 128, 128)
     builds = {}
-    for name, c in (("default", fp8_default_config(128, 128)), ("row_sum_mma", cfg)):
+    for name, c in (("default", VARIANTS["tile128_promote"]), ("row_sum_mma", cfg)):
         py_stderr = io.StringIO()
         with tempfile.TemporaryDirectory() as dump, capture_fd_stderr() as captured, \
                 contextlib.redirect_stderr(py_stderr):
@@ -143,3 +144,33 @@ def test_prepass_issues_every_row_load_before_any_branch(block, rotate, transpos
     branches = [i for i, line in enumerate(lines) if re.search(r"\bbra\b", line)]
     assert len(loads) == row_loads
     assert not branches or max(loads) < min(branches), (loads, branches[:3])
+
+
+def test_fp8_d128_default_takes_192_key_tiles_that_divide_the_scale_block():
+    """d128: Q·Kᵀ is m64n192k32 (192-key tiles, two per 384-key K/V scale block), P·V stays m64n128k32, no spills."""
+    from cute_flash.arch.sm90.fp8_tile_config import fp8_default_config, kv_scale_block
+
+    cfg = fp8_default_config(128, 128, "causal")
+    assert cfg.tile.tile_n == 192 and kv_scale_block(128, 128) == 384
+    for d in (64, 96, 128, 256):
+        assert kv_scale_block(d, d) % fp8_default_config(d, d).tile.tile_n == 0, d
+    art, census, spill = _compile(AttentionSpec("fp8", 128, 128, "none", "bf16"))["fwd_fp8"]
+    assert spill == 0
+    assert "m64n192k32.f32.e4m3.e4m3" in art.ptx and "m64n128k32.f32.e4m3.e4m3" in art.ptx
+
+
+def test_fp8_kernel_refuses_descales_of_another_block_size():
+    """A k/v descale with 128-key blocks (sm100's) must not reach the sm90 kernel, which reads one per 384 keys."""
+    import torch
+
+    from cute_flash.arch.sm90.fp8_launch import run_forward_fp8
+    from cute_flash.fp8.quantize import num_blocks
+    from cute_flash.spec import normalize_mask
+
+    b, s, h, d = 1, 1000, 2, 128
+    k8 = torch.zeros(b, s, h, d, dtype=torch.float8_e4m3fn)
+    descale = {"q": torch.ones(b, h, num_blocks(s, 64)), "k": torch.ones(b, h, num_blocks(s, 128)),
+               "v": torch.ones(b, h, num_blocks(s, 128))}
+    with pytest.raises(ValueError, match="block_n=384"):
+        run_forward_fp8(k8, k8, k8, k8, k8, descale=descale, spec=AttentionSpec("fp8", d, d, "none", "bf16"),
+                        softmax_scale=1.0, mask=normalize_mask(False, (None, None)))

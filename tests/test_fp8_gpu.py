@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import cute_flash
+from cute_flash.arch.sm90.fp8_tile_config import kv_scale_block
 from cute_flash.fp8 import quantize
 from cute_flash.fp8.emulate import GIVEN, emulated_attention
 from cute_flash.testing import FP8_ABS_SLACK
@@ -91,7 +92,8 @@ def _check_against_emulation(q, k, v, out, lse, causal, window, rotate=True):
     ref, ref_lse = attention_reference(q, k, v, causal=causal, window_size=window, return_lse=True)
     scheme = "fp8_block_rotate" if rotate else "fp8_block"
     emu = emulated_attention(q, k, v, scheme=scheme, causal=causal, window_size=window, block_m=BLOCK_M,
-                             block_n=BLOCK_N, sum_rounded_p=_sums_rounded_p(q.shape[-1], v.shape[-1], causal, window))
+                             block_n=kv_scale_block(q.shape[-1], v.shape[-1]),
+                             sum_rounded_p=_sums_rounded_p(q.shape[-1], v.shape[-1], causal, window))
     assert torch.isfinite(out).all()
     err, emu_err = _rmse(out, ref), _rmse(emu, ref)
     max_err = (out.double() - ref).abs().max().item()
@@ -129,11 +131,12 @@ def test_fp8_fp16_inputs_and_rotation_switch(rotate):
 def test_prequantized_inputs(per_block):
     b, s, h, hkv, d = 2, 600, 4, 2, 128
     q, k, v = _qkv(b, s, s, h, hkv, d, seed=11)
+    block_n = kv_scale_block(d, d)  # what the sm90 kernel reads per block at this head dim
     if per_block:
         q8, qd = quantize.quantize_blocks(q, BLOCK_M)
-        k8, kd = quantize.quantize_blocks(k, BLOCK_N)
-        v8, vd = quantize.quantize_blocks(v, BLOCK_N)
-        deq = [quantize.dequantize_blocks(x8, xd, blk) for x8, xd, blk in ((q8, qd, BLOCK_M), (k8, kd, BLOCK_N), (v8, vd, BLOCK_N))]
+        k8, kd = quantize.quantize_blocks(k, block_n)
+        v8, vd = quantize.quantize_blocks(v, block_n)
+        deq = [quantize.dequantize_blocks(x8, xd, blk) for x8, xd, blk in ((q8, qd, BLOCK_M), (k8, kd, block_n), (v8, vd, block_n))]
     else:
         # One factor per (batch, kv head), as FlashAttention-3 takes them.
         def per_head(x, heads_per_kv):
@@ -151,7 +154,7 @@ def test_prequantized_inputs(per_block):
     assert out.dtype == torch.bfloat16
     # Against float64 on the dequantised inputs; only P's rounding (and fp32 order) remains, which the model has.
     ref = attention_reference(*deq, causal=True)
-    emu = emulated_attention(*deq, scheme=GIVEN, causal=True, block_m=BLOCK_M, block_n=BLOCK_N,
+    emu = emulated_attention(*deq, scheme=GIVEN, causal=True, block_m=BLOCK_M, block_n=block_n,
                              sum_rounded_p=_sums_rounded_p(q.shape[-1], v.shape[-1], True))
     err, emu_err = _rmse(out, ref), _rmse(emu, ref)
     assert err <= 1.25 * emu_err + 1e-4, f"rmse {err:.3e} vs emulated {emu_err:.3e}"

@@ -127,8 +127,8 @@ def _rmse(a, b):
 
 
 def _check_fp8(q, k, v, out, lse, causal, window, rotate=True):
+    from cute_flash.arch.sm100.config import FP8_KV_SCALE_KEYS as BLOCK_N, FP8_Q_SCALE_ROWS as BLOCK_M
     from cute_flash.fp8.emulate import emulated_attention
-    from cute_flash.fp8.prepare import BLOCK_M, BLOCK_N
 
     ref, ref_lse = attention_reference(q, k, v, causal=causal, window_size=window, return_lse=True)
     emu = emulated_attention(
@@ -163,8 +163,8 @@ def test_fp8_attention_matches_budget(case):
 
 @pytest.mark.parametrize("per_block", [False, True])
 def test_fp8_prequantized_inputs(per_block):
+    from cute_flash.arch.sm100.config import FP8_KV_SCALE_KEYS as BLOCK_N, FP8_Q_SCALE_ROWS as BLOCK_M
     from cute_flash.fp8 import quantize
-    from cute_flash.fp8.prepare import BLOCK_M, BLOCK_N
 
     b, s, h, hkv, d = 2, 600, 4, 2, 128
     q, k, v = random_qkv(b, s, s, h, hkv, d, dtype=torch.bfloat16, seed=11)

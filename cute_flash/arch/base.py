@@ -37,6 +37,9 @@ class ArchBackend(Protocol):
     def unsupported_reason(self, spec: AttentionSpec, backward: bool) -> Optional[str]:
         """None when this family has kernels for `spec` (and its backward if asked), else what is missing."""
 
+    def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
+        """Keys per K/V descale that this family's FP8 kernel reads for `spec` (cute_flash.fp8.prepare)."""
+
     def forward(
         self,
         q: torch.Tensor,

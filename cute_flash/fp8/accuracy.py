@@ -16,7 +16,6 @@ per-(batch, kv-head) descales that all equal the tensor's one scale).
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import json
 import math
 import time
@@ -26,6 +25,7 @@ import torch
 
 from ..reference import attention_reference
 from .emulate import SCHEMES, emulated_attention
+from .prepare import BLOCK_M
 
 OUTLIER_FRACTION = 1e-3
 OUTLIER_STD = 10.0
@@ -83,10 +83,10 @@ def run_emulated(q, k, v, *, causal: bool, schemes: Sequence[str], block_m: int,
     return row
 
 
-def _fp8_kernel_out(q, k, v, causal: bool, scheme: str, promote_pv: Optional[bool] = None) -> torch.Tensor:
-    """FP8 kernel output of `scheme`; promote_pv overrides the tile configuration's accumulation choice."""
+def _fp8_kernel_out(q, k, v, causal: bool, scheme: str, cfg=None) -> torch.Tensor:
+    """FP8 kernel output of `scheme`; `cfg` (an `Fp8FwdConfig`) overrides the default tile configuration."""
     from ..arch.sm90.fp8_launch import run_forward_fp8
-    from ..arch.sm90.fp8_tile_config import fp8_fwd_config
+    from ..arch.sm90.fp8_tile_config import fp8_fwd_config, kv_scale_block
     from ..spec import AttentionSpec, normalize_mask
     from .prepare import check_prequantized, prepare_fp8_inputs
     from .quantize import quantize_per_tensor
@@ -95,13 +95,13 @@ def _fp8_kernel_out(q, k, v, causal: bool, scheme: str, promote_pv: Optional[boo
         b, hkv = k.shape[0], k.shape[2]
         (q8, dq), (k8, dk), (v8, dv) = quantize_per_tensor(q), quantize_per_tensor(k), quantize_per_tensor(v)
         per_head = lambda d: d.to(torch.float32).reshape(1, 1).expand(b, hkv).contiguous()  # noqa: E731
-        f = check_prequantized(q8, k8, v8, (per_head(dq), per_head(dk), per_head(dv)))
-    else:
-        f = prepare_fp8_inputs(q, k, v, rotate=scheme == "fp8_block_rotate")
     d, dv_ = q.shape[-1], v.shape[-1]
-    cfg = fp8_fwd_config(d, dv_, "causal" if causal else "none")
-    if promote_pv is not None:
-        cfg = replace(cfg, promote_pv=promote_pv, row_sum_mma=cfg.row_sum_mma and promote_pv)
+    block_n = kv_scale_block(d, dv_)
+    if scheme == "fp8_tensor":
+        f = check_prequantized(q8, k8, v8, (per_head(dq), per_head(dk), per_head(dv)), block_n=block_n)
+    else:
+        f = prepare_fp8_inputs(q, k, v, rotate=scheme == "fp8_block_rotate", block_n=block_n)
+    cfg = cfg or fp8_fwd_config(d, dv_, "causal" if causal else "none")
     spec = AttentionSpec("fp8", d, dv_, "causal" if causal else "none", "bf16")
     out = torch.empty(*q.shape[:3], dv_, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
@@ -111,8 +111,9 @@ def _fp8_kernel_out(q, k, v, causal: bool, scheme: str, promote_pv: Optional[boo
 
 
 def run_kernel(q, k, v, *, causal: bool, schemes: Sequence[str], accumulation: bool = False) -> Dict:
-    """The same study on the GPU with the real kernels (an sm90 GPU); with `accumulation`, also the FP8 kernel with
-    and without P·V promotion, and the emulated model (which accumulates exactly in fp32) for comparison."""
+    """The same study on the GPU with the real kernels (an sm90 GPU); with `accumulation`, also the FP8 kernel's
+    128-key-tile builds with and without P·V promotion (the default 192-key tile accumulates P·V in the wgmma), and
+    the emulated model (which accumulates exactly in fp32) for comparison."""
     import cute_flash
 
     ref = _reference_chunked(q, k, v, causal)
@@ -128,11 +129,16 @@ def run_kernel(q, k, v, *, causal: bool, schemes: Sequence[str], accumulation: b
         except Exception as e:  # noqa: BLE001  (a study row says what failed instead of stopping the study)
             row[scheme] = f"error: {type(e).__name__}: {str(e)[:120]}"
     if accumulation:
-        for promote in (False, True):
-            out = _fp8_kernel_out(q, k, v, causal, "fp8_block_rotate", promote_pv=promote)
-            row[f"fp8_block_rotate_promote_{promote}"] = rmse(out, ref)
+        from ..arch.sm90.fp8_tile_config import VARIANTS
+
+        for name in ("tile128", "tile128_promote"):
+            out = _fp8_kernel_out(q, k, v, causal, "fp8_block_rotate", cfg=VARIANTS[name])
+            row[f"fp8_block_rotate_{name}"] = rmse(out, ref)
+        from ..arch.sm90.fp8_tile_config import kv_scale_block
+
+        block_n = kv_scale_block(q.shape[-1], v.shape[-1])
         row["fp8_block_rotate_emulated"] = rmse(
-            emulated_attention(q, k, v, scheme="fp8_block_rotate", causal=causal, block_m=64, block_n=128), ref
+            emulated_attention(q, k, v, scheme="fp8_block_rotate", causal=causal, block_m=BLOCK_M, block_n=block_n), ref
         )
     return row
 
@@ -145,8 +151,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--block-m", type=int, default=64)
-    ap.add_argument("--block-n", type=int, default=128)
+    ap.add_argument("--block-m", type=int, default=BLOCK_M)
+    ap.add_argument("--block-n", type=int, default=384, help="emulate mode: keys per K/V scale (the sm90 kernel's "
+                    "block at d <= 128)")
     ap.add_argument("--extra", action="store_true", help="also the side studies (P offset, rounded row sum)")
     ap.add_argument("--accumulation", action="store_true", help="kernel mode: also P·V promotion on/off")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from functools import partial
 import json
 import math
 from typing import Callable, Dict, List, Optional
@@ -60,7 +61,7 @@ def bench_case(batch: int, seqlen: int, heads: int, head_dim: int, causal: bool,
     import cute_flash
 
     from ..arch.sm90.fp8_launch import run_forward_fp8
-    from ..arch.sm90.fp8_tile_config import fp8_default_config
+    from ..arch.sm90.fp8_tile_config import fp8_default_config, kv_scale_block
     from ..spec import AttentionSpec, normalize_mask
     from .prepare import prepare_fp8_inputs
 
@@ -71,7 +72,8 @@ def bench_case(batch: int, seqlen: int, heads: int, head_dim: int, causal: bool,
     tflops = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
     row: Dict[str, object] = {"b": batch, "s": seqlen, "h": heads, "d": head_dim, "causal": causal}
 
-    f = prepare_fp8_inputs(q, k, v)
+    prepare = partial(prepare_fp8_inputs, block_n=kv_scale_block(head_dim, head_dim))
+    f = prepare(q, k, v)
     spec = AttentionSpec("fp8", head_dim, head_dim, "causal" if causal else "none", "bf16")
     mask = normalize_mask(causal, (None, None))
     out = torch.empty_like(q)
@@ -96,7 +98,7 @@ def bench_case(batch: int, seqlen: int, heads: int, head_dim: int, causal: bool,
                                           softmax_scale=scale, mask=mask, cfg=c))
     def fp8_with_prepass():
         # What cute_flash.attention(q, k, v, dtype="fp8") launches (without its Python validation).
-        g = prepare_fp8_inputs(q, k, v)
+        g = prepare(q, k, v)
         run_forward_fp8(g.q, g.k, g.v_t, out, lse, descale=g.descales(), spec=spec, softmax_scale=scale, mask=mask)
 
     if variants:
@@ -112,7 +114,7 @@ def bench_case(batch: int, seqlen: int, heads: int, head_dim: int, causal: bool,
         return row
     timed("fp8_with_prepass", fp8_with_prepass)
     prepass_bytes = 3 * q.numel() * 2 + 3 * q.numel()
-    timed("prepass_GBps", lambda: prepare_fp8_inputs(q, k, v), unit=lambda ms: prepass_bytes / (ms * 1e-3) / 1e9)
+    timed("prepass_GBps", lambda: prepare(q, k, v), unit=lambda ms: prepass_bytes / (ms * 1e-3) / 1e9)
     timed("bf16_ours", lambda: cute_flash.attention(q, k, v, causal=causal))
     fa4 = _fa4()
     if fa4 is not None:

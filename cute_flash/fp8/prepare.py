@@ -9,7 +9,9 @@
   k_descale  (b, h_kv, ceil(sk / BLOCK_N)) float32  one per key block
   v_descale  (b, h_kv, ceil(sk / BLOCK_N)) float32  one per key block
 so that Q·Kᵀ ≈ (q · q_descale)(k · k_descale)ᵀ and V ≈ v_t · v_descale, block by block. BLOCK_M = 64 is one consumer
-warpgroup's query rows and BLOCK_N = 128 the kernel's key tile, for every head dim.
+warpgroup's query rows. The key block is the serving kernel's (`ArchBackend.fp8_kv_scale_block(spec)`): a multiple
+of its key tile, so that every tile has one K and one V factor — 384 keys for the sm90 kernel at head dims up to 128
+(two 192-key tiles), BLOCK_N = 128 otherwise (sm90 at d > 128, sm100).
 
 - `prepare_fp8_inputs(q, k, v)`: fp16/bf16 inputs -> rotate (optional), block-scale and quantise. On CUDA it runs
   the CuTe DSL pre-pass (`prepass_kernel`: three launches, each one read of its input and one write); on CPU the torch
@@ -31,7 +33,7 @@ from .hadamard import DEFAULT_SEED, hadamard_signs
 from .quantize import FP8_DTYPE, num_blocks, padded_seqlen, quantize_blocks, quantize_v_transposed, transpose_v
 
 BLOCK_M = 64  # query rows per Q scale
-BLOCK_N = 128  # keys per K and V scale (= the FP8 kernel's key tile)
+BLOCK_N = 128  # keys per K and V scale unless the kernel asks for another block (see the module docstring)
 INPUT_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -125,20 +127,26 @@ def _prepare_on_gpu(q, k, v, block_m, block_n, rotate, seed) -> Fp8Inputs:
 # Pre-quantised inputs
 # ---------------------------------------------------------------------------------------------------------------------
 def descale_problem(
-    name: str, t: object, batch: int, heads: int, kv_heads: int, seqlen: int, block: int
+    name: str, t: object, batch: int, heads: int, kv_heads: int, seqlen: int, block: Optional[int]
 ) -> Optional[str]:
     """A sentence saying what is wrong with one descale tensor, or None.
 
     Accepted: float32 (batch, kv_heads) — one factor per (batch, kv head), FlashAttention-3's convention — or
-    (batch, heads, ceil(seqlen / block)) — one per block (`heads` is h for q, h_kv for k and v).
+    (batch, heads, ceil(seqlen / block)) — one per block (`heads` is h for q, h_kv for k and v). With block None
+    (the serving kernel's block is not known yet) any positive number of blocks passes.
     """
     if not isinstance(t, torch.Tensor):
         return f"{name} must be a torch.Tensor, got {type(t).__name__}"
     if t.dtype != torch.float32:
         return f"{name} must be float32, got {t.dtype}"
     per_head = (batch, kv_heads)
+    shape = tuple(t.shape)
+    if block is None:
+        if shape == per_head or (len(shape) == 3 and shape[:2] == (batch, heads) and shape[2] > 0):
+            return None
+        return f"{name} has shape {shape}; expected {per_head} (per batch and kv head) or ({batch}, {heads}, blocks)"
     per_block = (batch, heads, num_blocks(seqlen, block))
-    if tuple(t.shape) not in (per_head, per_block):
+    if shape not in (per_head, per_block):
         return (
             f"{name} has shape {tuple(t.shape)}; expected {per_head} (per batch and kv head) or {per_block} "
             f"(per block of {block} rows)"

@@ -129,6 +129,9 @@ class _Backend:
     name = "sm100"
     cute_arch = "sm_100a"
 
+    def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
+        return cfgmod.FP8_KV_SCALE_KEYS
+
     def unsupported_reason(self, spec: AttentionSpec, backward: bool) -> Optional[str]:
         if backward:
             return "there is no sm100 backward kernel yet (forward only; use the sm80 backward via CUTE_FLASH_ARCH=sm80)"
@@ -215,14 +218,14 @@ class _Backend:
 def _fp8_prepass_artifacts(spec: AttentionSpec, target: str) -> List[KernelArtifact]:
     """The front end's fp16/bf16 -> e4m3 pre-pass (cute_flash.fp8.prepass_kernel), built for this target: on a
     B200 `attention(..., dtype="fp8")` runs it before the forward kernel."""
-    from ...fp8.prepare import BLOCK_M, BLOCK_N
     from ...fp8.prepass_kernel import build_prepass
 
     artifacts = []
+    q_rows, kv_keys = cfgmod.FP8_Q_SCALE_ROWS, cfgmod.FP8_KV_SCALE_KEYS
     for role, d, block, rotate, transpose in (
-        ("fp8_prepass_q", spec.head_dim, BLOCK_M, True, False),
-        ("fp8_prepass_k", spec.head_dim, BLOCK_N, True, False),
-        ("fp8_prepass_v", spec.head_dim_v, BLOCK_N, False, True),
+        ("fp8_prepass_q", spec.head_dim, q_rows, True, False),
+        ("fp8_prepass_k", spec.head_dim, kv_keys, True, False),
+        ("fp8_prepass_v", spec.head_dim_v, kv_keys, False, True),
     ):
         with tempfile.TemporaryDirectory(prefix="cute_flash_sm100_prepass_") as dump:
             options = compile_cache.compile_options(

@@ -29,8 +29,8 @@ M_BLOCK = 128  # query rows per softmax warpgroup = TMEM lanes
 N_BLOCK = 128  # keys per KV block = S columns in TMEM
 Q_STAGES = 2  # query tiles per CTA (two softmax warpgroups ping-pong on the tensor core)
 TMEM_COLUMNS = 512
-# FP8 dequantisation granularity the front end produces (cute_flash.fp8.prepare: BLOCK_M, BLOCK_N): one Q factor per
-# 64 query rows, one K and one V factor per block of N_BLOCK = 128 keys.
+# FP8 dequantisation granularity this family asks the front end for (SM100Backend.fp8_kv_scale_block): one Q factor
+# per 64 query rows, one K and one V factor per block of N_BLOCK = 128 keys (sm90 uses 384-key blocks).
 FP8_Q_SCALE_ROWS = 64
 FP8_KV_SCALE_KEYS = N_BLOCK
 # Shared memory one CTA may use on sm100 (227 KiB), minus room for mbarriers and alignment.

@@ -156,6 +156,9 @@ class _Backend:
     name = FAMILY
     cute_arch = "sm_80"
 
+    def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
+        raise NotImplementedError("the sm80 family has no FP8 kernel")
+
     def unsupported_reason(self, spec: AttentionSpec, backward: bool) -> Optional[str]:
         reason = forward_unsupported_reason(spec)
         if reason is not None or not backward:

@@ -60,6 +60,9 @@ class _Backend:
     name = FAMILY
     cute_arch = "sm_90a"
 
+    def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
+        return _fp8().kv_scale_block(spec.head_dim, spec.head_dim_v)
+
     def unsupported_reason(self, spec: AttentionSpec, backward: bool) -> Optional[str]:
         reason = forward_unsupported_reason(spec)
         if reason is not None or not backward:

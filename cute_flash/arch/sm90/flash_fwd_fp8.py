@@ -41,13 +41,13 @@ from ...common.acc_views import rows_cols_view
 from ...common.block_info import BlockInfo
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E
-from ...fp8.prepare import BLOCK_M, BLOCK_N
+from ...fp8.prepare import BLOCK_M
 from .barriers import WarpGroupTurns, epilogue_sync
 from .cta import cta_work
 from .epilogue import store_o_and_lse
 from .fp8_permute import store_p_operand_e4m3
 from .fp8_softmax import MIN_TILE_SCALE, Fp8OnlineSoftmax
-from .fp8_tile_config import ROW_SUM_COLUMNS, Fp8FwdConfig
+from .fp8_tile_config import ROW_SUM_COLUMNS, Fp8FwdConfig, kv_scale_block
 from .loads import load_q_k_v
 from .pipelines import consumer_state, make_load_pipelines
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS
@@ -85,8 +85,9 @@ class Sm90FlashForwardFp8:
         self.tile_n = cfg.tile.tile_n
         self.num_stages = cfg.tile.num_stages
         assert BLOCK_M == ROWS_PER_CONSUMER, "one Q descale per consumer slice"
-        assert BLOCK_N % self.tile_n == 0
-        self.tiles_per_scale = BLOCK_N // self.tile_n
+        self.kv_scale_block = kv_scale_block(head_dim, head_dim_v)
+        assert self.kv_scale_block % self.tile_n == 0
+        self.tiles_per_scale = self.kv_scale_block // self.tile_n
 
     @cute.jit
     def __call__(
@@ -97,8 +98,8 @@ class Sm90FlashForwardFp8:
         mO: cute.Tensor,  # (b, sq, h, dv) bf16/fp16
         mLSE: cute.Tensor,  # (b, h, sq) fp32
         mQd: cute.Tensor,  # (b, h, ceil(sq / BLOCK_M)) fp32
-        mKd: cute.Tensor,  # (b, h_kv, ceil(sk / BLOCK_N)) fp32
-        mVd: cute.Tensor,  # (b, h_kv, ceil(sk / BLOCK_N)) fp32
+        mKd: cute.Tensor,  # (b, h_kv, ceil(sk / kv_scale_block)) fp32
+        mVd: cute.Tensor,  # (b, h_kv, ceil(sk / kv_scale_block)) fp32
         softmax_scale: Float32,
         window_left: Int32,
         window_right: Int32,

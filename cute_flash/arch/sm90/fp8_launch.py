@@ -19,7 +19,7 @@ import torch
 from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
 from ..base import KernelArtifact
-from .fp8_tile_config import FP8_MAX_HEAD_DIM, Fp8FwdConfig, budget_problem, fp8_fwd_config, smem_bytes
+from .fp8_tile_config import FP8_MAX_HEAD_DIM, Fp8FwdConfig, budget_problem, fp8_fwd_config, kv_scale_block, smem_bytes
 
 FAMILY = "sm90"
 
@@ -97,6 +97,16 @@ def run_forward_fp8(
         raise NotImplementedError(reason)
     if descale is None:
         raise ValueError("the FP8 kernel needs descale factors {'q', 'k', 'v'} (see cute_flash.fp8.prepare)")
+    block = kv_scale_block(spec.head_dim, spec.head_dim_v)
+    key_blocks = -(-k8.shape[1] // block)
+    for name in ("k", "v"):
+        if descale[name].shape[-1] != key_blocks:
+            # A wrong block size would index other blocks' factors without any error: refuse it.
+            raise ValueError(
+                f"descale[{name!r}] has {descale[name].shape[-1]} key blocks; the sm90 FP8 kernel reads one per "
+                f"{block} keys at this head dim ({key_blocks} for seqlen_k {k8.shape[1]}): prepare the inputs with "
+                f"block_n={block}"
+            )
     target = compile_cache.runtime_target(q8.device)
     kernel = _kernel(spec, target, cfg)
     kernel(
@@ -111,7 +121,7 @@ def compile_fp8_artifacts(spec: AttentionSpec, target: str, cfg: Optional[Fp8Fwd
         raise NotImplementedError(reason)
     compile_cache.ensure_cute_dsl_arch(target)
     cfg = cfg or fp8_fwd_config(spec.head_dim, spec.head_dim_v, spec.mask)
-    from ...fp8.prepare import BLOCK_M, BLOCK_N
+    from ...fp8.prepare import BLOCK_M
     from ...fp8.prepass_kernel import Fp8Prepass, build_prepass
 
     artifacts = []
@@ -134,8 +144,8 @@ def compile_fp8_artifacts(spec: AttentionSpec, target: str, cfg: Optional[Fp8Fwd
         # (the default), V transposed.
         for role, d, block, rotate, transpose in (
             ("fp8_prepass_q", spec.head_dim, BLOCK_M, True, False),
-            ("fp8_prepass_k", spec.head_dim, BLOCK_N, True, False),
-            ("fp8_prepass_v", spec.head_dim_v, BLOCK_N, False, True),
+            ("fp8_prepass_k", spec.head_dim, kv_scale_block(spec.head_dim, spec.head_dim_v), True, False),
+            ("fp8_prepass_v", spec.head_dim_v, kv_scale_block(spec.head_dim, spec.head_dim_v), False, True),
         ):
             pre = build_prepass(spec.out_dtype, d, block, rotate, transpose, options)
             threads = Fp8Prepass(cutlass_dtype(spec.out_dtype), d, block, rotate, transpose).num_threads

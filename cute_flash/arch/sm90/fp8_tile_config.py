@@ -1,15 +1,15 @@
 """Tile configurations of the sm90 FP8 forward kernel and the shared-memory budget behind them.
 
 The FP8 kernel keeps the bf16 kernel's CTA shape (`tile_config.FwdTileConfig`: one producer warpgroup, 64 query rows
-per consumer warpgroup, ping-pong) with three differences:
+per consumer warpgroup, ping-pong) with these differences:
   - Q, K and Vᵀ tiles are e4m3 (1 byte), O is staged in shared memory in the 16-bit output dtype (so it cannot
     reuse the Q slice as the bf16 kernel does);
-  - the key tile must divide the K/V scale block (`cute_flash.fp8.prepare.BLOCK_N` = 128) and be a multiple of 32
-    (the k of an e4m3 wgmma), so that each tile has one K and one V descale;
+  - the key tile must divide the K/V scale block (`kv_scale_block`: 384 keys up to d = 128, 128 above) and be a
+    multiple of 32 (the k of an e4m3 wgmma), so that each tile has one K and one V descale;
   - `promote_pv`: P·V of every key block goes into a fresh wgmma accumulator that is then added to O with fp32 FFMAs
     (folded into O's per-block rescale, so it costs registers, not instructions). FP8 wgmma accumulates with less
     than fp32 precision; without promotion O is carried through every P·V wgmma of the row and its rounding grows
-    with seqlen. It needs one more O-sized register tile, so it is on for d <= 128 only.
+    with seqlen. It needs one more O-sized register tile: at d = 128 it fits beside 128-key tiles, not 192-key ones.
   - `exp2_poly_per_row`: of the tile_n / 4 probabilities each thread computes per row and tile, this many (the last
     ones) come from a degree-3 polynomial on the FMA pipe instead of MUFU.EX2. At d = 128 the e4m3 wgmma is fast
     enough that the exponentials (16 per clock per SM) take as long as both GEMMs; moving some to the 128-wide FMA
@@ -19,7 +19,8 @@ per consumer warpgroup, ping-pong) with three differences:
   - `row_sum_mma`: the softmax row sums come out of the P·V wgmma instead of 64 FADDs per thread and tile: V's shared
     tile gets 8 more rows of ones (written once), so P·[V | 1] has N = dv + 8 and its last columns hold Σ P — of the
     e4m3-rounded P that multiplies V, which is also what normalises it (the accuracy study measured the same RMSE
-    either way). Needs promotion (the sums land in the fresh P·V accumulator) and dv + 8 <= 256.
+    either way). Needs promotion (the sums land in the fresh P·V accumulator), tile_n <= 128 and dv + 8 <= 256.
+    Measured 2-3% faster causal with 128-key tiles (the causal default then), 1-3% slower without a mask.
 
 Named variants (`VARIANTS`, for the speed study) can replace the default through the environment:
 `CUTE_FLASH_FP8_VARIANT=<name>` makes `fp8_fwd_config` return that variant for the head dims it covers.
@@ -34,6 +35,14 @@ from typing import Dict, Optional
 from ...fp8.prepare import BLOCK_M, BLOCK_N
 from .tile_config import REGISTERS_PER_SM, ROWS_PER_CONSUMER, SMEM_CAPACITY_BYTES, SMEM_RESERVED_BYTES, FwdTileConfig
 from .tile_config import WARPGROUP_THREADS
+
+WIDE_KV_SCALE_BLOCK = 384  # keys per K/V descale at head dims <= 128: two 192-key tiles, three 128-key ones
+
+
+def kv_scale_block(head_dim: int, head_dim_v: int) -> int:
+    """Keys per K/V descale this kernel reads (SM90Backend.fp8_kv_scale_block): 384 up to d = 128, where the default
+    key tile is 192; BLOCK_N (128) above, where a 384-row pre-pass block would need more than 1024 threads."""
+    return WIDE_KV_SCALE_BLOCK if max(head_dim, head_dim_v) <= 128 else BLOCK_N
 
 FP8_MAX_HEAD_DIM = 256
 
@@ -71,8 +80,9 @@ def smem_bytes(cfg: Fp8FwdConfig, head_dim: int, head_dim_v: int, out_bytes: int
 
 def budget_problem(cfg: Fp8FwdConfig, head_dim: int, head_dim_v: int) -> Optional[str]:
     t = cfg.tile
-    if t.tile_n % 32 != 0 or BLOCK_N % t.tile_n != 0:
-        return f"tile_n={t.tile_n} must be a multiple of 32 dividing the K/V scale block {BLOCK_N}"
+    block = kv_scale_block(head_dim, head_dim_v)
+    if t.tile_n % 32 != 0 or block % t.tile_n != 0:
+        return f"tile_n={t.tile_n} must be a multiple of 32 dividing the K/V scale block {block}"
     if ROWS_PER_CONSUMER % BLOCK_M != 0 and BLOCK_M % ROWS_PER_CONSUMER != 0:
         return f"the Q scale block {BLOCK_M} must align with the {ROWS_PER_CONSUMER} rows of a consumer"
     regs = t.consumer_regs * WARPGROUP_THREADS * t.num_consumer_wgs + t.producer_regs * WARPGROUP_THREADS
@@ -80,6 +90,8 @@ def budget_problem(cfg: Fp8FwdConfig, head_dim: int, head_dim_v: int) -> Optiona
         return f"register split {t.consumer_regs}/{t.producer_regs} needs {regs} > {REGISTERS_PER_SM} registers"
     if cfg.row_sum_mma and not cfg.promote_pv:
         return "row_sum_mma needs promote_pv (the row sums are taken from each tile's fresh P·V accumulator)"
+    if cfg.row_sum_mma and t.tile_n > 128:
+        return f"row_sum_mma writes its ones rows as one 128-byte swizzle atom: tile_n <= 128, got {t.tile_n}"
     if cfg.pv_width(head_dim_v) > 256:
         return f"row_sum_mma needs head_dim_v + {ROW_SUM_COLUMNS} <= 256 (the widest wgmma), got {head_dim_v}"
     if not 0 <= cfg.exp2_poly_per_row <= t.tile_n // 4:
@@ -92,44 +104,45 @@ def budget_problem(cfg: Fp8FwdConfig, head_dim: int, head_dim_v: int) -> Optiona
 
 _BY_HEAD_DIM = (
     (64, Fp8FwdConfig(FwdTileConfig(3, 128, 2, consumer_regs=160, producer_regs=32), promote_pv=False)),
-    (128, Fp8FwdConfig(FwdTileConfig(2, 128, 2), promote_pv=True)),
+    (128, Fp8FwdConfig(FwdTileConfig(2, 192, 2), promote_pv=False)),
     (256, Fp8FwdConfig(FwdTileConfig(2, 64, 2, ping_pong=False), promote_pv=False)),
 )
+# d <= 128: 192-key tiles, P·V accumulated in the wgmma. Against the 128-key tile with promotion (the default until
+# 2026-11-22) on the H200 at seqlen 16k: +2-4% without a mask, +0-2% causal (docs/fp8.md, session 3); promotion does
+# not fit beside a 192-key tile (S 96 + P 24 + O 64 + the promoted P·V 64 registers per thread), and without it the
+# RMSE at 32k keys is measured in docs/fp8.md against the promoted build (VARIANTS["tile128_promote"]).
 
 
 VARIANT_ENV = "CUTE_FLASH_FP8_VARIANT"
 _D128 = _BY_HEAD_DIM[1][1]
+_TILE128 = Fp8FwdConfig(FwdTileConfig(2, 128, 2), promote_pv=True)  # the previous default, and its variants below
 
 # Alternatives to the d <= 128 default, timed by `python -m cute_flash.fp8.benchmark --variants`.
 VARIANTS: Dict[str, Fp8FwdConfig] = {
-    "stages3": replace(_D128, tile=FwdTileConfig(2, 128, 3)),
+    "tile192_stages3": replace(_D128, tile=FwdTileConfig(2, 192, 3)),
+    "tile128_promote": _TILE128,
+    "tile128": replace(_TILE128, promote_pv=False),
+    "tile128_promote_row_sum_mma": replace(_TILE128, row_sum_mma=True),
+    "stages3": replace(_TILE128, tile=FwdTileConfig(2, 128, 3)),
     "stages3_no_promote": Fp8FwdConfig(FwdTileConfig(2, 128, 3), promote_pv=False),
-    "poly4": replace(_D128, exp2_poly_per_row=4),
-    "poly8": replace(_D128, exp2_poly_per_row=8),
-    "poly12": replace(_D128, exp2_poly_per_row=12),
+    "poly4": replace(_TILE128, exp2_poly_per_row=4),
+    "poly8": replace(_TILE128, exp2_poly_per_row=8),
+    "poly12": replace(_TILE128, exp2_poly_per_row=12),
     "poly8_stages3": Fp8FwdConfig(FwdTileConfig(2, 128, 3), promote_pv=True, exp2_poly_per_row=8),
     "poly8_no_promote": Fp8FwdConfig(FwdTileConfig(2, 128, 2), promote_pv=False, exp2_poly_per_row=8),
-    "row_sum_mma": replace(_D128, row_sum_mma=True),
-    "row_sum_mma_stages3": replace(_D128, tile=FwdTileConfig(2, 128, 3), row_sum_mma=True),
-    "no_ping_pong": replace(_D128, tile=FwdTileConfig(2, 128, 2, ping_pong=False)),
-    "row_sum_mma_no_ping_pong": replace(_D128, tile=FwdTileConfig(2, 128, 2, ping_pong=False), row_sum_mma=True),
+    "row_sum_mma_stages3": replace(_TILE128, tile=FwdTileConfig(2, 128, 3), row_sum_mma=True),
+    "no_ping_pong": replace(_D128, tile=FwdTileConfig(2, 192, 2, ping_pong=False)),
 }
 # Tried and dropped on the CPU compile: 3 consumers x 64 rows at d = 128 without promotion (160 registers per consumer
-# thread) spills (96-byte stack frame); key tiles wider than the 128-key scale block need two K/V scales per tile.
+# thread) spills (96-byte stack frame); a 256-key tile with the intra-warpgroup overlap spills even without promotion.
 VARIANT_HEAD_DIMS = (65, 128)  # the width range the variants are built for (they replace the d <= 128 default)
-
-
-# Causal at 64 < d <= 128 takes the row sums from the P·V wgmma: 2-3% faster causal in three runs (H200,
-# 2026-11-21: 867 vs 839, 855 vs 831, 866 vs 849 TFLOP/s at seqlen 16k), but 1-3% slower without a mask, where the
-# wider P·V costs more than the adds it saves (docs/fp8.md).
-_D128_CAUSAL = replace(_D128, row_sum_mma=True)
 
 
 def fp8_default_config(head_dim: int, head_dim_v: int, mask_kind: str = "none") -> Fp8FwdConfig:
     width = max(head_dim, head_dim_v)
     for limit, cfg in _BY_HEAD_DIM:
         if width <= limit:
-            return _D128_CAUSAL if cfg is _D128 and mask_kind == "causal" else cfg
+            return cfg
     raise ValueError(f"no sm90 FP8 tile configuration for head dim {width} (at most {FP8_MAX_HEAD_DIM})")
 
 
