@@ -168,7 +168,8 @@ def attention(
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if problem.spec.dtype == "fp8":
         with torch.no_grad():
-            out, lse = _run_forward(q, k, v, problem, arch, fp8=_fp8_inputs(q, k, v, descale, fp8_rotate, arch, problem.spec))
+            fp8 = _fp8_inputs(q, k, v, descale, fp8_rotate, arch, problem.spec)
+            out, lse = _run_forward(q, k, v, problem, arch, fp8=fp8)
         if needs_grad:
             out = _Fp8NoBackward.apply(out, q, k, v)
     elif needs_grad:

@@ -142,10 +142,11 @@ def compile_fp8_artifacts(spec: AttentionSpec, target: str, cfg: Optional[Fp8Fwd
         )
         # The pre-pass that feeds it from fp16/bf16 inputs (the output dtype is the inputs' dtype): Q and K rotated
         # (the default), V transposed.
+        kv_block = kv_scale_block(spec.head_dim, spec.head_dim_v)
         for role, d, block, rotate, transpose in (
             ("fp8_prepass_q", spec.head_dim, BLOCK_M, True, False),
-            ("fp8_prepass_k", spec.head_dim, kv_scale_block(spec.head_dim, spec.head_dim_v), True, False),
-            ("fp8_prepass_v", spec.head_dim_v, kv_scale_block(spec.head_dim, spec.head_dim_v), False, True),
+            ("fp8_prepass_k", spec.head_dim, kv_block, True, False),
+            ("fp8_prepass_v", spec.head_dim_v, kv_block, False, True),
         ):
             pre = build_prepass(spec.out_dtype, d, block, rotate, transpose, options)
             threads = Fp8Prepass(cutlass_dtype(spec.out_dtype), d, block, rotate, transpose).num_threads
