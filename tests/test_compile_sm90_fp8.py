@@ -47,9 +47,7 @@ def test_fp8_forward_compiles(head_dim, mask):
     # No lane exchange for P (the few indexed shuffles are warp-uniform broadcasts at kernel start).
     n_idx_shuffles = art.ptx.count("shfl.sync.idx")
     assert n_idx_shuffles <= 4 and "prmt.b32" not in art.ptx, f"P needs no shuffle or byte permute ({n_idx_shuffles})"
-    assert spill is not None
-    if head_dim <= 128:
-        assert spill == 0, f"d={head_dim} spills {spill} bytes"
+    assert spill == 0, f"d={head_dim} spills {spill} bytes"
     for role in ("fp8_prepass_q", "fp8_prepass_k", "fp8_prepass_v"):
         pre, pre_census, pre_spill = kernels[role]
         assert pre_spill == 0
@@ -66,13 +64,20 @@ def test_fp8_rejects_what_it_lacks():
 
 
 def test_fp8_variants_fit_and_the_environment_selects_them(monkeypatch):
-    from cute_flash.arch.sm90.fp8_tile_config import VARIANT_ENV, VARIANTS, budget_problem, fp8_default_config, fp8_fwd_config
+    from cute_flash.arch.sm90.fp8_tile_config import (
+        VARIANT_ENV, VARIANTS, budget_problem, fp8_default_config, fp8_fwd_config, variant_head_dims,
+    )
 
     for name, cfg in VARIANTS.items():
-        assert budget_problem(cfg, 128, 128) is None, name
+        d = variant_head_dims(name)[1]
+        assert budget_problem(cfg, d, d) is None, name
     monkeypatch.setenv(VARIANT_ENV, "poly8")
     assert fp8_fwd_config(128, 128) == VARIANTS["poly8"]
     assert fp8_fwd_config(64, 64) == fp8_default_config(64, 64)  # variants replace the d <= 128 default only
+    assert fp8_fwd_config(256, 256) == fp8_default_config(256, 256)
+    monkeypatch.setenv(VARIANT_ENV, "d256_tile64")
+    assert fp8_fwd_config(256, 256) == VARIANTS["d256_tile64"]
+    assert fp8_fwd_config(128, 128) == fp8_default_config(128, 128)
     monkeypatch.setenv(VARIANT_ENV, "no_such_variant")
     with pytest.raises(ValueError, match="not one of"):
         fp8_fwd_config(128, 128)

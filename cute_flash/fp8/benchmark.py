@@ -45,13 +45,14 @@ def _fa4() -> Optional[Callable]:
 
 def _variants(head_dim: int, names: Optional[List[str]] = None):
     """Named alternatives to the default configuration (`fp8_tile_config.VARIANTS`, kernel-alone timing), for the
-    head dims they replace (d <= 128 above 64); `names` picks some of them (all by default)."""
-    from ..arch.sm90.fp8_tile_config import VARIANT_HEAD_DIMS, VARIANTS
+    head dims they replace (64 < d <= 128, or 128 < d <= 256 for "d256_" names); `names` picks some (all by default)."""
+    from ..arch.sm90.fp8_tile_config import VARIANTS, variant_head_dims
 
-    lo, hi = VARIANT_HEAD_DIMS
-    if not lo <= head_dim <= hi:
-        return {}
-    return {n: c for n, c in VARIANTS.items() if names is None or n in names}
+    def serves(name: str) -> bool:
+        lo, hi = variant_head_dims(name)
+        return lo <= head_dim <= hi
+
+    return {n: c for n, c in VARIANTS.items() if serves(n) and (names is None or n in names)}
 
 
 def bench_case(batch: int, seqlen: int, heads: int, head_dim: int, causal: bool, *, peers: bool = True,

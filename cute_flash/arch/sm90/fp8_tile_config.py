@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from ...fp8.prepare import BLOCK_M, BLOCK_N
 from .tile_config import REGISTERS_PER_SM, ROWS_PER_CONSUMER, SMEM_CAPACITY_BYTES, SMEM_RESERVED_BYTES, FwdTileConfig
@@ -105,8 +105,10 @@ def budget_problem(cfg: Fp8FwdConfig, head_dim: int, head_dim_v: int) -> Optiona
 _BY_HEAD_DIM = (
     (64, Fp8FwdConfig(FwdTileConfig(3, 128, 2, consumer_regs=160, producer_regs=32), promote_pv=False)),
     (128, Fp8FwdConfig(FwdTileConfig(2, 192, 2), promote_pv=False)),
-    (256, Fp8FwdConfig(FwdTileConfig(2, 64, 2, ping_pong=False), promote_pv=False)),
+    (256, Fp8FwdConfig(FwdTileConfig(2, 128, 2, ping_pong=False), promote_pv=False)),
 )
+# d <= 256: 128-key tiles (64 until 2026-11-22: +17-18% at 4k and 16k, both masks, H200, docs/fp8.md session 3); O
+# alone is 128 registers, so no promotion; 2 stages use 225 of the 227 KiB of shared memory.
 # d <= 128: 192-key tiles, P·V accumulated in the wgmma. Against the 128-key tile with promotion (the default until
 # 2026-11-22) on the H200 at seqlen 16k: +2-4% without a mask, +0-2% causal (docs/fp8.md, session 3); promotion does
 # not fit beside a 192-key tile (S 96 + P 24 + O 64 + the promoted P·V 64 registers per thread), and without it the
@@ -132,10 +134,19 @@ VARIANTS: Dict[str, Fp8FwdConfig] = {
     "poly8_no_promote": Fp8FwdConfig(FwdTileConfig(2, 128, 2), promote_pv=False, exp2_poly_per_row=8),
     "row_sum_mma_stages3": replace(_TILE128, tile=FwdTileConfig(2, 128, 3), row_sum_mma=True),
     "no_ping_pong": replace(_D128, tile=FwdTileConfig(2, 192, 2, ping_pong=False)),
+    # 128 < d <= 256 (the "d256_" prefix)
+    "d256_tile128_ping_pong": Fp8FwdConfig(FwdTileConfig(2, 128, 2), promote_pv=False),
+    "d256_tile64": Fp8FwdConfig(FwdTileConfig(2, 64, 2, ping_pong=False), promote_pv=False),  # the previous default
+    "d256_tile64_stages3": Fp8FwdConfig(FwdTileConfig(2, 64, 3, ping_pong=False), promote_pv=False),
 }
 # Tried and dropped on the CPU compile: 3 consumers x 64 rows at d = 128 without promotion (160 registers per consumer
 # thread) spills (96-byte stack frame); a 256-key tile with the intra-warpgroup overlap spills even without promotion.
 VARIANT_HEAD_DIMS = (65, 128)  # the width range the variants are built for (they replace the d <= 128 default)
+D256_VARIANT_HEAD_DIMS = (129, 256)  # ... except "d256_" variants, which replace the d <= 256 default
+
+
+def variant_head_dims(name: str) -> Tuple[int, int]:
+    return D256_VARIANT_HEAD_DIMS if name.startswith("d256_") else VARIANT_HEAD_DIMS
 
 
 def fp8_default_config(head_dim: int, head_dim_v: int, mask_kind: str = "none") -> Fp8FwdConfig:
@@ -153,7 +164,7 @@ def fp8_fwd_config(head_dim: int, head_dim_v: int, mask_kind: str = "none") -> F
     if name and name != "default":
         if name not in VARIANTS:
             raise ValueError(f"{VARIANT_ENV}={name!r} is not one of {sorted(VARIANTS)} (or 'default')")
-        lo, hi = VARIANT_HEAD_DIMS
+        lo, hi = variant_head_dims(name)
         if lo <= width <= hi:
             return VARIANTS[name]
     return fp8_default_config(head_dim, head_dim_v, mask_kind)
