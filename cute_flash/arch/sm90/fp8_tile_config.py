@@ -44,6 +44,7 @@ def kv_scale_block(head_dim: int, head_dim_v: int) -> int:
     key tile is 192; BLOCK_N (128) above, where a 384-row pre-pass block would need more than 1024 threads."""
     return WIDE_KV_SCALE_BLOCK if max(head_dim, head_dim_v) <= 128 else BLOCK_N
 
+
 FP8_MAX_HEAD_DIM = 256
 
 
@@ -107,12 +108,13 @@ _BY_HEAD_DIM = (
     (128, Fp8FwdConfig(FwdTileConfig(2, 192, 2), promote_pv=False)),
     (256, Fp8FwdConfig(FwdTileConfig(2, 128, 2, ping_pong=False), promote_pv=False)),
 )
-# d <= 256: 128-key tiles (64 until 2026-11-22: +17-18% at 4k and 16k, both masks, H200, docs/fp8.md session 3); O
-# alone is 128 registers, so no promotion; 2 stages use 225 of the 227 KiB of shared memory.
-# d <= 128: 192-key tiles, P·V accumulated in the wgmma. Against the 128-key tile with promotion (the default until
-# 2026-11-22) on the H200 at seqlen 16k: +2-4% without a mask, +0-2% causal (docs/fp8.md, session 3); promotion does
-# not fit beside a 192-key tile (S 96 + P 24 + O 64 + the promoted P·V 64 registers per thread), and without it the
-# RMSE at 32k keys is measured in docs/fp8.md against the promoted build (VARIANTS["tile128_promote"]).
+# Measured on the H200 (docs/fp8.md, session 3), against the defaults until 2026-11-22 in the same process:
+# d <= 128: 192-key tiles, P·V accumulated in the wgmma: +7.6-8.4% at seqlen 16k without a mask, +4.8-5.6% causal,
+#   against 128-key tiles with promotion (and, causal, the wgmma row sums). Promotion does not fit beside a 192-key
+#   tile (S 96 + P 24 + O 64 + the promoted P·V 64 registers per thread); without it the RMSE at 32k keys is 0.45%
+#   above the exact-accumulation model, the promoted build's 0.14% (VARIANTS["tile128_promote"]).
+# d <= 256: 128-key tiles instead of 64: +17-18% at 4k and 16k, both masks. O alone is 128 registers, so no
+#   promotion; 2 stages use 225 of the 227 KiB of shared memory.
 
 
 VARIANT_ENV = "CUTE_FLASH_FP8_VARIANT"
@@ -134,6 +136,10 @@ VARIANTS: Dict[str, Fp8FwdConfig] = {
     "poly8_no_promote": Fp8FwdConfig(FwdTileConfig(2, 128, 2), promote_pv=False, exp2_poly_per_row=8),
     "row_sum_mma_stages3": replace(_TILE128, tile=FwdTileConfig(2, 128, 3), row_sum_mma=True),
     "no_ping_pong": replace(_D128, tile=FwdTileConfig(2, 192, 2, ping_pong=False)),
+    # d <= 64 (the "d64_" prefix): 2 consumers x 64 rows with 240 registers instead of 3 with 160
+    "d64_tile192": Fp8FwdConfig(FwdTileConfig(2, 192, 2), promote_pv=False),
+    "d64_tile192_stages3": Fp8FwdConfig(FwdTileConfig(2, 192, 3), promote_pv=False),
+    "d64_tile128_2wg": Fp8FwdConfig(FwdTileConfig(2, 128, 2), promote_pv=False),
     # 128 < d <= 256 (the "d256_" prefix)
     "d256_tile128_ping_pong": Fp8FwdConfig(FwdTileConfig(2, 128, 2), promote_pv=False),
     "d256_tile64": Fp8FwdConfig(FwdTileConfig(2, 64, 2, ping_pong=False), promote_pv=False),  # the previous default
@@ -142,10 +148,13 @@ VARIANTS: Dict[str, Fp8FwdConfig] = {
 # Tried and dropped on the CPU compile: 3 consumers x 64 rows at d = 128 without promotion (160 registers per consumer
 # thread) spills (96-byte stack frame); a 256-key tile with the intra-warpgroup overlap spills even without promotion.
 VARIANT_HEAD_DIMS = (65, 128)  # the width range the variants are built for (they replace the d <= 128 default)
-D256_VARIANT_HEAD_DIMS = (129, 256)  # ... except "d256_" variants, which replace the d <= 256 default
+D64_VARIANT_HEAD_DIMS = (1, 64)  # ... except "d64_" variants, which replace the d <= 64 default,
+D256_VARIANT_HEAD_DIMS = (129, 256)  # and "d256_" variants, which replace the d <= 256 one
 
 
 def variant_head_dims(name: str) -> Tuple[int, int]:
+    if name.startswith("d64_"):
+        return D64_VARIANT_HEAD_DIMS
     return D256_VARIANT_HEAD_DIMS if name.startswith("d256_") else VARIANT_HEAD_DIMS
 
 
