@@ -129,13 +129,11 @@ def run_kernel(q, k, v, *, causal: bool, schemes: Sequence[str], accumulation: b
         except Exception as e:  # noqa: BLE001  (a study row says what failed instead of stopping the study)
             row[scheme] = f"error: {type(e).__name__}: {str(e)[:120]}"
     if accumulation:
-        from ..arch.sm90.fp8_tile_config import VARIANTS
+        from ..arch.sm90.fp8_tile_config import VARIANTS, kv_scale_block
 
         for name in ("tile128", "tile128_promote"):
             out = _fp8_kernel_out(q, k, v, causal, "fp8_block_rotate", cfg=VARIANTS[name])
             row[f"fp8_block_rotate_{name}"] = rmse(out, ref)
-        from ..arch.sm90.fp8_tile_config import kv_scale_block
-
         block_n = kv_scale_block(q.shape[-1], v.shape[-1])
         row["fp8_block_rotate_emulated"] = rmse(
             emulated_attention(q, k, v, scheme="fp8_block_rotate", causal=causal, block_m=BLOCK_M, block_n=block_n), ref
@@ -152,14 +150,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--block-m", type=int, default=BLOCK_M)
-    ap.add_argument("--block-n", type=int, default=384, help="emulate mode: keys per K/V scale (the sm90 kernel's "
-                    "block at d <= 128)")
+    ap.add_argument("--block-n", type=int, default=None, help="emulate mode: keys per K/V scale (default: the sm90 "
+                    "kernel's block at --head-dim)")
     ap.add_argument("--extra", action="store_true", help="also the side studies (P offset, rounded row sum)")
     ap.add_argument("--accumulation", action="store_true", help="kernel mode: also P·V promotion on/off")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.block_n is None:
+        from ..arch.sm90.fp8_tile_config import kv_scale_block
+
+        args.block_n = kv_scale_block(args.head_dim, args.head_dim)
 
     rows = []
     for s in args.seqlen:

@@ -45,7 +45,7 @@ def _fa4() -> Optional[Callable]:
 
 def _variants(head_dim: int, names: Optional[List[str]] = None):
     """Named alternatives to the default configuration (`fp8_tile_config.VARIANTS`, kernel-alone timing), for the
-    head dims they replace (64 < d <= 128, or 128 < d <= 256 for "d256_" names); `names` picks some (all by default)."""
+    head dims they replace (`fp8_tile_config.variant_head_dims`); `names` picks some (all by default)."""
     from ..arch.sm90.fp8_tile_config import VARIANTS, variant_head_dims
 
     def serves(name: str) -> bool:

@@ -159,6 +159,8 @@ def variant_head_dims(name: str) -> Tuple[int, int]:
 
 
 def fp8_default_config(head_dim: int, head_dim_v: int, mask_kind: str = "none") -> Fp8FwdConfig:
+    # mask_kind: no default depends on it since the 192-key tile (the causal one took row_sum_mma before); callers
+    # keep passing it so that a mask-specific default needs no new plumbing.
     width = max(head_dim, head_dim_v)
     for limit, cfg in _BY_HEAD_DIM:
         if width <= limit:
