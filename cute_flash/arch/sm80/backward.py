@@ -220,15 +220,30 @@ def _kernel(role: str, spec: AttentionSpec, target: str):
     return compile_cache.get_or_compile(key, lambda: _ROLES[role](key[3], _options(role, key[3], target), target))
 
 
-def compile_backward_artifacts(spec: AttentionSpec, target: str) -> List[KernelArtifact]:
-    """Compiles every backward kernel serving `spec` for `target` with fake tensors (no GPU needed)."""
+def preprocess_kernel(spec: AttentionSpec, target: str):
+    """The compiled preprocess (D and lse_log2, padded to whole 64-row blocks): (out, dout, lse, dpsum, lse_log2).
+    The sm90 backward reuses it too."""
+    return _kernel("bwd_preprocess", spec, target)
+
+
+def accum_convert_kernel(spec: AttentionSpec, target: str):
+    """The compiled fp32-accumulator conversion: (accum (b, s_padded, h, d), out (b, s, h, d), scale).
+    The sm90 backward reuses it for its GQA dK / dV sums."""
+    return _kernel("bwd_postprocess", spec, target)
+
+
+def compile_backward_artifacts(
+    spec: AttentionSpec, target: str, roles: Optional[List[str]] = None
+) -> List[KernelArtifact]:
+    """Compiles every backward kernel serving `spec` for `target` with fake tensors (no GPU needed), or only
+    `roles` of them."""
     reason = backward_unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(reason)
     compile_cache.ensure_cute_dsl_arch(target)
     artifacts = []
     with tempfile.TemporaryDirectory(prefix="cute_flash_sm80_bwd_") as dump:
-        for role in _roles(spec, target):
+        for role in _roles(spec, target) if roles is None else roles:
             build = _ROLES[role]
             sub = os.path.join(dump, role)
             # remarks{ptx}: ptxas reports registers and spills on stderr, where the compile command reads them.

@@ -2,7 +2,8 @@
 
 Forward: `flash_fwd.Sm90FlashForward` (TMA + wgmma, warp-specialised ping-pong consumers), compiled once per
 (target, spec, tile config) with symbolic shapes and launched through TVM-FFI on torch's current stream.
-Backward: there is no sm90 backward kernel yet; training on Hopper runs the sm80 backward kernels (mma.sync,
+Backward: `backward.py` (TMA + wgmma, flash_bwd.Sm90FlashBackward) for the specs with an sm90 backward tile
+configuration (tile_config.bwd_tile_config); the other specs train through the sm80 backward kernels (mma.sync,
 compiled for sm_90a) on the saved forward outputs, which they accept as they are (same out / lse conventions).
 FP8 (`spec.dtype == "fp8"`, forward only) is served by `fp8_launch` (a separate kernel, flash_fwd_fp8.py).
 """
@@ -44,6 +45,12 @@ def _fp8():
     return fp8_launch
 
 
+def _bwd():
+    from . import backward  # the sm90 backward (imports torch only; cutlass when a kernel is built)
+
+    return backward
+
+
 def _sm80():
     from .. import get_backend
 
@@ -69,9 +76,11 @@ class _Backend:
             return reason
         if spec.dtype == "fp8":
             return "the sm90 FP8 path is forward-only: there is no FP8 backward"
+        if _bwd().backward_unsupported_reason(spec) is None:
+            return None
         bwd_reason = _sm80().unsupported_reason(spec, True)
         if bwd_reason is not None:
-            return f"sm90 training runs the sm80 backward, which says: {bwd_reason}"
+            return f"sm90 training runs the sm80 backward for this spec, which says: {bwd_reason}"
         return None
 
     def _forward_kernel(self, spec: AttentionSpec, target: str):
@@ -93,8 +102,10 @@ class _Backend:
         kernel(q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right))
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask) -> None:
-        # No sm90 backward kernel yet: the sm80 kernels run on Hopper (compiled for sm_90a by their backend).
-        _sm80().backward(dout, q, k, v, out, lse, dq, dk, dv, spec=spec, softmax_scale=softmax_scale, mask=mask)
+        if _bwd().backward_unsupported_reason(spec) is None:
+            _bwd().run_backward(dout, q, k, v, out, lse, dq, dk, dv, spec=spec, softmax_scale=softmax_scale, mask=mask)
+        else:  # the sm80 kernels, compiled for sm_90a by their backend
+            _sm80().backward(dout, q, k, v, out, lse, dq, dk, dv, spec=spec, softmax_scale=softmax_scale, mask=mask)
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         reason = self.unsupported_reason(spec, backward)
@@ -119,7 +130,9 @@ class _Backend:
                     },
                 )
             ]
-        if backward:
+        if backward and _bwd().backward_unsupported_reason(spec) is None:
+            artifacts += _bwd().compile_backward_artifacts(spec, target)
+        elif backward:
             for art in _sm80().compile_artifacts(spec, True, target):
                 if art.kernel != "fwd":
                     artifacts.append(

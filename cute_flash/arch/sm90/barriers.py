@@ -56,3 +56,10 @@ class WarpGroupTurns:
 def epilogue_sync(consumer_idx: Int32) -> None:
     """All 128 threads of one consumer warpgroup (its O tile is complete in shared memory)."""
     cute.arch.barrier(barrier_id=int(BarrierId.EPILOGUE_FIRST) + consumer_idx, number_of_threads=WARPGROUP_THREADS)
+
+
+class BwdBarrierId(enum.IntEnum):
+    """Named barriers of the sm90 backward kernel (its consumer warpgroups only)."""
+
+    DS_READY = 1  # every consumer's dSᵀ rows of this query tile are in shared memory
+    EPILOGUE = 2  # around the dK / dV staging in shared memory

@@ -44,3 +44,58 @@ def compile_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_
     return cute.compile(
         kernel, q, k, v, out, lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream, options=options
     )
+
+
+def _fake_stats(batch, heads, seqlen_padded):
+    """(b, h, sq_padded) fp32, rows padded to whole 64-row blocks (what TMA boxes of the stats need)."""
+    strides = (cute.sym_int64(divisibility=64), cute.sym_int64(divisibility=64), 1)
+    return cute.runtime.make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_padded), strides, assumed_align=16)
+
+
+def compile_backward(spec: AttentionSpec, cfg, target: str, gqa: bool, extra_options: Optional[str] = None):
+    """The compiled backward main kernel: fn(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, softmax_scale,
+    window_left, window_right), dk / dv fp32 padded sums under GQA."""
+    from .flash_bwd import Sm90FlashBackward
+
+    dtype = DSL_DTYPES[spec.dtype]
+    d = spec.head_dim
+    batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
+    sq_pad, sk_pad, dq_len = cute.sym_int(divisibility=64), cute.sym_int(), cute.sym_int()
+    q = _strided(dtype, (batch, seqlen_q, heads), d)
+    k = _strided(dtype, (batch, seqlen_k, heads_kv), d)
+    v = _strided(dtype, (batch, seqlen_k, heads_kv), d)
+    dout = _strided(dtype, (batch, seqlen_q, heads), d)
+    dq_accum = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (batch, heads, dq_len),
+        (cute.sym_int64(divisibility=cfg.tile_m * d), cute.sym_int64(divisibility=cfg.tile_m * d), 1), assumed_align=16,
+    )
+    if gqa:
+        dk = _strided(cutlass.Float32, (batch, sk_pad, heads_kv), d)
+        dv = _strided(cutlass.Float32, (batch, sk_pad, heads_kv), d)
+    else:
+        dk = _strided(dtype, (batch, seqlen_k, heads_kv), d)
+        dv = _strided(dtype, (batch, seqlen_k, heads_kv), d)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    kernel = Sm90FlashBackward(dtype, d, spec.mask, cfg, gqa)
+    options = compile_cache.compile_options(target, extra=extra_options or "")
+    return cute.compile(
+        kernel, q, k, v, dout, _fake_stats(batch, heads, sq_pad), _fake_stats(batch, heads, sq_pad), dq_accum, dk, dv,
+        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream, options=options,
+    )
+
+
+def compile_dq_postprocess(spec: AttentionSpec, cfg, target: str, extra_options: Optional[str] = None):
+    """The compiled dQ conversion: fn(dq_accum, dq, softmax_scale)."""
+    from .flash_bwd_postprocess import DqConvertSm90
+
+    dtype = DSL_DTYPES[spec.dtype]
+    d = spec.head_dim
+    batch, seqlen_q, heads, dq_len = (cute.sym_int() for _ in range(4))
+    dq_accum = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (batch, heads, dq_len),
+        (cute.sym_int64(divisibility=cfg.tile_m * d), cute.sym_int64(divisibility=cfg.tile_m * d), 1), assumed_align=16,
+    )
+    dq = _strided(dtype, (batch, seqlen_q, heads), d)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = compile_cache.compile_options(target, extra=extra_options or "")
+    return cute.compile(DqConvertSm90(dtype, d, cfg), dq_accum, dq, cutlass.Float32(1.0), stream, options=options)

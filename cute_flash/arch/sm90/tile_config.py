@@ -101,3 +101,68 @@ def fwd_tile_config(spec: AttentionSpec) -> FwdTileConfig:
         if width <= limit:
             return cfg
     raise ValueError(f"no sm90 forward tile configuration for head dim {width} (at most 256)")
+
+
+@dataclass(frozen=True)
+class BwdTileConfig:
+    """Tile configuration of the sm90 backward kernel (flash_bwd.py).
+
+    A CTA owns tile_n = 64 * num_consumer_wgs keys (64 per consumer warpgroup: wgmma's M for the swapped Sᵀ / dPᵀ
+    products) and walks the query tiles of tile_m rows; Q, dO (with LSE and D) and dSᵀ are `num_stages` deep.
+    dq_split says how the consumers share dQ = dS·K: "m" (64 query rows each; tile_m = 64 * num_consumer_wgs) or
+    "n" (head_dim / num_consumer_wgs columns each, which must be whole 64-column swizzle atoms).
+    """
+
+    tile_m: int
+    dq_split: str  # "m" | "n"
+    num_consumer_wgs: int = 2
+    num_stages: int = 2
+    consumer_regs: int = 240
+    producer_regs: int = 24
+
+    @property
+    def tile_n(self) -> int:
+        return ROWS_PER_CONSUMER * self.num_consumer_wgs
+
+    @property
+    def num_threads(self) -> int:
+        return WARPGROUP_THREADS * (self.num_consumer_wgs + 1)
+
+    def as_dict(self) -> dict:
+        return {
+            "tile_m": self.tile_m,
+            "tile_n": self.tile_n,
+            "num_stages": self.num_stages,
+            "num_consumer_wgs": self.num_consumer_wgs,
+            "dq_split": self.dq_split,
+            "consumer_regs": self.consumer_regs,
+            "producer_regs": self.producer_regs,
+        }
+
+
+def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, elem_bytes: int = 2) -> int:
+    """Q and dO stages, the K and V tiles, dSᵀ stages, LSE and D stages."""
+    qdo = 2 * cfg.num_stages * cfg.tile_m * head_dim * elem_bytes
+    kv = 2 * cfg.tile_n * head_dim * elem_bytes
+    ds = cfg.num_stages * cfg.tile_n * cfg.tile_m * elem_bytes
+    stats = 2 * cfg.num_stages * cfg.tile_m * 4
+    return qdo + kv + ds + stats + SMEM_RESERVED_BYTES
+
+
+# Head dims the sm90 backward serves (d == dv), with the reason for each choice; measurements in docs/performance.md.
+#   d64:  128 x 128 tiles, dQ split by query rows (a 32-column split would cut the 64-column swizzle atom):
+#         FlashAttention-3's shape for d64.
+#   d128: 64 x 128 tiles, dQ split by head-dim halves: Sᵀ, dPᵀ (32 registers each), dV and dK (64 each) and dQ (32)
+#         fit the 240 registers of a consumer thread.
+# Other head dims (96, 192, 256, dv != d) keep the sm80 backward (their accumulators need other layouts).
+_BWD_BY_HEAD_DIM = {
+    64: BwdTileConfig(tile_m=128, dq_split="m"),
+    128: BwdTileConfig(tile_m=64, dq_split="n"),
+}
+
+
+def bwd_tile_config(spec: AttentionSpec) -> Optional[BwdTileConfig]:
+    """The sm90 backward's configuration for `spec`, or None where it has none."""
+    if spec.head_dim != spec.head_dim_v:
+        return None
+    return _BWD_BY_HEAD_DIM.get(spec.head_dim)

@@ -1,0 +1,139 @@
+"""The sm90 backward pass: preprocess, main kernel, postprocess (see flash_bwd.py for the algorithm).
+
+    1. preprocess:  D = rowsum(dO * O) and lse_log2 (both (b, h, sq_padded) fp32; padding and empty rows inert) —
+                    the sm80 family's kernel (memory-bound, a few percent of the backward), compiled for sm_90a
+    2. main:        per key tile: dK, dV in registers; dQ added with red.global.add.v4 to (b, h, sq_padded * d)
+                    fp32 in the dQ MMA's register order
+    3. postprocess: dq = scale * dQ accumulator in the input dtype (DqConvertSm90); under GQA/MQA the main kernel's
+                    dK/dV partial sums go to (b, sk_padded, h_kv, d) fp32 buffers converted by the sm80 family's
+                    accumulator conversion
+
+Kernels are compiled once per (target, role, spec, tile config) with symbolic batch, sequence and head extents and
+launched through TVM-FFI on torch's current stream.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import List, Optional
+
+import torch
+
+from ... import compile_cache
+from ...spec import AttentionSpec, MaskBounds
+from ..base import KernelArtifact
+from .tile_config import BwdTileConfig, bwd_smem_bytes, bwd_tile_config
+
+FAMILY = "sm90"
+STATS_ROW_MULTIPLE = 64  # the preprocess writes whole 64-row blocks
+
+
+def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
+    if spec.dtype not in ("fp16", "bf16"):
+        return f"the sm90 backward computes in fp16 or bf16, not {spec.dtype}"
+    if spec.out_dtype != spec.dtype:
+        return f"the sm90 backward needs out_dtype equal to the input dtype ({spec.dtype}), got {spec.out_dtype}"
+    if bwd_tile_config(spec) is None:
+        return (
+            f"the sm90 backward has tile configurations for head_dim == head_dim_v in (64, 128), not "
+            f"({spec.head_dim}, {spec.head_dim_v})"
+        )
+    return None
+
+
+def _sm80_backward():
+    from ..sm80 import backward
+
+    return backward
+
+
+def _build(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str, extra: str = ""):
+    from . import build
+
+    if role == "bwd_dq_postprocess":
+        return build.compile_dq_postprocess(spec, cfg, target, extra)
+    return build.compile_backward(spec, cfg, target, gqa=(role == "bwd_gqa"), extra_options=extra)
+
+
+def _kernel(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str):
+    # The dQ conversion depends on the dtype, head dim and tile config only, not the mask.
+    key_spec = spec if role != "bwd_dq_postprocess" else AttentionSpec(spec.dtype, spec.head_dim, spec.head_dim_v, "none")
+    key = (FAMILY, target, role, key_spec, cfg)
+    compile_cache.ensure_cute_dsl_arch(target)
+    return compile_cache.get_or_compile(key, lambda: _build(role, key_spec, cfg, target))
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def run_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    *,
+    spec: AttentionSpec,
+    softmax_scale: float,
+    mask: MaskBounds,
+) -> None:
+    """Fills dq, dk, dv (shaped and typed like q, k, v) on torch's current stream."""
+    reason = backward_unsupported_reason(spec)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    cfg = bwd_tile_config(spec)
+    target = compile_cache.runtime_target(q.device)
+    sm80 = _sm80_backward()
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    gqa = nheads != nheads_kv
+    seqlen_q_pad = _round_up(seqlen_q, max(cfg.tile_m, STATS_ROW_MULTIPLE))
+    f32 = dict(dtype=torch.float32, device=q.device)
+
+    lse_log2 = torch.empty(batch, nheads, seqlen_q_pad, **f32)
+    dpsum = torch.empty(batch, nheads, seqlen_q_pad, **f32)
+    dq_accum = torch.zeros(batch, nheads, seqlen_q_pad * head_dim, **f32)
+    q, k, v, dout, out, dq, dk, dv = (sm80._kernel_view(t) for t in (q, k, v, dout, out, dq, dk, dv))
+
+    sm80.preprocess_kernel(spec, target)(out, dout, lse, dpsum, lse_log2)
+    if gqa:
+        seqlen_k_pad = _round_up(seqlen_k, max(cfg.tile_n, STATS_ROW_MULTIPLE))  # whole conversion blocks too
+        dk_out = torch.zeros(batch, seqlen_k_pad, nheads_kv, head_dim, **f32)
+        dv_out = torch.zeros(batch, seqlen_k_pad, nheads_kv, head_dim, **f32)
+    else:
+        dk_out, dv_out = dk, dv
+    _kernel("bwd_gqa" if gqa else "bwd", spec, cfg, target)(
+        q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, softmax_scale, mask.left, mask.right
+    )
+    _kernel("bwd_dq_postprocess", spec, cfg, target)(dq_accum, dq, softmax_scale)
+    if gqa:
+        convert = sm80.accum_convert_kernel(spec, target)
+        convert(dk_out, dk, 1.0)  # the main kernel already applied the softmax scale to dK
+        convert(dv_out, dv, 1.0)
+
+
+def compile_backward_artifacts(spec: AttentionSpec, target: str) -> List[KernelArtifact]:
+    """Compiles the sm90 backward kernels serving `spec` for `target` with fake tensors (no GPU needed); the shared
+    sm80 preprocess / accumulator conversion are reported with an `sm80_` prefix."""
+    reason = backward_unsupported_reason(spec)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    cfg = bwd_tile_config(spec)
+    compile_cache.ensure_cute_dsl_arch(target)
+    config = {**cfg.as_dict(), "shared_bytes": bwd_smem_bytes(cfg, spec.head_dim), "threads": cfg.num_threads}
+    artifacts = []
+    with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_bwd_") as dump:
+        for role in ("bwd", "bwd_gqa", "bwd_dq_postprocess"):
+            sub = os.path.join(dump, role)
+            compiled = _build(role, spec, cfg, target, compile_cache.keep_artifacts_options(sub))
+            role_config = config if role != "bwd_dq_postprocess" else {"tile_m": cfg.tile_m, "threads": cfg.num_threads - 128}
+            artifacts.append(KernelArtifact(role, compiled.artifacts.PTX, compiled.artifacts.CUBIN, role_config))
+    for art in _sm80_backward().compile_backward_artifacts(spec, target, roles=["bwd_preprocess", "bwd_postprocess"]):
+        artifacts.append(KernelArtifact(f"sm80_{art.kernel}", art.ptx, art.cubin, {**art.config, "family": "sm80"}))
+    return artifacts

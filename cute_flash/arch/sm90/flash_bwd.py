@@ -1,0 +1,559 @@
+"""The sm90 backward main kernel: FlashAttention-3's Hopper design (TMA producer, wgmma consumers) in CuTe DSL.
+
+One CTA owns one key tile (tile_n = 64 * num_consumer_wgs keys) of one query head and walks the query tiles that see
+it (`BlockInfo.q_block_range`), tile_m query rows at a time:
+
+  warpgroup 0 (producer, setmaxnreg.dec): warp 0 issues TMA loads of the K and V tiles once, then per query tile
+      Q with its log2-domain LSE and dO with its D = rowsum(dO * O) through `num_stages`-deep mbarrier rings.
+  warpgroups 1.. (consumers, setmaxnreg.inc): consumer c owns keys [64 c, 64 c + 64) of the tile. Per query tile:
+      Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ by SS wgmma (keys on the accumulator rows: the "swapped" form, so that Pᵀ and dSᵀ
+      are already the A operands of the dK/dV products), P = exp2(S·scale·log2e − LSE) per query column,
+      dS = P ⊙ (dP − D), then dV += Pᵀ·dO and dK += dSᵀ·Q by RS wgmma (A from registers, accumulated over the whole
+      walk). dQ needs every key of the tile: each consumer writes its dSᵀ rows to shared memory (stmatrix), a named
+      barrier joins the consumers, and each computes its share of dQ = dS·K (SS wgmma, A and B read transposed
+      from the K-major tiles) and adds it to an fp32 accumulator in global memory with red.global.add.v4, in the
+      accumulator's register order ("fragment" layout, undone by `flash_bwd_postprocess.DqConvertSm90`).
+  epilogue: dK (times the softmax scale) and dV converted to 16 bits and stored with stmatrix + one TMA store per
+      tile, reusing the K and V tiles' shared memory. Under GQA/MQA the CTA's dK/dV are partial sums over the
+      query heads of one KV head: they are added with red.global.add.v2 to fp32 buffers that a postprocess
+      converts.
+
+Masks: whole query tiles outside the window are never visited; only tiles crossing a window edge, and every tile
+when the key tile runs past seqlen_k, pay for element-wise masking. Query rows past seqlen_q (TMA zero-fills them)
+and rows that see no key carry lse_log2 = +inf and D = 0 from the preprocess, so their P and dS are exactly 0.
+Masking happens on the scaled exponent, after the softmax scale, so a scale of 0 never meets -inf · 0.
+
+Global tensors are viewed as (seqlen, head_dim, heads, batch) as in the forward kernel.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Type
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+import cutlass.utils.hopper_helpers as sm90_utils
+
+from ...common.acc_views import rows_cols_view
+from ...common.block_info import BlockInfo
+from ...common.mask import apply_mask
+from ...common.online_softmax import LOG2_E
+from ..sm80.flash_bwd import red_add_f32_vec
+from .barriers import BwdBarrierId
+from .pipelines import consumer_state, producer_state
+from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, BwdTileConfig
+from . import wgmma
+
+SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
+WARP_THREADS = 32
+DQ_VEC = 4  # floats per red.global.add of the dQ accumulator
+
+
+def _seq_major_view(t: cute.Tensor) -> cute.Tensor:
+    """(batch, seqlen, heads, dim) -> (seqlen, dim, heads, batch)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+
+
+def _stats_view(t: cute.Tensor) -> cute.Tensor:
+    """(batch, heads, seqlen) -> (seqlen, heads, batch)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
+
+
+def _transposed(s: cute.Tensor, rows: int, cols: int, stages: int) -> cute.Tensor:
+    """The (cols, rows, stages) view of a (rows, cols, stages) shared-memory tile: a K-major tile read as the
+    MN-major operand of another product (the swizzle atom transposes with it)."""
+    return cute.composition(s, cute.make_ordered_layout((cols, rows, stages), order=(1, 0, 2)))
+
+
+def dq_tiled_mma(dtype: Type[cutlass.Numeric], head_dim: int, cfg: BwdTileConfig) -> cute.TiledMma:
+    """dQ = dS·K: A = dS (queries x keys, read transposed from the dSᵀ tile), B = Kᵀ (head_dim x keys, read
+    transposed from the K tile). The consumers split it by query rows ("m") or by head-dim columns ("n"). The dQ
+    accumulator's "fragment" layout is this MMA's register order, so the postprocess builds the same one."""
+    w = cfg.num_consumer_wgs
+    if cfg.dq_split == "m":
+        atoms, tiler = (w, 1, 1), (ROWS_PER_CONSUMER, head_dim)
+    else:
+        atoms, tiler = (1, w, 1), (cfg.tile_m, head_dim // w)
+    mn = cute.nvgpu.OperandMajorMode.MN
+    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, mn, mn, Float32, atom_layout_mnk=atoms, tiler_mn=tiler)
+
+
+def dq_fragment_offset(i: int, tidx, num_threads: int):
+    """Offset, within one query tile's block of the dQ accumulator, of dQ accumulator element `i` of consumer thread
+    `tidx`: DQ_VEC consecutive elements per thread, thread-interleaved, so a warp's red.v4 covers 512 bytes."""
+    return (i // DQ_VEC) * (num_threads * DQ_VEC) + tidx * DQ_VEC + i % DQ_VEC
+
+
+class Sm90FlashBackward:
+    """Callable compiled once per (dtype, head dim, mask kind, tile config, GQA); shapes and strides are runtime."""
+
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, mask_kind: str, cfg: BwdTileConfig, gqa: bool):
+        assert dtype in (cutlass.BFloat16, cutlass.Float16)
+        assert mask_kind in ("none", "causal", "local")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.mask_kind = mask_kind
+        self.cfg = cfg
+        self.gqa = gqa
+        self.num_consumers = cfg.num_consumer_wgs
+        self.num_consumer_threads = cfg.num_consumer_wgs * WARPGROUP_THREADS
+        self.tile_m = cfg.tile_m
+        self.tile_n = cfg.tile_n
+        self.num_stages = cfg.num_stages
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, sq, h, d)
+        mK: cute.Tensor,  # (b, sk, h_kv, d)
+        mV: cute.Tensor,  # (b, sk, h_kv, d)
+        mdO: cute.Tensor,  # (b, sq, h, d)
+        mLSElog2: cute.Tensor,  # (b, h, sq_padded) fp32, from the preprocess
+        mdPsum: cute.Tensor,  # (b, h, sq_padded) fp32, from the preprocess
+        mdQaccum: cute.Tensor,  # (b, h, sq_padded * d) fp32, zeroed; "fragment" layout
+        mdK: cute.Tensor,  # (b, sk, h_kv, d) dtype, or (b, sk_padded, h_kv, d) fp32 zeroed under GQA
+        mdV: cute.Tensor,  # like mdK
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        stream: cuda.CUstream,
+    ):
+        d = self.head_dim
+        mQ, mK, mV, mdO = [_seq_major_view(t) for t in (mQ, mK, mV, mdO)]
+        mLSElog2, mdPsum = _stats_view(mLSElog2), _stats_view(mdPsum)
+        if const_expr(not self.gqa):
+            mdK, mdV = _seq_major_view(mdK), _seq_major_view(mdV)
+
+        stages = self.num_stages
+        sQ_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_m, d, stages)
+        sdO_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_m, d, stages)
+        sK_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, d, 1)
+        sV_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, d, 1)
+        sdS_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, self.tile_m, stages)  # dSᵀ: keys x queries
+        sStat_layout = cute.make_layout((self.tile_m, stages))
+
+        k_major = cute.nvgpu.OperandMajorMode.K
+        mn_major = cute.nvgpu.OperandMajorMode.MN
+        consumers = (self.num_consumers, 1, 1)
+        # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: each consumer's 64 keys x all tile_m queries.
+        tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, k_major, k_major, Float32, atom_layout_mnk=consumers,
+            tiler_mn=(ROWS_PER_CONSUMER, self.tile_m),
+        )
+        # dV += Pᵀ·dO, dK += dSᵀ·Q: A from registers (the Sᵀ / dPᵀ accumulators), B = dOᵀ / Qᵀ (MN-major).
+        tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, k_major, mn_major, Float32, atom_layout_mnk=consumers,
+            tiler_mn=(ROWS_PER_CONSUMER, d), a_source=warpgroup.OperandSource.RMEM,
+        )
+        tiled_mma_dq = dq_tiled_mma(self.dtype, d, self.cfg)
+
+        one = lambda layout: cute.select(layout, mode=[0, 1])  # noqa: E731  (one stage)
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, one(sQ_layout), (self.tile_m, d))
+        atom_do, tma_do = cpasync.make_tiled_tma_atom(load, mdO, one(sdO_layout), (self.tile_m, d))
+        atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, one(sK_layout), (self.tile_n, d))
+        atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, one(sV_layout), (self.tile_n, d))
+        stat_one = cute.make_layout(self.tile_m)
+        atom_lse, tma_lse = cpasync.make_tiled_tma_atom(load, mLSElog2, stat_one, (self.tile_m,))
+        atom_dpsum, tma_dpsum = cpasync.make_tiled_tma_atom(load, mdPsum, stat_one, (self.tile_m,))
+        atom_dk, tma_dk, atom_dv, tma_dv = None, mdK, None, mdV
+        if const_expr(not self.gqa):
+            store = cpasync.CopyBulkTensorTileS2GOp()
+            atom_dk, tma_dk = cpasync.make_tiled_tma_atom(store, mdK, one(sK_layout), (self.tile_n, d))
+            atom_dv, tma_dv = cpasync.make_tiled_tma_atom(store, mdV, one(sV_layout), (self.tile_n, d))
+
+        stat_bytes = self.tile_m * 4
+        self.bytes_q_lse = cute.size_in_bytes(self.dtype, one(sQ_layout)) + stat_bytes
+        self.bytes_do_dpsum = cute.size_in_bytes(self.dtype, one(sdO_layout)) + stat_bytes
+        self.bytes_kv = cute.size_in_bytes(self.dtype, one(sK_layout)) + cute.size_in_bytes(self.dtype, one(sV_layout))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+            sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], SMEM_ALIGN]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], SMEM_ALIGN]
+
+        num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
+        self.kernel(
+            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_dpsum, mdQaccum, tma_dk, tma_dv,
+            atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum, atom_dk, atom_dv,
+            tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout,
+            softmax_scale, window_left, window_right, SharedStorage,
+        ).launch(
+            grid=[num_n_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])],
+            block=[self.cfg.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # TMA coordinate tensors (s, d, h, b)
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSElog2: cute.Tensor,  # TMA coordinate tensors (sq_padded, h, b)
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,  # (b, h, sq_padded * d) fp32
+        mdK: cute.Tensor,  # TMA coordinate tensor (sk, d, h_kv, b), or the fp32 (b, sk_padded, h_kv, d) buffer
+        mdV: cute.Tensor,
+        atom_q: cute.CopyAtom,
+        atom_k: cute.CopyAtom,
+        atom_v: cute.CopyAtom,
+        atom_do: cute.CopyAtom,
+        atom_lse: cute.CopyAtom,
+        atom_dpsum: cute.CopyAtom,
+        atom_dk: cute.CopyAtom,
+        atom_dv: cute.CopyAtom,
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        sStat_layout: cute.Layout,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in (atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads // WARP_THREADS)
+        ring = partial(pipeline.PipelineTmaAsync.create, producer_group=producer, consumer_group=consumer_warps,
+                       defer_sync=True)
+        pipe_kv = ring(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, tx_count=self.bytes_kv)
+        pipe_q = ring(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages,
+                      tx_count=self.bytes_q_lse)
+        pipe_do = ring(barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages,
+                       tx_count=self.bytes_do_dpsum)
+        pipeline.pipeline_init_arrive(is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sLSE = storage.sLSE.get_tensor(sStat_layout)
+        sdPsum = storage.sdPsum.get_tensor(sStat_layout)
+
+        n_block, head, batch = cute.arch.block_idx()
+        seqlen_q = mQ.shape[0]
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        info = BlockInfo(self.tile_m, self.tile_n, self.mask_kind, seqlen_q, mK.shape[0], window_left, window_right)
+        m_min, m_max = info.q_block_range(n_block)
+
+        pipeline.pipeline_init_wait()
+
+        warp_group = warp_idx // 4
+        if warp_group == 0:
+            cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
+            if warp_idx == 0:
+                self.produce(
+                    pipe_kv, pipe_q, pipe_do, atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum,
+                    mQ, mK, mV, mdO, mLSElog2, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum,
+                    n_block, head, head_kv, batch, m_min, m_max,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
+            self.consume(
+                pipe_kv, pipe_q, pipe_do, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+                sQ, sK, sV, sdO, sdS, sLSE, sdPsum, mdQaccum, mdK, mdV, atom_dk, atom_dv,
+                softmax_scale, info, n_block, head, head_kv, batch, m_min, m_max,
+                tidx - WARPGROUP_THREADS, warp_idx,
+            )
+
+    @cute.jit
+    def produce(
+        self,
+        pipe_kv, pipe_q, pipe_do,
+        atom_q: cute.CopyAtom, atom_k: cute.CopyAtom, atom_v: cute.CopyAtom, atom_do: cute.CopyAtom,
+        atom_lse: cute.CopyAtom, atom_dpsum: cute.CopyAtom,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSElog2: cute.Tensor,
+        mdPsum: cute.Tensor,
+        sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sdPsum: cute.Tensor,
+        n_block: Int32, head: Int32, head_kv: Int32, batch: Int32, m_min: Int32, m_max: Int32,
+    ):
+        """K and V once; then Q + LSE and dO + D per query tile, in the consumers' order."""
+        d = self.head_dim
+        no_cluster = cute.make_layout(1)
+
+        def part(atom, s, g):
+            return cpasync.tma_partition(atom, 0, no_cluster, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
+
+        def part1(atom, s, g):
+            return cpasync.tma_partition(atom, 0, no_cluster, cute.group_modes(s, 0, 1), cute.group_modes(g, 0, 1))
+
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (None, 0))
+        gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (None, 0))
+        gLSE = cute.local_tile(mLSElog2[None, head, batch], (self.tile_m,), (None,))
+        gdPsum = cute.local_tile(mdPsum[None, head, batch], (self.tile_m,), (None,))
+        tKsK, tKgK = part(atom_k, sK, gK)
+        tVsV, tVgV = part(atom_v, sV, gV)
+        tQsQ, tQgQ = part(atom_q, sQ, gQ)
+        tdOsdO, tdOgdO = part(atom_do, sdO, gdO)
+        tLsL, tLgL = part1(atom_lse, sLSE, gLSE)
+        tDsD, tDgD = part1(atom_dpsum, sdPsum, gdPsum)
+
+        if m_max > m_min:
+            kv = producer_state(1)
+            pipe_kv.producer_acquire(kv)
+            cute.copy(atom_k, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+            cute.copy(atom_v, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+            q = producer_state(self.num_stages)
+            do = producer_state(self.num_stages)
+            for m_block in cutlass.range(m_min, m_max, unroll=1):
+                pipe_q.producer_acquire(q)
+                bar_q = pipe_q.producer_get_barrier(q)
+                cute.copy(atom_q, tQgQ[None, m_block], tQsQ[None, q.index], tma_bar_ptr=bar_q)
+                cute.copy(atom_lse, tLgL[None, m_block], tLsL[None, q.index], tma_bar_ptr=bar_q)
+                pipe_do.producer_acquire(do)
+                bar_do = pipe_do.producer_get_barrier(do)
+                cute.copy(atom_do, tdOgdO[None, m_block], tdOsdO[None, do.index], tma_bar_ptr=bar_do)
+                cute.copy(atom_dpsum, tDgD[None, m_block], tDsD[None, do.index], tma_bar_ptr=bar_do)
+                q.advance()
+                do.advance()
+
+    @cute.jit
+    def consume(
+        self,
+        pipe_kv, pipe_q, pipe_do,
+        tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
+        sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor,
+        sLSE: cute.Tensor, sdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, atom_dk: cute.CopyAtom, atom_dv: cute.CopyAtom,
+        softmax_scale: Float32, info: BlockInfo,
+        n_block: Int32, head: Int32, head_kv: Int32, batch: Int32, m_min: Int32, m_max: Int32,
+        tidx: Int32,  # 0 .. num_consumer_threads - 1
+        warp_idx: Int32,
+    ):
+        d = self.head_dim
+        stages = self.num_stages
+        consumer = tidx // WARPGROUP_THREADS
+        wg_first = consumer * WARPGROUP_THREADS  # operand partitions are per warpgroup
+        wg_sdp = tiled_mma_sdp.get_slice(wg_first)
+        wg_dkv = tiled_mma_dkv.get_slice(wg_first)
+        wg_dq = tiled_mma_dq.get_slice(wg_first)
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        thr_dkv = tiled_mma_dkv.get_slice(tidx)
+        thr_dq = tiled_mma_dq.get_slice(tidx)
+
+        # Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ (all K-major tiles as loaded).
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))[None, None, None, 0]
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))  # (MMA, 1, k-blocks, stage)
+        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))[None, None, None, 0]
+        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        # dV += Pᵀ·dO, dK += dSᵀ·Q: B = dOᵀ / Qᵀ, the (d, tile_m) views of the same tiles.
+        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sdO, self.tile_m, d, stages)))
+        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sQ, self.tile_m, d, stages)))
+        tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
+        tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
+        # dQ = dS·K: A = dS, the (tile_m, tile_n) view of the dSᵀ tiles; B = Kᵀ, the (d, tile_n) view of K.
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(_transposed(sdS, self.tile_n, self.tile_m, stages)))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed(sK, self.tile_n, d, 1)))[None, None, None, 0]
+
+        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, d)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, d)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+
+        # dSᵀ (16-bit, accumulator order) to shared memory for the dQ product.
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        smem_copy_ds = cute.make_tiled_copy_C(stmatrix, tiled_mma_sdp).get_slice(tidx)
+        tdSsdS = smem_copy_ds.partition_D(sdS)  # (CPY, CPY_M, CPY_N, stage)
+
+        # (key row, query column) of this thread's Sᵀ entries, and thread 0's (compile-time) for the mask.
+        coords_rc = rows_cols_view(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))))
+        coords0_rc = rows_cols_view(
+            tiled_mma_sdp.get_slice(0).partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
+        )
+        dq_base = mdQaccum[batch, head, None]
+
+        if m_max > m_min:
+            scale_log2 = softmax_scale * LOG2_E
+            kv = consumer_state(1)
+            pipe_kv.consumer_wait(kv)
+            q = consumer_state(stages)
+            do = consumer_state(stages)
+            step = partial(
+                self.step,
+                pipe_q=pipe_q, pipe_do=pipe_do,
+                tiled_mma_sdp=tiled_mma_sdp, tiled_mma_dkv=tiled_mma_dkv, tiled_mma_dq=tiled_mma_dq,
+                tSrK=tSrK, tSrQ=tSrQ, tdPrV=tdPrV, tdPrdO=tdPrdO, tdVrdOt=tdVrdOt, tdKrQt=tdKrQt,
+                tdVrP=tdVrP, tdKrdS=tdKrdS, tdQrdS=tdQrdS, tdQrKt=tdQrKt, acc_dV=acc_dV, acc_dK=acc_dK,
+                smem_copy_ds=smem_copy_ds, tdSsdS=tdSsdS, sLSE=sLSE, sdPsum=sdPsum,
+                coords_rc=coords_rc, coords0_rc=coords0_rc, info=info, n_block=n_block, scale_log2=scale_log2,
+                thr_dq=thr_dq, dq_base=dq_base, tidx=tidx,
+            )
+            # Query tiles in order; only those crossing a window edge (or all of them when this key tile runs
+            # past seqlen_k) are masked element by element.
+            kv_tail = (n_block + 1) * self.tile_n > info.seqlen_k
+            masked_end = m_min
+            if const_expr(info.has_right_bound):
+                masked_end = cutlass.max(cutlass.min(info.q_right_masked_end(n_block), m_max), m_min)
+            left_start = m_max
+            if const_expr(info.has_left_bound):
+                left_start = cutlass.max(cutlass.min(info.q_left_masked_start(n_block), m_max), masked_end)
+            if kv_tail:
+                masked_end = m_max
+                left_start = m_max
+            for m_block in cutlass.range(m_min, masked_end, unroll=1):
+                q, do = step(q, do, m_block, True)
+            for m_block in cutlass.range(masked_end, left_start, unroll=1):
+                q, do = step(q, do, m_block, False)
+            if const_expr(info.has_left_bound):
+                for m_block in cutlass.range(left_start, m_max, unroll=1):
+                    q, do = step(q, do, m_block, True)
+
+        if const_expr(self.gqa):
+            self.add_dkv_partials(acc_dK, acc_dV, thr_dkv, mdK, mdV, softmax_scale, n_block, head_kv, batch)
+        else:
+            # A key tile no query sees still writes its (zero) dK / dV.
+            self.store_dkv(
+                acc_dK, acc_dV, tiled_mma_dkv, sK, sV, mdK, mdV, atom_dk, atom_dv, softmax_scale,
+                n_block, head_kv, batch, tidx, warp_idx,
+            )
+
+    @cute.jit
+    def step(
+        self,
+        q: pipeline.PipelineState,
+        do: pipeline.PipelineState,
+        m_block: Int32,
+        masked: cutlass.Constexpr[bool],
+        pipe_q, pipe_do,
+        tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
+        tSrK: cute.Tensor, tSrQ: cute.Tensor, tdPrV: cute.Tensor, tdPrdO: cute.Tensor,
+        tdVrdOt: cute.Tensor, tdKrQt: cute.Tensor, tdVrP: cute.Tensor, tdKrdS: cute.Tensor,
+        tdQrdS: cute.Tensor, tdQrKt: cute.Tensor, acc_dV: cute.Tensor, acc_dK: cute.Tensor,
+        smem_copy_ds, tdSsdS: cute.Tensor, sLSE: cute.Tensor, sdPsum: cute.Tensor,
+        coords_rc: cute.Tensor, coords0_rc: cute.Tensor, info: BlockInfo, n_block: Int32, scale_log2: Float32,
+        thr_dq, dq_base: cute.Tensor, tidx: Int32,
+    ):
+        """One query tile: Sᵀ, dPᵀ, P, dS, dV, dQ, dK (see the module docstring for the order and the overlap)."""
+        s_shape = tiled_mma_sdp.get_slice(0).partition_shape_C((self.tile_n, self.tile_m))
+        pipe_q.consumer_wait(q)
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        wgmma.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, q.index], zero_init=True, wait=-1)
+        pipe_do.consumer_wait(do)
+        acc_dP = cute.make_rmem_tensor(s_shape, Float32)
+        wgmma.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do.index], zero_init=True, wait=1)
+
+        # P = exp2(S · scale · log2e − lse_log2[query]); the mask (on the scaled exponent) leaves -inf -> P = 0.
+        s_rc = rows_cols_view(acc_S)
+        num_rows = cute.size(s_rc, mode=[0])
+        num_cols = cute.size(s_rc, mode=[1])
+        for c in cutlass.range_constexpr(num_cols):
+            lse = sLSE[coords_rc[0, c][1], q.index]
+            for r in cutlass.range_constexpr(num_rows):
+                s_rc[r, c] = s_rc[r, c] * scale_log2 - lse
+        if const_expr(masked):
+            apply_mask(s_rc, coords_rc, coords0_rc, info, m_block, n_block, True, True, keys_on_rows=True)
+        acc_S.store(cute.math.exp2(acc_S.load(), fastmath=True))
+        wgmma.store_p_operand(acc_S, tdVrP)
+
+        # dS = P ⊙ (dP − D[query]).
+        warpgroup.wait_group(0)
+        dp_rc = rows_cols_view(acc_dP)
+        for c in cutlass.range_constexpr(num_cols):
+            dpsum = sdPsum[coords_rc[0, c][1], do.index]
+            for r in cutlass.range_constexpr(num_rows):
+                dp_rc[r, c] = s_rc[r, c] * (dp_rc[r, c] - dpsum)
+        wgmma.store_p_operand(acc_dP, tdKrdS)
+        # The 16-bit A fragment holds dSᵀ in the accumulator's register order: store it as such for dQ.
+        rdS = cute.make_tensor(tdKrdS.iterator, cute.make_layout(s_shape))
+        cute.copy(smem_copy_ds, smem_copy_ds.retile(rdS), tdSsdS[None, None, None, q.index])
+        cute.arch.fence_view_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
+
+        wgmma.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do.index], zero_init=False, wait=-1)
+        # Every consumer's dSᵀ rows are in shared memory (and, two stages deep, none still reads this buffer:
+        # a consumer reaching step j+2 has waited for its dQ product of step j before the barrier of step j+1).
+        cute.arch.barrier(barrier_id=int(BwdBarrierId.DS_READY), number_of_threads=self.num_consumer_threads)
+        acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        wgmma.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, q.index], tdQrKt, zero_init=True, wait=1)
+        pipe_do.consumer_release(do)  # dV's product is done with dO
+        wgmma.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, q.index], zero_init=False, wait=1)
+
+        # dQ (unscaled) into the fp32 accumulator, DQ_VEC floats per red in the fragment layout.
+        block = m_block * (self.tile_m * self.head_dim)
+        for i in cutlass.range_constexpr(cute.size(acc_dQ) // DQ_VEC):
+            offset = block + dq_fragment_offset(i * DQ_VEC, tidx, self.num_consumer_threads)
+            red_add_f32_vec(dq_base.iterator + offset, [acc_dQ[i * DQ_VEC + j] for j in range(DQ_VEC)])
+        warpgroup.wait_group(0)
+        pipe_q.consumer_release(q)
+        q.advance()
+        do.advance()
+        return q, do
+
+    @cute.jit
+    def store_dkv(
+        self,
+        acc_dK: cute.Tensor, acc_dV: cute.Tensor, tiled_mma_dkv: cute.TiledMma,
+        sK: cute.Tensor, sV: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+        atom_dk: cute.CopyAtom, atom_dv: cute.CopyAtom, softmax_scale: Float32,
+        n_block: Int32, head_kv: Int32, batch: Int32, tidx: Int32, warp_idx: Int32,
+    ):
+        """dK·scale and dV in 16 bits through the K / V tiles' shared memory (every consumer is done reading them
+        once all have passed the barrier) and one TMA store each, clipped at seqlen_k."""
+        d = self.head_dim
+        cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        smem_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma_dkv).get_slice(tidx)
+        for acc, s in ((acc_dK, sK), (acc_dV, sV)):
+            r16 = cute.make_rmem_tensor(acc.shape, self.dtype)
+            wgmma.convert_to_16bit(acc, r16)
+            cute.copy(smem_copy, smem_copy.retile(r16), smem_copy.partition_D(s[None, None, 0]))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
+        if warp_idx == 4:
+            no_cluster = cute.make_layout(1)
+            for atom, s, m in ((atom_dk, sK, mdK), (atom_dv, sV, mdV)):
+                g = cute.local_tile(m[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
+                t_s, t_g = cpasync.tma_partition(atom, 0, no_cluster, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
+                cute.copy(atom, t_s[None, 0], t_g[None, n_block])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def add_dkv_partials(
+        self,
+        acc_dK: cute.Tensor, acc_dV: cute.Tensor, thr_dkv, mdK: cute.Tensor, mdV: cute.Tensor,
+        softmax_scale: Float32, n_block: Int32, head_kv: Int32, batch: Int32,
+    ):
+        """GQA: this query head's dK·scale and dV added to the fp32 (b, sk_padded, h_kv, d) sums, two adjacent
+        columns per red (the buffers are padded to whole key tiles, so no row needs a predicate)."""
+        coords = thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.head_dim)))
+        row0 = n_block * self.tile_n
+        for acc, m, scale in ((acc_dK, mdK, softmax_scale), (acc_dV, mdV, None)):
+            for i in cutlass.range_constexpr(cute.size(acc) // 2):
+                row, col = coords[2 * i]
+                values = [acc[2 * i], acc[2 * i + 1]]
+                if const_expr(scale is not None):
+                    values = [x * scale for x in values]
+                ptr = m[batch, row0 + row, head_kv, None].iterator + col
+                red_add_f32_vec(ptr, values)

@@ -1,0 +1,163 @@
+"""GPU (Hopper): the sm90 backward (dq, dk, dv) against float64 autograd, with FlashAttention's rule.
+
+Two entry points over the same matrix:
+  - test_sm90_attention_backward: cute_flash.attention(...).backward() (sm90 forward and backward kernels),
+  - test_sm90_backward_kernels: the sm90 backward kernels alone, fed out/lse from the reference forward, so that a
+    backward failure is told apart from a forward one.
+Plus long sequences, fully masked rows, odd strides of the gradient, and the head dims that still train through
+the sm80 backward on Hopper.
+
+Run on an H100/H200 (one pytest worker per (dtype, head dim) group, so that each compiles only its kernels):
+  python3 -m pytest -q -n 8 --dist loadgroup tests/test_sm90_bwd.py
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.sm90
+
+HEAD_DIMS = (64, 128)
+SEQLENS = ((1, 1), (113, 203), (128, 128), (239, 1), (1023, 1024), (2048, 2048))
+MASKS = {  # name -> (causal, window_size)
+    "full": (False, (None, None)),
+    "causal": (True, (None, None)),
+    "window64_0": (False, (64, 0)),
+    "window100_30": (False, (100, 30)),
+}
+HEADS = ((8, 8), (8, 2), (8, 1))
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _case(dt, d, sq, sk, mask, h, h_kv):
+    return pytest.param(
+        dt, d, sq, sk, mask, h, h_kv, id=f"{dt}-d{d}-{sq}x{sk}-{mask}-h{h}_{h_kv}",
+        marks=pytest.mark.xdist_group(f"{dt}-d{d}"),
+    )
+
+
+CASES = [_case(*c) for c in itertools.product(DTYPES, HEAD_DIMS, SEQLENS, MASKS, HEADS)]
+
+
+def _inputs(dt, d, sq, sk, h, h_kv, seed, batch=None):
+    from cute_flash.testing import random_qkv
+
+    b = batch or (2 if sq * sk <= 256 * 256 else 1)
+    q, k, v = random_qkv(b, sq, sk, h, h_kv, d, dtype=DTYPES[dt], seed=seed, requires_grad=True)
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(seed + 1)
+    dout = torch.randn(q.shape[0], sq, h, d, generator=gen, device="cuda").to(DTYPES[dt])
+    return q, k, v, dout
+
+
+def _seed(*params) -> int:
+    return sum((i + 1) * ord(c) for i, c in enumerate(repr(params))) % (2**31)
+
+
+def _kernel_grads(q, k, v, dout, causal, window_size):
+    """The sm90 backward kernels alone, with out / lse from the reference forward (out rounded to the input dtype)."""
+    from cute_flash.arch.sm90.backward import run_backward
+    from cute_flash.reference import attention_reference
+    from cute_flash.validation import validate
+
+    problem = validate(q, k, v, causal=causal, softmax_scale=None, window_size=window_size, dtype=None)
+    with torch.no_grad():
+        out, lse = attention_reference(
+            q, k, v, causal=causal, window_size=window_size, compute_dtype=torch.float32, return_lse=True
+        )
+    out = out.to(q.dtype)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    run_backward(
+        dout, q.detach(), k.detach(), v.detach(), out, lse, *grads,
+        spec=problem.spec, softmax_scale=problem.softmax_scale, mask=problem.mask,
+    )
+    return grads
+
+
+@pytest.mark.parametrize("dt, d, sq, sk, mask, h, h_kv", CASES)
+def test_sm90_backward_kernels(dt, d, sq, sk, mask, h, h_kv):
+    from cute_flash.testing import check_backward
+
+    causal, window = MASKS[mask]
+    q, k, v, dout = _inputs(dt, d, sq, sk, h, h_kv, _seed(dt, d, sq, sk, mask, h, h_kv))
+    grads = _kernel_grads(q, k, v, dout, causal, window)
+    check_backward(q, k, v, dout, grads, causal=causal, window_size=window)
+
+
+@pytest.mark.parametrize("dt, d, sq, sk, mask, h, h_kv", CASES)
+def test_sm90_attention_backward(dt, d, sq, sk, mask, h, h_kv):
+    import cute_flash
+    from cute_flash.testing import check_backward
+
+    causal, window = MASKS[mask]
+    q, k, v, dout = _inputs(dt, d, sq, sk, h, h_kv, _seed(dt, d, sq, sk, mask, h, h_kv))
+    out = cute_flash.attention(q, k, v, causal=causal, window_size=window)
+    out.backward(dout)
+    check_backward(q, k, v, dout, (q.grad, k.grad, v.grad), causal=causal, window_size=window)
+
+
+@pytest.mark.parametrize(
+    "d, seqlen, causal, h_kv",
+    [pytest.param(d, s, c, hk, marks=pytest.mark.xdist_group(f"bf16-d{d}"))
+     for d, s, c, hk in ((128, 8192, False, 2), (128, 8192, True, 2), (64, 8192, True, 1), (128, 16384, True, 1))],
+)
+def test_sm90_backward_long(d, seqlen, causal, h_kv):
+    from cute_flash.testing import check_backward
+
+    q, k, v, dout = _inputs("bf16", d, seqlen, seqlen, 2, h_kv, _seed(d, seqlen, causal), batch=1)
+    grads = _kernel_grads(q, k, v, dout, causal, (None, None))
+    check_backward(q, k, v, dout, grads, causal=causal)
+
+
+@pytest.mark.xdist_group("bf16-d128")
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_backward_fully_masked_rows(d):
+    """Rows that see no key (seqlen_q > seqlen_k, causal; a window that ends before key 0): their dq must be exactly
+    0, everything finite, the rest within the rule; key tiles no query sees get dk = dv = 0."""
+    import cute_flash
+    from cute_flash.testing import check_backward
+
+    for sq, sk, causal, window, empty_rows in ((300, 100, True, (None, None), 200), (256, 200, False, (8, 0), 56)):
+        q, k, v, dout = _inputs("bf16", d, sq, sk, 4, 2, _seed(d, sq, sk, causal))
+        out = cute_flash.attention(q, k, v, causal=causal, window_size=window)
+        out.backward(dout)
+        check_backward(q, k, v, dout, (q.grad, k.grad, v.grad), causal=causal, window_size=window)
+        assert torch.count_nonzero(q.grad[:, :empty_rows]) == 0
+    # A window that leaves the last keys unseen by every query: their dk, dv are 0.
+    q, k, v, dout = _inputs("bf16", d, 128, 512, 2, 2, _seed(d, "tail"))
+    out = cute_flash.attention(q, k, v, window_size=(0, 0))
+    out.backward(dout)
+    check_backward(q, k, v, dout, (q.grad, k.grad, v.grad), window_size=(0, 0))
+    assert torch.count_nonzero(k.grad[:, 512 - 128:]) > 0 and torch.count_nonzero(k.grad[:, :128]) == 0
+
+
+@pytest.mark.xdist_group("bf16-d128")
+def test_sm90_backward_strided_inputs():
+    """Non-contiguous q/k/v/dout views (heads-major storage, a sliced head dim stays contiguous) give the same
+    gradients as contiguous copies."""
+    import cute_flash
+    from cute_flash.testing import check_backward
+
+    b, s, h, d = 2, 333, 4, 128
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    base = torch.randn(b, h, s, 3 * d, generator=gen, device="cuda").to(torch.bfloat16)
+    q, k, v = (base[..., i * d:(i + 1) * d].transpose(1, 2).detach().requires_grad_() for i in range(3))
+    dout = torch.randn(b, h, s, d, generator=gen, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    out = cute_flash.attention(q, k, v, causal=True)
+    out.backward(dout)
+    check_backward(q, k, v, dout, (q.grad, k.grad, v.grad), causal=True)
+
+
+@pytest.mark.parametrize("d", [pytest.param(d, marks=pytest.mark.xdist_group(f"sm80-d{d}")) for d in (96, 256)])
+def test_sm90_family_trains_other_head_dims_through_sm80(d):
+    """Head dims without an sm90 backward configuration still train on Hopper (the sm80 backward serves them)."""
+    import cute_flash
+    from cute_flash.testing import check_backward
+
+    q, k, v, dout = _inputs("bf16", d, 300, 300, 4, 2, _seed(d, "sm80"))
+    out = cute_flash.attention(q, k, v, causal=True)
+    out.backward(dout)
+    check_backward(q, k, v, dout, (q.grad, k.grad, v.grad), causal=True)
