@@ -39,7 +39,7 @@ def _case(dt, d, sq, sk, mask, h, h_kv):
     )
 
 
-CASES = [_case(*c) for c in itertools.product(DTYPES, HEAD_DIMS, SEQLENS, MASKS, HEADS)]
+CASES = [_case(dt, d, sq, sk, m, h, hk) for dt, d, (sq, sk), m, (h, hk) in itertools.product(DTYPES, HEAD_DIMS, SEQLENS, MASKS, HEADS)]
 
 
 def _inputs(dt, d, sq, sk, h, h_kv, seed, batch=None):
@@ -126,12 +126,14 @@ def test_sm90_backward_fully_masked_rows(d):
         out.backward(dout)
         check_backward(q, k, v, dout, (q.grad, k.grad, v.grad), causal=causal, window_size=window)
         assert torch.count_nonzero(q.grad[:, :empty_rows]) == 0
-    # A window that leaves the last keys unseen by every query: their dk, dv are 0.
+    # A window that leaves the first keys unseen by every query (query i sees keys i + 380 .. i + 384): whole key
+    # tiles no query visits, whose dk, dv must be 0. (A one-key window would give dk = 0 everywhere: P = 1.)
     q, k, v, dout = _inputs("bf16", d, 128, 512, 2, 2, _seed(d, "tail"))
-    out = cute_flash.attention(q, k, v, window_size=(0, 0))
+    out = cute_flash.attention(q, k, v, window_size=(4, 0))
     out.backward(dout)
-    check_backward(q, k, v, dout, (q.grad, k.grad, v.grad), window_size=(0, 0))
-    assert torch.count_nonzero(k.grad[:, 512 - 128:]) > 0 and torch.count_nonzero(k.grad[:, :128]) == 0
+    check_backward(q, k, v, dout, (q.grad, k.grad, v.grad), window_size=(4, 0))
+    assert torch.count_nonzero(k.grad[:, 384:]) > 0
+    assert torch.count_nonzero(k.grad[:, :380]) == 0 and torch.count_nonzero(v.grad[:, :380]) == 0
 
 
 @pytest.mark.xdist_group("bf16-d128")

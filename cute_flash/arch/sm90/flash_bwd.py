@@ -459,18 +459,26 @@ class Sm90FlashBackward:
         pipe_q.consumer_wait(q)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         wgmma.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, q.index], zero_init=True, wait=-1)
-        pipe_do.consumer_wait(do)
-        acc_dP = cute.make_rmem_tensor(s_shape, Float32)
-        wgmma.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do.index], zero_init=True, wait=1)
-
-        # P = exp2(S · scale · log2e − lse_log2[query]); the mask (on the scaled exponent) leaves -inf -> P = 0.
+        # The statistics of this thread's query columns go to registers while the products run (a shared-memory
+        # load after the wgmma wait would stall the exponentials behind it).
         s_rc = rows_cols_view(acc_S)
         num_rows = cute.size(s_rc, mode=[0])
         num_cols = cute.size(s_rc, mode=[1])
+        lse = cute.make_rmem_tensor(num_cols, Float32)
         for c in cutlass.range_constexpr(num_cols):
-            lse = sLSE[coords_rc[0, c][1], q.index]
+            lse[c] = sLSE[coords_rc[0, c][1], q.index]
+        pipe_do.consumer_wait(do)
+        acc_dP = cute.make_rmem_tensor(s_shape, Float32)
+        wgmma.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do.index], zero_init=True, wait=-1)
+        dpsum = cute.make_rmem_tensor(num_cols, Float32)
+        for c in cutlass.range_constexpr(num_cols):
+            dpsum[c] = sdPsum[coords_rc[0, c][1], do.index]
+        warpgroup.wait_group(1)  # Sᵀ is ready; dPᵀ may still run
+
+        # P = exp2(S · scale · log2e − lse_log2[query]); the mask (on the scaled exponent) leaves -inf -> P = 0.
+        for c in cutlass.range_constexpr(num_cols):
             for r in cutlass.range_constexpr(num_rows):
-                s_rc[r, c] = s_rc[r, c] * scale_log2 - lse
+                s_rc[r, c] = s_rc[r, c] * scale_log2 - lse[c]
         if const_expr(masked):
             apply_mask(s_rc, coords_rc, coords0_rc, info, m_block, n_block, True, True, keys_on_rows=True)
         acc_S.store(cute.math.exp2(acc_S.load(), fastmath=True))
@@ -480,9 +488,8 @@ class Sm90FlashBackward:
         warpgroup.wait_group(0)
         dp_rc = rows_cols_view(acc_dP)
         for c in cutlass.range_constexpr(num_cols):
-            dpsum = sdPsum[coords_rc[0, c][1], do.index]
             for r in cutlass.range_constexpr(num_rows):
-                dp_rc[r, c] = s_rc[r, c] * (dp_rc[r, c] - dpsum)
+                dp_rc[r, c] = s_rc[r, c] * (dp_rc[r, c] - dpsum[c])
         wgmma.store_p_operand(acc_dP, tdKrdS)
         # The 16-bit A fragment holds dSᵀ in the accumulator's register order: store it as such for dQ.
         rdS = cute.make_tensor(tdKrdS.iterator, cute.make_layout(s_shape))

@@ -2,8 +2,9 @@
 
 The main kernel (flash_bwd.py) adds each query tile's dQ to a (b, h, sq_padded * d) fp32 buffer in its dQ MMA's
 register order (`flash_bwd.dq_fragment_offset`). One CTA with the main kernel's consumer thread count converts one
-query tile: thread t reads what consumer thread t added (16-byte loads, all issued before the first store) and finds
-each value's (row, column) from the same tiled MMA.
+query tile: thread t reads what consumer thread t added (16-byte loads), so its registers hold that MMA's
+accumulator; it scales and converts them, stmatrix puts the tile in shared memory, and one TMA store writes it
+(rows past seqlen_q clipped), so that global memory sees whole 128-byte lines instead of 4-byte pieces.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from typing import Type
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+from cutlass.cute.nvgpu import cpasync
 
-from ...common.pin import pin_values
 from .flash_bwd import DQ_VEC, dq_fragment_offset, dq_tiled_mma
 from .tile_config import WARPGROUP_THREADS, BwdTileConfig
+from . import wgmma
+
+SMEM_ALIGN = 1024
 
 
 class DqConvertSm90:
@@ -34,31 +38,58 @@ class DqConvertSm90:
         scale: Float32,
         stream,
     ):
-        grid = (cute.ceil_div(mOut.shape[1], self.cfg.tile_m), mOut.shape[2], mOut.shape[0])
-        self.kernel(mAccum, mOut, scale, dq_tiled_mma(self.dtype, self.head_dim, self.cfg)).launch(
+        tile_m, d = self.cfg.tile_m, self.head_dim
+        sO_layout = wgmma.k_major_smem_layout(self.dtype, tile_m, d, 1)
+        mO = cute.make_tensor(mOut.iterator, cute.select(mOut.layout, mode=[1, 3, 2, 0]))  # (s, d, h, b)
+        atom_o, tma_o = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (tile_m, d)
+        )
+
+        @cute.struct
+        class SharedStorage:
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], SMEM_ALIGN]
+
+        grid = (cute.ceil_div(mOut.shape[1], tile_m), mOut.shape[2], mOut.shape[0])
+        self.kernel(mAccum, tma_o, atom_o, scale, dq_tiled_mma(self.dtype, d, self.cfg), sO_layout, SharedStorage).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream
         )
 
     @cute.kernel
-    def kernel(self, mAccum: cute.Tensor, mOut: cute.Tensor, scale: Float32, tiled_mma: cute.TiledMma):
+    def kernel(
+        self,
+        mAccum: cute.Tensor,
+        mO: cute.Tensor,  # TMA coordinate tensor (s, d, h, b)
+        atom_o: cute.CopyAtom,
+        scale: Float32,
+        tiled_mma: cute.TiledMma,
+        sO_layout: cute.ComposedLayout,
+        SharedStorage: cutlass.Constexpr,
+    ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
-        seqlen = mOut.shape[1]
-        tile_m = self.cfg.tile_m
-        tCcC = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_m, self.head_dim)))
-        n = cute.size(tCcC)
-        base = mAccum[batch, head, None].iterator + m_block * (tile_m * self.head_dim)
-        values = cute.make_rmem_tensor(n, Float32)
-        for i in cutlass.range_constexpr(n // DQ_VEC):  # the tile is padding past seqlen: in bounds
-            src = cute.make_tensor(base + dq_fragment_offset(i * DQ_VEC, tidx, self.num_threads), cute.make_layout(DQ_VEC))
-            chunk = cute.make_tensor(values.iterator + i * DQ_VEC, cute.make_layout(DQ_VEC))
-            cute.autovec_copy(src, chunk)
-        pin_values([values[j] for j in range(n)])
-        for i in cutlass.range_constexpr(n // 2):
-            row = m_block * tile_m + tCcC[2 * i][0]
-            if row < seqlen:
-                pair = cute.make_rmem_tensor(2, self.dtype)
-                pair[0] = (values[2 * i] * scale).to(self.dtype)
-                pair[1] = (values[2 * i + 1] * scale).to(self.dtype)
-                dst = cute.make_tensor(mOut[batch, row, head, None].iterator + tCcC[2 * i][1], cute.make_layout(2))
-                cute.autovec_copy(pair, dst)
+        tile_m, d = self.cfg.tile_m, self.head_dim
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+
+        acc = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C((tile_m, d)), Float32)
+        base = mAccum[batch, head, None].iterator + m_block * (tile_m * d)
+        for i in cutlass.range_constexpr(cute.size(acc) // DQ_VEC):  # the tile is padding past seqlen: in bounds
+            ptr = (base + dq_fragment_offset(i * DQ_VEC, tidx, self.num_threads)).align(DQ_VEC * 4)
+            src = cute.make_tensor(ptr, cute.make_layout(DQ_VEC))
+            cute.autovec_copy(src, cute.make_tensor(acc.iterator + i * DQ_VEC, cute.make_layout(DQ_VEC)))
+        acc.store(acc.load() * scale)
+        r16 = cute.make_rmem_tensor(acc.shape, self.dtype)
+        wgmma.convert_to_16bit(acc, r16)
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        smem_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma).get_slice(tidx)
+        cute.copy(smem_copy, smem_copy.retile(r16), smem_copy.partition_D(sO[None, None, 0]))
+        cute.arch.fence_view_async_shared()  # generic-proxy stores, read next by the TMA (async proxy)
+        cute.arch.sync_threads()
+        if tidx < 32:
+            gO = cute.local_tile(mO[None, None, head, batch], (tile_m, d), (None, 0))
+            tOsO, tOgO = cpasync.tma_partition(
+                atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+            )
+            cute.copy(atom_o, tOsO[None, 0], tOgO[None, m_block])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
