@@ -36,11 +36,12 @@ def _backend_for(t: torch.Tensor) -> ArchBackend:
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, problem: Problem, arch: ArchBackend):
+    def forward(ctx, q, k, v, problem: Problem, arch: ArchBackend, deterministic: bool):
         out, lse = _run_forward(q, k, v, problem, arch)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem = problem
         ctx.arch = arch
+        ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -48,7 +49,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         problem: Problem = ctx.problem
         arch: ArchBackend = ctx.arch
-        check_backend_supports(arch, problem.spec, backward=True)
+        check_backend_supports(arch, problem.spec, backward=True, deterministic=ctx.deterministic)
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         if _is_empty(problem):
@@ -69,8 +70,9 @@ class _Attention(torch.autograd.Function):
                     spec=problem.spec,
                     softmax_scale=problem.softmax_scale,
                     mask=problem.mask,
+                    deterministic=ctx.deterministic,
                 )
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def _is_empty(p: Problem) -> bool:
@@ -140,6 +142,7 @@ def attention(
     return_lse: bool = False,
     fp8_rotate: bool = True,
     descale: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    deterministic: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention softmax(q kᵀ · scale + mask) v on a CUDA GPU, by the kernel family that serves it.
 
@@ -157,10 +160,14 @@ def attention(
     fp8_rotate=False; out keeps the inputs' dtype. Already quantised float8_e4m3fn inputs take
     descale=(q_descale, k_descale, v_descale), float32 of shape (batch, nheads_kv) or per block (see
     cute_flash.fp8.prepare); their out is bf16. A gradient through the FP8 path raises NotImplementedError.
+
+    deterministic: the backward sums dQ (and, under GQA/MQA, dK and dV) in a fixed order, so that repeated runs give
+    bitwise-equal gradients (slower: see docs/performance.md). Families whose backward cannot do that raise
+    NotImplementedError when gradients are needed.
     """
     problem = validate(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=dtype, descale=descale,
-        fp8_rotate=fp8_rotate,
+        fp8_rotate=fp8_rotate, deterministic=deterministic,
     )
     arch = _backend_for(q)
     check_backend_supports(arch, problem.spec, backward=False)
@@ -173,7 +180,9 @@ def attention(
         if needs_grad:
             out = _Fp8NoBackward.apply(out, q, k, v)
     elif needs_grad:
-        out, lse = _Attention.apply(q, k, v, problem, arch)
+        if deterministic:  # fail before the forward, not in the middle of autograd
+            check_backend_supports(arch, problem.spec, backward=True, deterministic=True)
+        out, lse = _Attention.apply(q, k, v, problem, arch, deterministic)
     else:
         out, lse = _run_forward(q, k, v, problem, arch)
     return (out, lse) if return_lse else out

@@ -83,6 +83,7 @@ def validate(
     dtype: Optional[str],
     descale: Optional[Sequence[torch.Tensor]] = None,
     fp8_rotate: bool = True,
+    deterministic: bool = False,
 ) -> Problem:
     q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
     for name, t in (("k", k), ("v", v)):
@@ -112,6 +113,8 @@ def validate(
         raise ValueError("fp8_rotate=False applies only to dtype='fp8' with fp16/bf16 inputs (they are quantised here)")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
 
     batch, seqlen_q, nheads, head_dim = q.shape
     if k.shape[0] != batch or v.shape[0] != batch:
@@ -193,8 +196,8 @@ def _check_descale(descale: object, q: torch.Tensor, k: torch.Tensor) -> None:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
 
 
-def check_backend_supports(backend, spec: AttentionSpec, backward: bool) -> None:
-    reason = backend.unsupported_reason(spec, backward)
+def check_backend_supports(backend, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> None:
+    reason = backend.unsupported_reason(spec, backward, deterministic)
     if reason is not None:
         raise NotImplementedError(f"cute_flash backend {backend.name}: {reason}")
 

@@ -142,3 +142,24 @@ def test_backward_block_ranges_match_brute_force(kind, left, right):
                 fully_visible = bool(seen[rows, n * bn:(n + 1) * bn].all()) and (n + 1) * bn <= sk
                 if not fully_visible:
                     assert bool(blocks.tile_needs_mask(m, n)), (sq, sk, bm, bn, m, n)
+
+
+@pytest.mark.parametrize("tile_m, tile_n", [(64, 128), (128, 128), (16, 32)])
+def test_block_ranges_are_one_relation(tile_m, tile_n):
+    """Key tile n visits query tile m (m in q_block_range(n)) exactly when n is in kv_block_range(m). The sm90
+    backward's deterministic mode relies on it: the key tiles that add to a query tile's dQ take turns numbered from
+    kv_block_range(m)[0], so one tile too many or too few on either side would deadlock."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(60):
+        sq, sk = rng.randint(1, 700), rng.randint(1, 700)
+        kind = rng.choice(["none", "causal", "local"])
+        left = rng.choice([UNBOUNDED_WINDOW, 0, 5, 64, 300]) if kind == "local" else UNBOUNDED_WINDOW
+        right = rng.choice([UNBOUNDED_WINDOW, 0, 7, 200]) if kind == "local" else (0 if kind == "causal" else UNBOUNDED_WINDOW)
+        info = BlockInfo(tile_m, tile_n, kind, sq, sk, window_left=left, window_right=right)
+        num_m, num_n = -(-sq // tile_m), -(-sk // tile_n)
+        visits = {(m, n) for n in range(num_n) for m in range(*info.q_block_range(n))}
+        for m in range(num_m):
+            lo, hi = info.kv_block_range(m)
+            assert {n for n in range(num_n) if (m, n) in visits} == set(range(lo, hi)), (sq, sk, kind, left, right, m)

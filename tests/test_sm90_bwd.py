@@ -163,3 +163,36 @@ def test_sm90_family_trains_other_head_dims_through_sm80(d):
     out = cute_flash.attention(q, k, v, causal=True)
     out.backward(dout)
     check_backward(q, k, v, dout, (q.grad, k.grad, v.grad), causal=True)
+
+
+@pytest.mark.parametrize(
+    "d, mask, h_kv",
+    [pytest.param(d, m, hk, marks=pytest.mark.xdist_group(f"det-d{d}"))
+     for d in (64, 128) for m in ("full", "causal", "window100_30") for hk in (4, 1)],
+)
+def test_sm90_backward_deterministic(d, mask, h_kv):
+    """deterministic=True: bitwise-equal gradients over repeats (dQ, and GQA's dK/dV, summed in a fixed order), and
+    still within the rule."""
+    import cute_flash
+    from cute_flash.testing import check_backward
+
+    causal, window = MASKS[mask]
+    q, k, v, dout = _inputs("bf16", d, 1000, 1100, 4, h_kv, _seed(d, mask, h_kv, "det"))
+    runs = []
+    for _ in range(3):
+        out = cute_flash.attention(q, k, v, causal=causal, window_size=window, deterministic=True)
+        runs.append(torch.autograd.grad(out, (q, k, v), dout))
+    for grads in runs[1:]:
+        for a, b in zip(runs[0], grads):
+            assert torch.equal(a, b)
+    check_backward(q, k, v, dout, runs[0], causal=causal, window_size=window)
+
+
+@pytest.mark.xdist_group("sm80-d96")
+def test_sm90_deterministic_refused_where_sm80_trains():
+    """Head dims that train through the sm80 backward have no deterministic mode: a clear error before the forward."""
+    import cute_flash
+
+    q, k, v, _ = _inputs("bf16", 96, 64, 64, 2, 2, 0)
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        cute_flash.attention(q, k, v, deterministic=True)

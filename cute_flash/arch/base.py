@@ -34,8 +34,9 @@ class ArchBackend(Protocol):
     name: str  # "sm80" | "sm90" | "sm100"
     cute_arch: str  # default CuTe DSL target when cross-compiling: "sm_80" | "sm_90a" | "sm_100a"
 
-    def unsupported_reason(self, spec: AttentionSpec, backward: bool) -> Optional[str]:
-        """None when this family has kernels for `spec` (and its backward if asked), else what is missing."""
+    def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
+        """None when this family has kernels for `spec` (and its backward if asked, deterministic if asked), else
+        what is missing."""
 
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         """Keys per K/V descale that this family's FP8 kernel reads for `spec` (cute_flash.fp8.prepare)."""
@@ -70,8 +71,9 @@ class ArchBackend(Protocol):
         spec: AttentionSpec,
         softmax_scale: float,
         mask: MaskBounds,
+        deterministic: bool = False,
     ) -> None:
-        """Fills dq, dk, dv (same shapes and dtype as q, k, v)."""
+        """Fills dq, dk, dv (same shapes and dtype as q, k, v); deterministic: bitwise-reproducible sums."""
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         """Compiles every kernel that serves `spec` for CuTe DSL target `target` with fake tensors (no GPU needed)."""

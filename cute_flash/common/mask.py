@@ -9,7 +9,7 @@ per-element work is one compare + select against a per-row limit. This needs eac
 shifted by one constant, which holds for mma.sync (m16n8k16) and WGMMA accumulators alike.
 
 `keys_on_rows=False` (the default) is the forward orientation: rows are queries, columns keys. Backward kernels that
-compute S^T (keys on rows) pass `keys_on_rows=True`; that path masks element by element without the thread-0 trick.
+compute Sᵀ (keys on rows, the sm90 backward) pass `keys_on_rows=True`; the same trick applies with the roles swapped.
 
 Which blocks to mask at all comes from `block_info`; this module only decides element by element.
 """
@@ -44,7 +44,7 @@ def apply_mask(
     if cutlass.const_expr(not keys_on_rows):
         _mask_queries_on_rows(acc_rc, coords_rc, coords0_rc, info, m_block, n_block, mask_seqlen, mask_window)
     else:
-        _mask_keys_on_rows(acc_rc, coords_rc, info, m_block, n_block, mask_seqlen, mask_window)
+        _mask_keys_on_rows(acc_rc, coords_rc, coords0_rc, info, m_block, n_block, mask_seqlen, mask_window)
 
 
 @cute.jit
@@ -95,28 +95,33 @@ def _mask_queries_on_rows(
 def _mask_keys_on_rows(
     acc_rc: cute.Tensor,
     coords_rc: cute.Tensor,
+    coords0_rc: cute.Tensor,
     info: BlockInfo,
     m_block: Int32,
     n_block: Int32,
     mask_seqlen: cutlass.Constexpr[bool],
     mask_window: cutlass.Constexpr[bool],
 ):
-    # Here the tile is (keys of n_block) x (queries of m_block): rows are keys, columns are queries.
+    # The transposed tile of a backward kernel: rows are keys of n_block, columns queries of m_block. As in the
+    # forward orientation, the columns are thread 0's (compile-time) plus this thread's shift, so each row gets a
+    # visible column range [col_lo, col_hi] in thread 0's frame and each element costs a compare and a select.
     num_rows = cute.size(acc_rc, mode=[0])
     num_cols = cute.size(acc_rc, mode=[1])
-    key_base = n_block * info.tile_n
-    query_base = m_block * info.tile_m
+    thread_col = coords_rc[0, 0][1] - coords0_rc[0, 0][1]
+    query_base = m_block * info.tile_m + thread_col  # query of column c0 is query_base + c0
     apply_window = cutlass.const_expr(mask_window and info.has_right_bound)
     for r in cutlass.range_constexpr(num_rows):
-        key = coords_rc[r, 0][0] + key_base
+        key = n_block * info.tile_n + coords_rc[r, 0][0]
+        # Query i sees key j iff j - off - right <= i <= j - off + left.
+        col_lo = Int32(0) - (1 << 30)
+        col_hi = Int32(1 << 30)
+        if cutlass.const_expr(apply_window):
+            col_lo = key - info.offset - info.right - query_base
+            if cutlass.const_expr(info.has_left_bound):
+                col_hi = key - info.offset + info.left - query_base
+        if cutlass.const_expr(mask_seqlen):
+            col_lo = (1 << 30) if key >= info.seqlen_k else col_lo
         for c in cutlass.range_constexpr(num_cols):
-            diag = coords_rc[0, c][1] + query_base + info.offset
-            masked = False
-            if cutlass.const_expr(mask_seqlen):
-                masked = key >= info.seqlen_k
-            if cutlass.const_expr(apply_window):
-                masked = masked or key > diag + info.right
-                if cutlass.const_expr(info.has_left_bound):
-                    masked = masked or key < diag - info.left
-            if cutlass.const_expr(mask_seqlen or apply_window):
-                acc_rc[r, c] = -Float32.inf if masked else acc_rc[r, c]
+            c0 = coords0_rc[0, c][1]
+            outside = c0 < col_lo or c0 > col_hi
+            acc_rc[r, c] = -Float32.inf if outside else acc_rc[r, c]

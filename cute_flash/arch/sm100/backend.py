@@ -132,7 +132,7 @@ class _Backend:
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         return cfgmod.FP8_KV_SCALE_KEYS
 
-    def unsupported_reason(self, spec: AttentionSpec, backward: bool) -> Optional[str]:
+    def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
         if backward:
             return "there is no sm100 backward kernel yet (forward only; use the sm80 backward via CUTE_FLASH_ARCH=sm80)"
         return cfgmod.unsupported_reason(spec)
@@ -174,7 +174,7 @@ class _Backend:
             *descale_args,
         )
 
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask) -> None:
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask, deterministic=False) -> None:
         raise NotImplementedError(self.unsupported_reason(spec, True))
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:

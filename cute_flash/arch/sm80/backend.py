@@ -95,6 +95,9 @@ def _build_forward(spec: AttentionSpec, tile: FwdTile, options: str):
     )
 
 
+DETERMINISTIC_UNSUPPORTED = (
+    "the sm80 backward adds dQ (and GQA's dK/dV) with fp32 atomics in no fixed order, so it has no deterministic mode"
+)
 SPILL_FREE_MAX_HEAD_DIM = 128  # the contract: no register spills up to this head dim
 _dump_root: Optional[str] = None
 
@@ -159,10 +162,12 @@ class _Backend:
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         raise NotImplementedError("the sm80 family has no FP8 kernel")
 
-    def unsupported_reason(self, spec: AttentionSpec, backward: bool) -> Optional[str]:
+    def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
         reason = forward_unsupported_reason(spec)
         if reason is not None or not backward:
             return reason
+        if deterministic:
+            return DETERMINISTIC_UNSUPPORTED
         bwd = _backward_module()
         if bwd is None:
             return "sm80 backward not implemented yet"
@@ -190,7 +195,9 @@ class _Backend:
         q, k, v = _kernel_view(q), _kernel_view(k), _kernel_view(v)
         kernel(q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right))
 
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask) -> None:
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask, deterministic=False) -> None:
+        if deterministic:
+            raise NotImplementedError(DETERMINISTIC_UNSUPPORTED)
         bwd = _backward_module()
         if bwd is None:
             raise NotImplementedError("sm80 backward not implemented yet")

@@ -70,7 +70,7 @@ class _Backend:
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         return _fp8().kv_scale_block(spec.head_dim, spec.head_dim_v)
 
-    def unsupported_reason(self, spec: AttentionSpec, backward: bool) -> Optional[str]:
+    def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
         reason = forward_unsupported_reason(spec)
         if reason is not None or not backward:
             return reason
@@ -78,7 +78,7 @@ class _Backend:
             return "the sm90 FP8 path is forward-only: there is no FP8 backward"
         if _bwd().backward_unsupported_reason(spec) is None:
             return None
-        bwd_reason = _sm80().unsupported_reason(spec, True)
+        bwd_reason = _sm80().unsupported_reason(spec, True, deterministic)
         if bwd_reason is not None:
             return f"sm90 training runs the sm80 backward for this spec, which says: {bwd_reason}"
         return None
@@ -101,11 +101,12 @@ class _Backend:
         kernel = self._forward_kernel(spec, target)
         kernel(q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right))
 
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask) -> None:
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask, deterministic=False) -> None:
+        kw = dict(spec=spec, softmax_scale=softmax_scale, mask=mask, deterministic=deterministic)
         if _bwd().backward_unsupported_reason(spec) is None:
-            _bwd().run_backward(dout, q, k, v, out, lse, dq, dk, dv, spec=spec, softmax_scale=softmax_scale, mask=mask)
+            _bwd().run_backward(dout, q, k, v, out, lse, dq, dk, dv, **kw)
         else:  # the sm80 kernels, compiled for sm_90a by their backend
-            _sm80().backward(dout, q, k, v, out, lse, dq, dk, dv, spec=spec, softmax_scale=softmax_scale, mask=mask)
+            _sm80().backward(dout, q, k, v, out, lse, dq, dk, dv, **kw)
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         reason = self.unsupported_reason(spec, backward)

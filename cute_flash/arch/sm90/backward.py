@@ -14,6 +14,7 @@ launched through TVM-FFI on torch's current stream.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from typing import List, Optional
@@ -48,12 +49,18 @@ def _sm80_backward():
     return backward
 
 
+# Kernel roles: the main kernel without / with GQA (dK, dV partial sums), each also in a deterministic build, and
+# the dQ conversion.
+MAIN_ROLES = {"bwd": (False, False), "bwd_gqa": (True, False), "bwd_det": (False, True), "bwd_gqa_det": (True, True)}
+
+
 def _build(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str, extra: str = ""):
     from . import build
 
     if role == "bwd_dq_postprocess":
         return build.compile_dq_postprocess(spec, cfg, target, extra)
-    return build.compile_backward(spec, cfg, target, gqa=(role == "bwd_gqa"), extra_options=extra)
+    gqa, deterministic = MAIN_ROLES[role]
+    return build.compile_backward(spec, cfg, target, gqa=gqa, deterministic=deterministic, extra_options=extra)
 
 
 def _kernel(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str):
@@ -62,6 +69,18 @@ def _kernel(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str):
     key = (FAMILY, target, role, key_spec, cfg)
     compile_cache.ensure_cute_dsl_arch(target)
     return compile_cache.get_or_compile(key, lambda: _build(role, key_spec, cfg, target))
+
+
+_no_semaphores = {}
+
+
+def _semaphores(shape, device, deterministic: bool) -> torch.Tensor:
+    """Zeroed int32 semaphores for a deterministic run; otherwise one cached placeholder (never read)."""
+    if deterministic:
+        return torch.zeros(shape, dtype=torch.int32, device=device)
+    if device not in _no_semaphores:
+        _no_semaphores[device] = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
+    return _no_semaphores[device]
 
 
 def _round_up(x: int, m: int) -> int:
@@ -82,18 +101,23 @@ def run_backward(
     spec: AttentionSpec,
     softmax_scale: float,
     mask: MaskBounds,
+    deterministic: bool = False,
+    cfg: Optional[BwdTileConfig] = None,
 ) -> None:
-    """Fills dq, dk, dv (shaped and typed like q, k, v) on torch's current stream."""
+    """Fills dq, dk, dv (shaped and typed like q, k, v) on torch's current stream.
+
+    deterministic: dQ (and under GQA dK, dV) are summed in a fixed order, so repeated runs give bitwise-equal
+    gradients. cfg: a tile configuration other than the default (for studies; profiling/sm90_bwd_variants.py)."""
     reason = backward_unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(reason)
-    cfg = bwd_tile_config(spec)
+    cfg = cfg or bwd_tile_config(spec)
     target = compile_cache.runtime_target(q.device)
     sm80 = _sm80_backward()
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     gqa = nheads != nheads_kv
-    seqlen_q_pad = _round_up(seqlen_q, max(cfg.tile_m, STATS_ROW_MULTIPLE))
+    seqlen_q_pad = _round_up(seqlen_q, math.lcm(cfg.tile_m, STATS_ROW_MULTIPLE))
     f32 = dict(dtype=torch.float32, device=q.device)
 
     lse_log2 = torch.empty(batch, nheads, seqlen_q_pad, **f32)
@@ -108,8 +132,11 @@ def run_backward(
         dv_out = torch.zeros(batch, seqlen_k_pad, nheads_kv, head_dim, **f32)
     else:
         dk_out, dv_out = dk, dv
-    _kernel("bwd_gqa" if gqa else "bwd", spec, cfg, target)(
-        q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, softmax_scale, mask.left, mask.right
+    dq_sem = _semaphores((batch, nheads, seqlen_q_pad // cfg.tile_m), q.device, deterministic)
+    dkv_sem = _semaphores((batch, nheads_kv, -(-seqlen_k // cfg.tile_n)), q.device, deterministic and gqa)
+    role = ("bwd_gqa" if gqa else "bwd") + ("_det" if deterministic else "")
+    _kernel(role, spec, cfg, target)(
+        q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, dq_sem, dkv_sem, softmax_scale, mask.left, mask.right
     )
     _kernel("bwd_dq_postprocess", spec, cfg, target)(dq_accum, dq, softmax_scale)
     if gqa:

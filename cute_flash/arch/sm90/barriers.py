@@ -58,8 +58,13 @@ def epilogue_sync(consumer_idx: Int32) -> None:
     cute.arch.barrier(barrier_id=int(BarrierId.EPILOGUE_FIRST) + consumer_idx, number_of_threads=WARPGROUP_THREADS)
 
 
-class BwdBarrierId(enum.IntEnum):
-    """Named barriers of the sm90 backward kernel (its consumer warpgroups only)."""
+MAX_BWD_CONSUMER_WGS = 2
 
-    DS_READY = 1  # every consumer's dSᵀ rows of this query tile are in shared memory
-    EPILOGUE = 2  # around the dK / dV staging in shared memory
+
+class BwdBarrierId(enum.IntEnum):
+    """Named barriers of the sm90 backward kernel."""
+
+    DS_READY = 1  # (consumers) every consumer's dSᵀ rows of this query tile are in shared memory
+    EPILOGUE = 2  # (consumers) around the dK / dV staging in shared memory
+    DQ_EMPTY_FIRST = 3  # + c: (consumer c and the dQ warp) consumer c's dQ buffer may be written
+    DQ_FULL_FIRST = DQ_EMPTY_FIRST + MAX_BWD_CONSUMER_WGS  # + c: consumer c's dQ is in its buffer

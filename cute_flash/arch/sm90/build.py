@@ -52,9 +52,12 @@ def _fake_stats(batch, heads, seqlen_padded):
     return cute.runtime.make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_padded), strides, assumed_align=16)
 
 
-def compile_backward(spec: AttentionSpec, cfg, target: str, gqa: bool, extra_options: Optional[str] = None):
-    """The compiled backward main kernel: fn(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, softmax_scale,
-    window_left, window_right), dk / dv fp32 padded sums under GQA."""
+def compile_backward(
+    spec: AttentionSpec, cfg, target: str, gqa: bool, deterministic: bool = False, extra_options: Optional[str] = None
+):
+    """The compiled backward main kernel: fn(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphores,
+    dkv_semaphores, softmax_scale, window_left, window_right), dk / dv fp32 padded sums under GQA; the int32
+    semaphores are read only by a deterministic build."""
     from .flash_bwd import Sm90FlashBackward
 
     dtype = DSL_DTYPES[spec.dtype]
@@ -76,11 +79,15 @@ def compile_backward(spec: AttentionSpec, cfg, target: str, gqa: bool, extra_opt
         dk = _strided(dtype, (batch, seqlen_k, heads_kv), d)
         dv = _strided(dtype, (batch, seqlen_k, heads_kv), d)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    kernel = Sm90FlashBackward(dtype, d, spec.mask, cfg, gqa)
+    sems = [
+        cute.runtime.make_fake_tensor(cutlass.Int32, (batch, h, cute.sym_int()), (cute.sym_int64(), cute.sym_int64(), 1))
+        for h in (heads, heads_kv)
+    ]
+    kernel = Sm90FlashBackward(dtype, d, spec.mask, cfg, gqa, deterministic)
     options = compile_cache.compile_options(target, extra=extra_options or "")
     return cute.compile(
         kernel, q, k, v, dout, _fake_stats(batch, heads, sq_pad), _fake_stats(batch, heads, sq_pad), dq_accum, dk, dv,
-        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream, options=options,
+        *sems, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream, options=options,
     )
 
 

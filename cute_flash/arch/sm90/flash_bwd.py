@@ -11,12 +11,15 @@ it (`BlockInfo.q_block_range`), tile_m query rows at a time:
       dS = P ⊙ (dP − D), then dV += Pᵀ·dO and dK += dSᵀ·Q by RS wgmma (A from registers, accumulated over the whole
       walk). dQ needs every key of the tile: each consumer writes its dSᵀ rows to shared memory (stmatrix), a named
       barrier joins the consumers, and each computes its share of dQ = dS·K (SS wgmma, A and B read transposed
-      from the K-major tiles) and adds it to an fp32 accumulator in global memory with red.global.add.v4, in the
-      accumulator's register order ("fragment" layout, undone by `flash_bwd_postprocess.DqConvertSm90`).
+      from the K-major tiles) and writes it to its own shared-memory buffer in the accumulator's register order.
+  warp 1 of warpgroup 0 (the dQ writer): adds each consumer's dQ buffer to an fp32 accumulator in global memory with
+      one bulk reduce-add (cp.reduce.async.bulk) per query tile, in that same "fragment" layout (undone by
+      `flash_bwd_postprocess.DqConvertSm90`); two named barriers per consumer hand the buffer back and forth. With
+      `deterministic`, a semaphore per (batch, head, query tile) makes the key tiles add in a fixed order.
   epilogue: dK (times the softmax scale) and dV converted to 16 bits and stored with stmatrix + one TMA store per
       tile, reusing the K and V tiles' shared memory. Under GQA/MQA the CTA's dK/dV are partial sums over the
       query heads of one KV head: they are added with red.global.add.v2 to fp32 buffers that a postprocess
-      converts.
+      converts (with `deterministic`, in query-head order, behind a semaphore per (batch, KV head, key tile)).
 
 Masks: whole query tiles outside the window are never visited; only tiles crossing a window edge, and every tile
 when the key tile runs past seqlen_k, pay for element-wise masking. Query rows past seqlen_q (TMA zero-fills them)
@@ -45,13 +48,14 @@ from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E
 from ..sm80.flash_bwd import red_add_f32_vec
 from .barriers import BwdBarrierId
+from .ptx import add_release_gpu, bulk_reduce_add_f32, load_acquire_gpu
 from .pipelines import consumer_state, producer_state
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, BwdTileConfig
 from . import wgmma
 
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
 WARP_THREADS = 32
-DQ_VEC = 4  # floats per red.global.add of the dQ accumulator
+DQ_VEC = 4  # consecutive floats of one thread in the dQ "fragment" layout (one 16-byte store)
 
 
 def _seq_major_view(t: cute.Tensor) -> cute.Tensor:
@@ -83,16 +87,63 @@ def dq_tiled_mma(dtype: Type[cutlass.Numeric], head_dim: int, cfg: BwdTileConfig
     return sm90_utils.make_trivial_tiled_mma(dtype, dtype, mn, mn, Float32, atom_layout_mnk=atoms, tiler_mn=tiler)
 
 
-def dq_fragment_offset(i: int, tidx, num_threads: int):
-    """Offset, within one query tile's block of the dQ accumulator, of dQ accumulator element `i` of consumer thread
-    `tidx`: DQ_VEC consecutive elements per thread, thread-interleaved, so a warp's red.v4 covers 512 bytes."""
-    return (i // DQ_VEC) * (num_threads * DQ_VEC) + tidx * DQ_VEC + i % DQ_VEC
+def dq_fragment_offset(i: int, tidx, chunk: int):
+    """Offset, within one query tile's block of the dQ accumulator (and within the shared dQ buffer), of dQ
+    accumulator element `i` of consumer thread `tidx`. Each consumer warpgroup owns one contiguous chunk of `chunk`
+    floats (what one bulk reduce-add moves); inside it, DQ_VEC consecutive elements per thread, thread-interleaved,
+    so a warp's 16-byte stores cover 512 contiguous bytes (no bank conflicts)."""
+    t = tidx % WARPGROUP_THREADS
+    return (tidx // WARPGROUP_THREADS) * chunk + (i // DQ_VEC) * (WARPGROUP_THREADS * DQ_VEC) + t * DQ_VEC + i % DQ_VEC
+
+
+# Above this many query columns per thread (tile_m > 64), each thread keeps only an eighth of its columns' LSE and D
+# and fetches the rest from the 7 lanes that share its columns (shuffles): 32 + 32 registers would not fit at d64.
+MAX_UNSHUFFLED_STAT_COLS = 16
+
+
+@cute.jit
+def load_column_stats(s_stat: cute.Tensor, coords_rc: cute.Tensor, num_cols: cutlass.Constexpr[int]) -> cute.Tensor:
+    """This thread's share of a per-query statistic (LSE or D of one stage, `s_stat` (tile_m,)): every column's value,
+    or with more than MAX_UNSHUFFLED_STAT_COLS columns the columns of 8-column groups lane // 4 (mod 8)."""
+    if const_expr(num_cols <= MAX_UNSHUFFLED_STAT_COLS):
+        regs = cute.make_rmem_tensor(num_cols, Float32)
+        for c in cutlass.range_constexpr(num_cols):
+            regs[c] = s_stat[coords_rc[0, c][1]]
+    else:
+        # Column c = v + 2 g of the (rows, cols) view is query 8 g + 2 (lane % 4) + v; the 8 lanes with one
+        # lane % 4 share all of them. Lane 4 j + q keeps groups g = j + 8 k.
+        regs = cute.make_rmem_tensor(num_cols // 8, Float32)
+        j = cute.arch.lane_idx() // 4
+        for k in cutlass.range_constexpr(num_cols // 16):
+            for v in cutlass.range_constexpr(2):
+                regs[2 * k + v] = s_stat[coords_rc[0, v][1] + 8 * (j + 8 * k)]
+    return regs
+
+
+@cute.jit
+def column_stat(regs: cute.Tensor, c: cutlass.Constexpr[int], num_cols: cutlass.Constexpr[int]) -> Float32:
+    """The statistic of column `c` from `load_column_stats`' registers."""
+    value = regs[0]
+    if const_expr(num_cols <= MAX_UNSHUFFLED_STAT_COLS):
+        value = regs[c]
+    else:
+        v, g = c % 2, c // 2
+        value = cute.arch.shuffle_sync(regs[2 * (g // 8) + v], offset=4 * (g % 8) + cute.arch.lane_idx() % 4)
+    return value
 
 
 class Sm90FlashBackward:
     """Callable compiled once per (dtype, head dim, mask kind, tile config, GQA); shapes and strides are runtime."""
 
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, mask_kind: str, cfg: BwdTileConfig, gqa: bool):
+    def __init__(
+        self,
+        dtype: Type[cutlass.Numeric],
+        head_dim: int,
+        mask_kind: str,
+        cfg: BwdTileConfig,
+        gqa: bool,
+        deterministic: bool = False,
+    ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         assert mask_kind in ("none", "causal", "local")
         self.dtype = dtype
@@ -100,11 +151,13 @@ class Sm90FlashBackward:
         self.mask_kind = mask_kind
         self.cfg = cfg
         self.gqa = gqa
+        self.deterministic = deterministic
         self.num_consumers = cfg.num_consumer_wgs
         self.num_consumer_threads = cfg.num_consumer_wgs * WARPGROUP_THREADS
         self.tile_m = cfg.tile_m
         self.tile_n = cfg.tile_n
         self.num_stages = cfg.num_stages
+        self.dq_chunk = cfg.tile_m * head_dim // cfg.num_consumer_wgs  # floats per consumer and query tile
 
     @cute.jit
     def __call__(
@@ -118,6 +171,8 @@ class Sm90FlashBackward:
         mdQaccum: cute.Tensor,  # (b, h, sq_padded * d) fp32, zeroed; "fragment" layout
         mdK: cute.Tensor,  # (b, sk, h_kv, d) dtype, or (b, sk_padded, h_kv, d) fp32 zeroed under GQA
         mdV: cute.Tensor,  # like mdK
+        mdQsem: cute.Tensor,  # (b, h, query tiles) int32 zeroed: dQ adds done per query tile (deterministic only)
+        mdKVsem: cute.Tensor,  # (b, h_kv, key tiles) int32 zeroed: GQA dK/dV adds done per key tile (likewise)
         softmax_scale: Float32,
         window_left: Int32,
         window_right: Int32,
@@ -184,10 +239,11 @@ class Sm90FlashBackward:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], SMEM_ALIGN]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * d], SMEM_ALIGN]
 
         num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
         self.kernel(
-            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_dpsum, mdQaccum, tma_dk, tma_dv,
+            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_dpsum, mdQaccum, tma_dk, tma_dv, mdQsem, mdKVsem,
             atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum, atom_dk, atom_dv,
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout,
@@ -211,6 +267,8 @@ class Sm90FlashBackward:
         mdQaccum: cute.Tensor,  # (b, h, sq_padded * d) fp32
         mdK: cute.Tensor,  # TMA coordinate tensor (sk, d, h_kv, b), or the fp32 (b, sk_padded, h_kv, d) buffer
         mdV: cute.Tensor,
+        mdQsem: cute.Tensor,
+        mdKVsem: cute.Tensor,
         atom_q: cute.CopyAtom,
         atom_k: cute.CopyAtom,
         atom_v: cute.CopyAtom,
@@ -258,6 +316,7 @@ class Sm90FlashBackward:
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sdPsum = storage.sdPsum.get_tensor(sStat_layout)
+        sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim))
 
         n_block, head, batch = cute.arch.block_idx()
         seqlen_q = mQ.shape[0]
@@ -276,11 +335,13 @@ class Sm90FlashBackward:
                     mQ, mK, mV, mdO, mLSElog2, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum,
                     n_block, head, head_kv, batch, m_min, m_max,
                 )
+            if warp_idx == 1:
+                self.store_dq(sdQ, mdQaccum, mdQsem, info, n_block, head, batch, m_min, m_max)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             self.consume(
                 pipe_kv, pipe_q, pipe_do, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-                sQ, sK, sV, sdO, sdS, sLSE, sdPsum, mdQaccum, mdK, mdV, atom_dk, atom_dv,
+                sQ, sK, sV, sdO, sdS, sLSE, sdPsum, sdQ, mdK, mdV, mdKVsem, atom_dk, atom_dv,
                 softmax_scale, info, n_block, head, head_kv, batch, m_min, m_max,
                 tidx - WARPGROUP_THREADS, warp_idx,
             )
@@ -344,8 +405,8 @@ class Sm90FlashBackward:
         pipe_kv, pipe_q, pipe_do,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
         sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor,
-        sLSE: cute.Tensor, sdPsum: cute.Tensor,
-        mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, atom_dk: cute.CopyAtom, atom_dv: cute.CopyAtom,
+        sLSE: cute.Tensor, sdPsum: cute.Tensor, sdQ: cute.Tensor,
+        mdK: cute.Tensor, mdV: cute.Tensor, mdKVsem: cute.Tensor, atom_dk: cute.CopyAtom, atom_dv: cute.CopyAtom,
         softmax_scale: Float32, info: BlockInfo,
         n_block: Int32, head: Int32, head_kv: Int32, batch: Int32, m_min: Int32, m_max: Int32,
         tidx: Int32,  # 0 .. num_consumer_threads - 1
@@ -391,7 +452,6 @@ class Sm90FlashBackward:
         coords0_rc = rows_cols_view(
             tiled_mma_sdp.get_slice(0).partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
         )
-        dq_base = mdQaccum[batch, head, None]
 
         if m_max > m_min:
             scale_log2 = softmax_scale * LOG2_E
@@ -407,7 +467,7 @@ class Sm90FlashBackward:
                 tdVrP=tdVrP, tdKrdS=tdKrdS, tdQrdS=tdQrdS, tdQrKt=tdQrKt, acc_dV=acc_dV, acc_dK=acc_dK,
                 smem_copy_ds=smem_copy_ds, tdSsdS=tdSsdS, sLSE=sLSE, sdPsum=sdPsum,
                 coords_rc=coords_rc, coords0_rc=coords0_rc, info=info, n_block=n_block, scale_log2=scale_log2,
-                thr_dq=thr_dq, dq_base=dq_base, tidx=tidx,
+                thr_dq=thr_dq, sdQ=sdQ, tidx=tidx,
             )
             # Query tiles in order; only those crossing a window edge (or all of them when this key tile runs
             # past seqlen_k) are masked element by element.
@@ -430,7 +490,10 @@ class Sm90FlashBackward:
                     q, do = step(q, do, m_block, True)
 
         if const_expr(self.gqa):
-            self.add_dkv_partials(acc_dK, acc_dV, thr_dkv, mdK, mdV, softmax_scale, n_block, head_kv, batch)
+            self.add_dkv_partials(
+                acc_dK, acc_dV, tiled_mma_dkv, thr_dkv, mdK, mdV, mdKVsem, softmax_scale, n_block, head, head_kv,
+                batch, tidx,
+            )
         else:
             # A key tile no query sees still writes its (zero) dK / dV.
             self.store_dkv(
@@ -452,7 +515,7 @@ class Sm90FlashBackward:
         tdQrdS: cute.Tensor, tdQrKt: cute.Tensor, acc_dV: cute.Tensor, acc_dK: cute.Tensor,
         smem_copy_ds, tdSsdS: cute.Tensor, sLSE: cute.Tensor, sdPsum: cute.Tensor,
         coords_rc: cute.Tensor, coords0_rc: cute.Tensor, info: BlockInfo, n_block: Int32, scale_log2: Float32,
-        thr_dq, dq_base: cute.Tensor, tidx: Int32,
+        thr_dq, sdQ: cute.Tensor, tidx: Int32,
     ):
         """One query tile: Sᵀ, dPᵀ, P, dS, dV, dQ, dK (see the module docstring for the order and the overlap)."""
         s_shape = tiled_mma_sdp.get_slice(0).partition_shape_C((self.tile_n, self.tile_m))
@@ -464,32 +527,31 @@ class Sm90FlashBackward:
         s_rc = rows_cols_view(acc_S)
         num_rows = cute.size(s_rc, mode=[0])
         num_cols = cute.size(s_rc, mode=[1])
-        lse = cute.make_rmem_tensor(num_cols, Float32)
-        for c in cutlass.range_constexpr(num_cols):
-            lse[c] = sLSE[coords_rc[0, c][1], q.index]
+        lse = load_column_stats(sLSE[None, q.index], coords_rc, num_cols)
         pipe_do.consumer_wait(do)
         acc_dP = cute.make_rmem_tensor(s_shape, Float32)
-        wgmma.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do.index], zero_init=True, wait=-1)
-        dpsum = cute.make_rmem_tensor(num_cols, Float32)
-        for c in cutlass.range_constexpr(num_cols):
-            dpsum[c] = sdPsum[coords_rc[0, c][1], do.index]
-        warpgroup.wait_group(1)  # Sᵀ is ready; dPᵀ may still run
+        wgmma.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do.index], zero_init=True, wait=1)
 
         # P = exp2(S · scale · log2e − lse_log2[query]); the mask (on the scaled exponent) leaves -inf -> P = 0.
         for c in cutlass.range_constexpr(num_cols):
+            lse_c = column_stat(lse, c, num_cols)
             for r in cutlass.range_constexpr(num_rows):
-                s_rc[r, c] = s_rc[r, c] * scale_log2 - lse[c]
+                s_rc[r, c] = s_rc[r, c] * scale_log2 - lse_c
         if const_expr(masked):
             apply_mask(s_rc, coords_rc, coords0_rc, info, m_block, n_block, True, True, keys_on_rows=True)
         acc_S.store(cute.math.exp2(acc_S.load(), fastmath=True))
-        wgmma.store_p_operand(acc_S, tdVrP)
+        # D is loaded here rather than with the LSE, and P is converted only once dS is formed: that keeps the
+        # live registers (Sᵀ, dPᵀ, D, dV, dK) under the 240 a consumer thread has at d64 (tile_m 128).
+        dpsum = load_column_stats(sdPsum[None, do.index], coords_rc, num_cols)
 
         # dS = P ⊙ (dP − D[query]).
         warpgroup.wait_group(0)
         dp_rc = rows_cols_view(acc_dP)
         for c in cutlass.range_constexpr(num_cols):
+            d = column_stat(dpsum, c, num_cols)
             for r in cutlass.range_constexpr(num_rows):
-                dp_rc[r, c] = s_rc[r, c] * (dp_rc[r, c] - dpsum[c])
+                dp_rc[r, c] = s_rc[r, c] * (dp_rc[r, c] - d)
+        wgmma.store_p_operand(acc_S, tdVrP)
         wgmma.store_p_operand(acc_dP, tdKrdS)
         # The 16-bit A fragment holds dSᵀ in the accumulator's register order: store it as such for dQ.
         rdS = cute.make_tensor(tdKrdS.iterator, cute.make_layout(s_shape))
@@ -505,16 +567,58 @@ class Sm90FlashBackward:
         pipe_do.consumer_release(do)  # dV's product is done with dO
         wgmma.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, q.index], zero_init=False, wait=1)
 
-        # dQ (unscaled) into the fp32 accumulator, DQ_VEC floats per red in the fragment layout.
-        block = m_block * (self.tile_m * self.head_dim)
+        # dQ (unscaled) into this consumer's shared buffer, in the fragment layout, for the dQ warp to add.
+        consumer = tidx // WARPGROUP_THREADS
+        pair = WARPGROUP_THREADS + WARP_THREADS
+        cute.arch.barrier(barrier_id=int(BwdBarrierId.DQ_EMPTY_FIRST) + consumer, number_of_threads=pair)
         for i in cutlass.range_constexpr(cute.size(acc_dQ) // DQ_VEC):
-            offset = block + dq_fragment_offset(i * DQ_VEC, tidx, self.num_consumer_threads)
-            red_add_f32_vec(dq_base.iterator + offset, [acc_dQ[i * DQ_VEC + j] for j in range(DQ_VEC)])
+            dst = (sdQ.iterator + dq_fragment_offset(i * DQ_VEC, tidx, self.dq_chunk)).align(DQ_VEC * 4)
+            src = cute.make_tensor(acc_dQ.iterator + i * DQ_VEC, cute.make_layout(DQ_VEC))
+            cute.autovec_copy(src, cute.make_tensor(dst, cute.make_layout(DQ_VEC)))
+        cute.arch.fence_view_async_shared()  # read next by the bulk copy engine (async proxy)
+        cute.arch.barrier_arrive(barrier_id=int(BwdBarrierId.DQ_FULL_FIRST) + consumer, number_of_threads=pair)
         warpgroup.wait_group(0)
         pipe_q.consumer_release(q)
         q.advance()
         do.advance()
         return q, do
+
+    @cute.jit
+    def store_dq(
+        self,
+        sdQ: cute.Tensor, mdQaccum: cute.Tensor, mdQsem: cute.Tensor, info: BlockInfo,
+        n_block: Int32, head: Int32, batch: Int32, m_min: Int32, m_max: Int32,
+    ):
+        """The dQ warp: per query tile, hands each consumer its (free) buffer, waits for it to be filled and adds it
+        to the global accumulator with one bulk reduce-add. Deterministic: the key tiles that see a query tile add
+        to it one after another, in key-tile order, behind its semaphore."""
+        chunk = self.dq_chunk
+        pair = WARPGROUP_THREADS + WARP_THREADS
+        dq_base = mdQaccum[batch, head, None].iterator
+        for m_block in cutlass.range(m_min, m_max, unroll=1):
+            for c in cutlass.range_constexpr(self.num_consumers):
+                if const_expr(not self.deterministic):
+                    # The previous reduce of buffer c has finished reading it (groups retire in order).
+                    cute.arch.cp_async_bulk_wait_group(self.num_consumers - 1 - c, read=True)
+                cute.arch.barrier_arrive(barrier_id=int(BwdBarrierId.DQ_EMPTY_FIRST) + c, number_of_threads=pair)
+            if const_expr(self.deterministic):
+                sem = mdQsem[batch, head, None].iterator + m_block
+                turn = n_block - info.kv_block_range(m_block)[0]  # key tiles earlier in the order go first
+                while load_acquire_gpu(sem) != turn:
+                    pass
+            for c in cutlass.range_constexpr(self.num_consumers):
+                cute.arch.barrier(barrier_id=int(BwdBarrierId.DQ_FULL_FIRST) + c, number_of_threads=pair)
+                with cute.arch.elect_one():
+                    bulk_reduce_add_f32(
+                        dq_base + (m_block * (self.tile_m * self.head_dim) + c * chunk), sdQ.iterator + c * chunk,
+                        chunk * 4,
+                    )
+                cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are done, not only their reads
+                with cute.arch.elect_one():
+                    add_release_gpu(sem, Int32(1))
+        cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the last reads
 
     @cute.jit
     def store_dkv(
@@ -549,18 +653,36 @@ class Sm90FlashBackward:
     @cute.jit
     def add_dkv_partials(
         self,
-        acc_dK: cute.Tensor, acc_dV: cute.Tensor, thr_dkv, mdK: cute.Tensor, mdV: cute.Tensor,
-        softmax_scale: Float32, n_block: Int32, head_kv: Int32, batch: Int32,
+        acc_dK: cute.Tensor, acc_dV: cute.Tensor, tiled_mma_dkv: cute.TiledMma, thr_dkv,
+        mdK: cute.Tensor, mdV: cute.Tensor, mdKVsem: cute.Tensor,
+        softmax_scale: Float32, n_block: Int32, head: Int32, head_kv: Int32, batch: Int32, tidx: Int32,
     ):
         """GQA: this query head's dK·scale and dV added to the fp32 (b, sk_padded, h_kv, d) sums, two adjacent
-        columns per red (the buffers are padded to whole key tiles, so no row needs a predicate)."""
-        coords = thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.head_dim)))
+        columns per red (the buffers are padded to whole key tiles, so no row needs a predicate). Deterministic: the
+        query heads of a KV head add in head order, behind the (batch, KV head, key tile) semaphore."""
+        sem = mdKVsem[batch, head_kv, None].iterator + n_block
+        if const_expr(self.deterministic):
+            if tidx == 0:
+                turn = head % (cute.arch.grid_dim()[1] // mdK.shape[2])
+                while load_acquire_gpu(sem) != turn:
+                    pass
+            cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
+        # Each thread holds two rows of its warp's 16 and, per 8-column group, two adjacent columns: one row pointer
+        # per row, and column offsets that are thread 0's (compile-time) plus this thread's shift.
+        tile = cute.make_identity_tensor((self.tile_n, self.head_dim))
+        coords_rc = rows_cols_view(thr_dkv.partition_C(tile))
+        coords0_rc = rows_cols_view(tiled_mma_dkv.get_slice(0).partition_C(tile))
+        col_shift = coords_rc[0, 0][1] - coords0_rc[0, 0][1]
         row0 = n_block * self.tile_n
-        for acc, m, scale in ((acc_dK, mdK, softmax_scale), (acc_dV, mdV, None)):
-            for i in cutlass.range_constexpr(cute.size(acc) // 2):
-                row, col = coords[2 * i]
-                values = [acc[2 * i], acc[2 * i + 1]]
-                if const_expr(scale is not None):
-                    values = [x * scale for x in values]
-                ptr = m[batch, row0 + row, head_kv, None].iterator + col
-                red_add_f32_vec(ptr, values)
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        for acc, m in ((acc_dK, mdK), (acc_dV, mdV)):
+            acc_rc = rows_cols_view(acc)
+            for r in cutlass.range_constexpr(cute.size(acc_rc, mode=[0])):
+                row_ptr = m[batch, row0 + coords_rc[r, 0][0], head_kv, None].iterator + col_shift
+                for c in cutlass.range_constexpr(cute.size(acc_rc, mode=[1]) // 2):
+                    red_add_f32_vec(row_ptr + coords0_rc[0, 2 * c][1], [acc_rc[r, 2 * c], acc_rc[r, 2 * c + 1]])
+        if const_expr(self.deterministic):
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
+            if tidx == 0:
+                add_release_gpu(sem, Int32(1))

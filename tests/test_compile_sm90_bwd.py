@@ -1,0 +1,59 @@
+"""CPU: the sm90 backward cross-compiles for sm_90a and is built the way FlashAttention-3's design says (no GPU).
+
+Per head dim with an sm90 backward configuration and causal on/off, through `python -m cute_flash compile --arch sm90
+--backward` in a subprocess (CuTe DSL fixes its target at import; ptxas' report goes to that process's stderr): the
+main kernel's PTX must hold wgmma in both forms (SS for Sᵀ, dPᵀ and dQ; register-A for dV and dK), TMA bulk-tensor
+loads, setmaxnreg and the bulk reduce-add of dQ; ptxas must report zero spill bytes (d <= 128).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cute_flash.spec import AttentionSpec
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _compile_reports(tmp_path, head_dim: int, causal: bool) -> dict:
+    cmd = [sys.executable, "-m", "cute_flash", "compile", "--arch", "sm90", "--backward", "--head-dim", str(head_dim)]
+    cmd += ["--dtype", "bf16", "--out", str(tmp_path), "--json"] + (["--causal"] if causal else [])
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {r["kernel"]: r for r in reports}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_backward_compiles(tmp_path, head_dim, causal):
+    reports = _compile_reports(tmp_path, head_dim, causal)
+    assert {"fwd", "bwd", "bwd_gqa", "bwd_dq_postprocess", "sm80_bwd_preprocess"} <= set(reports), sorted(reports)
+    for role in ("bwd", "bwd_gqa"):
+        report = reports[role]
+        census = report["census"]
+        assert census["wgmma.mma_async"] > census["wgmma.mma_async.rs"] > 0, census  # SS and RS forms
+        assert census["cp.async.bulk.tensor"] > 0
+        assert census["setmaxnreg"] >= 2  # producer decreases, consumers increase
+        assert census["cp.reduce.async.bulk"] > 0, "dQ must be added by the bulk reduce-add"
+        assert census["mma.sync"] == 0, "the sm90 backward must not fall back to mma.sync"
+        assert report["threads"] == 384
+        assert report["spill_bytes"] == 0, f"{role} d={head_dim} spills {report['spill_bytes']} bytes"
+
+
+def test_sm90_backward_support():
+    from cute_flash.arch.sm90 import BACKEND
+    from cute_flash.arch.sm90.backward import backward_unsupported_reason
+
+    for d in (64, 128):
+        spec = AttentionSpec("bf16", d, d, "causal", "bf16")
+        assert backward_unsupported_reason(spec) is None
+        assert BACKEND.unsupported_reason(spec, backward=True, deterministic=True) is None
+    # Other head dims train through the sm80 backward, which has no deterministic mode.
+    other = AttentionSpec("bf16", 96, 96, "none", "bf16")
+    assert backward_unsupported_reason(other) is not None
+    assert BACKEND.unsupported_reason(other, backward=True) is None
+    assert "deterministic" in BACKEND.unsupported_reason(other, backward=True, deterministic=True)
