@@ -57,6 +57,7 @@ MAIN_ROLES = {"bwd": (False, False), "bwd_gqa": (True, False), "bwd_det": (False
 def _build(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str, extra: str = ""):
     from . import build
 
+    extra = f"--opt-level {cfg.opt_level} {extra}".strip()
     if role == "bwd_dq_postprocess":
         return build.compile_dq_postprocess(spec, cfg, target, extra)
     gqa, deterministic = MAIN_ROLES[role]

@@ -660,8 +660,8 @@ class Sm90FlashBackward:
         """GQA: this query head's dK·scale and dV added to the fp32 (b, sk_padded, h_kv, d) sums, two adjacent
         columns per red (the buffers are padded to whole key tiles, so no row needs a predicate). Deterministic: the
         query heads of a KV head add in head order, behind the (batch, KV head, key tile) semaphore."""
-        sem = mdKVsem[batch, head_kv, None].iterator + n_block
         if const_expr(self.deterministic):
+            sem = mdKVsem[batch, head_kv, None].iterator + n_block
             if tidx == 0:
                 turn = head % (cute.arch.grid_dim()[1] // mdK.shape[2])
                 while load_acquire_gpu(sem) != turn:
@@ -685,4 +685,4 @@ class Sm90FlashBackward:
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
             if tidx == 0:
-                add_release_gpu(sem, Int32(1))
+                add_release_gpu(mdKVsem[batch, head_kv, None].iterator + n_block, Int32(1))

@@ -119,6 +119,7 @@ class BwdTileConfig:
     num_stages: int = 2
     consumer_regs: int = 240
     producer_regs: int = 24
+    opt_level: int = 3  # CuTe DSL --opt-level
 
     @property
     def tile_n(self) -> int:
@@ -137,6 +138,7 @@ class BwdTileConfig:
             "dq_split": self.dq_split,
             "consumer_regs": self.consumer_regs,
             "producer_regs": self.producer_regs,
+            "opt_level": self.opt_level,
         }
 
 
@@ -145,18 +147,20 @@ def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, elem_bytes: int = 2) -> in
     qdo = 2 * cfg.num_stages * cfg.tile_m * head_dim * elem_bytes
     kv = 2 * cfg.tile_n * head_dim * elem_bytes
     ds = cfg.num_stages * cfg.tile_n * cfg.tile_m * elem_bytes
+    dq = cfg.tile_m * head_dim * 4
     stats = 2 * cfg.num_stages * cfg.tile_m * 4
-    return qdo + kv + ds + stats + SMEM_RESERVED_BYTES
+    return qdo + kv + ds + dq + stats + SMEM_RESERVED_BYTES
 
 
 # Head dims the sm90 backward serves (d == dv), with the reason for each choice; measurements in docs/performance.md.
 #   d64:  128 x 128 tiles, dQ split by query rows (a 32-column split would cut the 64-column swizzle atom):
-#         FlashAttention-3's shape for d64.
+#         FlashAttention-3's shape for d64. Each thread then holds 32 query columns, so the LSE and D go through
+#         shuffles (flash_bwd.load_column_stats); ptxas level 2, because level 3 spills a few bytes in the GQA build.
 #   d128: 64 x 128 tiles, dQ split by head-dim halves: Sᵀ, dPᵀ (32 registers each), dV and dK (64 each) and dQ (32)
 #         fit the 240 registers of a consumer thread.
 # Other head dims (96, 192, 256, dv != d) keep the sm80 backward (their accumulators need other layouts).
 _BWD_BY_HEAD_DIM = {
-    64: BwdTileConfig(tile_m=128, dq_split="m"),
+    64: BwdTileConfig(tile_m=128, dq_split="m", opt_level=2),
     128: BwdTileConfig(tile_m=64, dq_split="n"),
 }
 

@@ -1,0 +1,99 @@
+"""Times sm90 backward tile configurations against each other and FlashAttention-4 in one process (GPU).
+
+  python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 4096,16384 \
+      --variants default,opt2 [--fa4] [--deterministic]
+
+Each variant is a `BwdTileConfig` derived from the default of that head dim (see VARIANTS); the kernels alone are
+timed (`run_backward` on precomputed out / lse, allocations included), as TFLOP/s with FLOPs = 2.5 x 4 b h s^2 d
+(halved when causal). Every variant's gradients are compared with the default's (max |difference|), so a faster
+variant that computes something else shows up. B·S = 16k tokens, H·D = 2048, bf16, as in the issue grid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+VARIANTS = {
+    "default": {},
+    "opt2": {"opt_level": 2},
+    "opt3": {"opt_level": 3},
+    "stages1": {"num_stages": 1},
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--seqlens", default="4096,16384")
+    p.add_argument("--variants", default="default")
+    p.add_argument("--causal", default="both", choices=("no", "yes", "both"))
+    p.add_argument("--fa4", action="store_true", help="also time FlashAttention-4's backward (flash_attn.cute)")
+    p.add_argument("--deterministic", action="store_true", help="also time deterministic=True of the default")
+    args = p.parse_args()
+
+    import triton.testing
+
+    from cute_flash import compile_cache
+    from cute_flash.arch.sm90 import backward as sm90_bwd
+    from cute_flash.arch.sm90.tile_config import bwd_tile_config
+    from cute_flash.reference import attention_reference  # noqa: F401  (imports torch helpers only)
+    from cute_flash.spec import AttentionSpec, normalize_mask
+
+    compile_cache.ensure_cute_dsl_arch(compile_cache.target_for_capability(torch.cuda.get_device_capability()))
+    d = args.head_dim
+    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    rows = []
+    for seqlen in [int(s) for s in args.seqlens.split(",")]:
+        for causal in causals:
+            b, h = max(1, 16384 // seqlen), 2048 // d
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v, dout = (torch.randn(b, seqlen, h, d, generator=gen, device="cuda").to(torch.bfloat16)
+                             for _ in range(4))
+            mask = normalize_mask(causal, (None, None))
+            spec = AttentionSpec("bf16", d, d, mask.kind, "bf16")
+            scale = d ** -0.5
+            # out / lse of the exact forward (the backward kernels only read them).
+            from cute_flash import attention
+
+            out, lse = attention(q, k, v, causal=causal, return_lse=True)
+            flops = 2.5 * 4 * b * h * seqlen * seqlen * d / (2 if causal else 1)
+            base = None
+            runs = [(name, dataclasses.replace(bwd_tile_config(spec), **VARIANTS[name]), False)
+                    for name in args.variants.split(",")]
+            if args.deterministic:
+                runs.append(("deterministic", bwd_tile_config(spec), True))
+            for name, cfg, det in runs:
+                grads = [torch.empty_like(t) for t in (q, k, v)]
+
+                def call():
+                    sm90_bwd.run_backward(dout, q, k, v, out, lse, *grads, spec=spec, softmax_scale=scale,
+                                          mask=mask, deterministic=det, cfg=cfg)
+
+                call()
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+                diff = 0.0
+                if base is None:
+                    base = [g.clone() for g in grads]
+                else:
+                    diff = max((g.float() - r.float()).abs().max().item() for g, r in zip(grads, base))
+                rows.append((d, seqlen, causal, name, ms, flops / ms / 1e9, diff))
+            if args.fa4:
+                from flash_attn.cute import flash_attn_func
+
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                o = flash_attn_func(*leaves, causal=causal)
+                o = o[0] if isinstance(o, tuple) else o
+                ms = triton.testing.do_bench(lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True),
+                                             warmup=25, rep=100, return_mode="median")
+                rows.append((d, seqlen, causal, "fa4 (autograd)", ms, flops / ms / 1e9, float("nan")))
+    print(f"{'d':>4} {'seqlen':>6} {'causal':>6} {'variant':>16} {'ms':>8} {'TFLOP/s':>8} {'max|diff|':>10}")
+    for d_, s, c, name, ms, tf, diff in rows:
+        print(f"{d_:>4} {s:>6} {str(c):>6} {name:>16} {ms:>8.3f} {tf:>8.1f} {diff:>10.2e}")
+
+
+if __name__ == "__main__":
+    main()
