@@ -79,9 +79,12 @@ def compile_backward(
         dk = _strided(dtype, (batch, seqlen_k, heads_kv), d)
         dv = _strided(dtype, (batch, seqlen_k, heads_kv), d)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    # Shapes of their own: a non-deterministic run passes a 1x1x1 placeholder.
     sems = [
-        cute.runtime.make_fake_tensor(cutlass.Int32, (batch, h, cute.sym_int()), (cute.sym_int64(), cute.sym_int64(), 1))
-        for h in (heads, heads_kv)
+        cute.runtime.make_fake_tensor(
+            cutlass.Int32, tuple(cute.sym_int() for _ in range(3)), (cute.sym_int64(), cute.sym_int64(), 1)
+        )
+        for _ in range(2)
     ]
     kernel = Sm90FlashBackward(dtype, d, spec.mask, cfg, gqa, deterministic)
     options = compile_cache.compile_options(target, extra=extra_options or "")
