@@ -44,17 +44,18 @@ class Problem:
     softmax_scale: float
 
 
-def _check_tensor(name: str, t: object) -> torch.Tensor:
+def _check_tensor(name: str, t: object, device: bool = True, layout: bool = True) -> torch.Tensor:
+    """Type and rank of one input; with `device`, a device the kernels run on; with `layout`, a unit last stride."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type not in KERNEL_DEVICE_TYPES:
+    if device and t.device.type not in KERNEL_DEVICE_TYPES:
         raise ValueError(
             f"{name} is on {t.device}; cute_flash kernels run on CUDA GPUs only. "
             f"For CPU tensors use cute_flash.reference.attention_reference (same semantics, plain torch)."
         )
     if t.dim() != 4:
         raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, nheads, head_dim), got shape {tuple(t.shape)}")
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
+    if layout and t.stride(-1) != 1 and t.shape[-1] > 1:
         raise ValueError(
             f"{name} must be contiguous in its last dimension (head_dim stride 1), got strides {tuple(t.stride())}"
         )
@@ -83,13 +84,13 @@ def validate(
     dtype: Optional[str],
     descale: Optional[Sequence[torch.Tensor]] = None,
     fp8_rotate: bool = True,
+    any_device: bool = False,
 ) -> Problem:
-    q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
-    for name, t in (("k", k), ("v", v)):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+    """Every check of a `cute_flash.attention` call; returns the validated problem (the spec a kernel compiles for).
+
+    any_device: skip the device check only (`cute_flash.explain` for a given compute capability, on CPU tensors)."""
+    q, k, v = (_check_tensor(n, t, device=not any_device) for n, t in (("q", q), ("k", k), ("v", v)))
+    _check_same_device_and_dtype(q, k, v)
     prequantized = q.dtype == FP8_INPUT_DTYPE
     if prequantized and descale is None:
         raise ValueError(
@@ -110,6 +111,83 @@ def validate(
     if not fp8_rotate and (dtype != "fp8" or prequantized):
         # The rotation is part of quantising fp16/bf16 inputs; anywhere else the option would be silently ignored.
         raise ValueError("fp8_rotate=False applies only to dtype='fp8' with fp16/bf16 inputs (they are quantised here)")
+    sem = _check_semantics(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+
+    if prequantized:
+        _check_descale(descale, q, k)
+    # Pre-quantised inputs are written out in bf16; fp16/bf16 inputs keep their dtype on the FP8 path too.
+    in_dtype = FP8_OUT_DTYPE if prequantized else INPUT_DTYPES[q.dtype]
+    spec = AttentionSpec(
+        dtype="fp8" if (dtype == "fp8" or prequantized) else in_dtype,
+        head_dim=sem.head_dim,
+        head_dim_v=sem.head_dim_v,
+        mask=sem.mask.kind,
+        out_dtype=in_dtype,
+    )
+    return Problem(
+        batch=sem.batch,
+        seqlen_q=sem.seqlen_q,
+        seqlen_k=sem.seqlen_k,
+        nheads=sem.nheads,
+        nheads_kv=sem.nheads_kv,
+        head_dim=sem.head_dim,
+        head_dim_v=sem.head_dim_v,
+        spec=spec,
+        mask=sem.mask,
+        softmax_scale=sem.softmax_scale,
+    )
+
+
+# Input dtypes of `cute_flash.reference` (it computes in a dtype of its own; fp8 inputs need their descales first).
+REFERENCE_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def validate_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: Optional[float],
+    window_size: Tuple[Optional[int], Optional[int]],
+) -> "Semantics":
+    """The checks of `validate` that define the semantics, for the plain-torch reference: the same shapes, heads,
+    head dims, mask and softmax scale are accepted and rejected, with the same messages. What only a kernel needs
+    is not asked: any device, any strides, and float32/float64 inputs besides fp16/bf16."""
+    q, k, v = (_check_tensor(n, t, device=False, layout=False) for n, t in (("q", q), ("k", k), ("v", v)))
+    _check_same_device_and_dtype(q, k, v)
+    if q.dtype not in REFERENCE_INPUT_DTYPES:
+        raise TypeError(
+            f"q, k, v have dtype {q.dtype}; the reference takes float16, bfloat16, float32 or float64 "
+            f"(dequantise float8 inputs with their descales first)"
+        )
+    return _check_semantics(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+
+
+@dataclass(frozen=True)
+class Semantics:
+    """What a call means, independent of how it is computed: shapes, the mask and the softmax scale."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    head_dim_v: int
+    mask: MaskBounds
+    softmax_scale: float
+
+
+def _check_same_device_and_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+
+
+def _check_semantics(q, k, v, *, causal, softmax_scale, window_size) -> Semantics:
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
 
@@ -144,20 +222,7 @@ def validate(
         # Every kernel takes the running row max over raw scores, which is the max of the scaled scores only when
         # the scale is not negative.
         raise NotImplementedError(f"softmax_scale must be >= 0 for cute_flash kernels, got {softmax_scale}")
-
-    if prequantized:
-        _check_descale(descale, q, k)
-    # Pre-quantised inputs are written out in bf16; fp16/bf16 inputs keep their dtype on the FP8 path too.
-    in_dtype = FP8_OUT_DTYPE if prequantized else INPUT_DTYPES[q.dtype]
-    mask = normalize_mask(causal, (left, right))
-    spec = AttentionSpec(
-        dtype="fp8" if (dtype == "fp8" or prequantized) else in_dtype,
-        head_dim=head_dim,
-        head_dim_v=head_dim_v,
-        mask=mask.kind,
-        out_dtype=in_dtype,
-    )
-    return Problem(
+    return Semantics(
         batch=batch,
         seqlen_q=seqlen_q,
         seqlen_k=seqlen_k,
@@ -165,8 +230,7 @@ def validate(
         nheads_kv=nheads_kv,
         head_dim=head_dim,
         head_dim_v=head_dim_v,
-        spec=spec,
-        mask=mask,
+        mask=normalize_mask(causal, (left, right)),
         softmax_scale=float(softmax_scale),
     )
 
