@@ -10,7 +10,7 @@ import torch
 from .arch import get_backend, resolve_arch
 from .arch.base import ArchBackend
 from .spec import AttentionSpec
-from .validation import Problem, aligned_view, check_backend_supports, validate
+from .validation import Problem, check_backend_supports, kernel_view, validate
 
 
 def backend(device: Optional[Union[torch.device, int, str]] = None) -> str:
@@ -37,6 +37,7 @@ def _backend_for(t: torch.Tensor) -> ArchBackend:
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, problem: Problem, arch: ArchBackend):
+        q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
         out, lse = _run_forward(q, k, v, problem, arch)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem = problem
@@ -57,7 +58,7 @@ class _Attention(torch.autograd.Function):
         else:
             with torch.cuda.device(q.device):
                 arch.backward(
-                    aligned_view(dout),
+                    kernel_view(dout),  # any gradient autograd hands over: expanded, transposed, offset, ...
                     q,
                     k,
                     v,
@@ -164,16 +165,18 @@ def attention(
     )
     arch = _backend_for(q)
     check_backend_supports(arch, problem.spec, backward=False)
-    q, k, v = aligned_view(q), aligned_view(k), aligned_view(v)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if problem.spec.dtype == "fp8":
         with torch.no_grad():
-            fp8 = _fp8_inputs(q, k, v, descale, fp8_rotate, arch, problem.spec)
-            out, lse = _run_forward(q, k, v, problem, arch, fp8=fp8)
+            qv, kv, vv = kernel_view(q), kernel_view(k), kernel_view(v)
+            fp8 = _fp8_inputs(qv, kv, vv, descale, fp8_rotate, arch, problem.spec)
+            out, lse = _run_forward(qv, kv, vv, problem, arch, fp8=fp8)
         if needs_grad:
             out = _Fp8NoBackward.apply(out, q, k, v)
     elif needs_grad:
+        # The layouts are normalised inside the autograd function, so that a view or copy made for the kernels
+        # records nothing on the autograd graph (the gradients come back in q, k, v's own shapes).
         out, lse = _Attention.apply(q, k, v, problem, arch)
     else:
-        out, lse = _run_forward(q, k, v, problem, arch)
+        out, lse = _run_forward(kernel_view(q), kernel_view(k), kernel_view(v), problem, arch)
     return (out, lse) if return_lse else out
