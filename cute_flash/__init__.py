@@ -3,7 +3,7 @@
 __version__ = "0.1.0"
 
 from . import reference  # noqa: E402  (plain torch: importing cute_flash never imports cutlass)
-from .interface import attention, backend  # noqa: E402
+from .interface import attention, backend, explain  # noqa: E402
 from .reference import attention_reference  # noqa: E402
 
-__all__ = ["attention", "attention_reference", "backend", "reference", "__version__"]
+__all__ = ["attention", "attention_reference", "backend", "explain", "reference", "__version__"]

@@ -1,8 +1,10 @@
-"""The one place that checks a call's inputs, before anything is compiled or launched.
+"""The one place that checks a call's inputs, before anything is compiled or launched, and the one place that
+normalises tensor layouts for the kernels (`kernel_view`).
 
 Every message names the argument and what was expected. Backend-specific limits (head dims a family lacks, fp8 on a
-family without an fp8 kernel) are asked of the backend here too, so that they surface as `NotImplementedError`
-before any work starts.
+family without an fp8 kernel) are asked of the backends by the router (`cute_flash.routing`) before any work starts,
+so that they surface as `NotImplementedError` naming every family's reason. `validate_reference` applies the same
+semantic checks to the plain-torch reference.
 """
 
 from __future__ import annotations
@@ -255,12 +257,6 @@ def _check_descale(descale: object, q: torch.Tensor, k: torch.Tensor) -> None:
             raise ValueError(problem)
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
-
-
-def check_backend_supports(backend, spec: AttentionSpec, backward: bool) -> None:
-    reason = backend.unsupported_reason(spec, backward)
-    if reason is not None:
-        raise NotImplementedError(f"cute_flash backend {backend.name}: {reason}")
 
 
 def _round_up(x: int, m: int) -> int:

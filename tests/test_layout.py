@@ -133,7 +133,7 @@ class _CheckingBackend:
 def fake_gpu(monkeypatch):
     backend = _CheckingBackend()
     monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(interface, "_backend_for", lambda t: backend)
+    monkeypatch.setattr(interface, "_route", lambda spec, t, backward: backend)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     return backend
 
