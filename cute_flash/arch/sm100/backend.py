@@ -148,9 +148,8 @@ class _Backend:
                 f"{capability[0]}.{capability[1]}. CUTE_FLASH_ARCH=sm100 elsewhere can only cross-compile: "
                 f"python -m cute_flash compile --arch sm100 ..."
             )
-        if not softmax_scale > 0.0:
-            # The row max is taken over raw scores and scaled afterwards, which needs a positive scale.
-            raise NotImplementedError(f"the sm100 forward needs softmax_scale > 0, got {softmax_scale}")
+        # softmax_scale >= 0 (validation). 0 works like any other: the kernel clamps the exponent's factor
+        # softmax_scale * log2(e) into [FLT_MIN, FLT_MAX] (fwd_kernel.py), so masked -inf scores never meet a 0.
         descale_args = _fp8_args(spec, q, k, v, descale)
         cfg = cfgmod.choose_config(spec, seqlen_q=q.shape[1])
         target = compile_cache.runtime_target(q.device)
