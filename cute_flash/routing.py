@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
-from typing import Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Optional, Tuple
 
 from .arch import ARCH_ENV_VAR, ARCH_PACKAGES, arch_for_capability, get_backend
 from .arch.base import ArchBackend
@@ -55,12 +55,13 @@ class Route:
     direction: str  # "forward" | "backward"
     family: Optional[str]
     skipped: Tuple[Tuple[str, str], ...]  # (family, reason)
+    _backend: Any = field(default=None, compare=False, repr=False)  # the family's backend, looked up once
 
     @property
     def backend(self) -> ArchBackend:
         if self.family is None:
             raise NotImplementedError(self.error())
-        return get_backend(self.family)
+        return self._backend
 
     def error(self) -> str:
         why = "; ".join(f"{family}: {reason}" for family, reason in self.skipped)
@@ -77,9 +78,10 @@ class Route:
 def _route(spec: AttentionSpec, capability: Optional[Capability], forced: Optional[str], backward: bool) -> Route:
     skipped = []
     for family in candidate_families(capability, forced):
-        reason = get_backend(family).unsupported_reason(spec, backward)
+        backend = get_backend(family)
+        reason = backend.unsupported_reason(spec, backward)
         if reason is None:
-            return Route("backward" if backward else "forward", family, tuple(skipped))
+            return Route("backward" if backward else "forward", family, tuple(skipped), backend)
         skipped.append((family, reason))
     return Route("backward" if backward else "forward", None, tuple(skipped))
 
