@@ -10,7 +10,7 @@ Outputs and gradients follow FlashAttention's rule against the float64 reference
 that rule has no finite baseline (a scale beyond the input dtype's range): there the hard max is checked row by row.
 Items 1 and 2 run once per family: `sm80` (Ampere or later; on Hopper the marker forces the sm80 family) and `sm90`.
 
-Run: python -m pytest -q tests/test_correctness_gpu.py      (about 2 minutes on an H100, mostly compiling)
+Run: python -m pytest -q tests/test_correctness_gpu.py      (a few minutes on an H100, mostly compiling kernels)
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ def _hard_max_check(q, k, v, out, causal=False, window_size=(None, None)):
         clear = clear.permute(0, 2, 1)
     assert clear.float().mean() > 0.9, "test inputs have too many near-ties"
     assert torch.isfinite(out).all()
-    err = (out.double() - expect).abs().amax(dim=-1)[clear].max().item()
-    assert err <= 1e-2, f"hard-max error {err}"
+    # P is rounded to the input dtype for the P·V product and out once more: each costs up to 2^-9 relative in bf16.
+    err = ((out.double() - expect).abs() / (1.0 + expect.abs())).amax(dim=-1)[clear].max().item()
+    assert err <= 1e-2, f"hard-max error {err} (relative to 1 + |v|)"
 
 
 def _route_backward_freely(monkeypatch, family):
