@@ -2,6 +2,8 @@
 
 __version__ = "0.1.0"
 
-from .interface import attention, backend  # noqa: E402
+from . import reference  # noqa: E402  (plain torch: importing cute_flash never imports cutlass)
+from .interface import attention, backend, explain  # noqa: E402
+from .reference import attention_reference  # noqa: E402
 
-__all__ = ["attention", "backend", "__version__"]
+__all__ = ["attention", "attention_reference", "backend", "explain", "reference", "__version__"]

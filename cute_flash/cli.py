@@ -51,6 +51,18 @@ def cmd_info(args) -> int:
         print(f"backend: {backend()}")
     except (RuntimeError, NotImplementedError) as e:
         print(f"backend: none ({e})")
+    if cap is not None:
+        import os
+
+        from .arch import ARCH_ENV_VAR
+        from .routing import candidate_families
+
+        try:
+            families = candidate_families(cap, os.environ.get(ARCH_ENV_VAR) or None)
+            print(f"routing: each call to the first of {' -> '.join(families)} with a kernel for it "
+                  f"(cute_flash.explain(q, k, v, ...) names the family of a given call)")
+        except (ValueError, NotImplementedError) as e:
+            print(f"routing: none ({e})")
     return 0
 
 

@@ -1,22 +1,26 @@
-"""The public torch API: `attention` and `backend`."""
+"""The public torch API: `attention`, `backend` and `explain`."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
 
-from .arch import get_backend, resolve_arch
+from . import routing
+from .arch import resolve_arch
 from .arch.base import ArchBackend
 from .spec import AttentionSpec
-from .validation import Problem, aligned_view, check_backend_supports, validate
+from .validation import Problem, kernel_view, validate
 
 
 def backend(device: Optional[Union[torch.device, int, str]] = None) -> str:
-    """Which kernel family ("sm80", "sm90", "sm100") serves `device` (default: the current CUDA device).
+    """The kernel family a GPU prefers ("sm80", "sm90", "sm100"; default: the current CUDA device).
 
-    The environment variable CUTE_FLASH_ARCH overrides the choice, e.g. to run the sm80 kernels on an H100.
+    A call whose spec that family has no kernel for goes to the next family the GPU runs (sm80 on Hopper); `explain`
+    says which family serves a given call. The environment variable CUTE_FLASH_ARCH forces one family, e.g. to run
+    the sm80 kernels on an H100.
     """
     capability = None
     if torch.cuda.is_available():
@@ -29,18 +33,25 @@ def _capability(device_index: int) -> Tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-def _backend_for(t: torch.Tensor) -> ArchBackend:
-    # Looked up on every call (CUTE_FLASH_ARCH may change); the capability itself is read once per device.
-    return get_backend(resolve_arch(_capability(t.device.index)))
+def _device_capability(t: torch.Tensor) -> Tuple[int, int]:
+    """The compute capability of the GPU holding `t`, read once per device (tests replace this function)."""
+    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def _route(spec: AttentionSpec, t: torch.Tensor, backward: bool, deterministic: bool = False) -> ArchBackend:
+    """The backend serving `spec` on `t`'s GPU in one direction (a deterministic backward if asked);
+    NotImplementedError naming every family's reason when none has a kernel. Looked up on every call
+    (CUTE_FLASH_ARCH may change); decisions are cached."""
+    return routing.route(spec, _device_capability(t), backward, deterministic).backend
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, problem: Problem, arch: ArchBackend, deterministic: bool):
+        q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
         out, lse = _run_forward(q, k, v, problem, arch)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem = problem
-        ctx.arch = arch
         ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -48,9 +59,9 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         problem: Problem = ctx.problem
-        arch: ArchBackend = ctx.arch
-        check_backend_supports(arch, problem.spec, backward=True, deterministic=ctx.deterministic)
         q, k, v, out, lse = ctx.saved_tensors
+        # Routed on its own: the family that ran the forward may have no backward for this spec while another does.
+        arch = _route(problem.spec, q, backward=True, deterministic=ctx.deterministic)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         if _is_empty(problem):
             for g in (dq, dk, dv):
@@ -58,7 +69,7 @@ class _Attention(torch.autograd.Function):
         else:
             with torch.cuda.device(q.device):
                 arch.backward(
-                    aligned_view(dout),
+                    kernel_view(dout),  # any gradient autograd hands over: expanded, transposed, offset, ...
                     q,
                     k,
                     v,
@@ -169,20 +180,80 @@ def attention(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=dtype, descale=descale,
         fp8_rotate=fp8_rotate, deterministic=deterministic,
     )
-    arch = _backend_for(q)
-    check_backend_supports(arch, problem.spec, backward=False)
-    q, k, v = aligned_view(q), aligned_view(k), aligned_view(v)
+    arch = _route(problem.spec, q, backward=False)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if problem.spec.dtype == "fp8":
         with torch.no_grad():
-            fp8 = _fp8_inputs(q, k, v, descale, fp8_rotate, arch, problem.spec)
-            out, lse = _run_forward(q, k, v, problem, arch, fp8=fp8)
+            qv, kv, vv = kernel_view(q), kernel_view(k), kernel_view(v)
+            fp8 = _fp8_inputs(qv, kv, vv, descale, fp8_rotate, arch, problem.spec)
+            out, lse = _run_forward(qv, kv, vv, problem, arch, fp8=fp8)
         if needs_grad:
             out = _Fp8NoBackward.apply(out, q, k, v)
     elif needs_grad:
         if deterministic:  # fail before the forward, not in the middle of autograd
-            check_backend_supports(arch, problem.spec, backward=True, deterministic=True)
+            _route(problem.spec, q, backward=True, deterministic=True)
+        # The layouts are normalised inside the autograd function, so that a view or copy made for the kernels
+        # records nothing on the autograd graph (the gradients come back in q, k, v's own shapes).
         out, lse = _Attention.apply(q, k, v, problem, arch, deterministic)
     else:
-        out, lse = _run_forward(q, k, v, problem, arch)
+        out, lse = _run_forward(kernel_view(q), kernel_view(k), kernel_view(v), problem, arch)
     return (out, lse) if return_lse else out
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Which kernel family serves a call, forward and backward, and why the families before it were skipped."""
+
+    capability: Tuple[int, int]
+    forward: routing.Route
+    backward: routing.Route
+
+    @property
+    def forward_family(self) -> Optional[str]:
+        return self.forward.family
+
+    @property
+    def backward_family(self) -> Optional[str]:
+        return self.backward.family
+
+    def __str__(self) -> str:
+        cap = f"compute capability {self.capability[0]}.{self.capability[1]}"
+        return f"{cap}: {self.forward.describe()}; {self.backward.describe()}"
+
+
+def explain(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size: Tuple[Optional[int], Optional[int]] = (None, None),
+    dtype: Optional[str] = None,
+    descale: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    fp8_rotate: bool = True,
+    capability: Optional[Tuple[int, int]] = None,
+) -> Explanation:
+    """Which family would serve `attention(q, k, v, ...)` with these arguments, forward and backward, without
+    compiling or launching anything. Validates like `attention` (and raises the same errors).
+
+    capability: explain for a GPU of this compute capability, e.g. (9, 0), instead of q's own; then q, k, v may be
+    CPU or meta tensors (only their shapes and dtypes are used). CUTE_FLASH_ARCH applies as in `attention`.
+    """
+    if capability is None:
+        problem = validate(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=dtype,
+            descale=descale, fp8_rotate=fp8_rotate,
+        )
+        capability = _device_capability(q)
+    else:
+        capability = tuple(capability)
+        problem = validate(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=dtype,
+            descale=descale, fp8_rotate=fp8_rotate, any_device=True,
+        )
+    return Explanation(
+        capability,
+        routing.route(problem.spec, capability, backward=False),
+        routing.route(problem.spec, capability, backward=True),
+    )

@@ -1,20 +1,23 @@
 """Reference attention in plain torch, on any device.
 
 `attention_reference` materialises the whole score matrix in a chosen precision (float64 by default); it is the
-ground truth every kernel is tested against. `attention_tiled` is the FlashAttention algorithm itself in readable
+ground truth every kernel is tested against. Both functions validate their arguments exactly as
+`cute_flash.attention` does (`validation.validate_reference`: the same shapes, heads, head dims, masks and scales are
+accepted, with the same errors), except for what only a kernel needs: they run on any device, on any strides, and
+take float32 / float64 inputs besides fp16 / bf16. `attention_tiled` is the FlashAttention algorithm itself in readable
 form: it visits one (block_m x block_n) score tile at a time, keeps a running row max and row sum, skips tiles the
 mask hides entirely, and never holds more than one tile of scores.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple, Union
 
 import torch
 
 from .common.block_info import BlockInfo
-from .spec import MaskBounds, normalize_mask
+from .spec import MaskBounds
+from .validation import validate_reference
 
 Window = Tuple[Optional[int], Optional[int]]
 
@@ -48,27 +51,32 @@ def attention_reference(
     Returns out (b, sq, h, dv) in `compute_dtype` and, if asked, lse (b, h, sq) in float32. Rows that see no key give
     out = 0 and lse = -inf. With compute_dtype equal to the inputs' dtype this is "plain torch in the input dtype",
     the baseline of FlashAttention's acceptance rule.
+
+    Every finite softmax_scale >= 0 is exact: the row max is subtracted from the raw scores before they are scaled,
+    so neither scale * score overflowing (a hard max) nor scale = 0 (uniform attention over the visible keys) gives
+    inf - inf or -inf * 0, and the mask is applied after scaling.
     """
+    sem = validate_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
     b, sq, h, d = q.shape
     sk = k.shape[1]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    mask = normalize_mask(causal, window_size)
+    scale, mask = sem.softmax_scale, sem.mask
     qc = q.to(compute_dtype)
     kc = _expand_kv(k.to(compute_dtype), h)
     vc = _expand_kv(v.to(compute_dtype), h)
-    scores = torch.einsum("bqhd,bkhd->bhqk", qc, kc) * scale
-    allowed = visible_keys(sq, sk, mask, device=q.device)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    # A fully masked row has max = -inf; substituting 0 keeps exp() at 0 instead of NaN.
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-    p = torch.exp(scores - row_max)
+    raw = torch.einsum("bqhd,bkhd->bhqk", qc, kc)
+    hidden = ~visible_keys(sq, sk, mask, device=q.device)
+    # The max over visible keys; a row that sees none gets 0 (its exp() is 0 below, not NaN). Detached: softmax does
+    # not depend on the shift, and its gradient is then exactly the softmax's.
+    row_max = raw.masked_fill(hidden, float("-inf")).amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max).detach()
+    scores = ((raw - row_max) * scale).masked_fill(hidden, float("-inf"))  # <= 0 where visible
+    p = torch.exp(scores)
     row_sum = p.sum(dim=-1, keepdim=True)
     safe_sum = torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
     out = torch.einsum("bhqk,bkhd->bqhd", p / safe_sum, vc)
     if not return_lse:
         return out
-    lse = (row_max + torch.log(row_sum)).squeeze(-1).float()  # log(0) = -inf for fully masked rows
+    lse = (row_max * scale + torch.log(row_sum)).squeeze(-1).float()  # log(0) = -inf for fully masked rows
     return out, lse
 
 
@@ -88,10 +96,10 @@ def attention_tiled(
 
     Returns (out, lse, tiles_visited); tiles_visited lets tests check that fully masked tiles are skipped.
     """
+    sem = validate_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
     b, sq, h, d = q.shape
     sk, dv = k.shape[1], v.shape[3]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    mask = normalize_mask(causal, window_size)
+    scale, mask = sem.softmax_scale, sem.mask
     kc = _expand_kv(k, h)
     vc = _expand_kv(v, h)
     out = torch.zeros(b, sq, h, dv, dtype=compute_dtype, device=q.device)

@@ -1,8 +1,10 @@
-"""The one place that checks a call's inputs, before anything is compiled or launched.
+"""The one place that checks a call's inputs, before anything is compiled or launched, and the one place that
+normalises tensor layouts for the kernels (`kernel_view`).
 
 Every message names the argument and what was expected. Backend-specific limits (head dims a family lacks, fp8 on a
-family without an fp8 kernel) are asked of the backend here too, so that they surface as `NotImplementedError`
-before any work starts.
+family without an fp8 kernel) are asked of the backends by the router (`cute_flash.routing`) before any work starts,
+so that they surface as `NotImplementedError` naming every family's reason. `validate_reference` applies the same
+semantic checks to the plain-torch reference.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
 # Device types whose tensors reach the kernels (tests add "meta" to exercise validation without a GPU).
 KERNEL_DEVICE_TYPES = ("cuda",)
-# Kernels load rows 16 bytes at a time; strides that break that alignment are copied once (see `aligned_view`).
+# Kernels load rows 16 bytes at a time; strides that break that alignment are copied once (see `kernel_view`).
 ALIGN_BYTES = 16
 
 
@@ -44,17 +46,18 @@ class Problem:
     softmax_scale: float
 
 
-def _check_tensor(name: str, t: object) -> torch.Tensor:
+def _check_tensor(name: str, t: object, device: bool = True, layout: bool = True) -> torch.Tensor:
+    """Type and rank of one input; with `device`, a device the kernels run on; with `layout`, a unit last stride."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type not in KERNEL_DEVICE_TYPES:
+    if device and t.device.type not in KERNEL_DEVICE_TYPES:
         raise ValueError(
             f"{name} is on {t.device}; cute_flash kernels run on CUDA GPUs only. "
             f"For CPU tensors use cute_flash.reference.attention_reference (same semantics, plain torch)."
         )
     if t.dim() != 4:
         raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, nheads, head_dim), got shape {tuple(t.shape)}")
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
+    if layout and t.stride(-1) != 1 and t.shape[-1] > 1:
         raise ValueError(
             f"{name} must be contiguous in its last dimension (head_dim stride 1), got strides {tuple(t.stride())}"
         )
@@ -84,13 +87,13 @@ def validate(
     descale: Optional[Sequence[torch.Tensor]] = None,
     fp8_rotate: bool = True,
     deterministic: bool = False,
+    any_device: bool = False,
 ) -> Problem:
-    q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
-    for name, t in (("k", k), ("v", v)):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+    """Every check of a `cute_flash.attention` call; returns the validated problem (the spec a kernel compiles for).
+
+    any_device: skip the device check only (`cute_flash.explain` for a given compute capability, on CPU tensors)."""
+    q, k, v = (_check_tensor(n, t, device=not any_device) for n, t in (("q", q), ("k", k), ("v", v)))
+    _check_same_device_and_dtype(q, k, v)
     prequantized = q.dtype == FP8_INPUT_DTYPE
     if prequantized and descale is None:
         raise ValueError(
@@ -111,10 +114,87 @@ def validate(
     if not fp8_rotate and (dtype != "fp8" or prequantized):
         # The rotation is part of quantising fp16/bf16 inputs; anywhere else the option would be silently ignored.
         raise ValueError("fp8_rotate=False applies only to dtype='fp8' with fp16/bf16 inputs (they are quantised here)")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    sem = _check_semantics(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+
+    if prequantized:
+        _check_descale(descale, q, k)
+    # Pre-quantised inputs are written out in bf16; fp16/bf16 inputs keep their dtype on the FP8 path too.
+    in_dtype = FP8_OUT_DTYPE if prequantized else INPUT_DTYPES[q.dtype]
+    spec = AttentionSpec(
+        dtype="fp8" if (dtype == "fp8" or prequantized) else in_dtype,
+        head_dim=sem.head_dim,
+        head_dim_v=sem.head_dim_v,
+        mask=sem.mask.kind,
+        out_dtype=in_dtype,
+    )
+    return Problem(
+        batch=sem.batch,
+        seqlen_q=sem.seqlen_q,
+        seqlen_k=sem.seqlen_k,
+        nheads=sem.nheads,
+        nheads_kv=sem.nheads_kv,
+        head_dim=sem.head_dim,
+        head_dim_v=sem.head_dim_v,
+        spec=spec,
+        mask=sem.mask,
+        softmax_scale=sem.softmax_scale,
+    )
+
+
+# Input dtypes of `cute_flash.reference` (it computes in a dtype of its own; fp8 inputs need their descales first).
+REFERENCE_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def validate_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: Optional[float],
+    window_size: Tuple[Optional[int], Optional[int]],
+) -> "Semantics":
+    """The checks of `validate` that define the semantics, for the plain-torch reference: the same shapes, heads,
+    head dims, mask and softmax scale are accepted and rejected, with the same messages. What only a kernel needs
+    is not asked: any device, any strides, and float32/float64 inputs besides fp16/bf16."""
+    q, k, v = (_check_tensor(n, t, device=False, layout=False) for n, t in (("q", q), ("k", k), ("v", v)))
+    _check_same_device_and_dtype(q, k, v)
+    if q.dtype not in REFERENCE_INPUT_DTYPES:
+        raise TypeError(
+            f"q, k, v have dtype {q.dtype}; the reference takes float16, bfloat16, float32 or float64 "
+            f"(dequantise float8 inputs with their descales first)"
+        )
+    return _check_semantics(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+
+
+@dataclass(frozen=True)
+class Semantics:
+    """What a call means, independent of how it is computed: shapes, the mask and the softmax scale."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    head_dim_v: int
+    mask: MaskBounds
+    softmax_scale: float
+
+
+def _check_same_device_and_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+
+
+def _check_semantics(q, k, v, *, causal, softmax_scale, window_size) -> Semantics:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
 
     batch, seqlen_q, nheads, head_dim = q.shape
     if k.shape[0] != batch or v.shape[0] != batch:
@@ -147,20 +227,7 @@ def validate(
         # Every kernel takes the running row max over raw scores, which is the max of the scaled scores only when
         # the scale is not negative.
         raise NotImplementedError(f"softmax_scale must be >= 0 for cute_flash kernels, got {softmax_scale}")
-
-    if prequantized:
-        _check_descale(descale, q, k)
-    # Pre-quantised inputs are written out in bf16; fp16/bf16 inputs keep their dtype on the FP8 path too.
-    in_dtype = FP8_OUT_DTYPE if prequantized else INPUT_DTYPES[q.dtype]
-    mask = normalize_mask(causal, (left, right))
-    spec = AttentionSpec(
-        dtype="fp8" if (dtype == "fp8" or prequantized) else in_dtype,
-        head_dim=head_dim,
-        head_dim_v=head_dim_v,
-        mask=mask.kind,
-        out_dtype=in_dtype,
-    )
-    return Problem(
+    return Semantics(
         batch=batch,
         seqlen_q=seqlen_q,
         seqlen_k=seqlen_k,
@@ -168,8 +235,7 @@ def validate(
         nheads_kv=nheads_kv,
         head_dim=head_dim,
         head_dim_v=head_dim_v,
-        spec=spec,
-        mask=mask,
+        mask=normalize_mask(causal, (left, right)),
         softmax_scale=float(softmax_scale),
     )
 
@@ -196,19 +262,61 @@ def _check_descale(descale: object, q: torch.Tensor, k: torch.Tensor) -> None:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
 
 
-def check_backend_supports(backend, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> None:
-    reason = backend.unsupported_reason(spec, backward, deterministic)
-    if reason is not None:
-        raise NotImplementedError(f"cute_flash backend {backend.name}: {reason}")
 
 
-def aligned_view(t: torch.Tensor) -> torch.Tensor:
-    """`t` itself when its base and outer strides are 16-byte aligned (no copy), else a contiguous copy."""
-    elem = t.element_size()
-    ok = t.data_ptr() % ALIGN_BYTES == 0 and all(
-        (s * elem) % ALIGN_BYTES == 0 or n == 1 for s, n in zip(t.stride()[:-1], t.shape[:-1])
-    )
-    if ok:
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def kernel_view(t: torch.Tensor, *, copy: bool = True, name: str = "tensor") -> torch.Tensor:
+    """The one layout normalisation between torch tensors and the kernels' compiled signatures.
+
+    Every kernel is compiled for: a 16-byte-aligned base address, a unit stride in the last dimension, and outer
+    strides that are multiples of 16 bytes (8 elements of fp16/bf16, what cp.async and TMA move at a time). This
+    returns, in order of preference:
+      * `t` itself when it already meets that contract (non-contiguous views included: no copy);
+      * a view of the same memory (no copy) when the only problem is the stride of a size-1 dimension, which
+        never addresses memory but which torch may leave at any value after slicing or unsqueezing; it becomes
+        the stride a contiguous tensor would have, rounded up to 16 bytes;
+      * a contiguous copy otherwise: a misaligned base (an offset view), a last dimension that is not unit-stride
+        (a transposed view), an outer stride that breaks 16-byte alignment, or a broadcast dimension (stride 0 with
+        size > 1, e.g. the expanded gradient autograd hands to backward after `out.sum().backward()`): a kernel
+        that reads through TMA needs every stride of a dimension it tiles to step to new memory.
+    With copy=False (for tensors a kernel writes, and for backends, whose inputs the front end has normalised) a
+    layout that would need a copy raises instead of copying.
+    """
+    shape, strides = t.shape, t.stride()
+    if t.numel() == 0:
         return t
-    # A contiguous tensor can still start at a misaligned offset; clone() gives it fresh, aligned storage.
-    return t.clone(memory_format=torch.contiguous_format)
+    elem = t.element_size()
+    align = max(1, ALIGN_BYTES // elem)
+    last = len(shape) - 1
+    needs_copy = t.data_ptr() % ALIGN_BYTES != 0 or (shape[last] > 1 and strides[last] != 1)
+    fix_unit = False
+    for i in range(last):
+        n, st = shape[i], strides[i]
+        if n == 1:
+            fix_unit = fix_unit or st % align != 0
+        elif st == 0 or st % align != 0:
+            needs_copy = True
+    if needs_copy:
+        if not copy:
+            raise ValueError(
+                f"cute_flash internal error: {name} (shape {tuple(shape)}, strides {tuple(strides)}, "
+                f"{elem}-byte elements) cannot be handed to a kernel without a copy"
+            )
+        # clone(), not contiguous(): a contiguous tensor can still start at a misaligned offset.
+        t = t.clone(memory_format=torch.contiguous_format)
+        shape, strides = t.shape, t.stride()
+        fix_unit = any(shape[i] == 1 and strides[i] % align != 0 for i in range(last))
+    if not fix_unit:
+        return t
+    new_strides = list(strides)
+    trailing = 1
+    for i in range(last, -1, -1):
+        if shape[i] == 1 and i < last and strides[i] % align != 0:
+            new_strides[i] = _round_up(max(trailing, 1), align)
+        elif shape[i] == 1 and i == last:
+            new_strides[i] = 1
+        trailing *= shape[i]
+    return t.as_strided(shape, new_strides)

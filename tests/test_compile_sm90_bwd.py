@@ -52,8 +52,11 @@ def test_sm90_backward_support():
         spec = AttentionSpec("bf16", d, d, "causal", "bf16")
         assert backward_unsupported_reason(spec) is None
         assert BACKEND.unsupported_reason(spec, backward=True, deterministic=True) is None
-    # Other head dims train through the sm80 backward, which has no deterministic mode.
+    # Other head dims: the sm90 family says it has no backward, and the router sends it to the sm80 family, which
+    # has no deterministic mode.
+    from cute_flash import routing
+
     other = AttentionSpec("bf16", 96, 96, "none", "bf16")
-    assert backward_unsupported_reason(other) is not None
-    assert BACKEND.unsupported_reason(other, backward=True) is None
-    assert "deterministic" in BACKEND.unsupported_reason(other, backward=True, deterministic=True)
+    assert "head_dim" in BACKEND.unsupported_reason(other, backward=True)
+    assert routing.route(other, (9, 0), backward=True).family == "sm80"
+    assert routing.route(other, (9, 0), backward=True, deterministic=True).family is None

@@ -163,3 +163,113 @@ def test_block_ranges_are_one_relation(tile_m, tile_n):
         for m in range(num_m):
             lo, hi = info.kv_block_range(m)
             assert {n for n in range(num_n) if (m, n) in visits} == set(range(lo, hi)), (sq, sk, kind, left, right, m)
+
+
+# --- The reference is reachable and validates as cute_flash.attention does --------------------------------------
+def test_reference_is_an_attribute_of_the_package():
+    import subprocess
+    import sys
+
+    code = ("import sys, cute_flash; f = cute_flash.reference.attention_reference; "
+            "assert cute_flash.attention_reference is f; assert 'cutlass' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _meta(b=2, sq=16, sk=16, h=4, hkv=4, d=64, dv=None, dtype=torch.bfloat16):
+    dv = d if dv is None else dv
+    return (torch.empty(b, sq, h, d, dtype=dtype, device="meta"), torch.empty(b, sk, hkv, d, dtype=dtype, device="meta"),
+            torch.empty(b, sk, hkv, dv, dtype=dtype, device="meta"))
+
+
+# (name, inputs, keyword arguments): every one is rejected by cute_flash.attention.
+BAD_CALLS = [
+    ("negative left window", lambda: _meta(), {"window_size": (-1, 0)}),
+    ("negative right window", lambda: _meta(), {"window_size": (3, -2)}),
+    ("scalar window", lambda: _meta(), {"window_size": 64}),
+    ("float window", lambda: _meta(), {"window_size": (1.5, None)}),
+    ("three-sided window", lambda: _meta(), {"window_size": (1, 2, 3)}),
+    ("heads not divisible", lambda: _meta(h=6, hkv=4), {}),
+    ("k and v heads differ", lambda: _meta()[:2] + (torch.empty(2, 16, 2, 64, dtype=torch.bfloat16, device="meta"),), {}),
+    ("k and v seqlens differ", lambda: _meta()[:2] + (torch.empty(2, 15, 4, 64, dtype=torch.bfloat16, device="meta"),), {}),
+    ("batches differ", lambda: _meta()[:2] + (torch.empty(3, 16, 4, 64, dtype=torch.bfloat16, device="meta"),), {}),
+    ("q/k head dims differ", lambda: (_meta()[0], torch.empty(2, 16, 4, 32, dtype=torch.bfloat16, device="meta"), _meta()[2]), {}),
+    ("head dim not a multiple of 8", lambda: _meta(d=12), {}),
+    ("head dim over 256", lambda: _meta(d=264), {}),
+    ("head_dim_v not a multiple of 8", lambda: _meta(dv=100), {}),
+    ("rank 3", lambda: (_meta()[0].flatten(2),) + _meta()[1:], {}),
+    ("nan scale", lambda: _meta(), {"softmax_scale": float("nan")}),
+    ("inf scale", lambda: _meta(), {"softmax_scale": float("inf")}),
+    ("string scale", lambda: _meta(), {"softmax_scale": "0.1"}),
+    ("negative scale", lambda: _meta(), {"softmax_scale": -0.1}),
+    ("non-bool causal", lambda: _meta(), {"causal": 1}),
+    ("mixed dtypes", lambda: _meta()[:2] + (_meta(dtype=torch.float16)[2],), {}),
+]
+
+
+@pytest.mark.parametrize("name, make, kwargs", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_reference_rejects_what_attention_rejects(monkeypatch, name, make, kwargs):
+    import cute_flash
+    from cute_flash import validation
+
+    monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "meta"))
+    with pytest.raises(Exception) as from_attention:
+        cute_flash.attention(*make(), **kwargs)
+    with pytest.raises(Exception) as from_reference:
+        attention_reference(*make(), **kwargs)
+    assert type(from_reference.value) is type(from_attention.value)
+    assert str(from_reference.value) == str(from_attention.value)
+    with pytest.raises(type(from_attention.value)):
+        attention_tiled(*make(), **kwargs)
+
+
+def test_reference_takes_cpu_float_inputs_and_any_layout():
+    q, k, v = _inputs(1, 9, 7, 2, 1, 16, 16, seed=8)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        assert torch.isfinite(attention_reference(q.to(dtype), k.to(dtype), v.to(dtype))).all()
+    # A last dimension that is not contiguous: the kernels need a unit stride there, the reference does not.
+    q_t = q.transpose(2, 3).contiguous().transpose(2, 3)
+    torch.testing.assert_close(attention_reference(q_t, k, v), attention_reference(q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float8_e4m3fn])
+def test_reference_rejects_other_dtypes(dtype):
+    q, k, v = (t.to(dtype) for t in _inputs(1, 4, 4, 1, 1, 8, 8, seed=9))
+    with pytest.raises(TypeError, match="float16, bfloat16, float32 or float64"):
+        attention_reference(q, k, v)
+
+
+# --- Extreme softmax scales: the reference stays exact (it is the ground truth of the kernels' tests) ------------
+def test_scale_zero_is_uniform_attention_over_visible_keys():
+    q, k, v = _inputs(1, 10, 6, 2, 1, 16, 16, seed=10)
+    out, lse = attention_reference(q, k, v, causal=True, softmax_scale=0.0, return_lse=True)
+    assert torch.isfinite(out).all()
+    off = 6 - 10
+    for i in range(10):
+        visible = i + off + 1
+        if visible <= 0:
+            assert torch.all(out[:, i] == 0) and torch.all(torch.isneginf(lse[:, :, i]))
+        else:
+            expect = v[:, :visible].mean(dim=1).repeat_interleave(2, dim=1)
+            torch.testing.assert_close(out[:, i], expect)
+            torch.testing.assert_close(lse[:, :, i], torch.full_like(lse[:, :, i], math.log(visible)))
+    tiled, _, _ = attention_tiled(q, k, v, causal=True, softmax_scale=0.0, compute_dtype=torch.float64)
+    torch.testing.assert_close(tiled, out)
+
+
+@pytest.mark.parametrize("scale", [1e30, 1e300])
+def test_huge_scale_is_a_hard_max(scale):
+    q, k, v = _inputs(1, 5, 9, 1, 1, 8, 8, seed=11)
+    out = attention_reference(q, k, v, softmax_scale=scale, window_size=(None, 0))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k)
+    from cute_flash.spec import normalize_mask
+
+    hidden = ~visible_keys(5, 9, normalize_mask(False, (None, 0)))
+    best = scores.masked_fill(hidden, float("-inf")).argmax(dim=-1)  # (b, h, sq)
+    expect = v[0, best[0, 0], 0]  # (sq, dv)
+    torch.testing.assert_close(out[0, :, 0], expect)
+
+
+def test_tiny_scale_is_nearly_uniform():
+    q, k, v = _inputs(1, 4, 8, 1, 1, 8, 8, seed=12)
+    out = attention_reference(q, k, v, softmax_scale=1e-30)
+    torch.testing.assert_close(out, v.mean(dim=1, keepdim=True).expand_as(out))

@@ -154,12 +154,16 @@ def test_sm90_backward_strided_inputs():
 
 
 @pytest.mark.parametrize("d", [pytest.param(d, marks=pytest.mark.xdist_group(f"sm80-d{d}")) for d in (96, 256)])
-def test_sm90_family_trains_other_head_dims_through_sm80(d):
-    """Head dims without an sm90 backward configuration still train on Hopper (the sm80 backward serves them)."""
+def test_sm90_family_trains_other_head_dims_through_sm80(monkeypatch, d):
+    """Head dims without an sm90 backward configuration still train on Hopper: the router sends their backward to
+    the sm80 family (the marker's CUTE_FLASH_ARCH=sm90 would forbid that, so it is lifted)."""
     import cute_flash
     from cute_flash.testing import check_backward
 
+    monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
     q, k, v, dout = _inputs("bf16", d, 300, 300, 4, 2, _seed(d, "sm80"))
+    route = cute_flash.explain(q, k, v, causal=True)
+    assert (route.forward_family, route.backward_family) == ("sm90", "sm80"), str(route)
     out = cute_flash.attention(q, k, v, causal=True)
     out.backward(dout)
     check_backward(q, k, v, dout, (q.grad, k.grad, v.grad), causal=True)
@@ -189,10 +193,11 @@ def test_sm90_backward_deterministic(d, mask, h_kv):
 
 
 @pytest.mark.xdist_group("sm80-d96")
-def test_sm90_deterministic_refused_where_sm80_trains():
+def test_sm90_deterministic_refused_where_sm80_trains(monkeypatch):
     """Head dims that train through the sm80 backward have no deterministic mode: a clear error before the forward."""
     import cute_flash
 
+    monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
     q, k, v, _ = _inputs("bf16", 96, 64, 64, 2, 2, 0)
     with pytest.raises(NotImplementedError, match="deterministic"):
         cute_flash.attention(q, k, v, deterministic=True)

@@ -75,15 +75,16 @@ def test_forward_other_head_dims(head_dim):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_backward_runs_sm80_kernels(causal):
-    """Training on sm90: forward by the sm90 kernel, backward by the sm80 kernels (documented in docs/sm90.md)."""
-    from cute_flash.arch.sm90 import BACKEND
+@pytest.mark.parametrize("head_dim, backward_family", [(128, "sm90"), (256, "sm80")])
+def test_training_routes(monkeypatch, head_dim, backward_family, causal):
+    """Training on Hopper: forward by the sm90 kernel, backward by the sm90 backward where it has a configuration
+    and by the sm80 kernels elsewhere (docs/sm90.md), chosen by the router."""
+    import cute_flash
 
-    spec = AttentionSpec("bf16", 128, 128, "causal" if causal else "none")
-    reason = BACKEND.unsupported_reason(spec, backward=True)
-    if reason is not None:
-        pytest.skip(reason)
-    q, k, v = random_qkv(2, 300, 431, 4, 2, 128, dtype=torch.bfloat16, seed=3, requires_grad=True)
+    monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
+    q, k, v = random_qkv(2, 300, 431, 4, 2, head_dim, dtype=torch.bfloat16, seed=3, requires_grad=True)
+    route = cute_flash.explain(q, k, v, causal=causal)
+    assert (route.forward_family, route.backward_family) == ("sm90", backward_family), str(route)
     out = attention(q, k, v, causal=causal)
     dout = torch.randn_like(out)
     out.backward(dout)

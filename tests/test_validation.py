@@ -9,7 +9,7 @@ import torch
 
 import cute_flash
 from cute_flash import interface, validation
-from cute_flash.arch import arch_for_capability, get_backend, resolve_arch
+from cute_flash.arch import arch_for_capability, resolve_arch
 
 
 @pytest.fixture
@@ -19,7 +19,9 @@ def meta_is_gpu(monkeypatch):
 
 @pytest.fixture
 def on_sm80(monkeypatch, meta_is_gpu):
-    monkeypatch.setattr(interface, "_backend_for", lambda t: get_backend("sm80"))
+    # An Ampere GPU as far as routing can tell (meta tensors stand in for its tensors).
+    monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
+    monkeypatch.setattr(interface, "_device_capability", lambda t: (8, 0))
 
 
 def qkv(b=2, sq=16, sk=16, h=4, hkv=4, d=64, dv=None, dtype=torch.bfloat16, device="meta"):

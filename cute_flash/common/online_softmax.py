@@ -14,10 +14,25 @@ every block; row sums stay per-thread partial sums until `finalize` (the rescale
 lanes, so the partial sums stay consistent).
 
 The max is taken over raw scores, which equals the max of the scaled ones only for scale_log2 >= 0: callers must
-reject negative softmax scales (the sm80 backend does).
+reject negative softmax scales (the front end's validation does).
 
 Rows that have seen only -inf keep m = -inf; the exponent then uses 0 in its place so that P = 0 and the rescale
 factor is 0 instead of NaN. `finalize` gives such rows scale 0 and LSE -inf, hence the 0 / -inf contract.
+
+Extreme scales, all handled per kernel or per row, never per score:
+  * scale_log2 is clamped into [FLT_MIN, FLT_MAX] once (`clamp_scale_log2`). A masked score is -inf, and
+    -inf * 0 = NaN: with softmax_scale = 0 (uniform attention over the visible keys) or a scale whose product with
+    log2(e) is 0 or subnormal in fp32 (flushed to 0 by .ftz arithmetic), every masked score used to turn P into NaN.
+    At FLT_MIN = 2^-126 a masked score still gives -inf and a visible one S * 2^-126 - m * 2^-126, which is 0 in
+    fp32 (P = 1 exactly, uniform attention) for every |S| < 2^100: the clamp changes no result that fp32 can show.
+    Scales above FLT_MAX / log2(e) would make scale_log2 infinite; FLT_MAX keeps the hard-max limit they mean.
+  * m * scale_log2 overflows fp32 when |scale * max score| exceeds ~2.4e38, and the exponent S * c - m * c became
+    inf - inf = NaN (or -inf for every key: a row of zeros). `row_exponent_scale` gives each row its own factor
+    c_r = c * 2^-k, with k >= 0 the least that keeps |m * c_r| < 2^25 (k = 0, c_r = c, for every realistic row:
+    |m * c| < 2^24). Beyond 2^24 the fp32 scores themselves carry less than one bit of exponent (their rounding
+    times c is >= 1), and such a row is a hard max: every key whose score is not within ~2^-19 relative of the
+    row max gets P < 2^-32 with c_r as with c. So the row keeps the exact answer to the resolution of its fp32
+    scores instead of overflowing. It costs four integer instructions per row and block, none per score.
 """
 
 from __future__ import annotations
@@ -27,10 +42,81 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 LN2 = math.log(2.0)
 LOG2_E = math.log2(math.e)
+FLT_MIN = 2.0**-126  # smallest normal fp32
+FLT_MAX = (2.0 - 2.0**-23) * 2.0**127
+# |max * c_r| stays below 2^(ROW_EXPONENT_LIMIT_LOG2 + 1) (see row_exponent_scale).
+ROW_EXPONENT_LIMIT_LOG2 = 24
+
+
+@cute.jit
+def clamp_scale_log2(scale_log2: Float32) -> Float32:
+    """softmax_scale * log2(e) clamped into [FLT_MIN, FLT_MAX]: never 0 (masked -inf scores times 0 would be NaN),
+    never subnormal (flushed to 0 by .ftz arithmetic), never inf. See the module docstring for why it is exact."""
+    return cute.arch.fmin(cute.arch.fmax(scale_log2, Float32(FLT_MIN)), Float32(FLT_MAX))
+
+
+@cute.jit
+def max_limit_bits(scale_log2: Float32) -> Int32:
+    """The exponent bits of 2^24 / scale_log2 (the largest |row max| whose scaled value stays below ~2^25), computed
+    once per thread for `row_exponent_scale`; all ones (inf) when scale_log2 is so small that no row can overflow."""
+    limit = Float32(2.0**ROW_EXPONENT_LIMIT_LOG2) / scale_log2
+    return _exponent_bits(limit)
+
+
+@dsl_user_op
+def _exponent_bits(x: Float32, *, loc=None, ip=None) -> Int32:
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Float32(x).ir_value(loc=loc, ip=ip)],
+            "{\n.reg .b32 xb;\nmov.b32 xb, $1;\nand.b32 $0, xb, 2139095040;\n}",
+            "=r,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def row_exponent_scale(scale_log2: Float32, row_max: Float32, limit_bits: Int32, *, loc=None, ip=None) -> Float32:
+    """scale_log2 * 2^-k for one row, k = max(0, exponent(|row_max|) - exponent(limit)): scale_log2 itself unless
+    |row_max * scale_log2| could reach 2^25, else reduced by the power of two that brings it back into [2^23, 2^25).
+
+    Integer arithmetic on the exponent fields (and, sub, max, sub); the result stays a normal float because
+    scale_log2 >= FLT_MIN and k is at most what the clamp leaves room for."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [
+                Float32(scale_log2).ir_value(loc=loc, ip=ip),
+                Float32(row_max).ir_value(loc=loc, ip=ip),
+                Int32(limit_bits).ir_value(loc=loc, ip=ip),
+            ],
+            "{\n.reg .b32 cb, mb;\n"
+            "mov.b32 mb, $2;\n"
+            "and.b32 mb, mb, 2139095040;\n"
+            "sub.s32 mb, mb, $3;\n"
+            "max.s32 mb, mb, 0;\n"
+            "mov.b32 cb, $1;\n"
+            "sub.s32 cb, cb, mb;\n"
+            "mov.b32 $0, cb;\n}",
+            "=f,f,f,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+    )
 
 
 def _tree_reduce(row: cute.Tensor, op, init):
@@ -70,7 +156,8 @@ class OnlineSoftmax:
     objects through those as state); the statistics themselves live in the register tensors row_max / row_sum.
     """
 
-    scale_log2: Float32  # softmax_scale * log2(e), a runtime value
+    scale_log2: Float32  # softmax_scale * log2(e), a runtime value, clamped into [FLT_MIN, FLT_MAX]
+    limit_bits: Int32  # exponent bits of 2^24 / scale_log2 (see row_exponent_scale)
     num_rows: int  # rows this thread holds: size of mode 0 of the rows_cols view
     threads_per_row: int  # lanes sharing a row: 4 for mma.sync and WGMMA accumulators
     row_max: cute.Tensor
@@ -82,7 +169,8 @@ class OnlineSoftmax:
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        return OnlineSoftmax(scale_log2, num_rows, threads_per_row, row_max, row_sum)
+        scale_log2 = clamp_scale_log2(scale_log2)
+        return OnlineSoftmax(scale_log2, max_limit_bits(scale_log2), num_rows, threads_per_row, row_max, row_sum)
 
     @cute.jit
     def update(self, acc_rc: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
@@ -99,14 +187,16 @@ class OnlineSoftmax:
             self.row_max[r] = new_max
             # A row with no visible key so far keeps max -inf; subtract 0 instead so P = exp2(-inf) = 0.
             safe_max = 0.0 if new_max == -Float32.inf else new_max
-            max_scaled = safe_max * self.scale_log2
-            p = cute.math.exp2(row.load() * self.scale_log2 - max_scaled, fastmath=True)
+            # This row's exponent factor: scale_log2, unless |max * scale_log2| would overflow fp32's exponent range.
+            c_row = row_exponent_scale(self.scale_log2, safe_max, self.limit_bits)
+            max_scaled = safe_max * c_row
+            p = cute.math.exp2(row.load() * c_row - max_scaled, fastmath=True)
             row.store(p)
             if cutlass.const_expr(is_first):
                 row_scale[r] = 1.0
                 self.row_sum[r] = _tree_reduce(row, _add, None)
             else:
-                scale = cute.math.exp2(prev_max * self.scale_log2 - max_scaled, fastmath=True)
+                scale = cute.math.exp2(prev_max * c_row - max_scaled, fastmath=True)
                 row_scale[r] = scale
                 self.row_sum[r] = _tree_reduce(row, _add, self.row_sum[r] * scale)
         return row_scale

@@ -11,6 +11,7 @@ import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
+from ...validation import kernel_view
 from ..base import KernelArtifact
 from . import config as cfgmod
 
@@ -70,19 +71,6 @@ def _build_with_kernel(spec: AttentionSpec, cfg: cfgmod.FwdConfig, target: str, 
         options=options,
     )
     return compiled, kernel
-
-
-def _tma_view(t: torch.Tensor) -> torch.Tensor:
-    """`t` with the stride of every size-1 dimension set to 16 bytes' worth of elements.
-
-    Such strides are never used to address memory, but the compiled kernel checks that each stride is a multiple of
-    16 bytes (what TMA descriptors need), and torch leaves arbitrary values there after slicing.
-    """
-    step = max(1, 16 // t.element_size())
-    if all(n != 1 or st % step == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1])):
-        return t
-    strides = [st if n != 1 else step for n, st in zip(t.shape[:-1], t.stride()[:-1])] + [1]
-    return t.as_strided(t.shape, strides)
 
 
 def _fp8_args(spec: AttentionSpec, q, k, v, descale: Optional[Dict[str, torch.Tensor]]):
@@ -160,16 +148,15 @@ class _Backend:
                 f"{capability[0]}.{capability[1]}. CUTE_FLASH_ARCH=sm100 elsewhere can only cross-compile: "
                 f"python -m cute_flash compile --arch sm100 ..."
             )
-        if not softmax_scale > 0.0:
-            # The row max is taken over raw scores and scaled afterwards, which needs a positive scale.
-            raise NotImplementedError(f"the sm100 forward needs softmax_scale > 0, got {softmax_scale}")
+        # softmax_scale >= 0 (validation). 0 works like any other: the kernel clamps the exponent's factor
+        # softmax_scale * log2(e) into [FLT_MIN, FLT_MAX] (fwd_kernel.py), so masked -inf scores never meet a 0.
         descale_args = _fp8_args(spec, q, k, v, descale)
         cfg = cfgmod.choose_config(spec, seqlen_q=q.shape[1])
         target = compile_cache.runtime_target(q.device)
         key = ("sm100", target, _kernel_role(cfg), spec, cfg)
         compiled = compile_cache.get_or_compile(key, lambda: _build(spec, cfg, target))
         compiled(
-            _tma_view(q), _tma_view(k), _tma_view(v), _tma_view(out), lse,
+            *(kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out))), lse,
             softmax_scale * math.log2(math.e), int(mask.left), int(mask.right),
             *descale_args,
         )

@@ -45,6 +45,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ...common.block_info import BlockInfo
+from ...common.online_softmax import FLT_MIN, clamp_scale_log2
 from ...spec import AttentionSpec
 from .config import FP8_Q_SCALE_ROWS, M_BLOCK, N_BLOCK, Q_STAGES, TMEM_COLUMNS, FwdConfig
 from .tmem_softmax import TmemRowSoftmax, finalize_row, mask_row
@@ -568,10 +569,12 @@ class Sm100FwdKernel:
 
         # Scores are scaled into log2 units by softmax_scale * log2(e); fp8 adds this row's Q factor (one per
         # FP8_Q_SCALE_ROWS rows) and, per KV block, the block's K factor.
-        row_scale = softmax_scale_log2
+        # Clamped into [FLT_MIN, FLT_MAX] (common/online_softmax.py): a factor of 0 (softmax_scale = 0, or a scale
+        # whose product with log2(e) underflows) would turn masked -inf scores into NaN.
+        row_scale = clamp_scale_log2(softmax_scale_log2)
         if const_expr(self.is_fp8):
             q_block = cutlass.min(row // FP8_Q_SCALE_ROWS, cute.size(mDescaleQ.shape[2]) - 1)
-            row_scale = row_scale * mDescaleQ[batch, head, q_block]
+            row_scale = clamp_scale_log2(row_scale * mDescaleQ[batch, head, q_block])
 
         softmax = TmemRowSoftmax(self.rescale_threshold, self.max_offset)
         softmax.reset()
@@ -583,7 +586,7 @@ class Sm100FwdKernel:
             needs_mask = i == 0 or n_block >= n_right_masked or n_block < n_left_masked
             block_scale = row_scale
             if const_expr(self.is_fp8):
-                block_scale = row_scale * mDescaleK[batch, head_kv, n_block]
+                block_scale = cute.arch.fmax(row_scale * mDescaleK[batch, head_kv, n_block], Float32(FLT_MIN))
             step_args = (
                 stage, n_block, tidx, s_phase, stats_phase, key_begin, key_end, block_scale, softmax, thr_load,
                 tStS_t2r, tScS_t2r, thr_store, tStP_r2t, tPshape, sStats, pipe_s_p_o, pipe_stats,

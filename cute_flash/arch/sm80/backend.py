@@ -17,6 +17,7 @@ from typing import Callable, Dict, List, Optional
 
 from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
+from ...validation import kernel_view
 from ..base import KernelArtifact
 from ...census import cubin_resources
 from .tile_config import FwdTile, fwd_tile_candidates
@@ -24,16 +25,6 @@ from .tile_config import FwdTile, fwd_tile_candidates
 FAMILY = "sm80"
 MAX_HEAD_DIM = 256
 MAX_GRID_YZ = 65535  # CUDA's limit on grid.y and grid.z
-
-
-def _kernel_view(t):
-    """`t`, with the stride of any size-1 dimension set to 0 when it breaks the kernels' 8-element stride contract.
-
-    Such a stride is never used to address memory, but the compiled launcher checks every stride's divisibility.
-    """
-    if all(n != 1 or s % 8 == 0 for n, s in zip(t.shape[:-1], t.stride()[:-1])):
-        return t
-    return t.as_strided(t.shape, [0 if n == 1 else s for n, s in zip(t.shape, t.stride())])
 
 
 def forward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
@@ -192,7 +183,7 @@ class _Backend:
         # The DSL's target must be the device's own for the compiled kernel to load here (sm_90a on Hopper).
         target = compile_cache.runtime_target(q.device)
         kernel = self._forward_kernel(spec, target)
-        q, k, v = _kernel_view(q), _kernel_view(k), _kernel_view(v)
+        q, k, v, out = (kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out)))
         kernel(q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right))
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask, deterministic=False) -> None:

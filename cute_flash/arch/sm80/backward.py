@@ -14,7 +14,6 @@ torch's current stream.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import tempfile
 from typing import List, Optional
@@ -23,6 +22,7 @@ import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
+from ...validation import kernel_view
 from ..base import KernelArtifact
 from .bwd_tiles import VARIANT_ENV, bwd_tile_config
 
@@ -265,18 +265,6 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def _kernel_view(t: torch.Tensor) -> torch.Tensor:
-    """`t`, with the (never used) stride of any size-1 outer dim replaced by one divisible by 8, as the kernels'
-    compiled signatures require of every outer stride."""
-    strides = list(t.stride())
-    fixed = False
-    for i in range(t.dim() - 1):
-        if t.shape[i] == 1 and strides[i] % 8 != 0:
-            strides[i] = math.prod(t.shape[i + 1 :])
-            fixed = True
-    return t.as_strided(t.shape, strides) if fixed else t
-
-
 def run_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -310,7 +298,10 @@ def run_backward(
         dq_accum = torch.zeros(batch, nheads, seqlen_q_pad * head_dim, **f32)
     else:
         dq_accum = torch.zeros(batch, seqlen_q_pad, nheads, head_dim, **f32)
-    q, k, v, dout, out, dq, dk, dv = (_kernel_view(t) for t in (q, k, v, dout, out, dq, dk, dv))
+    q, k, v, dout, out, dq, dk, dv = (
+        kernel_view(t, copy=False, name=n)
+        for n, t in zip(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (q, k, v, dout, out, dq, dk, dv))
+    )
 
     _kernel("bwd_preprocess", spec, target)(out, dout, lse, dpsum, lse_log2)
     if gqa:

@@ -12,6 +12,9 @@ here and to dQ in the postprocess kernel.
 GQA: a CTA works on a query head and reads kv head `head // (h // h_kv)`; its dK/dV are partial sums, added with fp32
 atomics to (b, sk_padded, h_kv, d) buffers that the postprocess converts. Without GQA the CTA writes dK/dV directly.
 
+The exponent's factor softmax_scale * log2e is clamped into [FLT_MIN, FLT_MAX] as in the forward
+(common/online_softmax.py): at softmax_scale = 0 a masked -inf score times 0 would make P NaN.
+
 Rows past seqlen_q / seqlen_k are zero-filled in shared memory; key columns past seqlen_k and outside the mask window are
 set to -inf in S. Query rows past seqlen_q, and rows that see no key, carry lse_log2 = +inf and D = 0 from the
 preprocess kernel, so their P and dS are exactly 0.
@@ -30,6 +33,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cutlass_dsl import dsl_user_op
 
 from ...common.block_info import BlockInfo
+from ...common.online_softmax import clamp_scale_log2
 from .bwd_tiles import BwdTileConfig
 
 LOG2_E = math.log2(math.e)
@@ -248,6 +252,9 @@ class FlashBackwardSm80:
     ):
         cfg = self.cfg
         block_m, block_n, d, stages = cfg.block_m, cfg.block_n, self.head_dim, cfg.num_stages
+        # Only the exponent's factor is clamped (away from 0, where masked -inf scores times 0 gave NaN P, and from
+        # inf); dK and dQ are scaled by softmax_scale itself, so scale 0 still gives dq = dk = 0 exactly.
+        softmax_scale_log2 = clamp_scale_log2(softmax_scale_log2)
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = cute.arch.block_idx()
         seqlen_q = mQ.shape[1]

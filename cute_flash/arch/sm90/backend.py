@@ -3,8 +3,9 @@
 Forward: `flash_fwd.Sm90FlashForward` (TMA + wgmma, warp-specialised ping-pong consumers), compiled once per
 (target, spec, tile config) with symbolic shapes and launched through TVM-FFI on torch's current stream.
 Backward: `backward.py` (TMA + wgmma, flash_bwd.Sm90FlashBackward) for the specs with an sm90 backward tile
-configuration (tile_config.bwd_tile_config); the other specs train through the sm80 backward kernels (mma.sync,
-compiled for sm_90a) on the saved forward outputs, which they accept as they are (same out / lse conventions).
+configuration (tile_config.bwd_tile_config). For the others `unsupported_reason(spec, backward=True)` says so and
+the router (cute_flash.routing) sends the backward to the sm80 family, whose kernels run on Hopper and take the
+sm90 forward's out / lse as they are.
 FP8 (`spec.dtype == "fp8"`, forward only) is served by `fp8_launch` (a separate kernel, flash_fwd_fp8.py).
 """
 
@@ -51,12 +52,6 @@ def _bwd():
     return backward
 
 
-def _sm80():
-    from .. import get_backend
-
-    return get_backend("sm80")
-
-
 def _build_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_options: str = ""):
     from .build import compile_forward  # imports cutlass: only when a kernel is needed
 
@@ -76,12 +71,7 @@ class _Backend:
             return reason
         if spec.dtype == "fp8":
             return "the sm90 FP8 path is forward-only: there is no FP8 backward"
-        if _bwd().backward_unsupported_reason(spec) is None:
-            return None
-        bwd_reason = _sm80().unsupported_reason(spec, True, deterministic)
-        if bwd_reason is not None:
-            return f"sm90 training runs the sm80 backward for this spec, which says: {bwd_reason}"
-        return None
+        return _bwd().backward_unsupported_reason(spec)  # every sm90 backward configuration has a deterministic build
 
     def _forward_kernel(self, spec: AttentionSpec, target: str):
         cfg = fwd_tile_config(spec)
@@ -102,11 +92,10 @@ class _Backend:
         kernel(q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right))
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask, deterministic=False) -> None:
-        kw = dict(spec=spec, softmax_scale=softmax_scale, mask=mask, deterministic=deterministic)
-        if _bwd().backward_unsupported_reason(spec) is None:
-            _bwd().run_backward(dout, q, k, v, out, lse, dq, dk, dv, **kw)
-        else:  # the sm80 kernels, compiled for sm_90a by their backend
-            _sm80().backward(dout, q, k, v, out, lse, dq, dk, dv, **kw)
+        _bwd().run_backward(
+            dout, q, k, v, out, lse, dq, dk, dv, spec=spec, softmax_scale=softmax_scale, mask=mask,
+            deterministic=deterministic,
+        )
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         reason = self.unsupported_reason(spec, backward)
@@ -131,14 +120,8 @@ class _Backend:
                     },
                 )
             ]
-        if backward and _bwd().backward_unsupported_reason(spec) is None:
+        if backward:
             artifacts += _bwd().compile_backward_artifacts(spec, target)
-        elif backward:
-            for art in _sm80().compile_artifacts(spec, True, target):
-                if art.kernel != "fwd":
-                    artifacts.append(
-                        KernelArtifact(f"sm80_{art.kernel}", art.ptx, art.cubin, {**art.config, "family": "sm80"})
-                    )
         return artifacts
 
 

@@ -23,6 +23,7 @@ import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
+from ...validation import kernel_view
 from ..base import KernelArtifact
 from .tile_config import BwdTileConfig, bwd_smem_bytes, bwd_tile_config
 
@@ -124,7 +125,7 @@ def run_backward(
     lse_log2 = torch.empty(batch, nheads, seqlen_q_pad, **f32)
     dpsum = torch.empty(batch, nheads, seqlen_q_pad, **f32)
     dq_accum = torch.zeros(batch, nheads, seqlen_q_pad * head_dim, **f32)
-    q, k, v, dout, out, dq, dk, dv = (sm80._kernel_view(t) for t in (q, k, v, dout, out, dq, dk, dv))
+    q, k, v, dout, out, dq, dk, dv = (kernel_view(t, copy=False) for t in (q, k, v, dout, out, dq, dk, dv))
 
     sm80.preprocess_kernel(spec, target)(out, dout, lse, dpsum, lse_log2)
     if gqa:

@@ -1,0 +1,179 @@
+"""The one layout normalisation (validation.kernel_view): which layouts pass untouched, which become a view, which
+are copied; and that every tensor the front end hands a backend, gradients included, meets the kernels' contract.
+
+CPU only: a fake backend computes with the reference and checks the contract on everything it receives.
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash import interface, validation
+from cute_flash.reference import attention_reference
+from cute_flash.validation import kernel_view
+
+
+def _contract_ok(t: torch.Tensor) -> bool:
+    align = max(1, 16 // t.element_size())
+    return (
+        t.data_ptr() % 16 == 0
+        and (t.shape[-1] == 1 or t.stride(-1) == 1)
+        and all(s % align == 0 and (s > 0 or n == 1) for n, s in zip(t.shape[:-1], t.stride()[:-1]))
+    )
+
+
+def bf16(*shape):
+    return torch.randn(*shape).to(torch.bfloat16)
+
+
+# --- layouts that are already usable: the tensor itself, no copy ------------------------------------------------
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: bf16(2, 16, 4, 64),
+        lambda: bf16(2, 4, 16, 64).transpose(1, 2),  # (b, h, s, d) storage
+        lambda: bf16(2, 16, 3, 4, 64)[:, :, 1],  # q, k or v of a packed qkv tensor
+        lambda: bf16(2, 16, 4, 128)[..., :64],  # a head-dim slice: row stride 128
+        lambda: bf16(4, 16, 4, 64)[1:3],  # a batch slice (offset of a whole batch entry)
+    ],
+    ids=["contiguous", "bhsd", "packed_qkv", "dim_slice", "batch_slice"],
+)
+def test_usable_layouts_are_not_touched(make):
+    t = make()
+    assert kernel_view(t) is t
+    assert kernel_view(t, copy=False) is t
+
+
+# --- a size-1 dimension with a stride that breaks the contract: a view of the same memory ------------------------
+def test_size_one_dimension_gets_a_usable_stride_without_a_copy():
+    base = bf16(2, 16, 3 * 64 + 1)
+    t = base[:, :, 1:65].unsqueeze(2)  # (2, 16, 1, 64): offset 1 element (misaligned) -> that one is a copy
+    assert kernel_view(t).data_ptr() != t.data_ptr()
+    t = torch.as_strided(bf16(2 * 16 * 64), (2, 16, 1, 64), (1024, 64, 3, 1))  # head stride 3: never used
+    v = kernel_view(t)
+    assert v.data_ptr() == t.data_ptr() and torch.equal(v, t) and _contract_ok(v)
+    assert v.stride(2) % 8 == 0
+    assert kernel_view(t, copy=False).data_ptr() == t.data_ptr()
+
+
+# --- layouts that need a copy ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.ones((), dtype=torch.bfloat16).expand(2, 16, 4, 64),  # d(out.sum())/d(out)
+        lambda: bf16(2, 16, 1, 64).expand(2, 16, 4, 64),  # broadcast over heads
+        lambda: bf16(2, 1, 4, 64).expand(2, 16, 4, 64),  # broadcast over the sequence
+        lambda: bf16(2, 16, 64, 4).transpose(2, 3),  # head_dim not unit-stride
+        lambda: bf16(2 * 16 * 4 * 64 + 3)[3:].view(2, 16, 4, 64),  # offset view: base misaligned
+        lambda: torch.as_strided(bf16(2 * 16 * 4 * 68), (2, 16, 4, 64), (16 * 4 * 68, 4 * 68, 68, 1)),  # stride 68
+    ],
+    ids=["expanded_scalar", "broadcast_heads", "broadcast_seq", "transposed", "offset", "odd_stride"],
+)
+def test_unusable_layouts_are_copied_once(make):
+    t = make()
+    v = kernel_view(t)
+    assert v is not t and _contract_ok(v) and torch.equal(v, t)
+    assert v.is_contiguous()
+    with pytest.raises(ValueError, match="without a copy"):
+        kernel_view(t, copy=False)
+
+
+def test_alignment_is_in_bytes():
+    # fp32: 4 elements are 16 bytes; fp8: 16 elements.
+    t = torch.as_strided(torch.randn(2 * 16 * 4 * 68), (2, 16, 4, 64), (16 * 4 * 68, 4 * 68, 68, 1))
+    assert kernel_view(t) is t
+    t8 = torch.zeros(2, 16, 4, 72, dtype=torch.float8_e4m3fn)[..., :64]  # row stride 72: not 16 elements
+    v8 = kernel_view(t8)
+    assert v8 is not t8 and _contract_ok(v8)
+
+
+def test_empty_tensors_pass():
+    t = bf16(0, 16, 4, 64)
+    assert kernel_view(t) is t
+
+
+# --- the front end: whatever layout q, k, v and the gradient have, a backend only sees the contract --------------
+class _CheckingBackend:
+    """Computes with the float64 reference, after asserting the layout contract of every tensor it is handed."""
+
+    name = "fake"
+    cute_arch = "sm_80"
+
+    def __init__(self):
+        self.seen = []
+
+    def unsupported_reason(self, spec, backward, deterministic=False):
+        return None
+
+    def _check(self, **tensors):
+        for name, t in tensors.items():
+            assert _contract_ok(t), (name, tuple(t.shape), t.stride(), t.data_ptr() % 16)
+            self.seen.append(name)
+
+    def forward(self, q, k, v, out, lse, *, spec, softmax_scale, mask, descale=None):
+        self._check(q=q, k=k, v=v, out=out)
+        o, l = attention_reference(q, k, v, softmax_scale=softmax_scale, window_size=(mask.left, mask.right),
+                                   return_lse=True)
+        out.copy_(o)
+        lse.copy_(l)
+
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask, deterministic=False):
+        self._check(dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
+        with torch.enable_grad():
+            leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+            o = attention_reference(*leaves, softmax_scale=softmax_scale, window_size=(mask.left, mask.right))
+            o.backward(dout.double())
+        for g, leaf in zip((dq, dk, dv), leaves):
+            g.copy_(leaf.grad)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    backend = _CheckingBackend()
+    monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(interface, "_route", lambda spec, t, backward, deterministic=False: backend)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    return backend
+
+
+def _weights(shape, layout=lambda w: w):
+    return layout(torch.randn(*shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64))
+
+
+GRADIENTS = {
+    "sum": lambda out: out.sum(),  # an expanded (all strides 0) gradient
+    "mean_of_head_0": lambda out: out[:, :, 0].float().mean(),  # zeros elsewhere, a broadcast inside
+    # A gradient whose head_dim is not unit-stride: the weights are stored (b, s, d, h).
+    "transposed": lambda out: (out * _weights((2, 8, 64, 4), lambda w: w.transpose(2, 3)).to(out.dtype)).sum(),
+    "weighted": lambda out: (out * _weights(out.shape).to(out.dtype)).sum(),
+}
+
+
+@pytest.mark.parametrize("grad", list(GRADIENTS), ids=list(GRADIENTS))
+def test_any_gradient_reaches_the_backend_in_a_usable_layout(fake_gpu, grad):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 4, 64).to(torch.bfloat16).requires_grad_(True) for _ in range(3))
+    out = cute_flash.attention(q, k, v)
+    GRADIENTS[grad](out).backward()
+    assert "dout" in fake_gpu.seen
+    # Same gradients as autograd through the reference (in float64, from the same dout).
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    GRADIENTS[grad](attention_reference(*leaves)).backward()
+    for got, ref in zip((q.grad, k.grad, v.grad), leaves):
+        torch.testing.assert_close(got.double(), ref.grad, atol=2e-2, rtol=2e-2)
+
+
+def test_strided_and_offset_inputs_reach_the_backend_in_a_usable_layout(fake_gpu):
+    torch.manual_seed(1)
+    packed = torch.randn(2, 8, 3, 4, 64).to(torch.bfloat16)
+    q, k, v = packed.unbind(2)  # row stride 3 * 4 * 64: usable as is
+    flat = torch.randn(2 * 8 * 4 * 64 + 1).to(torch.bfloat16)
+    q_off = flat[1:].view(2, 8, 4, 64)  # misaligned base: copied
+    for inputs in ((q, k, v), (q_off, k, v), (q, k.expand(2, 8, 4, 64).transpose(0, 0), v[:, :, :1].expand(2, 8, 4, 64))):
+        inputs = tuple(t.detach().requires_grad_(True) for t in inputs)
+        out = cute_flash.attention(*inputs)
+        torch.testing.assert_close(out.double(), attention_reference(*inputs), atol=2e-2, rtol=2e-2)
+        out.sum().backward()
+        assert all(t.grad is not None and t.grad.shape == t.shape for t in inputs)
