@@ -160,3 +160,39 @@ def _assert_all(reports: Sequence[ErrorReport], finite) -> None:
 
 def summarize(reports: Sequence[ErrorReport]) -> Dict[str, float]:
     return {r.name: r.err for r in reports}
+
+
+def stable_seed(*params) -> int:
+    """A seed derived from a test's parameters (the same case draws the same inputs in every process)."""
+    return sum((i + 1) * ord(c) for i, c in enumerate(repr(params))) % (2**31)
+
+
+def backward_inputs(dtype: torch.dtype, head_dim: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_kv: int,
+                    seed: int, batch: Optional[int] = None):
+    """q, k, v (requiring grad) and an output gradient dout, all fresh N(0, 1); two batch entries for small cases."""
+    b = batch or (2 if seqlen_q * seqlen_k <= 256 * 256 else 1)
+    q, k, v = random_qkv(b, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype=dtype, seed=seed,
+                         requires_grad=True)
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(seed + 1)
+    dout = torch.randn(b, seqlen_q, nheads, head_dim, generator=gen, device="cuda").to(dtype)
+    return q, k, v, dout
+
+
+def backward_kernel_grads(run_backward, q, k, v, dout, causal: bool, window_size, **kwargs):
+    """A family's backward kernels alone (`run_backward`), fed out / lse from the reference forward (out rounded to
+    the input dtype), so that a backward failure is told apart from a forward one. Gradients start as NaN."""
+    from .validation import validate
+
+    problem = validate(q, k, v, causal=causal, softmax_scale=None, window_size=window_size, dtype=None)
+    with torch.no_grad():
+        out, lse = attention_reference(
+            q, k, v, causal=causal, window_size=window_size, compute_dtype=torch.float32, return_lse=True
+        )
+    out = out.to(q.dtype)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    run_backward(
+        dout, q.detach(), k.detach(), v.detach(), out, lse, *grads,
+        spec=problem.spec, softmax_scale=problem.softmax_scale, mask=problem.mask, **kwargs,
+    )
+    return grads

@@ -41,42 +41,23 @@ CASES = [
 ]
 
 
-def _batch(sq: int, sk: int) -> int:
-    return 2 if sq * sk <= 256 * 256 else 1
-
-
 def _inputs(dt, d, sq, sk, h, h_kv, seed):
-    from cute_flash.testing import random_qkv
+    from cute_flash.testing import backward_inputs
 
-    q, k, v = random_qkv(_batch(sq, sk), sq, sk, h, h_kv, d, dtype=DTYPES[dt], seed=seed, requires_grad=True)
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(seed + 1)
-    dout = torch.randn(q.shape[0], sq, h, d, generator=gen, device="cuda").to(DTYPES[dt])
-    return q, k, v, dout
+    return backward_inputs(DTYPES[dt], d, sq, sk, h, h_kv, seed)
 
 
 def _seed(*params) -> int:
-    return sum((i + 1) * ord(c) for i, c in enumerate(repr(params))) % (2**31)
+    from cute_flash.testing import stable_seed
+
+    return stable_seed(*params)
 
 
 def _kernel_grads(q, k, v, dout, causal, window_size):
-    """The backward kernels alone, with out / lse from the reference forward (out rounded to the input dtype)."""
     from cute_flash.arch.sm80.backward import run_backward
-    from cute_flash.reference import attention_reference
-    from cute_flash.validation import validate
+    from cute_flash.testing import backward_kernel_grads
 
-    problem = validate(q, k, v, causal=causal, softmax_scale=None, window_size=window_size, dtype=None)
-    with torch.no_grad():
-        out, lse = attention_reference(
-            q, k, v, causal=causal, window_size=window_size, compute_dtype=torch.float32, return_lse=True
-        )
-    out = out.to(q.dtype)
-    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-    run_backward(
-        dout, q.detach(), k.detach(), v.detach(), out, lse, *grads,
-        spec=problem.spec, softmax_scale=problem.softmax_scale, mask=problem.mask,
-    )
-    return grads
+    return backward_kernel_grads(run_backward, q, k, v, dout, causal, window_size)
 
 
 @pytest.mark.sm80
