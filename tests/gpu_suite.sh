@@ -6,11 +6,12 @@
 #   STEPS="sm90 sm80_bwd" tests/gpu_suite.sh OUT_DIR
 #
 # Steps (each under its own time limit, seconds in brackets; a step that runs out reports exit 124):
-#   sm90      [300] issue-13 regressions, the sm90 backward matrix, the sm90 forward matrix, FP8 (pytest-xdist workers
+#   sm90      [270] issue-13 regressions, the sm90 backward matrix, the sm90 forward matrix, FP8 (pytest-xdist workers
 #                   grouped by compiled kernels, so each compiles only its own)
-#   sm80_fwd  [90]  the sm80 forward (forced on Hopper): odd lengths, masked rows, windows, strides, other head dims
-#   sm80_bwd  [120] the sm80 backward matrix through autograd at bf16 d128 and fp16 d64 (one process per shard)
-#   bench     [240] backward grid beside FA4 and cuDNN: d 64/128/256 x 1k/4k/16k x causal both (bench/report.md)
+#   sm80_fwd  [75]  the sm80 forward (forced on Hopper): odd lengths, masked rows, windows, strides, other head dims
+#   sm80_bwd  [90] the sm80 backward matrix through autograd at bf16 d128 and fp16 d64 (one process per shard)
+#   bench     [240] backward grid beside FA4 and cuDNN: d 64/128/256 x $BENCH_SEQLENS (default 1k/4k/16k) x causal
+#                   both (bench/report.md)
 set -u
 out=${1:?usage: tests/gpu_suite.sh OUT_DIR}
 mkdir -p "$out"
@@ -29,14 +30,14 @@ step() {
 
 for s in $steps; do
   case $s in
-    sm90) step sm90 300 python3 -m pytest -q -n 10 --dist loadgroup -p no:cacheprovider -rf \
+    sm90) step sm90 270 python3 -m pytest -q -n 10 --dist loadgroup -p no:cacheprovider -rf \
             tests/test_correctness_gpu.py tests/test_sm90_bwd.py tests/test_sm90_fwd.py tests/test_fp8_gpu.py ;;
-    sm80_fwd) step sm80_fwd 90 python3 -m pytest -q -n 6 -p no:cacheprovider -rf -m sm80 tests/test_sm80_fwd.py \
+    sm80_fwd) step sm80_fwd 75 python3 -m pytest -q -n 6 -p no:cacheprovider -rf -m sm80 tests/test_sm80_fwd.py \
             -k "q113k203 or q1023k1024 or q239k1 or fully or local or strided or other" ;;
-    sm80_bwd) step sm80_bwd 120 python3 tests/test_sm80_bwd.py -j 6 --test test_sm80_attention_backward \
+    sm80_bwd) step sm80_bwd 90 python3 tests/test_sm80_bwd.py -j 6 --test test_sm80_attention_backward \
             -k "bf16-d128- or fp16-d64-" ;;
     bench) step bench 240 python3 -m cute_flash bench --dtypes bf16 --head-dims 64,128,256 \
-            --seqlens 1024,4096,16384 --directions bwd --impls cute-flash,fa4,sdpa-cudnn --no-memory --no-plots \
+            --seqlens "${BENCH_SEQLENS:-1024,4096,16384}" --directions bwd --impls cute-flash,fa4,sdpa-cudnn --no-memory --no-plots \
             --rep-ms 50 --warmup-ms 15 --out "$out/bench"
            grep -A 22 "bf16 bwd" "$out/bench/report.md" 2>/dev/null || tail -n 25 "$out/bench.log" ;;
     *) echo "unknown step $s" ;;
