@@ -37,6 +37,9 @@ def test_forward_matrix(head_dim, seqlens, heads, mask, dtype):
     _run(*matrix_inputs(head_dim, seqlens, heads, dtype), **MASKS[mask])
 
 
+# Long sequences hold tens of GiB of float64 reference: with pytest-xdist they share one worker ("long"), so that
+# several of them never allocate at once (tests/gpu_suite.sh runs ten workers on one GPU).
+@pytest.mark.xdist_group("long")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlen", [8192, 16384])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
