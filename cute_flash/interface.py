@@ -232,28 +232,30 @@ def explain(
     dtype: Optional[str] = None,
     descale: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     fp8_rotate: bool = True,
+    deterministic: bool = False,
     capability: Optional[Tuple[int, int]] = None,
 ) -> Explanation:
     """Which family would serve `attention(q, k, v, ...)` with these arguments, forward and backward, without
     compiling or launching anything. Validates like `attention` (and raises the same errors).
 
+    deterministic: explain the route of a deterministic backward (which families can sum in a fixed order).
     capability: explain for a GPU of this compute capability, e.g. (9, 0), instead of q's own; then q, k, v may be
     CPU or meta tensors (only their shapes and dtypes are used). CUTE_FLASH_ARCH applies as in `attention`.
     """
     if capability is None:
         problem = validate(
             q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=dtype,
-            descale=descale, fp8_rotate=fp8_rotate,
+            descale=descale, fp8_rotate=fp8_rotate, deterministic=deterministic,
         )
         capability = _device_capability(q)
     else:
         capability = tuple(capability)
         problem = validate(
             q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=dtype,
-            descale=descale, fp8_rotate=fp8_rotate, any_device=True,
+            descale=descale, fp8_rotate=fp8_rotate, deterministic=deterministic, any_device=True,
         )
     return Explanation(
         capability,
         routing.route(problem.spec, capability, backward=False),
-        routing.route(problem.spec, capability, backward=True),
+        routing.route(problem.spec, capability, backward=True, deterministic=deterministic),
     )

@@ -48,7 +48,9 @@ def normalize_mask(causal: bool, window_size: Tuple[Optional[int], Optional[int]
     """Folds `causal` and `window_size` into one mask description.
 
     Causal is a window whose right bound is 0; with a finite left bound as well it becomes a general local window,
-    which kernels handle with runtime bounds so that every window size shares one compiled kernel.
+    which kernels handle with runtime bounds so that every window size shares one compiled kernel. Bounds are clamped
+    to UNBOUNDED_WINDOW (any bound >= max(seqlen_q, seqlen_k) means the same): kernels add sequence lengths to them
+    in Int32, where a bound near 2^31 would wrap and hide every key.
     """
     left, right = window_size
     if causal:
@@ -59,6 +61,6 @@ def normalize_mask(causal: bool, window_size: Tuple[Optional[int], Optional[int]
         return MaskBounds("causal", UNBOUNDED_WINDOW, 0)
     return MaskBounds(
         "local",
-        UNBOUNDED_WINDOW if left is None else int(left),
-        UNBOUNDED_WINDOW if right is None else int(right),
+        UNBOUNDED_WINDOW if left is None else min(int(left), UNBOUNDED_WINDOW),
+        UNBOUNDED_WINDOW if right is None else min(int(right), UNBOUNDED_WINDOW),
     )

@@ -117,6 +117,9 @@ def validate(
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     sem = _check_semantics(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+    if deterministic and (dtype == "fp8" or prequantized):
+        raise ValueError("deterministic=True concerns the backward, and the FP8 path has none (forward only)")
+    _check_launch_limits(sem)
 
     if prequantized:
         _check_descale(descale, q, k)
@@ -262,6 +265,25 @@ def _check_descale(descale: object, q: torch.Tensor, k: torch.Tensor) -> None:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
 
 
+# CUDA's limit on grid.y and grid.z: every kernel launches (tiles, heads, batch).
+MAX_GRID_YZ = 65535
+# Kernels index within one (batch, head) with Int32: a sequence times its head dim must stay below 2^31 elements.
+MAX_ELEMENTS_PER_HEAD = 2**31 - 1
+
+
+def _check_launch_limits(sem: "Semantics") -> None:
+    if sem.batch > MAX_GRID_YZ or sem.nheads > MAX_GRID_YZ:
+        raise NotImplementedError(
+            f"batch ({sem.batch}) and nheads ({sem.nheads}) must each be <= {MAX_GRID_YZ}: the kernels launch "
+            f"them as CUDA grid dimensions"
+        )
+    # Padded to whole tiles (at most 256 rows) inside the kernels' buffers.
+    longest = (max(sem.seqlen_q, sem.seqlen_k) + 256) * max(sem.head_dim, sem.head_dim_v)
+    if longest > MAX_ELEMENTS_PER_HEAD:
+        raise NotImplementedError(
+            f"seqlen x head_dim = {longest} elements per head exceeds the kernels' Int32 indexing "
+            f"({MAX_ELEMENTS_PER_HEAD}); split the sequence (e.g. ring attention over several calls)"
+        )
 
 
 def _round_up(x: int, m: int) -> int:

@@ -3,7 +3,8 @@
 Per head dim with an sm90 backward configuration and causal on/off, through `python -m cute_flash compile --arch sm90
 --backward` in a subprocess (CuTe DSL fixes its target at import; ptxas' report goes to that process's stderr): the
 main kernel's PTX must hold wgmma in both forms (SS for Sᵀ, dPᵀ and dQ; register-A for dV and dK), TMA bulk-tensor
-loads, setmaxnreg and the bulk reduce-add of dQ; ptxas must report zero spill bytes (d <= 128).
+loads, setmaxnreg and the bulk reduce-add of dQ; ptxas must report zero spill bytes (d <= 128), for the plain, GQA
+and deterministic builds alike.
 """
 
 import json
@@ -31,8 +32,9 @@ def _compile_reports(tmp_path, head_dim: int, causal: bool) -> dict:
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_sm90_backward_compiles(tmp_path, head_dim, causal):
     reports = _compile_reports(tmp_path, head_dim, causal)
-    assert {"fwd", "bwd", "bwd_gqa", "bwd_dq_postprocess", "sm80_bwd_preprocess"} <= set(reports), sorted(reports)
-    for role in ("bwd", "bwd_gqa"):
+    roles = {"bwd", "bwd_gqa", "bwd_det", "bwd_gqa_det"}
+    assert roles | {"fwd", "bwd_dq_postprocess", "sm80_bwd_preprocess"} <= set(reports), sorted(reports)
+    for role in sorted(roles):
         report = reports[role]
         census = report["census"]
         assert census["wgmma.mma_async"] > census["wgmma.mma_async.rs"] > 0, census  # SS and RS forms

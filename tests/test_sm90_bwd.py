@@ -155,18 +155,21 @@ def test_sm90_family_trains_other_head_dims_through_sm80(monkeypatch, d):
 
 
 @pytest.mark.parametrize(
-    "d, mask, h_kv",
-    [pytest.param(d, m, hk, marks=pytest.mark.xdist_group(f"det-d{d}"))
-     for d in (64, 128) for m in ("full", "causal", "window100_30") for hk in (4, 1)],
+    "d, mask, h_kv, sq, sk",
+    [pytest.param(d, m, hk, sq, sk, marks=pytest.mark.xdist_group(f"det-d{d}"))
+     for d in (64, 128) for m in ("full", "causal", "window64_0", "window100_30") for hk in (4, 1)
+     for sq, sk in ((1000, 1100), (1100, 300))]
+    + [pytest.param(128, "causal", 2, 1, 1, marks=pytest.mark.xdist_group("det-d128"))],
 )
-def test_sm90_backward_deterministic(d, mask, h_kv):
+def test_sm90_backward_deterministic(d, mask, h_kv, sq, sk):
     """deterministic=True: bitwise-equal gradients over repeats (dQ, and GQA's dK/dV, summed in a fixed order), and
-    still within the rule."""
+    still within the rule; windows, seqlen_q > seqlen_k (rows that see no key) and one-token sequences included,
+    since a wrong turn number there would hang the kernel."""
     import cute_flash
     from cute_flash.testing import check_backward
 
     causal, window = MASKS[mask]
-    q, k, v, dout = _inputs("bf16", d, 1000, 1100, 4, h_kv, _seed(d, mask, h_kv, "det"))
+    q, k, v, dout = _inputs("bf16", d, sq, sk, 4, h_kv, _seed(d, mask, h_kv, sq, sk, "det"))
     runs = []
     for _ in range(3):
         out = cute_flash.attention(q, k, v, causal=causal, window_size=window, deterministic=True)

@@ -188,3 +188,37 @@ def test_arch_override(monkeypatch):
 def test_capability_dispatch(monkeypatch, cap, family):
     monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
     assert resolve_arch(cap) == family
+
+
+
+def test_huge_window_bounds_mean_unbounded():
+    """A bound near 2^31 would wrap in the kernels' Int32 arithmetic and hide every key: it is clamped, as any bound
+    >= max(seqlen_q, seqlen_k) means the same."""
+    from cute_flash.spec import UNBOUNDED_WINDOW, normalize_mask
+
+    m = normalize_mask(False, (2**31 - 1, 2**40))
+    assert (m.kind, m.left, m.right) == ("local", UNBOUNDED_WINDOW, UNBOUNDED_WINDOW)
+    assert normalize_mask(True, (2**33, None)).left == UNBOUNDED_WINDOW
+
+
+def test_launch_limits_are_checked_before_anything_runs():
+    from cute_flash.validation import validate
+
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    q = torch.empty(70000, 4, 2, 64, **meta)
+    with pytest.raises(NotImplementedError, match="grid"):
+        validate(q, q, q, causal=False, softmax_scale=None, window_size=(None, None), dtype=None, any_device=True)
+    q = torch.empty(1, 2**24, 1, 256, **meta)
+    with pytest.raises(NotImplementedError, match="Int32"):
+        validate(q, q, q, causal=False, softmax_scale=None, window_size=(None, None), dtype=None, any_device=True)
+
+
+def test_deterministic_is_a_bool_and_not_for_fp8():
+    from cute_flash.validation import validate
+
+    q = torch.empty(1, 16, 2, 64, dtype=torch.bfloat16, device="meta")
+    kw = dict(causal=False, softmax_scale=None, window_size=(None, None), any_device=True)
+    with pytest.raises(TypeError, match="deterministic"):
+        validate(q, q, q, dtype=None, deterministic=1, **kw)
+    with pytest.raises(ValueError, match="FP8"):
+        validate(q, q, q, dtype="fp8", deterministic=True, **kw)

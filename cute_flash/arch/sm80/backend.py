@@ -24,7 +24,6 @@ from .tile_config import FwdTile, fwd_tile_candidates
 
 FAMILY = "sm80"
 MAX_HEAD_DIM = 256
-MAX_GRID_YZ = 65535  # CUDA's limit on grid.y and grid.z
 
 
 def forward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
@@ -175,10 +174,6 @@ class _Backend:
         reason = forward_unsupported_reason(spec)
         if reason is not None:
             raise NotImplementedError(reason)
-        if q.shape[0] > MAX_GRID_YZ or q.shape[2] > MAX_GRID_YZ:
-            raise NotImplementedError(
-                f"the sm80 forward launches (heads, batch) as grid y/z: each must be <= {MAX_GRID_YZ}"
-            )
 
         # The DSL's target must be the device's own for the compiled kernel to load here (sm_90a on Hopper).
         target = compile_cache.runtime_target(q.device)

@@ -2,8 +2,8 @@
 
     1. preprocess:  D = rowsum(dO * O) and lse_log2 (both (b, h, sq_padded) fp32; padding and empty rows inert) —
                     the sm80 family's kernel (memory-bound, a few percent of the backward), compiled for sm_90a
-    2. main:        per key tile: dK, dV in registers; dQ added with red.global.add.v4 to (b, h, sq_padded * d)
-                    fp32 in the dQ MMA's register order
+    2. main:        per key tile: dK, dV in registers; each query tile's dQ added by a bulk reduce-add (through
+                    shared memory) to (b, h, sq_padded * d) fp32 in the dQ MMA's register order
     3. postprocess: dq = scale * dQ accumulator in the input dtype (DqConvertSm90); under GQA/MQA the main kernel's
                     dK/dV partial sums go to (b, sk_padded, h_kv, d) fp32 buffers converted by the sm80 family's
                     accumulator conversion
@@ -14,6 +14,7 @@ launched through TVM-FFI on torch's current stream.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tempfile
@@ -25,7 +26,7 @@ from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
 from ...validation import kernel_view
 from ..base import KernelArtifact
-from .tile_config import BwdTileConfig, bwd_smem_bytes, bwd_tile_config
+from .tile_config import WARPGROUP_THREADS, BwdTileConfig, bwd_config_problem, bwd_smem_bytes, bwd_tile_config
 
 FAMILY = "sm90"
 STATS_ROW_MULTIPLE = 64  # the preprocess writes whole 64-row blocks
@@ -66,8 +67,13 @@ def _build(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str, extr
 
 
 def _kernel(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str):
-    # The dQ conversion depends on the dtype, head dim and tile config only, not the mask.
-    key_spec = spec if role != "bwd_dq_postprocess" else AttentionSpec(spec.dtype, spec.head_dim, spec.head_dim_v, "none")
+    if role == "bwd_dq_postprocess":
+        # The dQ conversion depends on the dtype, the head dim and the dQ MMA's shape only (not the mask, stages,
+        # registers or ptxas level of the main kernel).
+        key_spec = dataclasses.replace(spec, mask="none")
+        cfg = BwdTileConfig(tile_m=cfg.tile_m, dq_split=cfg.dq_split, num_consumer_wgs=cfg.num_consumer_wgs)
+    else:
+        key_spec = spec
     key = (FAMILY, target, role, key_spec, cfg)
     compile_cache.ensure_cute_dsl_arch(target)
     return compile_cache.get_or_compile(key, lambda: _build(role, key_spec, cfg, target))
@@ -114,6 +120,9 @@ def run_backward(
     if reason is not None:
         raise NotImplementedError(reason)
     cfg = cfg or bwd_tile_config(spec)
+    problem = bwd_config_problem(cfg, spec.head_dim)
+    if problem is not None:
+        raise ValueError(problem)
     target = compile_cache.runtime_target(q.device)
     sm80 = _sm80_backward()
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -125,7 +134,10 @@ def run_backward(
     lse_log2 = torch.empty(batch, nheads, seqlen_q_pad, **f32)
     dpsum = torch.empty(batch, nheads, seqlen_q_pad, **f32)
     dq_accum = torch.zeros(batch, nheads, seqlen_q_pad * head_dim, **f32)
-    q, k, v, dout, out, dq, dk, dv = (kernel_view(t, copy=False) for t in (q, k, v, dout, out, dq, dk, dv))
+    q, k, v, dout, out, dq, dk, dv = (
+        kernel_view(t, copy=False, name=n)
+        for n, t in zip(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (q, k, v, dout, out, dq, dk, dv))
+    )
 
     sm80.preprocess_kernel(spec, target)(out, dout, lse, dpsum, lse_log2)
     if gqa:
@@ -135,7 +147,8 @@ def run_backward(
     else:
         dk_out, dv_out = dk, dv
     dq_sem = _semaphores((batch, nheads, seqlen_q_pad // cfg.tile_m), q.device, deterministic)
-    dkv_sem = _semaphores((batch, nheads_kv, -(-seqlen_k // cfg.tile_n)), q.device, deterministic and gqa)
+    dkv_sem = _semaphores((batch, nheads_kv, _round_up(seqlen_k, cfg.tile_n) // cfg.tile_n), q.device,
+                          deterministic and gqa)
     role = ("bwd_gqa" if gqa else "bwd") + ("_det" if deterministic else "")
     _kernel(role, spec, cfg, target)(
         q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, dq_sem, dkv_sem, softmax_scale, mask.left, mask.right
@@ -158,10 +171,12 @@ def compile_backward_artifacts(spec: AttentionSpec, target: str) -> List[KernelA
     config = {**cfg.as_dict(), "shared_bytes": bwd_smem_bytes(cfg, spec.head_dim), "threads": cfg.num_threads}
     artifacts = []
     with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_bwd_") as dump:
-        for role in ("bwd", "bwd_gqa", "bwd_dq_postprocess"):
+        for role in (*MAIN_ROLES, "bwd_dq_postprocess"):
             sub = os.path.join(dump, role)
             compiled = _build(role, spec, cfg, target, compile_cache.keep_artifacts_options(sub))
-            role_config = config if role != "bwd_dq_postprocess" else {"tile_m": cfg.tile_m, "threads": cfg.num_threads - 128}
+            role_config = config
+            if role == "bwd_dq_postprocess":
+                role_config = {"tile_m": cfg.tile_m, "threads": cfg.num_consumer_wgs * WARPGROUP_THREADS}
             artifacts.append(KernelArtifact(role, compiled.artifacts.PTX, compiled.artifacts.CUBIN, role_config))
     for art in _sm80_backward().compile_backward_artifacts(spec, target, roles=["bwd_preprocess", "bwd_postprocess"]):
         artifacts.append(KernelArtifact(f"sm80_{art.kernel}", art.ptx, art.cubin, {**art.config, "family": "sm80"}))

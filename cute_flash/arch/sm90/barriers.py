@@ -1,7 +1,8 @@
-"""Named hardware barriers of the sm90 forward kernel.
+"""Named hardware barriers of the sm90 kernels (ids are per kernel; barrier 0 belongs to `__syncthreads`).
 
-Barrier 0 belongs to `__syncthreads`. Ids 1..3 are the consumers' turn barriers (ping-pong), ids 4..6 the per-warpgroup
-epilogue barriers (before a warpgroup's TMA store reads the O tile its 128 threads wrote to shared memory).
+Forward (`BarrierId`): ids 1..3 are the consumers' turn barriers (ping-pong), ids 4..6 the per-warpgroup epilogue
+barriers (before a warpgroup's TMA store reads the O tile its 128 threads wrote to shared memory).
+Backward (`BwdBarrierId`): see the enum.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from .tile_config import WARPGROUP_THREADS
+from .tile_config import MAX_BWD_CONSUMER_WGS, WARPGROUP_THREADS
 
 MAX_CONSUMER_WGS = 3
 
@@ -56,9 +57,6 @@ class WarpGroupTurns:
 def epilogue_sync(consumer_idx: Int32) -> None:
     """All 128 threads of one consumer warpgroup (its O tile is complete in shared memory)."""
     cute.arch.barrier(barrier_id=int(BarrierId.EPILOGUE_FIRST) + consumer_idx, number_of_threads=WARPGROUP_THREADS)
-
-
-MAX_BWD_CONSUMER_WGS = 2
 
 
 class BwdBarrierId(enum.IntEnum):

@@ -50,22 +50,13 @@ from ..sm80.flash_bwd import red_add_f32_vec
 from .barriers import BwdBarrierId
 from .ptx import add_release_gpu, bulk_reduce_add_f32, load_acquire_gpu
 from .pipelines import consumer_state, producer_state
-from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, BwdTileConfig
+from .views import seq_major_view, stats_view
+from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, BwdTileConfig, bwd_config_problem
 from . import wgmma
 
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
 WARP_THREADS = 32
 DQ_VEC = 4  # consecutive floats of one thread in the dQ "fragment" layout (one 16-byte store)
-
-
-def _seq_major_view(t: cute.Tensor) -> cute.Tensor:
-    """(batch, seqlen, heads, dim) -> (seqlen, dim, heads, batch)."""
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-
-
-def _stats_view(t: cute.Tensor) -> cute.Tensor:
-    """(batch, heads, seqlen) -> (seqlen, heads, batch)."""
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
 
 
 def _transposed(s: cute.Tensor, rows: int, cols: int, stages: int) -> cute.Tensor:
@@ -133,7 +124,8 @@ def column_stat(regs: cute.Tensor, c: cutlass.Constexpr[int], num_cols: cutlass.
 
 
 class Sm90FlashBackward:
-    """Callable compiled once per (dtype, head dim, mask kind, tile config, GQA); shapes and strides are runtime."""
+    """Callable compiled once per (dtype, head dim, mask kind, tile config, GQA, deterministic); shapes and strides
+    are runtime."""
 
     def __init__(
         self,
@@ -146,6 +138,8 @@ class Sm90FlashBackward:
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         assert mask_kind in ("none", "causal", "local")
+        problem = bwd_config_problem(cfg, head_dim)
+        assert problem is None, problem
         self.dtype = dtype
         self.head_dim = head_dim
         self.mask_kind = mask_kind
@@ -179,10 +173,10 @@ class Sm90FlashBackward:
         stream: cuda.CUstream,
     ):
         d = self.head_dim
-        mQ, mK, mV, mdO = [_seq_major_view(t) for t in (mQ, mK, mV, mdO)]
-        mLSElog2, mdPsum = _stats_view(mLSElog2), _stats_view(mdPsum)
+        mQ, mK, mV, mdO = [seq_major_view(t) for t in (mQ, mK, mV, mdO)]
+        mLSElog2, mdPsum = stats_view(mLSElog2), stats_view(mdPsum)
         if const_expr(not self.gqa):
-            mdK, mdV = _seq_major_view(mdK), _seq_major_view(mdV)
+            mdK, mdV = seq_major_view(mdK), seq_major_view(mdV)
 
         stages = self.num_stages
         sQ_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_m, d, stages)
@@ -320,7 +314,8 @@ class Sm90FlashBackward:
 
         n_block, head, batch = cute.arch.block_idx()
         seqlen_q = mQ.shape[0]
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        group = mQ.shape[2] // mK.shape[2]  # query heads per KV head (GQA / MQA)
+        head_kv = head // group
         info = BlockInfo(self.tile_m, self.tile_n, self.mask_kind, seqlen_q, mK.shape[0], window_left, window_right)
         m_min, m_max = info.q_block_range(n_block)
 
@@ -342,7 +337,7 @@ class Sm90FlashBackward:
             self.consume(
                 pipe_kv, pipe_q, pipe_do, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
                 sQ, sK, sV, sdO, sdS, sLSE, sdPsum, sdQ, mdK, mdV, mdKVsem, atom_dk, atom_dv,
-                softmax_scale, info, n_block, head, head_kv, batch, m_min, m_max,
+                softmax_scale, info, n_block, head % group, head_kv, batch, m_min, m_max,
                 tidx - WARPGROUP_THREADS, warp_idx,
             )
 
@@ -408,7 +403,7 @@ class Sm90FlashBackward:
         sLSE: cute.Tensor, sdPsum: cute.Tensor, sdQ: cute.Tensor,
         mdK: cute.Tensor, mdV: cute.Tensor, mdKVsem: cute.Tensor, atom_dk: cute.CopyAtom, atom_dv: cute.CopyAtom,
         softmax_scale: Float32, info: BlockInfo,
-        n_block: Int32, head: Int32, head_kv: Int32, batch: Int32, m_min: Int32, m_max: Int32,
+        n_block: Int32, head_in_group: Int32, head_kv: Int32, batch: Int32, m_min: Int32, m_max: Int32,
         tidx: Int32,  # 0 .. num_consumer_threads - 1
         warp_idx: Int32,
     ):
@@ -491,8 +486,8 @@ class Sm90FlashBackward:
 
         if const_expr(self.gqa):
             self.add_dkv_partials(
-                acc_dK, acc_dV, tiled_mma_dkv, thr_dkv, mdK, mdV, mdKVsem, softmax_scale, n_block, head, head_kv,
-                batch, tidx,
+                acc_dK, acc_dV, tiled_mma_dkv, thr_dkv, mdK, mdV, mdKVsem, softmax_scale, n_block, head_in_group,
+                head_kv, batch, tidx,
             )
         else:
             # A key tile no query sees still writes its (zero) dK / dV.
@@ -559,8 +554,10 @@ class Sm90FlashBackward:
         cute.arch.fence_view_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
 
         wgmma.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do.index], zero_init=False, wait=-1)
-        # Every consumer's dSᵀ rows are in shared memory (and, two stages deep, none still reads this buffer:
-        # a consumer reaching step j+2 has waited for its dQ product of step j before the barrier of step j+1).
+        # Every consumer's dSᵀ rows are in shared memory. Nobody still reads this dS buffer: a consumer that reaches
+        # this stage again has passed the barrier of the step in between (two stages), which every consumer reaches
+        # only after waiting for its dQ product; with one stage, the Q ring guards it (a consumer releases the stage
+        # only after that wait, and the producer reuses it only after every consumer has released it).
         cute.arch.barrier(barrier_id=int(BwdBarrierId.DS_READY), number_of_threads=self.num_consumer_threads)
         acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
         wgmma.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, q.index], tdQrKt, zero_init=True, wait=1)
@@ -606,6 +603,7 @@ class Sm90FlashBackward:
                 turn = n_block - info.kv_block_range(m_block)[0]  # key tiles earlier in the order go first
                 while load_acquire_gpu(sem) != turn:
                     pass
+                cute.arch.fence_proxy("async.global")  # the adds below are async-proxy accesses
             for c in cutlass.range_constexpr(self.num_consumers):
                 cute.arch.barrier(barrier_id=int(BwdBarrierId.DQ_FULL_FIRST) + c, number_of_threads=pair)
                 with cute.arch.elect_one():
@@ -616,6 +614,7 @@ class Sm90FlashBackward:
                 cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are done, not only their reads
+                cute.arch.fence_proxy("async.global")  # ... and visible to the generic-proxy release below
                 with cute.arch.elect_one():
                     add_release_gpu(sem, Int32(1))
         cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the last reads
@@ -655,7 +654,7 @@ class Sm90FlashBackward:
         self,
         acc_dK: cute.Tensor, acc_dV: cute.Tensor, tiled_mma_dkv: cute.TiledMma, thr_dkv,
         mdK: cute.Tensor, mdV: cute.Tensor, mdKVsem: cute.Tensor,
-        softmax_scale: Float32, n_block: Int32, head: Int32, head_kv: Int32, batch: Int32, tidx: Int32,
+        softmax_scale: Float32, n_block: Int32, head_in_group: Int32, head_kv: Int32, batch: Int32, tidx: Int32,
     ):
         """GQA: this query head's dK·scale and dV added to the fp32 (b, sk_padded, h_kv, d) sums, two adjacent
         columns per red (the buffers are padded to whole key tiles, so no row needs a predicate). Deterministic: the
@@ -663,8 +662,7 @@ class Sm90FlashBackward:
         if const_expr(self.deterministic):
             sem = mdKVsem[batch, head_kv, None].iterator + n_block
             if tidx == 0:
-                turn = head % (cute.arch.grid_dim()[1] // mdK.shape[2])
-                while load_acquire_gpu(sem) != turn:
+                while load_acquire_gpu(sem) != head_in_group:
                     pass
             cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
         # Each thread holds two rows of its warp's 16 and, per 8-column group, two adjacent columns: one row pointer

@@ -16,12 +16,10 @@ import cutlass.cute as cute
 from cutlass import Float32
 from cutlass.cute.nvgpu import cpasync
 
-from .flash_bwd import DQ_VEC, dq_fragment_offset, dq_tiled_mma
+from .flash_bwd import DQ_VEC, SMEM_ALIGN, dq_fragment_offset, dq_tiled_mma
 from .tile_config import WARPGROUP_THREADS, BwdTileConfig
+from .views import seq_major_view
 from . import wgmma
-
-SMEM_ALIGN = 1024
-
 
 class DqConvertSm90:
     def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, cfg: BwdTileConfig):
@@ -40,7 +38,7 @@ class DqConvertSm90:
     ):
         tile_m, d = self.cfg.tile_m, self.head_dim
         sO_layout = wgmma.k_major_smem_layout(self.dtype, tile_m, d, 1)
-        mO = cute.make_tensor(mOut.iterator, cute.select(mOut.layout, mode=[1, 3, 2, 0]))  # (s, d, h, b)
+        mO = seq_major_view(mOut)  # (s, d, h, b)
         atom_o, tma_o = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (tile_m, d)
         )

@@ -41,16 +41,12 @@ from .epilogue import store_o_and_lse
 from .loads import load_q_k_v
 from .pipelines import consumer_state, make_load_pipelines
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, FwdTileConfig
+from .views import seq_major_view, stats_view
 from . import wgmma
 
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
 
 
-
-
-def _seq_major_view(t: cute.Tensor) -> cute.Tensor:
-    """(batch, seqlen, heads, dim) -> (seqlen, dim, heads, batch)."""
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
 
 
 class Sm90FlashForward:
@@ -93,8 +89,8 @@ class Sm90FlashForward:
         window_right: Int32,
         stream: cuda.CUstream,
     ):
-        mQ, mK, mV, mO = [_seq_major_view(t) for t in (mQ, mK, mV, mO)]
-        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (sq, h, b)
+        mQ, mK, mV, mO = [seq_major_view(t) for t in (mQ, mK, mV, mO)]
+        mLSE = stats_view(mLSE)  # (sq, h, b)
 
         rows = ROWS_PER_CONSUMER
         sQ_layout = wgmma.k_major_smem_layout(self.dtype, rows, self.head_dim, self.num_consumers)

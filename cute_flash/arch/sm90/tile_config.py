@@ -1,4 +1,5 @@
-"""Tile configurations of the sm90 forward kernel, one per head dim, and the budget checks behind them.
+"""Tile configurations of the sm90 kernels, and the budget checks behind them: the forward's (FwdTileConfig, one per
+head dim; below) and the backward's (BwdTileConfig, further down).
 
 A CTA has one producer warpgroup (one warp issues every TMA load) and `num_consumer_wgs` consumer warpgroups. Each
 consumer warpgroup owns 64 query rows: its own Q slice in shared memory, its own S = Q·Kᵀ and O accumulators and its
@@ -140,6 +141,30 @@ class BwdTileConfig:
             "producer_regs": self.producer_regs,
             "opt_level": self.opt_level,
         }
+
+
+MAX_BWD_CONSUMER_WGS = 2  # barriers.BwdBarrierId reserves named barriers for this many consumers
+
+
+def bwd_config_problem(cfg: BwdTileConfig, head_dim: int) -> Optional[str]:
+    """A sentence saying why the backward kernel cannot be built with `cfg` at `head_dim`, or None."""
+    w = cfg.num_consumer_wgs
+    if not 1 <= w <= MAX_BWD_CONSUMER_WGS:
+        return f"num_consumer_wgs={w}: the backward has named barriers for 1..{MAX_BWD_CONSUMER_WGS} consumers"
+    if cfg.dq_split == "m" and cfg.tile_m != ROWS_PER_CONSUMER * w:
+        return f"dq_split 'm' needs tile_m = 64 x consumers = {ROWS_PER_CONSUMER * w}, got {cfg.tile_m}"
+    if cfg.dq_split == "n" and (head_dim % w != 0 or (head_dim // w) % 64 != 0 or cfg.tile_m % 64 != 0):
+        return (f"dq_split 'n' needs head_dim / consumers in whole 64-column swizzle atoms and tile_m a multiple "
+                f"of 64, got head_dim {head_dim}, {w} consumers, tile_m {cfg.tile_m}")
+    if cfg.dq_split not in ("m", "n"):
+        return f"dq_split must be 'm' or 'n', got {cfg.dq_split!r}"
+    regs = cfg.consumer_regs * WARPGROUP_THREADS * w + cfg.producer_regs * WARPGROUP_THREADS
+    if regs > REGISTERS_PER_SM:
+        return f"register split {cfg.consumer_regs}/{cfg.producer_regs} needs {regs} > {REGISTERS_PER_SM} registers"
+    need = bwd_smem_bytes(cfg, head_dim)
+    if need > SMEM_CAPACITY_BYTES:
+        return f"backward tile {cfg.tile_m}x{cfg.tile_n} x {cfg.num_stages} stages needs {need} B of shared memory"
+    return None
 
 
 def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, elem_bytes: int = 2) -> int:
