@@ -24,7 +24,7 @@ import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
-from ...validation import kernel_view
+from ...validation import _round_up, kernel_view
 from ..base import KernelArtifact
 from .tile_config import WARPGROUP_THREADS, BwdTileConfig, bwd_config_problem, bwd_smem_bytes, bwd_tile_config
 
@@ -89,10 +89,6 @@ def _semaphores(shape, device, deterministic: bool) -> torch.Tensor:
     if device not in _no_semaphores:
         _no_semaphores[device] = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
     return _no_semaphores[device]
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
 
 
 def run_backward(
