@@ -47,7 +47,8 @@ def test_forced_family_is_the_only_candidate():
 HOPPER_ROUTES = [
     (spec(64), "sm90", "sm90"),
     (spec(128, mask="causal"), "sm90", "sm90"),
-    (spec(256, mask="local"), "sm90", "sm80"),  # no sm90 backward configuration at d256 yet
+    (spec(256, mask="local"), "sm90", "sm90"),
+    (spec(192, mask="causal"), "sm90", "sm80"),  # no sm90 backward configuration at d192 yet
     (spec(16), "sm80", None),
     (spec(32), "sm80", "sm80"),
     (spec(72), "sm80", None),
@@ -69,10 +70,10 @@ def test_hopper_routes(s, fwd, bwd):
 
 def test_deterministic_backward_routes_to_a_family_that_has_one():
     assert routing.route(spec(128, mask="causal"), HOPPER, backward=True, deterministic=True).family == "sm90"
-    none = routing.route(spec(256), HOPPER, backward=True, deterministic=True)
+    none = routing.route(spec(192), HOPPER, backward=True, deterministic=True)
     assert none.family is None and [f for f, _ in none.skipped] == ["sm90", "sm80"]
     assert "deterministic" in none.skipped[1][1]
-    assert routing.route(spec(256), HOPPER, backward=True).family == "sm80"
+    assert routing.route(spec(192), HOPPER, backward=True).family == "sm80"
 
 
 def test_every_documented_head_dim_has_a_forward_on_hopper_and_ampere():

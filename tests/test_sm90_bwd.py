@@ -20,7 +20,7 @@ import torch
 
 pytestmark = pytest.mark.sm90
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 SEQLENS = ((1, 1), (113, 203), (128, 128), (239, 1), (1023, 1024), (2048, 2048))
 MASKS = {  # name -> (causal, window_size)
     "full": (False, (None, None)),
@@ -87,7 +87,8 @@ def test_sm90_attention_backward(dt, d, sq, sk, mask, h, h_kv):
     "d, seqlen, causal, h_kv",
     # One xdist worker for every long test (their float64 references take tens of GiB; see test_sm90_fwd.py).
     [pytest.param(d, s, c, hk, marks=pytest.mark.xdist_group("long"))
-     for d, s, c, hk in ((128, 8192, False, 2), (128, 8192, True, 2), (64, 8192, True, 1), (128, 16384, True, 1))],
+     for d, s, c, hk in ((128, 8192, False, 2), (128, 8192, True, 2), (64, 8192, True, 1), (128, 16384, True, 1),
+                         (256, 8192, True, 2))],
 )
 def test_sm90_backward_long(d, seqlen, causal, h_kv):
     from cute_flash.testing import check_backward
@@ -97,8 +98,7 @@ def test_sm90_backward_long(d, seqlen, causal, h_kv):
     check_backward(q, k, v, dout, grads, causal=causal)
 
 
-@pytest.mark.xdist_group("bf16-d128")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [pytest.param(d, marks=pytest.mark.xdist_group(f"bf16-d{d}")) for d in HEAD_DIMS])
 def test_sm90_backward_fully_masked_rows(d):
     """Rows that see no key (seqlen_q > seqlen_k, causal; a window that ends before key 0): their dq must be exactly
     0, everything finite, the rest within the rule; key tiles no query sees get dk = dv = 0."""
@@ -138,7 +138,7 @@ def test_sm90_backward_strided_inputs():
     check_backward(q, k, v, dout, (q.grad, k.grad, v.grad), causal=True)
 
 
-@pytest.mark.parametrize("d", [pytest.param(d, marks=pytest.mark.xdist_group(f"sm80-d{d}")) for d in (96, 256)])
+@pytest.mark.parametrize("d", [pytest.param(d, marks=pytest.mark.xdist_group(f"sm80-d{d}")) for d in (96, 192)])
 def test_sm90_family_trains_other_head_dims_through_sm80(monkeypatch, d):
     """Head dims without an sm90 backward configuration still train on Hopper: the router sends their backward to
     the sm80 family (the marker's CUTE_FLASH_ARCH=sm90 would forbid that, so it is lifted)."""
@@ -157,7 +157,7 @@ def test_sm90_family_trains_other_head_dims_through_sm80(monkeypatch, d):
 @pytest.mark.parametrize(
     "d, mask, h_kv, sq, sk",
     [pytest.param(d, m, hk, sq, sk, marks=pytest.mark.xdist_group(f"det-d{d}"))
-     for d in (64, 128) for m in ("full", "causal", "window64_0", "window100_30") for hk in (4, 1)
+     for d in HEAD_DIMS for m in ("full", "causal", "window64_0", "window100_30") for hk in (4, 1)
      for sq, sk in ((1000, 1100), (1100, 300))]
     + [pytest.param(128, "causal", 2, 1, 1, marks=pytest.mark.xdist_group("det-d128"))],
 )

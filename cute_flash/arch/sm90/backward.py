@@ -26,7 +26,9 @@ from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
 from ...validation import _round_up, kernel_view
 from ..base import KernelArtifact
-from .tile_config import WARPGROUP_THREADS, BwdTileConfig, bwd_config_problem, bwd_smem_bytes, bwd_tile_config
+from .tile_config import (
+    WARPGROUP_THREADS, BwdTileConfig, bwd_config_problem, bwd_head_dims, bwd_smem_bytes, bwd_tile_config,
+)
 
 FAMILY = "sm90"
 STATS_ROW_MULTIPLE = 64  # the preprocess writes whole 64-row blocks
@@ -39,7 +41,7 @@ def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
         return f"the sm90 backward needs out_dtype equal to the input dtype ({spec.dtype}), got {spec.out_dtype}"
     if bwd_tile_config(spec) is None:
         return (
-            f"the sm90 backward has tile configurations for head_dim == head_dim_v in (64, 128), not "
+            f"the sm90 backward has tile configurations for head_dim == head_dim_v in {bwd_head_dims()}, not "
             f"({spec.head_dim}, {spec.head_dim_v})"
         )
     return None

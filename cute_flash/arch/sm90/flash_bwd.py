@@ -66,16 +66,18 @@ def _transposed(s: cute.Tensor, rows: int, cols: int, stages: int) -> cute.Tenso
 
 
 def dq_tiled_mma(dtype: Type[cutlass.Numeric], head_dim: int, cfg: BwdTileConfig) -> cute.TiledMma:
-    """dQ = dS·K: A = dS (queries x keys, read transposed from the dSᵀ tile), B = Kᵀ (head_dim x keys, read
-    transposed from the K tile). The consumers split it by query rows ("m") or by head-dim columns ("n"). The dQ
-    accumulator's "fragment" layout is this MMA's register order, so the postprocess builds the same one."""
+    """dQ = dS·K: A = dS (queries x keys: read transposed from the dSᵀ tile with keys on rows, else as stored),
+    B = Kᵀ (head_dim x keys, read transposed from the K tile). The consumers split it by query rows ("m") or by
+    head-dim columns ("n"). The dQ accumulator's "fragment" layout is this MMA's register order, so the postprocess
+    builds the same one (the operands' major modes do not change it)."""
     w = cfg.num_consumer_wgs
     if cfg.dq_split == "m":
         atoms, tiler = (w, 1, 1), (ROWS_PER_CONSUMER, head_dim)
     else:
         atoms, tiler = (1, w, 1), (cfg.tile_m, head_dim // w)
     mn = cute.nvgpu.OperandMajorMode.MN
-    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, mn, mn, Float32, atom_layout_mnk=atoms, tiler_mn=tiler)
+    a_major = mn if cfg.keys_on_rows else cute.nvgpu.OperandMajorMode.K
+    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, a_major, mn, Float32, atom_layout_mnk=atoms, tiler_mn=tiler)
 
 
 def dq_fragment_offset(i: int, tidx, chunk: int):
@@ -108,6 +110,15 @@ def load_column_stats(s_stat: cute.Tensor, coords_rc: cute.Tensor, num_cols: cut
         for k in cutlass.range_constexpr(num_cols // 16):
             for v in cutlass.range_constexpr(2):
                 regs[2 * k + v] = s_stat[coords_rc[0, v][1] + 8 * (j + 8 * k)]
+    return regs
+
+
+@cute.jit
+def load_row_stats(s_stat: cute.Tensor, coords_rc: cute.Tensor, num_rows: cutlass.Constexpr[int]) -> cute.Tensor:
+    """This thread's share of a per-query statistic when queries are the accumulator rows: one value per row."""
+    regs = cute.make_rmem_tensor(num_rows, Float32)
+    for r in cutlass.range_constexpr(num_rows):
+        regs[r] = s_stat[coords_rc[r, 0][0]]
     return regs
 
 
@@ -152,6 +163,8 @@ class Sm90FlashBackward:
         self.tile_n = cfg.tile_n
         self.num_stages = cfg.num_stages
         self.dq_chunk = cfg.tile_m * head_dim // cfg.num_consumer_wgs  # floats per consumer and query tile
+        self.keys_on_rows = cfg.keys_on_rows
+        self.s_tile = (cfg.tile_n, cfg.tile_m) if cfg.keys_on_rows else (cfg.tile_m, cfg.tile_n)
 
     @cute.jit
     def __call__(
@@ -183,22 +196,36 @@ class Sm90FlashBackward:
         sdO_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_m, d, stages)
         sK_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, d, 1)
         sV_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, d, 1)
-        sdS_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, self.tile_m, stages)  # dSᵀ: keys x queries
+        # The S / dP tile as the accumulators hold it (dSᵀ: keys x queries, or dS: queries x keys); P likewise.
+        sdS_layout = wgmma.k_major_smem_layout(self.dtype, *self.s_tile, stages)
         sStat_layout = cute.make_layout((self.tile_m, stages))
 
         k_major = cute.nvgpu.OperandMajorMode.K
         mn_major = cute.nvgpu.OperandMajorMode.MN
-        consumers = (self.num_consumers, 1, 1)
-        # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: each consumer's 64 keys x all tile_m queries.
-        tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, k_major, k_major, Float32, atom_layout_mnk=consumers,
-            tiler_mn=(ROWS_PER_CONSUMER, self.tile_m),
-        )
-        # dV += Pᵀ·dO, dK += dSᵀ·Q: A from registers (the Sᵀ / dPᵀ accumulators), B = dOᵀ / Qᵀ (MN-major).
-        tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, k_major, mn_major, Float32, atom_layout_mnk=consumers,
-            tiler_mn=(ROWS_PER_CONSUMER, d), a_source=warpgroup.OperandSource.RMEM,
-        )
+        w = self.num_consumers
+        if const_expr(self.keys_on_rows):
+            # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: each consumer's 64 keys x all tile_m queries.
+            tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, k_major, k_major, Float32, atom_layout_mnk=(w, 1, 1),
+                tiler_mn=(ROWS_PER_CONSUMER, self.tile_m),
+            )
+            # dV += Pᵀ·dO, dK += dSᵀ·Q: A from registers (the Sᵀ / dPᵀ accumulators), B = dOᵀ / Qᵀ (MN-major).
+            tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, k_major, mn_major, Float32, atom_layout_mnk=(w, 1, 1),
+                tiler_mn=(ROWS_PER_CONSUMER, d), a_source=warpgroup.OperandSource.RMEM,
+            )
+        else:
+            # S = Q·Kᵀ and dP = dO·Vᵀ: all 64 queries x each consumer's tile_n / w keys.
+            tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, k_major, k_major, Float32, atom_layout_mnk=(1, w, 1),
+                tiler_mn=(ROWS_PER_CONSUMER, self.tile_n // w),
+            )
+            # dV += Pᵀ·dO, dK += dSᵀ·Q: A = Pᵀ / dSᵀ read transposed from shared memory (every key of the tile),
+            # B = dOᵀ / Qᵀ; each consumer owns head_dim / w columns.
+            tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, mn_major, mn_major, Float32, atom_layout_mnk=(1, w, 1),
+                tiler_mn=(self.tile_n, d // w),
+            )
         tiled_mma_dq = dq_tiled_mma(self.dtype, d, self.cfg)
 
         one = lambda layout: cute.select(layout, mode=[0, 1])  # noqa: E731  (one stage)
@@ -221,19 +248,7 @@ class Sm90FlashBackward:
         self.bytes_do_dpsum = cute.size_in_bytes(self.dtype, one(sdO_layout)) + stat_bytes
         self.bytes_kv = cute.size_in_bytes(self.dtype, one(sK_layout)) + cute.size_in_bytes(self.dtype, one(sV_layout))
 
-        @cute.struct
-        class SharedStorage:
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
-            sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], SMEM_ALIGN]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], SMEM_ALIGN]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * d], SMEM_ALIGN]
+        SharedStorage = self._shared_storage(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout)
 
         num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
         self.kernel(
@@ -248,6 +263,27 @@ class Sm90FlashBackward:
             stream=stream,
             min_blocks_per_mp=1,
         )
+
+    def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout):
+        """The kernel's shared-memory struct (plain Python: the P buffer exists only with queries on rows, and the
+        DSL would turn an `if` in a class body under `cute.jit` into device control flow)."""
+        stages, aligned, dt = self.num_stages, cute.struct.Align, self.dtype
+        fields = {
+            "mbar_kv": cute.struct.MemRange[cutlass.Int64, 2],
+            "mbar_q": cute.struct.MemRange[cutlass.Int64, 2 * stages],
+            "mbar_do": cute.struct.MemRange[cutlass.Int64, 2 * stages],
+            "sLSE": aligned[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128],
+            "sdPsum": aligned[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128],
+            "sQ": aligned[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], SMEM_ALIGN],
+            "sdO": aligned[cute.struct.MemRange[dt, cute.cosize(sdO_layout)], SMEM_ALIGN],
+            "sK": aligned[cute.struct.MemRange[dt, cute.cosize(sK_layout)], SMEM_ALIGN],
+            "sV": aligned[cute.struct.MemRange[dt, cute.cosize(sV_layout)], SMEM_ALIGN],
+            "sdS": aligned[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], SMEM_ALIGN],
+            "sdQ": aligned[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], SMEM_ALIGN],
+        }
+        if not self.keys_on_rows:  # last, so that the other offsets do not move
+            fields["sP"] = aligned[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], SMEM_ALIGN]
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.kernel
     def kernel(
@@ -311,6 +347,9 @@ class Sm90FlashBackward:
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sdPsum = storage.sdPsum.get_tensor(sStat_layout)
         sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim))
+        sP = sdS  # unused with keys on rows (P stays in registers)
+        if const_expr(not self.keys_on_rows):
+            sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
 
         n_block, head, batch = cute.arch.block_idx()
         seqlen_q = mQ.shape[0]
@@ -336,7 +375,7 @@ class Sm90FlashBackward:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             self.consume(
                 pipe_kv, pipe_q, pipe_do, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-                sQ, sK, sV, sdO, sdS, sLSE, sdPsum, sdQ, mdK, mdV, mdKVsem, atom_dk, atom_dv,
+                sQ, sK, sV, sdO, sdS, sP, sLSE, sdPsum, sdQ, mdK, mdV, mdKVsem, atom_dk, atom_dv,
                 softmax_scale, info, n_block, head % group, head_kv, batch, m_min, m_max,
                 tidx - WARPGROUP_THREADS, warp_idx,
             )
@@ -399,7 +438,7 @@ class Sm90FlashBackward:
         self,
         pipe_kv, pipe_q, pipe_do,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
-        sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor,
+        sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor, sP: cute.Tensor,
         sLSE: cute.Tensor, sdPsum: cute.Tensor, sdQ: cute.Tensor,
         mdK: cute.Tensor, mdV: cute.Tensor, mdKVsem: cute.Tensor, atom_dk: cute.CopyAtom, atom_dv: cute.CopyAtom,
         softmax_scale: Float32, info: BlockInfo,
@@ -418,18 +457,31 @@ class Sm90FlashBackward:
         thr_dkv = tiled_mma_dkv.get_slice(tidx)
         thr_dq = tiled_mma_dq.get_slice(tidx)
 
-        # Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ (all K-major tiles as loaded).
-        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))[None, None, None, 0]
-        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))  # (MMA, 1, k-blocks, stage)
-        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))[None, None, None, 0]
-        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        # dV += Pᵀ·dO, dK += dSᵀ·Q: B = dOᵀ / Qᵀ, the (d, tile_m) views of the same tiles.
+        # Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ (keys on rows), or S = Q·Kᵀ, dP = dO·Vᵀ: all K-major tiles as loaded. The Q and dO
+        # fragments keep their stage mode: (MMA, 1, k-blocks, stage).
+        if const_expr(self.keys_on_rows):
+            tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))[None, None, None, 0]
+            tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+            tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))[None, None, None, 0]
+            tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        else:
+            tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))[None, None, None, 0]
+            tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
+            tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))[None, None, None, 0]
+            tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
+        # dV += Pᵀ·dO, dK += dSᵀ·Q: B = dOᵀ / Qᵀ, the (d, tile_m) views of the same tiles. A = Pᵀ / dSᵀ: register
+        # fragments (keys on rows), else the (tile_n, tile_m) views of the P / dS tiles, with their stage mode.
         tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sdO, self.tile_m, d, stages)))
         tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sQ, self.tile_m, d, stages)))
-        tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
-        tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
-        # dQ = dS·K: A = dS, the (tile_m, tile_n) view of the dSᵀ tiles; B = Kᵀ, the (d, tile_n) view of K.
-        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(_transposed(sdS, self.tile_n, self.tile_m, stages)))
+        if const_expr(self.keys_on_rows):
+            tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
+            tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
+            # dQ = dS·K: A = dS, the (tile_m, tile_n) view of the dSᵀ tiles; B = Kᵀ, the (d, tile_n) view of K.
+            tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(_transposed(sdS, self.tile_n, self.tile_m, stages)))
+        else:
+            tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_A(_transposed(sP, self.tile_m, self.tile_n, stages)))
+            tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_A(_transposed(sdS, self.tile_m, self.tile_n, stages)))
+            tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed(sK, self.tile_n, d, 1)))[None, None, None, 0]
 
         acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, d)), Float32)
@@ -437,16 +489,16 @@ class Sm90FlashBackward:
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
 
-        # dSᵀ (16-bit, accumulator order) to shared memory for the dQ product.
+        # dSᵀ / dS (and P, queries on rows) in 16 bits, accumulator order, to shared memory for the products that
+        # read them from there.
         stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         smem_copy_ds = cute.make_tiled_copy_C(stmatrix, tiled_mma_sdp).get_slice(tidx)
         tdSsdS = smem_copy_ds.partition_D(sdS)  # (CPY, CPY_M, CPY_N, stage)
+        tPsP = smem_copy_ds.partition_D(sP)
 
-        # (key row, query column) of this thread's Sᵀ entries, and thread 0's (compile-time) for the mask.
-        coords_rc = rows_cols_view(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))))
-        coords0_rc = rows_cols_view(
-            tiled_mma_sdp.get_slice(0).partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
-        )
+        # (row, column) of this thread's S accumulator entries, and thread 0's (compile-time) for the mask.
+        coords_rc = rows_cols_view(thr_sdp.partition_C(cute.make_identity_tensor(self.s_tile)))
+        coords0_rc = rows_cols_view(tiled_mma_sdp.get_slice(0).partition_C(cute.make_identity_tensor(self.s_tile)))
 
         if m_max > m_min:
             scale_log2 = softmax_scale * LOG2_E
@@ -460,7 +512,7 @@ class Sm90FlashBackward:
                 tiled_mma_sdp=tiled_mma_sdp, tiled_mma_dkv=tiled_mma_dkv, tiled_mma_dq=tiled_mma_dq,
                 tSrK=tSrK, tSrQ=tSrQ, tdPrV=tdPrV, tdPrdO=tdPrdO, tdVrdOt=tdVrdOt, tdKrQt=tdKrQt,
                 tdVrP=tdVrP, tdKrdS=tdKrdS, tdQrdS=tdQrdS, tdQrKt=tdQrKt, acc_dV=acc_dV, acc_dK=acc_dK,
-                smem_copy_ds=smem_copy_ds, tdSsdS=tdSsdS, sLSE=sLSE, sdPsum=sdPsum,
+                smem_copy_ds=smem_copy_ds, tdSsdS=tdSsdS, tPsP=tPsP, sLSE=sLSE, sdPsum=sdPsum,
                 coords_rc=coords_rc, coords0_rc=coords0_rc, info=info, n_block=n_block, scale_log2=scale_log2,
                 thr_dq=thr_dq, sdQ=sdQ, tidx=tidx,
             )
@@ -508,61 +560,97 @@ class Sm90FlashBackward:
         tSrK: cute.Tensor, tSrQ: cute.Tensor, tdPrV: cute.Tensor, tdPrdO: cute.Tensor,
         tdVrdOt: cute.Tensor, tdKrQt: cute.Tensor, tdVrP: cute.Tensor, tdKrdS: cute.Tensor,
         tdQrdS: cute.Tensor, tdQrKt: cute.Tensor, acc_dV: cute.Tensor, acc_dK: cute.Tensor,
-        smem_copy_ds, tdSsdS: cute.Tensor, sLSE: cute.Tensor, sdPsum: cute.Tensor,
+        smem_copy_ds, tdSsdS: cute.Tensor, tPsP: cute.Tensor, sLSE: cute.Tensor, sdPsum: cute.Tensor,
         coords_rc: cute.Tensor, coords0_rc: cute.Tensor, info: BlockInfo, n_block: Int32, scale_log2: Float32,
         thr_dq, sdQ: cute.Tensor, tidx: Int32,
     ):
-        """One query tile: Sᵀ, dPᵀ, P, dS, dV, dQ, dK (see the module docstring for the order and the overlap)."""
-        s_shape = tiled_mma_sdp.get_slice(0).partition_shape_C((self.tile_n, self.tile_m))
+        """One query tile: S, dP, P, dS, dV, dQ, dK (see the module docstring for the order and the overlap)."""
+        kor = self.keys_on_rows
+        s_shape = tiled_mma_sdp.get_slice(0).partition_shape_C(self.s_tile)
         pipe_q.consumer_wait(q)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        wgmma.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, q.index], zero_init=True, wait=-1)
-        # The statistics of this thread's query columns go to registers while the products run (a shared-memory
-        # load after the wgmma wait would stall the exponentials behind it).
+        if const_expr(kor):
+            wgmma.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, q.index], zero_init=True, wait=-1)
+        else:
+            wgmma.gemm(tiled_mma_sdp, acc_S, tSrQ[None, None, None, q.index], tSrK, zero_init=True, wait=-1)
+        # The statistics of this thread's queries go to registers while the products run (a shared-memory load after
+        # the wgmma wait would stall the exponentials behind it).
         s_rc = rows_cols_view(acc_S)
         num_rows = cute.size(s_rc, mode=[0])
         num_cols = cute.size(s_rc, mode=[1])
-        lse = load_column_stats(sLSE[None, q.index], coords_rc, num_cols)
+        if const_expr(kor):
+            lse = load_column_stats(sLSE[None, q.index], coords_rc, num_cols)
+        else:
+            lse = load_row_stats(sLSE[None, q.index], coords_rc, num_rows)
         pipe_do.consumer_wait(do)
         acc_dP = cute.make_rmem_tensor(s_shape, Float32)
-        wgmma.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do.index], zero_init=True, wait=1)
+        if const_expr(kor):
+            wgmma.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do.index], zero_init=True, wait=1)
+        else:
+            wgmma.gemm(tiled_mma_sdp, acc_dP, tdPrdO[None, None, None, do.index], tdPrV, zero_init=True, wait=1)
 
         # P = exp2(S · scale · log2e − lse_log2[query]); the mask (on the scaled exponent) leaves -inf -> P = 0.
-        for c in cutlass.range_constexpr(num_cols):
-            lse_c = column_stat(lse, c, num_cols)
+        if const_expr(kor):
+            for c in cutlass.range_constexpr(num_cols):
+                lse_c = column_stat(lse, c, num_cols)
+                for r in cutlass.range_constexpr(num_rows):
+                    s_rc[r, c] = s_rc[r, c] * scale_log2 - lse_c
+        else:
             for r in cutlass.range_constexpr(num_rows):
-                s_rc[r, c] = s_rc[r, c] * scale_log2 - lse_c
+                for c in cutlass.range_constexpr(num_cols):
+                    s_rc[r, c] = s_rc[r, c] * scale_log2 - lse[r]
         if const_expr(masked):
-            apply_mask(s_rc, coords_rc, coords0_rc, info, m_block, n_block, True, True, keys_on_rows=True)
+            apply_mask(s_rc, coords_rc, coords0_rc, info, m_block, n_block, True, True, keys_on_rows=kor)
         acc_S.store(cute.math.exp2(acc_S.load(), fastmath=True))
         # D is loaded here rather than with the LSE, and P is converted only once dS is formed: that keeps the
         # live registers (Sᵀ, dPᵀ, D, dV, dK) under the 240 a consumer thread has at d64 (tile_m 128).
-        dpsum = load_column_stats(sdPsum[None, do.index], coords_rc, num_cols)
+        if const_expr(kor):
+            dpsum = load_column_stats(sdPsum[None, do.index], coords_rc, num_cols)
+        else:
+            dpsum = load_row_stats(sdPsum[None, do.index], coords_rc, num_rows)
 
         # dS = P ⊙ (dP − D[query]).
         warpgroup.wait_group(0)
         dp_rc = rows_cols_view(acc_dP)
-        for c in cutlass.range_constexpr(num_cols):
-            d = column_stat(dpsum, c, num_cols)
+        if const_expr(kor):
+            for c in cutlass.range_constexpr(num_cols):
+                d = column_stat(dpsum, c, num_cols)
+                for r in cutlass.range_constexpr(num_rows):
+                    dp_rc[r, c] = s_rc[r, c] * (dp_rc[r, c] - d)
+        else:
             for r in cutlass.range_constexpr(num_rows):
-                dp_rc[r, c] = s_rc[r, c] * (dp_rc[r, c] - d)
-        wgmma.store_p_operand(acc_S, tdVrP)
-        wgmma.store_p_operand(acc_dP, tdKrdS)
-        # The 16-bit A fragment holds dSᵀ in the accumulator's register order: store it as such for dQ.
-        rdS = cute.make_tensor(tdKrdS.iterator, cute.make_layout(s_shape))
-        cute.copy(smem_copy_ds, smem_copy_ds.retile(rdS), tdSsdS[None, None, None, q.index])
-        cute.arch.fence_view_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
-
-        wgmma.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do.index], zero_init=False, wait=-1)
-        # Every consumer's dSᵀ rows are in shared memory. Nobody still reads this dS buffer: a consumer that reaches
+                for c in cutlass.range_constexpr(num_cols):
+                    dp_rc[r, c] = s_rc[r, c] * (dp_rc[r, c] - dpsum[r])
+        if const_expr(kor):
+            wgmma.store_p_operand(acc_S, tdVrP)
+            wgmma.store_p_operand(acc_dP, tdKrdS)
+            # The 16-bit A fragment holds dSᵀ in the accumulator's register order: store it as such for dQ.
+            rdS = cute.make_tensor(tdKrdS.iterator, cute.make_layout(s_shape))
+            cute.copy(smem_copy_ds, smem_copy_ds.retile(rdS), tdSsdS[None, None, None, q.index])
+            cute.arch.fence_view_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
+            wgmma.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do.index], zero_init=False, wait=-1)
+        else:
+            # P and dS go to shared memory: the dK / dV products of every consumer read all of the tile's keys.
+            for acc, dst in ((acc_S, tPsP), (acc_dP, tdSsdS)):
+                r16 = cute.make_rmem_tensor(s_shape, self.dtype)
+                wgmma.convert_to_16bit(acc, r16)
+                cute.copy(smem_copy_ds, smem_copy_ds.retile(r16), dst[None, None, None, q.index])
+            cute.arch.fence_view_async_shared()
+        # Every consumer's dS (and P) is in shared memory. Nobody still reads this buffer: a consumer that reaches
         # this stage again has passed the barrier of the step in between (two stages), which every consumer reaches
-        # only after waiting for its dQ product; with one stage, the Q ring guards it (a consumer releases the stage
+        # only after waiting for its products; with one stage, the Q ring guards it (a consumer releases the stage
         # only after that wait, and the producer reuses it only after every consumer has released it).
         cute.arch.barrier(barrier_id=int(BwdBarrierId.DS_READY), number_of_threads=self.num_consumer_threads)
+        if const_expr(not kor):
+            wgmma.gemm(
+                tiled_mma_dkv, acc_dV, tdVrP[None, None, None, q.index], tdVrdOt[None, None, None, do.index],
+                zero_init=False, wait=-1,
+            )
         acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
         wgmma.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, q.index], tdQrKt, zero_init=True, wait=1)
         pipe_do.consumer_release(do)  # dV's product is done with dO
-        wgmma.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, q.index], zero_init=False, wait=1)
+        dS_t = tdKrdS if const_expr(kor) else tdKrdS[None, None, None, q.index]
+        wgmma.gemm(tiled_mma_dkv, acc_dK, dS_t, tdKrQt[None, None, None, q.index], zero_init=False, wait=1)
 
         # dQ (unscaled) into this consumer's shared buffer, in the fragment layout, for the dQ warp to add.
         consumer = tidx // WARPGROUP_THREADS

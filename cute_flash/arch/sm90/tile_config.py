@@ -108,23 +108,27 @@ def fwd_tile_config(spec: AttentionSpec) -> FwdTileConfig:
 class BwdTileConfig:
     """Tile configuration of the sm90 backward kernel (flash_bwd.py).
 
-    A CTA owns tile_n = 64 * num_consumer_wgs keys (64 per consumer warpgroup: wgmma's M for the swapped Sᵀ / dPᵀ
-    products) and walks the query tiles of tile_m rows; Q, dO (with LSE and D) and dSᵀ are `num_stages` deep.
+    A CTA owns tile_n keys and walks the query tiles of tile_m rows; Q, dO (with LSE and D) and the P / dS buffers
+    are `num_stages` deep. Two forms of the S and dP products:
+      keys_on_rows (FlashAttention-3's "swapped" form): Sᵀ = K·Qᵀ, each consumer warpgroup owns 64 keys (wgmma's M),
+          so tile_n = 64 * num_consumer_wgs; Pᵀ and dSᵀ stay in registers as the A operands of dV += Pᵀ·dO and
+          dK += dSᵀ·Q, and each consumer accumulates dK / dV for its own keys (all head-dim columns).
+      queries on rows (keys_on_rows False): S = Q·Kᵀ with tile_m = 64 query rows and the consumers splitting the
+          tile_n = 64 keys; P and dS go through shared memory and every consumer computes dK / dV for all 64 keys and
+          head_dim / num_consumer_wgs columns: half the accumulator registers per thread, what d256 needs.
     dq_split says how the consumers share dQ = dS·K: "m" (64 query rows each; tile_m = 64 * num_consumer_wgs) or
     "n" (head_dim / num_consumer_wgs columns each, which must be whole 64-column swizzle atoms).
     """
 
     tile_m: int
     dq_split: str  # "m" | "n"
+    keys_on_rows: bool = True
+    tile_n: int = 128
     num_consumer_wgs: int = 2
     num_stages: int = 2
     consumer_regs: int = 240
     producer_regs: int = 24
     opt_level: int = 3  # CuTe DSL --opt-level
-
-    @property
-    def tile_n(self) -> int:
-        return ROWS_PER_CONSUMER * self.num_consumer_wgs
 
     @property
     def num_threads(self) -> int:
@@ -136,6 +140,7 @@ class BwdTileConfig:
             "tile_n": self.tile_n,
             "num_stages": self.num_stages,
             "num_consumer_wgs": self.num_consumer_wgs,
+            "keys_on_rows": self.keys_on_rows,
             "dq_split": self.dq_split,
             "consumer_regs": self.consumer_regs,
             "producer_regs": self.producer_regs,
@@ -151,6 +156,12 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int) -> Optional[str]:
     w = cfg.num_consumer_wgs
     if not 1 <= w <= MAX_BWD_CONSUMER_WGS:
         return f"num_consumer_wgs={w}: the backward has named barriers for 1..{MAX_BWD_CONSUMER_WGS} consumers"
+    if cfg.keys_on_rows and cfg.tile_n != ROWS_PER_CONSUMER * w:
+        return f"keys on rows need tile_n = 64 x consumers = {ROWS_PER_CONSUMER * w}, got {cfg.tile_n}"
+    if not cfg.keys_on_rows and (cfg.tile_m != ROWS_PER_CONSUMER or cfg.tile_n != ROWS_PER_CONSUMER
+                                 or (ROWS_PER_CONSUMER // w) % 16 != 0 or cfg.dq_split != "n"):
+        return (f"queries on rows need 64 x 64 tiles, 16-key multiples per consumer and dq_split 'n', got "
+                f"{cfg.tile_m} x {cfg.tile_n}, {w} consumers, dq_split {cfg.dq_split!r}")
     if cfg.dq_split == "m" and cfg.tile_m != ROWS_PER_CONSUMER * w:
         return f"dq_split 'm' needs tile_m = 64 x consumers = {ROWS_PER_CONSUMER * w}, got {cfg.tile_m}"
     if cfg.dq_split == "n" and (head_dim % w != 0 or (head_dim // w) % 64 != 0 or cfg.tile_m % 64 != 0):
@@ -168,10 +179,10 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int) -> Optional[str]:
 
 
 def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, elem_bytes: int = 2) -> int:
-    """Q and dO stages, the K and V tiles, dSᵀ stages, LSE and D stages."""
+    """Q and dO stages, the K and V tiles, dS (and, queries on rows, P) stages, LSE and D stages."""
     qdo = 2 * cfg.num_stages * cfg.tile_m * head_dim * elem_bytes
     kv = 2 * cfg.tile_n * head_dim * elem_bytes
-    ds = cfg.num_stages * cfg.tile_n * cfg.tile_m * elem_bytes
+    ds = (1 if cfg.keys_on_rows else 2) * cfg.num_stages * cfg.tile_n * cfg.tile_m * elem_bytes
     dq = cfg.tile_m * head_dim * 4
     stats = 2 * cfg.num_stages * cfg.tile_m * 4
     return qdo + kv + ds + dq + stats + SMEM_RESERVED_BYTES
@@ -183,11 +194,20 @@ def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, elem_bytes: int = 2) -> in
 #         shuffles (flash_bwd.load_column_stats); ptxas level 2, because level 3 spills a few bytes in the GQA build.
 #   d128: 64 x 128 tiles, dQ split by head-dim halves: Sᵀ, dPᵀ (32 registers each), dV and dK (64 each) and dQ (32)
 #         fit the 240 registers of a consumer thread.
-# Other head dims (96, 192, 256, dv != d) keep the sm80 backward (their accumulators need other layouts).
+#   d256: 64 x 64 tiles with queries on rows (FlashAttention-3's d256 shape): dK and dV split by head-dim halves
+#         (64 registers each) instead of 128 keys' rows (256 each); P and dS through shared memory; one stage, as the
+#         Q, dO, K, V tiles (32 KiB each), P, dS and the fp32 dQ buffer (64 KiB) fill 205 KiB.
+# Other head dims (96, 192, dv != d) keep the sm80 backward.
 _BWD_BY_HEAD_DIM = {
     64: BwdTileConfig(tile_m=128, dq_split="m", opt_level=2),
     128: BwdTileConfig(tile_m=64, dq_split="n"),
+    256: BwdTileConfig(tile_m=64, dq_split="n", keys_on_rows=False, tile_n=64, num_stages=1),
 }
+
+
+def bwd_head_dims() -> tuple:
+    """Head dims (d == dv) with an sm90 backward configuration."""
+    return tuple(sorted(_BWD_BY_HEAD_DIM))
 
 
 def bwd_tile_config(spec: AttentionSpec) -> Optional[BwdTileConfig]:
