@@ -28,7 +28,9 @@ LEAN_SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnaly
 
 def ncu_command(args, report_base: str, meta_path: str) -> list:
     cmd = [args.ncu, "--clock-control", "none", "--profile-from-start", "off", "-f", "-o", report_base]
-    if not args.no_nvtx_filter:
+    # NVTX ranges are per thread and autograd runs the backward's kernels on its own thread: a backward profile
+    # relies on the profiler start / stop around the range alone.
+    if not args.no_nvtx_filter and args.direction != "bwd":
         cmd += ["--nvtx", "--nvtx-include", f"{NVTX_RANGE}/"]
     if args.set == "lean":
         for section in LEAN_SECTIONS:
