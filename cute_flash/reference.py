@@ -1,12 +1,13 @@
 """Reference attention in plain torch, on any device.
 
-`attention_reference` materialises the whole score matrix in a chosen precision (float64 by default); it is the
-ground truth every kernel is tested against. Both functions validate their arguments exactly as
-`cute_flash.attention` does (`validation.validate_reference`: the same shapes, heads, head dims, masks and scales are
-accepted, with the same errors), except for what only a kernel needs: they run on any device, on any strides, and
-take float32 / float64 inputs besides fp16 / bf16. `attention_tiled` is the FlashAttention algorithm itself in readable
-form: it visits one (block_m x block_n) score tile at a time, keeps a running row max and row sum, skips tiles the
-mask hides entirely, and never holds more than one tile of scores.
+`attention_reference` materialises the score matrix in a chosen precision (float64 by default), one block of query
+rows at a time (REFERENCE_BLOCK_ELEMS scores per block); it is the ground truth every kernel is tested against.
+Both functions validate their arguments exactly as `cute_flash.attention` does (`validation.validate_reference`: the
+same shapes, heads, head dims, masks and scales are accepted, with the same errors), except for what only a kernel
+needs: they run on any device, on any strides, and take float32 / float64 inputs besides fp16 / bf16.
+`attention_tiled` is the FlashAttention algorithm itself in readable form: it visits one (block_m x block_n) score
+tile at a time, keeps a running row max and row sum, skips tiles the mask hides entirely, and never holds more than
+one tile of scores.
 """
 
 from __future__ import annotations
@@ -21,10 +22,18 @@ from .validation import validate_reference
 
 Window = Tuple[Optional[int], Optional[int]]
 
+# Scores per block of query rows in `attention_reference`: 256 MiB in float64, so that a 16k x 16k reference holds
+# about a GiB of temporaries instead of tens (the GPU suites run ten tests at once on one GPU). Rows are independent,
+# so the blocks change no result.
+REFERENCE_BLOCK_ELEMS = 1 << 25
 
-def visible_keys(seqlen_q: int, seqlen_k: int, mask: MaskBounds, device=None) -> torch.Tensor:
-    """Boolean (seqlen_q, seqlen_k): True where query i may attend to key j (bottom-right aligned)."""
-    i = torch.arange(seqlen_q, device=device).unsqueeze(1)
+
+def visible_keys(
+    seqlen_q: int, seqlen_k: int, mask: MaskBounds, device=None, row_start: int = 0, row_end: Optional[int] = None
+) -> torch.Tensor:
+    """Boolean (seqlen_q, seqlen_k): True where query i may attend to key j (bottom-right aligned); only the query
+    rows [row_start, row_end) when given."""
+    i = torch.arange(row_start, seqlen_q if row_end is None else row_end, device=device).unsqueeze(1)
     j = torch.arange(seqlen_k, device=device).unsqueeze(0)
     diag = i + (seqlen_k - seqlen_q)
     return (j >= diag - mask.left) & (j <= diag + mask.right)
@@ -59,12 +68,26 @@ def attention_reference(
     sem = validate_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
     b, sq, h, d = q.shape
     sk = k.shape[1]
-    scale, mask = sem.softmax_scale, sem.mask
-    qc = q.to(compute_dtype)
     kc = _expand_kv(k.to(compute_dtype), h)
     vc = _expand_kv(v.to(compute_dtype), h)
+    rows = max(1, REFERENCE_BLOCK_ELEMS // max(1, b * h * sk))
+    blocks = [
+        _reference_rows(q[:, m0 : m0 + rows].to(compute_dtype), kc, vc, sem.softmax_scale,
+                        ~visible_keys(sq, sk, sem.mask, q.device, m0, min(m0 + rows, sq)))
+        for m0 in range(0, max(sq, 1), rows)  # one (empty) block when sq == 0
+    ]
+    out = torch.cat([o for o, _ in blocks], dim=1)
+    if not return_lse:
+        return out
+    return out, torch.cat([lse for _, lse in blocks], dim=2)
+
+
+def _reference_rows(
+    qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float, hidden: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """out (b, rows, h, dv) and lse (b, h, rows) of some query rows `qc`; `hidden` (rows, sk) marks the keys they must
+    not see."""
     raw = torch.einsum("bqhd,bkhd->bhqk", qc, kc)
-    hidden = ~visible_keys(sq, sk, mask, device=q.device)
     # The max over visible keys; a row that sees none gets 0 (its exp() is 0 below, not NaN). Detached: softmax does
     # not depend on the shift, and its gradient is then exactly the softmax's.
     row_max = raw.masked_fill(hidden, float("-inf")).amax(dim=-1, keepdim=True)
@@ -74,8 +97,6 @@ def attention_reference(
     row_sum = p.sum(dim=-1, keepdim=True)
     safe_sum = torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
     out = torch.einsum("bhqk,bkhd->bqhd", p / safe_sum, vc)
-    if not return_lse:
-        return out
     lse = (row_max * scale + torch.log(row_sum)).squeeze(-1).float()  # log(0) = -inf for fully masked rows
     return out, lse
 

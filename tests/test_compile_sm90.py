@@ -1,9 +1,10 @@
 """CPU: the sm90 forward cross-compiles for sm_90a and is built the way the design says (no GPU needed).
 
-Per head dim and causal on/off, by running `python -m cute_flash compile --arch sm90 ... --json` in a subprocess
-(CuTe DSL fixes its target at import, and ptxas' report goes to the process's own stderr): the PTX must hold wgmma
-(both the shared-memory form for Q·Kᵀ and the register-A form for P·V), TMA bulk-tensor copies and setmaxnreg;
-ptxas must report zero spill bytes for d <= 128.
+Per head dim (and the DeepSeek-style head_dim 192 / head_dim_v 128) and causal on/off, by running
+`python -m cute_flash compile --arch sm90 ... --json` in a subprocess (CuTe DSL fixes its target at import, and
+ptxas' report goes to the process's own stderr): the PTX must hold wgmma (both the shared-memory form for Q·Kᵀ and
+the register-A form for P·V), TMA bulk-tensor copies and setmaxnreg; ptxas must report zero spill bytes for
+d <= 128 and for (192, 128).
 """
 
 import json
@@ -18,8 +19,9 @@ from cute_flash.spec import AttentionSpec
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _compile_report(tmp_path, head_dim: int, causal: bool) -> dict:
+def _compile_report(tmp_path, head_dim: int, causal: bool, head_dim_v: int = None) -> dict:
     cmd = [sys.executable, "-m", "cute_flash", "compile", "--arch", "sm90", "--head-dim", str(head_dim)]
+    cmd += ["--head-dim-v", str(head_dim_v or head_dim)]
     cmd += ["--dtype", "bf16", "--out", str(tmp_path), "--json"] + (["--causal"] if causal else [])
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -28,10 +30,7 @@ def _compile_report(tmp_path, head_dim: int, causal: bool) -> dict:
     return reports[0]
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_sm90_forward_compiles(tmp_path, head_dim, causal):
-    report = _compile_report(tmp_path, head_dim, causal)
+def _check_census(report: dict) -> None:
     census = report["census"]
     assert report["kernel"] == "fwd"
     assert census["wgmma.mma_async"] > 0
@@ -41,8 +40,30 @@ def test_sm90_forward_compiles(tmp_path, head_dim, causal):
     assert census["setmaxnreg"] >= 2  # producer decreases, consumers increase
     assert report["threads"] == report["config"]["num_consumer_wgs"] * 128 + 128
     assert report["spill_bytes"] is not None
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sm90_forward_compiles(tmp_path, head_dim, causal):
+    report = _compile_report(tmp_path, head_dim, causal)
+    _check_census(report)
     if head_dim <= 128:
         assert report["spill_bytes"] == 0, f"d={head_dim} spills {report['spill_bytes']} bytes"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_forward_compiles_dv_differs(tmp_path, causal):
+    # (192, 128): d128's 128 x 128 ping-pong tile with 12 k-blocks of Q·Kᵀ (d / 16) and 8 of P·V (tile_n / 16), O in
+    # the Q slots; no spills.
+    report = _compile_report(tmp_path, 192, causal, head_dim_v=128)
+    _check_census(report)
+    assert (report["head_dim"], report["head_dim_v"]) == (192, 128)
+    assert (report["config"]["tile_m"], report["config"]["tile_n"], report["config"]["ping_pong"]) == (128, 128, True)
+    census = report["census"]
+    qk = census["wgmma.mma_async"] - census["wgmma.mma_async.rs"]
+    assert qk * 8 == census["wgmma.mma_async.rs"] * 12, census  # every Q·Kᵀ issue has 12 k-blocks, every P·V 8
+    assert report["shared_bytes"] == 128 * 192 * 2 + 2 * 128 * (192 + 128) * 2 + 1024  # O reuses Q's 48 KiB
+    assert report["spill_bytes"] == 0, f"(192, 128) spills {report['spill_bytes']} bytes"
 
 
 def test_sm90_rejects_what_it_lacks():
@@ -51,4 +72,8 @@ def test_sm90_rejects_what_it_lacks():
     assert BACKEND.unsupported_reason(AttentionSpec("bf16", 128, 128, "none"), backward=False) is None
     assert "forward-only" in BACKEND.unsupported_reason(AttentionSpec("fp8", 128, 128, "none"), backward=True)
     assert "head dims" in BACKEND.unsupported_reason(AttentionSpec("bf16", 80, 80, "none"), backward=False)
-    assert "head_dim_v" in BACKEND.unsupported_reason(AttentionSpec("bf16", 128, 64, "none"), backward=False)
+    assert "head_dim_v 80" in BACKEND.unsupported_reason(AttentionSpec("bf16", 128, 80, "none"), backward=False)
+    # head_dim != head_dim_v: the forward serves it, the sm90 backward does not (d == dv in {64, 128} only).
+    assert BACKEND.unsupported_reason(AttentionSpec("bf16", 192, 128, "causal"), backward=False) is None
+    backward = BACKEND.unsupported_reason(AttentionSpec("bf16", 192, 128, "none"), backward=True)
+    assert "head_dim == head_dim_v" in backward

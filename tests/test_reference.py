@@ -50,6 +50,26 @@ def test_tiled_equals_reference(shape, kwargs):
     torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-5, rtol=1e-6)
 
 
+@pytest.mark.parametrize("kwargs", MASKS, ids=lambda k: str(k) or "nomask")
+def test_reference_blocks_of_query_rows_change_nothing(monkeypatch, kwargs):
+    # The reference builds its scores a block of query rows at a time (REFERENCE_BLOCK_ELEMS): blocks of a few rows,
+    # with a ragged last one and sq != sk, give the one-block answer, and the same gradients.
+    from cute_flash import reference
+
+    q, k, v = (t.requires_grad_(True) for t in _inputs(2, 71, 50, 4, 2, 16, 24, seed=5))
+    whole, whole_lse = attention_reference(q, k, v, return_lse=True, **kwargs)
+    grads = torch.autograd.grad(whole.square().sum(), (q, k, v))
+    monkeypatch.setattr(reference, "REFERENCE_BLOCK_ELEMS", 2 * 4 * 50 * 3)  # 3 rows per block
+    blocks, blocks_lse = attention_reference(q, k, v, return_lse=True, **kwargs)
+    torch.testing.assert_close(blocks, whole, atol=1e-12, rtol=1e-12)
+    assert torch.equal(torch.isinf(blocks_lse), torch.isinf(whole_lse))
+    torch.testing.assert_close(blocks_lse, whole_lse)
+    for g, w in zip(torch.autograd.grad(blocks.square().sum(), (q, k, v)), grads):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-12)
+    empty = attention_reference(q[:, :0], k, v, **kwargs)
+    assert empty.shape == (2, 0, 4, 24)
+
+
 def test_reference_matches_sdpa_without_mask():
     q, k, v = _inputs(2, 50, 70, 4, 4, 32, 32, seed=1)
     ref = attention_reference(q, k, v)

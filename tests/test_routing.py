@@ -54,8 +54,12 @@ HOPPER_ROUTES = [
     (spec(72), "sm80", None),
     (spec(160), "sm80", "sm80"),
     (spec(224), "sm80", "sm80"),
-    (spec(128, 64), "sm80", None),
-    (spec(192, 128), "sm80", None),
+    # head_dim != head_dim_v: the sm90 forward where both are sm90 head dims; no family has a backward for dv != d.
+    (spec(192, 128), "sm90", None),
+    (spec(192, 128, dtype="fp16", mask="causal"), "sm90", None),
+    (spec(128, 64), "sm90", None),
+    (spec(64, 256, mask="local"), "sm90", None),
+    (spec(128, 80), "sm80", None),
     (spec(8, 256), "sm80", None),
     (spec(128, dtype="fp8"), "sm90", None),
 ]
@@ -199,7 +203,17 @@ def test_explain_for_a_given_capability():
     e = cute_flash.explain(*_meta(128), capability=HOPPER)
     assert (e.forward_family, e.backward_family) == ("sm90", "sm90")
     assert cute_flash.explain(*_meta(128), capability=AMPERE).forward_family == "sm80"
-    assert cute_flash.explain(*_meta(128, 64), capability=HOPPER).forward_family == "sm80"
+    assert cute_flash.explain(*_meta(128, 80), capability=HOPPER).forward_family == "sm80"
+
+
+def test_explain_dv_differs_on_hopper():
+    # DeepSeek-style (192, 128): the sm90 forward; the backward has no family (sm90's serves d == dv in {64, 128},
+    # sm80's d == dv), and explain says why for each.
+    e = cute_flash.explain(*_meta(192, 128), causal=True, capability=HOPPER)
+    assert (e.forward_family, e.backward_family) == ("sm90", None)
+    assert not e.forward.skipped
+    assert [f for f, _ in e.backward.skipped] == ["sm90", "sm80"]
+    assert "head_dim == head_dim_v" in e.backward.skipped[0][1] and "head_dim_v" in e.backward.skipped[1][1]
 
 
 def test_explain_validates_like_attention():

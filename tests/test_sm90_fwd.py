@@ -7,6 +7,7 @@ Run: pytest -m sm90 tests/test_sm90_fwd.py  (skips without a compute capability 
 import pytest
 import torch
 
+import cute_flash
 from cute_flash import attention
 from cute_flash.spec import AttentionSpec
 from cute_flash.testing import (
@@ -37,14 +38,13 @@ def test_forward_matrix(head_dim, seqlens, heads, mask, dtype):
     _run(*matrix_inputs(head_dim, seqlens, heads, dtype), **MASKS[mask])
 
 
-# Long sequences hold tens of GiB of float64 reference: with pytest-xdist they share one worker ("long"), so that
-# several of them never allocate at once (tests/gpu_suite.sh runs ten workers on one GPU).
-@pytest.mark.xdist_group("long")
+# Long sequences: the float64 reference builds its scores one block of query rows at a time
+# (reference.REFERENCE_BLOCK_ELEMS), so each of these holds about a GiB and needs no xdist worker of its own, even with
+# ten workers on one GPU (tests/gpu_suite.sh). The backward's long tests still do: autograd keeps every block.
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlen", [8192, 16384])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_forward_long(head_dim, seqlen, causal):
-    # Few heads: the float64 reference materialises (heads x seqlen x seqlen) scores.
     q, k, v = random_qkv(1, seqlen, seqlen, 2, 1, head_dim, dtype=torch.bfloat16, seed=seqlen)
     _run(q, k, v, causal=causal)
 
@@ -77,13 +77,33 @@ def test_forward_other_head_dims(head_dim):
     _run(q, k, v, causal=True)
 
 
+# head_dim != head_dim_v: DeepSeek-style (192, 128) on its own tile (tile_config._BY_HEAD_DIMS), dv < d and dv > d on
+# the tiles of their wider head dim (O then fills only part of, or more than, the Q slice it reuses).
+DV_SHAPES = [(192, 128), (128, 64), (64, 256)]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("heads", [(6, 6), (6, 2)], ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (1000, 333)], ids=lambda s: f"q{s[0]}k{s[1]}")
+@pytest.mark.parametrize("d, dv", DV_SHAPES, ids=[f"d{d}_dv{dv}" for d, dv in DV_SHAPES])
+def test_forward_dv_differs(d, dv, seqlens, heads, mask, dtype):
+    q, k, v = random_qkv(2, *seqlens, *heads, d, dv, dtype=DTYPES[dtype], seed=d + dv + seqlens[0])
+    assert cute_flash.explain(q, k, v, **MASKS[mask]).forward_family == "sm90"
+    _run(q, k, v, **MASKS[mask])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_dv_differs_long(causal):
+    q, k, v = random_qkv(1, 8192, 8192, 2, 1, 192, 128, dtype=torch.bfloat16, seed=8192)
+    _run(q, k, v, causal=causal)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim, backward_family", [(128, "sm90"), (256, "sm80")])
 def test_training_routes(monkeypatch, head_dim, backward_family, causal):
     """Training on Hopper: forward by the sm90 kernel, backward by the sm90 backward where it has a configuration
     and by the sm80 kernels elsewhere (docs/sm90.md), chosen by the router."""
-    import cute_flash
-
     monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
     q, k, v = random_qkv(2, 300, 431, 4, 2, head_dim, dtype=torch.bfloat16, seed=3, requires_grad=True)
     route = cute_flash.explain(q, k, v, causal=causal)

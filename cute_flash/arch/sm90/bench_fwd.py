@@ -2,49 +2,56 @@
 configuration sweeps. GPU only.
 
     python -m cute_flash.arch.sm90.bench_fwd --head-dims 128 --seqlens 8192 [--sweep]
+    python -m cute_flash.arch.sm90.bench_fwd --head-dims 192 --head-dim-v 128 --sweep --sm80   # DeepSeek-style
 
 Shapes follow the project's benchmark convention: batch * seqlen = 16k tokens, heads * head_dim = 2048.
-FLOPs = 4 * b * h * sq * sk * d, halved when causal; times are triton.testing.do_bench medians.
+FLOPs = 2 * b * h * sq * sk * (d + dv), halved when causal; times are triton.testing.do_bench medians.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ... import compile_cache
+from ...bench.flops import attention_flops
 from ...spec import UNBOUNDED_WINDOW, AttentionSpec
 from .tile_config import FwdTileConfig, budget_problem, fwd_tile_config
 
 TOKENS = 16384
 HIDDEN = 2048
 
-# Alternatives measured against each head dim's default (tile_config.py documents the outcome).
-SWEEP: Dict[int, List[FwdTileConfig]] = {
-    64: [
+# Alternatives measured against each (head_dim, head_dim_v) default (tile_config.py documents the outcome).
+SWEEP: Dict[Tuple[int, int], List[FwdTileConfig]] = {
+    (64, 64): [
         FwdTileConfig(num_consumer_wgs=2, tile_n=128, num_stages=2),
         FwdTileConfig(num_consumer_wgs=2, tile_n=192, num_stages=2),
         FwdTileConfig(num_consumer_wgs=3, tile_n=128, num_stages=2, ping_pong=False, consumer_regs=160, producer_regs=32),
         FwdTileConfig(num_consumer_wgs=3, tile_n=128, num_stages=3, consumer_regs=160, producer_regs=32),
     ],
-    128: [
+    (128, 128): [
         FwdTileConfig(num_consumer_wgs=2, tile_n=128, num_stages=2, ping_pong=False),
         FwdTileConfig(num_consumer_wgs=2, tile_n=176, num_stages=2),
         FwdTileConfig(num_consumer_wgs=2, tile_n=112, num_stages=3),
     ],
-    256: [
+    (256, 256): [
         FwdTileConfig(num_consumer_wgs=2, tile_n=80, num_stages=2, ping_pong=True),
         FwdTileConfig(num_consumer_wgs=2, tile_n=64, num_stages=2, ping_pong=False),
+    ],
+    (192, 128): [  # the d192 / d256 tile it would get by its wider head dim, and neighbours of the default
+        FwdTileConfig(num_consumer_wgs=2, tile_n=80, num_stages=2, ping_pong=False),
+        FwdTileConfig(num_consumer_wgs=2, tile_n=128, num_stages=2, ping_pong=False),
+        FwdTileConfig(num_consumer_wgs=2, tile_n=112, num_stages=2),
+        FwdTileConfig(num_consumer_wgs=2, tile_n=64, num_stages=3),
     ],
 }
 
 
-def tflops(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, ms: float) -> float:
-    flops = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2.0 if causal else 1.0)
-    return flops / (ms * 1e-3) / 1e12
+def tflops(batch: int, heads: int, seqlen: int, head_dim: int, head_dim_v: int, causal: bool, ms: float) -> float:
+    return attention_flops(batch, heads, seqlen, seqlen, head_dim, head_dim_v, causal=causal) / (ms * 1e-3) / 1e12
 
 
 def _bench(fn: Callable[[], object]) -> float:
@@ -64,6 +71,24 @@ def _ours(spec: AttentionSpec, cfg: FwdTileConfig, q, k, v, causal: bool):
     scale = 1.0 / math.sqrt(spec.head_dim)
     right = 0 if causal else UNBOUNDED_WINDOW
     return lambda: fn(q, k, v, out, lse, scale, UNBOUNDED_WINDOW, right)
+
+
+def _sm80(q, k, v, causal: bool):
+    """The sm80 kernels on this GPU: the route a call takes where the sm90 family has no kernel."""
+    from ...arch import get_backend
+    from ...validation import validate
+
+    problem = validate(q, k, v, causal=causal, softmax_scale=None, window_size=(None, None), dtype=None)
+    b, s, h, _ = q.shape
+    out = torch.empty(b, s, h, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+    sm80 = get_backend("sm80")
+
+    def run():
+        sm80.forward(q, k, v, out, lse, spec=problem.spec, softmax_scale=problem.softmax_scale, mask=problem.mask)
+
+    run()
+    return run
 
 
 def _sdpa(q, k, v, causal: bool, backend_name: str):
@@ -101,41 +126,47 @@ def _try_time(make: Callable[[], Callable[[], object]]) -> Optional[float]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head-dims", type=int, nargs="+", default=[128])
+    p.add_argument("--head-dim-v", type=int, default=None, help="head_dim_v of every case (default: its head_dim)")
     p.add_argument("--seqlens", type=int, nargs="+", default=[8192])
     p.add_argument("--causal", choices=["both", "no", "yes"], default="both")
     p.add_argument("--sweep", action="store_true", help="also time the alternative tile configurations")
     p.add_argument("--peers", action="store_true", help="also time torch SDPA (cuDNN, flash) and FlashAttention-4")
+    p.add_argument("--sm80", action="store_true", help="also time the sm80 kernels (the fallback route) on this GPU")
     args = p.parse_args(argv)
     causals = {"both": [False, True], "no": [False], "yes": [True]}[args.causal]
     dev = torch.cuda.get_device_name()
     rows = []
     for d in args.head_dims:
+        dv = args.head_dim_v or d
         for s in args.seqlens:
             b, h = max(TOKENS // s, 1), HIDDEN // d
-            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            v = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
             for causal in causals:
-                spec = AttentionSpec("bf16", d, d, "causal" if causal else "none")
-                configs = [fwd_tile_config(spec)] + (SWEEP.get(d, []) if args.sweep else [])
+                spec = AttentionSpec("bf16", d, dv, "causal" if causal else "none")
+                configs = [fwd_tile_config(spec)] + (SWEEP.get((d, dv), []) if args.sweep else [])
                 for i, cfg in enumerate(configs):
-                    if budget_problem(cfg, d, d):
+                    if budget_problem(cfg, d, dv):
                         continue
                     ms = _try_time(lambda: _ours(spec, cfg, q, k, v, causal))
                     name = "cute_flash sm90" + ("" if i == 0 else " (alt)")
                     tile = f"{cfg.tile_m}x{cfg.tile_n} st{cfg.num_stages} pp{int(cfg.ping_pong)}"
-                    rows.append((d, s, causal, name, tile, ms, b, h))
+                    rows.append((d, dv, s, causal, name, tile, ms, b, h))
+                others = [("cute_flash sm80", lambda: _sm80(q, k, v, causal))] if args.sm80 else []
                 if args.peers:
-                    for name, make in (
+                    others += [
                         ("sdpa cudnn", lambda: _sdpa(q, k, v, causal, "CUDNN_ATTENTION")),
                         ("sdpa flash2", lambda: _sdpa(q, k, v, causal, "FLASH_ATTENTION")),
                         ("fa4 sm90", lambda: _fa4(q, k, v, causal)),
-                    ):
-                        rows.append((d, s, causal, name, "", _try_time(make), b, h))
+                    ]
+                for name, make in others:
+                    rows.append((d, dv, s, causal, name, "", _try_time(make), b, h))
     print(f"\nforward, bf16, {dev}, batch*seqlen={TOKENS}, heads*d={HIDDEN}, do_bench median")
-    print(f"{'d':>4} {'seqlen':>6} {'causal':>6} {'kernel':<22} {'tile':<20} {'ms':>8} {'TFLOP/s':>8}")
-    for d, s, causal, name, tile, ms, b, h in rows:
-        tf = "-" if ms is None else f"{tflops(b, h, s, d, causal, ms):8.1f}"
+    print(f"{'d':>4} {'dv':>4} {'seqlen':>6} {'causal':>6} {'kernel':<22} {'tile':<20} {'ms':>8} {'TFLOP/s':>8}")
+    for d, dv, s, causal, name, tile, ms, b, h in rows:
+        tf = "-" if ms is None else f"{tflops(b, h, s, d, dv, causal, ms):8.1f}"
         ms_s = "-" if ms is None else f"{ms:8.3f}"
-        print(f"{d:>4} {s:>6} {str(causal):>6} {name:<22} {tile:<20} {ms_s:>8} {tf:>8}")
+        print(f"{d:>4} {dv:>4} {s:>6} {str(causal):>6} {name:<22} {tile:<20} {ms_s:>8} {tf:>8}")
     return 0
 
 

@@ -10,8 +10,8 @@ One CTA computes `tile_m = 64 * num_consumer_wgs` query rows of one (batch, head
       together, and the softmax of block j-1 runs while P_j·V_j is still on the tensor cores. Ping-pong: named
       barriers let the consumers issue their GEMMs in turn, so one's softmax overlaps the other's GEMMs.
   epilogue (per consumer): O normalised in registers, stored with stmatrix into the consumer's own Q slice of
-      shared memory (its wgmmas are done reading it) and written with one TMA store (clipped at seqlen_q);
-      LSE straight from registers.
+      shared memory (its wgmmas are done reading it; each slice is max(d, dv) columns wide, so O fits whichever
+      is wider) and written with one TMA store (clipped at seqlen_q); LSE straight from registers.
 
 Global tensors are viewed as (seqlen, head_dim, heads, batch) so that TMA boxes never cross a (batch, head): rows past
 seqlen are out of bounds of their own dimension, zero-filled on load and clipped on store. GQA/MQA index the K/V head
@@ -73,8 +73,9 @@ class Sm90FlashForward:
         self.tile_m = cfg.tile_m
         self.tile_n = cfg.tile_n
         self.num_stages = cfg.num_stages
-        # O reuses each consumer's Q slice when the two have the same shape (and hence the same swizzled layout).
-        self.o_aliases_q = head_dim == head_dim_v
+        # O reuses each consumer's Q slice: one slot per consumer, as wide as the wider of the two, so that a consumer
+        # writing its O never touches the Q another consumer may still be reading (head_dim != head_dim_v).
+        self.slice_elems = ROWS_PER_CONSUMER * max(head_dim, head_dim_v)
 
     @cute.jit
     def __call__(
@@ -93,10 +94,10 @@ class Sm90FlashForward:
         mLSE = stats_view(mLSE)  # (sq, h, b)
 
         rows = ROWS_PER_CONSUMER
-        sQ_layout = wgmma.k_major_smem_layout(self.dtype, rows, self.head_dim, self.num_consumers)
+        sQ_layout = wgmma.k_major_smem_layout(self.dtype, rows, self.head_dim, self.num_consumers, self.slice_elems)
         sK_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
         sV_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, self.head_dim_v, self.num_stages)
-        sO_layout = wgmma.k_major_smem_layout(self.dtype, rows, self.head_dim_v, self.num_consumers)
+        sO_layout = wgmma.k_major_smem_layout(self.dtype, rows, self.head_dim_v, self.num_consumers, self.slice_elems)
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype,
@@ -127,26 +128,21 @@ class Sm90FlashForward:
         atom_o, tma_o = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, one(sO_layout), (rows, self.head_dim_v)
         )
-        self.bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)  # every consumer's slice, one barrier
+        # Every consumer's slice, one barrier (not the layout's cosize: slices may be spaced wider than Q).
+        self.bytes_q = cute.size_in_bytes(self.dtype, one(sQ_layout)) * self.num_consumers
         self.bytes_k = cute.size_in_bytes(self.dtype, one(sK_layout))
         self.bytes_v = cute.size_in_bytes(self.dtype, one(sV_layout))
 
-        q_cosize = cute.cosize(sQ_layout)
-        o_cosize = 0
-        if const_expr(self.o_aliases_q):
-            q_cosize = max(q_cosize, cute.cosize(sO_layout))
-        else:
-            o_cosize = cute.cosize(sO_layout)
+        q_elems = self.slice_elems * self.num_consumers
 
         @cute.struct
         class SharedStorage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_cosize], SMEM_ALIGN]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], SMEM_ALIGN]  # Q, then O
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
-            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_cosize], SMEM_ALIGN]
 
         num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
         self.kernel(
@@ -221,10 +217,7 @@ class Sm90FlashForward:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        if const_expr(self.o_aliases_q):
-            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        else:
-            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # see slice_elems
 
         m_block, head, head_kv, batch, seqlen_q, info, n_min, n_max = cta_work(
             mQ, mK, self.tile_m, self.tile_n, self.mask_kind, window_left, window_right

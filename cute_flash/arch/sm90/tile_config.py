@@ -1,5 +1,6 @@
 """Tile configurations of the sm90 kernels, and the budget checks behind them: the forward's (FwdTileConfig, one per
-head dim; below) and the backward's (BwdTileConfig, further down).
+head dim, and per (head_dim, head_dim_v) pair where that differs; below) and the backward's (BwdTileConfig, further
+down).
 
 A CTA has one producer warpgroup (one warp issues every TMA load) and `num_consumer_wgs` consumer warpgroups. Each
 consumer warpgroup owns 64 query rows: its own Q slice in shared memory, its own S = Q·Kᵀ and O accumulators and its
@@ -15,6 +16,9 @@ Choices (measured on an H200, bf16; the sweep table is in docs/sm90.md, `bench_f
   d <= 256: 2 consumers, 128 x 80, no ping-pong. O alone is 128 registers per thread; tile_n = 80 is the widest
             that fits Q 64 KiB + 2 x (K 40 KiB + V 40 KiB) = 224 KiB; ping-pong costs up to 5% here (the GEMMs
             dominate, the handshake only adds latency) and gains at most 3% with a causal mask.
+With head_dim != head_dim_v the widest of the two picks the row above, except for the pairs in _BY_HEAD_DIMS.
+Q·Kᵀ reads both operands from shared memory, so head_dim costs shared memory and GEMM time but no registers;
+head_dim_v sets the O accumulator (dv / 2 registers per thread) and, with head_dim, the K/V stage size.
 """
 
 from __future__ import annotations
@@ -64,12 +68,10 @@ class FwdTileConfig:
 
 
 def smem_bytes(cfg: FwdTileConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
-    """Shared memory the kernel allocates: Q (O reuses it when it fits), K and V stages, a separate O otherwise."""
-    q = cfg.tile_m * head_dim * elem_bytes
-    o = cfg.tile_m * head_dim_v * elem_bytes
+    """Shared memory the kernel allocates: one Q slot per consumer, max(d, dv) wide (O reuses it), K and V stages."""
+    q_and_o = cfg.tile_m * max(head_dim, head_dim_v) * elem_bytes
     kv = cfg.num_stages * cfg.tile_n * (head_dim + head_dim_v) * elem_bytes
-    o_extra = 0 if (head_dim == head_dim_v) else o
-    return q + kv + o_extra + SMEM_RESERVED_BYTES
+    return q_and_o + kv + SMEM_RESERVED_BYTES
 
 
 def budget_problem(cfg: FwdTileConfig, head_dim: int, head_dim_v: int) -> Optional[str]:
@@ -95,8 +97,19 @@ _BY_HEAD_DIM = (
 )
 
 
+# (head_dim, head_dim_v) pairs whose best tile differs from that of their wider head dim.
+_BY_HEAD_DIMS = {
+    # DeepSeek-style (192, 128), to be measured (bench_fwd.py --head-dims 192 --head-dim-v 128 --sweep): O and S need
+    # the registers of d128, so d128's 128 x 128 ping-pong tile; Q 48 KiB + 2 x (K 48 + V 32) KiB = 208 KiB.
+    (192, 128): FwdTileConfig(num_consumer_wgs=2, tile_n=128, num_stages=2),
+}
+
+
 def fwd_tile_config(spec: AttentionSpec) -> FwdTileConfig:
     """The measured default for `spec` (the caller checks `unsupported_reason` first)."""
+    pair = _BY_HEAD_DIMS.get((spec.head_dim, spec.head_dim_v))
+    if pair is not None:
+        return pair
     width = max(spec.head_dim, spec.head_dim_v)
     for limit, cfg in _BY_HEAD_DIM:
         if width <= limit:

@@ -4,7 +4,7 @@ register A operand of P·V (the RS form, so P never touches shared memory).
 
 from __future__ import annotations
 
-from typing import Type
+from typing import Optional, Type
 
 import cutlass
 import cutlass.cute as cute
@@ -14,9 +14,14 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import warpgroup
 
 
-def k_major_smem_layout(dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: int) -> cute.ComposedLayout:
+def k_major_smem_layout(
+    dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: int, stage_elems: Optional[int] = None
+) -> cute.ComposedLayout:
     """(rows, cols, stages) shared-memory tile with `cols` contiguous, in the widest swizzle the row length allows:
-    what wgmma reads as a K-major operand (and what TMA writes)."""
+    what wgmma reads as a K-major operand (and what TMA writes).
+
+    `stage_elems` spaces the stages further apart than rows * cols (two tiles of different widths sharing one slot
+    per stage); it must keep every stage on a 1 KiB boundary, where the swizzle pattern repeats."""
     row_bits = cols * dtype.width
     kinds = warpgroup.SmemLayoutAtomKind
     if row_bits % 1024 == 0:
@@ -27,7 +32,15 @@ def k_major_smem_layout(dtype: Type[cutlass.Numeric], rows: int, cols: int, stag
         kind = kinds.K_SW32
     else:
         kind = kinds.K_INTER
-    return cute.tile_to_shape(warpgroup.make_smem_layout_atom(kind, dtype), (rows, cols, stages), order=(0, 1, 2))
+    packed = cute.tile_to_shape(warpgroup.make_smem_layout_atom(kind, dtype), (rows, cols, stages), order=(0, 1, 2))
+    if stage_elems is None or stage_elems == rows * cols:
+        return packed
+    assert stage_elems > rows * cols and (stage_elems * dtype.width) % (1024 * 8) == 0, stage_elems
+    outer = packed.outer
+    spaced = cute.make_layout(
+        (outer.shape[0], outer.shape[1], stages), stride=(outer.stride[0], outer.stride[1], stage_elems)
+    )
+    return cute.make_composed_layout(packed.inner, 0, spaced)
 
 
 @cute.jit
