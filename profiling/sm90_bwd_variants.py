@@ -21,7 +21,6 @@ VARIANTS = {
     "opt2": {"opt_level": 2},
     "opt3": {"opt_level": 3},
     "stages1": {"num_stages": 1},
-    "split": {"split_loads": True},
 }
 
 

@@ -363,16 +363,12 @@ class Sm90FlashBackward:
         warp_group = warp_idx // 4
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
-            produce = partial(
-                self.produce, pipe_kv, pipe_q, pipe_do, atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum,
-                mQ, mK, mV, mdO, mLSElog2, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum,
-                n_block, head, head_kv, batch, m_min, m_max,
-            )
             if warp_idx == 0:
-                produce(load_q=True, load_do=not self.cfg.split_loads)
-            if const_expr(self.cfg.split_loads):
-                if warp_idx == 2:
-                    produce(load_q=False, load_do=True)
+                self.produce(
+                    pipe_kv, pipe_q, pipe_do, atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum,
+                    mQ, mK, mV, mdO, mLSElog2, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum,
+                    n_block, head, head_kv, batch, m_min, m_max,
+                )
             if warp_idx == 1:
                 self.store_dq(sdQ, mdQaccum, mdQsem, info, n_block, head, batch, m_min, m_max)
         else:
@@ -394,11 +390,8 @@ class Sm90FlashBackward:
         mdPsum: cute.Tensor,
         sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sdPsum: cute.Tensor,
         n_block: Int32, head: Int32, head_kv: Int32, batch: Int32, m_min: Int32, m_max: Int32,
-        load_q: cutlass.Constexpr[bool], load_do: cutlass.Constexpr[bool],
     ):
-        """K and V once, then Q + LSE (`load_q`), and dO + D (`load_do`) per query tile, in the consumers' order.
-        With `split_loads` two warps share the work, so that dO runs ahead as soon as its stage is free instead of
-        queueing behind the Q stage, which the consumers release only at the end of a tile."""
+        """K and V once; then Q + LSE and dO + D per query tile, in the consumers' order."""
         d = self.head_dim
         no_cluster = cute.make_layout(1)
 
@@ -422,24 +415,21 @@ class Sm90FlashBackward:
         tDsD, tDgD = part1(atom_dpsum, sdPsum, gdPsum)
 
         if m_max > m_min:
-            if const_expr(load_q):
-                kv = producer_state(1)
-                pipe_kv.producer_acquire(kv)
-                cute.copy(atom_k, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
-                cute.copy(atom_v, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+            kv = producer_state(1)
+            pipe_kv.producer_acquire(kv)
+            cute.copy(atom_k, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+            cute.copy(atom_v, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
             q = producer_state(self.num_stages)
             do = producer_state(self.num_stages)
             for m_block in cutlass.range(m_min, m_max, unroll=1):
-                if const_expr(load_q):
-                    pipe_q.producer_acquire(q)
-                    bar_q = pipe_q.producer_get_barrier(q)
-                    cute.copy(atom_q, tQgQ[None, m_block], tQsQ[None, q.index], tma_bar_ptr=bar_q)
-                    cute.copy(atom_lse, tLgL[None, m_block], tLsL[None, q.index], tma_bar_ptr=bar_q)
-                if const_expr(load_do):
-                    pipe_do.producer_acquire(do)
-                    bar_do = pipe_do.producer_get_barrier(do)
-                    cute.copy(atom_do, tdOgdO[None, m_block], tdOsdO[None, do.index], tma_bar_ptr=bar_do)
-                    cute.copy(atom_dpsum, tDgD[None, m_block], tDsD[None, do.index], tma_bar_ptr=bar_do)
+                pipe_q.producer_acquire(q)
+                bar_q = pipe_q.producer_get_barrier(q)
+                cute.copy(atom_q, tQgQ[None, m_block], tQsQ[None, q.index], tma_bar_ptr=bar_q)
+                cute.copy(atom_lse, tLgL[None, m_block], tLsL[None, q.index], tma_bar_ptr=bar_q)
+                pipe_do.producer_acquire(do)
+                bar_do = pipe_do.producer_get_barrier(do)
+                cute.copy(atom_do, tdOgdO[None, m_block], tdOsdO[None, do.index], tma_bar_ptr=bar_do)
+                cute.copy(atom_dpsum, tDgD[None, m_block], tDsD[None, do.index], tma_bar_ptr=bar_do)
                 q.advance()
                 do.advance()
 

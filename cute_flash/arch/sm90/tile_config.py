@@ -142,7 +142,6 @@ class BwdTileConfig:
     consumer_regs: int = 240
     producer_regs: int = 24
     opt_level: int = 3  # CuTe DSL --opt-level
-    split_loads: bool = False  # Q and dO loaded by two producer warps (flash_bwd.produce)
 
     @property
     def num_threads(self) -> int:
@@ -159,7 +158,6 @@ class BwdTileConfig:
             "consumer_regs": self.consumer_regs,
             "producer_regs": self.producer_regs,
             "opt_level": self.opt_level,
-            "split_loads": self.split_loads,
         }
 
 
