@@ -100,7 +100,7 @@ def test_forward_dv_differs_long(causal):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim, backward_family", [(128, "sm90"), (256, "sm80")])
+@pytest.mark.parametrize("head_dim, backward_family", [(128, "sm90"), (256, "sm90"), (192, "sm80")])
 def test_training_routes(monkeypatch, head_dim, backward_family, causal):
     """Training on Hopper: forward by the sm90 kernel, backward by the sm90 backward where it has a configuration
     and by the sm80 kernels elsewhere (docs/sm90.md), chosen by the router."""
