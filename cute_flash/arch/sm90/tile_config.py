@@ -99,8 +99,9 @@ _BY_HEAD_DIM = (
 
 # (head_dim, head_dim_v) pairs whose best tile differs from that of their wider head dim.
 _BY_HEAD_DIMS = {
-    # DeepSeek-style (192, 128), to be measured (bench_fwd.py --head-dims 192 --head-dim-v 128 --sweep): O and S need
-    # the registers of d128, so d128's 128 x 128 ping-pong tile; Q 48 KiB + 2 x (K 48 + V 32) KiB = 208 KiB.
+    # DeepSeek-style (192, 128): O and S need the registers of d128, so d128's 128 x 128 ping-pong tile; Q 48 KiB +
+    # 2 x (K 48 + V 32) KiB = 208 KiB. 1.9-2.4x the sm80 route, 0.89-1.07x FA4 (H100, docs/performance.md session 5);
+    # the sweep's alternatives (bench_fwd.SWEEP) were not measured.
     (192, 128): FwdTileConfig(num_consumer_wgs=2, tile_n=128, num_stages=2),
 }
 
