@@ -1,7 +1,10 @@
 """The sm90 backward main kernel: FlashAttention-3's Hopper design (TMA producer, wgmma consumers) in CuTe DSL.
 
-One CTA owns one key tile (tile_n = 64 * num_consumer_wgs keys) of one query head and walks the query tiles that see
-it (`BlockInfo.q_block_range`), tile_m query rows at a time:
+One CTA owns one key tile (tile_n keys) of one query head and walks the query tiles that see it
+(`BlockInfo.q_block_range`), tile_m query rows at a time. Described here is the "keys on rows" form (d64, d128); with
+queries on rows (d256, `BwdTileConfig.keys_on_rows` False) S = Q·Kᵀ and dP = dO·Vᵀ put the 64 queries on the
+accumulator rows and split the 64 keys between the consumers, P and dS go to shared memory, and each consumer computes
+dV, dK and dQ for its half of the head dim with every operand read from shared memory:
 
   warpgroup 0 (producer, setmaxnreg.dec): warp 0 issues TMA loads of the K and V tiles once, then per query tile
       Q with its log2-domain LSE and dO with its D = rowsum(dO * O) through `num_stages`-deep mbarrier rings.
