@@ -451,7 +451,9 @@ class Sm90FlashBackward:
     ):
         d = self.head_dim
         stages = self.num_stages
-        consumer = tidx // WARPGROUP_THREADS
+        # Warp-uniform, so that the operand descriptors of every wgmma are built in uniform registers (from tidx they
+        # would be per-thread values, moved to uniform registers with R2UR before each wgmma).
+        consumer = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
         wg_first = consumer * WARPGROUP_THREADS  # operand partitions are per warpgroup
         wg_sdp = tiled_mma_sdp.get_slice(wg_first)
         wg_dkv = tiled_mma_dkv.get_slice(wg_first)
