@@ -29,7 +29,7 @@ def _compile_reports(tmp_path, head_dim: int, causal: bool) -> dict:
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_sm90_backward_compiles(tmp_path, head_dim, causal):
     reports = _compile_reports(tmp_path, head_dim, causal)
     roles = {"bwd", "bwd_gqa", "bwd_det", "bwd_gqa_det"}
@@ -53,7 +53,7 @@ def test_sm90_backward_support():
     from cute_flash.arch.sm90 import BACKEND
     from cute_flash.arch.sm90.backward import backward_unsupported_reason
 
-    for d in (64, 128, 256):
+    for d in (64, 96, 128, 256):
         spec = AttentionSpec("bf16", d, d, "causal", "bf16")
         assert backward_unsupported_reason(spec) is None
         assert BACKEND.unsupported_reason(spec, backward=True, deterministic=True) is None
@@ -61,7 +61,7 @@ def test_sm90_backward_support():
     # has no deterministic mode.
     from cute_flash import routing
 
-    other = AttentionSpec("bf16", 96, 96, "none", "bf16")
+    other = AttentionSpec("bf16", 192, 192, "none", "bf16")
     assert "head_dim" in BACKEND.unsupported_reason(other, backward=True)
     assert routing.route(other, (9, 0), backward=True).family == "sm80"
     assert routing.route(other, (9, 0), backward=True, deterministic=True).family is None

@@ -49,6 +49,7 @@ HOPPER_ROUTES = [
     (spec(128, mask="causal"), "sm90", "sm90"),
     (spec(256, mask="local"), "sm90", "sm90"),
     (spec(192, mask="causal"), "sm90", "sm80"),  # no sm90 backward configuration at d192 yet
+    (spec(96, mask="causal"), "sm90", "sm90"),
     (spec(16), "sm80", None),
     (spec(32), "sm80", "sm80"),
     (spec(72), "sm80", None),

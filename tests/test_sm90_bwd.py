@@ -20,7 +20,7 @@ import torch
 
 pytestmark = pytest.mark.sm90
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 96, 128, 256)
 SEQLENS = ((1, 1), (113, 203), (128, 128), (239, 1), (1023, 1024), (2048, 2048))
 MASKS = {  # name -> (causal, window_size)
     "full": (False, (None, None)),
@@ -138,7 +138,7 @@ def test_sm90_backward_strided_inputs():
     check_backward(q, k, v, dout, (q.grad, k.grad, v.grad), causal=True)
 
 
-@pytest.mark.parametrize("d", [pytest.param(d, marks=pytest.mark.xdist_group(f"sm80-d{d}")) for d in (96, 192)])
+@pytest.mark.parametrize("d", [pytest.param(d, marks=pytest.mark.xdist_group(f"sm80-d{d}")) for d in (160, 192)])
 def test_sm90_family_trains_other_head_dims_through_sm80(monkeypatch, d):
     """Head dims without an sm90 backward configuration still train on Hopper: the router sends their backward to
     the sm80 family (the marker's CUTE_FLASH_ARCH=sm90 would forbid that, so it is lifted)."""
@@ -180,12 +180,12 @@ def test_sm90_backward_deterministic(d, mask, h_kv, sq, sk):
     check_backward(q, k, v, dout, runs[0], causal=causal, window_size=window)
 
 
-@pytest.mark.xdist_group("sm80-d96")
+@pytest.mark.xdist_group("sm80-d192")
 def test_sm90_deterministic_refused_where_sm80_trains(monkeypatch):
     """Head dims that train through the sm80 backward have no deterministic mode: a clear error before the forward."""
     import cute_flash
 
     monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
-    q, k, v, _ = _inputs("bf16", 96, 64, 64, 2, 2, 0)
+    q, k, v, _ = _inputs("bf16", 192, 64, 64, 2, 2, 0)
     with pytest.raises(NotImplementedError, match="deterministic"):
         cute_flash.attention(q, k, v, deterministic=True)

@@ -174,7 +174,7 @@ def compile_backward_artifacts(spec: AttentionSpec, target: str) -> List[KernelA
             compiled = _build(role, spec, cfg, target, compile_cache.keep_artifacts_options(sub))
             role_config = config
             if role == "bwd_dq_postprocess":
-                role_config = {"tile_m": cfg.tile_m, "threads": cfg.num_consumer_wgs * WARPGROUP_THREADS}
+                role_config = {"tile_m": cfg.tile_m, "threads": cfg.num_dq_wgs * WARPGROUP_THREADS}
             artifacts.append(KernelArtifact(role, compiled.artifacts.PTX, compiled.artifacts.CUBIN, role_config))
     for art in _sm80_backward().compile_backward_artifacts(spec, target, roles=["bwd_preprocess", "bwd_postprocess"]):
         artifacts.append(KernelArtifact(f"sm80_{art.kernel}", art.ptx, art.cubin, {**art.config, "family": "sm80"}))

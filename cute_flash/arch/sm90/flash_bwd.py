@@ -76,6 +76,8 @@ def dq_tiled_mma(dtype: Type[cutlass.Numeric], head_dim: int, cfg: BwdTileConfig
     w = cfg.num_consumer_wgs
     if cfg.dq_split == "m":
         atoms, tiler = (w, 1, 1), (ROWS_PER_CONSUMER, head_dim)
+    elif cfg.dq_split == "single":
+        atoms, tiler = (1, 1, 1), (cfg.tile_m, head_dim)
     else:
         atoms, tiler = (1, w, 1), (cfg.tile_m, head_dim // w)
     mn = cute.nvgpu.OperandMajorMode.MN
@@ -165,7 +167,8 @@ class Sm90FlashBackward:
         self.tile_m = cfg.tile_m
         self.tile_n = cfg.tile_n
         self.num_stages = cfg.num_stages
-        self.dq_chunk = cfg.tile_m * head_dim // cfg.num_consumer_wgs  # floats per consumer and query tile
+        self.num_dq_wgs = cfg.num_dq_wgs
+        self.dq_chunk = cfg.tile_m * head_dim // cfg.num_dq_wgs  # floats per dQ consumer and query tile
         self.keys_on_rows = cfg.keys_on_rows
         self.s_tile = (cfg.tile_n, cfg.tile_m) if cfg.keys_on_rows else (cfg.tile_m, cfg.tile_n)
 
@@ -457,10 +460,12 @@ class Sm90FlashBackward:
         wg_first = consumer * WARPGROUP_THREADS  # operand partitions are per warpgroup
         wg_sdp = tiled_mma_sdp.get_slice(wg_first)
         wg_dkv = tiled_mma_dkv.get_slice(wg_first)
-        wg_dq = tiled_mma_dq.get_slice(wg_first)
+        # The dQ MMA spans one warpgroup with dq_split "single": every consumer slices it as consumer 0 (only consumer
+        # 0 issues it).
+        wg_dq = tiled_mma_dq.get_slice(wg_first if const_expr(self.num_dq_wgs > 1) else 0)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         thr_dkv = tiled_mma_dkv.get_slice(tidx)
-        thr_dq = tiled_mma_dq.get_slice(tidx)
+        thr_dq = tiled_mma_dq.get_slice(tidx if const_expr(self.num_dq_wgs > 1) else tidx % WARPGROUP_THREADS)
 
         # Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ (keys on rows), or S = Q·Kᵀ, dP = dO·Vᵀ: all K-major tiles as loaded. The Q and dO
         # fragments keep their stage mode: (MMA, 1, k-blocks, stage).
@@ -543,7 +548,7 @@ class Sm90FlashBackward:
 
         if const_expr(self.gqa):
             self.add_dkv_partials(
-                acc_dK, acc_dV, tiled_mma_dkv, thr_dkv, mdK, mdV, mdKVsem, softmax_scale, n_block, head_in_group,
+                acc_dK, acc_dV, tiled_mma_dkv, mdK, mdV, mdKVsem, softmax_scale, n_block, head_in_group,
                 head_kv, batch, tidx,
             )
         else:
@@ -652,13 +657,35 @@ class Sm90FlashBackward:
                 zero_init=False, wait=-1,
             )
         acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
-        wgmma.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, q.index], tdQrKt, zero_init=True, wait=1)
+        every_consumer_dq = self.num_dq_wgs == self.num_consumers
+        consumer = tidx // WARPGROUP_THREADS
+        if const_expr(every_consumer_dq):
+            wgmma.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, q.index], tdQrKt, zero_init=True, wait=1)
+        else:  # dq_split "single": consumer 0 computes dQ; the others only wait for dV
+            if cute.arch.make_warp_uniform(consumer) == 0:
+                wgmma.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, q.index], tdQrKt, zero_init=True, wait=1)
+            else:
+                warpgroup.wait_group(0)
         pipe_do.consumer_release(do)  # dV's product is done with dO
         dS_t = tdKrdS if const_expr(kor) else tdKrdS[None, None, None, q.index]
         wgmma.gemm(tiled_mma_dkv, acc_dK, dS_t, tdKrQt[None, None, None, q.index], zero_init=False, wait=1)
 
         # dQ (unscaled) into this consumer's shared buffer, in the fragment layout, for the dQ warp to add.
-        consumer = tidx // WARPGROUP_THREADS
+        if const_expr(every_consumer_dq):
+            self.stage_dq(acc_dQ, sdQ, tidx, consumer)
+        else:
+            if cute.arch.make_warp_uniform(consumer) == 0:
+                self.stage_dq(acc_dQ, sdQ, tidx, consumer)
+        warpgroup.wait_group(0)
+        pipe_q.consumer_release(q)
+        q.advance()
+        do.advance()
+        return q, do
+
+    @cute.jit
+    def stage_dq(self, acc_dQ: cute.Tensor, sdQ: cute.Tensor, tidx: Int32, consumer: Int32):
+        """This consumer's dQ (unscaled) into its shared buffer, in the fragment layout, once the dQ warp hands the
+        buffer over; then tells the dQ warp it is full."""
         pair = WARPGROUP_THREADS + WARP_THREADS
         cute.arch.barrier(barrier_id=int(BwdBarrierId.DQ_EMPTY_FIRST) + consumer, number_of_threads=pair)
         for i in cutlass.range_constexpr(cute.size(acc_dQ) // DQ_VEC):
@@ -667,11 +694,6 @@ class Sm90FlashBackward:
             cute.autovec_copy(src, cute.make_tensor(dst, cute.make_layout(DQ_VEC)))
         cute.arch.fence_view_async_shared()  # read next by the bulk copy engine (async proxy)
         cute.arch.barrier_arrive(barrier_id=int(BwdBarrierId.DQ_FULL_FIRST) + consumer, number_of_threads=pair)
-        warpgroup.wait_group(0)
-        pipe_q.consumer_release(q)
-        q.advance()
-        do.advance()
-        return q, do
 
     @cute.jit
     def store_dq(
@@ -686,10 +708,10 @@ class Sm90FlashBackward:
         pair = WARPGROUP_THREADS + WARP_THREADS
         dq_base = mdQaccum[batch, head, None].iterator
         for m_block in cutlass.range(m_min, m_max, unroll=1):
-            for c in cutlass.range_constexpr(self.num_consumers):
+            for c in cutlass.range_constexpr(self.num_dq_wgs):
                 if const_expr(not self.deterministic):
                     # The previous reduce of buffer c has finished reading it (groups retire in order).
-                    cute.arch.cp_async_bulk_wait_group(self.num_consumers - 1 - c, read=True)
+                    cute.arch.cp_async_bulk_wait_group(self.num_dq_wgs - 1 - c, read=True)
                 cute.arch.barrier_arrive(barrier_id=int(BwdBarrierId.DQ_EMPTY_FIRST) + c, number_of_threads=pair)
             if const_expr(self.deterministic):
                 sem = mdQsem[batch, head, None].iterator + m_block
@@ -697,7 +719,7 @@ class Sm90FlashBackward:
                 while load_acquire_gpu(sem) != turn:
                     pass
                 cute.arch.fence_proxy("async.global")  # the adds below are async-proxy accesses
-            for c in cutlass.range_constexpr(self.num_consumers):
+            for c in cutlass.range_constexpr(self.num_dq_wgs):
                 cute.arch.barrier(barrier_id=int(BwdBarrierId.DQ_FULL_FIRST) + c, number_of_threads=pair)
                 with cute.arch.elect_one():
                     bulk_reduce_add_f32(
@@ -745,7 +767,7 @@ class Sm90FlashBackward:
     @cute.jit
     def add_dkv_partials(
         self,
-        acc_dK: cute.Tensor, acc_dV: cute.Tensor, tiled_mma_dkv: cute.TiledMma, thr_dkv,
+        acc_dK: cute.Tensor, acc_dV: cute.Tensor, tiled_mma_dkv: cute.TiledMma,
         mdK: cute.Tensor, mdV: cute.Tensor, mdKVsem: cute.Tensor,
         softmax_scale: Float32, n_block: Int32, head_in_group: Int32, head_kv: Int32, batch: Int32, tidx: Int32,
     ):
@@ -761,7 +783,10 @@ class Sm90FlashBackward:
         # Each thread holds two rows of its warp's 16 and, per 8-column group, two adjacent columns: one row pointer
         # per row, and column offsets that are thread 0's (compile-time) plus this thread's shift.
         tile = cute.make_identity_tensor((self.tile_n, self.head_dim))
-        coords_rc = rows_cols_view(thr_dkv.partition_C(tile))
+        # The thread's coordinates from a fresh thread-index read: values derived from the index at the kernel's
+        # start would stay live (or spill) across the whole walk just for this epilogue.
+        fresh_tidx = cute.arch.make_warp_uniform(cute.arch.warp_idx()) * WARP_THREADS + cute.arch.lane_idx()
+        coords_rc = rows_cols_view(tiled_mma_dkv.get_slice(fresh_tidx - WARPGROUP_THREADS).partition_C(tile))
         coords0_rc = rows_cols_view(tiled_mma_dkv.get_slice(0).partition_C(tile))
         col_shift = coords_rc[0, 0][1] - coords0_rc[0, 0][1]
         row0 = n_block * self.tile_n

@@ -26,7 +26,7 @@ class DqConvertSm90:
         self.dtype = dtype
         self.head_dim = head_dim
         self.cfg = cfg
-        self.num_threads = cfg.num_consumer_wgs * WARPGROUP_THREADS
+        self.num_threads = cfg.num_dq_wgs * WARPGROUP_THREADS
 
     @cute.jit
     def __call__(
@@ -72,7 +72,7 @@ class DqConvertSm90:
         acc = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C((tile_m, d)), Float32)
         base = mAccum[batch, head, None].iterator + m_block * (tile_m * d)
         for i in cutlass.range_constexpr(cute.size(acc) // DQ_VEC):  # the tile is padding past seqlen: in bounds
-            ptr = (base + dq_fragment_offset(i * DQ_VEC, tidx, tile_m * d // self.cfg.num_consumer_wgs)).align(DQ_VEC * 4)
+            ptr = (base + dq_fragment_offset(i * DQ_VEC, tidx, tile_m * d // self.cfg.num_dq_wgs)).align(DQ_VEC * 4)
             src = cute.make_tensor(ptr, cute.make_layout(DQ_VEC))
             cute.autovec_copy(src, cute.make_tensor(acc.iterator + i * DQ_VEC, cute.make_layout(DQ_VEC)))
         acc.store(acc.load() * scale)

@@ -130,12 +130,13 @@ class BwdTileConfig:
       queries on rows (keys_on_rows False): S = Q·Kᵀ with tile_m = 64 query rows and the consumers splitting the
           tile_n = 64 keys; P and dS go through shared memory and every consumer computes dK / dV for all 64 keys and
           head_dim / num_consumer_wgs columns: half the accumulator registers per thread, what d256 needs.
-    dq_split says how the consumers share dQ = dS·K: "m" (64 query rows each; tile_m = 64 * num_consumer_wgs) or
-    "n" (head_dim / num_consumer_wgs columns each, which must be whole 64-column swizzle atoms).
+    dq_split says how the consumers share dQ = dS·K: "m" (64 query rows each; tile_m = 64 * num_consumer_wgs),
+    "n" (head_dim / num_consumer_wgs columns each, which must be whole 64-column swizzle atoms), or "single" (consumer
+    0 alone computes the whole 64-row dQ: head dims such as 96 that split neither way).
     """
 
     tile_m: int
-    dq_split: str  # "m" | "n"
+    dq_split: str  # "m" | "n" | "single"
     keys_on_rows: bool = True
     tile_n: int = 128
     num_consumer_wgs: int = 2
@@ -147,6 +148,11 @@ class BwdTileConfig:
     @property
     def num_threads(self) -> int:
         return WARPGROUP_THREADS * (self.num_consumer_wgs + 1)
+
+    @property
+    def num_dq_wgs(self) -> int:
+        """Consumer warpgroups that compute (and hand over) a share of dQ."""
+        return 1 if self.dq_split == "single" else self.num_consumer_wgs
 
     def as_dict(self) -> dict:
         return {
@@ -181,8 +187,10 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int) -> Optional[str]:
     if cfg.dq_split == "n" and (head_dim % w != 0 or (head_dim // w) % 64 != 0 or cfg.tile_m % 64 != 0):
         return (f"dq_split 'n' needs head_dim / consumers in whole 64-column swizzle atoms and tile_m a multiple "
                 f"of 64, got head_dim {head_dim}, {w} consumers, tile_m {cfg.tile_m}")
-    if cfg.dq_split not in ("m", "n"):
-        return f"dq_split must be 'm' or 'n', got {cfg.dq_split!r}"
+    if cfg.dq_split == "single" and cfg.tile_m != ROWS_PER_CONSUMER:
+        return f"dq_split 'single' needs tile_m = 64, got {cfg.tile_m}"
+    if cfg.dq_split not in ("m", "n", "single"):
+        return f"dq_split must be 'm', 'n' or 'single', got {cfg.dq_split!r}"
     regs = cfg.consumer_regs * WARPGROUP_THREADS * w + cfg.producer_regs * WARPGROUP_THREADS
     if regs > REGISTERS_PER_SM:
         return f"register split {cfg.consumer_regs}/{cfg.producer_regs} needs {regs} > {REGISTERS_PER_SM} registers"
@@ -206,14 +214,17 @@ def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, elem_bytes: int = 2) -> in
 #   d64:  128 x 128 tiles, dQ split by query rows (a 32-column split would cut the 64-column swizzle atom):
 #         FlashAttention-3's shape for d64. Each thread then holds 32 query columns, so the LSE and D go through
 #         shuffles (flash_bwd.load_column_stats); ptxas level 2, because level 3 spills a few bytes in the GQA build.
+#   d96:  64 x 128 tiles like d128, but 48 columns per consumer would cut the swizzle atom: consumer 0 computes the
+#         whole dQ (48 registers; FlashAttention-3's d96 shape); dV and dK take 48 each.
 #   d128: 64 x 128 tiles, dQ split by head-dim halves: Sᵀ, dPᵀ (32 registers each), dV and dK (64 each) and dQ (32)
 #         fit the 240 registers of a consumer thread.
 #   d256: 64 x 64 tiles with queries on rows (FlashAttention-3's d256 shape): dK and dV split by head-dim halves
 #         (64 registers each) instead of 128 keys' rows (256 each); P and dS through shared memory; one stage, as the
-#         Q, dO, K, V tiles (32 KiB each), P, dS and the fp32 dQ buffer (64 KiB) fill 205 KiB.
-# Other head dims (96, 192, dv != d) keep the sm80 backward.
+#         Q, dO, K, V tiles (32 KiB each), P, dS and the fp32 dQ buffer (64 KiB) fill 210 KiB.
+# Other head dims (192, dv != d) keep the sm80 backward.
 _BWD_BY_HEAD_DIM = {
     64: BwdTileConfig(tile_m=128, dq_split="m", opt_level=2),
+    96: BwdTileConfig(tile_m=64, dq_split="single"),
     128: BwdTileConfig(tile_m=64, dq_split="n"),
     256: BwdTileConfig(tile_m=64, dq_split="n", keys_on_rows=False, tile_n=64, num_stages=1),
 }
