@@ -7,7 +7,7 @@ consumer warpgroup owns 64 query rows: its own Q slice in shared memory, its own
 own slice of the O store. So `tile_m = 64 * num_consumer_wgs`; K and V tiles of `tile_n` keys go through
 `num_stages`-deep TMA pipelines shared by all consumers.
 
-Choices (measured on an H200, bf16; the sweep table is in docs/sm90.md, `bench_fwd.py --sweep` reproduces it):
+Choices (measured on an H200, bf16; the sweep table is in docs/sm90.md, `profiling/sm90_fwd_sweep.py --sweep` reproduces it):
   d <= 64:  3 consumers, 192 x 128, ping-pong. Short GEMMs: a third warpgroup keeps the tensor cores fed (+4-21%
             over 128-row tiles from 4k on); 160 registers per consumer thread suffice (O 32 + S 64 fp32).
   d <= 128: 2 consumers, 128 x 128, ping-pong. 240 registers hold S (64), P (32) and O (64) with the next block's S
@@ -101,7 +101,7 @@ _BY_HEAD_DIM = (
 _BY_HEAD_DIMS = {
     # DeepSeek-style (192, 128): O and S need the registers of d128, so d128's 128 x 128 ping-pong tile; Q 48 KiB +
     # 2 x (K 48 + V 32) KiB = 208 KiB. 1.9-2.4x the sm80 route, 0.89-1.07x FA4 (H100, docs/performance.md session 5);
-    # the sweep's alternatives (bench_fwd.SWEEP) were not measured.
+    # the sweep's alternatives (profiling/sm90_fwd_sweep.SWEEP) were not measured.
     (192, 128): FwdTileConfig(num_consumer_wgs=2, tile_n=128, num_stages=2),
 }
 

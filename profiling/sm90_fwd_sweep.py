@@ -1,8 +1,8 @@
 """Quick forward timing of the sm90 kernel against torch SDPA (and FlashAttention-4 when importable), plus tile
 configuration sweeps. GPU only.
 
-    python -m cute_flash.arch.sm90.bench_fwd --head-dims 128 --seqlens 8192 [--sweep]
-    python -m cute_flash.arch.sm90.bench_fwd --head-dims 192 --head-dim-v 128 --sweep --sm80   # DeepSeek-style
+    python -m profiling.sm90_fwd_sweep --head-dims 128 --seqlens 8192 [--sweep]
+    python -m profiling.sm90_fwd_sweep --head-dims 192 --head-dim-v 128 --sweep --sm80   # DeepSeek-style
 
 Shapes follow the project's benchmark convention: batch * seqlen = 16k tokens, heads * head_dim = 2048.
 FLOPs = 2 * b * h * sq * sk * (d + dv), halved when causal; times are triton.testing.do_bench medians.
@@ -16,10 +16,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ... import compile_cache
-from ...bench.flops import attention_flops
-from ...spec import UNBOUNDED_WINDOW, AttentionSpec
-from .tile_config import FwdTileConfig, budget_problem, fwd_tile_config
+from cute_flash import compile_cache
+from cute_flash.bench.flops import attention_flops
+from cute_flash.spec import UNBOUNDED_WINDOW, AttentionSpec
+from cute_flash.arch.sm90.tile_config import FwdTileConfig, budget_problem, fwd_tile_config
 
 TOKENS = 16384
 HIDDEN = 2048
@@ -61,7 +61,7 @@ def _bench(fn: Callable[[], object]) -> float:
 
 
 def _ours(spec: AttentionSpec, cfg: FwdTileConfig, q, k, v, causal: bool):
-    from .build import compile_forward
+    from cute_flash.arch.sm90.build import compile_forward
 
     target = compile_cache.target_for_capability(torch.cuda.get_device_capability())
     fn = compile_cache.get_or_compile(("sm90-bench", target, spec, cfg), lambda: compile_forward(spec, cfg, target))
@@ -75,8 +75,8 @@ def _ours(spec: AttentionSpec, cfg: FwdTileConfig, q, k, v, causal: bool):
 
 def _sm80(q, k, v, causal: bool):
     """The sm80 kernels on this GPU: the route a call takes where the sm90 family has no kernel."""
-    from ...arch import get_backend
-    from ...validation import validate
+    from cute_flash.arch import get_backend
+    from cute_flash.validation import validate
 
     problem = validate(q, k, v, causal=causal, softmax_scale=None, window_size=(None, None), dtype=None)
     b, s, h, _ = q.shape
