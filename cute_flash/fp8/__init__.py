@@ -5,6 +5,7 @@ the bookkeeping for callers who bring their own e4m3 tensors. Importing this pac
   quantize        block scales and e4m3 rounding (torch reference), V's transposed layout
   prepass_kernel  the CuTe DSL pre-pass (rotate + scale + quantise Q and K, quantise and transpose V)
   prepare         `prepare_fp8_inputs` / `check_prequantized` -> `Fp8Inputs`, what the FP8 attention kernel reads
-  emulate         the kernel's arithmetic in torch (for the accuracy study)
-  accuracy        the accuracy benchmark
+  emulate         the kernel's arithmetic in torch (the oracle of the FP8 tests and the benchmark's FP8 baseline)
+
+The accuracy study and the speed benchmark are research scripts: profiling/fp8_accuracy.py, profiling/fp8_benchmark.py.
 """

@@ -121,7 +121,7 @@ VARIANT_ENV = "CUTE_FLASH_FP8_VARIANT"
 _D128 = _BY_HEAD_DIM[1][1]
 _TILE128 = Fp8FwdConfig(FwdTileConfig(2, 128, 2), promote_pv=True)  # the previous default, and its variants below
 
-# Alternatives to the d <= 128 default, timed by `python -m cute_flash.fp8.benchmark --variants`.
+# Alternatives to the d <= 128 default, timed by `python -m profiling.fp8_benchmark --variants`.
 VARIANTS: Dict[str, Fp8FwdConfig] = {
     "tile192_stages3": replace(_D128, tile=FwdTileConfig(2, 192, 3)),
     "tile128_promote": _TILE128,

@@ -10,7 +10,7 @@ stored in bf16. Schemes:
 `--mode kernel` runs cute_flash.attention on an sm90 GPU (fp8_tensor goes through the pre-quantised-input path with
 per-(batch, kv-head) descales that all equal the tensor's one scale).
 
-    python -m cute_flash.fp8.accuracy --mode emulate --seqlen 1024 4096 --device cpu
+    python -m profiling.fp8_accuracy --mode emulate --seqlen 1024 4096 --device cpu
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..reference import attention_reference
-from .emulate import SCHEMES, emulated_attention
-from .prepare import BLOCK_M
+from cute_flash.reference import attention_reference
+from cute_flash.fp8.emulate import SCHEMES, emulated_attention
+from cute_flash.fp8.prepare import BLOCK_M
 
 OUTLIER_FRACTION = 1e-3
 OUTLIER_STD = 10.0
@@ -85,11 +85,11 @@ def run_emulated(q, k, v, *, causal: bool, schemes: Sequence[str], block_m: int,
 
 def _fp8_kernel_out(q, k, v, causal: bool, scheme: str, cfg=None) -> torch.Tensor:
     """FP8 kernel output of `scheme`; `cfg` (an `Fp8FwdConfig`) overrides the default tile configuration."""
-    from ..arch.sm90.fp8_launch import run_forward_fp8
-    from ..arch.sm90.fp8_tile_config import fp8_fwd_config, kv_scale_block
-    from ..spec import AttentionSpec, normalize_mask
-    from .prepare import check_prequantized, prepare_fp8_inputs
-    from .quantize import quantize_per_tensor
+    from cute_flash.arch.sm90.fp8_launch import run_forward_fp8
+    from cute_flash.arch.sm90.fp8_tile_config import fp8_fwd_config, kv_scale_block
+    from cute_flash.spec import AttentionSpec, normalize_mask
+    from cute_flash.fp8.prepare import check_prequantized, prepare_fp8_inputs
+    from cute_flash.fp8.quantize import quantize_per_tensor
 
     if scheme == "fp8_tensor":
         b, hkv = k.shape[0], k.shape[2]
@@ -129,7 +129,7 @@ def run_kernel(q, k, v, *, causal: bool, schemes: Sequence[str], accumulation: b
         except Exception as e:  # noqa: BLE001  (a study row says what failed instead of stopping the study)
             row[scheme] = f"error: {type(e).__name__}: {str(e)[:120]}"
     if accumulation:
-        from ..arch.sm90.fp8_tile_config import VARIANTS, kv_scale_block
+        from cute_flash.arch.sm90.fp8_tile_config import VARIANTS, kv_scale_block
 
         for name in ("tile128", "tile128_promote"):
             out = _fp8_kernel_out(q, k, v, causal, "fp8_block_rotate", cfg=VARIANTS[name])
@@ -159,7 +159,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.block_n is None:
-        from ..arch.sm90.fp8_tile_config import kv_scale_block
+        from cute_flash.arch.sm90.fp8_tile_config import kv_scale_block
 
         args.block_n = kv_scale_block(args.head_dim, args.head_dim)
 

@@ -2,7 +2,7 @@
 FlashAttention-4's bf16 forward (when `flash_attn.cute` imports), in TFLOP/s (4·b·h·sq·sk·d, halved when causal;
 the pre-pass row gives GB/s of its own traffic: one read of q, k, v, one e4m3 write).
 
-    python -m cute_flash.fp8.benchmark [--seqlen 16384] [--heads 16] [--head-dim 128 ...] [--json out.json]
+    python -m profiling.fp8_benchmark [--seqlen 16384] [--heads 16] [--head-dim 128 ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _fa4() -> Optional[Callable]:
 def _variants(head_dim: int, names: Optional[List[str]] = None):
     """Named alternatives to the default configuration (`fp8_tile_config.VARIANTS`, kernel-alone timing), for the
     head dims they replace (`fp8_tile_config.variant_head_dims`); `names` picks some (all by default)."""
-    from ..arch.sm90.fp8_tile_config import VARIANTS, variant_head_dims
+    from cute_flash.arch.sm90.fp8_tile_config import VARIANTS, variant_head_dims
 
     def serves(name: str) -> bool:
         lo, hi = variant_head_dims(name)
@@ -61,10 +61,10 @@ def bench_case(batch: int, seqlen: int, heads: int, head_dim: int, causal: bool,
     ["all"]: every one)."""
     import cute_flash
 
-    from ..arch.sm90.fp8_launch import run_forward_fp8
-    from ..arch.sm90.fp8_tile_config import fp8_default_config, kv_scale_block
-    from ..spec import AttentionSpec, normalize_mask
-    from .prepare import prepare_fp8_inputs
+    from cute_flash.arch.sm90.fp8_launch import run_forward_fp8
+    from cute_flash.arch.sm90.fp8_tile_config import fp8_default_config, kv_scale_block
+    from cute_flash.spec import AttentionSpec, normalize_mask
+    from cute_flash.fp8.prepare import prepare_fp8_inputs
 
     torch.manual_seed(0)
     shape = (batch, seqlen, heads, head_dim)
