@@ -213,8 +213,8 @@ def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, elem_bytes: int = 2) -> in
 # Head dims the sm90 backward serves (d == dv), with the reason for each choice; measurements in docs/performance.md.
 #   d64:  128 x 128 tiles, dQ split by query rows (a 32-column split would cut the 64-column swizzle atom):
 #         FlashAttention-3's shape for d64. Each thread then holds 32 query columns, so the LSE and D go through
-#         shuffles (flash_bwd.load_column_stats); ptxas level 2 (level 3 spilled 4 B in the GQA build until its epilogue re-read the thread index, session 5;
-#         level 2 and 3 timed within noise).
+#         shuffles (flash_bwd.load_column_stats); ptxas level 2 (level 3 timed within noise; it spilled 4 B in the
+#         GQA build until the epilogue re-read the thread index in session 5).
 #   d96:  64 x 128 tiles like d128, but 48 columns per consumer would cut the swizzle atom: consumer 0 computes the
 #         whole dQ (48 registers; FlashAttention-3's d96 shape); dV and dK take 48 each.
 #   d128: 64 x 128 tiles, dQ split by head-dim halves: Sᵀ, dPᵀ (32 registers each), dV and dK (64 each) and dQ (32)
