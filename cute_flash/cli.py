@@ -59,8 +59,10 @@ def cmd_info(args) -> int:
 
         try:
             families = candidate_families(cap, os.environ.get(ARCH_ENV_VAR) or None)
-            print(f"routing: each call to the first of {' -> '.join(families)} with a kernel for it "
-                  f"(cute_flash.explain(q, k, v, ...) names the family of a given call)")
+            print(
+                f"routing: each call to the first of {' -> '.join(families)} with a kernel for it "
+                f"(cute_flash.explain(q, k, v, ...) names the family of a given call)"
+            )
         except (ValueError, NotImplementedError) as e:
             print(f"routing: none ({e})")
     return 0
@@ -75,7 +77,7 @@ def _spec_from_args(args) -> AttentionSpec:
 
 
 def compile_report(arch: str, spec: AttentionSpec, backward: bool, out_dir: str) -> List[dict]:
-    """Cross-compiles every kernel serving `spec` on `arch`, writes .ptx/.cubin into out_dir, returns one report each."""
+    """Cross-compiles every kernel serving `spec` on `arch`, writes .ptx/.cubin into out_dir; one report per kernel."""
     from .census import capture_fd_stderr, cubin_resources, parse_ptxas_reports, ptx_census, ptx_threads
     from .arch import get_backend
 

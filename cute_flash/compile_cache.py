@@ -103,4 +103,3 @@ def runtime_target(device) -> str:
 
         index = torch.cuda.current_device()
     return _runtime_target_for_index(int(index))
-

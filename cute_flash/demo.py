@@ -25,8 +25,10 @@ def run_gpu(args) -> int:
     from cute_flash.testing import check_forward, random_qkv
 
     b, s, h, d = args.batch, args.seqlen, args.nheads, args.head_dim
-    print(f"GPU {torch.cuda.get_device_name()}, backend {cute_flash.backend()}; shape b={b} s={s} h={h} d={d} "
-          f"causal={args.causal}, bf16")
+    print(
+        f"GPU {torch.cuda.get_device_name()}, backend {cute_flash.backend()}; shape b={b} s={s} h={h} d={d} "
+        f"causal={args.causal}, bf16"
+    )
     q, k, v = random_qkv(b, s, s, h, h, d, dtype=torch.bfloat16)
     try:
         out, lse = cute_flash.attention(q, k, v, causal=args.causal, return_lse=True)
@@ -65,14 +67,30 @@ def run_cpu() -> int:
         out, lse, tiles = attention_tiled(q.double(), k.double(), v.double(), compute_dtype=torch.float64, **kwargs)
         err = (out - ref).abs().max().item()
         lse_err = (lse - ref_lse).abs().max().item()
-        print(f"  tiled online softmax vs float64 reference {kwargs or '(no mask)'}: max|out err| {err:.1e}, "
-              f"max|lse err| {lse_err:.1e}, {tiles} of 6 64x64 tiles visited per (batch, head)")
+        print(
+            f"  tiled online softmax vs float64 reference {kwargs or '(no mask)'}: max|out err| {err:.1e}, "
+            f"max|lse err| {lse_err:.1e}, {tiles} of 6 64x64 tiles visited per (batch, head)"
+        )
 
     print("Cross-compiling d128 bf16 causal forward kernels (CuTe DSL on the CPU):")
     out_dir = tempfile.mkdtemp(prefix="cute_flash_demo_")
     for arch in ("sm80", "sm90", "sm100"):
-        cmd = [sys.executable, "-m", "cute_flash", "compile", "--arch", arch, "--head-dim", "128", "--dtype", "bf16",
-               "--causal", "--json", "--out", out_dir]
+        cmd = [
+            sys.executable,
+            "-m",
+            "cute_flash",
+            "compile",
+            "--arch",
+            arch,
+            "--head-dim",
+            "128",
+            "--dtype",
+            "bf16",
+            "--causal",
+            "--json",
+            "--out",
+            out_dir,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["?"])[-1]
@@ -81,8 +99,10 @@ def run_cpu() -> int:
         for line in proc.stdout.splitlines():
             r = json.loads(line)
             census = ", ".join(f"{k} {v}" for k, v in r["census"].items() if v)
-            print(f"  {arch} {r['kernel']}: {r['registers']} regs, spill {r['spill_bytes']} B, "
-                  f"{r['threads']} threads, smem {r['shared_bytes']} B; {census}")
+            print(
+                f"  {arch} {r['kernel']}: {r['registers']} regs, spill {r['spill_bytes']} B, "
+                f"{r['threads']} threads, smem {r['shared_bytes']} B; {census}"
+            )
     print(f"  PTX and cubins in {out_dir}")
     return 0
 

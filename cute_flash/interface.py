@@ -111,7 +111,14 @@ def _run_forward(q, k, v, problem: Problem, arch: ArchBackend, fp8=None) -> Tupl
             # FP8: q, k e4m3 (b, s, h, d); v transposed e4m3 (b, h_kv, dv, sk_pad); block descales (see Fp8Inputs).
             f = fp8()
             arch.forward(
-                f.q, f.k, f.v_t, out, lse, spec=spec, softmax_scale=problem.softmax_scale, mask=problem.mask,
+                f.q,
+                f.k,
+                f.v_t,
+                out,
+                lse,
+                spec=spec,
+                softmax_scale=problem.softmax_scale,
+                mask=problem.mask,
                 descale=f.descales(),
             )
     return out, lse
@@ -177,8 +184,16 @@ def attention(
     NotImplementedError when gradients are needed.
     """
     problem = validate(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=dtype, descale=descale,
-        fp8_rotate=fp8_rotate, deterministic=deterministic,
+        q,
+        k,
+        v,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        dtype=dtype,
+        descale=descale,
+        fp8_rotate=fp8_rotate,
+        deterministic=deterministic,
     )
     arch = _route(problem.spec, q, backward=False)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -244,15 +259,32 @@ def explain(
     """
     if capability is None:
         problem = validate(
-            q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=dtype,
-            descale=descale, fp8_rotate=fp8_rotate, deterministic=deterministic,
+            q,
+            k,
+            v,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window_size=window_size,
+            dtype=dtype,
+            descale=descale,
+            fp8_rotate=fp8_rotate,
+            deterministic=deterministic,
         )
         capability = _device_capability(q)
     else:
         capability = tuple(capability)
         problem = validate(
-            q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=dtype,
-            descale=descale, fp8_rotate=fp8_rotate, deterministic=deterministic, any_device=True,
+            q,
+            k,
+            v,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window_size=window_size,
+            dtype=dtype,
+            descale=descale,
+            fp8_rotate=fp8_rotate,
+            deterministic=deterministic,
+            any_device=True,
         )
     return Explanation(
         capability,

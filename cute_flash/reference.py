@@ -72,8 +72,13 @@ def attention_reference(
     vc = _expand_kv(v.to(compute_dtype), h)
     rows = max(1, REFERENCE_BLOCK_ELEMS // max(1, b * h * sk))
     blocks = [
-        _reference_rows(q[:, m0 : m0 + rows].to(compute_dtype), kc, vc, sem.softmax_scale,
-                        ~visible_keys(sq, sk, sem.mask, q.device, m0, min(m0 + rows, sq)))
+        _reference_rows(
+            q[:, m0 : m0 + rows].to(compute_dtype),
+            kc,
+            vc,
+            sem.softmax_scale,
+            ~visible_keys(sq, sk, sem.mask, q.device, m0, min(m0 + rows, sq)),
+        )
         for m0 in range(0, max(sq, 1), rows)  # one (empty) block when sq == 0
     ]
     out = torch.cat([o for o, _ in blocks], dim=1)

@@ -38,7 +38,9 @@ def candidate_families(capability: Optional[Capability], forced: Optional[str] =
     CUTE_FLASH_ARCH, read by the caller) replaces them by that one family."""
     if forced:
         if forced not in ARCH_PACKAGES:
-            raise ValueError(f"{ARCH_ENV_VAR}={forced!r} is not a kernel family; expected one of {sorted(ARCH_PACKAGES)}")
+            raise ValueError(
+                f"{ARCH_ENV_VAR}={forced!r} is not a kernel family; expected one of {sorted(ARCH_PACKAGES)}"
+            )
         return (forced,)
     if capability is None:
         raise RuntimeError("no CUDA GPU is visible; set CUTE_FLASH_ARCH to pick a kernel family for cross-compiling")

@@ -64,7 +64,11 @@ def random_qkv(
     dv = head_dim if head_dim_v is None else head_dim_v
 
     def make(*shape):
-        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype).requires_grad_(requires_grad)
+        return (
+            torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
+            .to(dtype)
+            .requires_grad_(requires_grad)
+        )
 
     q = make(batch, seqlen_q, nheads, head_dim)
     k = make(batch, seqlen_k, nheads_kv, head_dim)
@@ -76,8 +80,7 @@ def matrix_inputs(head_dim: int, seqlens: Tuple[int, int], heads: Tuple[int, int
     """Inputs of one matrix case; two batch entries unless the float64 reference would get large."""
     seqlen_q, seqlen_k = seqlens
     batch = 2 if seqlen_q * seqlen_k <= (1 << 20) else 1
-    return random_qkv(batch, seqlen_q, seqlen_k, *heads, head_dim, dtype=MATRIX_DTYPES[dtype],
-                      seed=seqlen_q + head_dim)
+    return random_qkv(batch, seqlen_q, seqlen_k, *heads, head_dim, dtype=MATRIX_DTYPES[dtype], seed=seqlen_q + head_dim)
 
 
 def attention_and_check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **attn_kwargs) -> Sequence["ErrorReport"]:
@@ -144,7 +147,9 @@ def check_backward(
 
     ref = reference_grads(torch.float64)
     low = reference_grads(q.dtype)
-    reports = [ErrorReport(n, _max_abs(g, r), _max_abs(l, r)) for n, g, r, l in zip(("dq", "dk", "dv"), grads, ref, low)]
+    reports = [
+        ErrorReport(n, _max_abs(g, r), _max_abs(l, r)) for n, g, r, l in zip(("dq", "dk", "dv"), grads, ref, low)
+    ]
     _assert_all(reports, finite=list(zip(("dq", "dk", "dv"), grads)))
     return reports
 
@@ -167,12 +172,19 @@ def stable_seed(*params) -> int:
     return sum((i + 1) * ord(c) for i, c in enumerate(repr(params))) % (2**31)
 
 
-def backward_inputs(dtype: torch.dtype, head_dim: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_kv: int,
-                    seed: int, batch: Optional[int] = None):
+def backward_inputs(
+    dtype: torch.dtype,
+    head_dim: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    nheads: int,
+    nheads_kv: int,
+    seed: int,
+    batch: Optional[int] = None,
+):
     """q, k, v (requiring grad) and an output gradient dout, all fresh N(0, 1); two batch entries for small cases."""
     b = batch or (2 if seqlen_q * seqlen_k <= 256 * 256 else 1)
-    q, k, v = random_qkv(b, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype=dtype, seed=seed,
-                         requires_grad=True)
+    q, k, v = random_qkv(b, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype=dtype, seed=seed, requires_grad=True)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(seed + 1)
     dout = torch.randn(b, seqlen_q, nheads, head_dim, generator=gen, device="cuda").to(dtype)
@@ -192,7 +204,16 @@ def backward_kernel_grads(run_backward, q, k, v, dout, causal: bool, window_size
     out = out.to(q.dtype)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     run_backward(
-        dout, q.detach(), k.detach(), v.detach(), out, lse, *grads,
-        spec=problem.spec, softmax_scale=problem.softmax_scale, mask=problem.mask, **kwargs,
+        dout,
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        out,
+        lse,
+        *grads,
+        spec=problem.spec,
+        softmax_scale=problem.softmax_scale,
+        mask=problem.mask,
+        **kwargs,
     )
     return grads

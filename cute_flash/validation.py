@@ -224,7 +224,11 @@ def _check_semantics(q, k, v, *, causal, softmax_scale, window_size) -> Semantic
     left, right = _check_window(window_size)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+    elif (
+        isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, (int, float))
+        or not math.isfinite(softmax_scale)
+    ):
         raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
     elif softmax_scale < 0:
         # Every kernel takes the running row max over raw scores, which is the max of the scaled scores only when

@@ -75,11 +75,17 @@ def run_emulated(q, k, v, *, causal: bool, schemes: Sequence[str], block_m: int,
     if extra:
         # Side studies of choices the kernel makes.
         row["fp8_block_rotate_no_p_offset"] = rmse(
-            emulated_attention(q, k, v, scheme="fp8_block_rotate", causal=causal, block_m=block_m, block_n=block_n,
-                               p_offset_log2=0.0), ref)
+            emulated_attention(
+                q, k, v, scheme="fp8_block_rotate", causal=causal, block_m=block_m, block_n=block_n, p_offset_log2=0.0
+            ),
+            ref,
+        )
         row["fp8_block_rotate_sum_rounded_p"] = rmse(
-            emulated_attention(q, k, v, scheme="fp8_block_rotate", causal=causal, block_m=block_m, block_n=block_n,
-                               sum_rounded_p=True), ref)
+            emulated_attention(
+                q, k, v, scheme="fp8_block_rotate", causal=causal, block_m=block_m, block_n=block_n, sum_rounded_p=True
+            ),
+            ref,
+        )
     return row
 
 
@@ -105,8 +111,18 @@ def _fp8_kernel_out(q, k, v, causal: bool, scheme: str, cfg=None) -> torch.Tenso
     spec = AttentionSpec("fp8", d, dv_, "causal" if causal else "none", "bf16")
     out = torch.empty(*q.shape[:3], dv_, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
-    run_forward_fp8(f.q, f.k, f.v_t, out, lse, descale=f.descales(), spec=spec,
-                    softmax_scale=1.0 / math.sqrt(d), mask=normalize_mask(causal, (None, None)), cfg=cfg)
+    run_forward_fp8(
+        f.q,
+        f.k,
+        f.v_t,
+        out,
+        lse,
+        descale=f.descales(),
+        spec=spec,
+        softmax_scale=1.0 / math.sqrt(d),
+        mask=normalize_mask(causal, (None, None)),
+        cfg=cfg,
+    )
     return out
 
 
@@ -150,8 +166,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--block-m", type=int, default=BLOCK_M)
-    ap.add_argument("--block-n", type=int, default=None, help="emulate mode: keys per K/V scale (default: the sm90 "
-                    "kernel's block at --head-dim)")
+    ap.add_argument(
+        "--block-n",
+        type=int,
+        default=None,
+        help="emulate mode: keys per K/V scale (default: the sm90 " "kernel's block at --head-dim)",
+    )
     ap.add_argument("--extra", action="store_true", help="also the side studies (P offset, rounded row sum)")
     ap.add_argument("--accumulation", action="store_true", help="kernel mode: also P·V promotion on/off")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -168,18 +188,38 @@ def main(argv: Optional[List[str]] = None) -> None:
         q, k, v = outlier_qkv(args.batch, s, args.heads, args.head_dim, device=args.device, seed=args.seed)
         t0 = time.perf_counter()
         if args.mode == "emulate":
-            row = run_emulated(q, k, v, causal=args.causal, schemes=SCHEMES, block_m=args.block_m,
-                               block_n=args.block_n, extra=args.extra)
+            row = run_emulated(
+                q,
+                k,
+                v,
+                causal=args.causal,
+                schemes=SCHEMES,
+                block_m=args.block_m,
+                block_n=args.block_n,
+                extra=args.extra,
+            )
         else:
             row = run_kernel(q, k, v, causal=args.causal, schemes=SCHEMES, accumulation=args.accumulation)
-        row.update(seqlen=s, mode=args.mode, causal=args.causal, head_dim=args.head_dim, block_m=args.block_m,
-                   block_n=args.block_n, seconds=round(time.perf_counter() - t0, 1))
+        row.update(
+            seqlen=s,
+            mode=args.mode,
+            causal=args.causal,
+            head_dim=args.head_dim,
+            block_m=args.block_m,
+            block_n=args.block_n,
+            seconds=round(time.perf_counter() - t0, 1),
+        )
         if isinstance(row.get("fp8_tensor"), float) and isinstance(row.get("fp8_block_rotate"), float):
             row["baseline_over_block_rotate"] = row["fp8_tensor"] / row["fp8_block_rotate"]
         rows.append(row)
         if not args.json:
-            print(" ".join(f"{k}={v:.3e}" if isinstance(v, float) and (k in SCHEMES or "rotate_" in k) else f"{k}={v}"
-                           for k, v in row.items()), flush=True)
+            print(
+                " ".join(
+                    f"{k}={v:.3e}" if isinstance(v, float) and (k in SCHEMES or "rotate_" in k) else f"{k}={v}"
+                    for k, v in row.items()
+                ),
+                flush=True,
+            )
     if args.json:
         print(json.dumps(rows))
 

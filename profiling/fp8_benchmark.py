@@ -55,8 +55,16 @@ def _variants(head_dim: int, names: Optional[List[str]] = None):
     return {n: c for n, c in VARIANTS.items() if serves(n) and (names is None or n in names)}
 
 
-def bench_case(batch: int, seqlen: int, heads: int, head_dim: int, causal: bool, *, peers: bool = True,
-               variants: Optional[List[str]] = None) -> Dict[str, object]:
+def bench_case(
+    batch: int,
+    seqlen: int,
+    heads: int,
+    head_dim: int,
+    causal: bool,
+    *,
+    peers: bool = True,
+    variants: Optional[List[str]] = None,
+) -> Dict[str, object]:
     """One shape; `variants` = names of `fp8_tile_config.VARIANTS` to time beside the default ([] or None: none,
     ["all"]: every one)."""
     import cute_flash
@@ -94,9 +102,13 @@ def bench_case(batch: int, seqlen: int, heads: int, head_dim: int, causal: bool,
 
     for promote in sorted({cfg.promote_pv, False}, reverse=True):
         c = cfg if promote == cfg.promote_pv else replace(cfg, promote_pv=False, row_sum_mma=False)
-        timed(f"fp8_kernel{'' if promote == cfg.promote_pv else '_no_promote'}",
-              lambda c=c: run_forward_fp8(f.q, f.k, f.v_t, out, lse, descale=f.descales(), spec=spec,
-                                          softmax_scale=scale, mask=mask, cfg=c))
+        timed(
+            f"fp8_kernel{'' if promote == cfg.promote_pv else '_no_promote'}",
+            lambda c=c: run_forward_fp8(
+                f.q, f.k, f.v_t, out, lse, descale=f.descales(), spec=spec, softmax_scale=scale, mask=mask, cfg=c
+            ),
+        )
+
     def fp8_with_prepass():
         # What cute_flash.attention(q, k, v, dtype="fp8") launches (without its Python validation).
         g = prepare(q, k, v)
@@ -104,9 +116,12 @@ def bench_case(batch: int, seqlen: int, heads: int, head_dim: int, causal: bool,
 
     if variants:
         for name, c in _variants(head_dim, None if variants == ["all"] else variants).items():
-            timed(f"fp8_kernel_{name}",
-                  lambda c=c: run_forward_fp8(f.q, f.k, f.v_t, out, lse, descale=f.descales(), spec=spec,
-                                              softmax_scale=scale, mask=mask, cfg=c))
+            timed(
+                f"fp8_kernel_{name}",
+                lambda c=c: run_forward_fp8(
+                    f.q, f.k, f.v_t, out, lse, descale=f.descales(), spec=spec, softmax_scale=scale, mask=mask, cfg=c
+                ),
+            )
     if not peers:
         timed("bf16_ours", lambda: cute_flash.attention(q, k, v, causal=causal))
         ours, fp8 = row.get("bf16_ours"), row.get("fp8_kernel")
@@ -140,8 +155,13 @@ def format_table(rows: List[Dict[str, object]]) -> str:
         cells = []
         for r in rows:
             v = r.get(n, "")
-            cells.append(f"{v:>18.1f}" if isinstance(v, float) and n != "fp8_kernel_over_bf16_ours" else
-                         f"{v:>18.2f}" if isinstance(v, float) else f"{str(v)[:18]:>18}")
+            cells.append(
+                f"{v:>18.1f}"
+                if isinstance(v, float) and n != "fp8_kernel_over_bf16_ours"
+                else f"{v:>18.2f}"
+                if isinstance(v, float)
+                else f"{str(v)[:18]:>18}"
+            )
         lines.append(f"{n:<{width}}" + "".join(f" | {c}" for c in cells))
     return "\n".join(lines)
 
@@ -155,17 +175,29 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--causal", choices=("no", "yes", "both"), default="both")
     ap.add_argument("--json")
     ap.add_argument("--no-peers", action="store_true", help="only the FP8 kernel and our bf16 kernel")
-    ap.add_argument("--variants", nargs="?", const="all", default="",
-                    help="also time alternative FP8 configurations (d <= 128): 'all' (the default when the flag has no "
-                         "value) or comma-separated names of fp8_tile_config.VARIANTS")
+    ap.add_argument(
+        "--variants",
+        nargs="?",
+        const="all",
+        default="",
+        help="also time alternative FP8 configurations (d <= 128): 'all' (the default when the flag has no "
+        "value) or comma-separated names of fp8_tile_config.VARIANTS",
+    )
     args = ap.parse_args(argv)
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     rows = []
     for d in args.head_dim:
         for s in args.seqlen:
             for causal in causals:
-                row = bench_case(args.batch, s, args.heads, d, causal, peers=not args.no_peers,
-                                 variants=[v for v in args.variants.split(",") if v])
+                row = bench_case(
+                    args.batch,
+                    s,
+                    args.heads,
+                    d,
+                    causal,
+                    peers=not args.no_peers,
+                    variants=[v for v in args.variants.split(",") if v],
+                )
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print(format_table(rows))

@@ -56,17 +56,20 @@ def report(rows: List[Dict[str, str]], top: int) -> str:
     by_opcode: collections.Counter = collections.Counter()
     for r in rows:
         for s in stalls:
-            totals[s[len("stall_"):]] += _number(r[s])
+            totals[s[len("stall_") :]] += _number(r[s])
         by_opcode[_opcode(r["Source"])] += _number(r["# Samples"])
     stall_samples = sum(totals.values()) or 1.0
     all_samples = sum(by_opcode.values()) or 1.0
-    lines = [f"samples: {all_samples:.0f}",
-             "stall mix: " + ", ".join(f"{k} {v / stall_samples:.1%}" for k, v in totals.most_common(12)),
-             "by opcode: " + ", ".join(f"{k} {v / all_samples:.1%}" for k, v in by_opcode.most_common(12)),
-             "", f"{'address':>10} {'samples':>8} {'share':>6}  instruction / top stalls"]
+    lines = [
+        f"samples: {all_samples:.0f}",
+        "stall mix: " + ", ".join(f"{k} {v / stall_samples:.1%}" for k, v in totals.most_common(12)),
+        "by opcode: " + ", ".join(f"{k} {v / all_samples:.1%}" for k, v in by_opcode.most_common(12)),
+        "",
+        f"{'address':>10} {'samples':>8} {'share':>6}  instruction / top stalls",
+    ]
     for r in sorted(rows, key=lambda r: -_number(r["# Samples"]))[:top]:
         n = _number(r["# Samples"])
-        reasons = sorted(((_number(r[s]), s[len("stall_"):]) for s in stalls), reverse=True)[:3]
+        reasons = sorted(((_number(r[s]), s[len("stall_") :]) for s in stalls), reverse=True)[:3]
         why = " ".join(f"{name}:{count:.0f}" for count, name in reasons if count)
         lines.append(f"{r['Address'][-6:]:>10} {n:>8.0f} {n / all_samples:>6.1%}  {r['Source'].strip()[:64]:<64} {why}")
     return "\n".join(lines)

@@ -48,16 +48,20 @@ def predicted_bytes(case, tile_m: int = 128, tile_n: int = 128) -> Dict[str, flo
     if case.direction == "fwd":
         compulsory = q + k + v + o + lse
         kv_row = (s.head_dim + s.head_dim_v) * e
-        reread = sum(_visible_key_range(m0, min(m0 + tile_m, s.seqlen_q), s.seqlen_q, s.seqlen_k, case.causal)
-                     for m0 in range(0, s.seqlen_q, tile_m))
+        reread = sum(
+            _visible_key_range(m0, min(m0 + tile_m, s.seqlen_q), s.seqlen_q, s.seqlen_k, case.causal)
+            for m0 in range(0, s.seqlen_q, tile_m)
+        )
         tiled = q + o + lse + s.batch * s.heads * reread * kv_row
         return {"compulsory": float(compulsory), "tiled": float(tiled)}
     # Backward: reads q, k, v, o, dO, lse; writes dq, dk, dv (D = rowsum(dO * O) is computed from o and dO).
     dout = o
     compulsory = 2 * (q + k + v) + o + dout + lse
     q_row = (s.head_dim + s.head_dim_v) * e + 2 * LSE_BYTES + 2 * s.head_dim * ACCUM_BYTES
-    revisits = sum(_visible_query_range(n0, min(n0 + tile_n, s.seqlen_k), s.seqlen_q, s.seqlen_k, case.causal)
-                   for n0 in range(0, s.seqlen_k, tile_n))
+    revisits = sum(
+        _visible_query_range(n0, min(n0 + tile_n, s.seqlen_k), s.seqlen_q, s.seqlen_k, case.causal)
+        for n0 in range(0, s.seqlen_k, tile_n)
+    )
     dq_convert = s.batch * s.seqlen_q * s.heads * s.head_dim * ACCUM_BYTES + q  # fp32 accumulator -> dQ
     preprocess = o + dout + lse  # D = rowsum(dO * O)
     tiled = 2 * (k + v) + preprocess + s.batch * s.heads * revisits * q_row + dq_convert

@@ -22,8 +22,16 @@ from . import summary
 from .target import NVTX_RANGE, add_config_arguments, config_argv
 
 # Sections for --set lean: what the summary reads, without source-level sampling (faster, fewer replays).
-LEAN_SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "MemoryWorkloadAnalysis_Tables",
-                 "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats")
+LEAN_SECTIONS = (
+    "SpeedOfLight",
+    "ComputeWorkloadAnalysis",
+    "MemoryWorkloadAnalysis",
+    "MemoryWorkloadAnalysis_Tables",
+    "Occupancy",
+    "LaunchStats",
+    "WarpStateStats",
+    "SchedulerStats",
+)
 
 
 def ncu_command(args, report_base: str, meta_path: str) -> list:
@@ -52,8 +60,11 @@ def main(argv=None) -> int:
     p.add_argument("--set", default="full", help="ncu section set: full (default), detailed, basic, or lean")
     p.add_argument("--iters", type=int, default=1, help="profiled calls (each kernel is replayed per section pass)")
     p.add_argument("--kernel-regex", default=None, help="profile only kernels whose name matches")
-    p.add_argument("--no-nvtx-filter", action="store_true",
-                   help="rely on the profiler start/stop range alone (if an ncu version rejects the NVTX filter)")
+    p.add_argument(
+        "--no-nvtx-filter",
+        action="store_true",
+        help="rely on the profiler start/stop range alone (if an ncu version rejects the NVTX filter)",
+    )
     p.add_argument("--ncu", default=os.environ.get("NCU", "ncu"), help="ncu executable")
     args = p.parse_args(argv)
 
@@ -75,8 +86,12 @@ def main(argv=None) -> int:
 
     raw_csv = os.path.join(args.out, "raw.csv")
     with open(raw_csv, "w") as f:
-        export = subprocess.run([args.ncu, "--import", report_base + ".ncu-rep", "--csv", "--page", "raw",
-                                 "--print-units", "base"], stdout=f, stderr=subprocess.PIPE, text=True)
+        export = subprocess.run(
+            [args.ncu, "--import", report_base + ".ncu-rep", "--csv", "--page", "raw", "--print-units", "base"],
+            stdout=f,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     if export.returncode != 0:
         print(f"ncu_profile: exporting the raw page failed: {export.stderr.strip()}", file=sys.stderr)
         return 1

@@ -46,14 +46,16 @@ def cpu(args) -> None:
                     compiled = backward._ROLES[role](spec, opts, args.target)
                     secs = time.perf_counter() - start
                 ptx = compiled.artifacts.PTX
-                (entry, res), = cubin_resources(compiled.artifacts.CUBIN).items()
+                ((entry, res),) = cubin_resources(compiled.artifacts.CUBIN).items()
                 rep = parse_ptxas_report("".join(err))
                 spill = rep.get(entry, {}).get("spill_bytes", f"frame{res.get('stack_frame_bytes')}")
                 c = ptx_census(ptx)
                 reds = sum(ptx.count(s) for s in ("atom.global.add", "red.global.add"))
-                rows.append(f"{variant:<22} d{d:<4} {role:<19} regs {res['registers']:>3} spill {spill} "
-                            f"mma {c['mma.sync']:>4} ldsm {c['ldmatrix']:>4} red/atom {reds:>3} "
-                            f"v4 {ptx.count('red.global.add.v4')} bar {ptx.count('bar.sync')} {secs:.1f}s")
+                rows.append(
+                    f"{variant:<22} d{d:<4} {role:<19} regs {res['registers']:>3} spill {spill} "
+                    f"mma {c['mma.sync']:>4} ldsm {c['ldmatrix']:>4} red/atom {reds:>3} "
+                    f"v4 {ptx.count('red.global.add.v4')} bar {ptx.count('bar.sync')} {secs:.1f}s"
+                )
                 print(rows[-1], flush=True)
     print("\n".join(["", "== cpu compile (" + args.target + ") =="] + rows))
 
@@ -104,14 +106,20 @@ def gpu(args) -> int:
         with torch.no_grad():
             out_ref, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, is_causal=causal)[:2]
         out = out_ref.transpose(1, 2)
-        mask = MaskBounds("causal", UNBOUNDED_WINDOW, 0) if causal else MaskBounds("none", UNBOUNDED_WINDOW, UNBOUNDED_WINDOW)
+        mask = (
+            MaskBounds("causal", UNBOUNDED_WINDOW, 0)
+            if causal
+            else MaskBounds("none", UNBOUNDED_WINDOW, UNBOUNDED_WINDOW)
+        )
         spec = AttentionSpec("bf16", d, d, "causal" if causal else "none", "bf16")
         grads = [torch.empty_like(t) for t in (q, k, v)]
         ref_grads = None
         for variant in variants:
             os.environ[VARIANT_ENV] = variant
             try:
-                call = lambda: run_backward(dout, q, k, v, out, lse, *grads, spec=spec, softmax_scale=d**-0.5, mask=mask)
+                call = lambda: run_backward(
+                    dout, q, k, v, out, lse, *grads, spec=spec, softmax_scale=d**-0.5, mask=mask
+                )
                 ms = _time_ms(call, 5)
                 table[(d, s, causal, variant)] = flops / ms / 1e9
                 # Cheap agreement check between variants (the full check is the test matrix).
@@ -125,7 +133,8 @@ def gpu(args) -> int:
                 table[(d, s, causal, variant)] = f"ERR {type(e).__name__}"
                 print(f"{variant} d{d} s{s} causal={causal}: {e!r}"[:2000], flush=True)
             print(d, s, causal, variant, table[(d, s, causal, variant)], flush=True)
-        del q, k, v, dout, out, grads, ref_grads, out_t, qt, kt, vt
+        # Drop this shape's tensors before the next one (the timing lambdas above read them while they run).
+        q = k = v = dout = out = grads = ref_grads = out_t = qt = kt = vt = None
         torch.cuda.empty_cache()
     os.environ.pop(VARIANT_ENV, None)
 
@@ -133,11 +142,21 @@ def gpu(args) -> int:
     if args.check:
         env = dict(os.environ, **{VARIANT_ENV: args.check})
         test = os.path.join(os.path.dirname(__file__), "..", "tests", "test_sm80_bwd.py")
-        cmd = [sys.executable, test, "-j", "7", "--test", "test_sm80_backward_kernels or test_sm80_attention_backward",
-               "-k", " or ".join(f"d{d}-" for d in head_dims)]
+        cmd = [
+            sys.executable,
+            test,
+            "-j",
+            "7",
+            "--test",
+            "test_sm80_backward_kernels or test_sm80_attention_backward",
+            "-k",
+            " or ".join(f"d{d}-" for d in head_dims),
+        ]
         start = time.time()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        check = f"correctness of {args.check} (rc {proc.returncode}, {time.time() - start:.0f} s):\n{proc.stdout[-4000:]}"
+        check = (
+            f"correctness of {args.check} (rc {proc.returncode}, {time.time() - start:.0f} s):\n{proc.stdout[-4000:]}"
+        )
 
     cols = ["sdpa-flash"] + variants
     print(f"\n== {torch.cuda.get_device_name()}: backward TFLOP/s, bf16, 16k tokens, h*d=2048 (x = ratio to sdpa) ==")

@@ -77,8 +77,10 @@ def main(argv: Optional[list] = None) -> None:
         outputs[name] = (out_rows, out_frag)
         t_rows = do_bench(lambda: rows(row_accum, out_rows, 0.5), warmup=25, rep=100)
         t_frag = do_bench(lambda: frag(frag_accum, out_frag, 0.5), warmup=25, rep=100)
-        print(f"{name:>8}: row-major {t_rows * 1e3:7.1f} us ({gb / t_rows * 1e3:5.0f} GB/s)   "
-              f"dQ fragment {t_frag * 1e3:7.1f} us ({gb / t_frag * 1e3:5.0f} GB/s)")
+        print(
+            f"{name:>8}: row-major {t_rows * 1e3:7.1f} us ({gb / t_rows * 1e3:5.0f} GB/s)   "
+            f"dQ fragment {t_frag * 1e3:7.1f} us ({gb / t_frag * 1e3:5.0f} GB/s)"
+        )
     if len(outputs) == 2:
         same = all(torch.equal(x, y) for x, y in zip(*outputs.values()))
         print(f"outputs bitwise equal: {same}")

@@ -50,27 +50,42 @@ def main() -> None:
         for causal in causals:
             b, h = max(1, 16384 // seqlen), 2048 // d
             gen = torch.Generator(device="cuda").manual_seed(0)
-            q, k, v, dout = (torch.randn(b, seqlen, h, d, generator=gen, device="cuda").to(torch.bfloat16)
-                             for _ in range(4))
+            q, k, v, dout = (
+                torch.randn(b, seqlen, h, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(4)
+            )
             mask = normalize_mask(causal, (None, None))
             spec = AttentionSpec("bf16", d, d, mask.kind, "bf16")
-            scale = d ** -0.5
+            scale = d**-0.5
             # out / lse of the exact forward (the backward kernels only read them).
             from cute_flash import attention
 
             out, lse = attention(q, k, v, causal=causal, return_lse=True)
             flops = 2.5 * 4 * b * h * seqlen * seqlen * d / (2 if causal else 1)
             base = None
-            runs = [(name, dataclasses.replace(bwd_tile_config(spec), **VARIANTS[name]), False)
-                    for name in args.variants.split(",")]
+            runs = [
+                (name, dataclasses.replace(bwd_tile_config(spec), **VARIANTS[name]), False)
+                for name in args.variants.split(",")
+            ]
             if args.deterministic:
                 runs.append(("deterministic", bwd_tile_config(spec), True))
             for name, cfg, det in runs:
                 grads = [torch.empty_like(t) for t in (q, k, v)]
 
                 def call():
-                    sm90_bwd.run_backward(dout, q, k, v, out, lse, *grads, spec=spec, softmax_scale=scale,
-                                          mask=mask, deterministic=det, cfg=cfg)
+                    sm90_bwd.run_backward(
+                        dout,
+                        q,
+                        k,
+                        v,
+                        out,
+                        lse,
+                        *grads,
+                        spec=spec,
+                        softmax_scale=scale,
+                        mask=mask,
+                        deterministic=det,
+                        cfg=cfg,
+                    )
 
                 call()
                 torch.cuda.synchronize()
@@ -87,8 +102,12 @@ def main() -> None:
                 leaves = [t.detach().requires_grad_() for t in (q, k, v)]
                 o = flash_attn_func(*leaves, causal=causal)
                 o = o[0] if isinstance(o, tuple) else o
-                ms = triton.testing.do_bench(lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True),
-                                             warmup=25, rep=100, return_mode="median")
+                ms = triton.testing.do_bench(
+                    lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True),
+                    warmup=25,
+                    rep=100,
+                    return_mode="median",
+                )
                 rows.append((d, seqlen, causal, "fa4 (autograd)", ms, flops / ms / 1e9, float("nan")))
     print(f"{'d':>4} {'seqlen':>6} {'causal':>6} {'variant':>16} {'ms':>8} {'TFLOP/s':>8} {'max|diff|':>10}")
     for d_, s, c, name, ms, tf, diff in rows:

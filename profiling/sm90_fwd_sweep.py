@@ -29,7 +29,9 @@ SWEEP: Dict[Tuple[int, int], List[FwdTileConfig]] = {
     (64, 64): [
         FwdTileConfig(num_consumer_wgs=2, tile_n=128, num_stages=2),
         FwdTileConfig(num_consumer_wgs=2, tile_n=192, num_stages=2),
-        FwdTileConfig(num_consumer_wgs=3, tile_n=128, num_stages=2, ping_pong=False, consumer_regs=160, producer_regs=32),
+        FwdTileConfig(
+            num_consumer_wgs=3, tile_n=128, num_stages=2, ping_pong=False, consumer_regs=160, producer_regs=32
+        ),
         FwdTileConfig(num_consumer_wgs=3, tile_n=128, num_stages=3, consumer_regs=160, producer_regs=32),
     ],
     (128, 128): [

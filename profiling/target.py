@@ -38,11 +38,31 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_argv(args) -> list:
     """The flags that reproduce `args`' configuration (for the profiled subprocess)."""
-    argv = ["--impl", args.impl, "--dtype", args.dtype, "--direction", args.direction, "--batch", str(args.batch),
-            "--seqlen", str(args.seqlen), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
-            "--tile-m", str(args.tile_m), "--tile-n", str(args.tile_n)]
-    for flag, value in (("--seqlen-k", args.seqlen_k), ("--heads-kv", args.heads_kv),
-                        ("--head-dim-v", args.head_dim_v)):
+    argv = [
+        "--impl",
+        args.impl,
+        "--dtype",
+        args.dtype,
+        "--direction",
+        args.direction,
+        "--batch",
+        str(args.batch),
+        "--seqlen",
+        str(args.seqlen),
+        "--heads",
+        str(args.heads),
+        "--head-dim",
+        str(args.head_dim),
+        "--tile-m",
+        str(args.tile_m),
+        "--tile-n",
+        str(args.tile_n),
+    ]
+    for flag, value in (
+        ("--seqlen-k", args.seqlen_k),
+        ("--heads-kv", args.heads_kv),
+        ("--head-dim-v", args.head_dim_v),
+    ):
         if value is not None:
             argv += [flag, str(value)]
     return argv + (["--causal"] if args.causal else [])
@@ -51,8 +71,15 @@ def config_argv(args) -> list:
 def case_from_args(args):
     from cute_flash.bench.grid import Case, Shape
 
-    shape = Shape(args.batch, args.seqlen, args.seqlen_k or args.seqlen, args.heads, args.heads_kv or args.heads,
-                  args.head_dim, args.head_dim_v or args.head_dim)
+    shape = Shape(
+        args.batch,
+        args.seqlen,
+        args.seqlen_k or args.seqlen,
+        args.heads,
+        args.heads_kv or args.heads,
+        args.head_dim,
+        args.head_dim_v or args.head_dim,
+    )
     return Case(args.dtype, args.direction, args.causal, shape)
 
 
@@ -61,8 +88,13 @@ def describe(args) -> dict:
     from .io_model import predicted_bytes
 
     case = case_from_args(args)
-    return {"impl": args.impl, "case": case.as_dict(), "label": case.label(), "flops": case.flops,
-            "io_bytes": predicted_bytes(case, tile_m=args.tile_m, tile_n=args.tile_n)}
+    return {
+        "impl": args.impl,
+        "case": case.as_dict(),
+        "label": case.label(),
+        "flops": case.flops,
+        "io_bytes": predicted_bytes(case, tile_m=args.tile_m, tile_n=args.tile_n),
+    }
 
 
 def main(argv=None) -> int:

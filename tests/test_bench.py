@@ -73,8 +73,9 @@ def test_default_grid_holds_tokens_and_width_fixed():
 
 
 def test_grid_overrides_and_custom_shapes():
-    cases = grid.build_grid(dtypes=["bf16"], head_dims=[64], seqlens=[32768], causals=[True], directions=["fwd"],
-                            tokens=8192, hidden=1024)
+    cases = grid.build_grid(
+        dtypes=["bf16"], head_dims=[64], seqlens=[32768], causals=[True], directions=["fwd"], tokens=8192, hidden=1024
+    )
     assert [(c.shape.batch, c.shape.heads) for c in cases] == [(1, 16)]  # batch is at least 1
     shapes = [grid.parse_shape("2,1024,4096,32,8,128"), grid.parse_shape("1,512,512,8,8,192,128")]
     cases = grid.build_grid(dtypes=["fp16"], causals=[False], directions=["fwd", "bwd"], shapes=shapes)
@@ -106,12 +107,30 @@ def synthetic_results():
                 case = grid.Case("bf16", direction, causal, grid.default_shape(s, 128))
                 for impl, speed in (("cute-flash", 500.0), ("fa4", 550.0), ("sdpa-flash", 300.0)):
                     ms = case.flops / (speed * 1e12) * 1e3
-                    out.append(Result.for_case(impl, case, "ok", ms=ms, tflops=flops.tflops(case.flops, ms),
-                                               first_call_s=2.0 if s == 1024 else 0.01, host_us=12.0,
-                                               compile_s=1.5 if impl == "cute-flash" and s == 1024 else None,
-                                               peak_extra_mib=64.0, max_err=1e-3, err_bound=4e-3))
-                out.append(Result.for_case("naive", case, "oom" if s == 4096 else "ok",
-                                           tflops=None if s == 4096 else 50.0, ms=None if s == 4096 else 1.0))
+                    out.append(
+                        Result.for_case(
+                            impl,
+                            case,
+                            "ok",
+                            ms=ms,
+                            tflops=flops.tflops(case.flops, ms),
+                            first_call_s=2.0 if s == 1024 else 0.01,
+                            host_us=12.0,
+                            compile_s=1.5 if impl == "cute-flash" and s == 1024 else None,
+                            peak_extra_mib=64.0,
+                            max_err=1e-3,
+                            err_bound=4e-3,
+                        )
+                    )
+                out.append(
+                    Result.for_case(
+                        "naive",
+                        case,
+                        "oom" if s == 4096 else "ok",
+                        tflops=None if s == 4096 else 50.0,
+                        ms=None if s == 4096 else 1.0,
+                    )
+                )
     out.append(Result.for_case("sdpa-math", case, "wrong", max_err=0.5, err_bound=0.01, note="out: err ..."))
     return out
 
@@ -120,8 +139,19 @@ def synthetic_memory():
     pts = []
     for s in (1024, 2048, 4096):
         pts.append(MemoryPoint("cute-flash", "fwd", "bf16", 1, 16, 128, s, "ok", s / 256))
-        pts.append(MemoryPoint("naive", "fwd", "bf16", 1, 16, 128, s, "ok" if s < 4096 else "oom",
-                               s * s * 16 * 6 / 2**20 if s < 4096 else None))
+        pts.append(
+            MemoryPoint(
+                "naive",
+                "fwd",
+                "bf16",
+                1,
+                16,
+                128,
+                s,
+                "ok" if s < 4096 else "oom",
+                s * s * 16 * 6 / 2**20 if s < 4096 else None,
+            )
+        )
     return pts
 
 
@@ -134,8 +164,7 @@ def test_csv_and_json_round_trip(tmp_path):
     assert rows[0]["impl"] == "cute-flash" and float(rows[0]["tflops"]) == pytest.approx(500.0, rel=1e-5)
     assert rows[-1]["status"] == "wrong" and rows[-1]["tflops"] == ""
     meta = {"device": "Test GPU", "date_utc": "2026-01-01 00:00 UTC"}
-    bad = Result.for_case("x", grid.Case("bf16", "fwd", False, grid.default_shape(512, 64)), "wrong",
-                          max_err=math.inf)
+    bad = Result.for_case("x", grid.Case("bf16", "fwd", False, grid.default_shape(512, 64)), "wrong", max_err=math.inf)
     write_json(str(tmp_path / "r.json"), meta, results + [bad], memory)
     json.loads((tmp_path / "r.json").read_text())  # strict JSON: no Infinity / NaN tokens
     meta2, results2, memory2 = read_json(str(tmp_path / "r.json"))
@@ -163,8 +192,10 @@ def test_ratio_needs_both_sides():
     case = grid.Case("bf16", "fwd", False, grid.default_shape(512, 64))
     only_ours = [Result.for_case("cute-flash", case, "ok", tflops=100.0)]
     assert report.ratio_to_best_peer(only_ours) is None
-    with_peer = only_ours + [Result.for_case("fa4", case, "ok", tflops=200.0),
-                             Result.for_case("sdpa-flash", case, "n/a")]
+    with_peer = only_ours + [
+        Result.for_case("fa4", case, "ok", tflops=200.0),
+        Result.for_case("sdpa-flash", case, "n/a"),
+    ]
     assert report.ratio_to_best_peer(with_peer) == pytest.approx(0.5)
 
 
@@ -193,21 +224,35 @@ def parse(argv):
 
 
 def test_cli_builds_the_requested_grid():
-    args = parse(["--dtypes", "bf16", "--head-dims", "64,128", "--seqlens", "1024", "--masks", "causal",
-                  "--directions", "fwd", "--impls", "cute-flash,fa4"])
+    args = parse(
+        [
+            "--dtypes",
+            "bf16",
+            "--head-dims",
+            "64,128",
+            "--seqlens",
+            "1024",
+            "--masks",
+            "causal",
+            "--directions",
+            "fwd",
+            "--impls",
+            "cute-flash,fa4",
+        ]
+    )
     cases = cli.build_cases(args)
     assert [(c.shape.head_dim, c.causal) for c in cases] == [(64, True), (128, True)]
     assert args.impls == ["cute-flash", "fa4"]
-    custom = cli.build_cases(parse(["--shape", "1,256,256,4,4,64", "--dtypes", "fp16", "--masks", "none",
-                                    "--directions", "bwd"]))
+    custom = cli.build_cases(
+        parse(["--shape", "1,256,256,4,4,64", "--dtypes", "fp16", "--masks", "none", "--directions", "bwd"])
+    )
     assert len(custom) == 1 and custom[0].shape.heads == 4
 
 
 def test_cli_rejects_unknown_impl_and_mask(capsys):
     assert cli.main(parse(["--impls", "nonesuch"])) == 2
     assert cli.main(parse(["--masks", "sliding"])) == 2
-    assert set(IMPL_NAMES) >= {"cute-flash", "fa4", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "sdpa-math",
-                               "naive"}
+    assert set(IMPL_NAMES) >= {"cute-flash", "fa4", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "sdpa-math", "naive"}
 
 
 def test_cli_replays_a_saved_run(tmp_path, capsys):
@@ -230,7 +275,7 @@ def test_measure_records_unsupported_and_skipped_without_running():
 def test_accuracy_check_accepts_right_and_rejects_wrong_outputs():
     case = grid.Case("bf16", "fwd", True, grid.Shape(1, 64, 96, 4, 2, 32, 32))
     q, k, v = (torch.randn(1, s, h, 32).bfloat16() for s, h in ((64, 4), (96, 2), (96, 2)))
-    scale = 32 ** -0.5
+    scale = 32**-0.5
     out = Naive()(q, k, v, case, scale)
     verdict = check.check_forward(case, q, k, v, out, scale)
     assert verdict.ok, verdict.summary()
@@ -243,12 +288,12 @@ def test_accuracy_check_accepts_right_and_rejects_wrong_outputs():
 def test_backward_check_on_the_naive_peer():
     case = grid.Case("bf16", "bwd", False, grid.Shape(1, 48, 48, 2, 1, 32, 32))
     q, k, v = (torch.randn(1, 48, h, 32).bfloat16().requires_grad_() for h in (2, 1, 1))
-    out = Naive()(q, k, v, case, 32 ** -0.5)
+    out = Naive()(q, k, v, case, 32**-0.5)
     dout = torch.randn_like(out)
     out.backward(dout)
-    verdict = check.check_backward(case, q, k, v, dout, [q.grad, k.grad, v.grad], 32 ** -0.5)
+    verdict = check.check_backward(case, q, k, v, dout, [q.grad, k.grad, v.grad], 32**-0.5)
     assert verdict.ok and [r.name for r in verdict.reports] == ["dq", "dk", "dv"]
-    assert not check.check_backward(case, q, k, v, dout, [q.grad * 1.1, k.grad, v.grad], 32 ** -0.5).ok
+    assert not check.check_backward(case, q, k, v, dout, [q.grad * 1.1, k.grad, v.grad], 32**-0.5).ok
 
 
 def test_fp8_check_uses_the_fp8_emulation_as_baseline():
@@ -257,7 +302,11 @@ def test_fp8_check_uses_the_fp8_emulation_as_baseline():
     from cute_flash.fp8.emulate import emulated_attention
 
     case = grid.Case("fp8", "fwd", True, grid.Shape(1, 96, 128, 2, 1, 64, 64))
-    q, k, v = torch.randn(1, 96, 2, 64).bfloat16(), torch.randn(1, 128, 1, 64).bfloat16(), torch.randn(1, 128, 1, 64).bfloat16()
+    q, k, v = (
+        torch.randn(1, 96, 2, 64).bfloat16(),
+        torch.randn(1, 128, 1, 64).bfloat16(),
+        torch.randn(1, 128, 1, 64).bfloat16(),
+    )
     ours = emulated_attention(q, k, v, scheme="fp8_block_rotate", causal=True, softmax_scale=0.125).bfloat16()
     verdict = check.check_forward(case, q, k, v, ours, 0.125)
     assert verdict.ok and verdict.reports[0].baseline_err > 1e-3  # fp8 error, far above bf16's
@@ -268,11 +317,11 @@ def test_fp8_check_uses_the_fp8_emulation_as_baseline():
 
 
 # --- profiling tools --------------------------------------------------------------------------------------------
-RAW_CSV = '''"ID","Process ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum","dram__bytes_write.sum","sm__throughput.avg.pct_of_peak_sustained_elapsed","sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum","l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum","launch__registers_per_thread"
+RAW_CSV = """"ID","Process ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum","dram__bytes_write.sum","sm__throughput.avg.pct_of_peak_sustained_elapsed","sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum","l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum","launch__registers_per_thread"
 "","","","ns","byte","byte","%","%","","","","","register/thread"
 "0","123","kernel_fwd(Params)","1,000,000","3000000000","1000000000","85.5","70.25","0.5","1.5","100","1000","168"
 "1","123","kernel_post(Params)","10000","1000","2000","10","0","0.1","0.2","0","0","32"
-'''
+"""
 
 
 def test_ncu_summary_parses_raw_csv(tmp_path):

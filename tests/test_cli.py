@@ -68,12 +68,17 @@ def test_census_reads_a_real_cross_compiled_kernel(target):
 
     root = pathlib.Path(__file__).resolve().parents[1]
     env = dict(os.environ, CUTE_DSL_ARCH=target, PYTHONPATH=str(root))
-    proc = subprocess.run([sys.executable, str(root / "tests" / "tiny_kernel.py"), target], capture_output=True,
-                          text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(root / "tests" / "tiny_kernel.py"), target],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rep = json.loads(proc.stdout.strip().splitlines()[-1])
     assert rep["target_line"] == f".target {target}"
-    (entry, res), = rep["resources"].items()
+    ((entry, res),) = rep["resources"].items()
     assert 0 < res["registers"] <= 32 and res["stack_frame_bytes"] == 0
     assert rep["ptxas"][entry]["spill_bytes"] == 0 and rep["ptxas"][entry]["registers"] == res["registers"]
     assert rep["threads"] in (0, 128)

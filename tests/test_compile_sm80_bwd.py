@@ -63,7 +63,9 @@ def test_default_sm90_variant_uses_vector_dq_reductions():
     assert "bwd_dq_postprocess" in backward._roles(spec, "sm_90a")
     for role in ("bwd", "bwd_dq_postprocess"):
         with tempfile.TemporaryDirectory() as dump:
-            compiled = backward._ROLES[role](spec, compile_options("sm_90a", extra=keep_artifacts_options(dump)), "sm_90a")
+            compiled = backward._ROLES[role](
+                spec, compile_options("sm_90a", extra=keep_artifacts_options(dump)), "sm_90a"
+            )
             ptx = compiled.artifacts.PTX
             (res,) = cubin_resources(compiled.artifacts.CUBIN).values()
         assert res["registers"] <= 255
@@ -91,8 +93,20 @@ def test_d128_backward_has_no_spills():
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "cute_flash", "compile", "--arch", "sm80", "--head-dim", "128", "--dtype", "bf16",
-           "--backward", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cute_flash",
+        "compile",
+        "--arch",
+        "sm80",
+        "--head-dim",
+        "128",
+        "--dtype",
+        "bf16",
+        "--backward",
+        "--json",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -116,8 +130,9 @@ def test_sm80_backward_main_kernels_do_not_spill(head_dim, mask):
     spec = AttentionSpec("bf16", head_dim, head_dim, mask, "bf16")
     for role in ("bwd", "bwd_gqa"):
         with tempfile.TemporaryDirectory() as dump, capture_fd_stderr() as err:
-            compiled = backward._ROLES[role](spec, backward._options(role, spec, "sm_80", keep_artifacts_options(dump)),
-                                             "sm_80")
+            compiled = backward._ROLES[role](
+                spec, backward._options(role, spec, "sm_80", keep_artifacts_options(dump)), "sm_80"
+            )
         ((entry, _),) = cubin_resources(compiled.artifacts.CUBIN).items()
         report = parse_ptxas_report("".join(err))
         assert report.get(entry, {}).get("spill_bytes") == 0, (role, report)

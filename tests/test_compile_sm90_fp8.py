@@ -65,7 +65,12 @@ def test_fp8_rejects_what_it_lacks():
 
 def test_fp8_variants_fit_and_the_environment_selects_them(monkeypatch):
     from cute_flash.arch.sm90.fp8_tile_config import (
-        VARIANT_ENV, VARIANTS, budget_problem, fp8_default_config, fp8_fwd_config, variant_head_dims,
+        VARIANT_ENV,
+        VARIANTS,
+        budget_problem,
+        fp8_default_config,
+        fp8_fwd_config,
+        variant_head_dims,
     )
 
     for name, cfg in VARIANTS.items():
@@ -93,8 +98,9 @@ def test_fp8_polynomial_exp2_variant_compiles_without_spills():
 
     py_stderr = io.StringIO()
     with tempfile.TemporaryDirectory() as dump, capture_fd_stderr() as captured, contextlib.redirect_stderr(py_stderr):
-        compiled = build_fp8_forward(AttentionSpec("fp8", 128, 128, "causal", "bf16"), VARIANTS["poly8"], "sm_90a",
-                                     keep_artifacts_options(dump))
+        compiled = build_fp8_forward(
+            AttentionSpec("fp8", 128, 128, "causal", "bf16"), VARIANTS["poly8"], "sm_90a", keep_artifacts_options(dump)
+        )
     ptx = compiled.artifacts.PTX
     assert "add.rm.f32" in ptx and "ex2.approx.ftz.f32" in ptx, "both exponentials must be present"
     entry = next(iter(cubin_resources(compiled.artifacts.CUBIN)))
@@ -118,10 +124,14 @@ def test_fp8_row_sum_mma_variant_takes_the_sums_from_the_pv_wgmma():
     builds = {}
     for name, c in (("default", VARIANTS["tile128_promote"]), ("row_sum_mma", cfg)):
         py_stderr = io.StringIO()
-        with tempfile.TemporaryDirectory() as dump, capture_fd_stderr() as captured, \
-                contextlib.redirect_stderr(py_stderr):
-            compiled = build_fp8_forward(AttentionSpec("fp8", 128, 128, "none", "bf16"), c, "sm_90a",
-                                         keep_artifacts_options(dump))
+        with (
+            tempfile.TemporaryDirectory() as dump,
+            capture_fd_stderr() as captured,
+            contextlib.redirect_stderr(py_stderr),
+        ):
+            compiled = build_fp8_forward(
+                AttentionSpec("fp8", 128, 128, "none", "bf16"), c, "sm_90a", keep_artifacts_options(dump)
+            )
         entry = next(iter(cubin_resources(compiled.artifacts.CUBIN)))
         spill = parse_ptxas_report("".join(captured) + py_stderr.getvalue()).get(entry, {}).get("spill_bytes")
         assert spill == 0, f"{name}: spills {spill} bytes"
@@ -142,8 +152,14 @@ def test_prepass_issues_every_row_load_before_any_branch(block, rotate, transpos
     from cute_flash.compile_cache import compile_options, keep_artifacts_options
     from cute_flash.fp8.prepass_kernel import build_prepass
 
-    compiled = build_prepass("bf16", 128, block, rotate, transpose,
-                             compile_options("sm_90a", extra=keep_artifacts_options(tempfile.mkdtemp(), ptxas_report=False)))
+    compiled = build_prepass(
+        "bf16",
+        128,
+        block,
+        rotate,
+        transpose,
+        compile_options("sm_90a", extra=keep_artifacts_options(tempfile.mkdtemp(), ptxas_report=False)),
+    )
     lines = [line.strip() for line in compiled.artifacts.PTX.splitlines()]
     loads = [i for i, line in enumerate(lines) if re.match(r"ld\.global\.v[24]\.", line)]
     branches = [i for i, line in enumerate(lines) if re.search(r"\bbra\b", line)]
@@ -174,8 +190,20 @@ def test_fp8_kernel_refuses_descales_of_another_block_size():
 
     b, s, h, d = 1, 1000, 2, 128
     k8 = torch.zeros(b, s, h, d, dtype=torch.float8_e4m3fn)
-    descale = {"q": torch.ones(b, h, num_blocks(s, 64)), "k": torch.ones(b, h, num_blocks(s, 128)),
-               "v": torch.ones(b, h, num_blocks(s, 128))}
+    descale = {
+        "q": torch.ones(b, h, num_blocks(s, 64)),
+        "k": torch.ones(b, h, num_blocks(s, 128)),
+        "v": torch.ones(b, h, num_blocks(s, 128)),
+    }
     with pytest.raises(ValueError, match="block_n=384"):
-        run_forward_fp8(k8, k8, k8, k8, k8, descale=descale, spec=AttentionSpec("fp8", d, d, "none", "bf16"),
-                        softmax_scale=1.0, mask=normalize_mask(False, (None, None)))
+        run_forward_fp8(
+            k8,
+            k8,
+            k8,
+            k8,
+            k8,
+            descale=descale,
+            spec=AttentionSpec("fp8", d, d, "none", "bf16"),
+            softmax_scale=1.0,
+            mask=normalize_mask(False, (None, None)),
+        )

@@ -131,7 +131,9 @@ LOSSES = {
     # Reduced over heads first: the gradient is broadcast over heads (stride 0 in that dimension only).
     "broadcast_heads": lambda out: (out.sum(dim=2).float() * _weights(out.shape[:2] + out.shape[3:], 1)).sum(),
     # Weights stored (b, s, d, h): the gradient comes back with head_dim not unit-stride.
-    "transposed": lambda out: (out.float() * _weights(out.shape[:2] + out.shape[:1:-1], 2, lambda w: w.transpose(2, 3))).sum(),
+    "transposed": lambda out: (
+        out.float() * _weights(out.shape[:2] + out.shape[:1:-1], 2, lambda w: w.transpose(2, 3))
+    ).sum(),
     # A slice of a larger gradient at a 2-byte offset (torch.cat's backward): a misaligned base.
     "offset": lambda out: (torch.cat([out.new_ones(1), out.flatten()]).float() * _weights((out.numel() + 1,), 3)).sum(),
     # A (b, h, s, d) gradient seen as (b, s, h, d): strided but usable, handed over without a copy.
@@ -154,8 +156,15 @@ def test_backward_of_any_gradient_layout(monkeypatch, family, loss):
 
 # --- 3. every documented head dim on Hopper -------------------------------------------------------------------------
 # (d, dv, forward family): sm90 serves head_dim != head_dim_v where both are sm90 head dims (no backward has dv != d).
-HOPPER_SHAPES = [(16, 16, "sm80"), (32, 32, "sm80"), (72, 72, "sm80"), (160, 160, "sm80"), (128, 80, "sm80"),
-                 (128, 64, "sm90"), (192, 128, "sm90")]
+HOPPER_SHAPES = [
+    (16, 16, "sm80"),
+    (32, 32, "sm80"),
+    (72, 72, "sm80"),
+    (160, 160, "sm80"),
+    (128, 80, "sm80"),
+    (128, 64, "sm90"),
+    (192, 128, "sm90"),
+]
 
 
 @pytest.mark.sm90

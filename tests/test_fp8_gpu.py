@@ -9,7 +9,6 @@ rounding only P (scheme GIVEN).
 Rows that see no key must give out 0 and lse -inf exactly.
 """
 
-
 import pytest
 import torch
 
@@ -35,7 +34,7 @@ def _rmse(a, b):
     return (a.double() - b.double()).pow(2).mean().sqrt().item()
 
 
-# --- the pre-pass ------------------------------------------------------------------------------------------------------
+# --- the pre-pass -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("d", [96, 128])
 @pytest.mark.parametrize("rotate", [True, False])
 def test_prepass_matches_torch_reference(d, rotate):
@@ -63,11 +62,13 @@ def test_prepass_matches_torch_reference(d, rotate):
 def test_prepass_hadamard_round_trip():
     q, k, v = _qkv(1, 256, 256, 2, 2, 128, seed=3)
     got = prepare_fp8_inputs(q, k, v, rotate=True)
-    back = unrotate(quantize.dequantize_blocks(got.q, got.q_descale, BLOCK_M), hadamard_signs(128, DEFAULT_SEED, "cuda"))
+    back = unrotate(
+        quantize.dequantize_blocks(got.q, got.q_descale, BLOCK_M), hadamard_signs(128, DEFAULT_SEED, "cuda")
+    )
     assert _rmse(back, q.float()) < 0.04 * q.float().pow(2).mean().sqrt().item()
 
 
-# --- FP8 attention -----------------------------------------------------------------------------------------------------
+# --- FP8 attention ----------------------------------------------------------------------------------------------------
 CASES = [
     # b, sq, sk, h, hkv, d, causal, window
     (2, 512, 512, 4, 4, 128, False, (None, None)),
@@ -91,9 +92,17 @@ def _sums_rounded_p(head_dim: int, head_dim_v: int, causal: bool, window=(None, 
 def _check_against_emulation(q, k, v, out, lse, causal, window, rotate=True):
     ref, ref_lse = attention_reference(q, k, v, causal=causal, window_size=window, return_lse=True)
     scheme = "fp8_block_rotate" if rotate else "fp8_block"
-    emu = emulated_attention(q, k, v, scheme=scheme, causal=causal, window_size=window, block_m=BLOCK_M,
-                             block_n=kv_scale_block(q.shape[-1], v.shape[-1]),
-                             sum_rounded_p=_sums_rounded_p(q.shape[-1], v.shape[-1], causal, window))
+    emu = emulated_attention(
+        q,
+        k,
+        v,
+        scheme=scheme,
+        causal=causal,
+        window_size=window,
+        block_m=BLOCK_M,
+        block_n=kv_scale_block(q.shape[-1], v.shape[-1]),
+        sum_rounded_p=_sums_rounded_p(q.shape[-1], v.shape[-1], causal, window),
+    )
     assert torch.isfinite(out).all()
     err, emu_err = _rmse(out, ref), _rmse(emu, ref)
     max_err = (out.double() - ref).abs().max().item()
@@ -110,7 +119,9 @@ def _check_against_emulation(q, k, v, out, lse, causal, window, rotate=True):
     return err, emu_err
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_sq{}_sk{}_h{}/{}_d{}_{}_{}".format(*c[:6], "causal" if c[6] else "full", c[7]))
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: "b{}_sq{}_sk{}_h{}/{}_d{}_{}_{}".format(*c[:6], "causal" if c[6] else "full", c[7])
+)
 def test_fp8_attention_matches_budget(case):
     b, sq, sk, h, hkv, d, causal, window = case
     q, k, v = _qkv(b, sq, sk, h, hkv, d, seed=sq + sk)
@@ -136,7 +147,10 @@ def test_prequantized_inputs(per_block):
         q8, qd = quantize.quantize_blocks(q, BLOCK_M)
         k8, kd = quantize.quantize_blocks(k, block_n)
         v8, vd = quantize.quantize_blocks(v, block_n)
-        deq = [quantize.dequantize_blocks(x8, xd, blk) for x8, xd, blk in ((q8, qd, BLOCK_M), (k8, kd, block_n), (v8, vd, block_n))]
+        deq = [
+            quantize.dequantize_blocks(x8, xd, blk)
+            for x8, xd, blk in ((q8, qd, BLOCK_M), (k8, kd, block_n), (v8, vd, block_n))
+        ]
     else:
         # One factor per (batch, kv head), as FlashAttention-3 takes them.
         def per_head(x, heads_per_kv):
@@ -146,6 +160,7 @@ def test_prequantized_inputs(per_block):
             scale = descale.repeat_interleave(heads_per_kv, dim=1)[:, None, :, None]
             x8 = quantize.to_e4m3(x.float() / scale)
             return x8, descale, x8.float() * scale
+
         q8, qd, q_deq = per_head(q, h // hkv)
         k8, kd, k_deq = per_head(k, 1)
         v8, vd, v_deq = per_head(v, 1)
@@ -154,8 +169,14 @@ def test_prequantized_inputs(per_block):
     assert out.dtype == torch.bfloat16
     # Against float64 on the dequantised inputs; only P's rounding (and fp32 order) remains, which the model has.
     ref = attention_reference(*deq, causal=True)
-    emu = emulated_attention(*deq, scheme=GIVEN, causal=True, block_m=BLOCK_M, block_n=block_n,
-                             sum_rounded_p=_sums_rounded_p(q.shape[-1], v.shape[-1], True))
+    emu = emulated_attention(
+        *deq,
+        scheme=GIVEN,
+        causal=True,
+        block_m=BLOCK_M,
+        block_n=block_n,
+        sum_rounded_p=_sums_rounded_p(q.shape[-1], v.shape[-1], True),
+    )
     err, emu_err = _rmse(out, ref), _rmse(emu, ref)
     assert err <= 1.25 * emu_err + 1e-4, f"rmse {err:.3e} vs emulated {emu_err:.3e}"
     max_err = (out.double() - ref).abs().max().item()

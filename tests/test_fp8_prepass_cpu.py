@@ -205,7 +205,11 @@ def test_descale_only_with_fp8_inputs(meta_gpu):
 def test_fp8_spec_output_dtypes(meta_gpu):
     from cute_flash.validation import validate
 
-    q, k, v = _meta(1, 64, 2, 64, dtype=torch.float16), _meta(1, 64, 2, 64, dtype=torch.float16), _meta(1, 64, 2, 64, dtype=torch.float16)
+    q, k, v = (
+        _meta(1, 64, 2, 64, dtype=torch.float16),
+        _meta(1, 64, 2, 64, dtype=torch.float16),
+        _meta(1, 64, 2, 64, dtype=torch.float16),
+    )
     p = validate(q, k, v, causal=False, softmax_scale=None, window_size=(None, None), dtype="fp8")
     assert p.spec.dtype == "fp8" and p.spec.out_dtype == "fp16"
     q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))

@@ -15,8 +15,10 @@ def test_tvm_ffi_launch_on_current_stream_reuses_one_compile():
     from tests.tiny_kernel import _scale, fake_args  # the kernel lives in a file, as CuTe DSL requires
 
     target = compile_cache.target_for_capability(torch.cuda.get_device_capability())
-    fn = compile_cache.get_or_compile(("test", target, "scale"), lambda: cute.compile(
-        _scale, *fake_args(), options=compile_cache.compile_options(target)))
+    fn = compile_cache.get_or_compile(
+        ("test", target, "scale"),
+        lambda: cute.compile(_scale, *fake_args(), options=compile_cache.compile_options(target)),
+    )
     stream = torch.cuda.Stream()
     for size in (1, 1000, 1 << 20):
         a = torch.randn(size, device="cuda", dtype=torch.bfloat16)

@@ -114,8 +114,9 @@ class _CheckingBackend:
 
     def forward(self, q, k, v, out, lse, *, spec, softmax_scale, mask, descale=None):
         self._check(q=q, k=k, v=v, out=out)
-        o, l = attention_reference(q, k, v, softmax_scale=softmax_scale, window_size=(mask.left, mask.right),
-                                   return_lse=True)
+        o, l = attention_reference(
+            q, k, v, softmax_scale=softmax_scale, window_size=(mask.left, mask.right), return_lse=True
+        )
         out.copy_(o)
         lse.copy_(l)
 
@@ -171,7 +172,11 @@ def test_strided_and_offset_inputs_reach_the_backend_in_a_usable_layout(fake_gpu
     q, k, v = packed.unbind(2)  # row stride 3 * 4 * 64: usable as is
     flat = torch.randn(2 * 8 * 4 * 64 + 1).to(torch.bfloat16)
     q_off = flat[1:].view(2, 8, 4, 64)  # misaligned base: copied
-    for inputs in ((q, k, v), (q_off, k, v), (q, k.expand(2, 8, 4, 64).transpose(0, 0), v[:, :, :1].expand(2, 8, 4, 64))):
+    for inputs in (
+        (q, k, v),
+        (q_off, k, v),
+        (q, k.expand(2, 8, 4, 64).transpose(0, 0), v[:, :, :1].expand(2, 8, 4, 64)),
+    ):
         inputs = tuple(t.detach().requires_grad_(True) for t in inputs)
         out = cute_flash.attention(*inputs)
         torch.testing.assert_close(out.double(), attention_reference(*inputs), atol=2e-2, rtol=2e-2)

@@ -102,8 +102,9 @@ def test_gqa_shares_kv_heads_between_consecutive_query_heads():
     q, k, v = _inputs(1, 9, 11, 4, 2, 8, 8, seed=4)
     out = attention_reference(q, k, v)
     for head in range(4):
-        single = attention_reference(q[:, :, head : head + 1], k[:, :, head // 2 : head // 2 + 1],
-                                     v[:, :, head // 2 : head // 2 + 1])
+        single = attention_reference(
+            q[:, :, head : head + 1], k[:, :, head // 2 : head // 2 + 1], v[:, :, head // 2 : head // 2 + 1]
+        )
         torch.testing.assert_close(out[:, :, head : head + 1], single)
 
 
@@ -145,21 +146,35 @@ def test_kv_block_range_empty_when_nothing_visible():
     assert blocks.kv_block_range(2) == (0, 1)  # rows 8..9 see keys 0..3
 
 
-@pytest.mark.parametrize("kind, left, right", [("none", UNBOUNDED_WINDOW, UNBOUNDED_WINDOW), ("causal", UNBOUNDED_WINDOW, 0), ("local", 64, 0),
-                                               ("local", 5, 17), ("local", UNBOUNDED_WINDOW, 3)])
+@pytest.mark.parametrize(
+    "kind, left, right",
+    [
+        ("none", UNBOUNDED_WINDOW, UNBOUNDED_WINDOW),
+        ("causal", UNBOUNDED_WINDOW, 0),
+        ("local", 64, 0),
+        ("local", 5, 17),
+        ("local", UNBOUNDED_WINDOW, 3),
+    ],
+)
 def test_backward_block_ranges_match_brute_force(kind, left, right):
     """BlockInfo's backward direction: q_block_range holds exactly the query tiles with a row that sees a key of
     the key tile, and tile_needs_mask is never False for a tile holding a masked (row, key) pair."""
-    for sq, sk, bm, bn in [(113, 203, 16, 32), (239, 1, 64, 128), (300, 100, 64, 64), (1, 1, 64, 128), (97, 97, 16, 16)]:
+    for sq, sk, bm, bn in [
+        (113, 203, 16, 32),
+        (239, 1, 64, 128),
+        (300, 100, 64, 64),
+        (1, 1, 64, 128),
+        (97, 97, 16, 16),
+    ]:
         blocks = BlockInfo(bm, bn, kind, sq, sk, window_left=left, window_right=right)
         seen = visible_keys(sq, sk, MaskBounds(kind, left, right))
         for n in range((sk + bn - 1) // bn):
             lo, hi = blocks.q_block_range(n)
-            expect = [m for m in range((sq + bm - 1) // bm) if seen[m * bm:(m + 1) * bm, n * bn:(n + 1) * bn].any()]
+            expect = [m for m in range((sq + bm - 1) // bm) if seen[m * bm : (m + 1) * bm, n * bn : (n + 1) * bn].any()]
             assert list(range(lo, hi)) == expect, (sq, sk, bm, bn, n)
             for m in expect:
                 rows = slice(m * bm, min((m + 1) * bm, sq))
-                fully_visible = bool(seen[rows, n * bn:(n + 1) * bn].all()) and (n + 1) * bn <= sk
+                fully_visible = bool(seen[rows, n * bn : (n + 1) * bn].all()) and (n + 1) * bn <= sk
                 if not fully_visible:
                     assert bool(blocks.tile_needs_mask(m, n)), (sq, sk, bm, bn, m, n)
 
@@ -176,7 +191,11 @@ def test_block_ranges_are_one_relation(tile_m, tile_n):
         sq, sk = rng.randint(1, 700), rng.randint(1, 700)
         kind = rng.choice(["none", "causal", "local"])
         left = rng.choice([UNBOUNDED_WINDOW, 0, 5, 64, 300]) if kind == "local" else UNBOUNDED_WINDOW
-        right = rng.choice([UNBOUNDED_WINDOW, 0, 7, 200]) if kind == "local" else (0 if kind == "causal" else UNBOUNDED_WINDOW)
+        right = (
+            rng.choice([UNBOUNDED_WINDOW, 0, 7, 200])
+            if kind == "local"
+            else (0 if kind == "causal" else UNBOUNDED_WINDOW)
+        )
         info = BlockInfo(tile_m, tile_n, kind, sq, sk, window_left=left, window_right=right)
         num_m, num_n = -(-sq // tile_m), -(-sk // tile_n)
         visits = {(m, n) for n in range(num_n) for m in range(*info.q_block_range(n))}
@@ -190,15 +209,20 @@ def test_reference_is_an_attribute_of_the_package():
     import subprocess
     import sys
 
-    code = ("import sys, cute_flash; f = cute_flash.reference.attention_reference; "
-            "assert cute_flash.attention_reference is f; assert 'cutlass' not in sys.modules")
+    code = (
+        "import sys, cute_flash; f = cute_flash.reference.attention_reference; "
+        "assert cute_flash.attention_reference is f; assert 'cutlass' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def _meta(b=2, sq=16, sk=16, h=4, hkv=4, d=64, dv=None, dtype=torch.bfloat16):
     dv = d if dv is None else dv
-    return (torch.empty(b, sq, h, d, dtype=dtype, device="meta"), torch.empty(b, sk, hkv, d, dtype=dtype, device="meta"),
-            torch.empty(b, sk, hkv, dv, dtype=dtype, device="meta"))
+    return (
+        torch.empty(b, sq, h, d, dtype=dtype, device="meta"),
+        torch.empty(b, sk, hkv, d, dtype=dtype, device="meta"),
+        torch.empty(b, sk, hkv, dv, dtype=dtype, device="meta"),
+    )
 
 
 # (name, inputs, keyword arguments): every one is rejected by cute_flash.attention.
@@ -209,10 +233,22 @@ BAD_CALLS = [
     ("float window", lambda: _meta(), {"window_size": (1.5, None)}),
     ("three-sided window", lambda: _meta(), {"window_size": (1, 2, 3)}),
     ("heads not divisible", lambda: _meta(h=6, hkv=4), {}),
-    ("k and v heads differ", lambda: _meta()[:2] + (torch.empty(2, 16, 2, 64, dtype=torch.bfloat16, device="meta"),), {}),
-    ("k and v seqlens differ", lambda: _meta()[:2] + (torch.empty(2, 15, 4, 64, dtype=torch.bfloat16, device="meta"),), {}),
+    (
+        "k and v heads differ",
+        lambda: _meta()[:2] + (torch.empty(2, 16, 2, 64, dtype=torch.bfloat16, device="meta"),),
+        {},
+    ),
+    (
+        "k and v seqlens differ",
+        lambda: _meta()[:2] + (torch.empty(2, 15, 4, 64, dtype=torch.bfloat16, device="meta"),),
+        {},
+    ),
     ("batches differ", lambda: _meta()[:2] + (torch.empty(3, 16, 4, 64, dtype=torch.bfloat16, device="meta"),), {}),
-    ("q/k head dims differ", lambda: (_meta()[0], torch.empty(2, 16, 4, 32, dtype=torch.bfloat16, device="meta"), _meta()[2]), {}),
+    (
+        "q/k head dims differ",
+        lambda: (_meta()[0], torch.empty(2, 16, 4, 32, dtype=torch.bfloat16, device="meta"), _meta()[2]),
+        {},
+    ),
     ("head dim not a multiple of 8", lambda: _meta(d=12), {}),
     ("head dim over 256", lambda: _meta(d=264), {}),
     ("head_dim_v not a multiple of 8", lambda: _meta(dv=100), {}),

@@ -23,7 +23,9 @@ def _no_forced_family(monkeypatch):
 
 def spec(d, dv=None, dtype="bf16", mask="none"):
     dv = d if dv is None else dv
-    return AttentionSpec(dtype=dtype, head_dim=d, head_dim_v=dv, mask=mask, out_dtype="bf16" if dtype == "fp8" else dtype)
+    return AttentionSpec(
+        dtype=dtype, head_dim=d, head_dim_v=dv, mask=mask, out_dtype="bf16" if dtype == "fp8" else dtype
+    )
 
 
 @pytest.mark.parametrize(
@@ -66,8 +68,11 @@ HOPPER_ROUTES = [
 ]
 
 
-@pytest.mark.parametrize("s, fwd, bwd", HOPPER_ROUTES, ids=lambda x: str(x) if not isinstance(x, AttentionSpec) else
-                         f"d{x.head_dim}_dv{x.head_dim_v}_{x.dtype}_{x.mask}")
+@pytest.mark.parametrize(
+    "s, fwd, bwd",
+    HOPPER_ROUTES,
+    ids=lambda x: str(x) if not isinstance(x, AttentionSpec) else f"d{x.head_dim}_dv{x.head_dim_v}_{x.dtype}_{x.mask}",
+)
 def test_hopper_routes(s, fwd, bwd):
     assert routing.route(s, HOPPER).family == fwd
     assert routing.route(s, HOPPER, backward=True).family == bwd
@@ -192,8 +197,11 @@ def test_backward_without_a_kernel_raises_naming_every_family(fakes, monkeypatch
 # --- explain -------------------------------------------------------------------------------------------------------
 def _meta(d=64, dv=None, dtype=torch.bfloat16):
     dv = d if dv is None else dv
-    return (torch.empty(2, 16, 4, d, dtype=dtype, device="meta"), torch.empty(2, 16, 4, d, dtype=dtype, device="meta"),
-            torch.empty(2, 16, 4, dv, dtype=dtype, device="meta"))
+    return (
+        torch.empty(2, 16, 4, d, dtype=dtype, device="meta"),
+        torch.empty(2, 16, 4, d, dtype=dtype, device="meta"),
+        torch.empty(2, 16, 4, dv, dtype=dtype, device="meta"),
+    )
 
 
 def test_explain_for_a_given_capability():

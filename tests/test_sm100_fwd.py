@@ -89,7 +89,9 @@ def test_one_and_two_cta_agree(monkeypatch, causal):
     spec = AttentionSpec("bf16", 128, 128, "causal" if causal else "none")
     outs = []
     for use_2cta in (False, True):
-        monkeypatch.setattr(sm100_config, "choose_config", lambda spec_, seqlen_q, u=use_2cta: sm100_config.make_config(spec_, u))
+        monkeypatch.setattr(
+            sm100_config, "choose_config", lambda spec_, seqlen_q, u=use_2cta: sm100_config.make_config(spec_, u)
+        )
         out, lse = attention(q, k, v, causal=causal, return_lse=True)
         check_forward(q, k, v, out, lse, causal=causal)
         outs.append((out, lse))
@@ -106,7 +108,7 @@ def test_unbuilt_head_dims_say_so(head_dim):
         attention(q, k, v)
 
 
-# --- FP8 (kind::f8f6f4) through the front end --------------------------------------------------------------------------
+# --- FP8 (kind::f8f6f4) through the front end -------------------------------------------------------------------------
 # Budget of docs/fp8.md (the same as tests/test_fp8_gpu.py): against float64, the kernel may be at most 1.25x the RMSE
 # and 2x the max error of the same quantisation emulated in torch (cute_flash.fp8.emulate); pre-quantised inputs are
 # compared with float64 on the dequantised values. Rows that see no key: out 0, lse -inf.
@@ -132,8 +134,14 @@ def _check_fp8(q, k, v, out, lse, causal, window, rotate=True):
 
     ref, ref_lse = attention_reference(q, k, v, causal=causal, window_size=window, return_lse=True)
     emu = emulated_attention(
-        q, k, v, scheme="fp8_block_rotate" if rotate else "fp8_block", causal=causal, window_size=window,
-        block_m=BLOCK_M, block_n=BLOCK_N,
+        q,
+        k,
+        v,
+        scheme="fp8_block_rotate" if rotate else "fp8_block",
+        causal=causal,
+        window_size=window,
+        block_m=BLOCK_M,
+        block_n=BLOCK_N,
     )
     assert torch.isfinite(out).all()
     err, emu_err = _rmse(out, ref), _rmse(emu, ref)
@@ -150,7 +158,8 @@ def _check_fp8(q, k, v, out, lse, causal, window, rotate=True):
 
 
 @pytest.mark.parametrize(
-    "case", FP8_CASES,
+    "case",
+    FP8_CASES,
     ids=lambda c: "b{}_sq{}_sk{}_h{}/{}_d{}_{}_{}".format(*c[:6], "causal" if c[6] else "full", c[7]),
 )
 def test_fp8_attention_matches_budget(case):
@@ -172,7 +181,10 @@ def test_fp8_prequantized_inputs(per_block):
         q8, qd = quantize.quantize_blocks(q, BLOCK_M)
         k8, kd = quantize.quantize_blocks(k, BLOCK_N)
         v8, vd = quantize.quantize_blocks(v, BLOCK_N)
-        deq = [quantize.dequantize_blocks(x8, xd, blk) for x8, xd, blk in ((q8, qd, BLOCK_M), (k8, kd, BLOCK_N), (v8, vd, BLOCK_N))]
+        deq = [
+            quantize.dequantize_blocks(x8, xd, blk)
+            for x8, xd, blk in ((q8, qd, BLOCK_M), (k8, kd, BLOCK_N), (v8, vd, BLOCK_N))
+        ]
     else:
         # One factor per (batch, kv head), FlashAttention-3's convention.
         def per_head(x, heads_per_kv):

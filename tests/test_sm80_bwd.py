@@ -128,8 +128,10 @@ def _bench() -> None:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / iters
 
-    print(f"{'b':>2} {'s':>5} {'h':>3} {'h_kv':>4} {'d':>4} {'causal':>6} | {'sm80 bwd ms':>11} {'TFLOP/s':>7} | "
-          f"{'sdpa bwd ms':>11} {'TFLOP/s':>7}")
+    print(
+        f"{'b':>2} {'s':>5} {'h':>3} {'h_kv':>4} {'d':>4} {'causal':>6} | {'sm80 bwd ms':>11} {'TFLOP/s':>7} | "
+        f"{'sdpa bwd ms':>11} {'TFLOP/s':>7}"
+    )
     for b, s, h, h_kv, d, causal in (
         (4, 2048, 16, 16, 64, False),
         (4, 2048, 16, 16, 128, False),
@@ -150,8 +152,10 @@ def _bench() -> None:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             ref = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
         theirs = time_ms(lambda: torch.autograd.grad(ref, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True))
-        print(f"{b:>2} {s:>5} {h:>3} {h_kv:>4} {d:>4} {str(causal):>6} | {ours:>11.3f} {flops / ours / 1e9:>7.0f} | "
-              f"{theirs:>11.3f} {flops / theirs / 1e9:>7.0f}")
+        print(
+            f"{b:>2} {s:>5} {h:>3} {h_kv:>4} {d:>4} {str(causal):>6} | {ours:>11.3f} {flops / ours / 1e9:>7.0f} | "
+            f"{theirs:>11.3f} {flops / theirs / 1e9:>7.0f}"
+        )
 
 
 def _main() -> int:
@@ -181,8 +185,18 @@ def _main() -> int:
     procs = []
     for i, shard in enumerate(shards):
         expr = f"({shard}) and ({args.k})" if args.k else shard
-        cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "-k", expr,
-               os.path.join(here, "test_sm80_bwd.py")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rf",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            expr,
+            os.path.join(here, "test_sm80_bwd.py"),
+        ]
         while sum(p.poll() is None for _, p, _ in procs) >= args.jobs:
             time.sleep(1)
         log = os.path.join(log_dir, f"shard{i}.log")

@@ -34,12 +34,22 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 def _case(dt, d, sq, sk, mask, h, h_kv):
     return pytest.param(
-        dt, d, sq, sk, mask, h, h_kv, id=f"{dt}-d{d}-{sq}x{sk}-{mask}-h{h}_{h_kv}",
+        dt,
+        d,
+        sq,
+        sk,
+        mask,
+        h,
+        h_kv,
+        id=f"{dt}-d{d}-{sq}x{sk}-{mask}-h{h}_{h_kv}",
         marks=pytest.mark.xdist_group(f"{dt}-d{d}"),
     )
 
 
-CASES = [_case(dt, d, sq, sk, m, h, hk) for dt, d, (sq, sk), m, (h, hk) in itertools.product(DTYPES, HEAD_DIMS, SEQLENS, MASKS, HEADS)]
+CASES = [
+    _case(dt, d, sq, sk, m, h, hk)
+    for dt, d, (sq, sk), m, (h, hk) in itertools.product(DTYPES, HEAD_DIMS, SEQLENS, MASKS, HEADS)
+]
 
 
 def _inputs(dt, d, sq, sk, h, h_kv, seed, batch=None):
@@ -86,9 +96,16 @@ def test_sm90_attention_backward(dt, d, sq, sk, mask, h, h_kv):
 @pytest.mark.parametrize(
     "d, seqlen, causal, h_kv",
     # One xdist worker for every long test (their float64 references take tens of GiB; see test_sm90_fwd.py).
-    [pytest.param(d, s, c, hk, marks=pytest.mark.xdist_group("long"))
-     for d, s, c, hk in ((128, 8192, False, 2), (128, 8192, True, 2), (64, 8192, True, 1), (128, 16384, True, 1),
-                         (256, 8192, True, 2))],
+    [
+        pytest.param(d, s, c, hk, marks=pytest.mark.xdist_group("long"))
+        for d, s, c, hk in (
+            (128, 8192, False, 2),
+            (128, 8192, True, 2),
+            (64, 8192, True, 1),
+            (128, 16384, True, 1),
+            (256, 8192, True, 2),
+        )
+    ],
 )
 def test_sm90_backward_long(d, seqlen, causal, h_kv):
     from cute_flash.testing import check_backward
@@ -131,7 +148,7 @@ def test_sm90_backward_strided_inputs():
     b, s, h, d = 2, 333, 4, 128
     gen = torch.Generator(device="cuda").manual_seed(7)
     base = torch.randn(b, h, s, 3 * d, generator=gen, device="cuda").to(torch.bfloat16)
-    q, k, v = (base[..., i * d:(i + 1) * d].transpose(1, 2).detach().requires_grad_() for i in range(3))
+    q, k, v = (base[..., i * d : (i + 1) * d].transpose(1, 2).detach().requires_grad_() for i in range(3))
     dout = torch.randn(b, h, s, d, generator=gen, device="cuda").to(torch.bfloat16).transpose(1, 2)
     out = cute_flash.attention(q, k, v, causal=True)
     out.backward(dout)
@@ -156,9 +173,13 @@ def test_sm90_family_trains_other_head_dims_through_sm80(monkeypatch, d):
 
 @pytest.mark.parametrize(
     "d, mask, h_kv, sq, sk",
-    [pytest.param(d, m, hk, sq, sk, marks=pytest.mark.xdist_group(f"det-d{d}"))
-     for d in HEAD_DIMS for m in ("full", "causal", "window64_0", "window100_30") for hk in (4, 1)
-     for sq, sk in ((1000, 1100), (1100, 300))]
+    [
+        pytest.param(d, m, hk, sq, sk, marks=pytest.mark.xdist_group(f"det-d{d}"))
+        for d in HEAD_DIMS
+        for m in ("full", "causal", "window64_0", "window100_30")
+        for hk in (4, 1)
+        for sq, sk in ((1000, 1100), (1100, 300))
+    ]
     + [pytest.param(128, "causal", 2, 1, 1, marks=pytest.mark.xdist_group("det-d128"))],
 )
 def test_sm90_backward_deterministic(d, mask, h_kv, sq, sk):

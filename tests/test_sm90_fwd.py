@@ -9,7 +9,6 @@ import torch
 
 import cute_flash
 from cute_flash import attention
-from cute_flash.spec import AttentionSpec
 from cute_flash.testing import (
     MATRIX_DTYPES,
     MATRIX_HEADS,

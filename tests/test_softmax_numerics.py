@@ -113,7 +113,17 @@ def test_tiny_scales_are_uniform_and_finite(scale, causal):
 
 @pytest.mark.parametrize(
     "scale, input_scale",
-    [(1.0, 1.0), (1.0, 10.0), (1e3, 1.0), (1e6, 1.0), (1e9, 1.0), (1e30, 1.0), (1e38, 1.0), (1e300, 1.0), (0.125, 1e15)],
+    [
+        (1.0, 1.0),
+        (1.0, 10.0),
+        (1e3, 1.0),
+        (1e6, 1.0),
+        (1e9, 1.0),
+        (1e30, 1.0),
+        (1e38, 1.0),
+        (1e300, 1.0),
+        (0.125, 1e15),
+    ],
 )
 def test_every_scale_matches_the_exact_softmax_of_the_fp32_scores(scale, input_scale):
     """Against softmax computed in float64 from the kernel's own fp32 scores (what the arithmetic after the MMA can
@@ -136,8 +146,9 @@ def test_every_scale_matches_the_exact_softmax_of_the_fp32_scores(scale, input_s
 def test_row_factor_keeps_scaled_max_in_range(scale):
     c = clamp_scale_log2(scale * math.log2(math.e))
     limit = limit_bits(c)
-    m = torch.cat([torch.tensor([0.0, FLT_MIN, 1e-30, 1.0, 3.0, 1e10, 1e30, FLT_MAX]),
-                   torch.logspace(-38, 38, 200)]).to(torch.float32)
+    m = torch.cat(
+        [torch.tensor([0.0, FLT_MIN, 1e-30, 1.0, 3.0, 1e10, 1e30, FLT_MAX]), torch.logspace(-38, 38, 200)]
+    ).to(torch.float32)
     m = torch.cat([m, -m])
     c_row = row_exponent_scale(c, m, limit)
     assert (c_row > 0).all() and (c_row >= FLT_MIN).all() and torch.isfinite(c_row).all()
@@ -146,5 +157,5 @@ def test_row_factor_keeps_scaled_max_in_range(scale):
     unchanged = (m.double().abs() * float(c)) < 2.0**23
     assert torch.equal(c_row[unchanged], c.expand_as(c_row)[unchanged])
     # A reduced factor is c times a power of two (exact scaling).
-    ratio = (c.double() / c_row.double())
+    ratio = c.double() / c_row.double()
     assert torch.equal(torch.exp2(torch.round(torch.log2(ratio))), ratio)

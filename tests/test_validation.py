@@ -82,10 +82,26 @@ def test_wrong_rank(meta_is_gpu):
 @pytest.mark.parametrize(
     "which, make, pattern",
     [
-        ("batch", lambda: qkv()[:2] + (torch.empty(3, 16, 4, 64, dtype=torch.bfloat16, device="meta"),), "batch sizes differ"),
-        ("seqlen", lambda: qkv()[:2] + (torch.empty(2, 15, 4, 64, dtype=torch.bfloat16, device="meta"),), "same seqlen"),
-        ("heads", lambda: qkv()[:2] + (torch.empty(2, 16, 2, 64, dtype=torch.bfloat16, device="meta"),), "same number of heads"),
-        ("qk_dim", lambda: (qkv()[0], torch.empty(2, 16, 4, 32, dtype=torch.bfloat16, device="meta"), qkv()[2]), "k head_dim 32 must equal q head_dim 64"),
+        (
+            "batch",
+            lambda: qkv()[:2] + (torch.empty(3, 16, 4, 64, dtype=torch.bfloat16, device="meta"),),
+            "batch sizes differ",
+        ),
+        (
+            "seqlen",
+            lambda: qkv()[:2] + (torch.empty(2, 15, 4, 64, dtype=torch.bfloat16, device="meta"),),
+            "same seqlen",
+        ),
+        (
+            "heads",
+            lambda: qkv()[:2] + (torch.empty(2, 16, 2, 64, dtype=torch.bfloat16, device="meta"),),
+            "same number of heads",
+        ),
+        (
+            "qk_dim",
+            lambda: (qkv()[0], torch.empty(2, 16, 4, 32, dtype=torch.bfloat16, device="meta"), qkv()[2]),
+            "k head_dim 32 must equal q head_dim 64",
+        ),
     ],
 )
 def test_wrong_shapes(meta_is_gpu, which, make, pattern):
@@ -156,8 +172,9 @@ def test_non_contiguous_inputs_with_unit_last_stride_pass_validation(meta_is_gpu
 def test_spec_ignores_sequence_lengths(meta_is_gpu):
     """The compile-cache key (AttentionSpec) must not change with seqlen, batch or heads."""
     specs = {
-        validation.validate(*qkv(b=b, sq=sq, sk=sk, h=h, hkv=h), causal=False, softmax_scale=None,
-                            window_size=(None, None), dtype=None).spec
+        validation.validate(
+            *qkv(b=b, sq=sq, sk=sk, h=h, hkv=h), causal=False, softmax_scale=None, window_size=(None, None), dtype=None
+        ).spec
         for b, sq, sk, h in [(1, 1, 1, 1), (2, 113, 203, 4), (3, 4096, 17, 8)]
     }
     assert len(specs) == 1
@@ -188,7 +205,6 @@ def test_arch_override(monkeypatch):
 def test_capability_dispatch(monkeypatch, cap, family):
     monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
     assert resolve_arch(cap) == family
-
 
 
 def test_huge_window_bounds_mean_unbounded():

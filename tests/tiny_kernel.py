@@ -41,10 +41,14 @@ if __name__ == "__main__":
     with capture_fd_stderr() as err:
         compiled = cute.compile(_scale, *fake_args(), options=opts)
     ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
-    print(json.dumps({
-        "resources": cubin_resources(cubin),
-        "ptxas": parse_ptxas_report("".join(err)),
-        "census": ptx_census(ptx),
-        "threads": ptx_threads(ptx),
-        "target_line": next(l for l in ptx.splitlines() if l.startswith(".target")),
-    }))
+    print(
+        json.dumps(
+            {
+                "resources": cubin_resources(cubin),
+                "ptxas": parse_ptxas_report("".join(err)),
+                "census": ptx_census(ptx),
+                "threads": ptx_threads(ptx),
+                "target_line": next(l for l in ptx.splitlines() if l.startswith(".target")),
+            }
+        )
+    )

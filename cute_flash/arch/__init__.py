@@ -47,7 +47,9 @@ def resolve_arch(capability: Optional[Tuple[int, int]]) -> str:
     forced = os.environ.get(ARCH_ENV_VAR)
     if forced:
         if forced not in ARCH_PACKAGES:
-            raise ValueError(f"{ARCH_ENV_VAR}={forced!r} is not a kernel family; expected one of {sorted(ARCH_PACKAGES)}")
+            raise ValueError(
+                f"{ARCH_ENV_VAR}={forced!r} is not a kernel family; expected one of {sorted(ARCH_PACKAGES)}"
+            )
         return forced
     if capability is None:
         raise RuntimeError("no CUDA GPU is visible; set CUTE_FLASH_ARCH to pick a kernel family for cross-compiling")

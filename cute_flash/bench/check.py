@@ -61,8 +61,9 @@ def _fp8_baseline(q, k, v, *, causal: bool, softmax_scale: float) -> torch.Tenso
     return emulated_attention(q, k, v, scheme="fp8_tensor", causal=causal, softmax_scale=softmax_scale)
 
 
-def _report(name: str, got: torch.Tensor, ref: torch.Tensor, baseline_err: float,
-            abs_slack: float = ABS_SLACK) -> ErrorReport:
+def _report(
+    name: str, got: torch.Tensor, ref: torch.Tensor, baseline_err: float, abs_slack: float = ABS_SLACK
+) -> ErrorReport:
     err = _max_abs(got, ref) if torch.isfinite(got).all() else float("inf")
     return ErrorReport(name, err, baseline_err, abs_slack)
 
@@ -81,8 +82,9 @@ class ForwardReference:
             if case.dtype == "fp8":
                 baseline = _fp8_baseline(qs, ks, vs, causal=case.causal, softmax_scale=scale)
             else:
-                baseline = attention_reference(qs, ks, vs, causal=case.causal, softmax_scale=scale,
-                                               compute_dtype=q.dtype)
+                baseline = attention_reference(
+                    qs, ks, vs, causal=case.causal, softmax_scale=scale, compute_dtype=q.dtype
+                )
             self.baseline_err = _max_abs(baseline, self.ref)
 
     def verdict(self, out: torch.Tensor) -> Verdict:

@@ -45,21 +45,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--directions", type=_csv_list(), default=list(grid_mod.DIRECTIONS), help="fwd,bwd")
     g.add_argument("--tokens", type=int, default=grid_mod.DEFAULT_TOKENS, help="batch = tokens // seqlen")
     g.add_argument("--hidden", type=int, default=grid_mod.DEFAULT_HIDDEN, help="heads = hidden // head_dim")
-    g.add_argument("--shape", action="append", type=grid_mod.parse_shape, metavar="B,SQ,SK,H,HKV,D[,DV]",
-                   help="custom shape (repeatable); replaces the head-dim × seqlen sweep")
-    g.add_argument("--impls", type=_csv_list(), default=None,
-                   help=f"implementations to run (default: every one that imports): {','.join(IMPL_NAMES)}")
+    g.add_argument(
+        "--shape",
+        action="append",
+        type=grid_mod.parse_shape,
+        metavar="B,SQ,SK,H,HKV,D[,DV]",
+        help="custom shape (repeatable); replaces the head-dim × seqlen sweep",
+    )
+    g.add_argument(
+        "--impls",
+        type=_csv_list(),
+        default=None,
+        help=f"implementations to run (default: every one that imports): {','.join(IMPL_NAMES)}",
+    )
     g.add_argument("--skip-grid", action="store_true", help="run only the memory sweep")
 
     t = parser.add_argument_group("timing")
     t.add_argument("--warmup-ms", type=float, default=25.0)
     t.add_argument("--rep-ms", type=float, default=100.0)
     t.add_argument("--host-calls", type=int, default=20, help="calls averaged for the warm host overhead")
-    t.add_argument("--quadratic-max-seqlen", type=int, default=None,
-                   help="time O(N^2)-memory implementations (naive, sdpa-math) only up to this seqlen")
+    t.add_argument(
+        "--quadratic-max-seqlen",
+        type=int,
+        default=None,
+        help="time O(N^2)-memory implementations (naive, sdpa-math) only up to this seqlen",
+    )
     t.add_argument("--check-rows", type=int, default=4096, help="query rows compared with the float64 reference")
-    t.add_argument("--time-budget-s", type=float, default=None,
-                   help="start no new grid case after this many seconds (the memory sweep and the files follow)")
+    t.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="start no new grid case after this many seconds (the memory sweep and the files follow)",
+    )
 
     m = parser.add_argument_group("memory sweep (batch 1, doubling seqlen until naive attention runs out of memory)")
     m.add_argument("--no-memory", action="store_true", help="skip the memory sweep")
@@ -73,8 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o = parser.add_argument_group("output")
     o.add_argument("--out", default=None, help="output directory (default out/bench-<UTC time>)")
     o.add_argument("--no-plots", action="store_true")
-    o.add_argument("--from-json", default=None, metavar="results.json",
-                   help="print the tables and draw the plots of a saved run; measures nothing")
+    o.add_argument(
+        "--from-json",
+        default=None,
+        metavar="results.json",
+        help="print the tables and draw the plots of a saved run; measures nothing",
+    )
 
 
 def _log(msg: str) -> None:
@@ -97,9 +118,14 @@ def _validate(args) -> Optional[str]:
 
 def build_cases(args) -> List[grid_mod.Case]:
     return grid_mod.build_grid(
-        dtypes=args.dtypes, head_dims=args.head_dims, seqlens=args.seqlens,
-        causals=[m == "causal" for m in args.masks], directions=args.directions,
-        tokens=args.tokens, hidden=args.hidden, shapes=args.shape,
+        dtypes=args.dtypes,
+        head_dims=args.head_dims,
+        seqlens=args.seqlens,
+        causals=[m == "causal" for m in args.masks],
+        directions=args.directions,
+        tokens=args.tokens,
+        hidden=args.hidden,
+        shapes=args.shape,
     )
 
 
@@ -167,8 +193,9 @@ def _meta_header(meta: dict) -> str:
     return "\n".join(lines)
 
 
-def _write_outputs(out_dir: str, meta: dict, results: Sequence[Result], memory: Sequence[MemoryPoint],
-                   plots: bool) -> str:
+def _write_outputs(
+    out_dir: str, meta: dict, results: Sequence[Result], memory: Sequence[MemoryPoint], plots: bool
+) -> str:
     from .plots import write_plots
 
     write_json(os.path.join(out_dir, "results.json"), meta, results, memory)
@@ -210,8 +237,11 @@ def main(args) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("bench: no CUDA GPU is visible; the benchmark measures on a GPU "
-              "(use --from-json to redraw a saved run here)", file=sys.stderr)
+        print(
+            "bench: no CUDA GPU is visible; the benchmark measures on a GPU "
+            "(use --from-json to redraw a saved run here)",
+            file=sys.stderr,
+        )
         return 2
     from .peers import select_impls
     from .runner import FatalCudaError, RunOptions, run_grid
@@ -226,16 +256,23 @@ def main(args) -> int:
     if not impls:
         print("bench: none of the requested implementations is available", file=sys.stderr)
         return 2
-    out_dir = args.out or os.path.join("out", "bench-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S"))
+    out_dir = args.out or os.path.join(
+        "out", "bench-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    )
     os.makedirs(out_dir, exist_ok=True)
     meta = _environment(impls)
     meta["options"] = {k: v for k, v in vars(args).items() if k not in ("func", "shape")}
     meta["options"]["shape"] = [asdict(s) for s in args.shape] if args.shape else None
-    _log(f"[bench] {meta['device']} (sm_{meta['capability'].replace('.', '')}), torch {meta['torch']}; "
-         f"{len(cases)} cases × {len(impls)} implementations; writing {out_dir}")
+    _log(
+        f"[bench] {meta['device']} (sm_{meta['capability'].replace('.', '')}), torch {meta['torch']}; "
+        f"{len(cases)} cases × {len(impls)} implementations; writing {out_dir}"
+    )
 
-    opts = RunOptions(timing=TimingOptions(args.warmup_ms, args.rep_ms, args.host_calls),
-                      quadratic_max_seqlen=args.quadratic_max_seqlen, check_rows=args.check_rows)
+    opts = RunOptions(
+        timing=TimingOptions(args.warmup_ms, args.rep_ms, args.host_calls),
+        quadratic_max_seqlen=args.quadratic_max_seqlen,
+        check_rows=args.check_rows,
+    )
     partial = CsvAppender(os.path.join(out_dir, "results.partial.csv"), RESULT_FIELDS)
     results: List[Result] = []
     memory: List[MemoryPoint] = []
@@ -243,16 +280,27 @@ def main(args) -> int:
     try:
         # Collected through the callback so that a run stopped by a fatal CUDA error keeps what it measured.
         deadline = None if args.time_budget_s is None else time.monotonic() + args.time_budget_s
-        measured = run_grid(cases, impls, opts, on_result=lambda r: (results.append(r), partial.append(asdict(r))),
-                            log=_log, deadline=deadline)
+        measured = run_grid(
+            cases,
+            impls,
+            opts,
+            on_result=lambda r: (results.append(r), partial.append(asdict(r))),
+            log=_log,
+            deadline=deadline,
+        )
         if measured < len(cases):
             meta["cases_not_measured"] = len(cases) - measured
         if not args.no_memory:
             heads = args.memory_heads or max(1, args.hidden // args.memory_head_dim)
             memory = memory_sweep(
-                impls, _memory_call, dtype=args.memory_dtype, head_dim=args.memory_head_dim, heads=heads,
+                impls,
+                _memory_call,
+                dtype=args.memory_dtype,
+                head_dim=args.memory_head_dim,
+                heads=heads,
                 seqlens=memory_seqlens(args.memory_min_seqlen, args.memory_max_seqlen),
-                directions=args.memory_directions, log=_log,
+                directions=args.memory_directions,
+                log=_log,
             )
     except FatalCudaError as e:
         _log(f"[bench] stopping: the CUDA context is unusable after {e}")

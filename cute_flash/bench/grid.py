@@ -54,8 +54,14 @@ class Case:
     def flops(self) -> float:
         s = self.shape
         return attention_flops(
-            s.batch, s.heads, s.seqlen_q, s.seqlen_k, s.head_dim, s.head_dim_v,
-            causal=self.causal, backward=self.direction == "bwd",
+            s.batch,
+            s.heads,
+            s.seqlen_q,
+            s.seqlen_k,
+            s.head_dim,
+            s.head_dim_v,
+            causal=self.causal,
+            backward=self.direction == "bwd",
         )
 
     def label(self) -> str:
@@ -120,7 +126,9 @@ def build_grid(
         for direction in directions:
             for dims in head_dim_pairs:
                 for causal in causals:
-                    cases.extend(Case(dt, direction, causal, s) for s in shape_list if (s.head_dim, s.head_dim_v) == dims)
+                    cases.extend(
+                        Case(dt, direction, causal, s) for s in shape_list if (s.head_dim, s.head_dim_v) == dims
+                    )
     return cases
 
 

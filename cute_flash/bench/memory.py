@@ -80,8 +80,15 @@ def memory_sweep(
         for direction in directions:
             case = Case(dtype, direction, False, Shape(1, seqlen, seqlen, heads, heads, head_dim, head_dim))
             for impl in impls:
-                common = dict(impl=impl.name, direction=direction, dtype=dtype, batch=1, heads=heads,
-                              head_dim=head_dim, seqlen=seqlen)
+                common = dict(
+                    impl=impl.name,
+                    direction=direction,
+                    dtype=dtype,
+                    batch=1,
+                    heads=heads,
+                    head_dim=head_dim,
+                    seqlen=seqlen,
+                )
                 if (impl.name, direction) in exhausted:
                     points.append(MemoryPoint(status="oom", note="ran out at a shorter seqlen", **common))
                     continue

@@ -44,16 +44,21 @@ def plot_tflops(plt, results: Sequence[Result], path: str, title: str) -> None:
     fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.8 * rows), squeeze=False)
     for ax, (d, dv, mask) in zip(axes.flat, panels):
         for impl in impl_order(results):
-            pts = sorted((r.seqlen_q, r.tflops) for r in results
-                         if r.impl == impl and (r.head_dim, r.head_dim_v, r.mask) == (d, dv, mask)
-                         and r.status == "ok" and r.tflops)
+            pts = sorted(
+                (r.seqlen_q, r.tflops)
+                for r in results
+                if r.impl == impl
+                and (r.head_dim, r.head_dim_v, r.mask) == (d, dv, mask)
+                and r.status == "ok"
+                and r.tflops
+            )
             if pts:
                 ax.plot(*zip(*pts), marker="o", markersize=3, label=impl, **_style(impl))
         ax.set_title(f"d={d}" + (f"/{dv}" if dv != d else "") + f", {mask}")
         ax.set_ylabel("TFLOP/s")
         _seqlen_axis(ax)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(title)
     fig.tight_layout()
@@ -110,8 +115,9 @@ def plot_memory(plt, points: Sequence[MemoryPoint], path: str) -> None:
     plt.close(fig)
 
 
-def write_plots(out_dir: str, results: Sequence[Result], memory: Sequence[MemoryPoint],
-                log: Callable[[str], None] = print) -> List[str]:
+def write_plots(
+    out_dir: str, results: Sequence[Result], memory: Sequence[MemoryPoint], log: Callable[[str], None] = print
+) -> List[str]:
     """Writes every plot the data allows into out_dir; returns their paths."""
     plt = _pyplot()
     if plt is None:

@@ -92,12 +92,19 @@ def first_call_table(results: Sequence[Result]) -> str:
         first = rows[0]
         host = [r.host_us for r in rows if r.host_us is not None]
         dim = str(d) if d == dv else f"{d}/{dv}"
-        lines.append([
-            impl, dtype, direction, dim, mask, f"{first.seqlen_q}",
-            f"{first.first_call_s:.3f}",
-            f"{first.compile_s:.2f}" if first.compile_s is not None else "",
-            f"{statistics.median(host):.1f}" if host else "",
-        ])
+        lines.append(
+            [
+                impl,
+                dtype,
+                direction,
+                dim,
+                mask,
+                f"{first.seqlen_q}",
+                f"{first.first_call_s:.3f}",
+                f"{first.compile_s:.2f}" if first.compile_s is not None else "",
+                f"{statistics.median(host):.1f}" if host else "",
+            ]
+        )
     header = ["impl", "dtype", "dir", "d", "mask", "first seqlen", "first call s", "compile s", "warm host µs (median)"]
     return _table(header, lines)
 
@@ -126,7 +133,9 @@ def memory_table(points: Sequence[MemoryPoint]) -> str:
                     cells.append(_STATUS_CELL.get(p.status, p.status))
             lines.append([str(seqlen)] + cells)
         first = points[0]
-        title = f"**{direction} peak extra memory, MiB** (batch 1, {first.heads} heads, d {first.head_dim}, {first.dtype})"
+        title = (
+            f"**{direction} peak extra memory, MiB** (batch 1, {first.heads} heads, d {first.head_dim}, {first.dtype})"
+        )
         out.append(title + "\n\n" + _table(["seqlen"] + impls, lines))
     return "\n\n".join(out)
 

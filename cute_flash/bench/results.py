@@ -48,8 +48,18 @@ class Result:
         return cls(impl=impl, status=status, **case.as_dict(), **kw)
 
     def case_key(self) -> tuple:
-        return (self.dtype, self.direction, self.mask, self.batch, self.seqlen_q, self.seqlen_k, self.heads,
-                self.heads_kv, self.head_dim, self.head_dim_v)
+        return (
+            self.dtype,
+            self.direction,
+            self.mask,
+            self.batch,
+            self.seqlen_q,
+            self.seqlen_k,
+            self.heads,
+            self.heads_kv,
+            self.head_dim,
+            self.head_dim_v,
+        )
 
 
 RESULT_FIELDS = [f.name for f in fields(Result)]
@@ -92,7 +102,11 @@ def read_csv(path: str) -> List[Dict[str, str]]:
 
 def write_json(path: str, meta: Dict, results: Sequence[Result], memory: Sequence[MemoryPoint]) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    doc = {"meta": meta, "results": [_finite(asdict(r)) for r in results], "memory": [_finite(asdict(m)) for m in memory]}
+    doc = {
+        "meta": meta,
+        "results": [_finite(asdict(r)) for r in results],
+        "memory": [_finite(asdict(m)) for m in memory],
+    }
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, allow_nan=False, default=str)
 

@@ -28,8 +28,15 @@ from .timing import TimingOptions, first_call, host_overhead_us, median_ms
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8 reads bf16 inputs
 
-_FATAL_MARKERS = ("illegal memory access", "unspecified launch failure", "misaligned address", "illegal instruction",
-                  "device-side assert", "CUDA error: an illegal", "uncorrectable ECC")
+_FATAL_MARKERS = (
+    "illegal memory access",
+    "unspecified launch failure",
+    "misaligned address",
+    "illegal instruction",
+    "device-side assert",
+    "CUDA error: an illegal",
+    "uncorrectable ECC",
+)
 
 
 class FatalCudaError(RuntimeError):
@@ -55,8 +62,18 @@ def _first_line(e: BaseException) -> str:
 
 def make_inputs(case: Case, requires_grad: bool = False):
     s = case.shape
-    return random_qkv(s.batch, s.seqlen_q, s.seqlen_k, s.heads, s.heads_kv, s.head_dim, s.head_dim_v,
-                      dtype=TORCH_DTYPES[case.dtype], device="cuda", requires_grad=requires_grad)
+    return random_qkv(
+        s.batch,
+        s.seqlen_q,
+        s.seqlen_k,
+        s.heads,
+        s.heads_kv,
+        s.head_dim,
+        s.head_dim_v,
+        dtype=TORCH_DTYPES[case.dtype],
+        device="cuda",
+        requires_grad=requires_grad,
+    )
 
 
 class CaseData:
@@ -71,18 +88,19 @@ class CaseData:
         s = case.shape
         self.dout = None
         if case.direction == "bwd":
-            self.dout = torch.randn(s.batch, s.seqlen_q, s.heads, s.head_dim_v, device="cuda",
-                                    dtype=TORCH_DTYPES[case.dtype])
+            self.dout = torch.randn(
+                s.batch, s.seqlen_q, s.heads, s.head_dim_v, device="cuda", dtype=TORCH_DTYPES[case.dtype]
+            )
         self._reference = None
 
     def reference(self):
         if self._reference is None:
             if self.dout is None:
-                self._reference = check.ForwardReference(self.case, self.q, self.k, self.v, self.scale,
-                                                         self.check_rows)
+                self._reference = check.ForwardReference(self.case, self.q, self.k, self.v, self.scale, self.check_rows)
             else:
-                self._reference = check.BackwardReference(self.case, self.q, self.k, self.v, self.dout, self.scale,
-                                                          self.check_rows)
+                self._reference = check.BackwardReference(
+                    self.case, self.q, self.k, self.v, self.dout, self.scale, self.check_rows
+                )
         return self._reference
 
 
@@ -104,8 +122,9 @@ def _fill_check(result_kw: dict, verdict: check.Verdict) -> None:
             result_kw["note"] = verdict.summary() if math.isfinite(worst.err) else "non-finite values in the result"
 
 
-def _timed_result(impl: Impl, data: CaseData, opts: RunOptions, call, verdict: check.Verdict, kw: dict,
-                  grad_to_none=None) -> Result:
+def _timed_result(
+    impl: Impl, data: CaseData, opts: RunOptions, call, verdict: check.Verdict, kw: dict, grad_to_none=None
+) -> Result:
     """Posts a time only for a result that passed the accuracy check."""
     _fill_check(kw, verdict)
     if not verdict.ok:
@@ -150,8 +169,9 @@ def measure(impl: Impl, data: CaseData, opts: RunOptions) -> Result:
     reason = impl.unsupported_reason(case)
     if reason is None and impl.quadratic_memory and opts.quadratic_max_seqlen is not None:
         if max(case.shape.seqlen_q, case.shape.seqlen_k) > opts.quadratic_max_seqlen:
-            return Result.for_case(impl.name, case, "skipped",
-                                   note=f"O(N^2) memory; timed up to seqlen {opts.quadratic_max_seqlen}")
+            return Result.for_case(
+                impl.name, case, "skipped", note=f"O(N^2) memory; timed up to seqlen {opts.quadratic_max_seqlen}"
+            )
     if reason is not None:
         return Result.for_case(impl.name, case, "n/a", note=reason)
     try:
@@ -172,9 +192,14 @@ def measure(impl: Impl, data: CaseData, opts: RunOptions) -> Result:
         release()
 
 
-def run_grid(cases: Sequence[Case], impls: Sequence[Impl], opts: RunOptions,
-             on_result: Callable[[Result], None], log: Callable[[str], None] = print,
-             deadline: Optional[float] = None) -> int:
+def run_grid(
+    cases: Sequence[Case],
+    impls: Sequence[Impl],
+    opts: RunOptions,
+    on_result: Callable[[Result], None],
+    log: Callable[[str], None] = print,
+    deadline: Optional[float] = None,
+) -> int:
     """Measures every case with every implementation, reporting each result as soon as it exists.
 
     Stops starting new cases once time.monotonic() passes `deadline`; returns how many cases it measured.

@@ -36,7 +36,9 @@ def first_call(fn: Callable[[], T]) -> Tuple[T, float]:
     return result, time.perf_counter() - start
 
 
-def median_ms(fn: Callable[[], object], opts: TimingOptions, grad_to_none: Optional[Sequence[torch.Tensor]] = None) -> float:
+def median_ms(
+    fn: Callable[[], object], opts: TimingOptions, grad_to_none: Optional[Sequence[torch.Tensor]] = None
+) -> float:
     """Median device time in milliseconds of a warm call."""
     try:
         from triton.testing import do_bench
@@ -69,7 +71,9 @@ def _median_ms_events(fn, opts: TimingOptions, grad_to_none) -> float:
     return float(statistics.median(samples))
 
 
-def host_overhead_us(fn: Callable[[], object], calls: int, grad_to_none: Optional[Sequence[torch.Tensor]] = None) -> float:
+def host_overhead_us(
+    fn: Callable[[], object], calls: int, grad_to_none: Optional[Sequence[torch.Tensor]] = None
+) -> float:
     """Mean host time per call in microseconds, calls issued back to back without waiting for the device.
 
     Meaningful while the device work is queued asynchronously (the launch queue holds far more than `calls`), so it

@@ -30,9 +30,7 @@ def rows_cols_layout(acc_layout: cute.Layout) -> cute.Layout:
     col_stride = (v_stride[0], *v_stride[2:], compact.stride[2])
     rest_shape = tuple(compact.shape[3:])
     rest_stride = tuple(compact.stride[3:])
-    regrouped = cute.make_layout(
-        (row_shape, col_shape, *rest_shape), stride=(row_stride, col_stride, *rest_stride)
-    )
+    regrouped = cute.make_layout((row_shape, col_shape, *rest_shape), stride=(row_stride, col_stride, *rest_stride))
     return cute.composition(acc_layout, regrouped)
 
 

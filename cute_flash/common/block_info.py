@@ -170,4 +170,3 @@ class BlockInfo:
         if self.has_left_bound:
             needs = needs | (m_block >= self.q_left_masked_start(n_block))
         return needs
-

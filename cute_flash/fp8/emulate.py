@@ -47,7 +47,11 @@ def _dequant_inputs(q, k, v, scheme: str, block_m: int, block_n: int, seed: int)
         q8, dq = quantize_blocks(q, block_m, signs)
         k8, dk = quantize_blocks(k, block_n, signs)
         v8, dv = quantize_blocks(v, block_n)
-        return dequantize_blocks(q8, dq, block_m), dequantize_blocks(k8, dk, block_n), dequantize_blocks(v8, dv, block_n)
+        return (
+            dequantize_blocks(q8, dq, block_m),
+            dequantize_blocks(k8, dk, block_n),
+            dequantize_blocks(v8, dv, block_n),
+        )
     raise ValueError(f"unknown scheme {scheme!r}; expected one of {SCHEMES}")
 
 

@@ -52,9 +52,9 @@ class Fp8Prepass:
         self.lanes_per_row = head_dim // self.vec
         self.row_groups = block // self.rows
         self.num_threads = self.lanes_per_row * self.row_groups
-        assert self.num_threads % WARP == 0 and self.num_threads <= 1024, (
-            f"block {block} x head_dim {head_dim} gives {self.num_threads} threads"
-        )
+        assert (
+            self.num_threads % WARP == 0 and self.num_threads <= 1024
+        ), f"block {block} x head_dim {head_dim} gives {self.num_threads} threads"
         # Hadamard blocks span `hadamard_lanes` lanes; they start at multiples of that lane count because every row
         # group starts at a multiple of lanes_per_row, which hadamard_lanes divides.
         self.hadamard_lanes = hadamard_block_size(head_dim) // VEC if rotate else 1

@@ -31,7 +31,8 @@ from .hadamard import rotate as hadamard_rotate
 E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
 V_SEQ_ALIGN = 16  # elements (= bytes for fp8): TMA needs 16-byte aligned row strides; also the permutation group
-# Column p of a 16-key group of transposed V holds key V_KEY_PERM16[p]: p = 4·t + i holds key 2·t + (i & 1) + 8·(i >> 1).
+# Column p of a 16-key group of transposed V holds key V_KEY_PERM16[p]:
+# p = 4·t + i holds key 2·t + (i & 1) + 8·(i >> 1).
 V_KEY_PERM16 = tuple(2 * (p // 4) + (p % 4 & 1) + 8 * (p % 4 >> 1) for p in range(16))
 
 

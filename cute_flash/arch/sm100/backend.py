@@ -64,8 +64,14 @@ def _build_with_kernel(spec: AttentionSpec, cfg: cfgmod.FwdConfig, target: str, 
     kernel = Sm100FwdKernel(spec, cfg)
     compiled = cute.compile(
         kernel,
-        q, k, v, o, lse,
-        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0),
+        q,
+        k,
+        v,
+        o,
+        lse,
+        cutlass.Float32(1.0),
+        cutlass.Int32(0),
+        cutlass.Int32(0),
         *descale,
         stream,
         options=options,
@@ -122,7 +128,9 @@ class _Backend:
 
     def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
         if backward:
-            return "there is no sm100 backward kernel yet (forward only; use the sm80 backward via CUTE_FLASH_ARCH=sm80)"
+            return (
+                "there is no sm100 backward kernel yet (forward only; use the sm80 backward via CUTE_FLASH_ARCH=sm80)"
+            )
         return cfgmod.unsupported_reason(spec)
 
     def forward(
@@ -156,8 +164,11 @@ class _Backend:
         key = ("sm100", target, _kernel_role(cfg), spec, cfg)
         compiled = compile_cache.get_or_compile(key, lambda: _build(spec, cfg, target))
         compiled(
-            *(kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out))), lse,
-            softmax_scale * math.log2(math.e), int(mask.left), int(mask.right),
+            *(kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out))),
+            lse,
+            softmax_scale * math.log2(math.e),
+            int(mask.left),
+            int(mask.right),
             *descale_args,
         )
 
@@ -191,9 +202,9 @@ class _Backend:
                         "opt_level": cfg.opt_level,
                         "threads": 512,
                         "shared_bytes": kernel.smem_bytes,
-                        "used_when": "seqlen_q > 256" if cfg.use_2cta else (
-                            "seqlen_q <= 256" if cfgmod.two_cta_eligible(spec) else "always"
-                        ),
+                        "used_when": "seqlen_q > 256"
+                        if cfg.use_2cta
+                        else ("seqlen_q <= 256" if cfgmod.two_cta_eligible(spec) else "always"),
                     },
                 )
             )
@@ -215,14 +226,10 @@ def _fp8_prepass_artifacts(spec: AttentionSpec, target: str) -> List[KernelArtif
         ("fp8_prepass_v", spec.head_dim_v, kv_keys, False, True),
     ):
         with tempfile.TemporaryDirectory(prefix="cute_flash_sm100_prepass_") as dump:
-            options = compile_cache.compile_options(
-                target, extra=compile_cache.keep_artifacts_options(dump)
-            )
+            options = compile_cache.compile_options(target, extra=compile_cache.keep_artifacts_options(dump))
             compiled = build_prepass(spec.out_dtype, d, block, rotate, transpose, options)
             ptx, cubin = _read_artifacts(compiled)
-        artifacts.append(
-            KernelArtifact(kernel=role, ptx=ptx, cubin=cubin, config={"block": block, "rotate": rotate})
-        )
+        artifacts.append(KernelArtifact(kernel=role, ptx=ptx, cubin=cubin, config={"block": block, "rotate": rotate}))
     return artifacts
 
 

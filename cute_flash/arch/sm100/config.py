@@ -77,7 +77,9 @@ def unsupported_reason(spec: AttentionSpec) -> Optional[str]:
     if spec.head_dim != spec.head_dim_v:
         return f"head_dim {spec.head_dim} != head_dim_v {spec.head_dim_v}: the sm100 forward needs equal head dims"
     if spec.head_dim not in SUPPORTED_HEAD_DIMS:
-        return f"head_dim {spec.head_dim} is not built for sm100 (supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})"
+        return (
+            f"head_dim {spec.head_dim} is not built for sm100 (supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})"
+        )
     if spec.dtype == "fp8" and spec.out_dtype not in ("bf16", "fp16"):
         return f"fp8 needs a bf16 or fp16 output, got {spec.out_dtype}"
     return None

@@ -145,15 +145,26 @@ class Sm100FwdKernel:
 
         cta_group = tcgen05.CtaGroup.TWO if const_expr(self.use_2cta) else tcgen05.CtaGroup.ONE
         tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
-            self.q_dtype, self.k_dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, cta_group,
+            self.q_dtype,
+            self.k_dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
+            Float32,
+            cta_group,
             self.mma_tiler_qk[:2],
         )
         # P comes from TMEM (always K-major there). Head-dim-contiguous V is MN-major for P @ V; kind::f8f6f4 accepts
         # an MN-major 8-bit B too, so sm100 needs no transposed V (the front end's fp8 path sends one anyway).
         v_major = OperandMajorMode.K if const_expr(self.v_seq_major) else OperandMajorMode.MN
         tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
-            self.v_dtype, self.v_dtype, OperandMajorMode.K, v_major, Float32, cta_group,
-            self.mma_tiler_pv[:2], tcgen05.OperandSource.TMEM,
+            self.v_dtype,
+            self.v_dtype,
+            OperandMajorMode.K,
+            v_major,
+            Float32,
+            cta_group,
+            self.mma_tiler_pv[:2],
+            tcgen05.OperandSource.TMEM,
         )
         cluster_shape = (self.cta, 1, 1)
         cta_layout_vmnk = cute.tiled_divide(cute.make_layout(cluster_shape), (tiled_mma_qk.thr_id.shape,))
@@ -170,15 +181,27 @@ class Sm100FwdKernel:
 
         tma_load_op = cpasync.CopyBulkTensorTileG2SOp(cta_group)
         tma_atom_q, tma_q = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load_op, mQ, cute.select(sQ_layout, mode=[0, 1, 2]), self.mma_tiler_qk, tiled_mma_qk,
+            tma_load_op,
+            mQ,
+            cute.select(sQ_layout, mode=[0, 1, 2]),
+            self.mma_tiler_qk,
+            tiled_mma_qk,
             cta_layout_vmnk.shape,
         )
         tma_atom_k, tma_k = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load_op, mK, cute.select(sK_layout, mode=[0, 1, 2]), self.mma_tiler_qk, tiled_mma_qk,
+            tma_load_op,
+            mK,
+            cute.select(sK_layout, mode=[0, 1, 2]),
+            self.mma_tiler_qk,
+            tiled_mma_qk,
             cta_layout_vmnk.shape,
         )
         tma_atom_v, tma_v = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load_op, mV, cute.select(sV_layout, mode=[0, 1, 2]), self.mma_tiler_pv, tiled_mma_pv,
+            tma_load_op,
+            mV,
+            cute.select(sV_layout, mode=[0, 1, 2]),
+            self.mma_tiler_pv,
+            tiled_mma_pv,
             cta_layout_vmnk.shape,
         )
         tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
@@ -296,30 +319,53 @@ class Sm100FwdKernel:
             return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
 
         pipe_q = pipeline.PipelineTmaUmma.create(
-            num_stages=Q_STAGES, producer_group=threads(1), consumer_group=threads(1), tx_count=self.q_tx_bytes,
-            barrier_storage=storage.mbar_q.data_ptr(), cta_layout_vmnk=cta_layout_vmnk, defer_sync=True,
+            num_stages=Q_STAGES,
+            producer_group=threads(1),
+            consumer_group=threads(1),
+            tx_count=self.q_tx_bytes,
+            barrier_storage=storage.mbar_q.data_ptr(),
+            cta_layout_vmnk=cta_layout_vmnk,
+            defer_sync=True,
         )
         pipe_kv = pipeline.PipelineTmaUmma.create(
-            num_stages=self.cfg.kv_stages, producer_group=threads(1), consumer_group=threads(1),
-            tx_count=self.kv_tx_bytes, barrier_storage=storage.mbar_kv.data_ptr(), cta_layout_vmnk=cta_layout_vmnk,
+            num_stages=self.cfg.kv_stages,
+            producer_group=threads(1),
+            consumer_group=threads(1),
+            tx_count=self.kv_tx_bytes,
+            barrier_storage=storage.mbar_kv.data_ptr(),
+            cta_layout_vmnk=cta_layout_vmnk,
             defer_sync=True,
         )
         # Released by one softmax warpgroup and the correction warpgroup of every CTA of the pair.
         pipe_s_p_o = pipeline.PipelineUmmaAsync.create(
-            num_stages=Q_STAGES, producer_group=threads(1), consumer_group=threads(2 * WG_THREADS * self.cta),
-            barrier_storage=storage.mbar_s_p_o.data_ptr(), cta_layout_vmnk=cta_layout_vmnk, defer_sync=True,
+            num_stages=Q_STAGES,
+            producer_group=threads(1),
+            consumer_group=threads(2 * WG_THREADS * self.cta),
+            barrier_storage=storage.mbar_s_p_o.data_ptr(),
+            cta_layout_vmnk=cta_layout_vmnk,
+            defer_sync=True,
         )
         pipe_o_full = pipeline.PipelineUmmaAsync.create(
-            num_stages=Q_STAGES, producer_group=threads(1), consumer_group=threads(WG_THREADS * self.cta),
-            barrier_storage=storage.mbar_o_full.data_ptr(), cta_layout_vmnk=cta_layout_vmnk, defer_sync=True,
+            num_stages=Q_STAGES,
+            producer_group=threads(1),
+            consumer_group=threads(WG_THREADS * self.cta),
+            barrier_storage=storage.mbar_o_full.data_ptr(),
+            cta_layout_vmnk=cta_layout_vmnk,
+            defer_sync=True,
         )
         pipe_stats = pipeline.PipelineAsync.create(
-            num_stages=Q_STAGES, producer_group=threads(WG_THREADS), consumer_group=threads(WG_THREADS),
-            barrier_storage=storage.mbar_stats.data_ptr(), defer_sync=True,
+            num_stages=Q_STAGES,
+            producer_group=threads(WG_THREADS),
+            consumer_group=threads(WG_THREADS),
+            barrier_storage=storage.mbar_stats.data_ptr(),
+            defer_sync=True,
         )
         pipe_o_epi = pipeline.PipelineAsync.create(
-            num_stages=Q_STAGES, producer_group=threads(WG_THREADS), consumer_group=threads(32),
-            barrier_storage=storage.mbar_o_epi.data_ptr(), defer_sync=True,
+            num_stages=Q_STAGES,
+            producer_group=threads(WG_THREADS),
+            consumer_group=threads(32),
+            barrier_storage=storage.mbar_o_epi.data_ptr(),
+            defer_sync=True,
         )
         tmem_barrier = pipeline.NamedBarrier(barrier_id=TMEM_BARRIER_ID, num_threads=TMEM_USER_THREADS)
         tmem = cutlass.utils.TmemAllocator(
@@ -360,8 +406,25 @@ class Sm100FwdKernel:
         if warp_idx == LOAD_WARP:
             cute.arch.setmaxregister_decrease(self.cfg.regs_other)
             self.load_warp(
-                thr_mma_qk, thr_mma_pv, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV,
-                pipe_q, pipe_kv, head, head_kv, batch, cluster_m, n_block_min, n_block_max,
+                thr_mma_qk,
+                thr_mma_pv,
+                tma_atom_q,
+                mQ,
+                tma_atom_k,
+                mK,
+                tma_atom_v,
+                mV,
+                sQ,
+                sK,
+                sV,
+                pipe_q,
+                pipe_kv,
+                head,
+                head_kv,
+                batch,
+                cluster_m,
+                n_block_min,
+                n_block_max,
             )
         if warp_idx == EPILOGUE_WARP:
             cute.arch.setmaxregister_decrease(self.cfg.regs_other)
@@ -373,9 +436,26 @@ class Sm100FwdKernel:
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.softmax_warpgroup(
-                warp_idx // 4, s_layout, tmem_ptr, sStats, pipe_s_p_o, pipe_stats, softmax_scale_log2,
-                mDescaleQ, mDescaleK, head, head_kv, batch,
-                seqlen_q, seqlen_k, window_left, window_right, cluster_m, cta_v, n_block_min, n_block_max,
+                warp_idx // 4,
+                s_layout,
+                tmem_ptr,
+                sStats,
+                pipe_s_p_o,
+                pipe_stats,
+                softmax_scale_log2,
+                mDescaleQ,
+                mDescaleK,
+                head,
+                head_kv,
+                batch,
+                seqlen_q,
+                seqlen_k,
+                window_left,
+                window_right,
+                cluster_m,
+                cta_v,
+                n_block_min,
+                n_block_max,
             )
             tmem_barrier.arrive()
         if warp_idx >= CORRECTION_WARP0 and warp_idx < MMA_WARP:
@@ -383,8 +463,25 @@ class Sm100FwdKernel:
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.correction_warpgroup(
-                o_layout, tOsO, tOcO, tmem_ptr, sStats, mLSE, pipe_s_p_o, pipe_o_full, pipe_stats,
-                pipe_o_epi, mDescaleV, seqlen_q, head, head_kv, batch, cluster_m, cta_v, n_block_min, n_block_max,
+                o_layout,
+                tOsO,
+                tOcO,
+                tmem_ptr,
+                sStats,
+                mLSE,
+                pipe_s_p_o,
+                pipe_o_full,
+                pipe_stats,
+                pipe_o_epi,
+                mDescaleV,
+                seqlen_q,
+                head,
+                head_kv,
+                batch,
+                cluster_m,
+                cta_v,
+                n_block_min,
+                n_block_max,
             )
             tmem_barrier.arrive()
         if warp_idx == MMA_WARP:
@@ -394,8 +491,21 @@ class Sm100FwdKernel:
             tmem_ptr = tmem.retrieve_ptr(Float32)
             if cta_v == 0:
                 self.mma_warp(
-                    tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, s_layout, o_layout, tmem_ptr,
-                    pipe_q, pipe_kv, pipe_s_p_o, pipe_o_full, n_block_max - n_block_min,
+                    tiled_mma_qk,
+                    tiled_mma_pv,
+                    thr_mma_pv,
+                    sQ,
+                    sK,
+                    sV,
+                    tP_layout,
+                    s_layout,
+                    o_layout,
+                    tmem_ptr,
+                    pipe_q,
+                    pipe_kv,
+                    pipe_s_p_o,
+                    pipe_o_full,
+                    n_block_max - n_block_min,
                 )
             tmem.relinquish_alloc_permit()
             tmem_barrier.arrive_and_wait()
@@ -406,8 +516,26 @@ class Sm100FwdKernel:
     # ------------------------------------------------------------------------------------------------------------
     @cute.jit
     def load_warp(
-        self, thr_mma_qk, thr_mma_pv, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV,
-        pipe_q, pipe_kv, head, head_kv, batch, cluster_m, n_block_min, n_block_max,
+        self,
+        thr_mma_qk,
+        thr_mma_pv,
+        tma_atom_q,
+        mQ,
+        tma_atom_k,
+        mK,
+        tma_atom_v,
+        mV,
+        sQ,
+        sK,
+        sV,
+        pipe_q,
+        pipe_kv,
+        head,
+        head_kv,
+        batch,
+        cluster_m,
+        n_block_min,
+        n_block_max,
     ):
         q_producer = pipe_q.make_producer()
         kv_producer = pipe_kv.make_producer()
@@ -416,15 +544,24 @@ class Sm100FwdKernel:
         gK = cute.local_tile(mK[None, None, head_kv, batch], cute.select(self.mma_tiler_qk, mode=[1, 2]), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], cute.select(self.mma_tiler_pv, mode=[1, 2]), (0, None))
         tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
+            tma_atom_q,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sQ, 0, 3),
             cute.group_modes(thr_mma_qk.partition_A(gQ), 0, 3),
         )
         tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
+            tma_atom_k,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sK, 0, 3),
             cute.group_modes(thr_mma_qk.partition_B(gK), 0, 3),
         )
         tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
+            tma_atom_v,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sV, 0, 3),
             cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3),
         )
         n_blocks = n_block_max - n_block_min
@@ -436,7 +573,9 @@ class Sm100FwdKernel:
             for stage in cutlass.range_constexpr(Q_STAGES):
                 q_handle = q_producer.acquire_and_advance()
                 cute.copy(
-                    tma_atom_q, tQgQ[None, cluster_m * Q_STAGES + stage], tQsQ[None, q_handle.index],
+                    tma_atom_q,
+                    tQgQ[None, cluster_m * Q_STAGES + stage],
+                    tQsQ[None, q_handle.index],
                     tma_bar_ptr=q_handle.barrier,
                 )
             handle = kv_producer.acquire_and_advance()
@@ -468,8 +607,22 @@ class Sm100FwdKernel:
 
     @cute.jit
     def mma_warp(
-        self, tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, s_layout, o_layout, tmem_ptr,
-        pipe_q, pipe_kv, pipe_s_p_o, pipe_o_full, n_blocks,
+        self,
+        tiled_mma_qk,
+        tiled_mma_pv,
+        thr_mma_pv,
+        sQ,
+        sK,
+        sV,
+        tP_layout,
+        s_layout,
+        o_layout,
+        tmem_ptr,
+        pipe_q,
+        pipe_kv,
+        pipe_s_p_o,
+        pipe_o_full,
+        n_blocks,
     ):
         tSrQ = tiled_mma_qk.make_fragment_A(sQ)
         tSrK = tiled_mma_qk.make_fragment_B(sK)
@@ -491,7 +644,9 @@ class Sm100FwdKernel:
             q_handles = [q_consumer.wait_and_advance() for _ in range(Q_STAGES)]
             k_handle = kv_consumer.wait_and_advance()
             for s in cutlass.range_constexpr(Q_STAGES):
-                self._gemm(tiled_mma_qk, tStS[s], tSrQ[None, None, None, s], tSrK[None, None, None, k_handle.index], False)
+                self._gemm(
+                    tiled_mma_qk, tStS[s], tSrQ[None, None, None, s], tSrK[None, None, None, k_handle.index], False
+                )
                 pipe_s_p_o.producer_commit(_stage_state(s, 0))
             k_handle.release()
             # The first wait for "P written and O rescaled" is on phase 0 (not the producer's usual 1): the
@@ -527,9 +682,27 @@ class Sm100FwdKernel:
     # ------------------------------------------------------------------------------------------------------------
     @cute.jit
     def softmax_warpgroup(
-        self, stage, s_layout, tmem_ptr, sStats, pipe_s_p_o, pipe_stats, softmax_scale_log2,
-        mDescaleQ, mDescaleK, head, head_kv, batch,
-        seqlen_q, seqlen_k, window_left, window_right, cluster_m, cta_v, n_block_min, n_block_max,
+        self,
+        stage,
+        s_layout,
+        tmem_ptr,
+        sStats,
+        pipe_s_p_o,
+        pipe_stats,
+        softmax_scale_log2,
+        mDescaleQ,
+        mDescaleK,
+        head,
+        head_kv,
+        batch,
+        seqlen_q,
+        seqlen_k,
+        window_left,
+        window_right,
+        cluster_m,
+        cta_v,
+        n_block_min,
+        n_block_max,
     ):
         tidx = cute.arch.thread_idx()[0] % WG_THREADS
         tSAcc = cute.make_tensor(tmem_ptr + stage * N_BLOCK, s_layout)[(None, None), 0, 0]  # (128, N) fp32
@@ -542,9 +715,7 @@ class Sm100FwdKernel:
         tStP = cute.make_tensor(
             tSAcc.iterator + self.tmem_s_to_p, cute.composition(tSAcc.layout, cute.make_layout((M_BLOCK, p_cols)))
         )
-        store_atom = cute.make_copy_atom(
-            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(p_cols // 4)), Float32
-        )
+        store_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(p_cols // 4)), Float32)
         thr_store = tcgen05.make_tmem_copy(store_atom, tStP).get_slice(tidx)
         tStP_r2t = thr_store.partition_D(tStP)
         tPshape = thr_store.partition_S(cute.make_identity_tensor((M_BLOCK, p_cols))).shape
@@ -588,8 +759,24 @@ class Sm100FwdKernel:
             if const_expr(self.is_fp8):
                 block_scale = cute.arch.fmax(row_scale * mDescaleK[batch, head_kv, n_block], Float32(FLT_MIN))
             step_args = (
-                stage, n_block, tidx, s_phase, stats_phase, key_begin, key_end, block_scale, softmax, thr_load,
-                tStS_t2r, tScS_t2r, thr_store, tStP_r2t, tPshape, sStats, pipe_s_p_o, pipe_stats,
+                stage,
+                n_block,
+                tidx,
+                s_phase,
+                stats_phase,
+                key_begin,
+                key_end,
+                block_scale,
+                softmax,
+                thr_load,
+                tStS_t2r,
+                tScS_t2r,
+                thr_store,
+                tStP_r2t,
+                tPshape,
+                sStats,
+                pipe_s_p_o,
+                pipe_stats,
             )
             if needs_mask:
                 self._softmax_step(*step_args, masked=True, is_first=i == 0)
@@ -605,9 +792,27 @@ class Sm100FwdKernel:
 
     @cute.jit
     def _softmax_step(
-        self, stage, n_block, tidx, s_phase, stats_phase, key_begin, key_end, block_scale, softmax, thr_load,
-        tStS_t2r, tScS_t2r, thr_store, tStP_r2t, tPshape, sStats, pipe_s_p_o, pipe_stats,
-        masked: cutlass.Constexpr[bool], is_first,
+        self,
+        stage,
+        n_block,
+        tidx,
+        s_phase,
+        stats_phase,
+        key_begin,
+        key_end,
+        block_scale,
+        softmax,
+        thr_load,
+        tStS_t2r,
+        tScS_t2r,
+        thr_store,
+        tStP_r2t,
+        tPshape,
+        sStats,
+        pipe_s_p_o,
+        pipe_stats,
+        masked: cutlass.Constexpr[bool],
+        is_first,
     ):
         pipe_s_p_o.consumer_wait(_stage_state(stage, s_phase))
         tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
@@ -636,8 +841,26 @@ class Sm100FwdKernel:
     # ------------------------------------------------------------------------------------------------------------
     @cute.jit
     def correction_warpgroup(
-        self, o_layout, tOsO, tOcO, tmem_ptr, sStats, mLSE, pipe_s_p_o, pipe_o_full, pipe_stats,
-        pipe_o_epi, mDescaleV, seqlen_q, head, head_kv, batch, cluster_m, cta_v, n_block_min, n_block_max,
+        self,
+        o_layout,
+        tOsO,
+        tOcO,
+        tmem_ptr,
+        sStats,
+        mLSE,
+        pipe_s_p_o,
+        pipe_o_full,
+        pipe_stats,
+        pipe_o_epi,
+        mDescaleV,
+        seqlen_q,
+        head,
+        head_kv,
+        batch,
+        cluster_m,
+        cta_v,
+        n_block_min,
+        n_block_max,
     ):
         tidx = cute.arch.thread_idx()[0] % WG_THREADS
         tOtO = [cute.make_tensor(tmem_ptr + self.tmem_o[s], o_layout) for s in range(Q_STAGES)]
@@ -716,14 +939,16 @@ class Sm100FwdKernel:
         tOsO_i = cute.logical_divide(tOsO, cute.make_layout((M_BLOCK, cols)))
         tOcO_i = cute.logical_divide(tOcO, cute.make_layout((M_BLOCK, cols)))
         load_atom = sm100_utils.get_tmem_load_op(
-            self.mma_tiler_pv, cutlass.utils.LayoutEnum.ROW_MAJOR, self.o_dtype, Float32, (M_BLOCK, cols),
+            self.mma_tiler_pv,
+            cutlass.utils.LayoutEnum.ROW_MAJOR,
+            self.o_dtype,
+            Float32,
+            (M_BLOCK, cols),
             self.use_2cta,
         )
         tiled_load = tcgen05.make_tmem_copy(load_atom, tOtO_i[(None, None), 0])
         thr_load = tiled_load.get_slice(tidx)
-        smem_atom = sm100_utils.get_smem_store_op(
-            cutlass.utils.LayoutEnum.ROW_MAJOR, self.o_dtype, Float32, tiled_load
-        )
+        smem_atom = sm100_utils.get_smem_store_op(cutlass.utils.LayoutEnum.ROW_MAJOR, self.o_dtype, Float32, tiled_load)
         tiled_smem_store = cute.make_tiled_copy_D(smem_atom, tiled_load)
         tOtO_t2r = thr_load.partition_S(tOtO_i[(None, None), None])
         tOsO_r2s = thr_load.partition_D(tOsO_i[(None, None), None])
@@ -758,4 +983,3 @@ class Sm100FwdKernel:
             cute.arch.cp_async_bulk_commit_group()
         # sO must stay valid until the bulk stores have read it.
         cute.arch.cp_async_bulk_wait_group(0, read=True)
-

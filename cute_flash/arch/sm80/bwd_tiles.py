@@ -99,6 +99,8 @@ VARIANTS = {
     "fragment_v4": lambda cfg, d, major: _vector_dq(cfg, 4, major),
     "fragment_v4_dq_first": lambda cfg, d, major: replace(_vector_dq(cfg, 4, major), dq_before_dk=cfg.num_stages == 2),
 }
+
+
 # Every variant also at a forced optimisation level ("<variant>_o1" ... "_o3"; the level only changes ptxas, the PTX
 # is the same): at 3, ptxas hoists shared-memory loads ahead of the mmas and spills a few bytes at d96-d128; 1
 # schedules conservatively and does not spill. See default_opt_level.
@@ -107,7 +109,11 @@ def _at_opt_level(variant, level: int):
 
 
 VARIANTS.update(
-    {f"{name}_o{level}": _at_opt_level(variant, level) for name, variant in list(VARIANTS.items()) for level in (1, 2, 3)}
+    {
+        f"{name}_o{level}": _at_opt_level(variant, level)
+        for name, variant in list(VARIANTS.items())
+        for level in (1, 2, 3)
+    }
 )
 # The default where it was measured faster and passed the GPU test matrix (H200, sm_90a target, 2026-11-21:
 # fragment_v4_dq_first 1.07-1.12x SDPA flash at d128 seqlen 4k/16k, 0.98-1.03x at d64, 1.05-1.09x at d256 (where,

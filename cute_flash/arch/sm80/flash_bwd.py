@@ -15,8 +15,8 @@ atomics to (b, sk_padded, h_kv, d) buffers that the postprocess converts. Withou
 The exponent's factor softmax_scale * log2e is clamped into [FLT_MIN, FLT_MAX] as in the forward
 (common/online_softmax.py): at softmax_scale = 0 a masked -inf score times 0 would make P NaN.
 
-Rows past seqlen_q / seqlen_k are zero-filled in shared memory; key columns past seqlen_k and outside the mask window are
-set to -inf in S. Query rows past seqlen_q, and rows that see no key, carry lse_log2 = +inf and D = 0 from the
+Rows past seqlen_q / seqlen_k are zero-filled in shared memory; key columns past seqlen_k and outside the mask window
+are set to -inf in S. Query rows past seqlen_q, and rows that see no key, carry lse_log2 = +inf and D = 0 from the
 preprocess kernel, so their P and dS are exactly 0.
 """
 
@@ -168,9 +168,7 @@ class FlashBackwardSm80:
     def _g2s_copy(self, cols: int, atom_op) -> cute.TiledCopy:
         """128-bit copies of a row-major tile `cols` wide, threads laid out to match the swizzle atom's width."""
         lanes_per_row = _swizzled_smem_atom(self.dtype, cols).outer.shape[1] // 8
-        thread_layout = cute.make_ordered_layout(
-            (self.cfg.num_threads // lanes_per_row, lanes_per_row), order=(1, 0)
-        )
+        thread_layout = cute.make_ordered_layout((self.cfg.num_threads // lanes_per_row, lanes_per_row), order=(1, 0))
         atom = cute.make_copy_atom(atom_op, self.dtype, num_bits_per_copy=128)
         return cute.make_tiled_copy_tv(atom, thread_layout, cute.make_layout((1, 8)))
 
@@ -197,9 +195,7 @@ class FlashBackwardSm80:
         qdo_atom = _swizzled_smem_atom(self.dtype, d)
         sQ_layout = cute.tile_to_shape(qdo_atom, (cfg.block_m, d, stages), (0, 1, 2))
         sK_layout = cute.tile_to_shape(qdo_atom, (cfg.block_n, d), (0, 1))
-        sP_layout = cute.tile_to_shape(
-            _swizzled_smem_atom(self.dtype, cfg.block_n), (cfg.block_m, cfg.block_n), (0, 1)
-        )
+        sP_layout = cute.tile_to_shape(_swizzled_smem_atom(self.dtype, cfg.block_n), (cfg.block_m, cfg.block_n), (0, 1))
 
         @cute.struct
         class SharedStorage:
@@ -214,9 +210,24 @@ class FlashBackwardSm80:
         s2g_copy = self._g2s_copy(d, cute.nvgpu.CopyUniversalOp())
         grid = (cute.ceil_div(mK.shape[1], cfg.block_n), mQ.shape[2], mQ.shape[0])
         self.kernel(
-            mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV,
-            softmax_scale, softmax_scale * LOG2_E, window_left, window_right,
-            sQ_layout, sK_layout, sP_layout, g2s_copy, s2g_copy,
+            mQ,
+            mK,
+            mV,
+            mdO,
+            mLSElog2,
+            mdPsum,
+            mdQaccum,
+            mdK,
+            mdV,
+            softmax_scale,
+            softmax_scale * LOG2_E,
+            window_left,
+            window_right,
+            sQ_layout,
+            sK_layout,
+            sP_layout,
+            g2s_copy,
+            s2g_copy,
             self._tiled_mma(cfg.warps_m_sdp),
             self._tiled_mma(cfg.warps_n_dkv),
             self._tiled_mma(cfg.warps_m_dq),
@@ -376,9 +387,7 @@ class FlashBackwardSm80:
                 cute.arch.barrier()
                 if cutlass.const_expr(stages == 2):
                     if m_block + 1 < m_block_max:
-                        self._load_q_do(
-                            g2s_copy, tQgQ, tQsQ, tdOgdO, tdOsdO, tQcQ, m_block + 1, 1 - slot, seqlen_q
-                        )
+                        self._load_q_do(g2s_copy, tQgQ, tQsQ, tdOgdO, tdOsdO, tQcQ, m_block + 1, 1 - slot, seqlen_q)
                     cute.arch.cp_async_commit_group()
 
                 # S = Q K^T, then P = exp(S * scale - lse) with the mask applied.
@@ -415,7 +424,18 @@ class FlashBackwardSm80:
                 )
                 if cutlass.const_expr(cfg.dq_before_dk):
                     self._dq_product(
-                        tiled_mma_dq, thr_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, s2r_dS, s2r_Kt, mdQaccum, batch, head, m_block,
+                        tiled_mma_dq,
+                        thr_dq,
+                        tdQrdS,
+                        tdQrKt,
+                        tdQsdS,
+                        tdQsKt,
+                        s2r_dS,
+                        s2r_Kt,
+                        mdQaccum,
+                        batch,
+                        head,
+                        m_block,
                         tidx,
                     )
                 _gemm_smem(
@@ -430,7 +450,18 @@ class FlashBackwardSm80:
 
                 if cutlass.const_expr(not cfg.dq_before_dk):
                     self._dq_product(
-                        tiled_mma_dq, thr_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, s2r_dS, s2r_Kt, mdQaccum, batch, head, m_block,
+                        tiled_mma_dq,
+                        thr_dq,
+                        tdQrdS,
+                        tdQrKt,
+                        tdQsdS,
+                        tdQsKt,
+                        s2r_dS,
+                        s2r_Kt,
+                        mdQaccum,
+                        batch,
+                        head,
+                        m_block,
                         tidx,
                     )
 
@@ -442,8 +473,9 @@ class FlashBackwardSm80:
             self._atomic_add(acc_dK, thr_dkv.partition_C(gdK))
             self._atomic_add(acc_dV, thr_dkv.partition_C(gdV))
         else:
-            self._store_dkv(acc_dK, acc_dV, mdK, mdV, sK, sV, s2g_copy, tiled_mma_dkv, tidx, tKcK,
-                            batch, head_kv, n_block, seqlen_k)
+            self._store_dkv(
+                acc_dK, acc_dV, mdK, mdV, sK, sV, s2g_copy, tiled_mma_dkv, tidx, tKcK, batch, head_kv, n_block, seqlen_k
+            )
 
     @cute.jit
     def _load_q_do(

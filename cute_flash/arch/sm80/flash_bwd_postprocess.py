@@ -123,7 +123,9 @@ class DqFragmentConvertSm80:
         per_chunk = cute.size(tCcC)
         values = cute.make_rmem_tensor(num_chunks * per_chunk, Float32)
         for chunk in cutlass.range_constexpr(num_chunks):  # the block is padding past seqlen: in bounds
-            gAccum = cute.local_tile(mAccum[batch, head, None], (block_m * chunk_cols,), (m_block * num_chunks + chunk,))
+            gAccum = cute.local_tile(
+                mAccum[batch, head, None], (block_m * chunk_cols,), (m_block * num_chunks + chunk,)
+            )
             for i in cutlass.range_constexpr(per_chunk):
                 offset = dq_fragment_offset(i, tidx, self.cfg.num_threads, self.cfg.dq_vec)
                 values[chunk * per_chunk + i] = gAccum[offset]

@@ -94,7 +94,18 @@ class _Backend:
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask, deterministic=False) -> None:
         _bwd().run_backward(
-            dout, q, k, v, out, lse, dq, dk, dv, spec=spec, softmax_scale=softmax_scale, mask=mask,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dq,
+            dk,
+            dv,
+            spec=spec,
+            softmax_scale=softmax_scale,
+            mask=mask,
             deterministic=deterministic,
         )
 

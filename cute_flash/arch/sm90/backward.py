@@ -27,7 +27,12 @@ from ...spec import AttentionSpec, MaskBounds
 from ...validation import _round_up, kernel_view
 from ..base import KernelArtifact
 from .tile_config import (
-    WARPGROUP_THREADS, BwdTileConfig, bwd_config_problem, bwd_head_dims, bwd_smem_bytes, bwd_tile_config,
+    WARPGROUP_THREADS,
+    BwdTileConfig,
+    bwd_config_problem,
+    bwd_head_dims,
+    bwd_smem_bytes,
+    bwd_tile_config,
 )
 
 FAMILY = "sm90"
@@ -145,8 +150,9 @@ def run_backward(
     else:
         dk_out, dv_out = dk, dv
     dq_sem = _semaphores((batch, nheads, seqlen_q_pad // cfg.tile_m), q.device, deterministic)
-    dkv_sem = _semaphores((batch, nheads_kv, _round_up(seqlen_k, cfg.tile_n) // cfg.tile_n), q.device,
-                          deterministic and gqa)
+    dkv_sem = _semaphores(
+        (batch, nheads_kv, _round_up(seqlen_k, cfg.tile_n) // cfg.tile_n), q.device, deterministic and gqa
+    )
     role = ("bwd_gqa" if gqa else "bwd") + ("_det" if deterministic else "")
     _kernel(role, spec, cfg, target)(
         q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, dq_sem, dkv_sem, softmax_scale, mask.left, mask.right

@@ -69,8 +69,10 @@ def compile_backward(
     v = _strided(dtype, (batch, seqlen_k, heads_kv), d)
     dout = _strided(dtype, (batch, seqlen_q, heads), d)
     dq_accum = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (batch, heads, dq_len),
-        (cute.sym_int64(divisibility=cfg.tile_m * d), cute.sym_int64(divisibility=cfg.tile_m * d), 1), assumed_align=16,
+        cutlass.Float32,
+        (batch, heads, dq_len),
+        (cute.sym_int64(divisibility=cfg.tile_m * d), cute.sym_int64(divisibility=cfg.tile_m * d), 1),
+        assumed_align=16,
     )
     if gqa:
         dk = _strided(cutlass.Float32, (batch, sk_pad, heads_kv), d)
@@ -89,8 +91,22 @@ def compile_backward(
     kernel = Sm90FlashBackward(dtype, d, spec.mask, cfg, gqa, deterministic)
     options = compile_cache.compile_options(target, extra=extra_options or "")
     return cute.compile(
-        kernel, q, k, v, dout, _fake_stats(batch, heads, sq_pad), _fake_stats(batch, heads, sq_pad), dq_accum, dk, dv,
-        *sems, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream, options=options,
+        kernel,
+        q,
+        k,
+        v,
+        dout,
+        _fake_stats(batch, heads, sq_pad),
+        _fake_stats(batch, heads, sq_pad),
+        dq_accum,
+        dk,
+        dv,
+        *sems,
+        cutlass.Float32(1.0),
+        cutlass.Int32(0),
+        cutlass.Int32(0),
+        stream,
+        options=options,
     )
 
 
@@ -102,8 +118,10 @@ def compile_dq_postprocess(spec: AttentionSpec, cfg, target: str, extra_options:
     d = spec.head_dim
     batch, seqlen_q, heads, dq_len = (cute.sym_int() for _ in range(4))
     dq_accum = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (batch, heads, dq_len),
-        (cute.sym_int64(divisibility=cfg.tile_m * d), cute.sym_int64(divisibility=cfg.tile_m * d), 1), assumed_align=16,
+        cutlass.Float32,
+        (batch, heads, dq_len),
+        (cute.sym_int64(divisibility=cfg.tile_m * d), cute.sym_int64(divisibility=cfg.tile_m * d), 1),
+        assumed_align=16,
     )
     dq = _strided(dtype, (batch, seqlen_q, heads), d)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)

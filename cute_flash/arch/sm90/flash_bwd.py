@@ -212,24 +212,45 @@ class Sm90FlashBackward:
         if const_expr(self.keys_on_rows):
             # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: each consumer's 64 keys x all tile_m queries.
             tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, k_major, k_major, Float32, atom_layout_mnk=(w, 1, 1),
+                self.dtype,
+                self.dtype,
+                k_major,
+                k_major,
+                Float32,
+                atom_layout_mnk=(w, 1, 1),
                 tiler_mn=(ROWS_PER_CONSUMER, self.tile_m),
             )
             # dV += Pᵀ·dO, dK += dSᵀ·Q: A from registers (the Sᵀ / dPᵀ accumulators), B = dOᵀ / Qᵀ (MN-major).
             tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, k_major, mn_major, Float32, atom_layout_mnk=(w, 1, 1),
-                tiler_mn=(ROWS_PER_CONSUMER, d), a_source=warpgroup.OperandSource.RMEM,
+                self.dtype,
+                self.dtype,
+                k_major,
+                mn_major,
+                Float32,
+                atom_layout_mnk=(w, 1, 1),
+                tiler_mn=(ROWS_PER_CONSUMER, d),
+                a_source=warpgroup.OperandSource.RMEM,
             )
         else:
             # S = Q·Kᵀ and dP = dO·Vᵀ: all 64 queries x each consumer's tile_n / w keys.
             tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, k_major, k_major, Float32, atom_layout_mnk=(1, w, 1),
+                self.dtype,
+                self.dtype,
+                k_major,
+                k_major,
+                Float32,
+                atom_layout_mnk=(1, w, 1),
                 tiler_mn=(ROWS_PER_CONSUMER, self.tile_n // w),
             )
             # dV += Pᵀ·dO, dK += dSᵀ·Q: A = Pᵀ / dSᵀ read transposed from shared memory (every key of the tile),
             # B = dOᵀ / Qᵀ; each consumer owns head_dim / w columns.
             tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, mn_major, mn_major, Float32, atom_layout_mnk=(1, w, 1),
+                self.dtype,
+                self.dtype,
+                mn_major,
+                mn_major,
+                Float32,
+                atom_layout_mnk=(1, w, 1),
                 tiler_mn=(self.tile_n, d // w),
             )
         tiled_mma_dq = dq_tiled_mma(self.dtype, d, self.cfg)
@@ -258,11 +279,38 @@ class Sm90FlashBackward:
 
         num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
         self.kernel(
-            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_dpsum, mdQaccum, tma_dk, tma_dv, mdQsem, mdKVsem,
-            atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum, atom_dk, atom_dv,
-            tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout,
-            softmax_scale, window_left, window_right, SharedStorage,
+            tma_q,
+            tma_k,
+            tma_v,
+            tma_do,
+            tma_lse,
+            tma_dpsum,
+            mdQaccum,
+            tma_dk,
+            tma_dv,
+            mdQsem,
+            mdKVsem,
+            atom_q,
+            atom_k,
+            atom_v,
+            atom_do,
+            atom_lse,
+            atom_dpsum,
+            atom_dk,
+            atom_dv,
+            tiled_mma_sdp,
+            tiled_mma_dkv,
+            tiled_mma_dq,
+            sQ_layout,
+            sdO_layout,
+            sK_layout,
+            sV_layout,
+            sdS_layout,
+            sStat_layout,
+            softmax_scale,
+            window_left,
+            window_right,
+            SharedStorage,
         ).launch(
             grid=[num_n_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])],
             block=[self.cfg.num_threads, 1, 1],
@@ -336,13 +384,14 @@ class Sm90FlashBackward:
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads // WARP_THREADS)
-        ring = partial(pipeline.PipelineTmaAsync.create, producer_group=producer, consumer_group=consumer_warps,
-                       defer_sync=True)
+        ring = partial(
+            pipeline.PipelineTmaAsync.create, producer_group=producer, consumer_group=consumer_warps, defer_sync=True
+        )
         pipe_kv = ring(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, tx_count=self.bytes_kv)
-        pipe_q = ring(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages,
-                      tx_count=self.bytes_q_lse)
-        pipe_do = ring(barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages,
-                       tx_count=self.bytes_do_dpsum)
+        pipe_q = ring(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages, tx_count=self.bytes_q_lse)
+        pipe_do = ring(
+            barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages, tx_count=self.bytes_do_dpsum
+        )
         pipeline.pipeline_init_arrive(is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -371,31 +420,101 @@ class Sm90FlashBackward:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
                 self.produce(
-                    pipe_kv, pipe_q, pipe_do, atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum,
-                    mQ, mK, mV, mdO, mLSElog2, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum,
-                    n_block, head, head_kv, batch, m_min, m_max,
+                    pipe_kv,
+                    pipe_q,
+                    pipe_do,
+                    atom_q,
+                    atom_k,
+                    atom_v,
+                    atom_do,
+                    atom_lse,
+                    atom_dpsum,
+                    mQ,
+                    mK,
+                    mV,
+                    mdO,
+                    mLSElog2,
+                    mdPsum,
+                    sQ,
+                    sK,
+                    sV,
+                    sdO,
+                    sLSE,
+                    sdPsum,
+                    n_block,
+                    head,
+                    head_kv,
+                    batch,
+                    m_min,
+                    m_max,
                 )
             if warp_idx == 1:
                 self.store_dq(sdQ, mdQaccum, mdQsem, info, n_block, head, batch, m_min, m_max)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             self.consume(
-                pipe_kv, pipe_q, pipe_do, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-                sQ, sK, sV, sdO, sdS, sP, sLSE, sdPsum, sdQ, mdK, mdV, mdKVsem, atom_dk, atom_dv,
-                softmax_scale, info, n_block, head % group, head_kv, batch, m_min, m_max,
-                tidx - WARPGROUP_THREADS, warp_idx,
+                pipe_kv,
+                pipe_q,
+                pipe_do,
+                tiled_mma_sdp,
+                tiled_mma_dkv,
+                tiled_mma_dq,
+                sQ,
+                sK,
+                sV,
+                sdO,
+                sdS,
+                sP,
+                sLSE,
+                sdPsum,
+                sdQ,
+                mdK,
+                mdV,
+                mdKVsem,
+                atom_dk,
+                atom_dv,
+                softmax_scale,
+                info,
+                n_block,
+                head % group,
+                head_kv,
+                batch,
+                m_min,
+                m_max,
+                tidx - WARPGROUP_THREADS,
+                warp_idx,
             )
 
     @cute.jit
     def produce(
         self,
-        pipe_kv, pipe_q, pipe_do,
-        atom_q: cute.CopyAtom, atom_k: cute.CopyAtom, atom_v: cute.CopyAtom, atom_do: cute.CopyAtom,
-        atom_lse: cute.CopyAtom, atom_dpsum: cute.CopyAtom,
-        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSElog2: cute.Tensor,
+        pipe_kv,
+        pipe_q,
+        pipe_do,
+        atom_q: cute.CopyAtom,
+        atom_k: cute.CopyAtom,
+        atom_v: cute.CopyAtom,
+        atom_do: cute.CopyAtom,
+        atom_lse: cute.CopyAtom,
+        atom_dpsum: cute.CopyAtom,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSElog2: cute.Tensor,
         mdPsum: cute.Tensor,
-        sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sdPsum: cute.Tensor,
-        n_block: Int32, head: Int32, head_kv: Int32, batch: Int32, m_min: Int32, m_max: Int32,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        sdO: cute.Tensor,
+        sLSE: cute.Tensor,
+        sdPsum: cute.Tensor,
+        n_block: Int32,
+        head: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        m_min: Int32,
+        m_max: Int32,
     ):
         """K and V once; then Q + LSE and dO + D per query tile, in the consumers' order."""
         d = self.head_dim
@@ -442,13 +561,34 @@ class Sm90FlashBackward:
     @cute.jit
     def consume(
         self,
-        pipe_kv, pipe_q, pipe_do,
-        tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
-        sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor, sP: cute.Tensor,
-        sLSE: cute.Tensor, sdPsum: cute.Tensor, sdQ: cute.Tensor,
-        mdK: cute.Tensor, mdV: cute.Tensor, mdKVsem: cute.Tensor, atom_dk: cute.CopyAtom, atom_dv: cute.CopyAtom,
-        softmax_scale: Float32, info: BlockInfo,
-        n_block: Int32, head_in_group: Int32, head_kv: Int32, batch: Int32, m_min: Int32, m_max: Int32,
+        pipe_kv,
+        pipe_q,
+        pipe_do,
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        sdO: cute.Tensor,
+        sdS: cute.Tensor,
+        sP: cute.Tensor,
+        sLSE: cute.Tensor,
+        sdPsum: cute.Tensor,
+        sdQ: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mdKVsem: cute.Tensor,
+        atom_dk: cute.CopyAtom,
+        atom_dv: cute.CopyAtom,
+        softmax_scale: Float32,
+        info: BlockInfo,
+        n_block: Int32,
+        head_in_group: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        m_min: Int32,
+        m_max: Int32,
         tidx: Int32,  # 0 .. num_consumer_threads - 1
         warp_idx: Int32,
     ):
@@ -518,13 +658,36 @@ class Sm90FlashBackward:
             do = consumer_state(stages)
             step = partial(
                 self.step,
-                pipe_q=pipe_q, pipe_do=pipe_do,
-                tiled_mma_sdp=tiled_mma_sdp, tiled_mma_dkv=tiled_mma_dkv, tiled_mma_dq=tiled_mma_dq,
-                tSrK=tSrK, tSrQ=tSrQ, tdPrV=tdPrV, tdPrdO=tdPrdO, tdVrdOt=tdVrdOt, tdKrQt=tdKrQt,
-                tdVrP=tdVrP, tdKrdS=tdKrdS, tdQrdS=tdQrdS, tdQrKt=tdQrKt, acc_dV=acc_dV, acc_dK=acc_dK,
-                smem_copy_ds=smem_copy_ds, tdSsdS=tdSsdS, tPsP=tPsP, sLSE=sLSE, sdPsum=sdPsum,
-                coords_rc=coords_rc, coords0_rc=coords0_rc, info=info, n_block=n_block, scale_log2=scale_log2,
-                thr_dq=thr_dq, sdQ=sdQ, tidx=tidx,
+                pipe_q=pipe_q,
+                pipe_do=pipe_do,
+                tiled_mma_sdp=tiled_mma_sdp,
+                tiled_mma_dkv=tiled_mma_dkv,
+                tiled_mma_dq=tiled_mma_dq,
+                tSrK=tSrK,
+                tSrQ=tSrQ,
+                tdPrV=tdPrV,
+                tdPrdO=tdPrdO,
+                tdVrdOt=tdVrdOt,
+                tdKrQt=tdKrQt,
+                tdVrP=tdVrP,
+                tdKrdS=tdKrdS,
+                tdQrdS=tdQrdS,
+                tdQrKt=tdQrKt,
+                acc_dV=acc_dV,
+                acc_dK=acc_dK,
+                smem_copy_ds=smem_copy_ds,
+                tdSsdS=tdSsdS,
+                tPsP=tPsP,
+                sLSE=sLSE,
+                sdPsum=sdPsum,
+                coords_rc=coords_rc,
+                coords0_rc=coords0_rc,
+                info=info,
+                n_block=n_block,
+                scale_log2=scale_log2,
+                thr_dq=thr_dq,
+                sdQ=sdQ,
+                tidx=tidx,
             )
             # Query tiles in order; only those crossing a window edge (or all of them when this key tile runs
             # past seqlen_k) are masked element by element.
@@ -548,14 +711,37 @@ class Sm90FlashBackward:
 
         if const_expr(self.gqa):
             self.add_dkv_partials(
-                acc_dK, acc_dV, tiled_mma_dkv, mdK, mdV, mdKVsem, softmax_scale, n_block, head_in_group,
-                head_kv, batch, tidx,
+                acc_dK,
+                acc_dV,
+                tiled_mma_dkv,
+                mdK,
+                mdV,
+                mdKVsem,
+                softmax_scale,
+                n_block,
+                head_in_group,
+                head_kv,
+                batch,
+                tidx,
             )
         else:
             # A key tile no query sees still writes its (zero) dK / dV.
             self.store_dkv(
-                acc_dK, acc_dV, tiled_mma_dkv, sK, sV, mdK, mdV, atom_dk, atom_dv, softmax_scale,
-                n_block, head_kv, batch, tidx, warp_idx,
+                acc_dK,
+                acc_dV,
+                tiled_mma_dkv,
+                sK,
+                sV,
+                mdK,
+                mdV,
+                atom_dk,
+                atom_dv,
+                softmax_scale,
+                n_block,
+                head_kv,
+                batch,
+                tidx,
+                warp_idx,
             )
 
     @cute.jit
@@ -565,14 +751,36 @@ class Sm90FlashBackward:
         do: pipeline.PipelineState,
         m_block: Int32,
         masked: cutlass.Constexpr[bool],
-        pipe_q, pipe_do,
-        tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
-        tSrK: cute.Tensor, tSrQ: cute.Tensor, tdPrV: cute.Tensor, tdPrdO: cute.Tensor,
-        tdVrdOt: cute.Tensor, tdKrQt: cute.Tensor, tdVrP: cute.Tensor, tdKrdS: cute.Tensor,
-        tdQrdS: cute.Tensor, tdQrKt: cute.Tensor, acc_dV: cute.Tensor, acc_dK: cute.Tensor,
-        smem_copy_ds, tdSsdS: cute.Tensor, tPsP: cute.Tensor, sLSE: cute.Tensor, sdPsum: cute.Tensor,
-        coords_rc: cute.Tensor, coords0_rc: cute.Tensor, info: BlockInfo, n_block: Int32, scale_log2: Float32,
-        thr_dq, sdQ: cute.Tensor, tidx: Int32,
+        pipe_q,
+        pipe_do,
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        tSrK: cute.Tensor,
+        tSrQ: cute.Tensor,
+        tdPrV: cute.Tensor,
+        tdPrdO: cute.Tensor,
+        tdVrdOt: cute.Tensor,
+        tdKrQt: cute.Tensor,
+        tdVrP: cute.Tensor,
+        tdKrdS: cute.Tensor,
+        tdQrdS: cute.Tensor,
+        tdQrKt: cute.Tensor,
+        acc_dV: cute.Tensor,
+        acc_dK: cute.Tensor,
+        smem_copy_ds,
+        tdSsdS: cute.Tensor,
+        tPsP: cute.Tensor,
+        sLSE: cute.Tensor,
+        sdPsum: cute.Tensor,
+        coords_rc: cute.Tensor,
+        coords0_rc: cute.Tensor,
+        info: BlockInfo,
+        n_block: Int32,
+        scale_log2: Float32,
+        thr_dq,
+        sdQ: cute.Tensor,
+        tidx: Int32,
     ):
         """One query tile: S, dP, P, dS, dV, dQ, dK (see the module docstring for the order and the overlap)."""
         kor = self.keys_on_rows
@@ -653,8 +861,12 @@ class Sm90FlashBackward:
         cute.arch.barrier(barrier_id=int(BwdBarrierId.DS_READY), number_of_threads=self.num_consumer_threads)
         if const_expr(not kor):
             wgmma.gemm(
-                tiled_mma_dkv, acc_dV, tdVrP[None, None, None, q.index], tdVrdOt[None, None, None, do.index],
-                zero_init=False, wait=-1,
+                tiled_mma_dkv,
+                acc_dV,
+                tdVrP[None, None, None, q.index],
+                tdVrdOt[None, None, None, do.index],
+                zero_init=False,
+                wait=-1,
             )
         acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
         every_consumer_dq = self.num_dq_wgs == self.num_consumers
@@ -698,8 +910,15 @@ class Sm90FlashBackward:
     @cute.jit
     def store_dq(
         self,
-        sdQ: cute.Tensor, mdQaccum: cute.Tensor, mdQsem: cute.Tensor, info: BlockInfo,
-        n_block: Int32, head: Int32, batch: Int32, m_min: Int32, m_max: Int32,
+        sdQ: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdQsem: cute.Tensor,
+        info: BlockInfo,
+        n_block: Int32,
+        head: Int32,
+        batch: Int32,
+        m_min: Int32,
+        m_max: Int32,
     ):
         """The dQ warp: per query tile, hands each consumer its (free) buffer, waits for it to be filled and adds it
         to the global accumulator with one bulk reduce-add. Deterministic: the key tiles that see a query tile add
@@ -723,7 +942,8 @@ class Sm90FlashBackward:
                 cute.arch.barrier(barrier_id=int(BwdBarrierId.DQ_FULL_FIRST) + c, number_of_threads=pair)
                 with cute.arch.elect_one():
                     bulk_reduce_add_f32(
-                        dq_base + (m_block * (self.tile_m * self.head_dim) + c * chunk), sdQ.iterator + c * chunk,
+                        dq_base + (m_block * (self.tile_m * self.head_dim) + c * chunk),
+                        sdQ.iterator + c * chunk,
                         chunk * 4,
                     )
                 cute.arch.cp_async_bulk_commit_group()
@@ -737,10 +957,21 @@ class Sm90FlashBackward:
     @cute.jit
     def store_dkv(
         self,
-        acc_dK: cute.Tensor, acc_dV: cute.Tensor, tiled_mma_dkv: cute.TiledMma,
-        sK: cute.Tensor, sV: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-        atom_dk: cute.CopyAtom, atom_dv: cute.CopyAtom, softmax_scale: Float32,
-        n_block: Int32, head_kv: Int32, batch: Int32, tidx: Int32, warp_idx: Int32,
+        acc_dK: cute.Tensor,
+        acc_dV: cute.Tensor,
+        tiled_mma_dkv: cute.TiledMma,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        atom_dk: cute.CopyAtom,
+        atom_dv: cute.CopyAtom,
+        softmax_scale: Float32,
+        n_block: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        tidx: Int32,
+        warp_idx: Int32,
     ):
         """dK·scale and dV in 16 bits through the K / V tiles' shared memory (every consumer is done reading them
         once all have passed the barrier) and one TMA store each, clipped at seqlen_k."""
@@ -759,7 +990,9 @@ class Sm90FlashBackward:
             no_cluster = cute.make_layout(1)
             for atom, s, m in ((atom_dk, sK, mdK), (atom_dv, sV, mdV)):
                 g = cute.local_tile(m[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
-                t_s, t_g = cpasync.tma_partition(atom, 0, no_cluster, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
+                t_s, t_g = cpasync.tma_partition(
+                    atom, 0, no_cluster, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+                )
                 cute.copy(atom, t_s[None, 0], t_g[None, n_block])
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -767,9 +1000,18 @@ class Sm90FlashBackward:
     @cute.jit
     def add_dkv_partials(
         self,
-        acc_dK: cute.Tensor, acc_dV: cute.Tensor, tiled_mma_dkv: cute.TiledMma,
-        mdK: cute.Tensor, mdV: cute.Tensor, mdKVsem: cute.Tensor,
-        softmax_scale: Float32, n_block: Int32, head_in_group: Int32, head_kv: Int32, batch: Int32, tidx: Int32,
+        acc_dK: cute.Tensor,
+        acc_dV: cute.Tensor,
+        tiled_mma_dkv: cute.TiledMma,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mdKVsem: cute.Tensor,
+        softmax_scale: Float32,
+        n_block: Int32,
+        head_in_group: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        tidx: Int32,
     ):
         """GQA: this query head's dK·scale and dV added to the fp32 (b, sk_padded, h_kv, d) sums, two adjacent
         columns per red (the buffers are padded to whole key tiles, so no row needs a predicate). Deterministic: the

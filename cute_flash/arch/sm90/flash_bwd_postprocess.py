@@ -21,6 +21,7 @@ from .tile_config import WARPGROUP_THREADS, BwdTileConfig
 from .views import seq_major_view
 from . import wgmma
 
+
 class DqConvertSm90:
     def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, cfg: BwdTileConfig):
         self.dtype = dtype
@@ -48,9 +49,9 @@ class DqConvertSm90:
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], SMEM_ALIGN]
 
         grid = (cute.ceil_div(mOut.shape[1], tile_m), mOut.shape[2], mOut.shape[0])
-        self.kernel(mAccum, tma_o, atom_o, scale, dq_tiled_mma(self.dtype, d, self.cfg), sO_layout, SharedStorage).launch(
-            grid=grid, block=[self.num_threads, 1, 1], stream=stream
-        )
+        self.kernel(
+            mAccum, tma_o, atom_o, scale, dq_tiled_mma(self.dtype, d, self.cfg), sO_layout, SharedStorage
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(

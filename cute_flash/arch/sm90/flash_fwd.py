@@ -47,8 +47,6 @@ from . import wgmma
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
 
 
-
-
 class Sm90FlashForward:
     """Callable compiled once per (dtype, head dims, mask kind, tile config); shapes and strides are runtime."""
 
@@ -284,8 +282,21 @@ class Sm90FlashForward:
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
         load_q_k_v(
-            pipes, atom_q, atom_k, atom_v, gQ, gK, gV, sQ, sK, sV, m_block * self.num_consumers, self.num_consumers,
-            self.num_stages, n_min, n_max,
+            pipes,
+            atom_q,
+            atom_k,
+            atom_v,
+            gQ,
+            gK,
+            gV,
+            sQ,
+            sK,
+            sV,
+            m_block * self.num_consumers,
+            self.num_consumers,
+            self.num_stages,
+            n_min,
+            n_max,
         )
 
     @cute.jit
@@ -332,7 +343,9 @@ class Sm90FlashForward:
             cute.make_identity_tensor((self.tile_m, self.tile_n)), (rows, self.tile_n), (consumer, 0)
         )
         coords_rc = rows_cols_view(thr_qk.partition_C(coords))
-        coords0_rc = rows_cols_view(tiled_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((rows, self.tile_n))))
+        coords0_rc = rows_cols_view(
+            tiled_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((rows, self.tile_n)))
+        )
 
         softmax = OnlineSoftmax.create(softmax_scale * LOG2_E, cute.size(rows_cols_view(acc_O), mode=[0]))
         turns = WarpGroupTurns(consumer, self.num_consumers, self.cfg.ping_pong)
@@ -361,8 +374,23 @@ class Sm90FlashForward:
         row_scale, lse = softmax.finalize()
         softmax.rescale(rows_cols_view(acc_O), row_scale)
         store_o_and_lse(
-            acc_O, lse, self.dtype, self.head_dim_v, tiled_mma_pv, thr_pv, sO, mO, mLSE, atom_o,
-            m_block * self.num_consumers + consumer, head, batch, seqlen_q, consumer, tidx, warp_in_wg,
+            acc_O,
+            lse,
+            self.dtype,
+            self.head_dim_v,
+            tiled_mma_pv,
+            thr_pv,
+            sO,
+            mO,
+            mLSE,
+            atom_o,
+            m_block * self.num_consumers + consumer,
+            head,
+            batch,
+            seqlen_q,
+            consumer,
+            tidx,
+            warp_in_wg,
         )
 
     @cute.jit

@@ -64,8 +64,9 @@ def _select(t: cute.Tensor, modes) -> cute.Tensor:
 class Sm90FlashForwardFp8:
     """Compiled once per (output dtype, head dims, mask kind, config); shapes, strides and scales are runtime."""
 
-    def __init__(self, out_dtype: Type[cutlass.Numeric], head_dim: int, head_dim_v: int, mask_kind: str,
-                 cfg: Fp8FwdConfig):
+    def __init__(
+        self, out_dtype: Type[cutlass.Numeric], head_dim: int, head_dim_v: int, mask_kind: str, cfg: Fp8FwdConfig
+    ):
         assert out_dtype in (cutlass.BFloat16, cutlass.Float16)
         assert mask_kind in ("none", "causal", "local")
         assert head_dim % 32 == 0 and head_dim_v % 32 == 0
@@ -114,7 +115,9 @@ class Sm90FlashForwardFp8:
         sQ_layout = wgmma.k_major_smem_layout(FP8, rows, self.head_dim, self.num_consumers)
         sK_layout = wgmma.k_major_smem_layout(FP8, self.tile_n, self.head_dim, self.num_stages)
         sVt_layout = wgmma.k_major_smem_layout(FP8, self.pv_n, self.tile_n, self.num_stages)
-        sVt_load_layout = wgmma.k_major_smem_layout(FP8, self.head_dim_v, self.tile_n, self.num_stages)  # what TMA fills
+        sVt_load_layout = wgmma.k_major_smem_layout(
+            FP8, self.head_dim_v, self.tile_n, self.num_stages
+        )  # what TMA fills
         sO_layout = wgmma.k_major_smem_layout(self.out_dtype, rows, self.head_dim_v, self.num_consumers)
 
         k_major = cute.nvgpu.OperandMajorMode.K
@@ -123,7 +126,13 @@ class Sm90FlashForwardFp8:
         )
         tiled_mma_pv, tiled_mma_o = (
             sm90_utils.make_trivial_tiled_mma(
-                FP8, FP8, k_major, k_major, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(rows, n),
+                FP8,
+                FP8,
+                k_major,
+                k_major,
+                Float32,
+                atom_layout_mnk=(1, 1, 1),
+                tiler_mn=(rows, n),
                 a_source=warpgroup.OperandSource.RMEM,
             )
             for n in (self.pv_n, self.head_dim_v)  # P·[V | 1], and the O columns alone (O's registers, epilogue)
@@ -153,11 +162,28 @@ class Sm90FlashForwardFp8:
 
         num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
         self.kernel(
-            tma_q, tma_k, tma_v, tma_o, mLSE, mQd, mKd, mVd,
-            atom_q, atom_k, atom_v, atom_o,
-            tiled_mma_qk, tiled_mma_pv, tiled_mma_o,
-            sQ_layout, sK_layout, sVt_layout, sO_layout,
-            softmax_scale, window_left, window_right,
+            tma_q,
+            tma_k,
+            tma_v,
+            tma_o,
+            mLSE,
+            mQd,
+            mKd,
+            mVd,
+            atom_q,
+            atom_k,
+            atom_v,
+            atom_o,
+            tiled_mma_qk,
+            tiled_mma_pv,
+            tiled_mma_o,
+            sQ_layout,
+            sK_layout,
+            sVt_layout,
+            sO_layout,
+            softmax_scale,
+            window_left,
+            window_right,
             SharedStorage,
         ).launch(
             grid=[num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])],
@@ -239,16 +265,53 @@ class Sm90FlashForwardFp8:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
                 self.produce(
-                    pipes, atom_q, atom_k, atom_v, mQ, mK, mVt, sQ, sK, sVt_load, m_block, head, head_kv, batch, n_min,
+                    pipes,
+                    atom_q,
+                    atom_k,
+                    atom_v,
+                    mQ,
+                    mK,
+                    mVt,
+                    sQ,
+                    sK,
+                    sVt_load,
+                    m_block,
+                    head,
+                    head_kv,
+                    batch,
+                    n_min,
                     n_max,
                 )
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             consumer = warp_group - 1
             self.consume(
-                pipes, tiled_mma_qk, tiled_mma_pv, tiled_mma_o, sQ, sK, sVt, storage.sVt.data_ptr(), sO, mO, mLSE,
-                mQd, mKd, mVd, atom_o, softmax_scale,
-                m_block, head, head_kv, batch, seqlen_q, info, n_min, n_max, consumer, tidx % WARPGROUP_THREADS,
+                pipes,
+                tiled_mma_qk,
+                tiled_mma_pv,
+                tiled_mma_o,
+                sQ,
+                sK,
+                sVt,
+                storage.sVt.data_ptr(),
+                sO,
+                mO,
+                mLSE,
+                mQd,
+                mKd,
+                mVd,
+                atom_o,
+                softmax_scale,
+                m_block,
+                head,
+                head_kv,
+                batch,
+                seqlen_q,
+                info,
+                n_min,
+                n_max,
+                consumer,
+                tidx % WARPGROUP_THREADS,
                 warp_idx % 4,
             )
 
@@ -277,8 +340,21 @@ class Sm90FlashForwardFp8:
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
         gVt = cute.local_tile(mVt[None, None, head_kv, batch], (self.head_dim_v, self.tile_n), (0, None))
         load_q_k_v(
-            pipes, atom_q, atom_k, atom_v, gQ, gK, gVt, sQ, sK, sVt, m_block * self.num_consumers, self.num_consumers,
-            self.num_stages, n_min, n_max,
+            pipes,
+            atom_q,
+            atom_k,
+            atom_v,
+            gQ,
+            gK,
+            gVt,
+            sQ,
+            sK,
+            sVt,
+            m_block * self.num_consumers,
+            self.num_consumers,
+            self.num_stages,
+            n_min,
+            n_max,
         )
 
     @cute.jit
@@ -329,10 +405,13 @@ class Sm90FlashForwardFp8:
             cute.make_identity_tensor((self.tile_m, self.tile_n)), (rows, self.tile_n), (consumer, 0)
         )
         coords_rc = rows_cols_view(thr_qk.partition_C(coords))
-        coords0_rc = rows_cols_view(tiled_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((rows, self.tile_n))))
+        coords0_rc = rows_cols_view(
+            tiled_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((rows, self.tile_n)))
+        )
 
         softmax = Fp8OnlineSoftmax.create(
-            cute.size(rows_cols_view(acc_O), mode=[0]), exp2_poly_per_row=self.exp2_poly_per_row,
+            cute.size(rows_cols_view(acc_O), mode=[0]),
+            exp2_poly_per_row=self.exp2_poly_per_row,
             sum_in_mma=self.row_sum_mma,
         )
         turns = WarpGroupTurns(consumer, self.num_consumers, self.cfg.ping_pong)
@@ -347,9 +426,28 @@ class Sm90FlashForwardFp8:
         v_scale_last = Float32(1.0)
         if n_max > n_min:
             v_scale_last = self.mainloop(
-                pipes, tiled_mma_qk, tiled_mma_pv, tSrQ[None, None, None, consumer], tSrK, tOrVt, tOrP, acc_O,
-                thr_pv.partition_shape_C((rows, self.pv_n)), softmax, turns, info, m_block, n_min, n_max, coords_rc,
-                coords0_rc, q_scale, mKd, mVd, batch, head_kv,
+                pipes,
+                tiled_mma_qk,
+                tiled_mma_pv,
+                tSrQ[None, None, None, consumer],
+                tSrK,
+                tOrVt,
+                tOrP,
+                acc_O,
+                thr_pv.partition_shape_C((rows, self.pv_n)),
+                softmax,
+                turns,
+                info,
+                m_block,
+                n_min,
+                n_max,
+                coords_rc,
+                coords0_rc,
+                q_scale,
+                mKd,
+                mVd,
+                batch,
+                head_kv,
             )
 
         row_scale, lse = softmax.finalize(v_scale_last)
@@ -357,8 +455,23 @@ class Sm90FlashForwardFp8:
         for r in cutlass.range_constexpr(cute.size(row_scale)):
             rows_O[r, None].store(rows_O[r, None].load() * row_scale[r])
         store_o_and_lse(
-            acc_O, lse, self.out_dtype, self.head_dim_v, tiled_mma_o, thr_o, sO, mO, mLSE, atom_o, slice_idx, head,
-            batch, seqlen_q, consumer, tidx, warp_in_wg,
+            acc_O,
+            lse,
+            self.out_dtype,
+            self.head_dim_v,
+            tiled_mma_o,
+            thr_o,
+            sO,
+            mO,
+            mLSE,
+            atom_o,
+            slice_idx,
+            head,
+            batch,
+            seqlen_q,
+            consumer,
+            tidx,
+            warp_in_wg,
         )
 
     @cute.jit
@@ -379,8 +492,9 @@ class Sm90FlashForwardFp8:
         epilogue_sync(consumer)
 
     @cute.jit
-    def tile_scales(self, mKd: cute.Tensor, mVd: cute.Tensor, batch: Int32, head_kv: Int32, n_block: Int32,
-                    q_scale: Float32):
+    def tile_scales(
+        self, mKd: cute.Tensor, mVd: cute.Tensor, batch: Int32, head_kv: Int32, n_block: Int32, q_scale: Float32
+    ):
         """(exponent factor c_n, V descale) of key tile n_block."""
         blk = n_block // self.tiles_per_scale
         # Clamped above 0: a zero descale would give NaN from masked -inf scores and from the V-descale ratio.
@@ -443,10 +557,23 @@ class Sm90FlashForwardFp8:
         v_prev = v_first
 
         step = partial(
-            self.step, pipes=pipes, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
-            tOrVt=tOrVt, tOrP=tOrP, acc_O=acc_O, acc_PV=acc_PV, pending=pending, pending_sum=pending_sum,
-            s_shape=s_shape, softmax=softmax,
-            turns=turns, mask=mask, scales=scales,
+            self.step,
+            pipes=pipes,
+            tiled_mma_qk=tiled_mma_qk,
+            tiled_mma_pv=tiled_mma_pv,
+            tSrQ=tSrQ,
+            tSrK=tSrK,
+            tOrVt=tOrVt,
+            tOrP=tOrP,
+            acc_O=acc_O,
+            acc_PV=acc_PV,
+            pending=pending,
+            pending_sum=pending_sum,
+            s_shape=s_shape,
+            softmax=softmax,
+            turns=turns,
+            mask=mask,
+            scales=scales,
         )
         right_lo = n_first
         if const_expr(masked):
@@ -464,9 +591,7 @@ class Sm90FlashForwardFp8:
 
         # The last P·V (tile n_min), in units of its own V descale.
         pipes.v.consumer_wait(kv)
-        wgmma.gemm(
-            tiled_mma_pv, acc_PV, tOrP, tOrVt[None, None, None, kv.index], zero_init=self.promote_pv, wait=0
-        )
+        wgmma.gemm(tiled_mma_pv, acc_PV, tOrP, tOrVt[None, None, None, kv.index], zero_init=self.promote_pv, wait=0)
         pipes.v.consumer_release(kv)
         if const_expr(self.promote_pv):
             self.absorb(acc_O, acc_PV, pending, softmax, pending_sum)
@@ -487,8 +612,14 @@ class Sm90FlashForwardFp8:
         apply_mask(rows_cols_view(acc_S), coords_rc, coords0_rc, info, m_block, n_block, mask_seqlen, mask_window)
 
     @cute.jit
-    def absorb(self, acc_O: cute.Tensor, acc_PV: cute.Tensor, factor: cute.Tensor, softmax: Fp8OnlineSoftmax,
-               factor_sum: cute.Tensor):
+    def absorb(
+        self,
+        acc_O: cute.Tensor,
+        acc_PV: cute.Tensor,
+        factor: cute.Tensor,
+        softmax: Fp8OnlineSoftmax,
+        factor_sum: cute.Tensor,
+    ):
         """O = O · factor[row] + PV: the fp32 promotion of one tile's P·V, fused with O's rescale. With row_sum_mma
         PV has 8 more columns (all equal: Σ P of the row), added to the softmax's row sums with their own factor."""
         rows_O = rows_cols_view(acc_O)
@@ -545,9 +676,7 @@ class Sm90FlashForwardFp8:
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=-1)
         pipes.v.consumer_wait(kv_v)
-        wgmma.gemm(
-            tiled_mma_pv, acc_PV, tOrP, tOrVt[None, None, None, kv_v.index], zero_init=self.promote_pv, wait=-1
-        )
+        wgmma.gemm(tiled_mma_pv, acc_PV, tOrP, tOrVt[None, None, None, kv_v.index], zero_init=self.promote_pv, wait=-1)
         turns.pass_turn()
         warpgroup.wait_group(1)  # S is ready; P·V may still run
         pipes.k.consumer_release(kv)

@@ -31,7 +31,10 @@ def fp8_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
         return f"the sm90 FP8 kernel writes out bf16 or fp16, not {spec.out_dtype}"
     for name, d in (("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)):
         if d % 32 != 0 or not 32 <= d <= FP8_MAX_HEAD_DIM:
-            return f"the sm90 FP8 kernel needs {name} a multiple of 32 up to {FP8_MAX_HEAD_DIM} (e4m3 wgmma k = 32), got {d}"
+            return (
+                f"the sm90 FP8 kernel needs {name} a multiple of 32 up to {FP8_MAX_HEAD_DIM} (e4m3 wgmma k = 32), "
+                f"got {d}"
+            )
     if spec.mask not in ("none", "causal", "local"):
         return f"unknown mask kind {spec.mask!r}"
     return budget_problem(fp8_fwd_config(spec.head_dim, spec.head_dim_v, spec.mask), spec.head_dim, spec.head_dim_v)
@@ -67,8 +70,20 @@ def build_fp8_forward(spec: AttentionSpec, cfg: Fp8FwdConfig, target: str, extra
     kernel = Sm90FlashForwardFp8(out_dtype, spec.head_dim, spec.head_dim_v, spec.mask, cfg)
     options = compile_cache.compile_options(target, extra=extra_options)
     return cute.compile(
-        kernel, q, k, v_t, out, lse, q_descale, k_descale, v_descale,
-        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream, options=options,
+        kernel,
+        q,
+        k,
+        v_t,
+        out,
+        lse,
+        q_descale,
+        k_descale,
+        v_descale,
+        cutlass.Float32(1.0),
+        cutlass.Int32(0),
+        cutlass.Int32(0),
+        stream,
+        options=options,
     )
 
 
@@ -110,8 +125,17 @@ def run_forward_fp8(
     target = compile_cache.runtime_target(q8.device)
     kernel = _kernel(spec, target, cfg)
     kernel(
-        q8, k8, v_t8, out, lse, descale["q"], descale["k"], descale["v"],
-        float(softmax_scale), int(mask.left), int(mask.right),
+        q8,
+        k8,
+        v_t8,
+        out,
+        lse,
+        descale["q"],
+        descale["k"],
+        descale["v"],
+        float(softmax_scale),
+        int(mask.left),
+        int(mask.right),
     )
 
 
@@ -150,8 +174,16 @@ def compile_fp8_artifacts(spec: AttentionSpec, target: str, cfg: Optional[Fp8Fwd
         ):
             pre = build_prepass(spec.out_dtype, d, block, rotate, transpose, options)
             threads = Fp8Prepass(cutlass_dtype(spec.out_dtype), d, block, rotate, transpose).num_threads
-            config = {"block": block, "rotate": rotate, "transposed_out": transpose, "shared_bytes": 0, "threads": threads}
-            artifacts.append(KernelArtifact(kernel=role, ptx=pre.artifacts.PTX, cubin=pre.artifacts.CUBIN, config=config))
+            config = {
+                "block": block,
+                "rotate": rotate,
+                "transposed_out": transpose,
+                "shared_bytes": 0,
+                "threads": threads,
+            }
+            artifacts.append(
+                KernelArtifact(kernel=role, ptx=pre.artifacts.PTX, cubin=pre.artifacts.CUBIN, config=config)
+            )
     return artifacts
 
 

@@ -179,4 +179,3 @@ def fp8_fwd_config(head_dim: int, head_dim_v: int, mask_kind: str = "none") -> F
         if lo <= width <= hi:
             return VARIANTS[name]
     return fp8_default_config(head_dim, head_dim_v, mask_kind)
-

@@ -7,7 +7,8 @@ consumer warpgroup owns 64 query rows: its own Q slice in shared memory, its own
 own slice of the O store. So `tile_m = 64 * num_consumer_wgs`; K and V tiles of `tile_n` keys go through
 `num_stages`-deep TMA pipelines shared by all consumers.
 
-Choices (measured on an H200, bf16; the sweep table is in docs/sm90.md, `profiling/sm90_fwd_sweep.py --sweep` reproduces it):
+Choices (measured on an H200, bf16; the sweep table is in docs/sm90.md, `profiling/sm90_fwd_sweep.py --sweep`
+reproduces it):
   d <= 64:  3 consumers, 192 x 128, ping-pong. Short GEMMs: a third warpgroup keeps the tensor cores fed (+4-21%
             over 128-row tiles from 4k on); 160 registers per consumer thread suffice (O 32 + S 64 fp32).
   d <= 128: 2 consumers, 128 x 128, ping-pong. 240 registers hold S (64), P (32) and O (64) with the next block's S
@@ -178,15 +179,23 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int) -> Optional[str]:
         return f"num_consumer_wgs={w}: the backward has named barriers for 1..{MAX_BWD_CONSUMER_WGS} consumers"
     if cfg.keys_on_rows and cfg.tile_n != ROWS_PER_CONSUMER * w:
         return f"keys on rows need tile_n = 64 x consumers = {ROWS_PER_CONSUMER * w}, got {cfg.tile_n}"
-    if not cfg.keys_on_rows and (cfg.tile_m != ROWS_PER_CONSUMER or cfg.tile_n != ROWS_PER_CONSUMER
-                                 or (ROWS_PER_CONSUMER // w) % 16 != 0 or cfg.dq_split != "n"):
-        return (f"queries on rows need 64 x 64 tiles, 16-key multiples per consumer and dq_split 'n', got "
-                f"{cfg.tile_m} x {cfg.tile_n}, {w} consumers, dq_split {cfg.dq_split!r}")
+    if not cfg.keys_on_rows and (
+        cfg.tile_m != ROWS_PER_CONSUMER
+        or cfg.tile_n != ROWS_PER_CONSUMER
+        or (ROWS_PER_CONSUMER // w) % 16 != 0
+        or cfg.dq_split != "n"
+    ):
+        return (
+            f"queries on rows need 64 x 64 tiles, 16-key multiples per consumer and dq_split 'n', got "
+            f"{cfg.tile_m} x {cfg.tile_n}, {w} consumers, dq_split {cfg.dq_split!r}"
+        )
     if cfg.dq_split == "m" and cfg.tile_m != ROWS_PER_CONSUMER * w:
         return f"dq_split 'm' needs tile_m = 64 x consumers = {ROWS_PER_CONSUMER * w}, got {cfg.tile_m}"
     if cfg.dq_split == "n" and (head_dim % w != 0 or (head_dim // w) % 64 != 0 or cfg.tile_m % 64 != 0):
-        return (f"dq_split 'n' needs head_dim / consumers in whole 64-column swizzle atoms and tile_m a multiple "
-                f"of 64, got head_dim {head_dim}, {w} consumers, tile_m {cfg.tile_m}")
+        return (
+            f"dq_split 'n' needs head_dim / consumers in whole 64-column swizzle atoms and tile_m a multiple "
+            f"of 64, got head_dim {head_dim}, {w} consumers, tile_m {cfg.tile_m}"
+        )
     if cfg.dq_split == "single" and cfg.tile_m != ROWS_PER_CONSUMER:
         return f"dq_split 'single' needs tile_m = 64, got {cfg.tile_m}"
     if cfg.dq_split not in ("m", "n", "single"):
