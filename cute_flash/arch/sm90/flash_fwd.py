@@ -33,6 +33,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 
 from ...common.acc_views import rows_cols_view
 from ...common.block_info import BlockInfo
+from ...common.block_walk import walk_kv_blocks
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
 from .barriers import WarpGroupTurns
@@ -447,21 +448,8 @@ class Sm90FlashForward:
             mask=mask,
         )
 
-        # Then, right to left: blocks crossing the diagonal / right window edge, blocks needing no mask, blocks
-        # crossing the left window edge. Only those boundary blocks pay for masking.
-        right_lo = n_first
-        if const_expr(masked):
-            right_lo = cutlass.min(cutlass.max(info.kv_right_masked_start(m_block), n_min), n_first)
-            for i in cutlass.range(n_first - right_lo, unroll=1):
-                kv = step(kv, n_first - 1 - i, True)
-        left_hi = n_min
-        if const_expr(self.local):
-            left_hi = cutlass.min(cutlass.max(info.kv_left_masked_end(m_block), n_min), right_lo)
-        for i in cutlass.range(right_lo - left_hi, unroll=1):
-            kv = step(kv, right_lo - 1 - i, False)
-        if const_expr(self.local):
-            for i in cutlass.range(left_hi - n_min, unroll=1):
-                kv = step(kv, left_hi - 1 - i, True)
+        # Then the rest, right to left; only blocks crossing a window edge pay for masking.
+        kv = walk_kv_blocks(info, m_block, n_min, n_first, step, kv)
 
         # The last P·V.
         pipes.v.consumer_wait(kv)

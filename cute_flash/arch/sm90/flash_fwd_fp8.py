@@ -39,6 +39,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 
 from ...common.acc_views import rows_cols_view
 from ...common.block_info import BlockInfo
+from ...common.block_walk import walk_kv_blocks
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E
 from ...fp8.prepare import BLOCK_M
@@ -575,19 +576,7 @@ class Sm90FlashForwardFp8:
             mask=mask,
             scales=scales,
         )
-        right_lo = n_first
-        if const_expr(masked):
-            right_lo = cutlass.min(cutlass.max(info.kv_right_masked_start(m_block), n_min), n_first)
-            for i in cutlass.range(n_first - right_lo, unroll=1):
-                kv, v_prev = step(kv, v_prev, n_first - 1 - i, True)
-        left_hi = n_min
-        if const_expr(self.local):
-            left_hi = cutlass.min(cutlass.max(info.kv_left_masked_end(m_block), n_min), right_lo)
-        for i in cutlass.range(right_lo - left_hi, unroll=1):
-            kv, v_prev = step(kv, v_prev, right_lo - 1 - i, False)
-        if const_expr(self.local):
-            for i in cutlass.range(left_hi - n_min, unroll=1):
-                kv, v_prev = step(kv, v_prev, left_hi - 1 - i, True)
+        kv, v_prev = walk_kv_blocks(info, m_block, n_min, n_first, step, (kv, v_prev))
 
         # The last P·V (tile n_min), in units of its own V descale.
         pipes.v.consumer_wait(kv)
@@ -641,8 +630,7 @@ class Sm90FlashForwardFp8:
     @cute.jit
     def step(
         self,
-        kv: pipeline.PipelineState,
-        v_prev: Float32,
+        state,  # (the K/V pipeline state, the V descale of the pending P)
         n_block: Int32,
         mask_window: cutlass.Constexpr[bool],
         pipes,
@@ -668,6 +656,7 @@ class Sm90FlashForwardFp8:
         units of v_n for the next P·V. With promotion PV_{n+1} lands in acc_PV (zero-initialised) and
         O = O · pending + PV_{n+1}, where pending = scale_{n+1} · v_{n+2} / v_{n+1} came from the previous step.
         """
+        kv, v_prev = state
         c_n, v_n = scales(n_block=n_block)
         kv_v = kv.clone()  # the V stage of the previous (right-hand) tile
         kv.advance()

@@ -42,7 +42,6 @@ class FwdTileConfig:
     num_consumer_wgs: int  # consumer warpgroups; each owns 64 query rows
     tile_n: int  # keys per K/V tile
     num_stages: int  # depth of the K and the V TMA pipelines
-    intra_wg_overlap: bool = True  # issue Q·K_{j+1}ᵀ before the softmax of block j
     ping_pong: bool = True  # named barriers make the consumers take turns issuing their GEMMs
     consumer_regs: int = 240  # setmaxnreg.inc for consumer threads
     producer_regs: int = 24  # setmaxnreg.dec for the producer warpgroup
@@ -61,7 +60,6 @@ class FwdTileConfig:
             "tile_n": self.tile_n,
             "num_stages": self.num_stages,
             "num_consumer_wgs": self.num_consumer_wgs,
-            "intra_wg_overlap": self.intra_wg_overlap,
             "ping_pong": self.ping_pong,
             "consumer_regs": self.consumer_regs,
             "producer_regs": self.producer_regs,
