@@ -170,6 +170,8 @@ class Sm90FlashBackward:
         self.num_dq_wgs = cfg.num_dq_wgs
         self.dq_chunk = cfg.tile_m * head_dim // cfg.num_dq_wgs  # floats per dQ consumer and query tile
         self.keys_on_rows = cfg.keys_on_rows
+        # Deterministic dQ order: descending key tiles under a right window edge (causal or local), ascending else.
+        self.shortest_first = deterministic and mask_kind != "none"
         self.s_tile = (cfg.tile_n, cfg.tile_m) if cfg.keys_on_rows else (cfg.tile_m, cfg.tile_n)
 
     @cute.jit
@@ -411,6 +413,12 @@ class Sm90FlashBackward:
         group = mQ.shape[2] // mK.shape[2]  # query heads per KV head (GQA / MQA)
         head_kv = head // group
         info = BlockInfo(self.tile_m, self.tile_n, self.mask_kind, seqlen_q, mK.shape[0], window_left, window_right)
+        if const_expr(self.shortest_first):
+            # Deterministic with a right window edge: the key tiles of a query tile add in descending order (see
+            # store_dq), so they are launched in that order too. A CTA may only ever wait for CTAs with a lower
+            # block index, which the hardware dispatches first: otherwise a waiting CTA could hold the SM that the
+            # CTA it waits for needs.
+            n_block = cute.arch.grid_dim()[0] - 1 - n_block
         m_min, m_max = info.q_block_range(n_block)
 
         pipeline.pipeline_init_wait()
@@ -934,7 +942,12 @@ class Sm90FlashBackward:
                 cute.arch.barrier_arrive(barrier_id=int(BwdBarrierId.DQ_EMPTY_FIRST) + c, number_of_threads=pair)
             if const_expr(self.deterministic):
                 sem = mdQsem[batch, head, None].iterator + m_block
-                turn = n_block - info.kv_block_range(m_block)[0]  # key tiles earlier in the order go first
+                if const_expr(self.shortest_first):
+                    # The key tile on this query tile's diagonal reaches it first (at its first step), the one
+                    # before it one step later, ...: turns follow arrival (FlashAttention-3's shortest-first order).
+                    turn = info.kv_block_range(m_block)[1] - 1 - n_block
+                else:
+                    turn = n_block - info.kv_block_range(m_block)[0]  # every key tile reaches it at the same step
                 while load_acquire_gpu(sem) != turn:
                     pass
                 cute.arch.fence_proxy("async.global")  # the adds below are async-proxy accesses
