@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
+from functools import partial
 
 import torch
 
@@ -24,6 +26,12 @@ VARIANTS = {
 }
 
 
+def _run(sm90_bwd, dout, q, k, v, out, lse, grads, spec, scale, mask, det, cfg) -> None:
+    sm90_bwd.run_backward(
+        dout, q, k, v, out, lse, *grads, spec=spec, softmax_scale=scale, mask=mask, deterministic=det, cfg=cfg
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--head-dim", type=int, default=128)
@@ -32,6 +40,8 @@ def main() -> None:
     p.add_argument("--causal", default="both", choices=("no", "yes", "both"))
     p.add_argument("--fa4", action="store_true", help="also time FlashAttention-4's backward (flash_attn.cute)")
     p.add_argument("--deterministic", action="store_true", help="also time deterministic=True of the default")
+    p.add_argument("--rounds", type=int, default=3, help="timing rounds, each over every variant in turn")
+    p.add_argument("--rep-ms", type=int, default=60, help="do_bench time per variant and round")
     args = p.parse_args()
 
     import triton.testing
@@ -68,31 +78,26 @@ def main() -> None:
             ]
             if args.deterministic:
                 runs.append(("deterministic", bwd_tile_config(spec), True))
+            calls = {}
             for name, cfg, det in runs:
                 grads = [torch.empty_like(t) for t in (q, k, v)]
-
-                def call():
-                    sm90_bwd.run_backward(
-                        dout,
-                        q,
-                        k,
-                        v,
-                        out,
-                        lse,
-                        *grads,
-                        spec=spec,
-                        softmax_scale=scale,
-                        mask=mask,
-                        deterministic=det,
-                        cfg=cfg,
-                    )
-
-                call()
-                torch.cuda.synchronize()
-                ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+                calls[name] = (
+                    partial(_run, sm90_bwd, dout, q, k, v, out, lse, grads, spec, scale, mask, det, cfg),
+                    grads,
+                )
+                calls[name][0]()
+            torch.cuda.synchronize()
+            # Rounds alternate the variants, so that drifting clocks hit every variant alike; medians over rounds.
+            times = {name: [] for name in calls}
+            for _ in range(args.rounds):
+                for name, (call, _) in calls.items():
+                    times[name].append(triton.testing.do_bench(call, warmup=10, rep=args.rep_ms, return_mode="median"))
+            base = None
+            for name, (_, grads) in calls.items():
+                ms = statistics.median(times[name])
                 diff = 0.0
                 if base is None:
-                    base = [g.clone() for g in grads]
+                    base = grads
                 else:
                     diff = max((g.float() - r.float()).abs().max().item() for g, r in zip(grads, base))
                 rows.append((d, seqlen, causal, name, ms, flops / ms / 1e9, diff))
@@ -109,9 +114,15 @@ def main() -> None:
                     return_mode="median",
                 )
                 rows.append((d, seqlen, causal, "fa4 (autograd)", ms, flops / ms / 1e9, float("nan")))
+    ratios = {}
+    for d_, s, c, name, ms, tf, diff in rows:
+        default = next(r[4] for r in rows if r[:3] == (d_, s, c))
+        ratios.setdefault(name, []).append(default / ms)
     print(f"{'d':>4} {'seqlen':>6} {'causal':>6} {'variant':>16} {'ms':>8} {'TFLOP/s':>8} {'max|diff|':>10}")
     for d_, s, c, name, ms, tf, diff in rows:
         print(f"{d_:>4} {s:>6} {str(c):>6} {name:>16} {ms:>8.3f} {tf:>8.1f} {diff:>10.2e}")
+    for name, r in ratios.items():
+        print(f"geomean speed vs {rows[0][3]}: {name:>16} {statistics.geometric_mean(r):.3f}")
 
 
 if __name__ == "__main__":

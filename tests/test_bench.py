@@ -52,6 +52,13 @@ def test_backward_is_two_and_a_half_forwards_and_dv_counts():
     assert flops.attention_flops(1, 4, 512, 256, 128, 64, backward=True) == 2.5 * fwd
 
 
+def test_forward_backward_case_counts_three_and_a_half_forwards():
+    shape = grid.default_shape(1024, 128)
+    fwd, fb = (grid.Case("bf16", d, True, shape).flops for d in ("fwd", "fwdbwd"))
+    assert fb == 3.5 * fwd
+    assert [c.direction for c in grid.build_grid(["bf16"], [128], [1024], directions=["fwdbwd"])] == ["fwdbwd"] * 2
+
+
 def test_tflops():
     assert flops.tflops(2e12, 1000.0) == pytest.approx(2.0)
     assert flops.tflops(1e12, None) is None

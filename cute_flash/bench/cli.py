@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--head-dims", type=_csv_list(int), default=list(grid_mod.HEAD_DIMS))
     g.add_argument("--seqlens", type=_csv_list(int), default=list(grid_mod.SEQLENS))
     g.add_argument("--masks", type=_csv_list(), default=["none", "causal"], help="none,causal")
-    g.add_argument("--directions", type=_csv_list(), default=list(grid_mod.DIRECTIONS), help="fwd,bwd")
+    g.add_argument("--directions", type=_csv_list(), default=list(grid_mod.DEFAULT_DIRECTIONS), help="fwd,bwd,fwdbwd")
     g.add_argument("--tokens", type=int, default=grid_mod.DEFAULT_TOKENS, help="batch = tokens // seqlen")
     g.add_argument("--hidden", type=int, default=grid_mod.DEFAULT_HIDDEN, help="heads = hidden // head_dim")
     g.add_argument(

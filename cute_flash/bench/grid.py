@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Iterable, List, Optional, Sequence
 
-from .flops import attention_flops
+from .flops import BACKWARD_FLOP_FACTOR, attention_flops
 
 DTYPES = ("bf16", "fp16", "fp8")
 HEAD_DIMS = (64, 128, 256)
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
-DIRECTIONS = ("fwd", "bwd")
+DIRECTIONS = ("fwd", "bwd", "fwdbwd")  # fwdbwd: one forward and its backward, timed together
+DEFAULT_DIRECTIONS = ("fwd", "bwd")
 DEFAULT_TOKENS = 16384  # batch · seqlen
 DEFAULT_HIDDEN = 2048  # heads · head_dim
 
@@ -42,7 +43,7 @@ class Case:
     """One measured configuration; every implementation runs it on the same inputs."""
 
     dtype: str  # "bf16" | "fp16" | "fp8"
-    direction: str  # "fwd" | "bwd"
+    direction: str  # "fwd" | "bwd" | "fwdbwd"
     causal: bool
     shape: Shape
 
@@ -62,7 +63,7 @@ class Case:
             s.head_dim_v,
             causal=self.causal,
             backward=self.direction == "bwd",
-        )
+        ) * (1 + BACKWARD_FLOP_FACTOR if self.direction == "fwdbwd" else 1)
 
     def label(self) -> str:
         s = self.shape
@@ -100,7 +101,7 @@ def build_grid(
     head_dims: Sequence[int] = HEAD_DIMS,
     seqlens: Sequence[int] = SEQLENS,
     causals: Sequence[bool] = (False, True),
-    directions: Sequence[str] = DIRECTIONS,
+    directions: Sequence[str] = DEFAULT_DIRECTIONS,
     tokens: int = DEFAULT_TOKENS,
     hidden: int = DEFAULT_HIDDEN,
     shapes: Optional[Iterable[Shape]] = None,

@@ -136,7 +136,7 @@ class FlashAttention4(Impl):
         if case.dtype == "fp8":
             if torch.cuda.get_device_capability()[0] != 10:
                 return "FA4 runs fp8 on sm100 only"
-            if case.direction == "bwd":
+            if case.direction != "fwd":
                 return "FA4 has no fp8 backward"
         return None
 

@@ -87,7 +87,7 @@ class CaseData:
         self.q, self.k, self.v = make_inputs(case)
         s = case.shape
         self.dout = None
-        if case.direction == "bwd":
+        if case.direction != "fwd":
             self.dout = torch.randn(
                 s.batch, s.seqlen_q, s.heads, s.head_dim_v, device="cuda", dtype=TORCH_DTYPES[case.dtype]
             )
@@ -163,6 +163,20 @@ def measure_backward(impl: Impl, data: CaseData, opts: RunOptions) -> Result:
     return _timed_result(impl, data, opts, call, verdict, kw, grad_to_none=leaves)
 
 
+def measure_forward_backward(impl: Impl, data: CaseData, opts: RunOptions) -> Result:
+    """One training step's attention: the forward and its backward in one timed call (gradients as in "bwd")."""
+    leaves = tuple(t.detach().requires_grad_(True) for t in (data.q, data.k, data.v))
+    dout = data.dout
+    call = lambda: impl(*leaves, data.case, data.scale).backward(dout)  # noqa: E731
+    compiled_before = cache_info()
+    kw: dict = {}
+    (_, kw["first_call_s"]), kw["peak_extra_mib"] = peak_extra_mib(lambda: first_call(call))
+    if impl.name == CUTE_FLASH:
+        kw["compile_s"] = _compile_seconds_since(compiled_before)
+    verdict = data.reference().verdict([t.grad for t in leaves])
+    return _timed_result(impl, data, opts, call, verdict, kw, grad_to_none=leaves)
+
+
 def measure(impl: Impl, data: CaseData, opts: RunOptions) -> Result:
     """One implementation on one case; never raises except FatalCudaError."""
     case = data.case
@@ -177,6 +191,8 @@ def measure(impl: Impl, data: CaseData, opts: RunOptions) -> Result:
     try:
         if case.direction == "fwd":
             return measure_forward(impl, data, opts)
+        if case.direction == "fwdbwd":
+            return measure_forward_backward(impl, data, opts)
         return measure_backward(impl, data, opts)
     except NotImplementedError as e:
         return Result.for_case(impl.name, case, "n/a", note=_first_line(e))

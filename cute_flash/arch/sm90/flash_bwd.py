@@ -52,7 +52,7 @@ from ...common.online_softmax import LOG2_E
 from ..sm80.flash_bwd import red_add_f32_vec
 from .barriers import BwdBarrierId
 from .ptx import add_release_gpu, bulk_reduce_add_f32, load_acquire_gpu
-from .pipelines import consumer_state, producer_state
+from .pipelines import consumer_state, consumer_wait, producer_state
 from .views import seq_major_view, stats_view
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, BwdTileConfig, bwd_config_problem
 from . import wgmma
@@ -661,7 +661,7 @@ class Sm90FlashBackward:
         if m_max > m_min:
             scale_log2 = softmax_scale * LOG2_E
             kv = consumer_state(1)
-            pipe_kv.consumer_wait(kv)
+            consumer_wait(pipe_kv, kv)
             q = consumer_state(stages)
             do = consumer_state(stages)
             step = partial(
@@ -793,7 +793,7 @@ class Sm90FlashBackward:
         """One query tile: S, dP, P, dS, dV, dQ, dK (see the module docstring for the order and the overlap)."""
         kor = self.keys_on_rows
         s_shape = tiled_mma_sdp.get_slice(0).partition_shape_C(self.s_tile)
-        pipe_q.consumer_wait(q)
+        consumer_wait(pipe_q, q)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         if const_expr(kor):
             wgmma.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, q.index], zero_init=True, wait=-1)
@@ -808,7 +808,7 @@ class Sm90FlashBackward:
             lse = load_column_stats(sLSE[None, q.index], coords_rc, num_cols)
         else:
             lse = load_row_stats(sLSE[None, q.index], coords_rc, num_rows)
-        pipe_do.consumer_wait(do)
+        consumer_wait(pipe_do, do)
         acc_dP = cute.make_rmem_tensor(s_shape, Float32)
         if const_expr(kor):
             wgmma.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do.index], zero_init=True, wait=1)

@@ -40,7 +40,7 @@ from .barriers import WarpGroupTurns
 from .cta import cta_work
 from .epilogue import store_o_and_lse
 from .loads import load_q_k_v
-from .pipelines import consumer_state, make_load_pipelines
+from .pipelines import consumer_state, consumer_wait, make_load_pipelines
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, FwdTileConfig
 from .views import seq_major_view, stats_view
 from . import wgmma
@@ -415,7 +415,7 @@ class Sm90FlashForward:
         coords0_rc: cute.Tensor,
     ):
         """All key blocks of one CTA tile, right to left, for one consumer warpgroup."""
-        pipes.q.consumer_wait(consumer_state(1))
+        consumer_wait(pipes.q, consumer_state(1))
         kv = consumer_state(self.num_stages)
         s_shape = tiled_mma_qk.get_slice(0).partition_shape_C((ROWS_PER_CONSUMER, self.tile_n))
         masked = self.causal or self.local
@@ -424,7 +424,7 @@ class Sm90FlashForward:
 
         # The right-most block first: the seqlen_k tail and the diagonal both live there.
         n_first = n_max - 1
-        pipes.k.consumer_wait(kv)
+        consumer_wait(pipes.k, kv)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=0)
         pipes.k.consumer_release(kv)
@@ -452,7 +452,7 @@ class Sm90FlashForward:
         kv = walk_kv_blocks(info, m_block, n_min, n_first, step, kv)
 
         # The last P·V.
-        pipes.v.consumer_wait(kv)
+        consumer_wait(pipes.v, kv)
         wgmma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], zero_init=False, wait=0)
         pipes.v.consumer_release(kv)
 
@@ -492,11 +492,11 @@ class Sm90FlashForward:
         """S_n = Q·K_nᵀ issued together with O += P_{n+1}·V_{n+1}; the softmax of S_n overlaps that P·V."""
         kv_v = kv.clone()  # the V stage of the previous (right-hand) block
         kv.advance()
-        pipes.k.consumer_wait(kv)
+        consumer_wait(pipes.k, kv)
         turns.wait_turn()
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=-1)
-        pipes.v.consumer_wait(kv_v)
+        consumer_wait(pipes.v, kv_v)
         wgmma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_v.index], zero_init=False, wait=-1)
         turns.pass_turn()
         warpgroup.wait_group(1)  # S is ready; P·V may still run

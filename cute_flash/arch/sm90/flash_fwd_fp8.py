@@ -50,7 +50,7 @@ from .fp8_permute import store_p_operand_e4m3
 from .fp8_softmax import MIN_TILE_SCALE, Fp8OnlineSoftmax
 from .fp8_tile_config import ROW_SUM_COLUMNS, Fp8FwdConfig, kv_scale_block
 from .loads import load_q_k_v
-from .pipelines import consumer_state, make_load_pipelines
+from .pipelines import consumer_state, consumer_wait, make_load_pipelines
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS
 from . import wgmma
 
@@ -529,7 +529,7 @@ class Sm90FlashForwardFp8:
         head_kv: Int32,
     ) -> Float32:
         """All key tiles of one CTA tile, right to left; returns the V descale O is expressed in at the end."""
-        pipes.q.consumer_wait(consumer_state(1))
+        consumer_wait(pipes.q, consumer_state(1))
         kv = consumer_state(self.num_stages)
         s_shape = tiled_mma_qk.get_slice(0).partition_shape_C((ROWS_PER_CONSUMER, self.tile_n))
         masked = self.causal or self.local
@@ -538,7 +538,7 @@ class Sm90FlashForwardFp8:
 
         n_first = n_max - 1
         c_first, v_first = scales(n_block=n_first)
-        pipes.k.consumer_wait(kv)
+        consumer_wait(pipes.k, kv)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=0)
         pipes.k.consumer_release(kv)
@@ -579,7 +579,7 @@ class Sm90FlashForwardFp8:
         kv, v_prev = walk_kv_blocks(info, m_block, n_min, n_first, step, (kv, v_prev))
 
         # The last P·V (tile n_min), in units of its own V descale.
-        pipes.v.consumer_wait(kv)
+        consumer_wait(pipes.v, kv)
         wgmma.gemm(tiled_mma_pv, acc_PV, tOrP, tOrVt[None, None, None, kv.index], zero_init=self.promote_pv, wait=0)
         pipes.v.consumer_release(kv)
         if const_expr(self.promote_pv):
@@ -660,11 +660,11 @@ class Sm90FlashForwardFp8:
         c_n, v_n = scales(n_block=n_block)
         kv_v = kv.clone()  # the V stage of the previous (right-hand) tile
         kv.advance()
-        pipes.k.consumer_wait(kv)
+        consumer_wait(pipes.k, kv)
         turns.wait_turn()
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=-1)
-        pipes.v.consumer_wait(kv_v)
+        consumer_wait(pipes.v, kv_v)
         wgmma.gemm(tiled_mma_pv, acc_PV, tOrP, tOrVt[None, None, None, kv_v.index], zero_init=self.promote_pv, wait=-1)
         turns.pass_turn()
         warpgroup.wait_group(1)  # S is ready; P·V may still run

@@ -58,3 +58,10 @@ def producer_state(num_stages: int) -> pipeline.PipelineState:
 
 def consumer_state(num_stages: int) -> pipeline.PipelineState:
     return pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, num_stages)
+
+
+def consumer_wait(pipe: pipeline.PipelineTmaAsync, state: pipeline.PipelineState) -> None:
+    """Waits until the stage `state` names is full: first one `mbarrier.try_wait` without a time hint, which the
+    hardware may hold for a while by itself, and only if that returns unready the library's retry loop (its 10 ms
+    hint becomes a NANOSLEEP.SYNCS, whose wake-up comes later than a plain re-test)."""
+    pipe.consumer_wait(state, pipe.consumer_try_wait(state))
