@@ -145,7 +145,8 @@ def run_kernel(q, k, v, *, causal: bool, schemes: Sequence[str], accumulation: b
         except Exception as e:  # noqa: BLE001  (a study row says what failed instead of stopping the study)
             row[scheme] = f"error: {type(e).__name__}: {str(e)[:120]}"
     if accumulation:
-        from cute_flash.arch.sm90.fp8_tile_config import VARIANTS, kv_scale_block
+        from cute_flash.arch.sm90.fp8_tile_config import kv_scale_block
+        from profiling.fp8_variants import VARIANTS
 
         for name in ("tile128", "tile128_promote"):
             out = _fp8_kernel_out(q, k, v, causal, "fp8_block_rotate", cfg=VARIANTS[name])

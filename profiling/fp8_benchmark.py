@@ -44,9 +44,9 @@ def _fa4() -> Optional[Callable]:
 
 
 def _variants(head_dim: int, names: Optional[List[str]] = None):
-    """Named alternatives to the default configuration (`fp8_tile_config.VARIANTS`, kernel-alone timing), for the
-    head dims they replace (`fp8_tile_config.variant_head_dims`); `names` picks some (all by default)."""
-    from cute_flash.arch.sm90.fp8_tile_config import VARIANTS, variant_head_dims
+    """Named alternatives to the default configuration (`profiling.fp8_variants.VARIANTS`, kernel-alone timing), for the
+    head dims they replace (`variant_head_dims`); `names` picks some (all by default)."""
+    from profiling.fp8_variants import VARIANTS, variant_head_dims
 
     def serves(name: str) -> bool:
         lo, hi = variant_head_dims(name)
@@ -65,12 +65,12 @@ def bench_case(
     peers: bool = True,
     variants: Optional[List[str]] = None,
 ) -> Dict[str, object]:
-    """One shape; `variants` = names of `fp8_tile_config.VARIANTS` to time beside the default ([] or None: none,
+    """One shape; `variants` = names of `profiling.fp8_variants.VARIANTS` to time beside the default ([] or None: none,
     ["all"]: every one)."""
     import cute_flash
 
     from cute_flash.arch.sm90.fp8_launch import run_forward_fp8
-    from cute_flash.arch.sm90.fp8_tile_config import fp8_default_config, kv_scale_block
+    from cute_flash.arch.sm90.fp8_tile_config import fp8_fwd_config, kv_scale_block
     from cute_flash.spec import AttentionSpec, normalize_mask
     from cute_flash.fp8.prepare import prepare_fp8_inputs
 
@@ -88,7 +88,7 @@ def bench_case(
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, seqlen, device="cuda", dtype=torch.float32)
     scale = 1.0 / math.sqrt(head_dim)
-    cfg = fp8_default_config(head_dim, head_dim, spec.mask)
+    cfg = fp8_fwd_config(head_dim, head_dim, spec.mask)
 
     def timed(name, fn, unit=tflops):
         try:
@@ -181,7 +181,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         const="all",
         default="",
         help="also time alternative FP8 configurations (d <= 128): 'all' (the default when the flag has no "
-        "value) or comma-separated names of fp8_tile_config.VARIANTS",
+        "value) or comma-separated names of profiling.fp8_variants.VARIANTS",
     )
     args = ap.parse_args(argv)
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]

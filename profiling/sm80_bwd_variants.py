@@ -1,33 +1,58 @@
-"""The sm80 backward's tile variants (bwd_tiles.VARIANTS) side by side.
+"""Variants of the sm80 backward's tile configuration (VARIANTS below) side by side.
 
     python3 -m profiling.sm80_bwd_variants cpu [--variants a,b] [--head-dims 128,64] [--target sm_90a]
         cross-compiles each variant's main kernel (and its dQ postprocess) on the CPU: registers, spills, census.
-    python3 -m profiling.sm80_bwd_variants gpu [--variants a,b] [--check VARIANT]
+    python3 -m profiling.sm80_bwd_variants gpu [--variants a,b]
         times every variant's backward (preprocess + main + postprocess, allocations included) against torch SDPA's
         flash backward (FlashAttention-2) at bf16, 16k tokens, h * d = 2048, seqlen 4k and 16k, causal or not, for
-        --head-dims (default 128,64); with --check, then runs the tests/test_sm80_bwd.py matrix (fp16 + bf16, those
-        head dims) with that variant forced.
-The table is printed last.
+        --head-dims (default 128,64), and compares every variant's gradients with the first one's.
+The table is printed last. Each variant is a function of (the default config, head dim, target major); it reaches the
+kernels as `backward.run_backward(cfg=...)`. A variant becomes the default in `bwd_tiles.bwd_tile_config`, after the
+tests/test_sm80_bwd.py matrix passes with it.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 import time
+from dataclasses import replace
+
+from cute_flash.arch.sm80.bwd_tiles import _fa2_tile_config, _target_major, default_opt_level, fragment_dq
+
+# name -> (FlashAttention-2 tile config at the default ptxas level, head_dim, target major) -> config. Timed on an
+# H200 (docs/performance.md, 2026-11-21).
+VARIANTS = {
+    "rows": lambda cfg, d, major: cfg,
+    "fragment": lambda cfg, d, major: replace(cfg, dq_layout="fragment"),
+    "fragment_v4": lambda cfg, d, major: fragment_dq(cfg, 4, major),
+    "fragment_v4_dq_first": lambda cfg, d, major: fragment_dq(cfg, 4, major, dq_first=True),
+}
+
+
+# Every variant also at a forced optimisation level ("<variant>_o1" ... "_o3"; the level only changes ptxas, the PTX
+# is the same): at 3, ptxas hoists shared-memory loads ahead of the mmas and spills a few bytes at d96-d128; 1
+# schedules conservatively and does not spill (bwd_tiles.default_opt_level).
+def _at_opt_level(variant, level: int):
+    return lambda cfg, d, major: replace(variant(cfg, d, major), opt_level=level)
+
+
+VARIANTS.update(
+    {f"{name}_o{lvl}": _at_opt_level(variant, lvl) for name, variant in list(VARIANTS.items()) for lvl in (1, 2, 3)}
+)
+
+
+def variant_config(name: str, head_dim: int, target: str):
+    major = _target_major(target)
+    base = replace(_fa2_tile_config(head_dim), opt_level=default_opt_level(head_dim, major))
+    return VARIANTS[name](base, head_dim, major)
 
 
 def _variants(arg):
-    from cute_flash.arch.sm80.bwd_tiles import VARIANTS
-
     return list(VARIANTS) if not arg else arg.split(",")
 
 
 def cpu(args) -> None:
     from cute_flash.arch.sm80 import backward
-    from cute_flash.arch.sm80.bwd_tiles import VARIANT_ENV
     from cute_flash.census import capture_fd_stderr, cubin_resources, parse_ptxas_report, ptx_census
     from cute_flash.compile_cache import ensure_cute_dsl_arch, keep_artifacts_options
     from cute_flash.spec import AttentionSpec
@@ -36,14 +61,14 @@ def cpu(args) -> None:
     ensure_cute_dsl_arch(args.target)
     rows = []
     for variant in _variants(args.variants):
-        os.environ[VARIANT_ENV] = variant
         for d in (int(x) for x in args.head_dims.split(",")):
             spec = AttentionSpec("bf16", d, d, args.mask, "bf16")
-            for role in [r for r in backward._roles(spec, args.target) if r in ("bwd", "bwd_dq_postprocess")]:
+            cfg = variant_config(variant, d, args.target)
+            for role in [r for r in backward._roles(spec, args.target, cfg) if r in ("bwd", "bwd_dq_postprocess")]:
                 with tempfile.TemporaryDirectory() as dump, capture_fd_stderr() as err:
-                    opts = backward._options(role, spec, args.target, keep_artifacts_options(dump))
+                    opts = backward._options(role, spec, args.target, keep_artifacts_options(dump), cfg=cfg)
                     start = time.perf_counter()
-                    compiled = backward._ROLES[role](spec, opts, args.target)
+                    compiled = backward._ROLES[role](spec, opts, args.target, cfg)
                     secs = time.perf_counter() - start
                 ptx = compiled.artifacts.PTX
                 ((entry, res),) = cubin_resources(compiled.artifacts.CUBIN).items()
@@ -84,10 +109,10 @@ def gpu(args) -> int:
 
     from cute_flash import compile_cache
     from cute_flash.arch.sm80.backward import run_backward
-    from cute_flash.arch.sm80.bwd_tiles import VARIANT_ENV
     from cute_flash.spec import AttentionSpec, MaskBounds, UNBOUNDED_WINDOW
 
-    compile_cache.ensure_cute_dsl_arch(compile_cache.target_for_capability(torch.cuda.get_device_capability()))
+    target = compile_cache.target_for_capability(torch.cuda.get_device_capability())
+    compile_cache.ensure_cute_dsl_arch(target)
     variants = _variants(args.variants)
     head_dims = [int(x) for x in args.head_dims.split(",")]
     configs = [(d, s, causal) for d in head_dims for s in (4096, 16384) for causal in (False, True)]
@@ -115,10 +140,10 @@ def gpu(args) -> int:
         grads = [torch.empty_like(t) for t in (q, k, v)]
         ref_grads = None
         for variant in variants:
-            os.environ[VARIANT_ENV] = variant
             try:
+                cfg = variant_config(variant, d, target)
                 call = lambda: run_backward(
-                    dout, q, k, v, out, lse, *grads, spec=spec, softmax_scale=d**-0.5, mask=mask
+                    dout, q, k, v, out, lse, *grads, spec=spec, softmax_scale=d**-0.5, mask=mask, cfg=cfg
                 )
                 ms = _time_ms(call, 5)
                 table[(d, s, causal, variant)] = flops / ms / 1e9
@@ -136,28 +161,6 @@ def gpu(args) -> int:
         # Drop this shape's tensors before the next one (the timing lambdas above read them while they run).
         q = k = v = dout = out = grads = ref_grads = out_t = qt = kt = vt = None
         torch.cuda.empty_cache()
-    os.environ.pop(VARIANT_ENV, None)
-
-    check = None
-    if args.check:
-        env = dict(os.environ, **{VARIANT_ENV: args.check})
-        test = os.path.join(os.path.dirname(__file__), "..", "tests", "test_sm80_bwd.py")
-        cmd = [
-            sys.executable,
-            test,
-            "-j",
-            "7",
-            "--test",
-            "test_sm80_backward_kernels or test_sm80_attention_backward",
-            "-k",
-            " or ".join(f"d{d}-" for d in head_dims),
-        ]
-        start = time.time()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        check = (
-            f"correctness of {args.check} (rc {proc.returncode}, {time.time() - start:.0f} s):\n{proc.stdout[-4000:]}"
-        )
-
     cols = ["sdpa-flash"] + variants
     print(f"\n== {torch.cuda.get_device_name()}: backward TFLOP/s, bf16, 16k tokens, h*d=2048 (x = ratio to sdpa) ==")
     print(f"{'d':>4} {'seqlen':>6} {'causal':>6} " + " ".join(f"{c[:22]:>22}" for c in cols))
@@ -168,8 +171,6 @@ def gpu(args) -> int:
             val = table.get((d, s, causal, c))
             cells.append(f"{val:>14.0f} ({val / base:.2f}x)" if isinstance(val, float) else f"{str(val):>22}")
         print(f"{d:>4} {s:>6} {str(causal):>6} " + " ".join(f"{x:>22}" for x in cells))
-    if check:
-        print(check)
     return 0
 
 
@@ -180,7 +181,6 @@ def main() -> int:
     p.add_argument("--head-dims", default="128,64")
     p.add_argument("--mask", default="causal")
     p.add_argument("--target", default="sm_90a")
-    p.add_argument("--check", default="")
     args = p.parse_args()
     if args.mode == "cpu":
         cpu(args)

@@ -63,29 +63,14 @@ def test_fp8_rejects_what_it_lacks():
     assert "computes in fp8" in fp8_unsupported_reason(AttentionSpec("bf16", 128, 128, "none", "bf16"))
 
 
-def test_fp8_variants_fit_and_the_environment_selects_them(monkeypatch):
-    from cute_flash.arch.sm90.fp8_tile_config import (
-        VARIANT_ENV,
-        VARIANTS,
-        budget_problem,
-        fp8_default_config,
-        fp8_fwd_config,
-        variant_head_dims,
-    )
+def test_fp8_variants_fit():
+    """The study's alternatives (profiling/fp8_variants.py) pass the budget checks at the head dims they replace."""
+    from cute_flash.arch.sm90.fp8_tile_config import budget_problem
+    from profiling.fp8_variants import VARIANTS, variant_head_dims
 
     for name, cfg in VARIANTS.items():
         d = variant_head_dims(name)[1]
         assert budget_problem(cfg, d, d) is None, name
-    monkeypatch.setenv(VARIANT_ENV, "poly8")
-    assert fp8_fwd_config(128, 128) == VARIANTS["poly8"]
-    assert fp8_fwd_config(64, 64) == fp8_default_config(64, 64)  # variants replace the d <= 128 default only
-    assert fp8_fwd_config(256, 256) == fp8_default_config(256, 256)
-    monkeypatch.setenv(VARIANT_ENV, "d256_tile64")
-    assert fp8_fwd_config(256, 256) == VARIANTS["d256_tile64"]
-    assert fp8_fwd_config(128, 128) == fp8_default_config(128, 128)
-    monkeypatch.setenv(VARIANT_ENV, "no_such_variant")
-    with pytest.raises(ValueError, match="not one of"):
-        fp8_fwd_config(128, 128)
 
 
 def test_fp8_polynomial_exp2_variant_compiles_without_spills():
@@ -93,7 +78,7 @@ def test_fp8_polynomial_exp2_variant_compiles_without_spills():
     import tempfile
 
     from cute_flash.arch.sm90.fp8_launch import build_fp8_forward
-    from cute_flash.arch.sm90.fp8_tile_config import VARIANTS
+    from profiling.fp8_variants import VARIANTS
     from cute_flash.compile_cache import keep_artifacts_options
 
     py_stderr = io.StringIO()
@@ -114,13 +99,14 @@ def test_fp8_row_sum_mma_variant_takes_the_sums_from_the_pv_wgmma():
     import tempfile
 
     from cute_flash.arch.sm90.fp8_launch import build_fp8_forward
-    from cute_flash.arch.sm90.fp8_tile_config import VARIANTS, budget_problem, fp8_default_config
+    from cute_flash.arch.sm90.fp8_tile_config import budget_problem, fp8_fwd_config
+    from profiling.fp8_variants import VARIANTS
     from cute_flash.compile_cache import keep_artifacts_options
 
     cfg = VARIANTS["tile128_promote_row_sum_mma"]
     assert budget_problem(replace(cfg, promote_pv=False), 128, 128) is not None  # the sums need the fresh accumulator
-    assert budget_problem(replace(fp8_default_config(256, 256), row_sum_mma=True), 256, 256) is not None
-    assert budget_problem(replace(fp8_default_config(128, 128), promote_pv=True, row_sum_mma=True), 128, 128)
+    assert budget_problem(replace(fp8_fwd_config(256, 256), row_sum_mma=True), 256, 256) is not None
+    assert budget_problem(replace(fp8_fwd_config(128, 128), promote_pv=True, row_sum_mma=True), 128, 128)
     builds = {}
     for name, c in (("default", VARIANTS["tile128_promote"]), ("row_sum_mma", cfg)):
         py_stderr = io.StringIO()
@@ -169,12 +155,12 @@ def test_prepass_issues_every_row_load_before_any_branch(block, rotate, transpos
 
 def test_fp8_d128_default_takes_192_key_tiles_that_divide_the_scale_block():
     """d128: Q·Kᵀ is m64n192k32 (192-key tiles, two per 384-key K/V scale block), P·V stays m64n128k32, no spills."""
-    from cute_flash.arch.sm90.fp8_tile_config import fp8_default_config, kv_scale_block
+    from cute_flash.arch.sm90.fp8_tile_config import fp8_fwd_config, kv_scale_block
 
-    cfg = fp8_default_config(128, 128, "causal")
+    cfg = fp8_fwd_config(128, 128, "causal")
     assert cfg.tile.tile_n == 192 and kv_scale_block(128, 128) == 384
     for d in (64, 96, 128, 256):
-        assert kv_scale_block(d, d) % fp8_default_config(d, d).tile.tile_n == 0, d
+        assert kv_scale_block(d, d) % fp8_fwd_config(d, d).tile.tile_n == 0, d
     art, census, spill = _compile(AttentionSpec("fp8", 128, 128, "none", "bf16"))["fwd_fp8"]
     assert spill == 0
     assert "m64n192k32.f32.e4m3.e4m3" in art.ptx and "m64n128k32.f32.e4m3.e4m3" in art.ptx

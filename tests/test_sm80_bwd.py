@@ -14,7 +14,7 @@ Last GPU run (2026-11-21, NVIDIA H200, torch 2.11.0+cu130, cutlass-dsl 4.8.1, sm
       --test "test_sm80_backward_kernels or test_sm80_attention_backward"
   -> 6 shards x 108 passed (both matrix tests, every dtype/head dim), fully_masked: 4 passed; 0 failures, 52 s wall.
 Then (same day and machine) with the dQ "fragment" layout + red.v4 + dQ-before-dK variant, now the sm_90a default at
-d64/d128 (CUTE_FLASH_SM80_BWD_VARIANT=fragment_v4_dq_first, via profiling/sm80_bwd_variants.py gpu --check ...):
+d64/d128 (fragment_v4_dq_first, then forced by an environment variable since removed):
   fp16/bf16 x d64/d128 shards: 4 x 108 passed, 0 failures (d256 and fully_masked not run in that pass).
 """
 

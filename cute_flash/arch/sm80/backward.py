@@ -24,7 +24,7 @@ from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
 from ...validation import kernel_view
 from ..base import KernelArtifact
-from .bwd_tiles import VARIANT_ENV, bwd_tile_config
+from .bwd_tiles import BwdTileConfig, bwd_tile_config
 
 FAMILY = "sm80"
 _PRE_POST_BLOCK_M = 64  # rows per CTA of the preprocess / postprocess kernels
@@ -73,7 +73,7 @@ def _fake_bhs(batch, heads, seqlen, divisibility=1):
     return cute.runtime.make_fake_tensor(cutlass.Float32, (batch, heads, seqlen), strides, assumed_align=4)
 
 
-def _build_preprocess(spec: AttentionSpec, options: str, target: str):
+def _build_preprocess(spec: AttentionSpec, options: str, target: str, cfg: Optional[BwdTileConfig] = None):
     import cutlass.cute as cute
 
     from .flash_bwd_preprocess import BackwardPreprocessSm80
@@ -103,7 +103,7 @@ def _fake_dq_accum(cfg, b, sq_pad, h, d):
     return _fake_bshd(cutlass.Float32, b, sq_pad, h, d)
 
 
-def _build_main(spec: AttentionSpec, options: str, target: str, *, gqa: bool):
+def _build_main(spec: AttentionSpec, options: str, target: str, cfg: Optional[BwdTileConfig] = None, *, gqa: bool):
     import cutlass
     import cutlass.cute as cute
 
@@ -115,7 +115,7 @@ def _build_main(spec: AttentionSpec, options: str, target: str, *, gqa: bool):
     sq_pad, sk_pad = cute.sym_int(), cute.sym_int()
     dkv_dtype = cutlass.Float32 if gqa else dt
     dkv_rows = sk_pad if gqa else sk
-    cfg = bwd_tile_config(d, target)
+    cfg = cfg or bwd_tile_config(d, target)
     kernel = FlashBackwardSm80(dt, d, cfg, spec.mask, gqa)
     return cute.compile(
         kernel,
@@ -136,7 +136,7 @@ def _build_main(spec: AttentionSpec, options: str, target: str, *, gqa: bool):
     )
 
 
-def _build_postprocess(spec: AttentionSpec, options: str, target: str):
+def _build_postprocess(spec: AttentionSpec, options: str, target: str, cfg: Optional[BwdTileConfig] = None):
     import cutlass
     import cutlass.cute as cute
 
@@ -155,14 +155,14 @@ def _build_postprocess(spec: AttentionSpec, options: str, target: str):
     )
 
 
-def _build_dq_postprocess(spec: AttentionSpec, options: str, target: str):
+def _build_dq_postprocess(spec: AttentionSpec, options: str, target: str, cfg: Optional[BwdTileConfig] = None):
     import cutlass
     import cutlass.cute as cute
 
     from .flash_bwd_postprocess import DqFragmentConvertSm80
 
     dt = _cutlass_dtype(spec.dtype)
-    cfg = bwd_tile_config(spec.head_dim, target)
+    cfg = cfg or bwd_tile_config(spec.head_dim, target)
     b, s, s_pad, h = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     kernel = DqFragmentConvertSm80(dt, spec.head_dim, cfg)
     return cute.compile(
@@ -185,39 +185,38 @@ _ROLES = {
 _TILED_ROLES = ("bwd", "bwd_gqa", "bwd_dq_postprocess")  # roles whose code depends on the main kernel's tile config
 
 
-def _roles(spec: AttentionSpec, target: str) -> List[str]:
-    fragment = bwd_tile_config(spec.head_dim, target).dq_layout == "fragment"
+def _roles(spec: AttentionSpec, target: str, cfg: Optional[BwdTileConfig] = None) -> List[str]:
+    fragment = (cfg or bwd_tile_config(spec.head_dim, target)).dq_layout == "fragment"
     return [r for r in _ROLES if fragment or r != "bwd_dq_postprocess"]
 
 
-def _role_config(role: str, spec: AttentionSpec, target: str) -> dict:
+def _role_config(role: str, spec: AttentionSpec, target: str, cfg: Optional[BwdTileConfig] = None) -> dict:
     if role in _TILED_ROLES:
-        return bwd_tile_config(spec.head_dim, target).as_dict(spec.head_dim)
+        return (cfg or bwd_tile_config(spec.head_dim, target)).as_dict(spec.head_dim)
     return {"block_m": _PRE_POST_BLOCK_M, "threads": 128, "shared_bytes": 0}
 
 
 @functools.lru_cache(maxsize=None)
-def _cache_key_memo(role: str, spec: AttentionSpec, target: str, variant: Optional[str]) -> tuple:
-    key_spec = spec if role in ("bwd", "bwd_gqa") else AttentionSpec(spec.dtype, spec.head_dim, spec.head_dim_v, "none")
-    return (FAMILY, target, role, key_spec, tuple(sorted(_role_config(role, spec, target).items())))
-
-
-def _cache_key(role: str, spec: AttentionSpec, target: str) -> tuple:
+def _cache_key(role: str, spec: AttentionSpec, target: str, cfg: Optional[BwdTileConfig] = None) -> tuple:
     """(family, target, role, spec, tile): preprocess / postprocess code depends on dtype and head dim, not the mask.
-    Memoised (per tile variant) because the launch path asks for it on every call."""
-    return _cache_key_memo(role, spec, target, os.environ.get(VARIANT_ENV))
+    Memoised because the launch path asks for it on every call."""
+    key_spec = spec if role in ("bwd", "bwd_gqa") else AttentionSpec(spec.dtype, spec.head_dim, spec.head_dim_v, "none")
+    return (FAMILY, target, role, key_spec, tuple(sorted(_role_config(role, spec, target, cfg).items())))
 
 
-def _options(role: str, spec: AttentionSpec, target: str, extra: str = "") -> str:
+def _options(role: str, spec: AttentionSpec, target: str, extra: str = "", cfg: Optional[BwdTileConfig] = None) -> str:
     if role in _TILED_ROLES:
-        extra = f"--opt-level {bwd_tile_config(spec.head_dim, target).opt_level} {extra}".strip()
+        extra = f"--opt-level {(cfg or bwd_tile_config(spec.head_dim, target)).opt_level} {extra}".strip()
     return compile_cache.compile_options(target, extra=extra)
 
 
-def _kernel(role: str, spec: AttentionSpec, target: str):
-    key = _cache_key(role, spec, target)
+def _kernel(role: str, spec: AttentionSpec, target: str, cfg: Optional[BwdTileConfig] = None):
+    """The compiled kernel of `role`; cfg: a tile config other than the default (studies)."""
+    key = _cache_key(role, spec, target, cfg)
     compile_cache.ensure_cute_dsl_arch(target)
-    return compile_cache.get_or_compile(key, lambda: _ROLES[role](key[3], _options(role, key[3], target), target))
+    return compile_cache.get_or_compile(
+        key, lambda: _ROLES[role](key[3], _options(role, key[3], target, cfg=cfg), target, cfg)
+    )
 
 
 def preprocess_kernel(spec: AttentionSpec, target: str):
@@ -279,13 +278,15 @@ def run_backward(
     spec: AttentionSpec,
     softmax_scale: float,
     mask: MaskBounds,
+    cfg: Optional[BwdTileConfig] = None,
 ) -> None:
-    """Fills dq, dk, dv (shaped and typed like q, k, v) on torch's current stream."""
+    """Fills dq, dk, dv (shaped and typed like q, k, v) on torch's current stream. cfg: a tile config other than
+    the default (for studies: profiling/sm80_bwd_variants.py)."""
     reason = backward_unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(reason)
     target = compile_cache.runtime_target(q.device)
-    cfg = bwd_tile_config(spec.head_dim, target)
+    cfg = cfg or bwd_tile_config(spec.head_dim, target)
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     gqa = nheads != nheads_kv
@@ -310,12 +311,12 @@ def run_backward(
         dv_out = torch.zeros(batch, seqlen_k_pad, nheads_kv, head_dim, **f32)
     else:
         dk_out, dv_out = dk, dv
-    _kernel("bwd_gqa" if gqa else "bwd", spec, target)(
+    _kernel("bwd_gqa" if gqa else "bwd", spec, target, cfg)(
         q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, softmax_scale, mask.left, mask.right
     )
     postprocess = _kernel("bwd_postprocess", spec, target)
     if cfg.dq_layout == "fragment":
-        _kernel("bwd_dq_postprocess", spec, target)(dq_accum, dq, softmax_scale)
+        _kernel("bwd_dq_postprocess", spec, target, cfg)(dq_accum, dq, softmax_scale)
     else:
         postprocess(dq_accum, dq, softmax_scale)
     if gqa:

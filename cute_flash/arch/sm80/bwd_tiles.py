@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -62,20 +61,18 @@ class BwdTileConfig:
 
 
 def bwd_tile_config(head_dim: int, target: Optional[str] = None) -> BwdTileConfig:
-    """The backward tile config for `head_dim` on `target` ("sm_80", "sm_90a", ...): the default variant, or the one
-    named by the environment variable CUTE_FLASH_SM80_BWD_VARIANT (see VARIANTS; for timing them side by side)."""
-    return _tile_config(head_dim, target, os.environ.get(VARIANT_ENV))
+    """The backward tile config for `head_dim` on `target` ("sm_80", "sm_90a", ...). Studies pass other configs to
+    `backward.run_backward(cfg=...)` (profiling/sm80_bwd_variants.py)."""
+    return _tile_config(head_dim, _target_major(target))
 
 
 @functools.lru_cache(maxsize=None)
-def _tile_config(head_dim: int, target: Optional[str], variant: Optional[str]) -> BwdTileConfig:
+def _tile_config(head_dim: int, major: int) -> BwdTileConfig:
     # Memoised: every backward call asks for its config, and building one takes ~20 us of host time.
-    major = _target_major(target)
-    name = variant or default_variant(head_dim, major)
-    if name not in VARIANTS:
-        raise ValueError(f"{VARIANT_ENV}={name!r}: the sm80 backward variants are {sorted(VARIANTS)}")
     base = replace(_fa2_tile_config(head_dim), opt_level=default_opt_level(head_dim, major))
-    return VARIANTS[name](base, head_dim, major)
+    if major == 9 and head_dim in _FRAGMENT_HEAD_DIMS:
+        return fragment_dq(base, vec=4, major=major, dq_first=True)
+    return base
 
 
 def _target_major(target: Optional[str]) -> int:
@@ -84,43 +81,21 @@ def _target_major(target: Optional[str]) -> int:
     return int(target.removeprefix("sm_").rstrip("a")) // 10
 
 
-def _vector_dq(cfg: BwdTileConfig, vec: int, major: int) -> BwdTileConfig:
-    # Vector reductions (red.global.add.v2/v4.f32) exist from sm_90 on; older targets get the scalar form of the
-    # same layout.
-    return replace(cfg, dq_layout="fragment", dq_vec=vec if major >= 9 else 1)
+def fragment_dq(cfg: BwdTileConfig, vec: int, major: int, dq_first: bool = False) -> BwdTileConfig:
+    """cfg with dQ in the "fragment" layout, `vec` floats per reduction, optionally dQ before dK (two stages only).
+    Vector reductions (red.global.add.v2/v4.f32) exist from sm_90 on; older targets get the scalar form of the same
+    layout."""
+    return replace(
+        cfg, dq_layout="fragment", dq_vec=vec if major >= 9 else 1, dq_before_dk=dq_first and cfg.num_stages == 2
+    )
 
 
-VARIANT_ENV = "CUTE_FLASH_SM80_BWD_VARIANT"
-# name -> (FlashAttention-2 tile config, head_dim, target major) -> config. Timed on an H200 by
-# profiling/sm80_bwd_variants.py.
-VARIANTS = {
-    "rows": lambda cfg, d, major: cfg,
-    "fragment": lambda cfg, d, major: replace(cfg, dq_layout="fragment"),
-    "fragment_v4": lambda cfg, d, major: _vector_dq(cfg, 4, major),
-    "fragment_v4_dq_first": lambda cfg, d, major: replace(_vector_dq(cfg, 4, major), dq_before_dk=cfg.num_stages == 2),
-}
-
-
-# Every variant also at a forced optimisation level ("<variant>_o1" ... "_o3"; the level only changes ptxas, the PTX
-# is the same): at 3, ptxas hoists shared-memory loads ahead of the mmas and spills a few bytes at d96-d128; 1
-# schedules conservatively and does not spill. See default_opt_level.
-def _at_opt_level(variant, level: int):
-    return lambda cfg, d, major: replace(variant(cfg, d, major), opt_level=level)
-
-
-VARIANTS.update(
-    {
-        f"{name}_o{level}": _at_opt_level(variant, level)
-        for name, variant in list(VARIANTS.items())
-        for level in (1, 2, 3)
-    }
-)
-# The default where it was measured faster and passed the GPU test matrix (H200, sm_90a target, 2026-11-21:
-# fragment_v4_dq_first 1.07-1.12x SDPA flash at d128 seqlen 4k/16k, 0.98-1.03x at d64, 1.05-1.09x at d256 (where,
-# with one Q/dO stage, it is fragment_v4); "rows" 0.59-0.79x). Other head dims, sm_80 targets (where the same layout
-# takes scalar atomics) and sm_100a keep the previously tested "rows" until a GPU run covers them.
-DEFAULT_VARIANT = "fragment_v4_dq_first"
-_DEFAULT_VARIANT_HEAD_DIMS = (64, 128, 256)
+# The "fragment" dQ layout with 4-float reductions and dQ before dK where it was measured faster and passed the GPU
+# test matrix (H200, sm_90a target, 2026-11-21: 1.07-1.12x SDPA flash at d128 seqlen 4k/16k, 0.98-1.03x at d64,
+# 1.05-1.09x at d256, where with one Q/dO stage dQ stays after dK; the "rows" layout 0.59-0.79x;
+# profiling/sm80_bwd_variants.py). Other head dims, sm_80 targets (where the same layout takes scalar atomics) and
+# sm_100a keep the previously tested "rows" until a GPU run covers them.
+_FRAGMENT_HEAD_DIMS = (64, 128, 256)
 
 
 def default_opt_level(head_dim: int, target_major: int) -> int:
@@ -129,10 +104,6 @@ def default_opt_level(head_dim: int, target_major: int) -> int:
     spills (H200, 2026-11-21: 1.08-1.12x FlashAttention-2 against 0.98-1.02x at 1) and stays. sm_8x targets cannot be
     timed here; they take the spill-free build."""
     return 1 if target_major < 9 and 96 <= head_dim <= 128 else 3
-
-
-def default_variant(head_dim: int, target_major: int) -> str:
-    return DEFAULT_VARIANT if target_major == 9 and head_dim in _DEFAULT_VARIANT_HEAD_DIMS else "rows"
 
 
 def _fa2_tile_config(head_dim: int) -> BwdTileConfig:

@@ -22,15 +22,13 @@ per consumer warpgroup, ping-pong) with these differences:
     either way). Needs promotion (the sums land in the fresh P·V accumulator), tile_n <= 128 and dv + 8 <= 256.
     Measured 2-3% faster causal with 128-key tiles (the causal default then), 1-3% slower without a mask.
 
-Named variants (`VARIANTS`, for the speed study) can replace the default through the environment:
-`CUTE_FLASH_FP8_VARIANT=<name>` makes `fp8_fwd_config` return that variant for the head dims it covers.
+The alternatives measured against these defaults live outside the library (profiling/fp8_variants.py).
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, replace
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Optional
 
 from ...fp8.prepare import BLOCK_M, BLOCK_N
 from .tile_config import REGISTERS_PER_SM, ROWS_PER_CONSUMER, SMEM_CAPACITY_BYTES, SMEM_RESERVED_BYTES, FwdTileConfig
@@ -112,53 +110,13 @@ _BY_HEAD_DIM = (
 # d <= 128: 192-key tiles, P·V accumulated in the wgmma: +7.6-8.4% at seqlen 16k without a mask, +4.8-5.6% causal,
 #   against 128-key tiles with promotion (and, causal, the wgmma row sums). Promotion does not fit beside a 192-key
 #   tile (S 96 + P 24 + O 64 + the promoted P·V 64 registers per thread); without it the RMSE at 32k keys is 0.45%
-#   above the exact-accumulation model, the promoted build's 0.14% (VARIANTS["tile128_promote"]).
+#   above the exact-accumulation model, the promoted build's 0.14% (profiling/fp8_variants.py "tile128_promote").
 # d <= 256: 128-key tiles instead of 64: +17-18% at 4k and 16k, both masks. O alone is 128 registers, so no
 #   promotion; 2 stages use 225 of the 227 KiB of shared memory.
 
 
-VARIANT_ENV = "CUTE_FLASH_FP8_VARIANT"
-_D128 = _BY_HEAD_DIM[1][1]
-_TILE128 = Fp8FwdConfig(FwdTileConfig(2, 128, 2), promote_pv=True)  # the previous default, and its variants below
-
-# Alternatives to the d <= 128 default, timed by `python -m profiling.fp8_benchmark --variants`.
-VARIANTS: Dict[str, Fp8FwdConfig] = {
-    "tile192_stages3": replace(_D128, tile=FwdTileConfig(2, 192, 3)),
-    "tile128_promote": _TILE128,
-    "tile128": replace(_TILE128, promote_pv=False),
-    "tile128_promote_row_sum_mma": replace(_TILE128, row_sum_mma=True),
-    "stages3": replace(_TILE128, tile=FwdTileConfig(2, 128, 3)),
-    "stages3_no_promote": Fp8FwdConfig(FwdTileConfig(2, 128, 3), promote_pv=False),
-    "poly4": replace(_TILE128, exp2_poly_per_row=4),
-    "poly8": replace(_TILE128, exp2_poly_per_row=8),
-    "poly12": replace(_TILE128, exp2_poly_per_row=12),
-    "poly8_stages3": Fp8FwdConfig(FwdTileConfig(2, 128, 3), promote_pv=True, exp2_poly_per_row=8),
-    "poly8_no_promote": Fp8FwdConfig(FwdTileConfig(2, 128, 2), promote_pv=False, exp2_poly_per_row=8),
-    "row_sum_mma_stages3": replace(_TILE128, tile=FwdTileConfig(2, 128, 3), row_sum_mma=True),
-    "no_ping_pong": replace(_D128, tile=FwdTileConfig(2, 192, 2, ping_pong=False)),
-    # d <= 64 (the "d64_" prefix): 2 consumers x 64 rows with 240 registers instead of 3 with 160
-    "d64_tile192": Fp8FwdConfig(FwdTileConfig(2, 192, 2), promote_pv=False),
-    "d64_tile192_stages3": Fp8FwdConfig(FwdTileConfig(2, 192, 3), promote_pv=False),
-    "d64_tile128_2wg": Fp8FwdConfig(FwdTileConfig(2, 128, 2), promote_pv=False),
-    # 128 < d <= 256 (the "d256_" prefix)
-    "d256_tile128_ping_pong": Fp8FwdConfig(FwdTileConfig(2, 128, 2), promote_pv=False),
-    "d256_tile64": Fp8FwdConfig(FwdTileConfig(2, 64, 2, ping_pong=False), promote_pv=False),  # the previous default
-    "d256_tile64_stages3": Fp8FwdConfig(FwdTileConfig(2, 64, 3, ping_pong=False), promote_pv=False),
-}
-# Tried and dropped on the CPU compile: 3 consumers x 64 rows at d = 128 without promotion (160 registers per consumer
-# thread) spills (96-byte stack frame); a 256-key tile with the intra-warpgroup overlap spills even without promotion.
-VARIANT_HEAD_DIMS = (65, 128)  # the width range the variants are built for (they replace the d <= 128 default)
-D64_VARIANT_HEAD_DIMS = (1, 64)  # ... except "d64_" variants, which replace the d <= 64 default,
-D256_VARIANT_HEAD_DIMS = (129, 256)  # and "d256_" variants, which replace the d <= 256 one
-
-
-def variant_head_dims(name: str) -> Tuple[int, int]:
-    if name.startswith("d64_"):
-        return D64_VARIANT_HEAD_DIMS
-    return D256_VARIANT_HEAD_DIMS if name.startswith("d256_") else VARIANT_HEAD_DIMS
-
-
-def fp8_default_config(head_dim: int, head_dim_v: int, mask_kind: str = "none") -> Fp8FwdConfig:
+def fp8_fwd_config(head_dim: int, head_dim_v: int, mask_kind: str = "none") -> Fp8FwdConfig:
+    """The measured default for these head dims (the reasons are above _BY_HEAD_DIM)."""
     # mask_kind: no default depends on it since the 192-key tile (the causal one took row_sum_mma before); callers
     # keep passing it so that a mask-specific default needs no new plumbing.
     width = max(head_dim, head_dim_v)
@@ -166,16 +124,3 @@ def fp8_default_config(head_dim: int, head_dim_v: int, mask_kind: str = "none") 
         if width <= limit:
             return cfg
     raise ValueError(f"no sm90 FP8 tile configuration for head dim {width} (at most {FP8_MAX_HEAD_DIM})")
-
-
-def fp8_fwd_config(head_dim: int, head_dim_v: int, mask_kind: str = "none") -> Fp8FwdConfig:
-    """The configuration for these head dims: the default, or the variant named by $CUTE_FLASH_FP8_VARIANT."""
-    name = os.environ.get(VARIANT_ENV, "")
-    width = max(head_dim, head_dim_v)
-    if name and name != "default":
-        if name not in VARIANTS:
-            raise ValueError(f"{VARIANT_ENV}={name!r} is not one of {sorted(VARIANTS)} (or 'default')")
-        lo, hi = variant_head_dims(name)
-        if lo <= width <= hi:
-            return VARIANTS[name]
-    return fp8_default_config(head_dim, head_dim_v, mask_kind)
