@@ -172,7 +172,23 @@ class _Backend:
             *descale_args,
         )
 
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask, deterministic=False) -> None:
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        *,
+        spec: AttentionSpec,
+        softmax_scale: float,
+        mask: MaskBounds,
+        deterministic: bool = False,
+    ) -> None:
         raise NotImplementedError(self.unsupported_reason(spec, True))
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:

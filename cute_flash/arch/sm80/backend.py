@@ -15,6 +15,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
+import torch
+
 from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
 from ...validation import kernel_view
@@ -168,7 +170,19 @@ class _Backend:
         key = (FAMILY, target, "fwd", spec)
         return compile_cache.get_or_compile(key, lambda: _compile_runnable_forward(spec, target))
 
-    def forward(self, q, k, v, out, lse, *, spec: AttentionSpec, softmax_scale: float, mask: MaskBounds, descale=None):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        spec: AttentionSpec,
+        softmax_scale: float,
+        mask: MaskBounds,
+        descale: Optional[Dict[str, torch.Tensor]] = None,
+    ) -> None:
         if descale is not None:
             raise NotImplementedError("the sm80 forward has no fp8 path, so it takes no descale factors")
         reason = forward_unsupported_reason(spec)
@@ -181,7 +195,23 @@ class _Backend:
         q, k, v, out = (kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out)))
         kernel(q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right))
 
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask, deterministic=False) -> None:
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        *,
+        spec: AttentionSpec,
+        softmax_scale: float,
+        mask: MaskBounds,
+        deterministic: bool = False,
+    ) -> None:
         if deterministic:
             raise NotImplementedError(DETERMINISTIC_UNSUPPORTED)
         bwd = _backward_module()

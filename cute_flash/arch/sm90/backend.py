@@ -12,7 +12,9 @@ FP8 (`spec.dtype == "fp8"`, forward only) is served by `fp8_launch` (a separate 
 from __future__ import annotations
 
 import tempfile
-from typing import List, Optional
+from typing import Dict, List, Optional
+
+import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
@@ -79,7 +81,19 @@ class _Backend:
         key = (FAMILY, target, "fwd", spec, cfg)
         return compile_cache.get_or_compile(key, lambda: _build_forward(spec, cfg, target))
 
-    def forward(self, q, k, v, out, lse, *, spec: AttentionSpec, softmax_scale: float, mask: MaskBounds, descale=None):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        spec: AttentionSpec,
+        softmax_scale: float,
+        mask: MaskBounds,
+        descale: Optional[Dict[str, torch.Tensor]] = None,
+    ) -> None:
         if spec.dtype == "fp8":
             _fp8().run_forward_fp8(
                 q, k, v, out, lse, descale=descale, spec=spec, softmax_scale=softmax_scale, mask=mask
@@ -92,7 +106,23 @@ class _Backend:
         kernel = self._forward_kernel(spec, target)
         kernel(q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right))
 
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask, deterministic=False) -> None:
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        *,
+        spec: AttentionSpec,
+        softmax_scale: float,
+        mask: MaskBounds,
+        deterministic: bool = False,
+    ) -> None:
         _bwd().run_backward(
             dout,
             q,
