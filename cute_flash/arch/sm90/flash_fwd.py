@@ -48,6 +48,11 @@ from . import wgmma
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
 
 
+def _one(layout):
+    """One stage (or one consumer slice) of a staged shared-memory layout."""
+    return cute.select(layout, mode=[0, 1])
+
+
 class Sm90FlashForward:
     """Callable compiled once per (dtype, head dims, mask kind, tile config); shapes and strides are runtime."""
 
@@ -60,8 +65,15 @@ class Sm90FlashForward:
         cfg: FwdTileConfig,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
-        assert mask_kind in ("none", "causal", "local")
         self.dtype = dtype
+        self._init_cta(head_dim, head_dim_v, mask_kind, cfg)
+        # O reuses each consumer's Q slice: one slot per consumer, as wide as the wider of the two, so that a consumer
+        # writing its O never touches the Q another consumer may still be reading (head_dim != head_dim_v).
+        self.slice_elems = ROWS_PER_CONSUMER * max(head_dim, head_dim_v)
+
+    def _init_cta(self, head_dim: int, head_dim_v: int, mask_kind: str, cfg: FwdTileConfig) -> None:
+        """What every sm90 forward kernel (this one and the FP8 subclass) knows about its CTA."""
+        assert mask_kind in ("none", "causal", "local")
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
         self.mask_kind = mask_kind
@@ -72,9 +84,28 @@ class Sm90FlashForward:
         self.tile_m = cfg.tile_m
         self.tile_n = cfg.tile_n
         self.num_stages = cfg.num_stages
-        # O reuses each consumer's Q slice: one slot per consumer, as wide as the wider of the two, so that a consumer
-        # writing its O never touches the Q another consumer may still be reading (head_dim != head_dim_v).
-        self.slice_elems = ROWS_PER_CONSUMER * max(head_dim, head_dim_v)
+
+    def tma_atoms(self, mQ, mK, mV, mO, sQ_layout, sK_layout, sV_layout, sO_layout, v_box):
+        """TMA atoms and coordinate tensors: loads of one Q slice, one K and one V stage (`v_box`: the V tile as the
+        kernel stores it), the store of one O slice."""
+        rows = ROWS_PER_CONSUMER
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, _one(sQ_layout), (rows, self.head_dim))
+        atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, _one(sK_layout), (self.tile_n, self.head_dim))
+        atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, _one(sV_layout), v_box)
+        atom_o, tma_o = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, _one(sO_layout), (rows, self.head_dim_v)
+        )
+        return (atom_q, atom_k, atom_v, atom_o), (tma_q, tma_k, tma_v, tma_o)
+
+    def launch_shape(self, mQ: cute.Tensor) -> dict:
+        """Grid (query tiles, heads, batch) and block of the launch."""
+        num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
+        return dict(
+            grid=[num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])],
+            block=[self.cfg.num_threads, 1, 1],
+            min_blocks_per_mp=1,
+        )
 
     @cute.jit
     def __call__(
@@ -119,18 +150,13 @@ class Sm90FlashForward:
             a_source=warpgroup.OperandSource.RMEM,
         )
 
-        one = lambda layout: cute.select(layout, mode=[0, 1])  # noqa: E731  (one stage / one consumer slice)
-        load = cpasync.CopyBulkTensorTileG2SOp()
-        atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, one(sQ_layout), (rows, self.head_dim))
-        atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, one(sK_layout), (self.tile_n, self.head_dim))
-        atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, one(sV_layout), (self.tile_n, self.head_dim_v))
-        atom_o, tma_o = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, one(sO_layout), (rows, self.head_dim_v)
+        (atom_q, atom_k, atom_v, atom_o), (tma_q, tma_k, tma_v, tma_o) = self.tma_atoms(
+            mQ, mK, mV, mO, sQ_layout, sK_layout, sV_layout, sO_layout, (self.tile_n, self.head_dim_v)
         )
         # Every consumer's slice, one barrier (not the layout's cosize: slices may be spaced wider than Q).
-        self.bytes_q = cute.size_in_bytes(self.dtype, one(sQ_layout)) * self.num_consumers
-        self.bytes_k = cute.size_in_bytes(self.dtype, one(sK_layout))
-        self.bytes_v = cute.size_in_bytes(self.dtype, one(sV_layout))
+        self.bytes_q = cute.size_in_bytes(self.dtype, _one(sQ_layout)) * self.num_consumers
+        self.bytes_k = cute.size_in_bytes(self.dtype, _one(sK_layout))
+        self.bytes_v = cute.size_in_bytes(self.dtype, _one(sV_layout))
 
         q_elems = self.slice_elems * self.num_consumers
 
@@ -143,7 +169,6 @@ class Sm90FlashForward:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
 
-        num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
         self.kernel(
             tma_q,
             tma_k,
@@ -164,12 +189,7 @@ class Sm90FlashForward:
             window_left,
             window_right,
             SharedStorage,
-        ).launch(
-            grid=[num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])],
-            block=[self.cfg.num_threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
-        )
+        ).launch(stream=stream, **self.launch_shape(mQ))
 
     @cute.kernel
     def kernel(
@@ -194,24 +214,7 @@ class Sm90FlashForward:
         window_right: Int32,
         SharedStorage: cutlass.Constexpr,
     ):
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        if warp_idx == 0:
-            for atom in (atom_q, atom_k, atom_v, atom_o):
-                cpasync.prefetch_descriptor(atom)
-
-        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        pipes = make_load_pipelines(
-            storage.mbar_q.data_ptr(),
-            storage.mbar_k.data_ptr(),
-            storage.mbar_v.data_ptr(),
-            num_stages=self.num_stages,
-            num_consumer_threads=self.num_consumers * WARPGROUP_THREADS,
-            q_bytes=self.bytes_q,
-            k_bytes=self.bytes_k,
-            v_bytes=self.bytes_v,
-        )
-        pipeline.pipeline_init_arrive(is_relaxed=True)
+        warp_idx, tidx, storage, pipes = self.prologue((atom_q, atom_k, atom_v, atom_o), SharedStorage)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -224,17 +227,30 @@ class Sm90FlashForward:
 
         pipeline.pipeline_init_wait()
 
-        warp_group = warp_idx // 4
-        if warp_group == 0:
-            cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
-            if warp_idx == 0:
-                self.produce(
-                    pipes, atom_q, atom_k, atom_v, mQ, mK, mV, sQ, sK, sV, m_block, head, head_kv, batch, n_min, n_max
-                )
-        else:
-            cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            consumer = warp_group - 1
-            self.consume(
+        self.run_roles(
+            warp_idx,
+            tidx,
+            partial(
+                self.produce,
+                pipes,
+                atom_q,
+                atom_k,
+                atom_v,
+                mQ,
+                mK,
+                mV,
+                sQ,
+                sK,
+                sV,
+                m_block,
+                head,
+                head_kv,
+                batch,
+                n_min,
+                n_max,
+            ),
+            partial(
+                self.consume,
                 pipes,
                 tiled_mma_qk,
                 tiled_mma_pv,
@@ -253,10 +269,50 @@ class Sm90FlashForward:
                 info,
                 n_min,
                 n_max,
-                consumer,
-                tidx % WARPGROUP_THREADS,
-                warp_idx % 4,
-            )
+            ),
+        )
+
+    @cute.jit
+    def prologue(self, atoms, SharedStorage: cutlass.Constexpr):
+        """Descriptor prefetch, shared memory, the Q / K / V load rings (their init made visible later by
+        pipeline_init_wait): the start every sm90 forward kernel shares."""
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in atoms:
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        pipes = make_load_pipelines(
+            storage.mbar_q.data_ptr(),
+            storage.mbar_k.data_ptr(),
+            storage.mbar_v.data_ptr(),
+            num_stages=self.num_stages,
+            num_consumer_threads=self.num_consumers * WARPGROUP_THREADS,
+            q_bytes=self.bytes_q,
+            k_bytes=self.bytes_k,
+            v_bytes=self.bytes_v,
+        )
+        pipeline.pipeline_init_arrive(is_relaxed=True)
+        return warp_idx, tidx, storage, pipes
+
+    @cute.jit
+    def run_roles(self, warp_idx: Int32, tidx: Int32, produce: cutlass.Constexpr, consume: cutlass.Constexpr):
+        """Warpgroup 0 gives registers away and its warp 0 loads; the others take them and consume, each with its
+        consumer index, thread index within the warpgroup and warp index within it."""
+        warp_group = warp_idx // 4
+        if warp_group == 0:
+            cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
+            if warp_idx == 0:
+                produce()
+        else:
+            cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
+            consumer = warp_group - 1
+            consume(consumer, tidx % WARPGROUP_THREADS, warp_idx % 4)
+
+    def v_tiles(self, mV: cute.Tensor, head_kv: Int32, batch: Int32) -> cute.Tensor:
+        """This (batch, KV head)'s V tiles as the producer loads them, tile index last: (tile_n, dv, tiles)."""
+        return cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
 
     @cute.jit
     def produce(
@@ -281,7 +337,7 @@ class Sm90FlashForward:
         rows = ROWS_PER_CONSUMER
         gQ = cute.local_tile(mQ[None, None, head, batch], (rows, self.head_dim), (None, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
+        gV = self.v_tiles(mV, head_kv, batch)
         load_q_k_v(
             pipes,
             atom_q,
@@ -338,15 +394,7 @@ class Sm90FlashForward:
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((rows, self.head_dim_v)), Float32)
         acc_O.fill(0.0)
 
-        # (row, col) coordinates of this thread's scores within the CTA tile (rows offset by this consumer's slice),
-        # and thread 0's within a consumer tile (compile-time constants): what the mask compares.
-        coords = cute.local_tile(
-            cute.make_identity_tensor((self.tile_m, self.tile_n)), (rows, self.tile_n), (consumer, 0)
-        )
-        coords_rc = rows_cols_view(thr_qk.partition_C(coords))
-        coords0_rc = rows_cols_view(
-            tiled_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((rows, self.tile_n)))
-        )
+        coords_rc, coords0_rc = self.score_coords(tiled_mma_qk, thr_qk, consumer)
 
         softmax = OnlineSoftmax.create(softmax_scale * LOG2_E, cute.size(rows_cols_view(acc_O), mode=[0]))
         turns = WarpGroupTurns(consumer, self.num_consumers, self.cfg.ping_pong)
@@ -394,6 +442,65 @@ class Sm90FlashForward:
             warp_in_wg,
         )
 
+    def score_coords(self, tiled_mma_qk: cute.TiledMma, thr_qk, consumer: Int32):
+        """(row, col) coordinates of this thread's scores within the CTA tile (rows offset by this consumer's slice),
+        and thread 0's within a consumer tile (compile-time constants): what the mask compares."""
+        rows = ROWS_PER_CONSUMER
+        coords = cute.local_tile(
+            cute.make_identity_tensor((self.tile_m, self.tile_n)), (rows, self.tile_n), (consumer, 0)
+        )
+        coords_rc = rows_cols_view(thr_qk.partition_C(coords))
+        coords0_rc = rows_cols_view(
+            tiled_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((rows, self.tile_n)))
+        )
+        return coords_rc, coords0_rc
+
+    @cute.jit
+    def first_scores(self, pipes, tiled_mma_qk, tSrQ, tSrK, kv, s_shape: cutlass.Constexpr, mask, n_first: Int32):
+        """S of the right-most key tile (the seqlen_k tail and the diagonal live there), alone and masked."""
+        consumer_wait(pipes.k, kv)
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=0)
+        pipes.k.consumer_release(kv)
+        mask(acc_S, n_first, True, self.causal or self.local)
+        return acc_S
+
+    @cute.jit
+    def overlapped_gemms(
+        self,
+        kv: pipeline.PipelineState,
+        n_block: Int32,
+        mask_window: cutlass.Constexpr[bool],
+        pipes,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tSrQ: cute.Tensor,
+        tSrK: cute.Tensor,
+        tOrVt: cute.Tensor,
+        tOrP: cute.Tensor,
+        acc_PV: cute.Tensor,
+        pv_zero_init: cutlass.Constexpr[bool],
+        s_shape: cutlass.Constexpr,
+        turns: WarpGroupTurns,
+        mask: cutlass.Constexpr,
+    ):
+        """S_n = Q·K_nᵀ issued together with P_{n+1}·V_{n+1} (into acc_PV), in this consumer's turn; returns once S_n
+        is ready and masked (P·V may still run), with the K/V state of n and the V state of n + 1."""
+        kv_v = kv.clone()  # the V stage of the previous (right-hand) block
+        kv.advance()
+        consumer_wait(pipes.k, kv)
+        turns.wait_turn()
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=-1)
+        consumer_wait(pipes.v, kv_v)
+        wgmma.gemm(tiled_mma_pv, acc_PV, tOrP, tOrVt[None, None, None, kv_v.index], zero_init=pv_zero_init, wait=-1)
+        turns.pass_turn()
+        warpgroup.wait_group(1)  # S is ready; P·V may still run
+        pipes.k.consumer_release(kv)
+        if const_expr(mask_window):
+            mask(acc_S, n_block, False, True)
+        return kv, kv_v, acc_S
+
     @cute.jit
     def mainloop(
         self,
@@ -418,17 +525,11 @@ class Sm90FlashForward:
         consumer_wait(pipes.q, consumer_state(1))
         kv = consumer_state(self.num_stages)
         s_shape = tiled_mma_qk.get_slice(0).partition_shape_C((ROWS_PER_CONSUMER, self.tile_n))
-        masked = self.causal or self.local
 
         mask = partial(self.mask_scores, coords_rc=coords_rc, coords0_rc=coords0_rc, info=info, m_block=m_block)
 
-        # The right-most block first: the seqlen_k tail and the diagonal both live there.
         n_first = n_max - 1
-        consumer_wait(pipes.k, kv)
-        acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=0)
-        pipes.k.consumer_release(kv)
-        mask(acc_S, n_first, True, masked)
+        acc_S = self.first_scores(pipes, tiled_mma_qk, tSrQ, tSrK, kv, s_shape, mask, n_first)
         softmax.update(rows_cols_view(acc_S), is_first=True)
         wgmma.store_p_operand(acc_S, tOrP)
 
@@ -490,19 +591,23 @@ class Sm90FlashForward:
         mask: cutlass.Constexpr,
     ) -> pipeline.PipelineState:
         """S_n = Q·K_nᵀ issued together with O += P_{n+1}·V_{n+1}; the softmax of S_n overlaps that P·V."""
-        kv_v = kv.clone()  # the V stage of the previous (right-hand) block
-        kv.advance()
-        consumer_wait(pipes.k, kv)
-        turns.wait_turn()
-        acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=-1)
-        consumer_wait(pipes.v, kv_v)
-        wgmma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_v.index], zero_init=False, wait=-1)
-        turns.pass_turn()
-        warpgroup.wait_group(1)  # S is ready; P·V may still run
-        pipes.k.consumer_release(kv)
-        if const_expr(mask_window):
-            mask(acc_S, n_block, False, True)
+        kv, kv_v, acc_S = self.overlapped_gemms(
+            kv,
+            n_block,
+            mask_window,
+            pipes,
+            tiled_mma_qk,
+            tiled_mma_pv,
+            tSrQ,
+            tSrK,
+            tOrVt,
+            tOrP,
+            acc_O,
+            False,
+            s_shape,
+            turns,
+            mask,
+        )
         row_scale = softmax.update(rows_cols_view(acc_S), is_first=False)
         warpgroup.wait_group(0)  # P·V done: the P registers and the V stage are free, O may be rescaled
         pipes.v.consumer_release(kv_v)

@@ -33,14 +33,12 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.memory import SmemAllocator
+from cutlass.cute.nvgpu import warpgroup
 import cutlass.utils.hopper_helpers as sm90_utils
 
 from ...common.acc_views import rows_cols_view
 from ...common.block_info import BlockInfo
 from ...common.block_walk import walk_kv_blocks
-from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E
 from ...fp8.prepare import BLOCK_M
 from .barriers import WarpGroupTurns, epilogue_sync
@@ -49,10 +47,10 @@ from .epilogue import store_o_and_lse
 from .fp8_permute import store_p_operand_e4m3
 from .fp8_softmax import MIN_TILE_SCALE, Fp8OnlineSoftmax
 from .fp8_tile_config import ROW_SUM_COLUMNS, Fp8FwdConfig, kv_scale_block
-from .loads import load_q_k_v
-from .pipelines import consumer_state, consumer_wait, make_load_pipelines
+from .pipelines import consumer_state, consumer_wait
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS
 from . import wgmma
+from .flash_fwd import Sm90FlashForward, _one
 
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
 FP8 = cutlass.Float8E4M3FN
@@ -62,30 +60,24 @@ def _select(t: cute.Tensor, modes) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
-class Sm90FlashForwardFp8:
-    """Compiled once per (output dtype, head dims, mask kind, config); shapes, strides and scales are runtime."""
+class Sm90FlashForwardFp8(Sm90FlashForward):
+    """Compiled once per (output dtype, head dims, mask kind, config); shapes, strides and scales are runtime.
+
+    The bf16 kernel's skeleton (`Sm90FlashForward`: TMA atoms, launch shape, prologue, warp roles, producer, score
+    coordinates, masks, the first key tile and the overlapped S / P·V GEMMs of every later one); what is its own is
+    below: e4m3 operands and Vᵀ, descales, the FP8 softmax and O's updates."""
 
     def __init__(
         self, out_dtype: Type[cutlass.Numeric], head_dim: int, head_dim_v: int, mask_kind: str, cfg: Fp8FwdConfig
     ):
         assert out_dtype in (cutlass.BFloat16, cutlass.Float16)
-        assert mask_kind in ("none", "causal", "local")
         assert head_dim % 32 == 0 and head_dim_v % 32 == 0
         self.out_dtype = out_dtype
-        self.head_dim = head_dim
-        self.head_dim_v = head_dim_v
-        self.mask_kind = mask_kind
-        self.causal = mask_kind == "causal"
-        self.local = mask_kind == "local"
-        self.cfg = cfg.tile
+        self._init_cta(head_dim, head_dim_v, mask_kind, cfg.tile)
         self.promote_pv = cfg.promote_pv
         self.exp2_poly_per_row = cfg.exp2_poly_per_row
         self.row_sum_mma = cfg.row_sum_mma
         self.pv_n = cfg.pv_width(head_dim_v)
-        self.num_consumers = cfg.tile.num_consumer_wgs
-        self.tile_m = cfg.tile.tile_m
-        self.tile_n = cfg.tile.tile_n
-        self.num_stages = cfg.tile.num_stages
         assert BLOCK_M == ROWS_PER_CONSUMER, "one Q descale per consumer slice"
         self.kv_scale_block = kv_scale_block(head_dim, head_dim_v)
         assert self.kv_scale_block % self.tile_n == 0
@@ -139,17 +131,12 @@ class Sm90FlashForwardFp8:
             for n in (self.pv_n, self.head_dim_v)  # P·[V | 1], and the O columns alone (O's registers, epilogue)
         )
 
-        one = lambda layout: cute.select(layout, mode=[0, 1])  # noqa: E731  (one stage / one consumer slice)
-        load = cpasync.CopyBulkTensorTileG2SOp()
-        atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, one(sQ_layout), (rows, self.head_dim))
-        atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, one(sK_layout), (self.tile_n, self.head_dim))
-        atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mVt, one(sVt_load_layout), (self.head_dim_v, self.tile_n))
-        atom_o, tma_o = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, one(sO_layout), (rows, self.head_dim_v)
+        (atom_q, atom_k, atom_v, atom_o), (tma_q, tma_k, tma_v, tma_o) = self.tma_atoms(
+            mQ, mK, mVt, mO, sQ_layout, sK_layout, sVt_load_layout, sO_layout, (self.head_dim_v, self.tile_n)
         )
         self.bytes_q = cute.size_in_bytes(FP8, sQ_layout)
-        self.bytes_k = cute.size_in_bytes(FP8, one(sK_layout))
-        self.bytes_v = cute.size_in_bytes(FP8, one(sVt_load_layout))
+        self.bytes_k = cute.size_in_bytes(FP8, _one(sK_layout))
+        self.bytes_v = cute.size_in_bytes(FP8, _one(sVt_load_layout))
 
         @cute.struct
         class SharedStorage:
@@ -161,7 +148,6 @@ class Sm90FlashForwardFp8:
             sVt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sVt_layout)], SMEM_ALIGN]
             sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(sO_layout)], SMEM_ALIGN]
 
-        num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
         self.kernel(
             tma_q,
             tma_k,
@@ -186,12 +172,7 @@ class Sm90FlashForwardFp8:
             window_left,
             window_right,
             SharedStorage,
-        ).launch(
-            grid=[num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])],
-            block=[self.cfg.num_threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
-        )
+        ).launch(stream=stream, **self.launch_shape(mQ))
 
     @cute.kernel
     def kernel(
@@ -220,24 +201,7 @@ class Sm90FlashForwardFp8:
         window_right: Int32,
         SharedStorage: cutlass.Constexpr,
     ):
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        if warp_idx == 0:
-            for atom in (atom_q, atom_k, atom_v, atom_o):
-                cpasync.prefetch_descriptor(atom)
-
-        storage = SmemAllocator().allocate(SharedStorage)
-        pipes = make_load_pipelines(
-            storage.mbar_q.data_ptr(),
-            storage.mbar_k.data_ptr(),
-            storage.mbar_v.data_ptr(),
-            num_stages=self.num_stages,
-            num_consumer_threads=self.num_consumers * WARPGROUP_THREADS,
-            q_bytes=self.bytes_q,
-            k_bytes=self.bytes_k,
-            v_bytes=self.bytes_v,
-        )
-        pipeline.pipeline_init_arrive(is_relaxed=True)
+        warp_idx, tidx, storage, pipes = self.prologue((atom_q, atom_k, atom_v, atom_o), SharedStorage)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -261,32 +225,30 @@ class Sm90FlashForwardFp8:
 
         pipeline.pipeline_init_wait()
 
-        warp_group = warp_idx // 4
-        if warp_group == 0:
-            cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
-            if warp_idx == 0:
-                self.produce(
-                    pipes,
-                    atom_q,
-                    atom_k,
-                    atom_v,
-                    mQ,
-                    mK,
-                    mVt,
-                    sQ,
-                    sK,
-                    sVt_load,
-                    m_block,
-                    head,
-                    head_kv,
-                    batch,
-                    n_min,
-                    n_max,
-                )
-        else:
-            cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            consumer = warp_group - 1
-            self.consume(
+        self.run_roles(
+            warp_idx,
+            tidx,
+            partial(
+                self.produce,
+                pipes,
+                atom_q,
+                atom_k,
+                atom_v,
+                mQ,
+                mK,
+                mVt,
+                sQ,
+                sK,
+                sVt_load,
+                m_block,
+                head,
+                head_kv,
+                batch,
+                n_min,
+                n_max,
+            ),
+            partial(
+                self.consume,
                 pipes,
                 tiled_mma_qk,
                 tiled_mma_pv,
@@ -311,52 +273,12 @@ class Sm90FlashForwardFp8:
                 info,
                 n_min,
                 n_max,
-                consumer,
-                tidx % WARPGROUP_THREADS,
-                warp_idx % 4,
-            )
-
-    @cute.jit
-    def produce(
-        self,
-        pipes,
-        atom_q: cute.CopyAtom,
-        atom_k: cute.CopyAtom,
-        atom_v: cute.CopyAtom,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mVt: cute.Tensor,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sVt: cute.Tensor,
-        m_block: Int32,
-        head: Int32,
-        head_kv: Int32,
-        batch: Int32,
-        n_min: Int32,
-        n_max: Int32,
-    ):
-        rows = ROWS_PER_CONSUMER
-        gQ = cute.local_tile(mQ[None, None, head, batch], (rows, self.head_dim), (None, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-        gVt = cute.local_tile(mVt[None, None, head_kv, batch], (self.head_dim_v, self.tile_n), (0, None))
-        load_q_k_v(
-            pipes,
-            atom_q,
-            atom_k,
-            atom_v,
-            gQ,
-            gK,
-            gVt,
-            sQ,
-            sK,
-            sVt,
-            m_block * self.num_consumers,
-            self.num_consumers,
-            self.num_stages,
-            n_min,
-            n_max,
+            ),
         )
+
+    def v_tiles(self, mVt: cute.Tensor, head_kv: Int32, batch: Int32) -> cute.Tensor:
+        """Vᵀ tiles (dv, tile_n, tiles): keys contiguous, as the e4m3 P·V wgmma's K-major B operand needs."""
+        return cute.local_tile(mVt[None, None, head_kv, batch], (self.head_dim_v, self.tile_n), (0, None))
 
     @cute.jit
     def consume(
@@ -402,13 +324,7 @@ class Sm90FlashForwardFp8:
         if const_expr(self.row_sum_mma):
             self.fill_ones_rows(sVt_base, sVt.layout, tidx, consumer)
 
-        coords = cute.local_tile(
-            cute.make_identity_tensor((self.tile_m, self.tile_n)), (rows, self.tile_n), (consumer, 0)
-        )
-        coords_rc = rows_cols_view(thr_qk.partition_C(coords))
-        coords0_rc = rows_cols_view(
-            tiled_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((rows, self.tile_n)))
-        )
+        coords_rc, coords0_rc = self.score_coords(tiled_mma_qk, thr_qk, consumer)
 
         softmax = Fp8OnlineSoftmax.create(
             cute.size(rows_cols_view(acc_O), mode=[0]),
@@ -532,17 +448,12 @@ class Sm90FlashForwardFp8:
         consumer_wait(pipes.q, consumer_state(1))
         kv = consumer_state(self.num_stages)
         s_shape = tiled_mma_qk.get_slice(0).partition_shape_C((ROWS_PER_CONSUMER, self.tile_n))
-        masked = self.causal or self.local
         mask = partial(self.mask_scores, coords_rc=coords_rc, coords0_rc=coords0_rc, info=info, m_block=m_block)
         scales = partial(self.tile_scales, mKd, mVd, batch, head_kv, q_scale=q_scale)
 
         n_first = n_max - 1
         c_first, v_first = scales(n_block=n_first)
-        consumer_wait(pipes.k, kv)
-        acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=0)
-        pipes.k.consumer_release(kv)
-        mask(acc_S, n_first, True, masked)
+        acc_S = self.first_scores(pipes, tiled_mma_qk, tSrQ, tSrK, kv, s_shape, mask, n_first)
         softmax.update(rows_cols_view(acc_S), c_first, is_first=True)
         store_p_operand_e4m3(acc_S, tOrP)
 
@@ -585,20 +496,6 @@ class Sm90FlashForwardFp8:
         if const_expr(self.promote_pv):
             self.absorb(acc_O, acc_PV, pending, softmax, pending_sum)
         return v_prev
-
-    @staticmethod
-    @cute.jit
-    def mask_scores(
-        acc_S: cute.Tensor,
-        n_block: Int32,
-        mask_seqlen: cutlass.Constexpr[bool],
-        mask_window: cutlass.Constexpr[bool],
-        coords_rc: cute.Tensor,
-        coords0_rc: cute.Tensor,
-        info: BlockInfo,
-        m_block: Int32,
-    ):
-        apply_mask(rows_cols_view(acc_S), coords_rc, coords0_rc, info, m_block, n_block, mask_seqlen, mask_window)
 
     @cute.jit
     def absorb(
@@ -658,19 +555,23 @@ class Sm90FlashForwardFp8:
         """
         kv, v_prev = state
         c_n, v_n = scales(n_block=n_block)
-        kv_v = kv.clone()  # the V stage of the previous (right-hand) tile
-        kv.advance()
-        consumer_wait(pipes.k, kv)
-        turns.wait_turn()
-        acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=-1)
-        consumer_wait(pipes.v, kv_v)
-        wgmma.gemm(tiled_mma_pv, acc_PV, tOrP, tOrVt[None, None, None, kv_v.index], zero_init=self.promote_pv, wait=-1)
-        turns.pass_turn()
-        warpgroup.wait_group(1)  # S is ready; P·V may still run
-        pipes.k.consumer_release(kv)
-        if const_expr(mask_window):
-            mask(acc_S, n_block, False, True)
+        kv, kv_v, acc_S = self.overlapped_gemms(
+            kv,
+            n_block,
+            mask_window,
+            pipes,
+            tiled_mma_qk,
+            tiled_mma_pv,
+            tSrQ,
+            tSrK,
+            tOrVt,
+            tOrP,
+            acc_PV,
+            self.promote_pv,
+            s_shape,
+            turns,
+            mask,
+        )
         row_scale = softmax.update(rows_cols_view(acc_S), c_n, is_first=False)
         ratio = v_prev / v_n
         warpgroup.wait_group(0)  # P·V done: the P registers and the V stage are free
