@@ -37,7 +37,7 @@ from ...common.block_walk import walk_kv_blocks
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
 from .barriers import WarpGroupTurns
-from .cta import cta_work
+from .cta import CtaWork, cta_work
 from .epilogue import store_o_and_lse
 from .loads import load_q_k_v
 from .pipelines import consumer_state, consumer_wait, make_load_pipelines
@@ -221,55 +221,16 @@ class Sm90FlashForward:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # see slice_elems
 
-        m_block, head, head_kv, batch, seqlen_q, info, n_min, n_max = cta_work(
-            mQ, mK, self.tile_m, self.tile_n, self.mask_kind, window_left, window_right
-        )
-
-        pipeline.pipeline_init_wait()
-
         self.run_roles(
             warp_idx,
             tidx,
-            partial(
-                self.produce,
-                pipes,
-                atom_q,
-                atom_k,
-                atom_v,
-                mQ,
-                mK,
-                mV,
-                sQ,
-                sK,
-                sV,
-                m_block,
-                head,
-                head_kv,
-                batch,
-                n_min,
-                n_max,
-            ),
-            partial(
-                self.consume,
-                pipes,
-                tiled_mma_qk,
-                tiled_mma_pv,
-                sQ,
-                sK,
-                sV,
-                sO,
-                mO,
-                mLSE,
-                atom_o,
-                softmax_scale,
-                m_block,
-                head,
-                batch,
-                seqlen_q,
-                info,
-                n_min,
-                n_max,
-            ),
+            pipes,
+            (atom_q, atom_k, atom_v),
+            (mQ, mK, mV),
+            (sQ, sK, sV),
+            window_left,
+            window_right,
+            partial(self.consume, pipes, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sO, mO, mLSE, atom_o, softmax_scale),
         )
 
     @cute.jit
@@ -297,43 +258,46 @@ class Sm90FlashForward:
         return warp_idx, tidx, storage, pipes
 
     @cute.jit
-    def run_roles(self, warp_idx: Int32, tidx: Int32, produce: cutlass.Constexpr, consume: cutlass.Constexpr):
-        """Warpgroup 0 gives registers away and its warp 0 loads; the others take them and consume, each with its
-        consumer index, thread index within the warpgroup and warp index within it."""
+    def run_roles(
+        self,
+        warp_idx: Int32,
+        tidx: Int32,
+        pipes,
+        atoms,
+        gmem,
+        smem,
+        window_left: Int32,
+        window_right: Int32,
+        consume: cutlass.Constexpr,
+    ):
+        """This CTA's work; then warpgroup 0 gives registers away and its warp 0 loads (atoms, gmem, smem: those of
+        Q, K and V), while the others take them and consume(work, consumer index, thread index within the
+        warpgroup, warp index within it)."""
+        work = cta_work(gmem[0], gmem[1], self.tile_m, self.tile_n, self.mask_kind, window_left, window_right)
+
+        pipeline.pipeline_init_wait()
+
         warp_group = warp_idx // 4
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
-                produce()
+                self.produce(pipes, atoms, gmem, smem, work)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             consumer = warp_group - 1
-            consume(consumer, tidx % WARPGROUP_THREADS, warp_idx % 4)
+            consume(work, consumer, tidx % WARPGROUP_THREADS, warp_idx % 4)
 
     def v_tiles(self, mV: cute.Tensor, head_kv: Int32, batch: Int32) -> cute.Tensor:
         """This (batch, KV head)'s V tiles as the producer loads them, tile index last: (tile_n, dv, tiles)."""
         return cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
 
     @cute.jit
-    def produce(
-        self,
-        pipes,
-        atom_q: cute.CopyAtom,
-        atom_k: cute.CopyAtom,
-        atom_v: cute.CopyAtom,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        m_block: Int32,
-        head: Int32,
-        head_kv: Int32,
-        batch: Int32,
-        n_min: Int32,
-        n_max: Int32,
-    ):
+    def produce(self, pipes, atoms, gmem, smem, work: CtaWork):
+        """The producer warp: Q once, then the K and V tiles of work's key range (loads.load_q_k_v)."""
+        atom_q, atom_k, atom_v = atoms
+        mQ, mK, mV = gmem
+        sQ, sK, sV = smem
+        m_block, head, head_kv, batch, _, _, n_min, n_max = work
         rows = ROWS_PER_CONSUMER
         gQ = cute.local_tile(mQ[None, None, head, batch], (rows, self.head_dim), (None, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
@@ -370,17 +334,12 @@ class Sm90FlashForward:
         mLSE: cute.Tensor,
         atom_o: cute.CopyAtom,
         softmax_scale: Float32,
-        m_block: Int32,
-        head: Int32,
-        batch: Int32,
-        seqlen_q: Int32,
-        info: BlockInfo,
-        n_min: Int32,
-        n_max: Int32,
+        work: CtaWork,
         consumer: Int32,
         tidx: Int32,
         warp_in_wg: Int32,
     ):
+        m_block, head, _, batch, seqlen_q, info, n_min, n_max = work
         rows = ROWS_PER_CONSUMER
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)

@@ -32,7 +32,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 import cutlass.utils.hopper_helpers as sm90_utils
 
@@ -42,7 +42,7 @@ from ...common.block_walk import walk_kv_blocks
 from ...common.online_softmax import LOG2_E
 from ...fp8.prepare import BLOCK_M
 from .barriers import WarpGroupTurns, epilogue_sync
-from .cta import cta_work
+from .cta import CtaWork
 from .epilogue import store_o_and_lse
 from .fp8_permute import store_p_operand_e4m3
 from .fp8_softmax import MIN_TILE_SCALE, Fp8OnlineSoftmax
@@ -219,61 +219,33 @@ class Sm90FlashForwardFp8(Sm90FlashForward):
         )
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
-        m_block, head, head_kv, batch, seqlen_q, info, n_min, n_max = cta_work(
-            mQ, mK, self.tile_m, self.tile_n, self.mask_kind, window_left, window_right
+        consume = partial(
+            self.consume,
+            pipes,
+            tiled_mma_qk,
+            tiled_mma_pv,
+            tiled_mma_o,
+            sQ,
+            sK,
+            sVt,
+            storage.sVt.data_ptr(),
+            sO,
+            mO,
+            mLSE,
+            (mQd, mKd, mVd),
+            atom_o,
+            softmax_scale,
         )
-
-        pipeline.pipeline_init_wait()
-
         self.run_roles(
             warp_idx,
             tidx,
-            partial(
-                self.produce,
-                pipes,
-                atom_q,
-                atom_k,
-                atom_v,
-                mQ,
-                mK,
-                mVt,
-                sQ,
-                sK,
-                sVt_load,
-                m_block,
-                head,
-                head_kv,
-                batch,
-                n_min,
-                n_max,
-            ),
-            partial(
-                self.consume,
-                pipes,
-                tiled_mma_qk,
-                tiled_mma_pv,
-                tiled_mma_o,
-                sQ,
-                sK,
-                sVt,
-                storage.sVt.data_ptr(),
-                sO,
-                mO,
-                mLSE,
-                mQd,
-                mKd,
-                mVd,
-                atom_o,
-                softmax_scale,
-                m_block,
-                head,
-                head_kv,
-                batch,
-                seqlen_q,
-                info,
-                n_min,
-                n_max,
-            ),
+            pipes,
+            (atom_q, atom_k, atom_v),
+            (mQ, mK, mVt),
+            (sQ, sK, sVt_load),
+            window_left,
+            window_right,
+            consume,
         )
 
     def v_tiles(self, mVt: cute.Tensor, head_kv: Int32, batch: Int32) -> cute.Tensor:
@@ -294,23 +266,16 @@ class Sm90FlashForwardFp8(Sm90FlashForward):
         sO: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
-        mQd: cute.Tensor,
-        mKd: cute.Tensor,
-        mVd: cute.Tensor,
+        descales,  # (mQd, mKd, mVd): per 64 query rows, per K / V scale block
         atom_o: cute.CopyAtom,
         softmax_scale: Float32,
-        m_block: Int32,
-        head: Int32,
-        head_kv: Int32,
-        batch: Int32,
-        seqlen_q: Int32,
-        info: BlockInfo,
-        n_min: Int32,
-        n_max: Int32,
+        work: CtaWork,
         consumer: Int32,
         tidx: Int32,
         warp_in_wg: Int32,
     ):
+        m_block, head, head_kv, batch, seqlen_q, info, n_min, n_max = work
+        mQd, mKd, mVd = descales
         rows = ROWS_PER_CONSUMER
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
