@@ -150,7 +150,7 @@ class Sm90FlashForward:
             a_source=warpgroup.OperandSource.RMEM,
         )
 
-        (atom_q, atom_k, atom_v, atom_o), (tma_q, tma_k, tma_v, tma_o) = self.tma_atoms(
+        atoms, tmas = self.tma_atoms(
             mQ, mK, mV, mO, sQ_layout, sK_layout, sV_layout, sO_layout, (self.tile_n, self.head_dim_v)
         )
         # Every consumer's slice, one barrier (not the layout's cosize: slices may be spaced wider than Q).
@@ -169,22 +169,13 @@ class Sm90FlashForward:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
 
+        layouts = (sQ_layout, sK_layout, sV_layout, sO_layout)
         self.kernel(
-            tma_q,
-            tma_k,
-            tma_v,
-            tma_o,
+            tmas,
             mLSE,
-            atom_q,
-            atom_k,
-            atom_v,
-            atom_o,
-            tiled_mma_qk,
-            tiled_mma_pv,
-            sQ_layout,
-            sK_layout,
-            sV_layout,
-            sO_layout,
+            atoms,
+            (tiled_mma_qk, tiled_mma_pv),
+            layouts,
             softmax_scale,
             window_left,
             window_right,
@@ -194,26 +185,20 @@ class Sm90FlashForward:
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,  # TMA coordinate tensors (s, d, h, b)
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
+        tmas,  # TMA coordinate tensors of Q, K, V, O: (s, d, h, b)
         mLSE: cute.Tensor,  # (sq, h, b) fp32
-        atom_q: cute.CopyAtom,
-        atom_k: cute.CopyAtom,
-        atom_v: cute.CopyAtom,
-        atom_o: cute.CopyAtom,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        sO_layout: cute.ComposedLayout,
+        atoms,  # their TMA atoms
+        mmas,  # (Q·Kᵀ, P·V) tiled MMAs
+        layouts,  # shared-memory layouts of Q, K, V, O
         softmax_scale: Float32,
         window_left: Int32,
         window_right: Int32,
         SharedStorage: cutlass.Constexpr,
     ):
+        mQ, mK, mV, mO = tmas
+        atom_q, atom_k, atom_v, atom_o = atoms
+        tiled_mma_qk, tiled_mma_pv = mmas
+        sQ_layout, sK_layout, sV_layout, sO_layout = layouts
         warp_idx, tidx, storage, pipes = self.prologue((atom_q, atom_k, atom_v, atom_o), SharedStorage)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)

@@ -131,7 +131,7 @@ class Sm90FlashForwardFp8(Sm90FlashForward):
             for n in (self.pv_n, self.head_dim_v)  # P·[V | 1], and the O columns alone (O's registers, epilogue)
         )
 
-        (atom_q, atom_k, atom_v, atom_o), (tma_q, tma_k, tma_v, tma_o) = self.tma_atoms(
+        atoms, tmas = self.tma_atoms(
             mQ, mK, mVt, mO, sQ_layout, sK_layout, sVt_load_layout, sO_layout, (self.head_dim_v, self.tile_n)
         )
         self.bytes_q = cute.size_in_bytes(FP8, sQ_layout)
@@ -149,25 +149,12 @@ class Sm90FlashForwardFp8(Sm90FlashForward):
             sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(sO_layout)], SMEM_ALIGN]
 
         self.kernel(
-            tma_q,
-            tma_k,
-            tma_v,
-            tma_o,
+            tmas,
             mLSE,
-            mQd,
-            mKd,
-            mVd,
-            atom_q,
-            atom_k,
-            atom_v,
-            atom_o,
-            tiled_mma_qk,
-            tiled_mma_pv,
-            tiled_mma_o,
-            sQ_layout,
-            sK_layout,
-            sVt_layout,
-            sO_layout,
+            (mQd, mKd, mVd),
+            atoms,
+            (tiled_mma_qk, tiled_mma_pv, tiled_mma_o),
+            (sQ_layout, sK_layout, sVt_layout, sO_layout),
             softmax_scale,
             window_left,
             window_right,
@@ -177,30 +164,21 @@ class Sm90FlashForwardFp8(Sm90FlashForward):
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,  # TMA coordinate tensors: (s, d, h, b), Vᵀ (dv, sk_pad, h_kv, b)
-        mK: cute.Tensor,
-        mVt: cute.Tensor,
-        mO: cute.Tensor,
+        tmas,  # TMA coordinate tensors of Q, K: (s, d, h, b), Vᵀ: (dv, sk_pad, h_kv, b), O: (s, dv, h, b)
         mLSE: cute.Tensor,  # (sq, h, b) fp32
-        mQd: cute.Tensor,  # (b, h, q blocks)
-        mKd: cute.Tensor,  # (b, h_kv, k blocks)
-        mVd: cute.Tensor,
-        atom_q: cute.CopyAtom,
-        atom_k: cute.CopyAtom,
-        atom_v: cute.CopyAtom,
-        atom_o: cute.CopyAtom,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        tiled_mma_o: cute.TiledMma,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sVt_layout: cute.ComposedLayout,
-        sO_layout: cute.ComposedLayout,
+        descales,  # (b, h, q blocks), (b, h_kv, k blocks) x 2
+        atoms,  # their TMA atoms
+        mmas,  # (Q·Kᵀ, P·[V | 1], O) tiled MMAs
+        layouts,  # shared-memory layouts of Q, K, Vᵀ, O
         softmax_scale: Float32,
         window_left: Int32,
         window_right: Int32,
         SharedStorage: cutlass.Constexpr,
     ):
+        mQ, mK, mVt, mO = tmas
+        atom_q, atom_k, atom_v, atom_o = atoms
+        tiled_mma_qk, tiled_mma_pv, tiled_mma_o = mmas
+        sQ_layout, sK_layout, sVt_layout, sO_layout = layouts
         warp_idx, tidx, storage, pipes = self.prologue((atom_q, atom_k, atom_v, atom_o), SharedStorage)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -232,7 +210,7 @@ class Sm90FlashForwardFp8(Sm90FlashForward):
             sO,
             mO,
             mLSE,
-            (mQd, mKd, mVd),
+            descales,
             atom_o,
             softmax_scale,
         )
