@@ -7,7 +7,7 @@
         flash backward (FlashAttention-2) at bf16, 16k tokens, h * d = 2048, seqlen 4k and 16k, causal or not, for
         --head-dims (default 128,64), and compares every variant's gradients with the first one's.
 The table is printed last. Each variant is a function of (the default config, head dim, target major); it reaches the
-kernels as `backward.run_backward(cfg=...)`. A variant becomes the default in `bwd_tiles.bwd_tile_config`, after the
+kernels as `backward.run_backward(cfg=...)`. A variant becomes the default in `tile_config.bwd_tile_config`, after the
 tests/test_sm80_bwd.py matrix passes with it.
 """
 
@@ -17,7 +17,7 @@ import argparse
 import time
 from dataclasses import replace
 
-from cute_flash.arch.sm80.bwd_tiles import _fa2_tile_config, _target_major, default_opt_level, fragment_dq
+from cute_flash.arch.sm80.tile_config import _fa2_tile_config, _target_major, default_opt_level, fragment_dq
 
 # name -> (FlashAttention-2 tile config at the default ptxas level, head_dim, target major) -> config. Timed on an
 # H200 (docs/performance.md, 2026-11-21).
@@ -31,7 +31,7 @@ VARIANTS = {
 
 # Every variant also at a forced optimisation level ("<variant>_o1" ... "_o3"; the level only changes ptxas, the PTX
 # is the same): at 3, ptxas hoists shared-memory loads ahead of the mmas and spills a few bytes at d96-d128; 1
-# schedules conservatively and does not spill (bwd_tiles.default_opt_level).
+# schedules conservatively and does not spill (tile_config.default_opt_level).
 def _at_opt_level(variant, level: int):
     return lambda cfg, d, major: replace(variant(cfg, d, major), opt_level=level)
 

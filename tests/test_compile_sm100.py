@@ -12,7 +12,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
 import pytest  # noqa: E402
 
 from cute_flash.arch.sm100 import BACKEND  # noqa: E402
-from cute_flash.arch.sm100 import config  # noqa: E402
+from cute_flash.arch.sm100 import tile_config as config  # noqa: E402
 from cute_flash.cli import compile_report  # noqa: E402
 from cute_flash.spec import AttentionSpec  # noqa: E402
 

@@ -51,7 +51,7 @@ def test_default_sm90_variant_uses_vector_dq_reductions():
     """On sm_90a at d128 the default variant adds dQ with red.global.add.v4.f32 in the "fragment" layout, converted
     by its own postprocess (only the two kernels that change are compiled, to keep this file fast)."""
     from cute_flash.arch.sm80 import backward
-    from cute_flash.arch.sm80.bwd_tiles import bwd_tile_config
+    from cute_flash.arch.sm80.tile_config import bwd_tile_config
     from cute_flash.census import cubin_resources
     from cute_flash.compile_cache import compile_options, keep_artifacts_options
     import tempfile
@@ -119,7 +119,7 @@ def test_d128_backward_has_no_spills():
 @pytest.mark.parametrize("head_dim,mask", [(128, "causal"), (128, "local"), (96, "causal"), (64, "none")])
 def test_sm80_backward_main_kernels_do_not_spill(head_dim, mask):
     """The main kernels (with and without GQA) for the sm_80 target, where the default opt level 3 spilled at
-    d96 causal and d128 (bwd_tiles.default_opt_level)."""
+    d96 causal and d128 (tile_config.default_opt_level)."""
     import tempfile
 
     from cute_flash.arch.sm80 import backward

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cute_flash import attention
-from cute_flash.arch.sm100 import config as sm100_config
+from cute_flash.arch.sm100 import tile_config as sm100_config
 from cute_flash.reference import attention_reference
 from cute_flash.spec import AttentionSpec
 from cute_flash.testing import (
@@ -129,7 +129,7 @@ def _rmse(a, b):
 
 
 def _check_fp8(q, k, v, out, lse, causal, window, rotate=True):
-    from cute_flash.arch.sm100.config import FP8_KV_SCALE_KEYS as BLOCK_N, FP8_Q_SCALE_ROWS as BLOCK_M
+    from cute_flash.arch.sm100.tile_config import FP8_KV_SCALE_KEYS as BLOCK_N, FP8_Q_SCALE_ROWS as BLOCK_M
     from cute_flash.fp8.emulate import emulated_attention
 
     ref, ref_lse = attention_reference(q, k, v, causal=causal, window_size=window, return_lse=True)
@@ -172,7 +172,7 @@ def test_fp8_attention_matches_budget(case):
 
 @pytest.mark.parametrize("per_block", [False, True])
 def test_fp8_prequantized_inputs(per_block):
-    from cute_flash.arch.sm100.config import FP8_KV_SCALE_KEYS as BLOCK_N, FP8_Q_SCALE_ROWS as BLOCK_M
+    from cute_flash.arch.sm100.tile_config import FP8_KV_SCALE_KEYS as BLOCK_N, FP8_Q_SCALE_ROWS as BLOCK_M
     from cute_flash.fp8 import quantize
 
     b, s, h, hkv, d = 2, 600, 4, 2, 128

@@ -13,23 +13,23 @@ from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
 from ...validation import kernel_view
 from ..base import KernelArtifact
-from . import config as cfgmod
+from . import tile_config as cfgmod
 
 
-def _kernel_role(cfg: cfgmod.FwdConfig) -> str:
+def _kernel_role(cfg: cfgmod.FwdTileConfig) -> str:
     return "fwd_2cta" if cfg.use_2cta else "fwd"
 
 
-def _build(spec: AttentionSpec, cfg: cfgmod.FwdConfig, target: str, extra_options: str = "") -> Callable:
+def _build(spec: AttentionSpec, cfg: cfgmod.FwdTileConfig, target: str, extra_options: str = "") -> Callable:
     """Compiles the forward kernel with fake tensors: batch, seqlens and head counts symbolic, strides symbolic."""
     return _build_with_kernel(spec, cfg, target, extra_options)[0]
 
 
-def _build_with_kernel(spec: AttentionSpec, cfg: cfgmod.FwdConfig, target: str, extra_options: str = ""):
+def _build_with_kernel(spec: AttentionSpec, cfg: cfgmod.FwdTileConfig, target: str, extra_options: str = ""):
     import cutlass
     import cutlass.cute as cute
 
-    from .fwd_kernel import _DTYPES, Sm100FwdKernel
+    from .flash_fwd import _DTYPES, Sm100FlashForward
 
     in_dtype = _DTYPES[spec.dtype]
     out_dtype = _DTYPES[spec.out_dtype]
@@ -61,7 +61,7 @@ def _build_with_kernel(spec: AttentionSpec, cfg: cfgmod.FwdConfig, target: str, 
         descale = (fp32((b, h, cute.sym_int())), fp32((b, hk, cute.sym_int())), fp32((b, hk, cute.sym_int())))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = compile_cache.compile_options(target, extra=f"--opt-level {cfg.opt_level} {extra_options}".strip())
-    kernel = Sm100FwdKernel(spec, cfg)
+    kernel = Sm100FlashForward(spec, cfg)
     compiled = cute.compile(
         kernel,
         q,
@@ -157,7 +157,7 @@ class _Backend:
                 f"python -m cute_flash compile --arch sm100 ..."
             )
         # softmax_scale >= 0 (validation). 0 works like any other: the kernel clamps the exponent's factor
-        # softmax_scale * log2(e) into [FLT_MIN, FLT_MAX] (fwd_kernel.py), so masked -inf scores never meet a 0.
+        # softmax_scale * log2(e) into [FLT_MIN, FLT_MAX] (flash_fwd.py), so masked -inf scores never meet a 0.
         descale_args = _fp8_args(spec, q, k, v, descale)
         cfg = cfgmod.choose_config(spec, seqlen_q=q.shape[1])
         target = compile_cache.runtime_target(q.device)

@@ -1,6 +1,6 @@
 """The sm80 entry point for the front end (see cute_flash.arch.base.ArchBackend).
 
-Forward: `flash_fwd.Sm80AttentionForward`, compiled once per (target, spec, tile) with symbolic batch / seqlen / head
+Forward: `flash_fwd.Sm80FlashForward`, compiled once per (target, spec, tile) with symbolic batch / seqlen / head
 extents and launched through TVM-FFI on torch's current stream. Backward: delegated to `backward.py` (the sm80
 backward kernels), imported only when asked for.
 """
@@ -22,7 +22,7 @@ from ...spec import AttentionSpec, MaskBounds
 from ...validation import kernel_view
 from ..base import KernelArtifact
 from ...census import cubin_resources
-from .tile_config import FwdTile, fwd_tile_candidates
+from .tile_config import FwdTileConfig, fwd_tile_candidates
 
 FAMILY = "sm80"
 MAX_HEAD_DIM = 256
@@ -56,12 +56,12 @@ def _cutlass_dtype(name: str):
     return {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[name]
 
 
-def _build_forward(spec: AttentionSpec, tile: FwdTile, options: str):
+def _build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str):
     """Compiles the forward kernel with fake tensors: batch, seqlens and head counts are symbolic."""
     import cutlass
     import cutlass.cute as cute
 
-    from .flash_fwd import Sm80AttentionForward
+    from .flash_fwd import Sm80FlashForward
 
     dtype = _cutlass_dtype(spec.dtype)
     batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
@@ -80,7 +80,7 @@ def _build_forward(spec: AttentionSpec, tile: FwdTile, options: str):
     out = operand(seqlen_q, heads, spec.head_dim_v)
     lse_shape = (batch, heads, seqlen_q)
     lse = cute.runtime.make_fake_tensor(cutlass.Float32, lse_shape, strided(lse_shape, 1), assumed_align=4)
-    kernel = Sm80AttentionForward(dtype, spec.head_dim, spec.head_dim_v, spec.mask, tile)
+    kernel = Sm80FlashForward(dtype, spec.head_dim, spec.head_dim_v, spec.mask, tile)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
         kernel, q, k, v, out, lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream, options=options
@@ -106,7 +106,7 @@ def _dump_dir() -> str:
 @dataclass
 class CompiledForward:
     kernel: Callable  # the TVM-FFI launcher: (q, k, v, out, lse, softmax_scale, window_left, window_right)
-    tile: FwdTile
+    tile: FwdTileConfig
     ptx: str
     cubin: bytes
     tried: List[Dict[str, object]]  # every candidate compiled, with its stack frame (spill) bytes
@@ -143,7 +143,7 @@ def _compile_runnable_forward(spec: AttentionSpec, target: str):
     return compile_forward(spec, target).kernel
 
 
-def _options(target: str, tile: FwdTile, extra: str = "") -> str:
+def _options(target: str, tile: FwdTileConfig, extra: str = "") -> str:
     return compile_cache.compile_options(target, extra=f"--opt-level {tile.opt_level} {extra}".strip())
 
 

@@ -2,7 +2,7 @@
 
     1. preprocess:  D = rowsum(dO * O) and lse_log2 (both (b, h, sq_padded) fp32, padding rows inert)
     2. main:        per key tile: dK, dV in registers; dQ added with fp32 atomics to dq_accum, (b, sq_padded, h, d)
-                    or, in the "fragment" layout (bwd_tiles.BwdTileConfig.dq_layout), (b, h, sq_padded * d)
+                    or, in the "fragment" layout (tile_config.BwdTileConfig.dq_layout), (b, h, sq_padded * d)
     3. postprocess: dq = scale * dq_accum in the input dtype
 
 Under GQA/MQA the main kernel's dK/dV are partial sums per query head; they are added with fp32 atomics into
@@ -24,7 +24,7 @@ from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
 from ...validation import kernel_view
 from ..base import KernelArtifact
-from .bwd_tiles import BwdTileConfig, bwd_tile_config
+from .tile_config import BwdTileConfig, bwd_tile_config
 
 FAMILY = "sm80"
 _PRE_POST_BLOCK_M = 64  # rows per CTA of the preprocess / postprocess kernels
@@ -107,7 +107,7 @@ def _build_main(spec: AttentionSpec, options: str, target: str, cfg: Optional[Bw
     import cutlass
     import cutlass.cute as cute
 
-    from .flash_bwd import FlashBackwardSm80
+    from .flash_bwd import Sm80FlashBackward
 
     dt = _cutlass_dtype(spec.dtype)
     d = spec.head_dim
@@ -116,7 +116,7 @@ def _build_main(spec: AttentionSpec, options: str, target: str, cfg: Optional[Bw
     dkv_dtype = cutlass.Float32 if gqa else dt
     dkv_rows = sk_pad if gqa else sk
     cfg = cfg or bwd_tile_config(d, target)
-    kernel = FlashBackwardSm80(dt, d, cfg, spec.mask, gqa)
+    kernel = Sm80FlashBackward(dt, d, cfg, spec.mask, gqa)
     return cute.compile(
         kernel,
         _fake_bshd(dt, b, sq, h, d),  # q

@@ -34,7 +34,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from ...common.block_info import BlockInfo
 from ...common.online_softmax import clamp_scale_log2
-from .bwd_tiles import BwdTileConfig
+from .tile_config import BwdTileConfig
 
 LOG2_E = math.log2(math.e)
 
@@ -139,7 +139,7 @@ def _load_rows(tiled_copy: cute.TiledCopy, src: cute.Tensor, dst: cute.Tensor, c
             dst[None, m, None].fill(0)
 
 
-class FlashBackwardSm80:
+class Sm80FlashBackward:
     def __init__(
         self,
         dtype: Type[cutlass.Numeric],

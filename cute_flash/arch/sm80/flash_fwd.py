@@ -33,7 +33,7 @@ from ...common.acc_views import rows_cols_view, sm80_acc_as_a_operand
 from ...common.block_info import BlockInfo
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
-from .tile_config import FwdTile, row_chunk_elems
+from .tile_config import FwdTileConfig, row_chunk_elems
 
 COPY_BITS = 128  # one cp.async / vector store moves 16 bytes
 
@@ -125,7 +125,7 @@ def _slice_rows(pred, row: int):
     return None if pred is None else pred[None, row, None]
 
 
-class Sm80AttentionForward:
+class Sm80FlashForward:
     """Compile-time configuration of one forward kernel; `__call__` is the @cute.jit host entry.
 
     Host signature (TVM-FFI, torch's current stream): (q, k, v, out, lse, softmax_scale, window_left, window_right)
@@ -133,7 +133,7 @@ class Sm80AttentionForward:
     window_left / window_right are read only by the "local" mask.
     """
 
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, head_dim_v: int, mask: str, tile: FwdTile):
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, head_dim_v: int, mask: str, tile: FwdTileConfig):
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise TypeError("the sm80 forward kernel computes in fp16 or bf16")
         if head_dim % 8 or head_dim_v % 8:
@@ -428,7 +428,7 @@ class Sm80AttentionForward:
 class _KVLoader:
     """cp.async loads of one K or V block into a shared-memory stage, predicated on seqlen_k for the tail block."""
 
-    k: Sm80AttentionForward
+    k: Sm80FlashForward
     copy_qk: cute.TiledCopy
     copy_v: cute.TiledCopy
     tKgK: cute.Tensor
@@ -484,7 +484,7 @@ class _KVLoader:
 class _BlockStep:
     """One KV block of the main loop: S = Q K^T, mask, online softmax, O += P V, with the K/V loads interleaved."""
 
-    k: Sm80AttentionForward
+    k: Sm80FlashForward
     tiled_mma: cute.TiledMma
     thr_mma: object
     kv: _KVLoader

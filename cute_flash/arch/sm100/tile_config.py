@@ -1,6 +1,6 @@
 """Tile shapes, 2-CTA choice, pipeline depths and register split of the sm100 forward kernel: the one place they live.
 
-Kernel anatomy (see `fwd_kernel.py`): a CTA owns two query tiles of 128 rows ("q stages"), each handled by its own
+Kernel anatomy (see `flash_fwd.py`): a CTA owns two query tiles of 128 rows ("q stages"), each handled by its own
 softmax warpgroup, and walks the KV blocks of 128 keys. TMEM (512 columns of 128 lanes x 32 bit) holds
 S0 | S1 | O0 | O1 side by side; P (16 or 8 bit) overwrites the upper half of its S tile.
 
@@ -41,7 +41,7 @@ TWO_CTA_MIN_SEQLEN_Q = Q_STAGES * M_BLOCK + 1
 
 
 @dataclass(frozen=True)
-class FwdConfig:
+class FwdTileConfig:
     """Everything besides the AttentionSpec that changes the generated forward kernel (part of the compile key)."""
 
     use_2cta: bool
@@ -103,13 +103,13 @@ def two_cta_eligible(spec: AttentionSpec) -> bool:
     return spec.dtype in ("bf16", "fp16") and spec.head_dim == 128 and spec.head_dim_v == 128 and spec.mask != "local"
 
 
-def make_config(spec: AttentionSpec, use_2cta: bool) -> FwdConfig:
+def make_config(spec: AttentionSpec, use_2cta: bool) -> FwdTileConfig:
     if use_2cta and not two_cta_eligible(spec):
         raise ValueError(f"2-CTA mode is not built for {spec}")
-    return FwdConfig(use_2cta=use_2cta, kv_stages=_kv_stages(spec, use_2cta))
+    return FwdTileConfig(use_2cta=use_2cta, kv_stages=_kv_stages(spec, use_2cta))
 
 
-def choose_config(spec: AttentionSpec, seqlen_q: int) -> FwdConfig:
+def choose_config(spec: AttentionSpec, seqlen_q: int) -> FwdTileConfig:
     """The launch-time choice between the 1-CTA and the 2-CTA kernel (see the module docstring)."""
     return make_config(spec, use_2cta=two_cta_eligible(spec) and seqlen_q >= TWO_CTA_MIN_SEQLEN_Q)
 

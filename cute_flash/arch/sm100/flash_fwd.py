@@ -47,7 +47,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from ...common.block_info import BlockInfo
 from ...common.online_softmax import FLT_MIN, clamp_scale_log2
 from ...spec import AttentionSpec
-from .config import FP8_Q_SCALE_ROWS, M_BLOCK, N_BLOCK, Q_STAGES, TMEM_COLUMNS, FwdConfig
+from .tile_config import FP8_Q_SCALE_ROWS, M_BLOCK, N_BLOCK, Q_STAGES, TMEM_COLUMNS, FwdTileConfig
 from .tmem_softmax import TmemRowSoftmax, finalize_row, mask_row
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8": cutlass.Float8E4M3FN}
@@ -72,10 +72,10 @@ def _stage_state(index, phase) -> pipeline.PipelineState:
     return pipeline.PipelineState(Q_STAGES, Int32(0), index, phase)
 
 
-class Sm100FwdKernel:
-    """Builds (via `cute.compile`) the forward kernel for one `AttentionSpec` and one `FwdConfig`."""
+class Sm100FlashForward:
+    """Builds (via `cute.compile`) the forward kernel for one `AttentionSpec` and one `FwdTileConfig`."""
 
-    def __init__(self, spec: AttentionSpec, cfg: FwdConfig, v_seq_major: Optional[bool] = None):
+    def __init__(self, spec: AttentionSpec, cfg: FwdTileConfig, v_seq_major: Optional[bool] = None):
         self.spec = spec
         self.cfg = cfg
         self.is_fp8 = spec.dtype == "fp8"
