@@ -8,7 +8,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import routing
+from . import ops, routing  # noqa: F401  (ops registers torch.ops.cute_flash.*)
 from .arch import resolve_arch
 from .arch.base import ArchBackend
 from .spec import AttentionSpec
@@ -43,47 +43,6 @@ def _route(spec: AttentionSpec, t: torch.Tensor, backward: bool, deterministic: 
     NotImplementedError naming every family's reason when none has a kernel. Looked up on every call
     (CUTE_FLASH_ARCH may change); decisions are cached."""
     return routing.route(spec, _device_capability(t), backward, deterministic).backend
-
-
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, problem: Problem, arch: ArchBackend, deterministic: bool):
-        q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
-        out, lse = _run_forward(q, k, v, problem, arch)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.problem = problem
-        ctx.deterministic = deterministic
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        problem: Problem = ctx.problem
-        q, k, v, out, lse = ctx.saved_tensors
-        # Routed on its own: the family that ran the forward may have no backward for this spec while another does.
-        arch = _route(problem.spec, q, backward=True, deterministic=ctx.deterministic)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        if _is_empty(problem):
-            for g in (dq, dk, dv):
-                g.zero_()
-        else:
-            with torch.cuda.device(q.device):
-                arch.backward(
-                    kernel_view(dout),  # any gradient autograd hands over: expanded, transposed, offset, ...
-                    q,
-                    k,
-                    v,
-                    out,
-                    lse,
-                    dq,
-                    dk,
-                    dv,
-                    spec=problem.spec,
-                    softmax_scale=problem.softmax_scale,
-                    mask=problem.mask,
-                    deterministic=ctx.deterministic,
-                )
-        return dq, dk, dv, None, None, None
 
 
 def _is_empty(p: Problem) -> bool:
@@ -183,6 +142,8 @@ def attention(
     bitwise-equal gradients (slower: see docs/performance.md). Families whose backward cannot do that raise
     NotImplementedError when gradients are needed.
     """
+    if dtype is None and torch.is_autocast_enabled("cuda"):
+        q, k, v = _autocast(q, k, v)
     problem = validate(
         q,
         k,
@@ -195,24 +156,34 @@ def attention(
         fp8_rotate=fp8_rotate,
         deterministic=deterministic,
     )
-    arch = _route(problem.spec, q, backward=False)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if problem.spec.dtype == "fp8":
+        arch = _route(problem.spec, q, backward=False)
         with torch.no_grad():
             qv, kv, vv = kernel_view(q), kernel_view(k), kernel_view(v)
             fp8 = _fp8_inputs(qv, kv, vv, descale, fp8_rotate, arch, problem.spec)
             out, lse = _run_forward(qv, kv, vv, problem, arch, fp8=fp8)
         if needs_grad:
             out = _Fp8NoBackward.apply(out, q, k, v)
-    elif needs_grad:
-        if deterministic:  # fail before the forward, not in the middle of autograd
-            _route(problem.spec, q, backward=True, deterministic=True)
-        # The layouts are normalised inside the autograd function, so that a view or copy made for the kernels
-        # records nothing on the autograd graph (the gradients come back in q, k, v's own shapes).
-        out, lse = _Attention.apply(q, k, v, problem, arch, deterministic)
     else:
-        out, lse = _run_forward(kernel_view(q), kernel_view(k), kernel_view(v), problem, arch)
+        # One custom op (cute_flash.ops): torch.compile traces it without a graph break, and its registered
+        # autograd formula runs the backward. Layouts are normalised inside the op, so a view or copy made for the
+        # kernels records nothing on the autograd graph (the gradients come back in q, k, v's own shapes).
+        m = problem.mask
+        out, lse = torch.ops.cute_flash.fwd(
+            q, k, v, problem.softmax_scale, m.kind, m.left, m.right, deterministic and needs_grad
+        )
     return (out, lse) if return_lse else out
+
+
+def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Under torch.autocast("cuda"), floating inputs in another precision are cast to the autocast dtype, as
+    torch's scaled_dot_product_attention does (float8 inputs are left alone: they carry their own scales)."""
+    target = torch.get_autocast_dtype("cuda")
+    cast = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+    return tuple(
+        t.to(target) if isinstance(t, torch.Tensor) and t.dtype in cast and t.dtype != target else t for t in (q, k, v)
+    )
 
 
 @dataclass(frozen=True)

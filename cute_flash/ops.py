@@ -1,0 +1,143 @@
+"""cute-flash's forward and backward as torch custom ops (namespace `cute_flash`), so that `torch.compile` traces
+`cute_flash.attention` into its graph (no graph break, fullgraph=True works), CUDA graphs capture it, and autograd
+reaches the backward through `register_autograd`.
+
+    torch.ops.cute_flash.fwd(q, k, v, softmax_scale, mask_kind, window_left, window_right, check_deterministic)
+        -> (out (b, sq, h, dv) in q's dtype, lse (b, h, sq) float32)
+    torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, softmax_scale, mask_kind, window_left, window_right,
+        deterministic) -> (dq, dk, dv)
+
+The ops take inputs `cute_flash.attention` has validated (`validation.validate`) and a mask already normalised
+(`spec.normalize_mask`); call `attention`, not the ops. Everything that needs the device or real memory (routing by
+compute capability, `kernel_view`'s alignment test, compiling, launching) happens inside the ops' implementations,
+which a trace never enters: under `torch.compile` the fake implementations give the output shapes and dtypes. The
+FP8 path (forward only, with a GPU pre-pass) is not an op: it runs eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from .spec import AttentionSpec, MaskBounds
+from .validation import INPUT_DTYPES, Problem, kernel_view
+
+_OUT = Tuple[torch.Tensor, torch.Tensor]
+
+
+def _problem(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, mask_kind: str, left: int, right: int
+) -> Problem:
+    batch, seqlen_q, nheads, head_dim = q.shape
+    dtype = INPUT_DTYPES[q.dtype]
+    spec = AttentionSpec(dtype, head_dim, v.shape[3], mask_kind, dtype)
+    return Problem(
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=k.shape[1],
+        nheads=nheads,
+        nheads_kv=k.shape[2],
+        head_dim=head_dim,
+        head_dim_v=v.shape[3],
+        spec=spec,
+        mask=MaskBounds(mask_kind, left, right),
+        softmax_scale=softmax_scale,
+    )
+
+
+@torch.library.custom_op("cute_flash::fwd", mutates_args=())
+def fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    mask_kind: str,
+    window_left: int,
+    window_right: int,
+    check_deterministic: bool,
+) -> _OUT:
+    from . import interface  # the op runs after cute_flash is imported; no import happens in a traced region
+
+    problem = _problem(q, k, v, softmax_scale, mask_kind, window_left, window_right)
+    arch = interface._route(problem.spec, q, backward=False)
+    if check_deterministic:  # fail before the forward, not in the middle of autograd
+        interface._route(problem.spec, q, backward=True, deterministic=True)
+    return interface._run_forward(kernel_view(q), kernel_view(k), kernel_view(v), problem, arch)
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, softmax_scale, mask_kind, window_left, window_right, check_deterministic) -> _OUT:
+    b, sq, h, _ = q.shape
+    out = q.new_empty(b, sq, h, v.shape[3])
+    lse = q.new_empty(b, h, sq, dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("cute_flash::bwd", mutates_args=())
+def bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    mask_kind: str,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from . import interface
+
+    problem = _problem(q, k, v, softmax_scale, mask_kind, window_left, window_right)
+    q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if interface._is_empty(problem):
+        for g in (dq, dk, dv):
+            g.zero_()
+        return dq, dk, dv
+    # Routed on its own: the family that ran the forward may have no backward for this spec while another does.
+    arch = interface._route(problem.spec, q, backward=True, deterministic=deterministic)
+    with torch.cuda.device(q.device):
+        arch.backward(
+            kernel_view(dout),  # any gradient autograd hands over: expanded, transposed, offset, ...
+            q,
+            k,
+            v,
+            kernel_view(out),
+            lse,
+            dq,
+            dk,
+            dv,
+            spec=problem.spec,
+            softmax_scale=problem.softmax_scale,
+            mask=problem.mask,
+            deterministic=deterministic,
+        )
+    return dq, dk, dv
+
+
+@bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, mask_kind, window_left, window_right, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, softmax_scale, mask_kind, window_left, window_right, check_deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.params = (softmax_scale, mask_kind, window_left, window_right, check_deterministic)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    softmax_scale, mask_kind, window_left, window_right, deterministic = ctx.params
+    dq, dk, dv = torch.ops.cute_flash.bwd(
+        dout, q, k, v, out, lse, softmax_scale, mask_kind, window_left, window_right, deterministic
+    )
+    return dq, dk, dv, None, None, None, None, None
+
+
+torch.library.register_autograd("cute_flash::fwd", _backward, setup_context=_setup_context)
