@@ -45,6 +45,47 @@ def _route(spec: AttentionSpec, t: torch.Tensor, backward: bool, deterministic: 
     return routing.route(spec, _device_capability(t), backward, deterministic).backend
 
 
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, problem: Problem, arch: ArchBackend, deterministic: bool):
+        q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
+        out, lse = _run_forward(q, k, v, problem, arch)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.problem = problem
+        ctx.deterministic = deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        problem: Problem = ctx.problem
+        q, k, v, out, lse = ctx.saved_tensors
+        # Routed on its own: the family that ran the forward may have no backward for this spec while another does.
+        arch = _route(problem.spec, q, backward=True, deterministic=ctx.deterministic)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if _is_empty(problem):
+            for g in (dq, dk, dv):
+                g.zero_()
+        else:
+            with torch.cuda.device(q.device):
+                arch.backward(
+                    kernel_view(dout),  # any gradient autograd hands over: expanded, transposed, offset, ...
+                    q,
+                    k,
+                    v,
+                    out,
+                    lse,
+                    dq,
+                    dk,
+                    dv,
+                    spec=problem.spec,
+                    softmax_scale=problem.softmax_scale,
+                    mask=problem.mask,
+                    deterministic=ctx.deterministic,
+                )
+        return dq, dk, dv, None, None, None
+
+
 def _is_empty(p: Problem) -> bool:
     return p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0 or p.nheads == 0
 
@@ -165,14 +206,25 @@ def attention(
             out, lse = _run_forward(qv, kv, vv, problem, arch, fp8=fp8)
         if needs_grad:
             out = _Fp8NoBackward.apply(out, q, k, v)
-    else:
-        # One custom op (cute_flash.ops): torch.compile traces it without a graph break, and its registered
-        # autograd formula runs the backward. Layouts are normalised inside the op, so a view or copy made for the
-        # kernels records nothing on the autograd graph (the gradients come back in q, k, v's own shapes).
+    elif torch.compiler.is_compiling():
+        # Under torch.compile: one custom op (cute_flash.ops), traced without a graph break, whose registered
+        # autograd formula runs the backward; routing and layouts are settled inside it, at run time.
         m = problem.mask
         out, lse = torch.ops.cute_flash.fwd(
             q, k, v, problem.softmax_scale, m.kind, m.left, m.right, deterministic and needs_grad
         )
+    else:
+        # Eagerly: the same work without the custom-op dispatch (which costs hundreds of µs of host time per call
+        # in torch 2.11, docs/performance.md session 6).
+        arch = _route(problem.spec, q, backward=False)
+        if needs_grad:
+            if deterministic:  # fail before the forward, not in the middle of autograd
+                _route(problem.spec, q, backward=True, deterministic=True)
+            # The layouts are normalised inside the autograd function, so that a view or copy made for the kernels
+            # records nothing on the autograd graph (the gradients come back in q, k, v's own shapes).
+            out, lse = _Attention.apply(q, k, v, problem, arch, deterministic)
+        else:
+            out, lse = _run_forward(kernel_view(q), kernel_view(k), kernel_view(v), problem, arch)
     return (out, lse) if return_lse else out
 
 

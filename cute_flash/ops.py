@@ -1,6 +1,8 @@
 """cute-flash's forward and backward as torch custom ops (namespace `cute_flash`), so that `torch.compile` traces
 `cute_flash.attention` into its graph (no graph break, fullgraph=True works), CUDA graphs capture it, and autograd
-reaches the backward through `register_autograd`.
+reaches the backward through `register_autograd`. `attention` takes the ops only while torch.compile traces it
+(`torch.compiler.is_compiling()`); eager calls run the same steps without the custom-op dispatch, whose host cost
+(hundreds of µs per call in torch 2.11) would dominate small problems.
 
     torch.ops.cute_flash.fwd(q, k, v, softmax_scale, mask_kind, window_left, window_right, check_deterministic)
         -> (out (b, sq, h, dv) in q's dtype, lse (b, h, sq) float32)
