@@ -20,7 +20,7 @@ from cute_flash.distributed.layout import (
     shard_sequence,
     unshard_sequence,
 )
-from cute_flash.distributed.merge import merge
+from cute_flash.distributed.merge import merge, merge_into
 from cute_flash.distributed.plan import global_bounds, pair_task, ring_plan
 from cute_flash.reference import attention_reference, visible_keys
 from cute_flash.spec import UNBOUNDED_WINDOW, MaskBounds, normalize_mask
@@ -100,6 +100,11 @@ def test_merge_is_exact_with_masked_rows():
     empty_out, empty_lse = torch.zeros_like(out), torch.full_like(lse, float("-inf")).float()
     out2, lse2 = merge(out, lse, empty_out, empty_lse)
     assert out2.dtype == torch.float64 and torch.equal(out2, out) and torch.equal(lse2, lse)
+    # In place into views of an accumulator (what the ring does), with a lower-precision partial.
+    acc, acc_lse = a_out.clone(), a_lse.clone()
+    merge_into(acc[:, 2:], acc_lse[:, :, 2:], b_out[:, 2:].float(), b_lse[:, :, 2:].float())
+    torch.testing.assert_close(acc[:, 2:], full_out[:, 2:], rtol=0, atol=1e-6)
+    assert torch.equal(acc[:, :2], a_out[:, :2]) and torch.isfinite(acc).all()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

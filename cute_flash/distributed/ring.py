@@ -120,9 +120,9 @@ def _ring_backward(dout, q, k, v, out, lse, cfg: _Config) -> Tuple[torch.Tensor,
     dkv: List[torch.Tensor] = []
     for step, tasks in enumerate(cfg.plan):
         kv_pending = ring.exchange(kv) if step + 1 < cfg.world_size else None
-        # This step's share of the gradient of the K/V shard held now (that of rank (rank - step) mod W).
-        dk_step = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv_step = torch.zeros(v.shape, dtype=acc, device=v.device)
+        # This step's shares of the gradient of the K/V shard held now (that of rank (rank - step) mod W), kept as
+        # the blocks return them until that shard's accumulator has arrived.
+        shares = []
         for t in tasks:
             dq_b, dk_b, dv_b = cfg.blocks.backward(
                 _rows(dout, t.q_start, t.q_end),
@@ -135,15 +135,17 @@ def _ring_backward(dout, q, k, v, out, lse, cfg: _Config) -> Tuple[torch.Tensor,
                 cfg.softmax_scale,
             )
             dq[:, t.q_start : t.q_end] += dq_b
-            dk_step[:, t.k_start : t.k_end] += dk_b
-            dv_step[:, t.k_start : t.k_end] += dv_b
+            shares.append((t, dk_b, dv_b))
         if dkv_pending is None:
-            dkv = [dk_step, dv_step]
+            dkv = [torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
         else:
-            # The accumulator of this K/V shard arrives from the previous rank, which finished its step before.
+            # The accumulator of this K/V shard comes from the previous rank, which finished this shard's previous
+            # step while we computed ours: waiting only now keeps the transfer off the compute stream's path.
             dkv = dkv_pending.wait()
-            dkv[0] += dk_step
-            dkv[1] += dv_step
+        for t, dk_b, dv_b in shares:
+            dkv[0][:, t.k_start : t.k_end] += dk_b
+            dkv[1][:, t.k_start : t.k_end] += dv_b
+        del shares
         if ring is not None:
             # Onwards with the K/V shard; after the last step this sends each accumulator home.
             dkv_pending = ring.exchange(dkv)
