@@ -246,3 +246,11 @@ def test_ring_attention_gloo(world_size):
     from cute_flash.distributed.testing import spawn
 
     spawn(_gloo_job, world_size, backend="gloo")
+
+
+def test_kernel_blocks_reject_cpu_tensors_before_any_work():
+    from cute_flash.distributed import KernelBlocks, ring_attention
+
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA GPUs only"):
+        ring_attention(q, q, q, causal=True, blocks=KernelBlocks())

@@ -159,6 +159,8 @@ class KernelBlocks:
         problem = self._problem(q, k, v, mask, softmax_scale)
         arch = _route(problem.spec, q, backward=True, deterministic=self.deterministic)
         q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
+        if q.numel() == 0 or k.numel() == 0:  # no batch or no head: nothing to launch (as in cute_flash.attention)
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         with torch.cuda.device(q.device):
             arch.backward(

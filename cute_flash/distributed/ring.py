@@ -177,7 +177,10 @@ def _group_rank_and_size(group) -> Tuple[int, int]:
         if group is not None:
             raise ValueError("ring_attention got a process group but torch.distributed is not initialised")
         return 0, 1  # one process: plain attention
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("ring_attention: this process is not a member of `group`")
+    return rank, dist.get_world_size(group)
 
 
 def _check_same_on_every_rank(q, k, v, options: Sequence[int], group, world_size: int) -> None:
