@@ -237,6 +237,13 @@ def _gloo_job(rank: int, world_size: int) -> None:
             seed=100 * world_size + i,
         )
     check_rejections(rank, world_size, torch.device("cpu"), torch.float64, results)
+    # Without the cross-rank check (no all-gather) the result is the same.
+    from cute_flash.distributed import ring_attention
+
+    torch.manual_seed(rank)
+    q, k, v = (torch.randn(1, 6, 2, 8, dtype=torch.float64) for _ in range(3))
+    if not torch.equal(ring_attention(q, k, v, causal=True), ring_attention(q, k, v, causal=True, check_shapes=False)):
+        results.failures.append(f"rank {rank}: check_shapes=False changed the result")
     if results.failures:
         raise AssertionError("\n".join(results.failures))
 

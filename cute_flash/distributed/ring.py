@@ -215,6 +215,7 @@ def ring_attention(
     layout: str = "zigzag",
     return_lse: bool = False,
     blocks: Optional[BlockCompute] = None,
+    check_shapes: bool = True,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention of a sequence sharded over the ranks of `group` (default: the world), differentiable.
 
@@ -230,6 +231,10 @@ def ring_attention(
     blocks: the per-step computation (`cute_flash.distributed.blocks`); default KernelBlocks on CUDA (cute-flash's
     kernels, fp16/bf16), ReferenceBlocks elsewhere (plain torch, e.g. float64 on CPUs with gloo). Without an
     initialised process group (and group=None) this is one rank: plain attention through the same code.
+
+    check_shapes: compare shapes and options across the ranks first (ValueError on every rank when they differ).
+    That costs one small all-gather and a host synchronisation per call; a training loop whose shapes are known to
+    agree may pass False (ranks with different shapes then fail or hang inside the transfers).
     """
     sem = validate_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
     check_layout(layout)
@@ -252,7 +257,7 @@ def ring_attention(
         -1 if right_opt is None else int(right_opt),
         LAYOUTS.index(layout),
     ]
-    if world_size > 1:
+    if world_size > 1 and check_shapes:
         _check_same_on_every_rank(q, k, v, options, group, world_size)
 
     left, right = global_bounds(sem.mask, seqlen_local * world_size)
