@@ -260,7 +260,7 @@ def _environment(world: int) -> Dict[str, object]:
         "gpu": torch.cuda.get_device_name(),
         "capability": list(torch.cuda.get_device_capability()),
         "torch": torch.__version__,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "nccl": str(torch.cuda.nccl.version()),
         "cute_flash": cute_flash.__version__,
         "family": cute_flash.backend(),
     }
