@@ -1,0 +1,186 @@
+"""The per-step block computation of ring attention, as an object the ring calls.
+
+A block is one (query rows, key rows, kernel mask) launch of a ring step (`plan.BlockTask`); the mask is the
+kernel's bottom-right-aligned rule (`cute_flash.spec.MaskBounds`). Two implementations:
+
+  ReferenceBlocks  plain torch on any device and dtype (float64 in the CPU tests), written out explicitly;
+  KernelBlocks     cute-flash's routed kernels on CUDA (fp16/bf16), called exactly as `cute_flash.attention` does.
+
+Protocol (`BlockCompute`):
+  forward(q, k, v, mask, softmax_scale) -> (out, lse)
+      attention of q over k/v alone: out (b, m, h, dv), lse (b, h, m) (float32 or wider); rows that see no key give
+      out 0 and lse -inf.
+  backward(dout, q, k, v, out, lse, mask, softmax_scale) -> (dq, dk, dv)
+      this block's share of the gradients, given the FINAL out and lse of the query rows over all keys of the ring:
+      P = exp(S·scale - lse) is then the block's slice of the global softmax, and dS = P∘(dP - D) with
+      D = rowsum(dO∘O) over the final O; dq, dk, dv of the blocks add up to the gradients of the whole attention.
+  check(q, k, v, mask_kinds, backward) -> None
+      raises before any communication when the blocks cannot serve these shards (every rank raises alike).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Protocol, Tuple
+
+import torch
+
+from ..reference import visible_keys
+from ..spec import AttentionSpec, MaskBounds
+
+
+class BlockCompute(Protocol):
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskBounds, softmax_scale: float
+    ) -> Tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        mask: MaskBounds,
+        softmax_scale: float,
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def check(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_kinds: Iterable[str], backward: bool
+    ) -> None: ...
+
+
+def _expand_heads(x: torch.Tensor, nheads: int) -> torch.Tensor:
+    """(b, n, h_kv, d) -> (b, n, h, d): query head i reads kv head i // (h // h_kv)."""
+    return x.repeat_interleave(nheads // x.shape[2], dim=2)
+
+
+def _fold_heads(g: torch.Tensor, nheads_kv: int) -> torch.Tensor:
+    """(b, n, h, d) -> (b, n, h_kv, d): the sum over the query heads that share each kv head."""
+    b, n, h, d = g.shape
+    return g.reshape(b, n, nheads_kv, h // nheads_kv, d).sum(dim=3)
+
+
+class ReferenceBlocks:
+    """Blocks in plain torch, computed in `compute_dtype` (default: the inputs' dtype; float32 for fp16/bf16)."""
+
+    def __init__(self, compute_dtype: Optional[torch.dtype] = None):
+        self.compute_dtype = compute_dtype
+
+    def _dtype(self, t: torch.Tensor) -> torch.dtype:
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        return torch.promote_types(t.dtype, torch.float32)
+
+    def check(self, q, k, v, mask_kinds, backward) -> None:
+        return None  # plain torch serves every shape the ring's validation lets through
+
+    def _scores(self, q, k, mask: MaskBounds, scale: float, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Scaled scores S·scale (b, h, m, n) and the visibility (m, n) of the kernel rule."""
+        h = q.shape[2]
+        s = torch.einsum("bqhd,bkhd->bhqk", q.to(dtype), _expand_heads(k.to(dtype), h)) * scale
+        return s, visible_keys(q.shape[1], k.shape[1], mask, device=q.device)
+
+    def forward(self, q, k, v, mask, softmax_scale):
+        dtype = self._dtype(q)
+        s, visible = self._scores(q, k, mask, softmax_scale, dtype)
+        s = s.masked_fill(~visible, float("-inf"))
+        row_max = s.amax(dim=-1, keepdim=True)
+        row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)  # no key: exp(-inf) = 0
+        p = torch.exp(s - row_max)
+        row_sum = p.sum(dim=-1, keepdim=True)
+        lse = (row_max + torch.log(row_sum)).squeeze(-1)  # log(0) = -inf for rows with no key
+        p = p / torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
+        out = torch.einsum("bhqk,bkhd->bqhd", p, _expand_heads(v.to(dtype), q.shape[2]))
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, mask, softmax_scale):
+        dtype = self._dtype(q)
+        h, h_kv = q.shape[2], k.shape[2]
+        s, visible = self._scores(q, k, mask, softmax_scale, dtype)
+        lse_c = lse.to(dtype).unsqueeze(-1)
+        # P is this block's slice of the softmax over all keys of the ring (lse is the final one). Rows with no key
+        # anywhere (lse -inf) and hidden keys get P = 0.
+        keep = visible & ~torch.isneginf(lse_c)
+        p = torch.where(keep, torch.exp(s - torch.where(keep, lse_c, torch.zeros_like(lse_c))), torch.zeros_like(s))
+        do = dout.to(dtype)
+        ve = _expand_heads(v.to(dtype), h)
+        ke = _expand_heads(k.to(dtype), h)
+        d_row = (do * out.to(dtype)).sum(dim=-1).transpose(1, 2).unsqueeze(-1)  # D = rowsum(dO∘O), (b, h, m, 1)
+        dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
+        dp = torch.einsum("bqhd,bkhd->bhqk", do, ve)
+        ds = p * (dp - d_row)
+        dq = torch.einsum("bhqk,bkhd->bqhd", ds, ke) * softmax_scale
+        dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(dtype)) * softmax_scale
+        return dq, _fold_heads(dk, h_kv), _fold_heads(dv, h_kv)
+
+
+class KernelBlocks:
+    """Blocks on cute-flash's kernels (CUDA, fp16/bf16), routed per mask kind as `cute_flash.attention` routes them.
+
+    deterministic: ask for the backward that sums in a fixed order (see `cute_flash.attention`)."""
+
+    def __init__(self, deterministic: bool = False):
+        self.deterministic = deterministic
+
+    @staticmethod
+    def _problem(q, k, v, mask: MaskBounds, softmax_scale: float):
+        from ..validation import INPUT_DTYPES, Problem
+
+        dtype = INPUT_DTYPES[q.dtype]
+        spec = AttentionSpec(dtype=dtype, head_dim=q.shape[3], head_dim_v=v.shape[3], mask=mask.kind, out_dtype=dtype)
+        b, m, h, d = q.shape
+        return Problem(b, m, k.shape[1], h, k.shape[2], d, v.shape[3], spec, mask, float(softmax_scale))
+
+    def check(self, q, k, v, mask_kinds, backward) -> None:
+        from ..interface import _route
+        from ..validation import validate
+
+        # The shard as one call: device, dtype, head dims, launch limits (errors name the argument).
+        validate(q, k, v, causal=False, softmax_scale=None, window_size=(None, None), dtype=None)
+        for kind in sorted(set(mask_kinds)):
+            problem = self._problem(q, k, v, MaskBounds(kind, 0, 0), 1.0)
+            _route(problem.spec, q, backward=False)
+            if backward:
+                _route(problem.spec, q, backward=True, deterministic=self.deterministic)
+
+    def forward(self, q, k, v, mask, softmax_scale):
+        from ..interface import _route, _run_forward
+        from ..validation import kernel_view
+
+        problem = self._problem(q, k, v, mask, softmax_scale)
+        arch = _route(problem.spec, q, backward=False)
+        return _run_forward(kernel_view(q), kernel_view(k), kernel_view(v), problem, arch)
+
+    def backward(self, dout, q, k, v, out, lse, mask, softmax_scale):
+        from ..interface import _route
+        from ..validation import kernel_view
+
+        problem = self._problem(q, k, v, mask, softmax_scale)
+        arch = _route(problem.spec, q, backward=True, deterministic=self.deterministic)
+        q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
+        if q.numel() == 0 or k.numel() == 0:  # no batch or no head: nothing to launch (as in cute_flash.attention)
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        with torch.cuda.device(q.device):
+            arch.backward(
+                kernel_view(dout),
+                q,
+                k,
+                v,
+                kernel_view(out.to(q.dtype)),
+                lse.float().contiguous(),  # the kernels read lse (b, h, m) contiguous float32
+                dq,
+                dk,
+                dv,
+                spec=problem.spec,
+                softmax_scale=problem.softmax_scale,
+                mask=mask,
+                deterministic=self.deterministic,
+            )
+        return dq, dk, dv
+
+
+def default_blocks(device: torch.device) -> BlockCompute:
+    """KernelBlocks on CUDA, ReferenceBlocks elsewhere."""
+    return KernelBlocks() if device.type == "cuda" else ReferenceBlocks()
