@@ -808,7 +808,9 @@ class Sm90FlashBackward:
             lse = load_column_stats(sLSE[None, q.index], coords_rc, num_cols)
         else:
             lse = load_row_stats(sLSE[None, q.index], coords_rc, num_rows)
-        consumer_wait(pipe_do, do)
+        # dO with the library's wait (no test first): the extra branch of `consumer_wait` here made the d64 GQA build
+        # spill 72 bytes.
+        pipe_do.consumer_wait(do)
         acc_dP = cute.make_rmem_tensor(s_shape, Float32)
         if const_expr(kor):
             wgmma.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do.index], zero_init=True, wait=1)
