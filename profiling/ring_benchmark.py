@@ -5,8 +5,8 @@ heads 16, d128, bf16, zigzag by default) and causal or not, it times with CUDA e
   ring    ring_attention on shards of N / W positions, forward and forward + backward;
   single  cute_flash.attention on one GPU with seqlen_q = N / W and seqlen_k = N: one rank's share of the ring's
           work (its queries against every key), forward and forward + backward.
-Each time is the median over a few calls after a first call at that size (one call when the first already took
-longer than --budget-s), and for the ring the maximum over the ranks.
+Each time is the median over 2 to --max-iters calls after a first call at that size (as many as fit --budget-s),
+and for the ring the maximum over the ranks.
 
 TFLOP/s count only the (query, key) pairs the mask leaves visible (cute_flash.bench.flops.visible_pairs, exact;
 not the halved-causal convention of the main benchmark), 4·b·h·d per pair forward, 2.5x that backward. The ring's
@@ -86,8 +86,10 @@ def _time_ms(fn: Callable[[], object], budget_s: float, max_iters: int) -> Dict[
     """Median ms over a few calls after a first one (which also warms the allocator at this size); the maximum over
     the ranks."""
     first = _all_max(_one_call_ms(fn))
-    n = 0 if first >= budget_s * 1e3 else min(max_iters, max(1, math.ceil(budget_s * 1e3 / first)))
-    samples = [_one_call_ms(fn) for _ in range(n)] or [first]
+    # Never the first call alone: at a new size it pays for allocator growth and NCCL buffer set-up (a 262k-position
+    # forward measured 4.0 s first, ~0.45 s after).
+    n = min(max_iters, max(2, math.ceil(budget_s * 1e3 / first)))
+    samples = [_one_call_ms(fn) for _ in range(n)]
     return {"ms": _all_max(statistics.median(samples)), "calls": len(samples), "first_ms": first}
 
 
