@@ -58,32 +58,37 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        problem: Problem = ctx.problem
         q, k, v, out, lse = ctx.saved_tensors
-        # Routed on its own: the family that ran the forward may have no backward for this spec while another does.
-        arch = _route(problem.spec, q, backward=True, deterministic=ctx.deterministic)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        if _is_empty(problem):
-            for g in (dq, dk, dv):
-                g.zero_()
-        else:
-            with torch.cuda.device(q.device):
-                arch.backward(
-                    kernel_view(dout),  # any gradient autograd hands over: expanded, transposed, offset, ...
-                    q,
-                    k,
-                    v,
-                    out,
-                    lse,
-                    dq,
-                    dk,
-                    dv,
-                    spec=problem.spec,
-                    softmax_scale=problem.softmax_scale,
-                    mask=problem.mask,
-                    deterministic=ctx.deterministic,
-                )
-        return dq, dk, dv, None, None, None
+        return (*_run_backward(dout, q, k, v, out, lse, ctx.problem, ctx.deterministic), None, None, None)
+
+
+def _run_backward(dout, q, k, v, out, lse, problem: Problem, deterministic: bool):
+    """(dq, dk, dv) from inputs in the kernels' layout (`kernel_view`); dout may have any layout autograd hands over
+    (expanded, transposed, offset, ...)."""
+    # Routed on its own: the family that ran the forward may have no backward for this spec while another does.
+    arch = _route(problem.spec, q, backward=True, deterministic=deterministic)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if _is_empty(problem):
+        for g in (dq, dk, dv):
+            g.zero_()
+        return dq, dk, dv
+    with torch.cuda.device(q.device):
+        arch.backward(
+            kernel_view(dout),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dq,
+            dk,
+            dv,
+            spec=problem.spec,
+            softmax_scale=problem.softmax_scale,
+            mask=problem.mask,
+            deterministic=deterministic,
+        )
+    return dq, dk, dv
 
 
 def _is_empty(p: Problem) -> bool:

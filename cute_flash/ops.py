@@ -93,31 +93,8 @@ def bwd(
     from . import interface
 
     problem = _problem(q, k, v, softmax_scale, mask_kind, window_left, window_right)
-    q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if interface._is_empty(problem):
-        for g in (dq, dk, dv):
-            g.zero_()
-        return dq, dk, dv
-    # Routed on its own: the family that ran the forward may have no backward for this spec while another does.
-    arch = interface._route(problem.spec, q, backward=True, deterministic=deterministic)
-    with torch.cuda.device(q.device):
-        arch.backward(
-            kernel_view(dout),  # any gradient autograd hands over: expanded, transposed, offset, ...
-            q,
-            k,
-            v,
-            kernel_view(out),
-            lse,
-            dq,
-            dk,
-            dv,
-            spec=problem.spec,
-            softmax_scale=problem.softmax_scale,
-            mask=problem.mask,
-            deterministic=deterministic,
-        )
-    return dq, dk, dv
+    views = (kernel_view(t) for t in (q, k, v, out))
+    return interface._run_backward(dout, *views, lse, problem, deterministic)
 
 
 @bwd.register_fake
