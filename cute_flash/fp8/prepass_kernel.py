@@ -24,6 +24,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 from cutlass.memory import SmemAllocator
 
+from ..common.dsl_types import dsl_dtype
 from .e4m3 import e4m3x4
 from .hadamard import hadamard_block_size
 from .quantize import E4M3_MAX, V_KEY_PERM16, V_SEQ_ALIGN
@@ -198,7 +199,7 @@ class Fp8Prepass:
 
 def build_prepass(dtype_name: str, head_dim: int, block: int, rotate: bool, transpose_out: bool, options: str):
     """Compiles the pre-pass with fake tensors (symbolic batch, seqlen, heads; strides multiples of 8 elements)."""
-    dtype = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[dtype_name]
+    dtype = dsl_dtype(dtype_name)
     b, s, h, nblocks = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
 
     def strides(rank, divisibility):

@@ -13,6 +13,7 @@ from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
 from ...validation import kernel_view
 from ..base import KernelArtifact
+from ...common.dsl_types import dsl_dtype
 from . import tile_config as cfgmod
 
 
@@ -29,10 +30,10 @@ def _build_with_kernel(spec: AttentionSpec, cfg: cfgmod.FwdTileConfig, target: s
     import cutlass
     import cutlass.cute as cute
 
-    from .flash_fwd import _DTYPES, Sm100FlashForward
+    from .flash_fwd import Sm100FlashForward
 
-    in_dtype = _DTYPES[spec.dtype]
-    out_dtype = _DTYPES[spec.out_dtype]
+    in_dtype = dsl_dtype(spec.dtype)
+    out_dtype = dsl_dtype(spec.out_dtype)
     b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
 
     def strided(dtype, shape):

@@ -50,7 +50,6 @@ from ...spec import AttentionSpec
 from .tile_config import FP8_Q_SCALE_ROWS, M_BLOCK, N_BLOCK, Q_STAGES, TMEM_COLUMNS, FwdTileConfig
 from .tmem_softmax import TmemRowSoftmax, finalize_row, mask_row
 
-_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8": cutlass.Float8E4M3FN}
 
 # Warp roles.
 SOFTMAX_WARPS = 8  # warps 0..7: two warpgroups, one per q stage

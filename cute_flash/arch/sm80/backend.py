@@ -22,6 +22,7 @@ from ...spec import AttentionSpec, MaskBounds
 from ...validation import kernel_view
 from ..base import KernelArtifact
 from ...census import cubin_resources
+from ...common.dsl_types import dsl_dtype
 from .tile_config import FwdTileConfig, fwd_tile_candidates
 
 FAMILY = "sm80"
@@ -50,12 +51,6 @@ def _backward_module():
         raise
 
 
-def _cutlass_dtype(name: str):
-    import cutlass
-
-    return {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[name]
-
-
 def _build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str):
     """Compiles the forward kernel with fake tensors: batch, seqlens and head counts are symbolic."""
     import cutlass
@@ -63,7 +58,7 @@ def _build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str):
 
     from .flash_fwd import Sm80FlashForward
 
-    dtype = _cutlass_dtype(spec.dtype)
+    dtype = dsl_dtype(spec.dtype)
     batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
 
     def strided(shape, divisibility=8):

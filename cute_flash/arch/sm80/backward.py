@@ -24,6 +24,7 @@ from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
 from ...validation import kernel_view
 from ..base import KernelArtifact
+from ...common.dsl_types import dsl_dtype
 from .tile_config import BwdTileConfig, bwd_tile_config
 
 FAMILY = "sm80"
@@ -52,12 +53,6 @@ def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------------- compiling
-def _cutlass_dtype(name: str):
-    import cutlass
-
-    return {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[name]
-
-
 def _fake_bshd(dtype, batch, seqlen, heads, head_dim, align=16):
     import cutlass.cute as cute
 
@@ -78,7 +73,7 @@ def _build_preprocess(spec: AttentionSpec, options: str, target: str, cfg: Optio
 
     from .flash_bwd_preprocess import BackwardPreprocessSm80
 
-    dt = _cutlass_dtype(spec.dtype)
+    dt = dsl_dtype(spec.dtype)
     b, sq, sq_pad, h = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     kernel = BackwardPreprocessSm80(dt, spec.head_dim_v, block_m=_PRE_POST_BLOCK_M)
     return cute.compile(
@@ -109,7 +104,7 @@ def _build_main(spec: AttentionSpec, options: str, target: str, cfg: Optional[Bw
 
     from .flash_bwd import Sm80FlashBackward
 
-    dt = _cutlass_dtype(spec.dtype)
+    dt = dsl_dtype(spec.dtype)
     d = spec.head_dim
     b, sq, sk, h, h_kv = (cute.sym_int() for _ in range(5))
     sq_pad, sk_pad = cute.sym_int(), cute.sym_int()
@@ -142,7 +137,7 @@ def _build_postprocess(spec: AttentionSpec, options: str, target: str, cfg: Opti
 
     from .flash_bwd_postprocess import AccumConvertSm80
 
-    dt = _cutlass_dtype(spec.dtype)
+    dt = dsl_dtype(spec.dtype)
     b, s, s_pad, h = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     kernel = AccumConvertSm80(dt, spec.head_dim, block_m=_PRE_POST_BLOCK_M)
     return cute.compile(
@@ -161,7 +156,7 @@ def _build_dq_postprocess(spec: AttentionSpec, options: str, target: str, cfg: O
 
     from .flash_bwd_postprocess import DqFragmentConvertSm80
 
-    dt = _cutlass_dtype(spec.dtype)
+    dt = dsl_dtype(spec.dtype)
     cfg = cfg or bwd_tile_config(spec.head_dim, target)
     b, s, s_pad, h = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     kernel = DqFragmentConvertSm80(dt, spec.head_dim, cfg)

@@ -10,6 +10,7 @@ from typing import Optional
 
 from ... import compile_cache
 from ...spec import AttentionSpec
+from ...common.dsl_types import dsl_dtype
 from .tile_config import FwdTileConfig
 
 compile_cache.ensure_cute_dsl_arch("sm_90a")
@@ -19,8 +20,6 @@ import cutlass.cute as cute  # noqa: E402
 
 from .flash_fwd import Sm90FlashForward  # noqa: E402
 
-DSL_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
-
 
 def _strided(dtype, shape, last_dim: int):
     strides = (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
@@ -29,7 +28,7 @@ def _strided(dtype, shape, last_dim: int):
 
 def compile_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_options: Optional[str] = None):
     """The compiled forward: call it as fn(q, k, v, out, lse, softmax_scale, window_left, window_right)."""
-    dtype = DSL_DTYPES[spec.dtype]
+    dtype = dsl_dtype(spec.dtype)
     batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
     q = _strided(dtype, (batch, seqlen_q, heads), spec.head_dim)
     k = _strided(dtype, (batch, seqlen_k, heads_kv), spec.head_dim)
@@ -60,7 +59,7 @@ def compile_backward(
     semaphores are read only by a deterministic build."""
     from .flash_bwd import Sm90FlashBackward
 
-    dtype = DSL_DTYPES[spec.dtype]
+    dtype = dsl_dtype(spec.dtype)
     d = spec.head_dim
     batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
     sq_pad, sk_pad, dq_len = cute.sym_int(divisibility=64), cute.sym_int(), cute.sym_int()
@@ -114,7 +113,7 @@ def compile_dq_postprocess(spec: AttentionSpec, cfg, target: str, extra_options:
     """The compiled dQ conversion: fn(dq_accum, dq, softmax_scale)."""
     from .flash_bwd_postprocess import DqConvertSm90
 
-    dtype = DSL_DTYPES[spec.dtype]
+    dtype = dsl_dtype(spec.dtype)
     d = spec.head_dim
     batch, seqlen_q, heads, dq_len = (cute.sym_int() for _ in range(4))
     dq_accum = cute.runtime.make_fake_tensor(

@@ -19,6 +19,7 @@ import torch
 from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
 from ..base import KernelArtifact
+from ...common.dsl_types import dsl_dtype
 from .fp8_tile_config import FP8_MAX_HEAD_DIM, Fp8FwdConfig, budget_problem, fp8_fwd_config, kv_scale_block, smem_bytes
 
 FAMILY = "sm90"
@@ -49,7 +50,7 @@ def build_fp8_forward(spec: AttentionSpec, cfg: Fp8FwdConfig, target: str, extra
     from .flash_fwd_fp8 import Sm90FlashForwardFp8
 
     fp8 = cutlass.Float8E4M3FN
-    out_dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[spec.out_dtype]
+    out_dtype = dsl_dtype(spec.out_dtype)
     b, sq, sk, h, hkv = (cute.sym_int() for _ in range(5))
     sk_pad = cute.sym_int(divisibility=16)
 
@@ -173,7 +174,7 @@ def compile_fp8_artifacts(spec: AttentionSpec, target: str, cfg: Optional[Fp8Fwd
             ("fp8_prepass_v", spec.head_dim_v, kv_block, False, True),
         ):
             pre = build_prepass(spec.out_dtype, d, block, rotate, transpose, options)
-            threads = Fp8Prepass(cutlass_dtype(spec.out_dtype), d, block, rotate, transpose).num_threads
+            threads = Fp8Prepass(dsl_dtype(spec.out_dtype), d, block, rotate, transpose).num_threads
             config = {
                 "block": block,
                 "rotate": rotate,
@@ -185,9 +186,3 @@ def compile_fp8_artifacts(spec: AttentionSpec, target: str, cfg: Optional[Fp8Fwd
                 KernelArtifact(kernel=role, ptx=pre.artifacts.PTX, cubin=pre.artifacts.CUBIN, config=config)
             )
     return artifacts
-
-
-def cutlass_dtype(name: str):
-    import cutlass
-
-    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[name]
