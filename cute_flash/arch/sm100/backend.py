@@ -14,6 +14,7 @@ from ...spec import AttentionSpec, MaskBounds
 from ...validation import kernel_view
 from ..base import KernelArtifact
 from ...common.dsl_types import dsl_dtype
+from ...common.fake_tensors import fake_f32, fake_operand
 from . import tile_config as cfgmod
 
 
@@ -36,11 +37,7 @@ def _build_with_kernel(spec: AttentionSpec, cfg: cfgmod.FwdTileConfig, target: s
     out_dtype = dsl_dtype(spec.out_dtype)
     b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
 
-    def strided(dtype, shape):
-        # Last dim contiguous; the others any multiple of 16 bytes (the front end guarantees it; TMA needs it).
-        div = 16 * 8 // dtype.width
-        strides = tuple(cute.sym_int64(divisibility=div) for _ in shape[:-1]) + (1,)
-        return cute.runtime.make_fake_tensor(dtype, shape, strides, assumed_align=16)
+    strided = fake_operand  # last dim contiguous, the others multiples of 16 bytes (the front end; TMA needs it)
 
     q = strided(in_dtype, (b, sq, h, spec.head_dim))
     k = strided(in_dtype, (b, sk, hk, spec.head_dim))
@@ -51,9 +48,7 @@ def _build_with_kernel(spec: AttentionSpec, cfg: cfgmod.FwdTileConfig, target: s
         v = strided(in_dtype, (b, sk, hk, spec.head_dim_v))
     o = strided(out_dtype, (b, sq, h, spec.head_dim_v))
 
-    def fp32(shape):
-        strides = tuple(cute.sym_int64() for _ in shape[:-1]) + (1,)
-        return cute.runtime.make_fake_tensor(cutlass.Float32, shape, strides, assumed_align=4)
+    fp32 = fake_f32
 
     lse = fp32((b, h, sq))
     descale = (None, None, None)

@@ -23,6 +23,7 @@ from ...validation import kernel_view
 from ..base import KernelArtifact
 from ...census import cubin_resources
 from ...common.dsl_types import dsl_dtype
+from ...common.fake_tensors import fake_f32, fake_operand
 from .tile_config import FwdTileConfig, fwd_tile_candidates
 
 FAMILY = "sm80"
@@ -61,20 +62,14 @@ def _build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str):
     dtype = dsl_dtype(spec.dtype)
     batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
 
-    def strided(shape, divisibility=8):
-        stride = tuple(cute.sym_int64(divisibility=divisibility) for _ in shape[:-1]) + (1,)
-        return stride
-
     def operand(seqlen, nheads, d):
-        shape = (batch, seqlen, nheads, d)
-        return cute.runtime.make_fake_tensor(dtype, shape, strided(shape), assumed_align=16)
+        return fake_operand(dtype, (batch, seqlen, nheads, d))
 
     q = operand(seqlen_q, heads, spec.head_dim)
     k = operand(seqlen_k, heads_kv, spec.head_dim)
     v = operand(seqlen_k, heads_kv, spec.head_dim_v)
     out = operand(seqlen_q, heads, spec.head_dim_v)
-    lse_shape = (batch, heads, seqlen_q)
-    lse = cute.runtime.make_fake_tensor(cutlass.Float32, lse_shape, strided(lse_shape, 1), assumed_align=4)
+    lse = fake_f32((batch, heads, seqlen_q))
     kernel = Sm80FlashForward(dtype, spec.head_dim, spec.head_dim_v, spec.mask, tile)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(

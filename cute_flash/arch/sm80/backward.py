@@ -25,6 +25,7 @@ from ...spec import AttentionSpec, MaskBounds
 from ...validation import kernel_view
 from ..base import KernelArtifact
 from ...common.dsl_types import dsl_dtype
+from ...common.fake_tensors import fake_f32, fake_tensor
 from .tile_config import BwdTileConfig, bwd_tile_config
 
 FAMILY = "sm80"
@@ -54,18 +55,12 @@ def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
 
 # ---------------------------------------------------------------------------------------------------- compiling
 def _fake_bshd(dtype, batch, seqlen, heads, head_dim, align=16):
-    import cutlass.cute as cute
-
-    strides = tuple(cute.sym_int64(divisibility=8) for _ in range(3)) + (1,)
-    return cute.runtime.make_fake_tensor(dtype, (batch, seqlen, heads, head_dim), strides, assumed_align=align)
+    # 8-element outer strides for fp32 accumulators too (what their buffers are allocated with).
+    return fake_tensor(dtype, (batch, seqlen, heads, head_dim), 8, align)
 
 
 def _fake_bhs(batch, heads, seqlen, divisibility=1):
-    import cutlass
-    import cutlass.cute as cute
-
-    strides = (cute.sym_int64(divisibility=divisibility), cute.sym_int64(divisibility=divisibility), 1)
-    return cute.runtime.make_fake_tensor(cutlass.Float32, (batch, heads, seqlen), strides, assumed_align=4)
+    return fake_f32((batch, heads, seqlen), divisibility)
 
 
 def _build_preprocess(spec: AttentionSpec, options: str, target: str, cfg: Optional[BwdTileConfig] = None):

@@ -11,6 +11,7 @@ from typing import Optional
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ...common.dsl_types import dsl_dtype
+from ...common.fake_tensors import fake_f32, fake_operand
 from .tile_config import FwdTileConfig
 
 compile_cache.ensure_cute_dsl_arch("sm_90a")
@@ -22,8 +23,7 @@ from .flash_fwd import Sm90FlashForward  # noqa: E402
 
 
 def _strided(dtype, shape, last_dim: int):
-    strides = (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
-    return cute.runtime.make_fake_tensor(dtype, (*shape, last_dim), strides, assumed_align=16)
+    return fake_operand(dtype, (*shape, last_dim))
 
 
 def compile_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_options: Optional[str] = None):
@@ -34,9 +34,7 @@ def compile_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_
     k = _strided(dtype, (batch, seqlen_k, heads_kv), spec.head_dim)
     v = _strided(dtype, (batch, seqlen_k, heads_kv), spec.head_dim_v)
     out = _strided(dtype, (batch, seqlen_q, heads), spec.head_dim_v)
-    lse = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (batch, heads, seqlen_q), (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
-    )
+    lse = fake_f32((batch, heads, seqlen_q))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     kernel = Sm90FlashForward(dtype, spec.head_dim, spec.head_dim_v, spec.mask, cfg)
     options = compile_cache.compile_options(target, extra=extra_options or "")
@@ -47,8 +45,7 @@ def compile_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_
 
 def _fake_stats(batch, heads, seqlen_padded):
     """(b, h, sq_padded) fp32, rows padded to whole 64-row blocks (what TMA boxes of the stats need)."""
-    strides = (cute.sym_int64(divisibility=64), cute.sym_int64(divisibility=64), 1)
-    return cute.runtime.make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_padded), strides, assumed_align=16)
+    return fake_f32((batch, heads, seqlen_padded), divisibility=64, align=16)
 
 
 def compile_backward(

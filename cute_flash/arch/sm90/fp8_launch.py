@@ -20,6 +20,7 @@ from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
 from ..base import KernelArtifact
 from ...common.dsl_types import dsl_dtype
+from ...common.fake_tensors import fake_tensor
 from .fp8_tile_config import FP8_MAX_HEAD_DIM, Fp8FwdConfig, budget_problem, fp8_fwd_config, kv_scale_block, smem_bytes
 
 FAMILY = "sm90"
@@ -54,9 +55,7 @@ def build_fp8_forward(spec: AttentionSpec, cfg: Fp8FwdConfig, target: str, extra
     b, sq, sk, h, hkv = (cute.sym_int() for _ in range(5))
     sk_pad = cute.sym_int(divisibility=16)
 
-    def tensor(dtype, shape, divisibility, align=16):
-        strides = tuple(cute.sym_int64(divisibility=divisibility) for _ in shape[:-1]) + (1,)
-        return cute.runtime.make_fake_tensor(dtype, shape, strides, assumed_align=align)
+    tensor = fake_tensor
 
     q = tensor(fp8, (b, sq, h, spec.head_dim), 16)  # TMA: 16-byte strides
     k = tensor(fp8, (b, sk, hkv, spec.head_dim), 16)
