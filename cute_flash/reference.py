@@ -18,7 +18,7 @@ import torch
 
 from .common.block_info import BlockInfo
 from .spec import MaskBounds
-from .validation import validate_reference
+from .validation import validate_reference, validate_varlen_layout
 
 Window = Tuple[Optional[int], Optional[int]]
 
@@ -158,3 +158,61 @@ def attention_tiled(
         out[:, m0:m1] = (acc / safe_sum).permute(0, 2, 1, 3)
         lse[:, :, m0:m1] = (row_max + torch.log(row_sum)).squeeze(-1).float()
     return out, lse, tiles_visited
+
+
+def attention_varlen_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size: Window = (None, None),
+    seqused_k: Optional[torch.Tensor] = None,
+    compute_dtype: torch.dtype = torch.float64,
+    return_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Attention over packed sequences (issue 16's `attention_varlen` semantics), one `attention_reference` call per
+    sequence: q (total_q, h, d), k / v (total_k, h_kv, d / dv); sequence i is q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]
+    against the first seqused_k[i] (default: all) keys of k[cu_seqlens_k[i]:cu_seqlens_k[i+1]], with causal / window
+    alignment per sequence exactly as `attention` defines it. Returns out (total_q, h, dv) in `compute_dtype` and,
+    if asked, lse (h, total_q) float32; a row that sees no key (a sequence with no keys included) gets 0 / -inf."""
+    validate_varlen_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used = None if seqused_k is None else seqused_k.tolist()
+    for name, cu, total, longest in (
+        ("cu_seqlens_q", cq, q.shape[0], max_seqlen_q),
+        ("cu_seqlens_k", ck, k.shape[0], max_seqlen_k),
+    ):
+        if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > total:
+            raise ValueError(f"{name} must start at 0, never decrease and end at most at {total}, got {cu}")
+        if any(b - a > longest for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"a sequence of {name} is longer than its max_seqlen {longest}: {cu}")
+    h, dv = q.shape[1], v.shape[2]
+    out = torch.zeros(q.shape[0], h, dv, dtype=compute_dtype, device=q.device)
+    lse = torch.full((h, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    for i in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[i], cq[i + 1], ck[i], ck[i + 1]
+        if used is not None:
+            if not 0 <= used[i] <= k1 - k0:
+                raise ValueError(f"seqused_k[{i}] = {used[i]} is not within [0, {k1 - k0}] (that sequence's keys)")
+            k1 = k0 + used[i]
+        if q1 == q0 or k1 == k0:  # no rows, or rows that see no key (out 0, lse -inf as initialised)
+            continue
+        o, l_ = attention_reference(
+            q[None, q0:q1],
+            k[None, k0:k1],
+            v[None, k0:k1],
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window_size=window_size,
+            compute_dtype=compute_dtype,
+            return_lse=True,
+        )
+        out[q0:q1] = o[0]
+        lse[:, q0:q1] = l_[0]
+    return (out, lse) if return_lse else out

@@ -346,3 +346,44 @@ def kernel_view(t: torch.Tensor, *, copy: bool = True, name: str = "tensor") -> 
             new_strides[i] = 1
         trailing *= shape[i]
     return t.as_strided(shape, new_strides)
+
+
+def validate_varlen_layout(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    seqused_k: Optional[torch.Tensor] = None,
+) -> int:
+    """The checks of a packed (variable-length) call that need no device-to-host copy: q (total_q, h, d), k / v
+    (total_k, h_kv, d / dv) on one device, `cu_seqlens_*` int32 (batch + 1,) on that device, `max_seqlen_*` host
+    ints >= 0, `seqused_k` int32 (batch,). Returns the batch size. What would need the values (starting at 0,
+    non-decreasing, ending at total, lengths <= max_seqlen) is checked where the values are read anyway
+    (`cute_flash.reference.attention_varlen_reference`)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a packed (total, nheads, head_dim) tensor, got {shape}")
+    if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must share total_k and nheads_kv")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.numel() < 1:
+            what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be an int32 tensor of shape (batch + 1,), got {what}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
+    batch = cu_seqlens_q.numel() - 1
+    if cu_seqlens_k.numel() != batch + 1:
+        raise ValueError(f"cu_seqlens_k has {cu_seqlens_k.numel()} entries, cu_seqlens_q {batch + 1}: one batch")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"{name} must be a host int >= 0 (no device-to-host copy inside the call), got {m!r}")
+    if seqused_k is not None:
+        if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32 or seqused_k.shape != (batch,):
+            raise ValueError(f"seqused_k must be an int32 tensor of shape (batch,) = ({batch},)")
+        if seqused_k.device != q.device:
+            raise ValueError(f"seqused_k is on {seqused_k.device} but q is on {q.device}")
+    return batch
