@@ -35,7 +35,7 @@ Global tensors are viewed as (seqlen, head_dim, heads, batch) as in the forward 
 from __future__ import annotations
 
 from functools import partial
-from typing import Type
+from typing import NamedTuple, Type
 
 import cuda.bindings.driver as cuda
 
@@ -137,6 +137,29 @@ def column_stat(regs: cute.Tensor, c: cutlass.Constexpr[int], num_cols: cutlass.
         v, g = c % 2, c // 2
         value = cute.arch.shuffle_sync(regs[2 * (g // 8) + v], offset=4 * (g % 8) + cute.arch.lane_idx() % 4)
     return value
+
+
+class BwdMmas(NamedTuple):
+    """The tiled MMAs of a consumer: S and dP, dV and dK, dQ."""
+
+    sdp: cute.TiledMma
+    dkv: cute.TiledMma
+    dq: cute.TiledMma
+
+
+class BwdFragments(NamedTuple):
+    """A consumer's wgmma operands: S / dP (K, Q, V, dO), dV / dK (dOᵀ, Qᵀ, P, dS), dQ (dS, Kᵀ)."""
+
+    tSrK: cute.Tensor
+    tSrQ: cute.Tensor
+    tdPrV: cute.Tensor
+    tdPrdO: cute.Tensor
+    tdVrdOt: cute.Tensor
+    tdKrQt: cute.Tensor
+    tdVrP: cute.Tensor
+    tdKrdS: cute.Tensor
+    tdQrdS: cute.Tensor
+    tdQrKt: cute.Tensor
 
 
 class Sm90FlashBackward:
@@ -668,19 +691,8 @@ class Sm90FlashBackward:
                 self.step,
                 pipe_q=pipe_q,
                 pipe_do=pipe_do,
-                tiled_mma_sdp=tiled_mma_sdp,
-                tiled_mma_dkv=tiled_mma_dkv,
-                tiled_mma_dq=tiled_mma_dq,
-                tSrK=tSrK,
-                tSrQ=tSrQ,
-                tdPrV=tdPrV,
-                tdPrdO=tdPrdO,
-                tdVrdOt=tdVrdOt,
-                tdKrQt=tdKrQt,
-                tdVrP=tdVrP,
-                tdKrdS=tdKrdS,
-                tdQrdS=tdQrdS,
-                tdQrKt=tdQrKt,
+                mmas=BwdMmas(tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq),
+                frags=BwdFragments(tSrK, tSrQ, tdPrV, tdPrdO, tdVrdOt, tdKrQt, tdVrP, tdKrdS, tdQrdS, tdQrKt),
                 acc_dV=acc_dV,
                 acc_dK=acc_dK,
                 smem_copy_ds=smem_copy_ds,
@@ -761,19 +773,8 @@ class Sm90FlashBackward:
         masked: cutlass.Constexpr[bool],
         pipe_q,
         pipe_do,
-        tiled_mma_sdp: cute.TiledMma,
-        tiled_mma_dkv: cute.TiledMma,
-        tiled_mma_dq: cute.TiledMma,
-        tSrK: cute.Tensor,
-        tSrQ: cute.Tensor,
-        tdPrV: cute.Tensor,
-        tdPrdO: cute.Tensor,
-        tdVrdOt: cute.Tensor,
-        tdKrQt: cute.Tensor,
-        tdVrP: cute.Tensor,
-        tdKrdS: cute.Tensor,
-        tdQrdS: cute.Tensor,
-        tdQrKt: cute.Tensor,
+        mmas: "BwdMmas",
+        frags: "BwdFragments",
         acc_dV: cute.Tensor,
         acc_dK: cute.Tensor,
         smem_copy_ds,
@@ -791,6 +792,8 @@ class Sm90FlashBackward:
         tidx: Int32,
     ):
         """One query tile: S, dP, P, dS, dV, dQ, dK (see the module docstring for the order and the overlap)."""
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
+        tSrK, tSrQ, tdPrV, tdPrdO, tdVrdOt, tdKrQt, tdVrP, tdKrdS, tdQrdS, tdQrKt = frags
         kor = self.keys_on_rows
         s_shape = tiled_mma_sdp.get_slice(0).partition_shape_C(self.s_tile)
         consumer_wait(pipe_q, q)
