@@ -276,6 +276,7 @@ def run_backward(
     if reason is not None:
         raise NotImplementedError(reason)
     target = compile_cache.runtime_target(q.device)
+    override = cfg  # None on the launch path: its kernels' cache keys then skip hashing a config every call
     cfg = cfg or bwd_tile_config(spec.head_dim, target)
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -301,12 +302,12 @@ def run_backward(
         dv_out = torch.zeros(batch, seqlen_k_pad, nheads_kv, head_dim, **f32)
     else:
         dk_out, dv_out = dk, dv
-    _kernel("bwd_gqa" if gqa else "bwd", spec, target, cfg)(
+    _kernel("bwd_gqa" if gqa else "bwd", spec, target, override)(
         q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, softmax_scale, mask.left, mask.right
     )
     postprocess = _kernel("bwd_postprocess", spec, target)
     if cfg.dq_layout == "fragment":
-        _kernel("bwd_dq_postprocess", spec, target, cfg)(dq_accum, dq, softmax_scale)
+        _kernel("bwd_dq_postprocess", spec, target, override)(dq_accum, dq, softmax_scale)
     else:
         postprocess(dq_accum, dq, softmax_scale)
     if gqa:
