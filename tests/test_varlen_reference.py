@@ -31,7 +31,7 @@ def test_equal_lengths_match_the_batched_dense_reference(kw):
         q.view(3, 37, 4, 32), k.view(3, 41, 2, 32), v.view(3, 41, 2, 16), return_lse=True, **kw
     )
     # float64 both ways; only the batching of the products differs.
-    torch.testing.assert_close(out, dense.reshape(-1, 4, 16), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, dense.reshape(-1, 4, 16), rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(lse, dense_lse.permute(1, 0, 2).reshape(4, -1), rtol=1e-6, atol=1e-6)
 
 
