@@ -23,6 +23,9 @@ VARIANTS = {
     "opt2": {"opt_level": 2},
     "opt3": {"opt_level": 3},
     "stages1": {"num_stages": 1},
+    # d128: 64-row query tiles (dQ = dS·K) against 80-row ones (dQᵀ = Kᵀ·dSᵀ, FlashAttention-3's unmasked shape).
+    "m64": {"tile_m": 64, "dq_swap_ab": False},
+    "m80": {"tile_m": 80, "dq_swap_ab": True},
 }
 
 

@@ -78,7 +78,9 @@ def _kernel(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str):
         # The dQ conversion depends on the dtype, the head dim and the dQ MMA's shape only (not the mask, stages,
         # registers or ptxas level of the main kernel).
         key_spec = dataclasses.replace(spec, mask="none")
-        cfg = BwdTileConfig(tile_m=cfg.tile_m, dq_split=cfg.dq_split, num_consumer_wgs=cfg.num_consumer_wgs)
+        cfg = BwdTileConfig(
+            tile_m=cfg.tile_m, dq_split=cfg.dq_split, num_consumer_wgs=cfg.num_consumer_wgs, dq_swap_ab=cfg.dq_swap_ab
+        )
     else:
         key_spec = spec
     key = (FAMILY, target, role, key_spec, cfg)

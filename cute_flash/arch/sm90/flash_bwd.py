@@ -35,7 +35,7 @@ Global tensors are viewed as (seqlen, head_dim, heads, batch) as in the forward 
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple, Type
+from typing import NamedTuple, Tuple, Type
 
 import cuda.bindings.driver as cuda
 
@@ -74,15 +74,26 @@ def dq_tiled_mma(dtype: Type[cutlass.Numeric], head_dim: int, cfg: BwdTileConfig
     head-dim columns ("n"). The dQ accumulator's "fragment" layout is this MMA's register order, so the postprocess
     builds the same one (the operands' major modes do not change it)."""
     w = cfg.num_consumer_wgs
+    mn = cute.nvgpu.OperandMajorMode.MN
+    if cfg.dq_swap_ab:
+        # dQᵀ = Kᵀ·dSᵀ: A = Kᵀ (the (d, tile_n) view of K), B = dSᵀ (the (tile_m, tile_n) view of the dSᵀ tiles), both
+        # MN-major; each consumer's 64 head-dim columns are wgmma's M.
+        return sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, mn, mn, Float32, atom_layout_mnk=(w, 1, 1), tiler_mn=(ROWS_PER_CONSUMER, cfg.tile_m)
+        )
     if cfg.dq_split == "m":
         atoms, tiler = (w, 1, 1), (ROWS_PER_CONSUMER, head_dim)
     elif cfg.dq_split == "single":
         atoms, tiler = (1, 1, 1), (cfg.tile_m, head_dim)
     else:
         atoms, tiler = (1, w, 1), (cfg.tile_m, head_dim // w)
-    mn = cute.nvgpu.OperandMajorMode.MN
     a_major = mn if cfg.keys_on_rows else cute.nvgpu.OperandMajorMode.K
     return sm90_utils.make_trivial_tiled_mma(dtype, dtype, a_major, mn, Float32, atom_layout_mnk=atoms, tiler_mn=tiler)
+
+
+def dq_tile(head_dim: int, cfg: BwdTileConfig) -> Tuple[int, int]:
+    """The (M, N) tile of the dQ MMA's accumulator: (tile_m, head_dim), or its transpose with dq_swap_ab."""
+    return (head_dim, cfg.tile_m) if cfg.dq_swap_ab else (cfg.tile_m, head_dim)
 
 
 def dq_fragment_offset(i: int, tidx, chunk: int):
@@ -110,11 +121,17 @@ def load_column_stats(s_stat: cute.Tensor, coords_rc: cute.Tensor, num_cols: cut
     else:
         # Column c = v + 2 g of the (rows, cols) view is query 8 g + 2 (lane % 4) + v; the 8 lanes with one
         # lane % 4 share all of them. Lane 4 j + q keeps groups g = j + 8 k.
-        regs = cute.make_rmem_tensor(num_cols // 8, Float32)
+        # With groups not a multiple of 8 (tile_m 80: 10 groups), the lanes past the last group read a clamped
+        # index (never used).
+        rounds = (num_cols // 2 + 7) // 8
+        regs = cute.make_rmem_tensor(2 * rounds, Float32)
         j = cute.arch.lane_idx() // 4
-        for k in cutlass.range_constexpr(num_cols // 16):
+        for k in cutlass.range_constexpr(rounds):
             for v in cutlass.range_constexpr(2):
-                regs[2 * k + v] = s_stat[coords_rc[0, v][1] + 8 * (j + 8 * k)]
+                idx = coords_rc[0, v][1] + 8 * (j + 8 * k)
+                if const_expr(8 * (8 * k + 7) + 8 > cute.size(s_stat)):
+                    idx = cutlass.min(idx, cute.size(s_stat) - 1)
+                regs[2 * k + v] = s_stat[idx]
     return regs
 
 
@@ -663,7 +680,13 @@ class Sm90FlashBackward:
             tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_A(_transposed(sP, self.tile_m, self.tile_n, stages)))
             tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_A(_transposed(sdS, self.tile_m, self.tile_n, stages)))
             tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed(sK, self.tile_n, d, 1)))[None, None, None, 0]
+        sKt = _transposed(sK, self.tile_n, d, 1)
+        if const_expr(self.cfg.dq_swap_ab):
+            # dQᵀ = Kᵀ·dSᵀ: the same two views as A and B.
+            tdQrKt = wg_dq.make_fragment_A(wg_dq.partition_A(sKt))[None, None, None, 0]
+            tdQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed(sdS, self.tile_n, self.tile_m, stages)))
+        else:
+            tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))[None, None, None, 0]
 
         acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, d)), Float32)
         acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, d)), Float32)
@@ -881,10 +904,12 @@ class Sm90FlashBackward:
                 zero_init=False,
                 wait=-1,
             )
-        acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C(dq_tile(self.head_dim, self.cfg)), Float32)
         every_consumer_dq = self.num_dq_wgs == self.num_consumers
         consumer = tidx // WARPGROUP_THREADS
-        if const_expr(every_consumer_dq):
+        if const_expr(self.cfg.dq_swap_ab):
+            wgmma.gemm(tiled_mma_dq, acc_dQ, tdQrKt, tdQrdS[None, None, None, q.index], zero_init=True, wait=1)
+        elif const_expr(every_consumer_dq):
             wgmma.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, q.index], tdQrKt, zero_init=True, wait=1)
         else:  # dq_split "single": consumer 0 computes dQ; the others only wait for dV
             if cute.arch.make_warp_uniform(consumer) == 0:

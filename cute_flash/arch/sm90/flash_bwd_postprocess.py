@@ -16,7 +16,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 from cutlass.cute.nvgpu import cpasync
 
-from .flash_bwd import DQ_VEC, SMEM_ALIGN, dq_fragment_offset, dq_tiled_mma
+from .flash_bwd import DQ_VEC, SMEM_ALIGN, _transposed, dq_fragment_offset, dq_tile, dq_tiled_mma
 from .tile_config import WARPGROUP_THREADS, BwdTileConfig
 from .views import seq_major_view
 from . import wgmma
@@ -70,7 +70,7 @@ class DqConvertSm90:
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
-        acc = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C((tile_m, d)), Float32)
+        acc = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C(dq_tile(d, self.cfg)), Float32)
         base = mAccum[batch, head, None].iterator + m_block * (tile_m * d)
         for i in cutlass.range_constexpr(cute.size(acc) // DQ_VEC):  # the tile is padding past seqlen: in bounds
             ptr = (base + dq_fragment_offset(i * DQ_VEC, tidx, tile_m * d // self.cfg.num_dq_wgs)).align(DQ_VEC * 4)
@@ -79,9 +79,12 @@ class DqConvertSm90:
         acc.store(acc.load() * scale)
         r16 = cute.make_rmem_tensor(acc.shape, self.dtype)
         wgmma.convert_to_16bit(acc, r16)
-        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        # With dq_swap_ab the registers hold dQᵀ: the transposing stmatrix writes them into the (d, tile_m) view.
+        swap = self.cfg.dq_swap_ab
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=swap, num_matrices=4), self.dtype)
         smem_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma).get_slice(tidx)
-        cute.copy(smem_copy, smem_copy.retile(r16), smem_copy.partition_D(sO[None, None, 0]))
+        s_dst = _transposed(sO, tile_m, d, 1) if cutlass.const_expr(swap) else sO
+        cute.copy(smem_copy, smem_copy.retile(r16), smem_copy.partition_D(s_dst[None, None, 0]))
         cute.arch.fence_view_async_shared()  # generic-proxy stores, read next by the TMA (async proxy)
         cute.arch.sync_threads()
         if tidx < 32:

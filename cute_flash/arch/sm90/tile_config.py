@@ -132,6 +132,8 @@ class BwdTileConfig:
     dq_split says how the consumers share dQ = dS·K: "m" (64 query rows each; tile_m = 64 * num_consumer_wgs),
     "n" (head_dim / num_consumer_wgs columns each, which must be whole 64-column swizzle atoms), or "single" (consumer
     0 alone computes the whole 64-row dQ: head dims such as 96 that split neither way).
+    dq_swap_ab computes dQᵀ = Kᵀ·dSᵀ instead (FlashAttention-3's dQ_swapAB): wgmma's M is then the 64 head-dim columns
+    of each consumer and the query rows are its N, so tile_m need not be a multiple of 64 (d128's 80-row tile).
     """
 
     tile_m: int
@@ -143,6 +145,7 @@ class BwdTileConfig:
     consumer_regs: int = 240
     producer_regs: int = 24
     opt_level: int = 3  # CuTe DSL --opt-level
+    dq_swap_ab: bool = False
 
     @property
     def num_threads(self) -> int:
@@ -164,6 +167,7 @@ class BwdTileConfig:
             "consumer_regs": self.consumer_regs,
             "producer_regs": self.producer_regs,
             "opt_level": self.opt_level,
+            "dq_swap_ab": self.dq_swap_ab,
         }
 
 
@@ -189,10 +193,19 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int) -> Optional[str]:
         )
     if cfg.dq_split == "m" and cfg.tile_m != ROWS_PER_CONSUMER * w:
         return f"dq_split 'm' needs tile_m = 64 x consumers = {ROWS_PER_CONSUMER * w}, got {cfg.tile_m}"
-    if cfg.dq_split == "n" and (head_dim % w != 0 or (head_dim // w) % 64 != 0 or cfg.tile_m % 64 != 0):
+    if cfg.dq_swap_ab and (
+        not cfg.keys_on_rows or cfg.dq_split != "n" or head_dim != ROWS_PER_CONSUMER * w or cfg.tile_m % 16 != 0
+    ):
         return (
-            f"dq_split 'n' needs head_dim / consumers in whole 64-column swizzle atoms and tile_m a multiple "
-            f"of 64, got head_dim {head_dim}, {w} consumers, tile_m {cfg.tile_m}"
+            f"dq_swap_ab needs keys on rows, dq_split 'n', head_dim = 64 x consumers and tile_m a multiple of 16, got "
+            f"keys_on_rows {cfg.keys_on_rows}, dq_split {cfg.dq_split!r}, head_dim {head_dim}, tile_m {cfg.tile_m}"
+        )
+    if not cfg.dq_swap_ab and cfg.tile_m % 64 != 0:
+        return f"tile_m {cfg.tile_m} must be a multiple of 64 (wgmma's M of dQ) unless dq_swap_ab"
+    if cfg.dq_split == "n" and (head_dim % w != 0 or (head_dim // w) % 64 != 0):
+        return (
+            f"dq_split 'n' needs head_dim / consumers in whole 64-column swizzle atoms, got head_dim {head_dim}, "
+            f"{w} consumers"
         )
     if cfg.dq_split == "single" and cfg.tile_m != ROWS_PER_CONSUMER:
         return f"dq_split 'single' needs tile_m = 64, got {cfg.tile_m}"
@@ -225,7 +238,10 @@ def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, elem_bytes: int = 2) -> in
 #   d96:  64 x 128 tiles like d128, but 48 columns per consumer would cut the swizzle atom: consumer 0 computes the
 #         whole dQ (48 registers; FlashAttention-3's d96 shape); dV and dK take 48 each.
 #   d128: 64 x 128 tiles, dQ split by head-dim halves: Sᵀ, dPᵀ (32 registers each), dV and dK (64 each) and dQ (32)
-#         fit the 240 registers of a consumer thread.
+#         fit the 240 registers of a consumer thread. FlashAttention-3 takes 80 x 128 tiles without a mask (25% more
+#         queries per step for the same per-step costs; dQᵀ = Kᵀ·dSᵀ, since 80 rows are no wgmma M): built here as
+#         dq_swap_ab (profiling/sm90_bwd_variants.py "m80"; compiles without spills) but not yet run on a GPU, so
+#         not the default.
 #   d256: 64 x 64 tiles with queries on rows (FlashAttention-3's d256 shape): dK and dV split by head-dim halves
 #         (64 registers each) instead of 128 keys' rows (256 each); P and dS through shared memory; one stage, as the
 #         Q, dO, K, V tiles (32 KiB each), P, dS and the fp32 dQ buffer (64 KiB) fill 210 KiB.
