@@ -65,3 +65,45 @@ def test_sm90_backward_support():
     assert "head_dim" in BACKEND.unsupported_reason(other, backward=True)
     assert routing.route(other, (9, 0), backward=True).family == "sm80"
     assert routing.route(other, (9, 0), backward=True, deterministic=True).family is None
+
+
+_SWAP_AB_SCRIPT = """
+import os, sys, json, tempfile
+os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+from cute_flash import census, compile_cache
+from cute_flash.arch.sm90 import build
+from cute_flash.arch.sm90.tile_config import BwdTileConfig, bwd_config_problem
+from cute_flash.spec import AttentionSpec
+
+cfg = BwdTileConfig(tile_m=80, dq_split="n", dq_swap_ab=True)
+assert bwd_config_problem(cfg, 128) is None
+spec = AttentionSpec("bf16", 128, 128, sys.argv[1], "bf16")
+out = {}
+for role, make in (
+    ("bwd", lambda o: build.compile_backward(spec, cfg, "sm_90a", gqa=False, extra_options=o)),
+    ("post", lambda o: build.compile_dq_postprocess(spec, cfg, "sm_90a", o)),
+):
+    fn = make(compile_cache.keep_artifacts_options(tempfile.mkdtemp(), ptxas_report=False))
+    res = census.cubin_resources(fn.artifacts.CUBIN)
+    out[role] = {
+        "census": census.ptx_census(fn.artifacts.PTX),
+        "trans": fn.artifacts.PTX.count("stmatrix.sync.aligned.m8n8.x4.trans"),
+        "stack": max(r.get("stack_frame_bytes", 0) for r in res.values()),
+    }
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_sm90_backward_dq_swap_ab_builds(mask):
+    # The 80-row query tile (dQᵀ = Kᵀ·dSᵀ, FlashAttention-3's unmasked d128 shape): the main kernel issues its five
+    # products as wgmma without spilling, and the postprocess writes dQᵀ with the transposing stmatrix.
+    done = subprocess.run(
+        [sys.executable, "-c", _SWAP_AB_SCRIPT, mask], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["bwd"]["census"]["wgmma.mma_async"] > out["bwd"]["census"]["wgmma.mma_async.rs"] > 0
+    assert out["bwd"]["census"]["cp.reduce.async.bulk"] > 0
+    assert out["bwd"]["stack"] == 0  # no stack frame: nothing spilled
+    assert out["post"]["trans"] > 0
