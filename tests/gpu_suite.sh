@@ -12,6 +12,7 @@
 #   sm80_bwd  [90] the sm80 backward matrix through autograd at bf16 d128 and fp16 d64 (one process per shard)
 #   bench     [240] backward grid beside FA4 and cuDNN: d 64/128/256 x $BENCH_SEQLENS (default 1k/4k/16k) x causal
 #                   both (bench/report.md)
+#   m80       [240] d128 backward: 64-row query tiles against the 80-row dQᵀ form (dq_swap_ab), beside FA4, both masks
 set -u
 out=${1:?usage: tests/gpu_suite.sh OUT_DIR}
 mkdir -p "$out"
@@ -40,6 +41,9 @@ for s in $steps; do
             --seqlens "${BENCH_SEQLENS:-1024,4096,16384}" --directions bwd --impls cute-flash,fa4,sdpa-cudnn --no-memory --no-plots \
             --rep-ms 50 --warmup-ms 15 --out "$out/bench"
            grep -A 22 "bf16 bwd" "$out/bench/report.md" 2>/dev/null || tail -n 25 "$out/bench.log" ;;
+    m80) step m80 240 python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 --causal both \
+            --variants m64,m80 --fa4 --rounds 3 --rep-ms 50
+         tail -n 12 "$out/m80.log" ;;
     *) echo "unknown step $s" ;;
   esac
 done

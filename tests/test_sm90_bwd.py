@@ -64,11 +64,11 @@ def _seed(*params) -> int:
     return stable_seed(*params)
 
 
-def _kernel_grads(q, k, v, dout, causal, window_size):
+def _kernel_grads(q, k, v, dout, causal, window_size, **kwargs):
     from cute_flash.arch.sm90.backward import run_backward
     from cute_flash.testing import backward_kernel_grads
 
-    return backward_kernel_grads(run_backward, q, k, v, dout, causal, window_size)
+    return backward_kernel_grads(run_backward, q, k, v, dout, causal, window_size, **kwargs)
 
 
 @pytest.mark.parametrize("dt, d, sq, sk, mask, h, h_kv", CASES)
@@ -214,3 +214,30 @@ def test_sm90_deterministic_refused_where_sm80_trains(monkeypatch):
     q, k, v, _ = _inputs("bf16", 192, 64, 64, 2, 2, 0)
     with pytest.raises(NotImplementedError, match="deterministic"):
         cute_flash.attention(q, k, v, deterministic=True)
+
+
+SWAP_AB_CASES = [
+    pytest.param(dt, sq, sk, m, h, hk, id=f"{dt}-{sq}x{sk}-{m}-h{h}_{hk}", marks=pytest.mark.xdist_group("swap-d128"))
+    for dt in DTYPES
+    for sq, sk in ((1, 1), (80, 80), (113, 203), (239, 1), (161, 300), (1023, 1024), (2048, 2048))
+    for m in ("full", "causal", "window100_30")
+    for h, hk in ((8, 8), (8, 2))
+]
+
+
+@pytest.mark.parametrize("dt, sq, sk, mask, h, h_kv", SWAP_AB_CASES)
+def test_sm90_backward_dq_swap_ab(dt, sq, sk, mask, h, h_kv):
+    """The 80-row query tile with dQᵀ = Kᵀ·dSᵀ (BwdTileConfig.dq_swap_ab; not a default yet), d128: the kernels
+    alone against the reference, and deterministic repeats bitwise equal."""
+    from cute_flash.arch.sm90.tile_config import BwdTileConfig
+    from cute_flash.testing import check_backward
+
+    cfg = BwdTileConfig(tile_m=80, dq_split="n", dq_swap_ab=True)
+    causal, window = MASKS[mask]
+    q, k, v, dout = _inputs(dt, 128, sq, sk, h, h_kv, _seed(dt, sq, sk, mask, h, h_kv, "swap"))
+    grads = _kernel_grads(q, k, v, dout, causal, window, cfg=cfg)
+    check_backward(q, k, v, dout, grads, causal=causal, window_size=window)
+    det = [_kernel_grads(q, k, v, dout, causal, window, cfg=cfg, deterministic=True) for _ in range(2)]
+    for a, b in zip(*det):
+        assert torch.equal(a, b)
+    check_backward(q, k, v, dout, det[0], causal=causal, window_size=window)
