@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from . import ops, routing  # noqa: F401  (ops registers torch.ops.cute_flash.*)
-from .arch import resolve_arch
+from . import ops, routing, validation  # noqa: F401  (ops registers torch.ops.cute_flash.*)
+from .arch import ARCH_ENV_VAR, resolve_arch
 from .arch.base import ArchBackend
 from .spec import AttentionSpec
-from .validation import Problem, kernel_view, validate
+from .validation import ALIGN_BYTES, Problem, is_kernel_layout, kernel_view, validate
 
 
 def backend(device: Optional[Union[torch.device, int, str]] = None) -> str:
@@ -45,21 +46,156 @@ def _route(spec: AttentionSpec, t: torch.Tensor, backward: bool, deterministic: 
     return routing.route(spec, _device_capability(t), backward, deterministic).backend
 
 
+def _device_guard(t: torch.Tensor):
+    """Makes `t`'s GPU current while a kernel launches (tests on CPU tensors replace this function)."""
+    return torch.cuda.device(t.device)
+
+
+class _Plan:
+    """Everything a warm eager call needs, derived once per call signature (`_signature`): the validated problem,
+    the forward backend, the outputs' shapes, and whether the inputs need `kernel_view`'s fix-ups. The backward
+    backend is routed on the first backward (a forward-only call never asks for it)."""
+
+    __slots__ = ("problem", "forward", "backward", "deterministic", "copies", "empty", "device", "device_index")
+    __slots__ += ("out_shape", "out_dtype", "lse_shape")
+
+    def __init__(self, problem: Problem, forward: ArchBackend, deterministic: bool, copies: bool, device):
+        p = problem
+        self.problem, self.forward, self.backward, self.deterministic = problem, forward, None, deterministic
+        self.copies, self.empty, self.device = copies, _is_empty(p), device
+        self.device_index = device.index if device.type == "cuda" else None
+        self.out_shape = (p.batch, p.seqlen_q, p.nheads, p.head_dim_v)
+        self.out_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[p.spec.out_dtype]
+        self.lse_shape = (p.batch, p.nheads, p.seqlen_q)
+
+    def backward_backend(self, q: torch.Tensor) -> ArchBackend:
+        # Routed on its own: the family that ran the forward may have no backward for this spec while another does.
+        arch = self.backward
+        if arch is None:
+            arch = self.backward = _route(self.problem.spec, q, backward=True, deterministic=self.deterministic)
+        return arch
+
+
+# Plans by call signature. Bounded: a workload with ever-new shapes rebuilds it now and then instead of growing it.
+_plans: Dict[tuple, _Plan] = {}
+_MAX_PLANS = 4096
+
+
+def clear_call_cache() -> None:
+    """Forget every plan (tests that change routing, the device check or the backends call this)."""
+    _plans.clear()
+
+
+def _signature(q, k, v, causal, softmax_scale, window_size, deterministic) -> tuple:
+    """What a call's validation and routing depend on, read from tensor metadata only (no device sync): shapes,
+    strides, dtypes, devices, the inputs' 16-byte alignment, the arguments (with their types, so that a cached
+    `True` never answers for a rejected `1`), the device check in force and CUTE_FLASH_ARCH. Raises TypeError or
+    ValueError for arguments that cannot be part of a key (the caller then validates them the slow way)."""
+    left, right = window_size
+    return (
+        q.shape,
+        q.stride(),
+        k.shape,
+        k.stride(),
+        v.shape,
+        v.stride(),
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        q.device,
+        k.device,
+        v.device,
+        (q.data_ptr() | k.data_ptr() | v.data_ptr()) & (ALIGN_BYTES - 1),
+        causal,
+        softmax_scale,
+        left,
+        right,
+        deterministic,
+        (type(causal), type(softmax_scale), type(left), type(right), type(deterministic), type(window_size)),
+        validation.KERNEL_DEVICE_TYPES,
+        os.environ.get(ARCH_ENV_VAR),
+    )
+
+
+def _plan(q, k, v, causal, softmax_scale, window_size, deterministic) -> _Plan:
+    """The cached plan of an fp16/bf16 call (validating and routing it on a miss, which raises what they raise)."""
+    try:
+        key = _signature(q, k, v, causal, softmax_scale, window_size, deterministic)
+        plan = _plans.get(key)
+    except (TypeError, ValueError, AttributeError):  # not tensors, or unhashable / malformed arguments
+        key, plan = None, None
+    if plan is not None:
+        return plan
+    problem = validate(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=None,
+        deterministic=deterministic,
+    )  # fmt: skip
+    arch = _route(problem.spec, q, backward=False)
+    copies = not all(is_kernel_layout(t) for t in (q, k, v))
+    plan = _Plan(problem, arch, deterministic, copies, q.device)
+    if key is not None:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def _launch_forward(plan: _Plan, q, k, v) -> Tuple[torch.Tensor, torch.Tensor]:
+    """out, lse of a planned call; q, k, v already in the kernels' layout."""
+    out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=plan.device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
+    if plan.empty:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    p = plan.problem
+    if plan.device_index is not None and torch.cuda.current_device() == plan.device_index:
+        plan.forward.forward(q, k, v, out, lse, spec=p.spec, softmax_scale=p.softmax_scale, mask=p.mask)
+    else:
+        with _device_guard(q):
+            plan.forward.forward(q, k, v, out, lse, spec=p.spec, softmax_scale=p.softmax_scale, mask=p.mask)
+    return out, lse
+
+
+def _launch_backward(plan: _Plan, dout, q, k, v, out, lse):
+    """(dq, dk, dv) of a planned call from the saved tensors (already in the kernels' layout); dout may have any
+    layout autograd hands over."""
+    arch = plan.backward_backend(q)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if plan.empty:
+        for g in (dq, dk, dv):
+            g.zero_()
+        return dq, dk, dv
+    if not (dout.is_contiguous() and dout.data_ptr() % ALIGN_BYTES == 0):  # contiguous: the kernels' layout
+        dout = kernel_view(dout)
+    p = plan.problem
+    kwargs = dict(spec=p.spec, softmax_scale=p.softmax_scale, mask=p.mask, deterministic=plan.deterministic)
+    if plan.device_index is not None and torch.cuda.current_device() == plan.device_index:
+        arch.backward(dout, q, k, v, out, lse, dq, dk, dv, **kwargs)
+    else:
+        with _device_guard(q):
+            arch.backward(dout, q, k, v, out, lse, dq, dk, dv, **kwargs)
+    return dq, dk, dv
+
+
 class _Attention(torch.autograd.Function):
+    """The eager autograd node: one `_Plan` carries everything the backward needs besides the saved tensors."""
+
     @staticmethod
-    def forward(ctx, q, k, v, problem: Problem, arch: ArchBackend, deterministic: bool):
-        q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
-        out, lse = _run_forward(q, k, v, problem, arch)
+    def forward(ctx, q, k, v, plan: "_Plan"):
+        if plan.copies:
+            q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
+        out, lse = _launch_forward(plan, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.problem = problem
-        ctx.deterministic = deterministic
+        ctx.plan = plan
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*_run_backward(dout, q, k, v, out, lse, ctx.problem, ctx.deterministic), None, None, None)
+        plan = ctx.plan
+        return (*_launch_backward(plan, dout, q, k, v, out, lse), None)
 
 
 def _run_backward(dout, q, k, v, out, lse, problem: Problem, deterministic: bool):
@@ -190,6 +326,22 @@ def attention(
     """
     if dtype is None and torch.is_autocast_enabled("cuda"):
         q, k, v = _autocast(q, k, v)
+    if dtype is None and descale is None and fp8_rotate is True and not torch.compiler.is_compiling():
+        # The eager fp16/bf16 path: validation and routing come from the plan cached for this call signature, so a
+        # warm call does one dict lookup before it allocates and launches (docs/torch.md, "Host time").
+        plan = _plan(q, k, v, causal, softmax_scale, window_size, deterministic)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            if deterministic:  # fail before the forward, not in the middle of autograd
+                plan.backward_backend(q)
+            # The layouts are normalised inside the autograd function, so that a view or copy made for the kernels
+            # records nothing on the autograd graph (the gradients come back in q, k, v's own shapes).
+            out, lse = _Attention.apply(q, k, v, plan)
+        elif plan.copies:
+            out, lse = _launch_forward(plan, kernel_view(q), kernel_view(k), kernel_view(v))
+        else:
+            out, lse = _launch_forward(plan, q, k, v)
+        return (out, lse) if return_lse else out
+
     problem = validate(
         q,
         k,
@@ -213,23 +365,15 @@ def attention(
             out = _Fp8NoBackward.apply(out, q, k, v)
     elif torch.compiler.is_compiling():
         # Under torch.compile: one custom op (cute_flash.ops), traced without a graph break, whose registered
-        # autograd formula runs the backward; routing and layouts are settled inside it, at run time.
+        # autograd formula runs the backward; routing and layouts are settled inside it, at run time. (Eager calls
+        # take the path above, without the custom-op dispatch, which costs hundreds of µs of host time per call in
+        # torch 2.11, docs/performance.md session 6.)
         m = problem.mask
         out, lse = torch.ops.cute_flash.fwd(
             q, k, v, problem.softmax_scale, m.kind, m.left, m.right, deterministic and needs_grad
         )
-    else:
-        # Eagerly: the same work without the custom-op dispatch (which costs hundreds of µs of host time per call
-        # in torch 2.11, docs/performance.md session 6).
-        arch = _route(problem.spec, q, backward=False)
-        if needs_grad:
-            if deterministic:  # fail before the forward, not in the middle of autograd
-                _route(problem.spec, q, backward=True, deterministic=True)
-            # The layouts are normalised inside the autograd function, so that a view or copy made for the kernels
-            # records nothing on the autograd graph (the gradients come back in q, k, v's own shapes).
-            out, lse = _Attention.apply(q, k, v, problem, arch, deterministic)
-        else:
-            out, lse = _run_forward(kernel_view(q), kernel_view(k), kernel_view(v), problem, arch)
+    else:  # only a compute dtype or FP8 inputs reach here, and they were handled above
+        raise AssertionError("unreachable")
     return (out, lse) if return_lse else out
 
 

@@ -294,6 +294,33 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+# (shape, strides, dtype, base address mod 16) of layouts `kernel_view` hands over unchanged: the backends check every
+# tensor they launch with, several per call, and the answer depends on nothing else.
+_KERNEL_LAYOUTS: set = set()
+
+
+def _layout_problems(t: torch.Tensor) -> Tuple[bool, bool]:
+    """(needs a copy, needs a restrided view of a size-1 dimension) for `kernel_view`; see there."""
+    shape, strides = t.shape, t.stride()
+    align = max(1, ALIGN_BYTES // t.element_size())
+    last = len(shape) - 1
+    needs_copy = t.data_ptr() % ALIGN_BYTES != 0 or (shape[last] > 1 and strides[last] != 1)
+    fix_unit = False
+    for i in range(last):
+        n, st = shape[i], strides[i]
+        if n == 1:
+            fix_unit = fix_unit or st % align != 0
+        elif st == 0 or st % align != 0:
+            needs_copy = True
+    return needs_copy, fix_unit
+
+
+def is_kernel_layout(t: torch.Tensor) -> bool:
+    """Whether `kernel_view(t)` is `t` itself. Depends only on the shape, strides, element size and the base
+    address modulo 16, so a caller may cache the answer per (shape, strides, dtype, alignment)."""
+    return t.numel() == 0 or _layout_problems(t) == (False, False)
+
+
 def kernel_view(t: torch.Tensor, *, copy: bool = True, name: str = "tensor") -> torch.Tensor:
     """The one layout normalisation between torch tensors and the kernels' compiled signatures.
 
@@ -311,20 +338,21 @@ def kernel_view(t: torch.Tensor, *, copy: bool = True, name: str = "tensor") -> 
     With copy=False (for tensors a kernel writes, and for backends, whose inputs the front end has normalised) a
     layout that would need a copy raises instead of copying.
     """
-    shape, strides = t.shape, t.stride()
+    key = (t.shape, t.stride(), t.dtype, t.data_ptr() & (ALIGN_BYTES - 1))
+    if key in _KERNEL_LAYOUTS:  # seen before and usable as is: the common case, a dict lookup
+        return t
     if t.numel() == 0:
         return t
+    needs_copy, fix_unit = _layout_problems(t)
+    if not (needs_copy or fix_unit):
+        if len(_KERNEL_LAYOUTS) >= 4096:
+            _KERNEL_LAYOUTS.clear()
+        _KERNEL_LAYOUTS.add(key)
+        return t
+    shape, strides = t.shape, t.stride()
     elem = t.element_size()
     align = max(1, ALIGN_BYTES // elem)
     last = len(shape) - 1
-    needs_copy = t.data_ptr() % ALIGN_BYTES != 0 or (shape[last] > 1 and strides[last] != 1)
-    fix_unit = False
-    for i in range(last):
-        n, st = shape[i], strides[i]
-        if n == 1:
-            fix_unit = fix_unit or st % align != 0
-        elif st == 0 or st % align != 0:
-            needs_copy = True
     if needs_copy:
         if not copy:
             raise ValueError(

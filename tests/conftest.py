@@ -42,3 +42,14 @@ def _force_family(request, monkeypatch):
             monkeypatch.setenv("CUTE_FLASH_ARCH", family)
             break
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_call_cache():
+    # cute_flash.attention caches validation and routing per call signature; tests that patch the device check,
+    # the router or the backends must not see a plan made under another test's patches.
+    from cute_flash import interface
+
+    interface.clear_call_cache()
+    yield
+    interface.clear_call_cache()

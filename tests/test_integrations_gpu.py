@@ -1,0 +1,113 @@
+"""The plug-ins on a GPU (issue 15): a small randomly initialised Llama (GQA 16/4, d128) and a Mistral-style model
+with a sliding window run with attn_implementation=<cute-flash's name> against the same weights with "sdpa", forward
+logits and backward gradients; SDPA's flash backend routed to cute-flash (top-left causal with sq == sk, sq > sk,
+sq < sk; GQA) against the math backend. Acceptance: FlashAttention's rule at model level, the error against a
+float32 SDPA twin at most twice that of the bf16 SDPA model plus a small slack.
+
+Run: python -m pytest -q tests/test_integrations_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cute_flash import interface
+
+pytestmark = [pytest.mark.sm90, pytest.mark.xdist_group("integrations")]
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def _models(kind: str, name: str, **extra):
+    transformers = pytest.importorskip("transformers")
+    cfg = dict(
+        vocab_size=256, hidden_size=2048, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=128, max_position_embeddings=1024, attention_dropout=0.0, **extra,
+    )  # fmt: skip
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig}[kind]
+    torch.manual_seed(0)
+    build = transformers.AutoModelForCausalLM.from_config
+    ref = build(cls(**cfg), attn_implementation="sdpa").cuda()  # float32
+    out = {"fp32": ref}
+    for impl in ("sdpa", name):
+        m = build(cls(**cfg), attn_implementation=impl).cuda()
+        m.load_state_dict(ref.state_dict())
+        out[impl] = m.to(torch.bfloat16)
+    return out
+
+
+@pytest.mark.parametrize(
+    "kind,extra", [("llama", {}), ("mistral", {"sliding_window": 64})], ids=["llama_gqa", "mistral_sliding"]
+)
+def test_transformers_plugin_matches_sdpa(kind, extra):
+    from cute_flash.integrations import transformers as cft
+
+    name = cft.register()
+    models = _models(kind, name, **extra)
+    ids = torch.randint(0, 256, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    logits = {k: m(ids).logits for k, m in models.items()}
+    base = _err(logits["sdpa"], logits["fp32"])
+    assert _err(logits[name], logits["fp32"]) <= 2 * base + 1e-3, (_err(logits[name], logits["fp32"]), base)
+    for k, m in models.items():
+        logits[k].float().logsumexp(-1).mean().backward()
+    for (pname, p32), p_sdpa, p_cute in zip(
+        models["fp32"].named_parameters(), models["sdpa"].parameters(), models[name].parameters()
+    ):
+        base = _err(p_sdpa.grad, p32.grad)
+        got = _err(p_cute.grad, p32.grad)
+        assert got <= 2 * base + 1e-4, (pname, got, base)
+
+
+def test_transformers_plugin_generates_like_sdpa():
+    from cute_flash.integrations import transformers as cft
+
+    name = cft.register()
+    models = _models("llama", name)
+    ids = torch.randint(0, 256, (1, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    with torch.no_grad():
+        logits_sdpa = models["sdpa"](ids).logits[:, -1]
+        logits_cute = models[name](ids).logits[:, -1]
+        out = models[name].generate(ids, max_new_tokens=8, do_sample=False)
+    assert out.shape == (1, 72)
+    assert _err(logits_cute, logits_sdpa) < 0.1  # same next-token scores up to bf16 rounding
+
+
+def _bhsd(b, h, s, d, seed):
+    g = torch.Generator("cuda").manual_seed(seed)
+    return torch.randn(b, h, s, d, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
+
+
+@pytest.mark.parametrize("sq,sk", [(256, 256), (300, 128), (128, 300)], ids=["square", "more_queries", "more_keys"])
+def test_sdpa_flash_backend_routes_to_cute_flash(monkeypatch, sq, sk):
+    from torch.nn.attention import SDPBackend, activate_flash_attention_impl, restore_flash_attention_impl, sdpa_kernel
+
+    from cute_flash.integrations import sdpa
+
+    if not sdpa._available():
+        pytest.skip("torch has no register_flash_attention_impl")
+    launches = []
+    real = interface._launch_forward
+    monkeypatch.setattr(interface, "_launch_forward", lambda *a: launches.append(1) or real(*a))
+    q, k, v, do = _bhsd(2, 8, sq, 128, 1), _bhsd(2, 2, sk, 128, 2), _bhsd(2, 2, sk, 128, 3), _bhsd(2, 8, sq, 128, 4)
+    args = dict(is_causal=True, scale=0.1, enable_gqa=True)
+    leaves32 = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves32, **args)
+    ref_grads = torch.autograd.grad(ref, leaves32, do.float())
+    with sdpa_kernel(SDPBackend.MATH):
+        low = F.scaled_dot_product_attention(q, k, v, **args)
+    low_grads = torch.autograd.grad(low, (q, k, v), do)
+    activate_flash_attention_impl(sdpa.register())
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(q, k, v, **args)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    finally:
+        restore_flash_attention_impl()
+    assert launches, "SDPA's flash backend did not reach cute_flash"
+    assert _err(out, ref) <= 2 * _err(low, ref) + 1e-5
+    for got, want, base in zip(grads, ref_grads, low_grads):
+        assert _err(got, want) <= 2 * _err(base, want) + 1e-4
