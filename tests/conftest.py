@@ -2,10 +2,21 @@
 
 sm80 kernels also run on Hopper and Blackwell, so an sm80-marked test there forces the sm80 backend through
 CUTE_FLASH_ARCH. Unmarked tests run anywhere (the CPU cross-compile tests included).
+
+The suite never touches the user's kernel cache: the disk cache of this session (and of the processes it starts)
+lives in a temporary directory, removed at exit.
 """
+
+import atexit
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
+
+os.environ["CUTE_FLASH_CACHE_DIR"] = tempfile.mkdtemp(prefix="cute_flash_test_cache_")
+atexit.register(shutil.rmtree, os.environ["CUTE_FLASH_CACHE_DIR"], ignore_errors=True)
 
 FAMILIES = ("sm80", "sm90", "sm100")
 
