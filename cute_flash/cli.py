@@ -206,7 +206,7 @@ def cmd_warmup(args) -> int:
         head_dim_v=args.head_dim_v,
     )
     try:
-        summary = warmup.run(config_list, capability)
+        summary = warmup.run(config_list, capability, jobs=args.jobs)
     except RuntimeError as e:
         print(f"cute_flash warmup: {e}", file=sys.stderr)
         return 2
@@ -222,9 +222,9 @@ def cmd_warmup(args) -> int:
         t = summary["totals"]
         print(
             f"{t['built']} built, {t['cached']} already cached, {t['skipped']} without a kernel, "
-            f"{t['unsaved']} not saved; {summary['seconds']:.1f} s"
+            f"{t['unsaved']} not saved, {t['failed']} failed; {summary['seconds']:.1f} s"
         )
-    return 1 if summary["totals"]["unsaved"] else 0
+    return 1 if summary["totals"]["unsaved"] or summary["totals"]["failed"] else 0
 
 
 # --- demo -----------------------------------------------------------------------------------------------------
@@ -280,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--backward", action="store_true", help="also the backward kernels (training)")
     w.add_argument("--gqa", choices=sorted(_BOTH), default="off", help="backward with grouped heads (default off)")
     w.add_argument("--deterministic", choices=sorted(_BOTH), default="off", help="deterministic backward (default off)")
+    w.add_argument("--jobs", type=int, default=1, help="processes compiling at once (default 1)")
     w.add_argument("--json", action="store_true", help="one JSON object with every configuration's result")
     w.set_defaults(func=cmd_warmup)
 

@@ -9,8 +9,12 @@ was written; the disk cache's fingerprint (disk_cache.py) keeps a warm-up made w
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -100,19 +104,58 @@ def prepare_target(capability: Capability) -> str:
     return target
 
 
-def run(config_list: List[Config], capability: Capability) -> dict:
-    """Warms every configuration; the summary `python -m cute_flash warmup` prints."""
+def _shard_main() -> None:
+    """A worker of `run(jobs > 1)`: reads {"capability", "configs"} as JSON on stdin, prints its reports as JSON."""
+    job = json.loads(sys.stdin.read())
+    capability = tuple(job["capability"])
+    prepare_target(capability)
+    configs_in = [Config(AttentionSpec(**c.pop("spec")), **c) for c in job["configs"]]
+    print(json.dumps([warm(c, capability) for c in configs_in]))
+
+
+def _run_in_processes(config_list: List[Config], capability: Capability, jobs: int) -> List[dict]:
+    """Warms shards of the list in `jobs` processes at once (compiling is single-threaded); kernels that two
+    configurations share are built once, by whichever process takes the key's lock first."""
+    shards = [config_list[i::jobs] for i in range(jobs)]
+    cmd = [sys.executable, "-c", "from cute_flash.warmup import _shard_main; _shard_main()"]
+    procs = []
+    for shard in shards:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        job = {"capability": list(capability), "configs": [dataclasses.asdict(c) for c in shard]}
+        proc.stdin.write(json.dumps(job))
+        proc.stdin.close()
+        procs.append(proc)
+    items: List[dict] = [{} for _ in config_list]
+    for i, (proc, shard) in enumerate(zip(procs, shards)):
+        out, err = proc.stdout.read(), proc.stderr.read()
+        proc.wait()
+        try:
+            reports = json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            tail = (err.strip().splitlines() or ["no output"])[-1][:300]
+            reports = [{"config": c.describe(), "family": None, "status": "failed", "reason": tail} for c in shard]
+        items[i::jobs] = reports
+    return items
+
+
+def run(config_list: List[Config], capability: Capability, jobs: int = 1) -> dict:
+    """Warms every configuration, in `jobs` processes; the summary `python -m cute_flash warmup` prints."""
     if disk_cache.kernel_cache() is None:
         raise RuntimeError(f"the disk kernel cache is off ({disk_cache.ENV_SWITCH}=0): nothing to warm")
     target = prepare_target(capability)
     start = time.perf_counter()
-    items = [warm(c, capability) for c in config_list]
-    totals = {s: sum(1 for i in items if i["status"] == s) for s in ("built", "cached", "unsaved")}
+    jobs = max(1, min(jobs, len(config_list)))
+    if jobs > 1:
+        items = _run_in_processes(config_list, capability, jobs)
+    else:
+        items = [warm(c, capability) for c in config_list]
+    totals = {s: sum(1 for i in items if i["status"] == s) for s in ("built", "cached", "unsaved", "failed")}
     return {
         "capability": f"{capability[0]}.{capability[1]}",
         "target": target,
         "cache_dir": disk_cache.entries_dir(),
         "items": items,
         "totals": {**totals, "skipped": len(items) - sum(totals.values())},
+        "jobs": jobs,
         "seconds": round(time.perf_counter() - start, 2),
     }
