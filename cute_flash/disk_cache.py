@@ -424,6 +424,7 @@ def _runtime_libraries() -> Tuple[str, ...]:
 
 
 _global_libs = []
+_modules = []  # every loaded module lives as long as the process: its functions point into it
 
 
 def _load_shared(path: str, name: str):
@@ -435,14 +436,16 @@ def _load_shared(path: str, name: str):
 
     if not _global_libs:
         _global_libs.extend(ctypes.CDLL(p, mode=ctypes.RTLD_GLOBAL) for p in _runtime_libraries())
-    return tvm_ffi.load_module(path)[name]
+    _modules.append(tvm_ffi.load_module(path))
+    return _modules[-1][name]
 
 
 def _load_object(path: str, name: str):
     """An object file through the DSL's in-memory linker (JITLink): no C compiler, but it imports cutlass."""
     import cutlass.cute as cute
 
-    return cute.runtime.load_module(path, enable_tvm_ffi=True)[name]
+    _modules.append(cute.runtime.load_module(path, enable_tvm_ffi=True))
+    return _modules[-1][name]
 
 
 class TvmFfiKernelCodec:
