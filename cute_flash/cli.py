@@ -45,6 +45,7 @@ def cmd_info(args) -> int:
         import torch
 
         print(f"GPU: {torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]})")
+    print(f"kernel cache: {_cache_summary()}")
     from .interface import backend
 
     try:
@@ -66,6 +67,26 @@ def cmd_info(args) -> int:
         except (ValueError, NotImplementedError) as e:
             print(f"routing: none ({e})")
     return 0
+
+
+def _cache_summary() -> str:
+    from . import disk_cache
+
+    if not disk_cache.enabled():
+        return f"off ({disk_cache.ENV_SWITCH}=0)"
+    directory = disk_cache.entries_dir()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return f"{directory} (empty)"
+    size = 0
+    for n in names:
+        try:
+            size += os.path.getsize(os.path.join(directory, n)) if not n.startswith(".") else 0
+        except OSError:  # removed meanwhile
+            pass
+    entries = sum(1 for n in names if n.endswith(".json"))
+    return f"{directory} ({entries} entries, {size / 2**20:.1f} MiB; fill it with python -m cute_flash warmup)"
 
 
 # --- compile --------------------------------------------------------------------------------------------------
