@@ -371,7 +371,7 @@ class DiskCache:
                 obj = self.load(text, fp)  # another process may have built it while this one waited
                 if obj is not None:
                     return obj, "disk"
-            elif lock is not None:
+            elif lock is not None and fcntl is not None:
                 warn_once("lock-timeout", f"waited {lock_timeout():.0f} s for another process's build; building")
             obj = build()
             real = loaded_toolkit_flavor()
