@@ -1,4 +1,4 @@
-"""`python -m cute_flash {info,compile,demo,bench}`."""
+"""`python -m cute_flash {info,compile,warmup,demo,bench}`."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ def cmd_info(args) -> int:
         import torch
 
         print(f"GPU: {torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]})")
+    print(f"kernel cache: {_cache_summary()}")
     from .interface import backend
 
     try:
@@ -66,6 +67,26 @@ def cmd_info(args) -> int:
         except (ValueError, NotImplementedError) as e:
             print(f"routing: none ({e})")
     return 0
+
+
+def _cache_summary() -> str:
+    from . import disk_cache
+
+    if not disk_cache.enabled():
+        return f"off ({disk_cache.ENV_SWITCH}=0)"
+    directory = disk_cache.entries_dir()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return f"{directory} (empty)"
+    size = 0
+    for n in names:
+        try:
+            size += os.path.getsize(os.path.join(directory, n)) if not n.startswith(".") else 0
+        except OSError:  # removed meanwhile
+            pass
+    entries = sum(1 for n in names if n.endswith(".json"))
+    return f"{directory} ({entries} entries, {size / 2**20:.1f} MiB; fill it with python -m cute_flash warmup)"
 
 
 # --- compile --------------------------------------------------------------------------------------------------
@@ -159,6 +180,74 @@ def cmd_compile(args) -> int:
     return 0
 
 
+# --- warmup ---------------------------------------------------------------------------------------------------
+def _int_list(text: str) -> List[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _choice_list(choices):
+    def parse(text: str) -> List[str]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in items if x not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(choices)}; got {text!r}")
+        return items
+
+    return parse
+
+
+_BOTH = {"off": (False,), "on": (True,), "both": (False, True)}
+
+
+def _warmup_capability(args):
+    if args.capability:
+        major, _, minor = args.capability.partition(".")
+        return int(major), int(minor or 0)
+    if args.arch:
+        from .warmup import FAMILY_CAPABILITY
+
+        return FAMILY_CAPABILITY[args.arch]
+    return _gpu_capability()
+
+
+def cmd_warmup(args) -> int:
+    from . import warmup
+
+    capability = _warmup_capability(args)
+    if capability is None:
+        print("cute_flash warmup: no GPU visible; name the target with --arch or --capability", file=sys.stderr)
+        return 2
+    config_list = warmup.configs(
+        args.head_dims,
+        args.dtypes,
+        args.masks,
+        backward=args.backward,
+        gqa=_BOTH[args.gqa],
+        deterministic=_BOTH[args.deterministic],
+        head_dim_v=args.head_dim_v,
+    )
+    try:
+        summary = warmup.run(config_list, capability, jobs=args.jobs)
+    except RuntimeError as e:
+        print(f"cute_flash warmup: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    else:
+        print(f"warming {len(config_list)} configurations for {summary['target']} in {summary['cache_dir']}")
+        for item in summary["items"]:
+            family = item["family"] or "-"
+            detail = item.get("reason") or "{built} built, {disk} loaded from disk".format(**item["kernels"])
+            seconds = f"{item['seconds']:6.1f} s" if "seconds" in item else " " * 8
+            print(f"  {item['status']:<11} {family:<6} {seconds}  {item['config']:<40} {detail}")
+        t = summary["totals"]
+        print(
+            f"{t['built']} built, {t['cached']} already cached, {t['skipped']} without a kernel, "
+            f"{t['unsaved']} not saved, {t['failed']} failed; {summary['seconds']:.1f} s"
+        )
+    return 1 if summary["totals"]["unsaved"] or summary["totals"]["failed"] else 0
+
+
 # --- demo -----------------------------------------------------------------------------------------------------
 def cmd_demo(args) -> int:
     from . import demo
@@ -193,6 +282,28 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "cute_flash_kernels"))
     c.add_argument("--json", action="store_true", help="one JSON object per kernel")
     c.set_defaults(func=cmd_compile)
+
+    w = sub.add_parser(
+        "warmup",
+        help="fill the disk kernel cache for a list of configurations (no GPU needed: kernels are cross-compiled)",
+        description="Compiles (or finds on disk) every kernel that calls of the listed configurations launch on a GPU "
+        "of the given compute capability and writes them to the kernel cache (CUTE_FLASH_CACHE_DIR). Lists are "
+        "comma-separated; every combination is warmed.",
+    )
+    target = w.add_mutually_exclusive_group()
+    target.add_argument("--arch", choices=sorted(ARCH_PACKAGES), help="a family's GPU: sm80 = 8.0, sm90 = 9.0, ...")
+    target.add_argument("--capability", help="the GPU's compute capability, e.g. 9.0 or 8.6 (default: this GPU's)")
+    w.add_argument("--head-dims", type=_int_list, default=[64, 128], help="default 64,128")
+    w.add_argument("--head-dim-v", type=int, default=None, help="default: equal to the head dim")
+    w.add_argument("--dtypes", type=_choice_list(("bf16", "fp16")), default=["bf16"], help="bf16,fp16 (default bf16)")
+    masks = _choice_list(("none", "causal", "local"))
+    w.add_argument("--masks", type=masks, default=["none", "causal"], help="none,causal,local (default none,causal)")
+    w.add_argument("--backward", action="store_true", help="also the backward kernels (training)")
+    w.add_argument("--gqa", choices=sorted(_BOTH), default="off", help="backward with grouped heads (default off)")
+    w.add_argument("--deterministic", choices=sorted(_BOTH), default="off", help="deterministic backward (default off)")
+    w.add_argument("--jobs", type=int, default=1, help="processes compiling at once (default 1)")
+    w.add_argument("--json", action="store_true", help="one JSON object with every configuration's result")
+    w.set_defaults(func=cmd_warmup)
 
     d = sub.add_parser("demo", help="the main job: check and time cute_flash on this machine")
     d.add_argument("--batch", type=int, default=4)

@@ -4,6 +4,9 @@ Keys hold only what changes generated code: kernel family, CuTe DSL target, kern
 tile configuration. Kernels are compiled once with fake tensors whose batch, sequence and head extents are symbolic,
 so new shapes reuse the compiled function. They are built with TVM-FFI and read torch's current stream from the
 environment, which keeps a warm call to a few microseconds of host time.
+
+Three layers: this process's dict, then the disk (`disk_cache`: entries written by any earlier process, or by
+`python -m cute_flash warmup`), then a build. CUTE_FLASH_DISK_CACHE=0 leaves the first and the last.
 """
 
 from __future__ import annotations
@@ -14,13 +17,16 @@ import threading
 import time
 from typing import Callable, Dict, Hashable, Optional, Tuple
 
+from . import disk_cache
+
 _cache: Dict[Hashable, Callable] = {}
 _compile_seconds: Dict[Hashable, float] = {}
+_sources: Dict[Hashable, str] = {}
 _lock = threading.Lock()
 
 
 def get_or_compile(key: Hashable, build: Callable[[], Callable]) -> Callable:
-    """Returns the compiled kernel for `key`, building it on first use."""
+    """Returns the compiled kernel for `key`: from memory, else from the disk cache, else built (and written)."""
     fn = _cache.get(key)
     if fn is not None:
         return fn
@@ -28,21 +34,34 @@ def get_or_compile(key: Hashable, build: Callable[[], Callable]) -> Callable:
         fn = _cache.get(key)
         if fn is None:
             start = time.perf_counter()
-            fn = build()
+            disk = disk_cache.kernel_cache()
+            if disk is None:
+                fn, source = build(), "built-unsaved"
+            else:
+                fn, source = disk.get_or_build(key, build)
             _compile_seconds[key] = time.perf_counter() - start
+            _sources[key] = source
             _cache[key] = fn
     return fn
 
 
 def cache_info() -> Dict[Hashable, float]:
-    """Compile seconds of every cached kernel, by key (the benchmark reports first-call cost from this)."""
+    """Seconds it took to get every cached kernel (compile, or load from disk), by key (the benchmark reports
+    first-call cost from this)."""
     return dict(_compile_seconds)
 
 
+def cache_sources() -> Dict[Hashable, str]:
+    """Where every cached kernel came from: "disk", "built" (and written to disk) or "built-unsaved"."""
+    return dict(_sources)
+
+
 def clear() -> None:
+    """Forgets this process's kernels (the disk cache stays)."""
     with _lock:
         _cache.clear()
         _compile_seconds.clear()
+        _sources.clear()
 
 
 def target_for_capability(capability: Tuple[int, int]) -> str:

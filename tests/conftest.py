@@ -2,10 +2,25 @@
 
 sm80 kernels also run on Hopper and Blackwell, so an sm80-marked test there forces the sm80 backend through
 CUTE_FLASH_ARCH. Unmarked tests run anywhere (the CPU cross-compile tests included).
+
+The suite never touches the user's kernel cache: the disk cache of this session lives in a temporary directory,
+removed at exit, which the processes it starts share (pytest-xdist workers too: a kernel one worker compiled, the
+others load from disk, so the GPU suites also run loaded kernels).
 """
+
+import atexit
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
+
+_SESSION_CACHE = "CUTE_FLASH_TEST_CACHE_DIR"  # set by the first pytest process, inherited by its workers
+if not os.environ.get(_SESSION_CACHE):
+    os.environ[_SESSION_CACHE] = tempfile.mkdtemp(prefix="cute_flash_test_cache_")
+    atexit.register(shutil.rmtree, os.environ[_SESSION_CACHE], ignore_errors=True)
+os.environ["CUTE_FLASH_CACHE_DIR"] = os.environ[_SESSION_CACHE]
 
 FAMILIES = ("sm80", "sm90", "sm100")
 

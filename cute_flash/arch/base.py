@@ -77,3 +77,11 @@ class ArchBackend(Protocol):
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         """Compiles every kernel that serves `spec` for CuTe DSL target `target` with fake tensors (no GPU needed)."""
+
+    def warm(
+        self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False
+    ) -> None:
+        """Gets (from the compile cache, building on a miss) every kernel that a forward call of `spec` on a GPU of
+        `target` launches, or with `backward` its backward call (with GQA/MQA heads if `gqa`, deterministic if
+        asked), through the same cache keys as the launch path: `python -m cute_flash warmup` fills the disk cache
+        with this, also without a GPU."""

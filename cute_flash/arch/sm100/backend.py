@@ -75,6 +75,11 @@ def _build_with_kernel(spec: AttentionSpec, cfg: cfgmod.FwdTileConfig, target: s
     return compiled, kernel
 
 
+def _forward_kernel(spec: AttentionSpec, cfg: cfgmod.FwdTileConfig, target: str) -> Callable:
+    key = ("sm100", target, _kernel_role(cfg), spec, cfg)
+    return compile_cache.get_or_compile(key, lambda: _build(spec, cfg, target))
+
+
 def _fp8_args(spec: AttentionSpec, q, k, v, descale: Optional[Dict[str, torch.Tensor]]):
     """Checks the front end's fp8 contract (cute_flash.fp8.prepare.Fp8Inputs) and returns the kernel's descales.
 
@@ -157,8 +162,7 @@ class _Backend:
         descale_args = _fp8_args(spec, q, k, v, descale)
         cfg = cfgmod.choose_config(spec, seqlen_q=q.shape[1])
         target = compile_cache.runtime_target(q.device)
-        key = ("sm100", target, _kernel_role(cfg), spec, cfg)
-        compiled = compile_cache.get_or_compile(key, lambda: _build(spec, cfg, target))
+        compiled = _forward_kernel(spec, cfg, target)
         compiled(
             *(kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out))),
             lse,
@@ -186,6 +190,18 @@ class _Backend:
         deterministic: bool = False,
     ) -> None:
         raise NotImplementedError(self.unsupported_reason(spec, True))
+
+    def warm(
+        self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False
+    ) -> None:
+        reason = self.unsupported_reason(spec, backward, deterministic)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        if spec.dtype == "fp8":
+            raise NotImplementedError("warming the FP8 path (its kernel and the pre-pass) is not supported yet")
+        compile_cache.ensure_cute_dsl_arch(target)
+        for cfg in cfgmod.configs_for(spec):  # the 1-CTA and 2-CTA kernels: choose_config picks by seqlen_q
+            _forward_kernel(spec, cfg, target)
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         reason = self.unsupported_reason(spec, backward)

@@ -209,6 +209,18 @@ class _Backend:
             raise NotImplementedError("sm80 backward not implemented yet")
         bwd.run_backward(dout, q, k, v, out, lse, dq, dk, dv, spec=spec, softmax_scale=softmax_scale, mask=mask)
 
+    def warm(
+        self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False
+    ) -> None:
+        reason = self.unsupported_reason(spec, backward, deterministic)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        compile_cache.ensure_cute_dsl_arch(target)
+        if backward:
+            _backward_module().warm_backward(spec, target, gqa=gqa)
+        else:
+            self._forward_kernel(spec, target)
+
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         reason = self.unsupported_reason(spec, backward)
         if reason is not None:

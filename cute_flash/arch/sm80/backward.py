@@ -221,6 +221,15 @@ def accum_convert_kernel(spec: AttentionSpec, target: str):
     return _kernel("bwd_postprocess", spec, target)
 
 
+def warm_backward(spec: AttentionSpec, target: str, *, gqa: bool) -> None:
+    """Gets every kernel `run_backward` launches for `spec` (default tile config) under the same cache keys."""
+    _kernel("bwd_preprocess", spec, target)
+    _kernel("bwd_gqa" if gqa else "bwd", spec, target)
+    _kernel("bwd_postprocess", spec, target)
+    if bwd_tile_config(spec.head_dim, target).dq_layout == "fragment":
+        _kernel("bwd_dq_postprocess", spec, target)
+
+
 def compile_backward_artifacts(
     spec: AttentionSpec, target: str, roles: Optional[List[str]] = None
 ) -> List[KernelArtifact]:

@@ -139,6 +139,20 @@ class _Backend:
             deterministic=deterministic,
         )
 
+    def warm(
+        self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False
+    ) -> None:
+        reason = self.unsupported_reason(spec, backward, deterministic)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        if spec.dtype == "fp8":
+            raise NotImplementedError("warming the FP8 path (its kernel and the pre-pass) is not supported yet")
+        compile_cache.ensure_cute_dsl_arch(target)
+        if backward:
+            _bwd().warm_backward(spec, target, gqa=gqa, deterministic=deterministic)
+        else:
+            self._forward_kernel(spec, target)
+
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         reason = self.unsupported_reason(spec, backward)
         if reason is not None:

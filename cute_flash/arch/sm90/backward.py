@@ -166,6 +166,17 @@ def run_backward(
         convert(dv_out, dv, 1.0)
 
 
+def warm_backward(spec: AttentionSpec, target: str, *, gqa: bool, deterministic: bool) -> None:
+    """Gets every kernel `run_backward` launches for `spec` (default tile config) under the same cache keys."""
+    cfg = bwd_tile_config(spec)
+    sm80 = _sm80_backward()
+    sm80.preprocess_kernel(spec, target)
+    _kernel(("bwd_gqa" if gqa else "bwd") + ("_det" if deterministic else ""), spec, cfg, target)
+    _kernel("bwd_dq_postprocess", spec, cfg, target)
+    if gqa:
+        sm80.accum_convert_kernel(spec, target)
+
+
 def compile_backward_artifacts(spec: AttentionSpec, target: str) -> List[KernelArtifact]:
     """Compiles the sm90 backward kernels serving `spec` for `target` with fake tensors (no GPU needed); the shared
     sm80 preprocess / accumulator conversion are reported with an `sm80_` prefix."""
