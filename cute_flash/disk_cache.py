@@ -436,6 +436,9 @@ def _load_shared(path: str, name: str):
 
     if not _global_libs:
         _global_libs.extend(ctypes.CDLL(p, mode=ctypes.RTLD_GLOBAL) for p in _runtime_libraries())
+    # Bind every symbol now: an unresolved one raises here (and the object file is used) instead of ending the
+    # process at the first call, as a lazily bound library would.
+    _modules.append(ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL))
     _modules.append(tvm_ffi.load_module(path))
     return _modules[-1][name]
 
