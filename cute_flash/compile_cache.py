@@ -23,6 +23,15 @@ _cache: Dict[Hashable, Callable] = {}
 _compile_seconds: Dict[Hashable, float] = {}
 _sources: Dict[Hashable, str] = {}
 _lock = threading.Lock()
+_memos: list = []  # launch-path dicts of kernels taken from this cache (`memo`), emptied with it
+
+
+def memo() -> Dict[Hashable, object]:
+    """A dict for a launch path to keep what it looked up here (e.g. all kernels of one call, behind one key);
+    `clear` empties it with the cache, so it never holds a kernel the cache has forgotten."""
+    d: Dict[Hashable, object] = {}
+    _memos.append(d)
+    return d
 
 
 def get_or_compile(key: Hashable, build: Callable[[], Callable]) -> Callable:
@@ -62,6 +71,8 @@ def clear() -> None:
         _cache.clear()
         _compile_seconds.clear()
         _sources.clear()
+        for d in _memos:
+            d.clear()
 
 
 def target_for_capability(capability: Tuple[int, int]) -> str:

@@ -18,7 +18,7 @@ import dataclasses
 import math
 import os
 import tempfile
-from typing import List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -100,6 +100,44 @@ def _semaphores(shape, device, deterministic: bool) -> torch.Tensor:
     return _no_semaphores[device]
 
 
+class _Kernels(NamedTuple):
+    """What one backward call launches, looked up once per (spec, config, target, GQA, deterministic)."""
+
+    cfg: BwdTileConfig
+    preprocess: Callable
+    main: Callable
+    postprocess: Callable
+    convert: Optional[Callable]  # GQA's fp32 dK / dV sums to the input dtype
+
+
+_launch_sets: Dict[tuple, _Kernels] = compile_cache.memo()
+
+
+def _kernels(spec: AttentionSpec, cfg: Optional[BwdTileConfig], target: str, gqa: bool, deterministic: bool):
+    """The kernel set of a call (compiled, loaded from disk or taken from memory on first use); a warm call does
+    one dict lookup here instead of re-checking the configuration and rebuilding five cache keys."""
+    key = (spec, cfg, target, gqa, deterministic)
+    kernels = _launch_sets.get(key)
+    if kernels is None:
+        reason = backward_unsupported_reason(spec)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        chosen = cfg or bwd_tile_config(spec)
+        problem = bwd_config_problem(chosen, spec.head_dim)
+        if problem is not None:
+            raise ValueError(problem)
+        sm80 = _sm80_backward()
+        role = ("bwd_gqa" if gqa else "bwd") + ("_det" if deterministic else "")
+        kernels = _launch_sets[key] = _Kernels(
+            chosen,
+            sm80.preprocess_kernel(spec, target),
+            _kernel(role, spec, chosen, target),
+            _kernel("bwd_dq_postprocess", spec, chosen, target),
+            sm80.accum_convert_kernel(spec, target) if gqa else None,
+        )
+    return kernels
+
+
 def run_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -121,18 +159,11 @@ def run_backward(
 
     deterministic: dQ (and under GQA dK, dV) are summed in a fixed order, so repeated runs give bitwise-equal
     gradients. cfg: a tile configuration other than the default (for studies; profiling/sm90_bwd_variants.py)."""
-    reason = backward_unsupported_reason(spec)
-    if reason is not None:
-        raise NotImplementedError(reason)
-    cfg = cfg or bwd_tile_config(spec)
-    problem = bwd_config_problem(cfg, spec.head_dim)
-    if problem is not None:
-        raise ValueError(problem)
-    target = compile_cache.runtime_target(q.device)
-    sm80 = _sm80_backward()
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     gqa = nheads != nheads_kv
+    kernels = _kernels(spec, cfg, compile_cache.runtime_target(q.device), gqa, deterministic)
+    cfg = kernels.cfg
     seqlen_q_pad = _round_up(seqlen_q, math.lcm(cfg.tile_m, STATS_ROW_MULTIPLE))
     f32 = dict(dtype=torch.float32, device=q.device)
 
@@ -144,7 +175,7 @@ def run_backward(
         for n, t in zip(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (q, k, v, dout, out, dq, dk, dv))
     )
 
-    sm80.preprocess_kernel(spec, target)(out, dout, lse, dpsum, lse_log2)
+    kernels.preprocess(out, dout, lse, dpsum, lse_log2)
     if gqa:
         seqlen_k_pad = _round_up(seqlen_k, max(cfg.tile_n, STATS_ROW_MULTIPLE))  # whole conversion blocks too
         dk_out = torch.zeros(batch, seqlen_k_pad, nheads_kv, head_dim, **f32)
@@ -155,26 +186,18 @@ def run_backward(
     dkv_sem = _semaphores(
         (batch, nheads_kv, _round_up(seqlen_k, cfg.tile_n) // cfg.tile_n), q.device, deterministic and gqa
     )
-    role = ("bwd_gqa" if gqa else "bwd") + ("_det" if deterministic else "")
-    _kernel(role, spec, cfg, target)(
+    kernels.main(
         q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, dq_sem, dkv_sem, softmax_scale, mask.left, mask.right
     )
-    _kernel("bwd_dq_postprocess", spec, cfg, target)(dq_accum, dq, softmax_scale)
+    kernels.postprocess(dq_accum, dq, softmax_scale)
     if gqa:
-        convert = sm80.accum_convert_kernel(spec, target)
-        convert(dk_out, dk, 1.0)  # the main kernel already applied the softmax scale to dK
-        convert(dv_out, dv, 1.0)
+        kernels.convert(dk_out, dk, 1.0)  # the main kernel already applied the softmax scale to dK
+        kernels.convert(dv_out, dv, 1.0)
 
 
 def warm_backward(spec: AttentionSpec, target: str, *, gqa: bool, deterministic: bool) -> None:
     """Gets every kernel `run_backward` launches for `spec` (default tile config) under the same cache keys."""
-    cfg = bwd_tile_config(spec)
-    sm80 = _sm80_backward()
-    sm80.preprocess_kernel(spec, target)
-    _kernel(("bwd_gqa" if gqa else "bwd") + ("_det" if deterministic else ""), spec, cfg, target)
-    _kernel("bwd_dq_postprocess", spec, cfg, target)
-    if gqa:
-        sm80.accum_convert_kernel(spec, target)
+    _kernels(spec, None, target, gqa, deterministic)
 
 
 def compile_backward_artifacts(spec: AttentionSpec, target: str) -> List[KernelArtifact]:
