@@ -140,6 +140,9 @@ def _run_in_processes(config_list: List[Config], capability: Capability, jobs: i
 
 def run(config_list: List[Config], capability: Capability, jobs: int = 1) -> dict:
     """Warms every configuration, in `jobs` processes; the summary `python -m cute_flash warmup` prints."""
+    # Asking to warm the cache is asking for it: on for this process (and the shards it starts) unless switched off
+    # explicitly; the processes that read the entries need it on too.
+    os.environ.setdefault(disk_cache.ENV_SWITCH, "1")
     if disk_cache.kernel_cache() is None:
         raise RuntimeError(f"the disk kernel cache is off ({disk_cache.ENV_SWITCH}=0): nothing to warm")
     target = prepare_target(capability)
