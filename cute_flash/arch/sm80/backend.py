@@ -315,7 +315,10 @@ class _Backend:
         """Packed backward: tensors as in forward_varlen, dq / dk / dv shaped like q / k / v."""
         if deterministic:
             raise NotImplementedError(DETERMINISTIC_UNSUPPORTED)
-        raise NotImplementedError("the sm80 varlen backward is not implemented yet")
+        _backward_module().run_backward_varlen(
+            dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+            spec=spec, softmax_scale=softmax_scale, mask=mask,
+        )  # fmt: skip
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         reason = self.unsupported_reason(spec, backward)
