@@ -192,22 +192,31 @@ class DqFragmentConvertSm80:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
+        args = (mAccum, mOut, scale, tiled_mma, tidx, m_block, head, batch)
         if cutlass.const_expr(self.varlen):
             seq = seq_rows(batch, mCuSeqlens, mCuSeqlens)
             if m_block * self.cfg.block_m < seq.seqlen_q:
-                self.cta(
-                    head_stats(mAccum, batch, head, seq.padded_offset_q(pad) * self.head_dim),
-                    head_rows(mOut, batch, head, seq.offset_q), scale, tiled_mma, tidx, m_block, seq.seqlen_q,
-                )  # fmt: skip
+                self.cta(*args, seq.seqlen_q, seq.offset_q, seq.padded_offset_q(pad) * self.head_dim)
         else:
-            self.cta(
-                mAccum[batch, head, None], mOut[batch, None, head, None], scale, tiled_mma, tidx, m_block,
-                mOut.shape[1],
-            )  # fmt: skip
+            self.cta(*args, mOut.shape[1], None, None)
 
     @cute.jit
-    def cta(self, mAccum, mOut, scale, tiled_mma, tidx, m_block, seqlen):
-        """One m-block of one (sequence, head): mAccum its (rows * d,) accumulator, mOut its (rows, d) output."""
+    def cta(
+        self,
+        mAccum: cute.Tensor,
+        mOut: cute.Tensor,
+        scale: Float32,
+        tiled_mma: cute.TiledMma,
+        tidx: Int32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        seqlen: Int32,
+        out_offset: Optional[Int32],
+        accum_offset: Optional[Int32],
+    ):
+        """One m-block of one (sequence, head); out_offset / accum_offset: the sequence's first output row and first
+        accumulator element in packed tensors (None: dense tensors, indexed by batch)."""
         from .flash_bwd import dq_fragment_offset
 
         block_m, chunk_cols = self.cfg.block_m, self.dq_chunk
@@ -216,7 +225,9 @@ class DqFragmentConvertSm80:
         per_chunk = cute.size(tCcC)
         values = cute.make_rmem_tensor(num_chunks * per_chunk, Float32)
         for chunk in cutlass.range_constexpr(num_chunks):  # the block is padding past seqlen: in bounds
-            gAccum = cute.local_tile(mAccum, (block_m * chunk_cols,), (m_block * num_chunks + chunk,))
+            gAccum = cute.local_tile(
+                head_stats(mAccum, batch, head, accum_offset), (block_m * chunk_cols,), (m_block * num_chunks + chunk,)
+            )
             for i in cutlass.range_constexpr(per_chunk):
                 offset = dq_fragment_offset(i, tidx, self.cfg.num_threads, self.cfg.dq_vec)
                 values[chunk * per_chunk + i] = gAccum[offset]
@@ -226,4 +237,7 @@ class DqFragmentConvertSm80:
                 row = m_block * block_m + tCcC[i][0]
                 if row < seqlen:
                     value = values[chunk * per_chunk + i] * scale
-                    mOut[row, chunk * chunk_cols + tCcC[i][1]] = value.to(self.dtype)
+                    if cutlass.const_expr(out_offset is None):
+                        mOut[batch, row, head, chunk * chunk_cols + tCcC[i][1]] = value.to(self.dtype)
+                    else:
+                        mOut[out_offset + row, head, chunk * chunk_cols + tCcC[i][1]] = value.to(self.dtype)

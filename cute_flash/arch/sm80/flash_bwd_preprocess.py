@@ -99,44 +99,42 @@ class BackwardPreprocessSm80:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
+        args = (mO, mdO, mLSE, mdPsum, mLSElog2, tiled_mma, tidx, m_block, head, batch)
         if cutlass.const_expr(self.varlen):
             seq = seq_rows(batch, mCuSeqlensQ, mCuSeqlensQ)
             # Rows up to the sequence's length rounded up to pad_q are read by the main kernel (as inert padding).
             if m_block * self.block_m < (seq.seqlen_q + (pad_q - 1)) // pad_q * pad_q:
-                mLSE_cur = cute.domain_offset((seq.offset_q,), mLSE[head, None])
-                mdPsum_cur = cute.domain_offset((seq.padded_offset_q(pad_q),), mdPsum[head, None])
-                mLSElog2_cur = cute.domain_offset((seq.padded_offset_q(pad_q),), mLSElog2[head, None])
-                self.cta(
-                    head_rows(mO, batch, head, seq.offset_q), head_rows(mdO, batch, head, seq.offset_q),
-                    mLSE_cur, mdPsum_cur, mLSElog2_cur, tiled_mma, tidx, m_block, seq.seqlen_q,
-                )  # fmt: skip
+                self.cta(*args, seq.seqlen_q, seq.offset_q, seq.padded_offset_q(pad_q))
         else:
-            self.cta(
-                mO[batch, None, head, None], mdO[batch, None, head, None], mLSE[batch, head, None],
-                mdPsum[batch, head, None], mLSElog2[batch, head, None], tiled_mma, tidx, m_block, mO.shape[1],
-            )  # fmt: skip
+            self.cta(*args, mO.shape[1], None, None)
 
     @cute.jit
     def cta(
         self,
-        mO: cute.Tensor,  # (seqlen_q, dv) of one (sequence, head)
+        mO: cute.Tensor,
         mdO: cute.Tensor,
-        mLSE: cute.Tensor,  # (seqlen_q,)
-        mdPsum: cute.Tensor,  # (rows,) padded
+        mLSE: cute.Tensor,
+        mdPsum: cute.Tensor,
         mLSElog2: cute.Tensor,
         tiled_mma: cute.TiledMma,
         tidx: Int32,
         m_block: Int32,
+        head: Int32,
+        batch: Int32,
         seqlen_q: Int32,
+        offset_q: Optional[Int32],
+        stats_offset: Optional[Int32],
     ):
+        """One block of rows of one (sequence, head); offset_q / stats_offset: the sequence's first row of the packed
+        inputs / padded outputs (None: dense tensors, indexed by batch)."""
         warp_idx = tidx // 32
         lane = tidx % 32
         rows_block = m_block * (self.block_m // ROWS_PER_WARP) + warp_idx
         first_row = rows_block * ROWS_PER_WARP
         tile = (ROWS_PER_WARP, self.head_dim_v)
 
-        gO = cute.local_tile(mO, tile, (rows_block, 0))
-        gdO = cute.local_tile(mdO, tile, (rows_block, 0))
+        gO = cute.local_tile(head_rows(mO, batch, head, offset_q), tile, (rows_block, 0))
+        gdO = cute.local_tile(head_rows(mdO, batch, head, offset_q), tile, (rows_block, 0))
         cT = cute.make_identity_tensor(tile)
         thr_mma = tiled_mma.get_slice(lane)
         tAgdO = thr_mma.partition_A(gdO)
@@ -170,8 +168,15 @@ class BackwardPreprocessSm80:
                 row_global = first_row + tCcC[i][0]
                 lse_log2 = Float32.inf
                 if row_global < seqlen_q:
-                    lse = Float32(mLSE[row_global])
+                    if cutlass.const_expr(offset_q is None):
+                        lse = Float32(mLSE[batch, head, row_global])
+                    else:
+                        lse = Float32(mLSE[head, offset_q + row_global])
                     if lse != -Float32.inf:
                         lse_log2 = lse * LOG2_E
-                mdPsum[row_global] = acc[i]
-                mLSElog2[row_global] = lse_log2
+                if cutlass.const_expr(stats_offset is None):
+                    mdPsum[batch, head, row_global] = acc[i]
+                    mLSElog2[batch, head, row_global] = lse_log2
+                else:
+                    mdPsum[head, stats_offset + row_global] = acc[i]
+                    mLSElog2[head, stats_offset + row_global] = lse_log2
