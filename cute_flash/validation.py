@@ -407,10 +407,6 @@ class VarlenProblem:
     softmax_scale: float
 
 
-# Packed kernels offset rows by Int32 values (cu_seqlens, plus one padding tile per sequence in backward buffers).
-MAX_PACKED_ROWS = 2**31 - 1
-
-
 def validate_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -448,8 +444,13 @@ def validate_varlen(
         Semantics(batch, max_seqlen_q, max_seqlen_k, sem.nheads, sem.nheads_kv, sem.head_dim, sem.head_dim_v,
                   sem.mask, sem.softmax_scale)
     )  # fmt: skip
-    if q.shape[0] + (batch + 1) * 256 > MAX_PACKED_ROWS or k.shape[0] + (batch + 1) * 256 > MAX_PACKED_ROWS:
-        raise NotImplementedError(f"more than {MAX_PACKED_ROWS} packed rows (plus one tile per sequence)")
+    # Padded to a tile (at most 256 rows) per sequence in the backward's buffers, which are indexed with Int32.
+    longest = (max(q.shape[0], k.shape[0]) + (batch + 1) * 256) * max(sem.head_dim, sem.head_dim_v)
+    if longest > MAX_ELEMENTS_PER_HEAD:
+        raise NotImplementedError(
+            f"total rows x head_dim = {longest} elements per head (with one padding tile per sequence) exceeds the "
+            f"kernels' Int32 indexing ({MAX_ELEMENTS_PER_HEAD}); split the batch into several calls"
+        )
     dtype = INPUT_DTYPES[q.dtype]
     spec = AttentionSpec(dtype, sem.head_dim, sem.head_dim_v, sem.mask.kind, dtype, varlen=True)
     return VarlenProblem(

@@ -127,6 +127,9 @@ def attention_varlen(
         seqused_k=seqused_k,
         deterministic=deterministic,
     )
+    # The kernels read these with unit stride (a no-op for the usual contiguous vectors).
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    seqused_k = None if seqused_k is None else seqused_k.contiguous()
     arch = _route(problem.spec, q, backward=False)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if needs_grad:
