@@ -13,10 +13,10 @@ import torch
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 MASKS = {"full": (False, (None, None)), "causal": (True, (None, None)), "window": (False, (48, 16))}
-# (lens_q, lens_k): zero-length sequences, single tokens, odd lengths, one long sequence among short ones, and query
-# lengths that differ from key lengths (bottom-right alignment per sequence).
+# (lens_q, lens_k): zero-length sequences (and queries without keys), single tokens, odd lengths, one long sequence
+# among short ones, and query lengths that differ from key lengths (bottom-right alignment per sequence).
 LENGTHS = {
-    "mixed": ([0, 1, 17, 128, 333, 64, 1, 77], [0, 5, 17, 128, 333, 64, 1, 200]),
+    "mixed": ([4, 0, 1, 17, 128, 333, 64, 1, 77], [0, 0, 5, 17, 128, 333, 64, 1, 200]),
     "long": ([3, 1, 1537, 5, 0, 130], [3, 7, 1537, 2, 11, 65]),
 }
 
