@@ -84,11 +84,19 @@ def _route(
     skipped = []
     for family in candidate_families(capability, forced):
         backend = get_backend(family)
-        reason = backend.unsupported_reason(spec, backward, deterministic)
+        reason = _varlen_reason(family, backend, spec) or backend.unsupported_reason(spec, backward, deterministic)
         if reason is None:
             return Route("backward" if backward else "forward", family, tuple(skipped), backend)
         skipped.append((family, reason))
     return Route("backward" if backward else "forward", None, tuple(skipped))
+
+
+def _varlen_reason(family: str, backend: ArchBackend, spec: AttentionSpec) -> Optional[str]:
+    """Packed-sequence calls (`attention_varlen`) go only to families that declare a varlen kernel (`varlen = True`
+    on the backend): today sm80, which also serves them on Hopper; sm90 / sm100 varlen kernels come later."""
+    if spec.varlen and not getattr(backend, "varlen", False):
+        return f"the {family} kernels have no varlen (packed sequences) variant yet"
+    return None
 
 
 def route(

@@ -2,7 +2,7 @@
 
 `AttentionSpec` holds exactly the properties that change generated code; it is the arch-independent part of every
 compile-cache key. Sequence lengths, batch, head counts, strides, the softmax scale and the window bounds are runtime
-values and never appear here.
+values and never appear here (nor do a packed batch's cu_seqlens: only whether the batch is packed, `varlen`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ class AttentionSpec:
     head_dim_v: int
     mask: MaskKind
     out_dtype: Literal["fp16", "bf16"] = "bf16"  # differs from dtype only on the fp8 path
+    # Packed sequences (`cute_flash.attention_varlen`): q/k/v are (total, h, d) with per-sequence offsets read from
+    # cu_seqlens inside the kernel. A separate compiled variant; only families with a varlen kernel serve it.
+    varlen: bool = False
 
     @property
     def causal(self) -> bool:

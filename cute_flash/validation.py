@@ -415,3 +415,83 @@ def validate_varlen_layout(
         if seqused_k.device != q.device:
             raise ValueError(f"seqused_k is on {seqused_k.device} but q is on {q.device}")
     return batch
+
+
+@dataclass(frozen=True)
+class VarlenProblem:
+    """A validated packed (variable-length) call: shapes, the compile spec (varlen=True) and the runtime mask."""
+
+    batch: int
+    total_q: int
+    total_k: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    head_dim_v: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    spec: AttentionSpec
+    mask: MaskBounds
+    softmax_scale: float
+
+
+def validate_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool,
+    softmax_scale: Optional[float],
+    window_size: Tuple[Optional[int], Optional[int]],
+    seqused_k: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    any_device: bool = False,
+) -> VarlenProblem:
+    """Every check of a `cute_flash.attention_varlen` call that needs no device-to-host copy (so that the call can
+    be captured in a CUDA graph): the layout checks of `validate_varlen_layout` (ranks, int32 (batch + 1,)
+    cu_seqlens and int32 (batch,) seqused_k on q's device, host-int max_seqlen >= 0), then what `validate` checks of
+    a dense call (CUDA device, unit last stride, one dtype fp16/bf16, heads and head dims, mask, softmax_scale).
+    Not checked (they would need the values on the host): cu_seqlens starting at 0, non-decreasing and ending at
+    total; each length <= its max_seqlen; seqused_k[b] <= that sequence's keys. The kernels trust them.
+
+    any_device: skip the device check only (`explain_varlen` for a given compute capability)."""
+    batch = validate_varlen_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
+    # The dense checks on (1, total, h, d) views: the same messages for devices, strides, heads and head dims.
+    q4, k4, v4 = (_check_tensor(n, t.unsqueeze(0), device=not any_device) for n, t in (("q", q), ("k", k), ("v", v)))
+    _check_same_device_and_dtype(q4, k4, v4)
+    if q.dtype not in INPUT_DTYPES:
+        raise TypeError(f"q, k, v have dtype {q.dtype}; attention_varlen takes torch.float16 or torch.bfloat16")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    sem = _check_semantics(q4, k4, v4, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+    _check_launch_limits(
+        Semantics(batch, max_seqlen_q, max_seqlen_k, sem.nheads, sem.nheads_kv, sem.head_dim, sem.head_dim_v,
+                  sem.mask, sem.softmax_scale)
+    )  # fmt: skip
+    # Padded to a tile (at most 256 rows) per sequence in the backward's buffers, which are indexed with Int32.
+    longest = (max(q.shape[0], k.shape[0]) + (batch + 1) * 256) * max(sem.head_dim, sem.head_dim_v)
+    if longest > MAX_ELEMENTS_PER_HEAD:
+        raise NotImplementedError(
+            f"total rows x head_dim = {longest} elements per head (with one padding tile per sequence) exceeds the "
+            f"kernels' Int32 indexing ({MAX_ELEMENTS_PER_HEAD}); split the batch into several calls"
+        )
+    dtype = INPUT_DTYPES[q.dtype]
+    spec = AttentionSpec(dtype, sem.head_dim, sem.head_dim_v, sem.mask.kind, dtype, varlen=True)
+    return VarlenProblem(
+        batch=batch,
+        total_q=q.shape[0],
+        total_k=k.shape[0],
+        nheads=sem.nheads,
+        nheads_kv=sem.nheads_kv,
+        head_dim=sem.head_dim,
+        head_dim_v=sem.head_dim_v,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        spec=spec,
+        mask=sem.mask,
+        softmax_scale=sem.softmax_scale,
+    )

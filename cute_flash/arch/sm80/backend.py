@@ -52,7 +52,7 @@ def _backward_module():
         raise
 
 
-def _build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str):
+def _build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str, seqused: bool = False):
     """Compiles the forward kernel with fake tensors: batch, seqlens and head counts are symbolic."""
     import cutlass
     import cutlass.cute as cute
@@ -60,6 +60,8 @@ def _build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str):
     from .flash_fwd import Sm80FlashForward
 
     dtype = dsl_dtype(spec.dtype)
+    if spec.varlen:
+        return _build_forward_packed(spec, tile, options, seqused)
     batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
 
     def operand(seqlen, nheads, d):
@@ -74,6 +76,52 @@ def _build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str):
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
         kernel, q, k, v, out, lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream, options=options
+    )
+
+
+def fake_cu_seqlens(n):
+    """An int32 (n,) vector (cu_seqlens, seqused_k) for compiling the packed kernels."""
+    import cutlass
+
+    from ...common.fake_tensors import fake_tensor
+
+    return fake_tensor(cutlass.Int32, (n,), 1, 4)
+
+
+def _build_forward_packed(spec: AttentionSpec, tile: FwdTileConfig, options: str, seqused: bool):
+    """The packed (varlen) forward: q (total_q, h, d), ..., lse (h, total_q); batch = cu_seqlens_q's length - 1."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .flash_fwd import Sm80FlashForward
+
+    dtype = dsl_dtype(spec.dtype)
+    batch, total_q, total_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
+    q = fake_operand(dtype, (total_q, heads, spec.head_dim))
+    k = fake_operand(dtype, (total_k, heads_kv, spec.head_dim))
+    v = fake_operand(dtype, (total_k, heads_kv, spec.head_dim_v))
+    out = fake_operand(dtype, (total_q, heads, spec.head_dim_v))
+    lse = fake_f32((heads, total_q))
+    cu_q, cu_k = fake_cu_seqlens(cute.sym_int()), fake_cu_seqlens(cute.sym_int())
+    used = fake_cu_seqlens(batch) if seqused else None
+    kernel = Sm80FlashForward(dtype, spec.head_dim, spec.head_dim_v, spec.mask, tile, varlen=True)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(
+        kernel.packed,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cutlass.Float32(1.0),
+        cutlass.Int32(0),
+        cutlass.Int32(0),
+        cu_q,
+        cu_k,
+        used,
+        cutlass.Int32(0),
+        stream,
+        options=options,
     )
 
 
@@ -102,7 +150,9 @@ class CompiledForward:
     tried: List[Dict[str, object]]  # every candidate compiled, with its stack frame (spill) bytes
 
 
-def compile_forward(spec: AttentionSpec, target: str, extra_options: str = "") -> CompiledForward:
+def compile_forward(
+    spec: AttentionSpec, target: str, extra_options: str = "", seqused: bool = False
+) -> CompiledForward:
     """Compiles the first tile candidate that ptxas fits in registers without spilling (see fwd_tile_candidates).
 
     Spills are read from the cubin's stack frame size (the kernel has no local arrays, so any frame is spill space).
@@ -113,7 +163,7 @@ def compile_forward(spec: AttentionSpec, target: str, extra_options: str = "") -
     tried: List[Dict[str, object]] = []
     for i, tile in enumerate(candidates):
         keep = compile_cache.keep_artifacts_options(_dump_dir(), ptxas_report=False)
-        compiled = _build_forward(spec, tile, _options(target, tile, f"{keep} {extra_options}"))
+        compiled = _build_forward(spec, tile, _options(target, tile, f"{keep} {extra_options}"), seqused)
         ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
         frame = max((r.get("stack_frame_bytes", 0) for r in cubin_resources(cubin).values()), default=0)
         tried.append({**tile.as_dict(), "stack_frame_bytes": frame})
@@ -122,7 +172,7 @@ def compile_forward(spec: AttentionSpec, target: str, extra_options: str = "") -
     raise AssertionError("unreachable: the last candidate always returns")
 
 
-def _compile_runnable_forward(spec: AttentionSpec, target: str):
+def _compile_runnable_forward(spec: AttentionSpec, target: str, seqused: bool = False):
     # CuTe DSL only loads a kernel compiled for the arch it was imported for (CUTE_DSL_ARCH, else the GPU's own).
     dsl_arch = os.environ.get("CUTE_DSL_ARCH")
     if dsl_arch and dsl_arch != target:
@@ -130,7 +180,7 @@ def _compile_runnable_forward(spec: AttentionSpec, target: str):
             f"CUTE_DSL_ARCH={dsl_arch} but this GPU runs {target} kernels; unset CUTE_DSL_ARCH (it is only for "
             f"cross-compiling without a GPU)"
         )
-    return compile_forward(spec, target).kernel
+    return compile_forward(spec, target, seqused=seqused).kernel
 
 
 def _options(target: str, tile: FwdTileConfig, extra: str = "") -> str:
@@ -140,6 +190,7 @@ def _options(target: str, tile: FwdTileConfig, extra: str = "") -> str:
 class _Backend:
     name = FAMILY
     cute_arch = "sm_80"
+    varlen = True  # has packed-sequence kernels (forward_varlen / backward_varlen); see routing
 
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         raise NotImplementedError("the sm80 family has no FP8 kernel")
@@ -185,6 +236,36 @@ class _Backend:
         q, k, v, out = (kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out)))
         kernel(q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right))
 
+    def forward_varlen(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        seqused_k: Optional[torch.Tensor],
+        max_seqlen_q: int,
+        *,
+        spec: AttentionSpec,
+        softmax_scale: float,
+        mask: MaskBounds,
+    ) -> None:
+        """Packed forward: q (total_q, h, d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q)."""
+        reason = forward_unsupported_reason(spec)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        target = compile_cache.runtime_target(q.device)
+        seqused = seqused_k is not None
+        key = (FAMILY, target, "fwd", spec, seqused)
+        kernel = compile_cache.get_or_compile(key, lambda: _compile_runnable_forward(spec, target, seqused))
+        q, k, v, out = (kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out)))
+        kernel(
+            q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right),
+            cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
+        )  # fmt: skip
+
     def backward(
         self,
         dout: torch.Tensor,
@@ -220,6 +301,36 @@ class _Backend:
             _backward_module().warm_backward(spec, target, gqa=gqa)
         else:
             self._forward_kernel(spec, target)
+
+    def backward_varlen(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        seqused_k: Optional[torch.Tensor],
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        spec: AttentionSpec,
+        softmax_scale: float,
+        mask: MaskBounds,
+        deterministic: bool = False,
+    ) -> None:
+        """Packed backward: tensors as in forward_varlen, dq / dk / dv shaped like q / k / v."""
+        if deterministic:
+            raise NotImplementedError(DETERMINISTIC_UNSUPPORTED)
+        _backward_module().run_backward_varlen(
+            dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+            spec=spec, softmax_scale=softmax_scale, mask=mask,
+        )  # fmt: skip
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         reason = self.unsupported_reason(spec, backward)

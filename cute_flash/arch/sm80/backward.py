@@ -26,7 +26,7 @@ from ...validation import kernel_view
 from ..base import KernelArtifact
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_tensor
-from .tile_config import BwdTileConfig, bwd_tile_config
+from .tile_config import BwdTileConfig, bwd_tile_config, packed_pads
 
 FAMILY = "sm80"
 _PRE_POST_BLOCK_M = 64  # rows per CTA of the preprocess / postprocess kernels
@@ -68,6 +68,8 @@ def _build_preprocess(spec: AttentionSpec, options: str, target: str, cfg: Optio
 
     from .flash_bwd_preprocess import BackwardPreprocessSm80
 
+    if spec.varlen:
+        return _build_packed("bwd_preprocess", spec, options, target, cfg)
     dt = dsl_dtype(spec.dtype)
     b, sq, sq_pad, h = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     kernel = BackwardPreprocessSm80(dt, spec.head_dim_v, block_m=_PRE_POST_BLOCK_M)
@@ -93,12 +95,22 @@ def _fake_dq_accum(cfg, b, sq_pad, h, d):
     return _fake_bshd(cutlass.Float32, b, sq_pad, h, d)
 
 
-def _build_main(spec: AttentionSpec, options: str, target: str, cfg: Optional[BwdTileConfig] = None, *, gqa: bool):
+def _build_main(
+    spec: AttentionSpec,
+    options: str,
+    target: str,
+    cfg: Optional[BwdTileConfig] = None,
+    *,
+    gqa: bool,
+    seqused: bool = False,
+):
     import cutlass
     import cutlass.cute as cute
 
     from .flash_bwd import Sm80FlashBackward
 
+    if spec.varlen:
+        return _build_packed("bwd_gqa" if gqa else "bwd", spec, options, target, cfg, seqused)
     dt = dsl_dtype(spec.dtype)
     d = spec.head_dim
     b, sq, sk, h, h_kv = (cute.sym_int() for _ in range(5))
@@ -132,6 +144,8 @@ def _build_postprocess(spec: AttentionSpec, options: str, target: str, cfg: Opti
 
     from .flash_bwd_postprocess import AccumConvertSm80
 
+    if spec.varlen:
+        return _build_packed("bwd_postprocess", spec, options, target, cfg)
     dt = dsl_dtype(spec.dtype)
     b, s, s_pad, h = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     kernel = AccumConvertSm80(dt, spec.head_dim, block_m=_PRE_POST_BLOCK_M)
@@ -151,6 +165,8 @@ def _build_dq_postprocess(spec: AttentionSpec, options: str, target: str, cfg: O
 
     from .flash_bwd_postprocess import DqFragmentConvertSm80
 
+    if spec.varlen:
+        return _build_packed("bwd_dq_postprocess", spec, options, target, cfg)
     dt = dsl_dtype(spec.dtype)
     cfg = cfg or bwd_tile_config(spec.head_dim, target)
     b, s, s_pad, h = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
@@ -165,19 +181,98 @@ def _build_dq_postprocess(spec: AttentionSpec, options: str, target: str, cfg: O
     )
 
 
+def _build_packed(
+    role: str, spec: AttentionSpec, options: str, target: str, cfg: Optional[BwdTileConfig], seqused: bool = False
+):
+    """The packed (varlen) twin of `role`: q / k / v / dout (total, h, d), row statistics (h, padded rows), the fp32
+    accumulators with padded rows (sequence b from cu_seqlens[b] + b * pad, flash_bwd.packed_pads); batch is
+    cu_seqlens' length - 1. Kernels take their padding and grid extent as runtime ints."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .flash_bwd import Sm80FlashBackward
+    from .flash_bwd_postprocess import AccumConvertSm80, DqFragmentConvertSm80
+    from .flash_bwd_preprocess import BackwardPreprocessSm80
+    from .backend import fake_cu_seqlens
+
+    dt = dsl_dtype(spec.dtype)
+    d, dv = spec.head_dim, spec.head_dim_v
+    cfg = cfg or bwd_tile_config(d, target)
+    tq, tk, tq_pad, tk_pad, h, h_kv, n = (cute.sym_int() for _ in range(7))
+    i32, f32, stream = (
+        cutlass.Int32(0),
+        cutlass.Float32(1.0),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+
+    def rows(dtype, total, heads, dim):  # outer strides of whole 16-byte units, as kernel_view guarantees
+        return fake_tensor(dtype, (total, heads, dim), 8, 16)
+
+    def stats(total):
+        return fake_f32((h, total))
+
+    if role == "bwd_preprocess":
+        kernel = BackwardPreprocessSm80(dt, dv, block_m=_PRE_POST_BLOCK_M, varlen=True)
+        args = (rows(dt, tq, h, dv), rows(dt, tq, h, dv), stats(tq), stats(tq_pad), stats(tq_pad), fake_cu_seqlens(n))
+        return cute.compile(kernel.packed, *args, i32, i32, stream, options=options)
+    if role == "bwd_postprocess":
+        kernel = AccumConvertSm80(dt, d, block_m=_PRE_POST_BLOCK_M, varlen=True)
+        args = (rows(cutlass.Float32, tq_pad, h, d), rows(dt, tq, h, d), f32, fake_cu_seqlens(n))
+        return cute.compile(kernel.packed, *args, i32, i32, stream, options=options)
+    if cfg.dq_layout == "fragment":
+        dq_accum = cute.runtime.make_fake_tensor(
+            cutlass.Float32, (h, cute.sym_int()), (cute.sym_int64(divisibility=d), 1), assumed_align=16
+        )
+    else:
+        dq_accum = rows(cutlass.Float32, tq_pad, h, d)
+    if role == "bwd_dq_postprocess":
+        kernel = DqFragmentConvertSm80(dt, d, cfg, varlen=True)
+        return cute.compile(kernel.packed, dq_accum, rows(dt, tq, h, d), f32, fake_cu_seqlens(n), i32, i32, stream,
+                            options=options)  # fmt: skip
+    gqa = role == "bwd_gqa"
+    dkv = rows(cutlass.Float32, tk_pad, h_kv, d) if gqa else rows(dt, tk, h_kv, d)
+    dkv2 = rows(cutlass.Float32, tk_pad, h_kv, d) if gqa else rows(dt, tk, h_kv, d)
+    kernel = Sm80FlashBackward(dt, d, cfg, spec.mask, gqa, varlen=True)
+    return cute.compile(
+        kernel.packed,
+        rows(dt, tq, h, d),  # q
+        rows(dt, tk, h_kv, d),  # k
+        rows(dt, tk, h_kv, d),  # v
+        rows(dt, tq, h, d),  # dout
+        stats(tq_pad),  # lse_log2
+        stats(tq_pad),  # dpsum
+        dq_accum,
+        dkv,
+        dkv2,
+        f32,
+        i32,
+        i32,
+        fake_cu_seqlens(cute.sym_int()),
+        fake_cu_seqlens(cute.sym_int()),
+        fake_cu_seqlens(n) if seqused else None,
+        i32,
+        stream,
+        options=options,
+    )
+
+
 _ROLES = {
     "bwd_preprocess": _build_preprocess,
     "bwd": functools.partial(_build_main, gqa=False),
     "bwd_gqa": functools.partial(_build_main, gqa=True),
     "bwd_postprocess": _build_postprocess,
     "bwd_dq_postprocess": _build_dq_postprocess,  # only for the "fragment" dQ layout
+    # Packed (varlen) main kernels reading seqused_k (the other roles serve both).
+    "bwd_seqused": functools.partial(_build_main, gqa=False, seqused=True),
+    "bwd_gqa_seqused": functools.partial(_build_main, gqa=True, seqused=True),
 }
-_TILED_ROLES = ("bwd", "bwd_gqa", "bwd_dq_postprocess")  # roles whose code depends on the main kernel's tile config
+_MAIN_ROLES = ("bwd", "bwd_gqa", "bwd_seqused", "bwd_gqa_seqused")  # their code depends on the mask
+_TILED_ROLES = _MAIN_ROLES + ("bwd_dq_postprocess",)  # roles whose code depends on the main kernel's tile config
 
 
 def _roles(spec: AttentionSpec, target: str, cfg: Optional[BwdTileConfig] = None) -> List[str]:
     fragment = (cfg or bwd_tile_config(spec.head_dim, target)).dq_layout == "fragment"
-    return [r for r in _ROLES if fragment or r != "bwd_dq_postprocess"]
+    return [r for r in _ROLES if (fragment or r != "bwd_dq_postprocess") and not r.endswith("_seqused")]
 
 
 def _role_config(role: str, spec: AttentionSpec, target: str, cfg: Optional[BwdTileConfig] = None) -> dict:
@@ -190,7 +285,9 @@ def _role_config(role: str, spec: AttentionSpec, target: str, cfg: Optional[BwdT
 def _cache_key(role: str, spec: AttentionSpec, target: str, cfg: Optional[BwdTileConfig] = None) -> tuple:
     """(family, target, role, spec, tile): preprocess / postprocess code depends on dtype and head dim, not the mask.
     Memoised because the launch path asks for it on every call."""
-    key_spec = spec if role in ("bwd", "bwd_gqa") else AttentionSpec(spec.dtype, spec.head_dim, spec.head_dim_v, "none")
+    key_spec = spec
+    if role not in _MAIN_ROLES:
+        key_spec = AttentionSpec(spec.dtype, spec.head_dim, spec.head_dim_v, "none", varlen=spec.varlen)
     return (FAMILY, target, role, key_spec, tuple(sorted(_role_config(role, spec, target, cfg).items())))
 
 
@@ -323,3 +420,81 @@ def run_backward(
         # The main kernel already applied the softmax scale to dK.
         postprocess(dk_out, dk, 1.0)
         postprocess(dv_out, dv, 1.0)
+
+
+def run_backward_varlen(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    seqused_k: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    spec: AttentionSpec,
+    softmax_scale: float,
+    mask: MaskBounds,
+) -> None:
+    """The packed backward: q / dout / out / dq (total_q, h, d), k / v / dk / dv (total_k, h_kv, d), lse (h, total_q).
+
+    The same three steps as `run_backward`, on buffers whose sequence b starts at row cu_seqlens[b] + b * pad
+    (tile_config.packed_pads): lse_log2 / D (h, rows), dQ's fp32 accumulator (rows, h, d) or (h, rows * d), and under
+    GQA dK / dV's (rows, h_kv, d). Keys past seqused_k[b] get zero gradients.
+    """
+    reason = backward_unsupported_reason(spec)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    target = compile_cache.runtime_target(q.device)
+    cfg = bwd_tile_config(spec.head_dim, target)
+    pad_q, pad_k = packed_pads(cfg)
+    batch = cu_seqlens_q.shape[0] - 1
+    total_q, nheads, head_dim = q.shape
+    total_k, nheads_kv = k.shape[0], k.shape[1]
+    gqa = nheads != nheads_kv
+    rows_q = total_q + batch * pad_q
+    f32 = dict(dtype=torch.float32, device=q.device)
+
+    lse_log2 = torch.empty(nheads, rows_q, **f32)
+    dpsum = torch.empty(nheads, rows_q, **f32)
+    if cfg.dq_layout == "fragment":
+        dq_accum = torch.zeros(nheads, rows_q * head_dim, **f32)
+    else:
+        dq_accum = torch.zeros(rows_q, nheads, head_dim, **f32)
+    q, k, v, dout, out, dq, dk, dv = (
+        kernel_view(t, copy=False, name=n)
+        for n, t in zip(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (q, k, v, dout, out, dq, dk, dv))
+    )
+
+    pre_blocks = -(-max_seqlen_q // pad_q) * pad_q // _PRE_POST_BLOCK_M  # whole pad_q rows per sequence
+    _kernel("bwd_preprocess", spec, target)(out, dout, lse, dpsum, lse_log2, cu_seqlens_q, pad_q, pre_blocks)
+    if gqa:
+        rows_k = total_k + batch * pad_k
+        dk_out = torch.zeros(rows_k, nheads_kv, head_dim, **f32)
+        dv_out = torch.zeros(rows_k, nheads_kv, head_dim, **f32)
+    else:
+        dk_out, dv_out = dk, dv
+        if seqused_k is not None:
+            # The main kernel writes the first seqused_k[b] keys' rows; the others' gradients are zero.
+            dk.zero_()
+            dv.zero_()
+    role = ("bwd_gqa" if gqa else "bwd") + ("_seqused" if seqused_k is not None else "")
+    _kernel(role, spec, target)(
+        q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, softmax_scale, mask.left, mask.right,
+        cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k,
+    )  # fmt: skip
+    postprocess = _kernel("bwd_postprocess", spec, target)
+    if cfg.dq_layout == "fragment":
+        _kernel("bwd_dq_postprocess", spec, target)(dq_accum, dq, softmax_scale, cu_seqlens_q, pad_q, max_seqlen_q)
+    else:
+        postprocess(dq_accum, dq, softmax_scale, cu_seqlens_q, pad_q, max_seqlen_q)
+    if gqa:
+        # Every key row of each sequence (cu_seqlens_k, not seqused_k): rows past seqused_k convert their zeros.
+        postprocess(dk_out, dk, 1.0, cu_seqlens_k, pad_k, max_seqlen_k)
+        postprocess(dv_out, dv, 1.0, cu_seqlens_k, pad_k, max_seqlen_k)

@@ -23,7 +23,7 @@ preprocess kernel, so their P and dS are exactly 0.
 from __future__ import annotations
 
 import math
-from typing import Type
+from typing import Optional, Type
 
 import cutlass
 import cutlass.cute as cute
@@ -34,7 +34,8 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from ...common.block_info import BlockInfo
 from ...common.online_softmax import clamp_scale_log2
-from .tile_config import BwdTileConfig
+from ...common.packed import head_rows, head_stats, seq_rows
+from .tile_config import BwdTileConfig, packed_pads
 
 LOG2_E = math.log2(math.e)
 
@@ -147,6 +148,7 @@ class Sm80FlashBackward:
         config: BwdTileConfig,
         mask_kind: str,
         gqa: bool,
+        varlen: bool = False,
     ):
         assert head_dim % 32 == 0, "head_dim must be a multiple of 32"
         assert mask_kind in ("none", "causal", "local")
@@ -156,6 +158,10 @@ class Sm80FlashBackward:
         self.cfg = config
         self.mask_kind = mask_kind
         self.gqa = gqa
+        # Packed sequences (entry `packed`): per-sequence rows of the padded buffers start pad_q / pad_k rows apart
+        # (common/packed.py); whole tiles of the main kernel and of the 64-row pre/postprocess kernels fit in them.
+        self.varlen = varlen
+        self.pad_q, self.pad_k = packed_pads(config)
         self.dq_chunk = config.dq_chunk or head_dim
         assert head_dim % self.dq_chunk == 0
         assert config.dq_layout in ("rows", "fragment")
@@ -189,6 +195,58 @@ class Sm80FlashBackward:
         window_right: Int32,
         stream,
     ):
+        self._launch(
+            mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, softmax_scale, window_left, window_right, stream
+        )
+
+    @cute.jit
+    def packed(
+        self,
+        mQ: cute.Tensor,  # (total_q, h, d)
+        mK: cute.Tensor,  # (total_k, h_kv, d)
+        mV: cute.Tensor,  # (total_k, h_kv, d)
+        mdO: cute.Tensor,  # (total_q, h, d)
+        mLSElog2: cute.Tensor,  # (h, total_q + batch * pad_q) fp32, from the preprocess
+        mdPsum: cute.Tensor,  # like mLSElog2
+        mdQaccum: cute.Tensor,  # (total_q + batch * pad_q, h, d) fp32 zeroed, or (h, that * d) ("fragment")
+        mdK: cute.Tensor,  # (total_k, h_kv, d) dtype, or (total_k + batch * pad_k, h_kv, d) fp32 zeroed under GQA
+        mdV: cute.Tensor,  # like mdK
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        mSeqUsedK: Optional[cute.Tensor],
+        max_seqlen_k: Int32,
+        stream,
+    ):
+        assert self.varlen
+        self._launch(
+            mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, softmax_scale, window_left, window_right, stream,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k,
+        )  # fmt: skip
+
+    @cute.jit
+    def _launch(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSElog2: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        stream,
+        mCuSeqlensQ: Optional[cute.Tensor] = None,
+        mCuSeqlensK: Optional[cute.Tensor] = None,
+        mSeqUsedK: Optional[cute.Tensor] = None,
+        max_seqlen_k: Optional[Int32] = None,
+    ):
         cfg = self.cfg
         d = self.head_dim
         stages = cfg.num_stages
@@ -208,7 +266,10 @@ class Sm80FlashBackward:
 
         g2s_copy = self._g2s_copy(d, cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL))
         s2g_copy = self._g2s_copy(d, cute.nvgpu.CopyUniversalOp())
-        grid = (cute.ceil_div(mK.shape[1], cfg.block_n), mQ.shape[2], mQ.shape[0])
+        if cutlass.const_expr(self.varlen):
+            grid = ((max_seqlen_k + (cfg.block_n - 1)) // cfg.block_n, mQ.shape[1], mCuSeqlensQ.shape[0] - 1)
+        else:
+            grid = (cute.ceil_div(mK.shape[1], cfg.block_n), mQ.shape[2], mQ.shape[0])
         self.kernel(
             mQ,
             mK,
@@ -232,6 +293,9 @@ class Sm80FlashBackward:
             self._tiled_mma(cfg.warps_n_dkv),
             self._tiled_mma(cfg.warps_m_dq),
             SharedStorage,
+            mCuSeqlensQ,
+            mCuSeqlensK,
+            mSeqUsedK,
         ).launch(grid=grid, block=[cfg.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     # ------------------------------------------------------------------ device side
@@ -260,17 +324,76 @@ class Sm80FlashBackward:
         tiled_mma_dkv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
+        mCuSeqlensQ: Optional[cute.Tensor] = None,
+        mCuSeqlensK: Optional[cute.Tensor] = None,
+        mSeqUsedK: Optional[cute.Tensor] = None,
     ):
-        cfg = self.cfg
-        block_m, block_n, d, stages = cfg.block_m, cfg.block_n, self.head_dim, cfg.num_stages
         # Only the exponent's factor is clamped (away from 0, where masked -inf scores times 0 gave NaN P, and from
         # inf); dK and dQ are scaled by softmax_scale itself, so scale 0 still gives dq = dk = 0 exactly.
         softmax_scale_log2 = clamp_scale_log2(softmax_scale_log2)
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = cute.arch.block_idx()
-        seqlen_q = mQ.shape[1]
-        seqlen_k = mK.shape[1]
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        args = (
+            mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, softmax_scale, softmax_scale_log2, window_left,
+            window_right, sQ_layout, sK_layout, sP_layout, g2s_copy, s2g_copy, tiled_mma_sdp, tiled_mma_dkv,
+            tiled_mma_dq, SharedStorage, tidx, n_block, head, batch,
+        )  # fmt: skip
+        if cutlass.const_expr(self.varlen):
+            seq = seq_rows(batch, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+            head_kv = head // (mQ.shape[1] // mK.shape[1])
+            # The grid spans the longest sequence's key blocks: the others' surplus blocks exit here.
+            if n_block * self.cfg.block_n < seq.seqlen_k:
+                dkv_offset = seq.padded_offset_k(self.pad_k) if self.gqa else seq.offset_k
+                self.cta(
+                    *args, head_kv, seq.seqlen_q, seq.seqlen_k,
+                    seq.offset_q, seq.offset_k, seq.padded_offset_q(self.pad_q), dkv_offset,
+                )  # fmt: skip
+        else:
+            head_kv = head // (mQ.shape[2] // mK.shape[2])
+            self.cta(*args, head_kv, mQ.shape[1], mK.shape[1], None, None, None, None)
+
+    @cute.jit
+    def cta(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSElog2: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        softmax_scale: Float32,
+        softmax_scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+        g2s_copy: cute.TiledCopy,
+        s2g_copy: cute.TiledCopy,
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+        tidx: Int32,
+        n_block: Int32,
+        head: Int32,
+        batch: Int32,
+        head_kv: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        offset_q: Optional[Int32],
+        offset_k: Optional[Int32],
+        stats_offset: Optional[Int32],
+        dkv_offset: Optional[Int32],
+    ):
+        """One (key block, head, sequence) tile. Packed tensors: offset_q / offset_k are the sequence's first rows
+        of q, dO / k, v; stats_offset its first row in the padded buffers (LSE, D, dQ accumulator); dkv_offset its
+        first row of dK / dV (of their padded fp32 accumulators under GQA). None everywhere for dense tensors."""
+        cfg = self.cfg
+        block_m, block_n, d, stages = cfg.block_m, cfg.block_n, self.head_dim, cfg.num_stages
         blocks = BlockInfo(block_m, block_n, self.mask_kind, seqlen_q, seqlen_k, window_left, window_right)
         m_block_min, m_block_max = blocks.q_block_range(n_block)
 
@@ -289,12 +412,12 @@ class Sm80FlashBackward:
         sdSt = _transposed(sdS, block_m, block_n)
 
         # ---------------------------------------------------------- global tiles and cp.async partitions
-        gQ = cute.local_tile(mQ[batch, None, head, None], (block_m, d), (None, 0))  # (block_m, d, m_blocks)
-        gdO = cute.local_tile(mdO[batch, None, head, None], (block_m, d), (None, 0))
-        gK = cute.local_tile(mK[batch, None, head_kv, None], (block_n, d), (n_block, 0))
-        gV = cute.local_tile(mV[batch, None, head_kv, None], (block_n, d), (n_block, 0))
-        mLSE_cur = mLSElog2[batch, head, None]
-        mdPsum_cur = mdPsum[batch, head, None]
+        gQ = cute.local_tile(head_rows(mQ, batch, head, offset_q), (block_m, d), (None, 0))  # (block_m, d, m_blocks)
+        gdO = cute.local_tile(head_rows(mdO, batch, head, offset_q), (block_m, d), (None, 0))
+        gK = cute.local_tile(head_rows(mK, batch, head_kv, offset_k), (block_n, d), (n_block, 0))
+        gV = cute.local_tile(head_rows(mV, batch, head_kv, offset_k), (block_n, d), (n_block, 0))
+        mLSE_cur = head_stats(mLSElog2, batch, head, stats_offset)
+        mdPsum_cur = head_stats(mdPsum, batch, head, stats_offset)
 
         thr_g2s = g2s_copy.get_slice(tidx)
         tQgQ = thr_g2s.partition_S(gQ)
@@ -437,6 +560,7 @@ class Sm80FlashBackward:
                         head,
                         m_block,
                         tidx,
+                        stats_offset,
                     )
                 _gemm_smem(
                     tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt[None, None, None, slot], s2r_PdSt, s2r_QdOt
@@ -463,19 +587,21 @@ class Sm80FlashBackward:
                         head,
                         m_block,
                         tidx,
+                        stats_offset,
                     )
 
         # ---------------------------------------------------------- epilogue: dK (scaled) and dV
         acc_dK.store(acc_dK.load() * softmax_scale)
         if cutlass.const_expr(self.gqa):
-            gdK = cute.local_tile(mdK[batch, None, head_kv, None], (block_n, d), (n_block, 0))
-            gdV = cute.local_tile(mdV[batch, None, head_kv, None], (block_n, d), (n_block, 0))
+            gdK = cute.local_tile(head_rows(mdK, batch, head_kv, dkv_offset), (block_n, d), (n_block, 0))
+            gdV = cute.local_tile(head_rows(mdV, batch, head_kv, dkv_offset), (block_n, d), (n_block, 0))
             self._atomic_add(acc_dK, thr_dkv.partition_C(gdK))
             self._atomic_add(acc_dV, thr_dkv.partition_C(gdV))
         else:
             self._store_dkv(
-                acc_dK, acc_dV, mdK, mdV, sK, sV, s2g_copy, tiled_mma_dkv, tidx, tKcK, batch, head_kv, n_block, seqlen_k
-            )
+                acc_dK, acc_dV, mdK, mdV, sK, sV, s2g_copy, tiled_mma_dkv, tidx, tKcK, batch, head_kv, n_block,
+                seqlen_k, dkv_offset,
+            )  # fmt: skip
 
     @cute.jit
     def _load_q_do(
@@ -545,8 +671,10 @@ class Sm80FlashBackward:
         head: Int32,
         m_block: Int32,
         tidx: Int32,
+        stats_offset: Optional[Int32],
     ):
-        """dQ_tile = dS K, added to the fp32 accumulator, dq_chunk head-dim columns at a time."""
+        """dQ_tile = dS K, added to the fp32 accumulator, dq_chunk head-dim columns at a time (stats_offset: the
+        sequence's first row of a packed accumulator)."""
         block_m, d, dq_chunk = self.cfg.block_m, self.head_dim, self.dq_chunk
         for chunk in cutlass.range_constexpr(d // dq_chunk):
             acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((block_m, dq_chunk)), Float32)
@@ -554,12 +682,14 @@ class Sm80FlashBackward:
             _gemm_smem(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tdQsdS, tdQsKt[None, None, None, chunk], s2r_dS, s2r_Kt)
             if cutlass.const_expr(self.cfg.dq_layout == "fragment"):
                 # This m-block's chunk is block_m * dq_chunk consecutive floats of the (b, h, sq_padded * d) buffer.
-                gdQ = cute.local_tile(
-                    mdQaccum[batch, head, None], (block_m * dq_chunk,), (m_block * (d // dq_chunk) + chunk,)
-                )
+                offset = None if stats_offset is None else stats_offset * d  # packed: (h, rows * d)
+                mdQ_cur = head_stats(mdQaccum, batch, head, offset)
+                gdQ = cute.local_tile(mdQ_cur, (block_m * dq_chunk,), (m_block * (d // dq_chunk) + chunk,))
                 self._atomic_add_fragment(acc_dQ, gdQ, tidx)
             else:
-                gdQ = cute.local_tile(mdQaccum[batch, None, head, None], (block_m, dq_chunk), (m_block, chunk))
+                gdQ = cute.local_tile(
+                    head_rows(mdQaccum, batch, head, stats_offset), (block_m, dq_chunk), (m_block, chunk)
+                )
                 self._atomic_add(acc_dQ, thr_dq.partition_C(gdQ))
 
     @cute.jit
@@ -590,6 +720,7 @@ class Sm80FlashBackward:
         head_kv: Int32,
         n_block: Int32,
         seqlen_k: Int32,
+        offset_k: Optional[Int32],
     ):
         """Writes dK, dV in the input dtype through shared memory (reusing sK / sV) for 128-bit global stores."""
         block_n, d = self.cfg.block_n, self.head_dim
@@ -606,8 +737,8 @@ class Sm80FlashBackward:
         cute.arch.barrier()
 
         thr_s2g = s2g_copy.get_slice(tidx)
-        gdK = cute.local_tile(mdK[batch, None, head_kv, None], (block_n, d), (n_block, 0))
-        gdV = cute.local_tile(mdV[batch, None, head_kv, None], (block_n, d), (n_block, 0))
+        gdK = cute.local_tile(head_rows(mdK, batch, head_kv, offset_k), (block_n, d), (n_block, 0))
+        gdV = cute.local_tile(head_rows(mdV, batch, head_kv, offset_k), (block_n, d), (n_block, 0))
         tdKsdK = thr_s2g.partition_S(sK)
         tdVsdV = thr_s2g.partition_S(sV)
         tdKgdK = thr_s2g.partition_D(gdK)

@@ -14,12 +14,15 @@ rounding difference between two summation orders.
 from __future__ import annotations
 
 import math
-from typing import Type
+from typing import Optional, Type
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+from cutlass import Int32
 from cutlass.cute.nvgpu import warp
+
+from ...common.packed import head_rows, seq_rows
 
 LOG2_E = math.log2(math.e)
 ROWS_PER_WARP = 16  # the mma's m
@@ -28,8 +31,11 @@ ROWS_PER_WARP = 16  # the mma's m
 class BackwardPreprocessSm80:
     """Computes dpsum = rowsum(dO * O) and lse_log2 = lse * log2(e) (+inf where the row is empty or padding)."""
 
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim_v: int, block_m: int = 64):
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim_v: int, block_m: int = 64, varlen: bool = False):
+        """varlen: the packed variant (entry `packed`), whose outputs give each sequence its rows from
+        cu_seqlens_q[b] + b * pad_q and fill them up to a whole multiple of pad_q (a runtime multiple of block_m)."""
         assert head_dim_v % 16 == 0 and block_m % ROWS_PER_WARP == 0
+        self.varlen = varlen
         self.dtype = dtype
         self.head_dim_v = head_dim_v
         self.block_m = block_m
@@ -45,14 +51,37 @@ class BackwardPreprocessSm80:
         mLSElog2: cute.Tensor,  # (b, h, sq_padded)
         stream,
     ):
+        self._launch(mO, mdO, mLSE, mdPsum, mLSElog2, stream)
+
+    @cute.jit
+    def packed(
+        self,
+        mO: cute.Tensor,  # (total_q, h, dv)
+        mdO: cute.Tensor,  # (total_q, h, dv)
+        mLSE: cute.Tensor,  # (h, total_q) natural log
+        mdPsum: cute.Tensor,  # (h, total_q + batch * pad_q)
+        mLSElog2: cute.Tensor,  # (h, total_q + batch * pad_q)
+        mCuSeqlensQ: cute.Tensor,
+        pad_q: Int32,
+        num_blocks: Int32,  # round_up(max_seqlen_q, pad_q) / block_m
+        stream,
+    ):
+        assert self.varlen
+        self._launch(mO, mdO, mLSE, mdPsum, mLSElog2, stream, mCuSeqlensQ, pad_q, num_blocks)
+
+    @cute.jit
+    def _launch(self, mO, mdO, mLSE, mdPsum, mLSElog2, stream, mCuSeqlensQ=None, pad_q=None, num_blocks=None):
         # One warp computes a 16 x 16 tile of dO O^T per k-block (two n8 atoms), of which it keeps the diagonal.
         tiled_mma = cute.make_tiled_mma(
             warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
             (1, 1, 1),
             permutation_mnk=(ROWS_PER_WARP, ROWS_PER_WARP, 16),
         )
-        grid = (cute.ceil_div(mdPsum.shape[2], self.block_m), mO.shape[2], mO.shape[0])
-        self.kernel(mO, mdO, mLSE, mdPsum, mLSElog2, tiled_mma).launch(
+        if cutlass.const_expr(self.varlen):
+            grid = (num_blocks, mO.shape[1], mCuSeqlensQ.shape[0] - 1)
+        else:
+            grid = (cute.ceil_div(mdPsum.shape[2], self.block_m), mO.shape[2], mO.shape[0])
+        self.kernel(mO, mdO, mLSE, mdPsum, mLSElog2, tiled_mma, mCuSeqlensQ, pad_q).launch(
             grid=grid, block=[self.num_warps * 32, 1, 1], stream=stream
         )
 
@@ -65,18 +94,47 @@ class BackwardPreprocessSm80:
         mdPsum: cute.Tensor,
         mLSElog2: cute.Tensor,
         tiled_mma: cute.TiledMma,
+        mCuSeqlensQ: Optional[cute.Tensor] = None,
+        pad_q: Optional[Int32] = None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
+        args = (mO, mdO, mLSE, mdPsum, mLSElog2, tiled_mma, tidx, m_block, head, batch)
+        if cutlass.const_expr(self.varlen):
+            seq = seq_rows(batch, mCuSeqlensQ, mCuSeqlensQ)
+            # Rows up to the sequence's length rounded up to pad_q are read by the main kernel (as inert padding).
+            if m_block * self.block_m < (seq.seqlen_q + (pad_q - 1)) // pad_q * pad_q:
+                self.cta(*args, seq.seqlen_q, seq.offset_q, seq.padded_offset_q(pad_q))
+        else:
+            self.cta(*args, mO.shape[1], None, None)
+
+    @cute.jit
+    def cta(
+        self,
+        mO: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mLSElog2: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        tidx: Int32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+        offset_q: Optional[Int32],
+        stats_offset: Optional[Int32],
+    ):
+        """One block of rows of one (sequence, head); offset_q / stats_offset: the sequence's first row of the packed
+        inputs / padded outputs (None: dense tensors, indexed by batch)."""
         warp_idx = tidx // 32
         lane = tidx % 32
-        seqlen_q = mO.shape[1]
         rows_block = m_block * (self.block_m // ROWS_PER_WARP) + warp_idx
         first_row = rows_block * ROWS_PER_WARP
         tile = (ROWS_PER_WARP, self.head_dim_v)
 
-        gO = cute.local_tile(mO[batch, None, head, None], tile, (rows_block, 0))
-        gdO = cute.local_tile(mdO[batch, None, head, None], tile, (rows_block, 0))
+        gO = cute.local_tile(head_rows(mO, batch, head, offset_q), tile, (rows_block, 0))
+        gdO = cute.local_tile(head_rows(mdO, batch, head, offset_q), tile, (rows_block, 0))
         cT = cute.make_identity_tensor(tile)
         thr_mma = tiled_mma.get_slice(lane)
         tAgdO = thr_mma.partition_A(gdO)
@@ -110,8 +168,15 @@ class BackwardPreprocessSm80:
                 row_global = first_row + tCcC[i][0]
                 lse_log2 = Float32.inf
                 if row_global < seqlen_q:
-                    lse = Float32(mLSE[batch, head, row_global])
+                    if cutlass.const_expr(offset_q is None):
+                        lse = Float32(mLSE[batch, head, row_global])
+                    else:
+                        lse = Float32(mLSE[head, offset_q + row_global])
                     if lse != -Float32.inf:
                         lse_log2 = lse * LOG2_E
-                mdPsum[batch, head, row_global] = acc[i]
-                mLSElog2[batch, head, row_global] = lse_log2
+                if cutlass.const_expr(stats_offset is None):
+                    mdPsum[batch, head, row_global] = acc[i]
+                    mLSElog2[batch, head, row_global] = lse_log2
+                else:
+                    mdPsum[head, stats_offset + row_global] = acc[i]
+                    mLSElog2[head, stats_offset + row_global] = lse_log2

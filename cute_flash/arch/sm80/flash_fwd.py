@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Type
+from typing import Optional, Type
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -33,6 +33,7 @@ from ...common.acc_views import rows_cols_view, sm80_acc_as_a_operand
 from ...common.block_info import BlockInfo
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
+from ...common.packed import head_rows, head_stats, seq_rows
 from .tile_config import FwdTileConfig, row_chunk_elems
 
 COPY_BITS = 128  # one cp.async / vector store moves 16 bytes
@@ -131,9 +132,22 @@ class Sm80FlashForward:
     Host signature (TVM-FFI, torch's current stream): (q, k, v, out, lse, softmax_scale, window_left, window_right)
     with q (b, sq, h, d), k (b, sk, h_kv, d), v (b, sk, h_kv, dv), out (b, sq, h, dv), lse (b, h, sq) fp32.
     window_left / window_right are read only by the "local" mask.
+
+    Packed (varlen=True, host entry `packed`): (q, k, v, out, lse, softmax_scale, window_left, window_right,
+    cu_seqlens_q, cu_seqlens_k, seqused_k or None, max_seqlen_q) with q (total_q, h, d), k (total_k, h_kv, d),
+    v (total_k, h_kv, dv), out (total_q, h, dv), lse (h, total_q) fp32. The grid spans max_seqlen_q's query blocks
+    for every sequence; a CTA whose block lies past its sequence's end exits at once (see common/packed.py).
     """
 
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, head_dim_v: int, mask: str, tile: FwdTileConfig):
+    def __init__(
+        self,
+        dtype: Type[cutlass.Numeric],
+        head_dim: int,
+        head_dim_v: int,
+        mask: str,
+        tile: FwdTileConfig,
+        varlen: bool = False,
+    ):
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise TypeError("the sm80 forward kernel computes in fp16 or bf16")
         if head_dim % 8 or head_dim_v % 8:
@@ -147,6 +161,7 @@ class Sm80FlashForward:
         self.d_pad, self.dv_pad = tile.head_dim_pad, tile.head_dim_v_pad
         self.num_threads = tile.num_threads
         self.num_stages = tile.num_stages
+        self.varlen = varlen  # packed q/k/v/out/lse with cu_seqlens (entry point `packed`), else dense (`__call__`)
         assert self.tile_n % 16 == 0 and self.tile_m % (16 * tile.num_warps) == 0
 
     # ------------------------------------------------------------------------------------------------------------
@@ -172,6 +187,48 @@ class Sm80FlashForward:
         window_left: Int32,
         window_right: Int32,
         stream: cuda.CUstream,
+    ):
+        self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream)
+
+    @cute.jit
+    def packed(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        mSeqUsedK: Optional[cute.Tensor],
+        max_seqlen_q: Int32,
+        stream: cuda.CUstream,
+    ):
+        assert self.varlen
+        self._launch(
+            mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q,
+        )  # fmt: skip
+
+    @cute.jit
+    def _launch(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        stream: cuda.CUstream,
+        mCuSeqlensQ: Optional[cute.Tensor] = None,
+        mCuSeqlensK: Optional[cute.Tensor] = None,
+        mSeqUsedK: Optional[cute.Tensor] = None,
+        max_seqlen_q: Optional[Int32] = None,
     ):
         qk_atom = smem_layout_atom(self.dtype, self.d_pad)
         v_atom = smem_layout_atom(self.dtype, self.dv_pad)
@@ -200,8 +257,12 @@ class Sm80FlashForward:
             permutation_mnk=(self.tile.num_warps * 16, 16, 16),
         )
 
-        num_m_blocks = cute.ceil_div(mQ.shape[1], self.tile_m)
-        grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
+        if cutlass.const_expr(self.varlen):
+            num_m_blocks = (max_seqlen_q + (self.tile_m - 1)) // self.tile_m
+            grid = (num_m_blocks, cute.size(mQ.shape[1]), cute.size(mCuSeqlensQ.shape[0] - 1))
+        else:
+            num_m_blocks = cute.ceil_div(mQ.shape[1], self.tile_m)
+            grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
         self.kernel(
             mQ,
             mK,
@@ -220,6 +281,9 @@ class Sm80FlashForward:
             copy_o,
             tiled_mma,
             SharedStorage,
+            mCuSeqlensQ,
+            mCuSeqlensK,
+            mSeqUsedK,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -245,23 +309,68 @@ class Sm80FlashForward:
         copy_o: cute.TiledCopy,
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
+        mCuSeqlensQ: Optional[cute.Tensor] = None,
+        mCuSeqlensK: Optional[cute.Tensor] = None,
+        mSeqUsedK: Optional[cute.Tensor] = None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.mask == "causal"):
             # Bottom query blocks see the most keys: start them first so the short ones fill the tail of the grid.
             m_block = cute.arch.grid_dim()[0] - 1 - m_block
-        seqlen_q = mQ.shape[1]
-        seqlen_k = mK.shape[1]
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        args = (
+            mQ, mK, mV, mO, mLSE, scale_log2, window_left, window_right, sQ_layout, sK_layout, sV_layout, sO_layout,
+            copy_qk, copy_v, copy_o, tiled_mma, SharedStorage, tidx, m_block, head, batch,
+        )  # fmt: skip
+        if cutlass.const_expr(self.varlen):
+            seq = seq_rows(batch, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+            head_kv = head // (mQ.shape[1] // mK.shape[1])
+            # The grid spans the longest sequence's query blocks: the others' surplus blocks exit here.
+            if m_block * self.tile_m < seq.seqlen_q:
+                self.cta(*args, head_kv, seq.seqlen_q, seq.seqlen_k, seq.offset_q, seq.offset_k)
+        else:
+            head_kv = head // (mQ.shape[2] // mK.shape[2])
+            self.cta(*args, head_kv, mQ.shape[1], mK.shape[1], None, None)
 
+    @cute.jit
+    def cta(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        copy_qk: cute.TiledCopy,
+        copy_v: cute.TiledCopy,
+        copy_o: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+        tidx: Int32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        head_kv: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        offset_q: Optional[Int32],
+        offset_k: Optional[Int32],
+    ):
+        """One (query block, head, sequence) tile; offset_q / offset_k: the sequence's first rows in packed
+        tensors (None: dense tensors, indexed by batch)."""
         info = BlockInfo(self.tile_m, self.tile_n, self.mask, seqlen_q, seqlen_k, window_left, window_right)
         n_block_min, n_block_max = info.kv_block_range(m_block)
 
         # ---- global tiles of this CTA ----------------------------------------------------------------------------
-        gQ = cute.local_tile(mQ[batch, None, head, None], (self.tile_m, self.d_pad), (m_block, 0))
-        gK = cute.local_tile(mK[batch, None, head_kv, None], (self.tile_n, self.d_pad), (None, 0))
-        gV = cute.local_tile(mV[batch, None, head_kv, None], (self.tile_n, self.dv_pad), (None, 0))
+        gQ = cute.local_tile(head_rows(mQ, batch, head, offset_q), (self.tile_m, self.d_pad), (m_block, 0))
+        gK = cute.local_tile(head_rows(mK, batch, head_kv, offset_k), (self.tile_n, self.d_pad), (None, 0))
+        gV = cute.local_tile(head_rows(mV, batch, head_kv, offset_k), (self.tile_n, self.dv_pad), (None, 0))
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -378,10 +487,14 @@ class Sm80FlashForward:
         # ---- epilogue: normalise, write LSE and O ------------------------------------------------------------------
         row_scale, lse = softmax.finalize()
         softmax.rescale(rows_cols_view(acc_O), row_scale)
-        self.epilogue(acc_O, lse, mO, mLSE, sQ, sO_layout, copy_o, tiled_mma, tidx, m_block, head, batch, seqlen_q)
+        self.epilogue(
+            acc_O, lse, mO, mLSE, sQ, sO_layout, copy_o, tiled_mma, tidx, m_block, head, batch, seqlen_q, offset_q
+        )
 
     @cute.jit
-    def epilogue(self, acc_O, lse, mO, mLSE, sQ, sO_layout, copy_o, tiled_mma, tidx, m_block, head, batch, seqlen_q):
+    def epilogue(
+        self, acc_O, lse, mO, mLSE, sQ, sO_layout, copy_o, tiled_mma, tidx, m_block, head, batch, seqlen_q, offset_q
+    ):
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         sO = cute.make_tensor(sQ.iterator, sO_layout)
@@ -390,7 +503,7 @@ class Sm80FlashForward:
         # LSE: the lane holding column 0 of a row writes it.
         cO = cute.make_identity_tensor((self.tile_m, self.dv_pad))
         tOcO_rc = rows_cols_view(thr_mma.partition_C(cO))
-        gLSE = mLSE[batch, head, None]
+        gLSE = head_stats(mLSE, batch, head, offset_q)
         row_base = m_block * self.tile_m
         if tOcO_rc[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
@@ -411,7 +524,7 @@ class Sm80FlashForward:
         tOsO = thr_copy_o.partition_S(sO)
         tOrO = cute.make_fragment_like(tOsO, self.dtype)
         cute.autovec_copy(tOsO, tOrO)
-        gO = cute.local_tile(mO[batch, None, head, None], (self.tile_m, self.dv_pad), (m_block, 0))
+        gO = cute.local_tile(head_rows(mO, batch, head, offset_q), (self.tile_m, self.dv_pad), (m_block, 0))
         tOgO = thr_copy_o.partition_D(gO)
         tOcO = thr_copy_o.partition_S(cO)
         t0OcO = copy_o.get_slice(0).partition_S(cO)

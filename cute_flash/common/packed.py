@@ -1,0 +1,74 @@
+"""Packed (variable-length) batches inside kernels: where one sequence's rows lie, and per-(sequence, head) views.
+
+A packed operand is (total, h, d): sequence b owns rows [cu_seqlens[b], cu_seqlens[b+1]). Kernels compiled for
+packed inputs read those offsets (and `seqused_k`, which overrides the number of valid keys) once per CTA, then work
+on a view whose row 0 is the sequence's first row, predicating on the sequence's own lengths exactly as the dense
+kernels predicate on seqlen_q / seqlen_k.
+
+Buffers of whole tiles (the backward's fp32 accumulators and row statistics) cannot share rows between sequences, so
+sequence b's padded rows start at `padded_offset` = cu_seqlens[b] + b * pad: with pad >= the tile, a sequence's last
+(partial) tile ends before the next sequence's first row. Such buffers have total + batch * pad rows (`padded_rows`).
+
+Dense kernels pass offset None to the helpers, which then index the batch mode exactly as before (the same IR).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+Int = Any  # a cutlass.Int32 inside kernels
+
+
+@dataclass(frozen=True)
+class SeqRows:
+    """One sequence of a packed batch: row offsets of its queries and keys, and its lengths."""
+
+    offset_q: Int
+    offset_k: Int
+    seqlen_q: Int
+    seqlen_k: Int  # seqused_k[b] when given, else cu_seqlens_k[b + 1] - cu_seqlens_k[b]
+    batch: Int
+
+    def padded_offset_q(self, pad: int) -> Int:
+        return self.offset_q + self.batch * pad
+
+    def padded_offset_k(self, pad: int) -> Int:
+        return self.offset_k + self.batch * pad
+
+
+def seq_rows(batch: Int, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK=None) -> SeqRows:
+    """Reads sequence `batch`'s offsets and lengths (inside a kernel)."""
+    offset_q = mCuSeqlensQ[batch]
+    offset_k = mCuSeqlensK[batch]
+    seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+    if mSeqUsedK is None:
+        seqlen_k = mCuSeqlensK[batch + 1] - offset_k
+    else:
+        seqlen_k = mSeqUsedK[batch]
+    return SeqRows(offset_q, offset_k, seqlen_q, seqlen_k, batch)
+
+
+def head_rows(mX, batch: Int, head: Int, offset: Optional[Int] = None):
+    """The (rows, d) view of one (sequence, head): mX[batch, :, head, :] of a dense (b, s, h, d) tensor, or the rows
+    from `offset` of a packed (total, h, d) one."""
+    if offset is None:
+        return mX[batch, None, head, None]
+    import cutlass.cute as cute
+
+    return cute.domain_offset((offset, 0), mX[None, head, None])
+
+
+def head_stats(mX, batch: Int, head: Int, offset: Optional[Int] = None):
+    """The (rows,) view of one (sequence, head) of a row statistic: mX[batch, head, :] of a dense (b, h, s) tensor,
+    or the entries from `offset` of a packed (h, total) one."""
+    if offset is None:
+        return mX[batch, head, None]
+    import cutlass.cute as cute
+
+    return cute.domain_offset((offset,), mX[head, None])
+
+
+def padded_rows(total: int, batch: int, pad: int) -> int:
+    """Rows of a buffer in which sequence b starts at cu_seqlens[b] + b * pad (host side)."""
+    return total + batch * pad

@@ -1,0 +1,186 @@
+"""`attention_varlen`: attention over packed sequences of different lengths (cu_seqlens), forward and backward.
+
+Served by the kernel families that have a packed (varlen) variant: today the sm80 family (FlashAttention-2 design),
+on Ampere and, through the router's fallback, on Hopper; the sm90 and sm100 families have no varlen kernel yet, so
+`explain_varlen` shows them skipped with that reason (and on a Blackwell GPU the call raises NotImplementedError).
+
+The kernels read each sequence's offsets from cu_seqlens on the GPU, so a call makes no device-to-host copy and can
+be captured in a CUDA graph. Their grid spans max_seqlen_q's query blocks (backward: max_seqlen_k's key blocks) for
+every sequence, and the CTAs whose block lies past their own sequence's end exit at once; a scheduler that does not
+launch them is future work.
+
+Under torch.compile the call runs eagerly (it is not a custom op yet: the compiler graph-breaks around it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from . import interface, routing
+from .arch.base import ArchBackend
+from .interface import Explanation, _autocast, _route
+from .validation import VarlenProblem, kernel_view, validate_varlen
+
+Window = Tuple[Optional[int], Optional[int]]
+
+
+def _is_empty(p: VarlenProblem) -> bool:
+    return p.batch == 0 or p.total_q == 0 or p.nheads == 0 or p.max_seqlen_q == 0
+
+
+def _run_forward(q, k, v, cu_q, cu_k, seqused_k, p: VarlenProblem, arch: ArchBackend):
+    out = torch.empty(p.total_q, p.nheads, p.head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(p.nheads, p.total_q, dtype=torch.float32, device=q.device)
+    if _is_empty(p) or p.total_k == 0 or p.max_seqlen_k == 0:
+        # No key anywhere (or no query): every row is fully masked (out 0, lse -inf); nothing to launch.
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    with torch.cuda.device(q.device):
+        arch.forward_varlen(
+            q, k, v, out, lse, cu_q, cu_k, seqused_k, p.max_seqlen_q,
+            spec=p.spec, softmax_scale=p.softmax_scale, mask=p.mask,
+        )  # fmt: skip
+    return out, lse
+
+
+def _run_backward(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, p: VarlenProblem, deterministic: bool):
+    arch = _route(p.spec, q, backward=True, deterministic=deterministic)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if _is_empty(p) or p.total_k == 0 or p.max_seqlen_k == 0:
+        for g in (dq, dk, dv):
+            g.zero_()
+        return dq, dk, dv
+    with torch.cuda.device(q.device):
+        arch.backward_varlen(
+            kernel_view(dout), q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, seqused_k, p.max_seqlen_q, p.max_seqlen_k,
+            spec=p.spec, softmax_scale=p.softmax_scale, mask=p.mask, deterministic=deterministic,
+        )  # fmt: skip
+    return dq, dk, dv
+
+
+class _AttentionVarlen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, seqused_k, problem: VarlenProblem, arch: ArchBackend, deterministic: bool):
+        q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
+        out, lse = _run_forward(q, k, v, cu_q, cu_k, seqused_k, problem, arch)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seqused_k)
+        ctx.problem = problem
+        ctx.deterministic = deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_q, cu_k, seqused_k = ctx.saved_tensors
+        grads = _run_backward(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, ctx.problem, ctx.deterministic)
+        return (*grads, None, None, None, None, None, None)
+
+
+@torch.compiler.disable
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size: Window = (None, None),
+    seqused_k: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Exact attention over a batch of packed sequences, on a CUDA GPU.
+
+    q (total_q, nheads, head_dim), k (total_k, nheads_kv, head_dim), v (total_k, nheads_kv, head_dim_v); sequence b
+    is rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q against rows cu_seqlens_k[b]:cu_seqlens_k[b+1] of k and v (only
+    the first seqused_k[b] of them when seqused_k, int32 (batch,), is given). cu_seqlens_* are int32 (batch + 1,) on
+    q's device, start at 0, never decrease and end at total_q / total_k; max_seqlen_* are host ints at least every
+    sequence's length (not checked: that would need a device-to-host copy). Sequences of length 0 are allowed.
+
+    causal / window_size / softmax_scale as in `cute_flash.attention`, aligned per sequence (bottom-right: query i of
+    a sequence sees key j iff j <= i + seqlen_k - seqlen_q). A row that sees no key gets out 0 and lse -inf.
+    Returns out (total_q, nheads, head_dim_v) in q's dtype and, with return_lse, lse (nheads, total_q) float32.
+
+    Differentiable in q, k, v. deterministic=True asks for a backward that sums in a fixed order; the sm80 family
+    has none, so that raises NotImplementedError when gradients are needed.
+    """
+    if torch.is_autocast_enabled("cuda"):
+        q, k, v = _autocast(q, k, v)
+    problem = validate_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        seqused_k=seqused_k,
+        deterministic=deterministic,
+    )
+    # The kernels read these with unit stride (a no-op for the usual contiguous vectors).
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    seqused_k = None if seqused_k is None else seqused_k.contiguous()
+    arch = _route(problem.spec, q, backward=False)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if needs_grad:
+        if deterministic:  # fail before the forward, not in the middle of autograd
+            _route(problem.spec, q, backward=True, deterministic=True)
+        out, lse = _AttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, problem, arch, deterministic)
+    else:
+        out, lse = _run_forward(
+            kernel_view(q), kernel_view(k), kernel_view(v), cu_seqlens_q, cu_seqlens_k, seqused_k, problem, arch
+        )
+    return (out, lse) if return_lse else out
+
+
+def explain_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size: Window = (None, None),
+    seqused_k: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    capability: Optional[Tuple[int, int]] = None,
+) -> Explanation:
+    """Which family would serve `attention_varlen(...)` with these arguments, forward and backward, and why the
+    others were skipped (e.g. "sm90: ... no varlen (packed sequences) variant yet" on Hopper, served by sm80).
+    Validates like `attention_varlen`. capability: explain for a GPU of that compute capability (then the inputs may
+    be CPU or meta tensors), as in `cute_flash.explain`."""
+    problem = validate_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        seqused_k=seqused_k,
+        deterministic=deterministic,
+        any_device=capability is not None,
+    )
+    capability = interface._device_capability(q) if capability is None else tuple(capability)
+    return Explanation(
+        capability,
+        routing.route(problem.spec, capability, backward=False),
+        routing.route(problem.spec, capability, backward=True, deterministic=deterministic),
+    )

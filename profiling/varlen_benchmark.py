@@ -1,0 +1,169 @@
+"""Packed (varlen) attention speed: `cute_flash.attention_varlen` beside dense cute-flash at equal tokens and equal
+work, and FlashAttention-4's `flash_attn.cute.flash_attn_varlen_func` when it imports (issue 16's benchmark).
+
+The batch: sequence lengths drawn uniformly from 128..8192 (seeded) until 64k tokens, the last one cut to fit. Work is
+counted per sequence: forward 4·h·d·s² FLOPs (halved when causal), backward 2.5x that; TFLOP/s = work / median time.
+The dense comparison runs batch x L with L = sum(s²) / sum(s) rounded to 128, which has (nearly) the same tokens and
+the same work as the packed batch, on the sm80 family (the one serving varlen calls) and, on Hopper, also on the
+dense default (sm90). One process, one GPU:
+
+    python -m profiling.varlen_benchmark [--tokens 65536] [--heads 16] [--head-dim 128] [--causal both|yes|no]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from contextlib import contextmanager
+from typing import Callable, List, Optional
+
+import torch
+
+
+def _bench_ms(fn: Callable[[], object]) -> float:
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=50, rep=200, return_mode="median"))
+    except ImportError:  # pragma: no cover - the GPU machine has triton
+        for _ in range(5):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 20
+
+
+def draw_lengths(tokens: int, lo: int, hi: int, seed: int) -> List[int]:
+    rng = random.Random(seed)
+    lens: List[int] = []
+    while sum(lens) < tokens:
+        lens.append(rng.randint(lo, hi))
+    lens[-1] -= sum(lens) - tokens
+    if lens[-1] < lo and len(lens) > 1:  # fold a short remainder into its neighbour
+        lens[-2] += lens.pop()
+    return lens
+
+
+@contextmanager
+def _family(name: Optional[str]):
+    old = os.environ.get("CUTE_FLASH_ARCH")
+    if name is None:
+        os.environ.pop("CUTE_FLASH_ARCH", None)
+    else:
+        os.environ["CUTE_FLASH_ARCH"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CUTE_FLASH_ARCH", None)
+        else:
+            os.environ["CUTE_FLASH_ARCH"] = old
+
+
+def _fa4_varlen() -> Optional[Callable]:
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+
+        return flash_attn_varlen_func
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _fwd_bwd_ms(run: Callable[[], torch.Tensor], leaves) -> tuple:
+    """(forward ms, backward ms): the backward alone, timed on a graph kept for replay with a fixed dout."""
+    fwd = _bench_ms(lambda: run())
+    out = run()
+    dout = torch.randn_like(out)
+
+    def backward():
+        torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+    return fwd, _bench_ms(backward)
+
+
+def bench(lens: List[int], heads: int, head_dim: int, causal: bool, seed: int = 0) -> List[dict]:
+    import cute_flash
+
+    dtype, dev = torch.bfloat16, "cuda"
+    total = sum(lens)
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def make(*shape):
+        return torch.randn(*shape, generator=g, device=dev, dtype=torch.float32).to(dtype).requires_grad_(True)
+
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    q, k, v = make(total, heads, head_dim), make(total, heads, head_dim), make(total, heads, head_dim)
+    fwd_flops = sum(4 * heads * head_dim * s * s for s in lens) * (0.5 if causal else 1.0)
+    rows = []
+
+    def add(name, fwd_ms, bwd_ms, flops):
+        rows.append(
+            {"impl": name, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwd_tflops": flops / fwd_ms / 1e9,
+             "bwd_tflops": 2.5 * flops / bwd_ms / 1e9 if bwd_ms else None}
+        )  # fmt: skip
+
+    mx = max(lens)
+    varlen = lambda: cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx, causal=causal)  # noqa: E731
+    add("cute-flash varlen (sm80)", *_fwd_bwd_ms(varlen, (q, k, v)), fwd_flops)
+
+    # Dense at equal tokens and (nearly) equal work: batch x L with L = sum(s^2) / sum(s).
+    seqlen = max(128, round(sum(s * s for s in lens) / total / 128) * 128)
+    batch = max(1, round(total / seqlen))
+    dq, dk, dv = (make(batch, seqlen, heads, head_dim) for _ in range(3))
+    dense_flops = 4 * heads * head_dim * batch * seqlen * seqlen * (0.5 if causal else 1.0)
+    dense = lambda: cute_flash.attention(dq, dk, dv, causal=causal)  # noqa: E731
+    with _family("sm80"):
+        add(f"cute-flash dense sm80 ({batch}x{seqlen})", *_fwd_bwd_ms(dense, (dq, dk, dv)), dense_flops)
+    if torch.cuda.get_device_capability() == (9, 0):
+        with _family(None):
+            add(f"cute-flash dense default ({batch}x{seqlen})", *_fwd_bwd_ms(dense, (dq, dk, dv)), dense_flops)
+
+    fa4 = _fa4_varlen()
+    if fa4 is not None:
+
+        def fa4_run():
+            out = fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=causal)
+            return out[0] if isinstance(out, tuple) else out
+
+        try:
+            add("FA4 varlen", *_fwd_bwd_ms(fa4_run, (q, k, v)), fwd_flops)
+        except Exception as e:  # noqa: BLE001
+            rows.append({"impl": f"FA4 varlen: failed ({type(e).__name__}: {e})"[:120]})
+    else:
+        rows.append({"impl": "FA4 varlen: flash_attn.cute does not import"})
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--min-len", type=int, default=128)
+    ap.add_argument("--max-len", type=int, default=8192)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    lens = draw_lengths(args.tokens, args.min_len, args.max_len, args.seed)
+    print(f"{torch.cuda.get_device_name()}: {len(lens)} sequences, {sum(lens)} tokens, lengths {min(lens)}..{max(lens)}"
+          f", h{args.heads} d{args.head_dim} bf16")  # fmt: skip
+    for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]:
+        print(f"\n{'causal' if causal else 'non-causal'}")
+        print(f"{'impl':<44}{'fwd ms':>9}{'fwd TF/s':>10}{'bwd ms':>9}{'bwd TF/s':>10}")
+        for r in bench(lens, args.heads, args.head_dim, causal, args.seed):
+            if "fwd_ms" not in r:
+                print(r["impl"])
+                continue
+            print(
+                f"{r['impl']:<44}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>10.1f}{r['bwd_ms']:>9.3f}{r['bwd_tflops']:>10.1f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

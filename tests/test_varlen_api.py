@@ -1,0 +1,177 @@
+"""CPU checks of `cute_flash.attention_varlen`: validation errors, routing (which families have a varlen kernel), and
+the autograd plumbing with a fake sm80 backend that computes with the float64 reference."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash import interface, routing, validation
+from cute_flash.reference import attention_varlen_reference
+
+HOPPER, AMPERE, BLACKWELL = (9, 0), (8, 0), (10, 0)
+
+
+def _packed(lens_q, lens_k, h=4, hkv=2, d=64, dtype=torch.bfloat16, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lens_q), h, d, generator=g).to(dtype).to(device)
+    k = torch.randn(sum(lens_k), hkv, d, generator=g).to(dtype).to(device)
+    v = torch.randn(sum(lens_k), hkv, d, generator=g).to(dtype).to(device)
+
+    def cu(lens):
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+    return q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_routes():
+    routing.clear_cache()  # routes cache their backend: fakes below must not leak into other tests, nor the reverse
+    yield
+    routing.clear_cache()
+
+
+# --- validation ------------------------------------------------------------------------------------------------------
+def test_cpu_inputs_are_refused_with_a_pointer_to_the_reference():
+    with pytest.raises(ValueError, match=r"q is on cpu.*cute_flash\.reference"):
+        cute_flash.attention_varlen(*_packed([3, 5], [4, 4]))
+
+
+@pytest.fixture
+def meta(monkeypatch):
+    monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "meta"))
+    monkeypatch.setattr(interface, "_device_capability", lambda t: AMPERE)
+    return _packed([3, 5], [4, 4], device="meta")
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].long()), ValueError, "cu_seqlens_q must be an int32"),
+        (lambda a: a.update(cu_seqlens_k=a["cu_seqlens_k"][:2]), ValueError, "one batch"),
+        (lambda a: a.update(cu_seqlens_k=torch.zeros(3, dtype=torch.int32)), ValueError, "cu_seqlens_k is on cpu"),
+        (lambda a: a.update(max_seqlen_q=torch.tensor(5)), ValueError, "host int"),
+        (lambda a: a.update(max_seqlen_k=-1), ValueError, "host int"),
+        (lambda a: a.update(q=a["q"][None]), ValueError, "packed"),
+        (lambda a: a.update(q=a["q"].float(), k=a["k"].float(), v=a["v"].float()), TypeError, "float16"),
+        (lambda a: a.update(k=a["k"].half()), ValueError, "same dtype|share one dtype"),
+        (lambda a: a.update(q=a["q"][..., :12], k=a["k"][..., :12]), NotImplementedError, "head_dim of q/k is 12"),
+        (lambda a: a.update(window_size=(-1, 0)), ValueError, "window_size"),
+        (lambda a: a.update(deterministic=1), TypeError, "deterministic"),
+        (lambda a: a.update(seqused_k=torch.zeros(3, dtype=torch.int32, device="meta")), ValueError, "seqused_k"),
+        (
+            lambda a: a.update(q=torch.empty(64, 4, 8, dtype=torch.bfloat16, device="meta").permute(2, 1, 0)),
+            ValueError,
+            "contiguous in its last dimension",
+        ),
+    ],
+)
+def test_validation_errors(meta, change, error, match):
+    q, k, v, cq, ck, mq, mk = meta
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk)
+    change(args)
+    with pytest.raises(error, match=match):
+        cute_flash.attention_varlen(**args)
+
+
+def test_the_spec_is_a_separate_varlen_variant(meta):
+    q, k, v, cq, ck, mq, mk = meta
+    p = validation.validate_varlen(q, k, v, cq, ck, mq, mk, causal=True, softmax_scale=None, window_size=(None, None))
+    assert p.spec.varlen and p.spec.mask == "causal" and (p.batch, p.total_q, p.total_k) == (2, 8, 8)
+    dense = validation.validate(q[None], k[None], v[None], causal=True, softmax_scale=None,
+                                window_size=(None, None), dtype=None)  # fmt: skip
+    assert not dense.spec.varlen and dense.spec != p.spec
+
+
+# --- routing ---------------------------------------------------------------------------------------------------------
+def test_explain_varlen_routes_to_families_with_a_varlen_kernel():
+    q, k, v, cq, ck, mq, mk = _packed([3, 5], [4, 4])
+    e = cute_flash.explain_varlen(q, k, v, cq, ck, mq, mk, causal=True, capability=HOPPER)
+    assert (e.forward_family, e.backward_family) == ("sm80", "sm80")
+    assert e.forward.skipped[0][0] == "sm90" and "no varlen" in e.forward.skipped[0][1]
+    e = cute_flash.explain_varlen(q, k, v, cq, ck, mq, mk, capability=BLACKWELL)
+    assert e.forward_family is None and "no varlen" in e.forward.error()
+    e = cute_flash.explain_varlen(q, k, v, cq, ck, mq, mk, capability=AMPERE, deterministic=True)
+    assert (e.forward_family, e.backward_family) == ("sm80", None)
+    # Dense calls keep their routes: the sm90 kernels still serve them on Hopper.
+    assert cute_flash.explain(q[None], k[None], v[None], capability=HOPPER).forward_family == "sm90"
+
+
+# --- autograd plumbing with a fake backend ---------------------------------------------------------------------------
+class _RefBackend:
+    """An sm80 stand-in whose varlen kernels are the float64 reference (gradients by torch autograd)."""
+
+    name, varlen = "sm80", True
+
+    def __init__(self):
+        self.calls = []
+
+    def unsupported_reason(self, spec, backward, deterministic=False):
+        return "no deterministic backward" if backward and deterministic else None
+
+    def forward_varlen(self, q, k, v, out, lse, cu_q, cu_k, seqused_k, max_seqlen_q, *, spec, softmax_scale, mask):
+        self.calls.append("forward")
+        o, l_ = attention_varlen_reference(
+            q, k, v, cu_q, cu_k, max_seqlen_q, k.shape[0], softmax_scale=softmax_scale, seqused_k=seqused_k,
+            causal=mask.kind == "causal", return_lse=True,
+        )  # fmt: skip
+        out.copy_(o)
+        lse.copy_(l_)
+
+    def backward_varlen(self, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, seqused_k, max_q, max_k, *, spec,
+                        softmax_scale, mask, deterministic=False):  # fmt: skip
+        self.calls.append("backward")
+        with torch.enable_grad():  # autograd runs backward functions with grad mode off
+            leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+            o = attention_varlen_reference(*leaves, cu_q, cu_k, max_q, max_k, softmax_scale=softmax_scale,
+                                           seqused_k=seqused_k, causal=mask.kind == "causal")  # fmt: skip
+            grads = torch.autograd.grad(o, leaves, dout.double())
+        for g, t in zip(grads, (dq, dk, dv)):
+            t.copy_(g)
+
+
+@pytest.fixture
+def ref_backend(monkeypatch):
+    fake = _RefBackend()
+    monkeypatch.setattr(routing, "get_backend", lambda name: fake)
+    monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(interface, "_device_capability", lambda t: AMPERE)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    return fake
+
+
+def test_autograd_plumbing(ref_backend):
+    q, k, v, cq, ck, mq, mk = _packed([0, 1, 7, 3], [2, 0, 9, 3], dtype=torch.float16)
+    used = torch.tensor([2, 0, 5, 3], dtype=torch.int32)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse = cute_flash.attention_varlen(*leaves, cq, ck, mq, mk, causal=True, seqused_k=used, return_lse=True)
+    assert out.shape == (11, 4, 64) and out.dtype == torch.float16 and lse.shape == (4, 11)
+    dout = torch.randn_like(out)
+    (out * dout).sum().backward()
+    assert ref_backend.calls == ["forward", "backward"]
+
+    ref_leaves = [t.clone().double().requires_grad_(True) for t in (q, k, v)]
+    ref = attention_varlen_reference(*ref_leaves, cq, ck, mq, mk, causal=True, seqused_k=used)
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=0)
+    for got, want in zip(leaves, torch.autograd.grad(ref, ref_leaves, dout.double())):
+        assert got.grad.shape == got.shape and got.grad.dtype == got.dtype
+        torch.testing.assert_close(got.grad.double(), want, atol=2e-2, rtol=1e-2)
+
+
+def test_no_grad_and_empty_batches_launch_nothing(ref_backend):
+    q, k, v, cq, ck, _, _ = _packed([2, 3], [4, 1])
+    with torch.no_grad():
+        cute_flash.attention_varlen(q, k, v, cq, ck, 3, 4)
+    assert ref_backend.calls == ["forward"]
+    out, lse = cute_flash.attention_varlen(q, k[:0], v[:0], cq, torch.zeros_like(ck), 3, 0, return_lse=True)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf")) and ref_backend.calls == ["forward"]
+
+
+def test_deterministic_fails_before_the_forward(ref_backend):
+    q, k, v, cq, ck, mq, mk = _packed([2, 3], [4, 1])
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        cute_flash.attention_varlen(q.requires_grad_(True), k, v, cq, ck, mq, mk, deterministic=True)
+    assert ref_backend.calls == []

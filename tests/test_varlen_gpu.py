@@ -1,0 +1,164 @@
+"""GPU: `cute_flash.attention_varlen` (packed sequences) on the sm80 family, forward and the three gradients against the
+float64 per-sequence reference with FlashAttention's rule (cute_flash.testing), plus CUDA-graph capture.
+
+On Hopper the `sm80` marker forces the sm80 family (tests/conftest.py), which is also what the router picks there
+for varlen calls (the sm90 family has no varlen kernel yet). Cases sharing compiled kernels share an xdist group:
+    python -m pytest -q tests/test_varlen_gpu.py -n 4 --dist loadgroup
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+MASKS = {"full": (False, (None, None)), "causal": (True, (None, None)), "window": (False, (48, 16))}
+# (lens_q, lens_k): zero-length sequences (and queries without keys), single tokens, odd lengths, one long sequence
+# among short ones, and query lengths that differ from key lengths (bottom-right alignment per sequence).
+LENGTHS = {
+    "mixed": ([4, 0, 1, 17, 128, 333, 64, 1, 77], [0, 0, 5, 17, 128, 333, 64, 1, 200]),
+    "long": ([3, 1, 1537, 5, 0, 130], [3, 7, 1537, 2, 11, 65]),
+}
+
+
+def _cases():
+    cases = []
+    for mask in MASKS:
+        for heads in ((4, 4), (4, 1)):
+            for lengths in LENGTHS:
+                cases.append(("bf16", 128, mask, heads, lengths))
+    for mask in ("causal", "window"):
+        cases.append(("fp16", 64, mask, (6, 2), "mixed"))
+        cases.append(("fp16", 64, mask, (6, 6), "long"))
+    return [
+        pytest.param(
+            *c,
+            id=f"{c[0]}-d{c[1]}-{c[2]}-h{c[3][0]}_{c[3][1]}-{c[4]}",
+            marks=pytest.mark.xdist_group(f"varlen-{c[0]}-d{c[1]}-{c[2]}"),
+        )  # fmt: skip
+        for c in cases
+    ]
+
+
+def _cu(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+
+def _packed(dt, d, lens_q, lens_k, h, h_kv, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def make(rows, heads):
+        return torch.randn(rows, heads, d, generator=g, device="cuda").to(DTYPES[dt]).requires_grad_(True)
+
+    return make(sum(lens_q), h), make(sum(lens_k), h_kv), make(sum(lens_k), h_kv), _cu(lens_q), _cu(lens_k)
+
+
+def _check(q, k, v, cq, ck, mq, mk, out, lse, dout, grads, **kw):
+    """out, lse and (dq, dk, dv) against the float64 reference; baseline: the reference in the inputs' dtype."""
+    from cute_flash.reference import attention_varlen_reference
+    from cute_flash.testing import ErrorReport, _assert_all, _lse_report, _max_abs
+
+    def reference(compute_dtype):
+        leaves = [t.detach().to(compute_dtype).requires_grad_(True) for t in (q, k, v)]
+        o, l_ = attention_varlen_reference(*leaves, cq, ck, mq, mk, compute_dtype=compute_dtype, return_lse=True, **kw)
+        gs = torch.autograd.grad(o, leaves, dout.to(compute_dtype)) if grads is not None else None
+        return o, l_, gs
+
+    ref, ref_lse, ref_g = reference(torch.float64)
+    low, low_lse, low_g = reference(q.dtype)
+    reports = [ErrorReport("out", _max_abs(out, ref), _max_abs(low, ref)), _lse_report(lse, ref_lse, low_lse)]
+    finite = [("out", out)]
+    if grads is not None:
+        names = ("dq", "dk", "dv")
+        reports += [ErrorReport(n, _max_abs(g, r), _max_abs(lo, r)) for n, g, r, lo in zip(names, grads, ref_g, low_g)]
+        finite += list(zip(names, grads))
+    _assert_all(reports, finite)
+    return reports
+
+
+@pytest.mark.sm80
+@pytest.mark.parametrize("dt, d, mask, heads, lengths", _cases())
+def test_varlen_forward_backward(dt, d, mask, heads, lengths):
+    import cute_flash
+    from cute_flash.testing import stable_seed
+
+    causal, window = MASKS[mask]
+    lens_q, lens_k = LENGTHS[lengths]
+    q, k, v, cq, ck = _packed(dt, d, lens_q, lens_k, *heads, seed=stable_seed(dt, d, mask, *heads, lengths))
+    mq, mk = max(lens_q), max(lens_k)
+    out, lse = cute_flash.attention_varlen(q, k, v, cq, ck, mq, mk, causal=causal, window_size=window, return_lse=True)
+    assert out.shape == (q.shape[0], heads[0], d) and lse.shape == (heads[0], q.shape[0])
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    _check(q, k, v, cq, ck, mq, mk, out, lse, dout, grads, causal=causal, window_size=window)
+
+
+@pytest.mark.sm80
+@pytest.mark.xdist_group("varlen-bf16-d128-causal")
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_varlen_seqused_k(heads):
+    """seqused_k keeps only the first keys of each sequence (causal alignment on that count); the others get zero
+    gradients. A larger max_seqlen than any sequence is allowed."""
+    import cute_flash
+
+    lens_q, lens_k = [5, 0, 40, 200, 1], [9, 4, 40, 300, 3]
+    used = torch.tensor([9, 0, 17, 250, 3], dtype=torch.int32, device="cuda")
+    q, k, v, cq, ck = _packed("bf16", 128, lens_q, lens_k, *heads, seed=7)
+    out, lse = cute_flash.attention_varlen(q, k, v, cq, ck, 256, 512, causal=True, seqused_k=used, return_lse=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    _check(q, k, v, cq, ck, 256, 512, out, lse, dout, grads, causal=True, seqused_k=used)
+    for b in range(len(lens_k)):  # keys past seqused_k: exactly zero gradients
+        k0, k1 = ck[b].item() + used[b].item(), ck[b + 1].item()
+        assert torch.all(grads[1][k0:k1] == 0) and torch.all(grads[2][k0:k1] == 0)
+
+
+@pytest.mark.sm80
+@pytest.mark.xdist_group("varlen-bf16-d128-causal")
+def test_varlen_equal_lengths_match_dense_attention():
+    """Equal lengths: the packed call and the dense sm80 call compute the same thing (to the rule's tolerance)."""
+    import cute_flash
+
+    q, k, v, cq, ck = _packed("bf16", 128, [300] * 3, [300] * 3, 4, 4, seed=3)
+    out = cute_flash.attention_varlen(q, k, v, cq, ck, 300, 300, causal=True)
+    dense = cute_flash.attention(*(t.view(3, 300, 4, 128) for t in (q, k, v)), causal=True)
+    torch.testing.assert_close(out, dense.reshape(900, 4, 128), atol=2e-2, rtol=0)
+
+
+@pytest.mark.sm80
+def test_varlen_deterministic_backward_is_refused():
+    import cute_flash
+
+    q, k, v, cq, ck = _packed("bf16", 128, [5, 9], [5, 9], 4, 4, seed=1)
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        cute_flash.attention_varlen(q, k, v, cq, ck, 9, 9, deterministic=True)
+
+
+@pytest.mark.sm80
+@pytest.mark.xdist_group("varlen-bf16-d128-causal")
+def test_varlen_cuda_graph_capture():
+    """A varlen call is captured in a CUDA graph (no device-to-host copy inside); replaying it after new values are
+    written into q and into cu_seqlens (same batch size and totals) gives the eager result for the new values."""
+    import cute_flash
+
+    lens = [100, 3, 250, 47]
+    with torch.no_grad():
+        q, k, v, cq, ck = (t.detach() for t in _packed("bf16", 128, lens, lens, 4, 4, seed=5))
+        call = lambda: cute_flash.attention_varlen(q, k, v, cq, ck, 256, 256, causal=True)  # noqa: E731
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()  # compile and warm up outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+
+        q.copy_(torch.randn_like(q))
+        new = _cu([200, 50, 150, 0])  # same total (400), another segmentation
+        cq.copy_(new)
+        ck.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = call()
+        assert torch.equal(out, expected)
