@@ -11,7 +11,7 @@ import torch
 
 from . import ops, routing, validation  # noqa: F401  (ops registers torch.ops.cute_flash.*)
 from .arch import ARCH_ENV_VAR, resolve_arch
-from .arch.base import ArchBackend
+from .arch.base import ArchBackend, BwdTensors, Grads
 from .spec import AttentionSpec
 from .validation import ALIGN_BYTES, Problem, is_kernel_layout, kernel_view, validate
 
@@ -168,13 +168,12 @@ def _launch_backward(plan: _Plan, dout, q, k, v, out, lse):
         return dq, dk, dv
     if not (dout.is_contiguous() and dout.data_ptr() % ALIGN_BYTES == 0):  # contiguous: the kernels' layout
         dout = kernel_view(dout)
-    p = plan.problem
-    kwargs = dict(spec=p.spec, softmax_scale=p.softmax_scale, mask=p.mask, deterministic=plan.deterministic)
+    t, grads = BwdTensors(dout, q, k, v, out, lse), Grads(dq, dk, dv)
     if plan.device_index is not None and torch.cuda.current_device() == plan.device_index:
-        arch.backward(dout, q, k, v, out, lse, dq, dk, dv, **kwargs)
+        arch.backward(t, grads, plan.problem, plan.deterministic)
     else:
         with _device_guard(q):
-            arch.backward(dout, q, k, v, out, lse, dq, dk, dv, **kwargs)
+            arch.backward(t, grads, plan.problem, plan.deterministic)
     return dq, dk, dv
 
 
@@ -209,21 +208,7 @@ def _run_backward(dout, q, k, v, out, lse, problem: Problem, deterministic: bool
             g.zero_()
         return dq, dk, dv
     with torch.cuda.device(q.device):
-        arch.backward(
-            kernel_view(dout),
-            q,
-            k,
-            v,
-            out,
-            lse,
-            dq,
-            dk,
-            dv,
-            spec=problem.spec,
-            softmax_scale=problem.softmax_scale,
-            mask=problem.mask,
-            deterministic=deterministic,
-        )
+        arch.backward(BwdTensors(kernel_view(dout), q, k, v, out, lse), Grads(dq, dk, dv), problem, deterministic)
     return dq, dk, dv
 
 

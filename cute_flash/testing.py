@@ -11,6 +11,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from .arch.base import BwdTensors, Grads
 from .reference import attention_reference
 
 ABS_SLACK = 1e-5
@@ -203,17 +204,5 @@ def backward_kernel_grads(run_backward, q, k, v, dout, causal: bool, window_size
         )
     out = out.to(q.dtype)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-    run_backward(
-        dout,
-        q.detach(),
-        k.detach(),
-        v.detach(),
-        out,
-        lse,
-        *grads,
-        spec=problem.spec,
-        softmax_scale=problem.softmax_scale,
-        mask=problem.mask,
-        **kwargs,
-    )
+    run_backward(BwdTensors(dout, q.detach(), k.detach(), v.detach(), out, lse), Grads(*grads), problem, **kwargs)
     return grads

@@ -19,7 +19,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import interface, routing
-from .arch.base import ArchBackend
+from .arch.base import ArchBackend, BwdTensors, Grads, PackedSeqs
 from .interface import Explanation, _autocast, _route
 from .validation import VarlenProblem, kernel_view, validate_varlen
 
@@ -39,10 +39,7 @@ def _run_forward(q, k, v, cu_q, cu_k, seqused_k, p: VarlenProblem, arch: ArchBac
         lse.fill_(float("-inf"))
         return out, lse
     with torch.cuda.device(q.device):
-        arch.forward_varlen(
-            q, k, v, out, lse, cu_q, cu_k, seqused_k, p.max_seqlen_q,
-            spec=p.spec, softmax_scale=p.softmax_scale, mask=p.mask,
-        )  # fmt: skip
+        arch.forward_varlen(q, k, v, out, lse, PackedSeqs(cu_q, cu_k, seqused_k, p.max_seqlen_q, p.max_seqlen_k), p)
     return out, lse
 
 
@@ -55,9 +52,12 @@ def _run_backward(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, p: VarlenProbl
         return dq, dk, dv
     with torch.cuda.device(q.device):
         arch.backward_varlen(
-            kernel_view(dout), q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, seqused_k, p.max_seqlen_q, p.max_seqlen_k,
-            spec=p.spec, softmax_scale=p.softmax_scale, mask=p.mask, deterministic=deterministic,
-        )  # fmt: skip
+            BwdTensors(kernel_view(dout), q, k, v, out, lse),
+            Grads(dq, dk, dv),
+            PackedSeqs(cu_q, cu_k, seqused_k, p.max_seqlen_q, p.max_seqlen_k),
+            p,
+            deterministic,
+        )
     return dq, dk, dv
 
 

@@ -109,7 +109,8 @@ def gpu(args) -> int:
 
     from cute_flash import compile_cache
     from cute_flash.arch.sm80.backward import run_backward
-    from cute_flash.spec import AttentionSpec, MaskBounds, UNBOUNDED_WINDOW
+    from cute_flash.arch.base import BwdTensors, Grads
+    from cute_flash.validation import validate
 
     target = compile_cache.target_for_capability(torch.cuda.get_device_capability())
     compile_cache.ensure_cute_dsl_arch(target)
@@ -131,20 +132,13 @@ def gpu(args) -> int:
         with torch.no_grad():
             out_ref, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, is_causal=causal)[:2]
         out = out_ref.transpose(1, 2)
-        mask = (
-            MaskBounds("causal", UNBOUNDED_WINDOW, 0)
-            if causal
-            else MaskBounds("none", UNBOUNDED_WINDOW, UNBOUNDED_WINDOW)
-        )
-        spec = AttentionSpec("bf16", d, d, "causal" if causal else "none", "bf16")
+        problem = validate(q, k, v, causal=causal, softmax_scale=None, window_size=(None, None), dtype=None)
         grads = [torch.empty_like(t) for t in (q, k, v)]
         ref_grads = None
         for variant in variants:
             try:
                 cfg = variant_config(variant, d, target)
-                call = lambda: run_backward(
-                    dout, q, k, v, out, lse, *grads, spec=spec, softmax_scale=d**-0.5, mask=mask, cfg=cfg
-                )
+                call = lambda: run_backward(BwdTensors(dout, q, k, v, out, lse), Grads(*grads), problem, cfg=cfg)
                 ms = _time_ms(call, 5)
                 table[(d, s, causal, variant)] = flops / ms / 1e9
                 # Cheap agreement check between variants (the full check is the test matrix).

@@ -18,6 +18,8 @@ from functools import partial
 
 import torch
 
+from cute_flash.arch.base import Grads
+
 VARIANTS = {
     "default": {},
     "opt2": {"opt_level": 2},
@@ -29,10 +31,8 @@ VARIANTS = {
 }
 
 
-def _run(sm90_bwd, dout, q, k, v, out, lse, grads, spec, scale, mask, det, cfg) -> None:
-    sm90_bwd.run_backward(
-        dout, q, k, v, out, lse, *grads, spec=spec, softmax_scale=scale, mask=mask, deterministic=det, cfg=cfg
-    )
+def _run(sm90_bwd, saved, grads, problem, det, cfg) -> None:
+    sm90_bwd.run_backward(saved, Grads(*grads), problem, det, cfg)
 
 
 def main() -> None:
@@ -53,7 +53,8 @@ def main() -> None:
     from cute_flash.arch.sm90 import backward as sm90_bwd
     from cute_flash.arch.sm90.tile_config import bwd_tile_config
     from cute_flash.reference import attention_reference  # noqa: F401  (imports torch helpers only)
-    from cute_flash.spec import AttentionSpec, normalize_mask
+    from cute_flash.arch.base import BwdTensors
+    from cute_flash.validation import validate
 
     compile_cache.ensure_cute_dsl_arch(compile_cache.target_for_capability(torch.cuda.get_device_capability()))
     d = args.head_dim
@@ -66,9 +67,8 @@ def main() -> None:
             q, k, v, dout = (
                 torch.randn(b, seqlen, h, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(4)
             )
-            mask = normalize_mask(causal, (None, None))
-            spec = AttentionSpec("bf16", d, d, mask.kind, "bf16")
-            scale = d**-0.5
+            problem = validate(q, k, v, causal=causal, softmax_scale=None, window_size=(None, None), dtype=None)
+            spec = problem.spec
             # out / lse of the exact forward (the backward kernels only read them).
             from cute_flash import attention
 
@@ -85,7 +85,7 @@ def main() -> None:
             for name, cfg, det in runs:
                 grads = [torch.empty_like(t) for t in (q, k, v)]
                 calls[name] = (
-                    partial(_run, sm90_bwd, dout, q, k, v, out, lse, grads, spec, scale, mask, det, cfg),
+                    partial(_run, sm90_bwd, BwdTensors(dout, q, k, v, out, lse), grads, problem, det, cfg),
                     grads,
                 )
                 calls[name][0]()

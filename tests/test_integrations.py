@@ -36,7 +36,10 @@ class _ReferenceBackend:
         out.copy_(o)
         lse.copy_(l)
 
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask, deterministic=False):
+    def backward(self, t, grads, problem, deterministic=False):
+        dout, q, k, v, out, lse = t
+        dq, dk, dv = grads
+        softmax_scale, mask = problem.softmax_scale, problem.mask
         self.calls.append(("backward", mask, softmax_scale, tuple(q.shape), tuple(k.shape)))
         leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
         with torch.enable_grad():  # a backward runs with grad mode off

@@ -120,7 +120,10 @@ class _CheckingBackend:
         out.copy_(o)
         lse.copy_(l)
 
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, *, spec, softmax_scale, mask, deterministic=False):
+    def backward(self, t, grads, problem, deterministic=False):
+        dout, q, k, v, out, lse = t
+        dq, dk, dv = grads
+        softmax_scale, mask = problem.softmax_scale, problem.mask
         self._check(dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
         # The attention gradients written out (a kernel call runs below autograd, inside torch.ops.cute_flash.bwd).
         qd, kd, vd, do = (t.double() for t in (q, k, v, dout))

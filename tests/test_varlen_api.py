@@ -112,8 +112,10 @@ class _RefBackend:
     def unsupported_reason(self, spec, backward, deterministic=False):
         return "no deterministic backward" if backward and deterministic else None
 
-    def forward_varlen(self, q, k, v, out, lse, cu_q, cu_k, seqused_k, max_seqlen_q, *, spec, softmax_scale, mask):
+    def forward_varlen(self, q, k, v, out, lse, seqs, problem):
         self.calls.append("forward")
+        cu_q, cu_k, seqused_k, max_seqlen_q, _ = seqs
+        softmax_scale, mask = problem.softmax_scale, problem.mask
         o, l_ = attention_varlen_reference(
             q, k, v, cu_q, cu_k, max_seqlen_q, k.shape[0], softmax_scale=softmax_scale, seqused_k=seqused_k,
             causal=mask.kind == "causal", return_lse=True,
@@ -121,9 +123,12 @@ class _RefBackend:
         out.copy_(o)
         lse.copy_(l_)
 
-    def backward_varlen(self, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, seqused_k, max_q, max_k, *, spec,
-                        softmax_scale, mask, deterministic=False):  # fmt: skip
+    def backward_varlen(self, t, grads, seqs, problem, deterministic=False):
         self.calls.append("backward")
+        dout, q, k, v, out, lse = t
+        dq, dk, dv = grads
+        cu_q, cu_k, seqused_k, max_q, max_k = seqs
+        softmax_scale, mask = problem.softmax_scale, problem.mask
         with torch.enable_grad():  # autograd runs backward functions with grad mode off
             leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
             o = attention_varlen_reference(*leaves, cu_q, cu_k, max_q, max_k, softmax_scale=softmax_scale,

@@ -13,11 +13,12 @@ Tensor conventions handed to a backend (all on one CUDA device, last dimension c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Protocol
+from typing import Dict, List, NamedTuple, Optional, Protocol
 
 import torch
 
 from ..spec import AttentionSpec, MaskBounds
+from ..validation import Problem
 
 
 @dataclass
@@ -28,6 +29,37 @@ class KernelArtifact:
     ptx: str
     cubin: bytes
     config: Dict[str, object] = field(default_factory=dict)  # tile sizes etc., for the report
+
+
+class BwdTensors(NamedTuple):
+    """What a backward reads: the output's gradient and the forward's inputs and outputs (conventions above; dout
+    like out)."""
+
+    dout: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+class Grads(NamedTuple):
+    """What a backward fills: dq, dk, dv, shaped and typed like q, k, v."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+
+
+class PackedSeqs(NamedTuple):
+    """Where the sequences of a packed (varlen) batch lie: int32 `cu_seqlens_*` (batch + 1,) and optional
+    `seqused_k` (batch,) on the device, host ints bounding every sequence's length."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    seqused_k: Optional[torch.Tensor]
+    max_seqlen_q: int
+    max_seqlen_k: int
 
 
 class ArchBackend(Protocol):
@@ -56,24 +88,9 @@ class ArchBackend(Protocol):
     ) -> None:
         """Fills `out` and `lse`."""
 
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        dq: torch.Tensor,
-        dk: torch.Tensor,
-        dv: torch.Tensor,
-        *,
-        spec: AttentionSpec,
-        softmax_scale: float,
-        mask: MaskBounds,
-        deterministic: bool = False,
-    ) -> None:
-        """Fills dq, dk, dv (same shapes and dtype as q, k, v); deterministic: bitwise-reproducible sums."""
+    def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
+        """Fills `grads` for the validated call `problem` (its spec, scale and mask); deterministic: bitwise-
+        reproducible sums."""
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         """Compiles every kernel that serves `spec` for CuTe DSL target `target` with fake tensors (no GPU needed)."""

@@ -24,6 +24,7 @@ from typing import Iterable, Optional, Protocol, Tuple
 
 import torch
 
+from ..arch.base import BwdTensors, Grads
 from ..reference import visible_keys
 from ..spec import AttentionSpec, MaskBounds
 
@@ -163,21 +164,9 @@ class KernelBlocks:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         with torch.cuda.device(q.device):
-            arch.backward(
-                kernel_view(dout),
-                q,
-                k,
-                v,
-                kernel_view(out.to(q.dtype)),
-                lse.float().contiguous(),  # the kernels read lse (b, h, m) contiguous float32
-                dq,
-                dk,
-                dv,
-                spec=problem.spec,
-                softmax_scale=problem.softmax_scale,
-                mask=mask,
-                deterministic=self.deterministic,
-            )
+            # The kernels read lse (b, h, m) contiguous float32.
+            saved = BwdTensors(kernel_view(dout), q, k, v, kernel_view(out.to(q.dtype)), lse.float().contiguous())
+            arch.backward(saved, Grads(dq, dk, dv), problem, self.deterministic)
         return dq, dk, dv
 
 

@@ -11,8 +11,8 @@ import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
-from ...validation import kernel_view
-from ..base import KernelArtifact
+from ...validation import Problem, kernel_view
+from ..base import BwdTensors, Grads, KernelArtifact
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_operand
 from . import tile_config as cfgmod
@@ -172,24 +172,8 @@ class _Backend:
             *descale_args,
         )
 
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        dq: torch.Tensor,
-        dk: torch.Tensor,
-        dv: torch.Tensor,
-        *,
-        spec: AttentionSpec,
-        softmax_scale: float,
-        mask: MaskBounds,
-        deterministic: bool = False,
-    ) -> None:
-        raise NotImplementedError(self.unsupported_reason(spec, True))
+    def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
+        raise NotImplementedError(self.unsupported_reason(problem.spec, True))
 
     def warm(
         self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False

@@ -19,8 +19,8 @@ import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
-from ...validation import kernel_view
-from ..base import KernelArtifact
+from ...validation import Problem, VarlenProblem, kernel_view
+from ..base import BwdTensors, Grads, KernelArtifact, PackedSeqs
 from ...census import cubin_resources
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_operand
@@ -250,59 +250,29 @@ class _Backend:
         kernel(q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right))
 
     def forward_varlen(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        seqused_k: Optional[torch.Tensor],
-        max_seqlen_q: int,
-        *,
-        spec: AttentionSpec,
-        softmax_scale: float,
-        mask: MaskBounds,
-    ) -> None:
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+        seqs: PackedSeqs, problem: VarlenProblem,
+    ) -> None:  # fmt: skip
         """Packed forward: q (total_q, h, d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q)."""
         _check_varlen_opt_in()
+        spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
         reason = forward_unsupported_reason(spec)
         if reason is not None:
             raise NotImplementedError(reason)
         target = compile_cache.runtime_target(q.device)
-        seqused = seqused_k is not None
+        seqused = seqs.seqused_k is not None
         key = (FAMILY, target, "fwd", spec, seqused)
         kernel = compile_cache.get_or_compile(key, lambda: _compile_runnable_forward(spec, target, seqused))
         q, k, v, out = (kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out)))
         kernel(
             q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right),
-            cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
+            seqs.cu_seqlens_q, seqs.cu_seqlens_k, seqs.seqused_k, int(seqs.max_seqlen_q),
         )  # fmt: skip
 
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        dq: torch.Tensor,
-        dk: torch.Tensor,
-        dv: torch.Tensor,
-        *,
-        spec: AttentionSpec,
-        softmax_scale: float,
-        mask: MaskBounds,
-        deterministic: bool = False,
-    ) -> None:
+    def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
         if deterministic:
             raise NotImplementedError(DETERMINISTIC_UNSUPPORTED)
-        bwd = _backward_module()
-        if bwd is None:
-            raise NotImplementedError("sm80 backward not implemented yet")
-        bwd.run_backward(dout, q, k, v, out, lse, dq, dk, dv, spec=spec, softmax_scale=softmax_scale, mask=mask)
+        _backward_module().run_backward(t, grads, problem)
 
     def warm(
         self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False
@@ -317,35 +287,13 @@ class _Backend:
             self._forward_kernel(spec, target)
 
     def backward_varlen(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        dq: torch.Tensor,
-        dk: torch.Tensor,
-        dv: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        seqused_k: Optional[torch.Tensor],
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        spec: AttentionSpec,
-        softmax_scale: float,
-        mask: MaskBounds,
-        deterministic: bool = False,
+        self, t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: VarlenProblem, deterministic: bool = False
     ) -> None:
         """Packed backward: tensors as in forward_varlen, dq / dk / dv shaped like q / k / v."""
         _check_varlen_opt_in()
         if deterministic:
             raise NotImplementedError(DETERMINISTIC_UNSUPPORTED)
-        _backward_module().run_backward_varlen(
-            dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-            spec=spec, softmax_scale=softmax_scale, mask=mask,
-        )  # fmt: skip
+        _backward_module().run_backward_varlen(t, grads, seqs, problem)
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         reason = self.unsupported_reason(spec, backward)

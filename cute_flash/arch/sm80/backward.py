@@ -21,9 +21,9 @@ from typing import List, Optional
 import torch
 
 from ... import compile_cache
-from ...spec import AttentionSpec, MaskBounds
-from ...validation import kernel_view
-from ..base import KernelArtifact
+from ...spec import AttentionSpec
+from ...validation import Problem, VarlenProblem, kernel_view
+from ..base import BwdTensors, Grads, KernelArtifact, PackedSeqs
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_tensor
 from .tile_config import BwdTileConfig, bwd_tile_config, packed_pads
@@ -360,24 +360,12 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def run_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    *,
-    spec: AttentionSpec,
-    softmax_scale: float,
-    mask: MaskBounds,
-    cfg: Optional[BwdTileConfig] = None,
-) -> None:
-    """Fills dq, dk, dv (shaped and typed like q, k, v) on torch's current stream. cfg: a tile config other than
-    the default (for studies: profiling/sm80_bwd_variants.py)."""
+def run_backward(t: BwdTensors, grads: Grads, problem: Problem, cfg: Optional[BwdTileConfig] = None) -> None:
+    """Fills `grads` (shaped and typed like q, k, v) on torch's current stream. cfg: a tile config other than the
+    default (for studies: profiling/sm80_bwd_variants.py)."""
+    dout, q, k, v, out, lse = t
+    dq, dk, dv = grads
+    spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
     reason = backward_unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(reason)
@@ -422,32 +410,17 @@ def run_backward(
         postprocess(dv_out, dv, 1.0)
 
 
-def run_backward_varlen(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    seqused_k: Optional[torch.Tensor],
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    spec: AttentionSpec,
-    softmax_scale: float,
-    mask: MaskBounds,
-) -> None:
+def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: VarlenProblem) -> None:
     """The packed backward: q / dout / out / dq (total_q, h, d), k / v / dk / dv (total_k, h_kv, d), lse (h, total_q).
 
     The same three steps as `run_backward`, on buffers whose sequence b starts at row cu_seqlens[b] + b * pad
     (tile_config.packed_pads): lse_log2 / D (h, rows), dQ's fp32 accumulator (rows, h, d) or (h, rows * d), and under
     GQA dK / dV's (rows, h_kv, d). Keys past seqused_k[b] get zero gradients.
     """
+    dout, q, k, v, out, lse = t
+    dq, dk, dv = grads
+    cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k = seqs
+    spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
     reason = backward_unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(reason)

@@ -18,7 +18,8 @@ import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec, MaskBounds
-from ..base import KernelArtifact
+from ...validation import Problem
+from ..base import BwdTensors, Grads, KernelArtifact
 from .tile_config import FwdTileConfig, budget_problem, fwd_tile_config, smem_bytes
 
 FAMILY = "sm90"
@@ -106,38 +107,8 @@ class _Backend:
         kernel = self._forward_kernel(spec, target)
         kernel(q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right))
 
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        dq: torch.Tensor,
-        dk: torch.Tensor,
-        dv: torch.Tensor,
-        *,
-        spec: AttentionSpec,
-        softmax_scale: float,
-        mask: MaskBounds,
-        deterministic: bool = False,
-    ) -> None:
-        _bwd().run_backward(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            dq,
-            dk,
-            dv,
-            spec=spec,
-            softmax_scale=softmax_scale,
-            mask=mask,
-            deterministic=deterministic,
-        )
+    def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
+        _bwd().run_backward(t, grads, problem, deterministic)
 
     def warm(
         self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False

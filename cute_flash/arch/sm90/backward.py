@@ -23,9 +23,9 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 import torch
 
 from ... import compile_cache
-from ...spec import AttentionSpec, MaskBounds
-from ...validation import _round_up, kernel_view
-from ..base import KernelArtifact
+from ...spec import AttentionSpec
+from ...validation import Problem, _round_up, kernel_view
+from ..base import BwdTensors, Grads, KernelArtifact
 from .tile_config import (
     WARPGROUP_THREADS,
     BwdTileConfig,
@@ -139,26 +139,15 @@ def _kernels(spec: AttentionSpec, cfg: Optional[BwdTileConfig], target: str, gqa
 
 
 def run_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    *,
-    spec: AttentionSpec,
-    softmax_scale: float,
-    mask: MaskBounds,
-    deterministic: bool = False,
-    cfg: Optional[BwdTileConfig] = None,
+    t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False, cfg: Optional[BwdTileConfig] = None
 ) -> None:
-    """Fills dq, dk, dv (shaped and typed like q, k, v) on torch's current stream.
+    """Fills `grads` (shaped and typed like q, k, v) on torch's current stream.
 
     deterministic: dQ (and under GQA dK, dV) are summed in a fixed order, so repeated runs give bitwise-equal
     gradients. cfg: a tile configuration other than the default (for studies; profiling/sm90_bwd_variants.py)."""
+    dout, q, k, v, out, lse = t
+    dq, dk, dv = grads
+    spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     gqa = nheads != nheads_kv
