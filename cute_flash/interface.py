@@ -11,7 +11,7 @@ import torch
 
 from . import ops, routing, validation  # noqa: F401  (ops registers torch.ops.cute_flash.*)
 from .arch import ARCH_ENV_VAR, resolve_arch
-from .arch.base import ArchBackend, BwdTensors, Grads
+from .arch.base import ArchBackend, BwdTensors, FwdTensors, Grads
 from .spec import AttentionSpec
 from .validation import ALIGN_BYTES, Problem, is_kernel_layout, kernel_view, validate
 
@@ -150,10 +150,10 @@ def _launch_forward(plan: _Plan, q, k, v) -> Tuple[torch.Tensor, torch.Tensor]:
         return out, lse
     p = plan.problem
     if plan.device_index is not None and torch.cuda.current_device() == plan.device_index:
-        plan.forward.forward(q, k, v, out, lse, spec=p.spec, softmax_scale=p.softmax_scale, mask=p.mask)
+        plan.forward.forward(FwdTensors(q, k, v, out, lse), p)
     else:
         with _device_guard(q):
-            plan.forward.forward(q, k, v, out, lse, spec=p.spec, softmax_scale=p.softmax_scale, mask=p.mask)
+            plan.forward.forward(FwdTensors(q, k, v, out, lse), p)
     return out, lse
 
 
@@ -232,21 +232,11 @@ def _run_forward(q, k, v, problem: Problem, arch: ArchBackend, fp8=None) -> Tupl
         return out, lse
     with torch.cuda.device(q.device):
         if fp8 is None:
-            arch.forward(q, k, v, out, lse, spec=spec, softmax_scale=problem.softmax_scale, mask=problem.mask)
+            arch.forward(FwdTensors(q, k, v, out, lse), problem)
         else:
             # FP8: q, k e4m3 (b, s, h, d); v transposed e4m3 (b, h_kv, dv, sk_pad); block descales (see Fp8Inputs).
             f = fp8()
-            arch.forward(
-                f.q,
-                f.k,
-                f.v_t,
-                out,
-                lse,
-                spec=spec,
-                softmax_scale=problem.softmax_scale,
-                mask=problem.mask,
-                descale=f.descales(),
-            )
+            arch.forward(FwdTensors(f.q, f.k, f.v_t, out, lse), problem, descale=f.descales())
     return out, lse
 
 

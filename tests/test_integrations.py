@@ -30,7 +30,9 @@ class _ReferenceBackend:
             q, k, v, softmax_scale=softmax_scale, window_size=(mask.left, mask.right), return_lse=True
         )
 
-    def forward(self, q, k, v, out, lse, *, spec, softmax_scale, mask, descale=None):
+    def forward(self, t, problem, descale=None):
+        q, k, v, out, lse = t
+        softmax_scale, mask = problem.softmax_scale, problem.mask
         self.calls.append(("forward", mask, softmax_scale, tuple(q.shape), tuple(k.shape)))
         o, l = self._ref(q, k, v, softmax_scale, mask)
         out.copy_(o)

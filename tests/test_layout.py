@@ -112,7 +112,9 @@ class _CheckingBackend:
             assert _contract_ok(t), (name, tuple(t.shape), t.stride(), t.data_ptr() % 16)
             self.seen.append(name)
 
-    def forward(self, q, k, v, out, lse, *, spec, softmax_scale, mask, descale=None):
+    def forward(self, t, problem, descale=None):
+        q, k, v, out, lse = t
+        softmax_scale, mask = problem.softmax_scale, problem.mask
         self._check(q=q, k=k, v=v, out=out)
         o, l = attention_reference(
             q, k, v, softmax_scale=softmax_scale, window_size=(mask.left, mask.right), return_lse=True

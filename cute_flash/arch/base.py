@@ -17,7 +17,7 @@ from typing import Dict, List, NamedTuple, Optional, Protocol
 
 import torch
 
-from ..spec import AttentionSpec, MaskBounds
+from ..spec import AttentionSpec
 from ..validation import Problem
 
 
@@ -29,6 +29,16 @@ class KernelArtifact:
     ptx: str
     cubin: bytes
     config: Dict[str, object] = field(default_factory=dict)  # tile sizes etc., for the report
+
+
+class FwdTensors(NamedTuple):
+    """What a forward reads (q, k, v) and fills (out, lse); conventions above."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
 
 
 class BwdTensors(NamedTuple):
@@ -73,20 +83,9 @@ class ArchBackend(Protocol):
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         """Keys per K/V descale that this family's FP8 kernel reads for `spec` (cute_flash.fp8.prepare)."""
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        *,
-        spec: AttentionSpec,
-        softmax_scale: float,
-        mask: MaskBounds,
-        descale: Optional[Dict[str, torch.Tensor]] = None,
-    ) -> None:
-        """Fills `out` and `lse`."""
+    def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        """Fills `t.out` and `t.lse` for the validated call `problem` (its spec, scale and mask); descale: the FP8
+        path's factors."""
 
     def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
         """Fills `grads` for the validated call `problem` (its spec, scale and mask); deterministic: bitwise-

@@ -10,9 +10,9 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ... import compile_cache
-from ...spec import AttentionSpec, MaskBounds
+from ...spec import AttentionSpec
 from ...validation import Problem, kernel_view
-from ..base import BwdTensors, Grads, KernelArtifact
+from ..base import BwdTensors, FwdTensors, Grads, KernelArtifact
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_operand
 from . import tile_config as cfgmod
@@ -134,19 +134,9 @@ class _Backend:
             )
         return cfgmod.unsupported_reason(spec)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        *,
-        spec: AttentionSpec,
-        softmax_scale: float,
-        mask: MaskBounds,
-        descale: Optional[Dict[str, torch.Tensor]] = None,
-    ) -> None:
+    def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        q, k, v, out, lse = t
+        spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
         reason = self.unsupported_reason(spec, backward=False)
         if reason is not None:
             raise NotImplementedError(reason)

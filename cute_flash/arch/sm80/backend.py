@@ -18,9 +18,9 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ... import compile_cache
-from ...spec import AttentionSpec, MaskBounds
+from ...spec import AttentionSpec
 from ...validation import Problem, VarlenProblem, kernel_view
-from ..base import BwdTensors, Grads, KernelArtifact, PackedSeqs
+from ..base import BwdTensors, FwdTensors, Grads, KernelArtifact, PackedSeqs
 from ...census import cubin_resources
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_operand
@@ -224,19 +224,9 @@ class _Backend:
         key = (FAMILY, target, "fwd", spec)
         return compile_cache.get_or_compile(key, lambda: _compile_runnable_forward(spec, target))
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        *,
-        spec: AttentionSpec,
-        softmax_scale: float,
-        mask: MaskBounds,
-        descale: Optional[Dict[str, torch.Tensor]] = None,
-    ) -> None:
+    def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        q, k, v, out, lse = t
+        spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
         if descale is not None:
             raise NotImplementedError("the sm80 forward has no fp8 path, so it takes no descale factors")
         reason = forward_unsupported_reason(spec)

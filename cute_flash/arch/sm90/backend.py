@@ -17,9 +17,9 @@ from typing import Dict, List, Optional
 import torch
 
 from ... import compile_cache
-from ...spec import AttentionSpec, MaskBounds
+from ...spec import AttentionSpec
 from ...validation import Problem
-from ..base import BwdTensors, Grads, KernelArtifact
+from ..base import BwdTensors, FwdTensors, Grads, KernelArtifact
 from .tile_config import FwdTileConfig, budget_problem, fwd_tile_config, smem_bytes
 
 FAMILY = "sm90"
@@ -82,19 +82,9 @@ class _Backend:
         key = (FAMILY, target, "fwd", spec, cfg)
         return compile_cache.get_or_compile(key, lambda: _build_forward(spec, cfg, target))
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        *,
-        spec: AttentionSpec,
-        softmax_scale: float,
-        mask: MaskBounds,
-        descale: Optional[Dict[str, torch.Tensor]] = None,
-    ) -> None:
+    def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        q, k, v, out, lse = t
+        spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
         if spec.dtype == "fp8":
             _fp8().run_forward_fp8(
                 q, k, v, out, lse, descale=descale, spec=spec, softmax_scale=softmax_scale, mask=mask
