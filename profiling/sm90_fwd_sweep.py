@@ -78,6 +78,7 @@ def _ours(spec: AttentionSpec, cfg: FwdTileConfig, q, k, v, causal: bool):
 def _sm80(q, k, v, causal: bool):
     """The sm80 kernels on this GPU: the route a call takes where the sm90 family has no kernel."""
     from cute_flash.arch import get_backend
+    from cute_flash.arch.base import FwdTensors
     from cute_flash.validation import validate
 
     problem = validate(q, k, v, causal=causal, softmax_scale=None, window_size=(None, None), dtype=None)
@@ -87,7 +88,7 @@ def _sm80(q, k, v, causal: bool):
     sm80 = get_backend("sm80")
 
     def run():
-        sm80.forward(q, k, v, out, lse, spec=problem.spec, softmax_scale=problem.softmax_scale, mask=problem.mask)
+        sm80.forward(FwdTensors(q, k, v, out, lse), problem)
 
     run()
     return run
