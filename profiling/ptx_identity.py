@@ -1,0 +1,152 @@
+"""Is the generated code unchanged? Cross-compiles a representative set of forward builds on the CPU and saves or
+compares their normalised PTX (and ptxas' registers / spill bytes), for refactors that must not change kernels.
+
+    python -m profiling.ptx_identity --save /tmp/ptx_before          # before the change
+    python -m profiling.ptx_identity --compare /tmp/ptx_before       # after: exit 1 on any difference
+    python -m profiling.ptx_identity --compare /tmp/ptx_before --arch sm90 --only fp8
+
+Normalised: comments, `.file` / `.loc` lines and blank lines are dropped, and every entry name (which carries the
+class name and a hash of the build) becomes `KERNEL`, so a renamed class or a moved source line does not count as a
+difference. Each arch is built in its own process (CuTe DSL fixes its target at import).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (dtype, head_dim, head_dim_v, mask) per arch: the forward kernels of the sm90 bf16 / FP8 and sm100 families.
+CASES: Dict[str, List[Tuple[str, int, int, str]]] = {
+    "sm90": [
+        ("bf16", 64, 64, "none"),
+        ("bf16", 64, 64, "causal"),
+        ("bf16", 128, 128, "none"),
+        ("bf16", 128, 128, "causal"),
+        ("bf16", 128, 128, "local"),
+        ("bf16", 256, 256, "none"),
+        ("bf16", 256, 256, "causal"),
+        ("fp8", 128, 128, "causal"),
+        ("fp8", 256, 256, "none"),
+    ],
+    "sm100": [
+        ("bf16", 128, 128, "causal"),  # 1-CTA and 2-CTA builds
+        ("bf16", 64, 64, "local"),
+        ("fp16", 96, 96, "causal"),
+        ("fp8", 128, 128, "none"),
+    ],
+}
+TARGET = {"sm90": "sm_90a", "sm100": "sm_100a"}
+
+_DROP = re.compile(r"^\s*(?://|\.file\b|\.loc\b)")
+_ENTRY = re.compile(r"\.entry\s+([A-Za-z_$][\w$]*)")
+
+
+def normalise_ptx(ptx: str) -> str:
+    names = set(_ENTRY.findall(ptx))
+    out = []
+    for line in ptx.splitlines():
+        if not line.strip() or _DROP.match(line):
+            continue
+        line = re.sub(r"\s*//.*$", "", line)
+        for name in names:
+            line = line.replace(name, "KERNEL")
+        out.append(line.rstrip())
+    return "\n".join(out) + "\n"
+
+
+def _case_name(arch: str, case) -> str:
+    dtype, d, dv, mask = case
+    return f"{arch}_{dtype}_d{d}x{dv}_{mask}"
+
+
+def _worker(arch: str, out_dir: Path, only: str) -> None:
+    """Builds every case of `arch` (in this process: CUTE_DSL_ARCH is set by the parent) into out_dir."""
+    from cute_flash.cli import compile_report
+    from cute_flash.spec import AttentionSpec
+
+    for case in CASES[arch]:
+        name = _case_name(arch, case)
+        if only and only not in name:
+            continue
+        dtype, d, dv, mask = case
+        spec = AttentionSpec(dtype, d, dv, mask, "bf16" if dtype in ("fp8", "bf16") else dtype)
+        with tempfile.TemporaryDirectory(prefix="ptx_identity_") as tmp:
+            reports = compile_report(arch, spec, backward=False, out_dir=tmp)
+            for rep in reports:
+                stem = f"{name}_{rep['kernel']}"
+                ptx = (Path(tmp) / rep["files"][0]).read_text()
+                (out_dir / f"{stem}.ptx").write_text(normalise_ptx(ptx))
+                res = {k: rep[k] for k in ("registers", "spill_bytes", "stack_frame_bytes", "shared_bytes")}
+                (out_dir / f"{stem}.json").write_text(json.dumps(res, sort_keys=True) + "\n")
+                print(f"{stem}: {res}", flush=True)
+
+
+def build(out_dir: Path, arches: List[str], only: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for arch in arches:
+        env = dict(os.environ, CUTE_DSL_ARCH=TARGET[arch], PYTHONPATH=str(REPO))
+        cmd = [sys.executable, "-m", "profiling.ptx_identity", "--worker", arch, "--out", str(out_dir)]
+        procs.append(subprocess.Popen(cmd + (["--only", only] if only else []), cwd=REPO, env=env))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        sys.exit(f"a build failed: exit codes {codes}")
+
+
+def compare(reference: Path, current: Path) -> int:
+    ref = {p.name for p in reference.iterdir()}
+    cur = {p.name for p in current.iterdir()}
+    bad = 0
+    for name in sorted(cur):
+        if name not in ref:
+            print(f"NEW      {name} (not in {reference})")
+            continue
+        a, b = (reference / name).read_text(), (current / name).read_text()
+        if a == b:
+            print(f"same     {name}")
+            continue
+        bad += 1
+        diff = list(difflib.unified_diff(a.splitlines(), b.splitlines(), "before", "after", lineterm="", n=1))
+        print(f"DIFFERS  {name} ({len(diff)} diff lines)")
+        print("\n".join(diff[:40]))
+    missing = sorted(n for n in ref - cur)
+    if missing:
+        print(f"not built this time: {', '.join(missing)}")
+    print(f"{len(cur) - bad} of {len(cur)} files identical")
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--save", type=Path, help="build and write normalised PTX into this folder")
+    g.add_argument("--compare", type=Path, help="build and compare with a folder written by --save")
+    g.add_argument("--worker", choices=sorted(CASES), help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--arch", choices=sorted(CASES), action="append", help="only this arch (repeatable)")
+    p.add_argument("--only", default="", help="only cases whose name contains this (e.g. fp8, d128x128_causal)")
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(args.worker, args.out, args.only)
+        return 0
+    arches = args.arch or sorted(CASES)
+    if args.save:
+        build(args.save, arches, args.only)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="ptx_identity_now_") as now:
+        build(Path(now), arches, args.only)
+        return compare(args.compare, Path(now))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
