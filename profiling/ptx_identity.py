@@ -103,8 +103,8 @@ def build(out_dir: Path, arches: List[str], only: str) -> None:
         sys.exit(f"a build failed: exit codes {codes}")
 
 
-def compare(reference: Path, current: Path) -> int:
-    ref = {p.name for p in reference.iterdir()}
+def compare(reference: Path, current: Path, arches: List[str], only: str) -> int:
+    ref = {p.name for p in reference.iterdir() if p.name.split("_")[0] in arches and only in p.name}
     cur = {p.name for p in current.iterdir()}
     bad = 0
     for name in sorted(cur):
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="ptx_identity_now_") as now:
         build(Path(now), arches, args.only)
-        return compare(args.compare, Path(now))
+        return compare(args.compare, Path(now), arches, args.only)
 
 
 if __name__ == "__main__":
