@@ -176,22 +176,7 @@ class Sm100FlashForward:
         if const_expr(self.q_dtype != self.k_dtype or self.q_dtype != self.v_dtype):
             raise TypeError("q, k and v must share one dtype")
 
-        # Mode orders the TMA atoms and MMA partitioners expect: (seqlen, head_dim, head, batch); V as (dv, seqlen).
-        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-        if const_expr(self.v_seq_major):
-            # Keys bounded by seqlen_k (not sk_pad): the TMA zero-fills the tail instead of reading the padding.
-            mV = cute.make_tensor(
-                mV.iterator,
-                cute.make_layout(
-                    (mV.shape[2], mK.shape[0], mV.shape[1], mV.shape[0]),
-                    stride=(mV.stride[2], mV.stride[3], mV.stride[1], mV.stride[0]),
-                ),
-            )
-        else:
-            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
-        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
-        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (sq, h, b)
+        mQ, mK, mV, mO, mLSE = self.kernel_views(mQ, mK, mV, mO, mLSE)
 
         cta_group = tcgen05.CtaGroup.TWO if const_expr(self.use_2cta) else tcgen05.CtaGroup.ONE
         tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
@@ -285,6 +270,26 @@ class Sm100FlashForward:
             stream=stream,
             min_blocks_per_mp=1,
         )
+
+    def kernel_views(self, mQ, mK, mV, mO, mLSE):
+        """The mode orders the TMA atoms and MMA partitioners expect: (seqlen, head_dim, head, batch); V as
+        (dv, seqlen, head, batch); LSE as (sq, h, b)."""
+        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+        if const_expr(self.v_seq_major):
+            # Keys bounded by seqlen_k (not sk_pad): the TMA zero-fills the tail instead of reading the padding.
+            mV = cute.make_tensor(
+                mV.iterator,
+                cute.make_layout(
+                    (mV.shape[2], mK.shape[0], mV.shape[1], mV.shape[0]),
+                    stride=(mV.stride[2], mV.stride[3], mV.stride[1], mV.stride[0]),
+                ),
+            )
+        else:
+            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (sq, h, b)
+        return mQ, mK, mV, mO, mLSE
 
     # ------------------------------------------------------------------------------------------------------------
     # Device side
