@@ -38,6 +38,13 @@ CASES: Dict[str, List[Tuple[str, int, int, str]]] = {
         ("fp8", 128, 128, "causal"),
         ("fp8", 256, 256, "none"),
     ],
+    # FP8 alternatives (profiling/fp8_variants.py) that take the paths the defaults do not: promote_pv, row_sum_mma,
+    # the polynomial exp2.
+    "sm90-variants": [
+        ("fp8", 128, 128, "causal", "tile128_promote"),
+        ("fp8", 128, 128, "none", "tile128_promote_row_sum_mma"),
+        ("fp8", 128, 128, "local", "poly8_no_promote"),
+    ],
     "sm100": [
         ("bf16", 128, 128, "causal"),  # 1-CTA and 2-CTA builds
         ("bf16", 64, 64, "local"),
@@ -45,7 +52,7 @@ CASES: Dict[str, List[Tuple[str, int, int, str]]] = {
         ("fp8", 128, 128, "none"),
     ],
 }
-TARGET = {"sm90": "sm_90a", "sm100": "sm_100a"}
+TARGET = {"sm90": "sm_90a", "sm90-variants": "sm_90a", "sm100": "sm_100a"}
 
 _DROP = re.compile(r"^\s*(?://|\.file\b|\.loc\b)")
 _ENTRY = re.compile(r"\.entry\s+([A-Za-z_$][\w$]*)")
@@ -65,8 +72,34 @@ def normalise_ptx(ptx: str) -> str:
 
 
 def _case_name(arch: str, case) -> str:
-    dtype, d, dv, mask = case
-    return f"{arch}_{dtype}_d{d}x{dv}_{mask}"
+    dtype, d, dv, mask = case[:4]
+    return f"{arch}_{dtype}_d{d}x{dv}_{mask}" + "".join(f"_{v}" for v in case[4:])
+
+
+def _variant_report(spec, variant: str, tmp: str) -> List[dict]:
+    """Builds the sm90 FP8 forward with one of profiling/fp8_variants.py's configurations."""
+    from cute_flash.arch.sm90.fp8_launch import build_fp8_forward
+    from cute_flash.census import capture_fd_stderr, cubin_resources, parse_ptxas_reports
+    from cute_flash.compile_cache import keep_artifacts_options
+    from profiling.fp8_variants import VARIANTS
+
+    with capture_fd_stderr() as captured:
+        compiled = build_fp8_forward(spec, VARIANTS[variant], "sm_90a", keep_artifacts_options(tmp))
+    ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
+    (Path(tmp) / "fwd_fp8.ptx").write_text(ptx)
+    entry, res = next(iter(cubin_resources(cubin).items()))
+    reports = [r for r in parse_ptxas_reports("".join(captured)) if r[0] == entry]
+    spill = reports[-1][1].get("spill_bytes") if reports else None
+    return [
+        {
+            "kernel": "fwd_fp8",
+            "files": ["fwd_fp8.ptx"],
+            "registers": res.get("registers"),
+            "spill_bytes": spill,
+            "stack_frame_bytes": res.get("stack_frame_bytes"),
+            "shared_bytes": None,
+        }
+    ]
 
 
 def _worker(arch: str, out_dir: Path, only: str) -> None:
@@ -78,10 +111,13 @@ def _worker(arch: str, out_dir: Path, only: str) -> None:
         name = _case_name(arch, case)
         if only and only not in name:
             continue
-        dtype, d, dv, mask = case
+        dtype, d, dv, mask = case[:4]
         spec = AttentionSpec(dtype, d, dv, mask, "bf16" if dtype in ("fp8", "bf16") else dtype)
         with tempfile.TemporaryDirectory(prefix="ptx_identity_") as tmp:
-            reports = compile_report(arch, spec, backward=False, out_dir=tmp)
+            if len(case) > 4:
+                reports = _variant_report(spec, case[4], tmp)
+            else:
+                reports = compile_report(arch, spec, backward=False, out_dir=tmp)
             for rep in reports:
                 stem = f"{name}_{rep['kernel']}"
                 ptx = (Path(tmp) / rep["files"][0]).read_text()
