@@ -51,8 +51,20 @@ CASES: Dict[str, List[Tuple[str, int, int, str]]] = {
         ("fp16", 96, 96, "causal"),
         ("fp8", 128, 128, "none"),
     ],
+    # Kernels that share common/ code with the forward kernels: with --arch sm80 / sm90-bwd, a change there can be
+    # shown not to touch them either (every kernel the backward=True compile builds: forward, pre/postprocess, main).
+    "sm80": [
+        ("bf16", 128, 128, "causal"),
+        ("fp16", 64, 64, "local"),
+    ],
+    "sm90-bwd": [
+        ("bf16", 128, 128, "causal"),
+        ("bf16", 64, 64, "local"),
+    ],
 }
-TARGET = {"sm90": "sm_90a", "sm90-variants": "sm_90a", "sm100": "sm_100a"}
+TARGET = {"sm90": "sm_90a", "sm90-variants": "sm_90a", "sm100": "sm_100a", "sm80": "sm_80", "sm90-bwd": "sm_90a"}
+BACKWARD = {"sm80", "sm90-bwd"}  # also build the backward kernels
+DEFAULT_ARCHES = ["sm100", "sm90", "sm90-variants"]
 
 _DROP = re.compile(r"^\s*(?://|\.file\b|\.loc\b)")
 _ENTRY = re.compile(r"\.entry\s+([A-Za-z_$][\w$]*)")
@@ -117,7 +129,8 @@ def _worker(arch: str, out_dir: Path, only: str) -> None:
             if len(case) > 4:
                 reports = _variant_report(spec, case[4], tmp)
             else:
-                reports = compile_report(arch, spec, backward=False, out_dir=tmp)
+                family = arch.split("-")[0]
+                reports = compile_report(family, spec, backward=arch in BACKWARD, out_dir=tmp)
             for rep in reports:
                 stem = f"{name}_{rep['kernel']}"
                 ptx = (Path(tmp) / rep["files"][0]).read_text()
@@ -169,13 +182,18 @@ def main(argv=None) -> int:
     g.add_argument("--compare", type=Path, help="build and compare with a folder written by --save")
     g.add_argument("--worker", choices=sorted(CASES), help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--arch", choices=sorted(CASES), action="append", help="only this arch (repeatable)")
+    p.add_argument(
+        "--arch",
+        choices=sorted(CASES),
+        action="append",
+        help=f"these case groups (repeatable; default {DEFAULT_ARCHES})",
+    )
     p.add_argument("--only", default="", help="only cases whose name contains this (e.g. fp8, d128x128_causal)")
     args = p.parse_args(argv)
     if args.worker:
         _worker(args.worker, args.out, args.only)
         return 0
-    arches = args.arch or sorted(CASES)
+    arches = args.arch or DEFAULT_ARCHES
     if args.save:
         build(args.save, arches, args.only)
         return 0
