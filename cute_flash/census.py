@@ -185,3 +185,15 @@ def capture_fd_stderr() -> Iterator[List[str]]:
             tmp.seek(0)
             sink.append(tmp.read().decode(errors="replace"))
             sink.append(py_err.getvalue())
+
+
+def read_artifacts(compiled):
+    """(PTX text, cubin bytes) of a kernel compiled with keep_artifacts_options (the DSL may hand back file paths)."""
+    ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
+    if isinstance(ptx, str) and os.path.isfile(ptx):
+        with open(ptx) as f:
+            ptx = f.read()
+    if isinstance(cubin, str) and os.path.isfile(cubin):
+        with open(cubin, "rb") as f:
+            cubin = f.read()
+    return ptx, cubin

@@ -18,20 +18,10 @@ import torch
 
 
 def _bench_ms(fn: Callable[[], object]) -> float:
-    try:
-        from triton.testing import do_bench
+    """Median device time (cute_flash.bench.timing: do_bench, or CUDA events without triton)."""
+    from cute_flash.bench.timing import TimingOptions, median_ms
 
-        return float(do_bench(fn, warmup=50, rep=200))
-    except ImportError:  # pragma: no cover - the GPU machine has triton
-        for _ in range(5):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 20
+    return median_ms(fn, TimingOptions(warmup_ms=50, rep_ms=200))
 
 
 def _fa4() -> Optional[Callable]:
@@ -70,6 +60,8 @@ def bench_case(
     import cute_flash
 
     from cute_flash.arch.sm90.fp8_launch import run_forward_fp8
+    from cute_flash.bench.flops import attention_flops
+    from cute_flash.bench.flops import tflops as flops_to_tflops
     from cute_flash.arch.sm90.fp8_tile_config import fp8_fwd_config, kv_scale_block
     from cute_flash.spec import AttentionSpec, normalize_mask
     from cute_flash.fp8.prepare import prepare_fp8_inputs
@@ -77,8 +69,8 @@ def bench_case(
     torch.manual_seed(0)
     shape = (batch, seqlen, heads, head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    flops = 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
-    tflops = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
+    flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal=causal)
+    tflops = partial(flops_to_tflops, flops)
     row: Dict[str, object] = {"b": batch, "s": seqlen, "h": heads, "d": head_dim, "causal": causal}
 
     prepare = partial(prepare_fp8_inputs, block_n=kv_scale_block(head_dim, head_dim))

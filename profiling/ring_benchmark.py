@@ -102,9 +102,22 @@ def _pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
     return visible_pairs(seqlen_q, seqlen_k, None, 0 if causal else None)
 
 
-def _flops(pairs: float, opts, backward: bool) -> float:
-    fwd = 4.0 * opts.batch * opts.heads * opts.head_dim * pairs
-    return fwd * (1.0 + 2.5) if backward else fwd
+def _time_modes(opts, modes, fns, pairs: float, tflops_key: str) -> Dict[str, object]:
+    """Per mode ("fwd", "fwd_bwd") in `modes`: its time (_time_ms), TFLOP/s of `pairs` visible pairs under
+    `tflops_key`, and the peak memory; the maximum over the ranks."""
+    from cute_flash.bench.flops import pair_flops, tflops
+
+    row: Dict[str, object] = {}
+    for mode, fn in fns:
+        if mode not in modes:
+            continue
+        torch.cuda.reset_peak_memory_stats()
+        t = _time_ms(fn, opts.budget_s, opts.max_iters)
+        direction = "fwdbwd" if mode == "fwd_bwd" else "fwd"
+        flops = pair_flops(pairs, opts.batch, opts.heads, opts.head_dim, opts.head_dim, direction=direction)
+        row[mode] = dict(t, **{tflops_key: tflops(flops, t["ms"])})
+        row[mode]["peak_gib"] = _all_max(_peak_gib())
+    return row
 
 
 def _estimate_bytes(opts, seqlen_local: int, seqlen: int, single: bool) -> float:
@@ -139,7 +152,6 @@ def _run_ring(opts, seqlen: int, causal: bool, world: int, dtype, modes) -> Dict
     k = _randn(opts.batch, s, hkv, opts.head_dim, dtype=dtype, requires_grad=True)
     v = _randn(opts.batch, s, hkv, opts.head_dim, dtype=dtype, requires_grad=True)
     dout = _randn(opts.batch, s, opts.heads, opts.head_dim, dtype=dtype)
-    row: Dict[str, object] = {}
     pairs = _pairs(seqlen, seqlen, causal) / world  # the whole sequence's work, per GPU
 
     def fwd():
@@ -150,14 +162,7 @@ def _run_ring(opts, seqlen: int, causal: bool, world: int, dtype, modes) -> Dict
         q.grad = k.grad = v.grad = None
         ring_attention(q, k, v, causal=causal, layout=opts.layout).backward(dout)
 
-    for mode, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-        if mode not in modes:
-            continue
-        torch.cuda.reset_peak_memory_stats()
-        t = _time_ms(fn, opts.budget_s, opts.max_iters)
-        row[mode] = dict(t, tflops_per_gpu=_flops(pairs, opts, mode == "fwd_bwd") / (t["ms"] * 1e-3) / 1e12)
-        row[mode]["peak_gib"] = _all_max(_peak_gib())
-    return row
+    return _time_modes(opts, modes, (("fwd", fwd), ("fwd_bwd", fwd_bwd)), pairs, "tflops_per_gpu")
 
 
 def _run_single(opts, seqlen: int, causal: bool, world: int, dtype, modes) -> Dict[str, object]:
@@ -170,7 +175,6 @@ def _run_single(opts, seqlen: int, causal: bool, world: int, dtype, modes) -> Di
     v = _randn(opts.batch, seqlen, hkv, opts.head_dim, dtype=dtype, requires_grad=True)
     dout = _randn(opts.batch, s, opts.heads, opts.head_dim, dtype=dtype)
     pairs = _pairs(s, seqlen, causal)
-    row: Dict[str, object] = {}
 
     def fwd():
         with torch.no_grad():
@@ -180,14 +184,7 @@ def _run_single(opts, seqlen: int, causal: bool, world: int, dtype, modes) -> Di
         q.grad = k.grad = v.grad = None
         cute_flash.attention(q, k, v, causal=causal).backward(dout)
 
-    for mode, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-        if mode not in modes:
-            continue
-        torch.cuda.reset_peak_memory_stats()
-        t = _time_ms(fn, opts.budget_s, opts.max_iters)
-        row[mode] = dict(t, tflops=_flops(pairs, opts, mode == "fwd_bwd") / (t["ms"] * 1e-3) / 1e12)
-        row[mode]["peak_gib"] = _all_max(_peak_gib())
-    return row
+    return _time_modes(opts, modes, (("fwd", fwd), ("fwd_bwd", fwd_bwd)), pairs, "tflops")
 
 
 def _release() -> None:

@@ -85,21 +85,11 @@ def cpu(args) -> None:
     print("\n".join(["", "== cpu compile (" + args.target + ") =="] + rows))
 
 
-def _time_ms(fn, iters):
-    import torch
+def _time_ms(fn):
+    """Median device time of a warm call (cute_flash.bench.timing)."""
+    from cute_flash.bench.timing import TimingOptions, median_ms
 
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return min(times)
+    return median_ms(fn, TimingOptions())
 
 
 def gpu(args) -> int:
@@ -126,7 +116,7 @@ def gpu(args) -> int:
         qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             out_t = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        ms = _time_ms(lambda: torch.autograd.grad(out_t, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True), 5)
+        ms = _time_ms(lambda: torch.autograd.grad(out_t, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True))
         table[(d, s, causal, "sdpa-flash")] = flops / ms / 1e9
         # out / lse from SDPA's flash forward (the backward kernels only read them).
         with torch.no_grad():
@@ -139,7 +129,7 @@ def gpu(args) -> int:
             try:
                 cfg = variant_config(variant, d, target)
                 call = lambda: run_backward(BwdTensors(dout, q, k, v, out, lse), Grads(*grads), problem, cfg=cfg)
-                ms = _time_ms(call, 5)
+                ms = _time_ms(call)
                 table[(d, s, causal, variant)] = flops / ms / 1e9
                 # Cheap agreement check between variants (the full check is the test matrix).
                 if ref_grads is None:

@@ -47,7 +47,7 @@ def main(argv: Optional[list] = None) -> None:
     ap.add_argument("--heads", type=int, default=16)
     args = ap.parse_args(argv)
 
-    from triton.testing import do_bench
+    from cute_flash.bench.timing import TimingOptions, median_ms
 
     from cute_flash import compile_cache
     from cute_flash.arch.sm80 import backward, flash_bwd_postprocess
@@ -75,8 +75,8 @@ def main(argv: Optional[list] = None) -> None:
         frag(frag_accum, out_frag, 0.5)
         torch.cuda.synchronize()
         outputs[name] = (out_rows, out_frag)
-        t_rows = do_bench(lambda: rows(row_accum, out_rows, 0.5), warmup=25, rep=100)
-        t_frag = do_bench(lambda: frag(frag_accum, out_frag, 0.5), warmup=25, rep=100)
+        t_rows = median_ms(lambda: rows(row_accum, out_rows, 0.5), TimingOptions())
+        t_frag = median_ms(lambda: frag(frag_accum, out_frag, 0.5), TimingOptions())
         print(
             f"{name:>8}: row-major {t_rows * 1e3:7.1f} us ({gb / t_rows * 1e3:5.0f} GB/s)   "
             f"dQ fragment {t_frag * 1e3:7.1f} us ({gb / t_frag * 1e3:5.0f} GB/s)"

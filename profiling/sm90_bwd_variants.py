@@ -47,11 +47,11 @@ def main() -> None:
     p.add_argument("--rep-ms", type=int, default=60, help="do_bench time per variant and round")
     args = p.parse_args()
 
-    import triton.testing
-
     from cute_flash import compile_cache
     from cute_flash.arch.sm90 import backward as sm90_bwd
     from cute_flash.arch.sm90.tile_config import bwd_tile_config
+    from cute_flash.bench.flops import attention_flops
+    from cute_flash.bench.timing import TimingOptions, median_ms
     from cute_flash.reference import attention_reference  # noqa: F401  (imports torch helpers only)
     from cute_flash.arch.base import BwdTensors
     from cute_flash.validation import validate
@@ -73,7 +73,7 @@ def main() -> None:
             from cute_flash import attention
 
             out, lse = attention(q, k, v, causal=causal, return_lse=True)
-            flops = 2.5 * 4 * b * h * seqlen * seqlen * d / (2 if causal else 1)
+            flops = attention_flops(b, h, seqlen, seqlen, d, causal=causal, backward=True)
             base = None
             runs = [
                 (name, dataclasses.replace(bwd_tile_config(spec), **VARIANTS[name]), False)
@@ -94,7 +94,7 @@ def main() -> None:
             times = {name: [] for name in calls}
             for _ in range(args.rounds):
                 for name, (call, _) in calls.items():
-                    times[name].append(triton.testing.do_bench(call, warmup=10, rep=args.rep_ms, return_mode="median"))
+                    times[name].append(median_ms(call, TimingOptions(warmup_ms=10, rep_ms=args.rep_ms)))
             base = None
             for name, (_, grads) in calls.items():
                 ms = statistics.median(times[name])
@@ -110,12 +110,7 @@ def main() -> None:
                 leaves = [t.detach().requires_grad_() for t in (q, k, v)]
                 o = flash_attn_func(*leaves, causal=causal)
                 o = o[0] if isinstance(o, tuple) else o
-                ms = triton.testing.do_bench(
-                    lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True),
-                    warmup=25,
-                    rep=100,
-                    return_mode="median",
-                )
+                ms = median_ms(lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True), TimingOptions())
                 rows.append((d, seqlen, causal, "fa4 (autograd)", ms, flops / ms / 1e9, float("nan")))
     ratios = {}
     for d_, s, c, name, ms, tf, diff in rows:

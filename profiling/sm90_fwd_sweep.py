@@ -18,6 +18,7 @@ import torch
 
 from cute_flash import compile_cache
 from cute_flash.bench.flops import attention_flops
+from cute_flash.bench.flops import tflops as flops_to_tflops
 from cute_flash.spec import UNBOUNDED_WINDOW, AttentionSpec
 from cute_flash.arch.sm90.tile_config import FwdTileConfig, budget_problem, fwd_tile_config
 
@@ -53,13 +54,13 @@ SWEEP: Dict[Tuple[int, int], List[FwdTileConfig]] = {
 
 
 def tflops(batch: int, heads: int, seqlen: int, head_dim: int, head_dim_v: int, causal: bool, ms: float) -> float:
-    return attention_flops(batch, heads, seqlen, seqlen, head_dim, head_dim_v, causal=causal) / (ms * 1e-3) / 1e12
+    return flops_to_tflops(attention_flops(batch, heads, seqlen, seqlen, head_dim, head_dim_v, causal=causal), ms)
 
 
 def _bench(fn: Callable[[], object]) -> float:
-    import triton
+    from cute_flash.bench.timing import TimingOptions, median_ms
 
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return median_ms(fn, TimingOptions(warmup_ms=25, rep_ms=100))
 
 
 def _ours(spec: AttentionSpec, cfg: FwdTileConfig, q, k, v, causal: bool):

@@ -20,6 +20,7 @@ from cute_flash.testing import FP8_ABS_SLACK
 from cute_flash.fp8.hadamard import DEFAULT_SEED, hadamard_signs, unrotate
 from cute_flash.fp8.prepare import BLOCK_M, BLOCK_N, prepare_fp8_inputs
 from cute_flash.reference import attention_reference
+from tests.forward_suite import FP8_CASES
 
 pytestmark = pytest.mark.sm90
 
@@ -69,14 +70,7 @@ def test_prepass_hadamard_round_trip():
 
 
 # --- FP8 attention ----------------------------------------------------------------------------------------------------
-CASES = [
-    # b, sq, sk, h, hkv, d, causal, window
-    (2, 512, 512, 4, 4, 128, False, (None, None)),
-    (1, 1000, 1000, 4, 2, 128, True, (None, None)),  # tails, GQA
-    (2, 300, 700, 6, 2, 128, False, (None, None)),  # sq != sk
-    (1, 700, 300, 2, 1, 128, True, (None, None)),  # sq > sk: the first rows see no key
-    (1, 640, 640, 4, 4, 128, False, (100, 20)),  # local window
-    (1, 500, 2048, 2, 2, 64, True, (None, None)),
+CASES = FP8_CASES + [
     (1, 400, 900, 2, 1, 256, True, (None, None)),
 ]
 
@@ -143,28 +137,7 @@ def test_prequantized_inputs(per_block):
     b, s, h, hkv, d = 2, 600, 4, 2, 128
     q, k, v = _qkv(b, s, s, h, hkv, d, seed=11)
     block_n = kv_scale_block(d, d)  # what the sm90 kernel reads per block at this head dim
-    if per_block:
-        q8, qd = quantize.quantize_blocks(q, BLOCK_M)
-        k8, kd = quantize.quantize_blocks(k, block_n)
-        v8, vd = quantize.quantize_blocks(v, block_n)
-        deq = [
-            quantize.dequantize_blocks(x8, xd, blk)
-            for x8, xd, blk in ((q8, qd, BLOCK_M), (k8, kd, block_n), (v8, vd, block_n))
-        ]
-    else:
-        # One factor per (batch, kv head), as FlashAttention-3 takes them.
-        def per_head(x, heads_per_kv):
-            amax = x.float().abs().amax(dim=(1, 3))  # (b, heads)
-            amax = amax.reshape(b, hkv, heads_per_kv).amax(-1)
-            descale = amax / quantize.E4M3_MAX
-            scale = descale.repeat_interleave(heads_per_kv, dim=1)[:, None, :, None]
-            x8 = quantize.to_e4m3(x.float() / scale)
-            return x8, descale, x8.float() * scale
-
-        q8, qd, q_deq = per_head(q, h // hkv)
-        k8, kd, k_deq = per_head(k, 1)
-        v8, vd, v_deq = per_head(v, 1)
-        deq = [q_deq, k_deq, v_deq]
+    (q8, k8, v8), (qd, kd, vd), deq = quantize.quantize_qkv(q, k, v, BLOCK_M, block_n, per_block)
     out, lse = cute_flash.attention(q8, k8, v8, causal=True, descale=(qd, kd, vd), return_lse=True)
     assert out.dtype == torch.bfloat16
     # Against float64 on the dequantised inputs; only P's rounding (and fp32 order) remains, which the model has.

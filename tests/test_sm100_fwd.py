@@ -15,57 +15,16 @@ from cute_flash import attention
 from cute_flash.arch.sm100 import tile_config as sm100_config
 from cute_flash.reference import attention_reference
 from cute_flash.spec import AttentionSpec
-from cute_flash.testing import (
-    MATRIX_DTYPES,
-    MATRIX_HEADS,
-    MATRIX_MASKS,
-    MATRIX_SEQLENS,
-    attention_and_check,
-    check_forward,
-    matrix_inputs,
-    random_qkv,
-)
+from cute_flash.testing import attention_and_check, check_forward, random_qkv
+from tests.forward_suite import FP8_CASES as SHARED_FP8_CASES, forward_suite
 
 pytestmark = pytest.mark.sm100
 
 HEAD_DIMS = [64, 96, 128]
-SEQLENS, HEADS, MASKS, DTYPES = MATRIX_SEQLENS, MATRIX_HEADS, MATRIX_MASKS, MATRIX_DTYPES
 _run = attention_and_check
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
-@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"q{s[0]}k{s[1]}")
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_forward_matrix(head_dim, seqlens, heads, mask, dtype):
-    _run(*matrix_inputs(head_dim, seqlens, heads, dtype), **MASKS[mask])
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("seqlen", [8192, 16384])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_forward_long(head_dim, seqlen, causal):
-    # Few heads: the float64 reference materialises (heads x seqlen x seqlen) scores.
-    q, k, v = random_qkv(1, seqlen, seqlen, 2, 1, head_dim, dtype=torch.bfloat16, seed=seqlen)
-    _run(q, k, v, causal=causal)
-
-
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_fully_masked_rows(head_dim):
-    # Causal with seqlen_q > seqlen_k: query i sees key j iff j <= i - 200, so rows 0..199 see nothing. With 2-CTA
-    # (d=128, sq=300 > 256) the whole 512-row cluster shares one KV range; the empty rows must still be 0 / -inf.
-    q, k, v = random_qkv(2, 300, 100, 4, 2, head_dim, dtype=torch.bfloat16, seed=7)
-    out, lse = attention(q, k, v, causal=True, return_lse=True)
-    assert torch.equal(out[:, :200], torch.zeros_like(out[:, :200]))
-    assert torch.isneginf(lse[:, :, :200]).all()
-    check_forward(q, k, v, out, lse, causal=True)
-    # A window that no key of a short K reaches from the first rows: rows 0..(sq - sk - 1) are empty.
-    q, k, v = random_qkv(1, 257, 64, 2, 2, head_dim, dtype=torch.float16, seed=8)
-    _run(q, k, v, window_size=(16, 0))
-    # Every row of whole tiles sees nothing: those CTAs run no MMA at all and write 0 / -inf directly.
-    q, k, v = random_qkv(1, 1200, 64, 2, 1, head_dim, dtype=torch.bfloat16, seed=9)
-    _run(q, k, v, causal=True)
+test_forward_matrix, test_forward_long, test_fully_masked_rows, test_forward_strided_views = forward_suite(HEAD_DIMS)
 
 
 @pytest.mark.parametrize("window", [(0, 0), (100, 30), (None, 5), (7, None), (300, 300)])
@@ -73,14 +32,6 @@ def test_local_windows(window):
     q, k, v = random_qkv(2, 777, 901, 4, 4, 128, dtype=torch.bfloat16, seed=11)
     _run(q, k, v, window_size=window)
     _run(q, k, v, causal=True, window_size=window)
-
-
-def test_forward_strided_views():
-    # q, k, v cut from one packed (b, s, 3, h, d) tensor: row strides are 3 * h * d, not h * d.
-    qkv = torch.randn(2, 517, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
-    q, k, v = qkv.unbind(dim=2)
-    _run(q, k, v)
-    _run(q, k, v, causal=True)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -112,14 +63,7 @@ def test_unbuilt_head_dims_say_so(head_dim):
 # Budget of docs/fp8.md (the same as tests/test_fp8_gpu.py): against float64, the kernel may be at most 1.25x the RMSE
 # and 2x the max error of the same quantisation emulated in torch (cute_flash.fp8.emulate); pre-quantised inputs are
 # compared with float64 on the dequantised values. Rows that see no key: out 0, lse -inf.
-FP8_CASES = [
-    # b, sq, sk, h, hkv, d, causal, window
-    (2, 512, 512, 4, 4, 128, False, (None, None)),
-    (1, 1000, 1000, 4, 2, 128, True, (None, None)),  # tails, GQA
-    (2, 300, 700, 6, 2, 128, False, (None, None)),  # sq != sk
-    (1, 700, 300, 2, 1, 128, True, (None, None)),  # sq > sk: the first rows see no key
-    (1, 640, 640, 4, 4, 128, False, (100, 20)),  # local window
-    (1, 500, 2048, 2, 2, 64, True, (None, None)),
+FP8_CASES = SHARED_FP8_CASES + [
     (1, 333, 517, 4, 2, 96, False, (None, None)),
 ]
 
@@ -177,25 +121,7 @@ def test_fp8_prequantized_inputs(per_block):
 
     b, s, h, hkv, d = 2, 600, 4, 2, 128
     q, k, v = random_qkv(b, s, s, h, hkv, d, dtype=torch.bfloat16, seed=11)
-    if per_block:
-        q8, qd = quantize.quantize_blocks(q, BLOCK_M)
-        k8, kd = quantize.quantize_blocks(k, BLOCK_N)
-        v8, vd = quantize.quantize_blocks(v, BLOCK_N)
-        deq = [
-            quantize.dequantize_blocks(x8, xd, blk)
-            for x8, xd, blk in ((q8, qd, BLOCK_M), (k8, kd, BLOCK_N), (v8, vd, BLOCK_N))
-        ]
-    else:
-        # One factor per (batch, kv head), FlashAttention-3's convention.
-        def per_head(x, heads_per_kv):
-            amax = x.float().abs().amax(dim=(1, 3)).reshape(b, hkv, heads_per_kv).amax(-1)
-            descale = amax / quantize.E4M3_MAX
-            scale = descale.repeat_interleave(heads_per_kv, dim=1)[:, None, :, None]
-            x8 = quantize.to_e4m3(x.float() / scale)
-            return x8, descale, x8.float() * scale
-
-        (q8, qd, q_deq), (k8, kd, k_deq), (v8, vd, v_deq) = per_head(q, h // hkv), per_head(k, 1), per_head(v, 1)
-        deq = [q_deq, k_deq, v_deq]
+    (q8, k8, v8), (qd, kd, vd), deq = quantize.quantize_qkv(q, k, v, BLOCK_M, BLOCK_N, per_block)
     out, lse = attention(q8, k8, v8, causal=True, descale=(qd, kd, vd), return_lse=True)
     assert out.dtype == torch.bfloat16
     ref = attention_reference(*deq, causal=True)

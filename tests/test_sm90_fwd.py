@@ -9,64 +9,17 @@ import torch
 
 import cute_flash
 from cute_flash import attention
-from cute_flash.testing import (
-    MATRIX_DTYPES,
-    MATRIX_HEADS,
-    MATRIX_MASKS,
-    MATRIX_SEQLENS,
-    attention_and_check,
-    check_backward,
-    check_forward,
-    matrix_inputs,
-    random_qkv,
-)
+from cute_flash.testing import MATRIX_DTYPES, MATRIX_MASKS, attention_and_check, check_backward, random_qkv
+from tests.forward_suite import forward_suite
 
 pytestmark = pytest.mark.sm90
 
 HEAD_DIMS = [64, 128, 256]
-SEQLENS, HEADS, MASKS, DTYPES = MATRIX_SEQLENS, MATRIX_HEADS, MATRIX_MASKS, MATRIX_DTYPES
+MASKS, DTYPES = MATRIX_MASKS, MATRIX_DTYPES
 _run = attention_and_check
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
-@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"q{s[0]}k{s[1]}")
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_forward_matrix(head_dim, seqlens, heads, mask, dtype):
-    _run(*matrix_inputs(head_dim, seqlens, heads, dtype), **MASKS[mask])
-
-
-# Long sequences: the float64 reference builds its scores one block of query rows at a time
-# (reference.REFERENCE_BLOCK_ELEMS), so each of these holds about a GiB and needs no xdist worker of its own, even with
-# ten workers on one GPU (tests/gpu_suite.sh). The backward's long tests still do: autograd keeps every block.
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("seqlen", [8192, 16384])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_forward_long(head_dim, seqlen, causal):
-    q, k, v = random_qkv(1, seqlen, seqlen, 2, 1, head_dim, dtype=torch.bfloat16, seed=seqlen)
-    _run(q, k, v, causal=causal)
-
-
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_fully_masked_rows(head_dim):
-    # Causal with seqlen_q > seqlen_k: query i sees key j iff j <= i - 200, so rows 0..199 see nothing.
-    q, k, v = random_qkv(2, 300, 100, 4, 2, head_dim, dtype=torch.bfloat16, seed=7)
-    out, lse = attention(q, k, v, causal=True, return_lse=True)
-    assert torch.equal(out[:, :200], torch.zeros_like(out[:, :200]))
-    assert torch.isneginf(lse[:, :, :200]).all()
-    check_forward(q, k, v, out, lse, causal=True)
-    # A window that no key of a short K reaches from the first rows: rows 0..(sq - sk - 1) are empty.
-    q, k, v = random_qkv(1, 257, 64, 2, 2, head_dim, dtype=torch.float16, seed=8)
-    _run(q, k, v, window_size=(16, 0))
-
-
-def test_forward_strided_views():
-    # q, k, v cut from one packed (b, s, 3, h, d) tensor: row strides are 3 * h * d, not h * d.
-    qkv = torch.randn(2, 517, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
-    q, k, v = qkv.unbind(dim=2)
-    _run(q, k, v)
-    _run(q, k, v, causal=True)
+test_forward_matrix, test_forward_long, test_fully_masked_rows, test_forward_strided_views = forward_suite(HEAD_DIMS)
 
 
 @pytest.mark.parametrize("head_dim", [96, 192])

@@ -64,19 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--warmup-ms", type=float, default=25.0)
     t.add_argument("--rep-ms", type=float, default=100.0)
     t.add_argument("--host-calls", type=int, default=20, help="calls averaged for the warm host overhead")
-    t.add_argument(
-        "--quadratic-max-seqlen",
-        type=int,
-        default=None,
-        help="time O(N^2)-memory implementations (naive, sdpa-math) only up to this seqlen",
-    )
+    quadratic = "time O(N^2)-memory implementations (naive, sdpa-math) only up to this seqlen"
+    t.add_argument("--quadratic-max-seqlen", type=int, default=None, help=quadratic)
     t.add_argument("--check-rows", type=int, default=4096, help="query rows compared with the float64 reference")
-    t.add_argument(
-        "--time-budget-s",
-        type=float,
-        default=None,
-        help="start no new grid case after this many seconds (the memory sweep and the files follow)",
-    )
+    budget = "start no new grid case after this many seconds (the memory sweep and the files follow)"
+    t.add_argument("--time-budget-s", type=float, default=None, help=budget)
 
     m = parser.add_argument_group("memory sweep (batch 1, doubling seqlen until naive attention runs out of memory)")
     m.add_argument("--no-memory", action="store_true", help="skip the memory sweep")

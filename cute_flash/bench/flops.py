@@ -86,8 +86,20 @@ def attention_flops(
         pairs = seqlen_q * seqlen_k / 2  # the published convention, see the module docstring
     else:
         pairs = visible_pairs(seqlen_q, seqlen_k, left, right)
-    fwd = 2.0 * batch * heads * pairs * (head_dim + dv)
-    return fwd * BACKWARD_FLOP_FACTOR if backward else fwd
+    return pair_flops(pairs, batch, heads, head_dim, dv, direction="bwd" if backward else "fwd")
+
+
+def direction_factor(direction: str) -> float:
+    """FLOPs of a "fwd", "bwd" or "fwdbwd" (one training step's attention) call, in forwards."""
+    return {"fwd": 1.0, "bwd": BACKWARD_FLOP_FACTOR, "fwdbwd": 1.0 + BACKWARD_FLOP_FACTOR}[direction]
+
+
+def pair_flops(
+    pairs: float, batch: int, heads: int, head_dim: int, head_dim_v: int, *, direction: str = "fwd"
+) -> float:
+    """FLOPs of `pairs` visible (query, key) pairs per (batch, head) in one `direction` call (direction_factor)."""
+    fwd = 2.0 * batch * heads * pairs * (head_dim + head_dim_v)
+    return fwd if direction == "fwd" else fwd * direction_factor(direction)
 
 
 def tflops(flops: float, ms: Optional[float]) -> Optional[float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Iterable, List, Optional, Sequence
 
-from .flops import BACKWARD_FLOP_FACTOR, attention_flops
+from .flops import attention_flops, direction_factor
 
 DTYPES = ("bf16", "fp16", "fp8")
 HEAD_DIMS = (64, 128, 256)
@@ -62,8 +62,7 @@ class Case:
             s.head_dim,
             s.head_dim_v,
             causal=self.causal,
-            backward=self.direction == "bwd",
-        ) * (1 + BACKWARD_FLOP_FACTOR if self.direction == "fwdbwd" else 1)
+        ) * direction_factor(self.direction)
 
     def label(self) -> str:
         s = self.shape

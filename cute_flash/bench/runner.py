@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -61,15 +61,9 @@ def _first_line(e: BaseException) -> str:
 
 
 def make_inputs(case: Case, requires_grad: bool = False):
-    s = case.shape
+    # Shape's fields are random_qkv's extents, in its order (batch, seqlen_q, seqlen_k, heads, heads_kv, d, dv).
     return random_qkv(
-        s.batch,
-        s.seqlen_q,
-        s.seqlen_k,
-        s.heads,
-        s.heads_kv,
-        s.head_dim,
-        s.head_dim_v,
+        *astuple(case.shape),
         dtype=TORCH_DTYPES[case.dtype],
         device="cuda",
         requires_grad=requires_grad,
@@ -135,14 +129,28 @@ def _timed_result(
     return Result.for_case(impl.name, data.case, "ok", **kw)
 
 
-def measure_forward(impl: Impl, data: CaseData, opts: RunOptions) -> Result:
-    q, k, v, case = data.q, data.k, data.v, data.case
-    call = lambda: impl(q, k, v, case, data.scale)  # noqa: E731
+def _first_call_stats(impl: Impl, call) -> tuple:
+    """(what the first call returned, {first_call_s, peak_extra_mib[, compile_s]}): the first call, compilation
+    included, timed alone."""
     compiled_before = cache_info()
     kw: dict = {}
     (out, kw["first_call_s"]), kw["peak_extra_mib"] = peak_extra_mib(lambda: first_call(call))
     if impl.name == CUTE_FLASH:
         kw["compile_s"] = _compile_seconds_since(compiled_before)
+    return out, kw
+
+
+def _gradient_result(impl: Impl, data: CaseData, opts: RunOptions, call, leaves) -> Result:
+    """Times `call`, which leaves q, k, v's gradients in `leaves`, after checking them."""
+    _, kw = _first_call_stats(impl, call)
+    verdict = data.reference().verdict([t.grad for t in leaves])
+    return _timed_result(impl, data, opts, call, verdict, kw, grad_to_none=leaves)
+
+
+def measure_forward(impl: Impl, data: CaseData, opts: RunOptions) -> Result:
+    q, k, v, case = data.q, data.k, data.v, data.case
+    call = lambda: impl(q, k, v, case, data.scale)  # noqa: E731
+    out, kw = _first_call_stats(impl, call)
     verdict = data.reference().verdict(out)
     del out
     return _timed_result(impl, data, opts, call, verdict, kw)
@@ -154,13 +162,7 @@ def measure_backward(impl: Impl, data: CaseData, opts: RunOptions) -> Result:
     out = impl(*leaves, data.case, data.scale)  # the forward (and its compilation) is not part of the numbers
     dout = data.dout
     call = lambda: out.backward(dout, retain_graph=True)  # noqa: E731
-    compiled_before = cache_info()
-    kw: dict = {}
-    (_, kw["first_call_s"]), kw["peak_extra_mib"] = peak_extra_mib(lambda: first_call(call))
-    if impl.name == CUTE_FLASH:
-        kw["compile_s"] = _compile_seconds_since(compiled_before)
-    verdict = data.reference().verdict([t.grad for t in leaves])
-    return _timed_result(impl, data, opts, call, verdict, kw, grad_to_none=leaves)
+    return _gradient_result(impl, data, opts, call, leaves)
 
 
 def measure_forward_backward(impl: Impl, data: CaseData, opts: RunOptions) -> Result:
@@ -168,13 +170,7 @@ def measure_forward_backward(impl: Impl, data: CaseData, opts: RunOptions) -> Re
     leaves = tuple(t.detach().requires_grad_(True) for t in (data.q, data.k, data.v))
     dout = data.dout
     call = lambda: impl(*leaves, data.case, data.scale).backward(dout)  # noqa: E731
-    compiled_before = cache_info()
-    kw: dict = {}
-    (_, kw["first_call_s"]), kw["peak_extra_mib"] = peak_extra_mib(lambda: first_call(call))
-    if impl.name == CUTE_FLASH:
-        kw["compile_s"] = _compile_seconds_since(compiled_before)
-    verdict = data.reference().verdict([t.grad for t in leaves])
-    return _timed_result(impl, data, opts, call, verdict, kw, grad_to_none=leaves)
+    return _gradient_result(impl, data, opts, call, leaves)
 
 
 def measure(impl: Impl, data: CaseData, opts: RunOptions) -> Result:

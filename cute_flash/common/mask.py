@@ -41,87 +41,54 @@ def apply_mask(
     mask_window: mask keys outside [i + off - left, i + off + right] for causal / local specs (a no-op for "none").
     Rows past seqlen_q are left alone: kernels never store them.
     """
+    num_rows = cute.size(acc_rc, mode=[0])
+    num_cols = cute.size(acc_rc, mode=[1])
+    # Limits below are in thread 0's column frame: column thread_col + c0 of the tile  <->  c0.
+    thread_col = coords_rc[0, 0][1] - coords0_rc[0, 0][1]
+    apply_window = cutlass.const_expr(mask_window and info.has_right_bound)
     if cutlass.const_expr(not keys_on_rows):
-        _mask_queries_on_rows(acc_rc, coords_rc, coords0_rc, info, m_block, n_block, mask_seqlen, mask_window)
-    else:
-        _mask_keys_on_rows(acc_rc, coords_rc, coords0_rc, info, m_block, n_block, mask_seqlen, mask_window)
-
-
-@cute.jit
-def _mask_queries_on_rows(
-    acc_rc: cute.Tensor,
-    coords_rc: cute.Tensor,
-    coords0_rc: cute.Tensor,
-    info: BlockInfo,
-    m_block: Int32,
-    n_block: Int32,
-    mask_seqlen: cutlass.Constexpr[bool],
-    mask_window: cutlass.Constexpr[bool],
-):
-    num_rows = cute.size(acc_rc, mode=[0])
-    num_cols = cute.size(acc_rc, mode=[1])
-    # Limits below are in thread 0's column frame: key n_block*tile_n + thread_col + c0  <->  c0.
-    thread_col = coords_rc[0, 0][1] - coords0_rc[0, 0][1]
-    key_base = n_block * info.tile_n + thread_col
-    seqlen_limit = info.seqlen_k - key_base  # columns c0 >= this are past seqlen_k
-    apply_window = cutlass.const_expr(mask_window and info.has_right_bound)
-    if cutlass.const_expr(not apply_window):
-        if cutlass.const_expr(mask_seqlen):
-            for c in cutlass.range_constexpr(num_cols):
-                past_end = coords0_rc[0, c][1] >= seqlen_limit
-                for r in cutlass.range_constexpr(num_rows):
-                    acc_rc[r, c] = -Float32.inf if past_end else acc_rc[r, c]
-    else:
-        # Query row i sees keys in [i + off - left, i + off + right]; shift both ends into the column frame.
-        diag_base = m_block * info.tile_m + info.offset - key_base
-        for r in cutlass.range_constexpr(num_rows):
-            diag = coords_rc[r, 0][0] + diag_base
-            col_end = diag + info.right + 1  # exclusive
+        key_base = n_block * info.tile_n + thread_col  # key of column c0 is key_base + c0
+        seqlen_limit = info.seqlen_k - key_base  # columns c0 >= this are past seqlen_k
+        if cutlass.const_expr(not apply_window):
             if cutlass.const_expr(mask_seqlen):
-                col_end = cutlass.min(col_end, seqlen_limit)
-            if cutlass.const_expr(info.has_left_bound):
-                col_begin = diag - info.left
                 for c in cutlass.range_constexpr(num_cols):
-                    c0 = coords0_rc[0, c][1]
-                    outside = c0 >= col_end or c0 < col_begin
-                    acc_rc[r, c] = -Float32.inf if outside else acc_rc[r, c]
-            else:
-                for c in cutlass.range_constexpr(num_cols):
-                    outside = coords0_rc[0, c][1] >= col_end
-                    acc_rc[r, c] = -Float32.inf if outside else acc_rc[r, c]
-
-
-@cute.jit
-def _mask_keys_on_rows(
-    acc_rc: cute.Tensor,
-    coords_rc: cute.Tensor,
-    coords0_rc: cute.Tensor,
-    info: BlockInfo,
-    m_block: Int32,
-    n_block: Int32,
-    mask_seqlen: cutlass.Constexpr[bool],
-    mask_window: cutlass.Constexpr[bool],
-):
-    # The transposed tile of a backward kernel: rows are keys of n_block, columns queries of m_block. As in the
-    # forward orientation, the columns are thread 0's (compile-time) plus this thread's shift, so each row gets a
-    # visible column range [col_lo, col_hi] in thread 0's frame and each element costs a compare and a select.
-    num_rows = cute.size(acc_rc, mode=[0])
-    num_cols = cute.size(acc_rc, mode=[1])
-    thread_col = coords_rc[0, 0][1] - coords0_rc[0, 0][1]
-    query_base = m_block * info.tile_m + thread_col  # query of column c0 is query_base + c0
-    apply_window = cutlass.const_expr(mask_window and info.has_right_bound)
-    for r in cutlass.range_constexpr(num_rows):
-        key = n_block * info.tile_n + coords_rc[r, 0][0]
-        # Query i sees key j iff j - off - right <= i <= j - off + left.
-        col_lo = Int32(0) - (1 << 30)
-        col_hi = Int32(1 << 30)
-        if cutlass.const_expr(apply_window):
-            col_lo = key - info.offset - info.right - query_base
-            if cutlass.const_expr(info.has_left_bound):
-                col_hi = key - info.offset + info.left - query_base
-        if cutlass.const_expr(mask_seqlen):
-            col_lo = (1 << 30) if key >= info.seqlen_k else col_lo
-        for c in cutlass.range_constexpr(num_cols):
-            c0 = coords0_rc[0, c][1]
-            outside = c0 < col_lo or c0 > col_hi
-            acc_rc[r, c] = -Float32.inf if outside else acc_rc[r, c]
+                    past_end = coords0_rc[0, c][1] >= seqlen_limit
+                    for r in cutlass.range_constexpr(num_rows):
+                        acc_rc[r, c] = -Float32.inf if past_end else acc_rc[r, c]
+        else:
+            # Query row i sees keys in [i + off - left, i + off + right]; shift both ends into the column frame.
+            diag_base = m_block * info.tile_m + info.offset - key_base
+            for r in cutlass.range_constexpr(num_rows):
+                diag = coords_rc[r, 0][0] + diag_base
+                col_end = diag + info.right + 1  # exclusive
+                if cutlass.const_expr(mask_seqlen):
+                    col_end = cutlass.min(col_end, seqlen_limit)
+                if cutlass.const_expr(info.has_left_bound):
+                    col_begin = diag - info.left
+                    for c in cutlass.range_constexpr(num_cols):
+                        c0 = coords0_rc[0, c][1]
+                        outside = c0 >= col_end or c0 < col_begin
+                        acc_rc[r, c] = -Float32.inf if outside else acc_rc[r, c]
+                else:
+                    for c in cutlass.range_constexpr(num_cols):
+                        outside = coords0_rc[0, c][1] >= col_end
+                        acc_rc[r, c] = -Float32.inf if outside else acc_rc[r, c]
+    else:
+        # The transposed tile of a backward kernel: rows are keys of n_block, columns queries of m_block; each row
+        # gets a visible column range [col_lo, col_hi] in thread 0's frame.
+        query_base = m_block * info.tile_m + thread_col  # query of column c0 is query_base + c0
+        for r in cutlass.range_constexpr(num_rows):
+            key = n_block * info.tile_n + coords_rc[r, 0][0]
+            # Query i sees key j iff j - off - right <= i <= j - off + left.
+            col_lo = Int32(0) - (1 << 30)
+            col_hi = Int32(1 << 30)
+            if cutlass.const_expr(apply_window):
+                col_lo = key - info.offset - info.right - query_base
+                if cutlass.const_expr(info.has_left_bound):
+                    col_hi = key - info.offset + info.left - query_base
+            if cutlass.const_expr(mask_seqlen):
+                col_lo = (1 << 30) if key >= info.seqlen_k else col_lo
+            for c in cutlass.range_constexpr(num_cols):
+                c0 = coords0_rc[0, c][1]
+                outside = c0 < col_lo or c0 > col_hi
+                acc_rc[r, c] = -Float32.inf if outside else acc_rc[r, c]

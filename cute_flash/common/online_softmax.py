@@ -43,8 +43,9 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .inline_ptx import ptx_asm
 
 LN2 = math.log(2.0)
 LOG2_E = math.log2(math.e)
@@ -72,14 +73,11 @@ def max_limit_bits(scale_log2: Float32) -> Int32:
 @dsl_user_op
 def _exponent_bits(x: Float32, *, loc=None, ip=None) -> Int32:
     return Int32(
-        llvm.inline_asm(
+        ptx_asm(
             T.i32(),
             [Float32(x).ir_value(loc=loc, ip=ip)],
             "{\n.reg .b32 xb;\nmov.b32 xb, $1;\nand.b32 $0, xb, 2139095040;\n}",
             "=r,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
             loc=loc,
             ip=ip,
         )
@@ -94,7 +92,7 @@ def row_exponent_scale(scale_log2: Float32, row_max: Float32, limit_bits: Int32,
     Integer arithmetic on the exponent fields (and, sub, max, sub); the result stays a normal float because
     scale_log2 >= FLT_MIN and k is at most what the clamp leaves room for."""
     return Float32(
-        llvm.inline_asm(
+        ptx_asm(
             T.f32(),
             [
                 Float32(scale_log2).ir_value(loc=loc, ip=ip),
@@ -110,9 +108,6 @@ def row_exponent_scale(scale_log2: Float32, row_max: Float32, limit_bits: Int32,
             "sub.s32 cb, cb, mb;\n"
             "mov.b32 $0, cb;\n}",
             "=f,f,f,r",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
             loc=loc,
             ip=ip,
         )

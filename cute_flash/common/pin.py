@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
+
+from .inline_ptx import ptx_asm
 
 
 @dsl_user_op
@@ -14,14 +15,12 @@ def pin_values(values: list, *, loc=None, ip=None) -> None:
     LLVM moves a load whose only use sits inside an `if` into that branch; with one branch per row, each load then
     waits for the previous row's store, one memory latency per row. Pinning the loaded values ahead of the first
     branch keeps every load in flight at once. Emits no instruction."""
-    llvm.inline_asm(
+    ptx_asm(
         None,
         [Float32(v).ir_value(loc=loc, ip=ip) for v in values],
         "",
         ",".join(["f"] * len(values)),
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+        side_effects=True,
         loc=loc,
         ip=ip,
     )

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from cutlass import Float32, Uint32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+from ..common.inline_ptx import ptx_asm
 
 
 @dsl_user_op
@@ -13,7 +14,7 @@ def e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None)
     ±448 (`cvt.rn.satfinite`, two values per instruction)."""
     args = [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)]
     return Uint32(
-        llvm.inline_asm(
+        ptx_asm(
             T.i32(),
             args,
             "{\n.reg .b16 lo, hi;\n"
@@ -21,9 +22,6 @@ def e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None)
             "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
             "mov.b32 $0, {lo, hi};\n}",
             "=r,f,f,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
             loc=loc,
             ip=ip,
         )

@@ -17,7 +17,8 @@ The torch reference of every step is `cute_flash.fp8.quantize` / `hadamard`.
 
 from __future__ import annotations
 
-from typing import Type
+import tempfile
+from typing import List, Type
 
 import cutlass
 import cutlass.cute as cute
@@ -25,6 +26,7 @@ from cutlass import Float32, Int32, Uint32
 from cutlass.memory import SmemAllocator
 
 from ..common.dsl_types import dsl_dtype
+from ..common.fake_tensors import fake_f32, fake_operand, fake_tensor
 from .e4m3 import e4m3x4
 from .hadamard import hadamard_block_size
 from .quantize import E4M3_MAX, V_KEY_PERM16, V_SEQ_ALIGN
@@ -198,21 +200,38 @@ class Fp8Prepass:
 
 
 def build_prepass(dtype_name: str, head_dim: int, block: int, rotate: bool, transpose_out: bool, options: str):
-    """Compiles the pre-pass with fake tensors (symbolic batch, seqlen, heads; strides multiples of 8 elements)."""
+    """Compiles the pre-pass with fake tensors (symbolic batch, seqlen, heads; common/fake_tensors' stride rule)."""
     dtype = dsl_dtype(dtype_name)
     b, s, h, nblocks = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
-
-    def strides(rank, divisibility):
-        return tuple(cute.sym_int64(divisibility=divisibility) for _ in range(rank - 1)) + (1,)
-
-    x = cute.runtime.make_fake_tensor(dtype, (b, s, h, head_dim), strides(4, 8), assumed_align=16)
-    signs = cute.runtime.make_fake_tensor(Float32, (head_dim,), (1,), assumed_align=16)
-    if transpose_out:
-        out_shape = (b, h, head_dim, cute.sym_int(divisibility=16))
-        out = cute.runtime.make_fake_tensor(cutlass.Float8E4M3FN, out_shape, strides(4, 16), assumed_align=16)
-    else:
-        out = cute.runtime.make_fake_tensor(cutlass.Float8E4M3FN, (b, s, h, head_dim), strides(4, 16), assumed_align=16)
-    descale = cute.runtime.make_fake_tensor(Float32, (b, h, nblocks), strides(3, 1), assumed_align=4)
+    x = fake_operand(dtype, (b, s, h, head_dim))
+    signs = fake_tensor(Float32, (head_dim,), align=16)
+    out_shape = (b, h, head_dim, cute.sym_int(divisibility=16)) if transpose_out else (b, s, h, head_dim)
+    out = fake_operand(cutlass.Float8E4M3FN, out_shape)
+    descale = fake_f32((b, h, nblocks))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     kernel = Fp8Prepass(dtype, head_dim, block, rotate, transpose_out)
     return cute.compile(kernel, x, signs, out, descale, stream, options=options)
+
+
+def prepass_artifacts(spec, target: str, q_block: int, kv_block: int) -> List["KernelArtifact"]:  # noqa: F821
+    """The front end's fp16/bf16 -> e4m3 pre-pass as the `compile` command reports it, for every FP8 backend: Q and K
+    rotated, V transposed; Q scaled per `q_block` rows, K and V per `kv_block` keys (the forward kernel's blocks)."""
+    from ..arch.base import KernelArtifact
+    from ..census import read_artifacts
+    from ..compile_cache import compile_options, keep_artifacts_options
+
+    artifacts = []
+    for role, d, block, rotate, transpose in (
+        ("fp8_prepass_q", spec.head_dim, q_block, True, False),
+        ("fp8_prepass_k", spec.head_dim, kv_block, True, False),
+        ("fp8_prepass_v", spec.head_dim_v, kv_block, False, True),
+    ):
+        with tempfile.TemporaryDirectory(prefix="cute_flash_prepass_") as dump:
+            compiled = build_prepass(
+                spec.out_dtype, d, block, rotate, transpose, compile_options(target, extra=keep_artifacts_options(dump))
+            )
+            ptx, cubin = read_artifacts(compiled)
+        threads = Fp8Prepass(dsl_dtype(spec.out_dtype), d, block, rotate, transpose).num_threads
+        config = {"block": block, "rotate": rotate, "transposed_out": transpose, "threads": threads}
+        artifacts.append(KernelArtifact(kernel=role, ptx=ptx, cubin=cubin, config=config))
+    return artifacts

@@ -127,3 +127,25 @@ def quantize_per_tensor(x: torch.Tensor, signs: Optional[torch.Tensor] = None) -
     xf = hadamard_rotate(x, signs) if signs is not None else x.to(torch.float32)
     mult, descale = quant_factors(xf.abs().amax().reshape(1))
     return to_e4m3(xf * mult), descale
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_block: int, kv_block: int, per_block: bool):
+    """Pre-quantised inputs as `attention(q8, k8, v8, descale=...)` takes them, and what they dequantise to:
+    ((q8, k8, v8), (q, k, v descales), [q, k, v dequantised]). per_block: one factor per `q_block` query rows and per
+    `kv_block` keys; otherwise one per (batch, KV head), FlashAttention-3's convention."""
+    if per_block:
+        pairs = [quantize_blocks(x, blk) for x, blk in ((q, q_block), (k, kv_block), (v, kv_block))]
+        deq = [dequantize_blocks(x8, xd, blk) for (x8, xd), blk in zip(pairs, (q_block, kv_block, kv_block))]
+        return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs), deq
+    b, heads_kv = k.shape[0], k.shape[2]
+
+    def per_head(x: torch.Tensor):
+        heads_per_kv = x.shape[2] // heads_kv
+        amax = x.float().abs().amax(dim=(1, 3)).reshape(b, heads_kv, heads_per_kv).amax(-1)
+        descale = amax / E4M3_MAX
+        scale = descale.repeat_interleave(heads_per_kv, dim=1)[:, None, :, None]
+        x8 = to_e4m3(x.float() / scale)
+        return x8, descale, x8.float() * scale
+
+    (q8, qd, q_deq), (k8, kd, k_deq), (v8, vd, v_deq) = per_head(q), per_head(k), per_head(v)
+    return (q8, k8, v8), (qd, kd, vd), [q_deq, k_deq, v_deq]

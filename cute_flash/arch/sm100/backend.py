@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
 import tempfile
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 from ... import compile_cache
+from ...census import read_artifacts
 from ...spec import AttentionSpec
 from ...validation import Problem, kernel_view
 from ..base import BwdTensors, FwdTensors, Grads, KernelArtifact
@@ -188,7 +188,7 @@ class _Backend:
                 # remarks{ptx} makes ptxas print registers and spill bytes (the CLI parses them from stderr).
                 extra = compile_cache.keep_artifacts_options(dump)
                 compiled, kernel = _build_with_kernel(spec, cfg, target, extra_options=extra)
-                ptx, cubin = _read_artifacts(compiled)
+                ptx, cubin = read_artifacts(compiled)
             artifacts.append(
                 KernelArtifact(
                     kernel=_kernel_role(cfg),
@@ -216,34 +216,11 @@ class _Backend:
 
 
 def _fp8_prepass_artifacts(spec: AttentionSpec, target: str) -> List[KernelArtifact]:
-    """The front end's fp16/bf16 -> e4m3 pre-pass (cute_flash.fp8.prepass_kernel), built for this target: on a
-    B200 `attention(..., dtype="fp8")` runs it before the forward kernel."""
-    from ...fp8.prepass_kernel import build_prepass
+    """The front end's fp16/bf16 -> e4m3 pre-pass, built for this target: on a B200 `attention(..., dtype="fp8")`
+    runs it before the forward kernel."""
+    from ...fp8.prepass_kernel import prepass_artifacts
 
-    artifacts = []
-    q_rows, kv_keys = cfgmod.FP8_Q_SCALE_ROWS, cfgmod.FP8_KV_SCALE_KEYS
-    for role, d, block, rotate, transpose in (
-        ("fp8_prepass_q", spec.head_dim, q_rows, True, False),
-        ("fp8_prepass_k", spec.head_dim, kv_keys, True, False),
-        ("fp8_prepass_v", spec.head_dim_v, kv_keys, False, True),
-    ):
-        with tempfile.TemporaryDirectory(prefix="cute_flash_sm100_prepass_") as dump:
-            options = compile_cache.compile_options(target, extra=compile_cache.keep_artifacts_options(dump))
-            compiled = build_prepass(spec.out_dtype, d, block, rotate, transpose, options)
-            ptx, cubin = _read_artifacts(compiled)
-        artifacts.append(KernelArtifact(kernel=role, ptx=ptx, cubin=cubin, config={"block": block, "rotate": rotate}))
-    return artifacts
-
-
-def _read_artifacts(compiled):
-    ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
-    if isinstance(ptx, str) and os.path.isfile(ptx):
-        with open(ptx) as f:
-            ptx = f.read()
-    if isinstance(cubin, str) and os.path.isfile(cubin):
-        with open(cubin, "rb") as f:
-            cubin = f.read()
-    return ptx, cubin
+    return prepass_artifacts(spec, target, cfgmod.FP8_Q_SCALE_ROWS, cfgmod.FP8_KV_SCALE_KEYS)
 
 
 BACKEND = _Backend()

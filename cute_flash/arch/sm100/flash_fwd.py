@@ -34,7 +34,7 @@ s_p_o barriers. Both CTAs walk the KV range of the whole 512-row cluster tile; p
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -64,6 +64,57 @@ WG_THREADS = 128
 # Named barrier 1: TMEM allocation / deallocation handshake between the MMA warp and every TMEM user.
 TMEM_BARRIER_ID = 1
 TMEM_USER_THREADS = 32 * (1 + SOFTMAX_WARPS + 4)
+
+
+class ClusterTile(NamedTuple):
+    """What one CTA works on: its (batch, head) and KV head, its cluster's query tile, its place in the CTA pair, and
+    the key blocks [n_block_min, n_block_max) some row of the cluster tile sees."""
+
+    head: Int32
+    head_kv: Int32
+    batch: Int32
+    cluster_m: Int32
+    cta_v: Int32  # 0 or 1 in 2-CTA mode; the constant 0 otherwise
+    seqlen_q: Int32
+    seqlen_k: Int32
+    n_block_min: Int32
+    n_block_max: Int32
+
+
+class Pipes(NamedTuple):
+    """The kernel's mbarrier pipelines (see the module docstring)."""
+
+    q: pipeline.PipelineTmaUmma
+    kv: pipeline.PipelineTmaUmma
+    s_p_o: pipeline.PipelineUmmaAsync
+    o_full: pipeline.PipelineUmmaAsync
+    stats: pipeline.PipelineAsync
+    o_epi: pipeline.PipelineAsync
+
+
+class SoftmaxCopies(NamedTuple):
+    """A softmax thread's TMEM traffic: S loads (with the score coordinates) and P stores."""
+
+    thr_load: cute.TiledCopy
+    tStS_t2r: cute.Tensor
+    tScS_t2r: cute.Tensor
+    thr_store: cute.TiledCopy
+    tStP_r2t: cute.Tensor
+    tPshape: cute.Shape
+
+
+class SoftmaxRow(NamedTuple):
+    """What every step of a softmax thread shares: its q stage and thread, its row's key bounds [key_begin, key_end),
+    the running statistics, its TMEM copies, the stats buffer and the pipelines."""
+
+    stage: Int32
+    tidx: Int32
+    key_begin: Int32
+    key_end: Int32
+    softmax: TmemRowSoftmax
+    copies: SoftmaxCopies
+    sStats: cute.Tensor
+    pipes: Pipes
 
 
 def _stage_state(index, phase) -> pipeline.PipelineState:
@@ -125,22 +176,7 @@ class Sm100FlashForward:
         if const_expr(self.q_dtype != self.k_dtype or self.q_dtype != self.v_dtype):
             raise TypeError("q, k and v must share one dtype")
 
-        # Mode orders the TMA atoms and MMA partitioners expect: (seqlen, head_dim, head, batch); V as (dv, seqlen).
-        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-        if const_expr(self.v_seq_major):
-            # Keys bounded by seqlen_k (not sk_pad): the TMA zero-fills the tail instead of reading the padding.
-            mV = cute.make_tensor(
-                mV.iterator,
-                cute.make_layout(
-                    (mV.shape[2], mK.shape[0], mV.shape[1], mV.shape[0]),
-                    stride=(mV.stride[2], mV.stride[3], mV.stride[1], mV.stride[0]),
-                ),
-            )
-        else:
-            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
-        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
-        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (sq, h, b)
+        mQ, mK, mV, mO, mLSE = self.kernel_views(mQ, mK, mV, mO, mLSE)
 
         cta_group = tcgen05.CtaGroup.TWO if const_expr(self.use_2cta) else tcgen05.CtaGroup.ONE
         tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
@@ -179,30 +215,15 @@ class Sm100FlashForward:
             raise ValueError("K and V ring slots must have the same size (head_dim == head_dim_v)")
 
         tma_load_op = cpasync.CopyBulkTensorTileG2SOp(cta_group)
-        tma_atom_q, tma_q = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load_op,
-            mQ,
-            cute.select(sQ_layout, mode=[0, 1, 2]),
-            self.mma_tiler_qk,
-            tiled_mma_qk,
-            cta_layout_vmnk.shape,
-        )
-        tma_atom_k, tma_k = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load_op,
-            mK,
-            cute.select(sK_layout, mode=[0, 1, 2]),
-            self.mma_tiler_qk,
-            tiled_mma_qk,
-            cta_layout_vmnk.shape,
-        )
-        tma_atom_v, tma_v = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load_op,
-            mV,
-            cute.select(sV_layout, mode=[0, 1, 2]),
-            self.mma_tiler_pv,
-            tiled_mma_pv,
-            cta_layout_vmnk.shape,
-        )
+
+        def tma_load(make_atom, tensor, smem_layout, mma_tiler, tiled_mma):
+            """A TMA load atom for one MMA operand (make_atom: the A or the B form)."""
+            one_stage = cute.select(smem_layout, mode=[0, 1, 2])
+            return make_atom(tma_load_op, tensor, one_stage, mma_tiler, tiled_mma, cta_layout_vmnk.shape)
+
+        tma_atom_q, tma_q = tma_load(cute.nvgpu.make_tiled_tma_atom_A, mQ, sQ_layout, self.mma_tiler_qk, tiled_mma_qk)
+        tma_atom_k, tma_k = tma_load(cute.nvgpu.make_tiled_tma_atom_B, mK, sK_layout, self.mma_tiler_qk, tiled_mma_qk)
+        tma_atom_v, tma_v = tma_load(cute.nvgpu.make_tiled_tma_atom_B, mV, sV_layout, self.mma_tiler_pv, tiled_mma_pv)
         tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), self.epi_tile
         )
@@ -234,28 +255,14 @@ class Sm100FlashForward:
         num_clusters = cute.ceil_div(cute.size(mQ.shape[0]), self.cfg.rows_per_cluster)
         grid = (num_clusters * self.cta, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
-            tiled_mma_qk,
-            tiled_mma_pv,
-            tma_atom_q,
-            tma_q,
-            tma_atom_k,
-            tma_k,
-            tma_atom_v,
-            tma_v,
-            tma_atom_o,
-            tma_o,
+            (tiled_mma_qk, tiled_mma_pv),
+            ((tma_atom_q, tma_q), (tma_atom_k, tma_k), (tma_atom_v, tma_v), (tma_atom_o, tma_o)),
             mLSE,
-            sQ_layout,
-            sK_layout,
-            sV_layout,
-            tP_layout,
-            sO_layout,
+            (sQ_layout, sK_layout, sV_layout, tP_layout, sO_layout),
             softmax_scale_log2,
             window_left,
             window_right,
-            mDescaleQ,
-            mDescaleK,
-            mDescaleV,
+            (mDescaleQ, mDescaleK, mDescaleV),
         ).launch(
             grid=grid,
             block=[THREADS, 1, 1],
@@ -264,35 +271,44 @@ class Sm100FlashForward:
             min_blocks_per_mp=1,
         )
 
+    def kernel_views(self, mQ, mK, mV, mO, mLSE):
+        """The mode orders the TMA atoms and MMA partitioners expect: (seqlen, head_dim, head, batch); V as
+        (dv, seqlen, head, batch); LSE as (sq, h, b)."""
+        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+        if const_expr(self.v_seq_major):
+            # Keys bounded by seqlen_k (not sk_pad): the TMA zero-fills the tail instead of reading the padding.
+            mV = cute.make_tensor(
+                mV.iterator,
+                cute.make_layout(
+                    (mV.shape[2], mK.shape[0], mV.shape[1], mV.shape[0]),
+                    stride=(mV.stride[2], mV.stride[3], mV.stride[1], mV.stride[0]),
+                ),
+            )
+        else:
+            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (sq, h, b)
+        return mQ, mK, mV, mO, mLSE
+
     # ------------------------------------------------------------------------------------------------------------
     # Device side
     # ------------------------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(
         self,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        tma_atom_q: cute.CopyAtom,
-        mQ: cute.Tensor,
-        tma_atom_k: cute.CopyAtom,
-        mK: cute.Tensor,
-        tma_atom_v: cute.CopyAtom,
-        mV: cute.Tensor,
-        tma_atom_o: cute.CopyAtom,
-        mO: cute.Tensor,
+        mmas,  # tiled MMAs of Q·Kᵀ and P·V
+        tmas,  # (TMA atom, coordinate tensor) of Q, K, V (loads) and O (store)
         mLSE: cute.Tensor,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        tP_layout: cute.ComposedLayout,
-        sO_layout: cute.ComposedLayout,
+        layouts,  # shared-memory layouts of Q, K, V, O and the TMEM layout of P
         softmax_scale_log2: Float32,
         window_left: Int32,
         window_right: Int32,
-        mDescaleQ: Optional[cute.Tensor],
-        mDescaleK: Optional[cute.Tensor],
-        mDescaleV: Optional[cute.Tensor],
+        descales,  # fp8: (q, k, v) descale tensors; None otherwise
     ):
+        tiled_mma_qk, tiled_mma_pv = mmas
+        (tma_atom_q, mQ), (tma_atom_k, mK), (tma_atom_v, mV), (tma_atom_o, mO) = tmas
+        sQ_layout, sK_layout, sV_layout, tP_layout, sO_layout = layouts
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         bidx, head, batch = cute.arch.block_idx()
         if const_expr(self.use_2cta):
@@ -314,58 +330,7 @@ class Sm100FlashForward:
         cluster_shape = (self.cta, 1, 1)
         cta_layout_vmnk = cute.tiled_divide(cute.make_layout(cluster_shape), (tiled_mma_qk.thr_id.shape,))
 
-        def threads(n):
-            return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
-
-        pipe_q = pipeline.PipelineTmaUmma.create(
-            num_stages=Q_STAGES,
-            producer_group=threads(1),
-            consumer_group=threads(1),
-            tx_count=self.q_tx_bytes,
-            barrier_storage=storage.mbar_q.data_ptr(),
-            cta_layout_vmnk=cta_layout_vmnk,
-            defer_sync=True,
-        )
-        pipe_kv = pipeline.PipelineTmaUmma.create(
-            num_stages=self.cfg.kv_stages,
-            producer_group=threads(1),
-            consumer_group=threads(1),
-            tx_count=self.kv_tx_bytes,
-            barrier_storage=storage.mbar_kv.data_ptr(),
-            cta_layout_vmnk=cta_layout_vmnk,
-            defer_sync=True,
-        )
-        # Released by one softmax warpgroup and the correction warpgroup of every CTA of the pair.
-        pipe_s_p_o = pipeline.PipelineUmmaAsync.create(
-            num_stages=Q_STAGES,
-            producer_group=threads(1),
-            consumer_group=threads(2 * WG_THREADS * self.cta),
-            barrier_storage=storage.mbar_s_p_o.data_ptr(),
-            cta_layout_vmnk=cta_layout_vmnk,
-            defer_sync=True,
-        )
-        pipe_o_full = pipeline.PipelineUmmaAsync.create(
-            num_stages=Q_STAGES,
-            producer_group=threads(1),
-            consumer_group=threads(WG_THREADS * self.cta),
-            barrier_storage=storage.mbar_o_full.data_ptr(),
-            cta_layout_vmnk=cta_layout_vmnk,
-            defer_sync=True,
-        )
-        pipe_stats = pipeline.PipelineAsync.create(
-            num_stages=Q_STAGES,
-            producer_group=threads(WG_THREADS),
-            consumer_group=threads(WG_THREADS),
-            barrier_storage=storage.mbar_stats.data_ptr(),
-            defer_sync=True,
-        )
-        pipe_o_epi = pipeline.PipelineAsync.create(
-            num_stages=Q_STAGES,
-            producer_group=threads(WG_THREADS),
-            consumer_group=threads(32),
-            barrier_storage=storage.mbar_o_epi.data_ptr(),
-            defer_sync=True,
-        )
+        pipes = self.make_pipes(storage, cta_layout_vmnk)
         tmem_barrier = pipeline.NamedBarrier(barrier_id=TMEM_BARRIER_ID, num_threads=TMEM_USER_THREADS)
         tmem = cutlass.utils.TmemAllocator(
             storage.tmem_holding_buf.ptr,
@@ -399,35 +364,16 @@ class Sm100FlashForward:
             self.cfg.rows_per_cluster, N_BLOCK, self.spec.mask, seqlen_q, seqlen_k, window_left, window_right
         )
         n_block_min, n_block_max = cluster_blocks.kv_block_range(cluster_m)
+        tile = ClusterTile(head, head_kv, batch, cluster_m, cta_v, seqlen_q, seqlen_k, n_block_min, n_block_max)
 
         pipeline_init_wait(cluster_shape_mn=cta_layout_vmnk)
 
         if warp_idx == LOAD_WARP:
             cute.arch.setmaxregister_decrease(self.cfg.regs_other)
-            self.load_warp(
-                thr_mma_qk,
-                thr_mma_pv,
-                tma_atom_q,
-                mQ,
-                tma_atom_k,
-                mK,
-                tma_atom_v,
-                mV,
-                sQ,
-                sK,
-                sV,
-                pipe_q,
-                pipe_kv,
-                head,
-                head_kv,
-                batch,
-                cluster_m,
-                n_block_min,
-                n_block_max,
-            )
+            self.load_warp(thr_mma_qk, thr_mma_pv, tmas[:3], (sQ, sK, sV), pipes, tile)
         if warp_idx == EPILOGUE_WARP:
             cute.arch.setmaxregister_decrease(self.cfg.regs_other)
-            self.epilogue_warp(tma_atom_o, mO, sO, pipe_o_epi, head, batch, cluster_m, cta_v)
+            self.epilogue_warp(tma_atom_o, mO, sO, pipes.o_epi, tile)
         if warp_idx == NUM_WARPS - 1:
             cute.arch.setmaxregister_decrease(self.cfg.regs_other)
         if warp_idx < SOFTMAX_WARPS:
@@ -439,49 +385,19 @@ class Sm100FlashForward:
                 s_layout,
                 tmem_ptr,
                 sStats,
-                pipe_s_p_o,
-                pipe_stats,
+                pipes,
                 softmax_scale_log2,
-                mDescaleQ,
-                mDescaleK,
-                head,
-                head_kv,
-                batch,
-                seqlen_q,
-                seqlen_k,
+                descales,
+                tile,
                 window_left,
                 window_right,
-                cluster_m,
-                cta_v,
-                n_block_min,
-                n_block_max,
             )
             tmem_barrier.arrive()
         if warp_idx >= CORRECTION_WARP0 and warp_idx < MMA_WARP:
             cute.arch.setmaxregister_decrease(self.cfg.regs_correction)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.correction_warpgroup(
-                o_layout,
-                tOsO,
-                tOcO,
-                tmem_ptr,
-                sStats,
-                mLSE,
-                pipe_s_p_o,
-                pipe_o_full,
-                pipe_stats,
-                pipe_o_epi,
-                mDescaleV,
-                seqlen_q,
-                head,
-                head_kv,
-                batch,
-                cluster_m,
-                cta_v,
-                n_block_min,
-                n_block_max,
-            )
+            self.correction_warpgroup(o_layout, tOsO, tOcO, tmem_ptr, sStats, mLSE, pipes, descales, tile)
             tmem_barrier.arrive()
         if warp_idx == MMA_WARP:
             cute.arch.setmaxregister_decrease(self.cfg.regs_other)
@@ -490,52 +406,76 @@ class Sm100FlashForward:
             tmem_ptr = tmem.retrieve_ptr(Float32)
             if cta_v == 0:
                 self.mma_warp(
-                    tiled_mma_qk,
-                    tiled_mma_pv,
+                    mmas,
                     thr_mma_pv,
-                    sQ,
-                    sK,
-                    sV,
+                    (sQ, sK, sV),
                     tP_layout,
                     s_layout,
                     o_layout,
                     tmem_ptr,
-                    pipe_q,
-                    pipe_kv,
-                    pipe_s_p_o,
-                    pipe_o_full,
+                    pipes,
                     n_block_max - n_block_min,
                 )
             tmem.relinquish_alloc_permit()
             tmem_barrier.arrive_and_wait()
             tmem.free(tmem_ptr)
 
+    def make_pipes(self, storage, cta_layout_vmnk) -> Pipes:
+        """The kernel's mbarrier pipelines, their initialisation deferred to pipeline_init_arrive / _wait."""
+
+        def threads(n):
+            return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
+
+        def tma_umma(num_stages, tx_count, barriers):
+            return pipeline.PipelineTmaUmma.create(
+                num_stages=num_stages,
+                producer_group=threads(1),
+                consumer_group=threads(1),
+                tx_count=tx_count,
+                barrier_storage=barriers.data_ptr(),
+                cta_layout_vmnk=cta_layout_vmnk,
+                defer_sync=True,
+            )
+
+        def umma_async(consumers, barriers):
+            return pipeline.PipelineUmmaAsync.create(
+                num_stages=Q_STAGES,
+                producer_group=threads(1),
+                consumer_group=threads(consumers),
+                barrier_storage=barriers.data_ptr(),
+                cta_layout_vmnk=cta_layout_vmnk,
+                defer_sync=True,
+            )
+
+        def thread_async(producers, consumers, barriers):
+            return pipeline.PipelineAsync.create(
+                num_stages=Q_STAGES,
+                producer_group=threads(producers),
+                consumer_group=threads(consumers),
+                barrier_storage=barriers.data_ptr(),
+                defer_sync=True,
+            )
+
+        return Pipes(
+            q=tma_umma(Q_STAGES, self.q_tx_bytes, storage.mbar_q),
+            kv=tma_umma(self.cfg.kv_stages, self.kv_tx_bytes, storage.mbar_kv),
+            # Released by one softmax warpgroup and the correction warpgroup of every CTA of the pair.
+            s_p_o=umma_async(2 * WG_THREADS * self.cta, storage.mbar_s_p_o),
+            o_full=umma_async(WG_THREADS * self.cta, storage.mbar_o_full),
+            stats=thread_async(WG_THREADS, WG_THREADS, storage.mbar_stats),
+            o_epi=thread_async(WG_THREADS, 32, storage.mbar_o_epi),
+        )
+
     # ------------------------------------------------------------------------------------------------------------
     # Load warp
     # ------------------------------------------------------------------------------------------------------------
     @cute.jit
-    def load_warp(
-        self,
-        thr_mma_qk,
-        thr_mma_pv,
-        tma_atom_q,
-        mQ,
-        tma_atom_k,
-        mK,
-        tma_atom_v,
-        mV,
-        sQ,
-        sK,
-        sV,
-        pipe_q,
-        pipe_kv,
-        head,
-        head_kv,
-        batch,
-        cluster_m,
-        n_block_min,
-        n_block_max,
-    ):
+    def load_warp(self, thr_mma_qk, thr_mma_pv, tmas, smem, pipes: Pipes, tile: ClusterTile):
+        """Q (both stages) once, then K and V of every key block, last block first (tmas, smem: of Q, K, V)."""
+        (tma_atom_q, mQ), (tma_atom_k, mK), (tma_atom_v, mV) = tmas
+        sQ, sK, sV = smem
+        head, head_kv, batch, cluster_m, _, _, _, n_block_min, n_block_max = tile
+        pipe_q, pipe_kv = pipes.q, pipes.kv
         q_producer = pipe_q.make_producer()
         kv_producer = pipe_kv.make_producer()
         # Tiles of the MMA's M extent (256 rows in 2-CTA mode); partition_A keeps this CTA's 128 rows.
@@ -605,24 +545,10 @@ class Sm100FlashForward:
             cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
 
     @cute.jit
-    def mma_warp(
-        self,
-        tiled_mma_qk,
-        tiled_mma_pv,
-        thr_mma_pv,
-        sQ,
-        sK,
-        sV,
-        tP_layout,
-        s_layout,
-        o_layout,
-        tmem_ptr,
-        pipe_q,
-        pipe_kv,
-        pipe_s_p_o,
-        pipe_o_full,
-        n_blocks,
-    ):
+    def mma_warp(self, mmas, thr_mma_pv, smem, tP_layout, s_layout, o_layout, tmem_ptr, pipes: Pipes, n_blocks):
+        tiled_mma_qk, tiled_mma_pv = mmas
+        sQ, sK, sV = smem
+        pipe_q, pipe_kv, pipe_s_p_o, pipe_o_full = pipes.q, pipes.kv, pipes.s_p_o, pipes.o_full
         tSrQ = tiled_mma_qk.make_fragment_A(sQ)
         tSrK = tiled_mma_qk.make_fragment_B(sK)
         tOrV = tiled_mma_pv.make_fragment_B(sV)
@@ -686,23 +612,16 @@ class Sm100FlashForward:
         s_layout,
         tmem_ptr,
         sStats,
-        pipe_s_p_o,
-        pipe_stats,
+        pipes: Pipes,
         softmax_scale_log2,
-        mDescaleQ,
-        mDescaleK,
-        head,
-        head_kv,
-        batch,
-        seqlen_q,
-        seqlen_k,
+        descales,
+        tile: ClusterTile,
         window_left,
         window_right,
-        cluster_m,
-        cta_v,
-        n_block_min,
-        n_block_max,
     ):
+        head, head_kv, batch, cluster_m, cta_v, seqlen_q, seqlen_k, n_block_min, n_block_max = tile
+        mDescaleQ, mDescaleK, _ = descales
+        pipe_stats = pipes.stats
         tidx = cute.arch.thread_idx()[0] % WG_THREADS
         tSAcc = cute.make_tensor(tmem_ptr + stage * N_BLOCK, s_layout)[(None, None), 0, 0]  # (128, N) fp32
         load_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
@@ -718,6 +637,7 @@ class Sm100FlashForward:
         thr_store = tcgen05.make_tmem_copy(store_atom, tStP).get_slice(tidx)
         tStP_r2t = thr_store.partition_D(tStP)
         tPshape = thr_store.partition_S(cute.make_identity_tensor((M_BLOCK, p_cols))).shape
+        copies = SoftmaxCopies(thr_load, tStS_t2r, tScS_t2r, thr_store, tStP_r2t, tPshape)
 
         # Query row of this thread, and its tile (of M_BLOCK rows) for the mask boundaries.
         m_tile = (cluster_m * Q_STAGES + stage) * self.cta + cta_v
@@ -748,6 +668,7 @@ class Sm100FlashForward:
 
         softmax = TmemRowSoftmax(self.rescale_threshold, self.max_offset)
         softmax.reset()
+        row_ctx = SoftmaxRow(stage, tidx, key_begin, key_end, softmax, copies, sStats, pipes)
         s_phase = Int32(0)
         stats_phase = Int32(1)
         n_blocks = n_block_max - n_block_min
@@ -757,30 +678,10 @@ class Sm100FlashForward:
             block_scale = row_scale
             if const_expr(self.is_fp8):
                 block_scale = cute.arch.fmax(row_scale * mDescaleK[batch, head_kv, n_block], Float32(FLT_MIN))
-            step_args = (
-                stage,
-                n_block,
-                tidx,
-                s_phase,
-                stats_phase,
-                key_begin,
-                key_end,
-                block_scale,
-                softmax,
-                thr_load,
-                tStS_t2r,
-                tScS_t2r,
-                thr_store,
-                tStP_r2t,
-                tPshape,
-                sStats,
-                pipe_s_p_o,
-                pipe_stats,
-            )
             if needs_mask:
-                self._softmax_step(*step_args, masked=True, is_first=i == 0)
+                self._softmax_step(row_ctx, n_block, s_phase, stats_phase, block_scale, masked=True, is_first=i == 0)
             else:
-                self._softmax_step(*step_args, masked=False, is_first=False)
+                self._softmax_step(row_ctx, n_block, s_phase, stats_phase, block_scale, masked=False, is_first=False)
             s_phase ^= 1
             stats_phase ^= 1
         if n_blocks > 0:
@@ -792,27 +693,18 @@ class Sm100FlashForward:
     @cute.jit
     def _softmax_step(
         self,
-        stage,
+        row: SoftmaxRow,
         n_block,
-        tidx,
         s_phase,
         stats_phase,
-        key_begin,
-        key_end,
         block_scale,
-        softmax,
-        thr_load,
-        tStS_t2r,
-        tScS_t2r,
-        thr_store,
-        tStP_r2t,
-        tPshape,
-        sStats,
-        pipe_s_p_o,
-        pipe_stats,
         masked: cutlass.Constexpr[bool],
         is_first,
     ):
+        """One key block of one row: S from TMEM, mask, max, hand the O factor to correction, P back to TMEM, sum."""
+        stage, tidx, key_begin, key_end, softmax, copies, sStats, pipes = row
+        thr_load, tStS_t2r, tScS_t2r, thr_store, tStP_r2t, tPshape = copies
+        pipe_s_p_o, pipe_stats = pipes.s_p_o, pipes.stats
         pipe_s_p_o.consumer_wait(_stage_state(stage, s_phase))
         tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
         cute.copy(thr_load, tStS_t2r, tSrS)
@@ -840,27 +732,11 @@ class Sm100FlashForward:
     # ------------------------------------------------------------------------------------------------------------
     @cute.jit
     def correction_warpgroup(
-        self,
-        o_layout,
-        tOsO,
-        tOcO,
-        tmem_ptr,
-        sStats,
-        mLSE,
-        pipe_s_p_o,
-        pipe_o_full,
-        pipe_stats,
-        pipe_o_epi,
-        mDescaleV,
-        seqlen_q,
-        head,
-        head_kv,
-        batch,
-        cluster_m,
-        cta_v,
-        n_block_min,
-        n_block_max,
+        self, o_layout, tOsO, tOcO, tmem_ptr, sStats, mLSE, pipes: Pipes, descales, tile: ClusterTile
     ):
+        _, head_kv, batch, _, _, _, _, n_block_min, n_block_max = tile
+        mDescaleV = descales[2]
+        pipe_s_p_o, pipe_o_full, pipe_stats, pipe_o_epi = pipes.s_p_o, pipes.o_full, pipes.stats, pipes.o_epi
         tidx = cute.arch.thread_idx()[0] % WG_THREADS
         tOtO = [cute.make_tensor(tmem_ptr + self.tmem_o[s], o_layout) for s in range(Q_STAGES)]
         n_blocks = n_block_max - n_block_min
@@ -895,20 +771,20 @@ class Sm100FlashForward:
                 pipe_o_epi.producer_acquire(_stage_state(s, 1))
                 self._write_o_tile(tOtO[s], tOsO[s], tOcO, tidx, inv_sum * v_scale, True)
                 pipe_o_epi.producer_commit(_stage_state(s, 0))
-                self._write_lse(mLSE, lse, seqlen_q, head, batch, cluster_m, cta_v, s, tidx)
+                self._write_lse(mLSE, lse, tile, s, tidx)
         else:
             # No key is visible to any row of this tile: out = 0, lse = -inf.
             for s in cutlass.range_constexpr(Q_STAGES):
                 pipe_o_epi.producer_acquire(_stage_state(s, 1))
                 self._write_o_tile(tOtO[s], tOsO[s], tOcO, tidx, Float32(0.0), False)
                 pipe_o_epi.producer_commit(_stage_state(s, 0))
-                self._write_lse(mLSE, -Float32.inf, seqlen_q, head, batch, cluster_m, cta_v, s, tidx)
+                self._write_lse(mLSE, -Float32.inf, tile, s, tidx)
 
     @cute.jit
-    def _write_lse(self, mLSE, lse, seqlen_q, head, batch, cluster_m, cta_v, stage: cutlass.Constexpr[int], tidx):
-        row = ((cluster_m * Q_STAGES + stage) * self.cta + cta_v) * M_BLOCK + tidx
-        if row < seqlen_q:
-            mLSE[row, head, batch] = lse
+    def _write_lse(self, mLSE, lse, tile: ClusterTile, stage: cutlass.Constexpr[int], tidx):
+        row = ((tile.cluster_m * Q_STAGES + stage) * self.cta + tile.cta_v) * M_BLOCK + tidx
+        if row < tile.seqlen_q:
+            mLSE[row, tile.head, tile.batch] = lse
 
     @cute.jit
     def _rescale_o(self, tOtO_s, tidx, scale):
@@ -970,7 +846,8 @@ class Sm100FlashForward:
     # Epilogue warp
     # ------------------------------------------------------------------------------------------------------------
     @cute.jit
-    def epilogue_warp(self, tma_atom_o, mO, sO, pipe_o_epi, head, batch, cluster_m, cta_v):
+    def epilogue_warp(self, tma_atom_o, mO, sO, pipe_o_epi, tile: ClusterTile):
+        head, _, batch, cluster_m, cta_v, _, _, _, _ = tile
         gO = cute.local_tile(mO[None, None, head, batch], self.epi_tile, (None, 0))
         tOsO, tOgO = cpasync.tma_partition(
             tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)

@@ -21,7 +21,7 @@ as head // (heads // heads_kv).
 from __future__ import annotations
 
 from functools import partial
-from typing import Type
+from typing import Callable, NamedTuple, Optional, Type
 
 import cuda.bindings.driver as cuda
 
@@ -40,7 +40,7 @@ from .barriers import WarpGroupTurns
 from .cta import CtaWork, cta_work
 from .epilogue import store_o_and_lse
 from .loads import load_q_k_v
-from .pipelines import consumer_state, consumer_wait, make_load_pipelines
+from .pipelines import LoadPipelines, consumer_state, consumer_wait, make_load_pipelines
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, FwdTileConfig
 from .views import seq_major_view, stats_view
 from . import wgmma
@@ -53,8 +53,43 @@ def _one(layout):
     return cute.select(layout, mode=[0, 1])
 
 
+class ConsumerGemms(NamedTuple):
+    """A consumer's two GEMMs and their wgmma operands: S = Q·Kᵀ (SS) and O += P·V (RS, P from registers)."""
+
+    mma_qk: cute.TiledMma
+    mma_pv: cute.TiledMma
+    tSrQ: cute.Tensor  # (MMA, 1, k-blocks, consumer); one consumer's slice after for_consumer
+    tSrK: cute.Tensor  # (MMA, 1, k-blocks, stage)
+    tOrVt: cute.Tensor  # (MMA, 1, key k-blocks, stage)
+    tOrP: cute.Tensor
+
+    def for_consumer(self, consumer: Int32) -> "ConsumerGemms":
+        return self._replace(tSrQ=self.tSrQ[None, None, None, consumer])
+
+
+class TileLoop(NamedTuple):
+    """What every step of a consumer's walk over the key blocks shares."""
+
+    pipes: LoadPipelines
+    gemms: ConsumerGemms
+    acc_O: cute.Tensor
+    acc_PV: cute.Tensor  # where P·V lands: acc_O, or the FP8 kernel's fresh accumulator (promote_pv)
+    o_state: object  # the FP8 kernel's pending O / row-sum factors (promote_pv); None here
+    s_shape: object  # a thread's S fragment
+    softmax: object
+    turns: WarpGroupTurns
+    mask: Callable
+    scales: Optional[Callable]  # the FP8 kernel's per-tile factors; None here
+
+
 class Sm90FlashForward:
-    """Callable compiled once per (dtype, head dims, mask kind, tile config); shapes and strides are runtime."""
+    """Callable compiled once per (dtype, head dims, mask kind, tile config); shapes and strides are runtime.
+
+    The consumer's walk over the key blocks (`mainloop`, `step`) is the skeleton of both sm90 forward kernels; what
+    the FP8 subclass changes goes through the hooks below them (`tile_factors`, `softmax_update`, `store_p`,
+    `loop_state`, `carry_kv`, `finish_step`, `finish_loop`)."""
+
+    promote_pv = False  # P·V accumulates into O inside the wgmma (the FP8 kernel may promote it in fp32)
 
     def __init__(
         self,
@@ -66,6 +101,7 @@ class Sm90FlashForward:
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
+        self.out_dtype = dtype
         self._init_cta(head_dim, head_dim_v, mask_kind, cfg)
         # O reuses each consumer's Q slice: one slot per consumer, as wide as the wider of the two, so that a consumer
         # writing its O never touches the Q another consumer may still be reading (head_dim != head_dim_v).
@@ -129,21 +165,16 @@ class Sm90FlashForward:
         sV_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, self.head_dim_v, self.num_stages)
         sO_layout = wgmma.k_major_smem_layout(self.dtype, rows, self.head_dim_v, self.num_consumers, self.slice_elems)
 
+        k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K,
-            Float32,
-            atom_layout_mnk=(1, 1, 1),
-            tiler_mn=(rows, self.tile_n),
+            self.dtype, self.dtype, k_major, k_major, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(rows, self.tile_n)
         )
         # B = Vᵀ (dv x keys) with dv contiguous: MN-major. A = P from registers.
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.MN,
+            k_major,
+            mn_major,
             Float32,
             atom_layout_mnk=(1, 1, 1),
             tiler_mn=(rows, self.head_dim_v),
@@ -169,27 +200,21 @@ class Sm90FlashForward:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
 
-        layouts = (sQ_layout, sK_layout, sV_layout, sO_layout)
+        mmas, layouts = (tiled_mma_qk, tiled_mma_pv), (sQ_layout, sK_layout, sV_layout, sO_layout)
+        descales = ()  # the FP8 kernel's
         self.kernel(
-            tmas,
-            mLSE,
-            atoms,
-            (tiled_mma_qk, tiled_mma_pv),
-            layouts,
-            softmax_scale,
-            window_left,
-            window_right,
-            SharedStorage,
+            tmas, mLSE, descales, atoms, mmas, layouts, softmax_scale, window_left, window_right, SharedStorage
         ).launch(stream=stream, **self.launch_shape(mQ))
 
     @cute.kernel
     def kernel(
         self,
-        tmas,  # TMA coordinate tensors of Q, K, V, O: (s, d, h, b)
+        tmas,  # TMA coordinate tensors of Q, K, V (or Vᵀ), O
         mLSE: cute.Tensor,  # (sq, h, b) fp32
+        descales,  # the FP8 kernel's (q, k, v) descales; () here
         atoms,  # their TMA atoms
-        mmas,  # (Q·Kᵀ, P·V) tiled MMAs
-        layouts,  # shared-memory layouts of Q, K, V, O
+        mmas,  # tiled MMAs: (Q·Kᵀ, P·V), the FP8 kernel's (Q·Kᵀ, P·[V | 1], O)
+        layouts,  # shared-memory layouts of Q, K, V (or Vᵀ), O
         softmax_scale: Float32,
         window_left: Int32,
         window_right: Int32,
@@ -197,14 +222,12 @@ class Sm90FlashForward:
     ):
         mQ, mK, mV, mO = tmas
         atom_q, atom_k, atom_v, atom_o = atoms
-        tiled_mma_qk, tiled_mma_pv = mmas
-        sQ_layout, sK_layout, sV_layout, sO_layout = layouts
-        warp_idx, tidx, storage, pipes = self.prologue((atom_q, atom_k, atom_v, atom_o), SharedStorage)
+        sQ_layout, sK_layout = layouts[:2]
+        warp_idx, tidx, storage, pipes = self.prologue(atoms, SharedStorage)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # see slice_elems
+        sV_load, sV, sO = self.v_and_o_smem(storage, layouts)
 
         self.run_roles(
             warp_idx,
@@ -212,11 +235,18 @@ class Sm90FlashForward:
             pipes,
             (atom_q, atom_k, atom_v),
             (mQ, mK, mV),
-            (sQ, sK, sV),
+            (sQ, sK, sV_load),
             window_left,
             window_right,
-            partial(self.consume, pipes, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sO, mO, mLSE, atom_o, softmax_scale),
+            partial(self.consume, pipes, mmas, (sQ, sK, sV), (sO, mO, mLSE, atom_o), descales, softmax_scale),
         )
+
+    def v_and_o_smem(self, storage, layouts):
+        """V's shared memory as the producer fills it and as consume takes it, and O's (in Q's slots: slice_elems)."""
+        sV_layout, sO_layout = layouts[2:]
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        return sV, sV, sO
 
     @cute.jit
     def prologue(self, atoms, SharedStorage: cutlass.Constexpr):
@@ -306,81 +336,67 @@ class Sm90FlashForward:
         )
 
     @cute.jit
-    def consume(
-        self,
-        pipes,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        sO: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        atom_o: cute.CopyAtom,
-        softmax_scale: Float32,
-        work: CtaWork,
-        consumer: Int32,
-        tidx: Int32,
-        warp_in_wg: Int32,
-    ):
-        m_block, head, _, batch, seqlen_q, info, n_min, n_max = work
-        rows = ROWS_PER_CONSUMER
-        thr_qk = tiled_mma_qk.get_slice(tidx)
-        thr_pv = tiled_mma_pv.get_slice(tidx)
+    def consume(self, pipes, mmas, smem, out, descales, softmax_scale, work: CtaWork, consumer, tidx, warp_in_wg):
+        """One consumer warpgroup's query rows: mmas, smem (sQ, sK, sV) and out (sO, mO, mLSE, O's TMA atom) as
+        kernel() packs them; descales: the FP8 kernel's (none here)."""
+        tiled_mma_qk, tiled_mma_pv = mmas
+        sQ, sK, sV = smem
+        n_min, n_max = work.n_min, work.n_max
         sVt = cute.composition(
             sV, cute.make_ordered_layout((self.head_dim_v, self.tile_n, self.num_stages), order=(1, 0, 2))
         )
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, 1, k-blocks, consumer)
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, 1, k-blocks, stage)
-        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))  # (MMA, 1, key k-blocks, stage)
-        tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((rows, self.tile_n)))
-        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((rows, self.head_dim_v)), Float32)
+        gemms, thr_qk, thr_pv = self.consumer_gemms(tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, tidx)
+        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((ROWS_PER_CONSUMER, self.head_dim_v)), Float32)
         acc_O.fill(0.0)
 
-        coords_rc, coords0_rc = self.score_coords(tiled_mma_qk, thr_qk, consumer)
-
+        coords = self.score_coords(tiled_mma_qk, thr_qk, consumer)
         softmax = OnlineSoftmax.create(softmax_scale * LOG2_E, cute.size(rows_cols_view(acc_O), mode=[0]))
         turns = WarpGroupTurns(consumer, self.num_consumers, self.cfg.ping_pong)
         turns.prime()
 
         if n_max > n_min:
-            self.mainloop(
-                pipes,
-                tiled_mma_qk,
-                tiled_mma_pv,
-                tSrQ[None, None, None, consumer],
-                tSrK,
-                tOrVt,
-                tOrP,
-                acc_O,
-                softmax,
-                turns,
-                info,
-                m_block,
-                n_min,
-                n_max,
-                coords_rc,
-                coords0_rc,
-            )
+            self.mainloop(pipes, gemms.for_consumer(consumer), acc_O, softmax, turns, work, coords, None)
 
         row_scale, lse = softmax.finalize()
         softmax.rescale(rows_cols_view(acc_O), row_scale)
+        self.store_output(acc_O, lse, tiled_mma_pv, thr_pv, out, work, consumer, tidx, warp_in_wg)
+
+    def consumer_gemms(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, tidx: Int32):
+        """This thread's wgmma operands (Vᵀ: V viewed or stored dv x keys), and its MMA slices of Q·Kᵀ and P·V."""
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        gemms = ConsumerGemms(
+            tiled_mma_qk,
+            tiled_mma_pv,
+            thr_qk.make_fragment_A(thr_qk.partition_A(sQ)),
+            thr_qk.make_fragment_B(thr_qk.partition_B(sK)),
+            thr_pv.make_fragment_B(thr_pv.partition_B(sVt)),
+            thr_pv.make_fragment_A(thr_pv.partition_shape_A((ROWS_PER_CONSUMER, self.tile_n))),
+        )
+        return gemms, thr_qk, thr_pv
+
+    @cute.jit
+    def store_output(
+        self, acc_O, lse, tiled_mma_o: cute.TiledMma, thr_o, out, work: CtaWork, consumer: Int32, tidx, warp_in_wg
+    ):
+        """O (normalised, in the MMA layout of tiled_mma_o) and LSE of this consumer's 64 rows."""
+        sO, mO, mLSE, atom_o = out
+        slice_idx = work.m_block * self.num_consumers + consumer
         store_o_and_lse(
             acc_O,
             lse,
-            self.dtype,
+            self.out_dtype,
             self.head_dim_v,
-            tiled_mma_pv,
-            thr_pv,
+            tiled_mma_o,
+            thr_o,
             sO,
             mO,
             mLSE,
             atom_o,
-            m_block * self.num_consumers + consumer,
-            head,
-            batch,
-            seqlen_q,
+            slice_idx,
+            work.head,
+            work.batch,
+            work.seqlen_q,
             consumer,
             tidx,
             warp_in_wg,
@@ -400,106 +416,79 @@ class Sm90FlashForward:
         return coords_rc, coords0_rc
 
     @cute.jit
-    def first_scores(self, pipes, tiled_mma_qk, tSrQ, tSrK, kv, s_shape: cutlass.Constexpr, mask, n_first: Int32):
+    def first_scores(self, pipes, gemms: ConsumerGemms, kv, s_shape: cutlass.Constexpr, mask, n_first: Int32):
         """S of the right-most key tile (the seqlen_k tail and the diagonal live there), alone and masked."""
         consumer_wait(pipes.k, kv)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=0)
+        wgmma.gemm(gemms.mma_qk, acc_S, gemms.tSrQ, gemms.tSrK[None, None, None, kv.index], zero_init=True, wait=0)
         pipes.k.consumer_release(kv)
         mask(acc_S, n_first, True, self.causal or self.local)
         return acc_S
 
     @cute.jit
     def overlapped_gemms(
-        self,
-        kv: pipeline.PipelineState,
-        n_block: Int32,
-        mask_window: cutlass.Constexpr[bool],
-        pipes,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        tSrQ: cute.Tensor,
-        tSrK: cute.Tensor,
-        tOrVt: cute.Tensor,
-        tOrP: cute.Tensor,
-        acc_PV: cute.Tensor,
-        pv_zero_init: cutlass.Constexpr[bool],
-        s_shape: cutlass.Constexpr,
-        turns: WarpGroupTurns,
-        mask: cutlass.Constexpr,
+        self, kv: pipeline.PipelineState, n_block: Int32, mask_window: cutlass.Constexpr[bool], loop: TileLoop
     ):
-        """S_n = Q·K_nᵀ issued together with P_{n+1}·V_{n+1} (into acc_PV), in this consumer's turn; returns once S_n
-        is ready and masked (P·V may still run), with the K/V state of n and the V state of n + 1."""
+        """S_n = Q·K_nᵀ issued together with P_{n+1}·V_{n+1} (into loop.acc_PV), in this consumer's turn; returns once
+        S_n is ready and masked (P·V may still run), with the K/V state of n and the V state of n + 1."""
+        pipes, gemms = loop.pipes, loop.gemms
         kv_v = kv.clone()  # the V stage of the previous (right-hand) block
         kv.advance()
         consumer_wait(pipes.k, kv)
-        turns.wait_turn()
-        acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        wgmma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=-1)
+        loop.turns.wait_turn()
+        acc_S = cute.make_rmem_tensor(loop.s_shape, Float32)
+        wgmma.gemm(gemms.mma_qk, acc_S, gemms.tSrQ, gemms.tSrK[None, None, None, kv.index], zero_init=True, wait=-1)
         consumer_wait(pipes.v, kv_v)
-        wgmma.gemm(tiled_mma_pv, acc_PV, tOrP, tOrVt[None, None, None, kv_v.index], zero_init=pv_zero_init, wait=-1)
-        turns.pass_turn()
+        tOrVt = gemms.tOrVt[None, None, None, kv_v.index]
+        wgmma.gemm(gemms.mma_pv, loop.acc_PV, gemms.tOrP, tOrVt, zero_init=self.promote_pv, wait=-1)
+        loop.turns.pass_turn()
         warpgroup.wait_group(1)  # S is ready; P·V may still run
         pipes.k.consumer_release(kv)
         if const_expr(mask_window):
-            mask(acc_S, n_block, False, True)
+            loop.mask(acc_S, n_block, False, True)
         return kv, kv_v, acc_S
 
     @cute.jit
     def mainloop(
         self,
-        pipes,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        tSrQ: cute.Tensor,
-        tSrK: cute.Tensor,
-        tOrVt: cute.Tensor,
-        tOrP: cute.Tensor,
+        pipes: LoadPipelines,
+        gemms: ConsumerGemms,
         acc_O: cute.Tensor,
-        softmax: OnlineSoftmax,
+        softmax,
         turns: WarpGroupTurns,
-        info: BlockInfo,
-        m_block: Int32,
-        n_min: Int32,
-        n_max: Int32,
-        coords_rc: cute.Tensor,
-        coords0_rc: cute.Tensor,
+        work: CtaWork,
+        coords,  # score_coords
+        scales: cutlass.Constexpr,  # FP8: per-tile factors (tile_factors); None here
     ):
-        """All key blocks of one CTA tile, right to left, for one consumer warpgroup."""
+        """All key blocks of one CTA tile, right to left, for one consumer warpgroup; returns what the walk carried
+        (the K/V pipeline state, and the FP8 kernel's V descale of the last tile)."""
         consumer_wait(pipes.q, consumer_state(1))
         kv = consumer_state(self.num_stages)
-        s_shape = tiled_mma_qk.get_slice(0).partition_shape_C((ROWS_PER_CONSUMER, self.tile_n))
-
-        mask = partial(self.mask_scores, coords_rc=coords_rc, coords0_rc=coords0_rc, info=info, m_block=m_block)
-
-        n_first = n_max - 1
-        acc_S = self.first_scores(pipes, tiled_mma_qk, tSrQ, tSrK, kv, s_shape, mask, n_first)
-        softmax.update(rows_cols_view(acc_S), is_first=True)
-        wgmma.store_p_operand(acc_S, tOrP)
-
-        step = partial(
-            self.step,
-            pipes=pipes,
-            tiled_mma_qk=tiled_mma_qk,
-            tiled_mma_pv=tiled_mma_pv,
-            tSrQ=tSrQ,
-            tSrK=tSrK,
-            tOrVt=tOrVt,
-            tOrP=tOrP,
-            acc_O=acc_O,
-            s_shape=s_shape,
-            softmax=softmax,
-            turns=turns,
-            mask=mask,
+        s_shape = gemms.mma_qk.get_slice(0).partition_shape_C((ROWS_PER_CONSUMER, self.tile_n))
+        coords_rc, coords0_rc = coords
+        mask = partial(
+            self.mask_scores, coords_rc=coords_rc, coords0_rc=coords0_rc, info=work.info, m_block=work.m_block
         )
 
+        n_first = work.n_max - 1
+        factors = self.tile_factors(scales, n_first)
+        acc_S = self.first_scores(pipes, gemms, kv, s_shape, mask, n_first)
+        self.softmax_update(softmax, acc_S, factors, True)
+        self.store_p(acc_S, gemms.tOrP)
+
+        acc_PV, o_state, carry = self.loop_state(gemms, acc_O, softmax, kv, factors)
+        loop = TileLoop(pipes, gemms, acc_O, acc_PV, o_state, s_shape, softmax, turns, mask, scales)
         # Then the rest, right to left; only blocks crossing a window edge pay for masking.
-        kv = walk_kv_blocks(info, m_block, n_min, n_first, step, kv)
+        carry = walk_kv_blocks(work.info, work.m_block, work.n_min, n_first, partial(self.step, loop=loop), carry)
 
         # The last P·V.
+        kv = self.carry_kv(carry)
         consumer_wait(pipes.v, kv)
-        wgmma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], zero_init=False, wait=0)
+        tOrVt = gemms.tOrVt[None, None, None, kv.index]
+        wgmma.gemm(gemms.mma_pv, acc_PV, gemms.tOrP, tOrVt, zero_init=self.promote_pv, wait=0)
         pipes.v.consumer_release(kv)
+        self.finish_loop(loop)
+        return carry
 
     @staticmethod
     @cute.jit
@@ -516,45 +505,39 @@ class Sm90FlashForward:
         apply_mask(rows_cols_view(acc_S), coords_rc, coords0_rc, info, m_block, n_block, mask_seqlen, mask_window)
 
     @cute.jit
-    def step(
-        self,
-        kv: pipeline.PipelineState,
-        n_block: Int32,
-        mask_window: cutlass.Constexpr[bool],
-        pipes,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        tSrQ: cute.Tensor,
-        tSrK: cute.Tensor,
-        tOrVt: cute.Tensor,
-        tOrP: cute.Tensor,
-        acc_O: cute.Tensor,
-        s_shape: cutlass.Constexpr,
-        softmax: OnlineSoftmax,
-        turns: WarpGroupTurns,
-        mask: cutlass.Constexpr,
-    ) -> pipeline.PipelineState:
-        """S_n = Q·K_nᵀ issued together with O += P_{n+1}·V_{n+1}; the softmax of S_n overlaps that P·V."""
-        kv, kv_v, acc_S = self.overlapped_gemms(
-            kv,
-            n_block,
-            mask_window,
-            pipes,
-            tiled_mma_qk,
-            tiled_mma_pv,
-            tSrQ,
-            tSrK,
-            tOrVt,
-            tOrP,
-            acc_O,
-            False,
-            s_shape,
-            turns,
-            mask,
-        )
-        row_scale = softmax.update(rows_cols_view(acc_S), is_first=False)
-        warpgroup.wait_group(0)  # P·V done: the P registers and the V stage are free, O may be rescaled
-        pipes.v.consumer_release(kv_v)
+    def step(self, carry, n_block: Int32, mask_window: cutlass.Constexpr[bool], loop: TileLoop):
+        """S_n = Q·K_nᵀ issued together with P_{n+1}·V_{n+1}; the softmax of S_n overlaps that P·V; then O's update."""
+        factors = self.tile_factors(loop.scales, n_block)
+        kv, kv_v, acc_S = self.overlapped_gemms(self.carry_kv(carry), n_block, mask_window, loop)
+        row_scale = self.softmax_update(loop.softmax, acc_S, factors, False)
+        return self.finish_step(carry, kv, kv_v, acc_S, row_scale, factors, loop)
+
+    # --- hooks: the bf16 / fp16 kernel's choices -------------------------------------------------------------------
+    def tile_factors(self, scales, n_block: Int32):
+        """Per-key-tile factors the softmax and O's update need (none here)."""
+        return None
+
+    def softmax_update(self, softmax, acc_S: cute.Tensor, factors, is_first: bool):
+        return softmax.update(rows_cols_view(acc_S), is_first=is_first)
+
+    def store_p(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
         wgmma.store_p_operand(acc_S, tOrP)
-        softmax.rescale(rows_cols_view(acc_O), row_scale)
+
+    def loop_state(self, gemms: ConsumerGemms, acc_O: cute.Tensor, softmax, kv, factors):
+        """(where P·V lands, O-update state, what the walk carries) after the first tile."""
+        return acc_O, None, kv
+
+    def carry_kv(self, carry) -> pipeline.PipelineState:
+        return carry
+
+    @cute.jit
+    def finish_step(self, carry, kv, kv_v, acc_S: cute.Tensor, row_scale: cute.Tensor, factors, loop: TileLoop):
+        """After S_n's softmax: wait for P_{n+1}·V_{n+1}, then P_n into registers and O rescaled; the new carry."""
+        warpgroup.wait_group(0)  # P·V done: the P registers and the V stage are free, O may be rescaled
+        loop.pipes.v.consumer_release(kv_v)
+        self.store_p(acc_S, loop.gemms.tOrP)
+        loop.softmax.rescale(rows_cols_view(loop.acc_O), row_scale)
         return kv
+
+    def finish_loop(self, loop: TileLoop):
+        """After the last P·V (nothing here)."""

@@ -37,17 +37,13 @@ from cutlass.cute.nvgpu import warpgroup
 import cutlass.utils.hopper_helpers as sm90_utils
 
 from ...common.acc_views import rows_cols_view
-from ...common.block_info import BlockInfo
-from ...common.block_walk import walk_kv_blocks
 from ...common.online_softmax import LOG2_E
 from ...fp8.prepare import BLOCK_M
 from .barriers import WarpGroupTurns, epilogue_sync
 from .cta import CtaWork
-from .epilogue import store_o_and_lse
 from .fp8_permute import store_p_operand_e4m3
 from .fp8_softmax import MIN_TILE_SCALE, Fp8OnlineSoftmax
 from .fp8_tile_config import ROW_SUM_COLUMNS, Fp8FwdConfig, kv_scale_block
-from .pipelines import consumer_state, consumer_wait
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS
 from . import wgmma
 from .flash_fwd import Sm90FlashForward, _one
@@ -148,43 +144,17 @@ class Sm90FlashForwardFp8(Sm90FlashForward):
             sVt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sVt_layout)], SMEM_ALIGN]
             sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(sO_layout)], SMEM_ALIGN]
 
+        mmas, layouts = (tiled_mma_qk, tiled_mma_pv, tiled_mma_o), (sQ_layout, sK_layout, sVt_layout, sO_layout)
+        descales = (mQd, mKd, mVd)
         self.kernel(
-            tmas,
-            mLSE,
-            (mQd, mKd, mVd),
-            atoms,
-            (tiled_mma_qk, tiled_mma_pv, tiled_mma_o),
-            (sQ_layout, sK_layout, sVt_layout, sO_layout),
-            softmax_scale,
-            window_left,
-            window_right,
-            SharedStorage,
+            tmas, mLSE, descales, atoms, mmas, layouts, softmax_scale, window_left, window_right, SharedStorage
         ).launch(stream=stream, **self.launch_shape(mQ))
 
-    @cute.kernel
-    def kernel(
-        self,
-        tmas,  # TMA coordinate tensors of Q, K: (s, d, h, b), Vᵀ: (dv, sk_pad, h_kv, b), O: (s, dv, h, b)
-        mLSE: cute.Tensor,  # (sq, h, b) fp32
-        descales,  # (b, h, q blocks), (b, h_kv, k blocks) x 2
-        atoms,  # their TMA atoms
-        mmas,  # (Q·Kᵀ, P·[V | 1], O) tiled MMAs
-        layouts,  # shared-memory layouts of Q, K, Vᵀ, O
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        SharedStorage: cutlass.Constexpr,
-    ):
-        mQ, mK, mVt, mO = tmas
-        atom_q, atom_k, atom_v, atom_o = atoms
-        tiled_mma_qk, tiled_mma_pv, tiled_mma_o = mmas
-        sQ_layout, sK_layout, sVt_layout, sO_layout = layouts
-        warp_idx, tidx, storage, pipes = self.prologue((atom_q, atom_k, atom_v, atom_o), SharedStorage)
-
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+    def v_and_o_smem(self, storage, layouts):
+        """Vᵀ as the TMA fills it (the first dv rows of every stage; all of it without row_sum_mma), Vᵀ with the
+        buffer's unswizzled base (for the ones rows) as consume takes it, and O's own 16-bit buffer."""
+        sVt_layout, sO_layout = layouts[2:]
         sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
-        # The first dv rows of every stage (all of it without row_sum_mma): where the TMA writes Vᵀ.
         sVt_load = cute.make_tensor(
             sVt.iterator,
             cute.composition(
@@ -196,79 +166,28 @@ class Sm90FlashForwardFp8(Sm90FlashForward):
             ),
         )
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-
-        consume = partial(
-            self.consume,
-            pipes,
-            tiled_mma_qk,
-            tiled_mma_pv,
-            tiled_mma_o,
-            sQ,
-            sK,
-            sVt,
-            storage.sVt.data_ptr(),
-            sO,
-            mO,
-            mLSE,
-            descales,
-            atom_o,
-            softmax_scale,
-        )
-        self.run_roles(
-            warp_idx,
-            tidx,
-            pipes,
-            (atom_q, atom_k, atom_v),
-            (mQ, mK, mVt),
-            (sQ, sK, sVt_load),
-            window_left,
-            window_right,
-            consume,
-        )
+        return sVt_load, (sVt, storage.sVt.data_ptr()), sO
 
     def v_tiles(self, mVt: cute.Tensor, head_kv: Int32, batch: Int32) -> cute.Tensor:
         """Vᵀ tiles (dv, tile_n, tiles): keys contiguous, as the e4m3 P·V wgmma's K-major B operand needs."""
         return cute.local_tile(mVt[None, None, head_kv, batch], (self.head_dim_v, self.tile_n), (0, None))
 
     @cute.jit
-    def consume(
-        self,
-        pipes,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        tiled_mma_o: cute.TiledMma,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sVt: cute.Tensor,
-        sVt_base: cute.Pointer,  # sVt's buffer without the swizzle, for the ones rows
-        sO: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        descales,  # (mQd, mKd, mVd): per 64 query rows, per K / V scale block
-        atom_o: cute.CopyAtom,
-        softmax_scale: Float32,
-        work: CtaWork,
-        consumer: Int32,
-        tidx: Int32,
-        warp_in_wg: Int32,
-    ):
-        m_block, head, head_kv, batch, seqlen_q, info, n_min, n_max = work
+    def consume(self, pipes, mmas, smem, out, descales, softmax_scale, work: CtaWork, consumer, tidx, warp_in_wg):
+        """mmas: (Q·Kᵀ, P·[V | 1], O); smem: sQ, sK and (sVt, its unswizzled base); descales (mQd, mKd, mVd): per 64
+        query rows, per K / V scale block."""
+        m_block, head, head_kv, batch, _, _, n_min, n_max = work
         mQd, mKd, mVd = descales
-        rows = ROWS_PER_CONSUMER
-        thr_qk = tiled_mma_qk.get_slice(tidx)
-        thr_pv = tiled_mma_pv.get_slice(tidx)
+        tiled_mma_qk, tiled_mma_pv, tiled_mma_o = mmas
+        sQ, sK, (sVt, sVt_base) = smem
+        gemms, thr_qk, _ = self.consumer_gemms(tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, tidx)
         thr_o = tiled_mma_o.get_slice(tidx)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, 1, k-blocks, consumer)
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, 1, k-blocks, stage)
-        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))  # (MMA, 1, key k-blocks, stage)
-        tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((rows, self.tile_n)))
-        acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((rows, self.head_dim_v)), Float32)
+        acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((ROWS_PER_CONSUMER, self.head_dim_v)), Float32)
         acc_O.fill(0.0)
         if const_expr(self.row_sum_mma):
             self.fill_ones_rows(sVt_base, sVt.layout, tidx, consumer)
 
-        coords_rc, coords0_rc = self.score_coords(tiled_mma_qk, thr_qk, consumer)
-
+        coords = self.score_coords(tiled_mma_qk, thr_qk, consumer)
         softmax = Fp8OnlineSoftmax.create(
             cute.size(rows_cols_view(acc_O), mode=[0]),
             exp2_poly_per_row=self.exp2_poly_per_row,
@@ -282,57 +201,19 @@ class Sm90FlashForwardFp8(Sm90FlashForward):
         q_scale = softmax_scale * LOG2_E
         if slice_idx < mQd.shape[2]:
             q_scale = q_scale * mQd[batch, head, slice_idx]
+        scales = partial(self.tile_scales, mKd, mVd, batch, head_kv, q_scale=q_scale)
 
-        v_scale_last = Float32(1.0)
+        v_scale_last = Float32(1.0)  # the V descale O is expressed in at the end
         if n_max > n_min:
             v_scale_last = self.mainloop(
-                pipes,
-                tiled_mma_qk,
-                tiled_mma_pv,
-                tSrQ[None, None, None, consumer],
-                tSrK,
-                tOrVt,
-                tOrP,
-                acc_O,
-                thr_pv.partition_shape_C((rows, self.pv_n)),
-                softmax,
-                turns,
-                info,
-                m_block,
-                n_min,
-                n_max,
-                coords_rc,
-                coords0_rc,
-                q_scale,
-                mKd,
-                mVd,
-                batch,
-                head_kv,
-            )
+                pipes, gemms.for_consumer(consumer), acc_O, softmax, turns, work, coords, scales
+            )[1]
 
         row_scale, lse = softmax.finalize(v_scale_last)
         rows_O = rows_cols_view(acc_O)
         for r in cutlass.range_constexpr(cute.size(row_scale)):
             rows_O[r, None].store(rows_O[r, None].load() * row_scale[r])
-        store_o_and_lse(
-            acc_O,
-            lse,
-            self.out_dtype,
-            self.head_dim_v,
-            tiled_mma_o,
-            thr_o,
-            sO,
-            mO,
-            mLSE,
-            atom_o,
-            slice_idx,
-            head,
-            batch,
-            seqlen_q,
-            consumer,
-            tidx,
-            warp_in_wg,
-        )
+        self.store_output(acc_O, lse, tiled_mma_o, thr_o, out, work, consumer, tidx, warp_in_wg)
 
     @cute.jit
     def fill_ones_rows(self, sVt_base: cute.Pointer, sVt_layout: cute.Layout, tidx: Int32, consumer: Int32):
@@ -362,85 +243,6 @@ class Sm90FlashForwardFp8(Sm90FlashForward):
         return c, cute.arch.fmax(Float32(mVd[batch, head_kv, blk]), Float32(MIN_TILE_SCALE))
 
     @cute.jit
-    def mainloop(
-        self,
-        pipes,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        tSrQ: cute.Tensor,
-        tSrK: cute.Tensor,
-        tOrVt: cute.Tensor,
-        tOrP: cute.Tensor,
-        acc_O: cute.Tensor,
-        pv_shape: cutlass.Constexpr,
-        softmax: Fp8OnlineSoftmax,
-        turns: WarpGroupTurns,
-        info: BlockInfo,
-        m_block: Int32,
-        n_min: Int32,
-        n_max: Int32,
-        coords_rc: cute.Tensor,
-        coords0_rc: cute.Tensor,
-        q_scale: Float32,
-        mKd: cute.Tensor,
-        mVd: cute.Tensor,
-        batch: Int32,
-        head_kv: Int32,
-    ) -> Float32:
-        """All key tiles of one CTA tile, right to left; returns the V descale O is expressed in at the end."""
-        consumer_wait(pipes.q, consumer_state(1))
-        kv = consumer_state(self.num_stages)
-        s_shape = tiled_mma_qk.get_slice(0).partition_shape_C((ROWS_PER_CONSUMER, self.tile_n))
-        mask = partial(self.mask_scores, coords_rc=coords_rc, coords0_rc=coords0_rc, info=info, m_block=m_block)
-        scales = partial(self.tile_scales, mKd, mVd, batch, head_kv, q_scale=q_scale)
-
-        n_first = n_max - 1
-        c_first, v_first = scales(n_block=n_first)
-        acc_S = self.first_scores(pipes, tiled_mma_qk, tSrQ, tSrK, kv, s_shape, mask, n_first)
-        softmax.update(rows_cols_view(acc_S), c_first, is_first=True)
-        store_p_operand_e4m3(acc_S, tOrP)
-
-        # O-update state: the V descale of the tile whose P is pending (in tOrP), and, with promotion, the factor for
-        # the O accumulated so far (the previous tile's softmax rescale times the ratio of V descales).
-        acc_PV = acc_O
-        if const_expr(self.promote_pv):
-            acc_PV = cute.make_rmem_tensor(pv_shape, Float32)
-        pending = cute.make_rmem_tensor(softmax.num_rows, Float32)
-        pending.fill(1.0)
-        pending_sum = cute.make_rmem_tensor(softmax.num_rows, Float32)  # with row_sum_mma: l's factor (no V ratio)
-        pending_sum.fill(1.0)
-        v_prev = v_first
-
-        step = partial(
-            self.step,
-            pipes=pipes,
-            tiled_mma_qk=tiled_mma_qk,
-            tiled_mma_pv=tiled_mma_pv,
-            tSrQ=tSrQ,
-            tSrK=tSrK,
-            tOrVt=tOrVt,
-            tOrP=tOrP,
-            acc_O=acc_O,
-            acc_PV=acc_PV,
-            pending=pending,
-            pending_sum=pending_sum,
-            s_shape=s_shape,
-            softmax=softmax,
-            turns=turns,
-            mask=mask,
-            scales=scales,
-        )
-        kv, v_prev = walk_kv_blocks(info, m_block, n_min, n_first, step, (kv, v_prev))
-
-        # The last P·V (tile n_min), in units of its own V descale.
-        consumer_wait(pipes.v, kv)
-        wgmma.gemm(tiled_mma_pv, acc_PV, tOrP, tOrVt[None, None, None, kv.index], zero_init=self.promote_pv, wait=0)
-        pipes.v.consumer_release(kv)
-        if const_expr(self.promote_pv):
-            self.absorb(acc_O, acc_PV, pending, softmax, pending_sum)
-        return v_prev
-
-    @cute.jit
     def absorb(
         self,
         acc_O: cute.Tensor,
@@ -467,66 +269,61 @@ class Sm90FlashForwardFp8(Sm90FlashForward):
                 sums[r] = rows_PV[r, n_o]
             softmax.absorb_row_sums(sums, factor_sum)
 
-    @cute.jit
-    def step(
-        self,
-        state,  # (the K/V pipeline state, the V descale of the pending P)
-        n_block: Int32,
-        mask_window: cutlass.Constexpr[bool],
-        pipes,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        tSrQ: cute.Tensor,
-        tSrK: cute.Tensor,
-        tOrVt: cute.Tensor,
-        tOrP: cute.Tensor,
-        acc_O: cute.Tensor,
-        acc_PV: cute.Tensor,
-        pending: cute.Tensor,
-        pending_sum: cute.Tensor,
-        s_shape: cutlass.Constexpr,
-        softmax: Fp8OnlineSoftmax,
-        turns: WarpGroupTurns,
-        mask: cutlass.Constexpr,
-        scales: cutlass.Constexpr,
-    ):
-        """S_n = Q·K_nᵀ issued together with P_{n+1}·V_{n+1}; the softmax of S_n overlaps that P·V.
+    # --- hooks of the skeleton (Sm90FlashForward.mainloop / step) ---------------------------------------------------
+    def tile_factors(self, scales, n_block: Int32):
+        """(exponent factor c_n, V descale v_n) of key tile n_block."""
+        return scales(n_block=n_block)
 
-        Without promotion O accumulates in the wgmma and is then rescaled by scale_n · v_{n+1} / v_n, keeping it in
+    def softmax_update(self, softmax: Fp8OnlineSoftmax, acc_S: cute.Tensor, factors, is_first: bool):
+        return softmax.update(rows_cols_view(acc_S), factors[0], is_first=is_first)
+
+    def store_p(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
+        store_p_operand_e4m3(acc_S, tOrP)
+
+    @cute.jit
+    def loop_state(self, gemms, acc_O: cute.Tensor, softmax: Fp8OnlineSoftmax, kv, factors):
+        """O-update state: the V descale of the tile whose P is pending (in tOrP, carried by the walk with the K/V
+        state), and, with promotion, the fresh P·V accumulator and the factor for the O accumulated so far (the
+        previous tile's softmax rescale times the ratio of V descales)."""
+        acc_PV = acc_O
+        if const_expr(self.promote_pv):
+            pv_shape = gemms.mma_pv.get_slice(0).partition_shape_C((ROWS_PER_CONSUMER, self.pv_n))
+            acc_PV = cute.make_rmem_tensor(pv_shape, Float32)
+        pending = cute.make_rmem_tensor(softmax.num_rows, Float32)
+        pending.fill(1.0)
+        pending_sum = cute.make_rmem_tensor(softmax.num_rows, Float32)  # with row_sum_mma: l's factor (no V ratio)
+        pending_sum.fill(1.0)
+        return acc_PV, (pending, pending_sum), (kv, factors[1])
+
+    def carry_kv(self, carry):
+        return carry[0]
+
+    @cute.jit
+    def finish_step(self, carry, kv, kv_v, acc_S: cute.Tensor, row_scale: cute.Tensor, factors, loop):
+        """Without promotion O accumulates in the wgmma and is then rescaled by scale_n · v_{n+1} / v_n, keeping it in
         units of v_n for the next P·V. With promotion PV_{n+1} lands in acc_PV (zero-initialised) and
-        O = O · pending + PV_{n+1}, where pending = scale_{n+1} · v_{n+2} / v_{n+1} came from the previous step.
-        """
-        kv, v_prev = state
-        c_n, v_n = scales(n_block=n_block)
-        kv, kv_v, acc_S = self.overlapped_gemms(
-            kv,
-            n_block,
-            mask_window,
-            pipes,
-            tiled_mma_qk,
-            tiled_mma_pv,
-            tSrQ,
-            tSrK,
-            tOrVt,
-            tOrP,
-            acc_PV,
-            self.promote_pv,
-            s_shape,
-            turns,
-            mask,
-        )
-        row_scale = softmax.update(rows_cols_view(acc_S), c_n, is_first=False)
+        O = O · pending + PV_{n+1}, where pending = scale_{n+1} · v_{n+2} / v_{n+1} came from the previous step."""
+        v_prev = carry[1]
+        v_n = factors[1]
         ratio = v_prev / v_n
         warpgroup.wait_group(0)  # P·V done: the P registers and the V stage are free
-        pipes.v.consumer_release(kv_v)
+        loop.pipes.v.consumer_release(kv_v)
         if const_expr(self.promote_pv):
-            self.absorb(acc_O, acc_PV, pending, softmax, pending_sum)
+            pending, pending_sum = loop.o_state
+            self.absorb(loop.acc_O, loop.acc_PV, pending, loop.softmax, pending_sum)
             for r in cutlass.range_constexpr(cute.size(pending)):
                 pending[r] = row_scale[r] * ratio
                 pending_sum[r] = row_scale[r]
         else:
-            rows_O = rows_cols_view(acc_O)
+            rows_O = rows_cols_view(loop.acc_O)
             for r in cutlass.range_constexpr(cute.size(row_scale)):
                 rows_O[r, None].store(rows_O[r, None].load() * (row_scale[r] * ratio))
-        store_p_operand_e4m3(acc_S, tOrP)
+        self.store_p(acc_S, loop.gemms.tOrP)
         return kv, v_n
+
+    @cute.jit
+    def finish_loop(self, loop):
+        """The last tile's P·V, promoted (in units of its own V descale)."""
+        if const_expr(self.promote_pv):
+            pending, pending_sum = loop.o_state
+            self.absorb(loop.acc_O, loop.acc_PV, pending, loop.softmax, pending_sum)

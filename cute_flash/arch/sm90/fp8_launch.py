@@ -145,43 +145,18 @@ def compile_fp8_artifacts(spec: AttentionSpec, target: str, cfg: Optional[Fp8Fwd
         raise NotImplementedError(reason)
     compile_cache.ensure_cute_dsl_arch(target)
     cfg = cfg or fp8_fwd_config(spec.head_dim, spec.head_dim_v, spec.mask)
+    from ...census import read_artifacts
     from ...fp8.prepare import BLOCK_M
-    from ...fp8.prepass_kernel import Fp8Prepass, build_prepass
+    from ...fp8.prepass_kernel import prepass_artifacts
 
-    artifacts = []
     with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_fp8_") as dump:
-        options = compile_cache.compile_options(target, extra=compile_cache.keep_artifacts_options(dump))
         compiled = build_fp8_forward(spec, cfg, target, compile_cache.keep_artifacts_options(dump))
-        artifacts.append(
-            KernelArtifact(
-                kernel="fwd_fp8",
-                ptx=compiled.artifacts.PTX,
-                cubin=compiled.artifacts.CUBIN,
-                config={
-                    **cfg.as_dict(),
-                    "shared_bytes": smem_bytes(cfg, spec.head_dim, spec.head_dim_v),
-                    "threads": cfg.tile.num_threads,
-                },
-            )
-        )
-        # The pre-pass that feeds it from fp16/bf16 inputs (the output dtype is the inputs' dtype): Q and K rotated
-        # (the default), V transposed.
-        kv_block = kv_scale_block(spec.head_dim, spec.head_dim_v)
-        for role, d, block, rotate, transpose in (
-            ("fp8_prepass_q", spec.head_dim, BLOCK_M, True, False),
-            ("fp8_prepass_k", spec.head_dim, kv_block, True, False),
-            ("fp8_prepass_v", spec.head_dim_v, kv_block, False, True),
-        ):
-            pre = build_prepass(spec.out_dtype, d, block, rotate, transpose, options)
-            threads = Fp8Prepass(dsl_dtype(spec.out_dtype), d, block, rotate, transpose).num_threads
-            config = {
-                "block": block,
-                "rotate": rotate,
-                "transposed_out": transpose,
-                "shared_bytes": 0,
-                "threads": threads,
-            }
-            artifacts.append(
-                KernelArtifact(kernel=role, ptx=pre.artifacts.PTX, cubin=pre.artifacts.CUBIN, config=config)
-            )
-    return artifacts
+        ptx, cubin = read_artifacts(compiled)
+    config = {
+        **cfg.as_dict(),
+        "shared_bytes": smem_bytes(cfg, spec.head_dim, spec.head_dim_v),
+        "threads": cfg.tile.num_threads,
+    }
+    forward = KernelArtifact(kernel="fwd_fp8", ptx=ptx, cubin=cubin, config=config)
+    # The pre-pass that feeds it from fp16/bf16 inputs (the output dtype is the inputs' dtype).
+    return [forward] + prepass_artifacts(spec, target, BLOCK_M, kv_scale_block(spec.head_dim, spec.head_dim_v))

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ...common.online_softmax import LN2, _add, _lane_group_reduce, _tree_reduce
+from ...common.inline_ptx import ptx_asm
 
 P_OFFSET_LOG2 = 8.0
 MIN_TILE_SCALE = 1e-30  # keeps c_n > 0 (a zero descale would turn masked -inf scores into NaN)
@@ -52,7 +52,7 @@ def exp2_poly(x: Float32, *, loc=None, ip=None) -> Float32:
     c0, c1, c2, c3 = (_f32_hex(c) for c in EXP2_POLY)
     magic = _f32_hex(12582912.0)
     return Float32(
-        llvm.inline_asm(
+        ptx_asm(
             T.f32(),
             [Float32(x).ir_value(loc=loc, ip=ip)],
             "{\n.reg .f32 xc, t, j, f, p;\n.reg .b32 tb, pb;\n"
@@ -67,9 +67,6 @@ def exp2_poly(x: Float32, *, loc=None, ip=None) -> Float32:
             "mad.lo.u32 pb, tb, 8388608, pb;\n"
             "mov.b32 $0, pb;\n}",
             "=f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
             loc=loc,
             ip=ip,
         )

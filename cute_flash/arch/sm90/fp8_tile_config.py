@@ -31,8 +31,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...fp8.prepare import BLOCK_M, BLOCK_N
-from .tile_config import REGISTERS_PER_SM, ROWS_PER_CONSUMER, SMEM_CAPACITY_BYTES, SMEM_RESERVED_BYTES, FwdTileConfig
-from .tile_config import WARPGROUP_THREADS
+from .tile_config import ROWS_PER_CONSUMER, SMEM_CAPACITY_BYTES, SMEM_RESERVED_BYTES, FwdTileConfig, register_problem
 
 WIDE_KV_SCALE_BLOCK = 384  # keys per K/V descale at head dims <= 128: two 192-key tiles, three 128-key ones
 
@@ -84,9 +83,8 @@ def budget_problem(cfg: Fp8FwdConfig, head_dim: int, head_dim_v: int) -> Optiona
         return f"tile_n={t.tile_n} must be a multiple of 32 dividing the K/V scale block {block}"
     if ROWS_PER_CONSUMER % BLOCK_M != 0 and BLOCK_M % ROWS_PER_CONSUMER != 0:
         return f"the Q scale block {BLOCK_M} must align with the {ROWS_PER_CONSUMER} rows of a consumer"
-    regs = t.consumer_regs * WARPGROUP_THREADS * t.num_consumer_wgs + t.producer_regs * WARPGROUP_THREADS
-    if regs > REGISTERS_PER_SM:
-        return f"register split {t.consumer_regs}/{t.producer_regs} needs {regs} > {REGISTERS_PER_SM} registers"
+    if (problem := register_problem(t)) is not None:
+        return problem
     if cfg.row_sum_mma and not cfg.promote_pv:
         return "row_sum_mma needs promote_pv (the row sums are taken from each tile's fresh P·V accumulator)"
     if cfg.row_sum_mma and t.tile_n > 128:

@@ -24,7 +24,7 @@ head_dim_v sets the O accumulator (dv / 2 registers per thread) and, with head_d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 from ...spec import AttentionSpec
@@ -55,15 +55,7 @@ class FwdTileConfig:
         return WARPGROUP_THREADS * (self.num_consumer_wgs + 1)
 
     def as_dict(self) -> dict:
-        return {
-            "tile_m": self.tile_m,
-            "tile_n": self.tile_n,
-            "num_stages": self.num_stages,
-            "num_consumer_wgs": self.num_consumer_wgs,
-            "ping_pong": self.ping_pong,
-            "consumer_regs": self.consumer_regs,
-            "producer_regs": self.producer_regs,
-        }
+        return {"tile_m": self.tile_m, **asdict(self)}
 
 
 def smem_bytes(cfg: FwdTileConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
@@ -73,15 +65,23 @@ def smem_bytes(cfg: FwdTileConfig, head_dim: int, head_dim_v: int, elem_bytes: i
     return q_and_o + kv + SMEM_RESERVED_BYTES
 
 
+def register_problem(cfg) -> Optional[str]:
+    """Why the setmaxnreg split of `cfg` (a forward or backward tile configuration) does not fit the register file, or
+    None."""
+    regs = cfg.consumer_regs * WARPGROUP_THREADS * cfg.num_consumer_wgs + cfg.producer_regs * WARPGROUP_THREADS
+    if regs > REGISTERS_PER_SM:
+        return f"register split {cfg.consumer_regs}/{cfg.producer_regs} needs {regs} > {REGISTERS_PER_SM} registers"
+    return None
+
+
 def budget_problem(cfg: FwdTileConfig, head_dim: int, head_dim_v: int) -> Optional[str]:
     """A sentence saying why `cfg` cannot run, or None."""
     if cfg.tile_n % 16 != 0 or not 16 <= cfg.tile_n <= 256:
         return f"tile_n={cfg.tile_n} must be a multiple of 16 in [16, 256] (wgmma N for S, K for P·V)"
     if head_dim_v > 256:
         return f"head_dim_v={head_dim_v} exceeds wgmma's N limit of 256"
-    regs = cfg.consumer_regs * WARPGROUP_THREADS * cfg.num_consumer_wgs + cfg.producer_regs * WARPGROUP_THREADS
-    if regs > REGISTERS_PER_SM:
-        return f"register split {cfg.consumer_regs}/{cfg.producer_regs} needs {regs} > {REGISTERS_PER_SM} registers"
+    if (problem := register_problem(cfg)) is not None:
+        return problem
     need = smem_bytes(cfg, head_dim, head_dim_v)
     if need > SMEM_CAPACITY_BYTES:
         return f"tile {cfg.tile_m}x{cfg.tile_n} x {cfg.num_stages} stages needs {need} B of shared memory"
@@ -157,18 +157,7 @@ class BwdTileConfig:
         return 1 if self.dq_split == "single" else self.num_consumer_wgs
 
     def as_dict(self) -> dict:
-        return {
-            "tile_m": self.tile_m,
-            "tile_n": self.tile_n,
-            "num_stages": self.num_stages,
-            "num_consumer_wgs": self.num_consumer_wgs,
-            "keys_on_rows": self.keys_on_rows,
-            "dq_split": self.dq_split,
-            "consumer_regs": self.consumer_regs,
-            "producer_regs": self.producer_regs,
-            "opt_level": self.opt_level,
-            "dq_swap_ab": self.dq_swap_ab,
-        }
+        return asdict(self)
 
 
 MAX_BWD_CONSUMER_WGS = 2  # barriers.BwdBarrierId reserves named barriers for this many consumers
@@ -211,9 +200,8 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int) -> Optional[str]:
         return f"dq_split 'single' needs tile_m = 64, got {cfg.tile_m}"
     if cfg.dq_split not in ("m", "n", "single"):
         return f"dq_split must be 'm', 'n' or 'single', got {cfg.dq_split!r}"
-    regs = cfg.consumer_regs * WARPGROUP_THREADS * w + cfg.producer_regs * WARPGROUP_THREADS
-    if regs > REGISTERS_PER_SM:
-        return f"register split {cfg.consumer_regs}/{cfg.producer_regs} needs {regs} > {REGISTERS_PER_SM} registers"
+    if (problem := register_problem(cfg)) is not None:
+        return problem
     need = bwd_smem_bytes(cfg, head_dim)
     if need > SMEM_CAPACITY_BYTES:
         return f"backward tile {cfg.tile_m}x{cfg.tile_n} x {cfg.num_stages} stages needs {need} B of shared memory"

@@ -9,9 +9,10 @@ from typing import Optional, Type
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import warpgroup
+
+from ...common.inline_ptx import ptx_asm
 
 
 def k_major_smem_layout(
@@ -95,14 +96,11 @@ def acc_layout_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
 def _pack_f32x2(lo: Float32, hi: Float32, to_bf16: bool, *, loc=None, ip=None) -> Int32:
     # One cvt for two values; the generic TensorSSA conversion is not always paired by the compiler.
     return Int32(
-        llvm.inline_asm(
+        ptx_asm(
             T.i32(),
             [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
             f"cvt.rn.{'bf16x2' if to_bf16 else 'f16x2'}.f32 $0, $2, $1;",
             "=r,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
 
