@@ -118,9 +118,13 @@ def _run_in_processes(config_list: List[Config], capability: Capability, jobs: i
     configurations share are built once, by whichever process takes the key's lock first."""
     shards = [config_list[i::jobs] for i in range(jobs)]
     cmd = [sys.executable, "-c", "from cute_flash.warmup import _shard_main; _shard_main()"]
+    # Each worker is a new process that compiles for this capability alone, whatever target this process was set to.
+    env = {**os.environ, "CUTE_DSL_ARCH": compile_cache.target_for_capability(capability)}
     procs = []
     for shard in shards:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
         job = {"capability": list(capability), "configs": [dataclasses.asdict(c) for c in shard]}
         proc.stdin.write(json.dumps(job))
         proc.stdin.close()
