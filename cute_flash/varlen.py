@@ -9,8 +9,9 @@ be captured in a CUDA graph. Their grid spans max_seqlen_q's query blocks (backw
 every sequence, and the CTAs whose block lies past their own sequence's end exit at once; a scheduler that does not
 launch them is future work.
 
-Under torch.compile the call is traced as the custom ops `cute_flash::fwd_varlen` / `bwd_varlen` (cute_flash/ops.py)
-without a graph break; eager calls run the same steps without the custom-op dispatch, as `attention` does.
+Under torch.compile the call is traced as the custom ops `cute_flash::fwd` / `bwd` with their packed-sequence
+arguments (cute_flash/ops.py), without a graph break; eager calls run the same steps without the custom-op dispatch,
+as `attention` does.
 """
 
 from __future__ import annotations
@@ -134,9 +135,9 @@ def attention_varlen(
     if torch.compiler.is_compiling():
         # One custom op in the graph; routing and layouts are settled inside it at run time (as in `attention`).
         m = problem.mask
-        out, lse = torch.ops.cute_flash.fwd_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-            problem.softmax_scale, m.kind, m.left, m.right, deterministic and needs_grad,
+        out, lse = torch.ops.cute_flash.fwd(
+            q, k, v, problem.softmax_scale, m.kind, m.left, m.right, deterministic and needs_grad,
+            cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         )  # fmt: skip
         return (out, lse) if return_lse else out
     arch = _route(problem.spec, q, backward=False)

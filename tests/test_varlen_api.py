@@ -189,19 +189,20 @@ def test_deterministic_fails_before_the_forward(ref_backend):
     assert ref_backend.calls == []
 
 
-# --- torch.compile: the custom ops cute_flash::fwd_varlen / bwd_varlen --------------------------------------------
+# --- torch.compile: the custom ops cute_flash::fwd / bwd with packed-sequence arguments ------------------------------
 def test_varlen_ops_fake_shapes_and_opcheck(meta):
+    # the dense ops with their packed-sequence arguments (cu_seqlens, seqused_k, max_seqlen)
     q, k, v, cq, ck, mq, mk = meta
     q, k, v = (t.to(torch.float16) for t in (q, k, v))
     v = torch.empty(k.shape[0], k.shape[1], 32, dtype=k.dtype, device="meta")
     used = torch.empty(2, dtype=torch.int32, device="meta")
-    args = (q, k, v, cq, ck, used, mq, mk, 0.125, "causal", 1 << 30, 0, False)
-    out, lse = torch.ops.cute_flash.fwd_varlen(*args)
+    args = (q, k, v, 0.125, "causal", 1 << 30, 0, False, cq, ck, used, mq, mk)
+    out, lse = torch.ops.cute_flash.fwd(*args)
     assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((8, 4, 32), torch.float16, (4, 8), torch.float32)
-    torch.library.opcheck(torch.ops.cute_flash.fwd_varlen.default, args, test_utils=("test_schema", "test_faketensor"))
-    bargs = (torch.empty_like(out), q, k, v, out, lse, cq, ck, None, mq, mk, 0.125, "causal", 1 << 30, 0, False)
-    torch.library.opcheck(torch.ops.cute_flash.bwd_varlen.default, bargs, test_utils=("test_schema", "test_faketensor"))
-    grads = torch.ops.cute_flash.bwd_varlen(*bargs)
+    torch.library.opcheck(torch.ops.cute_flash.fwd.default, args, test_utils=("test_schema", "test_faketensor"))
+    bargs = (torch.empty_like(out), q, k, v, out, lse, 0.125, "causal", 1 << 30, 0, False, cq, ck, None, mq, mk)
+    torch.library.opcheck(torch.ops.cute_flash.bwd.default, bargs, test_utils=("test_schema", "test_faketensor"))
+    grads = torch.ops.cute_flash.bwd(*bargs)
     assert [g.shape for g in grads] == [t.shape for t in (q, k, v)]
 
 

@@ -176,8 +176,8 @@ def test_varlen_cuda_graph_capture():
 @pytest.mark.sm80
 @pytest.mark.xdist_group("varlen-bf16-d128-causal")
 def test_varlen_torch_compile_training_step_matches_eager():
-    """Inductor, fullgraph=True: attention_varlen becomes the custom ops cute_flash::fwd_varlen / bwd_varlen; the
-    compiled output and gradients equal the eager call's bitwise (the same kernels run)."""
+    """Inductor, fullgraph=True: attention_varlen becomes the custom ops cute_flash::fwd / bwd with packed-sequence
+    arguments; the compiled output and gradients equal the eager call's bitwise (the same kernels run)."""
     import cute_flash
 
     torch._dynamo.reset()
