@@ -4,10 +4,15 @@ reaches the backward through `register_autograd`. `attention` takes the ops only
 (`torch.compiler.is_compiling()`); eager calls run the same steps without the custom-op dispatch, whose host cost
 (hundreds of µs per call in torch 2.11) would dominate small problems.
 
-    torch.ops.cute_flash.fwd(q, k, v, softmax_scale, mask_kind, window_left, window_right, check_deterministic)
+    torch.ops.cute_flash.fwd(q, k, v, softmax_scale, mask_kind, window_left, window_right, check_deterministic,
+        cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, max_seqlen_q=0, max_seqlen_k=0)
         -> (out (b, sq, h, dv) in q's dtype, lse (b, h, sq) float32)
     torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, softmax_scale, mask_kind, window_left, window_right,
-        deterministic) -> (dq, dk, dv)
+        deterministic, <the same five packed-sequence arguments>) -> (dq, dk, dv)
+
+With cu_seqlens_q (and cu_seqlens_k, max_seqlen_*; seqused_k optional) the ops serve `cute_flash.attention_varlen`:
+q (total_q, h, d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q). One op pair for both
+keeps one autograd formula and one place where a trace meets the kernels.
 
 The ops take inputs `cute_flash.attention` has validated (`validation.validate`) and a mask already normalised
 (`spec.normalize_mask`); call `attention`, not the ops. Everything that needs the device or real memory (routing by
@@ -18,34 +23,42 @@ FP8 path (forward only, with a GPU pre-pass) is not an op: it runs eagerly.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
 from .spec import AttentionSpec, MaskBounds
-from .validation import INPUT_DTYPES, Problem, kernel_view
+from .validation import INPUT_DTYPES, Problem, VarlenProblem, kernel_view
 
 _OUT = Tuple[torch.Tensor, torch.Tensor]
 
 
 def _problem(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, mask_kind: str, left: int, right: int
-) -> Problem:
-    batch, seqlen_q, nheads, head_dim = q.shape
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    mask_kind: str,
+    left: int,
+    right: int,
+    cu_seqlens_q: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> Union[Problem, VarlenProblem]:
+    """The validated problem `attention` (dense, cu_seqlens_q None) or `attention_varlen` made, from its tensors."""
+    mask = MaskBounds(mask_kind, left, right)
+    *_, nheads, head_dim = q.shape
+    head_dim_v = v.shape[-1]
     dtype = INPUT_DTYPES[q.dtype]
-    spec = AttentionSpec(dtype, head_dim, v.shape[3], mask_kind, dtype)
-    return Problem(
-        batch=batch,
-        seqlen_q=seqlen_q,
-        seqlen_k=k.shape[1],
-        nheads=nheads,
-        nheads_kv=k.shape[2],
-        head_dim=head_dim,
-        head_dim_v=v.shape[3],
-        spec=spec,
-        mask=MaskBounds(mask_kind, left, right),
+    spec = AttentionSpec(dtype, head_dim, head_dim_v, mask_kind, dtype, varlen=cu_seqlens_q is not None)
+    shapes = dict(nheads=nheads, nheads_kv=k.shape[-2], head_dim=head_dim, head_dim_v=head_dim_v, spec=spec)
+    if cu_seqlens_q is None:
+        return Problem(q.shape[0], q.shape[1], k.shape[1], **shapes, mask=mask, softmax_scale=softmax_scale)
+    batch = cu_seqlens_q.shape[0] - 1
+    return VarlenProblem(
+        batch, q.shape[0], k.shape[0], **shapes, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, mask=mask,
         softmax_scale=softmax_scale,
-    )
+    )  # fmt: skip
 
 
 @torch.library.custom_op("cute_flash::fwd", mutates_args=())
@@ -58,21 +71,29 @@ def fwd(
     window_left: int,
     window_right: int,
     check_deterministic: bool,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
 ) -> _OUT:
-    from . import interface  # the op runs after cute_flash is imported; no import happens in a traced region
+    from . import interface, varlen  # the op runs after cute_flash is imported; no import happens in a traced region
 
-    problem = _problem(q, k, v, softmax_scale, mask_kind, window_left, window_right)
-    arch = interface._route(problem.spec, q, backward=False)
+    p = _problem(q, k, v, softmax_scale, mask_kind, window_left, window_right, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    arch = interface._route(p.spec, q, backward=False)
     if check_deterministic:  # fail before the forward, not in the middle of autograd
-        interface._route(problem.spec, q, backward=True, deterministic=True)
-    return interface._run_forward(kernel_view(q), kernel_view(k), kernel_view(v), problem, arch)
+        interface._route(p.spec, q, backward=True, deterministic=True)
+    views = (kernel_view(q), kernel_view(k), kernel_view(v))
+    if cu_seqlens_q is None:
+        return interface._run_forward(*views, p, arch)
+    return varlen._run_forward(*views, cu_seqlens_q, cu_seqlens_k, seqused_k, p, arch)
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, mask_kind, window_left, window_right, check_deterministic) -> _OUT:
-    b, sq, h, _ = q.shape
-    out = q.new_empty(b, sq, h, v.shape[3])
-    lse = q.new_empty(b, h, sq, dtype=torch.float32)
+def _fwd_fake(q, k, v, *params_and_seqs) -> _OUT:
+    *rows, h, _ = q.shape  # dense (b, sq) or packed (total_q,)
+    out = q.new_empty(*rows, h, v.shape[-1])
+    lse = q.new_empty(*rows[:-1], h, rows[-1], dtype=torch.float32)  # (b, h, sq) or (h, total_q)
     return out, lse
 
 
@@ -89,34 +110,39 @@ def bwd(
     window_left: int,
     window_right: int,
     deterministic: bool,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from . import interface
+    from . import interface, varlen
 
-    problem = _problem(q, k, v, softmax_scale, mask_kind, window_left, window_right)
+    p = _problem(q, k, v, softmax_scale, mask_kind, window_left, window_right, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     views = (kernel_view(t) for t in (q, k, v, out))
-    return interface._run_backward(dout, *views, lse, problem, deterministic)
+    if cu_seqlens_q is None:
+        return interface._run_backward(dout, *views, lse, p, deterministic)
+    return varlen._run_backward(dout, *views, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, p, deterministic)
 
 
 @bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, mask_kind, window_left, window_right, deterministic):
+def _bwd_fake(dout, q, k, v, *rest):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, softmax_scale, mask_kind, window_left, window_right, check_deterministic = inputs
+    q, k, v, softmax_scale, mask_kind, window_left, window_right, check_deterministic, cu_q, cu_k, used, *maxes = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used)
     ctx.params = (softmax_scale, mask_kind, window_left, window_right, check_deterministic)
+    ctx.max_seqlens = maxes
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    softmax_scale, mask_kind, window_left, window_right, deterministic = ctx.params
-    dq, dk, dv = torch.ops.cute_flash.bwd(
-        dout, q, k, v, out, lse, softmax_scale, mask_kind, window_left, window_right, deterministic
-    )
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, out, lse, cu_q, cu_k, used = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, *ctx.params, cu_q, cu_k, used, *ctx.max_seqlens)
+    return dq, dk, dv, *(None,) * 10
 
 
 torch.library.register_autograd("cute_flash::fwd", _backward, setup_context=_setup_context)

@@ -407,7 +407,8 @@ def validate_varlen_layout(
     if cu_seqlens_k.numel() != batch + 1:
         raise ValueError(f"cu_seqlens_k has {cu_seqlens_k.numel()} entries, cu_seqlens_q {batch + 1}: one batch")
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+        # torch.SymInt: a host int that torch.compile traces symbolically (still no device-to-host copy)
+        if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)) or m < 0:
             raise ValueError(f"{name} must be a host int >= 0 (no device-to-host copy inside the call), got {m!r}")
     if seqused_k is not None:
         if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32 or seqused_k.shape != (batch,):

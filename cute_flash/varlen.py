@@ -9,7 +9,9 @@ be captured in a CUDA graph. Their grid spans max_seqlen_q's query blocks (backw
 every sequence, and the CTAs whose block lies past their own sequence's end exit at once; a scheduler that does not
 launch them is future work.
 
-Under torch.compile the call runs eagerly (it is not a custom op yet: the compiler graph-breaks around it).
+Under torch.compile the call is traced as the custom ops `cute_flash::fwd` / `bwd` with their packed-sequence
+arguments (cute_flash/ops.py), without a graph break; eager calls run the same steps without the custom-op dispatch,
+as `attention` does.
 """
 
 from __future__ import annotations
@@ -79,7 +81,6 @@ class _AttentionVarlen(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
-@torch.compiler.disable
 def attention_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -130,8 +131,16 @@ def attention_varlen(
     # The kernels read these with unit stride (a no-op for the usual contiguous vectors).
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused_k = None if seqused_k is None else seqused_k.contiguous()
-    arch = _route(problem.spec, q, backward=False)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if torch.compiler.is_compiling():
+        # One custom op in the graph; routing and layouts are settled inside it at run time (as in `attention`).
+        m = problem.mask
+        out, lse = torch.ops.cute_flash.fwd(
+            q, k, v, problem.softmax_scale, m.kind, m.left, m.right, deterministic and needs_grad,
+            cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
+    arch = _route(problem.spec, q, backward=False)
     if needs_grad:
         if deterministic:  # fail before the forward, not in the middle of autograd
             _route(problem.spec, q, backward=True, deterministic=True)

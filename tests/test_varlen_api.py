@@ -3,6 +3,7 @@ the autograd plumbing with a fake sm80 backend that computes with the float64 re
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 
 import pytest
@@ -129,11 +130,17 @@ class _RefBackend:
         dq, dk, dv = grads
         cu_q, cu_k, seqused_k, max_q, max_k = seqs
         softmax_scale, mask = problem.softmax_scale, problem.mask
-        with torch.enable_grad():  # autograd runs backward functions with grad mode off
+
+        def reference_grads():
             leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
             o = attention_varlen_reference(*leaves, cu_q, cu_k, max_q, max_k, softmax_scale=softmax_scale,
                                            seqused_k=seqused_k, causal=mask.kind == "causal")  # fmt: skip
-            grads = torch.autograd.grad(o, leaves, dout.double())
+            return torch.autograd.grad(o, leaves, dout.double())
+
+        # In a thread of its own: a backward runs with grad mode off, and inside a custom op (torch.compile's path)
+        # below autograd's dispatch keys, both thread-local; a fresh thread records the reference's graph.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            grads = pool.submit(reference_grads).result()
         for g, t in zip(grads, (dq, dk, dv)):
             t.copy_(g)
 
@@ -180,3 +187,70 @@ def test_deterministic_fails_before_the_forward(ref_backend):
     with pytest.raises(NotImplementedError, match="deterministic"):
         cute_flash.attention_varlen(q.requires_grad_(True), k, v, cq, ck, mq, mk, deterministic=True)
     assert ref_backend.calls == []
+
+
+# --- torch.compile: the custom ops cute_flash::fwd / bwd with packed-sequence arguments ------------------------------
+def test_varlen_ops_fake_shapes_and_opcheck(meta):
+    # the dense ops with their packed-sequence arguments (cu_seqlens, seqused_k, max_seqlen)
+    q, k, v, cq, ck, mq, mk = meta
+    q, k, v = (t.to(torch.float16) for t in (q, k, v))
+    v = torch.empty(k.shape[0], k.shape[1], 32, dtype=k.dtype, device="meta")
+    used = torch.empty(2, dtype=torch.int32, device="meta")
+    args = (q, k, v, 0.125, "causal", 1 << 30, 0, False, cq, ck, used, mq, mk)
+    out, lse = torch.ops.cute_flash.fwd(*args)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((8, 4, 32), torch.float16, (4, 8), torch.float32)
+    torch.library.opcheck(torch.ops.cute_flash.fwd.default, args, test_utils=("test_schema", "test_faketensor"))
+    bargs = (torch.empty_like(out), q, k, v, out, lse, 0.125, "causal", 1 << 30, 0, False, cq, ck, None, mq, mk)
+    torch.library.opcheck(torch.ops.cute_flash.bwd.default, bargs, test_utils=("test_schema", "test_faketensor"))
+    grads = torch.ops.cute_flash.bwd(*bargs)
+    assert [g.shape for g in grads] == [t.shape for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_traces_attention_varlen_without_a_graph_break(ref_backend, backend):
+    torch._dynamo.reset()
+    q, k, v, cq, ck, mq, mk = _packed([0, 1, 7, 3], [2, 0, 9, 3], dtype=torch.float16)
+    used = torch.tensor([2, 0, 5, 3], dtype=torch.int32)
+
+    def loss(q, k, v, dout):
+        out, lse = cute_flash.attention_varlen(
+            q, k, v, cq, ck, mq, mk, causal=True, seqused_k=used, softmax_scale=0.2, return_lse=True
+        )
+        return (out.float() * dout).sum(), lse
+
+    compiled = torch.compile(loss, fullgraph=True, backend=backend)  # fullgraph: a graph break would raise
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    dout = torch.randn(q.shape[0], q.shape[1], v.shape[2])
+    value, lse = compiled(*leaves, dout)
+    grads = torch.autograd.grad(value, leaves)
+    assert ref_backend.calls == ["forward", "backward"] and lse.shape == (4, 11)
+
+    ref_leaves = [t.clone().double().requires_grad_(True) for t in (q, k, v)]
+    ref = attention_varlen_reference(*ref_leaves, cq, ck, mq, mk, causal=True, seqused_k=used, softmax_scale=0.2)
+    torch.testing.assert_close(value.double(), (ref * dout.double()).sum(), atol=2e-2, rtol=1e-3)
+    for got, want in zip(grads, torch.autograd.grad(ref, ref_leaves, dout.double())):
+        assert got.shape == want.shape and got.dtype == torch.float16
+        torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=1e-2)
+
+
+def test_varlen_validation_still_runs_under_torch_compile(meta):
+    torch._dynamo.reset()
+    q, k, v, cq, ck, mq, mk = meta
+    with pytest.raises(Exception, match="window_size"):
+        torch.compile(
+            lambda q, k, v: cute_flash.attention_varlen(q, k, v, cq, ck, mq, mk, window_size=(-1, 0)), fullgraph=True
+        )(q, k, v)
+
+
+def test_torch_compile_varlen_recompiles_dynamic_lengths(ref_backend):
+    # A second batch of other lengths makes dynamo trace totals and max_seqlen as symbols (automatic dynamic):
+    # validation must take a traced host int as a host int.
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda *a: cute_flash.attention_varlen(*a, causal=True), fullgraph=True, backend="aot_eager", dynamic=None
+    )
+    for lens_q, lens_k in (([3, 5], [4, 4]), ([6, 2, 9], [7, 1, 9]), ([1, 4], [2, 8])):
+        args = _packed(lens_q, lens_k)
+        out = compiled(*args)
+        ref = attention_varlen_reference(*(t.double() for t in args[:3]), *args[3:], causal=True)
+        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
