@@ -91,8 +91,8 @@ def run_emulated(q, k, v, *, causal: bool, schemes: Sequence[str], block_m: int,
 
 def _fp8_kernel_out(q, k, v, causal: bool, scheme: str, cfg=None) -> torch.Tensor:
     """FP8 kernel output of `scheme`; `cfg` (an `Fp8FwdConfig`) overrides the default tile configuration."""
-    from cute_flash.arch.sm90.fp8_launch import run_forward_fp8
-    from cute_flash.arch.sm90.fp8_tile_config import fp8_fwd_config, kv_scale_block
+    from cute_flash.arch.sm90.fp8.launch import run_forward_fp8
+    from cute_flash.arch.sm90.fp8.tile_config import fp8_fwd_config, kv_scale_block
     from cute_flash.spec import AttentionSpec, normalize_mask
     from cute_flash.fp8.prepare import check_prequantized, prepare_fp8_inputs
     from cute_flash.fp8.quantize import quantize_per_tensor
@@ -145,7 +145,7 @@ def run_kernel(q, k, v, *, causal: bool, schemes: Sequence[str], accumulation: b
         except Exception as e:  # noqa: BLE001  (a study row says what failed instead of stopping the study)
             row[scheme] = f"error: {type(e).__name__}: {str(e)[:120]}"
     if accumulation:
-        from cute_flash.arch.sm90.fp8_tile_config import kv_scale_block
+        from cute_flash.arch.sm90.fp8.tile_config import kv_scale_block
         from profiling.fp8_variants import VARIANTS
 
         for name in ("tile128", "tile128_promote"):
@@ -180,7 +180,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.block_n is None:
-        from cute_flash.arch.sm90.fp8_tile_config import kv_scale_block
+        from cute_flash.arch.sm90.fp8.tile_config import kv_scale_block
 
         args.block_n = kv_scale_block(args.head_dim, args.head_dim)
 

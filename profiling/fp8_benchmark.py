@@ -59,10 +59,10 @@ def bench_case(
     ["all"]: every one)."""
     import cute_flash
 
-    from cute_flash.arch.sm90.fp8_launch import run_forward_fp8
+    from cute_flash.arch.sm90.fp8.launch import run_forward_fp8
     from cute_flash.bench.flops import attention_flops
     from cute_flash.bench.flops import tflops as flops_to_tflops
-    from cute_flash.arch.sm90.fp8_tile_config import fp8_fwd_config, kv_scale_block
+    from cute_flash.arch.sm90.fp8.tile_config import fp8_fwd_config, kv_scale_block
     from cute_flash.spec import AttentionSpec, normalize_mask
     from cute_flash.fp8.prepare import prepare_fp8_inputs
 

@@ -1,6 +1,6 @@
-"""Alternatives to the sm90 FP8 forward's default tile configurations (`fp8_tile_config`), for the speed and
-accuracy studies: `python -m profiling.fp8_benchmark --variants NAMES` and `python -m profiling.fp8_accuracy`
-time / check them beside the default by passing the configuration to `fp8_launch.run_forward_fp8(cfg=...)`.
+"""Alternatives to the sm90 FP8 forward's default tile configurations (`arch/sm90/fp8/tile_config.py`), for the
+speed and accuracy studies: `python -m profiling.fp8_benchmark --variants NAMES` and `python -m profiling.fp8_accuracy`
+time / check them beside the default by passing the configuration to `fp8.launch.run_forward_fp8(cfg=...)`.
 The outcomes are in docs/fp8.md; the library itself only knows its defaults.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Dict, Tuple
 
-from cute_flash.arch.sm90.fp8_tile_config import Fp8FwdConfig, fp8_fwd_config
+from cute_flash.arch.sm90.fp8.tile_config import Fp8FwdConfig, fp8_fwd_config
 from cute_flash.arch.sm90.tile_config import FwdTileConfig
 
 _D128 = fp8_fwd_config(128, 128)  # the d <= 128 default

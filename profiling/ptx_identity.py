@@ -90,7 +90,7 @@ def _case_name(arch: str, case) -> str:
 
 def _variant_report(spec, variant: str, tmp: str) -> List[dict]:
     """Builds the sm90 FP8 forward with one of profiling/fp8_variants.py's configurations."""
-    from cute_flash.arch.sm90.fp8_launch import build_fp8_forward
+    from cute_flash.arch.sm90.fp8.launch import build_fp8_forward
     from cute_flash.census import capture_fd_stderr, cubin_resources, parse_ptxas_reports
     from cute_flash.compile_cache import keep_artifacts_options
     from profiling.fp8_variants import VARIANTS

@@ -19,7 +19,7 @@ from cute_flash.spec import AttentionSpec  # noqa: E402
 
 
 def _compile(spec):
-    from cute_flash.arch.sm90.fp8_launch import compile_fp8_artifacts
+    from cute_flash.arch.sm90.fp8.launch import compile_fp8_artifacts
 
     # The DSL prints ptxas' report through sys.stderr, which pytest swaps for its own object: capture both it and fd 2.
     py_stderr = io.StringIO()
@@ -56,7 +56,7 @@ def test_fp8_forward_compiles(head_dim, mask):
 
 
 def test_fp8_rejects_what_it_lacks():
-    from cute_flash.arch.sm90.fp8_launch import fp8_unsupported_reason
+    from cute_flash.arch.sm90.fp8.launch import fp8_unsupported_reason
 
     assert fp8_unsupported_reason(AttentionSpec("fp8", 128, 128, "causal", "bf16")) is None
     assert "multiple of 32" in fp8_unsupported_reason(AttentionSpec("fp8", 80, 80, "none", "bf16"))
@@ -65,7 +65,7 @@ def test_fp8_rejects_what_it_lacks():
 
 def test_fp8_variants_fit():
     """The study's alternatives (profiling/fp8_variants.py) pass the budget checks at the head dims they replace."""
-    from cute_flash.arch.sm90.fp8_tile_config import budget_problem
+    from cute_flash.arch.sm90.fp8.tile_config import budget_problem
     from profiling.fp8_variants import VARIANTS, variant_head_dims
 
     for name, cfg in VARIANTS.items():
@@ -74,10 +74,10 @@ def test_fp8_variants_fit():
 
 
 def test_fp8_polynomial_exp2_variant_compiles_without_spills():
-    """The FMA-pipe exponential (`fp8_softmax.exp2_poly`) replaces MUFU.EX2 for part of each row and keeps 0 spills."""
+    """The FMA-pipe exponential (`fp8.softmax.exp2_poly`) replaces MUFU.EX2 for part of each row and keeps 0 spills."""
     import tempfile
 
-    from cute_flash.arch.sm90.fp8_launch import build_fp8_forward
+    from cute_flash.arch.sm90.fp8.launch import build_fp8_forward
     from profiling.fp8_variants import VARIANTS
     from cute_flash.compile_cache import keep_artifacts_options
 
@@ -98,8 +98,8 @@ def test_fp8_row_sum_mma_variant_takes_the_sums_from_the_pv_wgmma():
     no longer sums P itself (fewer fp32 adds than scores)."""
     import tempfile
 
-    from cute_flash.arch.sm90.fp8_launch import build_fp8_forward
-    from cute_flash.arch.sm90.fp8_tile_config import budget_problem, fp8_fwd_config
+    from cute_flash.arch.sm90.fp8.launch import build_fp8_forward
+    from cute_flash.arch.sm90.fp8.tile_config import budget_problem, fp8_fwd_config
     from profiling.fp8_variants import VARIANTS
     from cute_flash.compile_cache import keep_artifacts_options
 
@@ -155,7 +155,7 @@ def test_prepass_issues_every_row_load_before_any_branch(block, rotate, transpos
 
 def test_fp8_d128_default_takes_192_key_tiles_that_divide_the_scale_block():
     """d128: Q·Kᵀ is m64n192k32 (192-key tiles, two per 384-key K/V scale block), P·V stays m64n128k32, no spills."""
-    from cute_flash.arch.sm90.fp8_tile_config import fp8_fwd_config, kv_scale_block
+    from cute_flash.arch.sm90.fp8.tile_config import fp8_fwd_config, kv_scale_block
 
     cfg = fp8_fwd_config(128, 128, "causal")
     assert cfg.tile.tile_n == 192 and kv_scale_block(128, 128) == 384
@@ -170,7 +170,7 @@ def test_fp8_kernel_refuses_descales_of_another_block_size():
     """A k/v descale with 128-key blocks (sm100's) must not reach the sm90 kernel, which reads one per 384 keys."""
     import torch
 
-    from cute_flash.arch.sm90.fp8_launch import run_forward_fp8
+    from cute_flash.arch.sm90.fp8.launch import run_forward_fp8
     from cute_flash.fp8.quantize import num_blocks
     from cute_flash.spec import normalize_mask
 

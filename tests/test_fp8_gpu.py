@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash.arch.sm90.fp8_tile_config import kv_scale_block
+from cute_flash.arch.sm90.fp8.tile_config import kv_scale_block
 from cute_flash.fp8 import quantize
 from cute_flash.fp8.emulate import GIVEN, emulated_attention
 from cute_flash.testing import FP8_ABS_SLACK
@@ -77,7 +77,7 @@ CASES = FP8_CASES + [
 
 def _sums_rounded_p(head_dim: int, head_dim_v: int, causal: bool, window=(None, None)) -> bool:
     # With row_sum_mma the kernel normalises by the sum of the e4m3-rounded P (what the P·V wgmma sees).
-    from cute_flash.arch.sm90.fp8_tile_config import fp8_fwd_config
+    from cute_flash.arch.sm90.fp8.tile_config import fp8_fwd_config
     from cute_flash.spec import normalize_mask
 
     return fp8_fwd_config(head_dim, head_dim_v, normalize_mask(causal, window).kind).row_sum_mma

@@ -16,7 +16,7 @@ V is stored transposed, (b, h_kv, dv, sk_pad) with the sequence contiguous: the 
 K-major, and for O = P·V the reduction (K) dimension is the sequence. Within every group of 16 keys the columns are
 permuted: column 16·j + p holds key 16·j + V_KEY_PERM16[p]. That is the key order in which the attention kernel's
 score accumulator already holds P in registers, so P needs no shuffle to become the e4m3 A operand (see
-`cute_flash.arch.sm90.fp8_permute`). sk_pad rounds sk up to a multiple of 16; the padding columns are zero (the
+`cute_flash.arch.sm90.fp8.permute`). sk_pad rounds sk up to a multiple of 16; the padding columns are zero (the
 kernel reads them: a padding key may sit at a position below sk after the permutation; its P is 0).
 """
 

@@ -6,7 +6,8 @@ Backward: `backward.py` (TMA + wgmma, flash_bwd.Sm90FlashBackward) for the specs
 configuration (tile_config.bwd_tile_config). For the others `unsupported_reason(spec, backward=True)` says so and
 the router (cute_flash.routing) sends the backward to the sm80 family, whose kernels run on Hopper and take the
 sm90 forward's out / lse as they are.
-FP8 (`spec.dtype == "fp8"`, forward only) is served by `fp8_launch` (a separate kernel, flash_fwd_fp8.py).
+FP8 (`spec.dtype == "fp8"`, forward only) is served by the `fp8` sub-package (`fp8.launch`; its kernel
+`fp8/flash_fwd.py` is a subclass of the bf16 forward).
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ def forward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
 
 
 def _fp8():
-    from . import fp8_launch  # the FP8 forward (its own kernel and tile configuration)
+    from .fp8 import launch  # the FP8 forward (its own kernel subclass and tile configuration)
 
-    return fp8_launch
+    return launch
 
 
 def _bwd():

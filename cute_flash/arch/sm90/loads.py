@@ -1,6 +1,6 @@
 """The producer warp of the sm90 forward kernels: TMA loads of Q once, then K and V tiles right to left.
 
-Shared by the bf16/fp16 kernel (`flash_fwd`) and the FP8 kernel (`flash_fwd_fp8`); they differ only in the V tile the
+Shared by the bf16/fp16 kernel (`flash_fwd`) and the FP8 kernel (`fp8/flash_fwd`); they differ only in the V tile the
 caller hands in (V (keys, dv) for 16-bit, Vᵀ (dv, keys) for e4m3) and in the byte counts of their pipelines.
 """
 

@@ -16,12 +16,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ... import compile_cache
-from ...spec import AttentionSpec, MaskBounds
-from ..base import KernelArtifact
-from ...common.dsl_types import dsl_dtype
-from ...common.fake_tensors import fake_tensor
-from .fp8_tile_config import FP8_MAX_HEAD_DIM, Fp8FwdConfig, budget_problem, fp8_fwd_config, kv_scale_block, smem_bytes
+from .... import compile_cache
+from ....spec import AttentionSpec, MaskBounds
+from ...base import KernelArtifact
+from ....common.dsl_types import dsl_dtype
+from ....common.fake_tensors import fake_tensor
+from .tile_config import FP8_MAX_HEAD_DIM, Fp8FwdConfig, budget_problem, fp8_fwd_config, kv_scale_block, smem_bytes
 
 FAMILY = "sm90"
 
@@ -48,7 +48,7 @@ def build_fp8_forward(spec: AttentionSpec, cfg: Fp8FwdConfig, target: str, extra
     import cutlass
     import cutlass.cute as cute
 
-    from .flash_fwd_fp8 import Sm90FlashForwardFp8
+    from .flash_fwd import Sm90FlashForwardFp8
 
     fp8 = cutlass.Float8E4M3FN
     out_dtype = dsl_dtype(spec.out_dtype)
@@ -145,9 +145,9 @@ def compile_fp8_artifacts(spec: AttentionSpec, target: str, cfg: Optional[Fp8Fwd
         raise NotImplementedError(reason)
     compile_cache.ensure_cute_dsl_arch(target)
     cfg = cfg or fp8_fwd_config(spec.head_dim, spec.head_dim_v, spec.mask)
-    from ...census import read_artifacts
-    from ...fp8.prepare import BLOCK_M
-    from ...fp8.prepass_kernel import prepass_artifacts
+    from ....census import read_artifacts
+    from ....fp8.prepare import BLOCK_M
+    from ....fp8.prepass_kernel import prepass_artifacts
 
     with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_fp8_") as dump:
         compiled = build_fp8_forward(spec, cfg, target, compile_cache.keep_artifacts_options(dump))

@@ -20,7 +20,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Uint32
 
-from ...fp8.e4m3 import e4m3x4
+from ....fp8.e4m3 import e4m3x4
 
 
 def acc_layout_as_fp8_operand_a(acc_layout: cute.Layout) -> cute.Layout:

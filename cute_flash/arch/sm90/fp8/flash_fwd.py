@@ -6,11 +6,11 @@ What FP8 changes:
 
   operands  Q (b, sq, h, d), K (b, sk, h_kv, d) in e4m3, d contiguous: Q·Kᵀ is an SS e4m3 wgmma (k = 32).
             V arrives transposed, Vᵀ (b, h_kv, dv, sk_pad) with keys contiguous, because an e4m3 wgmma needs its B
-            operand K-major and P·V reduces over keys. Its keys are permuted within groups of 16 (`fp8_permute`), so
+            operand K-major and P·V reduces over keys. Its keys are permuted within groups of 16 (`permute`), so
             P goes from the fp32 score accumulator to the e4m3 A operand of the RS P·V wgmma by register renaming
             and `cvt.rn.satfinite.e4m3x2` only — no shuffles.
   scales    one descale per 64 query rows (q), per key tile (k, v); see `cute_flash.fp8.prepare`. Q and K scales
-            fold into the softmax exponent (`fp8_softmax`: one factor per tile), V scales into O's per-tile
+            fold into the softmax exponent (`softmax`: one factor per tile), V scales into O's per-tile
             rescale: O is kept in units of the V scale of the last tile it absorbed, and the ratio of consecutive
             V scales joins the online-softmax rescale factor (no extra instruction per element).
   P         2^(s − m + 8) ∈ [0, 256], keeping small probabilities out of e4m3's subnormals.
@@ -36,17 +36,17 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 import cutlass.utils.hopper_helpers as sm90_utils
 
-from ...common.acc_views import rows_cols_view
-from ...common.online_softmax import LOG2_E
-from ...fp8.prepare import BLOCK_M
-from .barriers import WarpGroupTurns, epilogue_sync
-from .cta import CtaWork
-from .fp8_permute import store_p_operand_e4m3
-from .fp8_softmax import MIN_TILE_SCALE, Fp8OnlineSoftmax
-from .fp8_tile_config import ROW_SUM_COLUMNS, Fp8FwdConfig, kv_scale_block
-from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS
-from . import wgmma
-from .flash_fwd import Sm90FlashForward, _one
+from ....common.acc_views import rows_cols_view
+from ....common.online_softmax import LOG2_E
+from ....fp8.prepare import BLOCK_M
+from ..barriers import WarpGroupTurns, epilogue_sync
+from ..cta import CtaWork
+from .permute import store_p_operand_e4m3
+from .softmax import MIN_TILE_SCALE, Fp8OnlineSoftmax
+from .tile_config import ROW_SUM_COLUMNS, Fp8FwdConfig, kv_scale_block
+from ..tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS
+from .. import wgmma
+from ..flash_fwd import Sm90FlashForward, _one
 
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
 FP8 = cutlass.Float8E4M3FN

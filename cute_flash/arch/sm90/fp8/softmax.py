@@ -28,8 +28,8 @@ import cutlass.cute as cute
 from cutlass import Float32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from ...common.online_softmax import LN2, _add, _lane_group_reduce, _tree_reduce
-from ...common.inline_ptx import ptx_asm
+from ....common.online_softmax import LN2, _add, _lane_group_reduce, _tree_reduce
+from ....common.inline_ptx import ptx_asm
 
 P_OFFSET_LOG2 = 8.0
 MIN_TILE_SCALE = 1e-30  # keeps c_n > 0 (a zero descale would turn masked -inf scores into NaN)

@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ...fp8.prepare import BLOCK_M, BLOCK_N
-from .tile_config import ROWS_PER_CONSUMER, SMEM_CAPACITY_BYTES, SMEM_RESERVED_BYTES, FwdTileConfig, register_problem
+from ....fp8.prepare import BLOCK_M, BLOCK_N
+from ..tile_config import ROWS_PER_CONSUMER, SMEM_CAPACITY_BYTES, SMEM_RESERVED_BYTES, FwdTileConfig, register_problem
 
 WIDE_KV_SCALE_BLOCK = 384  # keys per K/V descale at head dims <= 128: two 192-key tiles, three 128-key ones
 
