@@ -17,6 +17,7 @@ from typing import Dict, List, NamedTuple, Optional, Protocol
 
 import torch
 
+from .. import compile_cache
 from ..spec import AttentionSpec
 from ..validation import Problem
 
@@ -101,3 +102,18 @@ class ArchBackend(Protocol):
         `target` launches, or with `backward` its backward call (with GQA/MQA heads if `gqa`, deterministic if
         asked), through the same cache keys as the launch path: `python -m cute_flash warmup` fills the disk cache
         with this, also without a GPU."""
+
+
+def prepare_build(
+    backend: ArchBackend, spec: AttentionSpec, target: str, *, backward: bool, deterministic: bool = False,
+    warming: bool = False,
+) -> None:  # fmt: skip
+    """What every family's `warm` (warming=True) and `compile_artifacts` do before they build: refuse a spec the
+    family has no kernel for, with the router's own reason (NotImplementedError); refuse to warm the FP8 path (its
+    pre-pass is not warmed yet); then point CuTe DSL at `target` before cutlass is imported (cross-compiling)."""
+    reason = backend.unsupported_reason(spec, backward, deterministic)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    if warming and spec.dtype == "fp8":
+        raise NotImplementedError("warming the FP8 path (its kernel and the pre-pass) is not supported yet")
+    compile_cache.ensure_cute_dsl_arch(target)
