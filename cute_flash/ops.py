@@ -22,30 +22,10 @@ from typing import Tuple
 
 import torch
 
-from .spec import AttentionSpec, MaskBounds
-from .validation import INPUT_DTYPES, Problem, kernel_view
+from .spec import MaskBounds
+from .validation import kernel_view, problem_of
 
 _OUT = Tuple[torch.Tensor, torch.Tensor]
-
-
-def _problem(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, mask_kind: str, left: int, right: int
-) -> Problem:
-    batch, seqlen_q, nheads, head_dim = q.shape
-    dtype = INPUT_DTYPES[q.dtype]
-    spec = AttentionSpec(dtype, head_dim, v.shape[3], mask_kind, dtype)
-    return Problem(
-        batch=batch,
-        seqlen_q=seqlen_q,
-        seqlen_k=k.shape[1],
-        nheads=nheads,
-        nheads_kv=k.shape[2],
-        head_dim=head_dim,
-        head_dim_v=v.shape[3],
-        spec=spec,
-        mask=MaskBounds(mask_kind, left, right),
-        softmax_scale=softmax_scale,
-    )
 
 
 @torch.library.custom_op("cute_flash::fwd", mutates_args=())
@@ -61,7 +41,7 @@ def fwd(
 ) -> _OUT:
     from . import interface  # the op runs after cute_flash is imported; no import happens in a traced region
 
-    problem = _problem(q, k, v, softmax_scale, mask_kind, window_left, window_right)
+    problem = problem_of(q, k, v, MaskBounds(mask_kind, window_left, window_right), softmax_scale)
     arch = interface._route(problem.spec, q, backward=False)
     if check_deterministic:  # fail before the forward, not in the middle of autograd
         interface._route(problem.spec, q, backward=True, deterministic=True)
@@ -92,7 +72,7 @@ def bwd(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from . import interface
 
-    problem = _problem(q, k, v, softmax_scale, mask_kind, window_left, window_right)
+    problem = problem_of(q, k, v, MaskBounds(mask_kind, window_left, window_right), softmax_scale)
     views = (kernel_view(t) for t in (q, k, v, out))
     return interface._run_backward(dout, *views, lse, problem, deterministic)
 

@@ -31,8 +31,8 @@ ALIGN_BYTES = 16
 
 
 @dataclass(frozen=True)
-class Problem:
-    """A validated call: shapes, the compile spec and the runtime mask."""
+class Semantics:
+    """What a call means, independent of how it is computed: shapes, the mask and the softmax scale."""
 
     batch: int
     seqlen_q: int
@@ -41,9 +41,24 @@ class Problem:
     nheads_kv: int
     head_dim: int
     head_dim_v: int
-    spec: AttentionSpec
     mask: MaskBounds
     softmax_scale: float
+
+
+@dataclass(frozen=True)
+class Problem(Semantics):
+    """A validated kernel call: its semantics (shapes, the runtime mask, the softmax scale) and the compile spec."""
+
+    spec: AttentionSpec
+
+
+def problem_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskBounds, softmax_scale: float) -> Problem:
+    """The `Problem` of fp16/bf16 inputs that `validate` has already accepted (the custom ops and the ring's
+    kernel blocks rebuild it from tensors and a normalised mask; nothing is checked again)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    dtype = INPUT_DTYPES[q.dtype]
+    spec = AttentionSpec(dtype, head_dim, v.shape[3], mask.kind, dtype)
+    return Problem(batch, seqlen_q, k.shape[1], nheads, k.shape[2], head_dim, v.shape[3], mask, softmax_scale, spec)
 
 
 def _check_tensor(name: str, t: object, device: bool = True, layout: bool = True) -> torch.Tensor:
@@ -132,18 +147,7 @@ def validate(
         mask=sem.mask.kind,
         out_dtype=in_dtype,
     )
-    return Problem(
-        batch=sem.batch,
-        seqlen_q=sem.seqlen_q,
-        seqlen_k=sem.seqlen_k,
-        nheads=sem.nheads,
-        nheads_kv=sem.nheads_kv,
-        head_dim=sem.head_dim,
-        head_dim_v=sem.head_dim_v,
-        spec=spec,
-        mask=sem.mask,
-        softmax_scale=sem.softmax_scale,
-    )
+    return Problem(**vars(sem), spec=spec)
 
 
 # Input dtypes of `cute_flash.reference` (it computes in a dtype of its own; fp8 inputs need their descales first).
@@ -158,7 +162,7 @@ def validate_reference(
     causal: bool,
     softmax_scale: Optional[float],
     window_size: Tuple[Optional[int], Optional[int]],
-) -> "Semantics":
+) -> Semantics:
     """The checks of `validate` that define the semantics, for the plain-torch reference: the same shapes, heads,
     head dims, mask and softmax scale are accepted and rejected, with the same messages. What only a kernel needs
     is not asked: any device, any strides, and float32/float64 inputs besides fp16/bf16."""
@@ -170,21 +174,6 @@ def validate_reference(
             f"(dequantise float8 inputs with their descales first)"
         )
     return _check_semantics(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
-
-
-@dataclass(frozen=True)
-class Semantics:
-    """What a call means, independent of how it is computed: shapes, the mask and the softmax scale."""
-
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    nheads: int
-    nheads_kv: int
-    head_dim: int
-    head_dim_v: int
-    mask: MaskBounds
-    softmax_scale: float
 
 
 def _check_same_device_and_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -275,7 +264,7 @@ MAX_GRID_YZ = 65535
 MAX_ELEMENTS_PER_HEAD = 2**31 - 1
 
 
-def _check_launch_limits(sem: "Semantics") -> None:
+def _check_launch_limits(sem: Semantics) -> None:
     if sem.batch > MAX_GRID_YZ or sem.nheads > MAX_GRID_YZ:
         raise NotImplementedError(
             f"batch ({sem.batch}) and nheads ({sem.nheads}) must each be <= {MAX_GRID_YZ}: the kernels launch "
