@@ -240,22 +240,9 @@ def _check_descale(descale: object, q: torch.Tensor, k: torch.Tensor) -> None:
     """descale = (q_descale, k_descale, v_descale) for float8_e4m3fn inputs: float32, on q's device, each either
     (batch, nheads_kv) or per block (batch, heads, blocks). The number of key blocks depends on the serving kernel's
     block (`ArchBackend.fp8_kv_scale_block`), which `fp8.prepare.check_prequantized` checks once it is known."""
-    from .fp8.prepare import BLOCK_M, descale_problem
+    from .fp8.prepare import BLOCK_M, check_descales
 
-    if not (isinstance(descale, (tuple, list)) and len(descale) == 3):
-        raise ValueError("descale must be a tuple (q_descale, k_descale, v_descale) of float32 tensors")
-    batch, seqlen_q, nheads, _ = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    for name, t, heads, seqlen, block in (
-        ("q_descale", descale[0], nheads, seqlen_q, BLOCK_M),
-        ("k_descale", descale[1], nheads_kv, seqlen_k, None),
-        ("v_descale", descale[2], nheads_kv, seqlen_k, None),
-    ):
-        problem = descale_problem(name, t, batch, heads, nheads_kv, seqlen, block)
-        if problem is not None:
-            raise ValueError(problem)
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
+    check_descales(descale, q, k, BLOCK_M, None, device_note="; all inputs must share one device")
 
 
 # CUDA's limit on grid.y and grid.z: every kernel launches (tiles, heads, batch).
