@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -352,21 +352,25 @@ def kernel_view(t: torch.Tensor, *, copy: bool = True, name: str = "tensor") -> 
     return t.as_strided(shape, new_strides)
 
 
-def validate_varlen_layout(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    seqused_k: Optional[torch.Tensor] = None,
-) -> int:
+class PackedSeqs(NamedTuple):
+    """Where the sequences of a packed (varlen) batch lie: int32 `cu_seqlens_*` (batch + 1,) and optional
+    `seqused_k` (batch,) on the device, host ints bounding every sequence's length. The five arguments of
+    `attention_varlen` travel as this one value from its signature to the kernels (`validate_varlen` checks it)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    seqused_k: Optional[torch.Tensor]
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def validate_varlen_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs) -> int:
     """The checks of a packed (variable-length) call that need no device-to-host copy: q (total_q, h, d), k / v
     (total_k, h_kv, d / dv) on one device, `cu_seqlens_*` int32 (batch + 1,) on that device, `max_seqlen_*` host
     ints >= 0, `seqused_k` int32 (batch,). Returns the batch size. What would need the values (starting at 0,
-    non-decreasing, ending at total, lengths <= max_seqlen) is checked where the values are read anyway
-    (`cute_flash.reference.attention_varlen_reference`)."""
+    non-decreasing, ending at total, lengths <= max_seqlen) is `varlen_offsets`'s, for the reference, which reads
+    the values anyway."""
+    cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k = seqs
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -393,6 +397,23 @@ def validate_varlen_layout(
     return batch
 
 
+def varlen_offsets(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs) -> Tuple[list, list]:
+    """`validate_varlen_layout`'s checks, then those that read cu_seqlens on the host (the reference does; the
+    kernels' path never copies them): each starts at 0, never decreases, ends at most at its total, and no sequence
+    is longer than its max_seqlen. Returns the offsets (cu_seqlens_q, cu_seqlens_k) as lists."""
+    validate_varlen_layout(q, k, v, seqs)
+    cq, ck = seqs.cu_seqlens_q.tolist(), seqs.cu_seqlens_k.tolist()
+    for name, cu, total, longest in (
+        ("cu_seqlens_q", cq, q.shape[0], seqs.max_seqlen_q),
+        ("cu_seqlens_k", ck, k.shape[0], seqs.max_seqlen_k),
+    ):
+        if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > total:
+            raise ValueError(f"{name} must start at 0, never decrease and end at most at {total}, got {cu}")
+        if any(b - a > longest for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"a sequence of {name} is longer than its max_seqlen {longest}: {cu}")
+    return cq, ck
+
+
 @dataclass(frozen=True)
 class VarlenProblem:
     """A validated packed (variable-length) call: shapes, the compile spec (varlen=True) and the runtime mask."""
@@ -415,15 +436,11 @@ def validate_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
+    seqs: PackedSeqs,
     *,
     causal: bool,
     softmax_scale: Optional[float],
     window_size: Tuple[Optional[int], Optional[int]],
-    seqused_k: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     any_device: bool = False,
 ) -> VarlenProblem:
@@ -435,7 +452,8 @@ def validate_varlen(
     total; each length <= its max_seqlen; seqused_k[b] <= that sequence's keys. The kernels trust them.
 
     any_device: skip the device check only (`explain_varlen` for a given compute capability)."""
-    batch = validate_varlen_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
+    batch = validate_varlen_layout(q, k, v, seqs)
+    max_seqlen_q, max_seqlen_k = seqs.max_seqlen_q, seqs.max_seqlen_k
     # The dense checks on (1, total, h, d) views: the same messages for devices, strides, heads and head dims.
     q4, k4, v4 = (_check_tensor(n, t.unsqueeze(0), device=not any_device) for n, t in (("q", q), ("k", k), ("v", v)))
     _check_same_device_and_dtype(q4, k4, v4)

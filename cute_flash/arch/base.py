@@ -19,7 +19,7 @@ import torch
 
 from .. import compile_cache
 from ..spec import AttentionSpec
-from ..validation import Problem
+from ..validation import PackedSeqs, Problem  # noqa: F401  (PackedSeqs: part of this contract, checked there)
 
 
 @dataclass
@@ -60,17 +60,6 @@ class Grads(NamedTuple):
     dq: torch.Tensor
     dk: torch.Tensor
     dv: torch.Tensor
-
-
-class PackedSeqs(NamedTuple):
-    """Where the sequences of a packed (varlen) batch lie: int32 `cu_seqlens_*` (batch + 1,) and optional
-    `seqused_k` (batch,) on the device, host ints bounding every sequence's length."""
-
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    seqused_k: Optional[torch.Tensor]
-    max_seqlen_q: int
-    max_seqlen_k: int
 
 
 class ArchBackend(Protocol):
