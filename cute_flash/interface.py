@@ -318,17 +318,9 @@ def attention(
         return (out, lse) if return_lse else out
 
     problem = validate(
-        q,
-        k,
-        v,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        window_size=window_size,
-        dtype=dtype,
-        descale=descale,
-        fp8_rotate=fp8_rotate,
-        deterministic=deterministic,
-    )
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=dtype, descale=descale,
+        fp8_rotate=fp8_rotate, deterministic=deterministic,
+    )  # fmt: skip
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if problem.spec.dtype == "fp8":
         arch = _route(problem.spec, q, backward=False)
@@ -404,35 +396,12 @@ def explain(
     capability: explain for a GPU of this compute capability, e.g. (9, 0), instead of q's own; then q, k, v may be
     CPU or meta tensors (only their shapes and dtypes are used). CUTE_FLASH_ARCH applies as in `attention`.
     """
-    if capability is None:
-        problem = validate(
-            q,
-            k,
-            v,
-            causal=causal,
-            softmax_scale=softmax_scale,
-            window_size=window_size,
-            dtype=dtype,
-            descale=descale,
-            fp8_rotate=fp8_rotate,
-            deterministic=deterministic,
-        )
-        capability = _device_capability(q)
-    else:
-        capability = tuple(capability)
-        problem = validate(
-            q,
-            k,
-            v,
-            causal=causal,
-            softmax_scale=softmax_scale,
-            window_size=window_size,
-            dtype=dtype,
-            descale=descale,
-            fp8_rotate=fp8_rotate,
-            deterministic=deterministic,
-            any_device=True,
-        )
+    given = None if capability is None else tuple(capability)
+    problem = validate(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=dtype, descale=descale,
+        fp8_rotate=fp8_rotate, deterministic=deterministic, any_device=given is not None,
+    )  # fmt: skip
+    capability = _device_capability(q) if given is None else given
     return Explanation(
         capability,
         routing.route(problem.spec, capability, backward=False),

@@ -23,42 +23,21 @@ FP8 path (forward only, with a GPU pre-pass) is not an op: it runs eagerly.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 
-from .spec import AttentionSpec, MaskBounds
-from .validation import INPUT_DTYPES, Problem, VarlenProblem, kernel_view
+from .spec import MaskBounds
+from .validation import PackedSeqs, kernel_view, problem_of
 
 _OUT = Tuple[torch.Tensor, torch.Tensor]
 
 
-def _problem(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    softmax_scale: float,
-    mask_kind: str,
-    left: int,
-    right: int,
-    cu_seqlens_q: Optional[torch.Tensor],
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-) -> Union[Problem, VarlenProblem]:
-    """The validated problem `attention` (dense, cu_seqlens_q None) or `attention_varlen` made, from its tensors."""
-    mask = MaskBounds(mask_kind, left, right)
-    *_, nheads, head_dim = q.shape
-    head_dim_v = v.shape[-1]
-    dtype = INPUT_DTYPES[q.dtype]
-    spec = AttentionSpec(dtype, head_dim, head_dim_v, mask_kind, dtype, varlen=cu_seqlens_q is not None)
-    shapes = dict(nheads=nheads, nheads_kv=k.shape[-2], head_dim=head_dim, head_dim_v=head_dim_v, spec=spec)
+def _packed(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k) -> Optional[PackedSeqs]:
+    """The ops' trailing arguments as `attention_varlen` passed them, or None for a dense call."""
     if cu_seqlens_q is None:
-        return Problem(q.shape[0], q.shape[1], k.shape[1], **shapes, mask=mask, softmax_scale=softmax_scale)
-    batch = cu_seqlens_q.shape[0] - 1
-    return VarlenProblem(
-        batch, q.shape[0], k.shape[0], **shapes, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, mask=mask,
-        softmax_scale=softmax_scale,
-    )  # fmt: skip
+        return None
+    return PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
 
 
 @torch.library.custom_op("cute_flash::fwd", mutates_args=())
@@ -79,14 +58,15 @@ def fwd(
 ) -> _OUT:
     from . import interface, varlen  # the op runs after cute_flash is imported; no import happens in a traced region
 
-    p = _problem(q, k, v, softmax_scale, mask_kind, window_left, window_right, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    seqs = _packed(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
+    p = problem_of(q, k, v, MaskBounds(mask_kind, window_left, window_right), softmax_scale, seqs)
     arch = interface._route(p.spec, q, backward=False)
     if check_deterministic:  # fail before the forward, not in the middle of autograd
         interface._route(p.spec, q, backward=True, deterministic=True)
     views = (kernel_view(q), kernel_view(k), kernel_view(v))
     if cu_seqlens_q is None:
         return interface._run_forward(*views, p, arch)
-    return varlen._run_forward(*views, cu_seqlens_q, cu_seqlens_k, seqused_k, p, arch)
+    return varlen._run_forward(*views, seqs, p, arch)
 
 
 @fwd.register_fake
@@ -118,11 +98,12 @@ def bwd(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from . import interface, varlen
 
-    p = _problem(q, k, v, softmax_scale, mask_kind, window_left, window_right, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    seqs = _packed(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
+    p = problem_of(q, k, v, MaskBounds(mask_kind, window_left, window_right), softmax_scale, seqs)
     views = (kernel_view(t) for t in (q, k, v, out))
     if cu_seqlens_q is None:
         return interface._run_backward(dout, *views, lse, p, deterministic)
-    return varlen._run_backward(dout, *views, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, p, deterministic)
+    return varlen._run_backward(dout, *views, lse, seqs, p, deterministic)
 
 
 @bwd.register_fake

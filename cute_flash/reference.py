@@ -18,7 +18,7 @@ import torch
 
 from .common.block_info import BlockInfo
 from .spec import MaskBounds
-from .validation import validate_reference, validate_varlen_layout
+from .validation import PackedSeqs, validate_reference, varlen_offsets
 
 Window = Tuple[Optional[int], Optional[int]]
 
@@ -181,17 +181,8 @@ def attention_varlen_reference(
     against the first seqused_k[i] (default: all) keys of k[cu_seqlens_k[i]:cu_seqlens_k[i+1]], with causal / window
     alignment per sequence exactly as `attention` defines it. Returns out (total_q, h, dv) in `compute_dtype` and,
     if asked, lse (h, total_q) float32; a row that sees no key (a sequence with no keys included) gets 0 / -inf."""
-    validate_varlen_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    cq, ck = varlen_offsets(q, k, v, PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k))
     used = None if seqused_k is None else seqused_k.tolist()
-    for name, cu, total, longest in (
-        ("cu_seqlens_q", cq, q.shape[0], max_seqlen_q),
-        ("cu_seqlens_k", ck, k.shape[0], max_seqlen_k),
-    ):
-        if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > total:
-            raise ValueError(f"{name} must start at 0, never decrease and end at most at {total}, got {cu}")
-        if any(b - a > longest for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"a sequence of {name} is longer than its max_seqlen {longest}: {cu}")
     h, dv = q.shape[1], v.shape[2]
     out = torch.zeros(q.shape[0], h, dv, dtype=compute_dtype, device=q.device)
     lse = torch.full((h, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -31,8 +31,8 @@ ALIGN_BYTES = 16
 
 
 @dataclass(frozen=True)
-class Problem:
-    """A validated call: shapes, the compile spec and the runtime mask."""
+class Semantics:
+    """What a call means, independent of how it is computed: shapes, the mask and the softmax scale."""
 
     batch: int
     seqlen_q: int
@@ -41,9 +41,39 @@ class Problem:
     nheads_kv: int
     head_dim: int
     head_dim_v: int
-    spec: AttentionSpec
     mask: MaskBounds
     softmax_scale: float
+
+
+@dataclass(frozen=True)
+class Problem(Semantics):
+    """A validated kernel call: its semantics (shapes, the runtime mask, the softmax scale) and the compile spec."""
+
+    spec: AttentionSpec
+
+
+def problem_of(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskBounds,
+    softmax_scale: float,
+    seqs: Optional["PackedSeqs"] = None,
+) -> Union[Problem, "VarlenProblem"]:
+    """The `Problem` of fp16/bf16 inputs that `validate` has already accepted (the custom ops and the ring's
+    kernel blocks rebuild it from tensors and a normalised mask; nothing is checked again); with `seqs`, the
+    `VarlenProblem` of packed inputs that `validate_varlen` accepted."""
+    *_, nheads, head_dim = q.shape
+    head_dim_v, nheads_kv = v.shape[-1], k.shape[-2]
+    dtype = INPUT_DTYPES[q.dtype]
+    spec = AttentionSpec(dtype, head_dim, head_dim_v, mask.kind, dtype, varlen=seqs is not None)
+    if seqs is None:
+        batch, seqlen_q = q.shape[:2]
+        return Problem(batch, seqlen_q, k.shape[1], nheads, nheads_kv, head_dim, head_dim_v, mask, softmax_scale, spec)
+    return VarlenProblem(
+        seqs.cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0], nheads, nheads_kv, head_dim, head_dim_v,
+        seqs.max_seqlen_q, seqs.max_seqlen_k, spec, mask, softmax_scale,
+    )  # fmt: skip
 
 
 def _check_tensor(name: str, t: object, device: bool = True, layout: bool = True) -> torch.Tensor:
@@ -132,18 +162,7 @@ def validate(
         mask=sem.mask.kind,
         out_dtype=in_dtype,
     )
-    return Problem(
-        batch=sem.batch,
-        seqlen_q=sem.seqlen_q,
-        seqlen_k=sem.seqlen_k,
-        nheads=sem.nheads,
-        nheads_kv=sem.nheads_kv,
-        head_dim=sem.head_dim,
-        head_dim_v=sem.head_dim_v,
-        spec=spec,
-        mask=sem.mask,
-        softmax_scale=sem.softmax_scale,
-    )
+    return Problem(**vars(sem), spec=spec)
 
 
 # Input dtypes of `cute_flash.reference` (it computes in a dtype of its own; fp8 inputs need their descales first).
@@ -158,7 +177,7 @@ def validate_reference(
     causal: bool,
     softmax_scale: Optional[float],
     window_size: Tuple[Optional[int], Optional[int]],
-) -> "Semantics":
+) -> Semantics:
     """The checks of `validate` that define the semantics, for the plain-torch reference: the same shapes, heads,
     head dims, mask and softmax scale are accepted and rejected, with the same messages. What only a kernel needs
     is not asked: any device, any strides, and float32/float64 inputs besides fp16/bf16."""
@@ -170,21 +189,6 @@ def validate_reference(
             f"(dequantise float8 inputs with their descales first)"
         )
     return _check_semantics(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
-
-
-@dataclass(frozen=True)
-class Semantics:
-    """What a call means, independent of how it is computed: shapes, the mask and the softmax scale."""
-
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    nheads: int
-    nheads_kv: int
-    head_dim: int
-    head_dim_v: int
-    mask: MaskBounds
-    softmax_scale: float
 
 
 def _check_same_device_and_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -251,22 +255,9 @@ def _check_descale(descale: object, q: torch.Tensor, k: torch.Tensor) -> None:
     """descale = (q_descale, k_descale, v_descale) for float8_e4m3fn inputs: float32, on q's device, each either
     (batch, nheads_kv) or per block (batch, heads, blocks). The number of key blocks depends on the serving kernel's
     block (`ArchBackend.fp8_kv_scale_block`), which `fp8.prepare.check_prequantized` checks once it is known."""
-    from .fp8.prepare import BLOCK_M, descale_problem
+    from .fp8.prepare import BLOCK_M, check_descales
 
-    if not (isinstance(descale, (tuple, list)) and len(descale) == 3):
-        raise ValueError("descale must be a tuple (q_descale, k_descale, v_descale) of float32 tensors")
-    batch, seqlen_q, nheads, _ = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    for name, t, heads, seqlen, block in (
-        ("q_descale", descale[0], nheads, seqlen_q, BLOCK_M),
-        ("k_descale", descale[1], nheads_kv, seqlen_k, None),
-        ("v_descale", descale[2], nheads_kv, seqlen_k, None),
-    ):
-        problem = descale_problem(name, t, batch, heads, nheads_kv, seqlen, block)
-        if problem is not None:
-            raise ValueError(problem)
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
+    check_descales(descale, q, k, BLOCK_M, None, device_note="; all inputs must share one device")
 
 
 # CUDA's limit on grid.y and grid.z: every kernel launches (tiles, heads, batch).
@@ -275,7 +266,7 @@ MAX_GRID_YZ = 65535
 MAX_ELEMENTS_PER_HEAD = 2**31 - 1
 
 
-def _check_launch_limits(sem: "Semantics") -> None:
+def _check_launch_limits(sem: Semantics) -> None:
     if sem.batch > MAX_GRID_YZ or sem.nheads > MAX_GRID_YZ:
         raise NotImplementedError(
             f"batch ({sem.batch}) and nheads ({sem.nheads}) must each be <= {MAX_GRID_YZ}: the kernels launch "
@@ -376,21 +367,25 @@ def kernel_view(t: torch.Tensor, *, copy: bool = True, name: str = "tensor") -> 
     return t.as_strided(shape, new_strides)
 
 
-def validate_varlen_layout(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    seqused_k: Optional[torch.Tensor] = None,
-) -> int:
+class PackedSeqs(NamedTuple):
+    """Where the sequences of a packed (varlen) batch lie: int32 `cu_seqlens_*` (batch + 1,) and optional
+    `seqused_k` (batch,) on the device, host ints bounding every sequence's length. The five arguments of
+    `attention_varlen` travel as this one value from its signature to the kernels (`validate_varlen` checks it)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    seqused_k: Optional[torch.Tensor]
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def validate_varlen_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs) -> int:
     """The checks of a packed (variable-length) call that need no device-to-host copy: q (total_q, h, d), k / v
     (total_k, h_kv, d / dv) on one device, `cu_seqlens_*` int32 (batch + 1,) on that device, `max_seqlen_*` host
     ints >= 0, `seqused_k` int32 (batch,). Returns the batch size. What would need the values (starting at 0,
-    non-decreasing, ending at total, lengths <= max_seqlen) is checked where the values are read anyway
-    (`cute_flash.reference.attention_varlen_reference`)."""
+    non-decreasing, ending at total, lengths <= max_seqlen) is `varlen_offsets`'s, for the reference, which reads
+    the values anyway."""
+    cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k = seqs
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -418,6 +413,23 @@ def validate_varlen_layout(
     return batch
 
 
+def varlen_offsets(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs) -> Tuple[list, list]:
+    """`validate_varlen_layout`'s checks, then those that read cu_seqlens on the host (the reference does; the
+    kernels' path never copies them): each starts at 0, never decreases, ends at most at its total, and no sequence
+    is longer than its max_seqlen. Returns the offsets (cu_seqlens_q, cu_seqlens_k) as lists."""
+    validate_varlen_layout(q, k, v, seqs)
+    cq, ck = seqs.cu_seqlens_q.tolist(), seqs.cu_seqlens_k.tolist()
+    for name, cu, total, longest in (
+        ("cu_seqlens_q", cq, q.shape[0], seqs.max_seqlen_q),
+        ("cu_seqlens_k", ck, k.shape[0], seqs.max_seqlen_k),
+    ):
+        if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > total:
+            raise ValueError(f"{name} must start at 0, never decrease and end at most at {total}, got {cu}")
+        if any(b - a > longest for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"a sequence of {name} is longer than its max_seqlen {longest}: {cu}")
+    return cq, ck
+
+
 @dataclass(frozen=True)
 class VarlenProblem:
     """A validated packed (variable-length) call: shapes, the compile spec (varlen=True) and the runtime mask."""
@@ -440,15 +452,11 @@ def validate_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
+    seqs: PackedSeqs,
     *,
     causal: bool,
     softmax_scale: Optional[float],
     window_size: Tuple[Optional[int], Optional[int]],
-    seqused_k: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     any_device: bool = False,
 ) -> VarlenProblem:
@@ -460,7 +468,8 @@ def validate_varlen(
     total; each length <= its max_seqlen; seqused_k[b] <= that sequence's keys. The kernels trust them.
 
     any_device: skip the device check only (`explain_varlen` for a given compute capability)."""
-    batch = validate_varlen_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
+    batch = validate_varlen_layout(q, k, v, seqs)
+    max_seqlen_q, max_seqlen_k = seqs.max_seqlen_q, seqs.max_seqlen_k
     # The dense checks on (1, total, h, d) views: the same messages for devices, strides, heads and head dims.
     q4, k4, v4 = (_check_tensor(n, t.unsqueeze(0), device=not any_device) for n, t in (("q", q), ("k", k), ("v", v)))
     _check_same_device_and_dtype(q4, k4, v4)

@@ -21,9 +21,9 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import interface, routing
-from .arch.base import ArchBackend, BwdTensors, Grads, PackedSeqs
+from .arch.base import ArchBackend, BwdTensors, Grads
 from .interface import Explanation, _autocast, _route
-from .validation import VarlenProblem, kernel_view, validate_varlen
+from .validation import PackedSeqs, VarlenProblem, kernel_view, validate_varlen
 
 Window = Tuple[Optional[int], Optional[int]]
 
@@ -32,7 +32,7 @@ def _is_empty(p: VarlenProblem) -> bool:
     return p.batch == 0 or p.total_q == 0 or p.nheads == 0 or p.max_seqlen_q == 0
 
 
-def _run_forward(q, k, v, cu_q, cu_k, seqused_k, p: VarlenProblem, arch: ArchBackend):
+def _run_forward(q, k, v, seqs: PackedSeqs, p: VarlenProblem, arch: ArchBackend):
     out = torch.empty(p.total_q, p.nheads, p.head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(p.nheads, p.total_q, dtype=torch.float32, device=q.device)
     if _is_empty(p) or p.total_k == 0 or p.max_seqlen_k == 0:
@@ -41,11 +41,11 @@ def _run_forward(q, k, v, cu_q, cu_k, seqused_k, p: VarlenProblem, arch: ArchBac
         lse.fill_(float("-inf"))
         return out, lse
     with torch.cuda.device(q.device):
-        arch.forward_varlen(q, k, v, out, lse, PackedSeqs(cu_q, cu_k, seqused_k, p.max_seqlen_q, p.max_seqlen_k), p)
+        arch.forward_varlen(q, k, v, out, lse, seqs, p)
     return out, lse
 
 
-def _run_backward(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, p: VarlenProblem, deterministic: bool):
+def _run_backward(dout, q, k, v, out, lse, seqs: PackedSeqs, p: VarlenProblem, deterministic: bool):
     arch = _route(p.spec, q, backward=True, deterministic=deterministic)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if _is_empty(p) or p.total_k == 0 or p.max_seqlen_k == 0:
@@ -53,22 +53,18 @@ def _run_backward(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, p: VarlenProbl
             g.zero_()
         return dq, dk, dv
     with torch.cuda.device(q.device):
-        arch.backward_varlen(
-            BwdTensors(kernel_view(dout), q, k, v, out, lse),
-            Grads(dq, dk, dv),
-            PackedSeqs(cu_q, cu_k, seqused_k, p.max_seqlen_q, p.max_seqlen_k),
-            p,
-            deterministic,
-        )
+        t = BwdTensors(kernel_view(dout), q, k, v, out, lse)
+        arch.backward_varlen(t, Grads(dq, dk, dv), seqs, p, deterministic)
     return dq, dk, dv
 
 
 class _AttentionVarlen(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, seqused_k, problem: VarlenProblem, arch: ArchBackend, deterministic: bool):
+    def forward(ctx, q, k, v, seqs: PackedSeqs, problem: VarlenProblem, arch: ArchBackend, deterministic: bool):
         q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
-        out, lse = _run_forward(q, k, v, cu_q, cu_k, seqused_k, problem, arch)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seqused_k)
+        out, lse = _run_forward(q, k, v, seqs, problem, arch)
+        # The offsets are saved like the other tensors (autograd then notices an in-place change before backward).
+        ctx.save_for_backward(q, k, v, out, lse, *seqs[:3])
         ctx.problem = problem
         ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse)
@@ -77,8 +73,10 @@ class _AttentionVarlen(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_q, cu_k, seqused_k = ctx.saved_tensors
-        grads = _run_backward(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, ctx.problem, ctx.deterministic)
-        return (*grads, None, None, None, None, None, None)
+        p = ctx.problem
+        seqs = PackedSeqs(cu_q, cu_k, seqused_k, p.max_seqlen_q, p.max_seqlen_k)
+        grads = _run_backward(dout, q, k, v, out, lse, seqs, p, ctx.deterministic)
+        return (*grads, None, None, None, None)
 
 
 def attention_varlen(
@@ -114,41 +112,31 @@ def attention_varlen(
     """
     if torch.is_autocast_enabled("cuda"):
         q, k, v = _autocast(q, k, v)
+    seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
     problem = validate_varlen(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        window_size=window_size,
-        seqused_k=seqused_k,
-        deterministic=deterministic,
+        q, k, v, seqs, causal=causal, softmax_scale=softmax_scale, window_size=window_size, deterministic=deterministic
     )
     # The kernels read these with unit stride (a no-op for the usual contiguous vectors).
-    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    seqused_k = None if seqused_k is None else seqused_k.contiguous()
+    seqs = seqs._replace(
+        cu_seqlens_q=cu_seqlens_q.contiguous(),
+        cu_seqlens_k=cu_seqlens_k.contiguous(),
+        seqused_k=None if seqused_k is None else seqused_k.contiguous(),
+    )
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if torch.compiler.is_compiling():
         # One custom op in the graph; routing and layouts are settled inside it at run time (as in `attention`).
         m = problem.mask
         out, lse = torch.ops.cute_flash.fwd(
-            q, k, v, problem.softmax_scale, m.kind, m.left, m.right, deterministic and needs_grad,
-            cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+            q, k, v, problem.softmax_scale, m.kind, m.left, m.right, deterministic and needs_grad, *seqs
         )  # fmt: skip
         return (out, lse) if return_lse else out
     arch = _route(problem.spec, q, backward=False)
     if needs_grad:
         if deterministic:  # fail before the forward, not in the middle of autograd
             _route(problem.spec, q, backward=True, deterministic=True)
-        out, lse = _AttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, problem, arch, deterministic)
+        out, lse = _AttentionVarlen.apply(q, k, v, seqs, problem, arch, deterministic)
     else:
-        out, lse = _run_forward(
-            kernel_view(q), kernel_view(k), kernel_view(v), cu_seqlens_q, cu_seqlens_k, seqused_k, problem, arch
-        )
+        out, lse = _run_forward(kernel_view(q), kernel_view(k), kernel_view(v), seqs, problem, arch)
     return (out, lse) if return_lse else out
 
 
@@ -172,21 +160,11 @@ def explain_varlen(
     others were skipped (e.g. "sm90: ... no varlen (packed sequences) variant yet" on Hopper, served by sm80).
     Validates like `attention_varlen`. capability: explain for a GPU of that compute capability (then the inputs may
     be CPU or meta tensors), as in `cute_flash.explain`."""
+    seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
     problem = validate_varlen(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        window_size=window_size,
-        seqused_k=seqused_k,
-        deterministic=deterministic,
-        any_device=capability is not None,
-    )
+        q, k, v, seqs, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+        deterministic=deterministic, any_device=capability is not None,
+    )  # fmt: skip
     capability = interface._device_capability(q) if capability is None else tuple(capability)
     return Explanation(
         capability,

@@ -80,7 +80,8 @@ def test_validation_errors(meta, change, error, match):
 
 def test_the_spec_is_a_separate_varlen_variant(meta):
     q, k, v, cq, ck, mq, mk = meta
-    p = validation.validate_varlen(q, k, v, cq, ck, mq, mk, causal=True, softmax_scale=None, window_size=(None, None))
+    seqs = validation.PackedSeqs(cq, ck, None, mq, mk)
+    p = validation.validate_varlen(q, k, v, seqs, causal=True, softmax_scale=None, window_size=(None, None))
     assert p.spec.varlen and p.spec.mask == "causal" and (p.batch, p.total_q, p.total_k) == (2, 8, 8)
     dense = validation.validate(q[None], k[None], v[None], causal=True, softmax_scale=None,
                                 window_size=(None, None), dtype=None)  # fmt: skip

@@ -17,8 +17,9 @@ from typing import Dict, List, NamedTuple, Optional, Protocol
 
 import torch
 
+from .. import compile_cache
 from ..spec import AttentionSpec
-from ..validation import Problem
+from ..validation import PackedSeqs, Problem  # noqa: F401  (PackedSeqs: part of this contract, checked there)
 
 
 @dataclass
@@ -61,17 +62,6 @@ class Grads(NamedTuple):
     dv: torch.Tensor
 
 
-class PackedSeqs(NamedTuple):
-    """Where the sequences of a packed (varlen) batch lie: int32 `cu_seqlens_*` (batch + 1,) and optional
-    `seqused_k` (batch,) on the device, host ints bounding every sequence's length."""
-
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    seqused_k: Optional[torch.Tensor]
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-
 class ArchBackend(Protocol):
     name: str  # "sm80" | "sm90" | "sm100"
     cute_arch: str  # default CuTe DSL target when cross-compiling: "sm_80" | "sm_90a" | "sm_100a"
@@ -101,3 +91,18 @@ class ArchBackend(Protocol):
         `target` launches, or with `backward` its backward call (with GQA/MQA heads if `gqa`, deterministic if
         asked), through the same cache keys as the launch path: `python -m cute_flash warmup` fills the disk cache
         with this, also without a GPU."""
+
+
+def prepare_build(
+    backend: ArchBackend, spec: AttentionSpec, target: str, *, backward: bool, deterministic: bool = False,
+    warming: bool = False,
+) -> None:  # fmt: skip
+    """What every family's `warm` (warming=True) and `compile_artifacts` do before they build: refuse a spec the
+    family has no kernel for, with the router's own reason (NotImplementedError); refuse to warm the FP8 path (its
+    pre-pass is not warmed yet); then point CuTe DSL at `target` before cutlass is imported (cross-compiling)."""
+    reason = backend.unsupported_reason(spec, backward, deterministic)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    if warming and spec.dtype == "fp8":
+        raise NotImplementedError("warming the FP8 path (its kernel and the pre-pass) is not supported yet")
+    compile_cache.ensure_cute_dsl_arch(target)

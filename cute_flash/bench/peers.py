@@ -122,15 +122,28 @@ class Sdpa(Impl):
         return torch.__version__
 
 
-class FlashAttention4(Impl):
+class _FlashAttnRelease(Impl):
+    """A FlashAttention release: `unavailable_reason` binds its `flash_attn_func(q, k, v, softmax_scale=, causal=)`
+    to `_fn`, which every release calls the same way. FA2 (>= 2.1), FA3 and FA4 align causal masks bottom-right,
+    like cute_flash; some releases return (out, lse), of which out is kept."""
+
+    def _bind(self, module: str, what: str) -> Optional[str]:
+        try:
+            self._fn = importlib.import_module(module).flash_attn_func
+        except Exception as e:  # noqa: BLE001 - failing to import for any reason means "absent"
+            return f"{what} does not import: {e}"
+        return None
+
+    def __call__(self, q, k, v, case, scale):
+        result = self._fn(q, k, v, softmax_scale=scale, causal=case.causal)
+        return result[0] if isinstance(result, tuple) else result
+
+
+class FlashAttention4(_FlashAttnRelease):
     name = "fa4"
 
     def unavailable_reason(self) -> Optional[str]:
-        try:
-            self._fn = importlib.import_module("flash_attn.cute").flash_attn_func
-        except Exception as e:  # noqa: BLE001 - FA4 failing to import for any reason means "absent"
-            return f"flash_attn.cute does not import: {e}"
-        return None
+        return self._bind("flash_attn.cute", "flash_attn.cute")
 
     def unsupported_reason(self, case: Case) -> Optional[str]:
         if case.dtype == "fp8":
@@ -143,35 +156,26 @@ class FlashAttention4(Impl):
     def __call__(self, q, k, v, case, scale):
         if case.dtype == "fp8":
             q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
-        result = self._fn(q, k, v, softmax_scale=scale, causal=case.causal)
-        return result[0] if isinstance(result, tuple) else result
+        return super().__call__(q, k, v, case, scale)
 
     def version(self) -> str:
         return _module_version("flash-attn-4", "flash_attn_4", "fa4")
 
 
-class FlashAttention3(Impl):
+class FlashAttention3(_FlashAttnRelease):
     name = "fa3"
 
     def unavailable_reason(self) -> Optional[str]:
-        try:
-            self._fn = importlib.import_module("flash_attn_interface").flash_attn_func
-        except Exception as e:  # noqa: BLE001
-            return f"flash_attn_interface (FlashAttention-3) does not import: {e}"
-        return None
+        return self._bind("flash_attn_interface", "flash_attn_interface (FlashAttention-3)")
 
     def unsupported_reason(self, case: Case) -> Optional[str]:
         return "fp8 needs descale factors this benchmark does not pass to FA3" if case.dtype == "fp8" else None
-
-    def __call__(self, q, k, v, case, scale):
-        result = self._fn(q, k, v, softmax_scale=scale, causal=case.causal)
-        return result[0] if isinstance(result, tuple) else result
 
     def version(self) -> str:
         return _module_version("flash_attn_3", "flash-attn-3")
 
 
-class FlashAttention2(Impl):
+class FlashAttention2(_FlashAttnRelease):
     name = "fa2"
 
     def unavailable_reason(self) -> Optional[str]:
@@ -188,10 +192,6 @@ class FlashAttention2(Impl):
 
     def unsupported_reason(self, case: Case) -> Optional[str]:
         return "FlashAttention-2 has no fp8" if case.dtype == "fp8" else None
-
-    def __call__(self, q, k, v, case, scale):
-        # FA2 (>= 2.1) aligns causal masks bottom-right, like cute_flash.
-        return self._fn(q, k, v, softmax_scale=scale, causal=case.causal)
 
     def version(self) -> str:
         return _module_version("flash-attn")

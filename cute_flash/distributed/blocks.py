@@ -26,7 +26,8 @@ import torch
 
 from ..arch.base import BwdTensors, Grads
 from ..reference import visible_keys
-from ..spec import AttentionSpec, MaskBounds
+from ..spec import MaskBounds
+from ..validation import kernel_view, problem_of, validate
 
 
 class BlockCompute(Protocol):
@@ -124,40 +125,28 @@ class KernelBlocks:
     def __init__(self, deterministic: bool = False):
         self.deterministic = deterministic
 
-    @staticmethod
-    def _problem(q, k, v, mask: MaskBounds, softmax_scale: float):
-        from ..validation import INPUT_DTYPES, Problem
-
-        dtype = INPUT_DTYPES[q.dtype]
-        spec = AttentionSpec(dtype=dtype, head_dim=q.shape[3], head_dim_v=v.shape[3], mask=mask.kind, out_dtype=dtype)
-        b, m, h, d = q.shape
-        return Problem(b, m, k.shape[1], h, k.shape[2], d, v.shape[3], spec, mask, float(softmax_scale))
-
     def check(self, q, k, v, mask_kinds, backward) -> None:
         from ..interface import _route
-        from ..validation import validate
 
         # The shard as one call: device, dtype, head dims, launch limits (errors name the argument).
         validate(q, k, v, causal=False, softmax_scale=None, window_size=(None, None), dtype=None)
         for kind in sorted(set(mask_kinds)):
-            problem = self._problem(q, k, v, MaskBounds(kind, 0, 0), 1.0)
+            problem = problem_of(q, k, v, MaskBounds(kind, 0, 0), 1.0)
             _route(problem.spec, q, backward=False)
             if backward:
                 _route(problem.spec, q, backward=True, deterministic=self.deterministic)
 
     def forward(self, q, k, v, mask, softmax_scale):
         from ..interface import _route, _run_forward
-        from ..validation import kernel_view
 
-        problem = self._problem(q, k, v, mask, softmax_scale)
+        problem = problem_of(q, k, v, mask, float(softmax_scale))
         arch = _route(problem.spec, q, backward=False)
         return _run_forward(kernel_view(q), kernel_view(k), kernel_view(v), problem, arch)
 
     def backward(self, dout, q, k, v, out, lse, mask, softmax_scale):
         from ..interface import _route
-        from ..validation import kernel_view
 
-        problem = self._problem(q, k, v, mask, softmax_scale)
+        problem = problem_of(q, k, v, mask, float(softmax_scale))
         arch = _route(problem.spec, q, backward=True, deterministic=self.deterministic)
         q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
         if q.numel() == 0 or k.numel() == 0:  # no batch or no head: nothing to launch (as in cute_flash.attention)

@@ -154,6 +154,30 @@ def descale_problem(
     return None
 
 
+def check_descales(
+    descale: object, q: torch.Tensor, k: torch.Tensor, block_m: Optional[int], block_n: Optional[int],
+    device_note: str = "",
+) -> None:  # fmt: skip
+    """Raises ValueError for the first thing wrong with descale = (q_descale, k_descale, v_descale) of e4m3 q, k:
+    not such a triple, a dtype or shape `descale_problem` refuses (per block of block_m query rows / block_n keys;
+    None: any number of blocks), or another device than q's (`device_note` ends that message). The front end's
+    validation (blocks not known yet) and `check_prequantized` (blocks known) both check through here."""
+    if not (isinstance(descale, (tuple, list)) and len(descale) == 3):
+        raise ValueError("descale must be a tuple (q_descale, k_descale, v_descale) of float32 tensors")
+    b, sq, h, _ = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    for name, t, heads, seqlen, block in (
+        ("q_descale", descale[0], h, sq, block_m),
+        ("k_descale", descale[1], hkv, sk, block_n),
+        ("v_descale", descale[2], hkv, sk, block_n),
+    ):
+        problem = descale_problem(name, t, b, heads, hkv, seqlen, block)
+        if problem is not None:
+            raise ValueError(problem)
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}{device_note}")
+
+
 def _per_block(t: torch.Tensor, batch: int, heads: int, kv_heads: int, seqlen: int, block: int) -> torch.Tensor:
     nb = num_blocks(seqlen, block)
     if t.dim() == 3:
@@ -175,20 +199,9 @@ def check_prequantized(
     descale = (q_descale, k_descale, v_descale); shapes as in `descale_problem`. Validation of everything else is done
     by `cute_flash.validation` before this is called; this raises ValueError on a bad descale all the same.
     """
-    if not (isinstance(descale, (tuple, list)) and len(descale) == 3):
-        raise ValueError("descale must be a tuple (q_descale, k_descale, v_descale) of float32 tensors")
+    check_descales(descale, q, k, block_m, block_n)
     b, sq, h, _ = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    for name, t, heads, seqlen, block in (
-        ("q_descale", descale[0], h, sq, block_m),
-        ("k_descale", descale[1], hkv, sk, block_n),
-        ("v_descale", descale[2], hkv, sk, block_n),
-    ):
-        problem = descale_problem(name, t, b, heads, hkv, seqlen, block)
-        if problem is not None:
-            raise ValueError(problem)
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
     qd = _per_block(descale[0], b, h, hkv, sq, block_m)
     kd = _per_block(descale[1], b, hkv, hkv, sk, block_n)
     vd = _per_block(descale[2], b, hkv, hkv, sk, block_n)

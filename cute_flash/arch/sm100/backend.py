@@ -12,7 +12,7 @@ from ... import compile_cache
 from ...census import read_artifacts
 from ...spec import AttentionSpec
 from ...validation import Problem, kernel_view
-from ..base import BwdTensors, FwdTensors, Grads, KernelArtifact
+from ..base import BwdTensors, FwdTensors, Grads, KernelArtifact, prepare_build
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_operand
 from . import tile_config as cfgmod
@@ -168,20 +168,12 @@ class _Backend:
     def warm(
         self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False
     ) -> None:
-        reason = self.unsupported_reason(spec, backward, deterministic)
-        if reason is not None:
-            raise NotImplementedError(reason)
-        if spec.dtype == "fp8":
-            raise NotImplementedError("warming the FP8 path (its kernel and the pre-pass) is not supported yet")
-        compile_cache.ensure_cute_dsl_arch(target)
+        prepare_build(self, spec, target, backward=backward, deterministic=deterministic, warming=True)
         for cfg in cfgmod.configs_for(spec):  # the 1-CTA and 2-CTA kernels: choose_config picks by seqlen_q
             _forward_kernel(spec, cfg, target)
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
-        reason = self.unsupported_reason(spec, backward)
-        if reason is not None:
-            raise NotImplementedError(reason)
-        compile_cache.ensure_cute_dsl_arch(target)
+        prepare_build(self, spec, target, backward=backward)
         artifacts = []
         for cfg in cfgmod.configs_for(spec):
             with tempfile.TemporaryDirectory(prefix="cute_flash_sm100_") as dump:

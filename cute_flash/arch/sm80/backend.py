@@ -20,7 +20,7 @@ import torch
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import Problem, VarlenProblem, kernel_view
-from ..base import BwdTensors, FwdTensors, Grads, KernelArtifact, PackedSeqs
+from ..base import BwdTensors, FwdTensors, Grads, KernelArtifact, PackedSeqs, prepare_build
 from ...census import cubin_resources
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_operand
@@ -267,10 +267,7 @@ class _Backend:
     def warm(
         self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False
     ) -> None:
-        reason = self.unsupported_reason(spec, backward, deterministic)
-        if reason is not None:
-            raise NotImplementedError(reason)
-        compile_cache.ensure_cute_dsl_arch(target)
+        prepare_build(self, spec, target, backward=backward, deterministic=deterministic, warming=True)
         if backward:
             _backward_module().warm_backward(spec, target, gqa=gqa)
         else:
@@ -286,10 +283,7 @@ class _Backend:
         _backward_module().run_backward_varlen(t, grads, seqs, problem)
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
-        reason = self.unsupported_reason(spec, backward)
-        if reason is not None:
-            raise NotImplementedError(reason)
-        compile_cache.ensure_cute_dsl_arch(target)
+        prepare_build(self, spec, target, backward=backward)
         # remarks{ptx} makes ptxas print its register / spill report, which the compile command reads.
         fwd = compile_forward(spec, target, "remarks{ptx}")
         config = {**fwd.tile.as_dict(), "candidates_tried": fwd.tried}

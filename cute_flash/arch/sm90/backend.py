@@ -20,7 +20,7 @@ import torch
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import Problem
-from ..base import BwdTensors, FwdTensors, Grads, KernelArtifact
+from ..base import BwdTensors, FwdTensors, Grads, KernelArtifact, prepare_build
 from .tile_config import FwdTileConfig, budget_problem, fwd_tile_config, smem_bytes
 
 FAMILY = "sm90"
@@ -104,22 +104,14 @@ class _Backend:
     def warm(
         self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False
     ) -> None:
-        reason = self.unsupported_reason(spec, backward, deterministic)
-        if reason is not None:
-            raise NotImplementedError(reason)
-        if spec.dtype == "fp8":
-            raise NotImplementedError("warming the FP8 path (its kernel and the pre-pass) is not supported yet")
-        compile_cache.ensure_cute_dsl_arch(target)
+        prepare_build(self, spec, target, backward=backward, deterministic=deterministic, warming=True)
         if backward:
             _bwd().warm_backward(spec, target, gqa=gqa, deterministic=deterministic)
         else:
             self._forward_kernel(spec, target)
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
-        reason = self.unsupported_reason(spec, backward)
-        if reason is not None:
-            raise NotImplementedError(reason)
-        compile_cache.ensure_cute_dsl_arch(target)
+        prepare_build(self, spec, target, backward=backward)
         if spec.dtype == "fp8":
             return _fp8().compile_fp8_artifacts(spec, target)
         cfg = fwd_tile_config(spec)
