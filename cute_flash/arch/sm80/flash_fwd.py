@@ -31,6 +31,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from ...common.acc_views import rows_cols_view, sm80_acc_as_a_operand
 from ...common.block_info import BlockInfo
+from ...common.block_walk import walk_kv_blocks
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
 from ...common.packed import head_rows, head_stats, seq_rows
@@ -468,21 +469,8 @@ class Sm80FlashForward:
         if has_work:
             # The last block is the seqlen_k tail (and on the diagonal for causal/local): always masked.
             read_stage = step.run(n_block_last, read_stage, is_first=True, mask_seqlen=True, mask_window=True)
-            n_hi = n_block_last  # blocks [n_block_min, n_hi) remain
-            if cutlass.const_expr(info.has_right_bound):
-                n_right = cutlass.max(info.kv_right_masked_start(m_block), n_block_min)
-                for i in cutlass.range(n_hi - n_right, unroll=1):
-                    read_stage = step.run(n_hi - 1 - i, read_stage, is_first=False, mask_seqlen=False, mask_window=True)
-                n_hi = cutlass.min(n_hi, n_right)
-            n_lo = n_block_min
-            if cutlass.const_expr(info.has_left_bound):
-                n_lo = cutlass.max(info.kv_left_masked_end(m_block), n_block_min)
-            for i in cutlass.range(n_hi - n_lo, unroll=1):
-                read_stage = step.run(n_hi - 1 - i, read_stage, is_first=False, mask_seqlen=False, mask_window=False)
-            if cutlass.const_expr(info.has_left_bound):
-                n_hi = cutlass.min(n_hi, n_lo)
-                for i in cutlass.range(n_hi - n_block_min, unroll=1):
-                    read_stage = step.run(n_hi - 1 - i, read_stage, is_first=False, mask_seqlen=False, mask_window=True)
+            # Then blocks [n_block_min, n_block_last), right to left; only those crossing a window edge are masked.
+            read_stage = walk_kv_blocks(info, m_block, n_block_min, n_block_last, step.walk_step, read_stage)
 
         # ---- epilogue: normalise, write LSE and O ------------------------------------------------------------------
         row_scale, lse = softmax.finalize()
@@ -624,6 +612,10 @@ class _BlockStep:
         # block about to be read has landed. The barrier also tells every warp that the others finished reading.
         cute.arch.cp_async_wait_group(2 * self.k.num_stages - 2)
         cute.arch.barrier()
+
+    def walk_step(self, read_stage: Int32, n_block: Int32, mask_window: bool) -> Int32:
+        """`run` for a block after the first, in the form `common.block_walk.walk_kv_blocks` calls."""
+        return self.run(n_block, read_stage, is_first=False, mask_seqlen=False, mask_window=mask_window)
 
     @cute.jit
     def run(
