@@ -393,3 +393,34 @@ def test_io_model_bounds():
     assert model["compulsory"] == causal["compulsory"] and causal["tiled"] < model["tiled"]
     bwd = predicted_bytes(grid.Case("bf16", "bwd", False, case.shape))
     assert bwd["tiled"] > bwd["compulsory"] > model["compulsory"]
+
+
+SASS_TEXT = """
+        Function : kern
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT, gsb0 ;
+        /*0020*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*0030*/                   MUFU.EX2 R2, R2 ;
+        /*0040*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0050*/                   MUFU.EX2 R3, R3 ;
+        /*0060*/                   HGMMA.64x128x16.F32.BF16 R88, R184, gdesc[UR8].tnspB, R88, gsb0 ;
+        /*0070*/                   BAR.SYNC.DEFER_BLOCKING 0x1, 0x100 ;
+        /*0080*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R0 ;
+        /*0090*/              @!P0 BRA 0x80 ;
+        /*00a0*/               @P1 BRA 0x10 ;
+        /*00b0*/                   EXIT ;
+"""
+
+
+def test_sass_census_loops_and_sections():
+    from profiling import sass_census
+
+    instrs = sass_census.parse(SASS_TEXT)["kern"]
+    assert sass_census.loops(instrs) == [(0x80, 0x90), (0x10, 0xA0)]
+    body = sass_census.body(instrs, 0x10, 0xA0)
+    census = sass_census.census(body)
+    assert census["HGMMA"] == 2 and census["MUFU.EX2"] == 2 and census["BAR.SYNC"] == 1 and census["BRA"] == 2
+    sections = sass_census.sections(body)
+    assert [s.get("MUFU.EX2", 0) for s in sections[:3]] == [0, 1, 1]  # one exponential before the second wait
+    order = sass_census.order(body)
+    assert order[0] == "HGMMA.64x64x16.SS [commit]" and "HGMMA.64x128x16.RS [commit]" in order
