@@ -309,6 +309,7 @@ def test_fp8_check_uses_the_fp8_emulation_as_baseline():
     from cute_flash.fp8.emulate import emulated_attention
 
     case = grid.Case("fp8", "fwd", True, grid.Shape(1, 96, 128, 2, 1, 64, 64))
+    torch.manual_seed(0)  # fixed inputs and rotation signs: the verdict must not depend on the tests run before
     q, k, v = (
         torch.randn(1, 96, 2, 64).bfloat16(),
         torch.randn(1, 128, 1, 64).bfloat16(),
