@@ -28,6 +28,12 @@ VARIANTS = {
     # d128: 64-row query tiles (dQ = dS·K) against 80-row ones (dQᵀ = Kᵀ·dSᵀ, FlashAttention-3's unmasked shape).
     "m64": {"tile_m": 64, "dq_swap_ab": False},
     "m80": {"tile_m": 80, "dq_swap_ab": True},
+    # docs/sm90_bwd_sass_study.md: A (dV issued before the dP wait; d128 at 64 x 128 only), B (dQ staging from one
+    # base address), C (tile_m 80 with every column's LSE / D in registers instead of shuffles).
+    "dv_early": {"dv_before_dp_wait": True},
+    "dv_early_b": {"dv_before_dp_wait": True, "dq_stage_single_base": True},
+    "dq_base": {"dq_stage_single_base": True},
+    "m80_regstats": {"tile_m": 80, "dq_swap_ab": True, "max_unshuffled_stat_cols": 20},
 }
 
 

@@ -13,6 +13,9 @@
 #   bench     [240] backward grid beside FA4 and cuDNN: d 64/128/256 x $BENCH_SEQLENS (default 1k/4k/16k) x causal
 #                   both (bench/report.md)
 #   m80       [240] d128 backward: 64-row query tiles against the 80-row dQᵀ form (dq_swap_ab), beside FA4, both masks
+#   variants  [240 + 420] d128 backward variants of docs/sm90_bwd_sass_study.md: their gradients
+#                   (tests/test_sm90_bwd_variants.py), then timed beside the default and FA4 (dV before the dP wait and
+#                   the dQ staging base with both masks; the 80-row tile with register-held LSE / D without a mask)
 set -u
 out=${1:?usage: tests/gpu_suite.sh OUT_DIR}
 mkdir -p "$out"
@@ -44,6 +47,13 @@ for s in $steps; do
     m80) step m80 240 python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 --causal both \
             --variants m64,m80 --fa4 --rounds 3 --rep-ms 50
          tail -n 12 "$out/m80.log" ;;
+    variants) step variants_tests 240 python3 -m pytest -q -n 4 --dist loadgroup -p no:cacheprovider -rf \
+            tests/test_sm90_bwd_variants.py
+         step variants 420 bash -c "python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 \
+            --causal both --variants default,dv_early,dv_early_b,dq_base --fa4 --rounds 3 --rep-ms 50 && \
+            python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 --causal no \
+            --variants default,dv_early_b,m80,m80_regstats --rounds 3 --rep-ms 50"
+         tail -n 30 "$out/variants.log" ;;
     *) echo "unknown step $s" ;;
   esac
 done

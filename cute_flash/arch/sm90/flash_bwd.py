@@ -105,16 +105,21 @@ def dq_fragment_offset(i: int, tidx, chunk: int):
     return (tidx // WARPGROUP_THREADS) * chunk + (i // DQ_VEC) * (WARPGROUP_THREADS * DQ_VEC) + t * DQ_VEC + i % DQ_VEC
 
 
-# Above this many query columns per thread (tile_m > 64), each thread keeps only an eighth of its columns' LSE and D
-# and fetches the rest from the 7 lanes that share its columns (shuffles): 32 + 32 registers would not fit at d64.
-MAX_UNSHUFFLED_STAT_COLS = 16
+# Above `max_unshuffled` (BwdTileConfig.max_unshuffled_stat_cols, 16) query columns per thread (tile_m > 64), each
+# thread keeps only an eighth of its columns' LSE and D and fetches the rest from the 7 lanes that share its columns
+# (shuffles): 32 + 32 registers would not fit at d64.
 
 
 @cute.jit
-def load_column_stats(s_stat: cute.Tensor, coords_rc: cute.Tensor, num_cols: cutlass.Constexpr[int]) -> cute.Tensor:
+def load_column_stats(
+    s_stat: cute.Tensor,
+    coords_rc: cute.Tensor,
+    num_cols: cutlass.Constexpr[int],
+    max_unshuffled: cutlass.Constexpr[int],
+) -> cute.Tensor:
     """This thread's share of a per-query statistic (LSE or D of one stage, `s_stat` (tile_m,)): every column's value,
-    or with more than MAX_UNSHUFFLED_STAT_COLS columns the columns of 8-column groups lane // 4 (mod 8)."""
-    if const_expr(num_cols <= MAX_UNSHUFFLED_STAT_COLS):
+    or with more than `max_unshuffled` columns the columns of 8-column groups lane // 4 (mod 8)."""
+    if const_expr(num_cols <= max_unshuffled):
         regs = cute.make_rmem_tensor(num_cols, Float32)
         for c in cutlass.range_constexpr(num_cols):
             regs[c] = s_stat[coords_rc[0, c][1]]
@@ -145,10 +150,15 @@ def load_row_stats(s_stat: cute.Tensor, coords_rc: cute.Tensor, num_rows: cutlas
 
 
 @cute.jit
-def column_stat(regs: cute.Tensor, c: cutlass.Constexpr[int], num_cols: cutlass.Constexpr[int]) -> Float32:
+def column_stat(
+    regs: cute.Tensor,
+    c: cutlass.Constexpr[int],
+    num_cols: cutlass.Constexpr[int],
+    max_unshuffled: cutlass.Constexpr[int],
+) -> Float32:
     """The statistic of column `c` from `load_column_stats`' registers."""
     value = regs[0]
-    if const_expr(num_cols <= MAX_UNSHUFFLED_STAT_COLS):
+    if const_expr(num_cols <= max_unshuffled):
         value = regs[c]
     else:
         v, g = c % 2, c // 2
@@ -831,7 +841,7 @@ class Sm90FlashBackward:
         num_rows = cute.size(s_rc, mode=[0])
         num_cols = cute.size(s_rc, mode=[1])
         if const_expr(kor):
-            lse = load_column_stats(sLSE[None, q.index], coords_rc, num_cols)
+            lse = load_column_stats(sLSE[None, q.index], coords_rc, num_cols, self.cfg.max_unshuffled_stat_cols)
         else:
             lse = load_row_stats(sLSE[None, q.index], coords_rc, num_rows)
         # dO with the library's wait (no test first): the extra branch of `consumer_wait` here made the d64 GQA build
@@ -846,7 +856,7 @@ class Sm90FlashBackward:
         # P = exp2(S · scale · log2e − lse_log2[query]); the mask (on the scaled exponent) leaves -inf -> P = 0.
         if const_expr(kor):
             for c in cutlass.range_constexpr(num_cols):
-                lse_c = column_stat(lse, c, num_cols)
+                lse_c = column_stat(lse, c, num_cols, self.cfg.max_unshuffled_stat_cols)
                 for r in cutlass.range_constexpr(num_rows):
                     s_rc[r, c] = s_rc[r, c] * scale_log2 - lse_c
         else:
@@ -859,16 +869,24 @@ class Sm90FlashBackward:
         # D is loaded here rather than with the LSE, and P is converted only once dS is formed: that keeps the
         # live registers (Sᵀ, dPᵀ, D, dV, dK) under the 240 a consumer thread has at d64 (tile_m 128).
         if const_expr(kor):
-            dpsum = load_column_stats(sdPsum[None, do.index], coords_rc, num_cols)
+            dpsum = load_column_stats(sdPsum[None, do.index], coords_rc, num_cols, self.cfg.max_unshuffled_stat_cols)
         else:
             dpsum = load_row_stats(sdPsum[None, do.index], coords_rc, num_rows)
 
         # dS = P ⊙ (dP − D[query]).
-        warpgroup.wait_group(0)
+        dv_early = kor and self.cfg.dv_before_dp_wait
+        if const_expr(dv_early):
+            # dV += Pᵀ·dO before the dP wait: P is its A operand, so every exponential is issued before that wait
+            # (ptxas hoists the wait above most of them otherwise); dV stays in flight through the dS math.
+            wgmma.store_p_operand(acc_S, tdVrP)
+            wgmma.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do.index], zero_init=False, wait=-1)
+            warpgroup.wait_group(1)  # dP done
+        else:
+            warpgroup.wait_group(0)
         dp_rc = rows_cols_view(acc_dP)
         if const_expr(kor):
             for c in cutlass.range_constexpr(num_cols):
-                d = column_stat(dpsum, c, num_cols)
+                d = column_stat(dpsum, c, num_cols, self.cfg.max_unshuffled_stat_cols)
                 for r in cutlass.range_constexpr(num_rows):
                     dp_rc[r, c] = s_rc[r, c] * (dp_rc[r, c] - d)
         else:
@@ -876,13 +894,15 @@ class Sm90FlashBackward:
                 for c in cutlass.range_constexpr(num_cols):
                     dp_rc[r, c] = s_rc[r, c] * (dp_rc[r, c] - dpsum[r])
         if const_expr(kor):
-            wgmma.store_p_operand(acc_S, tdVrP)
+            if const_expr(not dv_early):
+                wgmma.store_p_operand(acc_S, tdVrP)
             wgmma.store_p_operand(acc_dP, tdKrdS)
             # The 16-bit A fragment holds dSᵀ in the accumulator's register order: store it as such for dQ.
             rdS = cute.make_tensor(tdKrdS.iterator, cute.make_layout(s_shape))
             cute.copy(smem_copy_ds, smem_copy_ds.retile(rdS), tdSsdS[None, None, None, q.index])
             cute.arch.fence_view_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
-            wgmma.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do.index], zero_init=False, wait=-1)
+            if const_expr(not dv_early):
+                wgmma.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do.index], zero_init=False, wait=-1)
         else:
             # P and dS go to shared memory: the dK / dV products of every consumer read all of the tile's keys.
             for acc, dst in ((acc_S, tPsP), (acc_dP, tdSsdS)):
@@ -916,7 +936,7 @@ class Sm90FlashBackward:
                 wgmma.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, q.index], tdQrKt, zero_init=True, wait=1)
             else:
                 warpgroup.wait_group(0)
-        pipe_do.consumer_release(do)  # dV's product is done with dO
+        pipe_do.consumer_release(do)  # dV's product is done with dO (the wait above leaves only dQ's in flight)
         dS_t = tdKrdS if const_expr(kor) else tdKrdS[None, None, None, q.index]
         wgmma.gemm(tiled_mma_dkv, acc_dK, dS_t, tdKrQt[None, None, None, q.index], zero_init=False, wait=1)
 
@@ -938,8 +958,16 @@ class Sm90FlashBackward:
         buffer over; then tells the dQ warp it is full."""
         pair = WARPGROUP_THREADS + WARP_THREADS
         cute.arch.barrier(barrier_id=int(BwdBarrierId.DQ_EMPTY_FIRST) + consumer, number_of_threads=pair)
+        # dq_stage_single_base: dq_fragment_offset(i * DQ_VEC, ...) = dq_fragment_offset(0, ...) + i * 128 * DQ_VEC, so
+        # one aligned base plus compile-time offsets gives the same addresses (tests/test_sm90_bwd_variants.py).
+        base = None
+        if const_expr(self.cfg.dq_stage_single_base):
+            base = (sdQ.iterator + dq_fragment_offset(0, tidx, self.dq_chunk)).align(DQ_VEC * 4)
         for i in cutlass.range_constexpr(cute.size(acc_dQ) // DQ_VEC):
-            dst = (sdQ.iterator + dq_fragment_offset(i * DQ_VEC, tidx, self.dq_chunk)).align(DQ_VEC * 4)
+            if const_expr(self.cfg.dq_stage_single_base):
+                dst = base + i * (WARPGROUP_THREADS * DQ_VEC)
+            else:
+                dst = (sdQ.iterator + dq_fragment_offset(i * DQ_VEC, tidx, self.dq_chunk)).align(DQ_VEC * 4)
             src = cute.make_tensor(acc_dQ.iterator + i * DQ_VEC, cute.make_layout(DQ_VEC))
             cute.autovec_copy(src, cute.make_tensor(dst, cute.make_layout(DQ_VEC)))
         cute.arch.fence_view_async_shared()  # read next by the bulk copy engine (async proxy)

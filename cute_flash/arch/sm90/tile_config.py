@@ -134,6 +134,13 @@ class BwdTileConfig:
     0 alone computes the whole 64-row dQ: head dims such as 96 that split neither way).
     dq_swap_ab computes dQᵀ = Kᵀ·dSᵀ instead (FlashAttention-3's dQ_swapAB): wgmma's M is then the 64 head-dim columns
     of each consumer and the query rows are its N, so tile_m need not be a multiple of 64 (d128's 80-row tile).
+    Study switches (default off / unchanged, none run on a GPU yet; docs/sm90_bwd_sass_study.md, variants A, B, C):
+      dv_before_dp_wait (A; keys on rows only): dV += Pᵀ·dO is issued before the dP wait, which becomes
+          wait_group(1): P being dV's A operand pins all exponentials before that wait (ptxas hoists it otherwise).
+      dq_stage_single_base (B): stage_dq addresses its dQ stores from one aligned base plus compile-time offsets
+          (the same shared-memory offsets) instead of recomputing and re-aligning each of them.
+      max_unshuffled_stat_cols (C): above this many query columns per thread, LSE / D come through shuffles
+          (load_column_stats); 20 keeps all of tile_m 80's columns in registers at d128.
     """
 
     tile_m: int
@@ -146,6 +153,9 @@ class BwdTileConfig:
     producer_regs: int = 24
     opt_level: int = 3  # CuTe DSL --opt-level
     dq_swap_ab: bool = False
+    dv_before_dp_wait: bool = False  # A: dV's product before the dP wait (docs/sm90_bwd_sass_study.md)
+    dq_stage_single_base: bool = False  # B: dQ stores from one base address (docs/sm90_bwd_sass_study.md)
+    max_unshuffled_stat_cols: int = 16  # C: LSE / D in registers up to this many columns (sm90_bwd_sass_study.md)
 
     @property
     def num_threads(self) -> int:
@@ -180,6 +190,13 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int) -> Optional[str]:
             f"queries on rows need 64 x 64 tiles, 16-key multiples per consumer and dq_split 'n', got "
             f"{cfg.tile_m} x {cfg.tile_n}, {w} consumers, dq_split {cfg.dq_split!r}"
         )
+    if cfg.dv_before_dp_wait and not cfg.keys_on_rows:
+        return (
+            "dv_before_dp_wait needs keys on rows (P in registers as dV's A operand); with queries on rows P goes "
+            "through shared memory after the dP wait"
+        )
+    if cfg.max_unshuffled_stat_cols < 1:
+        return f"max_unshuffled_stat_cols must be at least 1, got {cfg.max_unshuffled_stat_cols}"
     if cfg.dq_split == "m" and cfg.tile_m != ROWS_PER_CONSUMER * w:
         return f"dq_split 'm' needs tile_m = 64 x consumers = {ROWS_PER_CONSUMER * w}, got {cfg.tile_m}"
     if cfg.dq_swap_ab and (
