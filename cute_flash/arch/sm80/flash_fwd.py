@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Type
+from typing import NamedTuple, Optional, Type
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -31,12 +31,14 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from ...common.acc_views import rows_cols_view, sm80_acc_as_a_operand
 from ...common.block_info import BlockInfo
+from ...common.entries import DenseFwdEntry
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
-from ...common.packed import head_rows, head_stats, seq_rows
+from ...common.packed import SeqRows, dense_seq, head_rows, head_stats, seq_rows
 from .tile_config import FwdTileConfig, row_chunk_elems
 
 COPY_BITS = 128  # one cp.async / vector store moves 16 bytes
+_DENSE = (None, None, None, None)  # no cu_seqlens_q / cu_seqlens_k / seqused_k / max_seqlen_q: dense tensors
 
 
 def smem_layout_atom(dtype: Type[cutlass.Numeric], row_elems: int) -> cute.ComposedLayout:
@@ -126,7 +128,29 @@ def _slice_rows(pred, row: int):
     return None if pred is None else pred[None, row, None]
 
 
-class Sm80FlashForward:
+class FwdParams(NamedTuple):
+    """The kernel's parameters as every CTA reads them (bundled once, so `cta` does not repeat the list)."""
+
+    mQ: cute.Tensor
+    mK: cute.Tensor
+    mV: cute.Tensor
+    mO: cute.Tensor
+    mLSE: cute.Tensor
+    scale_log2: Float32
+    window_left: Int32
+    window_right: Int32
+    sQ_layout: cute.ComposedLayout
+    sK_layout: cute.ComposedLayout
+    sV_layout: cute.ComposedLayout
+    sO_layout: cute.ComposedLayout
+    copy_qk: cute.TiledCopy
+    copy_v: cute.TiledCopy
+    copy_o: cute.TiledCopy
+    tiled_mma: cute.TiledMma
+    SharedStorage: object
+
+
+class Sm80FlashForward(DenseFwdEntry):
     """Compile-time configuration of one forward kernel; `__call__` is the @cute.jit host entry.
 
     Host signature (TVM-FFI, torch's current stream): (q, k, v, out, lse, softmax_scale, window_left, window_right)
@@ -176,60 +200,31 @@ class Sm80FlashForward:
         return cute.make_tiled_copy_tv(atom, thread_layout, cute.make_layout((1, vec)))
 
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        stream: cuda.CUstream,
-    ):
-        self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream)
-
-    @cute.jit
     def packed(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
+        mQ: cute.Tensor,  # (total_q, h, d)
+        mK: cute.Tensor,  # (total_k, h_kv, d)
+        mV: cute.Tensor,  # (total_k, h_kv, dv)
+        mO: cute.Tensor,  # (total_q, h, dv)
+        mLSE: cute.Tensor,  # (h, total_q) fp32
         softmax_scale: Float32,
         window_left: Int32,
         window_right: Int32,
         mCuSeqlensQ: cute.Tensor,
         mCuSeqlensK: cute.Tensor,
-        mSeqUsedK: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32: keys each sequence attends to, or None (all)
         max_seqlen_q: Int32,
         stream: cuda.CUstream,
     ):
         assert self.varlen
-        self._launch(
-            mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q,
-        )  # fmt: skip
+        packed = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q)
+        self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, packed)
 
     @cute.jit
-    def _launch(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        stream: cuda.CUstream,
-        mCuSeqlensQ: Optional[cute.Tensor] = None,
-        mCuSeqlensK: Optional[cute.Tensor] = None,
-        mSeqUsedK: Optional[cute.Tensor] = None,
-        max_seqlen_q: Optional[Int32] = None,
-    ):
+    def _launch(self, mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, packed=_DENSE):
+        """Both entries (`__call__` from common/entries.py, `packed`); packed: (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+        max_seqlen_q), all None for dense tensors."""
+        mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q = packed
         qk_atom = smem_layout_atom(self.dtype, self.d_pad)
         v_atom = smem_layout_atom(self.dtype, self.dv_pad)
         sQ_layout = cute.tile_to_shape(qk_atom, (self.tile_m, self.d_pad), (0, 1))
@@ -263,28 +258,13 @@ class Sm80FlashForward:
         else:
             num_m_blocks = cute.ceil_div(mQ.shape[1], self.tile_m)
             grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
-        self.kernel(
-            mQ,
-            mK,
-            mV,
-            mO,
-            mLSE,
-            softmax_scale * LOG2_E,
-            window_left,
-            window_right,
-            sQ_layout,
-            sK_layout,
-            sV_layout,
-            sO_layout,
-            copy_qk,
-            copy_v,
-            copy_o,
-            tiled_mma,
-            SharedStorage,
-            mCuSeqlensQ,
-            mCuSeqlensK,
-            mSeqUsedK,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+        params = FwdParams(
+            mQ, mK, mV, mO, mLSE, softmax_scale * LOG2_E, window_left, window_right, sQ_layout, sK_layout, sV_layout,
+            sO_layout, copy_qk, copy_v, copy_o, tiled_mma, SharedStorage,
+        )  # fmt: skip
+        self.kernel(*params, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK).launch(
+            grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
+        )
 
     # ------------------------------------------------------------------------------------------------------------
     # Device side.
@@ -292,7 +272,7 @@ class Sm80FlashForward:
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,
+        mQ: cute.Tensor,  # q, k, v, out, lse as `__call__` or `packed` takes them
         mK: cute.Tensor,
         mV: cute.Tensor,
         mO: cute.Tensor,
@@ -318,52 +298,30 @@ class Sm80FlashForward:
         if cutlass.const_expr(self.mask == "causal"):
             # Bottom query blocks see the most keys: start them first so the short ones fill the tail of the grid.
             m_block = cute.arch.grid_dim()[0] - 1 - m_block
-        args = (
+        params = FwdParams(
             mQ, mK, mV, mO, mLSE, scale_log2, window_left, window_right, sQ_layout, sK_layout, sV_layout, sO_layout,
-            copy_qk, copy_v, copy_o, tiled_mma, SharedStorage, tidx, m_block, head, batch,
+            copy_qk, copy_v, copy_o, tiled_mma, SharedStorage,
         )  # fmt: skip
         if cutlass.const_expr(self.varlen):
             seq = seq_rows(batch, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
             head_kv = head // (mQ.shape[1] // mK.shape[1])
             # The grid spans the longest sequence's query blocks: the others' surplus blocks exit here.
             if m_block * self.tile_m < seq.seqlen_q:
-                self.cta(*args, head_kv, seq.seqlen_q, seq.seqlen_k, seq.offset_q, seq.offset_k)
+                self.cta(params, tidx, m_block, head, head_kv, seq)
         else:
             head_kv = head // (mQ.shape[2] // mK.shape[2])
-            self.cta(*args, head_kv, mQ.shape[1], mK.shape[1], None, None)
+            self.cta(params, tidx, m_block, head, head_kv, dense_seq(batch, mQ.shape[1], mK.shape[1]))
 
     @cute.jit
-    def cta(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        scale_log2: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        sO_layout: cute.ComposedLayout,
-        copy_qk: cute.TiledCopy,
-        copy_v: cute.TiledCopy,
-        copy_o: cute.TiledCopy,
-        tiled_mma: cute.TiledMma,
-        SharedStorage: cutlass.Constexpr,
-        tidx: Int32,
-        m_block: Int32,
-        head: Int32,
-        batch: Int32,
-        head_kv: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
-        offset_q: Optional[Int32],
-        offset_k: Optional[Int32],
-    ):
-        """One (query block, head, sequence) tile; offset_q / offset_k: the sequence's first rows in packed
+    def cta(self, params: FwdParams, tidx: Int32, m_block: Int32, head: Int32, head_kv: Int32, seq: SeqRows):
+        """One (query block, head, sequence) tile; seq.offset_q / offset_k: the sequence's first rows in packed
         tensors (None: dense tensors, indexed by batch)."""
+        (
+            mQ, mK, mV, mO, mLSE, scale_log2, window_left, window_right, sQ_layout, sK_layout, sV_layout, sO_layout,
+            copy_qk, copy_v, copy_o, tiled_mma, SharedStorage,
+        ) = params  # fmt: skip
+        batch, offset_q, offset_k = seq.batch, seq.offset_q, seq.offset_k
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         info = BlockInfo(self.tile_m, self.tile_n, self.mask, seqlen_q, seqlen_k, window_left, window_right)
         n_block_min, n_block_max = info.kv_block_range(m_block)
 
