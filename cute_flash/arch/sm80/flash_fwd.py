@@ -516,39 +516,46 @@ class _KVLoader:
 
     @cute.jit
     def load_K(self, n_block: Int32, stage, tail: cutlass.Constexpr[bool]):
-        if cutlass.const_expr(tail):
-            # Rows past seqlen_k are skipped; their scores are masked to -inf, so stale smem there is harmless.
-            row_limit = self.seqlen_k - n_block * self.k.tile_n - self.tKcK[0][0]
-            for n in cutlass.range_constexpr(cute.size(self.tKsK.shape[1])):
-                if self.t0KcK[0, n, 0][0] < row_limit:
-                    cute.copy(
-                        self.copy_qk,
-                        self.tKgK[None, n, None, n_block],
-                        self.tKsK[None, n, None, stage],
-                        pred=_slice_rows(self.tKpK, n),
-                    )
-        else:
-            src, dst = self.tKgK[None, None, None, n_block], self.tKsK[None, None, None, stage]
-            cute.copy(self.copy_qk, src, dst, pred=self.tKpK)
+        # Rows past seqlen_k are skipped: their scores are masked to -inf, so stale smem there is harmless.
+        self._load(self.copy_qk, self.tKgK, self.tKsK, self.tKcK, self.t0KcK, self.tKpK, n_block, stage, tail, False)
 
     @cute.jit
     def load_V(self, n_block: Int32, stage, tail: cutlass.Constexpr[bool]):
+        # Rows past seqlen_k are zero-filled: P is 0 there, but 0 * (stale NaN) would still poison O.
+        self._load(self.copy_v, self.tVgV, self.tVsV, self.tVcV, self.t0VcV, self.tVpV, n_block, stage, tail, True)
+
+    @cute.jit
+    def _load(
+        self,
+        tiled_copy: cute.TiledCopy,
+        gmem: cute.Tensor,
+        smem: cute.Tensor,
+        coords: cute.Tensor,
+        coords_t0: cute.Tensor,
+        col_pred,
+        n_block: Int32,
+        stage,
+        tail: cutlass.Constexpr[bool],
+        zero_fill: cutlass.Constexpr[bool],
+    ):
+        """Block n_block of one operand (its copy partitions, coordinates, thread 0's coordinates, column predicate)
+        into `stage`; the tail block only up to seqlen_k, its other rows zero-filled or left alone."""
         if cutlass.const_expr(tail):
-            # Rows past seqlen_k are zero-filled: P is 0 there, but 0 * (stale NaN) would still poison O.
-            row_limit = self.seqlen_k - n_block * self.k.tile_n - self.tVcV[0][0]
-            for n in cutlass.range_constexpr(cute.size(self.tVsV.shape[1])):
-                if self.t0VcV[0, n, 0][0] < row_limit:
+            row_limit = self.seqlen_k - n_block * self.k.tile_n - coords[0][0]
+            for n in cutlass.range_constexpr(cute.size(smem.shape[1])):
+                if coords_t0[0, n, 0][0] < row_limit:
                     cute.copy(
-                        self.copy_v,
-                        self.tVgV[None, n, None, n_block],
-                        self.tVsV[None, n, None, stage],
-                        pred=_slice_rows(self.tVpV, n),
+                        tiled_copy,
+                        gmem[None, n, None, n_block],
+                        smem[None, n, None, stage],
+                        pred=_slice_rows(col_pred, n),
                     )
                 else:
-                    self.tVsV[None, n, None, stage].fill(0)
+                    if cutlass.const_expr(zero_fill):
+                        smem[None, n, None, stage].fill(0)
         else:
-            src, dst = self.tVgV[None, None, None, n_block], self.tVsV[None, None, None, stage]
-            cute.copy(self.copy_v, src, dst, pred=self.tVpV)
+            src, dst = gmem[None, None, None, n_block], smem[None, None, None, stage]
+            cute.copy(tiled_copy, src, dst, pred=col_pred)
 
 
 @dataclass(frozen=True)
