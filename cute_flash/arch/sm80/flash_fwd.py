@@ -170,7 +170,7 @@ class Sm80FlashForward(DenseFwdEntry):
         head_dim_v: int,
         mask: str,
         tile: FwdTileConfig,
-        varlen: bool = False,
+        varlen: bool = False,  # packed q/k/v/out/lse with cu_seqlens (entry point `packed`), else dense (`__call__`)
     ):
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise TypeError("the sm80 forward kernel computes in fp16 or bf16")
@@ -185,7 +185,7 @@ class Sm80FlashForward(DenseFwdEntry):
         self.d_pad, self.dv_pad = tile.head_dim_pad, tile.head_dim_v_pad
         self.num_threads = tile.num_threads
         self.num_stages = tile.num_stages
-        self.varlen = varlen  # packed q/k/v/out/lse with cu_seqlens (entry point `packed`), else dense (`__call__`)
+        self.varlen = varlen
         assert self.tile_n % 16 == 0 and self.tile_m % (16 * tile.num_warps) == 0
 
     # ------------------------------------------------------------------------------------------------------------
