@@ -4,6 +4,11 @@ compares their normalised PTX (and ptxas' registers / spill bytes), for refactor
     python -m profiling.ptx_identity --save /tmp/ptx_before          # before the change
     python -m profiling.ptx_identity --compare /tmp/ptx_before       # after: exit 1 on any difference
     python -m profiling.ptx_identity --compare /tmp/ptx_before --arch sm90 --only fp8
+    python -m profiling.ptx_identity --save /tmp/ptx_before --arch sm80 --arch sm80-sm90a --arch sm80-varlen
+
+The sm80 family also runs on Hopper (target sm_90a) with another backward tile config ("fragment" dQ layout, red.v4,
+its own dQ postprocess), and has packed (varlen) twins of every kernel, some of them reading seqused_k: the groups
+sm80-sm90a, sm80-varlen and sm80-varlen-sm90a build those.
 
 Normalised: comments, `.file` / `.loc` lines and blank lines are dropped, and every entry name (which carries the
 class name and a hash of the build) becomes `KERNEL`, so a renamed class or a moved source line does not count as a
@@ -61,9 +66,33 @@ CASES: Dict[str, List[Tuple[str, int, int, str]]] = {
         ("bf16", 128, 128, "causal"),
         ("bf16", 64, 64, "local"),
     ],
+    # The sm80 family built for sm_90a: the "fragment" dQ layout, vector reductions and DqFragmentConvertSm80.
+    "sm80-sm90a": [
+        ("bf16", 128, 128, "causal"),
+        ("fp16", 64, 64, "local"),
+    ],
+    # Packed (varlen) sm80 builds, with the seqused_k variants of the forward and of the main backward kernels.
+    "sm80-varlen": [
+        ("bf16", 128, 128, "causal"),
+        ("fp16", 64, 64, "local"),
+    ],
+    "sm80-varlen-sm90a": [
+        ("bf16", 128, 128, "causal"),
+    ],
 }
-TARGET = {"sm90": "sm_90a", "sm90-variants": "sm_90a", "sm100": "sm_100a", "sm80": "sm_80", "sm90-bwd": "sm_90a"}
-BACKWARD = {"sm80", "sm90-bwd"}  # also build the backward kernels
+TARGET = {
+    "sm90": "sm_90a",
+    "sm90-variants": "sm_90a",
+    "sm100": "sm_100a",
+    "sm80": "sm_80",
+    "sm90-bwd": "sm_90a",
+    "sm80-sm90a": "sm_90a",
+    "sm80-varlen": "sm_80",
+    "sm80-varlen-sm90a": "sm_90a",
+}
+BACKWARD = {"sm80", "sm90-bwd"}  # also build the backward kernels (through the compile command's report)
+SM80_BUILDS = {"sm80-sm90a", "sm80-varlen", "sm80-varlen-sm90a"}  # sm80 family, built here for TARGET[arch]
+VARLEN = {"sm80-varlen", "sm80-varlen-sm90a"}
 DEFAULT_ARCHES = ["sm100", "sm90", "sm90-variants"]
 
 _DROP = re.compile(r"^\s*(?://|\.file\b|\.loc\b)")
@@ -88,30 +117,59 @@ def _case_name(arch: str, case) -> str:
     return f"{arch}_{dtype}_d{d}x{dv}_{mask}" + "".join(f"_{v}" for v in case[4:])
 
 
+def _artifact_reports(artifacts, ptxas_output: str, tmp: str) -> List[dict]:
+    """Writes each artifact's PTX into tmp; its registers and stack frame from the cubin, spills from ptxas' report
+    (the last one for its entry whose stack frame matches the cubin's: a backend may compile and discard candidates)."""
+    from cute_flash.census import cubin_resources, parse_ptxas_reports
+
+    ptxas = parse_ptxas_reports(ptxas_output)
+    reports = []
+    for art in artifacts:
+        (Path(tmp) / f"{art.kernel}.ptx").write_text(art.ptx)
+        entry, res = next(iter(cubin_resources(art.cubin).items()))
+        named = [r for name, r in ptxas if name == entry]
+        matching = [r for r in named if r.get("stack_frame_bytes") == res.get("stack_frame_bytes")] or named
+        reports.append(
+            {
+                "kernel": art.kernel,
+                "files": [f"{art.kernel}.ptx"],
+                "registers": res.get("registers"),
+                "spill_bytes": matching[-1].get("spill_bytes") if matching else None,
+                "stack_frame_bytes": res.get("stack_frame_bytes"),
+                "shared_bytes": None,
+            }
+        )
+    return reports
+
+
 def _variant_report(spec, variant: str, tmp: str) -> List[dict]:
     """Builds the sm90 FP8 forward with one of profiling/fp8_variants.py's configurations."""
+    from cute_flash.arch.base import KernelArtifact
     from cute_flash.arch.sm90.fp8.launch import build_fp8_forward
-    from cute_flash.census import capture_fd_stderr, cubin_resources, parse_ptxas_reports
+    from cute_flash.census import capture_fd_stderr
     from cute_flash.compile_cache import keep_artifacts_options
     from profiling.fp8_variants import VARIANTS
 
     with capture_fd_stderr() as captured:
         compiled = build_fp8_forward(spec, VARIANTS[variant], "sm_90a", keep_artifacts_options(tmp))
-    ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
-    (Path(tmp) / "fwd_fp8.ptx").write_text(ptx)
-    entry, res = next(iter(cubin_resources(cubin).items()))
-    reports = [r for r in parse_ptxas_reports("".join(captured)) if r[0] == entry]
-    spill = reports[-1][1].get("spill_bytes") if reports else None
-    return [
-        {
-            "kernel": "fwd_fp8",
-            "files": ["fwd_fp8.ptx"],
-            "registers": res.get("registers"),
-            "spill_bytes": spill,
-            "stack_frame_bytes": res.get("stack_frame_bytes"),
-            "shared_bytes": None,
-        }
-    ]
+    art = KernelArtifact("fwd_fp8", compiled.artifacts.PTX, compiled.artifacts.CUBIN)
+    return _artifact_reports([art], "".join(captured), tmp)
+
+
+def _sm80_reports(spec, target: str, tmp: str) -> List[dict]:
+    """Every sm80 kernel serving `spec` on `target` (forward and backward); packed specs add the seqused_k variants."""
+    from cute_flash.arch.base import KernelArtifact
+    from cute_flash.arch.sm80.backend import BACKEND, compile_forward
+    from cute_flash.arch.sm80.backward import compile_backward_artifacts
+    from cute_flash.census import capture_fd_stderr
+
+    with capture_fd_stderr() as captured:
+        artifacts = BACKEND.compile_artifacts(spec, True, target)
+        if spec.varlen:
+            fwd = compile_forward(spec, target, "remarks{ptx}", seqused=True)
+            artifacts.append(KernelArtifact("fwd_seqused", fwd.ptx, fwd.cubin))
+            artifacts += compile_backward_artifacts(spec, target, ["bwd_seqused", "bwd_gqa_seqused"])
+    return _artifact_reports(artifacts, "".join(captured), tmp)
 
 
 def _worker(arch: str, out_dir: Path, only: str) -> None:
@@ -124,10 +182,13 @@ def _worker(arch: str, out_dir: Path, only: str) -> None:
         if only and only not in name:
             continue
         dtype, d, dv, mask = case[:4]
-        spec = AttentionSpec(dtype, d, dv, mask, "bf16" if dtype in ("fp8", "bf16") else dtype)
+        out_dtype = "bf16" if dtype in ("fp8", "bf16") else dtype
+        spec = AttentionSpec(dtype, d, dv, mask, out_dtype, varlen=arch in VARLEN)
         with tempfile.TemporaryDirectory(prefix="ptx_identity_") as tmp:
             if len(case) > 4:
                 reports = _variant_report(spec, case[4], tmp)
+            elif arch in SM80_BUILDS:
+                reports = _sm80_reports(spec, TARGET[arch], tmp)
             else:
                 family = arch.split("-")[0]
                 reports = compile_report(family, spec, backward=arch in BACKWARD, out_dir=tmp)

@@ -34,7 +34,9 @@ def _build(module, spec, target: str) -> Tuple[object, object]:
     current.AccumConvertSm80, current.DqFragmentConvertSm80 = module.AccumConvertSm80, module.DqFragmentConvertSm80
     try:
         rows = backward._build_postprocess(spec, backward._options("bwd_postprocess", spec, target), target)
-        frag = backward._build_dq_postprocess(spec, backward._options("bwd_dq_postprocess", spec, target), target)
+        frag = backward._build_postprocess(
+            spec, backward._options("bwd_dq_postprocess", spec, target), target, fragment=True
+        )
     finally:
         current.AccumConvertSm80, current.DqFragmentConvertSm80 = saved
     return rows, frag

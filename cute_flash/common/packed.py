@@ -22,7 +22,7 @@ Int = Any  # a cutlass.Int32 inside kernels
 
 @dataclass(frozen=True)
 class SeqRows:
-    """One sequence of a packed batch: row offsets of its queries and keys, and its lengths."""
+    """One sequence of a batch: row offsets of its queries and keys (None in a dense batch), and its lengths."""
 
     offset_q: Int
     offset_k: Int
@@ -30,11 +30,11 @@ class SeqRows:
     seqlen_k: Int  # seqused_k[b] when given, else cu_seqlens_k[b + 1] - cu_seqlens_k[b]
     batch: Int
 
-    def padded_offset_q(self, pad: int) -> Int:
-        return self.offset_q + self.batch * pad
+    def padded_offset_q(self, pad: int) -> Optional[Int]:
+        return None if self.offset_q is None else self.offset_q + self.batch * pad
 
-    def padded_offset_k(self, pad: int) -> Int:
-        return self.offset_k + self.batch * pad
+    def padded_offset_k(self, pad: int) -> Optional[Int]:
+        return None if self.offset_k is None else self.offset_k + self.batch * pad
 
 
 def seq_rows(batch: Int, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK=None) -> SeqRows:
@@ -47,6 +47,12 @@ def seq_rows(batch: Int, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK=None) -> SeqRows:
     else:
         seqlen_k = mSeqUsedK[batch]
     return SeqRows(offset_q, offset_k, seqlen_q, seqlen_k, batch)
+
+
+def dense_seq(batch: Int, seqlen_q: Int, seqlen_k: Optional[Int] = None) -> SeqRows:
+    """Sequence `batch` of a dense (b, s, ...) batch: no row offsets (None, and None padded offsets), so that one
+    CTA body serves both layouts and the helpers below index the batch mode."""
+    return SeqRows(None, None, seqlen_q, seqlen_k, batch)
 
 
 def head_rows(mX, batch: Int, head: Int, offset: Optional[Int] = None):

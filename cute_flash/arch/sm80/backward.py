@@ -138,47 +138,26 @@ def _build_main(
     )
 
 
-def _build_postprocess(spec: AttentionSpec, options: str, target: str, cfg: Optional[BwdTileConfig] = None):
+def _build_postprocess(
+    spec: AttentionSpec, options: str, target: str, cfg: Optional[BwdTileConfig] = None, *, fragment: bool = False
+):
+    """An fp32 accumulator's conversion: (b, s_padded, h, d) rows, or with `fragment` dQ's "fragment" layout."""
     import cutlass
     import cutlass.cute as cute
 
-    from .flash_bwd_postprocess import AccumConvertSm80
+    from .flash_bwd_postprocess import AccumConvertSm80, DqFragmentConvertSm80
 
     if spec.varlen:
-        return _build_packed("bwd_postprocess", spec, options, target, cfg)
-    dt = dsl_dtype(spec.dtype)
+        return _build_packed("bwd_dq_postprocess" if fragment else "bwd_postprocess", spec, options, target, cfg)
+    dt, d = dsl_dtype(spec.dtype), spec.head_dim
     b, s, s_pad, h = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
-    kernel = AccumConvertSm80(dt, spec.head_dim, block_m=_PRE_POST_BLOCK_M)
-    return cute.compile(
-        kernel,
-        _fake_bshd(cutlass.Float32, b, s_pad, h, spec.head_dim),
-        _fake_bshd(dt, b, s, h, spec.head_dim),
-        cutlass.Float32(1.0),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-        options=options,
-    )
-
-
-def _build_dq_postprocess(spec: AttentionSpec, options: str, target: str, cfg: Optional[BwdTileConfig] = None):
-    import cutlass
-    import cutlass.cute as cute
-
-    from .flash_bwd_postprocess import DqFragmentConvertSm80
-
-    if spec.varlen:
-        return _build_packed("bwd_dq_postprocess", spec, options, target, cfg)
-    dt = dsl_dtype(spec.dtype)
-    cfg = cfg or bwd_tile_config(spec.head_dim, target)
-    b, s, s_pad, h = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
-    kernel = DqFragmentConvertSm80(dt, spec.head_dim, cfg)
-    return cute.compile(
-        kernel,
-        _fake_dq_accum(cfg, b, s_pad, h, spec.head_dim),
-        _fake_bshd(dt, b, s, h, spec.head_dim),
-        cutlass.Float32(1.0),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-        options=options,
-    )
+    if fragment:
+        cfg = cfg or bwd_tile_config(d, target)
+        kernel, accum = DqFragmentConvertSm80(dt, d, cfg), _fake_dq_accum(cfg, b, s_pad, h, d)
+    else:
+        kernel, accum = AccumConvertSm80(dt, d, block_m=_PRE_POST_BLOCK_M), _fake_bshd(cutlass.Float32, b, s_pad, h, d)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(kernel, accum, _fake_bshd(dt, b, s, h, d), cutlass.Float32(1.0), stream, options=options)
 
 
 def _build_packed(
@@ -261,7 +240,7 @@ _ROLES = {
     "bwd": functools.partial(_build_main, gqa=False),
     "bwd_gqa": functools.partial(_build_main, gqa=True),
     "bwd_postprocess": _build_postprocess,
-    "bwd_dq_postprocess": _build_dq_postprocess,  # only for the "fragment" dQ layout
+    "bwd_dq_postprocess": functools.partial(_build_postprocess, fragment=True),  # only for the "fragment" dQ layout
     # Packed (varlen) main kernels reading seqused_k (the other roles serve both).
     "bwd_seqused": functools.partial(_build_main, gqa=False, seqused=True),
     "bwd_gqa_seqused": functools.partial(_build_main, gqa=True, seqused=True),
@@ -360,6 +339,22 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+def grad_views(q, k, v, dout, out, dq, dk, dv) -> list:
+    """The backward's tensors as its kernels take them (validation.kernel_view, never a copy), in this order."""
+    names = ("q", "k", "v", "dout", "out", "dq", "dk", "dv")
+    return [kernel_view(t, copy=False, name=n) for n, t in zip(names, (q, k, v, dout, out, dq, dk, dv))]
+
+
+def dkv_destinations(dk: torch.Tensor, dv: torch.Tensor, gqa: bool, block: int):
+    """Where the main kernel writes dK / dV (dense (b, sk, h_kv, d) tensors): dk / dv themselves, or under GQA zeroed
+    fp32 accumulators with sk rounded up to `block` rows, which a conversion kernel then turns into dk / dv."""
+    if not gqa:
+        return dk, dv
+    batch, seqlen_k, nheads_kv, head_dim = dk.shape
+    shape, f32 = (batch, _round_up(seqlen_k, block), nheads_kv, head_dim), dict(dtype=torch.float32, device=dk.device)
+    return torch.zeros(shape, **f32), torch.zeros(shape, **f32)
+
+
 def run_backward(t: BwdTensors, grads: Grads, problem: Problem, cfg: Optional[BwdTileConfig] = None) -> None:
     """Fills `grads` (shaped and typed like q, k, v) on torch's current stream. cfg: a tile config other than the
     default (for studies: profiling/sm80_bwd_variants.py)."""
@@ -373,8 +368,7 @@ def run_backward(t: BwdTensors, grads: Grads, problem: Problem, cfg: Optional[Bw
     override = cfg  # None on the launch path: its kernels' cache keys then skip hashing a config every call
     cfg = cfg or bwd_tile_config(spec.head_dim, target)
     batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    gqa = nheads != nheads_kv
+    gqa = nheads != k.shape[2]
     seqlen_q_pad = _round_up(seqlen_q, max(cfg.block_m, _PRE_POST_BLOCK_M))
     f32 = dict(dtype=torch.float32, device=q.device)
 
@@ -384,18 +378,10 @@ def run_backward(t: BwdTensors, grads: Grads, problem: Problem, cfg: Optional[Bw
         dq_accum = torch.zeros(batch, nheads, seqlen_q_pad * head_dim, **f32)
     else:
         dq_accum = torch.zeros(batch, seqlen_q_pad, nheads, head_dim, **f32)
-    q, k, v, dout, out, dq, dk, dv = (
-        kernel_view(t, copy=False, name=n)
-        for n, t in zip(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (q, k, v, dout, out, dq, dk, dv))
-    )
+    q, k, v, dout, out, dq, dk, dv = grad_views(q, k, v, dout, out, dq, dk, dv)
 
     _kernel("bwd_preprocess", spec, target)(out, dout, lse, dpsum, lse_log2)
-    if gqa:
-        seqlen_k_pad = _round_up(seqlen_k, max(cfg.block_n, _PRE_POST_BLOCK_M))  # whole postprocess blocks too
-        dk_out = torch.zeros(batch, seqlen_k_pad, nheads_kv, head_dim, **f32)
-        dv_out = torch.zeros(batch, seqlen_k_pad, nheads_kv, head_dim, **f32)
-    else:
-        dk_out, dv_out = dk, dv
+    dk_out, dv_out = dkv_destinations(dk, dv, gqa, max(cfg.block_n, _PRE_POST_BLOCK_M))  # whole postprocess blocks
     _kernel("bwd_gqa" if gqa else "bwd", spec, target, override)(
         q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, softmax_scale, mask.left, mask.right
     )
@@ -440,10 +426,7 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
         dq_accum = torch.zeros(nheads, rows_q * head_dim, **f32)
     else:
         dq_accum = torch.zeros(rows_q, nheads, head_dim, **f32)
-    q, k, v, dout, out, dq, dk, dv = (
-        kernel_view(t, copy=False, name=n)
-        for n, t in zip(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (q, k, v, dout, out, dq, dk, dv))
-    )
+    q, k, v, dout, out, dq, dk, dv = grad_views(q, k, v, dout, out, dq, dk, dv)
 
     pre_blocks = -(-max_seqlen_q // pad_q) * pad_q // _PRE_POST_BLOCK_M  # whole pad_q rows per sequence
     _kernel("bwd_preprocess", spec, target)(out, dout, lse, dpsum, lse_log2, cu_seqlens_q, pad_q, pre_blocks)

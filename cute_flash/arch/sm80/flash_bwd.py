@@ -23,7 +23,7 @@ preprocess kernel, so their P and dS are exactly 0.
 from __future__ import annotations
 
 import math
-from typing import Optional, Type
+from typing import NamedTuple, Optional, Type
 
 import cutlass
 import cutlass.cute as cute
@@ -34,7 +34,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from ...common.block_info import BlockInfo
 from ...common.online_softmax import clamp_scale_log2
-from ...common.packed import head_rows, head_stats, seq_rows
+from ...common.packed import SeqRows, dense_seq, head_rows, head_stats, seq_rows
 from .tile_config import BwdTileConfig, packed_pads
 
 LOG2_E = math.log2(math.e)
@@ -140,6 +140,47 @@ def _load_rows(tiled_copy: cute.TiledCopy, src: cute.Tensor, dst: cute.Tensor, c
             dst[None, m, None].fill(0)
 
 
+class DqOperands(NamedTuple):
+    """What the dQ = dS K product of one query block reads: its tiled MMA and thread slice, the register fragments of
+    dS and Kᵀ, their shared-memory partitions and the ldmatrix copies between them (built once per CTA)."""
+
+    tiled_mma: cute.TiledMma
+    thr_mma: object
+    tdQrdS: cute.Tensor
+    tdQrKt: cute.Tensor
+    tdQsdS: cute.Tensor
+    tdQsKt: cute.Tensor
+    s2r_dS: object
+    s2r_Kt: object
+
+
+class BwdParams(NamedTuple):
+    """The main kernel's parameters as every CTA reads them (bundled once, so `cta` does not repeat the list)."""
+
+    mQ: cute.Tensor
+    mK: cute.Tensor
+    mV: cute.Tensor
+    mdO: cute.Tensor
+    mLSElog2: cute.Tensor
+    mdPsum: cute.Tensor
+    mdQaccum: cute.Tensor
+    mdK: cute.Tensor
+    mdV: cute.Tensor
+    softmax_scale: Float32
+    softmax_scale_log2: Float32
+    window_left: Int32
+    window_right: Int32
+    sQ_layout: cute.ComposedLayout
+    sK_layout: cute.ComposedLayout
+    sP_layout: cute.ComposedLayout
+    g2s_copy: cute.TiledCopy
+    s2g_copy: cute.TiledCopy
+    tiled_mma_sdp: cute.TiledMma
+    tiled_mma_dkv: cute.TiledMma
+    tiled_mma_dq: cute.TiledMma
+    SharedStorage: object
+
+
 class Sm80FlashBackward:
     def __init__(
         self,
@@ -195,9 +236,8 @@ class Sm80FlashBackward:
         window_right: Int32,
         stream,
     ):
-        self._launch(
-            mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, softmax_scale, window_left, window_right, stream
-        )
+        tensors = (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV)
+        self._launch(tensors, softmax_scale, window_left, window_right, stream)
 
     @cute.jit
     def packed(
@@ -216,28 +256,19 @@ class Sm80FlashBackward:
         window_right: Int32,
         mCuSeqlensQ: cute.Tensor,
         mCuSeqlensK: cute.Tensor,
-        mSeqUsedK: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32: keys per sequence that get gradients, or None (all)
         max_seqlen_k: Int32,
         stream,
     ):
         assert self.varlen
-        self._launch(
-            mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, softmax_scale, window_left, window_right, stream,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k,
-        )  # fmt: skip
+        tensors = (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV)
+        packed = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k)
+        self._launch(tensors, softmax_scale, window_left, window_right, stream, *packed)
 
     @cute.jit
     def _launch(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mdO: cute.Tensor,
-        mLSElog2: cute.Tensor,
-        mdPsum: cute.Tensor,
-        mdQaccum: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
+        tensors: tuple,  # (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV) as the entry points take them
         softmax_scale: Float32,
         window_left: Int32,
         window_right: Int32,
@@ -247,6 +278,7 @@ class Sm80FlashBackward:
         mSeqUsedK: Optional[cute.Tensor] = None,
         max_seqlen_k: Optional[Int32] = None,
     ):
+        mQ, mK = tensors[0], tensors[1]
         cfg = self.cfg
         d = self.head_dim
         stages = cfg.num_stages
@@ -270,39 +302,20 @@ class Sm80FlashBackward:
             grid = ((max_seqlen_k + (cfg.block_n - 1)) // cfg.block_n, mQ.shape[1], mCuSeqlensQ.shape[0] - 1)
         else:
             grid = (cute.ceil_div(mK.shape[1], cfg.block_n), mQ.shape[2], mQ.shape[0])
-        self.kernel(
-            mQ,
-            mK,
-            mV,
-            mdO,
-            mLSElog2,
-            mdPsum,
-            mdQaccum,
-            mdK,
-            mdV,
-            softmax_scale,
-            softmax_scale * LOG2_E,
-            window_left,
-            window_right,
-            sQ_layout,
-            sK_layout,
-            sP_layout,
-            g2s_copy,
-            s2g_copy,
-            self._tiled_mma(cfg.warps_m_sdp),
-            self._tiled_mma(cfg.warps_n_dkv),
-            self._tiled_mma(cfg.warps_m_dq),
-            SharedStorage,
-            mCuSeqlensQ,
-            mCuSeqlensK,
-            mSeqUsedK,
-        ).launch(grid=grid, block=[cfg.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+        params = BwdParams(
+            *tensors, softmax_scale, softmax_scale * LOG2_E, window_left, window_right, sQ_layout, sK_layout,
+            sP_layout, g2s_copy, s2g_copy, self._tiled_mma(cfg.warps_m_sdp), self._tiled_mma(cfg.warps_n_dkv),
+            self._tiled_mma(cfg.warps_m_dq), SharedStorage,
+        )  # fmt: skip
+        self.kernel(*params, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK).launch(
+            grid=grid, block=[cfg.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
+        )
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,
+        mQ: cute.Tensor,  # q ... dV: dense or packed (see `__call__`, `packed`)
         mK: cute.Tensor,
         mV: cute.Tensor,
         mdO: cute.Tensor,
@@ -333,65 +346,35 @@ class Sm80FlashBackward:
         softmax_scale_log2 = clamp_scale_log2(softmax_scale_log2)
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = cute.arch.block_idx()
-        args = (
+        params = BwdParams(
             mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, softmax_scale, softmax_scale_log2, window_left,
             window_right, sQ_layout, sK_layout, sP_layout, g2s_copy, s2g_copy, tiled_mma_sdp, tiled_mma_dkv,
-            tiled_mma_dq, SharedStorage, tidx, n_block, head, batch,
+            tiled_mma_dq, SharedStorage,
         )  # fmt: skip
         if cutlass.const_expr(self.varlen):
             seq = seq_rows(batch, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
             head_kv = head // (mQ.shape[1] // mK.shape[1])
             # The grid spans the longest sequence's key blocks: the others' surplus blocks exit here.
             if n_block * self.cfg.block_n < seq.seqlen_k:
-                dkv_offset = seq.padded_offset_k(self.pad_k) if self.gqa else seq.offset_k
-                self.cta(
-                    *args, head_kv, seq.seqlen_q, seq.seqlen_k,
-                    seq.offset_q, seq.offset_k, seq.padded_offset_q(self.pad_q), dkv_offset,
-                )  # fmt: skip
+                self.cta(params, tidx, n_block, head, head_kv, seq)
         else:
             head_kv = head // (mQ.shape[2] // mK.shape[2])
-            self.cta(*args, head_kv, mQ.shape[1], mK.shape[1], None, None, None, None)
+            self.cta(params, tidx, n_block, head, head_kv, dense_seq(batch, mQ.shape[1], mK.shape[1]))
 
     @cute.jit
-    def cta(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mdO: cute.Tensor,
-        mLSElog2: cute.Tensor,
-        mdPsum: cute.Tensor,
-        mdQaccum: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
-        softmax_scale: Float32,
-        softmax_scale_log2: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sP_layout: cute.ComposedLayout,
-        g2s_copy: cute.TiledCopy,
-        s2g_copy: cute.TiledCopy,
-        tiled_mma_sdp: cute.TiledMma,
-        tiled_mma_dkv: cute.TiledMma,
-        tiled_mma_dq: cute.TiledMma,
-        SharedStorage: cutlass.Constexpr,
-        tidx: Int32,
-        n_block: Int32,
-        head: Int32,
-        batch: Int32,
-        head_kv: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
-        offset_q: Optional[Int32],
-        offset_k: Optional[Int32],
-        stats_offset: Optional[Int32],
-        dkv_offset: Optional[Int32],
-    ):
-        """One (key block, head, sequence) tile. Packed tensors: offset_q / offset_k are the sequence's first rows
-        of q, dO / k, v; stats_offset its first row in the padded buffers (LSE, D, dQ accumulator); dkv_offset its
-        first row of dK / dV (of their padded fp32 accumulators under GQA). None everywhere for dense tensors."""
+    def cta(self, params: BwdParams, tidx: Int32, n_block: Int32, head: Int32, head_kv: Int32, seq: SeqRows):
+        """One (key block, head, sequence) tile. Packed tensors: seq.offset_q / offset_k are the sequence's first
+        rows of q, dO / k, v; stats_offset its first row in the padded buffers (LSE, D, dQ accumulator); dkv_offset
+        its first row of dK / dV (of their padded fp32 accumulators under GQA). None everywhere for dense tensors."""
+        dkv_offset = seq.padded_offset_k(self.pad_k) if self.gqa else seq.offset_k
+        stats_offset = seq.padded_offset_q(self.pad_q)
+        (
+            mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, softmax_scale, softmax_scale_log2, window_left,
+            window_right, sQ_layout, sK_layout, sP_layout, g2s_copy, s2g_copy, tiled_mma_sdp, tiled_mma_dkv,
+            tiled_mma_dq, SharedStorage,
+        ) = params  # fmt: skip
+        batch, offset_q, offset_k = seq.batch, seq.offset_q, seq.offset_k
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         cfg = self.cfg
         block_m, block_n, d, stages = cfg.block_m, cfg.block_n, self.head_dim, cfg.num_stages
         blocks = BlockInfo(block_m, block_n, self.mask_kind, seqlen_q, seqlen_k, window_left, window_right)
@@ -467,6 +450,7 @@ class Sm80FlashBackward:
         tdKsQt = s2r_QdOt.partition_S(sQt)
         tdQsdS = s2r_dS.partition_S(sdS)
         tdQsKt = s2r_Kt.partition_S(sKt_chunks)  # (..., chunks)
+        dq_operands = DqOperands(tiled_mma_dq, thr_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, s2r_dS, s2r_Kt)
 
         r2s_PdS = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma_sdp
@@ -546,22 +530,7 @@ class Sm80FlashBackward:
                     tiled_mma_dkv, acc_dV, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt[None, None, None, slot], s2r_PdSt, s2r_QdOt
                 )
                 if cutlass.const_expr(cfg.dq_before_dk):
-                    self._dq_product(
-                        tiled_mma_dq,
-                        thr_dq,
-                        tdQrdS,
-                        tdQrKt,
-                        tdQsdS,
-                        tdQsKt,
-                        s2r_dS,
-                        s2r_Kt,
-                        mdQaccum,
-                        batch,
-                        head,
-                        m_block,
-                        tidx,
-                        stats_offset,
-                    )
+                    self._dq_product(dq_operands, mdQaccum, batch, head, m_block, tidx, stats_offset)
                 _gemm_smem(
                     tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt[None, None, None, slot], s2r_PdSt, s2r_QdOt
                 )
@@ -573,22 +542,7 @@ class Sm80FlashBackward:
                     cute.arch.cp_async_commit_group()
 
                 if cutlass.const_expr(not cfg.dq_before_dk):
-                    self._dq_product(
-                        tiled_mma_dq,
-                        thr_dq,
-                        tdQrdS,
-                        tdQrKt,
-                        tdQsdS,
-                        tdQsKt,
-                        s2r_dS,
-                        s2r_Kt,
-                        mdQaccum,
-                        batch,
-                        head,
-                        m_block,
-                        tidx,
-                        stats_offset,
-                    )
+                    self._dq_product(dq_operands, mdQaccum, batch, head, m_block, tidx, stats_offset)
 
         # ---------------------------------------------------------- epilogue: dK (scaled) and dV
         acc_dK.store(acc_dK.load() * softmax_scale)
@@ -658,14 +612,7 @@ class Sm80FlashBackward:
     @cute.jit
     def _dq_product(
         self,
-        tiled_mma_dq: cute.TiledMma,
-        thr_dq,
-        tdQrdS: cute.Tensor,
-        tdQrKt: cute.Tensor,
-        tdQsdS: cute.Tensor,
-        tdQsKt: cute.Tensor,
-        s2r_dS,
-        s2r_Kt,
+        dq_operands: DqOperands,
         mdQaccum: cute.Tensor,
         batch: Int32,
         head: Int32,
@@ -675,6 +622,7 @@ class Sm80FlashBackward:
     ):
         """dQ_tile = dS K, added to the fp32 accumulator, dq_chunk head-dim columns at a time (stats_offset: the
         sequence's first row of a packed accumulator)."""
+        tiled_mma_dq, thr_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, s2r_dS, s2r_Kt = dq_operands
         block_m, d, dq_chunk = self.cfg.block_m, self.head_dim, self.dq_chunk
         for chunk in cutlass.range_constexpr(d // dq_chunk):
             acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((block_m, dq_chunk)), Float32)

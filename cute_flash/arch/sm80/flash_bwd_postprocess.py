@@ -19,11 +19,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from ...common.entries import AccumEntries
 from ...common.packed import head_rows, head_stats, seq_rows
 from ...common.pin import pin_values
 
 
-class AccumConvertSm80:
+class AccumConvertSm80(AccumEntries):
+    """out = scale * accum (entries in common/entries.py; the kernel's signature gives the layouts)."""
+
     def __init__(
         self, dtype: Type[cutlass.Numeric], head_dim: int, block_m: int = 64, num_threads: int = 128, varlen=False
     ):
@@ -36,30 +39,6 @@ class AccumConvertSm80:
         self.block_m = block_m
         self.num_threads = num_threads
         self.lanes_per_row = math.gcd(head_dim // 8, 32)  # each lane moves 8 elements at a time
-
-    @cute.jit
-    def __call__(
-        self,
-        mAccum: cute.Tensor,  # (b, s_padded, h, d) fp32
-        mOut: cute.Tensor,  # (b, s, h, d) dtype
-        scale: Float32,
-        stream,
-    ):
-        self._launch(mAccum, mOut, scale, stream)
-
-    @cute.jit
-    def packed(
-        self,
-        mAccum: cute.Tensor,  # (total + batch * pad, h, d) fp32
-        mOut: cute.Tensor,  # (total, h, d) dtype
-        scale: Float32,
-        mCuSeqlens: cute.Tensor,
-        pad: Int32,
-        max_seqlen: Int32,
-        stream,
-    ):
-        assert self.varlen
-        self._launch(mAccum, mOut, scale, stream, mCuSeqlens, pad, max_seqlen)
 
     @cute.jit
     def _launch(self, mAccum, mOut, scale, stream, mCuSeqlens=None, pad=None, max_seqlen=None):
@@ -82,8 +61,8 @@ class AccumConvertSm80:
     @cute.kernel
     def kernel(
         self,
-        mAccum: cute.Tensor,
-        mOut: cute.Tensor,
+        mAccum: cute.Tensor,  # (b, s_padded, h, d) fp32, or packed (total + batch * pad, h, d)
+        mOut: cute.Tensor,  # (b, s, h, d), or packed (total, h, d)
         scale: Float32,
         tiled_load: cute.TiledCopy,
         tiled_store: cute.TiledCopy,
@@ -128,11 +107,12 @@ class AccumConvertSm80:
                 cute.copy(tiled_store, tOrO[None, m, None], tOgO[None, m, None])
 
 
-class DqFragmentConvertSm80:
+class DqFragmentConvertSm80(AccumEntries):
     """dq = scale * dQ accumulator, from the main kernel's "fragment" layout: (b, h, sq_padded * d) fp32 where each
     m-block (and each dq_chunk of its columns) holds the dQ mma's accumulator registers thread-interleaved
-    (flash_bwd.dq_fragment_offset). One CTA, with the main kernel's thread count, converts one m-block: thread t reads
-    what thread t of the main kernel added, and finds its (row, column) from the same tiled mma."""
+    (flash_bwd.dq_fragment_offset); the packed accumulator is (h, (total_q + batch * pad) * d). One CTA, with the main
+    kernel's thread count, converts one m-block: thread t reads what thread t of the main kernel added, and finds its
+    (row, column) from the same tiled mma."""
 
     def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, config, varlen: bool = False):
         """varlen: the packed variant (entry `packed`): sequence b's accumulator is (h, rows * d) from row
@@ -142,30 +122,6 @@ class DqFragmentConvertSm80:
         self.head_dim = head_dim
         self.cfg = config
         self.dq_chunk = config.dq_chunk or head_dim
-
-    @cute.jit
-    def __call__(
-        self,
-        mAccum: cute.Tensor,  # (b, h, sq_padded * d) fp32
-        mOut: cute.Tensor,  # (b, sq, h, d) dtype
-        scale: Float32,
-        stream,
-    ):
-        self._launch(mAccum, mOut, scale, stream)
-
-    @cute.jit
-    def packed(
-        self,
-        mAccum: cute.Tensor,  # (h, (total_q + batch * pad) * d) fp32
-        mOut: cute.Tensor,  # (total_q, h, d) dtype
-        scale: Float32,
-        mCuSeqlens: cute.Tensor,
-        pad: Int32,
-        max_seqlen: Int32,
-        stream,
-    ):
-        assert self.varlen
-        self._launch(mAccum, mOut, scale, stream, mCuSeqlens, pad, max_seqlen)
 
     @cute.jit
     def _launch(self, mAccum, mOut, scale, stream, mCuSeqlens=None, pad=None, max_seqlen=None):
@@ -183,8 +139,8 @@ class DqFragmentConvertSm80:
     @cute.kernel
     def kernel(
         self,
-        mAccum: cute.Tensor,
-        mOut: cute.Tensor,
+        mAccum: cute.Tensor,  # (b, h, sq_padded * d) fp32 in the "fragment" layout, or packed (h, padded rows * d)
+        mOut: cute.Tensor,  # (b, sq, h, d), or packed (total_q, h, d)
         scale: Float32,
         tiled_mma: cute.TiledMma,
         mCuSeqlens: Optional[cute.Tensor] = None,

@@ -22,7 +22,7 @@ from cutlass import Float32
 from cutlass import Int32
 from cutlass.cute.nvgpu import warp
 
-from ...common.packed import head_rows, seq_rows
+from ...common.packed import SeqRows, dense_seq, head_rows, seq_rows
 
 LOG2_E = math.log2(math.e)
 ROWS_PER_WARP = 16  # the mma's m
@@ -88,45 +88,33 @@ class BackwardPreprocessSm80:
     @cute.kernel
     def kernel(
         self,
-        mO: cute.Tensor,
+        mO: cute.Tensor,  # dense (b, sq, h, dv) or packed (total_q, h, dv), like mdO
         mdO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mdPsum: cute.Tensor,
+        mLSE: cute.Tensor,  # (b, h, sq) or (h, total_q), natural log
+        mdPsum: cute.Tensor,  # (b, h, sq_padded) or (h, total_q + batch * pad_q), like mLSElog2
         mLSElog2: cute.Tensor,
         tiled_mma: cute.TiledMma,
         mCuSeqlensQ: Optional[cute.Tensor] = None,
-        pad_q: Optional[Int32] = None,
+        pad_q: Optional[Int32] = None,  # packed: sequence b's outputs start at row cu_seqlens_q[b] + b * pad_q
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
-        args = (mO, mdO, mLSE, mdPsum, mLSElog2, tiled_mma, tidx, m_block, head, batch)
+        tensors = (mO, mdO, mLSE, mdPsum, mLSElog2)
         if cutlass.const_expr(self.varlen):
             seq = seq_rows(batch, mCuSeqlensQ, mCuSeqlensQ)
             # Rows up to the sequence's length rounded up to pad_q are read by the main kernel (as inert padding).
             if m_block * self.block_m < (seq.seqlen_q + (pad_q - 1)) // pad_q * pad_q:
-                self.cta(*args, seq.seqlen_q, seq.offset_q, seq.padded_offset_q(pad_q))
+                self.cta(tensors, tiled_mma, tidx, m_block, head, seq, pad_q)
         else:
-            self.cta(*args, mO.shape[1], None, None)
+            self.cta(tensors, tiled_mma, tidx, m_block, head, dense_seq(batch, mO.shape[1]), None)
 
     @cute.jit
-    def cta(
-        self,
-        mO: cute.Tensor,
-        mdO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mdPsum: cute.Tensor,
-        mLSElog2: cute.Tensor,
-        tiled_mma: cute.TiledMma,
-        tidx: Int32,
-        m_block: Int32,
-        head: Int32,
-        batch: Int32,
-        seqlen_q: Int32,
-        offset_q: Optional[Int32],
-        stats_offset: Optional[Int32],
-    ):
-        """One block of rows of one (sequence, head); offset_q / stats_offset: the sequence's first row of the packed
-        inputs / padded outputs (None: dense tensors, indexed by batch)."""
+    def cta(self, tensors, tiled_mma: cute.TiledMma, tidx: Int32, m_block: Int32, head: Int32, seq: SeqRows, pad_q):
+        """One block of rows of one (sequence, head); seq.offset_q / stats_offset: the sequence's first row of the
+        packed inputs / padded outputs (None: dense tensors, indexed by batch)."""
+        stats_offset = seq.padded_offset_q(pad_q)
+        mO, mdO, mLSE, mdPsum, mLSElog2 = tensors
+        batch, seqlen_q, offset_q = seq.batch, seq.seqlen_q, seq.offset_q
         warp_idx = tidx // 32
         lane = tidx % 32
         rows_block = m_block * (self.block_m // ROWS_PER_WARP) + warp_idx

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Type
+from typing import NamedTuple, Optional, Type
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -32,12 +32,14 @@ from cutlass.cute.nvgpu import cpasync, warp
 from ...common.acc_views import rows_cols_view, sm80_acc_as_a_operand
 from ...common.block_info import BlockInfo
 from ...common.block_walk import walk_kv_blocks
+from ...common.entries import DenseFwdEntry
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
-from ...common.packed import head_rows, head_stats, seq_rows
+from ...common.packed import SeqRows, dense_seq, head_rows, head_stats, seq_rows
 from .tile_config import FwdTileConfig, row_chunk_elems
 
 COPY_BITS = 128  # one cp.async / vector store moves 16 bytes
+_DENSE = (None, None, None, None)  # no cu_seqlens_q / cu_seqlens_k / seqused_k / max_seqlen_q: dense tensors
 
 
 def smem_layout_atom(dtype: Type[cutlass.Numeric], row_elems: int) -> cute.ComposedLayout:
@@ -127,7 +129,29 @@ def _slice_rows(pred, row: int):
     return None if pred is None else pred[None, row, None]
 
 
-class Sm80FlashForward:
+class FwdParams(NamedTuple):
+    """The kernel's parameters as every CTA reads them (bundled once, so `cta` does not repeat the list)."""
+
+    mQ: cute.Tensor
+    mK: cute.Tensor
+    mV: cute.Tensor
+    mO: cute.Tensor
+    mLSE: cute.Tensor
+    scale_log2: Float32
+    window_left: Int32
+    window_right: Int32
+    sQ_layout: cute.ComposedLayout
+    sK_layout: cute.ComposedLayout
+    sV_layout: cute.ComposedLayout
+    sO_layout: cute.ComposedLayout
+    copy_qk: cute.TiledCopy
+    copy_v: cute.TiledCopy
+    copy_o: cute.TiledCopy
+    tiled_mma: cute.TiledMma
+    SharedStorage: object
+
+
+class Sm80FlashForward(DenseFwdEntry):
     """Compile-time configuration of one forward kernel; `__call__` is the @cute.jit host entry.
 
     Host signature (TVM-FFI, torch's current stream): (q, k, v, out, lse, softmax_scale, window_left, window_right)
@@ -147,7 +171,7 @@ class Sm80FlashForward:
         head_dim_v: int,
         mask: str,
         tile: FwdTileConfig,
-        varlen: bool = False,
+        varlen: bool = False,  # packed q/k/v/out/lse with cu_seqlens (entry point `packed`), else dense (`__call__`)
     ):
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise TypeError("the sm80 forward kernel computes in fp16 or bf16")
@@ -162,7 +186,7 @@ class Sm80FlashForward:
         self.d_pad, self.dv_pad = tile.head_dim_pad, tile.head_dim_v_pad
         self.num_threads = tile.num_threads
         self.num_stages = tile.num_stages
-        self.varlen = varlen  # packed q/k/v/out/lse with cu_seqlens (entry point `packed`), else dense (`__call__`)
+        self.varlen = varlen
         assert self.tile_n % 16 == 0 and self.tile_m % (16 * tile.num_warps) == 0
 
     # ------------------------------------------------------------------------------------------------------------
@@ -177,60 +201,31 @@ class Sm80FlashForward:
         return cute.make_tiled_copy_tv(atom, thread_layout, cute.make_layout((1, vec)))
 
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        stream: cuda.CUstream,
-    ):
-        self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream)
-
-    @cute.jit
     def packed(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
+        mQ: cute.Tensor,  # (total_q, h, d)
+        mK: cute.Tensor,  # (total_k, h_kv, d)
+        mV: cute.Tensor,  # (total_k, h_kv, dv)
+        mO: cute.Tensor,  # (total_q, h, dv)
+        mLSE: cute.Tensor,  # (h, total_q) fp32
         softmax_scale: Float32,
         window_left: Int32,
         window_right: Int32,
         mCuSeqlensQ: cute.Tensor,
         mCuSeqlensK: cute.Tensor,
-        mSeqUsedK: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32: keys each sequence attends to, or None (all)
         max_seqlen_q: Int32,
         stream: cuda.CUstream,
     ):
         assert self.varlen
-        self._launch(
-            mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q,
-        )  # fmt: skip
+        packed = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q)
+        self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, packed)
 
     @cute.jit
-    def _launch(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        stream: cuda.CUstream,
-        mCuSeqlensQ: Optional[cute.Tensor] = None,
-        mCuSeqlensK: Optional[cute.Tensor] = None,
-        mSeqUsedK: Optional[cute.Tensor] = None,
-        max_seqlen_q: Optional[Int32] = None,
-    ):
+    def _launch(self, mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, packed=_DENSE):
+        """Both entries (`__call__` from common/entries.py, `packed`); packed: (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+        max_seqlen_q), all None for dense tensors."""
+        mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q = packed
         qk_atom = smem_layout_atom(self.dtype, self.d_pad)
         v_atom = smem_layout_atom(self.dtype, self.dv_pad)
         sQ_layout = cute.tile_to_shape(qk_atom, (self.tile_m, self.d_pad), (0, 1))
@@ -264,28 +259,13 @@ class Sm80FlashForward:
         else:
             num_m_blocks = cute.ceil_div(mQ.shape[1], self.tile_m)
             grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
-        self.kernel(
-            mQ,
-            mK,
-            mV,
-            mO,
-            mLSE,
-            softmax_scale * LOG2_E,
-            window_left,
-            window_right,
-            sQ_layout,
-            sK_layout,
-            sV_layout,
-            sO_layout,
-            copy_qk,
-            copy_v,
-            copy_o,
-            tiled_mma,
-            SharedStorage,
-            mCuSeqlensQ,
-            mCuSeqlensK,
-            mSeqUsedK,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+        params = FwdParams(
+            mQ, mK, mV, mO, mLSE, softmax_scale * LOG2_E, window_left, window_right, sQ_layout, sK_layout, sV_layout,
+            sO_layout, copy_qk, copy_v, copy_o, tiled_mma, SharedStorage,
+        )  # fmt: skip
+        self.kernel(*params, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK).launch(
+            grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
+        )
 
     # ------------------------------------------------------------------------------------------------------------
     # Device side.
@@ -293,7 +273,7 @@ class Sm80FlashForward:
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,
+        mQ: cute.Tensor,  # q, k, v, out, lse as `__call__` or `packed` takes them
         mK: cute.Tensor,
         mV: cute.Tensor,
         mO: cute.Tensor,
@@ -319,52 +299,30 @@ class Sm80FlashForward:
         if cutlass.const_expr(self.mask == "causal"):
             # Bottom query blocks see the most keys: start them first so the short ones fill the tail of the grid.
             m_block = cute.arch.grid_dim()[0] - 1 - m_block
-        args = (
+        params = FwdParams(
             mQ, mK, mV, mO, mLSE, scale_log2, window_left, window_right, sQ_layout, sK_layout, sV_layout, sO_layout,
-            copy_qk, copy_v, copy_o, tiled_mma, SharedStorage, tidx, m_block, head, batch,
+            copy_qk, copy_v, copy_o, tiled_mma, SharedStorage,
         )  # fmt: skip
         if cutlass.const_expr(self.varlen):
             seq = seq_rows(batch, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
             head_kv = head // (mQ.shape[1] // mK.shape[1])
             # The grid spans the longest sequence's query blocks: the others' surplus blocks exit here.
             if m_block * self.tile_m < seq.seqlen_q:
-                self.cta(*args, head_kv, seq.seqlen_q, seq.seqlen_k, seq.offset_q, seq.offset_k)
+                self.cta(params, tidx, m_block, head, head_kv, seq)
         else:
             head_kv = head // (mQ.shape[2] // mK.shape[2])
-            self.cta(*args, head_kv, mQ.shape[1], mK.shape[1], None, None)
+            self.cta(params, tidx, m_block, head, head_kv, dense_seq(batch, mQ.shape[1], mK.shape[1]))
 
     @cute.jit
-    def cta(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        scale_log2: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        sO_layout: cute.ComposedLayout,
-        copy_qk: cute.TiledCopy,
-        copy_v: cute.TiledCopy,
-        copy_o: cute.TiledCopy,
-        tiled_mma: cute.TiledMma,
-        SharedStorage: cutlass.Constexpr,
-        tidx: Int32,
-        m_block: Int32,
-        head: Int32,
-        batch: Int32,
-        head_kv: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
-        offset_q: Optional[Int32],
-        offset_k: Optional[Int32],
-    ):
-        """One (query block, head, sequence) tile; offset_q / offset_k: the sequence's first rows in packed
+    def cta(self, params: FwdParams, tidx: Int32, m_block: Int32, head: Int32, head_kv: Int32, seq: SeqRows):
+        """One (query block, head, sequence) tile; seq.offset_q / offset_k: the sequence's first rows in packed
         tensors (None: dense tensors, indexed by batch)."""
+        (
+            mQ, mK, mV, mO, mLSE, scale_log2, window_left, window_right, sQ_layout, sK_layout, sV_layout, sO_layout,
+            copy_qk, copy_v, copy_o, tiled_mma, SharedStorage,
+        ) = params  # fmt: skip
+        batch, offset_q, offset_k = seq.batch, seq.offset_q, seq.offset_k
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         info = BlockInfo(self.tile_m, self.tile_n, self.mask, seqlen_q, seqlen_k, window_left, window_right)
         n_block_min, n_block_max = info.kv_block_range(m_block)
 
@@ -546,39 +504,46 @@ class _KVLoader:
 
     @cute.jit
     def load_K(self, n_block: Int32, stage, tail: cutlass.Constexpr[bool]):
-        if cutlass.const_expr(tail):
-            # Rows past seqlen_k are skipped; their scores are masked to -inf, so stale smem there is harmless.
-            row_limit = self.seqlen_k - n_block * self.k.tile_n - self.tKcK[0][0]
-            for n in cutlass.range_constexpr(cute.size(self.tKsK.shape[1])):
-                if self.t0KcK[0, n, 0][0] < row_limit:
-                    cute.copy(
-                        self.copy_qk,
-                        self.tKgK[None, n, None, n_block],
-                        self.tKsK[None, n, None, stage],
-                        pred=_slice_rows(self.tKpK, n),
-                    )
-        else:
-            src, dst = self.tKgK[None, None, None, n_block], self.tKsK[None, None, None, stage]
-            cute.copy(self.copy_qk, src, dst, pred=self.tKpK)
+        # Rows past seqlen_k are skipped: their scores are masked to -inf, so stale smem there is harmless.
+        self._load(self.copy_qk, self.tKgK, self.tKsK, self.tKcK, self.t0KcK, self.tKpK, n_block, stage, tail, False)
 
     @cute.jit
     def load_V(self, n_block: Int32, stage, tail: cutlass.Constexpr[bool]):
+        # Rows past seqlen_k are zero-filled: P is 0 there, but 0 * (stale NaN) would still poison O.
+        self._load(self.copy_v, self.tVgV, self.tVsV, self.tVcV, self.t0VcV, self.tVpV, n_block, stage, tail, True)
+
+    @cute.jit
+    def _load(
+        self,
+        tiled_copy: cute.TiledCopy,
+        gmem: cute.Tensor,
+        smem: cute.Tensor,
+        coords: cute.Tensor,
+        coords_t0: cute.Tensor,
+        col_pred,
+        n_block: Int32,
+        stage,
+        tail: cutlass.Constexpr[bool],
+        zero_fill: cutlass.Constexpr[bool],
+    ):
+        """Block n_block of one operand (its copy partitions, coordinates, thread 0's coordinates, column predicate)
+        into `stage`; the tail block only up to seqlen_k, its other rows zero-filled or left alone."""
         if cutlass.const_expr(tail):
-            # Rows past seqlen_k are zero-filled: P is 0 there, but 0 * (stale NaN) would still poison O.
-            row_limit = self.seqlen_k - n_block * self.k.tile_n - self.tVcV[0][0]
-            for n in cutlass.range_constexpr(cute.size(self.tVsV.shape[1])):
-                if self.t0VcV[0, n, 0][0] < row_limit:
+            row_limit = self.seqlen_k - n_block * self.k.tile_n - coords[0][0]
+            for n in cutlass.range_constexpr(cute.size(smem.shape[1])):
+                if coords_t0[0, n, 0][0] < row_limit:
                     cute.copy(
-                        self.copy_v,
-                        self.tVgV[None, n, None, n_block],
-                        self.tVsV[None, n, None, stage],
-                        pred=_slice_rows(self.tVpV, n),
+                        tiled_copy,
+                        gmem[None, n, None, n_block],
+                        smem[None, n, None, stage],
+                        pred=_slice_rows(col_pred, n),
                     )
                 else:
-                    self.tVsV[None, n, None, stage].fill(0)
+                    if cutlass.const_expr(zero_fill):
+                        smem[None, n, None, stage].fill(0)
         else:
-            src, dst = self.tVgV[None, None, None, n_block], self.tVsV[None, None, None, stage]
-            cute.copy(self.copy_v, src, dst, pred=self.tVpV)
+            src, dst = gmem[None, None, None, n_block], smem[None, None, None, stage]
+            cute.copy(tiled_copy, src, dst, pred=col_pred)
 
 
 @dataclass(frozen=True)

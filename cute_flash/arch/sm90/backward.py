@@ -24,7 +24,7 @@ import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec
-from ...validation import Problem, _round_up, kernel_view
+from ...validation import Problem, _round_up
 from ..base import BwdTensors, Grads, KernelArtifact
 from .tile_config import (
     WARPGROUP_THREADS,
@@ -159,18 +159,11 @@ def run_backward(
     lse_log2 = torch.empty(batch, nheads, seqlen_q_pad, **f32)
     dpsum = torch.empty(batch, nheads, seqlen_q_pad, **f32)
     dq_accum = torch.zeros(batch, nheads, seqlen_q_pad * head_dim, **f32)
-    q, k, v, dout, out, dq, dk, dv = (
-        kernel_view(t, copy=False, name=n)
-        for n, t in zip(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (q, k, v, dout, out, dq, dk, dv))
-    )
+    sm80 = _sm80_backward()  # the tensor helpers the two backward families share
+    q, k, v, dout, out, dq, dk, dv = sm80.grad_views(q, k, v, dout, out, dq, dk, dv)
 
     kernels.preprocess(out, dout, lse, dpsum, lse_log2)
-    if gqa:
-        seqlen_k_pad = _round_up(seqlen_k, max(cfg.tile_n, STATS_ROW_MULTIPLE))  # whole conversion blocks too
-        dk_out = torch.zeros(batch, seqlen_k_pad, nheads_kv, head_dim, **f32)
-        dv_out = torch.zeros(batch, seqlen_k_pad, nheads_kv, head_dim, **f32)
-    else:
-        dk_out, dv_out = dk, dv
+    dk_out, dv_out = sm80.dkv_destinations(dk, dv, gqa, max(cfg.tile_n, STATS_ROW_MULTIPLE))  # whole conversion blocks
     dq_sem = _semaphores((batch, nheads, seqlen_q_pad // cfg.tile_m), q.device, deterministic)
     dkv_sem = _semaphores(
         (batch, nheads_kv, _round_up(seqlen_k, cfg.tile_n) // cfg.tile_n), q.device, deterministic and gqa

@@ -43,7 +43,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
-import cutlass.utils.hopper_helpers as sm90_utils
 
 from ...common.acc_views import rows_cols_view
 from ...common.block_info import BlockInfo
@@ -78,9 +77,7 @@ def dq_tiled_mma(dtype: Type[cutlass.Numeric], head_dim: int, cfg: BwdTileConfig
     if cfg.dq_swap_ab:
         # dQᵀ = Kᵀ·dSᵀ: A = Kᵀ (the (d, tile_n) view of K), B = dSᵀ (the (tile_m, tile_n) view of the dSᵀ tiles), both
         # MN-major; each consumer's 64 head-dim columns are wgmma's M.
-        return sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, mn, mn, Float32, atom_layout_mnk=(w, 1, 1), tiler_mn=(ROWS_PER_CONSUMER, cfg.tile_m)
-        )
+        return wgmma.tiled_mma_f32(dtype, mn, mn, (w, 1, 1), (ROWS_PER_CONSUMER, cfg.tile_m))
     if cfg.dq_split == "m":
         atoms, tiler = (w, 1, 1), (ROWS_PER_CONSUMER, head_dim)
     elif cfg.dq_split == "single":
@@ -88,7 +85,7 @@ def dq_tiled_mma(dtype: Type[cutlass.Numeric], head_dim: int, cfg: BwdTileConfig
     else:
         atoms, tiler = (1, w, 1), (cfg.tile_m, head_dim // w)
     a_major = mn if cfg.keys_on_rows else cute.nvgpu.OperandMajorMode.K
-    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, a_major, mn, Float32, atom_layout_mnk=atoms, tiler_mn=tiler)
+    return wgmma.tiled_mma_f32(dtype, a_major, mn, atoms, tiler)
 
 
 def dq_tile(head_dim: int, cfg: BwdTileConfig) -> Tuple[int, int]:
@@ -263,48 +260,21 @@ class Sm90FlashBackward:
         w = self.num_consumers
         if const_expr(self.keys_on_rows):
             # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: each consumer's 64 keys x all tile_m queries.
-            tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
-                self.dtype,
-                self.dtype,
-                k_major,
-                k_major,
-                Float32,
-                atom_layout_mnk=(w, 1, 1),
-                tiler_mn=(ROWS_PER_CONSUMER, self.tile_m),
+            tiled_mma_sdp = wgmma.tiled_mma_f32(
+                self.dtype, k_major, k_major, (w, 1, 1), (ROWS_PER_CONSUMER, self.tile_m)
             )
             # dV += Pᵀ·dO, dK += dSᵀ·Q: A from registers (the Sᵀ / dPᵀ accumulators), B = dOᵀ / Qᵀ (MN-major).
-            tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(
-                self.dtype,
-                self.dtype,
-                k_major,
-                mn_major,
-                Float32,
-                atom_layout_mnk=(w, 1, 1),
-                tiler_mn=(ROWS_PER_CONSUMER, d),
-                a_source=warpgroup.OperandSource.RMEM,
+            tiled_mma_dkv = wgmma.tiled_mma_f32(
+                self.dtype, k_major, mn_major, (w, 1, 1), (ROWS_PER_CONSUMER, d), warpgroup.OperandSource.RMEM
             )
         else:
             # S = Q·Kᵀ and dP = dO·Vᵀ: all 64 queries x each consumer's tile_n / w keys.
-            tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
-                self.dtype,
-                self.dtype,
-                k_major,
-                k_major,
-                Float32,
-                atom_layout_mnk=(1, w, 1),
-                tiler_mn=(ROWS_PER_CONSUMER, self.tile_n // w),
+            tiled_mma_sdp = wgmma.tiled_mma_f32(
+                self.dtype, k_major, k_major, (1, w, 1), (ROWS_PER_CONSUMER, self.tile_n // w)
             )
             # dV += Pᵀ·dO, dK += dSᵀ·Q: A = Pᵀ / dSᵀ read transposed from shared memory (every key of the tile),
             # B = dOᵀ / Qᵀ; each consumer owns head_dim / w columns.
-            tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(
-                self.dtype,
-                self.dtype,
-                mn_major,
-                mn_major,
-                Float32,
-                atom_layout_mnk=(1, w, 1),
-                tiler_mn=(self.tile_n, d // w),
-            )
+            tiled_mma_dkv = wgmma.tiled_mma_f32(self.dtype, mn_major, mn_major, (1, w, 1), (self.tile_n, d // w))
         tiled_mma_dq = dq_tiled_mma(self.dtype, d, self.cfg)
 
         one = lambda layout: cute.select(layout, mode=[0, 1])  # noqa: E731  (one stage)
@@ -473,38 +443,16 @@ class Sm90FlashBackward:
 
         pipeline.pipeline_init_wait()
 
+        # The producer's six loads (Q, K, V, dO, LSE, D): their TMA atoms, global (coordinate) and shared tensors.
+        atoms = (atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum)
+        tensors = (mQ, mK, mV, mdO, mLSElog2, mdPsum)
+        tiles = (sQ, sK, sV, sdO, sLSE, sdPsum)
         warp_group = warp_idx // 4
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
                 self.produce(
-                    pipe_kv,
-                    pipe_q,
-                    pipe_do,
-                    atom_q,
-                    atom_k,
-                    atom_v,
-                    atom_do,
-                    atom_lse,
-                    atom_dpsum,
-                    mQ,
-                    mK,
-                    mV,
-                    mdO,
-                    mLSElog2,
-                    mdPsum,
-                    sQ,
-                    sK,
-                    sV,
-                    sdO,
-                    sLSE,
-                    sdPsum,
-                    n_block,
-                    head,
-                    head_kv,
-                    batch,
-                    m_min,
-                    m_max,
+                    pipe_kv, pipe_q, pipe_do, atoms, tensors, tiles, n_block, head, head_kv, batch, m_min, m_max
                 )
             if warp_idx == 1:
                 self.store_dq(sdQ, mdQaccum, mdQsem, info, n_block, head, batch, m_min, m_max)
@@ -549,24 +497,9 @@ class Sm90FlashBackward:
         pipe_kv,
         pipe_q,
         pipe_do,
-        atom_q: cute.CopyAtom,
-        atom_k: cute.CopyAtom,
-        atom_v: cute.CopyAtom,
-        atom_do: cute.CopyAtom,
-        atom_lse: cute.CopyAtom,
-        atom_dpsum: cute.CopyAtom,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mdO: cute.Tensor,
-        mLSElog2: cute.Tensor,
-        mdPsum: cute.Tensor,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        sdO: cute.Tensor,
-        sLSE: cute.Tensor,
-        sdPsum: cute.Tensor,
+        atoms: tuple,
+        tensors: tuple,
+        tiles: tuple,
         n_block: Int32,
         head: Int32,
         head_kv: Int32,
@@ -574,7 +507,11 @@ class Sm90FlashBackward:
         m_min: Int32,
         m_max: Int32,
     ):
-        """K and V once; then Q + LSE and dO + D per query tile, in the consumers' order."""
+        """K and V once; then Q + LSE and dO + D per query tile, in the consumers' order. atoms / tensors / tiles: the
+        TMA atoms, global coordinate tensors and shared-memory tiles of Q, K, V, dO, LSE and D, in that order."""
+        atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum = atoms
+        mQ, mK, mV, mdO, mLSElog2, mdPsum = tensors
+        sQ, sK, sV, sdO, sLSE, sdPsum = tiles
         d = self.head_dim
         no_cluster = cute.make_layout(1)
 

@@ -16,13 +16,17 @@ import cutlass.cute as cute
 from cutlass import Float32
 from cutlass.cute.nvgpu import cpasync
 
+from ...common.entries import DenseAccumEntry
 from .flash_bwd import DQ_VEC, SMEM_ALIGN, _transposed, dq_fragment_offset, dq_tile, dq_tiled_mma
 from .tile_config import WARPGROUP_THREADS, BwdTileConfig
 from .views import seq_major_view
 from . import wgmma
 
 
-class DqConvertSm90:
+class DqConvertSm90(DenseAccumEntry):
+    """dq = scale * dQ accumulator (entry in common/entries.py): accum (b, h, sq_padded * d) fp32, out
+    (b, sq, h, d)."""
+
     def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, cfg: BwdTileConfig):
         self.dtype = dtype
         self.head_dim = head_dim
@@ -30,13 +34,7 @@ class DqConvertSm90:
         self.num_threads = cfg.num_dq_wgs * WARPGROUP_THREADS
 
     @cute.jit
-    def __call__(
-        self,
-        mAccum: cute.Tensor,  # (b, h, sq_padded * d) fp32
-        mOut: cute.Tensor,  # (b, sq, h, d) dtype
-        scale: Float32,
-        stream,
-    ):
+    def _launch(self, mAccum: cute.Tensor, mOut: cute.Tensor, scale: Float32, stream):
         tile_m, d = self.cfg.tile_m, self.head_dim
         sO_layout = wgmma.k_major_smem_layout(self.dtype, tile_m, d, 1)
         mO = seq_major_view(mOut)  # (s, d, h, b)

@@ -23,8 +23,6 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable, NamedTuple, Optional, Type
 
-import cuda.bindings.driver as cuda
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, pipeline
@@ -34,6 +32,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from ...common.acc_views import rows_cols_view
 from ...common.block_info import BlockInfo
 from ...common.block_walk import walk_kv_blocks
+from ...common.entries import DenseFwdEntry
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
 from .barriers import WarpGroupTurns
@@ -82,7 +81,7 @@ class TileLoop(NamedTuple):
     scales: Optional[Callable]  # the FP8 kernel's per-tile factors; None here
 
 
-class Sm90FlashForward:
+class Sm90FlashForward(DenseFwdEntry):
     """Callable compiled once per (dtype, head dims, mask kind, tile config); shapes and strides are runtime.
 
     The consumer's walk over the key blocks (`mainloop`, `step`) is the skeleton of both sm90 forward kernels; what
@@ -144,18 +143,8 @@ class Sm90FlashForward:
         )
 
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (b, sq, h, d)
-        mK: cute.Tensor,  # (b, sk, h_kv, d)
-        mV: cute.Tensor,  # (b, sk, h_kv, dv)
-        mO: cute.Tensor,  # (b, sq, h, dv)
-        mLSE: cute.Tensor,  # (b, h, sq) fp32
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        stream: cuda.CUstream,
-    ):
+    def _launch(self, mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream):
+        """The entry `__call__` (common/entries.py) on dense tensors."""
         mQ, mK, mV, mO = [seq_major_view(t) for t in (mQ, mK, mV, mO)]
         mLSE = stats_view(mLSE)  # (sq, h, b)
 

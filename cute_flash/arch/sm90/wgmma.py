@@ -11,8 +11,24 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import warpgroup
+import cutlass.utils.hopper_helpers as sm90_utils
 
 from ...common.inline_ptx import ptx_asm
+
+
+def tiled_mma_f32(
+    dtype: Type[cutlass.Numeric],
+    a_major: cute.nvgpu.OperandMajorMode,
+    b_major: cute.nvgpu.OperandMajorMode,
+    atoms: tuple,
+    tiler: tuple,
+    a_source: warpgroup.OperandSource = warpgroup.OperandSource.SMEM,
+) -> cute.TiledMma:
+    """A wgmma on two `dtype` operands with an fp32 accumulator: `atoms` warpgroups along (M, N, K) share the (M, N)
+    `tiler`; A from shared memory, or from registers (the RS form)."""
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, a_major, b_major, Float32, atom_layout_mnk=atoms, tiler_mn=tiler, a_source=a_source
+    )
 
 
 def k_major_smem_layout(

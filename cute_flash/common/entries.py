@@ -1,0 +1,64 @@
+"""Host entry points (`@cute.jit` signatures that the host code compiles against) shared by several kernel classes.
+
+Each entry only forwards to the class's `_launch`, so a calling convention that several kernels follow is written
+once:
+
+- `DenseFwdEntry`: the forward kernels of the sm80 family and the sm90 bf16/fp16 kernel, on dense tensors.
+- `DenseAccumEntry` / `AccumEntries`: the kernels that convert an fp32 gradient accumulator to the output dtype,
+  on dense tensors and (sm80 family) packed ones, where sequence b's output rows start at mCuSeqlens[b] and its
+  accumulator rows at mCuSeqlens[b] + b * pad.
+
+Each kernel's docstring gives the layouts of its tensors.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+
+class DenseFwdEntry:
+    """`__call__` -> `self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream)`;
+    window_left / window_right are read only by the "local" mask."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # q: batch x seqlen_q x heads x head_dim
+        mK: cute.Tensor,  # k: batch x seqlen_k x kv heads x head_dim
+        mV: cute.Tensor,  # v: batch x seqlen_k x kv heads x head_dim_v
+        mO: cute.Tensor,  # out: batch x seqlen_q x heads x head_dim_v
+        mLSE: cute.Tensor,  # lse: batch x heads x seqlen_q, fp32
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        stream: cuda.CUstream,
+    ):
+        self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream)
+
+
+class DenseAccumEntry:
+    """`__call__(mAccum, mOut, scale, stream)` -> `self._launch(mAccum, mOut, scale, stream)`."""
+
+    @cute.jit
+    def __call__(self, mAccum: cute.Tensor, mOut: cute.Tensor, scale: Float32, stream):
+        self._launch(mAccum, mOut, scale, stream)
+
+
+class AccumEntries(DenseAccumEntry):
+    """Adds `packed(mAccum, mOut, scale, mCuSeqlens, pad, max_seqlen, stream)` for kernels built with varlen=True."""
+
+    @cute.jit
+    def packed(
+        self,
+        mAccum: cute.Tensor,
+        mOut: cute.Tensor,
+        scale: Float32,
+        mCuSeqlens: cute.Tensor,
+        pad: Int32,
+        max_seqlen: Int32,
+        stream,
+    ):
+        assert self.varlen
+        self._launch(mAccum, mOut, scale, stream, mCuSeqlens, pad, max_seqlen)
