@@ -318,9 +318,17 @@ def attention(
         return (out, lse) if return_lse else out
 
     problem = validate(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=dtype, descale=descale,
-        fp8_rotate=fp8_rotate, deterministic=deterministic,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        dtype=dtype,
+        descale=descale,
+        fp8_rotate=fp8_rotate,
+        deterministic=deterministic,
+    )
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if problem.spec.dtype == "fp8":
         arch = _route(problem.spec, q, backward=False)
@@ -398,9 +406,18 @@ def explain(
     """
     given = None if capability is None else tuple(capability)
     problem = validate(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=dtype, descale=descale,
-        fp8_rotate=fp8_rotate, deterministic=deterministic, any_device=given is not None,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        dtype=dtype,
+        descale=descale,
+        fp8_rotate=fp8_rotate,
+        deterministic=deterministic,
+        any_device=given is not None,
+    )
     capability = _device_capability(q) if given is None else given
     return Explanation(
         capability,

@@ -128,7 +128,7 @@ def attention_varlen(
         m = problem.mask
         out, lse = torch.ops.cute_flash.fwd(
             q, k, v, problem.softmax_scale, m.kind, m.left, m.right, deterministic and needs_grad, *seqs
-        )  # fmt: skip
+        )
         return (out, lse) if return_lse else out
     arch = _route(problem.spec, q, backward=False)
     if needs_grad:
@@ -162,9 +162,16 @@ def explain_varlen(
     be CPU or meta tensors), as in `cute_flash.explain`."""
     seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
     problem = validate_varlen(
-        q, k, v, seqs, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-        deterministic=deterministic, any_device=capability is not None,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        seqs,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        deterministic=deterministic,
+        any_device=capability is not None,
+    )
     capability = interface._device_capability(q) if capability is None else tuple(capability)
     return Explanation(
         capability,
