@@ -42,6 +42,9 @@ def test_dv_before_dp_wait_needs_keys_on_rows():
     assert problem is not None and "dv_before_dp_wait" in problem and "keys on rows" in problem
     # dq_stage_single_base serves both forms.
     assert bwd_config_problem(dataclasses.replace(d256, dq_stage_single_base=True), 256) is None
+    # register-held column stats exist only with keys on rows: elsewhere the switch would be ignored, so it is refused
+    problem = bwd_config_problem(dataclasses.replace(d256, max_unshuffled_stat_cols=20), 256)
+    assert problem is not None and "keys on rows" in problem
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])

@@ -117,6 +117,9 @@ def fwd_tile_config(spec: AttentionSpec) -> FwdTileConfig:
     raise ValueError(f"no sm90 forward tile configuration for head dim {width} (at most 256)")
 
 
+UNSHUFFLED_STAT_COLS = 16  # default of BwdTileConfig.max_unshuffled_stat_cols
+
+
 @dataclass(frozen=True)
 class BwdTileConfig:
     """Tile configuration of the sm90 backward kernel (flash_bwd.py).
@@ -155,7 +158,7 @@ class BwdTileConfig:
     dq_swap_ab: bool = False
     dv_before_dp_wait: bool = False  # A: dV's product before the dP wait (docs/sm90_bwd_sass_study.md)
     dq_stage_single_base: bool = False  # B: dQ stores from one base address (docs/sm90_bwd_sass_study.md)
-    max_unshuffled_stat_cols: int = 16  # C: LSE / D in registers up to this many columns (sm90_bwd_sass_study.md)
+    max_unshuffled_stat_cols: int = UNSHUFFLED_STAT_COLS  # C: LSE / D held in registers up to this many columns
 
     @property
     def num_threads(self) -> int:
@@ -197,6 +200,8 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int) -> Optional[str]:
         )
     if cfg.max_unshuffled_stat_cols < 1:
         return f"max_unshuffled_stat_cols must be at least 1, got {cfg.max_unshuffled_stat_cols}"
+    if cfg.max_unshuffled_stat_cols != UNSHUFFLED_STAT_COLS and not cfg.keys_on_rows:
+        return "max_unshuffled_stat_cols applies to keys on rows only (queries on rows keep one LSE / D per row)"
     if cfg.dq_split == "m" and cfg.tile_m != ROWS_PER_CONSUMER * w:
         return f"dq_split 'm' needs tile_m = 64 x consumers = {ROWS_PER_CONSUMER * w}, got {cfg.tile_m}"
     if cfg.dq_swap_ab and (
