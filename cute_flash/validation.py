@@ -162,7 +162,11 @@ def validate(
         mask=sem.mask.kind,
         out_dtype=in_dtype,
     )
-    return Problem(**vars(sem), spec=spec)
+    # Field by field: this runs under torch.compile, and torch 2.11's dynamo cannot trace vars() of a dataclass.
+    s = sem
+    return Problem(
+        s.batch, s.seqlen_q, s.seqlen_k, s.nheads, s.nheads_kv, s.head_dim, s.head_dim_v, s.mask, s.softmax_scale, spec
+    )
 
 
 # Input dtypes of `cute_flash.reference` (it computes in a dtype of its own; fp8 inputs need their descales first).

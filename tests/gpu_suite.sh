@@ -12,10 +12,20 @@
 #   sm80_bwd  [90] the sm80 backward matrix through autograd at bf16 d128 and fp16 d64 (one process per shard)
 #   bench     [240] backward grid beside FA4 and cuDNN: d 64/128/256 x $BENCH_SEQLENS (default 1k/4k/16k) x causal
 #                   both (bench/report.md)
-#   m80       [240] d128 backward: 64-row query tiles against the 80-row dQᵀ form (dq_swap_ab), beside FA4, both masks
+#   m80       [240] d128 backward without a mask: 64-row query tiles against the 80-row dQᵀ form (dq_swap_ab, with
+#                   shuffled or register-held LSE / D) and dV before the dP wait, beside FA4
 #   variants  [240 + 420] d128 backward variants of docs/sm90_bwd_sass_study.md: their gradients
 #                   (tests/test_sm90_bwd_variants.py), then timed beside the default and FA4 (dV before the dP wait and
 #                   the dQ staging base with both masks; the 80-row tile with register-held LSE / D without a mask)
+#   vtests    [240] only the variants' gradients (tests/test_sm90_bwd_variants.py)
+#   vtime     [420] only the variants' timings (as in "variants")
+#   torch     [300] torch integration (issue 15): inductor, CUDA graphs, autocast, opcheck, the transformers / SDPA
+#                   plug-ins, the disk kernel cache loaded in a second process, the TVM-FFI launch
+#   varlen    [300] packed sequences (issue 16) on the sm80 kernels, forward + gradients, CUDA graphs
+#   host      [240] host time per warm call and first-call time from a cold / warm disk cache (profiling/)
+#
+# Two GPUs (nvidia-h100-x2): run two step lists side by side, each on its own GPU, e.g.
+#   CUDA_VISIBLE_DEVICES=0 STEPS="vtime bench" tests/gpu_suite.sh OUT/g0 & CUDA_VISIBLE_DEVICES=1 STEPS="vtests sm90" ...
 set -u
 out=${1:?usage: tests/gpu_suite.sh OUT_DIR}
 mkdir -p "$out"
@@ -44,8 +54,8 @@ for s in $steps; do
             --seqlens "${BENCH_SEQLENS:-1024,4096,16384}" --directions bwd --impls cute-flash,fa4,sdpa-cudnn --no-memory --no-plots \
             --rep-ms 50 --warmup-ms 15 --out "$out/bench"
            grep -A 22 "bf16 bwd" "$out/bench/report.md" 2>/dev/null || tail -n 25 "$out/bench.log" ;;
-    m80) step m80 240 python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 --causal both \
-            --variants m64,m80 --fa4 --rounds 3 --rep-ms 50
+    m80) step m80 240 python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 --causal no \
+            --variants default,m80,m80_regstats,dv_early --fa4 --rounds 3 --rep-ms 50
          tail -n 12 "$out/m80.log" ;;
     variants) step variants_tests 240 python3 -m pytest -q -n 4 --dist loadgroup -p no:cacheprovider -rf \
             tests/test_sm90_bwd_variants.py
@@ -54,6 +64,19 @@ for s in $steps; do
             python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 --causal no \
             --variants default,dv_early_b,m80,m80_regstats --rounds 3 --rep-ms 50"
          tail -n 30 "$out/variants.log" ;;
+    vtests) step variants_tests 240 python3 -m pytest -q -n 4 --dist loadgroup -p no:cacheprovider -rf \
+            tests/test_sm90_bwd_variants.py ;;
+    vtime) step variants 420 bash -c "python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 \
+            --causal both --variants default,dv_early,dv_early_b,dq_base --fa4 --rounds 3 --rep-ms 50 && \
+            python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 --causal no \
+            --variants default,dv_early_b,m80,m80_regstats --rounds 3 --rep-ms 50"
+         tail -n 30 "$out/variants.log" ;;
+    torch) step torch 300 python3 -m pytest -q -n 3 --dist loadgroup -p no:cacheprovider -rf \
+            tests/test_torch_integration_gpu.py tests/test_integrations_gpu.py tests/test_disk_cache_gpu.py \
+            tests/test_launch_gpu.py ;;
+    varlen) step varlen 300 python3 -m pytest -q -n 6 --dist loadgroup -p no:cacheprovider -rf tests/test_varlen_gpu.py ;;
+    host) step host 240 bash -c "python3 -m profiling.host_overhead && python3 -m profiling.cache_first_call --runs 2"
+          tail -n 20 "$out/host.log" ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -177,20 +177,23 @@ def test_varlen_cuda_graph_capture():
 @pytest.mark.xdist_group("varlen-bf16-d128-causal")
 def test_varlen_torch_compile_training_step_matches_eager():
     """Inductor, fullgraph=True: attention_varlen becomes the custom ops cute_flash::fwd / bwd with packed-sequence
-    arguments; the compiled output and gradients equal the eager call's bitwise (the same kernels run)."""
+    arguments; the compiled output equals the eager call's bitwise (the same kernel runs), the gradients up to the
+    order of the sm80 backward's fp32 atomic adds (inductor also sums the loss in an order of its own)."""
     import cute_flash
 
     torch._dynamo.reset()
     lens = [100, 3, 250, 47]
     q, k, v, cq, ck = _packed("bf16", 128, lens, lens, 4, 2, seed=11)
+    w = torch.randn(q.shape[0], 4, 128, device="cuda")
 
     def step(q, k, v):
-        return cute_flash.attention_varlen(q, k, v, cq, ck, 250, 250, causal=True).float().square().sum()
+        out = cute_flash.attention_varlen(q, k, v, cq, ck, 250, 250, causal=True)
+        return (out.float() * w).sum(), out
 
-    eager_value = step(q, k, v)
+    eager_value, eager_out = step(q, k, v)
     eager_grads = torch.autograd.grad(eager_value, (q, k, v))
-    value = torch.compile(step, fullgraph=True)(q, k, v)
+    value, out = torch.compile(step, fullgraph=True)(q, k, v)
     grads = torch.autograd.grad(value, (q, k, v))
-    assert torch.equal(value, eager_value)
+    assert torch.equal(out, eager_out)
     for got, want in zip(grads, eager_grads):
-        assert torch.equal(got, want)
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

@@ -53,7 +53,7 @@ from .barriers import BwdBarrierId
 from .ptx import add_release_gpu, bulk_reduce_add_f32, load_acquire_gpu
 from .pipelines import consumer_state, consumer_wait, producer_state
 from .views import seq_major_view, stats_view
-from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, BwdTileConfig, bwd_config_problem
+from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, BwdTileConfig, bwd_config_problem, stat_stage_stride
 from . import wgmma
 
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
@@ -253,7 +253,8 @@ class Sm90FlashBackward:
         sV_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, d, 1)
         # The S / dP tile as the accumulators hold it (dSᵀ: keys x queries, or dS: queries x keys); P likewise.
         sdS_layout = wgmma.k_major_smem_layout(self.dtype, *self.s_tile, stages)
-        sStat_layout = cute.make_layout((self.tile_m, stages))
+        # Each stage of LSE / D starts on a 128-byte boundary, as a TMA destination must (tile_m 80: 320 bytes).
+        sStat_layout = cute.make_layout((self.tile_m, stages), stride=(1, stat_stage_stride(self.tile_m)))
 
         k_major = cute.nvgpu.OperandMajorMode.K
         mn_major = cute.nvgpu.OperandMajorMode.MN

@@ -230,13 +230,19 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int) -> Optional[str]:
     return None
 
 
+def stat_stage_stride(tile_m: int) -> int:
+    """Floats between two stages of the backward's LSE / D buffers: each stage is a TMA destination and must start on
+    a 128-byte boundary (32 floats), which tile_m 80 alone does not give."""
+    return -(-tile_m // 32) * 32
+
+
 def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, elem_bytes: int = 2) -> int:
     """Q and dO stages, the K and V tiles, dS (and, queries on rows, P) stages, LSE and D stages."""
     qdo = 2 * cfg.num_stages * cfg.tile_m * head_dim * elem_bytes
     kv = 2 * cfg.tile_n * head_dim * elem_bytes
     ds = (1 if cfg.keys_on_rows else 2) * cfg.num_stages * cfg.tile_n * cfg.tile_m * elem_bytes
     dq = cfg.tile_m * head_dim * 4
-    stats = 2 * cfg.num_stages * cfg.tile_m * 4
+    stats = 2 * cfg.num_stages * stat_stage_stride(cfg.tile_m) * 4
     return qdo + kv + ds + dq + stats + SMEM_RESERVED_BYTES
 
 
