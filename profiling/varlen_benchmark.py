@@ -149,7 +149,6 @@ def main(argv=None):
     ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    os.environ.setdefault("CUTE_FLASH_UNVERIFIED_VARLEN", "1")  # the packed kernels are opt-in until GPU-verified
 
     lens = draw_lengths(args.tokens, args.min_len, args.max_len, args.seed)
     print(f"{torch.cuda.get_device_name()}: {len(lens)} sequences, {sum(lens)} tokens, lengths {min(lens)}..{max(lens)}"

@@ -11,15 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.usefixtures("varlen_opt_in")
-
-
-@pytest.fixture
-def varlen_opt_in(monkeypatch):
-    # The packed kernels run only when asked for until they have passed these tests (arch/sm80/backend.py).
-    monkeypatch.setenv("CUTE_FLASH_UNVERIFIED_VARLEN", "1")
-
-
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 MASKS = {"full": (False, (None, None)), "causal": (True, (None, None)), "window": (False, (48, 16))}
 # (lens_q, lens_k): zero-length sequences (and queries without keys), single tokens, odd lengths, one long sequence

@@ -125,19 +125,6 @@ def _build_forward_packed(spec: AttentionSpec, tile: FwdTileConfig, options: str
     )
 
 
-# The packed (varlen) kernels compile and pass their CPU checks but have not yet run on a GPU (session 7 had no device
-# time): they launch only when asked for explicitly, so that nobody gets an unverified answer by default.
-UNVERIFIED_VARLEN_ENV = "CUTE_FLASH_UNVERIFIED_VARLEN"
-
-
-def _check_varlen_opt_in() -> None:
-    if os.environ.get(UNVERIFIED_VARLEN_ENV) != "1":
-        raise NotImplementedError(
-            "attention_varlen's kernels (sm80 family) are written and cross-compiled but have not yet run on a GPU; "
-            f"until they pass their GPU tests, set {UNVERIFIED_VARLEN_ENV}=1 to run them anyway (docs/varlen.md)"
-        )
-
-
 DETERMINISTIC_UNSUPPORTED = (
     "the sm80 backward adds dQ (and GQA's dK/dV) with fp32 atomics in no fixed order, so it has no deterministic mode"
 )
@@ -244,7 +231,6 @@ class _Backend:
         seqs: PackedSeqs, problem: VarlenProblem,
     ) -> None:  # fmt: skip
         """Packed forward: q (total_q, h, d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q)."""
-        _check_varlen_opt_in()
         spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
         reason = forward_unsupported_reason(spec)
         if reason is not None:
@@ -277,7 +263,6 @@ class _Backend:
         self, t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: VarlenProblem, deterministic: bool = False
     ) -> None:
         """Packed backward: tensors as in forward_varlen, dq / dk / dv shaped like q / k / v."""
-        _check_varlen_opt_in()
         if deterministic:
             raise NotImplementedError(DETERMINISTIC_UNSUPPORTED)
         _backward_module().run_backward_varlen(t, grads, seqs, problem)
