@@ -53,6 +53,22 @@ def main() -> None:
         impls["fa4"] = fa4
     except Exception as e:  # noqa: BLE001 - FA4 absent or failing to import: time the others
         print(f"fa4 not timed: {e}")
+
+    class Floor(torch.autograd.Function):
+        """torch's own cost: an autograd function with attention's inputs, outputs and allocations, launching
+        nothing (on a GPU the backward runs on autograd's device thread, a hand-off the CPU tool does not see)."""
+
+        @staticmethod
+        def forward(ctx, q, k, v):
+            ctx.save_for_backward(q, k, v)
+            return torch.empty_like(q), torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            q, k, v = ctx.saved_tensors
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    impls["torch floor"] = lambda q, k, v: Floor.apply(q, k, v)[0]
     impls["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
     ).transpose(1, 2)

@@ -23,6 +23,9 @@
 #                   plug-ins, the disk kernel cache loaded in a second process, the TVM-FFI launch
 #   varlen    [300] packed sequences (issue 16) on the sm80 kernels, forward + gradients, CUDA graphs
 #   host      [240] host time per warm call and first-call time from a cold / warm disk cache (profiling/)
+#   hostprof  [90]  cProfile of warm forward + backward calls (profiling/host_profile.py)
+#   sm90bwd   [300] only the sm90 backward matrix (tests/test_sm90_bwd.py)
+#   vbench    [180] packed sequences against dense cute-flash and FA4's varlen (profiling/varlen_benchmark.py)
 #
 # Two GPUs (nvidia-h100-x2): run two step lists side by side, each on its own GPU, e.g.
 #   CUDA_VISIBLE_DEVICES=0 STEPS="vtime bench" tests/gpu_suite.sh OUT/g0 & CUDA_VISIBLE_DEVICES=1 STEPS="vtests sm90" ...
@@ -75,8 +78,14 @@ for s in $steps; do
             tests/test_torch_integration_gpu.py tests/test_integrations_gpu.py tests/test_disk_cache_gpu.py \
             tests/test_launch_gpu.py ;;
     varlen) step varlen 300 python3 -m pytest -q -n 6 --dist loadgroup -p no:cacheprovider -rf tests/test_varlen_gpu.py ;;
-    host) step host 240 bash -c "python3 -m profiling.host_overhead && python3 -m profiling.cache_first_call --runs 2"
-          tail -n 20 "$out/host.log" ;;
+    host) step host 240 bash -c "python3 -m profiling.host_overhead && python3 -m profiling.cache_first_call --runs 2 \
+            --torch-warmup"
+          grep -v -i warn "$out/host.log" | grep -v exe_args | tail -n 16 ;;
+    hostprof) step hostprof 90 python3 -m profiling.host_profile --backward
+          head -n 45 "$out/hostprof.log" ;;
+    sm90bwd) step sm90bwd 300 python3 -m pytest -q -n 10 --dist loadgroup -p no:cacheprovider -rf tests/test_sm90_bwd.py ;;
+    vbench) step vbench 180 python3 -m profiling.varlen_benchmark
+          tail -n 14 "$out/vbench.log" ;;
     *) echo "unknown step $s" ;;
   esac
 done

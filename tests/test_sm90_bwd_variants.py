@@ -33,6 +33,9 @@ def test_study_switches_default_off():
     assert not cfg.dv_before_dp_wait and not cfg.dq_stage_single_base and cfg.max_unshuffled_stat_cols == 16
     for field in ("dv_before_dp_wait", "dq_stage_single_base", "max_unshuffled_stat_cols"):
         assert field in cfg.as_dict()
+    # A is the default at d128 without a mask only (tile_config._BWD_BY_HEAD_DIM_AND_MASK), the rest unchanged there.
+    assert dataclasses.replace(_d128("none"), dv_before_dp_wait=False) == cfg
+    assert not _d128("local").dv_before_dp_wait
 
 
 def test_dv_before_dp_wait_needs_keys_on_rows():

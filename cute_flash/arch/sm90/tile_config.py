@@ -24,7 +24,7 @@ head_dim_v sets the O accumulator (dv / 2 registers per thread) and, with head_d
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from ...spec import AttentionSpec
@@ -137,7 +137,8 @@ class BwdTileConfig:
     0 alone computes the whole 64-row dQ: head dims such as 96 that split neither way).
     dq_swap_ab computes dQᵀ = Kᵀ·dSᵀ instead (FlashAttention-3's dQ_swapAB): wgmma's M is then the 64 head-dim columns
     of each consumer and the query rows are its N, so tile_m need not be a multiple of 64 (d128's 80-row tile).
-    Study switches (default off / unchanged, none run on a GPU yet; docs/sm90_bwd_sass_study.md, variants A, B, C):
+    Study switches (docs/sm90_bwd_sass_study.md, variants A, B, C; timed on an H100 in session 9, only A is a default,
+    at d128 without a mask: _BWD_BY_HEAD_DIM_AND_MASK):
       dv_before_dp_wait (A; keys on rows only): dV += Pᵀ·dO is issued before the dP wait, which becomes
           wait_group(1): P being dV's A operand pins all exponentials before that wait (ptxas hoists it otherwise).
       dq_stage_single_base (B): stage_dq addresses its dQ stores from one aligned base plus compile-time offsets
@@ -256,8 +257,8 @@ def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, elem_bytes: int = 2) -> in
 #   d128: 64 x 128 tiles, dQ split by head-dim halves: Sᵀ, dPᵀ (32 registers each), dV and dK (64 each) and dQ (32)
 #         fit the 240 registers of a consumer thread. FlashAttention-3 takes 80 x 128 tiles without a mask (25% more
 #         queries per step for the same per-step costs; dQᵀ = Kᵀ·dSᵀ, since 80 rows are no wgmma M): built here as
-#         dq_swap_ab (profiling/sm90_bwd_variants.py "m80"; compiles without spills) but not yet run on a GPU, so
-#         not the default.
+#         dq_swap_ab (profiling/sm90_bwd_variants.py "m80", "m80_regstats"); measured on an H100 in session 9 it was
+#         not faster than 64 rows here (below), so not the default.
 #   d256: 64 x 64 tiles with queries on rows (FlashAttention-3's d256 shape): dK and dV split by head-dim halves
 #         (64 registers each) instead of 128 keys' rows (256 each); P and dS through shared memory; one stage, as the
 #         Q, dO, K, V tiles (32 KiB each), P, dS and the fp32 dQ buffer (64 KiB) fill 210 KiB.
@@ -275,8 +276,21 @@ def bwd_head_dims() -> tuple:
     return tuple(sorted(_BWD_BY_HEAD_DIM))
 
 
+# Per-mask changes to the head dim's configuration.
+#   d128 without a mask: dV's product issued before the dP wait (docs/sm90_bwd_sass_study.md, variant A), which keeps
+#         all 32 exponentials ahead of that wait: +1.4% on average over 1k/4k/16k in two H100 runs (-0.8 to +2.5% per
+#         point; docs/performance.md, session 9), no spills in any build. With a causal mask it measured neutral and
+#         its build spills 8 bytes, so it stays off there; FA3's 80-row tile (m80, m80_regstats) measured -1.6% and
+#         -0.2% against the default in the same run, so the 64-row tile stays.
+_BWD_BY_HEAD_DIM_AND_MASK = {
+    (128, "none"): {"dv_before_dp_wait": True},
+}
+
+
 def bwd_tile_config(spec: AttentionSpec) -> Optional[BwdTileConfig]:
     """The sm90 backward's configuration for `spec`, or None where it has none."""
     if spec.head_dim != spec.head_dim_v:
         return None
-    return _BWD_BY_HEAD_DIM.get(spec.head_dim)
+    cfg = _BWD_BY_HEAD_DIM.get(spec.head_dim)
+    changes = _BWD_BY_HEAD_DIM_AND_MASK.get((spec.head_dim, spec.mask))
+    return replace(cfg, **changes) if cfg is not None and changes else cfg
