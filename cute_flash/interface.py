@@ -75,6 +75,17 @@ class _Plan:
             arch = self.backward = _route(self.problem.spec, q, backward=True, deterministic=self.deterministic)
         return arch
 
+    # What `_Attention` asks of the plan it carries.
+    def forward_saving(self, q, k, v):
+        """(q, k, v, out, lse): the inputs in the kernels' layout, the outputs."""
+        if self.copies:
+            q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
+        out, lse = _launch_forward(self, q, k, v)
+        return q, k, v, out, lse
+
+    def backward_saved(self, dout, q, k, v, out, lse):
+        return _launch_backward(self, dout, q, k, v, out, lse)
+
 
 # Plans by call signature. Bounded: a workload with ever-new shapes rebuilds it now and then instead of growing it.
 _plans: Dict[tuple, _Plan] = {}
@@ -178,23 +189,22 @@ def _launch_backward(plan: _Plan, dout, q, k, v, out, lse):
 
 
 class _Attention(torch.autograd.Function):
-    """The eager autograd node: one `_Plan` carries everything the backward needs besides the saved tensors."""
+    """The autograd node of dense attention, eager (`run`: a `_Plan`) and ring (`distributed.ring`, `run`: its
+    config). `run.forward_saving(q, k, v)` returns (q, k, v, out, lse), the tensors the backward reads (q, k, v as
+    the forward ran them, e.g. in the kernels' layout); `run.backward_saved(dout, q, k, v, out, lse)` returns
+    (dq, dk, dv) shaped like the saved q, k, v. lse is an output without a gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: "_Plan"):
-        if plan.copies:
-            q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
-        out, lse = _launch_forward(plan, q, k, v)
+    def forward(ctx, q, k, v, run):
+        q, k, v, out, lse = run.forward_saving(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
+        ctx.run = run
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        plan = ctx.plan
-        return (*_launch_backward(plan, dout, q, k, v, out, lse), None)
+        return (*ctx.run.backward_saved(dout, *ctx.saved_tensors), None)
 
 
 def _run_backward(dout, q, k, v, out, lse, problem: Problem, deterministic: bool):

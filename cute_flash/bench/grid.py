@@ -32,10 +32,14 @@ class Shape:
     head_dim_v: int
 
     def __post_init__(self) -> None:
-        if min(self.batch, self.seqlen_q, self.seqlen_k, self.heads, self.heads_kv, self.head_dim, self.head_dim_v) < 1:
+        if min(self.extents()) < 1:
             raise ValueError(f"every extent of a shape must be positive: {self}")
         if self.heads % self.heads_kv:
             raise ValueError(f"heads ({self.heads}) must be a multiple of heads_kv ({self.heads_kv})")
+
+    def extents(self) -> tuple:
+        """(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, head_dim_v)."""
+        return (self.batch, self.seqlen_q, self.seqlen_k, self.heads, self.heads_kv, self.head_dim, self.head_dim_v)
 
 
 @dataclass(frozen=True)

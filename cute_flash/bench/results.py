@@ -13,25 +13,27 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from .grid import Case
+from .grid import Case, Shape
 from .memory import MemoryPoint
 
 STATUSES = ("ok", "n/a", "wrong", "oom", "error", "skipped")
 
 
-@dataclass
-class Result:
+@dataclass(frozen=True)
+class _Labels:
+    """The leading columns of a result row: which implementation ran which case."""
+
     impl: str
     dtype: str
     direction: str
     mask: str
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    heads: int
-    heads_kv: int
-    head_dim: int
-    head_dim_v: int
+
+
+@dataclass(frozen=True)
+class Result(Shape, _Labels):
+    """One row: its labels, the extents of the case's `Shape` (inherited, so that rows stay flat in CSV and JSON) and
+    what was measured. Columns: impl, dtype, direction, mask, the shape's extents, then the fields below."""
+
     status: str  # one of STATUSES; only "ok" rows carry a time
     ms: Optional[float] = None
     tflops: Optional[float] = None
@@ -48,18 +50,7 @@ class Result:
         return cls(impl=impl, status=status, **case.as_dict(), **kw)
 
     def case_key(self) -> tuple:
-        return (
-            self.dtype,
-            self.direction,
-            self.mask,
-            self.batch,
-            self.seqlen_q,
-            self.seqlen_k,
-            self.heads,
-            self.heads_kv,
-            self.head_dim,
-            self.head_dim_v,
-        )
+        return (self.dtype, self.direction, self.mask, *self.extents())
 
 
 RESULT_FIELDS = [f.name for f in fields(Result)]

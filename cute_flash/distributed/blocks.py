@@ -10,8 +10,9 @@ Protocol (`BlockCompute`):
   forward(q, k, v, mask, softmax_scale) -> (out, lse)
       attention of q over k/v alone: out (b, m, h, dv), lse (b, h, m) (float32 or wider); rows that see no key give
       out 0 and lse -inf.
-  backward(dout, q, k, v, out, lse, mask, softmax_scale) -> (dq, dk, dv)
-      this block's share of the gradients, given the FINAL out and lse of the query rows over all keys of the ring:
+  backward(t: BwdTensors, mask, softmax_scale) -> (dq, dk, dv)
+      t = (dout, q, k, v, out, lse), as a kernel backend's backward reads them (`cute_flash.arch.base`); this block's
+      share of the gradients, given the FINAL out and lse of the query rows over all keys of the ring:
       P = exp(S·scale - lse) is then the block's slice of the global softmax, and dS = P∘(dP - D) with
       D = rowsum(dO∘O) over the final O; dq, dk, dv of the blocks add up to the gradients of the whole attention.
   check(q, k, v, mask_kinds, backward) -> None
@@ -36,15 +37,7 @@ class BlockCompute(Protocol):
     ) -> Tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        mask: MaskBounds,
-        softmax_scale: float,
+        self, t: BwdTensors, mask: MaskBounds, softmax_scale: float
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
     def check(
@@ -96,7 +89,8 @@ class ReferenceBlocks:
         out = torch.einsum("bhqk,bkhd->bqhd", p, _expand_heads(v.to(dtype), q.shape[2]))
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, mask, softmax_scale):
+    def backward(self, t: BwdTensors, mask, softmax_scale):
+        dout, q, k, v, out, lse = t
         dtype = self._dtype(q)
         h, h_kv = q.shape[2], k.shape[2]
         s, visible = self._scores(q, k, mask, softmax_scale, dtype)
@@ -143,18 +137,18 @@ class KernelBlocks:
         arch = _route(problem.spec, q, backward=False)
         return _run_forward(kernel_view(q), kernel_view(k), kernel_view(v), problem, arch)
 
-    def backward(self, dout, q, k, v, out, lse, mask, softmax_scale):
+    def backward(self, t: BwdTensors, mask, softmax_scale):
         from ..interface import _route
 
-        problem = problem_of(q, k, v, mask, float(softmax_scale))
-        arch = _route(problem.spec, q, backward=True, deterministic=self.deterministic)
-        q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
+        problem = problem_of(t.q, t.k, t.v, mask, float(softmax_scale))
+        arch = _route(problem.spec, t.q, backward=True, deterministic=self.deterministic)
+        q, k, v = kernel_view(t.q), kernel_view(t.k), kernel_view(t.v)
         if q.numel() == 0 or k.numel() == 0:  # no batch or no head: nothing to launch (as in cute_flash.attention)
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         with torch.cuda.device(q.device):
             # The kernels read lse (b, h, m) contiguous float32.
-            saved = BwdTensors(kernel_view(dout), q, k, v, kernel_view(out.to(q.dtype)), lse.float().contiguous())
+            saved = BwdTensors(kernel_view(t.dout), q, k, v, kernel_view(t.out.to(q.dtype)), t.lse.float().contiguous())
             arch.backward(saved, Grads(dq, dk, dv), problem, self.deterministic)
         return dq, dk, dv
 

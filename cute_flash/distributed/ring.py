@@ -22,6 +22,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from ..arch.base import BwdTensors
+from ..interface import _Attention
 from ..validation import validate_reference
 from .blocks import BlockCompute, default_blocks
 from .layout import LAYOUTS, check_layout
@@ -82,6 +84,14 @@ class _Config:
     softmax_scale: float
     blocks: BlockCompute
 
+    # What the autograd node (`interface._Attention`) asks of the config it carries.
+    def forward_saving(self, q, k, v):
+        out, lse = _ring_forward(q, k, v, self)
+        return q, k, v, out, lse
+
+    def backward_saved(self, dout, q, k, v, out, lse):
+        return _ring_backward(dout, q, k, v, out, lse, self)
+
 
 def _rows(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return t[:, start:end]
@@ -124,16 +134,15 @@ def _ring_backward(dout, q, k, v, out, lse, cfg: _Config) -> Tuple[torch.Tensor,
         # the blocks return them until that shard's accumulator has arrived.
         shares = []
         for t in tasks:
-            dq_b, dk_b, dv_b = cfg.blocks.backward(
+            rows = BwdTensors(
                 _rows(dout, t.q_start, t.q_end),
                 _rows(q, t.q_start, t.q_end),
                 _rows(kv[0], t.k_start, t.k_end),
                 _rows(kv[1], t.k_start, t.k_end),
                 _rows(out, t.q_start, t.q_end),
                 lse[:, :, t.q_start : t.q_end],
-                t.mask,
-                cfg.softmax_scale,
             )
+            dq_b, dk_b, dv_b = cfg.blocks.backward(rows, t.mask, cfg.softmax_scale)
             dq[:, t.q_start : t.q_end] += dq_b
             shares.append((t, dk_b, dv_b))
         if dkv_pending is None:
@@ -154,22 +163,6 @@ def _ring_backward(dout, q, k, v, out, lse, cfg: _Config) -> Tuple[torch.Tensor,
     if dkv_pending is not None:
         dkv = dkv_pending.wait()
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-
-
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cfg: _Config):
-        out, lse = _ring_forward(q, k, v, cfg)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg = cfg
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.cfg)
-        return dq, dk, dv, None
 
 
 def _group_rank_and_size(group) -> Tuple[int, int]:
@@ -276,7 +269,7 @@ def ring_attention(
     cfg = _Config(group, rank, world_size, plan, sem.softmax_scale, blocks)
     k, v = k.contiguous(), v.contiguous()  # sent as they are
     if needs_grad:
-        out, lse = _RingAttention.apply(q, k, v, cfg)
+        out, lse = _Attention.apply(q, k, v, cfg)
     else:
         with torch.no_grad():
             out, lse = _ring_forward(q, k, v, cfg)
