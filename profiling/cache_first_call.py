@@ -34,12 +34,14 @@ def child(impl: str, shape) -> dict:
     torch.cuda.synchronize()
     torch_warmup_s = None
     if os.environ.get(TORCH_WARMUP_ENV) == "1":
-        # torch's own first backward in a CUDA process (its autograd engine's device threads, lazily loaded kernels)
-        # took ~3 s on the H100 for every implementation, SDPA included: paid here, untimed, when asked for, so that
-        # the rows show what each implementation adds.
+        # torch's own first-use costs, paid here untimed when asked for, so that the rows show what each
+        # implementation adds: the autograd engine's device thread, and above all the first backward given an explicit
+        # gradient, whose shape check (autograd._make_grads) imports torch.fx.experimental.symbolic_shapes and sympy
+        # (~0.5 s on the CPU machine, 2.3-2.8 s in the H100 machine's first backward for SDPA and cute-flash alike;
+        # a scalar loss's backward does not import them).
         tw = time.perf_counter()
         x = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        (x.float() * 2).sum().backward()
+        (x * 2).backward(torch.ones_like(x))
         torch.cuda.synchronize()
         torch_warmup_s = time.perf_counter() - tw
 
