@@ -6,7 +6,7 @@ so new shapes reuse the compiled function. They are built with TVM-FFI and read 
 environment, which keeps a warm call to a few microseconds of host time.
 
 Three layers: this process's dict, then the disk (`disk_cache`: entries written by any earlier process, or by
-`python -m cute_flash warmup`), then a build. The disk layer is opt-in (CUTE_FLASH_DISK_CACHE=1; docs/cache.md).
+`python -m cute_flash warmup`), then a build. CUTE_FLASH_DISK_CACHE=0 turns the disk layer off (docs/cache.md).
 """
 
 from __future__ import annotations

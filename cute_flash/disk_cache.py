@@ -20,7 +20,7 @@ kernel when its holder exits, crashed or not, so a dead builder never blocks the
 compiling in memory, with a warning.
 
 Environment: CUTE_FLASH_CACHE_DIR (default $XDG_CACHE_HOME/cute_flash, else ~/.cache/cute_flash),
-The layer is on with CUTE_FLASH_DISK_CACHE=1 (off by default for now, see `enabled`). See docs/cache.md.
+The layer is on unless CUTE_FLASH_DISK_CACHE=0 (see `enabled`). See docs/cache.md.
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ _DSL_ENV_IGNORED = re.compile(r"^CUTE_DSL_(ARCH|LIBS|CACHE_DIR|LOG.*|DISABLE_FIL
 
 
 # --------------------------------------------------------------------------------------------------- settings
-# Off unless asked for: loading a kernel another process exported has passed its CPU tests but has not yet run on a
-# GPU (docs/cache.md); the test suite switches it on, so the GPU suites verify it. It becomes the default once they
-# have.
-DEFAULT_SWITCH = "0"
+# On by default since the GPU suites, which run with it on, passed on an H100 (session 9: a second process loads every
+# kernel of a forward + backward from disk and computes the same results, tests/test_disk_cache_gpu.py);
+# CUTE_FLASH_DISK_CACHE=0 turns it off.
+DEFAULT_SWITCH = "1"
 
 
 def enabled() -> bool:
