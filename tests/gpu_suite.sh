@@ -26,6 +26,9 @@
 #   hostprof  [90]  cProfile of warm forward + backward calls (profiling/host_profile.py)
 #   sm90bwd   [300] only the sm90 backward matrix (tests/test_sm90_bwd.py)
 #   vbench    [180] packed sequences against dense cute-flash and FA4's varlen (profiling/varlen_benchmark.py)
+#   ncu       [420] Nsight Compute (full set) of the backward main kernel, ours and FA4's, d128 / d256, causal and
+#                   not (b2 s8192); summaries copied next to the logs, reports left in /tmp/ncu (too large to bring
+#                   back; run profiling.hotspots there on a source-page export if needed)
 #
 # Two GPUs (nvidia-h100-x2): run two step lists side by side, each on its own GPU, e.g.
 #   CUDA_VISIBLE_DEVICES=0 STEPS="vtime bench" tests/gpu_suite.sh OUT/g0 & CUDA_VISIBLE_DEVICES=1 STEPS="vtests sm90" ...
@@ -86,6 +89,12 @@ for s in $steps; do
     sm90bwd) step sm90bwd 300 python3 -m pytest -q -n 10 --dist loadgroup -p no:cacheprovider -rf tests/test_sm90_bwd.py ;;
     vbench) step vbench 180 python3 -m profiling.varlen_benchmark
           tail -n 14 "$out/vbench.log" ;;
+    ncu) step ncu 420 bash -c 'for c in "128 --causal" "128" "256 --causal" "256"; do set -- $c; for impl in cute-flash fa4; do
+            name=bwd-d$1${2:+-causal}-$impl; python3 -m profiling.ncu_profile --impl $impl --direction bwd --batch 2 \
+            --seqlen 8192 --heads $((2048 / $1)) --head-dim $1 $2 --set full \
+            --kernel-regex "Sm90FlashBackward|FlashAttentionBackwardSm90" --out /tmp/ncu/$name \
+            && cp /tmp/ncu/$name/summary.txt "'"$out"'/ncu-$name.txt"; done; done'
+         tail -n 5 "$out"/ncu-*.txt 2>/dev/null | head -n 60 ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -50,6 +50,16 @@ def test_dv_before_dp_wait_needs_keys_on_rows():
     assert problem is not None and "keys on rows" in problem
 
 
+@pytest.mark.parametrize("tile_m", [16, 48, 64, 80, 96, 112, 128, 144, 192])
+def test_stat_stages_start_on_tma_boundaries(tile_m):
+    # Each stage of the LSE / D buffers is a TMA destination: it must start 128 bytes apart (tile_m 80's unpadded
+    # 320-byte stage was a misaligned address on the GPU), and hold the whole tile.
+    from cute_flash.arch.sm90.tile_config import stat_stage_stride
+
+    stride = stat_stage_stride(tile_m)
+    assert stride * 4 % 128 == 0 and tile_m <= stride < tile_m + 32
+
+
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("tile_m", [None, 80])
 def test_dq_single_base_offsets_match_fragment_layout(head_dim, tile_m):
