@@ -24,6 +24,8 @@ CENSUS_PATTERNS: Dict[str, str] = {
     "wgmma.mma_async.e4m3": r"wgmma\.mma_async\.[^\s]*e4m3",
     "setmaxnreg": r"setmaxnreg\.",
     "cp.reduce.async.bulk": r"cp\.reduce\.async\.bulk\.",  # bulk reduce-add (the sm90 backward's dQ)
+    "griddepcontrol.wait": r"griddepcontrol\.wait",  # programmatic dependent launch (BwdTileConfig.pdl)
+    "griddepcontrol.launch_dependents": r"griddepcontrol\.launch_dependents",
     "tcgen05.mma": r"tcgen05\.mma\.",
     "tcgen05.mma.cta_group::2": r"tcgen05\.mma\.cta_group::2",
     "tcgen05.alloc.cta_group::2": r"tcgen05\.alloc\.cta_group::2",

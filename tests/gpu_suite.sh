@@ -19,6 +19,9 @@
 #                   the dQ staging base with both masks; the 80-row tile with register-held LSE / D without a mask)
 #   vtests    [240] only the variants' gradients (tests/test_sm90_bwd_variants.py)
 #   vtime     [420] only the variants' timings (as in "variants")
+#   otests    [600] launch-overhead variants (dQaccum zeroed in the preprocess, PDL; BwdTileConfig): their gradients
+#                   at d64/128/256 (tests/test_sm90_bwd_variants.py -k test_sm90_backward_overhead_variants)
+#   otime     [540] their timings beside the default and FA4 at d128 and d64, 1k/4k/16k
 #   torch     [300] torch integration (issue 15): inductor, CUDA graphs, autocast, opcheck, the transformers / SDPA
 #                   plug-ins, the disk kernel cache loaded in a second process, the TVM-FFI launch
 #   varlen    [300] packed sequences (issue 16) on the sm80 kernels, forward + gradients, CUDA graphs
@@ -64,14 +67,20 @@ for s in $steps; do
             --variants default,m80,m80_regstats,dv_early --fa4 --rounds 3 --rep-ms 50
          tail -n 12 "$out/m80.log" ;;
     variants) step variants_tests 240 python3 -m pytest -q -n 4 --dist loadgroup -p no:cacheprovider -rf \
-            tests/test_sm90_bwd_variants.py
+            tests/test_sm90_bwd_variants.py -k "not overhead"
          step variants 420 bash -c "python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 \
             --causal both --variants default,dv_early,dv_early_b,dq_base --fa4 --rounds 3 --rep-ms 50 && \
             python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 --causal no \
             --variants default,dv_early_b,m80,m80_regstats --rounds 3 --rep-ms 50"
          tail -n 30 "$out/variants.log" ;;
     vtests) step variants_tests 240 python3 -m pytest -q -n 4 --dist loadgroup -p no:cacheprovider -rf \
-            tests/test_sm90_bwd_variants.py ;;
+            tests/test_sm90_bwd_variants.py -k "not overhead" ;;
+    otests) step overhead_tests 600 python3 -m pytest -q -n 8 --dist loadgroup -p no:cacheprovider -rf \
+            tests/test_sm90_bwd_variants.py -k test_sm90_backward_overhead_variants ;;
+    otime) step overhead 540 bash -c "for d in 128 64; do python3 -m profiling.sm90_bwd_variants --head-dim \$d \
+            --seqlens 1024,4096,16384 --causal both --variants default,zero_pre,pdl,pdl_post,zero_pre_pdl,overhead_all \
+            --fa4 --rounds 3 --rep-ms 50 || exit 1; done"
+         tail -n 50 "$out/overhead.log" ;;
     vtime) step variants 420 bash -c "python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 \
             --causal both --variants default,dv_early,dv_early_b,dq_base --fa4 --rounds 3 --rep-ms 50 && \
             python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 --causal no \

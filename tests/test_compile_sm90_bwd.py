@@ -68,6 +68,11 @@ def test_sm90_backward_compiles(builds, head_dim, causal):
         assert census["mma.sync"] == 0, "the sm90 backward must not fall back to mma.sync"
         assert report["threads"] == 384
         assert report["spill_bytes"] == 0, f"{role} d={head_dim} spills {report['spill_bytes']} bytes"
+    # The launch-overhead switches (BwdTileConfig.pdl, .pdl_dq_post) are off by default: no griddepcontrol anywhere
+    # (tests/test_sm90_bwd_variants.py builds them on).
+    for role in sorted(roles | {"bwd_dq_postprocess", "sm80_bwd_preprocess"}):
+        census = reports[role]["census"]
+        assert census["griddepcontrol.wait"] == census["griddepcontrol.launch_dependents"] == 0, (role, census)
 
 
 def test_sm90_backward_support():

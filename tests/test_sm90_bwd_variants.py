@@ -1,11 +1,18 @@
 """The sm90 backward's study variants (profiling/sm90_bwd_variants.py VARIANTS; docs/sm90_bwd_sass_study.md).
 
 CPU: they are valid configurations where they are meant to run, and dq_stage_single_base addresses the same shared
-memory as the default dQ staging. GPU (Hopper; tests/gpu_suite.sh step "variants", not in the "sm90" step): their
-gradients against the reference, and bitwise equal to the default's where the arithmetic is the same.
+memory as the default dQ staging. The launch-overhead variants (zeroing in the preprocess, PDL) build for sm_90a
+without spills and with the instructions they are about, and the preprocess grid covers the whole dQ accumulator.
+GPU (Hopper; tests/gpu_suite.sh steps "variants" / "otests", not in the "sm90" step): their gradients against the
+reference, and bitwise equal to the default's where the arithmetic is the same.
 """
 
 import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +22,9 @@ from cute_flash.spec import AttentionSpec
 from profiling.sm90_bwd_variants import VARIANTS
 
 STUDY_VARIANTS = ("dv_early", "dv_early_b", "dq_base", "m80_regstats")
+OVERHEAD_VARIANTS = ("zero_pre", "pdl", "pdl_post", "zero_pre_pdl", "overhead_all")
+OVERHEAD_FIELDS = ("zero_dq_in_preprocess", "pdl", "pdl_dq_post")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _d128(mask: str) -> BwdTileConfig:
@@ -91,6 +101,125 @@ def test_dq_single_base_offsets_match_fragment_layout(head_dim, tile_m):
     assert seen == set(range(cfg.tile_m * head_dim))  # and they tile the dQ buffer exactly once
 
 
+def _spec(head_dim: int, mask: str) -> AttentionSpec:
+    return AttentionSpec("bf16", head_dim, head_dim, mask, "bf16")
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_overhead_switches_default_off(head_dim):
+    for mask in ("none", "causal", "local"):
+        cfg = bwd_tile_config(_spec(head_dim, mask))
+        assert not any(getattr(cfg, f) for f in OVERHEAD_FIELDS), cfg
+        for name in OVERHEAD_VARIANTS:
+            variant = dataclasses.replace(cfg, **VARIANTS[name])
+            assert bwd_config_problem(variant, head_dim) is None
+            assert set(VARIANTS[name]) <= set(OVERHEAD_FIELDS)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("tile_m", [None, 80])
+def test_preprocess_grid_covers_dq_accum(head_dim, tile_m):
+    # zero_dq_in_preprocess: preprocess CTA m zeroes floats [64 m d, 64 (m + 1) d) of each (b, h)'s accumulator,
+    # for m < sq_pad / 64 (its grid, from the stats' padded length). Every float the main kernel may add to (whole
+    # query tiles m_block < ceil(sq / tile_m)) and the postprocess reads (the same tiles) must be among them.
+    from cute_flash.arch.sm90.backward import STATS_ROW_MULTIPLE
+    from cute_flash.validation import _round_up
+
+    cfg = bwd_tile_config(_spec(head_dim, "none"))
+    if tile_m is not None:
+        if head_dim != 128:
+            pytest.skip("tile_m 80 is a d128 shape")
+        cfg = dataclasses.replace(cfg, tile_m=tile_m, dq_swap_ab=True)
+    for sq in list(range(1, 700)) + [1023, 1024, 1025, 4096, 16383]:
+        sq_pad = _round_up(sq, math.lcm(cfg.tile_m, STATS_ROW_MULTIPLE))  # as run_backward sizes it
+        accum = sq_pad * head_dim
+        pre_blocks = -(-sq_pad // STATS_ROW_MULTIPLE)  # BackwardPreprocessSm80._launch's grid
+        zeroed = pre_blocks * STATS_ROW_MULTIPLE * head_dim
+        assert zeroed == accum  # exactly the buffer: no CTA writes past it
+        tiles = -(-sq // cfg.tile_m)  # the main kernel's and the postprocess's query tiles
+        assert tiles * cfg.tile_m * head_dim <= zeroed
+        # 16-byte stores over 128 threads, and 16-byte aligned blocks
+        assert (STATS_ROW_MULTIPLE * head_dim) % (4 * 128) == 0
+
+
+_OVERHEAD_SCRIPT = """
+import os, sys, json, dataclasses
+os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+from cute_flash import census
+from cute_flash.arch.sm90.backward import compile_backward_artifacts
+from cute_flash.arch.sm90.tile_config import bwd_tile_config
+from cute_flash.spec import AttentionSpec
+from profiling.sm90_bwd_variants import VARIANTS
+
+ZEROS = "{0f00000000, 0f00000000, 0f00000000, 0f00000000}"
+head_dim, mask, variant, roles = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4].split(",")
+spec = AttentionSpec("bf16", head_dim, head_dim, mask, "bf16")
+cfg = dataclasses.replace(bwd_tile_config(spec), **VARIANTS[variant])
+with census.capture_fd_stderr() as captured:
+    artifacts = compile_backward_artifacts(spec, "sm_90a", cfg, roles)
+ptxas = census.parse_ptxas_reports("".join(captured))
+out = {}
+for art in artifacts:
+    entry, res = next(iter(census.cubin_resources(art.cubin).items()))
+    out[art.kernel] = {
+        "census": census.ptx_census(art.ptx),
+        "zero_stores": sum("st.global.v4.b32" in line and ZEROS in line for line in art.ptx.splitlines()),
+        "stack": res.get("stack_frame_bytes", 0),
+        "spills": [r.get("spill_bytes") for name, r in ptxas if name == entry],
+    }
+print(json.dumps(out))
+"""
+
+OVERHEAD_BUILDS = [
+    (d, mask, "overhead_all", "bwd_preprocess,bwd,bwd_dq_postprocess")
+    for d in (64, 128, 256)
+    for mask in ("none", "causal")
+] + [
+    (128, "causal", "overhead_all", "bwd_gqa_det"),  # GQA adds and both semaphores behind the waits
+    (64, "causal", "pdl", "bwd_preprocess"),  # launch_dependents alone (the default entry)
+    (128, "none", "zero_pre", "bwd_preprocess"),  # zeroing alone
+]
+
+
+@pytest.fixture(scope="module")
+def overhead_builds():
+    """Every build in OVERHEAD_BUILDS, two subprocesses at a time (CuTe DSL fixes its target at import)."""
+    import concurrent.futures
+
+    def run(args):
+        cmd = [sys.executable, "-c", _OVERHEAD_SCRIPT, *map(str, args)]
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {args: pool.submit(run, args) for args in OVERHEAD_BUILDS}
+        yield futures
+
+
+@pytest.mark.parametrize("head_dim, mask, variant, roles", OVERHEAD_BUILDS, ids=lambda a: str(a))
+def test_overhead_variants_build(overhead_builds, head_dim, mask, variant, roles):
+    done = overhead_builds[(head_dim, mask, variant, roles)].result()
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    options = VARIANTS[variant]
+    for role, rep in out.items():
+        assert rep["stack"] == 0 and rep["spills"] and set(rep["spills"]) == {0}, (role, rep)
+        census = rep["census"]
+        waits, launches = census["griddepcontrol.wait"], census["griddepcontrol.launch_dependents"]
+        if role == "bwd_preprocess":
+            # never waits (launched normally); signals its dependent at the start under pdl
+            assert waits == 0 and launches == (1 if options.get("pdl") else 0), census
+            zero_stores = head_dim * 64 // (4 * 128)  # 64 rows x d floats in 16-byte stores over 128 threads
+            assert rep["zero_stores"] == (zero_stores if options.get("zero_dq_in_preprocess") else 0), rep
+        elif role == "bwd_dq_postprocess":
+            assert waits == (1 if options.get("pdl_dq_post") else 0) and launches == 0, census
+        else:
+            # the producer (before the first LSE / D load), the dQ warp (before its first reduce-add or semaphore),
+            # the consumers (before the epilogue's global writes)
+            assert waits == (3 if options.get("pdl") else 0), census
+            assert launches == (1 if options.get("pdl_dq_post") else 0), census
+            assert census["cp.reduce.async.bulk"] > 0 and census["setmaxnreg"] >= 2
+
+
 MASKS = {"full": (False, (None, None)), "causal": (True, (None, None)), "window100_30": (False, (100, 30))}
 GPU_CASES = [
     pytest.param(
@@ -132,3 +261,46 @@ def test_sm90_backward_study_variants(name, sq, sk, mask, h, h_kv):
         ref = backward_kernel_grads(run_backward, q, k, v, dout, causal, window, cfg=default, deterministic=True)
         for a, b in zip(det, ref):
             assert torch.equal(a, b)
+
+
+OVERHEAD_GPU_CASES = [
+    pytest.param(
+        name,
+        d,
+        sq,
+        sk,
+        m,
+        h,
+        hk,
+        id=f"overhead-{name}-d{d}-{sq}x{sk}-{m}-h{h}_{hk}",
+        marks=(pytest.mark.sm90, pytest.mark.xdist_group(f"overhead-{name}-d{d}")),
+    )
+    for name, dims in (("zero_pre", (64, 128, 256)), ("overhead_all", (64, 128, 256)), ("pdl", (128,)))
+    for d in dims
+    for sq, sk in ((1, 1), (113, 203), (1023, 1024))
+    for m in ("full", "causal")
+    for h, hk in ((8, 8), (8, 2))
+]
+
+
+@pytest.mark.parametrize("name, head_dim, sq, sk, mask, h, h_kv", OVERHEAD_GPU_CASES)
+def test_sm90_backward_overhead_variants(name, head_dim, sq, sk, mask, h, h_kv):
+    """The launch-overhead variants (the preprocess zeroes dQaccum; PDL preprocess -> main -> dQ postprocess) change
+    no arithmetic: gradients against the reference, and deterministic ones bitwise equal to the default's. Called
+    twice in a row (the second call's accumulator may be the first one's block, no longer zero)."""
+    from cute_flash.arch.sm90.backward import run_backward
+    from cute_flash.testing import backward_inputs, backward_kernel_grads, check_backward, stable_seed
+
+    causal, window = MASKS[mask]
+    q, k, v, dout = backward_inputs(
+        torch.bfloat16, head_dim, sq, sk, h, h_kv, stable_seed("bf16", head_dim, sq, sk, mask, h, h_kv, name)
+    )
+    default = bwd_tile_config(_spec(head_dim, "causal" if causal else "none"))
+    cfg = dataclasses.replace(default, **VARIANTS[name])
+    for _ in range(2):
+        grads = backward_kernel_grads(run_backward, q, k, v, dout, causal, window, cfg=cfg)
+        check_backward(q, k, v, dout, grads, causal=causal, window_size=window)
+    det = backward_kernel_grads(run_backward, q, k, v, dout, causal, window, cfg=cfg, deterministic=True)
+    ref = backward_kernel_grads(run_backward, q, k, v, dout, causal, window, cfg=default, deterministic=True)
+    for a, b in zip(det, ref):
+        assert torch.equal(a, b)

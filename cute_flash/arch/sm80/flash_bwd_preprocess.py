@@ -9,6 +9,12 @@ D is the diagonal of dO O^T computed with the same mma.sync chain (m16n8k16, fp3
 from a zero accumulator) as the main kernel's dP = dO V^T. When a row's output is exactly one value row (a row that
 sees a single key: P = 1, O = V_j bitwise), dP_ij - D_i is then exactly 0, as it is in plain torch, instead of the
 rounding difference between two summation orders.
+
+Two options serve the sm90 backward (BwdTileConfig.zero_dq_in_preprocess / pdl; both off in every default build):
+zero_dq_accum also zeroes the main kernel's (b, h, sq_padded * d) fp32 dQ accumulator, each CTA its 64 rows (64 * d
+contiguous floats, 16-byte stores), in place of a separate memset; launch_dependents lets a dependent kernel launched
+with programmatic dependent launch (PDL) start at once (it waits, griddepcontrol.wait, before reading what this
+kernel writes).
 """
 
 from __future__ import annotations
@@ -31,11 +37,24 @@ ROWS_PER_WARP = 16  # the mma's m
 class BackwardPreprocessSm80:
     """Computes dpsum = rowsum(dO * O) and lse_log2 = lse * log2(e) (+inf where the row is empty or padding)."""
 
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim_v: int, block_m: int = 64, varlen: bool = False):
+    def __init__(
+        self,
+        dtype: Type[cutlass.Numeric],
+        head_dim_v: int,
+        block_m: int = 64,
+        varlen: bool = False,
+        zero_dq_accum: bool = False,
+        launch_dependents: bool = False,
+    ):
         """varlen: the packed variant (entry `packed`), whose outputs give each sequence its rows from
-        cu_seqlens_q[b] + b * pad_q and fill them up to a whole multiple of pad_q (a runtime multiple of block_m)."""
+        cu_seqlens_q[b] + b * pad_q and fill them up to a whole multiple of pad_q (a runtime multiple of block_m).
+        zero_dq_accum: entry `with_dq_zeroing` (dense only), which also zeroes the sm90 dQ accumulator.
+        launch_dependents: griddepcontrol.launch_dependents at the start of every CTA (for a PDL-launched successor)."""
         assert head_dim_v % 16 == 0 and block_m % ROWS_PER_WARP == 0
+        assert not (varlen and zero_dq_accum), "the dQ accumulator zeroing serves the dense sm90 backward only"
         self.varlen = varlen
+        self.zero_dq_accum = zero_dq_accum
+        self.launch_dependents = launch_dependents
         self.dtype = dtype
         self.head_dim_v = head_dim_v
         self.block_m = block_m
@@ -54,6 +73,20 @@ class BackwardPreprocessSm80:
         self._launch(mO, mdO, mLSE, mdPsum, mLSElog2, stream)
 
     @cute.jit
+    def with_dq_zeroing(
+        self,
+        mO: cute.Tensor,  # (b, sq, h, dv)
+        mdO: cute.Tensor,  # (b, sq, h, dv)
+        mLSE: cute.Tensor,  # (b, h, sq) natural log
+        mdPsum: cute.Tensor,  # (b, h, sq_padded), sq_padded a multiple of block_m
+        mLSElog2: cute.Tensor,  # (b, h, sq_padded)
+        mdQaccum: cute.Tensor,  # (b, h, sq_padded * dv) fp32, 16-byte aligned rows: zeroed here
+        stream,
+    ):
+        assert self.zero_dq_accum
+        self._launch(mO, mdO, mLSE, mdPsum, mLSElog2, stream, mdQaccum=mdQaccum)
+
+    @cute.jit
     def packed(
         self,
         mO: cute.Tensor,  # (total_q, h, dv)
@@ -70,7 +103,9 @@ class BackwardPreprocessSm80:
         self._launch(mO, mdO, mLSE, mdPsum, mLSElog2, stream, mCuSeqlensQ, pad_q, num_blocks)
 
     @cute.jit
-    def _launch(self, mO, mdO, mLSE, mdPsum, mLSElog2, stream, mCuSeqlensQ=None, pad_q=None, num_blocks=None):
+    def _launch(
+        self, mO, mdO, mLSE, mdPsum, mLSElog2, stream, mCuSeqlensQ=None, pad_q=None, num_blocks=None, mdQaccum=None
+    ):
         # One warp computes a 16 x 16 tile of dO O^T per k-block (two n8 atoms), of which it keeps the diagonal.
         tiled_mma = cute.make_tiled_mma(
             warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
@@ -81,9 +116,14 @@ class BackwardPreprocessSm80:
             grid = (num_blocks, mO.shape[1], mCuSeqlensQ.shape[0] - 1)
         else:
             grid = (cute.ceil_div(mdPsum.shape[2], self.block_m), mO.shape[2], mO.shape[0])
-        self.kernel(mO, mdO, mLSE, mdPsum, mLSElog2, tiled_mma, mCuSeqlensQ, pad_q).launch(
-            grid=grid, block=[self.num_warps * 32, 1, 1], stream=stream
-        )
+        if cutlass.const_expr(mdQaccum is None):
+            self.kernel(mO, mdO, mLSE, mdPsum, mLSElog2, tiled_mma, mCuSeqlensQ, pad_q).launch(
+                grid=grid, block=[self.num_warps * 32, 1, 1], stream=stream
+            )
+        else:
+            self.kernel(mO, mdO, mLSE, mdPsum, mLSElog2, tiled_mma, mCuSeqlensQ, pad_q, mdQaccum).launch(
+                grid=grid, block=[self.num_warps * 32, 1, 1], stream=stream
+            )
 
     @cute.kernel
     def kernel(
@@ -96,7 +136,10 @@ class BackwardPreprocessSm80:
         tiled_mma: cute.TiledMma,
         mCuSeqlensQ: Optional[cute.Tensor] = None,
         pad_q: Optional[Int32] = None,  # packed: sequence b's outputs start at row cu_seqlens_q[b] + b * pad_q
+        mdQaccum: Optional[cute.Tensor] = None,  # zero_dq_accum: (b, h, sq_padded * dv) fp32
     ):
+        if cutlass.const_expr(self.launch_dependents):
+            cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         tensors = (mO, mdO, mLSE, mdPsum, mLSElog2)
@@ -107,6 +150,24 @@ class BackwardPreprocessSm80:
                 self.cta(tensors, tiled_mma, tidx, m_block, head, seq, pad_q)
         else:
             self.cta(tensors, tiled_mma, tidx, m_block, head, dense_seq(batch, mO.shape[1]), None)
+            if cutlass.const_expr(self.zero_dq_accum):
+                self.zero_dq_rows(mdQaccum, tidx, m_block, head, batch)
+
+    @cute.jit
+    def zero_dq_rows(self, mdQaccum: cute.Tensor, tidx: Int32, m_block: Int32, head: Int32, batch: Int32):
+        """Zeroes rows [m_block * block_m, (m_block + 1) * block_m) of (batch, head)'s dQ accumulator: block_m * dv
+        contiguous floats (whatever order the main kernel gives them inside its tiles), one 16-byte store per
+        thread and round, consecutive threads on consecutive 16 bytes."""
+        vec = 4
+        threads = self.num_warps * 32
+        chunk = self.block_m * self.head_dim_v
+        assert chunk % (vec * threads) == 0
+        zeros = cute.make_rmem_tensor(vec, Float32)
+        zeros.fill(0.0)
+        base = mdQaccum[batch, head, None].iterator + m_block * chunk
+        for i in cutlass.range_constexpr(chunk // (vec * threads)):
+            dst = (base + (i * threads + tidx) * vec).align(vec * 4)
+            cute.autovec_copy(zeros, cute.make_tensor(dst, cute.make_layout(vec)))
 
     @cute.jit
     def cta(self, tensors, tiled_mma: cute.TiledMma, tidx: Int32, m_block: Int32, head: Int32, seq: SeqRows, pad_q):

@@ -8,6 +8,10 @@
                     dK/dV partial sums go to (b, sk_padded, h_kv, d) fp32 buffers converted by the sm80 family's
                     accumulator conversion
 
+Study options (BwdTileConfig, off by default): zero_dq_in_preprocess (a preprocess build that zeroes the dQ
+accumulator, in place of the torch.zeros), pdl / pdl_dq_post (programmatic dependent launch preprocess -> main ->
+dQ postprocess).
+
 Kernels are compiled once per (target, role, spec, tile config) with symbolic batch, sequence and head extents and
 launched through TVM-FFI on torch's current stream.
 """
@@ -66,6 +70,8 @@ MAIN_ROLES = {"bwd": (False, False), "bwd_gqa": (True, False), "bwd_det": (False
 def _build(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str, extra: str = ""):
     from . import build
 
+    if role == "bwd_preprocess":
+        return build.compile_preprocess(spec, cfg, target, extra)
     extra = f"--opt-level {cfg.opt_level} {extra}".strip()
     if role == "bwd_dq_postprocess":
         return build.compile_dq_postprocess(spec, cfg, target, extra)
@@ -79,10 +85,20 @@ def _kernel(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str):
         # registers or ptxas level of the main kernel).
         key_spec = dataclasses.replace(spec, mask="none")
         cfg = BwdTileConfig(
-            tile_m=cfg.tile_m, dq_split=cfg.dq_split, num_consumer_wgs=cfg.num_consumer_wgs, dq_swap_ab=cfg.dq_swap_ab
+            tile_m=cfg.tile_m,
+            dq_split=cfg.dq_split,
+            num_consumer_wgs=cfg.num_consumer_wgs,
+            dq_swap_ab=cfg.dq_swap_ab,
+            pdl_dq_post=cfg.pdl_dq_post,
         )
+    elif role == "bwd_preprocess":
+        # Only the launch-overhead options' builds (the default is the sm80 family's preprocess_kernel): the
+        # dtype, head dim and the two options.
+        key_spec = dataclasses.replace(spec, mask="none")
+        cfg = (cfg.zero_dq_in_preprocess, cfg.pdl)
     else:
         key_spec = spec
+        cfg = dataclasses.replace(cfg, zero_dq_in_preprocess=False)  # the main kernel's code does not depend on it
     key = (FAMILY, target, role, key_spec, cfg)
     compile_cache.ensure_cute_dsl_arch(target)
     return compile_cache.get_or_compile(key, lambda: _build(role, key_spec, cfg, target))
@@ -128,9 +144,13 @@ def _kernels(spec: AttentionSpec, cfg: Optional[BwdTileConfig], target: str, gqa
             raise ValueError(problem)
         sm80 = _sm80_backward()
         role = ("bwd_gqa" if gqa else "bwd") + ("_det" if deterministic else "")
+        if chosen.zero_dq_in_preprocess or chosen.pdl:
+            preprocess = _kernel("bwd_preprocess", spec, chosen, target)
+        else:
+            preprocess = sm80.preprocess_kernel(spec, target)
         kernels = _launch_sets[key] = _Kernels(
             chosen,
-            sm80.preprocess_kernel(spec, target),
+            preprocess,
             _kernel(role, spec, chosen, target),
             _kernel("bwd_dq_postprocess", spec, chosen, target),
             sm80.accum_convert_kernel(spec, target) if gqa else None,
@@ -158,16 +178,25 @@ def run_backward(
 
     lse_log2 = torch.empty(batch, nheads, seqlen_q_pad, **f32)
     dpsum = torch.empty(batch, nheads, seqlen_q_pad, **f32)
-    dq_accum = torch.zeros(batch, nheads, seqlen_q_pad * head_dim, **f32)
+    # zero_dq_in_preprocess: the preprocess zeroes every (padded) row of the accumulator itself.
+    dq_accum = (torch.empty if cfg.zero_dq_in_preprocess else torch.zeros)(
+        batch, nheads, seqlen_q_pad * head_dim, **f32
+    )
     sm80 = _sm80_backward()  # the tensor helpers the two backward families share
     q, k, v, dout, out, dq, dk, dv = sm80.grad_views(q, k, v, dout, out, dq, dk, dv)
 
-    kernels.preprocess(out, dout, lse, dpsum, lse_log2)
+    # Every buffer (and memset) before the first kernel, so that the main kernel follows the preprocess directly in
+    # the stream (its programmatic predecessor under cfg.pdl).
     dk_out, dv_out = sm80.dkv_destinations(dk, dv, gqa, max(cfg.tile_n, STATS_ROW_MULTIPLE))  # whole conversion blocks
     dq_sem = _semaphores((batch, nheads, seqlen_q_pad // cfg.tile_m), q.device, deterministic)
     dkv_sem = _semaphores(
         (batch, nheads_kv, _round_up(seqlen_k, cfg.tile_n) // cfg.tile_n), q.device, deterministic and gqa
     )
+
+    if cfg.zero_dq_in_preprocess:
+        kernels.preprocess(out, dout, lse, dpsum, lse_log2, dq_accum)
+    else:
+        kernels.preprocess(out, dout, lse, dpsum, lse_log2)
     kernels.main(
         q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, dq_sem, dkv_sem, softmax_scale, mask.left, mask.right
     )
@@ -182,24 +211,35 @@ def warm_backward(spec: AttentionSpec, target: str, *, gqa: bool, deterministic:
     _kernels(spec, None, target, gqa, deterministic)
 
 
-def compile_backward_artifacts(spec: AttentionSpec, target: str) -> List[KernelArtifact]:
+def compile_backward_artifacts(
+    spec: AttentionSpec, target: str, cfg: Optional[BwdTileConfig] = None, roles: Optional[List[str]] = None
+) -> List[KernelArtifact]:
     """Compiles the sm90 backward kernels serving `spec` for `target` with fake tensors (no GPU needed); the shared
-    sm80 preprocess / accumulator conversion are reported with an `sm80_` prefix."""
+    sm80 preprocess / accumulator conversion are reported with an `sm80_` prefix. cfg: a study configuration (its
+    launch-overhead options build the preprocess here, as role `bwd_preprocess`); roles: only these sm90 roles
+    (then no sm80 kernels)."""
     reason = backward_unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(reason)
-    cfg = bwd_tile_config(spec)
+    own_preprocess = cfg is not None and (cfg.zero_dq_in_preprocess or cfg.pdl)
+    cfg = cfg or bwd_tile_config(spec)
     compile_cache.ensure_cute_dsl_arch(target)
     config = {**cfg.as_dict(), "shared_bytes": bwd_smem_bytes(cfg, spec.head_dim), "threads": cfg.num_threads}
     artifacts = []
     with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_bwd_") as dump:
-        for role in (*MAIN_ROLES, "bwd_dq_postprocess"):
+        default_roles = (*MAIN_ROLES, "bwd_dq_postprocess") + (("bwd_preprocess",) if own_preprocess else ())
+        for role in default_roles if roles is None else roles:
             sub = os.path.join(dump, role)
             compiled = _build(role, spec, cfg, target, compile_cache.keep_artifacts_options(sub))
             role_config = config
             if role == "bwd_dq_postprocess":
                 role_config = {"tile_m": cfg.tile_m, "threads": cfg.num_dq_wgs * WARPGROUP_THREADS}
+            elif role == "bwd_preprocess":
+                role_config = {"block_m": STATS_ROW_MULTIPLE, "threads": 128, "shared_bytes": 0}
             artifacts.append(KernelArtifact(role, compiled.artifacts.PTX, compiled.artifacts.CUBIN, role_config))
-    for art in _sm80_backward().compile_backward_artifacts(spec, target, roles=["bwd_preprocess", "bwd_postprocess"]):
+    if roles is not None:
+        return artifacts
+    sm80_roles = ["bwd_postprocess"] if own_preprocess else ["bwd_preprocess", "bwd_postprocess"]
+    for art in _sm80_backward().compile_backward_artifacts(spec, target, roles=sm80_roles):
         artifacts.append(KernelArtifact(f"sm80_{art.kernel}", art.ptx, art.cubin, {**art.config, "family": "sm80"}))
     return artifacts

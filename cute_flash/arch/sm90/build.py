@@ -123,3 +123,34 @@ def compile_dq_postprocess(spec: AttentionSpec, cfg, target: str, extra_options:
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = compile_cache.compile_options(target, extra=extra_options or "")
     return cute.compile(DqConvertSm90(dtype, d, cfg), dq_accum, dq, cutlass.Float32(1.0), stream, options=options)
+
+
+def compile_preprocess(spec: AttentionSpec, cfg, target: str, extra_options: Optional[str] = None):
+    """The sm80 family's preprocess (D and lse_log2) built with the sm90 backward's launch-overhead options
+    (BwdTileConfig.zero_dq_in_preprocess, .pdl; the default build is the sm80 family's own, `preprocess_kernel`):
+    fn(out, dout, lse, dpsum, lse_log2) or, zeroing the dQ accumulator, fn(out, dout, lse, dpsum, lse_log2,
+    dq_accum)."""
+    from ..sm80.flash_bwd_preprocess import BackwardPreprocessSm80
+
+    dtype = dsl_dtype(spec.dtype)
+    dv = spec.head_dim_v
+    block_m = 64  # STATS_ROW_MULTIPLE: one CTA per 64 padded query rows
+    batch, seqlen_q, heads, sq_pad = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=block_m)
+    o = _strided(dtype, (batch, seqlen_q, heads), dv)
+    do = _strided(dtype, (batch, seqlen_q, heads), dv)
+    lse = fake_f32((batch, heads, seqlen_q))
+    kernel = BackwardPreprocessSm80(
+        dtype, dv, block_m=block_m, zero_dq_accum=cfg.zero_dq_in_preprocess, launch_dependents=cfg.pdl
+    )
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = compile_cache.compile_options(target, extra=extra_options or "")
+    stats = [fake_f32((batch, heads, sq_pad), divisibility=block_m) for _ in range(2)]
+    if not cfg.zero_dq_in_preprocess:
+        return cute.compile(kernel, o, do, lse, *stats, stream, options=options)
+    dq_accum = cute.runtime.make_fake_tensor(
+        cutlass.Float32,
+        (batch, heads, cute.sym_int()),
+        (cute.sym_int64(divisibility=block_m * dv), cute.sym_int64(divisibility=block_m * dv), 1),
+        assumed_align=16,
+    )
+    return cute.compile(kernel.with_dq_zeroing, o, do, lse, *stats, dq_accum, stream, options=options)

@@ -29,6 +29,13 @@ when the key tile runs past seqlen_k, pay for element-wise masking. Query rows p
 and rows that see no key carry lse_log2 = +inf and D = 0 from the preprocess, so their P and dS are exactly 0.
 Masking happens on the scaled exponent, after the softmax scale, so a scale of 0 never meets -inf · 0.
 
+Launch overhead (BwdTileConfig.pdl, pdl_dq_post; off by default, where no griddepcontrol is emitted): with `pdl` the
+kernel is launched with programmatic dependent launch and may start while the preprocess still runs. Q, K, V and dO
+come from launches that ended before the preprocess began, so the producer loads K, V and the first Q tile at once;
+every access to what the preprocess (or a memset before it) wrote follows a griddepcontrol.wait: the producer's LSE
+/ D loads, the dQ warp's reduce-adds and semaphores, the consumers' epilogue (dK / dV stores, GQA adds and
+semaphores). With `pdl_dq_post` the kernel lets the dQ postprocess launch early (it waits before its loads).
+
 Global tensors are viewed as (seqlen, head_dim, heads, batch) as in the forward kernel.
 """
 
@@ -339,6 +346,7 @@ class Sm90FlashBackward:
             block=[self.cfg.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
+            use_pdl=self.cfg.pdl,
         )
 
     def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout):
@@ -398,6 +406,9 @@ class Sm90FlashBackward:
         window_right: Int32,
         SharedStorage: cutlass.Constexpr,
     ):
+        if const_expr(self.cfg.pdl_dq_post):
+            # The dQ postprocess may be scheduled now; it waits for this grid's end before reading the accumulator.
+            cute.arch.griddepcontrol_launch_dependents()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -509,7 +520,9 @@ class Sm90FlashBackward:
         m_max: Int32,
     ):
         """K and V once; then Q + LSE and dO + D per query tile, in the consumers' order. atoms / tensors / tiles: the
-        TMA atoms, global coordinate tensors and shared-memory tiles of Q, K, V, dO, LSE and D, in that order."""
+        TMA atoms, global coordinate tensors and shared-memory tiles of Q, K, V, dO, LSE and D, in that order.
+        cfg.pdl (launched while the preprocess may still run): K, V and the first Q tile (written before the
+        preprocess started) are loaded first, LSE and D (the preprocess's outputs) only after griddepcontrol.wait."""
         atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum = atoms
         mQ, mK, mV, mdO, mLSElog2, mdPsum = tensors
         sQ, sK, sV, sdO, sLSE, sdPsum = tiles
@@ -546,6 +559,9 @@ class Sm90FlashBackward:
                 pipe_q.producer_acquire(q)
                 bar_q = pipe_q.producer_get_barrier(q)
                 cute.copy(atom_q, tQgQ[None, m_block], tQsQ[None, q.index], tma_bar_ptr=bar_q)
+                if const_expr(self.cfg.pdl):
+                    if m_block == m_min:
+                        cute.arch.griddepcontrol_wait()  # the preprocess has ended and its writes are visible
                 cute.copy(atom_lse, tLgL[None, m_block], tLsL[None, q.index], tma_bar_ptr=bar_q)
                 pipe_do.producer_acquire(do)
                 bar_do = pipe_do.producer_get_barrier(do)
@@ -700,6 +716,10 @@ class Sm90FlashBackward:
                 for m_block in cutlass.range(left_start, m_max, unroll=1):
                     q, do = step(q, do, m_block, True)
 
+        if const_expr(self.cfg.pdl):
+            # Before any global write of the consumers: dK / dV (GQA: sums zeroed by an earlier launch) and the GQA
+            # semaphores. (The LSE / D they read came through the producer's loads, issued after its wait.)
+            cute.arch.griddepcontrol_wait()
         if const_expr(self.gqa):
             self.add_dkv_partials(
                 acc_dK,
@@ -930,6 +950,10 @@ class Sm90FlashBackward:
         chunk = self.dq_chunk
         pair = WARPGROUP_THREADS + WARP_THREADS
         dq_base = mdQaccum[batch, head, None].iterator
+        if const_expr(self.cfg.pdl):
+            # The accumulator (zeroed by the preprocess or a memset before it) and the semaphores only after the
+            # preprocess's end.
+            cute.arch.griddepcontrol_wait()
         for m_block in cutlass.range(m_min, m_max, unroll=1):
             for c in cutlass.range_constexpr(self.num_dq_wgs):
                 if const_expr(not self.deterministic):

@@ -145,6 +145,16 @@ class BwdTileConfig:
           (the same shared-memory offsets) instead of recomputing and re-aligning each of them.
       max_unshuffled_stat_cols (C): above this many query columns per thread, LSE / D come through shuffles
           (load_column_stats); 20 keeps all of tile_m 80's columns in registers at d128.
+    Launch-overhead switches (profiling/sm90_bwd_variants.py "zero_pre", "pdl", "pdl_post", "zero_pre_pdl",
+    "overhead_all"; not timed yet, all off by default):
+      zero_dq_in_preprocess: the preprocess zeroes the dQ accumulator (each CTA its 64 rows) instead of a separate
+          torch.zeros before it.
+      pdl: programmatic dependent launch of the main kernel after the preprocess (which signals
+          griddepcontrol.launch_dependents at its start): the producer issues the K and V loads and the first Q tile,
+          then waits (griddepcontrol.wait) before any LSE / D load; the dQ warp waits before its first reduce-add or
+          semaphore access, the consumers before their epilogue (dK / dV stores, GQA adds and semaphores).
+      pdl_dq_post: the same between the main kernel (which signals at its start) and the dQ postprocess (which
+          waits before reading the accumulator).
     """
 
     tile_m: int
@@ -160,6 +170,9 @@ class BwdTileConfig:
     dv_before_dp_wait: bool = False  # A: dV's product before the dP wait (docs/sm90_bwd_sass_study.md)
     dq_stage_single_base: bool = False  # B: dQ stores from one base address (docs/sm90_bwd_sass_study.md)
     max_unshuffled_stat_cols: int = UNSHUFFLED_STAT_COLS  # C: LSE / D held in registers up to this many columns
+    zero_dq_in_preprocess: bool = False  # the preprocess zeroes the dQ accumulator (no torch.zeros)
+    pdl: bool = False  # preprocess -> main kernel by programmatic dependent launch
+    pdl_dq_post: bool = False  # main kernel -> dQ postprocess by programmatic dependent launch
 
     @property
     def num_threads(self) -> int:
