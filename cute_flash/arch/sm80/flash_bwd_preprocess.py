@@ -37,24 +37,17 @@ ROWS_PER_WARP = 16  # the mma's m
 class BackwardPreprocessSm80:
     """Computes dpsum = rowsum(dO * O) and lse_log2 = lse * log2(e) (+inf where the row is empty or padding)."""
 
-    def __init__(
-        self,
-        dtype: Type[cutlass.Numeric],
-        head_dim_v: int,
-        block_m: int = 64,
-        varlen: bool = False,
-        zero_dq_accum: bool = False,
-        launch_dependents: bool = False,
-    ):
+    # Study options of the sm90 backward, set per instance by its option builds (arch/sm90/build.py compile_preprocess):
+    # zero_dq_accum, entry `with_dq_zeroing` (dense only), also zeroes the sm90 dQ accumulator; launch_dependents,
+    # griddepcontrol.launch_dependents at the start of every CTA (for a PDL-launched successor).
+    zero_dq_accum = False
+    launch_dependents = False
+
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim_v: int, block_m: int = 64, varlen: bool = False):
         """varlen: the packed variant (entry `packed`), whose outputs give each sequence its rows from
-        cu_seqlens_q[b] + b * pad_q and fill them up to a whole multiple of pad_q (a runtime multiple of block_m).
-        zero_dq_accum: entry `with_dq_zeroing` (dense only), which also zeroes the sm90 dQ accumulator.
-        launch_dependents: griddepcontrol.launch_dependents at the start of every CTA (for a PDL-launched successor)."""
+        cu_seqlens_q[b] + b * pad_q and fill them up to a whole multiple of pad_q (a runtime multiple of block_m)."""
         assert head_dim_v % 16 == 0 and block_m % ROWS_PER_WARP == 0
-        assert not (varlen and zero_dq_accum), "the dQ accumulator zeroing serves the dense sm90 backward only"
         self.varlen = varlen
-        self.zero_dq_accum = zero_dq_accum
-        self.launch_dependents = launch_dependents
         self.dtype = dtype
         self.head_dim_v = head_dim_v
         self.block_m = block_m
@@ -73,17 +66,9 @@ class BackwardPreprocessSm80:
         self._launch(mO, mdO, mLSE, mdPsum, mLSElog2, stream)
 
     @cute.jit
-    def with_dq_zeroing(
-        self,
-        mO: cute.Tensor,  # (b, sq, h, dv)
-        mdO: cute.Tensor,  # (b, sq, h, dv)
-        mLSE: cute.Tensor,  # (b, h, sq) natural log
-        mdPsum: cute.Tensor,  # (b, h, sq_padded), sq_padded a multiple of block_m
-        mLSElog2: cute.Tensor,  # (b, h, sq_padded)
-        mdQaccum: cute.Tensor,  # (b, h, sq_padded * dv) fp32, 16-byte aligned rows: zeroed here
-        stream,
-    ):
-        assert self.zero_dq_accum
+    def with_dq_zeroing(self, mO, mdO, mLSE, mdPsum, mLSElog2, mdQaccum, stream):
+        """`__call__` that also zeroes mdQaccum, (b, h, sq_padded * dv) fp32 with 16-byte aligned rows."""
+        assert self.zero_dq_accum and not self.varlen, "the dQ accumulator zeroing serves the dense sm90 backward"
         self._launch(mO, mdO, mLSE, mdPsum, mLSElog2, stream, mdQaccum=mdQaccum)
 
     @cute.jit

@@ -139,9 +139,8 @@ def compile_preprocess(spec: AttentionSpec, cfg, target: str, extra_options: Opt
     o = _strided(dtype, (batch, seqlen_q, heads), dv)
     do = _strided(dtype, (batch, seqlen_q, heads), dv)
     lse = fake_f32((batch, heads, seqlen_q))
-    kernel = BackwardPreprocessSm80(
-        dtype, dv, block_m=block_m, zero_dq_accum=cfg.zero_dq_in_preprocess, launch_dependents=cfg.pdl
-    )
+    kernel = BackwardPreprocessSm80(dtype, dv, block_m=block_m)
+    kernel.zero_dq_accum, kernel.launch_dependents = cfg.zero_dq_in_preprocess, cfg.pdl  # over the class defaults
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = compile_cache.compile_options(target, extra=extra_options or "")
     stats = [fake_f32((batch, heads, sq_pad), divisibility=block_m) for _ in range(2)]
