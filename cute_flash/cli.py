@@ -73,7 +73,7 @@ def _cache_summary() -> str:
     from . import disk_cache
 
     if not disk_cache.enabled():
-        return f"off ({disk_cache.ENV_SWITCH} turns it off; unset it to use the cache; docs/cache.md)"
+        return f"off ({disk_cache.ENV_SWITCH}=0 in the environment; docs/cache.md)"
     directory = disk_cache.entries_dir()
     try:
         names = os.listdir(directory)

@@ -101,14 +101,10 @@ class BackwardPreprocessSm80:
             grid = (num_blocks, mO.shape[1], mCuSeqlensQ.shape[0] - 1)
         else:
             grid = (cute.ceil_div(mdPsum.shape[2], self.block_m), mO.shape[2], mO.shape[0])
-        if cutlass.const_expr(mdQaccum is None):
-            self.kernel(mO, mdO, mLSE, mdPsum, mLSElog2, tiled_mma, mCuSeqlensQ, pad_q).launch(
-                grid=grid, block=[self.num_warps * 32, 1, 1], stream=stream
-            )
-        else:
-            self.kernel(mO, mdO, mLSE, mdPsum, mLSElog2, tiled_mma, mCuSeqlensQ, pad_q, mdQaccum).launch(
-                grid=grid, block=[self.num_warps * 32, 1, 1], stream=stream
-            )
+        zeroed = () if cutlass.const_expr(mdQaccum is None) else (mdQaccum,)  # the kernel's optional last argument
+        self.kernel(mO, mdO, mLSE, mdPsum, mLSElog2, tiled_mma, mCuSeqlensQ, pad_q, *zeroed).launch(
+            grid=grid, block=[self.num_warps * 32, 1, 1], stream=stream
+        )
 
     @cute.kernel
     def kernel(
