@@ -22,6 +22,7 @@ import time
 
 IMPLS = ("cute-flash", "fa4", "sdpa")
 TORCH_WARMUP_ENV = "CUTE_FLASH_FIRST_CALL_TORCH_WARMUP"  # set by --torch-warmup for the child processes
+PROFILE_ENV = "CUTE_FLASH_FIRST_CALL_PROFILE"  # set by --profile: where a child writes its cProfile summary
 
 
 def child(impl: str, shape) -> dict:
@@ -62,6 +63,12 @@ def child(impl: str, shape) -> dict:
         fn = lambda: F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         ).transpose(1, 2)
+    profile_path = os.environ.get(PROFILE_ENV)
+    if profile_path:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t1 = time.perf_counter()
     out = fn()
     torch.cuda.synchronize()
@@ -69,6 +76,15 @@ def child(impl: str, shape) -> dict:
     out.backward(dout)
     torch.cuda.synchronize()
     t3 = time.perf_counter()
+    if profile_path:
+        import io
+        import pstats
+
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+        with open(profile_path, "w") as f:
+            f.write(text.getvalue())
     result = {"import_s": t1 - t0, "forward_s": t2 - t1, "backward_s": t3 - t2, "first_fwd_bwd_s": t3 - t1}
     if torch_warmup_s is not None:
         result["torch_warmup_s"] = torch_warmup_s
@@ -102,6 +118,7 @@ def main() -> None:
         action="store_true",
         help="run one untimed torch backward in each process first, so that torch's own first-use cost is not counted",
     )
+    p.add_argument("--profile", default=None, help="also write a cProfile summary of one warm-cache run to this file")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", choices=IMPLS, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -117,6 +134,8 @@ def main() -> None:
     if args.cache_dir is None:
         rows.append(("cute-flash, cold disk cache (compiles, writes)", [_run("cute-flash", shape, on, tw)]))
     rows.append(("cute-flash, warm disk cache", [_run("cute-flash", shape, on, tw) for _ in range(args.runs)]))
+    if args.profile:
+        _run("cute-flash", shape, {**on, PROFILE_ENV: os.path.abspath(args.profile)}, tw)
     off = {"CUTE_FLASH_DISK_CACHE": "0"}
     rows.append(("cute-flash, disk cache off (compiles)", [_run("cute-flash", shape, off, tw)]))
     rows.append(("fa4 (flash_attn.cute)", [_run("fa4", shape, {}, tw) for _ in range(args.runs)]))

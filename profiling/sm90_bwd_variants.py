@@ -34,14 +34,15 @@ VARIANTS = {
     "dv_early_b": {"dv_before_dp_wait": True, "dq_stage_single_base": True},
     "dq_base": {"dq_stage_single_base": True},
     "m80_regstats": {"tile_m": 80, "dq_swap_ab": True, "max_unshuffled_stat_cols": 20},
-    # Fixed cost around the main kernel (any head dim; BwdTileConfig's launch-overhead switches): the preprocess
-    # zeroes the dQ accumulator instead of a torch.zeros; programmatic dependent launch of the main kernel after the
-    # preprocess, and of the dQ postprocess after the main kernel.
-    "zero_pre": {"zero_dq_in_preprocess": True},
-    "pdl": {"pdl": True},
-    "pdl_post": {"pdl_dq_post": True},
-    "zero_pre_pdl": {"zero_dq_in_preprocess": True, "pdl": True},
-    "overhead_all": {"zero_dq_in_preprocess": True, "pdl": True, "pdl_dq_post": True},
+    # Fixed cost around the main kernel (any head dim; BwdTileConfig's launch-overhead switches, all on by default):
+    # "plain" turns all three off (a torch.zeros of the dQ accumulator, the sm80 family's preprocess, ordinary
+    # launches), "memset" only the zeroing in the preprocess, "no_pdl" only the programmatic dependent launches.
+    "plain": {"zero_dq_in_preprocess": False, "pdl": False, "pdl_dq_post": False},
+    "memset": {"zero_dq_in_preprocess": False},
+    "no_pdl": {"pdl": False, "pdl_dq_post": False},
+    # A CTA's first S product behind one K + V barrier (the order before session 10) instead of K with Q's first
+    # stage and V with dO's.
+    "kv_barrier": {"kv_with_first_tile": False},
 }
 
 

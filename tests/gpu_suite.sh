@@ -21,11 +21,12 @@
 #   vtime     [420] only the variants' timings (as in "variants")
 #   otests    [600] launch-overhead variants (dQaccum zeroed in the preprocess, PDL; BwdTileConfig): their gradients
 #                   at d64/128/256 (tests/test_sm90_bwd_variants.py -k test_sm90_backward_overhead_variants)
-#   otime     [540] their timings beside the default and FA4 at d128 and d64, 1k/4k/16k
+#   otime     [540] their timings beside the default and FA4 at $OTIME_DIMS (default 128 256 64), 1k/4k/16k
 #   torch     [300] torch integration (issue 15): inductor, CUDA graphs, autocast, opcheck, the transformers / SDPA
 #                   plug-ins, the disk kernel cache loaded in a second process, the TVM-FFI launch
 #   varlen    [300] packed sequences (issue 16) on the sm80 kernels, forward + gradients, CUDA graphs
-#   host      [240] host time per warm call and first-call time from a cold / warm disk cache (profiling/)
+#   host      [240] host time per warm call and first-call time from a cold / warm disk cache (profiling/), with a
+#                   cProfile of one warm-cache first call (first_call_profile.txt)
 #   hostprof  [90]  cProfile of warm forward + backward calls (profiling/host_profile.py)
 #   sm90bwd   [300] only the sm90 backward matrix (tests/test_sm90_bwd.py)
 #   vbench    [180] packed sequences against dense cute-flash and FA4's varlen (profiling/varlen_benchmark.py)
@@ -77,9 +78,10 @@ for s in $steps; do
             tests/test_sm90_bwd_variants.py -k "not overhead" ;;
     otests) step overhead_tests 600 python3 -m pytest -q -n 8 --dist loadgroup -p no:cacheprovider -rf \
             tests/test_sm90_bwd_variants.py -k test_sm90_backward_overhead_variants ;;
-    otime) step overhead 540 bash -c "for d in 128 64; do python3 -m profiling.sm90_bwd_variants --head-dim \$d \
-            --seqlens 1024,4096,16384 --causal both --variants default,zero_pre,pdl,pdl_post,zero_pre_pdl,overhead_all \
-            --fa4 --rounds 3 --rep-ms 50 || exit 1; done"
+    otime) step overhead 540 bash -c "for d in ${OTIME_DIMS:-128 256 64}; do python3 -m profiling.sm90_bwd_variants \
+            --head-dim \$d --seqlens 1024,4096,16384 --causal both \
+            --variants ${OTIME_VARIANTS:-default,plain,memset,no_pdl} --fa4 --rounds 2 --rep-ms 50 \
+            || exit 1; done"
          tail -n 50 "$out/overhead.log" ;;
     vtime) step variants 420 bash -c "python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 \
             --causal both --variants default,dv_early,dv_early_b,dq_base --fa4 --rounds 3 --rep-ms 50 && \
@@ -90,8 +92,11 @@ for s in $steps; do
             tests/test_torch_integration_gpu.py tests/test_integrations_gpu.py tests/test_disk_cache_gpu.py \
             tests/test_launch_gpu.py ;;
     varlen) step varlen 300 python3 -m pytest -q -n 6 --dist loadgroup -p no:cacheprovider -rf tests/test_varlen_gpu.py ;;
-    host) step host 240 bash -c "python3 -m profiling.host_overhead && python3 -m profiling.cache_first_call --runs 2 \
-            --torch-warmup"
+    host) # The device machine sets PYTHONDONTWRITEBYTECODE and unpacks the bundle without bytecode, so every new process
+          # would compile tvm_ffi's and our sources again (~0.05 s of a first call); pip byte-compiles at install time.
+          python3 -m compileall -q -j 0 /tmp/site cute_flash > /dev/null 2>&1
+          step host 240 bash -c "python3 -m profiling.host_overhead && python3 -m profiling.cache_first_call --runs 2 \
+            --torch-warmup --profile $out/first_call_profile.txt"
           grep -v -i warn "$out/host.log" | grep -v exe_args | tail -n 16 ;;
     hostprof) step hostprof 90 python3 -m profiling.host_profile --backward
           head -n 45 "$out/hostprof.log" ;;

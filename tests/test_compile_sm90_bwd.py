@@ -54,7 +54,7 @@ def _compile_reports(builds, head_dim: int, causal: bool) -> dict:
 def test_sm90_backward_compiles(builds, head_dim, causal):
     reports = _compile_reports(builds, head_dim, causal)
     roles = {"bwd", "bwd_gqa", "bwd_det", "bwd_gqa_det"}
-    assert roles | {"fwd", "bwd_dq_postprocess", "sm80_bwd_preprocess"} <= set(reports), sorted(reports)
+    assert roles | {"fwd", "bwd_dq_postprocess", "bwd_preprocess"} <= set(reports), sorted(reports)
     for role in sorted(roles):
         report = reports[role]
         census = report["census"]
@@ -68,11 +68,17 @@ def test_sm90_backward_compiles(builds, head_dim, causal):
         assert census["mma.sync"] == 0, "the sm90 backward must not fall back to mma.sync"
         assert report["threads"] == 384
         assert report["spill_bytes"] == 0, f"{role} d={head_dim} spills {report['spill_bytes']} bytes"
-    # The launch-overhead switches (BwdTileConfig.pdl, .pdl_dq_post) are off by default: no griddepcontrol anywhere
-    # (tests/test_sm90_bwd_variants.py builds them on).
-    for role in sorted(roles | {"bwd_dq_postprocess", "sm80_bwd_preprocess"}):
+    # The launch-overhead switches (BwdTileConfig.zero_dq_in_preprocess, .pdl, .pdl_dq_post) are on by default: the
+    # sm90 preprocess build signals its dependent, the main kernel waits (producer, dQ warp, epilogue) and signals,
+    # the dQ postprocess waits (tests/test_sm90_bwd_variants.py builds them off).
+    expected = {"bwd_preprocess": (0, 1), "bwd_dq_postprocess": (1, 0), **{role: (3, 1) for role in roles}}
+    for role, (waits, launches) in sorted(expected.items()):
         census = reports[role]["census"]
-        assert census["griddepcontrol.wait"] == census["griddepcontrol.launch_dependents"] == 0, (role, census)
+        assert (census["griddepcontrol.wait"], census["griddepcontrol.launch_dependents"]) == (waits, launches), (
+            role,
+            census,
+        )
+    assert "sm80_bwd_preprocess" not in reports
 
 
 def test_sm90_backward_support():

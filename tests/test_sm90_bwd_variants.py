@@ -22,8 +22,8 @@ from cute_flash.spec import AttentionSpec
 from profiling.sm90_bwd_variants import VARIANTS
 
 STUDY_VARIANTS = ("dv_early", "dv_early_b", "dq_base", "m80_regstats")
-OVERHEAD_VARIANTS = ("zero_pre", "pdl", "pdl_post", "zero_pre_pdl", "overhead_all")
-OVERHEAD_FIELDS = ("zero_dq_in_preprocess", "pdl", "pdl_dq_post")
+OVERHEAD_VARIANTS = ("plain", "memset", "no_pdl", "kv_barrier")
+OVERHEAD_FIELDS = ("zero_dq_in_preprocess", "pdl", "pdl_dq_post", "kv_with_first_tile")
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -106,10 +106,10 @@ def _spec(head_dim: int, mask: str) -> AttentionSpec:
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
-def test_overhead_switches_default_off(head_dim):
+def test_overhead_switches_default_on(head_dim):
     for mask in ("none", "causal", "local"):
         cfg = bwd_tile_config(_spec(head_dim, mask))
-        assert not any(getattr(cfg, f) for f in OVERHEAD_FIELDS), cfg
+        assert all(getattr(cfg, f) for f in OVERHEAD_FIELDS), cfg
         for name in OVERHEAD_VARIANTS:
             variant = dataclasses.replace(cfg, **VARIANTS[name])
             assert bwd_config_problem(variant, head_dim) is None
@@ -171,13 +171,13 @@ print(json.dumps(out))
 """
 
 OVERHEAD_BUILDS = [
-    (d, mask, "overhead_all", "bwd_preprocess,bwd,bwd_dq_postprocess")
-    for d in (64, 128, 256)
-    for mask in ("none", "causal")
+    (d, mask, "default", "bwd_preprocess,bwd,bwd_dq_postprocess") for d in (64, 128, 256) for mask in ("none", "causal")
 ] + [
-    (128, "causal", "overhead_all", "bwd_gqa_det"),  # GQA adds and both semaphores behind the waits
-    (64, "causal", "pdl", "bwd_preprocess"),  # launch_dependents alone (the default entry)
-    (128, "none", "zero_pre", "bwd_preprocess"),  # zeroing alone
+    (128, "causal", "default", "bwd_gqa_det"),  # GQA adds and both semaphores behind the waits
+    (96, "causal", "default", "bwd_preprocess,bwd,bwd_dq_postprocess"),  # dQ from one consumer
+    (64, "causal", "memset", "bwd_preprocess"),  # launch_dependents alone
+    (128, "none", "no_pdl", "bwd_preprocess"),  # zeroing alone
+    (128, "none", "plain", "bwd,bwd_dq_postprocess"),  # no griddepcontrol at all
 ]
 
 
@@ -200,7 +200,7 @@ def test_overhead_variants_build(overhead_builds, head_dim, mask, variant, roles
     done = overhead_builds[(head_dim, mask, variant, roles)].result()
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    options = VARIANTS[variant]
+    options = dataclasses.replace(bwd_tile_config(_spec(head_dim, mask)), **VARIANTS[variant]).as_dict()
     for role, rep in out.items():
         assert rep["stack"] == 0 and rep["spills"] and set(rep["spills"]) == {0}, (role, rep)
         census = rep["census"]
@@ -275,7 +275,12 @@ OVERHEAD_GPU_CASES = [
         id=f"overhead-{name}-d{d}-{sq}x{sk}-{m}-h{h}_{hk}",
         marks=(pytest.mark.sm90, pytest.mark.xdist_group(f"overhead-{name}-d{d}")),
     )
-    for name, dims in (("zero_pre", (64, 128, 256)), ("overhead_all", (64, 128, 256)), ("pdl", (128,)))
+    for name, dims in (
+        ("plain", (64, 128, 256)),
+        ("memset", (64, 128, 256)),
+        ("no_pdl", (128,)),
+        ("kv_barrier", (96, 256)),
+    )
     for d in dims
     for sq, sk in ((1, 1), (113, 203), (1023, 1024))
     for m in ("full", "causal")

@@ -8,9 +8,9 @@
                     dK/dV partial sums go to (b, sk_padded, h_kv, d) fp32 buffers converted by the sm80 family's
                     accumulator conversion
 
-Study options (BwdTileConfig, off by default): zero_dq_in_preprocess (a preprocess build that zeroes the dQ
-accumulator, in place of the torch.zeros), pdl / pdl_dq_post (programmatic dependent launch preprocess -> main ->
-dQ postprocess).
+Launch-overhead options (BwdTileConfig, on by default): zero_dq_in_preprocess (a preprocess build that zeroes the dQ
+accumulator, in place of a torch.zeros), pdl / pdl_dq_post (programmatic dependent launch preprocess -> main -> dQ
+postprocess). With both of the first two off the preprocess is the sm80 family's own build.
 
 Kernels are compiled once per (target, role, spec, tile config) with symbolic batch, sequence and head extents and
 launched through TVM-FFI on torch's current stream.
@@ -31,6 +31,7 @@ from ...spec import AttentionSpec
 from ...validation import Problem, _round_up
 from ..base import BwdTensors, Grads, KernelArtifact
 from .tile_config import (
+    ROWS_PER_CONSUMER,
     WARPGROUP_THREADS,
     BwdTileConfig,
     bwd_config_problem,
@@ -92,10 +93,12 @@ def _kernel(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str):
             pdl_dq_post=cfg.pdl_dq_post,
         )
     elif role == "bwd_preprocess":
-        # Only the launch-overhead options' builds (the default is the sm80 family's preprocess_kernel): the
+        # The launch-overhead options' builds (with both off, the sm80 family's preprocess_kernel serves): the
         # dtype, head dim and the two options.
         key_spec = dataclasses.replace(spec, mask="none")
-        cfg = (cfg.zero_dq_in_preprocess, cfg.pdl)
+        cfg = BwdTileConfig(
+            tile_m=ROWS_PER_CONSUMER, dq_split="m", zero_dq_in_preprocess=cfg.zero_dq_in_preprocess, pdl=cfg.pdl
+        )
     else:
         key_spec = spec
         cfg = dataclasses.replace(cfg, zero_dq_in_preprocess=False)  # the main kernel's code does not depend on it
@@ -221,8 +224,8 @@ def compile_backward_artifacts(
     reason = backward_unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(reason)
-    own_preprocess = cfg is not None and (cfg.zero_dq_in_preprocess or cfg.pdl)
     cfg = cfg or bwd_tile_config(spec)
+    own_preprocess = cfg.zero_dq_in_preprocess or cfg.pdl
     compile_cache.ensure_cute_dsl_arch(target)
     config = {**cfg.as_dict(), "shared_bytes": bwd_smem_bytes(cfg, spec.head_dim), "threads": cfg.num_threads}
     artifacts = []

@@ -127,7 +127,7 @@ def compile_dq_postprocess(spec: AttentionSpec, cfg, target: str, extra_options:
 
 def compile_preprocess(spec: AttentionSpec, cfg, target: str, extra_options: Optional[str] = None):
     """The sm80 family's preprocess (D and lse_log2) built with the sm90 backward's launch-overhead options
-    (BwdTileConfig.zero_dq_in_preprocess, .pdl; the default build is the sm80 family's own, `preprocess_kernel`):
+    (BwdTileConfig.zero_dq_in_preprocess, .pdl; with both off the sm80 family's own, `preprocess_kernel`, serves):
     fn(out, dout, lse, dpsum, lse_log2) or, zeroing the dQ accumulator, fn(out, dout, lse, dpsum, lse_log2,
     dq_accum)."""
     from ..sm80.flash_bwd_preprocess import BackwardPreprocessSm80

@@ -29,12 +29,12 @@ when the key tile runs past seqlen_k, pay for element-wise masking. Query rows p
 and rows that see no key carry lse_log2 = +inf and D = 0 from the preprocess, so their P and dS are exactly 0.
 Masking happens on the scaled exponent, after the softmax scale, so a scale of 0 never meets -inf · 0.
 
-Launch overhead (BwdTileConfig.pdl, pdl_dq_post; off by default, where no griddepcontrol is emitted): with `pdl` the
+Launch overhead (BwdTileConfig.pdl, pdl_dq_post; on by default, off emits no griddepcontrol): with `pdl` the
 kernel is launched with programmatic dependent launch and may start while the preprocess still runs. Q, K, V and dO
-come from launches that ended before the preprocess began, so the producer loads K, V and the first Q tile at once;
-every access to what the preprocess (or a memset before it) wrote follows a griddepcontrol.wait: the producer's LSE
-/ D loads, the dQ warp's reduce-adds and semaphores, the consumers' epilogue (dK / dV stores, GQA adds and
-semaphores). With `pdl_dq_post` the kernel lets the dQ postprocess launch early (it waits before its loads).
+come from launches that ended before the preprocess began, so the producer loads K, V and the first Q and dO tiles
+at once; every access to what the preprocess (or a memset before it) wrote follows a griddepcontrol.wait: the
+producer's LSE / D loads, the dQ warp's reduce-adds and semaphores, the consumers' epilogue (dK / dV stores, GQA
+adds and semaphores). With `pdl_dq_post` the kernel lets the dQ postprocess launch early (it waits before its loads).
 
 Global tensors are viewed as (seqlen, head_dim, heads, batch) as in the forward kernel.
 """
@@ -303,7 +303,8 @@ class Sm90FlashBackward:
         stat_bytes = self.tile_m * 4
         self.bytes_q_lse = cute.size_in_bytes(self.dtype, one(sQ_layout)) + stat_bytes
         self.bytes_do_dpsum = cute.size_in_bytes(self.dtype, one(sdO_layout)) + stat_bytes
-        self.bytes_kv = cute.size_in_bytes(self.dtype, one(sK_layout)) + cute.size_in_bytes(self.dtype, one(sV_layout))
+        self.bytes_k = cute.size_in_bytes(self.dtype, one(sK_layout))
+        self.bytes_v = cute.size_in_bytes(self.dtype, one(sV_layout))
 
         SharedStorage = self._shared_storage(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout)
 
@@ -421,7 +422,7 @@ class Sm90FlashBackward:
         ring = partial(
             pipeline.PipelineTmaAsync.create, producer_group=producer, consumer_group=consumer_warps, defer_sync=True
         )
-        pipe_kv = ring(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, tx_count=self.bytes_kv)
+        pipe_kv = ring(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, tx_count=self.bytes_k + self.bytes_v)
         pipe_q = ring(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages, tx_count=self.bytes_q_lse)
         pipe_do = ring(
             barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages, tx_count=self.bytes_do_dpsum
@@ -521,7 +522,7 @@ class Sm90FlashBackward:
     ):
         """K and V once; then Q + LSE and dO + D per query tile, in the consumers' order. atoms / tensors / tiles: the
         TMA atoms, global coordinate tensors and shared-memory tiles of Q, K, V, dO, LSE and D, in that order.
-        cfg.pdl (launched while the preprocess may still run): K, V and the first Q tile (written before the
+        cfg.pdl (launched while the preprocess may still run): K, V and the first Q and dO tiles (written before the
         preprocess started) are loaded first, LSE and D (the preprocess's outputs) only after griddepcontrol.wait."""
         atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum = atoms
         mQ, mK, mV, mdO, mLSElog2, mdPsum = tensors
@@ -549,26 +550,68 @@ class Sm90FlashBackward:
         tDsD, tDgD = part1(atom_dpsum, sdPsum, gdPsum)
 
         if m_max > m_min:
-            kv = producer_state(1)
-            pipe_kv.producer_acquire(kv)
-            cute.copy(atom_k, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
-            cute.copy(atom_v, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+            if const_expr(not self.cfg.kv_with_first_tile):
+                kv = producer_state(1)
+                pipe_kv.producer_acquire(kv)
+                cute.copy(atom_k, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+                cute.copy(atom_v, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+            src = (tQgQ, tKgK, tVgV, tdOgdO, tLgL, tDgD)
+            dst = (tQsQ, tKsK, tVsV, tdOsdO, tLsL, tDsD)
             q = producer_state(self.num_stages)
             do = producer_state(self.num_stages)
-            for m_block in cutlass.range(m_min, m_max, unroll=1):
-                pipe_q.producer_acquire(q)
-                bar_q = pipe_q.producer_get_barrier(q)
-                cute.copy(atom_q, tQgQ[None, m_block], tQsQ[None, q.index], tma_bar_ptr=bar_q)
-                if const_expr(self.cfg.pdl):
-                    if m_block == m_min:
-                        cute.arch.griddepcontrol_wait()  # the preprocess has ended and its writes are visible
-                cute.copy(atom_lse, tLgL[None, m_block], tLsL[None, q.index], tma_bar_ptr=bar_q)
-                pipe_do.producer_acquire(do)
-                bar_do = pipe_do.producer_get_barrier(do)
-                cute.copy(atom_do, tdOgdO[None, m_block], tdOsdO[None, do.index], tma_bar_ptr=bar_do)
-                cute.copy(atom_dpsum, tDgD[None, m_block], tDsD[None, do.index], tma_bar_ptr=bar_do)
+            self.load_query_tile(pipe_q, pipe_do, q, do, atoms, src, dst, m_min, n_block, True)
+            q.advance()
+            do.advance()
+            for m_block in cutlass.range(m_min + 1, m_max, unroll=1):
+                self.load_query_tile(pipe_q, pipe_do, q, do, atoms, src, dst, m_block, n_block, False)
                 q.advance()
                 do.advance()
+
+    @cute.jit
+    def acquire_stage(self, pipe, state, atom, src, dst, extra_bytes: int, with_extra: cutlass.Constexpr):
+        """Acquires `state`'s stage of `pipe` and returns its full barrier; with_extra, the TMA load src -> dst rides
+        on the same barrier (which then expects extra_bytes more)."""
+        pipe.producer_acquire(state)
+        bar = pipe.producer_get_barrier(state)
+        if const_expr(with_extra):
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_expect_tx(bar, extra_bytes)
+            cute.copy(atom, src, dst, tma_bar_ptr=bar)
+        return bar
+
+    @cute.jit
+    def load_query_tile(
+        self,
+        pipe_q,
+        pipe_do,
+        q,
+        do,
+        atoms: tuple,
+        src: tuple,
+        dst: tuple,
+        m_block: Int32,
+        n_block: Int32,
+        first: cutlass.Constexpr,
+    ):
+        """Q + LSE on a Q stage's barrier, dO + D on a dO stage's. src / dst: the TMA partitions of Q, K, V, dO, LSE
+        and D in global and shared memory. The first query tile (`first`): with kv_with_first_tile, K completes Q's
+        first stage and V dO's (each barrier expects the extra bytes), so the first S product waits for K + Q only;
+        every load of an input comes before griddepcontrol.wait (pdl), LSE and D after it."""
+        atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum = atoms
+        tQgQ, tKgK, tVgV, tdOgdO, tLgL, tDgD = src
+        tQsQ, tKsK, tVsV, tdOsdO, tLsL, tDsD = dst
+        kv_here = first and self.cfg.kv_with_first_tile
+        bar_q = self.acquire_stage(pipe_q, q, atom_k, tKgK[None, n_block], tKsK[None, 0], self.bytes_k, kv_here)
+        cute.copy(atom_q, tQgQ[None, m_block], tQsQ[None, q.index], tma_bar_ptr=bar_q)
+        if const_expr(not first):
+            cute.copy(atom_lse, tLgL[None, m_block], tLsL[None, q.index], tma_bar_ptr=bar_q)
+        bar_do = self.acquire_stage(pipe_do, do, atom_v, tVgV[None, n_block], tVsV[None, 0], self.bytes_v, kv_here)
+        cute.copy(atom_do, tdOgdO[None, m_block], tdOsdO[None, do.index], tma_bar_ptr=bar_do)
+        if const_expr(first):
+            if const_expr(self.cfg.pdl):
+                cute.arch.griddepcontrol_wait()  # the preprocess has ended and its writes are visible
+            cute.copy(atom_lse, tLgL[None, m_block], tLsL[None, q.index], tma_bar_ptr=bar_q)
+        cute.copy(atom_dpsum, tDgD[None, m_block], tDsD[None, do.index], tma_bar_ptr=bar_do)
 
     @cute.jit
     def consume(
@@ -670,8 +713,8 @@ class Sm90FlashBackward:
 
         if m_max > m_min:
             scale_log2 = softmax_scale * LOG2_E
-            kv = consumer_state(1)
-            consumer_wait(pipe_kv, kv)
+            if const_expr(not self.cfg.kv_with_first_tile):
+                consumer_wait(pipe_kv, consumer_state(1))  # (otherwise K / V arrive with the first Q / dO stage)
             q = consumer_state(stages)
             do = consumer_state(stages)
             step = partial(

@@ -145,16 +145,24 @@ class BwdTileConfig:
           (the same shared-memory offsets) instead of recomputing and re-aligning each of them.
       max_unshuffled_stat_cols (C): above this many query columns per thread, LSE / D come through shuffles
           (load_column_stats); 20 keeps all of tile_m 80's columns in registers at d128.
-    Launch-overhead switches (profiling/sm90_bwd_variants.py "zero_pre", "pdl", "pdl_post", "zero_pre_pdl",
-    "overhead_all"; not timed yet, all off by default):
+    Launch-overhead switches, all on by default since session 10: with all three the backward measured +0.4..+2.6%
+    (d128, three runs), +1.7..+2.2% (d64), +0.3..+0.6% (d256) over none (geomean over 1k/4k/16k x causal both,
+    kernels alone, H100, docs/performance.md session 10; profiling/sm90_bwd_variants.py "plain" turns all three off,
+    "memset" / "no_pdl" one part):
       zero_dq_in_preprocess: the preprocess zeroes the dQ accumulator (each CTA its 64 rows) instead of a separate
           torch.zeros before it.
       pdl: programmatic dependent launch of the main kernel after the preprocess (which signals
-          griddepcontrol.launch_dependents at its start): the producer issues the K and V loads and the first Q tile,
-          then waits (griddepcontrol.wait) before any LSE / D load; the dQ warp waits before its first reduce-add or
-          semaphore access, the consumers before their epilogue (dK / dV stores, GQA adds and semaphores).
+          griddepcontrol.launch_dependents at its start): the producer issues the K and V loads and the first Q and
+          dO tiles, then waits (griddepcontrol.wait) before any LSE / D load; the dQ warp waits before its first
+          reduce-add or semaphore access, the consumers before their epilogue (dK / dV stores, GQA adds and
+          semaphores).
       pdl_dq_post: the same between the main kernel (which signals at its start) and the dQ postprocess (which
           waits before reading the accumulator).
+    kv_with_first_tile (FA3 / FA4's order; profiling/sm90_bwd_variants.py "kv_barrier" turns it off): K is loaded on
+        the first Q stage's barrier and V on the first dO stage's, so a CTA's first S product waits for K and Q
+        (48 KiB at d128) instead of K, V and Q (80 KiB); docs/sm90_bwd_sass_study.md item 5. Measured neutral on an
+        H100 (session 10: d128 1.001, d256 0.997, d64 1.023 against the single barrier); kept on (one barrier wait
+        fewer per CTA).
     """
 
     tile_m: int
@@ -170,9 +178,10 @@ class BwdTileConfig:
     dv_before_dp_wait: bool = False  # A: dV's product before the dP wait (docs/sm90_bwd_sass_study.md)
     dq_stage_single_base: bool = False  # B: dQ stores from one base address (docs/sm90_bwd_sass_study.md)
     max_unshuffled_stat_cols: int = UNSHUFFLED_STAT_COLS  # C: LSE / D held in registers up to this many columns
-    zero_dq_in_preprocess: bool = False  # the preprocess zeroes the dQ accumulator (no torch.zeros)
-    pdl: bool = False  # preprocess -> main kernel by programmatic dependent launch
-    pdl_dq_post: bool = False  # main kernel -> dQ postprocess by programmatic dependent launch
+    zero_dq_in_preprocess: bool = True  # the preprocess zeroes the dQ accumulator (no torch.zeros)
+    pdl: bool = True  # preprocess -> main kernel by programmatic dependent launch
+    pdl_dq_post: bool = True  # main kernel -> dQ postprocess by programmatic dependent launch
+    kv_with_first_tile: bool = True  # K / V complete the first Q / dO stage's barrier (not one K + V barrier)
 
     @property
     def num_threads(self) -> int:
