@@ -1,8 +1,9 @@
 """`attention_varlen`: attention over packed sequences of different lengths (cu_seqlens), forward and backward.
 
-Served by the kernel families that have a packed (varlen) variant: today the sm80 family (FlashAttention-2 design),
-on Ampere and, through the router's fallback, on Hopper; the sm90 and sm100 families have no varlen kernel yet, so
-`explain_varlen` shows them skipped with that reason (and on a Blackwell GPU the call raises NotImplementedError).
+Served by the kernel families that have a packed (varlen) variant: the sm80 family (FlashAttention-2 design), on
+Ampere and, through the router's fallback, on Hopper; the sm90 packed forward only with CUTE_FLASH_SM90_VARLEN=1
+(not yet run on a GPU); sm100 has none, so on a Blackwell GPU the call raises NotImplementedError. `explain_varlen`
+shows the skipped families with their reasons.
 
 The kernels read each sequence's offsets from cu_seqlens on the GPU, so a call makes no device-to-host copy and can
 be captured in a CUDA graph. Their grid spans max_seqlen_q's query blocks (backward: max_seqlen_k's key blocks) for
@@ -157,7 +158,8 @@ def explain_varlen(
     capability: Optional[Tuple[int, int]] = None,
 ) -> Explanation:
     """Which family would serve `attention_varlen(...)` with these arguments, forward and backward, and why the
-    others were skipped (e.g. "sm90: ... no varlen (packed sequences) variant yet" on Hopper, served by sm80).
+    others were skipped (e.g. "sm90: the sm90 varlen forward is not yet verified on a GPU ..." on Hopper, served by
+    sm80).
     Validates like `attention_varlen`. capability: explain for a GPU of that compute capability (then the inputs may
     be CPU or meta tensors), as in `cute_flash.explain`."""
     seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)

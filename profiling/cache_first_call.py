@@ -135,7 +135,9 @@ def main() -> None:
         rows.append(("cute-flash, cold disk cache (compiles, writes)", [_run("cute-flash", shape, on, tw)]))
     rows.append(("cute-flash, warm disk cache", [_run("cute-flash", shape, on, tw) for _ in range(args.runs)]))
     if args.profile:
-        _run("cute-flash", shape, {**on, PROFILE_ENV: os.path.abspath(args.profile)}, tw)
+        profiled = _run("cute-flash", shape, {**on, PROFILE_ENV: os.path.abspath(args.profile)}, tw)
+        if "error" in profiled:
+            print(f"--profile run failed: {profiled['error']}")
     off = {"CUTE_FLASH_DISK_CACHE": "0"}
     rows.append(("cute-flash, disk cache off (compiles)", [_run("cute-flash", shape, off, tw)]))
     rows.append(("fa4 (flash_attn.cute)", [_run("fa4", shape, {}, tw) for _ in range(args.runs)]))

@@ -43,6 +43,12 @@ VARIANTS = {
     # A CTA's first S product behind one K + V barrier (the order before session 10) instead of K with Q's first
     # stage and V with dO's.
     "kv_barrier": {"kv_with_first_tile": False},
+    # dQ added from registers (red.global.add.v4.f32) instead of the staged bulk reduce-add; with the freed shared
+    # memory, d256 gets a second Q / dO stage ("red2"; at d128 the same as "red") and d128 a third ("red3"; does not
+    # fit at d256).
+    "red": {"dq_red": True},
+    "red2": {"dq_red": True, "num_stages": 2},
+    "red3": {"dq_red": True, "num_stages": 3},
 }
 
 

@@ -19,12 +19,16 @@
 #                   the dQ staging base with both masks; the 80-row tile with register-held LSE / D without a mask)
 #   vtests    [240] only the variants' gradients (tests/test_sm90_bwd_variants.py)
 #   vtime     [420] only the variants' timings (as in "variants")
+#   red       [240 + 300] dQ added from registers (BwdTileConfig.dq_red; "red2": d256 with 2 stages, "red" / "red3": d128
+#                   with 2 / 3 stages): gradients, then timings beside the default and FA4
 #   otests    [600] launch-overhead variants (dQaccum zeroed in the preprocess, PDL; BwdTileConfig): their gradients
 #                   at d64/128/256 (tests/test_sm90_bwd_variants.py -k test_sm90_backward_overhead_variants)
 #   otime     [540] their timings beside the default and FA4 at $OTIME_DIMS (default 128 256 64), 1k/4k/16k
 #   torch     [300] torch integration (issue 15): inductor, CUDA graphs, autocast, opcheck, the transformers / SDPA
 #                   plug-ins, the disk kernel cache loaded in a second process, the TVM-FFI launch
 #   varlen    [300] packed sequences (issue 16) on the sm80 kernels, forward + gradients, CUDA graphs
+#   varlen90  [300] the sm90 packed forward (CUTE_FLASH_SM90_VARLEN=1): out / lse, seqused_k, CUDA graphs, and its
+#                   out / lse through the sm80 packed backward
 #   host      [240] host time per warm call and first-call time from a cold / warm disk cache (profiling/), with a
 #                   cProfile of one warm-cache first call (first_call_profile.txt)
 #   hostprof  [90]  cProfile of warm forward + backward calls (profiling/host_profile.py)
@@ -83,6 +87,12 @@ for s in $steps; do
             --variants ${OTIME_VARIANTS:-default,plain,memset,no_pdl} --fa4 --rounds 2 --rep-ms 50 \
             || exit 1; done"
          tail -n 50 "$out/overhead.log" ;;
+    red) step red_tests 240 python3 -m pytest -q -n 12 --dist loadgroup -p no:cacheprovider -rf \
+            tests/test_sm90_bwd_variants.py -k "test_sm90_backward_dq_red"
+         step red_time 300 bash -c "python3 -m profiling.sm90_bwd_variants --head-dim 256 --seqlens 1024,4096,16384 \
+            --causal both --variants default,red2 --fa4 --rounds 2 --rep-ms 50 && python3 -m profiling.sm90_bwd_variants \
+            --head-dim 128 --seqlens 1024,4096,16384 --causal both --variants default,red,red3 --rounds 2 --rep-ms 50"
+         grep -E "geomean" "$out/red_time.log" ;;
     vtime) step variants 420 bash -c "python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 \
             --causal both --variants default,dv_early,dv_early_b,dq_base --fa4 --rounds 3 --rep-ms 50 && \
             python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 --causal no \
@@ -91,10 +101,13 @@ for s in $steps; do
     torch) step torch 300 python3 -m pytest -q -n 3 --dist loadgroup -p no:cacheprovider -rf \
             tests/test_torch_integration_gpu.py tests/test_integrations_gpu.py tests/test_disk_cache_gpu.py \
             tests/test_launch_gpu.py ;;
-    varlen) step varlen 300 python3 -m pytest -q -n 6 --dist loadgroup -p no:cacheprovider -rf tests/test_varlen_gpu.py ;;
+    varlen) step varlen 300 python3 -m pytest -q -n 6 --dist loadgroup -p no:cacheprovider -rf tests/test_varlen_gpu.py \
+            -m sm80 ;;
+    varlen90) step varlen90 300 python3 -m pytest -q -n 6 --dist loadgroup -p no:cacheprovider -rf \
+            tests/test_varlen_gpu.py -m sm90 ;;
     host) # The device machine sets PYTHONDONTWRITEBYTECODE and unpacks the bundle without bytecode, so every new process
           # would compile tvm_ffi's and our sources again (~0.05 s of a first call); pip byte-compiles at install time.
-          python3 -m compileall -q -j 0 /tmp/site cute_flash > /dev/null 2>&1
+          [ -d /tmp/site ] && timeout 120 python3 -m compileall -q -j 0 /tmp/site cute_flash > "$out/compileall.log" 2>&1
           step host 240 bash -c "python3 -m profiling.host_overhead && python3 -m profiling.cache_first_call --runs 2 \
             --torch-warmup --profile $out/first_call_profile.txt"
           grep -v -i warn "$out/host.log" | grep -v exe_args | tail -n 16 ;;

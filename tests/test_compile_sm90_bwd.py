@@ -65,6 +65,9 @@ def test_sm90_backward_compiles(builds, head_dim, causal):
         assert census["cp.async.bulk.tensor"] > 0
         assert census["setmaxnreg"] >= 2  # producer decreases, consumers increase
         assert census["cp.reduce.async.bulk"] > 0, "dQ must be added by the bulk reduce-add"
+        assert census["red.global.add.v4.f32"] == 0, "dQ from registers (dq_red) is a study option, off by default"
+        # kv_with_first_tile: K and V ride on the first Q / dO stage's barrier, each adding its bytes there
+        assert census["mbarrier.expect_tx"] == 2, census
         assert census["mma.sync"] == 0, "the sm90 backward must not fall back to mma.sync"
         assert report["threads"] == 384
         assert report["spill_bytes"] == 0, f"{role} d={head_dim} spills {report['spill_bytes']} bytes"

@@ -170,14 +170,18 @@ for art in artifacts:
 print(json.dumps(out))
 """
 
+# (The default builds of every head dim and mask are checked by tests/test_compile_sm90_bwd.py.)
 OVERHEAD_BUILDS = [
-    (d, mask, "default", "bwd_preprocess,bwd,bwd_dq_postprocess") for d in (64, 128, 256) for mask in ("none", "causal")
-] + [
     (128, "causal", "default", "bwd_gqa_det"),  # GQA adds and both semaphores behind the waits
     (96, "causal", "default", "bwd_preprocess,bwd,bwd_dq_postprocess"),  # dQ from one consumer
     (64, "causal", "memset", "bwd_preprocess"),  # launch_dependents alone
     (128, "none", "no_pdl", "bwd_preprocess"),  # zeroing alone
     (128, "none", "plain", "bwd,bwd_dq_postprocess"),  # no griddepcontrol at all
+    (128, "causal", "kv_barrier", "bwd"),  # K + V on their own barrier: no extra expect_tx
+    # dQ from registers: the consumers wait (pdl) before their first add, no bulk reduce-add, no dQ warp
+    (64, "causal", "red", "bwd,bwd_gqa"),
+    (128, "none", "red3", "bwd"),
+    (256, "causal", "red2", "bwd,bwd_gqa"),
 ]
 
 
@@ -213,11 +217,17 @@ def test_overhead_variants_build(overhead_builds, head_dim, mask, variant, roles
         elif role == "bwd_dq_postprocess":
             assert waits == (1 if options.get("pdl_dq_post") else 0) and launches == 0, census
         else:
-            # the producer (before the first LSE / D load), the dQ warp (before its first reduce-add or semaphore),
-            # the consumers (before the epilogue's global writes)
+            # the producer (before the first LSE / D load), the dQ warp (before its first reduce-add or semaphore;
+            # with dq_red the consumers before their first add instead), the consumers (before the epilogue's
+            # global writes)
             assert waits == (3 if options.get("pdl") else 0), census
             assert launches == (1 if options.get("pdl_dq_post") else 0), census
-            assert census["cp.reduce.async.bulk"] > 0 and census["setmaxnreg"] >= 2
+            assert census["setmaxnreg"] >= 2
+            if options["dq_red"]:
+                assert census["red.global.add.v4.f32"] > 0 and census["cp.reduce.async.bulk"] == 0, census
+            else:
+                assert census["cp.reduce.async.bulk"] > 0 and census["red.global.add.v4.f32"] == 0, census
+            assert census["mbarrier.expect_tx"] == (2 if options["kv_with_first_tile"] else 0), census
 
 
 MASKS = {"full": (False, (None, None)), "causal": (True, (None, None)), "window100_30": (False, (100, 30))}
@@ -309,3 +319,78 @@ def test_sm90_backward_overhead_variants(name, head_dim, sq, sk, mask, h, h_kv):
     ref = backward_kernel_grads(run_backward, q, k, v, dout, causal, window, cfg=default, deterministic=True)
     for a, b in zip(det, ref):
         assert torch.equal(a, b)
+
+
+# dq_red (BwdTileConfig): dQ added from registers with red.global.add.v4.f32; with the shared buffer it frees, a
+# second Q / dO stage at d256 ("red2") and a third at d128 ("red3"). Atomics in no fixed order: no deterministic build.
+RED_VARIANTS = (("red", 128), ("red3", 128), ("red2", 256), ("red", 64))
+
+
+@pytest.mark.parametrize("name, head_dim", RED_VARIANTS)
+def test_dq_red_builds_fit(name, head_dim):
+    for mask in ("none", "causal", "local"):
+        cfg = dataclasses.replace(bwd_tile_config(_spec(head_dim, mask)), **VARIANTS[name])
+        assert bwd_config_problem(cfg, head_dim) is None, (name, head_dim, mask)
+
+
+def test_dq_red_refuses_deterministic():
+    from cute_flash.arch.sm90.backward import _kernels
+
+    cfg = dataclasses.replace(bwd_tile_config(_spec(256, "causal")), **VARIANTS["red2"])
+    with pytest.raises(ValueError, match="deterministic"):
+        _kernels(_spec(256, "causal"), cfg, "sm_90a", False, True)
+
+
+RED_GPU_CASES = [
+    pytest.param(
+        name,
+        d,
+        sq,
+        sk,
+        m,
+        h,
+        hk,
+        id=f"red-{name}-d{d}-{sq}x{sk}-{m}-h{h}_{hk}",
+        marks=(pytest.mark.sm90, pytest.mark.xdist_group(f"red-{name}-d{d}")),
+    )
+    for name, d in RED_VARIANTS
+    for sq, sk in ((1, 1), (113, 203), (1023, 1024))
+    for m in ("full", "causal", "window100_30")
+    for h, hk in ((8, 8), (8, 2))
+]
+
+
+@pytest.mark.parametrize("name, head_dim, sq, sk, mask, h, h_kv", RED_GPU_CASES)
+def test_sm90_backward_dq_red(name, head_dim, sq, sk, mask, h, h_kv):
+    """dQ from registers: gradients against the reference, twice in a row (a reused accumulator block must be zeroed
+    again by the preprocess)."""
+    from cute_flash.arch.sm90.backward import run_backward
+    from cute_flash.testing import backward_inputs, backward_kernel_grads, check_backward, stable_seed
+
+    causal, window = MASKS[mask]
+    q, k, v, dout = backward_inputs(
+        torch.bfloat16, head_dim, sq, sk, h, h_kv, stable_seed("bf16", head_dim, sq, sk, mask, h, h_kv, name)
+    )
+    base = bwd_tile_config(_spec(head_dim, "causal" if causal else ("local" if window[0] is not None else "none")))
+    cfg = dataclasses.replace(base, **VARIANTS[name])
+    for _ in range(2):
+        grads = backward_kernel_grads(run_backward, q, k, v, dout, causal, window, cfg=cfg)
+        check_backward(q, k, v, dout, grads, causal=causal, window_size=window)
+
+
+def test_preprocess_build_gets_a_config_keyed_on_its_options(monkeypatch):
+    # The option preprocess is cached on (dtype, head dim, zero_dq_in_preprocess, pdl) only, and its builder must get
+    # a BwdTileConfig (a bare tuple once reached it and failed on the GPU only).
+    from cute_flash import compile_cache
+    from cute_flash.arch.sm90 import backward as sm90_bwd
+
+    keys, built = [], []
+    monkeypatch.setattr(compile_cache, "ensure_cute_dsl_arch", lambda target: None)
+    monkeypatch.setattr(compile_cache, "get_or_compile", lambda key, build: keys.append(key) or build())
+    monkeypatch.setattr(sm90_bwd, "_build", lambda role, spec, cfg, target, extra="": built.append((role, spec, cfg)))
+    for head_dim, mask in ((128, "causal"), (128, "none"), (64, "causal")):
+        sm90_bwd._kernel("bwd_preprocess", _spec(head_dim, mask), bwd_tile_config(_spec(head_dim, mask)), "sm_90a")
+    for role, spec, cfg in built:
+        assert role == "bwd_preprocess" and isinstance(cfg, BwdTileConfig) and spec.mask == "none"
+        assert cfg.zero_dq_in_preprocess and cfg.pdl
+    assert keys[0] == keys[1] and keys[0] != keys[2]  # the mask and main-kernel options do not split the cache

@@ -2,7 +2,8 @@
 float64 per-sequence reference with FlashAttention's rule (cute_flash.testing), plus CUDA-graph capture.
 
 On Hopper the `sm80` marker forces the sm80 family (tests/conftest.py), which is also what the router picks there
-for varlen calls (the sm90 family has no varlen kernel yet). Cases sharing compiled kernels share an xdist group:
+for varlen calls unless CUTE_FLASH_SM90_VARLEN=1; the `sm90` tests at the end check the sm90 packed forward with it.
+Cases sharing compiled kernels share an xdist group:
     python -m pytest -q tests/test_varlen_gpu.py -n 4 --dist loadgroup
 """
 
@@ -188,3 +189,112 @@ def test_varlen_torch_compile_training_step_matches_eager():
     assert torch.equal(out, eager_out)
     for got, want in zip(grads, eager_grads):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+# --- the sm90 packed forward (CUTE_FLASH_SM90_VARLEN=1; docs/varlen.md) ---------------------------------------------
+def _sm90_cases():
+    cases = [("bf16", 128, mask, heads, lengths) for mask in MASKS for heads in ((4, 4), (4, 1)) for lengths in LENGTHS]
+    cases += [("fp16", 64, mask, (6, 2), "mixed") for mask in MASKS]
+    cases += [("bf16", 256, mask, (2, 1), "long") for mask in ("full", "causal")]
+    return [
+        pytest.param(
+            *c,
+            id=f"sm90-{c[0]}-d{c[1]}-{c[2]}-h{c[3][0]}_{c[3][1]}-{c[4]}",
+            marks=pytest.mark.xdist_group(f"varlen90-{c[0]}-d{c[1]}-{c[2]}"),
+        )  # fmt: skip
+        for c in cases
+    ]
+
+
+@pytest.fixture
+def sm90_varlen(monkeypatch):
+    """Routes attention_varlen's forward to the sm90 packed build for the test's duration."""
+    from cute_flash import interface, routing
+
+    monkeypatch.setenv("CUTE_FLASH_SM90_VARLEN", "1")
+    routing.clear_cache()
+    interface.clear_call_cache()
+    yield
+    monkeypatch.delenv("CUTE_FLASH_SM90_VARLEN")
+    routing.clear_cache()
+    interface.clear_call_cache()
+
+
+def _forward_family(q, k, v, cq, ck, mq, mk, **kw):
+    import cute_flash
+
+    return cute_flash.explain_varlen(q, k, v, cq, ck, mq, mk, **kw).forward_family
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("dt, d, mask, heads, lengths", _sm90_cases())
+def test_sm90_varlen_forward(sm90_varlen, dt, d, mask, heads, lengths):
+    """out and lse of every sequence against the float64 reference: zero-length sequences, queries without keys,
+    tiles that end inside a sequence (their loads read the next sequence's rows, which must not leak in and must
+    not be overwritten)."""
+    import cute_flash
+    from cute_flash.testing import stable_seed
+
+    causal, window = MASKS[mask]
+    lens_q, lens_k = LENGTHS[lengths]
+    seed = stable_seed(dt, d, mask, *heads, lengths)
+    q, k, v, cq, ck = (t.detach() for t in _packed(dt, d, lens_q, lens_k, *heads, seed=seed))
+    mq, mk = max(lens_q), max(lens_k)
+    assert _forward_family(q, k, v, cq, ck, mq, mk, causal=causal, window_size=window) == "sm90"
+    out, lse = cute_flash.attention_varlen(q, k, v, cq, ck, mq, mk, causal=causal, window_size=window, return_lse=True)
+    _check(q, k, v, cq, ck, mq, mk, out, lse, None, None, causal=causal, window_size=window)
+
+
+@pytest.mark.sm90
+@pytest.mark.xdist_group("varlen90-bf16-d128-causal")
+def test_sm90_varlen_forward_seqused_k(sm90_varlen):
+    import cute_flash
+
+    lens_q, lens_k = [5, 0, 40, 200, 1], [9, 4, 40, 300, 3]
+    used = torch.tensor([9, 0, 17, 250, 3], dtype=torch.int32, device="cuda")
+    q, k, v, cq, ck = (t.detach() for t in _packed("bf16", 128, lens_q, lens_k, 4, 2, seed=7))
+    out, lse = cute_flash.attention_varlen(q, k, v, cq, ck, 256, 512, causal=True, seqused_k=used, return_lse=True)
+    _check(q, k, v, cq, ck, 256, 512, out, lse, None, None, causal=True, seqused_k=used)
+
+
+@pytest.mark.sm90
+@pytest.mark.xdist_group("varlen90-bf16-d128-causal")
+def test_sm90_varlen_forward_sm80_backward(sm90_varlen, monkeypatch):
+    """Training: the sm90 packed forward's out / lse feed the sm80 family's packed backward (the router's choice
+    without CUTE_FLASH_ARCH), gradients against the reference."""
+    import cute_flash
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
+    lens_q, lens_k = LENGTHS["mixed"]
+    q, k, v, cq, ck = _packed("bf16", 128, lens_q, lens_k, 4, 2, seed=13)
+    mq, mk = max(lens_q), max(lens_k)
+    e = cute_flash.explain_varlen(q, k, v, cq, ck, mq, mk, causal=True)
+    assert (e.forward_family, e.backward_family) == ("sm90", "sm80")
+    out, lse = cute_flash.attention_varlen(q, k, v, cq, ck, mq, mk, causal=True, return_lse=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    _check(q, k, v, cq, ck, mq, mk, out, lse, dout, grads, causal=True)
+
+
+@pytest.mark.sm90
+@pytest.mark.xdist_group("varlen90-bf16-d128-causal")
+def test_sm90_varlen_forward_cuda_graph(sm90_varlen):
+    import cute_flash
+
+    lens = [100, 3, 250, 47]
+    q, k, v, cq, ck = (t.detach() for t in _packed("bf16", 128, lens, lens, 4, 4, seed=5))
+    call = lambda: cute_flash.attention_varlen(q, k, v, cq, ck, 256, 256, causal=True)  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    new = _cu([200, 50, 150, 0])
+    cq.copy_(new)
+    ck.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, call())

@@ -106,3 +106,17 @@ def prepare_build(
     if warming and spec.dtype == "fp8":
         raise NotImplementedError("warming the FP8 path (its kernel and the pre-pass) is not supported yet")
     compile_cache.ensure_cute_dsl_arch(target)
+
+
+def launch_packed_forward(kernel, q, k, v, out, lse, seqs: PackedSeqs, problem) -> None:
+    """Calls a compiled packed forward (the `packed` entry, common/entries.FwdEntries) on packed tensors: q
+    (total_q, h, d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q); seqs' cu_seqlens and
+    seqused_k (or None) as the build expects. The one calling convention of every family's forward_varlen."""
+    from ..validation import kernel_view
+
+    mask = problem.mask
+    q, k, v, out = (kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out)))
+    kernel(
+        q, k, v, out, lse, float(problem.softmax_scale), int(mask.left), int(mask.right),
+        seqs.cu_seqlens_q, seqs.cu_seqlens_k, seqs.seqused_k, int(seqs.max_seqlen_q),
+    )  # fmt: skip

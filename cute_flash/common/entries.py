@@ -3,7 +3,8 @@
 Each entry only forwards to the class's `_launch`, so a calling convention that several kernels follow is written
 once:
 
-- `DenseFwdEntry`: the forward kernels of the sm80 family and the sm90 bf16/fp16 kernel, on dense tensors.
+- `DenseFwdEntry`: the forward kernels of the sm80 family and the sm90 bf16/fp16 kernel, on dense tensors;
+  `FwdEntries` adds their `packed` entry (packed sequences, `varlen` kernels).
 - `DenseAccumEntry` / `AccumEntries`: the kernels that convert an fp32 gradient accumulator to the output dtype,
   on dense tensors and (sm80 family) packed ones, where sequence b's output rows start at mCuSeqlens[b] and its
   accumulator rows at mCuSeqlens[b] + b * pad.
@@ -12,6 +13,8 @@ Each kernel's docstring gives the layouts of its tensors.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
@@ -36,6 +39,34 @@ class DenseFwdEntry:
         stream: cuda.CUstream,
     ):
         self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream)
+
+
+class FwdEntries(DenseFwdEntry):
+    """Adds `packed(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, mCuSeqlensQ, mCuSeqlensK,
+    mSeqUsedK, max_seqlen_q, stream)` -> `self._launch(..., stream, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+    max_seqlen_q))` for kernels built with varlen=True: q (total_q, h, d), k / v (total_k, h_kv, d / dv),
+    out (total_q, h, dv), lse (h, total_q) fp32, mSeqUsedK (batch,) int32 or None."""
+
+    @cute.jit
+    def packed(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        mSeqUsedK: Optional[cute.Tensor],
+        max_seqlen_q: Int32,
+        stream: cuda.CUstream,
+    ):
+        assert self.varlen
+        packed = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q)
+        self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, packed)
 
 
 class DenseAccumEntry:

@@ -31,3 +31,35 @@ def fake_f32(shape: Sequence, divisibility: int = 1, align: int = 4):
     import cutlass
 
     return fake_tensor(cutlass.Float32, shape, divisibility, align)
+
+
+def fake_cu_seqlens(n):
+    """An int32 (n,) vector (cu_seqlens, seqused_k) for compiling the packed kernels."""
+    import cutlass
+
+    return fake_tensor(cutlass.Int32, (n,), 1, 4)
+
+
+def fake_packed_forward_args(dtype, head_dim: int, head_dim_v: int, seqused: bool) -> tuple:
+    """The arguments of a packed forward entry (common/entries.FwdEntries.packed) before the stream: q (total_q, h,
+    d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q), scale, window edges, cu_seqlens_q /
+    _k, seqused_k (None unless `seqused`), max_seqlen_q; batch = cu_seqlens_q's length - 1."""
+    import cutlass
+    import cutlass.cute as cute
+
+    batch, total_q, total_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
+    used = fake_cu_seqlens(batch) if seqused else None
+    return (
+        fake_operand(dtype, (total_q, heads, head_dim)),
+        fake_operand(dtype, (total_k, heads_kv, head_dim)),
+        fake_operand(dtype, (total_k, heads_kv, head_dim_v)),
+        fake_operand(dtype, (total_q, heads, head_dim_v)),
+        fake_f32((heads, total_q)),
+        cutlass.Float32(1.0),
+        cutlass.Int32(0),
+        cutlass.Int32(0),
+        fake_cu_seqlens(cute.sym_int()),
+        fake_cu_seqlens(cute.sym_int()),
+        used,
+        cutlass.Int32(0),
+    )

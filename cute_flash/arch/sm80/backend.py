@@ -20,10 +20,10 @@ import torch
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import Problem, VarlenProblem, kernel_view
-from ..base import BwdTensors, FwdTensors, Grads, KernelArtifact, PackedSeqs, prepare_build
+from ..base import BwdTensors, FwdTensors, Grads, KernelArtifact, PackedSeqs, launch_packed_forward, prepare_build
 from ...census import cubin_resources
 from ...common.dsl_types import dsl_dtype
-from ...common.fake_tensors import fake_f32, fake_operand
+from ...common.fake_tensors import fake_f32, fake_operand, fake_packed_forward_args
 from .tile_config import FwdTileConfig, fwd_tile_candidates
 
 FAMILY = "sm80"
@@ -79,50 +79,17 @@ def _build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str, sequs
     )
 
 
-def fake_cu_seqlens(n):
-    """An int32 (n,) vector (cu_seqlens, seqused_k) for compiling the packed kernels."""
-    import cutlass
-
-    from ...common.fake_tensors import fake_tensor
-
-    return fake_tensor(cutlass.Int32, (n,), 1, 4)
-
-
 def _build_forward_packed(spec: AttentionSpec, tile: FwdTileConfig, options: str, seqused: bool):
     """The packed (varlen) forward: q (total_q, h, d), ..., lse (h, total_q); batch = cu_seqlens_q's length - 1."""
-    import cutlass
     import cutlass.cute as cute
 
     from .flash_fwd import Sm80FlashForward
 
     dtype = dsl_dtype(spec.dtype)
-    batch, total_q, total_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
-    q = fake_operand(dtype, (total_q, heads, spec.head_dim))
-    k = fake_operand(dtype, (total_k, heads_kv, spec.head_dim))
-    v = fake_operand(dtype, (total_k, heads_kv, spec.head_dim_v))
-    out = fake_operand(dtype, (total_q, heads, spec.head_dim_v))
-    lse = fake_f32((heads, total_q))
-    cu_q, cu_k = fake_cu_seqlens(cute.sym_int()), fake_cu_seqlens(cute.sym_int())
-    used = fake_cu_seqlens(batch) if seqused else None
+    args = fake_packed_forward_args(dtype, spec.head_dim, spec.head_dim_v, seqused)
     kernel = Sm80FlashForward(dtype, spec.head_dim, spec.head_dim_v, spec.mask, tile, varlen=True)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(
-        kernel.packed,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        cutlass.Float32(1.0),
-        cutlass.Int32(0),
-        cutlass.Int32(0),
-        cu_q,
-        cu_k,
-        used,
-        cutlass.Int32(0),
-        stream,
-        options=options,
-    )
+    return cute.compile(kernel.packed, *args, stream, options=options)
 
 
 DETERMINISTIC_UNSUPPORTED = (
@@ -231,7 +198,7 @@ class _Backend:
         seqs: PackedSeqs, problem: VarlenProblem,
     ) -> None:  # fmt: skip
         """Packed forward: q (total_q, h, d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q)."""
-        spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
+        spec = problem.spec
         reason = forward_unsupported_reason(spec)
         if reason is not None:
             raise NotImplementedError(reason)
@@ -239,11 +206,7 @@ class _Backend:
         seqused = seqs.seqused_k is not None
         key = (FAMILY, target, "fwd", spec, seqused)
         kernel = compile_cache.get_or_compile(key, lambda: _compile_runnable_forward(spec, target, seqused))
-        q, k, v, out = (kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out)))
-        kernel(
-            q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right),
-            seqs.cu_seqlens_q, seqs.cu_seqlens_k, seqs.seqused_k, int(seqs.max_seqlen_q),
-        )  # fmt: skip
+        launch_packed_forward(kernel, q, k, v, out, lse, seqs, problem)
 
     def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
         if deterministic:

@@ -172,7 +172,7 @@ def _build_packed(
     from .flash_bwd import Sm80FlashBackward
     from .flash_bwd_postprocess import AccumConvertSm80, DqFragmentConvertSm80
     from .flash_bwd_preprocess import BackwardPreprocessSm80
-    from .backend import fake_cu_seqlens
+    from ...common.fake_tensors import fake_cu_seqlens
 
     dt = dsl_dtype(spec.dtype)
     d, dv = spec.head_dim, spec.head_dim_v

@@ -23,7 +23,6 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Type
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -32,7 +31,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from ...common.acc_views import rows_cols_view, sm80_acc_as_a_operand
 from ...common.block_info import BlockInfo
 from ...common.block_walk import walk_kv_blocks
-from ...common.entries import DenseFwdEntry
+from ...common.entries import FwdEntries
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
 from ...common.packed import SeqRows, dense_seq, head_rows, head_stats, seq_rows
@@ -151,7 +150,7 @@ class FwdParams(NamedTuple):
     SharedStorage: object
 
 
-class Sm80FlashForward(DenseFwdEntry):
+class Sm80FlashForward(FwdEntries):
     """Compile-time configuration of one forward kernel; `__call__` is the @cute.jit host entry.
 
     Host signature (TVM-FFI, torch's current stream): (q, k, v, out, lse, softmax_scale, window_left, window_right)
@@ -199,27 +198,6 @@ class Sm80FlashForward(DenseFwdEntry):
         thread_layout = cute.make_ordered_layout((self.num_threads // threads_per_row, threads_per_row), order=(1, 0))
         atom = cute.make_copy_atom(atom_op, self.dtype, num_bits_per_copy=COPY_BITS)
         return cute.make_tiled_copy_tv(atom, thread_layout, cute.make_layout((1, vec)))
-
-    @cute.jit
-    def packed(
-        self,
-        mQ: cute.Tensor,  # (total_q, h, d)
-        mK: cute.Tensor,  # (total_k, h_kv, d)
-        mV: cute.Tensor,  # (total_k, h_kv, dv)
-        mO: cute.Tensor,  # (total_q, h, dv)
-        mLSE: cute.Tensor,  # (h, total_q) fp32
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        mCuSeqlensQ: cute.Tensor,
-        mCuSeqlensK: cute.Tensor,
-        mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32: keys each sequence attends to, or None (all)
-        max_seqlen_q: Int32,
-        stream: cuda.CUstream,
-    ):
-        assert self.varlen
-        packed = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q)
-        self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, packed)
 
     @cute.jit
     def _launch(self, mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, packed=_DENSE):

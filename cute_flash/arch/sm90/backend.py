@@ -8,10 +8,14 @@ the router (cute_flash.routing) sends the backward to the sm80 family, whose ker
 sm90 forward's out / lse as they are.
 FP8 (`spec.dtype == "fp8"`, forward only) is served by the `fp8` sub-package (`fp8.launch`; its kernel
 `fp8/flash_fwd.py` is a subclass of the bf16 forward).
+Packed sequences (`attention_varlen`): the forward's packed build (`Sm90FlashForward(varlen=True)`, entry `packed`)
+serves them only when CUTE_FLASH_SM90_VARLEN=1 (read when a call is first routed): it is built and tested on the
+CPU but has not run on a GPU yet; otherwise, and for every backward, the sm80 family's packed kernels serve.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 from typing import Dict, List, Optional
 
@@ -19,11 +23,12 @@ import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec
-from ...validation import Problem
-from ..base import BwdTensors, FwdTensors, Grads, KernelArtifact, prepare_build
+from ...validation import PackedSeqs, Problem, VarlenProblem
+from ..base import BwdTensors, FwdTensors, Grads, KernelArtifact, launch_packed_forward, prepare_build
 from .tile_config import FwdTileConfig, budget_problem, fwd_tile_config, smem_bytes
 
 FAMILY = "sm90"
+VARLEN_ENV_VAR = "CUTE_FLASH_SM90_VARLEN"  # "1": the packed forward serves attention_varlen (not yet GPU-verified)
 # Head dims with a measured tile configuration (tile_config.py). head_dim and head_dim_v may differ, each one of
 # these: the kernel's Q/K and V/O shared-memory layouts depend on one of the two only, and each is built (and tested
 # on the GPU) at these widths.
@@ -57,31 +62,44 @@ def _bwd():
     return backward
 
 
-def _build_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_options: str = ""):
-    from .build import compile_forward  # imports cutlass: only when a kernel is needed
+def _build_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_options: str = "", seqused=False):
+    from .build import compile_forward, compile_forward_packed  # imports cutlass: only when a kernel is needed
 
+    if spec.varlen:
+        return compile_forward_packed(spec, cfg, target, extra_options, seqused)
     return compile_forward(spec, cfg, target, extra_options)
 
 
 class _Backend:
     name = FAMILY
     cute_arch = "sm_90a"
+    varlen_unavailable = f"the sm90 varlen forward is not yet verified on a GPU (opt in: {VARLEN_ENV_VAR}=1)"
+
+    @property
+    def varlen(self) -> bool:
+        """Whether attention_varlen may route here (routing._varlen_reason): only on request, see the module doc."""
+        return os.environ.get(VARLEN_ENV_VAR) == "1"
 
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         return _fp8().kv_scale_block(spec.head_dim, spec.head_dim_v)
 
     def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
         reason = forward_unsupported_reason(spec)
+        if reason is None and spec.varlen and spec.dtype == "fp8":
+            reason = "the sm90 FP8 forward has no varlen (packed sequences) build"
         if reason is not None or not backward:
             return reason
+        if spec.varlen:
+            return "the sm90 backward has no varlen (packed sequences) variant yet"
         if spec.dtype == "fp8":
             return "the sm90 FP8 path is forward-only: there is no FP8 backward"
         return _bwd().backward_unsupported_reason(spec)  # every sm90 backward configuration has a deterministic build
 
-    def _forward_kernel(self, spec: AttentionSpec, target: str):
+    def _forward_kernel(self, spec: AttentionSpec, target: str, seqused: bool = False):
+        """seqused: the packed build that reads seqused_k (spec.varlen only)."""
         cfg = fwd_tile_config(spec)
-        key = (FAMILY, target, "fwd", spec, cfg)
-        return compile_cache.get_or_compile(key, lambda: _build_forward(spec, cfg, target))
+        key = (FAMILY, target, "fwd", spec, cfg) + (("seqused_k",) if seqused else ())
+        return compile_cache.get_or_compile(key, lambda: _build_forward(spec, cfg, target, "", seqused))
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
         q, k, v, out, lse = t
@@ -97,6 +115,17 @@ class _Backend:
         target = compile_cache.runtime_target(q.device)
         kernel = self._forward_kernel(spec, target)
         kernel(q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right))
+
+    def forward_varlen(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+        seqs: PackedSeqs, problem: VarlenProblem,
+    ) -> None:  # fmt: skip
+        """Packed forward: q (total_q, h, d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q)."""
+        reason = self.unsupported_reason(problem.spec, backward=False)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        kernel = self._forward_kernel(problem.spec, compile_cache.runtime_target(q.device), seqs.seqused_k is not None)
+        launch_packed_forward(kernel, q, k, v, out, lse, seqs, problem)
 
     def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
         _bwd().run_backward(t, grads, problem, deterministic)

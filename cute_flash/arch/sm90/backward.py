@@ -143,6 +143,8 @@ def _kernels(spec: AttentionSpec, cfg: Optional[BwdTileConfig], target: str, gqa
             raise NotImplementedError(reason)
         chosen = cfg or bwd_tile_config(spec)
         problem = bwd_config_problem(chosen, spec.head_dim)
+        if problem is None and deterministic and chosen.dq_red:
+            problem = "dq_red adds dQ with plain atomics in no fixed order: no deterministic build"
         if problem is not None:
             raise ValueError(problem)
         sm80 = _sm80_backward()
@@ -230,7 +232,8 @@ def compile_backward_artifacts(
     config = {**cfg.as_dict(), "shared_bytes": bwd_smem_bytes(cfg, spec.head_dim), "threads": cfg.num_threads}
     artifacts = []
     with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_bwd_") as dump:
-        default_roles = (*MAIN_ROLES, "bwd_dq_postprocess") + (("bwd_preprocess",) if own_preprocess else ())
+        mains = [r for r in MAIN_ROLES if not (cfg.dq_red and MAIN_ROLES[r][1])]  # dq_red: no deterministic build
+        default_roles = (*mains, "bwd_dq_postprocess") + (("bwd_preprocess",) if own_preprocess else ())
         for role in default_roles if roles is None else roles:
             sub = os.path.join(dump, role)
             compiled = _build(role, spec, cfg, target, compile_cache.keep_artifacts_options(sub))

@@ -11,7 +11,7 @@ from typing import Optional
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ...common.dsl_types import dsl_dtype
-from ...common.fake_tensors import fake_f32, fake_operand
+from ...common.fake_tensors import fake_f32, fake_operand, fake_packed_forward_args
 from .tile_config import FwdTileConfig
 
 compile_cache.ensure_cute_dsl_arch("sm_90a")
@@ -27,7 +27,10 @@ def _strided(dtype, shape, last_dim: int):
 
 
 def compile_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_options: Optional[str] = None):
-    """The compiled forward: call it as fn(q, k, v, out, lse, softmax_scale, window_left, window_right)."""
+    """The compiled forward: call it as fn(q, k, v, out, lse, softmax_scale, window_left, window_right); with
+    spec.varlen the packed entry (compile_forward_packed)."""
+    if spec.varlen:
+        return compile_forward_packed(spec, cfg, target, extra_options, seqused=False)
     dtype = dsl_dtype(spec.dtype)
     batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
     q = _strided(dtype, (batch, seqlen_q, heads), spec.head_dim)
@@ -41,6 +44,21 @@ def compile_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_
     return cute.compile(
         kernel, q, k, v, out, lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream, options=options
     )
+
+
+def compile_forward_packed(
+    spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_options: Optional[str] = None, seqused: bool = False
+):
+    """The packed (varlen) forward: fn(q, k, v, out, lse, softmax_scale, window_left, window_right, cu_seqlens_q,
+    cu_seqlens_k, seqused_k (a tensor when `seqused`, else None), max_seqlen_q) with q (total_q, h, d), k / v
+    (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q); batch = cu_seqlens_q's length - 1."""
+    dtype = dsl_dtype(spec.dtype)
+    args = fake_packed_forward_args(dtype, spec.head_dim, spec.head_dim_v, seqused)
+    kernel = Sm90FlashForward(dtype, spec.head_dim, spec.head_dim_v, spec.mask, cfg)
+    kernel.varlen = True  # over the class default: the `packed` entry (common/entries.FwdEntries)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = compile_cache.compile_options(target, extra=extra_options or "")
+    return cute.compile(kernel.packed, *args, stream, options=options)
 
 
 def _fake_stats(batch, heads, seqlen_padded):

@@ -2,6 +2,10 @@
 
 Grid: (query tiles, heads, batch). With a causal mask the tiles go in reverse, so that the CTAs with the most key
 tiles (the last rows) start first and the short ones fill in behind them.
+
+Packed (varlen) batches: the grid spans the longest sequence's query tiles; a CTA reads its sequence's row offsets
+and lengths from cu_seqlens (common/packed.py), and one whose tile lies past its sequence's end has no work
+(`CtaWork.active`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from ...common.block_info import BlockInfo
+from ...common.packed import seq_rows
 
 
 class CtaWork(NamedTuple):
@@ -24,6 +29,12 @@ class CtaWork(NamedTuple):
     info: BlockInfo
     n_min: Int32  # key tiles [n_min, n_max) are visible to some row of the query tile
     n_max: Int32
+    offset_q: object = None  # packed tensors: the sequence's first query / key row (None: dense, indexed by batch)
+    offset_k: object = None
+
+    def active(self, tile_m: int):
+        """Whether the query tile holds a row of its sequence (always, dense: the grid is the sequence's tiles)."""
+        return self.m_block * tile_m < self.seqlen_q
 
 
 @cute.jit
@@ -35,13 +46,19 @@ def cta_work(
     mask_kind: cutlass.Constexpr[str],
     window_left: Int32,
     window_right: Int32,
+    packed=None,
 ) -> CtaWork:
+    """packed: (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK or None) for packed tensors ((total, d, h) views), else None."""
     bidx, head, batch = cute.arch.block_idx()
     m_block = bidx
     if cutlass.const_expr(mask_kind == "causal"):
         m_block = cute.arch.grid_dim()[0] - 1 - bidx
-    seqlen_q = mQ.shape[0]
     head_kv = head // (mQ.shape[2] // mK.shape[2])
-    info = BlockInfo(tile_m, tile_n, mask_kind, seqlen_q, mK.shape[0], window_left, window_right)
+    if cutlass.const_expr(packed is None):
+        seqlen_q, seqlen_k, offset_q, offset_k = mQ.shape[0], mK.shape[0], None, None
+    else:
+        seq = seq_rows(batch, *packed)
+        seqlen_q, seqlen_k, offset_q, offset_k = seq.seqlen_q, seq.seqlen_k, seq.offset_q, seq.offset_k
+    info = BlockInfo(tile_m, tile_n, mask_kind, seqlen_q, seqlen_k, window_left, window_right)
     n_min, n_max = info.kv_block_range(m_block)
-    return CtaWork(m_block, head, head_kv, batch, seqlen_q, info, n_min, n_max)
+    return CtaWork(m_block, head, head_kv, batch, seqlen_q, info, n_min, n_max, offset_q, offset_k)

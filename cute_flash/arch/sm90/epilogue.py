@@ -1,9 +1,13 @@
 """The consumer epilogue of the sm90 forward kernels: O through shared memory and a TMA store, LSE from registers.
 
-Shared by the bf16/fp16 and the FP8 kernels (both write O in a 16-bit dtype).
+Shared by the bf16/fp16 and the FP8 kernels (both write O in a 16-bit dtype). Packed (varlen) sequences: a TMA store
+would clip only at the end of the packed tensor and so overwrite the next sequence's first rows; O goes out with
+16-byte stores predicated on the sequence's length instead (FlashAttention-3 does the same).
 """
 
 from __future__ import annotations
+
+import math
 
 from typing import Type
 
@@ -14,8 +18,11 @@ from cutlass.cute.nvgpu import cpasync
 
 from ...common.acc_views import rows_cols_view
 from .barriers import epilogue_sync
-from .tile_config import ROWS_PER_CONSUMER
+from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS
+from .views import head_stat_rows, head_tiles
 from . import wgmma
+
+COPY_ELEMS = 8  # 16-bit elements per 16-byte store
 
 
 @cute.jit
@@ -27,8 +34,8 @@ def store_o_and_lse(
     tiled_mma_o: cute.TiledMma,  # the MMA whose C layout acc_O has
     thr_o,
     sO: cute.Tensor,  # (rows, dv, consumers)
-    mO: cute.Tensor,  # TMA coordinate tensor (s, dv, h, b)
-    mLSE: cute.Tensor,  # (sq, h, b)
+    mO: cute.Tensor,  # TMA coordinate tensor (s, dv, h, b); packed: the (total, dv, h) output itself
+    mLSE: cute.Tensor,  # (sq, h, b); packed: (total, h)
     atom_o: cute.CopyAtom,
     slice_idx: Int32,  # which 64-row slice of the sequence this consumer owns
     head: Int32,
@@ -37,6 +44,7 @@ def store_o_and_lse(
     consumer: Int32,
     tidx: Int32,
     warp_in_wg: Int32,
+    offset_q=None,  # packed: the sequence's first row (None: dense)
 ):
     rows = ROWS_PER_CONSUMER
     rO = cute.make_rmem_tensor(acc_O.shape, out_dtype)
@@ -47,13 +55,17 @@ def store_o_and_lse(
     cute.arch.fence_view_async_shared()  # the generic-proxy stores must be visible to the TMA (async proxy)
     epilogue_sync(consumer)
 
-    if warp_in_wg == 0:
-        gO = cute.local_tile(mO[None, None, head, batch], (rows, head_dim_v), (None, 0))
-        tOsO, tOgO = cpasync.tma_partition(
-            atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
-        )
-        cute.copy(atom_o, tOsO[None, consumer], tOgO[None, slice_idx])
-        cute.arch.cp_async_bulk_commit_group()
+    if cutlass.const_expr(offset_q is None):
+        if warp_in_wg == 0:
+            gO = cute.local_tile(mO[None, None, head, batch], (rows, head_dim_v), (None, 0))
+            tOsO, tOgO = cpasync.tma_partition(
+                atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+            )
+            cute.copy(atom_o, tOsO[None, consumer], tOgO[None, slice_idx])
+            cute.arch.cp_async_bulk_commit_group()
+    else:
+        gO = cute.local_tile(head_tiles(mO, head, batch, offset_q), (rows, head_dim_v), (slice_idx, 0))
+        store_rows_predicated(sO[None, None, consumer], gO, seqlen_q - slice_idx * rows, out_dtype, head_dim_v, tidx)
 
     # LSE straight from registers: of the 4 threads sharing a row, the one holding column 0 writes it.
     coords = rows_cols_view(thr_o.partition_C(cute.make_identity_tensor((rows, head_dim_v))))
@@ -61,7 +73,38 @@ def store_o_and_lse(
         for r in cutlass.range_constexpr(cute.size(lse)):
             row = slice_idx * rows + coords[r, 0][0]
             if row < seqlen_q:
-                mLSE[row, head, batch] = lse[r]
+                if cutlass.const_expr(offset_q is None):
+                    mLSE[row, head, batch] = lse[r]
+                else:
+                    head_stat_rows(mLSE, head, batch, offset_q)[row] = lse[r]
 
-    if warp_in_wg == 0:
-        cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the store's reads
+    if cutlass.const_expr(offset_q is None):
+        if warp_in_wg == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the store's reads
+
+
+@cute.jit
+def store_rows_predicated(
+    sO: cute.Tensor,  # (rows, dv) in shared memory, filled and synchronised
+    gO: cute.Tensor,  # (rows, dv) in global memory
+    rows_left: Int32,  # rows of gO that belong to the sequence (may exceed `rows`, or be <= 0)
+    dtype: cutlass.Constexpr,
+    head_dim_v: cutlass.Constexpr[int],
+    tidx: Int32,  # 0 .. 127 within the consumer warpgroup
+):
+    """16-byte stores of the first `rows_left` rows of sO to gO, by the 128 threads of one warpgroup: consecutive
+    threads take consecutive 16-byte chunks of a row, up to 16 threads (256 bytes) per row, as many as divide the
+    row's chunks (head dims 96 and 192: 4 and 8)."""
+    per_row = math.gcd(head_dim_v // COPY_ELEMS, 16)
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+    threads = cute.make_ordered_layout((WARPGROUP_THREADS // per_row, per_row), order=(1, 0))
+    tiled = cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, COPY_ELEMS)))
+    thr = tiled.get_slice(tidx)
+    tOsO = thr.partition_S(sO)
+    tOgO = thr.partition_D(gO)
+    tOcO = thr.partition_S(cute.make_identity_tensor((ROWS_PER_CONSUMER, head_dim_v)))
+    tOrO = cute.make_fragment_like(tOsO, dtype)
+    cute.autovec_copy(tOsO, tOrO)
+    for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+        if tOcO[0, m, 0][0] < rows_left:
+            cute.copy(tiled, tOrO[None, m, None], tOgO[None, m, None])

@@ -19,6 +19,9 @@ dV, dK and dQ for its half of the head dim with every operand read from shared m
       one bulk reduce-add (cp.reduce.async.bulk) per query tile, in that same "fragment" layout (undone by
       `flash_bwd_postprocess.DqConvertSm90`); two named barriers per consumer hand the buffer back and forth. With
       `deterministic`, a semaphore per (batch, head, query tile) makes the key tiles add in a fixed order.
+      With BwdTileConfig.dq_red (a study option) there is no dQ writer and no shared dQ buffer: each consumer adds
+      its dQ share from registers with red.global.add.v4.f32 at the same offsets (after griddepcontrol.wait under
+      `pdl`, since the preprocess zeroes the accumulator); no deterministic build.
   epilogue: dK (times the softmax scale) and dV converted to 16 bits and stored with stmatrix + one TMA store per
       tile, reusing the K and V tiles' shared memory. Under GQA/MQA the CTA's dK/dV are partial sums over the
       query heads of one KV head: they are added with red.global.add.v2 to fp32 buffers that a postprocess
@@ -35,6 +38,9 @@ come from launches that ended before the preprocess began, so the producer loads
 at once; every access to what the preprocess (or a memset before it) wrote follows a griddepcontrol.wait: the
 producer's LSE / D loads, the dQ warp's reduce-adds and semaphores, the consumers' epilogue (dK / dV stores, GQA
 adds and semaphores). With `pdl_dq_post` the kernel lets the dQ postprocess launch early (it waits before its loads).
+
+K and V (BwdTileConfig.kv_with_first_tile, on by default) ride on the first Q and dO stage's barriers, which expect
+their bytes on top of the stage's: a CTA's first S product waits for K and Q only.
 
 Global tensors are viewed as (seqlen, head_dim, heads, batch) as in the forward kernel.
 """
@@ -227,6 +233,8 @@ class Sm90FlashBackward:
         # Deterministic dQ order: descending key tiles under a right window edge (causal or local), ascending else.
         self.shortest_first = deterministic and mask_kind != "none"
         self.s_tile = (cfg.tile_n, cfg.tile_m) if cfg.keys_on_rows else (cfg.tile_m, cfg.tile_n)
+        # dq_red adds dQ from registers with plain atomics, in no fixed order.
+        assert not (deterministic and cfg.dq_red), "dq_red has no deterministic order"
 
     @cute.jit
     def __call__(
@@ -365,8 +373,9 @@ class Sm90FlashBackward:
             "sK": aligned[cute.struct.MemRange[dt, cute.cosize(sK_layout)], SMEM_ALIGN],
             "sV": aligned[cute.struct.MemRange[dt, cute.cosize(sV_layout)], SMEM_ALIGN],
             "sdS": aligned[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], SMEM_ALIGN],
-            "sdQ": aligned[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], SMEM_ALIGN],
         }
+        if not self.cfg.dq_red:  # (with dq_red the consumers add dQ from registers)
+            fields["sdQ"] = aligned[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], SMEM_ALIGN]
         if not self.keys_on_rows:  # last, so that the other offsets do not move
             fields["sP"] = aligned[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], SMEM_ALIGN]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
@@ -436,12 +445,17 @@ class Sm90FlashBackward:
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sdPsum = storage.sdPsum.get_tensor(sStat_layout)
-        sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim))
         sP = sdS  # unused with keys on rows (P stays in registers)
         if const_expr(not self.keys_on_rows):
             sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
 
         n_block, head, batch = cute.arch.block_idx()
+        # Where a consumer puts its dQ: its part of the shared buffer that the dQ warp adds to the accumulator, or with
+        # dq_red this (batch, head)'s accumulator itself.
+        if const_expr(self.cfg.dq_red):
+            dq_dst = mdQaccum[batch, head, None]
+        else:
+            dq_dst = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim))
         seqlen_q = mQ.shape[0]
         group = mQ.shape[2] // mK.shape[2]  # query heads per KV head (GQA / MQA)
         head_kv = head // group
@@ -467,8 +481,9 @@ class Sm90FlashBackward:
                 self.produce(
                     pipe_kv, pipe_q, pipe_do, atoms, tensors, tiles, n_block, head, head_kv, batch, m_min, m_max
                 )
-            if warp_idx == 1:
-                self.store_dq(sdQ, mdQaccum, mdQsem, info, n_block, head, batch, m_min, m_max)
+            if const_expr(not self.cfg.dq_red):
+                if warp_idx == 1:
+                    self.store_dq(dq_dst, mdQaccum, mdQsem, info, n_block, head, batch, m_min, m_max)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             self.consume(
@@ -486,7 +501,7 @@ class Sm90FlashBackward:
                 sP,
                 sLSE,
                 sdPsum,
-                sdQ,
+                dq_dst,
                 mdK,
                 mdV,
                 mdKVsem,
@@ -630,7 +645,7 @@ class Sm90FlashBackward:
         sP: cute.Tensor,
         sLSE: cute.Tensor,
         sdPsum: cute.Tensor,
-        sdQ: cute.Tensor,
+        dq_dst: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mdKVsem: cute.Tensor,
@@ -713,6 +728,8 @@ class Sm90FlashBackward:
 
         if m_max > m_min:
             scale_log2 = softmax_scale * LOG2_E
+            if const_expr(self.cfg.pdl and self.cfg.dq_red):
+                cute.arch.griddepcontrol_wait()  # dQ adds from the first step: after the preprocess zeroed the sums
             if const_expr(not self.cfg.kv_with_first_tile):
                 consumer_wait(pipe_kv, consumer_state(1))  # (otherwise K / V arrive with the first Q / dO stage)
             q = consumer_state(stages)
@@ -736,7 +753,7 @@ class Sm90FlashBackward:
                 n_block=n_block,
                 scale_log2=scale_log2,
                 thr_dq=thr_dq,
-                sdQ=sdQ,
+                dq_dst=dq_dst,
                 tidx=tidx,
             )
             # Query tiles in order; only those crossing a window edge (or all of them when this key tile runs
@@ -822,7 +839,7 @@ class Sm90FlashBackward:
         n_block: Int32,
         scale_log2: Float32,
         thr_dq,
-        sdQ: cute.Tensor,
+        dq_dst: cute.Tensor,
         tidx: Int32,
     ):
         """One query tile: S, dP, P, dS, dV, dQ, dK (see the module docstring for the order and the overlap)."""
@@ -941,12 +958,14 @@ class Sm90FlashBackward:
         dS_t = tdKrdS if const_expr(kor) else tdKrdS[None, None, None, q.index]
         wgmma.gemm(tiled_mma_dkv, acc_dK, dS_t, tdKrQt[None, None, None, q.index], zero_init=False, wait=1)
 
-        # dQ (unscaled) into this consumer's shared buffer, in the fragment layout, for the dQ warp to add.
+        # dQ (unscaled) into this consumer's shared buffer, in the fragment layout, for the dQ warp to add; or with
+        # dq_red added to the accumulator from registers.
+        put_dq = self.red_dq if const_expr(self.cfg.dq_red) else self.stage_dq
         if const_expr(every_consumer_dq):
-            self.stage_dq(acc_dQ, sdQ, tidx, consumer)
+            put_dq(acc_dQ, dq_dst, m_block, tidx, consumer)
         else:
             if cute.arch.make_warp_uniform(consumer) == 0:
-                self.stage_dq(acc_dQ, sdQ, tidx, consumer)
+                put_dq(acc_dQ, dq_dst, m_block, tidx, consumer)
         warpgroup.wait_group(0)
         pipe_q.consumer_release(q)
         q.advance()
@@ -954,7 +973,7 @@ class Sm90FlashBackward:
         return q, do
 
     @cute.jit
-    def stage_dq(self, acc_dQ: cute.Tensor, sdQ: cute.Tensor, tidx: Int32, consumer: Int32):
+    def stage_dq(self, acc_dQ: cute.Tensor, sdQ: cute.Tensor, m_block: Int32, tidx: Int32, consumer: Int32):
         """This consumer's dQ (unscaled) into its shared buffer, in the fragment layout, once the dQ warp hands the
         buffer over; then tells the dQ warp it is full."""
         pair = WARPGROUP_THREADS + WARP_THREADS
@@ -973,6 +992,16 @@ class Sm90FlashBackward:
             cute.autovec_copy(src, cute.make_tensor(dst, cute.make_layout(DQ_VEC)))
         cute.arch.fence_view_async_shared()  # read next by the bulk copy engine (async proxy)
         cute.arch.barrier_arrive(barrier_id=int(BwdBarrierId.DQ_FULL_FIRST) + consumer, number_of_threads=pair)
+
+    @cute.jit
+    def red_dq(self, acc_dQ: cute.Tensor, gdQ: cute.Tensor, m_block: Int32, tidx: Int32, consumer: Int32):
+        """dq_red: this consumer's dQ (unscaled) added to query tile m_block's block of the accumulator `gdQ` ((batch,
+        head)'s sq_padded * d floats) with one red.global.add.v4.f32 per DQ_VEC floats, at the offsets the dQ warp's
+        bulk reduce-add would reach (the fragment layout)."""
+        base = gdQ.iterator + m_block * (self.tile_m * self.head_dim)
+        for i in cutlass.range_constexpr(cute.size(acc_dQ) // DQ_VEC):
+            dst = (base + dq_fragment_offset(i * DQ_VEC, tidx, self.dq_chunk)).align(DQ_VEC * 4)
+            red_add_f32_vec(dst, [acc_dQ[i * DQ_VEC + j] for j in range(DQ_VEC)])
 
     @cute.jit
     def store_dq(

@@ -16,6 +16,13 @@ One CTA computes `tile_m = 64 * num_consumer_wgs` query rows of one (batch, head
 Global tensors are viewed as (seqlen, head_dim, heads, batch) so that TMA boxes never cross a (batch, head): rows past
 seqlen are out of bounds of their own dimension, zero-filled on load and clipped on store. GQA/MQA index the K/V head
 as head // (heads // heads_kv).
+
+Packed sequences (varlen=True, host entry `packed`, as the sm80 family's): q (total_q, h, d), k / v (total_k, h_kv,
+d / dv), out (total_q, h, dv), lse (h, total_q), cu_seqlens_q / _k, seqused_k or None, max_seqlen_q. The views are
+(total, dim, heads); a CTA offsets them to its sequence's first row (cta.py). Loads past the sequence's end read the
+next sequence's rows: keys there are masked like any key past seqlen_k, query rows there are computed and not
+stored (epilogue.py stores O row-predicated, not by TMA). The grid spans max_seqlen_q's tiles for every sequence;
+the CTAs past their sequence's end do nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from ...common.acc_views import rows_cols_view
 from ...common.block_info import BlockInfo
 from ...common.block_walk import walk_kv_blocks
-from ...common.entries import DenseFwdEntry
+from ...common.entries import FwdEntries
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
 from .barriers import WarpGroupTurns
@@ -41,7 +48,7 @@ from .epilogue import store_o_and_lse
 from .loads import load_q_k_v
 from .pipelines import LoadPipelines, consumer_state, consumer_wait, make_load_pipelines
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, FwdTileConfig
-from .views import seq_major_view, stats_view
+from .views import head_tiles, packed_seq_major_view, packed_stats_view, seq_major_view, stats_view
 from . import wgmma
 
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
@@ -81,7 +88,7 @@ class TileLoop(NamedTuple):
     scales: Optional[Callable]  # the FP8 kernel's per-tile factors; None here
 
 
-class Sm90FlashForward(DenseFwdEntry):
+class Sm90FlashForward(FwdEntries):
     """Callable compiled once per (dtype, head dims, mask kind, tile config); shapes and strides are runtime.
 
     The consumer's walk over the key blocks (`mainloop`, `step`) is the skeleton of both sm90 forward kernels; what
@@ -89,6 +96,7 @@ class Sm90FlashForward(DenseFwdEntry):
     `loop_state`, `carry_kv`, `finish_step`, `finish_loop`)."""
 
     promote_pv = False  # P·V accumulates into O inside the wgmma (the FP8 kernel may promote it in fp32)
+    varlen = False  # packed sequences (the `packed` entry; set on the instance by build.compile_forward_packed)
 
     def __init__(
         self,
@@ -133,20 +141,26 @@ class Sm90FlashForward(DenseFwdEntry):
         )
         return (atom_q, atom_k, atom_v, atom_o), (tma_q, tma_k, tma_v, tma_o)
 
-    def launch_shape(self, mQ: cute.Tensor) -> dict:
-        """Grid (query tiles, heads, batch) and block of the launch."""
-        num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
-        return dict(
-            grid=[num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])],
-            block=[self.cfg.num_threads, 1, 1],
-            min_blocks_per_mp=1,
-        )
+    def launch_shape(self, mQ: cute.Tensor, packed=None) -> dict:
+        """Grid (query tiles, heads, batch) and block of the launch; packed: (cu_seqlens_q, max_seqlen_q)."""
+        if const_expr(packed is None):
+            grid = [cute.ceil_div(mQ.shape[0], self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3])]
+        else:
+            mCuSeqlensQ, max_seqlen_q = packed
+            num_m_blocks = (max_seqlen_q + (self.tile_m - 1)) // self.tile_m
+            grid = [num_m_blocks, cute.size(mQ.shape[2]), cute.size(mCuSeqlensQ.shape[0] - 1)]
+        return dict(grid=grid, block=[self.cfg.num_threads, 1, 1], min_blocks_per_mp=1)
 
     @cute.jit
-    def _launch(self, mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream):
-        """The entry `__call__` (common/entries.py) on dense tensors."""
-        mQ, mK, mV, mO = [seq_major_view(t) for t in (mQ, mK, mV, mO)]
-        mLSE = stats_view(mLSE)  # (sq, h, b)
+    def _launch(self, mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, packed=None):
+        """Both entries: `__call__` (common/entries.py) on dense tensors, `packed` (packed: (cu_seqlens_q,
+        cu_seqlens_k, seqused_k or None, max_seqlen_q)) on packed ones."""
+        if const_expr(packed is None):
+            mQ, mK, mV, mO = [seq_major_view(t) for t in (mQ, mK, mV, mO)]
+            mLSE = stats_view(mLSE)  # (sq, h, b)
+        else:
+            mQ, mK, mV, mO = [packed_seq_major_view(t) for t in (mQ, mK, mV, mO)]
+            mLSE = packed_stats_view(mLSE)  # (total_q, h)
 
         rows = ROWS_PER_CONSUMER
         sQ_layout = wgmma.k_major_smem_layout(self.dtype, rows, self.head_dim, self.num_consumers, self.slice_elems)
@@ -191,9 +205,29 @@ class Sm90FlashForward(DenseFwdEntry):
 
         mmas, layouts = (tiled_mma_qk, tiled_mma_pv), (sQ_layout, sK_layout, sV_layout, sO_layout)
         descales = ()  # the FP8 kernel's
-        self.kernel(
-            tmas, mLSE, descales, atoms, mmas, layouts, softmax_scale, window_left, window_right, SharedStorage
-        ).launch(stream=stream, **self.launch_shape(mQ))
+        if const_expr(packed is None):
+            self.kernel(
+                tmas, mLSE, descales, atoms, mmas, layouts, softmax_scale, window_left, window_right, SharedStorage
+            ).launch(stream=stream, **self.launch_shape(mQ))
+        else:
+            # O goes out by predicated stores (epilogue.py): the kernel gets the tensor itself, not O's TMA view.
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q = packed
+            tmas = (*tmas[:3], mO)
+            self.kernel(
+                tmas,
+                mLSE,
+                descales,
+                atoms,
+                mmas,
+                layouts,
+                softmax_scale,
+                window_left,
+                window_right,
+                SharedStorage,
+                mCuSeqlensQ,
+                mCuSeqlensK,
+                mSeqUsedK,
+            ).launch(stream=stream, **self.launch_shape(mQ, (mCuSeqlensQ, max_seqlen_q)))
 
     @cute.kernel
     def kernel(
@@ -208,6 +242,9 @@ class Sm90FlashForward(DenseFwdEntry):
         window_left: Int32,
         window_right: Int32,
         SharedStorage: cutlass.Constexpr,
+        mCuSeqlensQ: Optional[cute.Tensor] = None,  # packed sequences only
+        mCuSeqlensK: Optional[cute.Tensor] = None,
+        mSeqUsedK: Optional[cute.Tensor] = None,
     ):
         mQ, mK, mV, mO = tmas
         atom_q, atom_k, atom_v, atom_o = atoms
@@ -228,6 +265,7 @@ class Sm90FlashForward(DenseFwdEntry):
             window_left,
             window_right,
             partial(self.consume, pipes, mmas, (sQ, sK, sV), (sO, mO, mLSE, atom_o), descales, softmax_scale),
+            None if const_expr(not self.varlen) else (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK),
         )
 
     def v_and_o_smem(self, storage, layouts):
@@ -273,14 +311,24 @@ class Sm90FlashForward(DenseFwdEntry):
         window_left: Int32,
         window_right: Int32,
         consume: cutlass.Constexpr,
+        packed=None,
     ):
         """This CTA's work; then warpgroup 0 gives registers away and its warp 0 loads (atoms, gmem, smem: those of
         Q, K and V), while the others take them and consume(work, consumer index, thread index within the
-        warpgroup, warp index within it)."""
-        work = cta_work(gmem[0], gmem[1], self.tile_m, self.tile_n, self.mask_kind, window_left, window_right)
+        warpgroup, warp index within it). packed: the cu_seqlens_q, cu_seqlens_k, seqused_k tensors of packed
+        sequences (a CTA past its sequence's end does nothing)."""
+        work = cta_work(gmem[0], gmem[1], self.tile_m, self.tile_n, self.mask_kind, window_left, window_right, packed)
 
         pipeline.pipeline_init_wait()
 
+        if const_expr(packed is None):
+            self.roles(warp_idx, tidx, pipes, atoms, gmem, smem, consume, work)
+        else:
+            if work.active(self.tile_m):
+                self.roles(warp_idx, tidx, pipes, atoms, gmem, smem, consume, work)
+
+    @cute.jit
+    def roles(self, warp_idx: Int32, tidx: Int32, pipes, atoms, gmem, smem, consume: cutlass.Constexpr, work: CtaWork):
         warp_group = warp_idx // 4
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
@@ -291,9 +339,9 @@ class Sm90FlashForward(DenseFwdEntry):
             consumer = warp_group - 1
             consume(work, consumer, tidx % WARPGROUP_THREADS, warp_idx % 4)
 
-    def v_tiles(self, mV: cute.Tensor, head_kv: Int32, batch: Int32) -> cute.Tensor:
+    def v_tiles(self, mV: cute.Tensor, head_kv: Int32, batch: Int32, offset_k=None) -> cute.Tensor:
         """This (batch, KV head)'s V tiles as the producer loads them, tile index last: (tile_n, dv, tiles)."""
-        return cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
+        return cute.local_tile(head_tiles(mV, head_kv, batch, offset_k), (self.tile_n, self.head_dim_v), (None, 0))
 
     @cute.jit
     def produce(self, pipes, atoms, gmem, smem, work: CtaWork):
@@ -301,11 +349,11 @@ class Sm90FlashForward(DenseFwdEntry):
         atom_q, atom_k, atom_v = atoms
         mQ, mK, mV = gmem
         sQ, sK, sV = smem
-        m_block, head, head_kv, batch, _, _, n_min, n_max = work
+        m_block, head, head_kv, batch, _, _, n_min, n_max, offset_q, offset_k = work
         rows = ROWS_PER_CONSUMER
-        gQ = cute.local_tile(mQ[None, None, head, batch], (rows, self.head_dim), (None, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-        gV = self.v_tiles(mV, head_kv, batch)
+        gQ = cute.local_tile(head_tiles(mQ, head, batch, offset_q), (rows, self.head_dim), (None, 0))
+        gK = cute.local_tile(head_tiles(mK, head_kv, batch, offset_k), (self.tile_n, self.head_dim), (None, 0))
+        gV = self.v_tiles(mV, head_kv, batch, offset_k)
         load_q_k_v(
             pipes,
             atom_q,
@@ -389,6 +437,7 @@ class Sm90FlashForward(DenseFwdEntry):
             consumer,
             tidx,
             warp_in_wg,
+            work.offset_q,
         )
 
     def score_coords(self, tiled_mma_qk: cute.TiledMma, thr_qk, consumer: Int32):

@@ -163,6 +163,12 @@ class BwdTileConfig:
         (48 KiB at d128) instead of K, V and Q (80 KiB); docs/sm90_bwd_sass_study.md item 5. Measured neutral on an
         H100 (session 10: d128 1.001, d256 0.997, d64 1.023 against the single barrier); kept on (one barrier wait
         fewer per CTA).
+    dq_red (study option, off; profiling/sm90_bwd_variants.py "red", "red2", "red3"): each consumer adds its dQ to the
+        fp32 accumulator from registers with red.global.add.v4.f32 (the fragment layout's 16-byte groups) instead
+        of staging it in shared memory for the dQ warp's bulk reduce-add. Frees the tile_m x d fp32 buffer (64 KiB at
+        d256), room for a second Q / dO stage at d256 ("red2": 64 x 64 tiles, 2 stages, 226 KiB), the pipelining FA4
+        gets there from 64 x 48 tiles; "red3": d128 with 3 stages. The adds have no fixed order: deterministic
+        builds are refused (backward._kernels).
     """
 
     tile_m: int
@@ -182,6 +188,7 @@ class BwdTileConfig:
     pdl: bool = True  # preprocess -> main kernel by programmatic dependent launch
     pdl_dq_post: bool = True  # main kernel -> dQ postprocess by programmatic dependent launch
     kv_with_first_tile: bool = True  # K / V complete the first Q / dO stage's barrier (not one K + V barrier)
+    dq_red: bool = False  # consumers add dQ from registers (red.global.add.v4.f32): no shared dQ buffer, no dQ warp
 
     @property
     def num_threads(self) -> int:
@@ -264,7 +271,7 @@ def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, elem_bytes: int = 2) -> in
     qdo = 2 * cfg.num_stages * cfg.tile_m * head_dim * elem_bytes
     kv = 2 * cfg.tile_n * head_dim * elem_bytes
     ds = (1 if cfg.keys_on_rows else 2) * cfg.num_stages * cfg.tile_n * cfg.tile_m * elem_bytes
-    dq = cfg.tile_m * head_dim * 4
+    dq = 0 if cfg.dq_red else cfg.tile_m * head_dim * 4
     stats = 2 * cfg.num_stages * stat_stage_stride(cfg.tile_m) * 4
     return qdo + kv + ds + dq + stats + SMEM_RESERVED_BYTES
 

@@ -14,3 +14,30 @@ def seq_major_view(t: cute.Tensor) -> cute.Tensor:
 def stats_view(t: cute.Tensor) -> cute.Tensor:
     """Per-row statistics (batch, heads, seqlen) -> (seqlen, heads, batch)."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
+
+
+def packed_seq_major_view(t: cute.Tensor) -> cute.Tensor:
+    """Packed sequences (total, heads, dim) -> (total, dim, heads): a TMA box never spans two heads; rows past a
+    sequence's end belong to the next sequence (loads read them, stores must be predicated)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1]))
+
+
+def packed_stats_view(t: cute.Tensor) -> cute.Tensor:
+    """Packed per-row statistics (heads, total) -> (total, heads)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
+
+
+def head_tiles(mX: cute.Tensor, head, batch, offset=None) -> cute.Tensor:
+    """The (rows, dim) view of one (sequence, head) of a seq-major view: mX[:, :, head, batch] (dense), or the rows
+    from `offset` of a packed (total, dim, heads) one."""
+    if offset is None:
+        return mX[None, None, head, batch]
+    return cute.domain_offset((offset, 0), mX[None, None, head])
+
+
+def head_stat_rows(mS: cute.Tensor, head, batch, offset=None) -> cute.Tensor:
+    """The (rows,) view of one (sequence, head) of a statistics view: mS[:, head, batch], or from `offset` of a
+    packed (total, heads) one."""
+    if offset is None:
+        return mS[None, head, batch]
+    return cute.domain_offset((offset,), mS[None, head])

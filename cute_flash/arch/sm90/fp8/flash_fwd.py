@@ -168,7 +168,7 @@ class Sm90FlashForwardFp8(Sm90FlashForward):
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         return sVt_load, (sVt, storage.sVt.data_ptr()), sO
 
-    def v_tiles(self, mVt: cute.Tensor, head_kv: Int32, batch: Int32) -> cute.Tensor:
+    def v_tiles(self, mVt: cute.Tensor, head_kv: Int32, batch: Int32, offset_k=None) -> cute.Tensor:
         """Vᵀ tiles (dv, tile_n, tiles): keys contiguous, as the e4m3 P·V wgmma's K-major B operand needs."""
         return cute.local_tile(mVt[None, None, head_kv, batch], (self.head_dim_v, self.tile_n), (0, None))
 
@@ -176,7 +176,7 @@ class Sm90FlashForwardFp8(Sm90FlashForward):
     def consume(self, pipes, mmas, smem, out, descales, softmax_scale, work: CtaWork, consumer, tidx, warp_in_wg):
         """mmas: (Q·Kᵀ, P·[V | 1], O); smem: sQ, sK and (sVt, its unswizzled base); descales (mQd, mKd, mVd): per 64
         query rows, per K / V scale block."""
-        m_block, head, head_kv, batch, _, _, n_min, n_max = work
+        m_block, head, head_kv, batch, _, _, n_min, n_max, _, _ = work
         mQd, mKd, mVd = descales
         tiled_mma_qk, tiled_mma_pv, tiled_mma_o = mmas
         sQ, sK, (sVt, sVt_base) = smem
