@@ -38,7 +38,8 @@ print(json.dumps({
 }))
 """
 
-BUILDS = [(128, 128, "causal", False), (64, 64, "none", True), (256, 256, "local", False), (192, 128, "causal", False)]
+# (192, 128) and d96 built too when the kernel was written (spill-free); kept out of CI for time.
+BUILDS = [(128, 128, "causal", False), (64, 64, "none", True), (256, 256, "local", False)]
 
 
 @pytest.fixture(scope="module")

@@ -173,13 +173,11 @@ print(json.dumps(out))
 # (The default builds of every head dim and mask are checked by tests/test_compile_sm90_bwd.py.)
 OVERHEAD_BUILDS = [
     (128, "causal", "default", "bwd_gqa_det"),  # GQA adds and both semaphores behind the waits
-    (96, "causal", "default", "bwd_preprocess,bwd,bwd_dq_postprocess"),  # dQ from one consumer
     (64, "causal", "memset", "bwd_preprocess"),  # launch_dependents alone
     (128, "none", "no_pdl", "bwd_preprocess"),  # zeroing alone
     (128, "none", "plain", "bwd,bwd_dq_postprocess"),  # no griddepcontrol at all
     (128, "causal", "kv_barrier", "bwd"),  # K + V on their own barrier: no extra expect_tx
     # dQ from registers: the consumers wait (pdl) before their first add, no bulk reduce-add, no dQ warp
-    (64, "causal", "red", "bwd,bwd_gqa"),
     (128, "none", "red3", "bwd"),
     (256, "causal", "red2", "bwd,bwd_gqa"),
 ]
