@@ -271,29 +271,42 @@ def test_sm90_backward_study_variants(name, sq, sk, mask, h, h_kv):
             assert torch.equal(a, b)
 
 
-OVERHEAD_GPU_CASES = [
-    pytest.param(
-        name,
-        d,
-        sq,
-        sk,
-        m,
-        h,
-        hk,
-        id=f"overhead-{name}-d{d}-{sq}x{sk}-{m}-h{h}_{hk}",
-        marks=(pytest.mark.sm90, pytest.mark.xdist_group(f"overhead-{name}-d{d}")),
-    )
-    for name, dims in (
-        ("plain", (64, 128, 256)),
-        ("memset", (64, 128, 256)),
-        ("no_pdl", (128,)),
-        ("kv_barrier", (96, 256)),
-    )
-    for d in dims
-    for sq, sk in ((1, 1), (113, 203), (1023, 1024))
-    for m in ("full", "causal")
-    for h, hk in ((8, 8), (8, 2))
-]
+def _variant_gpu_cases(prefix: str, variants, masks) -> list:
+    """GPU cases (variant, head_dim, sq, sk, mask, h, h_kv) of (variant, head dim) pairs: odd and equal lengths,
+    MHA and GQA; one xdist group per build."""
+    return [
+        pytest.param(
+            name,
+            d,
+            sq,
+            sk,
+            m,
+            h,
+            hk,
+            id=f"{prefix}-{name}-d{d}-{sq}x{sk}-{m}-h{h}_{hk}",
+            marks=(pytest.mark.sm90, pytest.mark.xdist_group(f"{prefix}-{name}-d{d}")),
+        )
+        for name, d in variants
+        for sq, sk in ((1, 1), (113, 203), (1023, 1024))
+        for m in masks
+        for h, hk in ((8, 8), (8, 2))
+    ]
+
+
+OVERHEAD_GPU_CASES = _variant_gpu_cases(
+    "overhead",
+    [
+        (name, d)
+        for name, dims in (
+            ("plain", (64, 128, 256)),
+            ("memset", (64, 128, 256)),
+            ("no_pdl", (128,)),
+            ("kv_barrier", (96, 256)),
+        )
+        for d in dims
+    ],  # fmt: skip
+    ("full", "causal"),
+)
 
 
 @pytest.mark.parametrize("name, head_dim, sq, sk, mask, h, h_kv", OVERHEAD_GPU_CASES)
@@ -339,23 +352,7 @@ def test_dq_red_refuses_deterministic():
         _kernels(_spec(256, "causal"), cfg, "sm_90a", False, True)
 
 
-RED_GPU_CASES = [
-    pytest.param(
-        name,
-        d,
-        sq,
-        sk,
-        m,
-        h,
-        hk,
-        id=f"red-{name}-d{d}-{sq}x{sk}-{m}-h{h}_{hk}",
-        marks=(pytest.mark.sm90, pytest.mark.xdist_group(f"red-{name}-d{d}")),
-    )
-    for name, d in RED_VARIANTS
-    for sq, sk in ((1, 1), (113, 203), (1023, 1024))
-    for m in ("full", "causal", "window100_30")
-    for h, hk in ((8, 8), (8, 2))
-]
+RED_GPU_CASES = _variant_gpu_cases("red", RED_VARIANTS, ("full", "causal", "window100_30"))
 
 
 @pytest.mark.parametrize("name, head_dim, sq, sk, mask, h, h_kv", RED_GPU_CASES)
