@@ -8,7 +8,7 @@ the router (cute_flash.routing) sends the backward to the sm80 family, whose ker
 sm90 forward's out / lse as they are.
 FP8 (`spec.dtype == "fp8"`, forward only) is served by the `fp8` sub-package (`fp8.launch`; its kernel
 `fp8/flash_fwd.py` is a subclass of the bf16 forward).
-Packed sequences (`attention_varlen`): the forward's packed build (`Sm90FlashForward(varlen=True)`, entry `packed`)
+Packed sequences (`attention_varlen`): the forward's packed build (`build.compile_forward_packed`, entry `packed`)
 serves them only when CUTE_FLASH_SM90_VARLEN=1 (read when a call is first routed): it is built and tested on the
 CPU but has not run on a GPU yet; otherwise, and for every backward, the sm80 family's packed kernels serve.
 """
@@ -96,10 +96,19 @@ class _Backend:
         return _bwd().backward_unsupported_reason(spec)  # every sm90 backward configuration has a deterministic build
 
     def _forward_kernel(self, spec: AttentionSpec, target: str, seqused: bool = False):
-        """seqused: the packed build that reads seqused_k (spec.varlen only)."""
+        """seqused: the packed build that reads seqused_k (spec.varlen only). A spec this family does not serve
+        raises NotImplementedError when its kernel would be built (a warm call does not check again: the router
+        has)."""
         cfg = fwd_tile_config(spec)
         key = (FAMILY, target, "fwd", spec, cfg) + (("seqused_k",) if seqused else ())
-        return compile_cache.get_or_compile(key, lambda: _build_forward(spec, cfg, target, "", seqused))
+
+        def build():
+            reason = self.unsupported_reason(spec, backward=False)
+            if reason is not None:
+                raise NotImplementedError(reason)
+            return _build_forward(spec, cfg, target, "", seqused)
+
+        return compile_cache.get_or_compile(key, build)
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
         q, k, v, out, lse = t
@@ -121,9 +130,6 @@ class _Backend:
         seqs: PackedSeqs, problem: VarlenProblem,
     ) -> None:  # fmt: skip
         """Packed forward: q (total_q, h, d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q)."""
-        reason = self.unsupported_reason(problem.spec, backward=False)
-        if reason is not None:
-            raise NotImplementedError(reason)
         kernel = self._forward_kernel(problem.spec, compile_cache.runtime_target(q.device), seqs.seqused_k is not None)
         launch_packed_forward(kernel, q, k, v, out, lse, seqs, problem)
 

@@ -69,6 +69,7 @@ def store_o_and_lse(
 
     # LSE straight from registers: of the 4 threads sharing a row, the one holding column 0 writes it.
     coords = rows_cols_view(thr_o.partition_C(cute.make_identity_tensor((rows, head_dim_v))))
+    gLSE = None if cutlass.const_expr(offset_q is None) else head_stat_rows(mLSE, head, batch, offset_q)
     if coords[0, 0][1] == 0:
         for r in cutlass.range_constexpr(cute.size(lse)):
             row = slice_idx * rows + coords[r, 0][0]
@@ -76,7 +77,7 @@ def store_o_and_lse(
                 if cutlass.const_expr(offset_q is None):
                     mLSE[row, head, batch] = lse[r]
                 else:
-                    head_stat_rows(mLSE, head, batch, offset_q)[row] = lse[r]
+                    gLSE[row] = lse[r]
 
     if cutlass.const_expr(offset_q is None):
         if warp_in_wg == 0:
