@@ -93,10 +93,10 @@ def _route(
 
 def _varlen_reason(family: str, backend: ArchBackend, spec: AttentionSpec) -> Optional[str]:
     """Packed-sequence calls (`attention_varlen`) go only to families that declare a varlen kernel (`varlen` true on
-    the backend): sm80, which also serves them on Hopper, and sm90's forward on request (its backend's
-    `varlen_unavailable` says how); sm100 varlen kernels come later."""
+    the backend): sm80, which also serves them on Hopper, and sm90 (its forward; its backend sends the backward on);
+    sm100 varlen kernels come later."""
     if spec.varlen and not getattr(backend, "varlen", False):
-        return getattr(backend, "varlen_unavailable", None) or f"the {family} kernels have no varlen variant yet"
+        return f"the {family} kernels have no varlen variant yet"
     return None
 
 

@@ -1,9 +1,9 @@
 """`attention_varlen`: attention over packed sequences of different lengths (cu_seqlens), forward and backward.
 
-Served by the kernel families that have a packed (varlen) variant: the sm80 family (FlashAttention-2 design), on
-Ampere and, through the router's fallback, on Hopper; the sm90 packed forward only with CUTE_FLASH_SM90_VARLEN=1
-(not yet run on a GPU); sm100 has none, so on a Blackwell GPU the call raises NotImplementedError. `explain_varlen`
-shows the skipped families with their reasons.
+Served by the kernel families that have a packed (varlen) variant: the sm80 family (FlashAttention-2 design) on
+Ampere, and on Hopper the sm90 packed forward with the sm80 packed backward (through the router's fallback); sm100
+has none, so on a Blackwell GPU the call raises NotImplementedError. `explain_varlen` shows the skipped families with
+their reasons.
 
 The kernels read each sequence's offsets from cu_seqlens on the GPU, so a call makes no device-to-host copy and can
 be captured in a CUDA graph. Their grid spans max_seqlen_q's query blocks (backward: max_seqlen_k's key blocks) for

@@ -101,7 +101,7 @@ def main() -> None:
                 for name in args.variants.split(",")
             ]
             if args.deterministic:
-                runs.append(("deterministic", bwd_tile_config(spec), True))
+                runs.append(("deterministic", bwd_tile_config(spec, True), True))
             calls = {}
             for name, cfg, det in runs:
                 grads = [torch.empty_like(t) for t in (q, k, v)]

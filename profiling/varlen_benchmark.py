@@ -4,8 +4,8 @@ work, and FlashAttention-4's `flash_attn.cute.flash_attn_varlen_func` when it im
 The batch: sequence lengths drawn uniformly from 128..8192 (seeded) until 64k tokens, the last one cut to fit. Work is
 counted per sequence: forward 4·h·d·s² FLOPs (halved when causal), backward 2.5x that; TFLOP/s = work / median time.
 The dense comparison runs batch x L with L = sum(s²) / sum(s) rounded to 128, which has (nearly) the same tokens and
-the same work as the packed batch, on the sm80 family (the one serving varlen calls) and, on Hopper, also on the
-dense default (sm90). One process, one GPU:
+the same work as the packed batch. cute-flash runs on the sm80 family and, on Hopper, also on the router's choice
+(sm90 forward, sm80 backward for varlen; sm90 both ways dense). One process, one GPU:
 
     python -m profiling.varlen_benchmark [--tokens 65536] [--heads 16] [--head-dim 128] [--causal both|yes|no]
 """
@@ -109,7 +109,11 @@ def bench(lens: List[int], heads: int, head_dim: int, causal: bool, seed: int = 
 
     mx = max(lens)
     varlen = lambda: cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx, causal=causal)  # noqa: E731
-    add("cute-flash varlen (sm80)", *_fwd_bwd_ms(varlen, (q, k, v)), fwd_flops)
+    with _family("sm80"):
+        add("cute-flash varlen sm80", *_fwd_bwd_ms(varlen, (q, k, v)), fwd_flops)
+    if torch.cuda.get_device_capability() == (9, 0):  # the router's choice: sm90 forward, sm80 backward
+        with _family(None):
+            add("cute-flash varlen default", *_fwd_bwd_ms(varlen, (q, k, v)), fwd_flops)
 
     # Dense at equal tokens and (nearly) equal work: batch x L with L = sum(s^2) / sum(s).
     seqlen = max(128, round(sum(s * s for s in lens) / total / 128) * 128)

@@ -27,7 +27,7 @@
 #   torch     [300] torch integration (issue 15): inductor, CUDA graphs, autocast, opcheck, the transformers / SDPA
 #                   plug-ins, the disk kernel cache loaded in a second process, the TVM-FFI launch
 #   varlen    [300] packed sequences (issue 16) on the sm80 kernels, forward + gradients, CUDA graphs
-#   varlen90  [300] the sm90 packed forward (CUTE_FLASH_SM90_VARLEN=1): out / lse, seqused_k, CUDA graphs, and its
+#   varlen90  [300] the sm90 packed forward (Hopper's default for varlen): out / lse, seqused_k, CUDA graphs, and its
 #                   out / lse through the sm80 packed backward
 #   host      [240] host time per warm call and first-call time from a cold / warm disk cache (profiling/), with a
 #                   cProfile of one warm-cache first call (first_call_profile.txt)

@@ -1,8 +1,8 @@
 """GPU: `cute_flash.attention_varlen` (packed sequences) on the sm80 family, forward and the three gradients against the
 float64 per-sequence reference with FlashAttention's rule (cute_flash.testing), plus CUDA-graph capture.
 
-On Hopper the `sm80` marker forces the sm80 family (tests/conftest.py), which is also what the router picks there
-for varlen calls unless CUTE_FLASH_SM90_VARLEN=1; the `sm90` tests at the end check the sm90 packed forward with it.
+On Hopper the `sm80` marker forces the sm80 family (tests/conftest.py); the router's own choice there is the sm90
+packed forward (with the sm80 packed backward), which the `sm90` tests at the end check.
 Cases sharing compiled kernels share an xdist group:
     python -m pytest -q tests/test_varlen_gpu.py -n 4 --dist loadgroup
 """
@@ -197,7 +197,7 @@ def test_varlen_torch_compile_training_step_matches_eager():
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
-# --- the sm90 packed forward (CUTE_FLASH_SM90_VARLEN=1; docs/varlen.md) ---------------------------------------------
+# --- the sm90 packed forward (the router's choice on Hopper; docs/varlen.md) ---------------------------------------------
 def _sm90_cases():
     cases = [("bf16", 128, mask, heads, lengths) for mask in MASKS for heads in ((4, 4), (4, 1)) for lengths in LENGTHS]
     cases += [("fp16", 64, mask, (6, 2), "mixed") for mask in MASKS]
@@ -208,16 +208,9 @@ def _sm90_cases():
 
 @pytest.fixture
 def sm90_varlen(monkeypatch):
-    """Routes attention_varlen's forward to the sm90 packed build for the test's duration."""
-    from cute_flash import interface, routing
-
-    monkeypatch.setenv("CUTE_FLASH_SM90_VARLEN", "1")
-    routing.clear_cache()
-    interface.clear_call_cache()
+    """attention_varlen's forward on the router's own choice (the sm90 packed build), whatever the marker set."""
+    monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
     yield
-    monkeypatch.delenv("CUTE_FLASH_SM90_VARLEN")
-    routing.clear_cache()
-    interface.clear_call_cache()
 
 
 def _forward_family(q, k, v, cq, ck, mq, mk, **kw):

@@ -8,14 +8,12 @@ the router (cute_flash.routing) sends the backward to the sm80 family, whose ker
 sm90 forward's out / lse as they are.
 FP8 (`spec.dtype == "fp8"`, forward only) is served by the `fp8` sub-package (`fp8.launch`; its kernel
 `fp8/flash_fwd.py` is a subclass of the bf16 forward).
-Packed sequences (`attention_varlen`): the forward's packed build (`build.compile_forward_packed`, entry `packed`)
-serves them only when CUTE_FLASH_SM90_VARLEN=1 (read when a call is first routed): it is built and tested on the
-CPU but has not run on a GPU yet; otherwise, and for every backward, the sm80 family's packed kernels serve.
+Packed sequences (`attention_varlen`): the forward's packed build (`build.compile_forward_packed`, entry `packed`);
+every packed backward goes to the sm80 family's packed kernels (`unsupported_reason` says why).
 """
 
 from __future__ import annotations
 
-import os
 import tempfile
 from typing import Dict, List, Optional
 
@@ -28,7 +26,6 @@ from ..base import BwdTensors, FwdTensors, Grads, KernelArtifact, launch_packed_
 from .tile_config import FwdTileConfig, budget_problem, fwd_tile_config, smem_bytes
 
 FAMILY = "sm90"
-VARLEN_ENV_VAR = "CUTE_FLASH_SM90_VARLEN"  # "1": the packed forward serves attention_varlen (not yet GPU-verified)
 # Head dims with a measured tile configuration (tile_config.py). head_dim and head_dim_v may differ, each one of
 # these: the kernel's Q/K and V/O shared-memory layouts depend on one of the two only, and each is built (and tested
 # on the GPU) at these widths.
@@ -73,12 +70,7 @@ def _build_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_o
 class _Backend:
     name = FAMILY
     cute_arch = "sm_90a"
-    varlen_unavailable = f"the sm90 varlen forward is not yet verified on a GPU (opt in: {VARLEN_ENV_VAR}=1)"
-
-    @property
-    def varlen(self) -> bool:
-        """Whether attention_varlen may route here (routing._varlen_reason): only on request, see the module doc."""
-        return os.environ.get(VARLEN_ENV_VAR) == "1"
+    varlen = True  # has a packed-sequence forward (forward_varlen); see routing
 
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         return _fp8().kv_scale_block(spec.head_dim, spec.head_dim_v)

@@ -141,7 +141,7 @@ def _kernels(spec: AttentionSpec, cfg: Optional[BwdTileConfig], target: str, gqa
         reason = backward_unsupported_reason(spec)
         if reason is not None:
             raise NotImplementedError(reason)
-        chosen = cfg or bwd_tile_config(spec)
+        chosen = cfg or bwd_tile_config(spec, deterministic)
         problem = bwd_config_problem(chosen, spec.head_dim)
         if problem is None and deterministic and chosen.dq_red:
             problem = "dq_red adds dQ with plain atomics in no fixed order: no deterministic build"
@@ -226,18 +226,24 @@ def compile_backward_artifacts(
     reason = backward_unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(reason)
+    default = cfg is None
     cfg = cfg or bwd_tile_config(spec)
     own_preprocess = cfg.zero_dq_in_preprocess or cfg.pdl
     compile_cache.ensure_cute_dsl_arch(target)
-    config = {**cfg.as_dict(), "shared_bytes": bwd_smem_bytes(cfg, spec.head_dim), "threads": cfg.num_threads}
     artifacts = []
     with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_bwd_") as dump:
-        mains = [r for r in MAIN_ROLES if not (cfg.dq_red and MAIN_ROLES[r][1])]  # dq_red: no deterministic build
+        # dq_red has no deterministic build; the default configuration's deterministic roles take their own one.
+        mains = [r for r in MAIN_ROLES if default or not (cfg.dq_red and MAIN_ROLES[r][1])]
         default_roles = (*mains, "bwd_dq_postprocess") + (("bwd_preprocess",) if own_preprocess else ())
         for role in default_roles if roles is None else roles:
             sub = os.path.join(dump, role)
-            compiled = _build(role, spec, cfg, target, compile_cache.keep_artifacts_options(sub))
-            role_config = config
+            role_cfg = bwd_tile_config(spec, True) if default and role in MAIN_ROLES and MAIN_ROLES[role][1] else cfg
+            compiled = _build(role, spec, role_cfg, target, compile_cache.keep_artifacts_options(sub))
+            role_config = {
+                **role_cfg.as_dict(),
+                "shared_bytes": bwd_smem_bytes(role_cfg, spec.head_dim),
+                "threads": role_cfg.num_threads,
+            }
             if role == "bwd_dq_postprocess":
                 role_config = {"tile_m": cfg.tile_m, "threads": cfg.num_dq_wgs * WARPGROUP_THREADS}
             elif role == "bwd_preprocess":

@@ -1,7 +1,8 @@
 """Named hardware barriers of the sm90 kernels (ids are per kernel; barrier 0 belongs to `__syncthreads`).
 
-Forward (`BarrierId`): ids 1..3 are the consumers' turn barriers (ping-pong), ids 4..6 the per-warpgroup epilogue
-barriers (before a warpgroup's TMA store reads the O tile its 128 threads wrote to shared memory).
+Forward (`BarrierId`): ids 1..3 are the consumers' turn barriers (ping-pong), ids 4..6 one per consumer warpgroup
+(its 128 threads: before the TMA store reads the O tile they wrote to shared memory, and in packed batches before
+the first P·V reads the V tile whose tail rows they zeroed).
 Backward (`BwdBarrierId`): see the enum.
 """
 
@@ -20,7 +21,7 @@ MAX_CONSUMER_WGS = 3
 
 class BarrierId(enum.IntEnum):
     TURN_FIRST = 1  # TURN_FIRST + c: consumer c may issue its GEMMs
-    EPILOGUE_FIRST = TURN_FIRST + MAX_CONSUMER_WGS  # EPILOGUE_FIRST + c: consumer c's O tile is in shared memory
+    WARPGROUP_FIRST = TURN_FIRST + MAX_CONSUMER_WGS  # WARPGROUP_FIRST + c: consumer c's 128 threads
 
 
 class WarpGroupTurns:
@@ -54,9 +55,9 @@ class WarpGroupTurns:
             cute.arch.barrier_arrive(barrier_id=int(BarrierId.TURN_FIRST) + nxt, number_of_threads=self.threads)
 
 
-def epilogue_sync(consumer_idx: Int32) -> None:
-    """All 128 threads of one consumer warpgroup (its O tile is complete in shared memory)."""
-    cute.arch.barrier(barrier_id=int(BarrierId.EPILOGUE_FIRST) + consumer_idx, number_of_threads=WARPGROUP_THREADS)
+def warpgroup_sync(consumer_idx: Int32) -> None:
+    """All 128 threads of one consumer warpgroup (e.g. its O tile is complete in shared memory)."""
+    cute.arch.barrier(barrier_id=int(BarrierId.WARPGROUP_FIRST) + consumer_idx, number_of_threads=WARPGROUP_THREADS)
 
 
 class BwdBarrierId(enum.IntEnum):

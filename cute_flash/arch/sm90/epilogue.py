@@ -17,7 +17,7 @@ from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
 from ...common.acc_views import rows_cols_view
-from .barriers import epilogue_sync
+from .barriers import warpgroup_sync
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS
 from .views import head_stat_rows, head_tiles
 from . import wgmma
@@ -53,7 +53,7 @@ def store_o_and_lse(
     smem_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma_o).get_slice(tidx)
     cute.copy(smem_copy, smem_copy.retile(rO), smem_copy.partition_D(sO[None, None, consumer]))
     cute.arch.fence_view_async_shared()  # the generic-proxy stores must be visible to the TMA (async proxy)
-    epilogue_sync(consumer)
+    warpgroup_sync(consumer)
 
     if cutlass.const_expr(offset_q is None):
         if warp_in_wg == 0:
@@ -84,6 +84,17 @@ def store_o_and_lse(
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the store's reads
 
 
+def row_chunks_copy(dtype, cols: int, tidx: Int32):
+    """This thread's slice of a 16-byte-per-thread copy over a (rows, cols) tile by the 128 threads of one
+    warpgroup: consecutive threads take consecutive 16-byte chunks of a row, up to 16 threads (256 bytes) per row, as
+    many as divide the row's chunks (head dims 96 and 192: 4 and 8)."""
+    per_row = math.gcd(cols // COPY_ELEMS, 16)
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+    threads = cute.make_ordered_layout((WARPGROUP_THREADS // per_row, per_row), order=(1, 0))
+    tiled = cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, COPY_ELEMS)))
+    return tiled, tiled.get_slice(tidx)
+
+
 @cute.jit
 def store_rows_predicated(
     sO: cute.Tensor,  # (rows, dv) in shared memory, filled and synchronised
@@ -93,14 +104,8 @@ def store_rows_predicated(
     head_dim_v: cutlass.Constexpr[int],
     tidx: Int32,  # 0 .. 127 within the consumer warpgroup
 ):
-    """16-byte stores of the first `rows_left` rows of sO to gO, by the 128 threads of one warpgroup: consecutive
-    threads take consecutive 16-byte chunks of a row, up to 16 threads (256 bytes) per row, as many as divide the
-    row's chunks (head dims 96 and 192: 4 and 8)."""
-    per_row = math.gcd(head_dim_v // COPY_ELEMS, 16)
-    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
-    threads = cute.make_ordered_layout((WARPGROUP_THREADS // per_row, per_row), order=(1, 0))
-    tiled = cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, COPY_ELEMS)))
-    thr = tiled.get_slice(tidx)
+    """16-byte stores of the first `rows_left` rows of sO to gO, by the 128 threads of one warpgroup."""
+    tiled, thr = row_chunks_copy(dtype, head_dim_v, tidx)
     tOsO = thr.partition_S(sO)
     tOgO = thr.partition_D(gO)
     tOcO = thr.partition_S(cute.make_identity_tensor((ROWS_PER_CONSUMER, head_dim_v)))
@@ -109,3 +114,24 @@ def store_rows_predicated(
     for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
         if tOcO[0, m, 0][0] < rows_left:
             cute.copy(tiled, tOrO[None, m, None], tOgO[None, m, None])
+
+
+@cute.jit
+def zero_rows_from(
+    sT: cute.Tensor,  # (rows, cols) in shared memory, landed
+    first_row: Int32,  # rows first_row .. rows - 1 become 0
+    dtype: cutlass.Constexpr,
+    rows: cutlass.Constexpr[int],
+    cols: cutlass.Constexpr[int],
+    tidx: Int32,  # 0 .. 127 within the consumer warpgroup
+):
+    """Zeroes the tail rows of a shared-memory tile by 16-byte stores of one warpgroup; the caller fences them for
+    the async proxy and synchronises the warpgroup before a wgmma reads the tile."""
+    tiled, thr = row_chunks_copy(dtype, cols, tidx)
+    tTsT = thr.partition_D(sT)
+    tTcT = thr.partition_D(cute.make_identity_tensor((rows, cols)))
+    tTrZ = cute.make_fragment_like(tTsT[None, 0, None], dtype)
+    tTrZ.fill(0.0)
+    for m in cutlass.range_constexpr(cute.size(tTsT.shape[1])):
+        if tTcT[0, m, 0][0] >= first_row:
+            cute.copy(tiled, tTrZ, tTsT[None, m, None])

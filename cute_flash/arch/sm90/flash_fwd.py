@@ -42,9 +42,9 @@ from ...common.block_walk import walk_kv_blocks
 from ...common.entries import FwdEntries
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
-from .barriers import WarpGroupTurns
+from .barriers import WarpGroupTurns, warpgroup_sync
 from .cta import CtaWork, cta_work
-from .epilogue import store_o_and_lse
+from .epilogue import store_o_and_lse, zero_rows_from
 from .loads import load_q_k_v
 from .pipelines import LoadPipelines, consumer_state, consumer_wait, make_load_pipelines
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, FwdTileConfig
@@ -392,11 +392,27 @@ class Sm90FlashForward(FwdEntries):
         turns.prime()
 
         if n_max > n_min:
+            if const_expr(self.varlen):
+                self.zero_v_tail(pipes, sV, work, consumer, tidx)
             self.mainloop(pipes, gemms.for_consumer(consumer), acc_O, softmax, turns, work, coords, None)
 
         row_scale, lse = softmax.finalize()
         softmax.rescale(rows_cols_view(acc_O), row_scale)
         self.store_output(acc_O, lse, tiled_mma_pv, thr_pv, out, work, consumer, tidx, warp_in_wg)
+
+    @cute.jit
+    def zero_v_tail(self, pipes: LoadPipelines, sV: cute.Tensor, work: CtaWork, consumer: Int32, tidx: Int32):
+        """Packed sequences: V rows of the right-most key tile past seqlen_k hold the next sequence's rows (or a KV
+        cache's unused slots) as TMA loaded them. Their P is exactly 0, but 0 · Inf / NaN is NaN, so they are zeroed
+        in shared memory before any P·V reads them (dense tensors: TMA fills rows past the tensor with zeros).
+        Every consumer warpgroup zeroes the same rows (same values, no race) and fences its own stores for wgmma."""
+        tail = work.info.seqlen_k - (work.n_max - 1) * self.tile_n
+        if tail < self.tile_n:
+            first = consumer_state(self.num_stages)
+            consumer_wait(pipes.v, first)
+            zero_rows_from(sV[None, None, first.index], tail, self.dtype, self.tile_n, self.head_dim_v, tidx)
+            cute.arch.fence_view_async_shared()
+            warpgroup_sync(consumer)  # before the first P·V reads the tile
 
     def consumer_gemms(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, tidx: Int32):
         """This thread's wgmma operands (Vᵀ: V viewed or stored dv x keys), and its MMA slices of Q·Kᵀ and P·V."""

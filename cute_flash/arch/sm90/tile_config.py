@@ -163,12 +163,14 @@ class BwdTileConfig:
         (48 KiB at d128) instead of K, V and Q (80 KiB); docs/sm90_bwd_sass_study.md item 5. Measured neutral on an
         H100 (session 10: d128 1.001, d256 0.997, d64 1.023 against the single barrier); kept on (one barrier wait
         fewer per CTA).
-    dq_red (study option, off; profiling/sm90_bwd_variants.py "red", "red2", "red3"): each consumer adds its dQ to the
+    dq_red (on at d256; profiling/sm90_bwd_variants.py "red", "red2", "red3"): each consumer adds its dQ to the
         fp32 accumulator from registers with red.global.add.v4.f32 (the fragment layout's 16-byte groups) instead
         of staging it in shared memory for the dQ warp's bulk reduce-add. Frees the tile_m x d fp32 buffer (64 KiB at
         d256), room for a second Q / dO stage at d256 ("red2": 64 x 64 tiles, 2 stages, 226 KiB), the pipelining FA4
-        gets there from 64 x 48 tiles; "red3": d128 with 3 stages. The adds have no fixed order: deterministic
-        builds are refused (backward._kernels).
+        gets there from 64 x 48 tiles; "red3": d128 with 3 stages. At d128 both measured 0.91x the default (H200,
+        session 11: the adds from registers cost more than the dQ warp's bulk reduce-add there). The adds have no
+        fixed order: deterministic builds take _BWD_DETERMINISTIC's configuration, and an explicit dq_red one is
+        refused (backward._kernels).
     """
 
     tile_m: int
@@ -289,14 +291,22 @@ def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, elem_bytes: int = 2) -> in
 #         dq_swap_ab (profiling/sm90_bwd_variants.py "m80", "m80_regstats"); measured on an H100 in session 9 it was
 #         not faster than 64 rows here (below), so not the default.
 #   d256: 64 x 64 tiles with queries on rows (FlashAttention-3's d256 shape): dK and dV split by head-dim halves
-#         (64 registers each) instead of 128 keys' rows (256 each); P and dS through shared memory; one stage, as the
-#         Q, dO, K, V tiles (32 KiB each), P, dS and the fp32 dQ buffer (64 KiB) fill 210 KiB.
+#         (64 registers each) instead of 128 keys' rows (256 each); P and dS through shared memory. dQ is added from
+#         registers (dq_red), which frees the fp32 dQ buffer (64 KiB) for a second Q / dO stage (226 KiB): 1.34x the
+#         one-stage kernel with the dQ buffer and 1.14x FA4 over 1k/4k/16k, both masks (H200, session 11,
+#         docs/performance.md). Deterministic builds keep the dQ buffer and so one stage (_BWD_DETERMINISTIC).
 # Other head dims (192, dv != d) keep the sm80 backward.
 _BWD_BY_HEAD_DIM = {
     64: BwdTileConfig(tile_m=128, dq_split="m", opt_level=2),
     96: BwdTileConfig(tile_m=64, dq_split="single"),
     128: BwdTileConfig(tile_m=64, dq_split="n"),
-    256: BwdTileConfig(tile_m=64, dq_split="n", keys_on_rows=False, tile_n=64, num_stages=1),
+    256: BwdTileConfig(tile_m=64, dq_split="n", keys_on_rows=False, tile_n=64, num_stages=2, dq_red=True),
+}
+
+# Changes for deterministic builds (dq_red's adds have no fixed order): the dQ buffer and the dQ warp's ordered
+# reduce-adds, in the shared memory the second stage had.
+_BWD_DETERMINISTIC = {
+    256: {"dq_red": False, "num_stages": 1},
 }
 
 
@@ -316,10 +326,16 @@ _BWD_BY_HEAD_DIM_AND_MASK = {
 }
 
 
-def bwd_tile_config(spec: AttentionSpec) -> Optional[BwdTileConfig]:
-    """The sm90 backward's configuration for `spec`, or None where it has none."""
+def bwd_tile_config(spec: AttentionSpec, deterministic: bool = False) -> Optional[BwdTileConfig]:
+    """The sm90 backward's configuration for `spec` (its deterministic build's when asked), or None where it has
+    none."""
     if spec.head_dim != spec.head_dim_v:
         return None
     cfg = _BWD_BY_HEAD_DIM.get(spec.head_dim)
-    changes = _BWD_BY_HEAD_DIM_AND_MASK.get((spec.head_dim, spec.mask))
-    return replace(cfg, **changes) if cfg is not None and changes else cfg
+    if cfg is None:
+        return None
+    changes = {
+        **_BWD_BY_HEAD_DIM_AND_MASK.get((spec.head_dim, spec.mask), {}),
+        **(_BWD_DETERMINISTIC.get(spec.head_dim, {}) if deterministic else {}),
+    }
+    return replace(cfg, **changes) if changes else cfg

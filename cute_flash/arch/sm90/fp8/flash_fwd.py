@@ -39,7 +39,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from ....common.acc_views import rows_cols_view
 from ....common.online_softmax import LOG2_E
 from ....fp8.prepare import BLOCK_M
-from ..barriers import WarpGroupTurns, epilogue_sync
+from ..barriers import WarpGroupTurns, warpgroup_sync
 from ..cta import CtaWork
 from .permute import store_p_operand_e4m3
 from .softmax import MIN_TILE_SCALE, Fp8OnlineSoftmax
@@ -230,7 +230,7 @@ class Sm90FlashForwardFp8(Sm90FlashForward):
                 if w < words_per_stage:
                     words[w] = Int32(0x38383838)
         cute.arch.fence_view_async_shared()  # generic-proxy stores, read by wgmma (async proxy)
-        epilogue_sync(consumer)
+        warpgroup_sync(consumer)
 
     @cute.jit
     def tile_scales(
