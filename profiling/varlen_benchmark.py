@@ -5,7 +5,7 @@ The batch: sequence lengths drawn uniformly from 128..8192 (seeded) until 64k to
 counted per sequence: forward 4·h·d·s² FLOPs (halved when causal), backward 2.5x that; TFLOP/s = work / median time.
 The dense comparison runs batch x L with L = sum(s²) / sum(s) rounded to 128, which has (nearly) the same tokens and
 the same work as the packed batch. cute-flash runs on the sm80 family and, on Hopper, also on the router's choice
-(sm90 forward, sm80 backward for varlen; sm90 both ways dense). One process, one GPU:
+(the sm90 kernels, packed and dense). One process, one GPU:
 
     python -m profiling.varlen_benchmark [--tokens 65536] [--heads 16] [--head-dim 128] [--causal both|yes|no]
 """
@@ -111,7 +111,7 @@ def bench(lens: List[int], heads: int, head_dim: int, causal: bool, seed: int = 
     varlen = lambda: cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx, causal=causal)  # noqa: E731
     with _family("sm80"):
         add("cute-flash varlen sm80", *_fwd_bwd_ms(varlen, (q, k, v)), fwd_flops)
-    if torch.cuda.get_device_capability() == (9, 0):  # the router's choice: sm90 forward, sm80 backward
+    if torch.cuda.get_device_capability() == (9, 0):  # the router's choice: the sm90 packed kernels
         with _family(None):
             add("cute-flash varlen default", *_fwd_bwd_ms(varlen, (q, k, v)), fwd_flops)
 

@@ -12,6 +12,7 @@
 #   sm80_bwd  [90] the sm80 backward matrix through autograd at bf16 d128 and fp16 d64 (one process per shard)
 #   bench     [240] backward grid beside FA4 and cuDNN: d 64/128/256 x $BENCH_SEQLENS (default 1k/4k/16k) x causal
 #                   both (bench/report.md)
+#   fbbench   [240] the same grid, forward + backward (fbbench/report.md)
 #   m80       [240] d128 backward without a mask: 64-row query tiles against the 80-row dQᵀ form (dq_swap_ab, with
 #                   shuffled or register-held LSE / D) and dV before the dP wait, beside FA4
 #   variants  [240 + 420] d128 backward variants of docs/sm90_bwd_sass_study.md: their gradients
@@ -27,8 +28,8 @@
 #   torch     [300] torch integration (issue 15): inductor, CUDA graphs, autocast, opcheck, the transformers / SDPA
 #                   plug-ins, the disk kernel cache loaded in a second process, the TVM-FFI launch
 #   varlen    [300] packed sequences (issue 16) on the sm80 kernels, forward + gradients, CUDA graphs
-#   varlen90  [300] the sm90 packed forward (Hopper's default for varlen): out / lse, seqused_k, CUDA graphs, and its
-#                   out / lse through the sm80 packed backward
+#   varlen90  [300] the sm90 packed kernels (Hopper's default for varlen): out / lse and gradients, GQA, seqused_k
+#                   with NaN in the unused rows, equal lengths against dense, CUDA graphs
 #   host      [240] host time per warm call and first-call time from a cold / warm disk cache (profiling/), with a
 #                   cProfile of one warm-cache first call (first_call_profile.txt)
 #   hostprof  [90]  cProfile of warm forward + backward calls (profiling/host_profile.py)
@@ -64,10 +65,11 @@ for s in $steps; do
             -k "q113k203 or q1023k1024 or q239k1 or fully or local or strided or other" ;;
     sm80_bwd) step sm80_bwd 90 python3 tests/test_sm80_bwd.py -j 6 --test test_sm80_attention_backward \
             -k "bf16-d128- or fp16-d64-" ;;
-    bench) step bench 240 python3 -m cute_flash bench --dtypes bf16 --head-dims 64,128,256 \
-            --seqlens "${BENCH_SEQLENS:-1024,4096,16384}" --directions bwd --impls cute-flash,fa4,sdpa-cudnn --no-memory --no-plots \
-            --rep-ms 50 --warmup-ms 15 --out "$out/bench"
-           grep -A 22 "bf16 bwd" "$out/bench/report.md" 2>/dev/null || tail -n 25 "$out/bench.log" ;;
+    bench|fbbench) dir=bwd; [ "$s" = fbbench ] && dir=fwdbwd
+           step "$s" 240 python3 -m cute_flash bench --dtypes bf16 --head-dims 64,128,256 \
+            --seqlens "${BENCH_SEQLENS:-1024,4096,16384}" --directions $dir --impls cute-flash,fa4,sdpa-cudnn --no-memory --no-plots \
+            --rep-ms 50 --warmup-ms 15 --out "$out/$s"
+           grep -A 22 "bf16 $dir" "$out/$s/report.md" 2>/dev/null || tail -n 25 "$out/$s.log" ;;
     m80) step m80 240 python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 --causal no \
             --variants default,m80,m80_regstats,dv_early --fa4 --rounds 3 --rep-ms 50
          tail -n 12 "$out/m80.log" ;;

@@ -1,7 +1,8 @@
-"""CPU: the packed (varlen) sm90 forward cross-compiles for sm_90a with the dense kernel's instructions (TMA loads,
-wgmma, setmaxnreg), without spills, and writes O with 16-byte predicated stores instead of a TMA store (a TMA store
-would clip only at the end of the packed tensor). Dense builds are unchanged by it (normalised PTX identical,
-`python -m profiling.ptx_identity --compare` on the sm90 group; docs/varlen.md).
+"""CPU: the packed (varlen) sm90 forward and backward cross-compile for sm_90a with the dense kernels' instructions
+(TMA loads, wgmma, setmaxnreg), without spills, and write O / dK, dV / dQ with 16-byte predicated stores instead of
+TMA stores (a TMA store would clip only at the end of the packed tensor). Dense builds are unchanged by them
+(normalised PTX identical, `python -m profiling.ptx_identity --compare` on the sm90 and sm90-bwd groups;
+docs/varlen.md).
 """
 
 from __future__ import annotations
@@ -22,13 +23,20 @@ from cute_flash.arch.sm90 import build
 from cute_flash.arch.sm90.tile_config import fwd_tile_config
 from cute_flash.spec import AttentionSpec
 
-d, dv, mask, seqused = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+d, dv, mask, seqused, role = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1", sys.argv[5]
 spec = AttentionSpec("bf16", d, dv, mask, "bf16", varlen=True)
 dump = tempfile.mkdtemp()
 with census.capture_fd_stderr() as captured:
-    compiled = build.compile_forward_packed(
-        spec, fwd_tile_config(spec), "sm_90a", compile_cache.keep_artifacts_options(dump), seqused
-    )
+    if role == "fwd":
+        compiled = build.compile_forward_packed(
+            spec, fwd_tile_config(spec), "sm_90a", compile_cache.keep_artifacts_options(dump), seqused
+        )
+    else:
+        from cute_flash.arch.sm90 import backward
+        role += "_seqused" if seqused else ""
+        compiled = backward._build(
+            role, spec, backward.packed_tile_config(spec), "sm_90a", compile_cache.keep_artifacts_options(dump)
+        )
 ptx = compiled.artifacts.PTX
 print(json.dumps({
     "census": census.ptx_census(ptx),
@@ -38,9 +46,11 @@ print(json.dumps({
 }))
 """
 
-# d256 local, (192, 128) causal and d96 local built too when the kernel was written (spill-free); kept out of CI
-# for time.
-BUILDS = [(128, 128, "causal", False), (64, 64, "none", True)]
+# (d, dv, mask, seqused, role). Forward: d256 local, (192, 128) causal and d96 local built too when the kernel was
+# written (spill-free); backward: d 64 / 96 / 128 / 256, every mask, with and without GQA and seqused_k (session 11,
+# spill-free); kept out of CI for time.
+BUILDS = [(128, 128, "causal", False, "fwd"), (64, 64, "none", True, "fwd"), (128, 128, "causal", True, "bwd")]
+FORWARD_BUILDS = [b for b in BUILDS if b[4] == "fwd"]
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +66,28 @@ def builds():
         yield {args: pool.submit(run, args) for args in BUILDS}
 
 
-@pytest.mark.parametrize("d, dv, mask, seqused", BUILDS, ids=lambda a: str(a))
-def test_sm90_varlen_forward_compiles(builds, d, dv, mask, seqused):
-    done = builds[(d, dv, mask, seqused)].result()
+def _report(builds, args) -> dict:
+    done = builds[args].result()
     assert done.returncode == 0, done.stderr[-3000:]
-    rep = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("d, dv, mask, seqused, role", FORWARD_BUILDS, ids=lambda a: str(a))
+def test_sm90_varlen_forward_compiles(builds, d, dv, mask, seqused, role):
+    rep = _report(builds, (d, dv, mask, seqused, role))
     census = rep["census"]
     assert census["wgmma.mma_async"] > 0 and census["cp.async.bulk.tensor"] > 0 and census["setmaxnreg"] >= 2
     assert census["mma.sync"] == 0
     assert rep["spills"] and set(rep["spills"]) == {0}, rep["spills"]
     # O: 64 rows x dv per consumer warpgroup in 16-byte stores over its 128 threads, no TMA store
     assert rep["vector_stores"] == 64 * dv // (8 * 128) and rep["tma_stores"] == 0, rep
+
+
+def test_sm90_varlen_backward_compiles(builds):
+    rep = _report(builds, (128, 128, "causal", True, "bwd"))
+    census = rep["census"]
+    assert census["wgmma.mma_async"] > census["wgmma.mma_async.rs"] > 0 and census["cp.async.bulk.tensor"] > 0
+    assert census["setmaxnreg"] >= 2 and census["cp.reduce.async.bulk"] > 0 and census["mma.sync"] == 0
+    assert rep["spills"] and set(rep["spills"]) == {0}, rep["spills"]
+    # dK and dV: 128 keys x 128 columns each in 16-byte stores over the 256 consumer threads, no TMA store
+    assert rep["vector_stores"] == 2 * 128 * 128 // (8 * 256) and rep["tma_stores"] == 0, rep

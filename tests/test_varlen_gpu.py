@@ -2,7 +2,7 @@
 float64 per-sequence reference with FlashAttention's rule (cute_flash.testing), plus CUDA-graph capture.
 
 On Hopper the `sm80` marker forces the sm80 family (tests/conftest.py); the router's own choice there is the sm90
-packed forward (with the sm80 packed backward), which the `sm90` tests at the end check.
+family's packed kernels, which the `sm90` tests at the end check.
 Cases sharing compiled kernels share an xdist group:
     python -m pytest -q tests/test_varlen_gpu.py -n 4 --dist loadgroup
 """
@@ -197,84 +197,98 @@ def test_varlen_torch_compile_training_step_matches_eager():
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
-# --- the sm90 packed forward (the router's choice on Hopper; docs/varlen.md) ---------------------------------------------
+# --- the sm90 packed kernels (the router's choice on Hopper; docs/varlen.md) -----------------------------------------
 def _sm90_cases():
     cases = [("bf16", 128, mask, heads, lengths) for mask in MASKS for heads in ((4, 4), (4, 1)) for lengths in LENGTHS]
     cases += [("fp16", 64, mask, (6, 2), "mixed") for mask in MASKS]
     cases += [("bf16", 256, mask, (2, 1), "long") for mask in MASKS]
     cases += [("bf16", 96, mask, (4, 2), "mixed") for mask in ("full", "causal")]  # 4 threads per O row (gcd)
+    cases += [("fp16", 256, mask, (4, 4), "mixed") for mask in ("causal", "window")]
     return _params(cases, "sm90")
 
 
 @pytest.fixture
 def sm90_varlen(monkeypatch):
-    """attention_varlen's forward on the router's own choice (the sm90 packed build), whatever the marker set."""
+    """attention_varlen on the router's own choice (the sm90 packed builds), whatever the marker set."""
     monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
     yield
 
 
-def _forward_family(q, k, v, cq, ck, mq, mk, **kw):
-    import cute_flash
-
-    return cute_flash.explain_varlen(q, k, v, cq, ck, mq, mk, **kw).forward_family
-
-
 @pytest.mark.sm90
 @pytest.mark.parametrize("dt, d, mask, heads, lengths", _sm90_cases())
-def test_sm90_varlen_forward(sm90_varlen, dt, d, mask, heads, lengths):
-    """out and lse of every sequence against the float64 reference: zero-length sequences, queries without keys,
-    tiles that end inside a sequence (their loads read the next sequence's rows, which must not leak in and must
-    not be overwritten)."""
+def test_sm90_varlen_forward_backward(sm90_varlen, dt, d, mask, heads, lengths):
+    """out, lse and the three gradients of every sequence against the float64 reference: zero-length sequences,
+    queries without keys, tiles that end inside a sequence (their loads read the next sequence's rows, which must
+    not leak in and must not be overwritten), GQA sums."""
     import cute_flash
     from cute_flash.testing import stable_seed
 
     causal, window = MASKS[mask]
     lens_q, lens_k = LENGTHS[lengths]
-    seed = stable_seed(dt, d, mask, *heads, lengths)
-    q, k, v, cq, ck = (t.detach() for t in _packed(dt, d, lens_q, lens_k, *heads, seed=seed))
+    q, k, v, cq, ck = _packed(dt, d, lens_q, lens_k, *heads, seed=stable_seed(dt, d, mask, *heads, lengths))
     mq, mk = max(lens_q), max(lens_k)
-    assert _forward_family(q, k, v, cq, ck, mq, mk, causal=causal, window_size=window) == "sm90"
+    e = cute_flash.explain_varlen(q, k, v, cq, ck, mq, mk, causal=causal, window_size=window)
+    assert (e.forward_family, e.backward_family) == ("sm90", "sm90")
     out, lse = cute_flash.attention_varlen(q, k, v, cq, ck, mq, mk, causal=causal, window_size=window, return_lse=True)
-    _check(q, k, v, cq, ck, mq, mk, out, lse, None, None, causal=causal, window_size=window)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    _check(q, k, v, cq, ck, mq, mk, out, lse, dout, grads, causal=causal, window_size=window)
 
 
 @pytest.mark.sm90
 @pytest.mark.parametrize("mask", ["causal", "full"])
-def test_sm90_varlen_forward_seqused_k(sm90_varlen, mask):
-    """seqused_k, with NaN in every key / value row a sequence does not use (a KV cache's empty slots): the masked
-    tail tile reads those rows, and 0 * NaN in P·V would poison O unless they are kept out (the sm80 kernel
-    zero-fills them; docs/varlen.md)."""
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4)], ids=["gqa", "mha"])
+def test_sm90_varlen_seqused_k(sm90_varlen, mask, heads):
+    """seqused_k, with NaN in every key / value row a sequence does not use (a KV cache's empty slots): the tail
+    tiles read those rows, and 0 * NaN (P·V forward; dP = V·dOᵀ and dQ = dS·K backward) would poison the results
+    unless they are zeroed (docs/varlen.md). Keys past seqused_k get exactly zero gradients."""
     import cute_flash
 
     causal = mask == "causal"
     lens_q, lens_k = [5, 0, 40, 200, 1], [9, 4, 40, 300, 3]
     used = torch.tensor([9, 0, 17, 250, 3], dtype=torch.int32, device="cuda")
-    q, k, v, cq, ck = (t.detach() for t in _packed("bf16", 128, lens_q, lens_k, 4, 2, seed=7))
-    for b in range(len(lens_k)):
-        k[ck[b].item() + used[b].item() : ck[b + 1].item()] = float("nan")
-        v[ck[b].item() + used[b].item() : ck[b + 1].item()] = float("nan")
+    q, k, v, cq, ck = _packed("bf16", 128, lens_q, lens_k, *heads, seed=7)
+    with torch.no_grad():
+        for b in range(len(lens_k)):
+            k[ck[b].item() + used[b].item() : ck[b + 1].item()] = float("nan")
+            v[ck[b].item() + used[b].item() : ck[b + 1].item()] = float("nan")
     out, lse = cute_flash.attention_varlen(q, k, v, cq, ck, 256, 512, causal=causal, seqused_k=used, return_lse=True)
-    clean_k, clean_v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the reference never reads those rows either
-    _check(q, clean_k, clean_v, cq, ck, 256, 512, out, lse, None, None, causal=causal, seqused_k=used)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    # The reference never reads those rows either; it gives them zero gradients too.
+    clean_k, clean_v = k.detach().nan_to_num(0.0), v.detach().nan_to_num(0.0)
+    _check(q, clean_k, clean_v, cq, ck, 256, 512, out, lse, dout, grads, causal=causal, seqused_k=used)
+    for b in range(len(lens_k)):
+        k0, k1 = ck[b].item() + used[b].item(), ck[b + 1].item()
+        assert torch.all(grads[1][k0:k1] == 0) and torch.all(grads[2][k0:k1] == 0)
 
 
 @pytest.mark.sm90
 @pytest.mark.xdist_group("varlen90-bf16-d128-causal")
-def test_sm90_varlen_forward_sm80_backward(sm90_varlen, monkeypatch):
-    """Training: the sm90 packed forward's out / lse feed the sm80 family's packed backward (the router's choice
-    without CUTE_FLASH_ARCH), gradients against the reference."""
+def test_sm90_varlen_equal_lengths_match_dense_attention():
+    """Equal lengths: the packed calls and the dense sm90 calls compute the same outputs and gradients (to the
+    rule's tolerance; the dQ sums add in another order)."""
     import cute_flash
 
-    monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
-    lens_q, lens_k = LENGTHS["mixed"]
-    q, k, v, cq, ck = _packed("bf16", 128, lens_q, lens_k, 4, 2, seed=13)
-    mq, mk = max(lens_q), max(lens_k)
-    e = cute_flash.explain_varlen(q, k, v, cq, ck, mq, mk, causal=True)
-    assert (e.forward_family, e.backward_family) == ("sm90", "sm80")
-    out, lse = cute_flash.attention_varlen(q, k, v, cq, ck, mq, mk, causal=True, return_lse=True)
+    q, k, v, cq, ck = _packed("bf16", 128, [300] * 3, [300] * 3, 4, 4, seed=3)
+    out = cute_flash.attention_varlen(q, k, v, cq, ck, 300, 300, causal=True)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    _check(q, k, v, cq, ck, mq, mk, out, lse, dout, grads, causal=True)
+    dense_leaves = [t.detach().view(3, 300, 4, 128).requires_grad_(True) for t in (q, k, v)]
+    dense = cute_flash.attention(*dense_leaves, causal=True)
+    dense_grads = torch.autograd.grad(dense, dense_leaves, dout.view(3, 300, 4, 128))
+    torch.testing.assert_close(out, dense.reshape(900, 4, 128), atol=2e-2, rtol=0)
+    for got, want in zip(grads, dense_grads):
+        torch.testing.assert_close(got, want.reshape(got.shape), atol=2e-2, rtol=0)
+
+
+@pytest.mark.sm90
+def test_sm90_varlen_deterministic_backward_is_refused(sm90_varlen):
+    import cute_flash
+
+    q, k, v, cq, ck = _packed("bf16", 128, [5, 9], [5, 9], 4, 4, seed=1)
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        cute_flash.attention_varlen(q, k, v, cq, ck, 9, 9, deterministic=True)
 
 
 @pytest.mark.sm90

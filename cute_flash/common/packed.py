@@ -6,8 +6,11 @@ on a view whose row 0 is the sequence's first row, predicating on the sequence's
 kernels predicate on seqlen_q / seqlen_k.
 
 Buffers of whole tiles (the backward's fp32 accumulators and row statistics) cannot share rows between sequences, so
-sequence b's padded rows start at `padded_offset` = cu_seqlens[b] + b * pad: with pad >= the tile, a sequence's last
-(partial) tile ends before the next sequence's first row. Such buffers have total + batch * pad rows (`padded_rows`).
+sequence b's padded rows start at `padded_offset` = (cu_seqlens[b] + b * pad) rounded down to a multiple of pad: with
+pad >= the tile, a sequence's last (partial) tile ends before the next sequence's first row, and every sequence
+starts on a whole pad, which TMA loads of the fp32 statistics need (an sm90 TMA load from an fp32 row that is not
+16-byte aligned is an illegal instruction). Such buffers have total + batch * pad rows (`padded_rows`): the next
+start, floor((x + len + pad) / pad) * pad for x = cu_seqlens[b] + b * pad, is at least this one plus len rounded up.
 
 Dense kernels pass offset None to the helpers, which then index the batch mode exactly as before (the same IR).
 """
@@ -31,10 +34,10 @@ class SeqRows:
     batch: Int
 
     def padded_offset_q(self, pad: int) -> Optional[Int]:
-        return None if self.offset_q is None else self.offset_q + self.batch * pad
+        return None if self.offset_q is None else (self.offset_q + self.batch * pad) // pad * pad
 
     def padded_offset_k(self, pad: int) -> Optional[Int]:
-        return None if self.offset_k is None else self.offset_k + self.batch * pad
+        return None if self.offset_k is None else (self.offset_k + self.batch * pad) // pad * pad
 
 
 def seq_rows(batch: Int, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK=None) -> SeqRows:

@@ -33,6 +33,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cutlass_dsl import dsl_user_op
 
 from ...common.block_info import BlockInfo
+from ...common.grid import block_grid
 from ...common.online_softmax import clamp_scale_log2
 from ...common.packed import SeqRows, dense_seq, head_rows, head_stats, seq_rows
 from .tile_config import BwdTileConfig, packed_pads
@@ -298,10 +299,7 @@ class Sm80FlashBackward:
 
         g2s_copy = self._g2s_copy(d, cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL))
         s2g_copy = self._g2s_copy(d, cute.nvgpu.CopyUniversalOp())
-        if cutlass.const_expr(self.varlen):
-            grid = ((max_seqlen_k + (cfg.block_n - 1)) // cfg.block_n, mQ.shape[1], mCuSeqlensQ.shape[0] - 1)
-        else:
-            grid = (cute.ceil_div(mK.shape[1], cfg.block_n), mQ.shape[2], mQ.shape[0])
+        grid = block_grid(mQ, mK, cfg.block_n, mCuSeqlensQ, max_seqlen_k)
         params = BwdParams(
             *tensors, softmax_scale, softmax_scale * LOG2_E, window_left, window_right, sQ_layout, sK_layout,
             sP_layout, g2s_copy, s2g_copy, self._tiled_mma(cfg.warps_m_sdp), self._tiled_mma(cfg.warps_n_dkv),

@@ -32,6 +32,7 @@ from ...common.acc_views import rows_cols_view, sm80_acc_as_a_operand
 from ...common.block_info import BlockInfo
 from ...common.block_walk import walk_kv_blocks
 from ...common.entries import FwdEntries
+from ...common.grid import block_grid
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
 from ...common.packed import SeqRows, dense_seq, head_rows, head_stats, seq_rows
@@ -231,12 +232,8 @@ class Sm80FlashForward(FwdEntries):
             permutation_mnk=(self.tile.num_warps * 16, 16, 16),
         )
 
-        if cutlass.const_expr(self.varlen):
-            num_m_blocks = (max_seqlen_q + (self.tile_m - 1)) // self.tile_m
-            grid = (num_m_blocks, cute.size(mQ.shape[1]), cute.size(mCuSeqlensQ.shape[0] - 1))
-        else:
-            num_m_blocks = cute.ceil_div(mQ.shape[1], self.tile_m)
-            grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
+        num_m_blocks, heads, batch = block_grid(mQ, mQ, self.tile_m, mCuSeqlensQ, max_seqlen_q)
+        grid = (num_m_blocks, cute.size(heads), cute.size(batch))
         params = FwdParams(
             mQ, mK, mV, mO, mLSE, softmax_scale * LOG2_E, window_left, window_right, sQ_layout, sK_layout, sV_layout,
             sO_layout, copy_qk, copy_v, copy_o, tiled_mma, SharedStorage,

@@ -8,8 +8,8 @@ the router (cute_flash.routing) sends the backward to the sm80 family, whose ker
 sm90 forward's out / lse as they are.
 FP8 (`spec.dtype == "fp8"`, forward only) is served by the `fp8` sub-package (`fp8.launch`; its kernel
 `fp8/flash_fwd.py` is a subclass of the bf16 forward).
-Packed sequences (`attention_varlen`): the forward's packed build (`build.compile_forward_packed`, entry `packed`);
-every packed backward goes to the sm80 family's packed kernels (`unsupported_reason` says why).
+Packed sequences (`attention_varlen`): the forward's and the backward's packed builds (`build.compile_forward_packed`,
+`build.compile_backward_packed`, entries `packed`); a deterministic packed backward has none (`unsupported_reason`).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _build_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_o
 class _Backend:
     name = FAMILY
     cute_arch = "sm_90a"
-    varlen = True  # has a packed-sequence forward (forward_varlen); see routing
+    varlen = True  # has packed-sequence kernels (forward_varlen / backward_varlen); see routing
 
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         return _fp8().kv_scale_block(spec.head_dim, spec.head_dim_v)
@@ -81,8 +81,8 @@ class _Backend:
             reason = "the sm90 FP8 forward has no varlen (packed sequences) build"
         if reason is not None or not backward:
             return reason
-        if spec.varlen:
-            return "the sm90 backward has no varlen (packed sequences) variant yet"
+        if spec.varlen and deterministic:
+            return _bwd().PACKED_DETERMINISTIC_UNSUPPORTED
         if spec.dtype == "fp8":
             return "the sm90 FP8 path is forward-only: there is no FP8 backward"
         return _bwd().backward_unsupported_reason(spec)  # every sm90 backward configuration has a deterministic build
@@ -127,6 +127,12 @@ class _Backend:
 
     def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
         _bwd().run_backward(t, grads, problem, deterministic)
+
+    def backward_varlen(
+        self, t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: VarlenProblem, deterministic: bool = False
+    ) -> None:
+        """Packed backward: tensors as in forward_varlen, dq / dk / dv shaped like q / k / v."""
+        _bwd().run_backward_varlen(t, grads, seqs, problem, deterministic)
 
     def warm(
         self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False

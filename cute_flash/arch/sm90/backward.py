@@ -12,6 +12,11 @@ Launch-overhead options (BwdTileConfig, on by default): zero_dq_in_preprocess (a
 accumulator, in place of a torch.zeros), pdl / pdl_dq_post (programmatic dependent launch preprocess -> main -> dQ
 postprocess). With both of the first two off the preprocess is the sm80 family's own build.
 
+Packed sequences (`run_backward_varlen`): the same three steps on buffers whose sequence b starts at row
+cu_seqlens[b] + b * pad (tile_config.packed_pads): the sm80 family's packed preprocess, the main kernel's and the dQ
+conversion's `packed` builds, the sm80 packed accumulator conversion under GQA; the launch-overhead options are off
+there (the packed preprocess neither zeroes dQ nor signals PDL).
+
 Kernels are compiled once per (target, role, spec, tile config) with symbolic batch, sequence and head extents and
 launched through TVM-FFI on torch's current stream.
 """
@@ -28,9 +33,10 @@ import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec
-from ...validation import Problem, _round_up
+from ...validation import PackedSeqs, Problem, VarlenProblem, _round_up
 from ..base import BwdTensors, Grads, KernelArtifact
 from .tile_config import (
+    PRE_POST_ROWS,
     ROWS_PER_CONSUMER,
     WARPGROUP_THREADS,
     BwdTileConfig,
@@ -38,10 +44,12 @@ from .tile_config import (
     bwd_head_dims,
     bwd_smem_bytes,
     bwd_tile_config,
+    packed_pads,
 )
 
 FAMILY = "sm90"
-STATS_ROW_MULTIPLE = 64  # the preprocess writes whole 64-row blocks
+STATS_ROW_MULTIPLE = PRE_POST_ROWS  # the preprocess writes whole 64-row blocks
+PACKED_DETERMINISTIC_UNSUPPORTED = "the sm90 packed (varlen) backward has no deterministic mode"
 
 
 def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
@@ -66,6 +74,13 @@ def _sm80_backward():
 # Kernel roles: the main kernel without / with GQA (dK, dV partial sums), each also in a deterministic build, and
 # the dQ conversion.
 MAIN_ROLES = {"bwd": (False, False), "bwd_gqa": (True, False), "bwd_det": (False, True), "bwd_gqa_det": (True, True)}
+# Packed (varlen) specs: (GQA, reads seqused_k) per main role; no deterministic builds.
+PACKED_MAIN_ROLES = {
+    "bwd": (False, False),
+    "bwd_gqa": (True, False),
+    "bwd_seqused": (False, True),
+    "bwd_gqa_seqused": (True, True),
+}
 
 
 def _build(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str, extra: str = ""):
@@ -76,6 +91,9 @@ def _build(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str, extr
     extra = f"--opt-level {cfg.opt_level} {extra}".strip()
     if role == "bwd_dq_postprocess":
         return build.compile_dq_postprocess(spec, cfg, target, extra)
+    if spec.varlen:
+        gqa, seqused = PACKED_MAIN_ROLES[role]
+        return build.compile_backward(spec, cfg, target, gqa=gqa, extra_options=extra, seqused=seqused)
     gqa, deterministic = MAIN_ROLES[role]
     return build.compile_backward(spec, cfg, target, gqa=gqa, deterministic=deterministic, extra_options=extra)
 
@@ -211,9 +229,93 @@ def run_backward(
         kernels.convert(dv_out, dv, 1.0)
 
 
+def packed_tile_config(spec: AttentionSpec) -> BwdTileConfig:
+    """The packed backward's configuration: the dense one without the preprocess options (the sm80 packed preprocess
+    serves: it neither zeroes the dQ sums nor signals programmatic dependent launch)."""
+    return dataclasses.replace(bwd_tile_config(spec), zero_dq_in_preprocess=False, pdl=False)
+
+
+_packed_sets: Dict[tuple, _Kernels] = compile_cache.memo()
+
+
+def _packed_kernels(spec: AttentionSpec, target: str, gqa: bool, seqused: bool) -> _Kernels:
+    """The kernel set of a packed call, as `_kernels` for dense ones."""
+    key = (spec, target, gqa, seqused)
+    kernels = _packed_sets.get(key)
+    if kernels is None:
+        reason = backward_unsupported_reason(spec)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        cfg = packed_tile_config(spec)
+        sm80 = _sm80_backward()
+        role = ("bwd_gqa" if gqa else "bwd") + ("_seqused" if seqused else "")
+        kernels = _packed_sets[key] = _Kernels(
+            cfg,
+            sm80.preprocess_kernel(spec, target),
+            _kernel(role, spec, cfg, target),
+            _kernel("bwd_dq_postprocess", spec, cfg, target),
+            sm80.accum_convert_kernel(spec, target) if gqa else None,
+        )
+    return kernels
+
+
+def run_backward_varlen(
+    t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: VarlenProblem, deterministic: bool = False
+) -> None:
+    """The packed backward: q / dout / out / dq (total_q, h, d), k / v / dk / dv (total_k, h_kv, d), lse (h, total_q).
+    Keys past seqused_k[b] get zero gradients."""
+    if deterministic:
+        raise NotImplementedError(PACKED_DETERMINISTIC_UNSUPPORTED)
+    dout, q, k, v, out, lse = t
+    dq, dk, dv = grads
+    cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k = seqs
+    spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
+    total_q, nheads, head_dim = q.shape
+    total_k, nheads_kv = k.shape[0], k.shape[1]
+    gqa = nheads != nheads_kv
+    kernels = _packed_kernels(spec, compile_cache.runtime_target(q.device), gqa, seqused_k is not None)
+    pad_q, pad_k = packed_pads(kernels.cfg)
+    batch = cu_seqlens_q.shape[0] - 1
+    # Whole pad_q blocks: TMA boxes of the statistics and the dQ sums' query tiles stay inside the buffers.
+    rows_q = _round_up(total_q + batch * pad_q, pad_q)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    # (1, h, rows): the main kernel loads them in the dense layout (one batch entry); the preprocess writes (h, rows).
+    lse_log2 = torch.empty(1, nheads, rows_q, **f32)
+    dpsum = torch.empty(1, nheads, rows_q, **f32)
+    dq_accum = torch.zeros(nheads, rows_q * head_dim, **f32)
+    sm80 = _sm80_backward()
+    q, k, v, dout, out, dq, dk, dv = sm80.grad_views(q, k, v, dout, out, dq, dk, dv)
+
+    pre_blocks = -(-max_seqlen_q // pad_q) * pad_q // STATS_ROW_MULTIPLE  # whole pad_q rows per sequence
+    kernels.preprocess(out, dout, lse, dpsum[0], lse_log2[0], cu_seqlens_q, pad_q, pre_blocks)
+    if gqa:
+        rows_k = total_k + batch * pad_k
+        dk_out = torch.zeros(rows_k, nheads_kv, head_dim, **f32)
+        dv_out = torch.zeros(rows_k, nheads_kv, head_dim, **f32)
+    else:
+        dk_out, dv_out = dk, dv
+        if seqused_k is not None:
+            # The main kernel writes the first seqused_k[b] keys' rows; the others' gradients are zero.
+            dk.zero_()
+            dv.zero_()
+    kernels.main(
+        q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, softmax_scale, mask.left, mask.right,
+        cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k,
+    )  # fmt: skip
+    kernels.postprocess(dq_accum, dq, softmax_scale, cu_seqlens_q, pad_q, max_seqlen_q)
+    if gqa:
+        # Every key row of each sequence (cu_seqlens_k, not seqused_k): rows past seqused_k convert their zeros.
+        kernels.convert(dk_out, dk, 1.0, cu_seqlens_k, pad_k, max_seqlen_k)
+        kernels.convert(dv_out, dv, 1.0, cu_seqlens_k, pad_k, max_seqlen_k)
+
+
 def warm_backward(spec: AttentionSpec, target: str, *, gqa: bool, deterministic: bool) -> None:
-    """Gets every kernel `run_backward` launches for `spec` (default tile config) under the same cache keys."""
-    _kernels(spec, None, target, gqa, deterministic)
+    """Gets every kernel `run_backward` (packed specs: `run_backward_varlen` without seqused_k) launches for `spec`
+    (default tile config) under the same cache keys."""
+    if spec.varlen:
+        _packed_kernels(spec, target, gqa, seqused=False)
+    else:
+        _kernels(spec, None, target, gqa, deterministic)
 
 
 def compile_backward_artifacts(

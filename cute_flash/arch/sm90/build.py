@@ -11,7 +11,7 @@ from typing import Optional
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ...common.dsl_types import dsl_dtype
-from ...common.fake_tensors import fake_f32, fake_operand, fake_packed_forward_args
+from ...common.fake_tensors import fake_cu_seqlens, fake_f32, fake_operand, fake_packed_forward_args
 from .tile_config import FwdTileConfig
 
 compile_cache.ensure_cute_dsl_arch("sm_90a")
@@ -67,12 +67,22 @@ def _fake_stats(batch, heads, seqlen_padded):
 
 
 def compile_backward(
-    spec: AttentionSpec, cfg, target: str, gqa: bool, deterministic: bool = False, extra_options: Optional[str] = None
+    spec: AttentionSpec,
+    cfg,
+    target: str,
+    gqa: bool,
+    deterministic: bool = False,
+    extra_options: Optional[str] = None,
+    seqused: bool = False,
 ):
     """The compiled backward main kernel: fn(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphores,
     dkv_semaphores, softmax_scale, window_left, window_right), dk / dv fp32 padded sums under GQA; the int32
-    semaphores are read only by a deterministic build."""
+    semaphores are read only by a deterministic build. spec.varlen: the packed entry (compile_backward_packed)."""
     from .flash_bwd import Sm90FlashBackward
+
+    if spec.varlen:
+        assert not deterministic, "the packed backward has no deterministic build"
+        return compile_backward_packed(spec, cfg, target, gqa, seqused, extra_options)
 
     dtype = dsl_dtype(spec.dtype)
     d = spec.head_dim
@@ -82,12 +92,7 @@ def compile_backward(
     k = _strided(dtype, (batch, seqlen_k, heads_kv), d)
     v = _strided(dtype, (batch, seqlen_k, heads_kv), d)
     dout = _strided(dtype, (batch, seqlen_q, heads), d)
-    dq_accum = cute.runtime.make_fake_tensor(
-        cutlass.Float32,
-        (batch, heads, dq_len),
-        (cute.sym_int64(divisibility=cfg.tile_m * d), cute.sym_int64(divisibility=cfg.tile_m * d), 1),
-        assumed_align=16,
-    )
+    dq_accum = _fake_dq_accum(cfg, d, (batch, heads), dq_len)
     if gqa:
         dk = _strided(cutlass.Float32, (batch, sk_pad, heads_kv), d)
         dv = _strided(cutlass.Float32, (batch, sk_pad, heads_kv), d)
@@ -124,19 +129,70 @@ def compile_backward(
     )
 
 
+def _fake_dq_accum(cfg, d: int, leading: tuple, length):
+    """The fp32 dQ accumulator: leading modes (batch, heads) or (heads,), then length floats, whole query tiles per
+    (batch, head) or packed buffer."""
+    strides = tuple(cute.sym_int64(divisibility=cfg.tile_m * d) for _ in leading)
+    return cute.runtime.make_fake_tensor(cutlass.Float32, (*leading, length), (*strides, 1), assumed_align=16)
+
+
+def compile_backward_packed(
+    spec: AttentionSpec, cfg, target: str, gqa: bool, seqused: bool = False, extra_options: Optional[str] = None
+):
+    """The packed (varlen) backward main kernel: fn(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, softmax_scale,
+    window_left, window_right, cu_seqlens_q, cu_seqlens_k, seqused_k (a tensor when `seqused`, else None),
+    max_seqlen_k) with q / dout (total_q, h, d), k / v (total_k, h_kv, d), lse_log2 / dpsum (1, h, rows_q), dq_accum
+    (h, rows_q * d), dk / dv (total_k, h_kv, d), or fp32 (rows_k, h_kv, d) sums under GQA; rows_q / rows_k: the
+    padded buffers' rows (tile_config.packed_pads; rows_q a multiple of 64)."""
+    from .flash_bwd import Sm90FlashBackward
+
+    dtype = dsl_dtype(spec.dtype)
+    d = spec.head_dim
+    total_q, total_k, heads, heads_kv, rows_k = (cute.sym_int() for _ in range(5))
+    rows_q = cute.sym_int(divisibility=64)
+    q = _strided(dtype, (total_q, heads), d)
+    k = _strided(dtype, (total_k, heads_kv), d)
+    v = _strided(dtype, (total_k, heads_kv), d)
+    dout = _strided(dtype, (total_q, heads), d)
+    stats = [_fake_stats(cute.sym_int(), heads, rows_q) for _ in range(2)]
+    dq_accum = _fake_dq_accum(cfg, d, (heads,), cute.sym_int())
+    if gqa:
+        dk, dv = (_strided(cutlass.Float32, (rows_k, heads_kv), d) for _ in range(2))
+    else:
+        dk, dv = (_strided(dtype, (total_k, heads_kv), d) for _ in range(2))
+    batch = cute.sym_int()
+    cu = [fake_cu_seqlens(cute.sym_int()) for _ in range(2)]
+    kernel = Sm90FlashBackward(dtype, d, spec.mask, cfg, gqa)
+    kernel.varlen = True  # over the class default: the `packed` entry
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = compile_cache.compile_options(target, extra=extra_options or "")
+    return cute.compile(
+        kernel.packed, q, k, v, dout, *stats, dq_accum, dk, dv, cutlass.Float32(1.0), cutlass.Int32(0),
+        cutlass.Int32(0), *cu, fake_cu_seqlens(batch) if seqused else None, cutlass.Int32(0), stream,
+        options=options,
+    )  # fmt: skip
+
+
 def compile_dq_postprocess(spec: AttentionSpec, cfg, target: str, extra_options: Optional[str] = None):
-    """The compiled dQ conversion: fn(dq_accum, dq, softmax_scale)."""
+    """The compiled dQ conversion: fn(dq_accum, dq, softmax_scale); spec.varlen: fn(dq_accum (h, rows_q * d), dq
+    (total_q, h, d), softmax_scale, cu_seqlens_q, pad_q, max_seqlen_q)."""
     from .flash_bwd_postprocess import DqConvertSm90
 
     dtype = dsl_dtype(spec.dtype)
     d = spec.head_dim
+    if spec.varlen:
+        kernel = DqConvertSm90(dtype, d, cfg)
+        kernel.varlen = True
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        options = compile_cache.compile_options(target, extra=extra_options or "")
+        total, heads = cute.sym_int(), cute.sym_int()
+        return cute.compile(
+            kernel.packed, _fake_dq_accum(cfg, d, (heads,), cute.sym_int()), _strided(dtype, (total, heads), d),
+            cutlass.Float32(1.0), fake_cu_seqlens(cute.sym_int()), cutlass.Int32(0), cutlass.Int32(0), stream,
+            options=options,
+        )  # fmt: skip
     batch, seqlen_q, heads, dq_len = (cute.sym_int() for _ in range(4))
-    dq_accum = cute.runtime.make_fake_tensor(
-        cutlass.Float32,
-        (batch, heads, dq_len),
-        (cute.sym_int64(divisibility=cfg.tile_m * d), cute.sym_int64(divisibility=cfg.tile_m * d), 1),
-        assumed_align=16,
-    )
+    dq_accum = _fake_dq_accum(cfg, d, (batch, heads), dq_len)
     dq = _strided(dtype, (batch, seqlen_q, heads), d)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = compile_cache.compile_options(target, extra=extra_options or "")

@@ -84,14 +84,14 @@ def store_o_and_lse(
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the store's reads
 
 
-def row_chunks_copy(dtype, cols: int, tidx: Int32):
-    """This thread's slice of a 16-byte-per-thread copy over a (rows, cols) tile by the 128 threads of one
-    warpgroup: consecutive threads take consecutive 16-byte chunks of a row, up to 16 threads (256 bytes) per row, as
-    many as divide the row's chunks (head dims 96 and 192: 4 and 8)."""
+def row_chunks_copy(dtype, cols: int, tidx: Int32, threads: int = WARPGROUP_THREADS):
+    """This thread's slice of a 16-byte-per-thread copy over a (rows, cols) tile by `threads` threads (one
+    warpgroup unless said): consecutive threads take consecutive 16-byte chunks of a row, up to 16 threads (256
+    bytes) per row, as many as divide the row's chunks (head dims 96 and 192: 4 and 8)."""
     per_row = math.gcd(cols // COPY_ELEMS, 16)
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
-    threads = cute.make_ordered_layout((WARPGROUP_THREADS // per_row, per_row), order=(1, 0))
-    tiled = cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, COPY_ELEMS)))
+    thread_layout = cute.make_ordered_layout((threads // per_row, per_row), order=(1, 0))
+    tiled = cute.make_tiled_copy_tv(atom, thread_layout, cute.make_layout((1, COPY_ELEMS)))
     return tiled, tiled.get_slice(tidx)
 
 
@@ -102,13 +102,15 @@ def store_rows_predicated(
     rows_left: Int32,  # rows of gO that belong to the sequence (may exceed `rows`, or be <= 0)
     dtype: cutlass.Constexpr,
     head_dim_v: cutlass.Constexpr[int],
-    tidx: Int32,  # 0 .. 127 within the consumer warpgroup
+    tidx: Int32,  # 0 .. threads - 1
+    rows: cutlass.Constexpr[int] = ROWS_PER_CONSUMER,
+    threads: cutlass.Constexpr[int] = WARPGROUP_THREADS,
 ):
-    """16-byte stores of the first `rows_left` rows of sO to gO, by the 128 threads of one warpgroup."""
-    tiled, thr = row_chunks_copy(dtype, head_dim_v, tidx)
+    """16-byte stores of the first `rows_left` rows of sO to gO, by `threads` threads (one warpgroup unless said)."""
+    tiled, thr = row_chunks_copy(dtype, head_dim_v, tidx, threads)
     tOsO = thr.partition_S(sO)
     tOgO = thr.partition_D(gO)
-    tOcO = thr.partition_S(cute.make_identity_tensor((ROWS_PER_CONSUMER, head_dim_v)))
+    tOcO = thr.partition_S(cute.make_identity_tensor((rows, head_dim_v)))
     tOrO = cute.make_fragment_like(tOsO, dtype)
     cute.autovec_copy(tOsO, tOrO)
     for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):

@@ -48,7 +48,7 @@ Global tensors are viewed as (seqlen, head_dim, heads, batch) as in the forward 
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple, Tuple, Type
+from typing import NamedTuple, Optional, Tuple, Type
 
 import cuda.bindings.driver as cuda
 
@@ -61,12 +61,28 @@ from ...common.acc_views import rows_cols_view
 from ...common.block_info import BlockInfo
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E
+from ...common.packed import seq_rows
 from ..sm80.flash_bwd import red_add_f32_vec
 from .barriers import BwdBarrierId
 from .ptx import add_release_gpu, bulk_reduce_add_f32, load_acquire_gpu
 from .pipelines import consumer_state, consumer_wait, producer_state
-from .views import seq_major_view, stats_view
-from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, BwdTileConfig, bwd_config_problem, stat_stage_stride
+from .epilogue import store_rows_predicated, zero_rows_from
+from .views import (
+    accum_rows,
+    head_tiles,
+    packed_seq_major_view,
+    padded_stat_rows,
+    seq_major_view,
+    stats_view,
+)
+from .tile_config import (
+    ROWS_PER_CONSUMER,
+    WARPGROUP_THREADS,
+    BwdTileConfig,
+    bwd_config_problem,
+    packed_pads,
+    stat_stage_stride,
+)
 from . import wgmma
 
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
@@ -176,6 +192,16 @@ def column_stat(
     return value
 
 
+class PackedRows(NamedTuple):
+    """Where one sequence's rows start in packed tensors (all None for dense ones, which index the batch instead):
+    its queries and keys in the inputs (cu_seqlens), and its queries in the padded buffers (cu_seqlens + batch *
+    pad) of the query statistics and the dQ sums. (The consumers' epilogue reads its own.)"""
+
+    offset_q: object
+    offset_k: object
+    padded_q: object
+
+
 class BwdMmas(NamedTuple):
     """The tiled MMAs of a consumer: S and dP, dV and dK, dQ."""
 
@@ -201,7 +227,9 @@ class BwdFragments(NamedTuple):
 
 class Sm90FlashBackward:
     """Callable compiled once per (dtype, head dim, mask kind, tile config, GQA, deterministic); shapes and strides
-    are runtime."""
+    are runtime. Entries: `__call__` (dense tensors) and `packed` (packed sequences, instances with varlen set)."""
+
+    varlen = False  # packed sequences (the `packed` entry; set on the instance by build.compile_backward_packed)
 
     def __init__(
         self,
@@ -235,6 +263,9 @@ class Sm90FlashBackward:
         self.s_tile = (cfg.tile_n, cfg.tile_m) if cfg.keys_on_rows else (cfg.tile_m, cfg.tile_n)
         # dq_red adds dQ from registers with plain atomics, in no fixed order.
         assert not (deterministic and cfg.dq_red), "dq_red has no deterministic order"
+        # Packed sequences: sequence b's rows of the padded buffers (LSE / D, the dQ and GQA dK / dV sums) start at
+        # cu_seqlens[b] + b * pad (common/packed.py).
+        self.pad_q, self.pad_k = packed_pads(cfg)
 
     @cute.jit
     def __call__(
@@ -255,11 +286,71 @@ class Sm90FlashBackward:
         window_right: Int32,
         stream: cuda.CUstream,
     ):
+        assert not self.varlen
+        self._launch(
+            mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsem, mdKVsem, softmax_scale, window_left,
+            window_right, stream,
+        )  # fmt: skip
+
+    @cute.jit
+    def packed(
+        self,
+        mQ: cute.Tensor,  # (total_q, h, d)
+        mK: cute.Tensor,  # (total_k, h_kv, d)
+        mV: cute.Tensor,  # (total_k, h_kv, d)
+        mdO: cute.Tensor,  # (total_q, h, d)
+        mLSElog2: cute.Tensor,  # (1, h, rows_q) fp32 from the packed preprocess, rows_q >= total_q + batch * pad_q
+        mdPsum: cute.Tensor,  # like mLSElog2
+        mdQaccum: cute.Tensor,  # (h, rows_q * d) fp32, zeroed; "fragment" layout per sequence
+        mdK: cute.Tensor,  # (total_k, h_kv, d) dtype, or (rows_k, h_kv, d) fp32 zeroed under GQA
+        mdV: cute.Tensor,  # like mdK
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        mCuSeqlensQ: cute.Tensor,  # (batch + 1,) int32
+        mCuSeqlensK: cute.Tensor,
+        mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32 or None
+        max_seqlen_k: Int32,  # the grid's key tiles
+        stream: cuda.CUstream,
+    ):
+        assert self.varlen and not self.deterministic
+        self._launch(
+            mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, None, None, softmax_scale, window_left,
+            window_right, stream, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k),
+        )  # fmt: skip
+
+    @cute.jit
+    def _launch(
+        self,
+        mQ: cute.Tensor,  # (b, sq, h, d)
+        mK: cute.Tensor,  # (b, sk, h_kv, d)
+        mV: cute.Tensor,  # (b, sk, h_kv, d)
+        mdO: cute.Tensor,  # (b, sq, h, d)
+        mLSElog2: cute.Tensor,  # (b, h, sq_padded) fp32, from the preprocess
+        mdPsum: cute.Tensor,  # (b, h, sq_padded) fp32, from the preprocess
+        mdQaccum: cute.Tensor,  # (b, h, sq_padded * d) fp32, zeroed; "fragment" layout
+        mdK: cute.Tensor,  # (b, sk, h_kv, d) dtype, or (b, sk_padded, h_kv, d) fp32 zeroed under GQA
+        mdV: cute.Tensor,  # like mdK
+        mdQsem: cute.Tensor,  # (b, h, query tiles) int32 zeroed: dQ adds done per query tile (deterministic only)
+        mdKVsem: cute.Tensor,  # (b, h_kv, key tiles) int32 zeroed: GQA dK/dV adds done per key tile (likewise)
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        stream: cuda.CUstream,
+        packed=None,  # (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k): packed tensors, as `packed` takes them
+    ):
         d = self.head_dim
-        mQ, mK, mV, mdO = [seq_major_view(t) for t in (mQ, mK, mV, mdO)]
-        mLSElog2, mdPsum = stats_view(mLSElog2), stats_view(mdPsum)
-        if const_expr(not self.gqa):
-            mdK, mdV = seq_major_view(mdK), seq_major_view(mdV)
+        if const_expr(packed is None):
+            mQ, mK, mV, mdO = [seq_major_view(t) for t in (mQ, mK, mV, mdO)]
+            mLSElog2, mdPsum = stats_view(mLSElog2), stats_view(mdPsum)
+            if const_expr(not self.gqa):
+                mdK, mdV = seq_major_view(mdK), seq_major_view(mdV)
+        else:
+            mQ, mK, mV, mdO = [packed_seq_major_view(t) for t in (mQ, mK, mV, mdO)]
+            # (1, h, rows): the dense layout with one batch entry, loaded by the same TMA as dense calls
+            mLSElog2, mdPsum = stats_view(mLSElog2), stats_view(mdPsum)
+            if const_expr(not self.gqa):
+                mdK, mdV = packed_seq_major_view(mdK), packed_seq_major_view(mdV)
 
         stages = self.num_stages
         sQ_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_m, d, stages)
@@ -303,7 +394,8 @@ class Sm90FlashBackward:
         atom_lse, tma_lse = cpasync.make_tiled_tma_atom(load, mLSElog2, stat_one, (self.tile_m,))
         atom_dpsum, tma_dpsum = cpasync.make_tiled_tma_atom(load, mdPsum, stat_one, (self.tile_m,))
         atom_dk, tma_dk, atom_dv, tma_dv = None, mdK, None, mdV
-        if const_expr(not self.gqa):
+        # Packed sequences store dK / dV by predicated rows (a TMA store would clip only at the end of the tensor).
+        if const_expr(not self.gqa and packed is None):
             store = cpasync.CopyBulkTensorTileS2GOp()
             atom_dk, tma_dk = cpasync.make_tiled_tma_atom(store, mdK, one(sK_layout), (self.tile_n, d))
             atom_dv, tma_dv = cpasync.make_tiled_tma_atom(store, mdV, one(sV_layout), (self.tile_n, d))
@@ -316,7 +408,14 @@ class Sm90FlashBackward:
 
         SharedStorage = self._shared_storage(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout)
 
-        num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
+        if const_expr(packed is None):
+            num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
+            grid = [num_n_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])]
+            seqs = None
+        else:
+            # The longest sequence's key tiles for every sequence; CTAs past their own sequence's end exit.
+            grid = [(packed[3] + self.tile_n - 1) // self.tile_n, cute.size(mQ.shape[2]), packed[0].shape[0] - 1]
+            seqs = packed[:3]
         self.kernel(
             tma_q,
             tma_k,
@@ -349,9 +448,10 @@ class Sm90FlashBackward:
             softmax_scale,
             window_left,
             window_right,
+            seqs,
             SharedStorage,
         ).launch(
-            grid=[num_n_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])],
+            grid=grid,
             block=[self.cfg.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -414,6 +514,7 @@ class Sm90FlashBackward:
         softmax_scale: Float32,
         window_left: Int32,
         window_right: Int32,
+        seqs,  # packed: (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK or None); dense: None
         SharedStorage: cutlass.Constexpr,
     ):
         if const_expr(self.cfg.pdl_dq_post):
@@ -450,16 +551,23 @@ class Sm90FlashBackward:
             sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
 
         n_block, head, batch = cute.arch.block_idx()
+        # Where this (sequence, head)'s rows start: dense tensors index the batch (offsets None); packed ones offset the
+        # inputs by cu_seqlens and the padded buffers by cu_seqlens + batch * pad.
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        rows = PackedRows(None, None, None)
+        if const_expr(seqs is not None):
+            seq = seq_rows(batch, *seqs)
+            seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+            rows = PackedRows(seq.offset_q, seq.offset_k, seq.padded_offset_q(self.pad_q))
         # Where a consumer puts its dQ: its part of the shared buffer that the dQ warp adds to the accumulator, or with
-        # dq_red this (batch, head)'s accumulator itself.
+        # dq_red this (sequence, head)'s accumulator itself.
         if const_expr(self.cfg.dq_red):
-            dq_dst = mdQaccum[batch, head, None]
+            dq_dst = accum_rows(mdQaccum, head, batch, rows.padded_q, self.head_dim)
         else:
             dq_dst = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim))
-        seqlen_q = mQ.shape[0]
         group = mQ.shape[2] // mK.shape[2]  # query heads per KV head (GQA / MQA)
         head_kv = head // group
-        info = BlockInfo(self.tile_m, self.tile_n, self.mask_kind, seqlen_q, mK.shape[0], window_left, window_right)
+        info = BlockInfo(self.tile_m, self.tile_n, self.mask_kind, seqlen_q, seqlen_k, window_left, window_right)
         if const_expr(self.shortest_first):
             # Deterministic with a right window edge: the key tiles of a query tile add in descending order (see
             # store_dq), so they are launched in that order too. A CTA may only ever wait for CTAs with a lower
@@ -467,6 +575,11 @@ class Sm90FlashBackward:
             # CTA it waits for needs.
             n_block = cute.arch.grid_dim()[0] - 1 - n_block
         m_min, m_max = info.q_block_range(n_block)
+        if const_expr(seqs is not None):
+            # The grid spans the longest sequence's key tiles: past this sequence's last one there is nothing to load
+            # or compute, and the epilogue writes nothing (its stores are predicated on seqlen_k).
+            if n_block * self.tile_n >= seqlen_k:
+                m_max = m_min
 
         pipeline.pipeline_init_wait()
 
@@ -479,11 +592,11 @@ class Sm90FlashBackward:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
                 self.produce(
-                    pipe_kv, pipe_q, pipe_do, atoms, tensors, tiles, n_block, head, head_kv, batch, m_min, m_max
+                    pipe_kv, pipe_q, pipe_do, atoms, tensors, tiles, n_block, head, head_kv, batch, m_min, m_max, rows
                 )
             if const_expr(not self.cfg.dq_red):
                 if warp_idx == 1:
-                    self.store_dq(dq_dst, mdQaccum, mdQsem, info, n_block, head, batch, m_min, m_max)
+                    self.store_dq(dq_dst, mdQaccum, mdQsem, info, n_block, head, batch, m_min, m_max, rows)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             self.consume(
@@ -517,6 +630,7 @@ class Sm90FlashBackward:
                 m_max,
                 tidx - WARPGROUP_THREADS,
                 warp_idx,
+                seqs,
             )
 
     @cute.jit
@@ -534,6 +648,7 @@ class Sm90FlashBackward:
         batch: Int32,
         m_min: Int32,
         m_max: Int32,
+        rows: PackedRows,
     ):
         """K and V once; then Q + LSE and dO + D per query tile, in the consumers' order. atoms / tensors / tiles: the
         TMA atoms, global coordinate tensors and shared-memory tiles of Q, K, V, dO, LSE and D, in that order.
@@ -551,12 +666,12 @@ class Sm90FlashBackward:
         def part1(atom, s, g):
             return cpasync.tma_partition(atom, 0, no_cluster, cute.group_modes(s, 0, 1), cute.group_modes(g, 0, 1))
 
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (None, 0))
-        gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (None, 0))
-        gLSE = cute.local_tile(mLSElog2[None, head, batch], (self.tile_m,), (None,))
-        gdPsum = cute.local_tile(mdPsum[None, head, batch], (self.tile_m,), (None,))
+        gK = cute.local_tile(head_tiles(mK, head_kv, batch, rows.offset_k), (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(head_tiles(mV, head_kv, batch, rows.offset_k), (self.tile_n, d), (None, 0))
+        gQ = cute.local_tile(head_tiles(mQ, head, batch, rows.offset_q), (self.tile_m, d), (None, 0))
+        gdO = cute.local_tile(head_tiles(mdO, head, batch, rows.offset_q), (self.tile_m, d), (None, 0))
+        gLSE = cute.local_tile(padded_stat_rows(mLSElog2, head, batch, rows.padded_q), (self.tile_m,), (None,))
+        gdPsum = cute.local_tile(padded_stat_rows(mdPsum, head, batch, rows.padded_q), (self.tile_m,), (None,))
         tKsK, tKgK = part(atom_k, sK, gK)
         tVsV, tVgV = part(atom_v, sV, gV)
         tQsQ, tQgQ = part(atom_q, sQ, gQ)
@@ -661,6 +776,7 @@ class Sm90FlashBackward:
         m_max: Int32,
         tidx: Int32,  # 0 .. num_consumer_threads - 1
         warp_idx: Int32,
+        seqs,  # packed: the cu_seqlens / seqused_k tensors (see kernel); dense: None
     ):
         d = self.head_dim
         stages = self.num_stages
@@ -768,6 +884,8 @@ class Sm90FlashBackward:
             if kv_tail:
                 masked_end = m_max
                 left_start = m_max
+                if const_expr(self.varlen):
+                    self.zero_kv_tail(pipe_kv, pipe_q, pipe_do, sK, sV, info.seqlen_k - n_block * self.tile_n, tidx)
             for m_block in cutlass.range(m_min, masked_end, unroll=1):
                 q, do = step(q, do, m_block, True)
             for m_block in cutlass.range(masked_end, left_start, unroll=1):
@@ -780,8 +898,14 @@ class Sm90FlashBackward:
             # Before any global write of the consumers: dK / dV (GQA: sums zeroed by an earlier launch) and the GQA
             # semaphores. (The LSE / D they read came through the producer's loads, issued after its wait.)
             cute.arch.griddepcontrol_wait()
+        offset_k, padded_k = None, None
+        if const_expr(seqs is not None):
+            # Read again here rather than kept in registers through the walk (they are tight at d64).
+            seq = seq_rows(batch, *seqs)
+            offset_k, padded_k = seq.offset_k, seq.padded_offset_k(self.pad_k)
         if const_expr(self.gqa):
-            self.add_dkv_partials(
+            add = partial(
+                self.add_dkv_partials,
                 acc_dK,
                 acc_dV,
                 tiled_mma_dkv,
@@ -794,7 +918,13 @@ class Sm90FlashBackward:
                 head_kv,
                 batch,
                 tidx,
+                padded_k,
             )
+            if const_expr(self.varlen):
+                if n_block * self.tile_n < info.seqlen_k:  # (past it: not even padding rows of this sequence)
+                    add()
+            else:
+                add()
         else:
             # A key tile no query sees still writes its (zero) dK / dV.
             self.store_dkv(
@@ -813,7 +943,23 @@ class Sm90FlashBackward:
                 batch,
                 tidx,
                 warp_idx,
+                offset_k,
+                info.seqlen_k,
             )
+
+    @cute.jit
+    def zero_kv_tail(self, pipe_kv, pipe_q, pipe_do, sK: cute.Tensor, sV: cute.Tensor, keys: Int32, tidx: Int32):
+        """Packed sequences: the K and V rows of a key tile past seqlen_k (`keys` rows are the sequence's) are the next
+        sequence's rows, or a KV cache's unused slots after seqused_k, as TMA loaded them. The mask makes their P
+        and dS exactly 0, but 0 · Inf / NaN (dP = V·dOᵀ, dQ = dS·K) would be NaN: every consumer warpgroup zeroes
+        them (the same values, no race) once they have landed, before the first product of the walk."""
+        if const_expr(self.cfg.kv_with_first_tile):
+            consumer_wait(pipe_q, consumer_state(self.num_stages))  # K rides on the first Q stage, V on dO's
+            consumer_wait(pipe_do, consumer_state(self.num_stages))
+        for s in (sK, sV):
+            zero_rows_from(s[None, None, 0], keys, self.dtype, self.tile_n, self.head_dim, tidx % WARPGROUP_THREADS)
+        cute.arch.fence_view_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
+        cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
 
     @cute.jit
     def step(
@@ -1015,13 +1161,14 @@ class Sm90FlashBackward:
         batch: Int32,
         m_min: Int32,
         m_max: Int32,
+        rows: PackedRows,
     ):
         """The dQ warp: per query tile, hands each consumer its (free) buffer, waits for it to be filled and adds it
         to the global accumulator with one bulk reduce-add. Deterministic: the key tiles that see a query tile add
         to it one after another, in key-tile order, behind its semaphore."""
         chunk = self.dq_chunk
         pair = WARPGROUP_THREADS + WARP_THREADS
-        dq_base = mdQaccum[batch, head, None].iterator
+        dq_base = accum_rows(mdQaccum, head, batch, rows.padded_q, self.head_dim).iterator
         if const_expr(self.cfg.pdl):
             # The accumulator (zeroed by the preprocess or a memset before it) and the semaphores only after the
             # preprocess's end.
@@ -1077,9 +1224,12 @@ class Sm90FlashBackward:
         batch: Int32,
         tidx: Int32,
         warp_idx: Int32,
+        offset_k,  # packed: the sequence's first key row (None: dense)
+        seqlen_k: Int32,
     ):
         """dK·scale and dV in 16 bits through the K / V tiles' shared memory (every consumer is done reading them
-        once all have passed the barrier) and one TMA store each, clipped at seqlen_k."""
+        once all have passed the barrier) and one TMA store each, clipped at seqlen_k; packed sequences by 16-byte
+        stores of the sequence's rows (a TMA store would clip only at the end of the tensor)."""
         d = self.head_dim
         cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
         acc_dK.store(acc_dK.load() * softmax_scale)
@@ -1091,16 +1241,24 @@ class Sm90FlashBackward:
             cute.copy(smem_copy, smem_copy.retile(r16), smem_copy.partition_D(s[None, None, 0]))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
-        if warp_idx == 4:
-            no_cluster = cute.make_layout(1)
-            for atom, s, m in ((atom_dk, sK, mdK), (atom_dv, sV, mdV)):
-                g = cute.local_tile(m[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
-                t_s, t_g = cpasync.tma_partition(
-                    atom, 0, no_cluster, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
-                )
-                cute.copy(atom, t_s[None, 0], t_g[None, n_block])
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(offset_k is not None):
+            for s, m in ((sK, mdK), (sV, mdV)):
+                g = cute.local_tile(head_tiles(m, head_kv, batch, offset_k), (self.tile_n, d), (n_block, 0))
+                store_rows_predicated(
+                    s[None, None, 0], g, seqlen_k - n_block * self.tile_n, self.dtype, d, tidx, self.tile_n,
+                    self.num_consumer_threads,
+                )  # fmt: skip
+        else:
+            if warp_idx == 4:
+                no_cluster = cute.make_layout(1)
+                for atom, s, m in ((atom_dk, sK, mdK), (atom_dv, sV, mdV)):
+                    g = cute.local_tile(m[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
+                    t_s, t_g = cpasync.tma_partition(
+                        atom, 0, no_cluster, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+                    )
+                    cute.copy(atom, t_s[None, 0], t_g[None, n_block])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def add_dkv_partials(
@@ -1117,6 +1275,7 @@ class Sm90FlashBackward:
         head_kv: Int32,
         batch: Int32,
         tidx: Int32,
+        padded_k,  # packed: the sequence's first row of the (rows_k, h_kv, d) sums (None: dense)
     ):
         """GQA: this query head's dK·scale and dV added to the fp32 (b, sk_padded, h_kv, d) sums, two adjacent
         columns per red (the buffers are padded to whole key tiles, so no row needs a predicate). Deterministic: the
@@ -1141,7 +1300,10 @@ class Sm90FlashBackward:
         for acc, m in ((acc_dK, mdK), (acc_dV, mdV)):
             acc_rc = rows_cols_view(acc)
             for r in cutlass.range_constexpr(cute.size(acc_rc, mode=[0])):
-                row_ptr = m[batch, row0 + coords_rc[r, 0][0], head_kv, None].iterator + col_shift
+                if const_expr(padded_k is None):
+                    row_ptr = m[batch, row0 + coords_rc[r, 0][0], head_kv, None].iterator + col_shift
+                else:
+                    row_ptr = m[padded_k + row0 + coords_rc[r, 0][0], head_kv, None].iterator + col_shift
                 for c in cutlass.range_constexpr(cute.size(acc_rc, mode=[1]) // 2):
                     red_add_f32_vec(row_ptr + coords0_rc[0, 2 * c][1], [acc_rc[r, 2 * c], acc_rc[r, 2 * c + 1]])
         if const_expr(self.deterministic):

@@ -41,3 +41,19 @@ def head_stat_rows(mS: cute.Tensor, head, batch, offset=None) -> cute.Tensor:
     if offset is None:
         return mS[None, head, batch]
     return cute.domain_offset((offset,), mS[None, head])
+
+
+def accum_rows(mA: cute.Tensor, head, batch, row_offset=None, row_elems: int = 1) -> cute.Tensor:
+    """One (sequence, head)'s flat fp32 accumulator: mA[batch, head, :] of a dense (b, h, rows * row_elems) buffer,
+    or the part from row `row_offset` of a packed (h, rows * row_elems) one."""
+    if row_offset is None:
+        return mA[batch, head, None]
+    return cute.domain_offset((row_offset * row_elems,), mA[head, None])
+
+
+def padded_stat_rows(mS: cute.Tensor, head, batch, row_offset=None) -> cute.Tensor:
+    """The (rows,) view of one (sequence, head) of the backward's padded statistics, viewed (rows, heads, batch) by
+    `stats_view`: mS[:, head, batch], or from `row_offset` of a packed buffer with one batch entry."""
+    if row_offset is None:
+        return mS[None, head, batch]
+    return cute.domain_offset((row_offset,), mS[None, head, 0])
