@@ -5,6 +5,7 @@ once:
 
 - `DenseFwdEntry`: the forward kernels of the sm80 family and the sm90 bf16/fp16 kernel, on dense tensors;
   `FwdEntries` adds their `packed` entry (packed sequences, `varlen` kernels).
+- `PackedBwdEntry`: the `packed` entry of the backward main kernels (sm80 and sm90 families) for packed sequences.
 - `DenseAccumEntry` / `AccumEntries`: the kernels that convert an fp32 gradient accumulator to the output dtype,
   on dense tensors and (sm80 family) packed ones, where sequence b's output rows start at mCuSeqlens[b] and its
   accumulator rows at mCuSeqlens[b] + b * pad.
@@ -67,6 +68,41 @@ class FwdEntries(DenseFwdEntry):
         assert self.varlen
         packed = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q)
         self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, packed)
+
+
+class PackedBwdEntry:
+    """`packed(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, softmax_scale, window_left, window_right,
+    mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k, stream)` -> `self._launch((mQ, ..., mdV), softmax_scale,
+    window_left, window_right, stream, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k))` for backward kernels
+    built with varlen=True: q / dout (total_q, h, d), k / v (total_k, h_kv, d), the row statistics, the dQ
+    accumulator and under GQA the dK / dV sums in buffers padded per sequence (common/packed.py; each kernel's
+    `_launch` gives their layouts), mSeqUsedK (batch,) int32 or None, max_seqlen_k the grid's key extent."""
+
+    @cute.jit
+    def packed(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSElog2: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        mSeqUsedK: Optional[cute.Tensor],
+        max_seqlen_k: Int32,
+        stream: cuda.CUstream,
+    ):
+        assert self.varlen
+        tensors = (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV)
+        packed = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k)
+        self._launch(tensors, softmax_scale, window_left, window_right, stream, packed)
 
 
 class DenseAccumEntry:

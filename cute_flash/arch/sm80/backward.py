@@ -355,6 +355,20 @@ def dkv_destinations(dk: torch.Tensor, dv: torch.Tensor, gqa: bool, block: int):
     return torch.zeros(shape, **f32), torch.zeros(shape, **f32)
 
 
+def packed_dkv_destinations(dk: torch.Tensor, dv: torch.Tensor, gqa: bool, seqused: bool, rows_k: int):
+    """Where a packed main kernel writes dK / dV ((total_k, h_kv, d) tensors): under GQA zeroed fp32 sums of rows_k
+    padded rows (common/packed.py), which a conversion kernel then turns into dk / dv; else dk / dv themselves,
+    zeroed first with seqused_k (the kernel writes only the first seqused_k[b] keys' rows; the others' gradients are
+    zero)."""
+    if gqa:
+        shape, f32 = (rows_k, *dk.shape[1:]), dict(dtype=torch.float32, device=dk.device)
+        return torch.zeros(shape, **f32), torch.zeros(shape, **f32)
+    if seqused:
+        dk.zero_()
+        dv.zero_()
+    return dk, dv
+
+
 def run_backward(t: BwdTensors, grads: Grads, problem: Problem, cfg: Optional[BwdTileConfig] = None) -> None:
     """Fills `grads` (shaped and typed like q, k, v) on torch's current stream. cfg: a tile config other than the
     default (for studies: profiling/sm80_bwd_variants.py)."""
@@ -430,16 +444,7 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
 
     pre_blocks = -(-max_seqlen_q // pad_q) * pad_q // _PRE_POST_BLOCK_M  # whole pad_q rows per sequence
     _kernel("bwd_preprocess", spec, target)(out, dout, lse, dpsum, lse_log2, cu_seqlens_q, pad_q, pre_blocks)
-    if gqa:
-        rows_k = total_k + batch * pad_k
-        dk_out = torch.zeros(rows_k, nheads_kv, head_dim, **f32)
-        dv_out = torch.zeros(rows_k, nheads_kv, head_dim, **f32)
-    else:
-        dk_out, dv_out = dk, dv
-        if seqused_k is not None:
-            # The main kernel writes the first seqused_k[b] keys' rows; the others' gradients are zero.
-            dk.zero_()
-            dv.zero_()
+    dk_out, dv_out = packed_dkv_destinations(dk, dv, gqa, seqused_k is not None, total_k + batch * pad_k)
     role = ("bwd_gqa" if gqa else "bwd") + ("_seqused" if seqused_k is not None else "")
     _kernel(role, spec, target)(
         q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, softmax_scale, mask.left, mask.right,

@@ -33,6 +33,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cutlass_dsl import dsl_user_op
 
 from ...common.block_info import BlockInfo
+from ...common.entries import PackedBwdEntry
 from ...common.grid import block_grid
 from ...common.online_softmax import clamp_scale_log2
 from ...common.packed import SeqRows, dense_seq, head_rows, head_stats, seq_rows
@@ -182,7 +183,7 @@ class BwdParams(NamedTuple):
     SharedStorage: object
 
 
-class Sm80FlashBackward:
+class Sm80FlashBackward(PackedBwdEntry):
     def __init__(
         self,
         dtype: Type[cutlass.Numeric],
@@ -241,32 +242,6 @@ class Sm80FlashBackward:
         self._launch(tensors, softmax_scale, window_left, window_right, stream)
 
     @cute.jit
-    def packed(
-        self,
-        mQ: cute.Tensor,  # (total_q, h, d)
-        mK: cute.Tensor,  # (total_k, h_kv, d)
-        mV: cute.Tensor,  # (total_k, h_kv, d)
-        mdO: cute.Tensor,  # (total_q, h, d)
-        mLSElog2: cute.Tensor,  # (h, total_q + batch * pad_q) fp32, from the preprocess
-        mdPsum: cute.Tensor,  # like mLSElog2
-        mdQaccum: cute.Tensor,  # (total_q + batch * pad_q, h, d) fp32 zeroed, or (h, that * d) ("fragment")
-        mdK: cute.Tensor,  # (total_k, h_kv, d) dtype, or (total_k + batch * pad_k, h_kv, d) fp32 zeroed under GQA
-        mdV: cute.Tensor,  # like mdK
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        mCuSeqlensQ: cute.Tensor,
-        mCuSeqlensK: cute.Tensor,
-        mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32: keys per sequence that get gradients, or None (all)
-        max_seqlen_k: Int32,
-        stream,
-    ):
-        assert self.varlen
-        tensors = (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV)
-        packed = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k)
-        self._launch(tensors, softmax_scale, window_left, window_right, stream, *packed)
-
-    @cute.jit
     def _launch(
         self,
         tensors: tuple,  # (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV) as the entry points take them
@@ -274,12 +249,12 @@ class Sm80FlashBackward:
         window_left: Int32,
         window_right: Int32,
         stream,
-        mCuSeqlensQ: Optional[cute.Tensor] = None,
-        mCuSeqlensK: Optional[cute.Tensor] = None,
-        mSeqUsedK: Optional[cute.Tensor] = None,
-        max_seqlen_k: Optional[Int32] = None,
+        packed=None,  # (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k) of packed tensors (PackedBwdEntry)
     ):
         mQ, mK = tensors[0], tensors[1]
+        mCuSeqlensQ = mCuSeqlensK = mSeqUsedK = max_seqlen_k = None
+        if cutlass.const_expr(packed is not None):
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k = packed
         cfg = self.cfg
         d = self.head_dim
         stages = cfg.num_stages

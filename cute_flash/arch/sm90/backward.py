@@ -288,16 +288,7 @@ def run_backward_varlen(
 
     pre_blocks = -(-max_seqlen_q // pad_q) * pad_q // STATS_ROW_MULTIPLE  # whole pad_q rows per sequence
     kernels.preprocess(out, dout, lse, dpsum[0], lse_log2[0], cu_seqlens_q, pad_q, pre_blocks)
-    if gqa:
-        rows_k = total_k + batch * pad_k
-        dk_out = torch.zeros(rows_k, nheads_kv, head_dim, **f32)
-        dv_out = torch.zeros(rows_k, nheads_kv, head_dim, **f32)
-    else:
-        dk_out, dv_out = dk, dv
-        if seqused_k is not None:
-            # The main kernel writes the first seqused_k[b] keys' rows; the others' gradients are zero.
-            dk.zero_()
-            dv.zero_()
+    dk_out, dv_out = sm80.packed_dkv_destinations(dk, dv, gqa, seqused_k is not None, total_k + batch * pad_k)
     kernels.main(
         q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, softmax_scale, mask.left, mask.right,
         cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k,

@@ -48,7 +48,7 @@ Global tensors are viewed as (seqlen, head_dim, heads, batch) as in the forward 
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple, Optional, Tuple, Type
+from typing import NamedTuple, Tuple, Type
 
 import cuda.bindings.driver as cuda
 
@@ -59,6 +59,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...common.acc_views import rows_cols_view
 from ...common.block_info import BlockInfo
+from ...common.entries import PackedBwdEntry
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E
 from ...common.packed import seq_rows
@@ -225,7 +226,7 @@ class BwdFragments(NamedTuple):
     tdQrKt: cute.Tensor
 
 
-class Sm90FlashBackward:
+class Sm90FlashBackward(PackedBwdEntry):
     """Callable compiled once per (dtype, head dim, mask kind, tile config, GQA, deterministic); shapes and strides
     are runtime. Entries: `__call__` (dense tensors) and `packed` (packed sequences, instances with varlen set)."""
 
@@ -287,58 +288,25 @@ class Sm90FlashBackward:
         stream: cuda.CUstream,
     ):
         assert not self.varlen
-        self._launch(
-            mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsem, mdKVsem, softmax_scale, window_left,
-            window_right, stream,
-        )  # fmt: skip
-
-    @cute.jit
-    def packed(
-        self,
-        mQ: cute.Tensor,  # (total_q, h, d)
-        mK: cute.Tensor,  # (total_k, h_kv, d)
-        mV: cute.Tensor,  # (total_k, h_kv, d)
-        mdO: cute.Tensor,  # (total_q, h, d)
-        mLSElog2: cute.Tensor,  # (1, h, rows_q) fp32 from the packed preprocess, rows_q >= total_q + batch * pad_q
-        mdPsum: cute.Tensor,  # like mLSElog2
-        mdQaccum: cute.Tensor,  # (h, rows_q * d) fp32, zeroed; "fragment" layout per sequence
-        mdK: cute.Tensor,  # (total_k, h_kv, d) dtype, or (rows_k, h_kv, d) fp32 zeroed under GQA
-        mdV: cute.Tensor,  # like mdK
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        mCuSeqlensQ: cute.Tensor,  # (batch + 1,) int32
-        mCuSeqlensK: cute.Tensor,
-        mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32 or None
-        max_seqlen_k: Int32,  # the grid's key tiles
-        stream: cuda.CUstream,
-    ):
-        assert self.varlen and not self.deterministic
-        self._launch(
-            mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, None, None, softmax_scale, window_left,
-            window_right, stream, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k),
-        )  # fmt: skip
+        tensors = (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV)
+        self._launch(tensors, softmax_scale, window_left, window_right, stream, None, (mdQsem, mdKVsem))
 
     @cute.jit
     def _launch(
         self,
-        mQ: cute.Tensor,  # (b, sq, h, d)
-        mK: cute.Tensor,  # (b, sk, h_kv, d)
-        mV: cute.Tensor,  # (b, sk, h_kv, d)
-        mdO: cute.Tensor,  # (b, sq, h, d)
-        mLSElog2: cute.Tensor,  # (b, h, sq_padded) fp32, from the preprocess
-        mdPsum: cute.Tensor,  # (b, h, sq_padded) fp32, from the preprocess
-        mdQaccum: cute.Tensor,  # (b, h, sq_padded * d) fp32, zeroed; "fragment" layout
-        mdK: cute.Tensor,  # (b, sk, h_kv, d) dtype, or (b, sk_padded, h_kv, d) fp32 zeroed under GQA
-        mdV: cute.Tensor,  # like mdK
-        mdQsem: cute.Tensor,  # (b, h, query tiles) int32 zeroed: dQ adds done per query tile (deterministic only)
-        mdKVsem: cute.Tensor,  # (b, h_kv, key tiles) int32 zeroed: GQA dK/dV adds done per key tile (likewise)
+        tensors: tuple,  # (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV) as the entries take them
         softmax_scale: Float32,
         window_left: Int32,
         window_right: Int32,
         stream: cuda.CUstream,
-        packed=None,  # (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k): packed tensors, as `packed` takes them
+        packed=None,  # (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k): packed tensors (common/entries.py)
+        semaphores=(None, None),  # dense: (mdQsem, mdKVsem), read by deterministic builds only
     ):
+        """Packed tensors: q / dout (total_q, h, d), k / v (total_k, h_kv, d), lse_log2 / dpsum (1, h, rows_q) from
+        the packed preprocess (rows_q >= total_q + batch * pad_q), the dQ sums (h, rows_q * d) zeroed, dk / dv
+        (total_k, h_kv, d) or fp32 (rows_k, h_kv, d) sums zeroed under GQA."""
+        mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV = tensors
+        mdQsem, mdKVsem = semaphores
         d = self.head_dim
         if const_expr(packed is None):
             mQ, mK, mV, mdO = [seq_major_view(t) for t in (mQ, mK, mV, mdO)]

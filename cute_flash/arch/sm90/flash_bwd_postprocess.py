@@ -83,7 +83,9 @@ class DqConvertSm90(AccumEntries):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         if cutlass.const_expr(seqs is None):
-            self.convert_tile(mAccum, mO, atom_o, scale, tiled_mma, sO_layout, SharedStorage, tidx, m_block, head, batch)
+            self.convert_tile(
+                mAccum, mO, atom_o, scale, tiled_mma, sO_layout, SharedStorage, tidx, m_block, head, batch
+            )
         else:
             seq = seq_rows(batch, seqs[0], seqs[0])
             if m_block * self.cfg.tile_m < seq.seqlen_q:
