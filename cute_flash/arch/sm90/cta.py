@@ -3,9 +3,10 @@
 Grid: (query tiles, heads, batch). With a causal mask the tiles go in reverse, so that the CTAs with the most key
 tiles (the last rows) start first and the short ones fill in behind them.
 
-Packed (varlen) batches: the grid spans the longest sequence's query tiles; a CTA reads its sequence's row offsets
-and lengths from cu_seqlens (common/packed.py), and one whose tile lies past its sequence's end has no work
-(`CtaWork.active`).
+Packed (varlen) batches: grid (tiles, heads, 1) over every sequence's query tiles in order, sized by
+`packed_tiles_bound` (at most batch + 1 tiles per head without work, `CtaWork.active`); a CTA finds its sequence and
+tile (`packed_tile`; causal: in reverse, the last tile of the last sequence first) and reads the sequence's row
+offsets and lengths from cu_seqlens (common/packed.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from cutlass import Int32
 
 from ...common.block_info import BlockInfo
 from ...common.packed import seq_rows
+from ...common.packed_tiles import packed_tile
 
 
 class CtaWork(NamedTuple):
@@ -57,8 +59,14 @@ def cta_work(
     if cutlass.const_expr(packed is None):
         seqlen_q, seqlen_k, offset_q, offset_k = mQ.shape[0], mK.shape[0], None, None
     else:
+        num_seqs = packed[0].shape[0] - 1
+        batch, m_block = packed_tile(m_block, tile_m, packed[0])
+        idle = batch >= num_seqs  # past the last tile: no work (seqlen_q 0 below)
+        batch = cutlass.min(batch, num_seqs - 1)
         seq = seq_rows(batch, *packed)
         seqlen_q, seqlen_k, offset_q, offset_k = seq.seqlen_q, seq.seqlen_k, seq.offset_q, seq.offset_k
+        if idle:
+            seqlen_q = Int32(0)
     info = BlockInfo(tile_m, tile_n, mask_kind, seqlen_q, seqlen_k, window_left, window_right)
     n_min, n_max = info.kv_block_range(m_block)
     return CtaWork(m_block, head, head_kv, batch, seqlen_q, info, n_min, n_max, offset_q, offset_k)

@@ -63,6 +63,7 @@ from ...common.entries import PackedBwdEntry
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E
 from ...common.packed import seq_rows
+from ...common.packed_tiles import packed_tile, packed_tiles_bound
 from ..sm80.flash_bwd import red_add_f32_vec
 from .barriers import BwdBarrierId
 from .ptx import add_release_gpu, bulk_reduce_add_f32, load_acquire_gpu
@@ -381,8 +382,8 @@ class Sm90FlashBackward(PackedBwdEntry):
             grid = [num_n_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])]
             seqs = None
         else:
-            # The longest sequence's key tiles for every sequence; CTAs past their own sequence's end exit.
-            grid = [(packed[3] + self.tile_n - 1) // self.tile_n, cute.size(mQ.shape[2]), packed[0].shape[0] - 1]
+            # Every sequence's key tiles in order (common/packed.py: at most batch + 1 per head without work).
+            grid = [packed_tiles_bound(mK.shape[0], packed[0].shape[0] - 1, self.tile_n), cute.size(mQ.shape[2]), 1]
             seqs = packed[:3]
         self.kernel(
             tma_q,
@@ -524,8 +525,15 @@ class Sm90FlashBackward(PackedBwdEntry):
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         rows = PackedRows(None, None, None)
         if const_expr(seqs is not None):
+            # This CTA's sequence and key tile (its sequence's keys: seqused_k when given); past the last tile, none.
+            num_seqs = seqs[0].shape[0] - 1
+            batch, n_block = packed_tile(n_block, self.tile_n, seqs[1], seqs[2])
+            idle = batch >= num_seqs
+            batch = cutlass.min(batch, num_seqs - 1)
             seq = seq_rows(batch, *seqs)
             seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+            if idle:
+                seqlen_k = Int32(0)  # no query tile to walk, nothing to store (below)
             rows = PackedRows(seq.offset_q, seq.offset_k, seq.padded_offset_q(self.pad_q))
         # Where a consumer puts its dQ: its part of the shared buffer that the dQ warp adds to the accumulator, or with
         # dq_red this (sequence, head)'s accumulator itself.
@@ -544,8 +552,8 @@ class Sm90FlashBackward(PackedBwdEntry):
             n_block = cute.arch.grid_dim()[0] - 1 - n_block
         m_min, m_max = info.q_block_range(n_block)
         if const_expr(seqs is not None):
-            # The grid spans the longest sequence's key tiles: past this sequence's last one there is nothing to load
-            # or compute, and the epilogue writes nothing (its stores are predicated on seqlen_k).
+            # A CTA past the last key tile (seqlen_k 0 above) has nothing to load or compute, and the epilogue writes
+            # nothing (its stores are predicated on seqlen_k).
             if n_block * self.tile_n >= seqlen_k:
                 m_max = m_min
 

@@ -40,6 +40,7 @@ from ...common.acc_views import rows_cols_view
 from ...common.block_info import BlockInfo
 from ...common.block_walk import walk_kv_blocks
 from ...common.entries import FwdEntries
+from ...common.packed_tiles import packed_tiles_bound
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
 from .barriers import WarpGroupTurns, warpgroup_sync
@@ -142,13 +143,14 @@ class Sm90FlashForward(FwdEntries):
         return (atom_q, atom_k, atom_v, atom_o), (tma_q, tma_k, tma_v, tma_o)
 
     def launch_shape(self, mQ: cute.Tensor, packed=None) -> dict:
-        """Grid (query tiles, heads, batch) and block of the launch; packed: (cu_seqlens_q, max_seqlen_q)."""
+        """Grid (query tiles, heads, batch) and block of the launch; packed: (cu_seqlens_q, max_seqlen_q), grid
+        (every sequence's query tiles, heads, 1) (cta.py)."""
         if const_expr(packed is None):
             grid = [cute.ceil_div(mQ.shape[0], self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3])]
         else:
-            mCuSeqlensQ, max_seqlen_q = packed
-            num_m_blocks = (max_seqlen_q + (self.tile_m - 1)) // self.tile_m
-            grid = [num_m_blocks, cute.size(mQ.shape[2]), cute.size(mCuSeqlensQ.shape[0] - 1)]
+            mCuSeqlensQ, _ = packed
+            tiles = packed_tiles_bound(mQ.shape[0], mCuSeqlensQ.shape[0] - 1, self.tile_m)
+            grid = [tiles, cute.size(mQ.shape[2]), 1]
         return dict(grid=grid, block=[self.cfg.num_threads, 1, 1], min_blocks_per_mp=1)
 
     @cute.jit

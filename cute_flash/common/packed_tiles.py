@@ -1,0 +1,52 @@
+"""Packed (varlen) batches without idle CTAs: a kernel's grid spans every sequence's tiles in order (per head), and
+each CTA finds its sequence and tile from cu_seqlens (FlashAttention-3's varlen scheduler does the same with a warp
+scan). Kernel code only (imports CuTe DSL); the row offsets themselves are in common/packed.py."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+def packed_tiles_bound(total, batch, tile: int):
+    """An upper bound of sum over sequences of ceil(len_b / tile), from what the host knows without reading
+    cu_seqlens: each sequence wastes less than one tile, so total / tile rounded up plus batch (host or kernel
+    arithmetic). A grid of that many tiles per head leaves at most batch + 1 CTAs without work, where one over
+    max_seqlen's tiles per sequence leaves every CTA past a short sequence's end idle."""
+    return (total + tile - 1) // tile + batch
+
+
+@cute.jit
+def packed_tile(idx: Int32, tile: cutlass.Constexpr[int], mCuSeqlens: cute.Tensor, mSeqUsed=None):
+    """(batch, tile) of linear tile `idx` when the sequences' tiles are numbered in order (sequence b has
+    ceil(len_b / tile), len_b = cu_seqlens[b + 1] - cu_seqlens[b] or seqused[b]); batch = the number of sequences
+    when idx is past the last tile. Inside a kernel, by every lane of a warp: 32 sequences per step, each lane
+    reading one length, a warp prefix sum of their tile counts, and a ballot for the lane whose tiles hold idx."""
+    batch = mCuSeqlens.shape[0] - 1
+    lane = cute.arch.lane_idx()
+    found_b, found_t = Int32(batch), Int32(0)
+    first, base = Int32(0), Int32(0)  # first sequence of this step, tiles before it
+    while first < batch:
+        b = first + lane
+        n = Int32(0)
+        if b < batch:
+            if cutlass.const_expr(mSeqUsed is None):
+                n = (mCuSeqlens[b + 1] - mCuSeqlens[b] + tile - 1) // tile
+            else:
+                n = (mSeqUsed[b] + tile - 1) // tile
+        incl = n  # tiles of sequences first .. b
+        for k in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(incl, 1 << k)
+            if lane >= (1 << k):
+                incl = incl + up
+        hits = cute.arch.vote_ballot_sync(base + incl > idx)
+        if hits != 0:
+            hit = Int32(cute.arch.clz(cute.arch.brev(hits)))  # the first lane whose tiles end past idx
+            found_b = first + hit
+            found_t = idx - base - cute.arch.shuffle_sync(incl - n, hit)
+            first = Int32(batch)
+        else:
+            base = base + cute.arch.shuffle_sync(incl, 31)
+            first = first + 32
+    return found_b, found_t
