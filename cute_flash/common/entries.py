@@ -74,29 +74,28 @@ class PackedBwdEntry:
     """`packed(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, softmax_scale, window_left, window_right,
     mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k, stream)` -> `self._launch((mQ, ..., mdV), softmax_scale,
     window_left, window_right, stream, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k))` for backward kernels
-    built with varlen=True: q / dout (total_q, h, d), k / v (total_k, h_kv, d), the row statistics, the dQ
-    accumulator and under GQA the dK / dV sums in buffers padded per sequence (common/packed.py; each kernel's
-    `_launch` gives their layouts), mSeqUsedK (batch,) int32 or None, max_seqlen_k the grid's key extent."""
+    built with varlen=True. Buffers "padded" give sequence b the rows from cu_seqlens[b] + b * pad rounded down to
+    a multiple of pad (common/packed.py); each kernel's `_launch` gives their exact shapes."""
 
     @cute.jit
     def packed(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mdO: cute.Tensor,
-        mLSElog2: cute.Tensor,
-        mdPsum: cute.Tensor,
-        mdQaccum: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
+        mQ: cute.Tensor,  # packed queries (total_q, h, d)
+        mK: cute.Tensor,  # packed keys (total_k, h_kv, d)
+        mV: cute.Tensor,  # packed values, like the keys
+        mdO: cute.Tensor,  # the output's gradient, like the queries
+        mLSElog2: cute.Tensor,  # the preprocess's log2-domain LSE, padded query rows (fp32)
+        mdPsum: cute.Tensor,  # its D = rowsum(dO * O), laid out like mLSElog2
+        mdQaccum: cute.Tensor,  # zeroed fp32 dQ sums, padded query rows
+        mdK: cute.Tensor,  # dK like the keys, or under GQA zeroed fp32 sums over padded key rows
+        mdV: cute.Tensor,  # dV, like mdK
         softmax_scale: Float32,
         window_left: Int32,
         window_right: Int32,
-        mCuSeqlensQ: cute.Tensor,
-        mCuSeqlensK: cute.Tensor,
-        mSeqUsedK: Optional[cute.Tensor],
-        max_seqlen_k: Int32,
+        mCuSeqlensQ: cute.Tensor,  # (batch + 1,) int32 query offsets
+        mCuSeqlensK: cute.Tensor,  # (batch + 1,) int32 key offsets
+        mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32 keys per sequence that get gradients, or None (all)
+        max_seqlen_k: Int32,  # the longest sequence's keys (grids that span it per sequence)
         stream: cuda.CUstream,
     ):
         assert self.varlen
