@@ -311,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--nheads", type=int, default=16)
     d.add_argument("--head-dim", type=int, default=128)
     d.add_argument("--causal", action="store_true")
+    d.add_argument(
+        "--no-compile", action="store_true", help="without a GPU: show the algorithm only, no cross-compiles"
+    )
     d.set_defaults(func=cmd_demo)
 
     bench = _bench_module()

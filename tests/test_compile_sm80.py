@@ -145,11 +145,18 @@ def _compile(target: str, items):
 
 @pytest.fixture(scope="module")
 def compiled():
-    results = {}
+    """Every configuration, in two subprocesses at a time (the suite's machine has two cores): per target, its
+    configurations split in two halves."""
+    import concurrent.futures
+
+    jobs = []
     for target in sorted({c[0] for c in CONFIGS}):
         items = [f"{d}:{mask}:{dtype}" for t, d, mask, dtype in CONFIGS if t == target]
-        for rep in _compile(target, items):
-            results[rep["key"]] = rep
+        jobs += [(target, half) for half in (items[0::2], items[1::2]) if half]
+    results = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        for reports in pool.map(lambda job: _compile(*job), jobs):
+            results.update({rep["key"]: rep for rep in reports})
     return results
 
 
