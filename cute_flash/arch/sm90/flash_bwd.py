@@ -43,6 +43,13 @@ K and V (BwdTileConfig.kv_with_first_tile, on by default) ride on the first Q an
 their bytes on top of the stage's: a CTA's first S product waits for K and Q only.
 
 Global tensors are viewed as (seqlen, head_dim, heads, batch) as in the forward kernel.
+
+Packed sequences (the `packed` entry, common/entries.PackedBwdEntry; instances with `varlen` set): the grid spans
+every sequence's key tiles in order (common/packed_tiles.py); a CTA offsets the (total, head_dim, heads) views by its
+sequence's first query / key row and the padded buffers (LSE, D, dQ sums, GQA dK / dV sums) by its padded offset
+(common/packed.py), zeroes the K / V rows of its tile past seqlen_k in shared memory before the walk (they are the
+next sequence's rows or a KV cache's unused slots, and 0 · NaN would reach dP and dQ), and stores dK / dV by
+16-byte stores of the sequence's rows (a TMA store would clip only at the end of the packed tensor).
 """
 
 from __future__ import annotations
