@@ -116,7 +116,8 @@ def test_d128_backward_has_no_spills():
     assert all(v == 0 for v in spills.values()), spills
 
 
-@pytest.mark.parametrize("head_dim,mask", [(128, "causal"), (128, "local"), (96, "causal"), (64, "none")])
+# (128, "local") builds spill-free too (session 4); out of the CPU suite for time.
+@pytest.mark.parametrize("head_dim,mask", [(128, "causal"), (96, "causal"), (64, "none")])
 def test_sm80_backward_main_kernels_do_not_spill(head_dim, mask):
     """The main kernels (with and without GQA) for the sm_80 target, where the default opt level 3 spilled at
     d96 causal and d128 (tile_config.default_opt_level)."""

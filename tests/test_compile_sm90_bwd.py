@@ -132,7 +132,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("mask", ["none", "causal"])
+@pytest.mark.parametrize("mask", ["none"])  # (causal: the same build path; out of the CPU suite for time)
 def test_sm90_backward_dq_swap_ab_builds(mask):
     # The 80-row query tile (dQᵀ = Kᵀ·dSᵀ, FlashAttention-3's unmasked d128 shape): the main kernel issues its five
     # products as wgmma without spilling, and the postprocess writes dQᵀ with the transposing stmatrix.
