@@ -87,6 +87,18 @@ def test_sm90_backward_compiles(builds, head_dim, causal):
     assert "sm80_bwd_preprocess" not in reports
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_sm90_forward_compiles(builds, head_dim, causal):
+    """The forward that `compile --backward` builds first (the d == dv forward builds of the suite)."""
+    from tests.test_compile_sm90 import check_census
+
+    report = _compile_reports(builds, head_dim, causal)["fwd"]
+    check_census(report)
+    if head_dim <= 128:
+        assert report["spill_bytes"] == 0, f"d={head_dim} spills {report['spill_bytes']} bytes"
+
+
 def test_sm90_backward_support():
     from cute_flash.arch.sm90 import BACKEND
     from cute_flash.arch.sm90.backward import backward_unsupported_reason
