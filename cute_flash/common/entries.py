@@ -8,7 +8,7 @@ once:
 - `PackedBwdEntry`: the `packed` entry of the backward main kernels (sm80 and sm90 families) for packed sequences.
 - `DenseAccumEntry` / `AccumEntries`: the kernels that convert an fp32 gradient accumulator to the output dtype,
   on dense tensors and (sm80 family) packed ones, where sequence b's output rows start at mCuSeqlens[b] and its
-  accumulator rows at mCuSeqlens[b] + b * pad.
+  accumulator rows at mCuSeqlens[b] + b * pad rounded down to a multiple of pad.
 
 Each kernel's docstring gives the layouts of its tensors.
 """

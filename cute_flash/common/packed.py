@@ -79,5 +79,5 @@ def head_stats(mX, batch: Int, head: Int, offset: Optional[Int] = None):
 
 
 def padded_rows(total: int, batch: int, pad: int) -> int:
-    """Rows of a buffer in which sequence b starts at cu_seqlens[b] + b * pad (host side)."""
+    """Rows of a buffer in which sequence b starts at its padded offset (host side)."""
     return total + batch * pad

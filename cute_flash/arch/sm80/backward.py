@@ -164,7 +164,7 @@ def _build_packed(
     role: str, spec: AttentionSpec, options: str, target: str, cfg: Optional[BwdTileConfig], seqused: bool = False
 ):
     """The packed (varlen) twin of `role`: q / k / v / dout (total, h, d), row statistics (h, padded rows), the fp32
-    accumulators with padded rows (sequence b from cu_seqlens[b] + b * pad, flash_bwd.packed_pads); batch is
+    accumulators with padded rows (sequence b from common/packed.py's padded offset, flash_bwd.packed_pads); batch is
     cu_seqlens' length - 1. Kernels take their padding and grid extent as runtime ints."""
     import cutlass
     import cutlass.cute as cute
@@ -414,6 +414,7 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
     """The packed backward: q / dout / out / dq (total_q, h, d), k / v / dk / dv (total_k, h_kv, d), lse (h, total_q).
 
     The same three steps as `run_backward`, on buffers whose sequence b starts at row cu_seqlens[b] + b * pad
+    rounded down to a multiple of pad
     (tile_config.packed_pads): lse_log2 / D (h, rows), dQ's fp32 accumulator (rows, h, d) or (h, rows * d), and under
     GQA dK / dV's (rows, h_kv, d). Keys past seqused_k[b] get zero gradients.
     """

@@ -31,7 +31,7 @@ class AccumConvertSm80(AccumEntries):
         self, dtype: Type[cutlass.Numeric], head_dim: int, block_m: int = 64, num_threads: int = 128, varlen=False
     ):
         """varlen: the packed variant (entry `packed`): sequence b's accumulator rows start at cu_seqlens[b] + b * pad
-        (pad >= block_m, a runtime argument), its output rows at cu_seqlens[b]."""
+        rounded down to a multiple of pad (pad >= block_m, a runtime argument), its output rows at cu_seqlens[b]."""
         assert head_dim % 8 == 0
         self.varlen = varlen
         self.dtype = dtype
@@ -116,7 +116,8 @@ class DqFragmentConvertSm80(AccumEntries):
 
     def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, config, varlen: bool = False):
         """varlen: the packed variant (entry `packed`): sequence b's accumulator is (h, rows * d) from row
-        cu_seqlens_q[b] + b * pad (pad >= block_m, a runtime argument), its output rows start at cu_seqlens_q[b]."""
+        cu_seqlens_q[b] + b * pad rounded down to a multiple of pad (pad >= block_m, a runtime argument), its output
+        rows start at cu_seqlens_q[b]."""
         self.varlen = varlen
         self.dtype = dtype
         self.head_dim = head_dim

@@ -45,7 +45,8 @@ class BackwardPreprocessSm80:
 
     def __init__(self, dtype: Type[cutlass.Numeric], head_dim_v: int, block_m: int = 64, varlen: bool = False):
         """varlen: the packed variant (entry `packed`), whose outputs give each sequence its rows from
-        cu_seqlens_q[b] + b * pad_q and fill them up to a whole multiple of pad_q (a runtime multiple of block_m)."""
+        cu_seqlens_q[b] + b * pad_q (rounded down to a multiple of pad_q, common/packed.py) and fill them up to a
+        whole multiple of pad_q (a runtime multiple of block_m)."""
         assert head_dim_v % 16 == 0 and block_m % ROWS_PER_WARP == 0
         self.varlen = varlen
         self.dtype = dtype
@@ -116,7 +117,7 @@ class BackwardPreprocessSm80:
         mLSElog2: cute.Tensor,
         tiled_mma: cute.TiledMma,
         mCuSeqlensQ: Optional[cute.Tensor] = None,
-        pad_q: Optional[Int32] = None,  # packed: sequence b's outputs start at row cu_seqlens_q[b] + b * pad_q
+        pad_q: Optional[Int32] = None,  # packed: sequence b's rows from cu_seqlens_q[b] + b * pad_q, rounded down
         mdQaccum: Optional[cute.Tensor] = None,  # zero_dq_accum: (b, h, sq_padded * dv) fp32
     ):
         if cutlass.const_expr(self.launch_dependents):

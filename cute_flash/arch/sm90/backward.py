@@ -13,9 +13,9 @@ accumulator, in place of a torch.zeros), pdl / pdl_dq_post (programmatic depende
 postprocess). With both of the first two off the preprocess is the sm80 family's own build.
 
 Packed sequences (`run_backward_varlen`): the same three steps on buffers whose sequence b starts at row
-cu_seqlens[b] + b * pad (tile_config.packed_pads): the sm80 family's packed preprocess, the main kernel's and the dQ
-conversion's `packed` builds, the sm80 packed accumulator conversion under GQA; the launch-overhead options are off
-there (the packed preprocess neither zeroes dQ nor signals PDL).
+cu_seqlens[b] + b * pad rounded down to a multiple of pad (tile_config.packed_pads): the sm80 family's packed
+preprocess, the main kernel's and the dQ conversion's `packed` builds, the sm80 packed accumulator conversion under
+GQA; the launch-overhead options are off there (the packed preprocess neither zeroes dQ nor signals PDL).
 
 Kernels are compiled once per (target, role, spec, tile config) with symbolic batch, sequence and head extents and
 launched through TVM-FFI on torch's current stream.

@@ -273,7 +273,7 @@ class Sm90FlashBackward(PackedBwdEntry):
         # dq_red adds dQ from registers with plain atomics, in no fixed order.
         assert not (deterministic and cfg.dq_red), "dq_red has no deterministic order"
         # Packed sequences: sequence b's rows of the padded buffers (LSE / D, the dQ and GQA dK / dV sums) start at
-        # cu_seqlens[b] + b * pad (common/packed.py).
+        # cu_seqlens[b] + b * pad rounded down to a multiple of pad (common/packed.py).
         self.pad_q, self.pad_k = packed_pads(cfg)
 
     @cute.jit
@@ -528,7 +528,7 @@ class Sm90FlashBackward(PackedBwdEntry):
 
         n_block, head, batch = cute.arch.block_idx()
         # Where this (sequence, head)'s rows start: dense tensors index the batch (offsets None); packed ones offset the
-        # inputs by cu_seqlens and the padded buffers by cu_seqlens + batch * pad.
+        # inputs by cu_seqlens and the padded buffers by their padded offset.
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         rows = PackedRows(None, None, None)
         if const_expr(seqs is not None):

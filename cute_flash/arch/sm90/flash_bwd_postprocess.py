@@ -7,9 +7,9 @@ accumulator; it scales and converts them, stmatrix puts the tile in shared memor
 (rows past seqlen_q clipped), so that global memory sees whole 128-byte lines instead of 4-byte pieces.
 
 Packed sequences (`packed` entry, varlen instances): the accumulator is (h, rows * d) with sequence b's tiles from
-row cu_seqlens[b] + b * pad; the grid spans the longest sequence's query tiles (the CTAs past their sequence's end
-exit), and the tile goes out by 16-byte stores of the sequence's rows (a TMA store would clip only at the end of the
-packed tensor).
+row cu_seqlens[b] + b * pad rounded down to a multiple of pad; the grid spans the longest sequence's query tiles
+(the CTAs past their sequence's end exit), and the tile goes out by 16-byte stores of the sequence's rows (a TMA
+store would clip only at the end of the packed tensor).
 """
 
 from __future__ import annotations
