@@ -67,6 +67,9 @@ def _build_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_o
     return compile_forward(spec, cfg, target, extra_options)
 
 
+_forward_kernels: Dict[tuple, object] = compile_cache.memo()  # (spec, target, seqused) -> compiled forward
+
+
 class _Backend:
     name = FAMILY
     cute_arch = "sm_90a"
@@ -91,6 +94,9 @@ class _Backend:
         """seqused: the packed build that reads seqused_k (spec.varlen only). A spec this family does not serve
         raises NotImplementedError when its kernel would be built (a warm call does not check again: the router
         has)."""
+        kernel = _forward_kernels.get((spec, target, seqused))
+        if kernel is not None:  # a warm call: one lookup, no tile configuration or cache key built again
+            return kernel
         cfg = fwd_tile_config(spec)
         key = (FAMILY, target, "fwd", spec, cfg) + (("seqused_k",) if seqused else ())
 
@@ -100,7 +106,8 @@ class _Backend:
                 raise NotImplementedError(reason)
             return _build_forward(spec, cfg, target, "", seqused)
 
-        return compile_cache.get_or_compile(key, build)
+        kernel = _forward_kernels[(spec, target, seqused)] = compile_cache.get_or_compile(key, build)
+        return kernel
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
         q, k, v, out, lse = t
