@@ -57,7 +57,7 @@ class _Plan:
     backend is routed on the first backward (a forward-only call never asks for it)."""
 
     __slots__ = ("problem", "forward", "backward", "deterministic", "copies", "empty", "device", "device_index")
-    __slots__ += ("out_shape", "out_dtype", "lse_shape")
+    __slots__ += ("out_shape", "out_dtype", "lse_shape", "launch")
 
     def __init__(self, problem: Problem, forward: ArchBackend, deterministic: bool, copies: bool, device):
         p = problem
@@ -67,6 +67,7 @@ class _Plan:
         self.out_shape = (p.batch, p.seqlen_q, p.nheads, p.head_dim_v)
         self.out_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[p.spec.out_dtype]
         self.lse_shape = (p.batch, p.nheads, p.seqlen_q)
+        self.launch = None  # the forward backend's launcher for this problem, made at the first launch
 
     def backward_backend(self, q: torch.Tensor) -> ArchBackend:
         # Routed on its own: the family that ran the forward may have no backward for this spec while another does.
@@ -159,12 +160,15 @@ def _launch_forward(plan: _Plan, q, k, v) -> Tuple[torch.Tensor, torch.Tensor]:
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    p = plan.problem
+    launch = plan.launch
+    if launch is None:
+        with _device_guard(q):
+            launch = plan.launch = plan.forward.forward_launcher(plan.problem, plan.device)
     if plan.device_index is not None and torch.cuda.current_device() == plan.device_index:
-        plan.forward.forward(FwdTensors(q, k, v, out, lse), p)
+        launch(q, k, v, out, lse)
     else:
         with _device_guard(q):
-            plan.forward.forward(FwdTensors(q, k, v, out, lse), p)
+            launch(q, k, v, out, lse)
     return out, lse
 
 

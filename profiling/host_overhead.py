@@ -1,7 +1,12 @@
 """Host time per warm call, cute-flash beside FlashAttention-4 and torch SDPA (GPU), measured as issue 15's table was:
 a long matmul chain is queued first so the GPU stays busy, then 100 back-to-back calls are timed on the host.
 
-  python3 -m profiling.host_overhead [--shape 1,128,8,128] [--calls 100]
+  python3 -m profiling.host_overhead [--shape 1,128,8,128] [--calls 100] [--breakdown]
+
+--breakdown also times the pieces of a cute-flash call the same way (what issue 15's host-time targets are spent
+on): the plan lookup, the two output allocations, one compiled forward kernel called directly through TVM-FFI with
+its outputs given, the backend's forward and the plan's bound launcher around that call, the whole no-grad call,
+and the backend's backward (four launches and its buffers) without autograd.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="1,128,8,128", help="batch,seqlen,heads,head_dim")
     p.add_argument("--calls", type=int, default=100)
+    p.add_argument("--breakdown", action="store_true", help="also time the pieces of a cute-flash call")
     args = p.parse_args()
     b, s, h, d = (int(x) for x in args.shape.split(","))
 
@@ -80,6 +86,42 @@ def main() -> None:
             fwd = _host_us(lambda: fn(q, k, v), args.calls, busy)
         both = _host_us(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), args.calls, busy)
         print(f"{name:>12} {fwd:>10.1f} {both:>10.1f}", flush=True)
+    if args.breakdown:
+        _breakdown(q, k, v, dout, args.calls, busy)
+
+
+def _breakdown(q, k, v, dout, calls: int, busy) -> None:
+    """Host µs of the pieces of a warm causal cute-flash call (sm90 backend), each timed as the whole calls are."""
+    from cute_flash import compile_cache, interface
+    from cute_flash.arch.base import BwdTensors, FwdTensors, Grads
+
+    with torch.no_grad():
+        fwd_out, fwd_lse = interface.attention(q, k, v, causal=True, return_lse=True)  # warm: plan, kernels
+        plan = interface._plan(q, k, v, True, None, (None, None), False)
+        p = plan.problem
+        out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=q.device)
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+        target = compile_cache.runtime_target(q.device)
+        kernel = plan.forward._forward_kernel(p.spec, target)
+        scale, left, right = float(p.softmax_scale), int(p.mask.left), int(p.mask.right)
+        grads = Grads(torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        t = BwdTensors(dout, q, k, v, fwd_out, fwd_lse)
+        bwd = plan.backward_backend(q)
+        pieces = {
+            "signature + plan lookup": lambda: interface._plan(q, k, v, True, None, (None, None), False),
+            "torch.empty out + lse": lambda: (
+                torch.empty(plan.out_shape, dtype=plan.out_dtype, device=q.device),
+                torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device),
+            ),
+            "torch.cuda.current_device": torch.cuda.current_device,
+            "forward kernel call (TVM-FFI)": lambda: kernel(q, k, v, out, lse, scale, left, right),
+            "backend.forward": lambda: plan.forward.forward(FwdTensors(q, k, v, out, lse), p),
+            "the plan's launcher": lambda: plan.launch(q, k, v, out, lse),
+            "attention (no grad)": lambda: interface.attention(q, k, v, causal=True),
+            f"backend.backward ({bwd.name})": lambda: bwd.backward(t, grads, p, False),
+        }
+        for name, fn in pieces.items():
+            print(f"  {name:>34} {_host_us(fn, calls, busy):>8.1f} µs", flush=True)
 
 
 if __name__ == "__main__":

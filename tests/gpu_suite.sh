@@ -110,9 +110,9 @@ for s in $steps; do
     host) # The device machine sets PYTHONDONTWRITEBYTECODE and unpacks the bundle without bytecode, so every new process
           # would compile tvm_ffi's and our sources again (~0.05 s of a first call); pip byte-compiles at install time.
           [ -d /tmp/site ] && timeout 120 python3 -m compileall -q -j 0 /tmp/site cute_flash > "$out/compileall.log" 2>&1
-          step host 240 bash -c "python3 -m profiling.host_overhead && python3 -m profiling.cache_first_call --runs 2 \
+          step host 240 bash -c "python3 -m profiling.host_overhead --breakdown && python3 -m profiling.cache_first_call --runs 2 \
             --torch-warmup --profile $out/first_call_profile.txt"
-          grep -v -i warn "$out/host.log" | grep -v exe_args | tail -n 16 ;;
+          grep -v -i warn "$out/host.log" | grep -v exe_args | tail -n 26 ;;
     hostprof) step hostprof 90 python3 -m profiling.host_profile --backward
           head -n 45 "$out/hostprof.log" ;;
     sm90bwd) step sm90bwd 300 python3 -m pytest -q -n 10 --dist loadgroup -p no:cacheprovider -rf tests/test_sm90_bwd.py ;;

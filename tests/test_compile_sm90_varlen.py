@@ -1,6 +1,7 @@
 """CPU: the packed (varlen) sm90 forward and backward cross-compile for sm_90a with the dense kernels' instructions
 (TMA loads, wgmma, setmaxnreg), without spills, and write O / dK, dV / dQ with 16-byte predicated stores instead of
-TMA stores (a TMA store would clip only at the end of the packed tensor). Dense builds are unchanged by them
+TMA stores (a TMA store would clip only at the end of the packed tensor); the deterministic packed build waits on
+its semaphores. Dense builds are unchanged by them
 (normalised PTX identical, `python -m profiling.ptx_identity --compare` on the sm90 and sm90-bwd groups;
 docs/varlen.md).
 """
@@ -33,9 +34,10 @@ with census.capture_fd_stderr() as captured:
         )
     else:
         from cute_flash.arch.sm90 import backward
-        role += "_seqused" if seqused else ""
+        det = role.endswith("_det")
+        role = role.removesuffix("_det") + ("_seqused" if seqused else "") + ("_det" if det else "")
         compiled = backward._build(
-            role, spec, backward.packed_tile_config(spec), "sm_90a", compile_cache.keep_artifacts_options(dump)
+            role, spec, backward.packed_tile_config(spec, det), "sm_90a", compile_cache.keep_artifacts_options(dump)
         )
 ptx = compiled.artifacts.PTX
 print(json.dumps({
@@ -43,13 +45,19 @@ print(json.dumps({
     "spills": [r.get("spill_bytes") for _, r in census.parse_ptxas_reports("".join(captured))],
     "vector_stores": sum("st.global.v4" in line for line in ptx.splitlines()),
     "tma_stores": sum("cp.async.bulk.tensor" in line and "global.shared" in line for line in ptx.splitlines()),
+    "acquire_loads": sum("ld.acquire.gpu" in line for line in ptx.splitlines()),
 }))
 """
 
 # (d, dv, mask, seqused, role). Forward: d256 local, (192, 128) causal and d96 local built too when the kernel was
 # written (spill-free); backward: d 64 / 96 / 128 / 256, every mask, with and without GQA and seqused_k (session 11,
 # spill-free); kept out of CI for time.
-BUILDS = [(128, 128, "causal", False, "fwd"), (64, 64, "none", True, "fwd"), (128, 128, "causal", True, "bwd")]
+BUILDS = [
+    (128, 128, "causal", False, "fwd"),
+    (64, 64, "none", True, "fwd"),
+    (128, 128, "causal", True, "bwd"),
+    (128, 128, "causal", False, "bwd_gqa_det"),
+]
 FORWARD_BUILDS = [b for b in BUILDS if b[4] == "fwd"]
 
 
@@ -91,3 +99,11 @@ def test_sm90_varlen_backward_compiles(builds):
     assert rep["spills"] and set(rep["spills"]) == {0}, rep["spills"]
     # dK and dV: 128 keys x 128 columns each in 16-byte stores over the 256 consumer threads, no TMA store
     assert rep["vector_stores"] == 2 * 128 * 128 // (8 * 256) and rep["tma_stores"] == 0, rep
+
+
+def test_sm90_varlen_deterministic_backward_compiles(builds):
+    """The deterministic GQA build: the dQ warp and the GQA epilogue each wait on a semaphore (one acquire load
+    each), dQ by the bulk reduce-add, spill-free."""
+    rep = _report(builds, (128, 128, "causal", False, "bwd_gqa_det"))
+    assert rep["acquire_loads"] == 2 and rep["census"]["cp.reduce.async.bulk"] > 0, rep
+    assert rep["spills"] and set(rep["spills"]) == {0}, rep["spills"]

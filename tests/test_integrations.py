@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cute_flash.arch.base import launcher_through_forward
 from cute_flash import interface, validation
 from cute_flash.reference import attention_reference
 
@@ -29,6 +30,9 @@ class _ReferenceBackend:
         return attention_reference(
             q, k, v, softmax_scale=softmax_scale, window_size=(mask.left, mask.right), return_lse=True
         )
+
+    def forward_launcher(self, problem, device):
+        return launcher_through_forward(self, problem)
 
     def forward(self, t, problem, descale=None):
         q, k, v, out, lse = t

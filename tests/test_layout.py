@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import cute_flash
+from cute_flash.arch.base import launcher_through_forward
 from cute_flash import interface, validation
 from cute_flash.reference import attention_reference, visible_keys
 from cute_flash.validation import kernel_view
@@ -111,6 +112,9 @@ class _CheckingBackend:
         for name, t in tensors.items():
             assert _contract_ok(t), (name, tuple(t.shape), t.stride(), t.data_ptr() % 16)
             self.seen.append(name)
+
+    def forward_launcher(self, problem, device):
+        return launcher_through_forward(self, problem)
 
     def forward(self, t, problem, descale=None):
         q, k, v, out, lse = t

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import cute_flash
+from cute_flash.arch.base import launcher_through_forward
 from cute_flash import interface, routing, validation
 from cute_flash.spec import AttentionSpec
 
@@ -139,6 +140,9 @@ class _Fake:
         if backward and not self.bwd:
             return f"{self.name} has no backward"
         return None
+
+    def forward_launcher(self, problem, device):
+        return launcher_through_forward(self, problem)
 
     def forward(self, t, problem, descale=None):
         self.calls.append("forward")

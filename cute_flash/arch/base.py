@@ -13,7 +13,7 @@ Tensor conventions handed to a backend (all on one CUDA device, last dimension c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional, Protocol
+from typing import Callable, Dict, List, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -62,6 +62,10 @@ class Grads(NamedTuple):
     dv: torch.Tensor
 
 
+# forward_launcher's result: (q, k, v, out, lse) -> None, the tensors as FwdTensors holds them.
+ForwardLauncher = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
 class ArchBackend(Protocol):
     name: str  # "sm80" | "sm90" | "sm100"
     cute_arch: str  # default CuTe DSL target when cross-compiling: "sm_80" | "sm_90a" | "sm_100a"
@@ -77,6 +81,11 @@ class ArchBackend(Protocol):
         """Fills `t.out` and `t.lse` for the validated call `problem` (its spec, scale and mask); descale: the FP8
         path's factors."""
 
+    def forward_launcher(self, problem: Problem, device: torch.device) -> ForwardLauncher:
+        """`forward` of one fp16/bf16 `problem` on `device` as a callable (q, k, v, out, lse) -> None, with what
+        depends only on them settled once: the eager call cache keeps it per call signature, so that a warm call
+        neither looks its kernel up nor converts its scalars again."""
+
     def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
         """Fills `grads` for the validated call `problem` (its spec, scale and mask); deterministic: bitwise-
         reproducible sums."""
@@ -91,6 +100,11 @@ class ArchBackend(Protocol):
         `target` launches, or with `backward` its backward call (with GQA/MQA heads if `gqa`, deterministic if
         asked), through the same cache keys as the launch path: `python -m cute_flash warmup` fills the disk cache
         with this, also without a GPU."""
+
+
+def launcher_through_forward(backend: ArchBackend, problem: Problem) -> ForwardLauncher:
+    """The `forward_launcher` of a family without a faster bound form: every call goes through `forward`."""
+    return lambda q, k, v, out, lse: backend.forward(FwdTensors(q, k, v, out, lse), problem)
 
 
 def prepare_build(

@@ -5,7 +5,8 @@ once:
 
 - `DenseFwdEntry`: the forward kernels of the sm80 family and the sm90 bf16/fp16 kernel, on dense tensors;
   `FwdEntries` adds their `packed` entry (packed sequences, `varlen` kernels).
-- `PackedBwdEntry`: the `packed` entry of the backward main kernels (sm80 and sm90 families) for packed sequences.
+- `BwdEntries`: the backward main kernels of the sm80 and sm90 families: `__call__` on dense tensors and
+  `packed` (packed sequences, `varlen` kernels).
 - `DenseAccumEntry` / `AccumEntries`: the kernels that convert an fp32 gradient accumulator to the output dtype,
   on dense tensors and (sm80 family) packed ones, where sequence b's output rows start at mCuSeqlens[b] and its
   accumulator rows at mCuSeqlens[b] + b * pad rounded down to a multiple of pad.
@@ -70,12 +71,38 @@ class FwdEntries(DenseFwdEntry):
         self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, packed)
 
 
-class PackedBwdEntry:
-    """`packed(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, softmax_scale, window_left, window_right,
-    mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k, stream)` -> `self._launch((mQ, ..., mdV), softmax_scale,
-    window_left, window_right, stream, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k))` for backward kernels
-    built with varlen=True. Buffers "padded" give sequence b the rows from cu_seqlens[b] + b * pad rounded down to
-    a multiple of pad (common/packed.py); each kernel's `_launch` gives their exact shapes."""
+class BwdEntries:
+    """`__call__(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsem, mdKVsem, softmax_scale, window_left,
+    window_right, stream)` -> `self._launch((mQ, ..., mdV), softmax_scale, window_left, window_right, stream, None,
+    (mdQsem, mdKVsem))` on dense tensors, and `packed(mQ, ..., mdV, mdQsem, mdKVsem, softmax_scale, window_left,
+    window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k, stream)` -> `self._launch(..., stream,
+    (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k), (mdQsem, mdKVsem))` for backward kernels built with
+    varlen=True. Buffers "padded" give sequence b the rows from cu_seqlens[b] + b * pad rounded down to a multiple
+    of pad (common/packed.py); each kernel's `_launch` gives their exact shapes. The int32 semaphores order the
+    deterministic builds' adds (zeroed, one per tile of the dQ sums and of the GQA dK / dV sums); None elsewhere."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, sq, h, d)
+        mK: cute.Tensor,  # (b, sk, h_kv, d)
+        mV: cute.Tensor,  # (b, sk, h_kv, d)
+        mdO: cute.Tensor,  # (b, sq, h, d)
+        mLSElog2: cute.Tensor,  # (b, h, sq_padded) fp32, from the preprocess
+        mdPsum: cute.Tensor,  # (b, h, sq_padded) fp32, from the preprocess
+        mdQaccum: cute.Tensor,  # zeroed fp32 dQ sums over padded query rows, in the kernel's layout
+        mdK: cute.Tensor,  # (b, sk, h_kv, d) dtype, or (b, sk_padded, h_kv, d) fp32 zeroed under GQA
+        mdV: cute.Tensor,  # like mdK
+        mdQsem: Optional[cute.Tensor],  # (b, h, query tiles) int32 of a deterministic build, or None
+        mdKVsem: Optional[cute.Tensor],  # (b, h_kv, key tiles) int32 of a deterministic GQA build, or None
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        stream: cuda.CUstream,
+    ):
+        assert not self.varlen
+        tensors = (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV)
+        self._launch(tensors, softmax_scale, window_left, window_right, stream, None, (mdQsem, mdKVsem))
 
     @cute.jit
     def packed(
@@ -89,6 +116,8 @@ class PackedBwdEntry:
         mdQaccum: cute.Tensor,  # zeroed fp32 dQ sums, padded query rows
         mdK: cute.Tensor,  # dK like the keys, or under GQA zeroed fp32 sums over padded key rows
         mdV: cute.Tensor,  # dV, like mdK
+        mdQsem: Optional[cute.Tensor],  # (1, h, padded query rows / tile) int32 of a deterministic build, or None
+        mdKVsem: Optional[cute.Tensor],  # (1, h_kv, padded key rows / tile) int32 (deterministic GQA), or None
         softmax_scale: Float32,
         window_left: Int32,
         window_right: Int32,
@@ -101,7 +130,7 @@ class PackedBwdEntry:
         assert self.varlen
         tensors = (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV)
         packed = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k)
-        self._launch(tensors, softmax_scale, window_left, window_right, stream, packed)
+        self._launch(tensors, softmax_scale, window_left, window_right, stream, packed, (mdQsem, mdKVsem))
 
 
 class DenseAccumEntry:

@@ -12,7 +12,8 @@ from ... import compile_cache
 from ...census import read_artifacts
 from ...spec import AttentionSpec
 from ...validation import Problem, kernel_view
-from ..base import BwdTensors, FwdTensors, Grads, KernelArtifact, prepare_build
+from ..base import BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, launcher_through_forward
+from ..base import prepare_build
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_operand
 from . import tile_config as cfgmod
@@ -133,6 +134,9 @@ class _Backend:
                 "there is no sm100 backward kernel yet (forward only; use the sm80 backward via CUTE_FLASH_ARCH=sm80)"
             )
         return cfgmod.unsupported_reason(spec)
+
+    def forward_launcher(self, problem: Problem, device: torch.device) -> ForwardLauncher:
+        return launcher_through_forward(self, problem)
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
         q, k, v, out, lse = t

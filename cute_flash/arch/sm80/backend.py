@@ -20,7 +20,8 @@ import torch
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import Problem, VarlenProblem, kernel_view
-from ..base import BwdTensors, FwdTensors, Grads, KernelArtifact, PackedSeqs, launch_packed_forward, prepare_build
+from ..base import BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, PackedSeqs
+from ..base import launch_packed_forward, launcher_through_forward, prepare_build
 from ...census import cubin_resources
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_operand, fake_packed_forward_args
@@ -72,7 +73,7 @@ def _build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str, sequs
     v = operand(seqlen_k, heads_kv, spec.head_dim_v)
     out = operand(seqlen_q, heads, spec.head_dim_v)
     lse = fake_f32((batch, heads, seqlen_q))
-    kernel = Sm80FlashForward(dtype, spec.head_dim, spec.head_dim_v, spec.mask, tile)
+    kernel = Sm80FlashForward(spec, tile)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
         kernel, q, k, v, out, lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream, options=options
@@ -87,7 +88,7 @@ def _build_forward_packed(spec: AttentionSpec, tile: FwdTileConfig, options: str
 
     dtype = dsl_dtype(spec.dtype)
     args = fake_packed_forward_args(dtype, spec.head_dim, spec.head_dim_v, seqused)
-    kernel = Sm80FlashForward(dtype, spec.head_dim, spec.head_dim_v, spec.mask, tile, varlen=True)
+    kernel = Sm80FlashForward(spec, tile)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(kernel.packed, *args, stream, options=options)
 
@@ -177,6 +178,9 @@ class _Backend:
         # The tile is a function of (spec, target) (see compile_forward), so it needs no place in the key.
         key = (FAMILY, target, "fwd", spec)
         return compile_cache.get_or_compile(key, lambda: _compile_runnable_forward(spec, target))
+
+    def forward_launcher(self, problem: Problem, device: torch.device) -> ForwardLauncher:
+        return launcher_through_forward(self, problem)  # (each call checks its layouts: see `forward`)
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
         q, k, v, out, lse = t

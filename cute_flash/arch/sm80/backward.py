@@ -118,7 +118,7 @@ def _build_main(
     dkv_dtype = cutlass.Float32 if gqa else dt
     dkv_rows = sk_pad if gqa else sk
     cfg = cfg or bwd_tile_config(d, target)
-    kernel = Sm80FlashBackward(dt, d, cfg, spec.mask, gqa)
+    kernel = Sm80FlashBackward(spec, cfg, gqa)
     return cute.compile(
         kernel,
         _fake_bshd(dt, b, sq, h, d),  # q
@@ -130,6 +130,8 @@ def _build_main(
         _fake_dq_accum(cfg, b, sq_pad, h, d),  # dq_accum
         _fake_bshd(dkv_dtype, b, dkv_rows, h_kv, d),  # dk or dk_accum
         _fake_bshd(dkv_dtype, b, dkv_rows, h_kv, d),  # dv or dv_accum
+        None,  # no semaphores: this family has no deterministic build
+        None,
         cutlass.Float32(1.0),
         cutlass.Int32(0),
         cutlass.Int32(0),
@@ -211,7 +213,7 @@ def _build_packed(
     gqa = role == "bwd_gqa"
     dkv = rows(cutlass.Float32, tk_pad, h_kv, d) if gqa else rows(dt, tk, h_kv, d)
     dkv2 = rows(cutlass.Float32, tk_pad, h_kv, d) if gqa else rows(dt, tk, h_kv, d)
-    kernel = Sm80FlashBackward(dt, d, cfg, spec.mask, gqa, varlen=True)
+    kernel = Sm80FlashBackward(spec, cfg, gqa)
     return cute.compile(
         kernel.packed,
         rows(dt, tq, h, d),  # q
@@ -223,6 +225,8 @@ def _build_packed(
         dq_accum,
         dkv,
         dkv2,
+        None,  # no semaphores: this family has no deterministic build
+        None,
         f32,
         i32,
         i32,
@@ -397,8 +401,8 @@ def run_backward(t: BwdTensors, grads: Grads, problem: Problem, cfg: Optional[Bw
     _kernel("bwd_preprocess", spec, target)(out, dout, lse, dpsum, lse_log2)
     dk_out, dv_out = dkv_destinations(dk, dv, gqa, max(cfg.block_n, _PRE_POST_BLOCK_M))  # whole postprocess blocks
     _kernel("bwd_gqa" if gqa else "bwd", spec, target, override)(
-        q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, softmax_scale, mask.left, mask.right
-    )
+        q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, None, None, softmax_scale, mask.left, mask.right
+    )  # (None, None: no semaphores)
     postprocess = _kernel("bwd_postprocess", spec, target)
     if cfg.dq_layout == "fragment":
         _kernel("bwd_dq_postprocess", spec, target, override)(dq_accum, dq, softmax_scale)
@@ -448,9 +452,25 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
     dk_out, dv_out = packed_dkv_destinations(dk, dv, gqa, seqused_k is not None, total_k + batch * pad_k)
     role = ("bwd_gqa" if gqa else "bwd") + ("_seqused" if seqused_k is not None else "")
     _kernel(role, spec, target)(
-        q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, softmax_scale, mask.left, mask.right,
-        cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        dout,
+        lse_log2,
+        dpsum,
+        dq_accum,
+        dk_out,
+        dv_out,
+        None,
+        None,
+        softmax_scale,
+        mask.left,
+        mask.right,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        seqused_k,
+        max_seqlen_k,
+    )  # fmt: skip  (None, None: no semaphores)
     postprocess = _kernel("bwd_postprocess", spec, target)
     if cfg.dq_layout == "fragment":
         _kernel("bwd_dq_postprocess", spec, target)(dq_accum, dq, softmax_scale, cu_seqlens_q, pad_q, max_seqlen_q)

@@ -33,10 +33,12 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cutlass_dsl import dsl_user_op
 
 from ...common.block_info import BlockInfo
-from ...common.entries import PackedBwdEntry
+from ...common.dsl_types import dsl_dtype
+from ...common.entries import BwdEntries
 from ...common.grid import block_grid
 from ...common.online_softmax import clamp_scale_log2
 from ...common.packed import SeqRows, dense_seq, head_rows, head_stats, seq_rows
+from ...spec import AttentionSpec
 from .tile_config import BwdTileConfig, packed_pads
 
 LOG2_E = math.log2(math.e)
@@ -183,27 +185,21 @@ class BwdParams(NamedTuple):
     SharedStorage: object
 
 
-class Sm80FlashBackward(PackedBwdEntry):
-    def __init__(
-        self,
-        dtype: Type[cutlass.Numeric],
-        head_dim: int,
-        config: BwdTileConfig,
-        mask_kind: str,
-        gqa: bool,
-        varlen: bool = False,
-    ):
+class Sm80FlashBackward(BwdEntries):
+    def __init__(self, spec: AttentionSpec, config: BwdTileConfig, gqa: bool):
+        """spec.varlen: packed sequences (entry `packed`), else dense tensors (`__call__`)."""
+        head_dim = spec.head_dim
         assert head_dim % 32 == 0, "head_dim must be a multiple of 32"
-        assert mask_kind in ("none", "causal", "local")
+        assert spec.mask in ("none", "causal", "local")
         assert config.num_stages in (1, 2)
-        self.dtype = dtype
+        self.dtype = dsl_dtype(spec.dtype)
         self.head_dim = head_dim
         self.cfg = config
-        self.mask_kind = mask_kind
+        self.mask_kind = spec.mask
         self.gqa = gqa
-        # Packed sequences (entry `packed`): per-sequence rows of the padded buffers start pad_q / pad_k rows apart
-        # (common/packed.py); whole tiles of the main kernel and of the 64-row pre/postprocess kernels fit in them.
-        self.varlen = varlen
+        # Packed sequences: per-sequence rows of the padded buffers start pad_q / pad_k rows apart (common/packed.py);
+        # whole tiles of the main kernel and of the 64-row pre/postprocess kernels fit in them.
+        self.varlen = spec.varlen
         self.pad_q, self.pad_k = packed_pads(config)
         self.dq_chunk = config.dq_chunk or head_dim
         assert head_dim % self.dq_chunk == 0
@@ -222,26 +218,6 @@ class Sm80FlashBackward(PackedBwdEntry):
         return cute.make_tiled_copy_tv(atom, thread_layout, cute.make_layout((1, 8)))
 
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (b, sq, h, d)
-        mK: cute.Tensor,  # (b, sk, h_kv, d)
-        mV: cute.Tensor,  # (b, sk, h_kv, d)
-        mdO: cute.Tensor,  # (b, sq, h, d)
-        mLSElog2: cute.Tensor,  # (b, h, sq_padded) fp32, from the preprocess
-        mdPsum: cute.Tensor,  # (b, h, sq_padded) fp32, from the preprocess
-        mdQaccum: cute.Tensor,  # (b, sq_padded, h, d) fp32 zeroed; (b, h, sq_padded * d) in the "fragment" layout
-        mdK: cute.Tensor,  # (b, sk, h_kv, d) dtype, or (b, sk_padded, h_kv, d) fp32 zeroed under GQA
-        mdV: cute.Tensor,  # like mdK
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        stream,
-    ):
-        tensors = (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV)
-        self._launch(tensors, softmax_scale, window_left, window_right, stream)
-
-    @cute.jit
     def _launch(
         self,
         tensors: tuple,  # (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV) as the entry points take them
@@ -249,8 +225,10 @@ class Sm80FlashBackward(PackedBwdEntry):
         window_left: Int32,
         window_right: Int32,
         stream,
-        packed=None,  # (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k) of packed tensors (PackedBwdEntry)
+        packed=None,  # (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k) of packed tensors (common/entries.py)
+        semaphores=(None, None),  # the entries' deterministic semaphores: this family has no deterministic build
     ):
+        assert semaphores[0] is None and semaphores[1] is None, "the sm80 backward has no deterministic build"
         mQ, mK = tensors[0], tensors[1]
         mCuSeqlensQ = mCuSeqlensK = mSeqUsedK = max_seqlen_k = None
         if cutlass.const_expr(packed is not None):

@@ -29,6 +29,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
 from ...common.acc_views import rows_cols_view, sm80_acc_as_a_operand
+from ...common.dsl_types import dsl_dtype
 from ...common.block_info import BlockInfo
 from ...common.block_walk import walk_kv_blocks
 from ...common.entries import FwdEntries
@@ -36,6 +37,7 @@ from ...common.grid import block_grid
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
 from ...common.packed import SeqRows, dense_seq, head_rows, head_stats, seq_rows
+from ...spec import AttentionSpec
 from .tile_config import FwdTileConfig, row_chunk_elems
 
 COPY_BITS = 128  # one cp.async / vector store moves 16 bytes
@@ -164,15 +166,9 @@ class Sm80FlashForward(FwdEntries):
     for every sequence; a CTA whose block lies past its sequence's end exits at once (see common/packed.py).
     """
 
-    def __init__(
-        self,
-        dtype: Type[cutlass.Numeric],
-        head_dim: int,
-        head_dim_v: int,
-        mask: str,
-        tile: FwdTileConfig,
-        varlen: bool = False,  # packed q/k/v/out/lse with cu_seqlens (entry point `packed`), else dense (`__call__`)
-    ):
+    def __init__(self, spec: AttentionSpec, tile: FwdTileConfig):
+        """spec.varlen: packed q/k/v/out/lse with cu_seqlens (entry point `packed`), else dense (`__call__`)."""
+        dtype, head_dim, head_dim_v = dsl_dtype(spec.dtype), spec.head_dim, spec.head_dim_v
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise TypeError("the sm80 forward kernel computes in fp16 or bf16")
         if head_dim % 8 or head_dim_v % 8:
@@ -180,13 +176,13 @@ class Sm80FlashForward(FwdEntries):
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
-        self.mask = mask
+        self.mask = spec.mask
         self.tile = tile
         self.tile_m, self.tile_n = tile.tile_m, tile.tile_n
         self.d_pad, self.dv_pad = tile.head_dim_pad, tile.head_dim_v_pad
         self.num_threads = tile.num_threads
         self.num_stages = tile.num_stages
-        self.varlen = varlen
+        self.varlen = spec.varlen
         assert self.tile_n % 16 == 0 and self.tile_m % (16 * tile.num_warps) == 0
 
     # ------------------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ sm90 forward's out / lse as they are.
 FP8 (`spec.dtype == "fp8"`, forward only) is served by the `fp8` sub-package (`fp8.launch`; its kernel
 `fp8/flash_fwd.py` is a subclass of the bf16 forward).
 Packed sequences (`attention_varlen`): the forward's and the backward's packed builds (`build.compile_forward_packed`,
-`build.compile_backward_packed`, entries `packed`); a deterministic packed backward has none (`unsupported_reason`).
+`build.compile_backward` with spec.varlen, entries `packed`; deterministic builds too).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import torch
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import PackedSeqs, Problem, VarlenProblem
-from ..base import BwdTensors, FwdTensors, Grads, KernelArtifact, launch_packed_forward, prepare_build
+from ..base import BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, launch_packed_forward
+from ..base import launcher_through_forward, prepare_build
 from .tile_config import FwdTileConfig, budget_problem, fwd_tile_config, smem_bytes
 
 FAMILY = "sm90"
@@ -84,8 +85,6 @@ class _Backend:
             reason = "the sm90 FP8 forward has no varlen (packed sequences) build"
         if reason is not None or not backward:
             return reason
-        if spec.varlen and deterministic:
-            return _bwd().PACKED_DETERMINISTIC_UNSUPPORTED
         if spec.dtype == "fp8":
             return "the sm90 FP8 path is forward-only: there is no FP8 backward"
         return _bwd().backward_unsupported_reason(spec)  # every sm90 backward configuration has a deterministic build
@@ -108,6 +107,14 @@ class _Backend:
 
         kernel = _forward_kernels[(spec, target, seqused)] = compile_cache.get_or_compile(key, build)
         return kernel
+
+    def forward_launcher(self, problem: Problem, device: torch.device) -> ForwardLauncher:
+        spec, mask = problem.spec, problem.mask
+        if spec.dtype == "fp8":
+            return launcher_through_forward(self, problem)
+        kernel = self._forward_kernel(spec, compile_cache.runtime_target(device))
+        scale, left, right = float(problem.softmax_scale), int(mask.left), int(mask.right)
+        return lambda q, k, v, out, lse: kernel(q, k, v, out, lse, scale, left, right)
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
         q, k, v, out, lse = t

@@ -49,7 +49,6 @@ from .tile_config import (
 
 FAMILY = "sm90"
 STATS_ROW_MULTIPLE = PRE_POST_ROWS  # the preprocess writes whole 64-row blocks
-PACKED_DETERMINISTIC_UNSUPPORTED = "the sm90 packed (varlen) backward has no deterministic mode"
 
 
 def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
@@ -74,12 +73,12 @@ def _sm80_backward():
 # Kernel roles: the main kernel without / with GQA (dK, dV partial sums), each also in a deterministic build, and
 # the dQ conversion.
 MAIN_ROLES = {"bwd": (False, False), "bwd_gqa": (True, False), "bwd_det": (False, True), "bwd_gqa_det": (True, True)}
-# Packed (varlen) specs: (GQA, reads seqused_k) per main role; no deterministic builds.
+# Packed (varlen) specs: (GQA, reads seqused_k, deterministic) per main role.
 PACKED_MAIN_ROLES = {
-    "bwd": (False, False),
-    "bwd_gqa": (True, False),
-    "bwd_seqused": (False, True),
-    "bwd_gqa_seqused": (True, True),
+    ("bwd_gqa" if gqa else "bwd") + ("_seqused" if seqused else "") + ("_det" if det else ""): (gqa, seqused, det)
+    for det in (False, True)
+    for seqused in (False, True)
+    for gqa in (False, True)
 }
 
 
@@ -92,10 +91,10 @@ def _build(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str, extr
     if role == "bwd_dq_postprocess":
         return build.compile_dq_postprocess(spec, cfg, target, extra)
     if spec.varlen:
-        gqa, seqused = PACKED_MAIN_ROLES[role]
-        return build.compile_backward(spec, cfg, target, gqa=gqa, extra_options=extra, seqused=seqused)
-    gqa, deterministic = MAIN_ROLES[role]
-    return build.compile_backward(spec, cfg, target, gqa=gqa, deterministic=deterministic, extra_options=extra)
+        gqa, seqused, deterministic = PACKED_MAIN_ROLES[role]
+    else:
+        (gqa, deterministic), seqused = MAIN_ROLES[role], False
+    return build.compile_backward(spec, cfg, target, gqa, deterministic, extra, seqused)
 
 
 def _kernel(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str):
@@ -125,16 +124,11 @@ def _kernel(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str):
     return compile_cache.get_or_compile(key, lambda: _build(role, key_spec, cfg, target))
 
 
-_no_semaphores = {}
-
-
-def _semaphores(shape, device, deterministic: bool) -> torch.Tensor:
-    """Zeroed int32 semaphores for a deterministic run; otherwise one cached placeholder (never read)."""
-    if deterministic:
-        return torch.zeros(shape, dtype=torch.int32, device=device)
-    if device not in _no_semaphores:
-        _no_semaphores[device] = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
-    return _no_semaphores[device]
+def _semaphores(deterministic: bool, gqa: bool, dq_shape: tuple, dkv_shape: tuple, device) -> tuple:
+    """The main kernel's (dQ, dK / dV) semaphore arguments: zeroed int32 where a deterministic (GQA) build reads
+    them, else None."""
+    zeros = lambda shape: torch.zeros(shape, dtype=torch.int32, device=device)  # noqa: E731
+    return (zeros(dq_shape) if deterministic else None), (zeros(dkv_shape) if deterministic and gqa else None)
 
 
 class _Kernels(NamedTuple):
@@ -147,27 +141,36 @@ class _Kernels(NamedTuple):
     convert: Optional[Callable]  # GQA's fp32 dK / dV sums to the input dtype
 
 
+def packed_tile_config(spec: AttentionSpec, deterministic: bool = False) -> BwdTileConfig:
+    """The packed backward's configuration: the dense one (deterministic or not) without the preprocess options (the
+    sm80 packed preprocess serves: it neither zeroes the dQ sums nor signals programmatic dependent launch)."""
+    return dataclasses.replace(bwd_tile_config(spec, deterministic), zero_dq_in_preprocess=False, pdl=False)
+
+
 _launch_sets: Dict[tuple, _Kernels] = compile_cache.memo()
 
 
-def _kernels(spec: AttentionSpec, cfg: Optional[BwdTileConfig], target: str, gqa: bool, deterministic: bool):
-    """The kernel set of a call (compiled, loaded from disk or taken from memory on first use); a warm call does
-    one dict lookup here instead of re-checking the configuration and rebuilding five cache keys."""
-    key = (spec, cfg, target, gqa, deterministic)
+def _kernels(
+    spec: AttentionSpec, cfg: Optional[BwdTileConfig], target: str, gqa: bool, deterministic: bool, seqused=False
+) -> _Kernels:
+    """The kernel set of a call, dense or packed (spec.varlen; `seqused`: seqused_k given), compiled, loaded from
+    disk or taken from memory on first use; a warm call does one dict lookup here instead of re-checking the
+    configuration and rebuilding five cache keys."""
+    key = (spec, cfg, target, gqa, deterministic, seqused)
     kernels = _launch_sets.get(key)
     if kernels is None:
         reason = backward_unsupported_reason(spec)
         if reason is not None:
             raise NotImplementedError(reason)
-        chosen = cfg or bwd_tile_config(spec, deterministic)
+        chosen = cfg or (packed_tile_config if spec.varlen else bwd_tile_config)(spec, deterministic)
         problem = bwd_config_problem(chosen, spec.head_dim)
         if problem is None and deterministic and chosen.dq_red:
             problem = "dq_red adds dQ with plain atomics in no fixed order: no deterministic build"
         if problem is not None:
             raise ValueError(problem)
         sm80 = _sm80_backward()
-        role = ("bwd_gqa" if gqa else "bwd") + ("_det" if deterministic else "")
-        if chosen.zero_dq_in_preprocess or chosen.pdl:
+        role = ("bwd_gqa" if gqa else "bwd") + ("_seqused" if seqused else "") + ("_det" if deterministic else "")
+        if chosen.zero_dq_in_preprocess or chosen.pdl:  # (never for packed specs: packed_tile_config)
             preprocess = _kernel("bwd_preprocess", spec, chosen, target)
         else:
             preprocess = sm80.preprocess_kernel(spec, target)
@@ -211,17 +214,15 @@ def run_backward(
     # Every buffer (and memset) before the first kernel, so that the main kernel follows the preprocess directly in
     # the stream (its programmatic predecessor under cfg.pdl).
     dk_out, dv_out = sm80.dkv_destinations(dk, dv, gqa, max(cfg.tile_n, STATS_ROW_MULTIPLE))  # whole conversion blocks
-    dq_sem = _semaphores((batch, nheads, seqlen_q_pad // cfg.tile_m), q.device, deterministic)
-    dkv_sem = _semaphores(
-        (batch, nheads_kv, _round_up(seqlen_k, cfg.tile_n) // cfg.tile_n), q.device, deterministic and gqa
-    )
+    dq_tiles, dkv_tiles = (batch, nheads, seqlen_q_pad // cfg.tile_m), (batch, nheads_kv, -(-seqlen_k // cfg.tile_n))
+    semaphores = _semaphores(deterministic, gqa, dq_tiles, dkv_tiles, q.device)
 
     if cfg.zero_dq_in_preprocess:
         kernels.preprocess(out, dout, lse, dpsum, lse_log2, dq_accum)
     else:
         kernels.preprocess(out, dout, lse, dpsum, lse_log2)
     kernels.main(
-        q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, dq_sem, dkv_sem, softmax_scale, mask.left, mask.right
+        q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *semaphores, softmax_scale, mask.left, mask.right
     )
     kernels.postprocess(dq_accum, dq, softmax_scale)
     if gqa:
@@ -229,43 +230,12 @@ def run_backward(
         kernels.convert(dv_out, dv, 1.0)
 
 
-def packed_tile_config(spec: AttentionSpec) -> BwdTileConfig:
-    """The packed backward's configuration: the dense one without the preprocess options (the sm80 packed preprocess
-    serves: it neither zeroes the dQ sums nor signals programmatic dependent launch)."""
-    return dataclasses.replace(bwd_tile_config(spec), zero_dq_in_preprocess=False, pdl=False)
-
-
-_packed_sets: Dict[tuple, _Kernels] = compile_cache.memo()
-
-
-def _packed_kernels(spec: AttentionSpec, target: str, gqa: bool, seqused: bool) -> _Kernels:
-    """The kernel set of a packed call, as `_kernels` for dense ones."""
-    key = (spec, target, gqa, seqused)
-    kernels = _packed_sets.get(key)
-    if kernels is None:
-        reason = backward_unsupported_reason(spec)
-        if reason is not None:
-            raise NotImplementedError(reason)
-        cfg = packed_tile_config(spec)
-        sm80 = _sm80_backward()
-        role = ("bwd_gqa" if gqa else "bwd") + ("_seqused" if seqused else "")
-        kernels = _packed_sets[key] = _Kernels(
-            cfg,
-            sm80.preprocess_kernel(spec, target),
-            _kernel(role, spec, cfg, target),
-            _kernel("bwd_dq_postprocess", spec, cfg, target),
-            sm80.accum_convert_kernel(spec, target) if gqa else None,
-        )
-    return kernels
-
-
 def run_backward_varlen(
     t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: VarlenProblem, deterministic: bool = False
 ) -> None:
     """The packed backward: q / dout / out / dq (total_q, h, d), k / v / dk / dv (total_k, h_kv, d), lse (h, total_q).
-    Keys past seqused_k[b] get zero gradients."""
-    if deterministic:
-        raise NotImplementedError(PACKED_DETERMINISTIC_UNSUPPORTED)
+    Keys past seqused_k[b] get zero gradients. deterministic: as `run_backward`'s, with semaphores per (head, padded
+    query tile) and (KV head, padded key tile)."""
     dout, q, k, v, out, lse = t
     dq, dk, dv = grads
     cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k = seqs
@@ -273,7 +243,8 @@ def run_backward_varlen(
     total_q, nheads, head_dim = q.shape
     total_k, nheads_kv = k.shape[0], k.shape[1]
     gqa = nheads != nheads_kv
-    kernels = _packed_kernels(spec, compile_cache.runtime_target(q.device), gqa, seqused_k is not None)
+    target = compile_cache.runtime_target(q.device)
+    kernels = _kernels(spec, None, target, gqa, deterministic, seqused_k is not None)
     pad_q, pad_k = packed_pads(kernels.cfg)
     batch = cu_seqlens_q.shape[0] - 1
     # Whole pad_q blocks: TMA boxes of the statistics and the dQ sums' query tiles stay inside the buffers.
@@ -289,8 +260,14 @@ def run_backward_varlen(
     pre_blocks = -(-max_seqlen_q // pad_q) * pad_q // STATS_ROW_MULTIPLE  # whole pad_q rows per sequence
     kernels.preprocess(out, dout, lse, dpsum[0], lse_log2[0], cu_seqlens_q, pad_q, pre_blocks)
     dk_out, dv_out = sm80.packed_dkv_destinations(dk, dv, gqa, seqused_k is not None, total_k + batch * pad_k)
+    # One semaphore per tile of the padded buffers: sequence b's tiles start at its padded offset / tile.
+    rows_k = _round_up(total_k + batch * pad_k, pad_k)
+    cfg = kernels.cfg
+    semaphores = _semaphores(
+        deterministic, gqa, (1, nheads, rows_q // cfg.tile_m), (1, nheads_kv, rows_k // cfg.tile_n), q.device
+    )
     kernels.main(
-        q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, softmax_scale, mask.left, mask.right,
+        q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *semaphores, softmax_scale, mask.left, mask.right,
         cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k,
     )  # fmt: skip
     kernels.postprocess(dq_accum, dq, softmax_scale, cu_seqlens_q, pad_q, max_seqlen_q)
@@ -303,10 +280,7 @@ def run_backward_varlen(
 def warm_backward(spec: AttentionSpec, target: str, *, gqa: bool, deterministic: bool) -> None:
     """Gets every kernel `run_backward` (packed specs: `run_backward_varlen` without seqused_k) launches for `spec`
     (default tile config) under the same cache keys."""
-    if spec.varlen:
-        _packed_kernels(spec, target, gqa, seqused=False)
-    else:
-        _kernels(spec, None, target, gqa, deterministic)
+    _kernels(spec, None, target, gqa, deterministic)
 
 
 def compile_backward_artifacts(

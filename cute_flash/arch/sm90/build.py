@@ -39,7 +39,7 @@ def compile_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_
     out = _strided(dtype, (batch, seqlen_q, heads), spec.head_dim_v)
     lse = fake_f32((batch, heads, seqlen_q))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    kernel = Sm90FlashForward(dtype, spec.head_dim, spec.head_dim_v, spec.mask, cfg)
+    kernel = Sm90FlashForward(spec, cfg)
     options = compile_cache.compile_options(target, extra=extra_options or "")
     return cute.compile(
         kernel, q, k, v, out, lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream, options=options
@@ -54,8 +54,8 @@ def compile_forward_packed(
     (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q); batch = cu_seqlens_q's length - 1."""
     dtype = dsl_dtype(spec.dtype)
     args = fake_packed_forward_args(dtype, spec.head_dim, spec.head_dim_v, seqused)
-    kernel = Sm90FlashForward(dtype, spec.head_dim, spec.head_dim_v, spec.mask, cfg)
-    kernel.varlen = True  # over the class default: the `packed` entry (common/entries.FwdEntries)
+    assert spec.varlen
+    kernel = Sm90FlashForward(spec, cfg)  # the `packed` entry (common/entries.FwdEntries)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = compile_cache.compile_options(target, extra=extra_options or "")
     return cute.compile(kernel.packed, *args, stream, options=options)
@@ -76,57 +76,60 @@ def compile_backward(
     seqused: bool = False,
 ):
     """The compiled backward main kernel: fn(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphores,
-    dkv_semaphores, softmax_scale, window_left, window_right), dk / dv fp32 padded sums under GQA; the int32
-    semaphores are read only by a deterministic build. spec.varlen: the packed entry (compile_backward_packed)."""
+    dkv_semaphores, softmax_scale, window_left, window_right), dk / dv fp32 padded sums under GQA; the semaphores
+    are None, or int32 (b, h, query tiles) / (b, h_kv, key tiles) where a deterministic (GQA) build reads them.
+
+    spec.varlen: the packed entry, fn(..., window_right, cu_seqlens_q, cu_seqlens_k, seqused_k (a tensor when
+    `seqused`, else None), max_seqlen_k) with q / dout (total_q, h, d), k / v (total_k, h_kv, d), lse_log2 / dpsum
+    (1, h, rows_q), dq_accum (h, rows_q * d), dk / dv (total_k, h_kv, d) or fp32 (rows_k, h_kv, d) sums under GQA,
+    semaphores (1, h, rows_q / tile_m) / (1, h_kv, rows_k / tile_n); rows_q / rows_k: the padded buffers' rows
+    (tile_config.packed_pads; rows_q a multiple of 64)."""
     from .flash_bwd import Sm90FlashBackward
 
-    if spec.varlen:
-        assert not deterministic, "the packed backward has no deterministic build"
-        return compile_backward_packed(spec, cfg, target, gqa, seqused, extra_options)
-
     dtype = dsl_dtype(spec.dtype)
-    d = spec.head_dim
-    batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
-    sq_pad, sk_pad, dq_len = cute.sym_int(divisibility=64), cute.sym_int(), cute.sym_int()
-    q = _strided(dtype, (batch, seqlen_q, heads), d)
-    k = _strided(dtype, (batch, seqlen_k, heads_kv), d)
-    v = _strided(dtype, (batch, seqlen_k, heads_kv), d)
-    dout = _strided(dtype, (batch, seqlen_q, heads), d)
-    dq_accum = _fake_dq_accum(cfg, d, (batch, heads), dq_len)
-    if gqa:
-        dk = _strided(cutlass.Float32, (batch, sk_pad, heads_kv), d)
-        dv = _strided(cutlass.Float32, (batch, sk_pad, heads_kv), d)
-    else:
-        dk = _strided(dtype, (batch, seqlen_k, heads_kv), d)
-        dv = _strided(dtype, (batch, seqlen_k, heads_kv), d)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    # Shapes of their own: a non-deterministic run passes a 1x1x1 placeholder.
-    sems = [
-        cute.runtime.make_fake_tensor(
-            cutlass.Int32, tuple(cute.sym_int() for _ in range(3)), (cute.sym_int64(), cute.sym_int64(), 1)
-        )
-        for _ in range(2)
-    ]
-    kernel = Sm90FlashBackward(dtype, d, spec.mask, cfg, gqa, deterministic)
+    kernel = Sm90FlashBackward(spec, cfg, gqa, deterministic)
+    tensors = _fake_backward_tensors(dtype, spec.head_dim, cfg, gqa, spec.varlen)
+    sems = _fake_semaphores(deterministic, gqa)
+    scalars = cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0)
     options = compile_cache.compile_options(target, extra=extra_options or "")
-    return cute.compile(
-        kernel,
-        q,
-        k,
-        v,
-        dout,
-        _fake_stats(batch, heads, sq_pad),
-        _fake_stats(batch, heads, sq_pad),
-        dq_accum,
-        dk,
-        dv,
-        *sems,
-        cutlass.Float32(1.0),
-        cutlass.Int32(0),
-        cutlass.Int32(0),
-        stream,
-        options=options,
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    if not spec.varlen:
+        return cute.compile(kernel, *tensors, *sems, *scalars, stream, options=options)
+    cu = fake_cu_seqlens(cute.sym_int()), fake_cu_seqlens(cute.sym_int())
+    seqused_k = fake_cu_seqlens(cute.sym_int()) if seqused else None
+    packed = (*cu, seqused_k, cutlass.Int32(0))
+    return cute.compile(kernel.packed, *tensors, *sems, *scalars, *packed, stream, options=options)
+
+
+def _fake_backward_tensors(dtype, d: int, cfg, gqa: bool, packed: bool) -> tuple:
+    """(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv) of a dense or packed build (layouts: compile_backward)."""
+    heads, heads_kv, rows_q = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=64)
+    if packed:
+        total_q, total_k, rows_k = (cute.sym_int() for _ in range(3))
+        q_rows, k_rows, sum_rows = (total_q, heads), (total_k, heads_kv), (rows_k, heads_kv)
+        stats = [_fake_stats(cute.sym_int(), heads, rows_q) for _ in range(2)]
+        dq_accum = _fake_dq_accum(cfg, d, (heads,), cute.sym_int())
+    else:
+        batch, seqlen_q, seqlen_k, sk_pad = (cute.sym_int() for _ in range(4))
+        q_rows, k_rows, sum_rows = (batch, seqlen_q, heads), (batch, seqlen_k, heads_kv), (batch, sk_pad, heads_kv)
+        stats = [_fake_stats(batch, heads, rows_q) for _ in range(2)]
+        dq_accum = _fake_dq_accum(cfg, d, (batch, heads), cute.sym_int())
+    q, dout = _strided(dtype, q_rows, d), _strided(dtype, q_rows, d)
+    k, v = _strided(dtype, k_rows, d), _strided(dtype, k_rows, d)
+    if gqa:
+        dk, dv = _strided(cutlass.Float32, sum_rows, d), _strided(cutlass.Float32, sum_rows, d)
+    else:
+        dk, dv = _strided(dtype, k_rows, d), _strided(dtype, k_rows, d)
+    return (q, k, v, dout, *stats, dq_accum, dk, dv)
+
+
+def _fake_semaphores(deterministic: bool, gqa: bool) -> tuple:
+    """The int32 dQ and dK / dV semaphores a build reads ((b, h, tiles), shapes of their own), None for the others:
+    dQ's in deterministic builds, dK / dV's in deterministic GQA builds."""
+    fake = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
+        cutlass.Int32, tuple(cute.sym_int() for _ in range(3)), (cute.sym_int64(), cute.sym_int64(), 1)
     )
+    return (fake() if deterministic else None), (fake() if deterministic and gqa else None)
 
 
 def _fake_dq_accum(cfg, d: int, leading: tuple, length):
@@ -134,43 +137,6 @@ def _fake_dq_accum(cfg, d: int, leading: tuple, length):
     (batch, head) or packed buffer."""
     strides = tuple(cute.sym_int64(divisibility=cfg.tile_m * d) for _ in leading)
     return cute.runtime.make_fake_tensor(cutlass.Float32, (*leading, length), (*strides, 1), assumed_align=16)
-
-
-def compile_backward_packed(
-    spec: AttentionSpec, cfg, target: str, gqa: bool, seqused: bool = False, extra_options: Optional[str] = None
-):
-    """The packed (varlen) backward main kernel: fn(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, softmax_scale,
-    window_left, window_right, cu_seqlens_q, cu_seqlens_k, seqused_k (a tensor when `seqused`, else None),
-    max_seqlen_k) with q / dout (total_q, h, d), k / v (total_k, h_kv, d), lse_log2 / dpsum (1, h, rows_q), dq_accum
-    (h, rows_q * d), dk / dv (total_k, h_kv, d), or fp32 (rows_k, h_kv, d) sums under GQA; rows_q / rows_k: the
-    padded buffers' rows (tile_config.packed_pads; rows_q a multiple of 64)."""
-    from .flash_bwd import Sm90FlashBackward
-
-    dtype = dsl_dtype(spec.dtype)
-    d = spec.head_dim
-    total_q, total_k, heads, heads_kv, rows_k = (cute.sym_int() for _ in range(5))
-    rows_q = cute.sym_int(divisibility=64)
-    q = _strided(dtype, (total_q, heads), d)
-    k = _strided(dtype, (total_k, heads_kv), d)
-    v = _strided(dtype, (total_k, heads_kv), d)
-    dout = _strided(dtype, (total_q, heads), d)
-    stats = [_fake_stats(cute.sym_int(), heads, rows_q) for _ in range(2)]
-    dq_accum = _fake_dq_accum(cfg, d, (heads,), cute.sym_int())
-    if gqa:
-        dk, dv = (_strided(cutlass.Float32, (rows_k, heads_kv), d) for _ in range(2))
-    else:
-        dk, dv = (_strided(dtype, (total_k, heads_kv), d) for _ in range(2))
-    batch = cute.sym_int()
-    cu = [fake_cu_seqlens(cute.sym_int()) for _ in range(2)]
-    kernel = Sm90FlashBackward(dtype, d, spec.mask, cfg, gqa)
-    kernel.varlen = True  # over the class default: the `packed` entry
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = compile_cache.compile_options(target, extra=extra_options or "")
-    return cute.compile(
-        kernel.packed, q, k, v, dout, *stats, dq_accum, dk, dv, cutlass.Float32(1.0), cutlass.Int32(0),
-        cutlass.Int32(0), *cu, fake_cu_seqlens(batch) if seqused else None, cutlass.Int32(0), stream,
-        options=options,
-    )  # fmt: skip
 
 
 def compile_dq_postprocess(spec: AttentionSpec, cfg, target: str, extra_options: Optional[str] = None):

@@ -44,12 +44,14 @@ their bytes on top of the stage's: a CTA's first S product waits for K and Q onl
 
 Global tensors are viewed as (seqlen, head_dim, heads, batch) as in the forward kernel.
 
-Packed sequences (the `packed` entry, common/entries.PackedBwdEntry; instances with `varlen` set): the grid spans
+Packed sequences (the `packed` entry, common/entries.BwdEntries; instances with `varlen` set): the grid spans
 every sequence's key tiles in order (common/packed_tiles.py); a CTA offsets the (total, head_dim, heads) views by its
 sequence's first query / key row and the padded buffers (LSE, D, dQ sums, GQA dK / dV sums) by its padded offset
 (common/packed.py), zeroes the K / V rows of its tile past seqlen_k in shared memory before the walk (they are the
 next sequence's rows or a KV cache's unused slots, and 0 · NaN would reach dP and dQ), and stores dK / dV by
-16-byte stores of the sequence's rows (a TMA store would clip only at the end of the packed tensor).
+16-byte stores of the sequence's rows (a TMA store would clip only at the end of the packed tensor). Deterministic
+builds find a sequence's semaphores at its padded offset / tile (views.tile_semaphores); shortest-first order
+reverses the key tiles within the sequence, whose tiles are consecutive in the grid.
 """
 
 from __future__ import annotations
@@ -66,11 +68,13 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...common.acc_views import rows_cols_view
 from ...common.block_info import BlockInfo
-from ...common.entries import PackedBwdEntry
+from ...common.dsl_types import dsl_dtype
+from ...common.entries import BwdEntries
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E
 from ...common.packed import seq_rows
 from ...common.packed_tiles import packed_tile, packed_tiles_bound
+from ...spec import AttentionSpec
 from ..sm80.flash_bwd import red_add_f32_vec
 from .barriers import BwdBarrierId
 from .ptx import add_release_gpu, bulk_reduce_add_f32, load_acquire_gpu
@@ -83,6 +87,7 @@ from .views import (
     padded_stat_rows,
     seq_major_view,
     stats_view,
+    tile_semaphores,
 )
 from .tile_config import (
     ROWS_PER_CONSUMER,
@@ -234,21 +239,14 @@ class BwdFragments(NamedTuple):
     tdQrKt: cute.Tensor
 
 
-class Sm90FlashBackward(PackedBwdEntry):
+class Sm90FlashBackward(BwdEntries):
     """Callable compiled once per (dtype, head dim, mask kind, tile config, GQA, deterministic); shapes and strides
-    are runtime. Entries: `__call__` (dense tensors) and `packed` (packed sequences, instances with varlen set)."""
+    are runtime. Entries (common/entries.py): `__call__` (dense tensors) and `packed` (packed sequences, instances
+    with varlen set); deterministic builds take their semaphores there."""
 
-    varlen = False  # packed sequences (the `packed` entry; set on the instance by build.compile_backward_packed)
-
-    def __init__(
-        self,
-        dtype: Type[cutlass.Numeric],
-        head_dim: int,
-        mask_kind: str,
-        cfg: BwdTileConfig,
-        gqa: bool,
-        deterministic: bool = False,
-    ):
+    def __init__(self, spec: AttentionSpec, cfg: BwdTileConfig, gqa: bool, deterministic: bool = False):
+        """spec.varlen: packed sequences (the `packed` entry), else dense tensors (`__call__`)."""
+        dtype, head_dim, mask_kind = dsl_dtype(spec.dtype), spec.head_dim, spec.mask
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         assert mask_kind in ("none", "causal", "local")
         problem = bwd_config_problem(cfg, head_dim)
@@ -259,6 +257,7 @@ class Sm90FlashBackward(PackedBwdEntry):
         self.cfg = cfg
         self.gqa = gqa
         self.deterministic = deterministic
+        self.varlen = spec.varlen
         self.num_consumers = cfg.num_consumer_wgs
         self.num_consumer_threads = cfg.num_consumer_wgs * WARPGROUP_THREADS
         self.tile_m = cfg.tile_m
@@ -277,29 +276,6 @@ class Sm90FlashBackward(PackedBwdEntry):
         self.pad_q, self.pad_k = packed_pads(cfg)
 
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (b, sq, h, d)
-        mK: cute.Tensor,  # (b, sk, h_kv, d)
-        mV: cute.Tensor,  # (b, sk, h_kv, d)
-        mdO: cute.Tensor,  # (b, sq, h, d)
-        mLSElog2: cute.Tensor,  # (b, h, sq_padded) fp32, from the preprocess
-        mdPsum: cute.Tensor,  # (b, h, sq_padded) fp32, from the preprocess
-        mdQaccum: cute.Tensor,  # (b, h, sq_padded * d) fp32, zeroed; "fragment" layout
-        mdK: cute.Tensor,  # (b, sk, h_kv, d) dtype, or (b, sk_padded, h_kv, d) fp32 zeroed under GQA
-        mdV: cute.Tensor,  # like mdK
-        mdQsem: cute.Tensor,  # (b, h, query tiles) int32 zeroed: dQ adds done per query tile (deterministic only)
-        mdKVsem: cute.Tensor,  # (b, h_kv, key tiles) int32 zeroed: GQA dK/dV adds done per key tile (likewise)
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        stream: cuda.CUstream,
-    ):
-        assert not self.varlen
-        tensors = (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV)
-        self._launch(tensors, softmax_scale, window_left, window_right, stream, None, (mdQsem, mdKVsem))
-
-    @cute.jit
     def _launch(
         self,
         tensors: tuple,  # (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV) as the entries take them
@@ -308,7 +284,7 @@ class Sm90FlashBackward(PackedBwdEntry):
         window_right: Int32,
         stream: cuda.CUstream,
         packed=None,  # (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k): packed tensors (common/entries.py)
-        semaphores=(None, None),  # dense: (mdQsem, mdKVsem), read by deterministic builds only
+        semaphores=(None, None),  # (mdQsem, mdKVsem): tensors where a deterministic build reads them
     ):
         """Packed tensors: q / dout (total_q, h, d), k / v (total_k, h_kv, d), lse_log2 / dpsum (1, h, rows_q) from
         the packed preprocess (rows_q >= total_q + batch * pad_q), the dQ sums (h, rows_q * d) zeroed, dk / dv
@@ -555,8 +531,12 @@ class Sm90FlashBackward(PackedBwdEntry):
             # Deterministic with a right window edge: the key tiles of a query tile add in descending order (see
             # store_dq), so they are launched in that order too. A CTA may only ever wait for CTAs with a lower
             # block index, which the hardware dispatches first: otherwise a waiting CTA could hold the SM that the
-            # CTA it waits for needs.
-            n_block = cute.arch.grid_dim()[0] - 1 - n_block
+            # CTA it waits for needs. Packed: within the sequence (its tiles are consecutive in the grid); a CTA
+            # past the last tile (seqlen_k 0) keeps tile 0, which has nothing to do.
+            if const_expr(seqs is None):
+                n_block = cute.arch.grid_dim()[0] - 1 - n_block
+            else:
+                n_block = cutlass.max((seqlen_k + self.tile_n - 1) // self.tile_n - 1 - n_block, 0)
         m_min, m_max = info.q_block_range(n_block)
         if const_expr(seqs is not None):
             # A CTA past the last key tile (seqlen_k 0 above) has nothing to load or compute, and the epilogue writes
@@ -1163,7 +1143,7 @@ class Sm90FlashBackward(PackedBwdEntry):
                     cute.arch.cp_async_bulk_wait_group(self.num_dq_wgs - 1 - c, read=True)
                 cute.arch.barrier_arrive(barrier_id=int(BwdBarrierId.DQ_EMPTY_FIRST) + c, number_of_threads=pair)
             if const_expr(self.deterministic):
-                sem = mdQsem[batch, head, None].iterator + m_block
+                sem = tile_semaphores(mdQsem, head, batch, rows.padded_q, self.tile_m).iterator + m_block
                 if const_expr(self.shortest_first):
                     # The key tile on this query tile's diagonal reaches it first (at its first step), the one
                     # before it one step later, ...: turns follow arrival (FlashAttention-3's shortest-first order).
@@ -1263,8 +1243,9 @@ class Sm90FlashBackward(PackedBwdEntry):
         """GQA: this query head's dK·scale and dV added to the fp32 (b, sk_padded, h_kv, d) sums, two adjacent
         columns per red (the buffers are padded to whole key tiles, so no row needs a predicate). Deterministic: the
         query heads of a KV head add in head order, behind the (batch, KV head, key tile) semaphore."""
+        sem = None
         if const_expr(self.deterministic):
-            sem = mdKVsem[batch, head_kv, None].iterator + n_block
+            sem = tile_semaphores(mdKVsem, head_kv, batch, padded_k, self.tile_n).iterator + n_block
             if tidx == 0:
                 while load_acquire_gpu(sem) != head_in_group:
                     pass
@@ -1293,4 +1274,4 @@ class Sm90FlashBackward(PackedBwdEntry):
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
             if tidx == 0:
-                add_release_gpu(mdKVsem[batch, head_kv, None].iterator + n_block, Int32(1))
+                add_release_gpu(sem, Int32(1))

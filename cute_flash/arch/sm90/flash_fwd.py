@@ -28,7 +28,7 @@ the CTAs past their sequence's end do nothing.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, NamedTuple, Optional, Type
+from typing import Callable, NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -39,10 +39,12 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from ...common.acc_views import rows_cols_view
 from ...common.block_info import BlockInfo
 from ...common.block_walk import walk_kv_blocks
+from ...common.dsl_types import dsl_dtype
 from ...common.entries import FwdEntries
 from ...common.packed_tiles import packed_tiles_bound
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
+from ...spec import AttentionSpec
 from .barriers import WarpGroupTurns, warpgroup_sync
 from .cta import CtaWork, cta_work
 from .epilogue import store_o_and_lse, zero_rows_from
@@ -97,32 +99,27 @@ class Sm90FlashForward(FwdEntries):
     `loop_state`, `carry_kv`, `finish_step`, `finish_loop`)."""
 
     promote_pv = False  # P·V accumulates into O inside the wgmma (the FP8 kernel may promote it in fp32)
-    varlen = False  # packed sequences (the `packed` entry; set on the instance by build.compile_forward_packed)
 
-    def __init__(
-        self,
-        dtype: Type[cutlass.Numeric],
-        head_dim: int,
-        head_dim_v: int,
-        mask_kind: str,
-        cfg: FwdTileConfig,
-    ):
+    def __init__(self, spec: AttentionSpec, cfg: FwdTileConfig):
+        dtype = dsl_dtype(spec.dtype)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
         self.out_dtype = dtype
-        self._init_cta(head_dim, head_dim_v, mask_kind, cfg)
+        self._init_cta(spec, cfg)
         # O reuses each consumer's Q slice: one slot per consumer, as wide as the wider of the two, so that a consumer
         # writing its O never touches the Q another consumer may still be reading (head_dim != head_dim_v).
-        self.slice_elems = ROWS_PER_CONSUMER * max(head_dim, head_dim_v)
+        self.slice_elems = ROWS_PER_CONSUMER * max(spec.head_dim, spec.head_dim_v)
 
-    def _init_cta(self, head_dim: int, head_dim_v: int, mask_kind: str, cfg: FwdTileConfig) -> None:
-        """What every sm90 forward kernel (this one and the FP8 subclass) knows about its CTA."""
-        assert mask_kind in ("none", "causal", "local")
-        self.head_dim = head_dim
-        self.head_dim_v = head_dim_v
-        self.mask_kind = mask_kind
-        self.causal = mask_kind == "causal"
-        self.local = mask_kind == "local"
+    def _init_cta(self, spec: AttentionSpec, cfg: FwdTileConfig) -> None:
+        """What every sm90 forward kernel (this one and the FP8 subclass) knows about its CTA; spec.varlen: packed
+        sequences (the `packed` entry)."""
+        assert spec.mask in ("none", "causal", "local")
+        self.head_dim = spec.head_dim
+        self.head_dim_v = spec.head_dim_v
+        self.mask_kind = spec.mask
+        self.causal = spec.mask == "causal"
+        self.local = spec.mask == "local"
+        self.varlen = spec.varlen
         self.cfg = cfg
         self.num_consumers = cfg.num_consumer_wgs
         self.tile_m = cfg.tile_m

@@ -51,6 +51,14 @@ def accum_rows(mA: cute.Tensor, head, batch, row_offset=None, row_elems: int = 1
     return cute.domain_offset((row_offset * row_elems,), mA[head, None])
 
 
+def tile_semaphores(mSem: cute.Tensor, head, batch, row_offset=None, tile: int = 1) -> cute.Tensor:
+    """One (sequence, head)'s int32 semaphores, one per tile of `tile` rows: mSem[batch, head, :] of a dense (b, h,
+    tiles) buffer, or from row `row_offset` (a whole number of tiles) of a packed (1, h, rows / tile) one."""
+    if row_offset is None:
+        return mSem[batch, head, None]
+    return cute.domain_offset((row_offset // tile,), mSem[0, head, None])
+
+
 def padded_stat_rows(mS: cute.Tensor, head, batch, row_offset=None) -> cute.Tensor:
     """The (rows,) view of one (sequence, head) of the backward's padded statistics, viewed (rows, heads, batch) by
     `stats_view`: mS[:, head, batch], or from `row_offset` of a packed buffer with one batch entry."""

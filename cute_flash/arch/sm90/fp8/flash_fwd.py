@@ -26,7 +26,6 @@ What FP8 changes:
 from __future__ import annotations
 
 from functools import partial
-from typing import Type
 
 import cuda.bindings.driver as cuda
 
@@ -37,8 +36,10 @@ from cutlass.cute.nvgpu import warpgroup
 import cutlass.utils.hopper_helpers as sm90_utils
 
 from ....common.acc_views import rows_cols_view
+from ....common.dsl_types import dsl_dtype
 from ....common.online_softmax import LOG2_E
 from ....fp8.prepare import BLOCK_M
+from ....spec import AttentionSpec
 from ..barriers import WarpGroupTurns, warpgroup_sync
 from ..cta import CtaWork
 from .permute import store_p_operand_e4m3
@@ -63,13 +64,14 @@ class Sm90FlashForwardFp8(Sm90FlashForward):
     coordinates, masks, the first key tile and the overlapped S / P·V GEMMs of every later one); what is its own is
     below: e4m3 operands and Vᵀ, descales, the FP8 softmax and O's updates."""
 
-    def __init__(
-        self, out_dtype: Type[cutlass.Numeric], head_dim: int, head_dim_v: int, mask_kind: str, cfg: Fp8FwdConfig
-    ):
-        assert out_dtype in (cutlass.BFloat16, cutlass.Float16)
+    def __init__(self, spec: AttentionSpec, cfg: Fp8FwdConfig):
+        """spec.dtype "fp8"; out is spec.out_dtype (bf16 or fp16)."""
+        head_dim, head_dim_v = spec.head_dim, spec.head_dim_v
+        assert spec.dtype == "fp8" and not spec.varlen
+        self.out_dtype = dsl_dtype(spec.out_dtype)
+        assert self.out_dtype in (cutlass.BFloat16, cutlass.Float16)
         assert head_dim % 32 == 0 and head_dim_v % 32 == 0
-        self.out_dtype = out_dtype
-        self._init_cta(head_dim, head_dim_v, mask_kind, cfg.tile)
+        self._init_cta(spec, cfg.tile)
         self.promote_pv = cfg.promote_pv
         self.exp2_poly_per_row = cfg.exp2_poly_per_row
         self.row_sum_mma = cfg.row_sum_mma

@@ -67,7 +67,7 @@ def build_fp8_forward(spec: AttentionSpec, cfg: Fp8FwdConfig, target: str, extra
     k_descale = tensor(cutlass.Float32, (b, hkv, nkb), 1, align=4)
     v_descale = tensor(cutlass.Float32, (b, hkv, nkb), 1, align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    kernel = Sm90FlashForwardFp8(out_dtype, spec.head_dim, spec.head_dim_v, spec.mask, cfg)
+    kernel = Sm90FlashForwardFp8(spec, cfg)
     options = compile_cache.compile_options(target, extra=extra_options)
     return cute.compile(
         kernel,
