@@ -391,9 +391,10 @@ class Sm90FlashForward(FwdEntries):
         turns.prime()
 
         if n_max > n_min:
+            zero_v = None
             if const_expr(self.varlen):
-                self.zero_v_tail(pipes, sV, work, consumer, tidx)
-            self.mainloop(pipes, gemms.for_consumer(consumer), acc_O, softmax, turns, work, coords, None)
+                zero_v = partial(self.zero_v_tail, pipes, sV, work, consumer, tidx)
+            self.mainloop(pipes, gemms.for_consumer(consumer), acc_O, softmax, turns, work, coords, None, zero_v)
 
         row_scale, lse = softmax.finalize()
         softmax.rescale(rows_cols_view(acc_O), row_scale)
@@ -403,8 +404,9 @@ class Sm90FlashForward(FwdEntries):
     def zero_v_tail(self, pipes: LoadPipelines, sV: cute.Tensor, work: CtaWork, consumer: Int32, tidx: Int32):
         """Packed sequences: V rows of the right-most key tile past seqlen_k hold the next sequence's rows (or a KV
         cache's unused slots) as TMA loaded them. Their P is exactly 0, but 0 · Inf / NaN is NaN, so they are zeroed
-        in shared memory before any P·V reads them (dense tensors: TMA fills rows past the tensor with zeros).
-        Every consumer warpgroup zeroes the same rows (same values, no race) and fences its own stores for wgmma."""
+        in shared memory before any P·V reads them (dense tensors: TMA fills rows past the tensor with zeros), after
+        the first S product and its softmax (`mainloop`'s before_first_pv). Every consumer warpgroup zeroes the same
+        rows (same values, no race) and fences its own stores for wgmma."""
         tail = work.info.seqlen_k - (work.n_max - 1) * self.tile_n
         if tail < self.tile_n:
             first = consumer_state(self.num_stages)
@@ -512,6 +514,7 @@ class Sm90FlashForward(FwdEntries):
         work: CtaWork,
         coords,  # score_coords
         scales: cutlass.Constexpr,  # FP8: per-tile factors (tile_factors); None here
+        before_first_pv=None,  # packed sequences: zero_v_tail, once the first tile's P is formed
     ):
         """All key blocks of one CTA tile, right to left, for one consumer warpgroup; returns what the walk carried
         (the K/V pipeline state, and the FP8 kernel's V descale of the last tile)."""
@@ -528,6 +531,10 @@ class Sm90FlashForward(FwdEntries):
         acc_S = self.first_scores(pipes, gemms, kv, s_shape, mask, n_first)
         self.softmax_update(softmax, acc_S, factors, True)
         self.store_p(acc_S, gemms.tOrP)
+        if const_expr(before_first_pv is not None):
+            # Here rather than before the first S product: the first V tile's load overlaps that product and its
+            # softmax, and nothing reads V before the first P·V (in the walk's first step, or below).
+            before_first_pv()
 
         acc_PV, o_state, carry = self.loop_state(gemms, acc_O, softmax, kv, factors)
         loop = TileLoop(pipes, gemms, acc_O, acc_PV, o_state, s_shape, softmax, turns, mask, scales)
