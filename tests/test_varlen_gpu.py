@@ -344,3 +344,57 @@ def test_sm90_varlen_forward_cuda_graph(sm90_varlen):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, call())
+
+
+# --- layouts: strided, offset and expanded tensors (both families) ----------------------------------------------------
+def _strided_inputs(kind: str, lens, h: int, h_kv: int, d: int, seed: int):
+    """Leaves q, k, v (total, heads, d) bf16 with the layout `kind`: "qkv" slices of one packed (total, 3, h, d) buffer
+    (GQA: q from (total, h, d), k and v from one (total, 2, h_kv, d) buffer), or "offset" tensors whose data start
+    2 bytes past a 16-byte boundary (copied for the kernels); the gradients come back in the leaves' own shapes."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    total = sum(lens)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
+
+    if kind == "qkv" and h == h_kv:
+        qkv = randn(total, 3, h, d).requires_grad_(True)
+        return (qkv,), (qkv[:, 0], qkv[:, 1], qkv[:, 2])
+    if kind == "qkv":
+        q, kv = randn(total, h, d).requires_grad_(True), randn(total, 2, h_kv, d).requires_grad_(True)
+        return (q, kv), (q, kv[:, 0], kv[:, 1])
+    flat = [randn(total * n * d + 1).requires_grad_(True) for n in (h, h_kv, h_kv)]
+    return tuple(flat), tuple(f[1:].view(total, n, d) for f, n in zip(flat, (h, h_kv, h_kv)))
+
+
+@pytest.mark.parametrize(
+    "family", [pytest.param("sm80", marks=pytest.mark.sm80), pytest.param("sm90", marks=pytest.mark.sm90)]
+)
+@pytest.mark.parametrize("kind", ["qkv", "offset"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dout_kind", ["random", "expanded"])
+def test_varlen_strided_offset_and_expanded_tensors(family, kind, heads, dout_kind):
+    """Packed q / k / v as views of a packed qkv (or kv) buffer, or at a misaligned address; dout as autograd hands it
+    after out.sum() (stride 0 everywhere): outputs and the gradients of the leaves against float64 (the marker forces
+    the family)."""
+    import cute_flash
+
+    lens = [37, 0, 200, 5, 129]
+    leaves, (q, k, v) = _strided_inputs(kind, lens, *heads, 128, seed=13)
+    cq = ck = _cu(lens)
+    e = cute_flash.explain_varlen(q, k, v, cq, ck, 200, 200, causal=True)
+    assert (e.forward_family, e.backward_family) == (family, family)
+    out, lse = cute_flash.attention_varlen(q, k, v, cq, ck, 200, 200, causal=True, return_lse=True)
+    dout = torch.ones_like(out) if dout_kind == "expanded" else torch.randn_like(out)
+    if dout_kind == "expanded":
+        out.sum().backward()  # autograd hands the backward ones expanded from a scalar (stride 0)
+    else:
+        out.backward(dout)
+    # The gradients of q, k, v themselves, read back from the leaves they are views of.
+    if kind == "qkv" and heads[0] == heads[1]:
+        grads = tuple(leaves[0].grad[:, i] for i in range(3))
+    elif kind == "qkv":
+        grads = (leaves[0].grad, leaves[1].grad[:, 0], leaves[1].grad[:, 1])
+    else:
+        grads = tuple(f.grad[1:].view(t.shape) for f, t in zip(leaves, (q, k, v)))
+    _check(q, k, v, cq, ck, 200, 200, out, lse, dout, grads, causal=True)
