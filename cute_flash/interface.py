@@ -57,7 +57,7 @@ class _Plan:
     backend is routed on the first backward (a forward-only call never asks for it)."""
 
     __slots__ = ("problem", "forward", "backward", "deterministic", "copies", "empty", "device", "device_index")
-    __slots__ += ("out_shape", "out_dtype", "lse_shape", "launch")
+    __slots__ += ("out_shape", "out_dtype", "lse_shape", "launch", "backward_launch")
 
     def __init__(self, problem: Problem, forward: ArchBackend, deterministic: bool, copies: bool, device):
         p = problem
@@ -68,6 +68,7 @@ class _Plan:
         self.out_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[p.spec.out_dtype]
         self.lse_shape = (p.batch, p.nheads, p.seqlen_q)
         self.launch = None  # the forward backend's launcher for this problem, made at the first launch
+        self.backward_launch = None  # the backward backend's, made at the first backward
 
     def backward_backend(self, q: torch.Tensor) -> ArchBackend:
         # Routed on its own: the family that ran the forward may have no backward for this spec while another does.
@@ -184,11 +185,15 @@ def _launch_backward(plan: _Plan, dout, q, k, v, out, lse):
     if not (dout.is_contiguous() and dout.data_ptr() % ALIGN_BYTES == 0):  # contiguous: the kernels' layout
         dout = kernel_view(dout)
     t, grads = BwdTensors(dout, q, k, v, out, lse), Grads(dq, dk, dv)
+    launch = plan.backward_launch
+    if launch is None:
+        with _device_guard(q):
+            launch = plan.backward_launch = arch.backward_launcher(plan.problem, plan.device, plan.deterministic)
     if plan.device_index is not None and torch.cuda.current_device() == plan.device_index:
-        arch.backward(t, grads, plan.problem, plan.deterministic)
+        launch(t, grads)
     else:
         with _device_guard(q):
-            arch.backward(t, grads, plan.problem, plan.deterministic)
+            launch(t, grads)
     return dq, dk, dv
 
 

@@ -6,7 +6,7 @@ a long matmul chain is queued first so the GPU stays busy, then 100 back-to-back
 --breakdown also times the pieces of a cute-flash call the same way (what issue 15's host-time targets are spent
 on): the plan lookup, the two output allocations, one compiled forward kernel called directly through TVM-FFI with
 its outputs given, the backend's forward and the plan's bound launcher around that call, the whole no-grad call,
-and the backend's backward (four launches and its buffers) without autograd.
+and the backend's backward (four launches and its buffers) without autograd, and its bound launcher.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ def _breakdown(q, k, v, dout, calls: int, busy) -> None:
         grads = Grads(torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         t = BwdTensors(dout, q, k, v, fwd_out, fwd_lse)
         bwd = plan.backward_backend(q)
+        bwd_launch = bwd.backward_launcher(p, q.device, False)
         pieces = {
             "signature + plan lookup": lambda: interface._plan(q, k, v, True, None, (None, None), False),
             "torch.empty out + lse": lambda: (
@@ -119,6 +120,7 @@ def _breakdown(q, k, v, dout, calls: int, busy) -> None:
             "the plan's launcher": lambda: plan.launch(q, k, v, out, lse),
             "attention (no grad)": lambda: interface.attention(q, k, v, causal=True),
             f"backend.backward ({bwd.name})": lambda: bwd.backward(t, grads, p, False),
+            "its backward launcher": lambda: bwd_launch(t, grads),
         }
         for name, fn in pieces.items():
             print(f"  {name:>34} {_host_us(fn, calls, busy):>8.1f} µs", flush=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cute_flash.arch.base import launcher_through_forward
+from cute_flash.arch.base import launcher_through_backward, launcher_through_forward
 from cute_flash import interface, validation
 from cute_flash.reference import attention_reference
 
@@ -33,6 +33,9 @@ class _ReferenceBackend:
 
     def forward_launcher(self, problem, device):
         return launcher_through_forward(self, problem)
+
+    def backward_launcher(self, problem, device, deterministic=False):
+        return launcher_through_backward(self, problem, deterministic)
 
     def forward(self, t, problem, descale=None):
         q, k, v, out, lse = t

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash.arch.base import launcher_through_forward
+from cute_flash.arch.base import launcher_through_backward, launcher_through_forward
 from cute_flash import interface, validation
 from cute_flash.reference import attention_reference, visible_keys
 from cute_flash.validation import kernel_view
@@ -115,6 +115,9 @@ class _CheckingBackend:
 
     def forward_launcher(self, problem, device):
         return launcher_through_forward(self, problem)
+
+    def backward_launcher(self, problem, device, deterministic=False):
+        return launcher_through_backward(self, problem, deterministic)
 
     def forward(self, t, problem, descale=None):
         q, k, v, out, lse = t

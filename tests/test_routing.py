@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash.arch.base import launcher_through_forward
+from cute_flash.arch.base import launcher_through_backward, launcher_through_forward
 from cute_flash import interface, routing, validation
 from cute_flash.spec import AttentionSpec
 
@@ -143,6 +143,9 @@ class _Fake:
 
     def forward_launcher(self, problem, device):
         return launcher_through_forward(self, problem)
+
+    def backward_launcher(self, problem, device, deterministic=False):
+        return launcher_through_backward(self, problem, deterministic)
 
     def forward(self, t, problem, descale=None):
         self.calls.append("forward")

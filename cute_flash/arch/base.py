@@ -64,6 +64,8 @@ class Grads(NamedTuple):
 
 # forward_launcher's result: (q, k, v, out, lse) -> None, the tensors as FwdTensors holds them.
 ForwardLauncher = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# backward_launcher's result: (BwdTensors, Grads) -> None.
+BackwardLauncher = Callable[[BwdTensors, Grads], None]
 
 
 class ArchBackend(Protocol):
@@ -90,6 +92,13 @@ class ArchBackend(Protocol):
         """Fills `grads` for the validated call `problem` (its spec, scale and mask); deterministic: bitwise-
         reproducible sums."""
 
+    def backward_launcher(
+        self, problem: Problem, device: torch.device, deterministic: bool = False
+    ) -> BackwardLauncher:
+        """`backward` of one fp16/bf16 `problem` on `device` as a callable (t, grads) -> None, with what depends only
+        on them settled once (kept by the eager call cache, like forward_launcher's). Its tensors must already be in
+        the kernels' layout (the eager path guarantees it; a launcher need not check it again)."""
+
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         """Compiles every kernel that serves `spec` for CuTe DSL target `target` with fake tensors (no GPU needed)."""
 
@@ -105,6 +114,11 @@ class ArchBackend(Protocol):
 def launcher_through_forward(backend: ArchBackend, problem: Problem) -> ForwardLauncher:
     """The `forward_launcher` of a family without a faster bound form: every call goes through `forward`."""
     return lambda q, k, v, out, lse: backend.forward(FwdTensors(q, k, v, out, lse), problem)
+
+
+def launcher_through_backward(backend: ArchBackend, problem: Problem, deterministic: bool) -> BackwardLauncher:
+    """The `backward_launcher` of a family without a faster bound form: every call goes through `backward`."""
+    return lambda t, grads: backend.backward(t, grads, problem, deterministic)
 
 
 def prepare_build(

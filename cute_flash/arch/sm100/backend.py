@@ -12,8 +12,8 @@ from ... import compile_cache
 from ...census import read_artifacts
 from ...spec import AttentionSpec
 from ...validation import Problem, kernel_view
-from ..base import BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, launcher_through_forward
-from ..base import prepare_build
+from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact
+from ..base import launcher_through_backward, launcher_through_forward, prepare_build
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_operand
 from . import tile_config as cfgmod
@@ -165,6 +165,11 @@ class _Backend:
             int(mask.right),
             *descale_args,
         )
+
+    def backward_launcher(
+        self, problem: Problem, device: torch.device, deterministic: bool = False
+    ) -> BackwardLauncher:
+        return launcher_through_backward(self, problem, deterministic)
 
     def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
         raise NotImplementedError(self.unsupported_reason(problem.spec, True))

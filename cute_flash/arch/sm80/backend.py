@@ -20,8 +20,8 @@ import torch
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import Problem, VarlenProblem, kernel_view
-from ..base import BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, PackedSeqs
-from ..base import launch_packed_forward, launcher_through_forward, prepare_build
+from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, PackedSeqs
+from ..base import launch_packed_forward, launcher_through_backward, launcher_through_forward, prepare_build
 from ...census import cubin_resources
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_operand, fake_packed_forward_args
@@ -211,6 +211,11 @@ class _Backend:
         key = (FAMILY, target, "fwd", spec, seqused)
         kernel = compile_cache.get_or_compile(key, lambda: _compile_runnable_forward(spec, target, seqused))
         launch_packed_forward(kernel, q, k, v, out, lse, seqs, problem)
+
+    def backward_launcher(
+        self, problem: Problem, device: torch.device, deterministic: bool = False
+    ) -> BackwardLauncher:
+        return launcher_through_backward(self, problem, deterministic)
 
     def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
         if deterministic:

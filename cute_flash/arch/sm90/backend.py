@@ -22,8 +22,8 @@ import torch
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import PackedSeqs, Problem, VarlenProblem
-from ..base import BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, launch_packed_forward
-from ..base import launcher_through_forward, prepare_build
+from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact
+from ..base import launch_packed_forward, launcher_through_forward, prepare_build
 from .tile_config import FwdTileConfig, budget_problem, fwd_tile_config, smem_bytes
 
 FAMILY = "sm90"
@@ -138,6 +138,11 @@ class _Backend:
         """Packed forward: q (total_q, h, d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q)."""
         kernel = self._forward_kernel(problem.spec, compile_cache.runtime_target(q.device), seqs.seqused_k is not None)
         launch_packed_forward(kernel, q, k, v, out, lse, seqs, problem)
+
+    def backward_launcher(
+        self, problem: Problem, device: torch.device, deterministic: bool = False
+    ) -> BackwardLauncher:
+        return _bwd().backward_launcher(problem, device, deterministic, checked=False)
 
     def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
         _bwd().run_backward(t, grads, problem, deterministic)

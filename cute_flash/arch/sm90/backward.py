@@ -191,43 +191,56 @@ def run_backward(
 
     deterministic: dQ (and under GQA dK, dV) are summed in a fixed order, so repeated runs give bitwise-equal
     gradients. cfg: a tile configuration other than the default (for studies; profiling/sm90_bwd_variants.py)."""
-    dout, q, k, v, out, lse = t
-    dq, dk, dv = grads
-    spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    gqa = nheads != nheads_kv
-    kernels = _kernels(spec, cfg, compile_cache.runtime_target(q.device), gqa, deterministic)
+    backward_launcher(problem, t.q.device, deterministic, cfg)(t, grads)
+
+
+def backward_launcher(
+    problem: Problem, device, deterministic: bool = False, cfg: Optional[BwdTileConfig] = None, checked: bool = True
+) -> Callable[[BwdTensors, Grads], None]:
+    """`run_backward` of one dense `problem` on `device` as launch(t, grads), with what depends only on them (the
+    kernel set, the buffers' shapes, the scalars) settled once. checked: every tensor goes through kernel_view's
+    check (grad_views: raises for a layout the kernels cannot take); the eager plan, whose tensors are in the
+    kernels' layout by construction, keeps an unchecked launcher."""
+    p, mask = problem, problem.mask
+    gqa = p.nheads != p.nheads_kv
+    kernels = _kernels(p.spec, cfg, compile_cache.runtime_target(device), gqa, deterministic)
     cfg = kernels.cfg
-    seqlen_q_pad = _round_up(seqlen_q, math.lcm(cfg.tile_m, STATS_ROW_MULTIPLE))
-    f32 = dict(dtype=torch.float32, device=q.device)
-
-    lse_log2 = torch.empty(batch, nheads, seqlen_q_pad, **f32)
-    dpsum = torch.empty(batch, nheads, seqlen_q_pad, **f32)
+    seqlen_q_pad = _round_up(p.seqlen_q, math.lcm(cfg.tile_m, STATS_ROW_MULTIPLE))
+    stats_shape = (p.batch, p.nheads, seqlen_q_pad)
     # zero_dq_in_preprocess: the preprocess zeroes every (padded) row of the accumulator itself.
-    dq_accum = (torch.empty if cfg.zero_dq_in_preprocess else torch.zeros)(
-        batch, nheads, seqlen_q_pad * head_dim, **f32
-    )
+    dq_accum_shape = (p.batch, p.nheads, seqlen_q_pad * p.head_dim)
+    new_dq_accum = torch.empty if cfg.zero_dq_in_preprocess else torch.zeros
+    dq_tiles = (p.batch, p.nheads, seqlen_q_pad // cfg.tile_m)
+    dkv_tiles = (p.batch, p.nheads_kv, -(-p.seqlen_k // cfg.tile_n))
+    scale, left, right = p.softmax_scale, mask.left, mask.right
     sm80 = _sm80_backward()  # the tensor helpers the two backward families share
-    q, k, v, dout, out, dq, dk, dv = sm80.grad_views(q, k, v, dout, out, dq, dk, dv)
+    dkv_block = max(cfg.tile_n, STATS_ROW_MULTIPLE)  # whole conversion blocks
 
-    # Every buffer (and memset) before the first kernel, so that the main kernel follows the preprocess directly in
-    # the stream (its programmatic predecessor under cfg.pdl).
-    dk_out, dv_out = sm80.dkv_destinations(dk, dv, gqa, max(cfg.tile_n, STATS_ROW_MULTIPLE))  # whole conversion blocks
-    dq_tiles, dkv_tiles = (batch, nheads, seqlen_q_pad // cfg.tile_m), (batch, nheads_kv, -(-seqlen_k // cfg.tile_n))
-    semaphores = _semaphores(deterministic, gqa, dq_tiles, dkv_tiles, q.device)
+    def launch(t: BwdTensors, grads: Grads) -> None:
+        dout, q, k, v, out, lse = t
+        dq, dk, dv = grads
+        f32 = dict(dtype=torch.float32, device=q.device)
+        lse_log2 = torch.empty(stats_shape, **f32)
+        dpsum = torch.empty(stats_shape, **f32)
+        dq_accum = new_dq_accum(dq_accum_shape, **f32)
+        if checked:
+            assert q.shape == (p.batch, p.seqlen_q, p.nheads, p.head_dim) and k.shape[1:3] == (p.seqlen_k, p.nheads_kv)
+            q, k, v, dout, out, dq, dk, dv = sm80.grad_views(q, k, v, dout, out, dq, dk, dv)
+        # Every buffer (and memset) before the first kernel, so that the main kernel follows the preprocess directly
+        # in the stream (its programmatic predecessor under cfg.pdl).
+        dk_out, dv_out = sm80.dkv_destinations(dk, dv, gqa, dkv_block)
+        semaphores = _semaphores(deterministic, gqa, dq_tiles, dkv_tiles, q.device)
+        if cfg.zero_dq_in_preprocess:
+            kernels.preprocess(out, dout, lse, dpsum, lse_log2, dq_accum)
+        else:
+            kernels.preprocess(out, dout, lse, dpsum, lse_log2)
+        kernels.main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *semaphores, scale, left, right)
+        kernels.postprocess(dq_accum, dq, scale)
+        if gqa:
+            kernels.convert(dk_out, dk, 1.0)  # the main kernel already applied the softmax scale to dK
+            kernels.convert(dv_out, dv, 1.0)
 
-    if cfg.zero_dq_in_preprocess:
-        kernels.preprocess(out, dout, lse, dpsum, lse_log2, dq_accum)
-    else:
-        kernels.preprocess(out, dout, lse, dpsum, lse_log2)
-    kernels.main(
-        q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *semaphores, softmax_scale, mask.left, mask.right
-    )
-    kernels.postprocess(dq_accum, dq, softmax_scale)
-    if gqa:
-        kernels.convert(dk_out, dk, 1.0)  # the main kernel already applied the softmax scale to dK
-        kernels.convert(dv_out, dv, 1.0)
+    return launch
 
 
 def run_backward_varlen(
