@@ -9,7 +9,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from . import ops, routing, validation  # noqa: F401  (ops registers torch.ops.cute_flash.*)
+from . import compile_cache, ops, routing, validation  # noqa: F401  (ops registers torch.ops.cute_flash.*)
 from .arch import ARCH_ENV_VAR, resolve_arch
 from .arch.base import ArchBackend, BwdTensors, FwdTensors, Grads
 from .spec import AttentionSpec
@@ -90,7 +90,7 @@ class _Plan:
 
 
 # Plans by call signature. Bounded: a workload with ever-new shapes rebuilds it now and then instead of growing it.
-_plans: Dict[tuple, _Plan] = {}
+_plans: Dict[tuple, _Plan] = compile_cache.memo()  # (emptied with the kernel cache: plans hold launchers)
 _MAX_PLANS = 4096
 
 
@@ -182,8 +182,7 @@ def _launch_backward(plan: _Plan, dout, q, k, v, out, lse):
         for g in (dq, dk, dv):
             g.zero_()
         return dq, dk, dv
-    if not (dout.is_contiguous() and dout.data_ptr() % ALIGN_BYTES == 0):  # contiguous: the kernels' layout
-        dout = kernel_view(dout)
+    dout = kernel_view(dout)  # (the launcher does not check layouts again)
     t, grads = BwdTensors(dout, q, k, v, out, lse), Grads(dq, dk, dv)
     launch = plan.backward_launch
     if launch is None:

@@ -1,8 +1,8 @@
 """`attention_varlen`: attention over packed sequences of different lengths (cu_seqlens), forward and backward.
 
 Served by the kernel families that have a packed (varlen) variant: the sm80 family (FlashAttention-2 design) on
-Ampere, and on Hopper the sm90 packed forward with the sm80 packed backward (through the router's fallback); sm100
-has none, so on a Blackwell GPU the call raises NotImplementedError. `explain_varlen` shows the skipped families with
+Ampere, and on Hopper the sm90 packed forward and backward (deterministic too); sm100 has none, so on a Blackwell GPU
+the call raises NotImplementedError. `explain_varlen` shows the skipped families with
 their reasons.
 
 The kernels read each sequence's offsets from cu_seqlens on the GPU, so a call makes no device-to-host copy and can

@@ -451,26 +451,11 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
     _kernel("bwd_preprocess", spec, target)(out, dout, lse, dpsum, lse_log2, cu_seqlens_q, pad_q, pre_blocks)
     dk_out, dv_out = packed_dkv_destinations(dk, dv, gqa, seqused_k is not None, total_k + batch * pad_k)
     role = ("bwd_gqa" if gqa else "bwd") + ("_seqused" if seqused_k is not None else "")
+    no_semaphores = (None, None)  # this family has no deterministic build
     _kernel(role, spec, target)(
-        q,
-        k,
-        v,
-        dout,
-        lse_log2,
-        dpsum,
-        dq_accum,
-        dk_out,
-        dv_out,
-        None,
-        None,
-        softmax_scale,
-        mask.left,
-        mask.right,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        seqused_k,
-        max_seqlen_k,
-    )  # fmt: skip  (None, None: no semaphores)
+        q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *no_semaphores, softmax_scale, mask.left,
+        mask.right, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k,
+    )  # fmt: skip
     postprocess = _kernel("bwd_postprocess", spec, target)
     if cfg.dq_layout == "fragment":
         _kernel("bwd_dq_postprocess", spec, target)(dq_accum, dq, softmax_scale, cu_seqlens_q, pad_q, max_seqlen_q)

@@ -160,7 +160,7 @@ class Sm80FlashForward(FwdEntries):
     with q (b, sq, h, d), k (b, sk, h_kv, d), v (b, sk, h_kv, dv), out (b, sq, h, dv), lse (b, h, sq) fp32.
     window_left / window_right are read only by the "local" mask.
 
-    Packed (varlen=True, host entry `packed`): (q, k, v, out, lse, softmax_scale, window_left, window_right,
+    Packed (spec.varlen, host entry `packed`): (q, k, v, out, lse, softmax_scale, window_left, window_right,
     cu_seqlens_q, cu_seqlens_k, seqused_k or None, max_seqlen_q) with q (total_q, h, d), k (total_k, h_kv, d),
     v (total_k, h_kv, dv), out (total_q, h, dv), lse (h, total_q) fp32. The grid spans max_seqlen_q's query blocks
     for every sequence; a CTA whose block lies past its sequence's end exits at once (see common/packed.py).

@@ -132,7 +132,8 @@ def _semaphores(deterministic: bool, gqa: bool, dq_shape: tuple, dkv_shape: tupl
 
 
 class _Kernels(NamedTuple):
-    """What one backward call launches, looked up once per (spec, config, target, GQA, deterministic)."""
+    """What one backward call launches, looked up once per (spec, config, target, GQA, deterministic, seqused_k);
+    packed specs (spec.varlen) have their own."""
 
     cfg: BwdTileConfig
     preprocess: Callable
@@ -307,7 +308,8 @@ def compile_backward_artifacts(
     if reason is not None:
         raise NotImplementedError(reason)
     default = cfg is None
-    cfg = cfg or bwd_tile_config(spec)
+    config_of = packed_tile_config if spec.varlen else bwd_tile_config  # what the launch paths use
+    cfg = cfg or config_of(spec)
     own_preprocess = cfg.zero_dq_in_preprocess or cfg.pdl
     compile_cache.ensure_cute_dsl_arch(target)
     artifacts = []
@@ -317,7 +319,7 @@ def compile_backward_artifacts(
         default_roles = (*mains, "bwd_dq_postprocess") + (("bwd_preprocess",) if own_preprocess else ())
         for role in default_roles if roles is None else roles:
             sub = os.path.join(dump, role)
-            role_cfg = bwd_tile_config(spec, True) if default and role in MAIN_ROLES and MAIN_ROLES[role][1] else cfg
+            role_cfg = config_of(spec, True) if default and role in MAIN_ROLES and MAIN_ROLES[role][1] else cfg
             compiled = _build(role, spec, role_cfg, target, compile_cache.keep_artifacts_options(sub))
             role_config = {
                 **role_cfg.as_dict(),

@@ -240,9 +240,9 @@ class BwdFragments(NamedTuple):
 
 
 class Sm90FlashBackward(BwdEntries):
-    """Callable compiled once per (dtype, head dim, mask kind, tile config, GQA, deterministic); shapes and strides
-    are runtime. Entries (common/entries.py): `__call__` (dense tensors) and `packed` (packed sequences, instances
-    with varlen set); deterministic builds take their semaphores there."""
+    """Callable compiled once per (dtype, head dim, mask kind, varlen, tile config, GQA, deterministic; packed: also
+    seqused_k); shapes and strides are runtime. Entries (common/entries.py): `__call__` (dense tensors) and
+    `packed` (packed sequences, spec.varlen); deterministic builds take their semaphores there."""
 
     def __init__(self, spec: AttentionSpec, cfg: BwdTileConfig, gqa: bool, deterministic: bool = False):
         """spec.varlen: packed sequences (the `packed` entry), else dense tensors (`__call__`)."""

@@ -17,7 +17,7 @@ Global tensors are viewed as (seqlen, head_dim, heads, batch) so that TMA boxes 
 seqlen are out of bounds of their own dimension, zero-filled on load and clipped on store. GQA/MQA index the K/V head
 as head // (heads // heads_kv).
 
-Packed sequences (varlen=True, host entry `packed`, as the sm80 family's): q (total_q, h, d), k / v (total_k, h_kv,
+Packed sequences (spec.varlen, host entry `packed`, as the sm80 family's): q (total_q, h, d), k / v (total_k, h_kv,
 d / dv), out (total_q, h, dv), lse (h, total_q), cu_seqlens_q / _k, seqused_k or None, max_seqlen_q. The views are
 (total, dim, heads); a CTA offsets them to its sequence's first row (cta.py). Loads past the sequence's end read the
 next sequence's rows: keys there are masked like any key past seqlen_k, query rows there are computed and not
