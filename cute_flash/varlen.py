@@ -2,8 +2,7 @@
 
 Served by the kernel families that have a packed (varlen) variant: the sm80 family (FlashAttention-2 design) on
 Ampere, and on Hopper the sm90 packed forward and backward (deterministic too); sm100 has none, so on a Blackwell GPU
-the call raises NotImplementedError. `explain_varlen` shows the skipped families with
-their reasons.
+the call raises NotImplementedError. `explain_varlen` shows the skipped families with their reasons.
 
 The kernels read each sequence's offsets from cu_seqlens on the GPU, so a call makes no device-to-host copy and can
 be captured in a CUDA graph. Their grid spans max_seqlen_q's query blocks (backward: max_seqlen_k's key blocks) for
@@ -108,8 +107,9 @@ def attention_varlen(
     a sequence sees key j iff j <= i + seqlen_k - seqlen_q). A row that sees no key gets out 0 and lse -inf.
     Returns out (total_q, nheads, head_dim_v) in q's dtype and, with return_lse, lse (nheads, total_q) float32.
 
-    Differentiable in q, k, v. deterministic=True asks for a backward that sums in a fixed order; the sm80 family
-    has none, so that raises NotImplementedError when gradients are needed.
+    Differentiable in q, k, v. deterministic=True asks for a backward that sums in a fixed order (the sm90 family's
+    on Hopper); where the sm80 family would train, which has none, it raises NotImplementedError before the forward
+    when gradients are needed.
     """
     if torch.is_autocast_enabled("cuda"):
         q, k, v = _autocast(q, k, v)
@@ -158,8 +158,7 @@ def explain_varlen(
     capability: Optional[Tuple[int, int]] = None,
 ) -> Explanation:
     """Which family would serve `attention_varlen(...)` with these arguments, forward and backward, and why the
-    others were skipped (e.g. "sm90: the sm90 varlen forward is not yet verified on a GPU ..." on Hopper, served by
-    sm80).
+    others were skipped (e.g. on Blackwell, "sm100" without a varlen kernel).
     Validates like `attention_varlen`. capability: explain for a GPU of that compute capability (then the inputs may
     be CPU or meta tensors), as in `cute_flash.explain`."""
     seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)

@@ -19,7 +19,7 @@ import torch
 
 from .. import compile_cache
 from ..spec import AttentionSpec
-from ..validation import PackedSeqs, Problem  # noqa: F401  (PackedSeqs: part of this contract, checked there)
+from ..validation import PackedSeqs, Problem, kernel_view  # noqa: F401  (PackedSeqs: part of this contract)
 
 
 @dataclass
@@ -140,8 +140,6 @@ def launch_packed_forward(kernel, q, k, v, out, lse, seqs: PackedSeqs, problem) 
     """Calls a compiled packed forward (the `packed` entry, common/entries.FwdEntries) on packed tensors: q
     (total_q, h, d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q); seqs' cu_seqlens and
     seqused_k (or None) as the build expects. The one calling convention of every family's forward_varlen."""
-    from ..validation import kernel_view
-
     mask = problem.mask
     q, k, v, out = (kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out)))
     kernel(

@@ -17,8 +17,9 @@ Dense kernels pass offset None to the helpers, which then index the batch mode e
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 Int = Any  # a cutlass.Int32 inside kernels
 
@@ -76,6 +77,17 @@ def head_stats(mX, batch: Int, head: Int, offset: Optional[Int] = None):
     import cutlass.cute as cute
 
     return cute.domain_offset((offset,), mX[head, None])
+
+
+# Rows per CTA of the backward's pre- / postprocess kernels (the sm80 family's, which the sm90 backward launches too).
+PRE_POST_ROWS = 64
+
+
+def packed_pads(tile_m: int, tile_n: int) -> Tuple[int, int]:
+    """(pad_q, pad_k) of the packed backward's padded buffers for main-kernel tiles of tile_m queries and tile_n keys
+    (both families): whole main-kernel tiles and whole PRE_POST_ROWS-row pre- / postprocess blocks fit, so no
+    sequence's tiles reach the next sequence's rows."""
+    return math.lcm(tile_m, PRE_POST_ROWS), math.lcm(tile_n, PRE_POST_ROWS)
 
 
 def padded_rows(total: int, batch: int, pad: int) -> int:

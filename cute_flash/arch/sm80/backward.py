@@ -26,10 +26,11 @@ from ...validation import Problem, VarlenProblem, kernel_view
 from ..base import BwdTensors, Grads, KernelArtifact, PackedSeqs
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_tensor
-from .tile_config import BwdTileConfig, bwd_tile_config, packed_pads
+from ...common.packed import PRE_POST_ROWS, packed_pads, padded_rows
+from .tile_config import BwdTileConfig, bwd_tile_config
 
 FAMILY = "sm80"
-_PRE_POST_BLOCK_M = 64  # rows per CTA of the preprocess / postprocess kernels
+_PRE_POST_BLOCK_M = PRE_POST_ROWS  # rows per CTA of the preprocess / postprocess kernels
 _SUPPORTED_DTYPES = ("fp16", "bf16")
 _MAX_HEAD_DIM = 256
 
@@ -166,7 +167,7 @@ def _build_packed(
     role: str, spec: AttentionSpec, options: str, target: str, cfg: Optional[BwdTileConfig], seqused: bool = False
 ):
     """The packed (varlen) twin of `role`: q / k / v / dout (total, h, d), row statistics (h, padded rows), the fp32
-    accumulators with padded rows (sequence b from common/packed.py's padded offset, flash_bwd.packed_pads); batch is
+    accumulators with padded rows (sequence b from its padded offset and pads, common/packed.py); batch is
     cu_seqlens' length - 1. Kernels take their padding and grid extent as runtime ints."""
     import cutlass
     import cutlass.cute as cute
@@ -419,7 +420,7 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
 
     The same three steps as `run_backward`, on buffers whose sequence b starts at row cu_seqlens[b] + b * pad
     rounded down to a multiple of pad
-    (tile_config.packed_pads): lse_log2 / D (h, rows), dQ's fp32 accumulator (rows, h, d) or (h, rows * d), and under
+    (common/packed.packed_pads): lse_log2 / D (h, rows), dQ's fp32 accumulator (rows, h, d) or (h, rows * d), and under
     GQA dK / dV's (rows, h_kv, d). Keys past seqused_k[b] get zero gradients.
     """
     dout, q, k, v, out, lse = t
@@ -431,12 +432,12 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
         raise NotImplementedError(reason)
     target = compile_cache.runtime_target(q.device)
     cfg = bwd_tile_config(spec.head_dim, target)
-    pad_q, pad_k = packed_pads(cfg)
+    pad_q, pad_k = packed_pads(cfg.block_m, cfg.block_n)
     batch = cu_seqlens_q.shape[0] - 1
     total_q, nheads, head_dim = q.shape
     total_k, nheads_kv = k.shape[0], k.shape[1]
     gqa = nheads != nheads_kv
-    rows_q = total_q + batch * pad_q
+    rows_q = padded_rows(total_q, batch, pad_q)
     f32 = dict(dtype=torch.float32, device=q.device)
 
     lse_log2 = torch.empty(nheads, rows_q, **f32)
@@ -449,7 +450,7 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
 
     pre_blocks = -(-max_seqlen_q // pad_q) * pad_q // _PRE_POST_BLOCK_M  # whole pad_q rows per sequence
     _kernel("bwd_preprocess", spec, target)(out, dout, lse, dpsum, lse_log2, cu_seqlens_q, pad_q, pre_blocks)
-    dk_out, dv_out = packed_dkv_destinations(dk, dv, gqa, seqused_k is not None, total_k + batch * pad_k)
+    dk_out, dv_out = packed_dkv_destinations(dk, dv, gqa, seqused_k is not None, padded_rows(total_k, batch, pad_k))
     role = ("bwd_gqa" if gqa else "bwd") + ("_seqused" if seqused_k is not None else "")
     no_semaphores = (None, None)  # this family has no deterministic build
     _kernel(role, spec, target)(

@@ -37,9 +37,9 @@ from ...common.dsl_types import dsl_dtype
 from ...common.entries import BwdEntries
 from ...common.grid import block_grid
 from ...common.online_softmax import clamp_scale_log2
-from ...common.packed import SeqRows, dense_seq, head_rows, head_stats, seq_rows
+from ...common.packed import SeqRows, dense_seq, head_rows, head_stats, packed_pads, seq_rows
 from ...spec import AttentionSpec
-from .tile_config import BwdTileConfig, packed_pads
+from .tile_config import BwdTileConfig
 
 LOG2_E = math.log2(math.e)
 
@@ -200,7 +200,7 @@ class Sm80FlashBackward(BwdEntries):
         # Packed sequences: per-sequence rows of the padded buffers start pad_q / pad_k rows apart (common/packed.py);
         # whole tiles of the main kernel and of the 64-row pre/postprocess kernels fit in them.
         self.varlen = spec.varlen
-        self.pad_q, self.pad_k = packed_pads(config)
+        self.pad_q, self.pad_k = packed_pads(config.block_m, config.block_n)
         self.dq_chunk = config.dq_chunk or head_dim
         assert head_dim % self.dq_chunk == 0
         assert config.dq_layout in ("rows", "fragment")

@@ -32,7 +32,6 @@ tuning script; the project benchmark reproduces the comparison with `CUTE_FLASH_
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, replace
 from typing import List, Optional
 
@@ -266,13 +265,3 @@ def _fa2_tile_config(head_dim: int) -> BwdTileConfig:
         if cfg.smem_bytes(head_dim) <= SM80_SMEM_CAPACITY:
             return cfg
     raise AssertionError(f"no backward tile fits head_dim {head_dim}")
-
-
-PRE_POST_BLOCK_M = 64  # rows per CTA of the backward's preprocess / postprocess kernels
-
-
-def packed_pads(config: BwdTileConfig):
-    """(pad_q, pad_k): rows between consecutive sequences' starts in the packed backward's padded buffers, beyond
-    their lengths (common/packed.py): whole main-kernel tiles and whole 64-row pre/postprocess tiles fit, and a
-    sequence's tiles never reach the next sequence's rows."""
-    return math.lcm(config.block_m, PRE_POST_BLOCK_M), math.lcm(config.block_n, PRE_POST_BLOCK_M)

@@ -13,7 +13,7 @@ accumulator, in place of a torch.zeros), pdl / pdl_dq_post (programmatic depende
 postprocess). With both of the first two off the preprocess is the sm80 family's own build.
 
 Packed sequences (`run_backward_varlen`): the same three steps on buffers whose sequence b starts at row
-cu_seqlens[b] + b * pad rounded down to a multiple of pad (tile_config.packed_pads): the sm80 family's packed
+cu_seqlens[b] + b * pad rounded down to a multiple of pad (common/packed.packed_pads): the sm80 family's packed
 preprocess, the main kernel's and the dQ conversion's `packed` builds, the sm80 packed accumulator conversion under
 GQA; the launch-overhead options are off there (the packed preprocess neither zeroes dQ nor signals PDL).
 
@@ -24,6 +24,7 @@ launched through TVM-FFI on torch's current stream.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import tempfile
@@ -34,9 +35,9 @@ import torch
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import PackedSeqs, Problem, VarlenProblem, _round_up
+from ...common.packed import PRE_POST_ROWS, packed_pads, padded_rows
 from ..base import BwdTensors, Grads, KernelArtifact
 from .tile_config import (
-    PRE_POST_ROWS,
     ROWS_PER_CONSUMER,
     WARPGROUP_THREADS,
     BwdTileConfig,
@@ -44,7 +45,6 @@ from .tile_config import (
     bwd_head_dims,
     bwd_smem_bytes,
     bwd_tile_config,
-    packed_pads,
 )
 
 FAMILY = "sm90"
@@ -64,22 +64,22 @@ def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def _sm80_backward():
+    """The sm80 backward module (imported on first use: it is only needed once a backward runs)."""
     from ..sm80 import backward
 
     return backward
 
 
-# Kernel roles: the main kernel without / with GQA (dK, dV partial sums), each also in a deterministic build, and
-# the dQ conversion.
-MAIN_ROLES = {"bwd": (False, False), "bwd_gqa": (True, False), "bwd_det": (False, True), "bwd_gqa_det": (True, True)}
-# Packed (varlen) specs: (GQA, reads seqused_k, deterministic) per main role.
-PACKED_MAIN_ROLES = {
-    ("bwd_gqa" if gqa else "bwd") + ("_seqused" if seqused else "") + ("_det" if det else ""): (gqa, seqused, det)
-    for det in (False, True)
-    for seqused in (False, True)
-    for gqa in (False, True)
-}
+def main_role(gqa: bool, seqused: bool, deterministic: bool) -> str:
+    """The main kernel's role name: with GQA (dK, dV partial sums), reading seqused_k (packed specs only), in a
+    deterministic build."""
+    return ("bwd_gqa" if gqa else "bwd") + ("_seqused" if seqused else "") + ("_det" if deterministic else "")
+
+
+# Main-kernel roles by name: (GQA, seqused_k, deterministic). Dense specs build those without seqused_k.
+MAIN_ROLES = {main_role(g, s, d): (g, s, d) for d in (False, True) for s in (False, True) for g in (False, True)}
 
 
 def _build(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str, extra: str = ""):
@@ -90,10 +90,8 @@ def _build(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str, extr
     extra = f"--opt-level {cfg.opt_level} {extra}".strip()
     if role == "bwd_dq_postprocess":
         return build.compile_dq_postprocess(spec, cfg, target, extra)
-    if spec.varlen:
-        gqa, seqused, deterministic = PACKED_MAIN_ROLES[role]
-    else:
-        (gqa, deterministic), seqused = MAIN_ROLES[role], False
+    gqa, seqused, deterministic = MAIN_ROLES[role]
+    assert spec.varlen or not seqused, "seqused_k is a packed-sequence argument"
     return build.compile_backward(spec, cfg, target, gqa, deterministic, extra, seqused)
 
 
@@ -170,7 +168,7 @@ def _kernels(
         if problem is not None:
             raise ValueError(problem)
         sm80 = _sm80_backward()
-        role = ("bwd_gqa" if gqa else "bwd") + ("_seqused" if seqused else "") + ("_det" if deterministic else "")
+        role = main_role(gqa, seqused, deterministic)
         if chosen.zero_dq_in_preprocess or chosen.pdl:  # (never for packed specs: packed_tile_config)
             preprocess = _kernel("bwd_preprocess", spec, chosen, target)
         else:
@@ -216,11 +214,12 @@ def backward_launcher(
     scale, left, right = p.softmax_scale, mask.left, mask.right
     sm80 = _sm80_backward()  # the tensor helpers the two backward families share
     dkv_block = max(cfg.tile_n, STATS_ROW_MULTIPLE)  # whole conversion blocks
+    f32 = dict(dtype=torch.float32, device=device)
+    no_semaphores = (None, None)
 
     def launch(t: BwdTensors, grads: Grads) -> None:
         dout, q, k, v, out, lse = t
         dq, dk, dv = grads
-        f32 = dict(dtype=torch.float32, device=q.device)
         lse_log2 = torch.empty(stats_shape, **f32)
         dpsum = torch.empty(stats_shape, **f32)
         dq_accum = new_dq_accum(dq_accum_shape, **f32)
@@ -230,7 +229,7 @@ def backward_launcher(
         # Every buffer (and memset) before the first kernel, so that the main kernel follows the preprocess directly
         # in the stream (its programmatic predecessor under cfg.pdl).
         dk_out, dv_out = sm80.dkv_destinations(dk, dv, gqa, dkv_block)
-        semaphores = _semaphores(deterministic, gqa, dq_tiles, dkv_tiles, q.device)
+        semaphores = _semaphores(True, gqa, dq_tiles, dkv_tiles, device) if deterministic else no_semaphores
         if cfg.zero_dq_in_preprocess:
             kernels.preprocess(out, dout, lse, dpsum, lse_log2, dq_accum)
         else:
@@ -259,10 +258,10 @@ def run_backward_varlen(
     gqa = nheads != nheads_kv
     target = compile_cache.runtime_target(q.device)
     kernels = _kernels(spec, None, target, gqa, deterministic, seqused_k is not None)
-    pad_q, pad_k = packed_pads(kernels.cfg)
+    pad_q, pad_k = packed_pads(kernels.cfg.tile_m, kernels.cfg.tile_n)
     batch = cu_seqlens_q.shape[0] - 1
     # Whole pad_q blocks: TMA boxes of the statistics and the dQ sums' query tiles stay inside the buffers.
-    rows_q = _round_up(total_q + batch * pad_q, pad_q)
+    rows_q = _round_up(padded_rows(total_q, batch, pad_q), pad_q)
     f32 = dict(dtype=torch.float32, device=q.device)
     # (1, h, rows): the main kernel loads them in the dense layout (one batch entry); the preprocess writes (h, rows).
     lse_log2 = torch.empty(1, nheads, rows_q, **f32)
@@ -273,9 +272,10 @@ def run_backward_varlen(
 
     pre_blocks = -(-max_seqlen_q // pad_q) * pad_q // STATS_ROW_MULTIPLE  # whole pad_q rows per sequence
     kernels.preprocess(out, dout, lse, dpsum[0], lse_log2[0], cu_seqlens_q, pad_q, pre_blocks)
-    dk_out, dv_out = sm80.packed_dkv_destinations(dk, dv, gqa, seqused_k is not None, total_k + batch * pad_k)
-    # One semaphore per tile of the padded buffers: sequence b's tiles start at its padded offset / tile.
-    rows_k = _round_up(total_k + batch * pad_k, pad_k)
+    rows_k = padded_rows(total_k, batch, pad_k)
+    dk_out, dv_out = sm80.packed_dkv_destinations(dk, dv, gqa, seqused_k is not None, rows_k)
+    # One semaphore per tile of the padded buffers (whole pads): sequence b's tiles start at its padded offset / tile.
+    rows_k = _round_up(rows_k, pad_k)
     cfg = kernels.cfg
     semaphores = _semaphores(
         deterministic, gqa, (1, nheads, rows_q // cfg.tile_m), (1, nheads_kv, rows_k // cfg.tile_n), q.device
@@ -315,11 +315,11 @@ def compile_backward_artifacts(
     artifacts = []
     with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_bwd_") as dump:
         # dq_red has no deterministic build; the default configuration's deterministic roles take their own one.
-        mains = [r for r in MAIN_ROLES if default or not (cfg.dq_red and MAIN_ROLES[r][1])]
+        mains = [r for r, (_, s, d) in MAIN_ROLES.items() if not s and (default or not (cfg.dq_red and d))]
         default_roles = (*mains, "bwd_dq_postprocess") + (("bwd_preprocess",) if own_preprocess else ())
         for role in default_roles if roles is None else roles:
             sub = os.path.join(dump, role)
-            role_cfg = config_of(spec, True) if default and role in MAIN_ROLES and MAIN_ROLES[role][1] else cfg
+            role_cfg = config_of(spec, True) if default and role in MAIN_ROLES and MAIN_ROLES[role][2] else cfg
             compiled = _build(role, spec, role_cfg, target, compile_cache.keep_artifacts_options(sub))
             role_config = {
                 **role_cfg.as_dict(),

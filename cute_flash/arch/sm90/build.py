@@ -83,7 +83,7 @@ def compile_backward(
     `seqused`, else None), max_seqlen_k) with q / dout (total_q, h, d), k / v (total_k, h_kv, d), lse_log2 / dpsum
     (1, h, rows_q), dq_accum (h, rows_q * d), dk / dv (total_k, h_kv, d) or fp32 (rows_k, h_kv, d) sums under GQA,
     semaphores (1, h, rows_q / tile_m) / (1, h_kv, rows_k / tile_n); rows_q / rows_k: the padded buffers' rows
-    (tile_config.packed_pads; rows_q a multiple of 64)."""
+    (common/packed.packed_pads; rows_q a multiple of 64)."""
     from .flash_bwd import Sm90FlashBackward
 
     dtype = dsl_dtype(spec.dtype)

@@ -72,7 +72,7 @@ from ...common.dsl_types import dsl_dtype
 from ...common.entries import BwdEntries
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E
-from ...common.packed import seq_rows
+from ...common.packed import packed_pads, seq_rows
 from ...common.packed_tiles import packed_tile, packed_tiles_bound
 from ...spec import AttentionSpec
 from ..sm80.flash_bwd import red_add_f32_vec
@@ -94,7 +94,6 @@ from .tile_config import (
     WARPGROUP_THREADS,
     BwdTileConfig,
     bwd_config_problem,
-    packed_pads,
     stat_stage_stride,
 )
 from . import wgmma
@@ -208,8 +207,9 @@ def column_stat(
 
 class PackedRows(NamedTuple):
     """Where one sequence's rows start in packed tensors (all None for dense ones, which index the batch instead):
-    its queries and keys in the inputs (cu_seqlens), and its queries in the padded buffers (cu_seqlens + batch *
-    pad) of the query statistics and the dQ sums. (The consumers' epilogue reads its own.)"""
+    its queries and keys in the inputs (cu_seqlens), and its queries in the padded buffers of the query statistics
+    and the dQ sums (cu_seqlens + batch * pad rounded down to a multiple of pad, common/packed.py). (The consumers'
+    epilogue reads its own.)"""
 
     offset_q: object
     offset_k: object
@@ -273,7 +273,7 @@ class Sm90FlashBackward(BwdEntries):
         assert not (deterministic and cfg.dq_red), "dq_red has no deterministic order"
         # Packed sequences: sequence b's rows of the padded buffers (LSE / D, the dQ and GQA dK / dV sums) start at
         # cu_seqlens[b] + b * pad rounded down to a multiple of pad (common/packed.py).
-        self.pad_q, self.pad_k = packed_pads(cfg)
+        self.pad_q, self.pad_k = packed_pads(cfg.tile_m, cfg.tile_n)
 
     @cute.jit
     def _launch(

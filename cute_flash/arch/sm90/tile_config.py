@@ -24,7 +24,6 @@ head_dim_v sets the O accumulator (dv / 2 registers per thread) and, with head_d
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
@@ -261,16 +260,6 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int) -> Optional[str]:
     if need > SMEM_CAPACITY_BYTES:
         return f"backward tile {cfg.tile_m}x{cfg.tile_n} x {cfg.num_stages} stages needs {need} B of shared memory"
     return None
-
-
-PRE_POST_ROWS = 64  # rows per CTA of the preprocess (sm80's, also for packed batches) and the accumulator conversion
-
-
-def packed_pads(cfg: BwdTileConfig):
-    """(pad_q, pad_k): rows between consecutive sequences' starts in the packed backward's padded buffers beyond their
-    lengths (common/packed.py): the main kernel's whole query / key tiles and the pre- / postprocess's 64-row blocks
-    fit, so no sequence's tiles reach the next sequence's rows."""
-    return math.lcm(cfg.tile_m, PRE_POST_ROWS), math.lcm(cfg.tile_n, PRE_POST_ROWS)
 
 
 def stat_stage_stride(tile_m: int) -> int:
