@@ -1,5 +1,6 @@
 """Packed (varlen) attention speed: `cute_flash.attention_varlen` beside dense cute-flash at equal tokens and equal
-work, and FlashAttention-4's `flash_attn.cute.flash_attn_varlen_func` when it imports (issue 16's benchmark).
+work, and FlashAttention-4's `flash_attn_varlen_func` (and `flash_attn_func` on the dense shape) when it imports
+(issue 16's benchmark).
 
 The batch: sequence lengths drawn uniformly from 128..8192 (seeded) until 64k tokens, the last one cut to fit. Work is
 counted per sequence: forward 4·h·d·s² FLOPs (halved when causal), backward 2.5x that; TFLOP/s = work / median time.
@@ -8,6 +9,7 @@ the same work as the packed batch. cute-flash runs on the sm80 family and, on Ho
 (the sm90 kernels, packed and dense). One process, one GPU:
 
     python -m profiling.varlen_benchmark [--tokens 65536] [--heads 16] [--head-dim 128] [--causal both|yes|no]
+    python -m profiling.varlen_benchmark --lengths 8192x8 --no-sm80      # equal lengths: what packing itself costs
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ def draw_lengths(tokens: int, lo: int, hi: int, seed: int) -> List[int]:
     return lens
 
 
+def _expand(part: str) -> List[str]:
+    length, _, count = part.partition("x")
+    return [length] * int(count or 1)
+
+
 @contextmanager
 def _family(name: Optional[str]):
     old = os.environ.get("CUTE_FLASH_ARCH")
@@ -65,16 +72,24 @@ def _family(name: Optional[str]):
             os.environ["CUTE_FLASH_ARCH"] = old
 
 
-def _fa4_varlen() -> Optional[Callable]:
+def _fa4(name: str) -> Optional[Callable]:
+    """flash_attn.cute's `name` (flash_attn_varlen_func / flash_attn_func), or None where FA4 does not import."""
     try:
-        from flash_attn.cute import flash_attn_varlen_func
+        import flash_attn.cute as fa4
 
-        return flash_attn_varlen_func
+        return getattr(fa4, name)
     except Exception:  # noqa: BLE001
         return None
 
 
-def _fwd_bwd_ms(run: Callable[[], torch.Tensor], leaves) -> tuple:
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+KERNELS: List[str] = []  # --kernels: per-kernel device time of each timed call, printed after the tables
+
+
+def _fwd_bwd_ms(run: Callable[[], torch.Tensor], leaves, name: str = "") -> tuple:
     """(forward ms, backward ms): the backward alone, timed on a graph kept for replay with a fixed dout."""
     fwd = _bench_ms(lambda: run())
     out = run()
@@ -83,10 +98,16 @@ def _fwd_bwd_ms(run: Callable[[], torch.Tensor], leaves) -> tuple:
     def backward():
         torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
+    if KERNELS:
+        from .bwd_breakdown import _profile
+
+        for direction, fn in (("fwd", run), ("bwd", backward)):
+            parts = sorted(_profile(fn, 5).items(), key=lambda kv: -kv[1])
+            KERNELS.append(f"{name:<40} {direction}: " + ", ".join(f"{k} {us:.0f}" for k, us in parts))
     return fwd, _bench_ms(backward)
 
 
-def bench(lens: List[int], heads: int, head_dim: int, causal: bool, seed: int = 0) -> List[dict]:
+def bench(lens: List[int], heads: int, head_dim: int, causal: bool, seed: int = 0, sm80: bool = True) -> List[dict]:
     import cute_flash
 
     dtype, dev = torch.bfloat16, "cuda"
@@ -109,11 +130,12 @@ def bench(lens: List[int], heads: int, head_dim: int, causal: bool, seed: int = 
 
     mx = max(lens)
     varlen = lambda: cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx, causal=causal)  # noqa: E731
-    with _family("sm80"):
-        add("cute-flash varlen sm80", *_fwd_bwd_ms(varlen, (q, k, v)), fwd_flops)
+    if sm80:
+        with _family("sm80"):
+            add("cute-flash varlen sm80", *_fwd_bwd_ms(varlen, (q, k, v), "varlen sm80"), fwd_flops)
     if torch.cuda.get_device_capability() == (9, 0):  # the router's choice: the sm90 packed kernels
         with _family(None):
-            add("cute-flash varlen default", *_fwd_bwd_ms(varlen, (q, k, v)), fwd_flops)
+            add("cute-flash varlen default", *_fwd_bwd_ms(varlen, (q, k, v), "varlen"), fwd_flops)
 
     # Dense at equal tokens and (nearly) equal work: batch x L with L = sum(s^2) / sum(s).
     seqlen = max(128, round(sum(s * s for s in lens) / total / 128) * 128)
@@ -121,25 +143,34 @@ def bench(lens: List[int], heads: int, head_dim: int, causal: bool, seed: int = 
     dq, dk, dv = (make(batch, seqlen, heads, head_dim) for _ in range(3))
     dense_flops = 4 * heads * head_dim * batch * seqlen * seqlen * (0.5 if causal else 1.0)
     dense = lambda: cute_flash.attention(dq, dk, dv, causal=causal)  # noqa: E731
-    with _family("sm80"):
-        add(f"cute-flash dense sm80 ({batch}x{seqlen})", *_fwd_bwd_ms(dense, (dq, dk, dv)), dense_flops)
+    if sm80:
+        with _family("sm80"):
+            add(f"cute-flash dense sm80 ({batch}x{seqlen})", *_fwd_bwd_ms(dense, (dq, dk, dv), "dense"), dense_flops)
     if torch.cuda.get_device_capability() == (9, 0):
         with _family(None):
-            add(f"cute-flash dense default ({batch}x{seqlen})", *_fwd_bwd_ms(dense, (dq, dk, dv)), dense_flops)
+            add(f"cute-flash dense default ({batch}x{seqlen})", *_fwd_bwd_ms(dense, (dq, dk, dv), "dense"), dense_flops)
 
-    fa4 = _fa4_varlen()
+    fa4 = _fa4("flash_attn_varlen_func")
     if fa4 is not None:
 
         def fa4_run():
-            out = fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=causal)
-            return out[0] if isinstance(out, tuple) else out
+            return _first(
+                fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=causal)
+            )
 
         try:
-            add("FA4 varlen", *_fwd_bwd_ms(fa4_run, (q, k, v)), fwd_flops)
+            add("FA4 varlen", *_fwd_bwd_ms(fa4_run, (q, k, v), "FA4 varlen"), fwd_flops)
         except Exception as e:  # noqa: BLE001
             rows.append({"impl": f"FA4 varlen: failed ({type(e).__name__}: {e})"[:120]})
     else:
         rows.append({"impl": "FA4 varlen: flash_attn.cute does not import"})
+    fa4_dense = _fa4("flash_attn_func")
+    if fa4_dense is not None:  # separates our dense kernels' distance to FA4 from what packing costs
+        try:
+            run = lambda: _first(fa4_dense(dq, dk, dv, causal=causal))  # noqa: E731
+            add(f"FA4 dense ({batch}x{seqlen})", *_fwd_bwd_ms(run, (dq, dk, dv), "FA4 dense"), dense_flops)
+        except Exception as e:  # noqa: BLE001
+            rows.append({"impl": f"FA4 dense: failed ({type(e).__name__}: {e})"[:120]})
     return rows
 
 
@@ -152,21 +183,36 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lengths", help="these sequence lengths (comma-separated, LxN: N of length L), not a draw")
+    ap.add_argument("--order", choices=("drawn", "longest-first", "shortest-first"), default="drawn",
+                    help="order of the sequences in cu_seqlens")  # fmt: skip
+    ap.add_argument("--no-sm80", action="store_true", help="skip the sm80 family (Hopper: time the sm90 kernels only)")
+    ap.add_argument("--kernels", action="store_true", help="also print each call's device time per kernel (µs)")
     args = ap.parse_args(argv)
 
-    lens = draw_lengths(args.tokens, args.min_len, args.max_len, args.seed)
+    if args.lengths:
+        lens = [int(n) for part in args.lengths.split(",") for n in _expand(part)]
+    else:
+        lens = draw_lengths(args.tokens, args.min_len, args.max_len, args.seed)
+    if args.order != "drawn":
+        lens.sort(reverse=args.order == "longest-first")
     print(f"{torch.cuda.get_device_name()}: {len(lens)} sequences, {sum(lens)} tokens, lengths {min(lens)}..{max(lens)}"
           f", h{args.heads} d{args.head_dim} bf16")  # fmt: skip
+    if args.kernels:
+        KERNELS.append("")
     for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]:
         print(f"\n{'causal' if causal else 'non-causal'}")
         print(f"{'impl':<44}{'fwd ms':>9}{'fwd TF/s':>10}{'bwd ms':>9}{'bwd TF/s':>10}")
-        for r in bench(lens, args.heads, args.head_dim, causal, args.seed):
+        for r in bench(lens, args.heads, args.head_dim, causal, args.seed, sm80=not args.no_sm80):
             if "fwd_ms" not in r:
                 print(r["impl"])
                 continue
             print(
                 f"{r['impl']:<44}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>10.1f}{r['bwd_ms']:>9.3f}{r['bwd_tflops']:>10.1f}"
             )
+        if KERNELS:
+            print("per-kernel device time (µs, mean of 5 calls under torch.profiler):", *KERNELS[1:], sep="\n  ")
+            del KERNELS[1:]
 
 
 if __name__ == "__main__":

@@ -59,6 +59,14 @@ def dense_seq(batch: Int, seqlen_q: Int, seqlen_k: Optional[Int] = None) -> SeqR
     return SeqRows(None, None, seqlen_q, seqlen_k, batch)
 
 
+def cta_sequence(varlen: bool, batch: Int, head: Int, mQ, mK, cu_seqlens_q, cu_seqlens_k, seqused_k):
+    """The sequence a CTA of batch index `batch` works on, and the KV head that query head `head` reads: from
+    cu_seqlens (and seqused_k) for packed (total, h, d) q / k, else the dense (b, s, h, d) batch entry."""
+    if varlen:
+        return seq_rows(batch, cu_seqlens_q, cu_seqlens_k, seqused_k), head // (mQ.shape[1] // mK.shape[1])
+    return dense_seq(batch, mQ.shape[1], mK.shape[1]), head // (mQ.shape[2] // mK.shape[2])
+
+
 def head_rows(mX, batch: Int, head: Int, offset: Optional[Int] = None):
     """The (rows, d) view of one (sequence, head): mX[batch, :, head, :] of a dense (b, s, h, d) tensor, or the rows
     from `offset` of a packed (total, h, d) one."""

@@ -37,7 +37,7 @@ from ...common.dsl_types import dsl_dtype
 from ...common.entries import BwdEntries
 from ...common.grid import block_grid
 from ...common.online_softmax import clamp_scale_log2
-from ...common.packed import SeqRows, dense_seq, head_rows, head_stats, packed_pads, seq_rows
+from ...common.packed import SeqRows, cta_sequence, head_rows, head_stats, packed_pads
 from ...spec import AttentionSpec
 from .tile_config import BwdTileConfig
 
@@ -159,7 +159,7 @@ class DqOperands(NamedTuple):
 
 
 class BwdParams(NamedTuple):
-    """The main kernel's parameters as every CTA reads them (bundled once, so `cta` does not repeat the list)."""
+    """The main kernel's parameters, built by the launch and passed to `kernel` and `cta` as one argument."""
 
     mQ: cute.Tensor
     mK: cute.Tensor
@@ -258,59 +258,26 @@ class Sm80FlashBackward(BwdEntries):
             sP_layout, g2s_copy, s2g_copy, self._tiled_mma(cfg.warps_m_sdp), self._tiled_mma(cfg.warps_n_dkv),
             self._tiled_mma(cfg.warps_m_dq), SharedStorage,
         )  # fmt: skip
-        self.kernel(*params, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK).launch(
+        self.kernel(params, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)).launch(
             grid=grid, block=[cfg.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
         )
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
-    def kernel(
-        self,
-        mQ: cute.Tensor,  # q ... dV: dense or packed (see `__call__`, `packed`)
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mdO: cute.Tensor,
-        mLSElog2: cute.Tensor,
-        mdPsum: cute.Tensor,
-        mdQaccum: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
-        softmax_scale: Float32,
-        softmax_scale_log2: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sP_layout: cute.ComposedLayout,
-        g2s_copy: cute.TiledCopy,
-        s2g_copy: cute.TiledCopy,
-        tiled_mma_sdp: cute.TiledMma,
-        tiled_mma_dkv: cute.TiledMma,
-        tiled_mma_dq: cute.TiledMma,
-        SharedStorage: cutlass.Constexpr,
-        mCuSeqlensQ: Optional[cute.Tensor] = None,
-        mCuSeqlensK: Optional[cute.Tensor] = None,
-        mSeqUsedK: Optional[cute.Tensor] = None,
-    ):
+    def kernel(self, params: BwdParams, packed: tuple):
+        """packed: (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK) of packed sequences, or three None."""
         # Only the exponent's factor is clamped (away from 0, where masked -inf scores times 0 gave NaN P, and from
         # inf); dK and dQ are scaled by softmax_scale itself, so scale 0 still gives dq = dk = 0 exactly.
-        softmax_scale_log2 = clamp_scale_log2(softmax_scale_log2)
+        params = params._replace(softmax_scale_log2=clamp_scale_log2(params.softmax_scale_log2))
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = cute.arch.block_idx()
-        params = BwdParams(
-            mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, softmax_scale, softmax_scale_log2, window_left,
-            window_right, sQ_layout, sK_layout, sP_layout, g2s_copy, s2g_copy, tiled_mma_sdp, tiled_mma_dkv,
-            tiled_mma_dq, SharedStorage,
-        )  # fmt: skip
+        seq, head_kv = cta_sequence(self.varlen, batch, head, params.mQ, params.mK, *packed)
         if cutlass.const_expr(self.varlen):
-            seq = seq_rows(batch, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
-            head_kv = head // (mQ.shape[1] // mK.shape[1])
             # The grid spans the longest sequence's key blocks: the others' surplus blocks exit here.
             if n_block * self.cfg.block_n < seq.seqlen_k:
                 self.cta(params, tidx, n_block, head, head_kv, seq)
         else:
-            head_kv = head // (mQ.shape[2] // mK.shape[2])
-            self.cta(params, tidx, n_block, head, head_kv, dense_seq(batch, mQ.shape[1], mK.shape[1]))
+            self.cta(params, tidx, n_block, head, head_kv, seq)
 
     @cute.jit
     def cta(self, params: BwdParams, tidx: Int32, n_block: Int32, head: Int32, head_kv: Int32, seq: SeqRows):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Type
+from typing import NamedTuple, Type
 
 import cutlass
 import cutlass.cute as cute
@@ -36,7 +36,7 @@ from ...common.entries import FwdEntries
 from ...common.grid import block_grid
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
-from ...common.packed import SeqRows, dense_seq, head_rows, head_stats, seq_rows
+from ...common.packed import SeqRows, cta_sequence, head_rows, head_stats
 from ...spec import AttentionSpec
 from .tile_config import FwdTileConfig, row_chunk_elems
 
@@ -132,7 +132,7 @@ def _slice_rows(pred, row: int):
 
 
 class FwdParams(NamedTuple):
-    """The kernel's parameters as every CTA reads them (bundled once, so `cta` does not repeat the list)."""
+    """The kernel's parameters, built by the launch and passed to `kernel` and `cta` as one argument."""
 
     mQ: cute.Tensor
     mK: cute.Tensor
@@ -234,7 +234,7 @@ class Sm80FlashForward(FwdEntries):
             mQ, mK, mV, mO, mLSE, softmax_scale * LOG2_E, window_left, window_right, sQ_layout, sK_layout, sV_layout,
             sO_layout, copy_qk, copy_v, copy_o, tiled_mma, SharedStorage,
         )  # fmt: skip
-        self.kernel(*params, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK).launch(
+        self.kernel(params, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
         )
 
@@ -242,47 +242,20 @@ class Sm80FlashForward(FwdEntries):
     # Device side.
     # ------------------------------------------------------------------------------------------------------------
     @cute.kernel
-    def kernel(
-        self,
-        mQ: cute.Tensor,  # q, k, v, out, lse as `__call__` or `packed` takes them
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        scale_log2: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        sO_layout: cute.ComposedLayout,
-        copy_qk: cute.TiledCopy,
-        copy_v: cute.TiledCopy,
-        copy_o: cute.TiledCopy,
-        tiled_mma: cute.TiledMma,
-        SharedStorage: cutlass.Constexpr,
-        mCuSeqlensQ: Optional[cute.Tensor] = None,
-        mCuSeqlensK: Optional[cute.Tensor] = None,
-        mSeqUsedK: Optional[cute.Tensor] = None,
-    ):
+    def kernel(self, params: FwdParams, packed: tuple):
+        """packed: (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK) of packed sequences, or three None."""
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.mask == "causal"):
             # Bottom query blocks see the most keys: start them first so the short ones fill the tail of the grid.
             m_block = cute.arch.grid_dim()[0] - 1 - m_block
-        params = FwdParams(
-            mQ, mK, mV, mO, mLSE, scale_log2, window_left, window_right, sQ_layout, sK_layout, sV_layout, sO_layout,
-            copy_qk, copy_v, copy_o, tiled_mma, SharedStorage,
-        )  # fmt: skip
+        seq, head_kv = cta_sequence(self.varlen, batch, head, params.mQ, params.mK, *packed)
         if cutlass.const_expr(self.varlen):
-            seq = seq_rows(batch, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
-            head_kv = head // (mQ.shape[1] // mK.shape[1])
             # The grid spans the longest sequence's query blocks: the others' surplus blocks exit here.
             if m_block * self.tile_m < seq.seqlen_q:
                 self.cta(params, tidx, m_block, head, head_kv, seq)
         else:
-            head_kv = head // (mQ.shape[2] // mK.shape[2])
-            self.cta(params, tidx, m_block, head, head_kv, dense_seq(batch, mQ.shape[1], mK.shape[1]))
+            self.cta(params, tidx, m_block, head, head_kv, seq)
 
     @cute.jit
     def cta(self, params: FwdParams, tidx: Int32, m_block: Int32, head: Int32, head_kv: Int32, seq: SeqRows):

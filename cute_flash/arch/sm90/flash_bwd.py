@@ -314,27 +314,7 @@ class Sm90FlashBackward(BwdEntries):
         # Each stage of LSE / D starts on a 128-byte boundary, as a TMA destination must (tile_m 80: 320 bytes).
         sStat_layout = cute.make_layout((self.tile_m, stages), stride=(1, stat_stage_stride(self.tile_m)))
 
-        k_major = cute.nvgpu.OperandMajorMode.K
-        mn_major = cute.nvgpu.OperandMajorMode.MN
-        w = self.num_consumers
-        if const_expr(self.keys_on_rows):
-            # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: each consumer's 64 keys x all tile_m queries.
-            tiled_mma_sdp = wgmma.tiled_mma_f32(
-                self.dtype, k_major, k_major, (w, 1, 1), (ROWS_PER_CONSUMER, self.tile_m)
-            )
-            # dV += Pᵀ·dO, dK += dSᵀ·Q: A from registers (the Sᵀ / dPᵀ accumulators), B = dOᵀ / Qᵀ (MN-major).
-            tiled_mma_dkv = wgmma.tiled_mma_f32(
-                self.dtype, k_major, mn_major, (w, 1, 1), (ROWS_PER_CONSUMER, d), warpgroup.OperandSource.RMEM
-            )
-        else:
-            # S = Q·Kᵀ and dP = dO·Vᵀ: all 64 queries x each consumer's tile_n / w keys.
-            tiled_mma_sdp = wgmma.tiled_mma_f32(
-                self.dtype, k_major, k_major, (1, w, 1), (ROWS_PER_CONSUMER, self.tile_n // w)
-            )
-            # dV += Pᵀ·dO, dK += dSᵀ·Q: A = Pᵀ / dSᵀ read transposed from shared memory (every key of the tile),
-            # B = dOᵀ / Qᵀ; each consumer owns head_dim / w columns.
-            tiled_mma_dkv = wgmma.tiled_mma_f32(self.dtype, mn_major, mn_major, (1, w, 1), (self.tile_n, d // w))
-        tiled_mma_dq = dq_tiled_mma(self.dtype, d, self.cfg)
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
 
         one = lambda layout: cute.select(layout, mode=[0, 1])  # noqa: E731  (one stage)
         load = cpasync.CopyBulkTensorTileG2SOp()
@@ -409,6 +389,31 @@ class Sm90FlashBackward(BwdEntries):
             min_blocks_per_mp=1,
             use_pdl=self.cfg.pdl,
         )
+
+    def _tiled_mmas(self) -> tuple:
+        """The (S / dP, dK / dV, dQ) tiled MMAs (plain Python, called while `_launch` is traced)."""
+        d = self.head_dim
+        k_major = cute.nvgpu.OperandMajorMode.K
+        mn_major = cute.nvgpu.OperandMajorMode.MN
+        w = self.num_consumers
+        if self.keys_on_rows:
+            # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: each consumer's 64 keys x all tile_m queries.
+            tiled_mma_sdp = wgmma.tiled_mma_f32(
+                self.dtype, k_major, k_major, (w, 1, 1), (ROWS_PER_CONSUMER, self.tile_m)
+            )
+            # dV += Pᵀ·dO, dK += dSᵀ·Q: A from registers (the Sᵀ / dPᵀ accumulators), B = dOᵀ / Qᵀ (MN-major).
+            tiled_mma_dkv = wgmma.tiled_mma_f32(
+                self.dtype, k_major, mn_major, (w, 1, 1), (ROWS_PER_CONSUMER, d), warpgroup.OperandSource.RMEM
+            )
+        else:
+            # S = Q·Kᵀ and dP = dO·Vᵀ: all 64 queries x each consumer's tile_n / w keys.
+            tiled_mma_sdp = wgmma.tiled_mma_f32(
+                self.dtype, k_major, k_major, (1, w, 1), (ROWS_PER_CONSUMER, self.tile_n // w)
+            )
+            # dV += Pᵀ·dO, dK += dSᵀ·Q: A = Pᵀ / dSᵀ read transposed from shared memory (every key of the tile),
+            # B = dOᵀ / Qᵀ; each consumer owns head_dim / w columns.
+            tiled_mma_dkv = wgmma.tiled_mma_f32(self.dtype, mn_major, mn_major, (1, w, 1), (self.tile_n, d // w))
+        return tiled_mma_sdp, tiled_mma_dkv, dq_tiled_mma(self.dtype, d, self.cfg)
 
     def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout):
         """The kernel's shared-memory struct (plain Python: the P buffer exists only with queries on rows, and the
