@@ -131,6 +131,14 @@ def _tree_reduce(row: cute.Tensor, op, init):
     return chains[0] if init is None else op(chains[0], init)
 
 
+def _sequential_reduce(row: cute.Tensor, op, init):
+    """op-reduction of a register row in one chain, from init (first element when None)."""
+    acc = row[0] if init is None else op(init, row[0])
+    for i in range(1, cute.size(row)):
+        acc = op(acc, row[i])
+    return acc
+
+
 def _add(a, b):
     return a + b
 
@@ -157,15 +165,23 @@ class OnlineSoftmax:
     threads_per_row: int  # lanes sharing a row: 4 for mma.sync and WGMMA accumulators
     row_max: cute.Tensor
     row_sum: cute.Tensor
+    # Row sums in one chain instead of four. The sm90 forward takes it: with the 4-chain sums ptxas moves the wait
+    # for the P·V wgmma ahead of the whole softmax; with one chain the maxima, the scale FFMAs and the first
+    # exponentials run while that wgmma is still in flight (+1.5-3% at d128, docs/performance.md session 13).
+    sequential_sum: bool = False
 
     @staticmethod
-    def create(scale_log2: Float32, num_rows: int, threads_per_row: int = 4) -> "OnlineSoftmax":
+    def create(
+        scale_log2: Float32, num_rows: int, threads_per_row: int = 4, sequential_sum: bool = False
+    ) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor(num_rows, Float32)
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
         scale_log2 = clamp_scale_log2(scale_log2)
-        return OnlineSoftmax(scale_log2, max_limit_bits(scale_log2), num_rows, threads_per_row, row_max, row_sum)
+        return OnlineSoftmax(
+            scale_log2, max_limit_bits(scale_log2), num_rows, threads_per_row, row_max, row_sum, sequential_sum
+        )
 
     @cute.jit
     def update(self, acc_rc: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
@@ -174,6 +190,7 @@ class OnlineSoftmax:
         is_first: the first block of the row (statistics still empty) — skips the rescale arithmetic.
         """
         row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
+        sum_reduce = _sequential_reduce if cutlass.const_expr(self.sequential_sum) else _tree_reduce
         for r in cutlass.range_constexpr(self.num_rows):
             row = acc_rc[r, None]
             prev_max = self.row_max[r]
@@ -189,11 +206,11 @@ class OnlineSoftmax:
             row.store(p)
             if cutlass.const_expr(is_first):
                 row_scale[r] = 1.0
-                self.row_sum[r] = _tree_reduce(row, _add, None)
+                self.row_sum[r] = sum_reduce(row, _add, None)
             else:
                 scale = cute.math.exp2(prev_max * c_row - max_scaled, fastmath=True)
                 row_scale[r] = scale
-                self.row_sum[r] = _tree_reduce(row, _add, self.row_sum[r] * scale)
+                self.row_sum[r] = sum_reduce(row, _add, self.row_sum[r] * scale)
         return row_scale
 
     @cute.jit

@@ -386,7 +386,9 @@ class Sm90FlashForward(FwdEntries):
         acc_O.fill(0.0)
 
         coords = self.score_coords(tiled_mma_qk, thr_qk, consumer)
-        softmax = OnlineSoftmax.create(softmax_scale * LOG2_E, cute.size(rows_cols_view(acc_O), mode=[0]))
+        softmax = OnlineSoftmax.create(
+            softmax_scale * LOG2_E, cute.size(rows_cols_view(acc_O), mode=[0]), sequential_sum=True
+        )
         turns = WarpGroupTurns(consumer, self.num_consumers, self.cfg.ping_pong)
         turns.prime()
 
