@@ -32,6 +32,9 @@ VARIANTS = {
     # base address), C (tile_m 80 with every column's LSE / D in registers instead of shuffles).
     "dv_early": {"dv_before_dp_wait": True},
     "dv_early_b": {"dv_before_dp_wait": True, "dq_stage_single_base": True},
+    # A with only dV's first 2 (3) of 4 k-blocks before the dP wait (session 13; d128 causal builds spill-free).
+    "dv_kb2": {"dv_before_dp_wait": True, "dv_early_kblocks": 2},
+    "dv_kb3": {"dv_before_dp_wait": True, "dv_early_kblocks": 3},
     "dq_base": {"dq_stage_single_base": True},
     "m80_regstats": {"tile_m": 80, "dq_swap_ab": True, "max_unshuffled_stat_cols": 20},
     # Fixed cost around the main kernel (any head dim; BwdTileConfig's launch-overhead switches, all on by default):

@@ -39,13 +39,22 @@ def test_study_variants_are_valid_at_d128(name, mask):
 
 
 def test_study_switches_default_off():
-    cfg = _d128("causal")
+    cfg = _d128("local")
     assert not cfg.dv_before_dp_wait and not cfg.dq_stage_single_base and cfg.max_unshuffled_stat_cols == 16
-    for field in ("dv_before_dp_wait", "dq_stage_single_base", "max_unshuffled_stat_cols"):
+    assert cfg.dv_early_kblocks is None
+    for field in ("dv_before_dp_wait", "dv_early_kblocks", "dq_stage_single_base", "max_unshuffled_stat_cols"):
         assert field in cfg.as_dict()
-    # A is the default at d128 without a mask only (tile_config._BWD_BY_HEAD_DIM_AND_MASK), the rest unchanged there.
-    assert dataclasses.replace(_d128("none"), dv_before_dp_wait=False) == cfg
-    assert not _d128("local").dv_before_dp_wait
+    # A is the default at d128 without a mask, half of it (2 of dV's 4 k-blocks) with a causal mask
+    # (tile_config._BWD_BY_HEAD_DIM_AND_MASK); the rest is unchanged there.
+    assert _d128("none") == dataclasses.replace(cfg, dv_before_dp_wait=True)
+    assert _d128("causal") == dataclasses.replace(cfg, dv_before_dp_wait=True, dv_early_kblocks=2)
+
+
+def test_dv_early_kblocks_needs_dv_before_dp_wait():
+    cfg = _d128("local")
+    for bad in (dataclasses.replace(cfg, dv_early_kblocks=2), dataclasses.replace(_d128("none"), dv_early_kblocks=0)):
+        problem = bwd_config_problem(bad, 128)
+        assert problem is not None and "dv_early_kblocks" in problem
 
 
 def test_dv_before_dp_wait_needs_keys_on_rows():

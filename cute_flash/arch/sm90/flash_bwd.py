@@ -1007,11 +1007,16 @@ class Sm90FlashBackward(BwdEntries):
 
         # dS = P ⊙ (dP − D[query]).
         dv_early = kor and self.cfg.dv_before_dp_wait
+        # dV's k-blocks before the dP wait: all (None), or the first dv_early_kblocks and the rest after dS.
+        dv_kb = cute.size(tdVrP.shape[2])
+        early = None if const_expr(self.cfg.dv_early_kblocks is None) else (0, min(self.cfg.dv_early_kblocks, dv_kb))
+        late = None if const_expr(early is None or early[1] == dv_kb) else (early[1], dv_kb)
         if const_expr(dv_early):
             # dV += Pᵀ·dO before the dP wait: P is its A operand, so every exponential is issued before that wait
             # (ptxas hoists the wait above most of them otherwise); dV stays in flight through the dS math.
-            wgmma.store_p_operand(acc_S, tdVrP)
-            wgmma.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do.index], zero_init=False, wait=-1)
+            wgmma.store_p_operand(acc_S, tdVrP, early)
+            dO_t = tdVrdOt[None, None, None, do.index]
+            wgmma.gemm(tiled_mma_dkv, acc_dV, tdVrP, dO_t, zero_init=False, wait=-1, k_blocks=early)
             warpgroup.wait_group(1)  # dP done
         else:
             warpgroup.wait_group(0)
@@ -1028,6 +1033,8 @@ class Sm90FlashBackward(BwdEntries):
         if const_expr(kor):
             if const_expr(not dv_early):
                 wgmma.store_p_operand(acc_S, tdVrP)
+            elif const_expr(late is not None):
+                wgmma.store_p_operand(acc_S, tdVrP, late)
             wgmma.store_p_operand(acc_dP, tdKrdS)
             # The 16-bit A fragment holds dSᵀ in the accumulator's register order: store it as such for dQ.
             rdS = cute.make_tensor(tdKrdS.iterator, cute.make_layout(s_shape))
@@ -1035,6 +1042,9 @@ class Sm90FlashBackward(BwdEntries):
             cute.arch.fence_view_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
             if const_expr(not dv_early):
                 wgmma.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do.index], zero_init=False, wait=-1)
+            elif const_expr(late is not None):
+                dO_t = tdVrdOt[None, None, None, do.index]
+                wgmma.gemm(tiled_mma_dkv, acc_dV, tdVrP, dO_t, zero_init=False, wait=-1, k_blocks=late)
         else:
             # P and dS go to shared memory: the dK / dV products of every consumer read all of the tile's keys.
             for acc, dst in ((acc_S, tPsP), (acc_dP, tdSsdS)):

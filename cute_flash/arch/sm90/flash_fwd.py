@@ -21,8 +21,8 @@ Packed sequences (spec.varlen, host entry `packed`, as the sm80 family's): q (to
 d / dv), out (total_q, h, dv), lse (h, total_q), cu_seqlens_q / _k, seqused_k or None, max_seqlen_q. The views are
 (total, dim, heads); a CTA offsets them to its sequence's first row (cta.py). Loads past the sequence's end read the
 next sequence's rows: keys there are masked like any key past seqlen_k, query rows there are computed and not
-stored (epilogue.py stores O row-predicated, not by TMA). The grid spans max_seqlen_q's tiles for every sequence;
-the CTAs past their sequence's end do nothing.
+stored (epilogue.py stores O row-predicated, not by TMA). The grid spans every sequence's query tiles in order
+(cta.py; at most batch + 1 CTAs per head without work).
 """
 
 from __future__ import annotations

@@ -141,6 +141,9 @@ class BwdTileConfig:
     at d128 without a mask: _BWD_BY_HEAD_DIM_AND_MASK):
       dv_before_dp_wait (A; keys on rows only): dV += Pᵀ·dO is issued before the dP wait, which becomes
           wait_group(1): P being dV's A operand pins all exponentials before that wait (ptxas hoists it otherwise).
+          dv_early_kblocks: only that many of its k-blocks (16 queries each) go before the wait, the rest after dS,
+          for builds where the whole product before it spills (d128 causal: 2 of 4 pin all 32 exponentials, no
+          spills; the whole product spills 8 bytes).
       dq_stage_single_base (B): stage_dq addresses its dQ stores from one aligned base plus compile-time offsets
           (the same shared-memory offsets) instead of recomputing and re-aligning each of them.
       max_unshuffled_stat_cols (C): above this many query columns per thread, LSE / D come through shuffles
@@ -184,6 +187,7 @@ class BwdTileConfig:
     opt_level: int = 3  # CuTe DSL --opt-level
     dq_swap_ab: bool = False
     dv_before_dp_wait: bool = False  # A: dV's product before the dP wait (docs/sm90_bwd_sass_study.md)
+    dv_early_kblocks: Optional[int] = None  # with A: only dV's first k-blocks before the wait (None: all of them)
     dq_stage_single_base: bool = False  # B: dQ stores from one base address (docs/sm90_bwd_sass_study.md)
     max_unshuffled_stat_cols: int = UNSHUFFLED_STAT_COLS  # C: LSE / D held in registers up to this many columns
     zero_dq_in_preprocess: bool = True  # the preprocess zeroes the dQ accumulator (no torch.zeros)
@@ -225,6 +229,8 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int) -> Optional[str]:
             f"queries on rows need 64 x 64 tiles, 16-key multiples per consumer and dq_split 'n', got "
             f"{cfg.tile_m} x {cfg.tile_n}, {w} consumers, dq_split {cfg.dq_split!r}"
         )
+    if cfg.dv_early_kblocks is not None and (not cfg.dv_before_dp_wait or cfg.dv_early_kblocks < 1):
+        return f"dv_early_kblocks={cfg.dv_early_kblocks} needs dv_before_dp_wait and at least one k-block"
     if cfg.dv_before_dp_wait and not cfg.keys_on_rows:
         return (
             "dv_before_dp_wait needs keys on rows (P in registers as dV's A operand); with queries on rows P goes "
@@ -318,11 +324,16 @@ def bwd_head_dims() -> tuple:
 # Per-mask changes to the head dim's configuration.
 #   d128 without a mask: dV's product issued before the dP wait (docs/sm90_bwd_sass_study.md, variant A), which keeps
 #         all 32 exponentials ahead of that wait: +1.4% on average over 1k/4k/16k in two H100 runs (-0.8 to +2.5% per
-#         point; docs/performance.md, session 9), no spills in any build. With a causal mask it measured neutral and
-#         its build spills 8 bytes, so it stays off there; FA3's 80-row tile (m80, m80_regstats) measured -1.6% and
-#         -0.2% against the default in the same run, so the 64-row tile stays.
+#         point; docs/performance.md, session 9), no spills in any build. With a causal mask the whole product there
+#         measured neutral and spills 8 bytes (half of it: below); FA3's 80-row tile (m80, m80_regstats) measured
+#         -1.6% and -0.2% against the default in the same run, so the 64-row tile stays.
+#   d128 causal: dV's first 2 of 4 k-blocks before the dP wait (dv_early_kblocks; the whole product there spills 8
+#         bytes): all 32 exponentials of the unmasked steps ahead of the wait (4 before), no spills in the dense,
+#         GQA and deterministic builds; +3.4% geomean over 1k / 4k / 16k (+1.2 / +2.5 / +6.6%; 3 of 4 k-blocks:
+#         -0.6%), H200, session 13 (docs/performance.md).
 _BWD_BY_HEAD_DIM_AND_MASK = {
     (128, "none"): {"dv_before_dp_wait": True},
+    (128, "causal"): {"dv_before_dp_wait": True, "dv_early_kblocks": 2},
 }
 
 

@@ -68,8 +68,10 @@ def gemm(
     frag_b: cute.Tensor,
     zero_init: cutlass.Constexpr[bool],
     wait: cutlass.Constexpr[int],
+    k_blocks: cutlass.Constexpr = None,
 ) -> None:
-    """acc (=|+=) A·B over every k-block of the fragments, as one wgmma group.
+    """acc (=|+=) A·B over every k-block of the fragments (or k-blocks [begin, end) of `k_blocks`), as one wgmma
+    group.
 
     `wait` >= 0 waits until at most that many groups are pending; -1 returns with the group in flight, so the caller
     can issue more work (or do math on other registers) before `warpgroup.wait_group`.
@@ -79,7 +81,8 @@ def gemm(
     # trips MLIR dominance checks.
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for kb in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
+    begin, end = (0, cute.size(frag_a.shape[2])) if cutlass.const_expr(k_blocks is None) else k_blocks
+    for kb in cutlass.range_constexpr(begin, end):
         cute.gemm(atom, acc, frag_a[None, None, kb], frag_b[None, None, kb], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
@@ -131,7 +134,12 @@ def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor) -> None:
 
 
 @cute.jit
-def store_p_operand(acc_s: cute.Tensor, frag_p: cute.Tensor) -> None:
-    """Writes softmax probabilities (fp32 S accumulator) into the 16-bit A fragment of P·V."""
+def store_p_operand(acc_s: cute.Tensor, frag_p: cute.Tensor, k_blocks: cutlass.Constexpr = None) -> None:
+    """Writes softmax probabilities (fp32 S accumulator) into the 16-bit A fragment of P·V (only k-blocks [begin,
+    end) of `k_blocks` when given)."""
     acc_as_a = cute.make_tensor(acc_s.iterator, acc_layout_as_operand_a(acc_s.layout))
-    convert_to_16bit(acc_as_a, frag_p)
+    if cutlass.const_expr(k_blocks is None):
+        convert_to_16bit(acc_as_a, frag_p)
+    else:
+        for kb in cutlass.range_constexpr(*k_blocks):
+            convert_to_16bit(acc_as_a[None, None, kb], frag_p[None, None, kb])
