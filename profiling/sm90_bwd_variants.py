@@ -27,16 +27,23 @@ VARIANTS = {
     "stages1": {"num_stages": 1},
     # d128: 64-row query tiles (dQ = dS·K) against 80-row ones (dQᵀ = Kᵀ·dSᵀ, FlashAttention-3's unmasked shape).
     "m64": {"tile_m": 64, "dq_swap_ab": False},
-    "m80": {"tile_m": 80, "dq_swap_ab": True},
-    # docs/sm90_bwd_sass_study.md: A (dV issued before the dP wait; d128 at 64 x 128 only), B (dQ staging from one
-    # base address), C (tile_m 80 with every column's LSE / D in registers instead of shuffles).
-    "dv_early": {"dv_before_dp_wait": True},
-    "dv_early_b": {"dv_before_dp_wait": True, "dq_stage_single_base": True},
+    # (A off, as session 9 timed it: the mask defaults now carry A, which has no register room at 80 rows)
+    "m80": {"tile_m": 80, "dq_swap_ab": True, "dv_before_dp_wait": False, "dv_early_kblocks": None},
+    # docs/sm90_bwd_sass_study.md: A (dV's whole product issued before the dP wait; 64-row tiles), B (dQ staging from
+    # one base address), C (tile_m 80 with every column's LSE / D in registers instead of shuffles).
+    "dv_early": {"dv_before_dp_wait": True, "dv_early_kblocks": None},
+    "dv_early_b": {"dv_before_dp_wait": True, "dv_early_kblocks": None, "dq_stage_single_base": True},
     # A with only dV's first 2 (3) of 4 k-blocks before the dP wait (session 13; d128 causal builds spill-free).
     "dv_kb2": {"dv_before_dp_wait": True, "dv_early_kblocks": 2},
     "dv_kb3": {"dv_before_dp_wait": True, "dv_early_kblocks": 3},
     "dq_base": {"dq_stage_single_base": True},
-    "m80_regstats": {"tile_m": 80, "dq_swap_ab": True, "max_unshuffled_stat_cols": 20},
+    "m80_regstats": {
+        "tile_m": 80,
+        "dq_swap_ab": True,
+        "max_unshuffled_stat_cols": 20,
+        "dv_before_dp_wait": False,
+        "dv_early_kblocks": None,
+    },  # fmt: skip
     # Fixed cost around the main kernel (any head dim; BwdTileConfig's launch-overhead switches, all on by default):
     # "plain" turns all three off (a torch.zeros of the dQ accumulator, the sm80 family's preprocess, ordinary
     # launches), "memset" only the zeroing in the preprocess, "no_pdl" only the programmatic dependent launches.

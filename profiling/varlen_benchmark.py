@@ -145,7 +145,8 @@ def bench(lens: List[int], heads: int, head_dim: int, causal: bool, seed: int = 
     dense = lambda: cute_flash.attention(dq, dk, dv, causal=causal)  # noqa: E731
     if sm80:
         with _family("sm80"):
-            add(f"cute-flash dense sm80 ({batch}x{seqlen})", *_fwd_bwd_ms(dense, (dq, dk, dv), "dense"), dense_flops)
+            times = _fwd_bwd_ms(dense, (dq, dk, dv), "dense sm80")
+            add(f"cute-flash dense sm80 ({batch}x{seqlen})", *times, dense_flops)
     if torch.cuda.get_device_capability() == (9, 0):
         with _family(None):
             add(f"cute-flash dense default ({batch}x{seqlen})", *_fwd_bwd_ms(dense, (dq, dk, dv), "dense"), dense_flops)

@@ -21,7 +21,7 @@ from cute_flash.arch.sm90.tile_config import BwdTileConfig, bwd_config_problem, 
 from cute_flash.spec import AttentionSpec
 from profiling.sm90_bwd_variants import VARIANTS
 
-STUDY_VARIANTS = ("dv_early", "dv_early_b", "dq_base", "m80_regstats")
+STUDY_VARIANTS = ("dv_early", "dv_early_b", "dv_kb3", "dq_base", "m80_regstats")
 OVERHEAD_VARIANTS = ("plain", "memset", "no_pdl", "kv_barrier")
 OVERHEAD_FIELDS = ("zero_dq_in_preprocess", "pdl", "pdl_dq_post", "kv_with_first_tile")
 REPO = Path(__file__).resolve().parents[1]
@@ -51,10 +51,13 @@ def test_study_switches_default_off():
 
 
 def test_dv_early_kblocks_needs_dv_before_dp_wait():
-    cfg = _d128("local")
-    for bad in (dataclasses.replace(cfg, dv_early_kblocks=2), dataclasses.replace(_d128("none"), dv_early_kblocks=0)):
-        problem = bwd_config_problem(bad, 128)
-        assert problem is not None and "dv_early_kblocks" in problem
+    cfg, a = _d128("local"), _d128("none")
+    bad = [dataclasses.replace(cfg, dv_early_kblocks=2)]  # without A
+    bad += [dataclasses.replace(a, dv_early_kblocks=kb) for kb in (0, 4, True, 2.0)]  # 64-row tile: 4 k-blocks
+    for cfg_bad in bad:
+        problem = bwd_config_problem(cfg_bad, 128)
+        assert problem is not None and "dv_early_kblocks" in problem, cfg_bad
+    assert bwd_config_problem(dataclasses.replace(a, dv_early_kblocks=3), 128) is None
 
 
 def test_dv_before_dp_wait_needs_keys_on_rows():
@@ -257,9 +260,10 @@ GPU_CASES = [
 
 @pytest.mark.parametrize("name, sq, sk, mask, h, h_kv", GPU_CASES)
 def test_sm90_backward_study_variants(name, sq, sk, mask, h, h_kv):
-    """The d128 variants of docs/sm90_bwd_sass_study.md (profiling/sm90_bwd_variants.py; not defaults): the kernels
-    alone against the reference; the 64-row ones (dV before the dP wait, dQ staging from one base) change no
-    arithmetic, so their deterministic gradients equal the default's bit for bit."""
+    """The d128 variants of docs/sm90_bwd_sass_study.md (profiling/sm90_bwd_variants.py), each built on the no-mask
+    default for every mask (dv_kb3: a split other than the causal default's): the kernels alone against the
+    reference; the 64-row ones (dV before the dP wait, dQ staging from one base) change no arithmetic, so their
+    deterministic gradients equal the default's bit for bit."""
     from cute_flash.arch.sm90.backward import run_backward
     from cute_flash.testing import backward_inputs, backward_kernel_grads, check_backward, stable_seed
 

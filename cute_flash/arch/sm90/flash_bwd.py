@@ -1012,8 +1012,9 @@ class Sm90FlashBackward(BwdEntries):
         early = None if const_expr(self.cfg.dv_early_kblocks is None) else (0, min(self.cfg.dv_early_kblocks, dv_kb))
         late = None if const_expr(early is None or early[1] == dv_kb) else (early[1], dv_kb)
         if const_expr(dv_early):
-            # dV += Pᵀ·dO before the dP wait: P is its A operand, so every exponential is issued before that wait
-            # (ptxas hoists the wait above most of them otherwise); dV stays in flight through the dS math.
+            # dV += Pᵀ·dO before the dP wait: P is its A operand, so the exponentials it reads are issued before that
+            # wait (ptxas hoists the wait above most of them otherwise; with the first k-blocks only, ptxas still
+            # keeps all 32 ahead of it at d128 causal); dV stays in flight through the dS math.
             wgmma.store_p_operand(acc_S, tdVrP, early)
             dO_t = tdVrdOt[None, None, None, do.index]
             wgmma.gemm(tiled_mma_dkv, acc_dV, tdVrP, dO_t, zero_init=False, wait=-1, k_blocks=early)

@@ -137,8 +137,8 @@ class BwdTileConfig:
     0 alone computes the whole 64-row dQ: head dims such as 96 that split neither way).
     dq_swap_ab computes dQᵀ = Kᵀ·dSᵀ instead (FlashAttention-3's dQ_swapAB): wgmma's M is then the 64 head-dim columns
     of each consumer and the query rows are its N, so tile_m need not be a multiple of 64 (d128's 80-row tile).
-    Study switches (docs/sm90_bwd_sass_study.md, variants A, B, C; timed on an H100 in session 9, only A is a default,
-    at d128 without a mask: _BWD_BY_HEAD_DIM_AND_MASK):
+    Study switches (docs/sm90_bwd_sass_study.md, variants A, B, C; timed on an H100 in session 9; only A is a default:
+    at d128, whole without a mask and split (dv_early_kblocks) with a causal one, _BWD_BY_HEAD_DIM_AND_MASK):
       dv_before_dp_wait (A; keys on rows only): dV += Pᵀ·dO is issued before the dP wait, which becomes
           wait_group(1): P being dV's A operand pins all exponentials before that wait (ptxas hoists it otherwise).
           dv_early_kblocks: only that many of its k-blocks (16 queries each) go before the wait, the rest after dS,
@@ -229,8 +229,15 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int) -> Optional[str]:
             f"queries on rows need 64 x 64 tiles, 16-key multiples per consumer and dq_split 'n', got "
             f"{cfg.tile_m} x {cfg.tile_n}, {w} consumers, dq_split {cfg.dq_split!r}"
         )
-    if cfg.dv_early_kblocks is not None and (not cfg.dv_before_dp_wait or cfg.dv_early_kblocks < 1):
-        return f"dv_early_kblocks={cfg.dv_early_kblocks} needs dv_before_dp_wait and at least one k-block"
+    kb = cfg.dv_early_kblocks
+    if kb is not None and (
+        not isinstance(kb, int) or isinstance(kb, bool) or not cfg.dv_before_dp_wait or not 1 <= kb < cfg.tile_m // 16
+    ):
+        # (tile_m / 16 k-blocks or more: the whole product, which is None)
+        return (
+            f"dv_early_kblocks={kb!r} needs dv_before_dp_wait and an int in [1, {cfg.tile_m // 16}) (dV's k-blocks of "
+            f"16 queries before the dP wait; None for all of them)"
+        )
     if cfg.dv_before_dp_wait and not cfg.keys_on_rows:
         return (
             "dv_before_dp_wait needs keys on rows (P in registers as dV's A operand); with queries on rows P goes "
