@@ -1014,7 +1014,7 @@ class Sm90FlashBackward(BwdEntries):
         if const_expr(dv_early):
             # dV += Pᵀ·dO before the dP wait: P is its A operand, so the exponentials it reads are issued before that
             # wait (ptxas hoists the wait above most of them otherwise; with the first k-blocks only, ptxas still
-            # keeps all 32 ahead of it at d128 causal); dV stays in flight through the dS math.
+            # keeps the 32 of an unmasked d128 causal step ahead of it); dV stays in flight through the dS math.
             wgmma.store_p_operand(acc_S, tdVrP, early)
             dO_t = tdVrdOt[None, None, None, do.index]
             wgmma.gemm(tiled_mma_dkv, acc_dV, tdVrP, dO_t, zero_init=False, wait=-1, k_blocks=early)
