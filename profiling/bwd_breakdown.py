@@ -34,7 +34,8 @@ def _short(name: str) -> str:
     return name[:60]
 
 
-def _profile(fn, iters: int) -> dict:
+def kernel_times(fn, iters: int) -> dict:
+    """Mean device time (µs) per call of `fn`, per kernel (short names), under torch.profiler."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -78,7 +79,7 @@ def main() -> None:
                     def bwd(out=out):
                         torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
-                    times = _profile(bwd, args.iters)
+                    times = kernel_times(bwd, args.iters)
                     total = sum(times.values())
                     others = ", ".join(f"{k} {t:.0f}" for k, t in sorted(times.items()) if k != "main")
                     print(

@@ -99,10 +99,10 @@ def _fwd_bwd_ms(run: Callable[[], torch.Tensor], leaves, name: str = "") -> tupl
         torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
     if KERNELS:
-        from .bwd_breakdown import _profile
+        from .bwd_breakdown import kernel_times
 
         for direction, fn in (("fwd", run), ("bwd", backward)):
-            parts = sorted(_profile(fn, 5).items(), key=lambda kv: -kv[1])
+            parts = sorted(kernel_times(fn, 5).items(), key=lambda kv: -kv[1])
             KERNELS.append(f"{name:<40} {direction}: " + ", ".join(f"{k} {us:.0f}" for k, us in parts))
     return fwd, _bench_ms(backward)
 

@@ -147,8 +147,7 @@ def compile_dq_postprocess(spec: AttentionSpec, cfg, target: str, extra_options:
     dtype = dsl_dtype(spec.dtype)
     d = spec.head_dim
     if spec.varlen:
-        kernel = DqConvertSm90(dtype, d, cfg)
-        kernel.varlen = True
+        kernel = DqConvertSm90(dtype, d, cfg, varlen=True)
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
         options = compile_cache.compile_options(target, extra=extra_options or "")
         total, heads = cute.sym_int(), cute.sym_int()

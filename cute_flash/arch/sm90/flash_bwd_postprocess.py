@@ -34,9 +34,9 @@ class DqConvertSm90(AccumEntries):
     """dq = scale * dQ accumulator (entries in common/entries.py): accum (b, h, sq_padded * d) fp32, out (b, sq, h,
     d); packed: accum (h, rows * d), out (total_q, h, d)."""
 
-    varlen = False  # packed sequences (the `packed` entry; set on the instance by build.compile_dq_postprocess)
-
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, cfg: BwdTileConfig):
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, cfg: BwdTileConfig, varlen: bool = False):
+        """varlen: packed sequences (the `packed` entry), else dense tensors (`__call__`)."""
+        self.varlen = varlen
         self.dtype = dtype
         self.head_dim = head_dim
         self.cfg = cfg

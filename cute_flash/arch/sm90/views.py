@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import cutlass.cute as cute
 
+from ...common.packed import head_stats
+
 
 def seq_major_view(t: cute.Tensor) -> cute.Tensor:
     """(batch, seqlen, heads, dim) -> (seqlen, dim, heads, batch)."""
@@ -45,10 +47,8 @@ def head_stat_rows(mS: cute.Tensor, head, batch, offset=None) -> cute.Tensor:
 
 def accum_rows(mA: cute.Tensor, head, batch, row_offset=None, row_elems: int = 1) -> cute.Tensor:
     """One (sequence, head)'s flat fp32 accumulator: mA[batch, head, :] of a dense (b, h, rows * row_elems) buffer,
-    or the part from row `row_offset` of a packed (h, rows * row_elems) one."""
-    if row_offset is None:
-        return mA[batch, head, None]
-    return cute.domain_offset((row_offset * row_elems,), mA[head, None])
+    or the part from row `row_offset` of a packed (h, rows * row_elems) one (common/packed.head_stats' views)."""
+    return head_stats(mA, batch, head, None if row_offset is None else row_offset * row_elems)
 
 
 def tile_semaphores(mSem: cute.Tensor, head, batch, row_offset=None, tile: int = 1) -> cute.Tensor:
