@@ -167,7 +167,8 @@ class OnlineSoftmax:
     row_sum: cute.Tensor
     # Row sums in one chain instead of four. The sm90 forward takes it: with the 4-chain sums ptxas moves the wait
     # for the P·V wgmma ahead of the whole softmax; with one chain the maxima, the scale FFMAs and the first
-    # exponentials run while that wgmma is still in flight (+1.5-3% at d128, docs/performance.md session 13).
+    # exponentials run while that wgmma is still in flight (d128 +1.0-1.8% on the forward grid, docs/performance.md
+    # session 13).
     sequential_sum: bool = False
 
     @staticmethod
