@@ -37,6 +37,10 @@ VARIANTS = {
     "dv_kb2": {"dv_before_dp_wait": True, "dv_early_kblocks": 2},
     "dv_kb3": {"dv_before_dp_wait": True, "dv_early_kblocks": 3},
     "dq_base": {"dq_stage_single_base": True},
+    # The 80-row tile with dV's first 1 (2) of 5 k-blocks before the dP wait (session 14; 2: 8 spilled bytes, two
+    # values reloaded per step).
+    "m80_kb1": {"tile_m": 80, "dq_swap_ab": True, "dv_before_dp_wait": True, "dv_early_kblocks": 1},
+    "m80_kb2": {"tile_m": 80, "dq_swap_ab": True, "dv_before_dp_wait": True, "dv_early_kblocks": 2},
     "m80_regstats": {
         "tile_m": 80,
         "dq_swap_ab": True,
@@ -50,6 +54,8 @@ VARIANTS = {
     "plain": {"zero_dq_in_preprocess": False, "pdl": False, "pdl_dq_post": False},
     "memset": {"zero_dq_in_preprocess": False},
     "no_pdl": {"pdl": False, "pdl_dq_post": False},
+    "no_pdl_pre": {"pdl": False},  # only the preprocess -> main kernel launch
+    "no_pdl_post": {"pdl_dq_post": False},  # only the main kernel -> dQ postprocess launch
     # A CTA's first S product behind one K + V barrier (the order before session 10) instead of K with Q's first
     # stage and V with dO's.
     "kv_barrier": {"kv_with_first_tile": False},

@@ -189,7 +189,15 @@ def main(argv=None):
                     help="order of the sequences in cu_seqlens")  # fmt: skip
     ap.add_argument("--no-sm80", action="store_true", help="skip the sm80 family (Hopper: time the sm90 kernels only)")
     ap.add_argument("--kernels", action="store_true", help="also print each call's device time per kernel (µs)")
+    ap.add_argument("--bwd-variant", help="study: this sm90_bwd_variants variant as the d128 backward's default (its "
+                    "mask: --causal)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.bwd_variant:
+        from .bwd_variant_patch import apply
+
+        for mask in {"both": ("none", "causal"), "yes": ("causal",), "no": ("none",)}[args.causal]:
+            apply(args.bwd_variant, args.head_dim, mask)
+        print(f"sm90 backward: study variant {args.bwd_variant} as the d{args.head_dim} default")
 
     if args.lengths:
         lens = [int(n) for part in args.lengths.split(",") for n in _expand(part)]

@@ -122,12 +122,12 @@ import os, sys, json, tempfile
 os.environ["CUTE_DSL_ARCH"] = "sm_90a"
 from cute_flash import census, compile_cache
 from cute_flash.arch.sm90 import build
-from cute_flash.arch.sm90.tile_config import BwdTileConfig, bwd_config_problem
+from cute_flash.arch.sm90.tile_config import bwd_config_problem, bwd_tile_config
 from cute_flash.spec import AttentionSpec
 
-cfg = BwdTileConfig(tile_m=80, dq_split="n", dq_swap_ab=True)
-assert bwd_config_problem(cfg, 128) is None
 spec = AttentionSpec("bf16", 128, 128, sys.argv[1], "bf16")
+cfg = bwd_tile_config(spec, long=True)  # long query sequences without a mask: the 80-row tile
+assert (cfg.tile_m, cfg.dq_swap_ab, cfg.dv_early_kblocks) == (80, True, 1) and bwd_config_problem(cfg, 128) is None
 out = {}
 for role, make in (
     ("bwd", lambda o: build.compile_backward(spec, cfg, "sm_90a", gqa=False, extra_options=o)),
@@ -146,8 +146,9 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("mask", ["none"])  # (causal: the same build path; out of the CPU suite for time)
 def test_sm90_backward_dq_swap_ab_builds(mask):
-    # The 80-row query tile (dQᵀ = Kᵀ·dSᵀ, FlashAttention-3's unmasked d128 shape): the main kernel issues its five
-    # products as wgmma without spilling, and the postprocess writes dQᵀ with the transposing stmatrix.
+    # The 80-row query tile (dQᵀ = Kᵀ·dSᵀ, FlashAttention-3's unmasked d128 shape; the default for long query
+    # sequences without a mask, with dV's first k-block before the dP wait): the main kernel issues its five products
+    # as wgmma without spilling, and the postprocess writes dQᵀ with the transposing stmatrix.
     done = subprocess.run(
         [sys.executable, "-c", _SWAP_AB_SCRIPT, mask], cwd=REPO, capture_output=True, text=True, timeout=600
     )

@@ -99,7 +99,8 @@ def test_sm90_attention_backward(dt, d, sq, sk, mask, h, h_kv):
     [
         pytest.param(d, s, c, hk, marks=pytest.mark.xdist_group("long"))
         for d, s, c, hk in (
-            (128, 8192, False, 2),
+            (128, 8192, False, 2),  # (from 4096 query rows without a mask: the 80-row tile, tile_config)
+            (128, 4099, False, 1),
             (128, 8192, True, 2),
             (64, 8192, True, 1),
             (128, 16384, True, 1),
@@ -227,8 +228,9 @@ SWAP_AB_CASES = [
 
 @pytest.mark.parametrize("dt, sq, sk, mask, h, h_kv", SWAP_AB_CASES)
 def test_sm90_backward_dq_swap_ab(dt, sq, sk, mask, h, h_kv):
-    """The 80-row query tile with dQᵀ = Kᵀ·dSᵀ (BwdTileConfig.dq_swap_ab; not a default yet), d128: the kernels
-    alone against the reference, and deterministic repeats bitwise equal."""
+    """The 80-row query tile with dQᵀ = Kᵀ·dSᵀ (BwdTileConfig.dq_swap_ab; the default only for long query
+    sequences without a mask), d128, every mask: the kernels alone against the reference, and deterministic repeats
+    bitwise equal."""
     from cute_flash.arch.sm90.tile_config import BwdTileConfig
     from cute_flash.testing import check_backward
 

@@ -19,6 +19,7 @@ MASKS = {"full": (False, (None, None)), "causal": (True, (None, None)), "window"
 LENGTHS = {
     "mixed": ([4, 0, 1, 17, 128, 333, 64, 1, 77], [0, 0, 5, 17, 128, 333, 64, 1, 200]),
     "long": ([3, 1, 1537, 5, 0, 130], [3, 7, 1537, 2, 11, 65]),
+    "longest": ([37, 4133, 0, 81, 200], [37, 4133, 5, 80, 333]),
 }
 
 
@@ -26,7 +27,7 @@ def _cases():
     cases = []
     for mask in MASKS:
         for heads in ((4, 4), (4, 1)):
-            for lengths in LENGTHS:
+            for lengths in ("mixed", "long"):
                 cases.append(("bf16", 128, mask, heads, lengths))
     for mask in ("causal", "window"):
         cases.append(("fp16", 64, mask, (6, 2), "mixed"))
@@ -199,11 +200,18 @@ def test_varlen_torch_compile_training_step_matches_eager():
 
 # --- the sm90 packed kernels (the router's choice on Hopper; docs/varlen.md) -----------------------------------------
 def _sm90_cases():
-    cases = [("bf16", 128, mask, heads, lengths) for mask in MASKS for heads in ((4, 4), (4, 1)) for lengths in LENGTHS]
+    cases = [
+        ("bf16", 128, mask, heads, lengths)
+        for mask in MASKS
+        for heads in ((4, 4), (4, 1))
+        for lengths in ("mixed", "long")
+    ]
     cases += [("fp16", 64, mask, (6, 2), "mixed") for mask in MASKS]
     cases += [("bf16", 256, mask, (2, 1), "long") for mask in MASKS]
     cases += [("bf16", 96, mask, (4, 2), "mixed") for mask in ("full", "causal")]  # 4 threads per O row (gcd)
     cases += [("fp16", 256, mask, (4, 4), "mixed") for mask in ("causal", "window")]
+    # max_seqlen_q >= 4096 without a mask: the backward's long-sequence configuration (80-row query tiles).
+    cases += [("bf16", 128, "full", heads, "longest") for heads in ((4, 4), (4, 2))]
     return _params(cases, "sm90")
 
 
@@ -398,3 +406,48 @@ def test_varlen_strided_offset_and_expanded_tensors(family, kind, heads, dout_ki
     else:
         grads = tuple(f.grad[1:].view(t.shape) for f, t in zip(leaves, (q, k, v)))
     _check(q, k, v, cq, ck, 200, 200, out, lse, dout, grads, causal=True)
+
+
+@pytest.mark.parametrize(
+    "family", [pytest.param("sm80", marks=pytest.mark.sm80), pytest.param("sm90", marks=pytest.mark.sm90)]
+)
+@pytest.mark.parametrize("mask", ["causal", "full"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_varlen_non_finite_sequence_stays_in_its_rows(family, mask, heads):
+    """NaN in every q, k, v and dout row of two sequences: the other sequences' outputs and gradients are those of
+    the clean batch. The last tile of a sequence reads the next sequence's rows (sm90: TMA over the packed tensor),
+    where 0 · NaN in S, dP, dV += Pᵀ·dO or dK += dSᵀ·Q would carry them over unless those rows are zeroed."""
+    import cute_flash
+
+    causal = mask == "causal"
+    lens = [37, 70, 0, 200, 5, 129]
+    poisoned = (1, 4)
+    q, k, v, cq, ck = _packed("bf16", 128, lens, lens, *heads, seed=23)
+    e = cute_flash.explain_varlen(q, k, v, cq, ck, 200, 200, causal=causal)
+    assert (e.forward_family, e.backward_family) == (family, family)
+    dout = torch.randn(q.shape[0], heads[0], 128, device="cuda", dtype=q.dtype)
+    rows = [slice(cq[b].item(), cq[b + 1].item()) for b in poisoned]
+
+    def run(inputs, grad_out):
+        out, lse = cute_flash.attention_varlen(*inputs, cq, ck, 200, 200, causal=causal, return_lse=True)
+        return (out, lse, *torch.autograd.grad(out, inputs, grad_out))
+
+    clean = run((q, k, v), dout)
+    dirty_inputs = [t.detach().clone() for t in (q, k, v)]
+    dirty_dout = dout.clone()
+    for r in rows:
+        for t in (*dirty_inputs, dirty_dout):
+            t[r] = float("nan")
+    dirty = run(tuple(t.requires_grad_(True) for t in dirty_inputs), dirty_dout)
+    # The poisoned sequences' own rows are NaN; take the clean run's there and check the whole against float64.
+    merged = []
+    for c, d_ in zip(clean, dirty):
+        m = d_.clone()
+        for r in rows:
+            if m.dim() == 2:  # lse (h, total_q)
+                m[:, r] = c[:, r]
+            else:
+                m[r] = c[r]
+        merged.append(m)
+    out, lse, *grads = merged
+    _check(q, k, v, cq, ck, 200, 200, out, lse, dout, tuple(grads), causal=causal)

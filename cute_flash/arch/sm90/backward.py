@@ -45,6 +45,7 @@ from .tile_config import (
     bwd_head_dims,
     bwd_smem_bytes,
     bwd_tile_config,
+    long_queries,
 )
 
 FAMILY = "sm90"
@@ -140,28 +141,36 @@ class _Kernels(NamedTuple):
     convert: Optional[Callable]  # GQA's fp32 dK / dV sums to the input dtype
 
 
-def packed_tile_config(spec: AttentionSpec, deterministic: bool = False) -> BwdTileConfig:
-    """The packed backward's configuration: the dense one (deterministic or not) without the preprocess options (the
-    sm80 packed preprocess serves: it neither zeroes the dQ sums nor signals programmatic dependent launch)."""
-    return dataclasses.replace(bwd_tile_config(spec, deterministic), zero_dq_in_preprocess=False, pdl=False)
+def packed_tile_config(spec: AttentionSpec, deterministic: bool = False, long: bool = False) -> BwdTileConfig:
+    """The packed backward's configuration: the dense one (deterministic or not, `long` from max_seqlen_q) without
+    the preprocess options (the sm80 packed preprocess serves: it neither zeroes the dQ sums nor signals programmatic
+    dependent launch)."""
+    return dataclasses.replace(bwd_tile_config(spec, deterministic, long), zero_dq_in_preprocess=False, pdl=False)
 
 
 _launch_sets: Dict[tuple, _Kernels] = compile_cache.memo()
 
 
 def _kernels(
-    spec: AttentionSpec, cfg: Optional[BwdTileConfig], target: str, gqa: bool, deterministic: bool, seqused=False
+    spec: AttentionSpec,
+    cfg: Optional[BwdTileConfig],
+    target: str,
+    gqa: bool,
+    deterministic: bool,
+    seqused=False,
+    long: bool = False,
 ) -> _Kernels:
-    """The kernel set of a call, dense or packed (spec.varlen; `seqused`: seqused_k given), compiled, loaded from
-    disk or taken from memory on first use; a warm call does one dict lookup here instead of re-checking the
-    configuration and rebuilding five cache keys."""
-    key = (spec, cfg, target, gqa, deterministic, seqused)
+    """The kernel set of a call, dense or packed (spec.varlen; `seqused`: seqused_k given; `long`: the default
+    configuration for long query sequences, tile_config.long_queries), compiled, loaded from disk or taken from
+    memory on first use; a warm call does one dict lookup here instead of re-checking the configuration and
+    rebuilding five cache keys."""
+    key = (spec, cfg, target, gqa, deterministic, seqused, long)
     kernels = _launch_sets.get(key)
     if kernels is None:
         reason = backward_unsupported_reason(spec)
         if reason is not None:
             raise NotImplementedError(reason)
-        chosen = cfg or (packed_tile_config if spec.varlen else bwd_tile_config)(spec, deterministic)
+        chosen = cfg or (packed_tile_config if spec.varlen else bwd_tile_config)(spec, deterministic, long)
         problem = bwd_config_problem(chosen, spec.head_dim)
         if problem is None and deterministic and chosen.dq_red:
             problem = "dq_red adds dQ with plain atomics in no fixed order: no deterministic build"
@@ -202,7 +211,8 @@ def backward_launcher(
     kernels' layout by construction, keeps an unchecked launcher."""
     p, mask = problem, problem.mask
     gqa = p.nheads != p.nheads_kv
-    kernels = _kernels(p.spec, cfg, compile_cache.runtime_target(device), gqa, deterministic)
+    target = compile_cache.runtime_target(device)
+    kernels = _kernels(p.spec, cfg, target, gqa, deterministic, long=long_queries(p.seqlen_q))
     cfg = kernels.cfg
     seqlen_q_pad = _round_up(p.seqlen_q, math.lcm(cfg.tile_m, STATS_ROW_MULTIPLE))
     stats_shape = (p.batch, p.nheads, seqlen_q_pad)
@@ -257,7 +267,7 @@ def run_backward_varlen(
     total_k, nheads_kv = k.shape[0], k.shape[1]
     gqa = nheads != nheads_kv
     target = compile_cache.runtime_target(q.device)
-    kernels = _kernels(spec, None, target, gqa, deterministic, seqused_k is not None)
+    kernels = _kernels(spec, None, target, gqa, deterministic, seqused_k is not None, long_queries(max_seqlen_q))
     pad_q, pad_k = packed_pads(kernels.cfg.tile_m, kernels.cfg.tile_n)
     batch = cu_seqlens_q.shape[0] - 1
     # Whole pad_q blocks: TMA boxes of the statistics and the dQ sums' query tiles stay inside the buffers.
@@ -293,8 +303,11 @@ def run_backward_varlen(
 
 def warm_backward(spec: AttentionSpec, target: str, *, gqa: bool, deterministic: bool) -> None:
     """Gets every kernel `run_backward` (packed specs: `run_backward_varlen` without seqused_k) launches for `spec`
-    (default tile config) under the same cache keys."""
-    _kernels(spec, None, target, gqa, deterministic)
+    (default tile configs, short and long query sequences) under the same cache keys."""
+    for long in (False, True):
+        if long and bwd_tile_config(spec, deterministic, True) == bwd_tile_config(spec, deterministic):
+            continue  # (no long-sequence configuration: the same kernels)
+        _kernels(spec, None, target, gqa, deterministic, long=long)
 
 
 def compile_backward_artifacts(

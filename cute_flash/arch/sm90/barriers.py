@@ -64,6 +64,6 @@ class BwdBarrierId(enum.IntEnum):
     """Named barriers of the sm90 backward kernel."""
 
     DS_READY = 1  # (consumers) every consumer's dSᵀ rows of this query tile are in shared memory
-    EPILOGUE = 2  # (consumers) around the dK / dV staging in shared memory
+    EPILOGUE = 2  # (consumers) around the dK / dV staging in shared memory; after zeroing packed tail rows
     DQ_EMPTY_FIRST = 3  # + c: (consumer c and the dQ warp) consumer c's dQ buffer may be written
     DQ_FULL_FIRST = DQ_EMPTY_FIRST + MAX_BWD_CONSUMER_WGS  # + c: consumer c's dQ is in its buffer

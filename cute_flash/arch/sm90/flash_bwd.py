@@ -841,17 +841,27 @@ class Sm90FlashBackward(BwdEntries):
                 tidx=tidx,
             )
             # Query tiles in order; only those crossing a window edge (or all of them when this key tile runs
-            # past seqlen_k) are masked element by element.
+            # past seqlen_k) are masked element by element. Packed sequences: a last query tile that reaches past the
+            # sequence's end is the walk's last step, taken after the loops (zero_q_do_tail; outside them, so that its
+            # addresses are not held through the loops: inside, the d128 / d64 / d96 builds spilled 20-24 bytes;
+            # this step costs the d96 causal build 20 bytes, a value reloaded once per step, and none at d64 / d128 /
+            # d256 without a window).
+            m_end = m_max
+            q_tail = False
+            if const_expr(self.varlen):
+                q_tail = m_max * self.tile_m > info.seqlen_q
+                if q_tail:
+                    m_end = m_max - 1
             kv_tail = (n_block + 1) * self.tile_n > info.seqlen_k
             masked_end = m_min
             if const_expr(info.has_right_bound):
-                masked_end = cutlass.max(cutlass.min(info.q_right_masked_end(n_block), m_max), m_min)
-            left_start = m_max
+                masked_end = cutlass.max(cutlass.min(info.q_right_masked_end(n_block), m_end), m_min)
+            left_start = m_end
             if const_expr(info.has_left_bound):
-                left_start = cutlass.max(cutlass.min(info.q_left_masked_start(n_block), m_max), masked_end)
+                left_start = cutlass.max(cutlass.min(info.q_left_masked_start(n_block), m_end), masked_end)
             if kv_tail:
-                masked_end = m_max
-                left_start = m_max
+                masked_end = m_end
+                left_start = m_end
                 if const_expr(self.varlen):
                     self.zero_kv_tail(pipe_kv, pipe_q, pipe_do, sK, sV, info.seqlen_k - n_block * self.tile_n, tidx)
             for m_block in cutlass.range(m_min, masked_end, unroll=1):
@@ -859,8 +869,13 @@ class Sm90FlashBackward(BwdEntries):
             for m_block in cutlass.range(masked_end, left_start, unroll=1):
                 q, do = step(q, do, m_block, False)
             if const_expr(info.has_left_bound):
-                for m_block in cutlass.range(left_start, m_max, unroll=1):
+                for m_block in cutlass.range(left_start, m_end, unroll=1):
                     q, do = step(q, do, m_block, True)
+            if const_expr(self.varlen):
+                if q_tail:
+                    rows = info.seqlen_q - m_end * self.tile_m
+                    self.zero_q_do_tail(pipe_q, pipe_do, q, do, sQ, sdO, rows, tidx)
+                    q, do = step(q, do, m_end, True)
 
         if const_expr(self.cfg.pdl):
             # Before any global write of the consumers: dK / dV (GQA: sums zeroed by an earlier launch) and the GQA
@@ -926,6 +941,22 @@ class Sm90FlashBackward(BwdEntries):
             consumer_wait(pipe_do, consumer_state(self.num_stages))
         for s in (sK, sV):
             zero_rows_from(s[None, None, 0], keys, self.dtype, self.tile_n, self.head_dim, tidx % WARPGROUP_THREADS)
+        cute.arch.fence_view_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
+        cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
+
+    @cute.jit
+    def zero_q_do_tail(self, pipe_q, pipe_do, q, do, sQ: cute.Tensor, sdO: cute.Tensor, rows: Int32, tidx: Int32):
+        """Packed sequences: the Q and dO rows of a sequence's last query tile past seqlen_q (`rows` rows are the
+        sequence's) are the next sequence's rows as TMA loaded them. Their P and dS are exactly 0 (lse_log2 = +inf,
+        D = 0 in the padding rows), but 0 · Inf / NaN (S = K·Qᵀ, dP = V·dOᵀ, dV += Pᵀ·dO, dK += dSᵀ·Q) would carry
+        non-finite values of that sequence into this one's dK / dV: every consumer warpgroup zeroes them (the same
+        values, no race) once they have landed, before this step's first product."""
+        pipe_q.consumer_wait(q)
+        pipe_do.consumer_wait(do)
+        zero_rows_from(sQ[None, None, q.index], rows, self.dtype, self.tile_m, self.head_dim, tidx % WARPGROUP_THREADS)
+        zero_rows_from(
+            sdO[None, None, do.index], rows, self.dtype, self.tile_m, self.head_dim, tidx % WARPGROUP_THREADS
+        )
         cute.arch.fence_view_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
         cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
 

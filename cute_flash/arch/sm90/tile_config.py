@@ -301,8 +301,8 @@ def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, elem_bytes: int = 2) -> in
 #   d128: 64 x 128 tiles, dQ split by head-dim halves: Sᵀ, dPᵀ (32 registers each), dV and dK (64 each) and dQ (32)
 #         fit the 240 registers of a consumer thread. FlashAttention-3 takes 80 x 128 tiles without a mask (25% more
 #         queries per step for the same per-step costs; dQᵀ = Kᵀ·dSᵀ, since 80 rows are no wgmma M): built here as
-#         dq_swap_ab (profiling/sm90_bwd_variants.py "m80", "m80_regstats"); measured on an H100 in session 9 it was
-#         not faster than 64 rows here (below), so not the default.
+#         dq_swap_ab (profiling/sm90_bwd_variants.py "m80", "m80_kb1", "m80_regstats"): the default without a mask
+#         from 4096 query rows on (_BWD_LONG_QUERIES), not below (shorter walks and the partial last tile cost more).
 #   d256: 64 x 64 tiles with queries on rows (FlashAttention-3's d256 shape): dK and dV split by head-dim halves
 #         (64 registers each) instead of 128 keys' rows (256 each); P and dS through shared memory. dQ is added from
 #         registers (dq_red), which frees the fp32 dQ buffer (64 KiB) for a second Q / dO stage (226 KiB): 1.34x the
@@ -332,8 +332,7 @@ def bwd_head_dims() -> tuple:
 #   d128 without a mask: dV's product issued before the dP wait (docs/sm90_bwd_sass_study.md, variant A), which keeps
 #         all 32 exponentials ahead of that wait: +1.4% on average over 1k/4k/16k in two H100 runs (-0.8 to +2.5% per
 #         point; docs/performance.md, session 9), no spills in any build. With a causal mask the whole product there
-#         measured neutral and spills 8 bytes (half of it: below); FA3's 80-row tile (m80, m80_regstats) measured
-#         -1.6% and -0.2% against the default in the same run, so the 64-row tile stays.
+#         measured neutral and spills 8 bytes (half of it: below). Long query sequences: _BWD_LONG_QUERIES.
 #   d128 causal: dV's first 2 of 4 k-blocks before the dP wait (dv_early_kblocks; the whole product there spills 8
 #         bytes): all 32 exponentials of the unmasked steps ahead of the wait (4 before), no spills in the dense,
 #         GQA and deterministic builds; +3.4% geomean over 1k / 4k / 16k (+1.2 / +2.5 / +6.6%; 3 of 4 k-blocks:
@@ -344,16 +343,35 @@ _BWD_BY_HEAD_DIM_AND_MASK = {
 }
 
 
-def bwd_tile_config(spec: AttentionSpec, deterministic: bool = False) -> Optional[BwdTileConfig]:
-    """The sm90 backward's configuration for `spec` (its deterministic build's when asked), or None where it has
-    none."""
+# Per-mask changes for long query sequences (`long_queries`; not in deterministic builds).
+#   d128 without a mask: FlashAttention-3's 80-row tile (dQᵀ = Kᵀ·dSᵀ) with dV's first of 5 k-blocks before the dP
+#         wait (no spills; the whole product there spills 128 bytes, 2 k-blocks 8 and measured 0.86x). Against the
+#         64-row default, H200, session 14 (docs/performance.md), two runs: 1k -4.3 / -4.1%, 2k 0.0%, 4k 0.0 / +1.1%,
+#         8k +1.7%, 16k +4.0 / +2.0%; the varlen benchmark's drawn mix (max 8037) +0.0 to +0.9%. Below LONG_QUERIES
+#         the 80-row tile's partial last tile and shorter walks cost more than its 25% longer steps gain.
+_BWD_LONG_QUERIES = {
+    (128, "none"): {"tile_m": 80, "dq_swap_ab": True, "dv_early_kblocks": 1},
+}
+LONG_QUERIES = 4096
+
+
+def long_queries(seqlen_q: int) -> bool:
+    """Whether a backward over `seqlen_q` query rows (packed: max_seqlen_q) takes the long-sequence configuration."""
+    return seqlen_q >= LONG_QUERIES
+
+
+def bwd_tile_config(spec: AttentionSpec, deterministic: bool = False, long: bool = False) -> Optional[BwdTileConfig]:
+    """The sm90 backward's configuration for `spec` (its deterministic build's when asked; `long`: for long query
+    sequences, `long_queries`), or None where it has none."""
     if spec.head_dim != spec.head_dim_v:
         return None
     cfg = _BWD_BY_HEAD_DIM.get(spec.head_dim)
     if cfg is None:
         return None
+    key = (spec.head_dim, spec.mask)
     changes = {
-        **_BWD_BY_HEAD_DIM_AND_MASK.get((spec.head_dim, spec.mask), {}),
+        **_BWD_BY_HEAD_DIM_AND_MASK.get(key, {}),
         **(_BWD_DETERMINISTIC.get(spec.head_dim, {}) if deterministic else {}),
+        **(_BWD_LONG_QUERIES.get(key, {}) if long and not deterministic else {}),
     }
     return replace(cfg, **changes) if changes else cfg

@@ -1,0 +1,39 @@
+"""Study helper (GPU): makes a study variant of profiling/sm90_bwd_variants.py the sm90 backward's default for one
+head dim and mask, dense and packed, so that code which calls the public API (the varlen benchmark, the test suites)
+runs it. Also a pytest plugin:
+
+    CUTE_FLASH_BWD_VARIANT=m80_kb1 python -m pytest -p profiling.bwd_variant_patch tests/test_varlen_gpu.py -m sm90
+
+(head dim 128 and no mask unless CUTE_FLASH_BWD_VARIANT_AT="d,mask" says otherwise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+def apply(name: str, head_dim: int = 128, mask: str = "none") -> None:
+    """From now on in this process, (head_dim, mask) backwards take VARIANTS[name] (kernel sets built before stay)."""
+    from cute_flash.arch.sm90 import backward
+
+    from .sm90_bwd_variants import VARIANTS
+
+    changes = VARIANTS[name]
+    default = backward.bwd_tile_config
+
+    def patched(spec, deterministic=False, long=False):
+        cfg = default(spec, deterministic, long)
+        if cfg is not None and (spec.head_dim, spec.mask) == (head_dim, mask) and not deterministic:
+            cfg = dataclasses.replace(cfg, **changes)
+        return cfg
+
+    backward.bwd_tile_config = patched  # packed_tile_config and _kernels read the module attribute
+    backward._launch_sets.clear()
+
+
+def pytest_configure(config) -> None:  # noqa: ARG001 - pytest hook signature
+    name = os.environ.get("CUTE_FLASH_BWD_VARIANT")
+    if name:
+        d, mask = os.environ.get("CUTE_FLASH_BWD_VARIANT_AT", "128,none").split(",")
+        apply(name, int(d), mask)
