@@ -28,7 +28,7 @@ def apply(name: str, head_dim: int = 128, mask: str = "none") -> None:
             cfg = dataclasses.replace(cfg, **changes)
         return cfg
 
-    backward.bwd_tile_config = patched  # packed_tile_config and _kernels read the module attribute
+    backward.bwd_tile_config = patched  # _kernels reads the module attribute
     backward._launch_sets.clear()
 
 

@@ -76,7 +76,9 @@ def main() -> None:
     p.add_argument("--shape", default="1,128,8,128", help="batch,seqlen,heads,head_dim")
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--profile", action="store_true", help="print a cProfile of the forward + backward calls")
+    p.add_argument("--capability", default="9.0", help="the compute capability the router sees (8.0: the sm80 family)")
     args = p.parse_args()
+    capability = tuple(int(x) for x in args.capability.split("."))
     b, s, h, d = (int(x) for x in args.shape.split(","))
 
     import cute_flash
@@ -108,11 +110,14 @@ def main() -> None:
     def floor():
         return torch.autograd.grad(Floor.apply(q, k, v)[0], (q, k, v), dout)
 
-    with fake_gpu():
+    with fake_gpu(capability):
         fwd = host_us(forward, args.calls)
         both = host_us(forward_backward, args.calls)
         torch_floor = host_us(floor, args.calls)
-        print(f"host µs per warm call (CPU, no-op kernels), b{b} s{s} h{h} d{d} bf16 causal, {args.calls} calls")
+        print(
+            f"host µs per warm call (CPU, no-op kernels, capability {args.capability}), b{b} s{s} h{h} d{d} bf16 "
+            f"causal, {args.calls} calls"
+        )
         print(f"forward {fwd:.1f}  forward+backward {both:.1f}  (torch's floor, fwd+bwd: {torch_floor:.1f})")
         if args.profile:
             prof = cProfile.Profile()

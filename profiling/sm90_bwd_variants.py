@@ -56,6 +56,7 @@ VARIANTS = {
     "no_pdl": {"pdl": False, "pdl_dq_post": False},
     "no_pdl_pre": {"pdl": False},  # only the preprocess -> main kernel launch
     "no_pdl_post": {"pdl_dq_post": False},  # only the main kernel -> dQ postprocess launch
+    "pre_plain": {"zero_dq_in_preprocess": False, "pdl": False},  # what packed calls ran before session 14
     # A CTA's first S product behind one K + V barrier (the order before session 10) instead of K with Q's first
     # stage and V with dO's.
     "kv_barrier": {"kv_with_first_tile": False},

@@ -107,7 +107,9 @@ def _fwd_bwd_ms(run: Callable[[], torch.Tensor], leaves, name: str = "") -> tupl
     return fwd, _bench_ms(backward)
 
 
-def bench(lens: List[int], heads: int, head_dim: int, causal: bool, seed: int = 0, sm80: bool = True) -> List[dict]:
+def bench(
+    lens: List[int], heads: int, head_dim: int, causal: bool, seed: int = 0, sm80: bool = True, peers: bool = True
+) -> List[dict]:
     import cute_flash
 
     dtype, dev = torch.bfloat16, "cuda"
@@ -137,6 +139,8 @@ def bench(lens: List[int], heads: int, head_dim: int, causal: bool, seed: int = 
         with _family(None):
             add("cute-flash varlen default", *_fwd_bwd_ms(varlen, (q, k, v), "varlen"), fwd_flops)
 
+    if not peers:
+        return rows
     # Dense at equal tokens and (nearly) equal work: batch x L with L = sum(s^2) / sum(s).
     seqlen = max(128, round(sum(s * s for s in lens) / total / 128) * 128)
     batch = max(1, round(total / seqlen))
@@ -189,6 +193,7 @@ def main(argv=None):
                     help="order of the sequences in cu_seqlens")  # fmt: skip
     ap.add_argument("--no-sm80", action="store_true", help="skip the sm80 family (Hopper: time the sm90 kernels only)")
     ap.add_argument("--kernels", action="store_true", help="also print each call's device time per kernel (µs)")
+    ap.add_argument("--no-peers", action="store_true", help="only cute-flash's packed call (no dense, no FA4)")
     ap.add_argument("--bwd-variant", help="study: this sm90_bwd_variants variant as the d128 backward's default (its "
                     "mask: --causal)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -212,7 +217,7 @@ def main(argv=None):
     for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]:
         print(f"\n{'causal' if causal else 'non-causal'}")
         print(f"{'impl':<44}{'fwd ms':>9}{'fwd TF/s':>10}{'bwd ms':>9}{'bwd TF/s':>10}")
-        for r in bench(lens, args.heads, args.head_dim, causal, args.seed, sm80=not args.no_sm80):
+        for r in bench(lens, args.heads, args.head_dim, causal, args.seed, not args.no_sm80, not args.no_peers):
             if "fwd_ms" not in r:
                 print(r["impl"])
                 continue

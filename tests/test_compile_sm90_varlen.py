@@ -37,7 +37,7 @@ with census.capture_fd_stderr() as captured:
         det = role.endswith("_det")
         role = role.removesuffix("_det") + ("_seqused" if seqused else "") + ("_det" if det else "")
         compiled = backward._build(
-            role, spec, backward.packed_tile_config(spec, det), "sm_90a", compile_cache.keep_artifacts_options(dump)
+            role, spec, backward.bwd_tile_config(spec, det), "sm_90a", compile_cache.keep_artifacts_options(dump)
         )
 ptx = compiled.artifacts.PTX
 print(json.dumps({

@@ -43,3 +43,41 @@ def test_device_check_is_part_of_the_signature(monkeypatch):
     monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda",))
     with pytest.raises(ValueError, match="CUDA GPUs only"):
         interface._plan(q, k, v, False, None, (None, None), False)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_sm80_bound_launchers_launch_each_kernel_once_per_call(heads):
+    """The sm80 family's bound launchers (an Ampere GPU, no-op kernels on CPU tensors: profiling/host_overhead_cpu):
+    a cold and a warm call launch the same kernels in the same order with the same buffer shapes and scalars."""
+    from cute_flash import compile_cache
+    from profiling.host_overhead_cpu import fake_gpu
+
+    import cute_flash
+
+    def recorder(key, build):
+        return lambda *args: calls.append((key[2], [tuple(a.shape) if hasattr(a, "shape") else a for a in args]))
+
+    h, h_kv = heads
+    q = torch.randn(2, 77, h, 64, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 77, h_kv, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    runs = []
+    with fake_gpu((8, 0)):
+        compile_cache.get_or_compile = recorder  # (fake_gpu restores the real one)
+        assert cute_flash.explain(q, k, v, causal=True).forward_family == "sm80"
+        for _ in range(2):
+            calls = []
+            out = cute_flash.attention(q, k, v, causal=True, softmax_scale=0.25)
+            out.backward(torch.ones_like(out))
+            runs.append(calls)
+    cold, warm = runs
+    assert cold == warm
+    from cute_flash.arch.sm80.tile_config import bwd_tile_config
+
+    gqa = h != h_kv
+    fragment = bwd_tile_config(64, "sm_90a").dq_layout == "fragment"  # (fake_gpu's runtime target)
+    assert [role for role, _ in warm] == [
+        "fwd", "bwd_preprocess", "bwd_gqa" if gqa else "bwd", "bwd_dq_postprocess" if fragment else "bwd_postprocess"
+    ] + ["bwd_postprocess"] * (2 if gqa else 0)  # fmt: skip
+    fwd_args, main_args = warm[0][1], warm[2][1]
+    assert fwd_args[-3] == main_args[-3] == 0.25 and fwd_args[-1] == main_args[-1] == 0  # scale; causal: right 0
+    assert fwd_args[-2] == main_args[-2]  # the same (unbounded) left edge

@@ -111,6 +111,13 @@ class ArchBackend(Protocol):
         with this, also without a GPU."""
 
 
+def bound_forward(kernel: Callable, problem: Problem) -> ForwardLauncher:
+    """The `forward_launcher` of a compiled fp16/bf16 forward kernel (q, k, v, out, lse, softmax_scale, window_left,
+    window_right): the scalars converted once; its tensors are in the kernel's layout (the eager path's guarantee)."""
+    scale, left, right = float(problem.softmax_scale), int(problem.mask.left), int(problem.mask.right)
+    return lambda q, k, v, out, lse: kernel(q, k, v, out, lse, scale, left, right)
+
+
 def launcher_through_forward(backend: ArchBackend, problem: Problem) -> ForwardLauncher:
     """The `forward_launcher` of a family without a faster bound form: every call goes through `forward`."""
     return lambda q, k, v, out, lse: backend.forward(FwdTensors(q, k, v, out, lse), problem)

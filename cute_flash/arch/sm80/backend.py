@@ -21,7 +21,7 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import Problem, VarlenProblem, kernel_view
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, PackedSeqs
-from ..base import launch_packed_forward, launcher_through_backward, launcher_through_forward, prepare_build
+from ..base import bound_forward, launch_packed_forward, prepare_build
 from ...census import cubin_resources
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_operand, fake_packed_forward_args
@@ -180,7 +180,10 @@ class _Backend:
         return compile_cache.get_or_compile(key, lambda: _compile_runnable_forward(spec, target))
 
     def forward_launcher(self, problem: Problem, device: torch.device) -> ForwardLauncher:
-        return launcher_through_forward(self, problem)  # (each call checks its layouts: see `forward`)
+        reason = forward_unsupported_reason(problem.spec)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        return bound_forward(self._forward_kernel(problem.spec, compile_cache.runtime_target(device)), problem)
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
         q, k, v, out, lse = t
@@ -215,7 +218,9 @@ class _Backend:
     def backward_launcher(
         self, problem: Problem, device: torch.device, deterministic: bool = False
     ) -> BackwardLauncher:
-        return launcher_through_backward(self, problem, deterministic)
+        if deterministic:
+            raise NotImplementedError(DETERMINISTIC_UNSUPPORTED)
+        return _backward_module().backward_launcher(problem, device, checked=False)
 
     def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
         if deterministic:

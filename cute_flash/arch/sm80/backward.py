@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -377,42 +377,55 @@ def packed_dkv_destinations(dk: torch.Tensor, dv: torch.Tensor, gqa: bool, sequs
 def run_backward(t: BwdTensors, grads: Grads, problem: Problem, cfg: Optional[BwdTileConfig] = None) -> None:
     """Fills `grads` (shaped and typed like q, k, v) on torch's current stream. cfg: a tile config other than the
     default (for studies: profiling/sm80_bwd_variants.py)."""
-    dout, q, k, v, out, lse = t
-    dq, dk, dv = grads
+    backward_launcher(problem, t.q.device, cfg)(t, grads)
+
+
+def backward_launcher(
+    problem: Problem, device, cfg: Optional[BwdTileConfig] = None, checked: bool = True
+) -> Callable[[BwdTensors, Grads], None]:
+    """`run_backward` of one dense `problem` on `device` as launch(t, grads), with what depends only on them (the
+    kernels, the buffers' shapes, the scalars) settled once. checked: every tensor goes through kernel_view's check
+    (grad_views: raises for a layout the kernels cannot take); the eager plan, whose tensors are in the kernels'
+    layout by construction, keeps an unchecked launcher."""
     spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
     reason = backward_unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(reason)
-    target = compile_cache.runtime_target(q.device)
-    override = cfg  # None on the launch path: its kernels' cache keys then skip hashing a config every call
+    target = compile_cache.runtime_target(device)
+    override = cfg
     cfg = cfg or bwd_tile_config(spec.head_dim, target)
-    batch, seqlen_q, nheads, head_dim = q.shape
-    gqa = nheads != k.shape[2]
+    batch, seqlen_q, nheads, head_dim = problem.batch, problem.seqlen_q, problem.nheads, problem.head_dim
+    gqa = nheads != problem.nheads_kv
     seqlen_q_pad = _round_up(seqlen_q, max(cfg.block_m, _PRE_POST_BLOCK_M))
-    f32 = dict(dtype=torch.float32, device=q.device)
-
-    lse_log2 = torch.empty(batch, nheads, seqlen_q_pad, **f32)
-    dpsum = torch.empty(batch, nheads, seqlen_q_pad, **f32)
-    if cfg.dq_layout == "fragment":
-        dq_accum = torch.zeros(batch, nheads, seqlen_q_pad * head_dim, **f32)
-    else:
-        dq_accum = torch.zeros(batch, seqlen_q_pad, nheads, head_dim, **f32)
-    q, k, v, dout, out, dq, dk, dv = grad_views(q, k, v, dout, out, dq, dk, dv)
-
-    _kernel("bwd_preprocess", spec, target)(out, dout, lse, dpsum, lse_log2)
-    dk_out, dv_out = dkv_destinations(dk, dv, gqa, max(cfg.block_n, _PRE_POST_BLOCK_M))  # whole postprocess blocks
-    _kernel("bwd_gqa" if gqa else "bwd", spec, target, override)(
-        q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, None, None, softmax_scale, mask.left, mask.right
-    )  # (None, None: no semaphores)
+    f32 = dict(dtype=torch.float32, device=device)
+    stats_shape = (batch, nheads, seqlen_q_pad)
+    fragment = cfg.dq_layout == "fragment"
+    dq_accum_shape = (batch, nheads, seqlen_q_pad * head_dim) if fragment else (batch, seqlen_q_pad, nheads, head_dim)
+    dkv_block = max(cfg.block_n, _PRE_POST_BLOCK_M)  # whole postprocess blocks
+    preprocess = _kernel("bwd_preprocess", spec, target)
+    main = _kernel("bwd_gqa" if gqa else "bwd", spec, target, override)
     postprocess = _kernel("bwd_postprocess", spec, target)
-    if cfg.dq_layout == "fragment":
-        _kernel("bwd_dq_postprocess", spec, target, override)(dq_accum, dq, softmax_scale)
-    else:
-        postprocess(dq_accum, dq, softmax_scale)
-    if gqa:
-        # The main kernel already applied the softmax scale to dK.
-        postprocess(dk_out, dk, 1.0)
-        postprocess(dv_out, dv, 1.0)
+    dq_postprocess = _kernel("bwd_dq_postprocess", spec, target, override) if fragment else postprocess
+    scale, left, right = softmax_scale, mask.left, mask.right
+
+    def launch(t: BwdTensors, grads: Grads) -> None:
+        dout, q, k, v, out, lse = t
+        dq, dk, dv = grads
+        lse_log2 = torch.empty(stats_shape, **f32)
+        dpsum = torch.empty(stats_shape, **f32)
+        dq_accum = torch.zeros(dq_accum_shape, **f32)
+        if checked:
+            q, k, v, dout, out, dq, dk, dv = grad_views(q, k, v, dout, out, dq, dk, dv)
+        preprocess(out, dout, lse, dpsum, lse_log2)
+        dk_out, dv_out = dkv_destinations(dk, dv, gqa, dkv_block)
+        main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, None, None, scale, left, right)  # no semaphores
+        dq_postprocess(dq_accum, dq, scale)
+        if gqa:
+            # The main kernel already applied the softmax scale to dK.
+            postprocess(dk_out, dk, 1.0)
+            postprocess(dv_out, dv, 1.0)
+
+    return launch
 
 
 def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: VarlenProblem) -> None:

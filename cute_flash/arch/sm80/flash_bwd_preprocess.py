@@ -11,8 +11,9 @@ sees a single key: P = 1, O = V_j bitwise), dP_ij - D_i is then exactly 0, as it
 rounding difference between two summation orders.
 
 Two options serve the sm90 backward (BwdTileConfig.zero_dq_in_preprocess / pdl; on in its defaults, off here):
-zero_dq_accum also zeroes the main kernel's (b, h, sq_padded * d) fp32 dQ accumulator, each CTA its 64 rows (64 * d
-contiguous floats, 16-byte stores), in place of a separate memset; launch_dependents lets a dependent kernel launched
+zero_dq_accum also zeroes the main kernel's (b, h, sq_padded * d) fp32 dQ accumulator (packed: each sequence's padded
+rows of (h, rows * d)), each CTA its 64 rows (64 * d contiguous floats, 16-byte stores), in place of a separate
+memset; launch_dependents lets a dependent kernel launched
 with programmatic dependent launch (PDL) start at once (it waits, griddepcontrol.wait, before reading what this
 kernel writes).
 """
@@ -37,9 +38,9 @@ ROWS_PER_WARP = 16  # the mma's m
 class BackwardPreprocessSm80:
     """Computes dpsum = rowsum(dO * O) and lse_log2 = lse * log2(e) (+inf where the row is empty or padding)."""
 
-    # Study options of the sm90 backward, set per instance by its option builds (arch/sm90/build.py compile_preprocess):
-    # zero_dq_accum, entry `with_dq_zeroing` (dense only), also zeroes the sm90 dQ accumulator; launch_dependents,
-    # griddepcontrol.launch_dependents at the start of every CTA (for a PDL-launched successor).
+    # Options of the sm90 backward, set per instance by its option builds (arch/sm90/build.py compile_preprocess):
+    # zero_dq_accum, entries `with_dq_zeroing` / `packed_with_dq_zeroing`, also zeroes the sm90 dQ accumulator;
+    # launch_dependents, griddepcontrol.launch_dependents at the start of every CTA (for a PDL-launched successor).
     zero_dq_accum = False
     launch_dependents = False
 
@@ -69,7 +70,7 @@ class BackwardPreprocessSm80:
     @cute.jit
     def with_dq_zeroing(self, mO, mdO, mLSE, mdPsum, mLSElog2, mdQaccum, stream):
         """`__call__` that also zeroes mdQaccum, (b, h, sq_padded * dv) fp32 with 16-byte aligned rows."""
-        assert self.zero_dq_accum and not self.varlen, "the dQ accumulator zeroing serves the dense sm90 backward"
+        assert self.zero_dq_accum and not self.varlen
         self._launch(mO, mdO, mLSE, mdPsum, mLSElog2, stream, mdQaccum=mdQaccum)
 
     @cute.jit
@@ -87,6 +88,15 @@ class BackwardPreprocessSm80:
     ):
         assert self.varlen
         self._launch(mO, mdO, mLSE, mdPsum, mLSElog2, stream, mCuSeqlensQ, pad_q, num_blocks)
+
+    @cute.jit
+    def packed_with_dq_zeroing(
+        self, mO, mdO, mLSE, mdPsum, mLSElog2, mCuSeqlensQ, pad_q: Int32, num_blocks: Int32, mdQaccum, stream
+    ):
+        """`packed` that also zeroes the rows of mdQaccum, (h, (total_q + batch * pad_q) * dv) fp32, that the main
+        kernel adds to: each sequence's padded rows up to its length rounded up to pad_q."""
+        assert self.zero_dq_accum and self.varlen
+        self._launch(mO, mdO, mLSE, mdPsum, mLSElog2, stream, mCuSeqlensQ, pad_q, num_blocks, mdQaccum)
 
     @cute.jit
     def _launch(
@@ -118,7 +128,7 @@ class BackwardPreprocessSm80:
         tiled_mma: cute.TiledMma,
         mCuSeqlensQ: Optional[cute.Tensor] = None,
         pad_q: Optional[Int32] = None,  # packed: sequence b's rows from cu_seqlens_q[b] + b * pad_q, rounded down
-        mdQaccum: Optional[cute.Tensor] = None,  # zero_dq_accum: (b, h, sq_padded * dv) fp32
+        mdQaccum: Optional[cute.Tensor] = None,  # zero_dq_accum: (b, h, sq_padded * dv) or (h, padded rows * dv) fp32
     ):
         if cutlass.const_expr(self.launch_dependents):
             cute.arch.griddepcontrol_launch_dependents()
@@ -130,14 +140,17 @@ class BackwardPreprocessSm80:
             # Rows up to the sequence's length rounded up to pad_q are read by the main kernel (as inert padding).
             if m_block * self.block_m < (seq.seqlen_q + (pad_q - 1)) // pad_q * pad_q:
                 self.cta(tensors, tiled_mma, tidx, m_block, head, seq, pad_q)
+                if cutlass.const_expr(self.zero_dq_accum):
+                    first = seq.padded_offset_q(pad_q) + m_block * self.block_m
+                    self.zero_dq_rows(mdQaccum[head, None], tidx, first * self.head_dim_v)
         else:
             self.cta(tensors, tiled_mma, tidx, m_block, head, dense_seq(batch, mO.shape[1]), None)
             if cutlass.const_expr(self.zero_dq_accum):
-                self.zero_dq_rows(mdQaccum, tidx, m_block, head, batch)
+                self.zero_dq_rows(mdQaccum[batch, head, None], tidx, m_block * (self.block_m * self.head_dim_v))
 
     @cute.jit
-    def zero_dq_rows(self, mdQaccum: cute.Tensor, tidx: Int32, m_block: Int32, head: Int32, batch: Int32):
-        """Zeroes rows [m_block * block_m, (m_block + 1) * block_m) of (batch, head)'s dQ accumulator: block_m * dv
+    def zero_dq_rows(self, mdQhead: cute.Tensor, tidx: Int32, offset: Int32):
+        """Zeroes block_m rows of one (sequence, head)'s dQ accumulator `mdQhead` from float `offset` on: block_m * dv
         contiguous floats (whatever order the main kernel gives them inside its tiles), one 16-byte store per
         thread and round, consecutive threads on consecutive 16 bytes."""
         vec = 4
@@ -146,7 +159,7 @@ class BackwardPreprocessSm80:
         assert chunk % (vec * threads) == 0
         zeros = cute.make_rmem_tensor(vec, Float32)
         zeros.fill(0.0)
-        base = mdQaccum[batch, head, None].iterator + m_block * chunk
+        base = mdQhead.iterator + offset
         for i in cutlass.range_constexpr(chunk // (vec * threads)):
             dst = (base + (i * threads + tidx) * vec).align(vec * 4)
             cute.autovec_copy(zeros, cute.make_tensor(dst, cute.make_layout(vec)))

@@ -23,7 +23,7 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import PackedSeqs, Problem, VarlenProblem
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact
-from ..base import launch_packed_forward, launcher_through_forward, prepare_build
+from ..base import bound_forward, launch_packed_forward, launcher_through_forward, prepare_build
 from .tile_config import FwdTileConfig, budget_problem, fwd_tile_config, smem_bytes
 
 FAMILY = "sm90"
@@ -109,12 +109,10 @@ class _Backend:
         return kernel
 
     def forward_launcher(self, problem: Problem, device: torch.device) -> ForwardLauncher:
-        spec, mask = problem.spec, problem.mask
+        spec = problem.spec
         if spec.dtype == "fp8":
             return launcher_through_forward(self, problem)
-        kernel = self._forward_kernel(spec, compile_cache.runtime_target(device))
-        scale, left, right = float(problem.softmax_scale), int(mask.left), int(mask.right)
-        return lambda q, k, v, out, lse: kernel(q, k, v, out, lse, scale, left, right)
+        return bound_forward(self._forward_kernel(spec, compile_cache.runtime_target(device)), problem)
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
         q, k, v, out, lse = t

@@ -14,8 +14,9 @@ postprocess). With both of the first two off the preprocess is the sm80 family's
 
 Packed sequences (`run_backward_varlen`): the same three steps on buffers whose sequence b starts at row
 cu_seqlens[b] + b * pad rounded down to a multiple of pad (common/packed.packed_pads): the sm80 family's packed
-preprocess, the main kernel's and the dQ conversion's `packed` builds, the sm80 packed accumulator conversion under
-GQA; the launch-overhead options are off there (the packed preprocess neither zeroes dQ nor signals PDL).
+preprocess (its packed build with the launch-overhead options: it zeroes each sequence's rows of the dQ sums and
+signals PDL), the main kernel's and the dQ conversion's `packed` builds, the sm80 packed accumulator conversion under
+GQA.
 
 Kernels are compiled once per (target, role, spec, tile config) with symbolic batch, sequence and head extents and
 launched through TVM-FFI on torch's current stream.
@@ -141,13 +142,6 @@ class _Kernels(NamedTuple):
     convert: Optional[Callable]  # GQA's fp32 dK / dV sums to the input dtype
 
 
-def packed_tile_config(spec: AttentionSpec, deterministic: bool = False, long: bool = False) -> BwdTileConfig:
-    """The packed backward's configuration: the dense one (deterministic or not, `long` from max_seqlen_q) without
-    the preprocess options (the sm80 packed preprocess serves: it neither zeroes the dQ sums nor signals programmatic
-    dependent launch)."""
-    return dataclasses.replace(bwd_tile_config(spec, deterministic, long), zero_dq_in_preprocess=False, pdl=False)
-
-
 _launch_sets: Dict[tuple, _Kernels] = compile_cache.memo()
 
 
@@ -170,7 +164,7 @@ def _kernels(
         reason = backward_unsupported_reason(spec)
         if reason is not None:
             raise NotImplementedError(reason)
-        chosen = cfg or (packed_tile_config if spec.varlen else bwd_tile_config)(spec, deterministic, long)
+        chosen = cfg or bwd_tile_config(spec, deterministic, long)
         problem = bwd_config_problem(chosen, spec.head_dim)
         if problem is None and deterministic and chosen.dq_red:
             problem = "dq_red adds dQ with plain atomics in no fixed order: no deterministic build"
@@ -178,7 +172,7 @@ def _kernels(
             raise ValueError(problem)
         sm80 = _sm80_backward()
         role = main_role(gqa, seqused, deterministic)
-        if chosen.zero_dq_in_preprocess or chosen.pdl:  # (never for packed specs: packed_tile_config)
+        if chosen.zero_dq_in_preprocess or chosen.pdl:
             preprocess = _kernel("bwd_preprocess", spec, chosen, target)
         else:
             preprocess = sm80.preprocess_kernel(spec, target)
@@ -276,20 +270,25 @@ def run_backward_varlen(
     # (1, h, rows): the main kernel loads them in the dense layout (one batch entry); the preprocess writes (h, rows).
     lse_log2 = torch.empty(1, nheads, rows_q, **f32)
     dpsum = torch.empty(1, nheads, rows_q, **f32)
-    dq_accum = torch.zeros(nheads, rows_q * head_dim, **f32)
+    cfg = kernels.cfg
+    # zero_dq_in_preprocess: the preprocess zeroes every row the main kernel adds to (each sequence's padded rows up to
+    # its length rounded up to pad_q); the rows between sequences are never read.
+    dq_accum = (torch.empty if cfg.zero_dq_in_preprocess else torch.zeros)(nheads, rows_q * head_dim, **f32)
     sm80 = _sm80_backward()
     q, k, v, dout, out, dq, dk, dv = sm80.grad_views(q, k, v, dout, out, dq, dk, dv)
-
-    pre_blocks = -(-max_seqlen_q // pad_q) * pad_q // STATS_ROW_MULTIPLE  # whole pad_q rows per sequence
-    kernels.preprocess(out, dout, lse, dpsum[0], lse_log2[0], cu_seqlens_q, pad_q, pre_blocks)
+    # Every buffer (and memset) before the first kernel, so that the main kernel follows the preprocess directly in
+    # the stream (its programmatic predecessor under cfg.pdl).
     rows_k = padded_rows(total_k, batch, pad_k)
     dk_out, dv_out = sm80.packed_dkv_destinations(dk, dv, gqa, seqused_k is not None, rows_k)
     # One semaphore per tile of the padded buffers (whole pads): sequence b's tiles start at its padded offset / tile.
     rows_k = _round_up(rows_k, pad_k)
-    cfg = kernels.cfg
     semaphores = _semaphores(
         deterministic, gqa, (1, nheads, rows_q // cfg.tile_m), (1, nheads_kv, rows_k // cfg.tile_n), q.device
     )
+
+    pre_blocks = -(-max_seqlen_q // pad_q) * pad_q // STATS_ROW_MULTIPLE  # whole pad_q rows per sequence
+    zeroed = (dq_accum,) if cfg.zero_dq_in_preprocess else ()
+    kernels.preprocess(out, dout, lse, dpsum[0], lse_log2[0], cu_seqlens_q, pad_q, pre_blocks, *zeroed)
     kernels.main(
         q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *semaphores, softmax_scale, mask.left, mask.right,
         cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k,
@@ -321,8 +320,7 @@ def compile_backward_artifacts(
     if reason is not None:
         raise NotImplementedError(reason)
     default = cfg is None
-    config_of = packed_tile_config if spec.varlen else bwd_tile_config  # what the launch paths use
-    cfg = cfg or config_of(spec)
+    cfg = cfg or bwd_tile_config(spec)
     own_preprocess = cfg.zero_dq_in_preprocess or cfg.pdl
     compile_cache.ensure_cute_dsl_arch(target)
     artifacts = []
@@ -332,7 +330,7 @@ def compile_backward_artifacts(
         default_roles = (*mains, "bwd_dq_postprocess") + (("bwd_preprocess",) if own_preprocess else ())
         for role in default_roles if roles is None else roles:
             sub = os.path.join(dump, role)
-            role_cfg = config_of(spec, True) if default and role in MAIN_ROLES and MAIN_ROLES[role][2] else cfg
+            role_cfg = bwd_tile_config(spec, True) if default and role in MAIN_ROLES and MAIN_ROLES[role][2] else cfg
             compiled = _build(role, spec, role_cfg, target, compile_cache.keep_artifacts_options(sub))
             role_config = {
                 **role_cfg.as_dict(),
