@@ -347,8 +347,8 @@ _BWD_BY_HEAD_DIM_AND_MASK = {
 #   d128 without a mask: FlashAttention-3's 80-row tile (dQᵀ = Kᵀ·dSᵀ) with dV's first of 5 k-blocks before the dP
 #         wait (no spills; the whole product there spills 128 bytes, 2 k-blocks 8 and measured 0.86x). Against the
 #         64-row default, H200, session 14 (docs/performance.md), two runs: 1k -4.3 / -4.1%, 2k 0.0%, 4k 0.0 / +1.1%,
-#         8k +1.7%, 16k +4.0 / +2.0%; the varlen benchmark's drawn mix (max 8037) +0.9% (two runs each). Below LONG_QUERIES
-#         the 80-row tile's partial last tile and shorter walks cost more than its 25% longer steps gain.
+#         8k +1.7%, 16k +4.0 / +2.0%; the varlen benchmark's drawn mix (max 8037) +0.9% (two runs each). Below
+#         LONG_QUERIES the 80-row tile's partial last tile and shorter walks cost more than its 25% longer steps gain.
 _BWD_LONG_QUERIES = {
     (128, "none"): {"tile_m": 80, "dq_swap_ab": True, "dv_early_kblocks": 1},
 }
