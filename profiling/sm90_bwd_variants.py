@@ -3,7 +3,8 @@
   python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 4096,16384 \
       --variants default,opt2 [--fa4] [--deterministic]
 
-Each variant is a `BwdTileConfig` derived from the default of that head dim (see VARIANTS); the kernels alone are
+Each variant is a `BwdTileConfig` derived from the default of that head dim (see VARIANTS; the short-sequence default:
+from 4096 query rows d128 without a mask runs "m80_kb1" in the library, tile_config.long_queries); the kernels alone are
 timed (`run_backward` on precomputed out / lse, allocations included), as TFLOP/s with FLOPs = 2.5 x 4 b h s^2 d
 (halved when causal). Every variant's gradients are compared with the default's (max |difference|), so a faster
 variant that computes something else shows up. B·S = 16k tokens, H·D = 2048, bf16, as in the issue grid.

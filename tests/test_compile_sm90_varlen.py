@@ -46,6 +46,7 @@ print(json.dumps({
     "vector_stores": sum("st.global.v4" in line for line in ptx.splitlines()),
     "tma_stores": sum("cp.async.bulk.tensor" in line and "global.shared" in line for line in ptx.splitlines()),
     "acquire_loads": sum("ld.acquire.gpu" in line for line in ptx.splitlines()),
+    "launch_dependents": ptx.count("griddepcontrol.launch_dependents"),
 }))
 """
 
@@ -57,6 +58,7 @@ BUILDS = [
     (64, 64, "none", True, "fwd"),
     (128, 128, "causal", True, "bwd"),
     (128, 128, "causal", False, "bwd_gqa_det"),
+    (128, 128, "none", False, "bwd_preprocess"),
 ]
 FORWARD_BUILDS = [b for b in BUILDS if b[4] == "fwd"]
 
@@ -106,4 +108,12 @@ def test_sm90_varlen_deterministic_backward_compiles(builds):
     each), dQ by the bulk reduce-add, spill-free."""
     rep = _report(builds, (128, 128, "causal", False, "bwd_gqa_det"))
     assert rep["acquire_loads"] == 2 and rep["census"]["cp.reduce.async.bulk"] > 0, rep
+    assert rep["spills"] and set(rep["spills"]) == {0}, rep["spills"]
+
+
+def test_sm90_varlen_preprocess_zeroes_dq_and_signals_pdl(builds):
+    """The packed preprocess with the backward's launch-overhead options: besides D and lse_log2 it zeroes its 64
+    rows of the dQ sums (64 x 128 floats in 16-byte stores over 128 threads) and lets the main kernel launch early."""
+    rep = _report(builds, (128, 128, "none", False, "bwd_preprocess"))
+    assert rep["vector_stores"] == 64 * 128 * 4 // (16 * 128) and rep["launch_dependents"] == 1, rep
     assert rep["spills"] and set(rep["spills"]) == {0}, rep["spills"]

@@ -408,28 +408,51 @@ def test_varlen_strided_offset_and_expanded_tensors(family, kind, heads, dout_ki
     _check(q, k, v, cq, ck, 200, 200, out, lse, dout, grads, causal=True)
 
 
-@pytest.mark.parametrize(
-    "family", [pytest.param("sm80", marks=pytest.mark.sm80), pytest.param("sm90", marks=pytest.mark.sm90)]
-)
-@pytest.mark.parametrize("mask", ["causal", "full"])
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
-def test_varlen_non_finite_sequence_stays_in_its_rows(family, mask, heads):
+def _isolation_cases():
+    """(family, dtype, d, mask, heads, lengths): d128's 64-row tile on both families; on sm90 also d64's 128-row tile,
+    d96 (one dQ warpgroup), d256 (queries on rows, P in shared memory), a window, and the 80-row tile of long query
+    sequences without a mask (max_seqlen_q >= 4096)."""
+    short = [37, 70, 0, 200, 5, 129]
+    cases = [
+        (family, "bf16", 128, mask, heads, short)
+        for family in ("sm80", "sm90")
+        for mask in ("causal", "full")
+        for heads in ((4, 4), (4, 2))
+    ]
+    cases += [
+        ("sm90", "fp16", 64, "window", (4, 2), short),
+        ("sm90", "bf16", 96, "causal", (4, 4), short),
+        ("sm90", "bf16", 256, "causal", (2, 1), short),
+        ("sm90", "bf16", 128, "full", (4, 2), [37, 70, 0, 4133, 5, 129]),
+    ]
+    return [
+        pytest.param(
+            *c, id=f"{c[0]}-{c[1]}-d{c[2]}-{c[3]}-h{c[4][0]}_{c[4][1]}-max{max(c[5])}", marks=getattr(pytest.mark, c[0])
+        )
+        for c in cases
+    ]
+
+
+@pytest.mark.parametrize("family, dt, d, mask, heads, lens", _isolation_cases())
+def test_varlen_non_finite_sequence_stays_in_its_rows(family, dt, d, mask, heads, lens):
     """NaN in every q, k, v and dout row of two sequences: the other sequences' outputs and gradients are those of
     the clean batch. The last tile of a sequence reads the next sequence's rows (sm90: TMA over the packed tensor),
     where 0 · NaN in S, dP, dV += Pᵀ·dO or dK += dSᵀ·Q would carry them over unless those rows are zeroed."""
     import cute_flash
 
-    causal = mask == "causal"
-    lens = [37, 70, 0, 200, 5, 129]
+    causal, window = MASKS[mask]
     poisoned = (1, 4)
-    q, k, v, cq, ck = _packed("bf16", 128, lens, lens, *heads, seed=23)
-    e = cute_flash.explain_varlen(q, k, v, cq, ck, 200, 200, causal=causal)
+    mx = max(lens)
+    q, k, v, cq, ck = _packed(dt, d, lens, lens, *heads, seed=23)
+    e = cute_flash.explain_varlen(q, k, v, cq, ck, mx, mx, causal=causal, window_size=window)
     assert (e.forward_family, e.backward_family) == (family, family)
-    dout = torch.randn(q.shape[0], heads[0], 128, device="cuda", dtype=q.dtype)
+    dout = torch.randn(q.shape[0], heads[0], d, device="cuda", dtype=q.dtype)
     rows = [slice(cq[b].item(), cq[b + 1].item()) for b in poisoned]
 
     def run(inputs, grad_out):
-        out, lse = cute_flash.attention_varlen(*inputs, cq, ck, 200, 200, causal=causal, return_lse=True)
+        out, lse = cute_flash.attention_varlen(
+            *inputs, cq, ck, mx, mx, causal=causal, window_size=window, return_lse=True
+        )
         return (out, lse, *torch.autograd.grad(out, inputs, grad_out))
 
     clean = run((q, k, v), dout)
@@ -450,4 +473,4 @@ def test_varlen_non_finite_sequence_stays_in_its_rows(family, mask, heads):
                 m[r] = c[r]
         merged.append(m)
     out, lse, *grads = merged
-    _check(q, k, v, cq, ck, 200, 200, out, lse, dout, tuple(grads), causal=causal)
+    _check(q, k, v, cq, ck, mx, mx, out, lse, dout, tuple(grads), causal=causal, window_size=window)

@@ -415,6 +415,10 @@ def backward_launcher(
         dpsum = torch.empty(stats_shape, **f32)
         dq_accum = torch.zeros(dq_accum_shape, **f32)
         if checked:
+            assert q.shape == (batch, seqlen_q, nheads, head_dim) and k.shape[1:3] == (
+                problem.seqlen_k,
+                problem.nheads_kv,
+            )
             q, k, v, dout, out, dq, dk, dv = grad_views(q, k, v, dout, out, dq, dk, dv)
         preprocess(out, dout, lse, dpsum, lse_log2)
         dk_out, dv_out = dkv_destinations(dk, dv, gqa, dkv_block)
