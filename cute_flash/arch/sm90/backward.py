@@ -315,7 +315,8 @@ def compile_backward_artifacts(
     """Compiles the sm90 backward kernels serving `spec` for `target` with fake tensors (no GPU needed); the shared
     sm80 preprocess / accumulator conversion are reported with an `sm80_` prefix. cfg: a study configuration (its
     launch-overhead options build the preprocess here, as role `bwd_preprocess`); roles: only these sm90 roles
-    (then no sm80 kernels)."""
+    (then no sm80 kernels). The default configuration's long-query form (tile_config.long_queries), where it differs,
+    adds its main kernels and dQ conversion as `<role>_long`."""
     reason = backward_unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(reason)
@@ -328,9 +329,15 @@ def compile_backward_artifacts(
         # dq_red has no deterministic build; the default configuration's deterministic roles take their own one.
         mains = [r for r, (_, s, d) in MAIN_ROLES.items() if not s and (default or not (cfg.dq_red and d))]
         default_roles = (*mains, "bwd_dq_postprocess") + (("bwd_preprocess",) if own_preprocess else ())
+        jobs = []  # (artifact name, role, configuration)
         for role in default_roles if roles is None else roles:
-            sub = os.path.join(dump, role)
-            role_cfg = bwd_tile_config(spec, True) if default and role in MAIN_ROLES and MAIN_ROLES[role][2] else cfg
+            deterministic = default and role in MAIN_ROLES and MAIN_ROLES[role][2]
+            jobs.append((role, role, bwd_tile_config(spec, True) if deterministic else cfg))
+        long = bwd_tile_config(spec, long=True)
+        if default and roles is None and long != cfg:
+            jobs += [(f"{role}_long", role, long) for role in ("bwd", "bwd_gqa", "bwd_dq_postprocess")]
+        for name, role, role_cfg in jobs:
+            sub = os.path.join(dump, name)
             compiled = _build(role, spec, role_cfg, target, compile_cache.keep_artifacts_options(sub))
             role_config = {
                 **role_cfg.as_dict(),
@@ -338,10 +345,10 @@ def compile_backward_artifacts(
                 "threads": role_cfg.num_threads,
             }
             if role == "bwd_dq_postprocess":
-                role_config = {"tile_m": cfg.tile_m, "threads": cfg.num_dq_wgs * WARPGROUP_THREADS}
+                role_config = {"tile_m": role_cfg.tile_m, "threads": role_cfg.num_dq_wgs * WARPGROUP_THREADS}
             elif role == "bwd_preprocess":
                 role_config = {"block_m": STATS_ROW_MULTIPLE, "threads": 128, "shared_bytes": 0}
-            artifacts.append(KernelArtifact(role, compiled.artifacts.PTX, compiled.artifacts.CUBIN, role_config))
+            artifacts.append(KernelArtifact(name, compiled.artifacts.PTX, compiled.artifacts.CUBIN, role_config))
     if roles is not None:
         return artifacts
     sm80_roles = ["bwd_postprocess"] if own_preprocess else ["bwd_preprocess", "bwd_postprocess"]
