@@ -280,8 +280,9 @@ def test_measure_records_unsupported_and_skipped_without_running():
 
 
 def test_accuracy_check_accepts_right_and_rejects_wrong_outputs():
+    g = torch.Generator().manual_seed(2)
     case = grid.Case("bf16", "fwd", True, grid.Shape(1, 64, 96, 4, 2, 32, 32))
-    q, k, v = (torch.randn(1, s, h, 32).bfloat16() for s, h in ((64, 4), (96, 2), (96, 2)))
+    q, k, v = (torch.randn(1, s, h, 32, generator=g).bfloat16() for s, h in ((64, 4), (96, 2), (96, 2)))
     scale = 32**-0.5
     out = Naive()(q, k, v, case, scale)
     verdict = check.check_forward(case, q, k, v, out, scale)
@@ -293,10 +294,13 @@ def test_accuracy_check_accepts_right_and_rejects_wrong_outputs():
 
 
 def test_backward_check_on_the_naive_peer():
+    # Seeded: the naive peer's bf16 gradients miss the rule (2 x torch's own error) for 12 of 200 seeds at this size
+    # (CI, session 14: dv 0.0142 against 2 x 0.0069 with inputs from whatever state earlier tests left).
+    g = torch.Generator().manual_seed(3)
     case = grid.Case("bf16", "bwd", False, grid.Shape(1, 48, 48, 2, 1, 32, 32))
-    q, k, v = (torch.randn(1, 48, h, 32).bfloat16().requires_grad_() for h in (2, 1, 1))
+    q, k, v = (torch.randn(1, 48, h, 32, generator=g).bfloat16().requires_grad_() for h in (2, 1, 1))
     out = Naive()(q, k, v, case, 32**-0.5)
-    dout = torch.randn_like(out)
+    dout = torch.randn(out.shape, generator=g).to(out.dtype)
     out.backward(dout)
     verdict = check.check_backward(case, q, k, v, dout, [q.grad, k.grad, v.grad], 32**-0.5)
     assert verdict.ok and [r.name for r in verdict.reports] == ["dq", "dk", "dv"]
