@@ -174,16 +174,16 @@ def compile_preprocess(spec: AttentionSpec, cfg, target: str, extra_options: Opt
     dtype = dsl_dtype(spec.dtype)
     dv = spec.head_dim_v
     block_m = 64  # STATS_ROW_MULTIPLE: one CTA per 64 padded query rows
+    kernel = BackwardPreprocessSm80(dtype, dv, block_m=block_m, varlen=spec.varlen)
+    kernel.zero_dq_accum, kernel.launch_dependents = cfg.zero_dq_in_preprocess, cfg.pdl  # over the class defaults
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = compile_cache.compile_options(target, extra=extra_options or "")
     if spec.varlen:
-        return _compile_packed_preprocess(spec, cfg, target, extra_options, block_m)
+        return _compile_packed_preprocess(kernel, dtype, dv, block_m, stream, options)
     batch, seqlen_q, heads, sq_pad = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=block_m)
     o = _strided(dtype, (batch, seqlen_q, heads), dv)
     do = _strided(dtype, (batch, seqlen_q, heads), dv)
     lse = fake_f32((batch, heads, seqlen_q))
-    kernel = BackwardPreprocessSm80(dtype, dv, block_m=block_m)
-    kernel.zero_dq_accum, kernel.launch_dependents = cfg.zero_dq_in_preprocess, cfg.pdl  # over the class defaults
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = compile_cache.compile_options(target, extra=extra_options or "")
     stats = [fake_f32((batch, heads, sq_pad), divisibility=block_m) for _ in range(2)]
     if not cfg.zero_dq_in_preprocess:
         return cute.compile(kernel, o, do, lse, *stats, stream, options=options)
@@ -196,22 +196,14 @@ def compile_preprocess(spec: AttentionSpec, cfg, target: str, extra_options: Opt
     return cute.compile(kernel.with_dq_zeroing, o, do, lse, *stats, dq_accum, stream, options=options)
 
 
-def _compile_packed_preprocess(spec: AttentionSpec, cfg, target: str, extra_options: Optional[str], block_m: int):
+def _compile_packed_preprocess(kernel, dtype, dv: int, block_m: int, stream, options: str):
     """compile_preprocess's packed build: (total_q, h, dv) out / dout, (h, total_q) lse, (h, padded rows) statistics
     and the (h, padded rows * dv) dQ accumulator."""
-    from ..sm80.flash_bwd_preprocess import BackwardPreprocessSm80
-
-    dtype = dsl_dtype(spec.dtype)
-    dv = spec.head_dim_v
     total, heads, rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    kernel = BackwardPreprocessSm80(dtype, dv, block_m=block_m, varlen=True)
-    kernel.zero_dq_accum, kernel.launch_dependents = cfg.zero_dq_in_preprocess, cfg.pdl  # over the class defaults
     out, dout = (fake_operand(dtype, (total, heads, dv)) for _ in range(2))  # (16-byte outer strides: kernel_view)
     args = (out, dout, fake_f32((heads, total)), fake_f32((heads, rows)), fake_f32((heads, rows)))
     args += (fake_cu_seqlens(cute.sym_int()), cutlass.Int32(0), cutlass.Int32(0))
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = compile_cache.compile_options(target, extra=extra_options or "")
-    if not cfg.zero_dq_in_preprocess:
+    if not kernel.zero_dq_accum:
         return cute.compile(kernel.packed, *args, stream, options=options)
     dq_accum = cute.runtime.make_fake_tensor(
         cutlass.Float32, (heads, cute.sym_int()), (cute.sym_int64(divisibility=block_m * dv), 1), assumed_align=16

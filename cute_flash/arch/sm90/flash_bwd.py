@@ -939,10 +939,7 @@ class Sm90FlashBackward(BwdEntries):
         if const_expr(self.cfg.kv_with_first_tile):
             consumer_wait(pipe_q, consumer_state(self.num_stages))  # K rides on the first Q stage, V on dO's
             consumer_wait(pipe_do, consumer_state(self.num_stages))
-        for s in (sK, sV):
-            zero_rows_from(s[None, None, 0], keys, self.dtype, self.tile_n, self.head_dim, tidx % WARPGROUP_THREADS)
-        cute.arch.fence_view_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
-        cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
+        self.zero_tails((sK[None, None, 0], sV[None, None, 0]), keys, self.tile_n, tidx)
 
     @cute.jit
     def zero_q_do_tail(self, pipe_q, pipe_do, q, do, sQ: cute.Tensor, sdO: cute.Tensor, rows: Int32, tidx: Int32):
@@ -953,10 +950,14 @@ class Sm90FlashBackward(BwdEntries):
         values, no race) once they have landed, before this step's first product."""
         pipe_q.consumer_wait(q)
         pipe_do.consumer_wait(do)
-        zero_rows_from(sQ[None, None, q.index], rows, self.dtype, self.tile_m, self.head_dim, tidx % WARPGROUP_THREADS)
-        zero_rows_from(
-            sdO[None, None, do.index], rows, self.dtype, self.tile_m, self.head_dim, tidx % WARPGROUP_THREADS
-        )
+        self.zero_tails((sQ[None, None, q.index], sdO[None, None, do.index]), rows, self.tile_m, tidx)
+
+    @cute.jit
+    def zero_tails(self, tiles: tuple, first_row: Int32, tile_rows: cutlass.Constexpr[int], tidx: Int32):
+        """Rows first_row.. of each landed (tile_rows, head_dim) shared-memory tile become 0, written by every consumer
+        warpgroup alike; fenced for the async proxy and synchronised across the consumers before a wgmma reads them."""
+        for s in tiles:
+            zero_rows_from(s, first_row, self.dtype, tile_rows, self.head_dim, tidx % WARPGROUP_THREADS)
         cute.arch.fence_view_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
         cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
 
