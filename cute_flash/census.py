@@ -28,6 +28,7 @@ CENSUS_PATTERNS: Dict[str, str] = {
     "griddepcontrol.launch_dependents": r"griddepcontrol\.launch_dependents",
     "mbarrier.expect_tx": r"mbarrier\.expect_tx",  # extra bytes on a stage's barrier (BwdTileConfig.kv_with_first_tile)
     "red.global.add.v4.f32": r"red\.global\.add\.v4\.f32",  # vector reductions (sm80 dQ on sm_90a, sm90 dq_red)
+    "stmatrix.trans": r"stmatrix\.sync\.aligned\.[^\s]*\.trans",  # transposing stores (the sm90 dQᵀ conversion)
     "tcgen05.mma": r"tcgen05\.mma\.",
     "tcgen05.mma.cta_group::2": r"tcgen05\.mma\.cta_group::2",
     "tcgen05.alloc.cta_group::2": r"tcgen05\.alloc\.cta_group::2",

@@ -85,8 +85,8 @@ class _Plan:
         out, lse = _launch_forward(self, q, k, v)
         return q, k, v, out, lse
 
-    def backward_saved(self, dout, q, k, v, out, lse):
-        return _launch_backward(self, dout, q, k, v, out, lse)
+    def backward_saved(self, dout, q, k, v, out, lse, dlse=None):
+        return _launch_backward(self, dout, q, k, v, out, lse, dlse)
 
 
 # Plans by call signature. Bounded: a workload with ever-new shapes rebuilds it now and then instead of growing it.
@@ -173,9 +173,9 @@ def _launch_forward(plan: _Plan, q, k, v) -> Tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def _launch_backward(plan: _Plan, dout, q, k, v, out, lse):
+def _launch_backward(plan: _Plan, dout, q, k, v, out, lse, dlse=None):
     """(dq, dk, dv) of a planned call from the saved tensors (already in the kernels' layout); dout may have any
-    layout autograd hands over."""
+    layout autograd hands over; dlse: lse's gradient, or None."""
     arch = plan.backward_backend(q)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if plan.empty:
@@ -183,7 +183,7 @@ def _launch_backward(plan: _Plan, dout, q, k, v, out, lse):
             g.zero_()
         return dq, dk, dv
     dout = kernel_view(dout)  # (the launcher does not check layouts again)
-    t, grads = BwdTensors(dout, q, k, v, out, lse), Grads(dq, dk, dv)
+    t, grads = BwdTensors(dout, q, k, v, out, lse, dlse), Grads(dq, dk, dv)
     launch = plan.backward_launch
     if launch is None:
         with _device_guard(q):
@@ -199,25 +199,40 @@ def _launch_backward(plan: _Plan, dout, q, k, v, out, lse):
 class _Attention(torch.autograd.Function):
     """The autograd node of dense attention, eager (`run`: a `_Plan`) and ring (`distributed.ring`, `run`: its
     config). `run.forward_saving(q, k, v)` returns (q, k, v, out, lse), the tensors the backward reads (q, k, v as
-    the forward ran them, e.g. in the kernels' layout); `run.backward_saved(dout, q, k, v, out, lse)` returns
-    (dq, dk, dv) shaped like the saved q, k, v. lse is an output without a gradient."""
+    the forward ran them, e.g. in the kernels' layout); `run.backward_saved(dout, q, k, v, out, lse, dlse)` returns
+    (dq, dk, dv) shaped like the saved q, k, v; dlse is lse's gradient, None when the loss does not use lse."""
 
     @staticmethod
     def forward(ctx, q, k, v, run):
         q, k, v, out, lse = run.forward_saving(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.run = run
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zero tensors to fold in)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
-        return (*ctx.run.backward_saved(dout, *ctx.saved_tensors), None)
+    def backward(ctx, dout, dlse):
+        refuse_double_backward()
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:  # only lse reached the loss
+            dout = torch.zeros_like(out)
+        return (*ctx.run.backward_saved(dout, q, k, v, out, lse, dlse), None)
 
 
-def _run_backward(dout, q, k, v, out, lse, problem: Problem, deterministic: bool):
+def refuse_double_backward() -> None:
+    """Called first in every backward of an autograd function here: the backward kernels are not differentiable, so
+    a backward that records a graph (create_graph=True: a gradient of a gradient) raises instead of returning
+    gradients detached from it, whose terms a second backward would silently drop."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            "cute_flash: the attention backward is not differentiable; gradients of gradients (create_graph=True, "
+            "double backward) are not supported"
+        )
+
+
+def _run_backward(dout, q, k, v, out, lse, problem: Problem, deterministic: bool, dlse=None):
     """(dq, dk, dv) from inputs in the kernels' layout (`kernel_view`); dout may have any layout autograd hands over
-    (expanded, transposed, offset, ...)."""
+    (expanded, transposed, offset, ...); dlse: lse's gradient, or None."""
     # Routed on its own: the family that ran the forward may have no backward for this spec while another does.
     arch = _route(problem.spec, q, backward=True, deterministic=deterministic)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -226,7 +241,8 @@ def _run_backward(dout, q, k, v, out, lse, problem: Problem, deterministic: bool
             g.zero_()
         return dq, dk, dv
     with torch.cuda.device(q.device):
-        arch.backward(BwdTensors(kernel_view(dout), q, k, v, out, lse), Grads(dq, dk, dv), problem, deterministic)
+        t = BwdTensors(kernel_view(dout), q, k, v, out, lse, dlse)
+        arch.backward(t, Grads(dq, dk, dv), problem, deterministic)
     return dq, dk, dv
 
 
@@ -300,7 +316,8 @@ def attention(
 
     q (batch, seqlen_q, nheads, head_dim); k (batch, seqlen_k, nheads_kv, head_dim); v (batch, seqlen_k, nheads_kv,
     head_dim_v); nheads % nheads_kv == 0 (GQA/MQA). Returns out (batch, seqlen_q, nheads, head_dim_v) in the inputs'
-    dtype and, with return_lse, the float32 log-sum-exp (batch, nheads, seqlen_q).
+    dtype and, with return_lse, the float32 log-sum-exp (batch, nheads, seqlen_q) of the scaled scores (natural log;
+    differentiable like out: a loss may use both).
 
     causal: bottom-right aligned, query i sees key j iff j <= i + seqlen_k - seqlen_q. window_size=(left, right)
     restricts that further to i + off - left <= j <= i + off + right (None = unlimited). A row that sees no key gives

@@ -8,7 +8,7 @@ reaches the backward through `register_autograd`. `attention` takes the ops only
         cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, max_seqlen_q=0, max_seqlen_k=0)
         -> (out (b, sq, h, dv) in q's dtype, lse (b, h, sq) float32)
     torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, softmax_scale, mask_kind, window_left, window_right,
-        deterministic, <the same five packed-sequence arguments>) -> (dq, dk, dv)
+        deterministic, <the same five packed-sequence arguments>, dlse=None) -> (dq, dk, dv)
 
 With cu_seqlens_q (and cu_seqlens_k, max_seqlen_*; seqused_k optional) the ops serve `cute_flash.attention_varlen`:
 q (total_q, h, d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q). One op pair for both
@@ -95,6 +95,7 @@ def bwd(
     seqused_k: Optional[torch.Tensor] = None,
     max_seqlen_q: int = 0,
     max_seqlen_k: int = 0,
+    dlse: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from . import interface, varlen
 
@@ -102,8 +103,8 @@ def bwd(
     p = problem_of(q, k, v, MaskBounds(mask_kind, window_left, window_right), softmax_scale, seqs)
     views = (kernel_view(t) for t in (q, k, v, out))
     if cu_seqlens_q is None:
-        return interface._run_backward(dout, *views, lse, p, deterministic)
-    return varlen._run_backward(dout, *views, lse, seqs, p, deterministic)
+        return interface._run_backward(dout, *views, lse, p, deterministic, dlse)
+    return varlen._run_backward(dout, *views, lse, seqs, p, deterministic, dlse)
 
 
 @bwd.register_fake
@@ -117,12 +118,16 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used)
     ctx.params = (softmax_scale, mask_kind, window_left, window_right, check_deterministic)
     ctx.max_seqlens = maxes
-    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # lse is differentiable; an unused output's gradient stays None
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, used = ctx.saved_tensors
-    dq, dk, dv = torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, *ctx.params, cu_q, cu_k, used, *ctx.max_seqlens)
+    if dout is None:  # only lse reached the loss
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.cute_flash.bwd(
+        dout, q, k, v, out, lse, *ctx.params, cu_q, cu_k, used, *ctx.max_seqlens, dlse
+    )
     return dq, dk, dv, *(None,) * 10
 
 

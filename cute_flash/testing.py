@@ -136,15 +136,20 @@ def check_backward(
     v: torch.Tensor,
     dout: torch.Tensor,
     grads: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    dlse: Optional[torch.Tensor] = None,
     **attn_kwargs,
 ) -> Sequence[ErrorReport]:
-    """Error reports for (dq, dk, dv) against float64 autograd through the reference, with the same rule."""
+    """Error reports for (dq, dk, dv) against float64 autograd through the reference, with the same rule; dlse: the
+    loss's gradient of lse too (the reference's lse takes it)."""
 
     def reference_grads(compute_dtype):
         leaves = [t.detach().to(compute_dtype).requires_grad_(True) for t in (q, k, v)]
-        out = attention_reference(*leaves, compute_dtype=compute_dtype, **attn_kwargs)
-        out.backward(dout.to(compute_dtype))
-        return [t.grad for t in leaves]
+        out, lse = attention_reference(*leaves, compute_dtype=compute_dtype, return_lse=True, **attn_kwargs)
+        outputs, grads_in = (out,), (dout.to(compute_dtype),)
+        if dlse is not None:
+            outputs, grads_in = (out, lse), (dout.to(compute_dtype), dlse.to(lse.dtype))
+        got = torch.autograd.grad(outputs, leaves, grads_in, allow_unused=True)
+        return [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, got)]
 
     ref = reference_grads(torch.float64)
     low = reference_grads(q.dtype)

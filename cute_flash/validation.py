@@ -419,16 +419,20 @@ def validate_varlen_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
 
 def varlen_offsets(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs) -> Tuple[list, list]:
     """`validate_varlen_layout`'s checks, then those that read cu_seqlens on the host (the reference does; the
-    kernels' path never copies them): each starts at 0, never decreases, ends at most at its total, and no sequence
-    is longer than its max_seqlen. Returns the offsets (cu_seqlens_q, cu_seqlens_k) as lists."""
+    kernels' path never copies them): each starts at 0, never decreases, ends at its total (rows past the last
+    sequence would be rows the kernels never write), and no sequence is longer than its max_seqlen. Returns the
+    offsets (cu_seqlens_q, cu_seqlens_k) as lists."""
     validate_varlen_layout(q, k, v, seqs)
     cq, ck = seqs.cu_seqlens_q.tolist(), seqs.cu_seqlens_k.tolist()
     for name, cu, total, longest in (
         ("cu_seqlens_q", cq, q.shape[0], seqs.max_seqlen_q),
         ("cu_seqlens_k", ck, k.shape[0], seqs.max_seqlen_k),
     ):
-        if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > total:
-            raise ValueError(f"{name} must start at 0, never decrease and end at most at {total}, got {cu}")
+        if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != total:
+            raise ValueError(
+                f"{name} must start at 0, never decrease and end at {total} (the packed rows; padding belongs in a "
+                f"sequence of its own), got {cu}"
+            )
         if any(b - a > longest for a, b in zip(cu, cu[1:])):
             raise ValueError(f"a sequence of {name} is longer than its max_seqlen {longest}: {cu}")
     return cq, ck

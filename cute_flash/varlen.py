@@ -5,9 +5,9 @@ Ampere, and on Hopper the sm90 packed forward and backward (deterministic too); 
 the call raises NotImplementedError. `explain_varlen` shows the skipped families with their reasons.
 
 The kernels read each sequence's offsets from cu_seqlens on the GPU, so a call makes no device-to-host copy and can
-be captured in a CUDA graph. Their grid spans max_seqlen_q's query blocks (backward: max_seqlen_k's key blocks) for
-every sequence, and the CTAs whose block lies past their own sequence's end exit at once; a scheduler that does not
-launch them is future work.
+be captured in a CUDA graph. The sm90 forward and backward main kernels launch one CTA per tile that exists (plus at
+most batch + 1 idle ones per head; common/packed_tiles.py); the sm80 kernels and the pre- / postprocess kernels span
+max_seqlen's blocks for every sequence, and the CTAs whose block lies past their own sequence's end exit at once.
 
 Under torch.compile the call is traced as the custom ops `cute_flash::fwd` / `bwd` with their packed-sequence
 arguments (cute_flash/ops.py), without a graph break; eager calls run the same steps without the custom-op dispatch,
@@ -22,7 +22,7 @@ import torch
 
 from . import interface, routing
 from .arch.base import ArchBackend, BwdTensors, Grads
-from .interface import Explanation, _autocast, _route
+from .interface import Explanation, _autocast, _route, refuse_double_backward
 from .validation import PackedSeqs, VarlenProblem, kernel_view, validate_varlen
 
 Window = Tuple[Optional[int], Optional[int]]
@@ -45,7 +45,7 @@ def _run_forward(q, k, v, seqs: PackedSeqs, p: VarlenProblem, arch: ArchBackend)
     return out, lse
 
 
-def _run_backward(dout, q, k, v, out, lse, seqs: PackedSeqs, p: VarlenProblem, deterministic: bool):
+def _run_backward(dout, q, k, v, out, lse, seqs: PackedSeqs, p: VarlenProblem, deterministic: bool, dlse=None):
     arch = _route(p.spec, q, backward=True, deterministic=deterministic)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if _is_empty(p) or p.total_k == 0 or p.max_seqlen_k == 0:
@@ -53,7 +53,7 @@ def _run_backward(dout, q, k, v, out, lse, seqs: PackedSeqs, p: VarlenProblem, d
             g.zero_()
         return dq, dk, dv
     with torch.cuda.device(q.device):
-        t = BwdTensors(kernel_view(dout), q, k, v, out, lse)
+        t = BwdTensors(kernel_view(dout), q, k, v, out, lse, dlse)
         arch.backward_varlen(t, Grads(dq, dk, dv), seqs, p, deterministic)
     return dq, dk, dv
 
@@ -67,15 +67,18 @@ class _AttentionVarlen(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, *seqs[:3])
         ctx.problem = problem
         ctx.deterministic = deterministic
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # as interface._Attention: lse is differentiable, its unused gradient None
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
+        refuse_double_backward()
         q, k, v, out, lse, cu_q, cu_k, seqused_k = ctx.saved_tensors
         p = ctx.problem
         seqs = PackedSeqs(cu_q, cu_k, seqused_k, p.max_seqlen_q, p.max_seqlen_k)
-        grads = _run_backward(dout, q, k, v, out, lse, seqs, p, ctx.deterministic)
+        if dout is None:  # only lse reached the loss
+            dout = torch.zeros_like(out)
+        grads = _run_backward(dout, q, k, v, out, lse, seqs, p, ctx.deterministic, dlse)
         return (*grads, None, None, None, None)
 
 
@@ -100,12 +103,14 @@ def attention_varlen(
     q (total_q, nheads, head_dim), k (total_k, nheads_kv, head_dim), v (total_k, nheads_kv, head_dim_v); sequence b
     is rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q against rows cu_seqlens_k[b]:cu_seqlens_k[b+1] of k and v (only
     the first seqused_k[b] of them when seqused_k, int32 (batch,), is given). cu_seqlens_* are int32 (batch + 1,) on
-    q's device, start at 0, never decrease and end at total_q / total_k; max_seqlen_* are host ints at least every
+    q's device, start at 0, never decrease and end at total_q / total_k (rows past the end would never be written: give
+    padding rows a sequence of their own); max_seqlen_* are host ints at least every
     sequence's length (not checked: that would need a device-to-host copy). Sequences of length 0 are allowed.
 
     causal / window_size / softmax_scale as in `cute_flash.attention`, aligned per sequence (bottom-right: query i of
     a sequence sees key j iff j <= i + seqlen_k - seqlen_q). A row that sees no key gets out 0 and lse -inf.
-    Returns out (total_q, nheads, head_dim_v) in q's dtype and, with return_lse, lse (nheads, total_q) float32.
+    Returns out (total_q, nheads, head_dim_v) in q's dtype and, with return_lse, lse (nheads, total_q) float32
+    (differentiable like out).
 
     Differentiable in q, k, v. deterministic=True asks for a backward that sums in a fixed order (the sm90 family's
     on Hopper); where the sm80 family would train, which has none, it raises NotImplementedError before the forward

@@ -6,8 +6,9 @@
 #   STEPS="sm90 sm80_bwd" tests/gpu_suite.sh OUT_DIR
 #
 # Steps (each under its own time limit, seconds in brackets; a step that runs out reports exit 124):
-#   sm90      [420] issue-13 regressions, the sm90 backward matrix, the sm90 forward matrix, FP8 (pytest-xdist workers
-#                   grouped by compiled kernels, so each compiles only its own)
+#   sm90      [420] issue-13 regressions, the sm90 backward matrix, the sm90 forward matrix, FP8, edge cases (another
+#                   GPU than the current one when two are visible, decode-like shapes, empty shapes, odd layouts)
+#                   (pytest-xdist workers grouped by compiled kernels, so each compiles only its own)
 #   sm80_fwd  [300] the sm80 forward (forced on Hopper): odd lengths, masked rows, windows, strides, other head dims
 #   sm80_bwd  [90] the sm80 backward matrix through autograd at bf16 d128 and fp16 d64 (one process per shard)
 #   bench     [240] backward grid beside FA4 and cuDNN: d 64/128/256 x $BENCH_SEQLENS (default 1k/4k/16k) x causal
@@ -60,7 +61,8 @@ step() {
 for s in $steps; do
   case $s in
     sm90) step sm90 420 python3 -m pytest -q -n 10 --dist loadgroup -p no:cacheprovider -rf \
-            tests/test_correctness_gpu.py tests/test_sm90_bwd.py tests/test_sm90_fwd.py tests/test_fp8_gpu.py ;;
+            tests/test_correctness_gpu.py tests/test_sm90_bwd.py tests/test_sm90_fwd.py tests/test_fp8_gpu.py \
+            tests/test_edge_cases_gpu.py ;;
     sm80_fwd) step sm80_fwd 300 python3 -m pytest -q -n 6 -p no:cacheprovider -rf -m sm80 tests/test_sm80_fwd.py \
             -k "q113k203 or q1023k1024 or q239k1 or fully or local or strided or other" ;;
     sm80_bwd) step sm80_bwd 90 python3 tests/test_sm80_bwd.py -j 6 --test test_sm80_attention_backward \

@@ -87,37 +87,10 @@ def test_unsupported_specs_say_why():
         assert reason is not None and words in reason, reason
 
 
-def test_d128_backward_has_no_spills():
-    """The issue's command: every backward kernel at d128 for the sm_80 target, spills read from ptxas's report."""
-    import json
-    import subprocess
-    import sys
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "cute_flash",
-        "compile",
-        "--arch",
-        "sm80",
-        "--head-dim",
-        "128",
-        "--dtype",
-        "bf16",
-        "--backward",
-        "--json",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    reports = [json.loads(line) for line in proc.stdout.splitlines()]
-    spills = {r["kernel"]: r["spill_bytes"] for r in reports}
-    assert {"fwd", "bwd", "bwd_gqa"} <= set(spills), spills
-    assert all(v is not None for v in spills.values()), spills
-    assert all(v == 0 for v in spills.values()), spills
-
-
-# (128, "local") builds spill-free too (session 4); out of the CPU suite for time.
-@pytest.mark.parametrize("head_dim,mask", [(128, "causal"), (96, "causal"), (64, "none")])
+# (128, "local") builds spill-free too (session 4); out of the CPU suite for time. (The pre- and postprocess of a
+# d128 build: test_backward_kernels_census; `python -m cute_flash compile --arch sm80 --backward --head-dim 128`
+# reports every kernel's spills.)
+@pytest.mark.parametrize("head_dim,mask", [(128, "none"), (128, "causal"), (96, "causal"), (64, "none")])
 def test_sm80_backward_main_kernels_do_not_spill(head_dim, mask):
     """The main kernels (with and without GQA) for the sm_80 target, where the default opt level 3 spilled at
     d96 causal and d128 (tile_config.default_opt_level)."""

@@ -20,6 +20,12 @@ from cute_flash.spec import AttentionSpec
 
 REPO = Path(__file__).resolve().parents[1]
 HEAD_DIMS = (64, 96, 128, 256)
+# (head_dim, causal) builds. Every head dim's configuration and both masks' code paths by default (d128 both: its
+# masks take different configurations); CUTE_FLASH_SM90_FULL_COMPILE=1 builds the other three pairs too (spill-free
+# when last run), which the CPU suite leaves out for time.
+DEFAULT_BUILDS = [(64, True), (96, False), (128, False), (128, True), (256, False)]
+FULL_BUILDS = [(d, causal) for d in HEAD_DIMS for causal in (False, True)]
+BUILDS = FULL_BUILDS if os.environ.get("CUTE_FLASH_SM90_FULL_COMPILE") == "1" else DEFAULT_BUILDS
 
 
 def _compile(out_dir, head_dim: int, causal: bool) -> subprocess.CompletedProcess:
@@ -30,13 +36,12 @@ def _compile(out_dir, head_dim: int, causal: bool) -> subprocess.CompletedProces
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    """Every (head_dim, causal) build, started at once and compiled two at a time: each is one single-threaded
-    subprocess, so the suite's 2-core machine finishes the eight in about half the time."""
+    """Every (head_dim, causal) build of BUILDS, started at once and compiled two at a time: each is one
+    single-threaded subprocess, so the suite's 2-core machine finishes them in about half the time."""
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1)))
     futures = {
         (d, causal): pool.submit(_compile, tmp_path_factory.mktemp(f"sm90_bwd_d{d}_{causal}"), d, causal)
-        for d in HEAD_DIMS
-        for causal in (False, True)
+        for d, causal in BUILDS
     }
     yield futures
     pool.shutdown(wait=True, cancel_futures=True)
@@ -49,13 +54,25 @@ def _compile_reports(builds, head_dim: int, causal: bool) -> dict:
     return {r["kernel"]: r for r in reports}
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def _build_id(build) -> str:
+    return f"{build[0]}-{'causal' if build[1] else 'full'}"
+
+
+@pytest.mark.parametrize("head_dim,causal", BUILDS, ids=[_build_id(b) for b in BUILDS])
 def test_sm90_backward_compiles(builds, head_dim, causal):
     reports = _compile_reports(builds, head_dim, causal)
     roles = {"bwd", "bwd_gqa", "bwd_det", "bwd_gqa_det"}
     assert roles | {"fwd", "bwd_dq_postprocess", "bwd_preprocess"} <= set(reports), sorted(reports)
-    for role in sorted(roles):
+    long_roles = set()
+    if (head_dim, causal) == (128, False):
+        # Long query sequences without a mask take the 80-row tile (tile_config.long_queries; dQᵀ = Kᵀ·dSᵀ, dV's
+        # first k-block before the dP wait): its main kernels pass the same checks, and its dQ conversion writes dQᵀ
+        # with the transposing stmatrix.
+        long_roles = {"bwd_long", "bwd_gqa_long"}
+        assert long_roles | {"bwd_dq_postprocess_long"} <= set(reports), sorted(reports)
+        assert reports["bwd_dq_postprocess_long"]["census"]["stmatrix.trans"] > 0
+        assert reports["bwd_dq_postprocess"]["census"]["stmatrix.trans"] == 0
+    for role in sorted(roles | long_roles):
         report = reports[role]
         census = report["census"]
         if head_dim == 256:  # queries on rows: P and dS through shared memory, every product SS
@@ -77,7 +94,9 @@ def test_sm90_backward_compiles(builds, head_dim, causal):
     # The launch-overhead switches (BwdTileConfig.zero_dq_in_preprocess, .pdl, .pdl_dq_post) are on by default: the
     # sm90 preprocess build signals its dependent, the main kernel waits (producer, dQ warp, epilogue) and signals,
     # the dQ postprocess waits (tests/test_sm90_bwd_variants.py builds them off).
-    expected = {"bwd_preprocess": (0, 1), "bwd_dq_postprocess": (1, 0), **{role: (3, 1) for role in roles}}
+    expected = {"bwd_preprocess": (0, 1), "bwd_dq_postprocess": (1, 0), **{role: (3, 1) for role in roles | long_roles}}
+    if long_roles:
+        expected["bwd_dq_postprocess_long"] = (1, 0)
     for role, (waits, launches) in sorted(expected.items()):
         census = reports[role]["census"]
         assert (census["griddepcontrol.wait"], census["griddepcontrol.launch_dependents"]) == (waits, launches), (
@@ -87,8 +106,7 @@ def test_sm90_backward_compiles(builds, head_dim, causal):
     assert "sm80_bwd_preprocess" not in reports
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("head_dim,causal", BUILDS, ids=[_build_id(b) for b in BUILDS])
 def test_sm90_forward_compiles(builds, head_dim, causal):
     """The forward that `compile --backward` builds first (the d == dv forward builds of the suite)."""
     from tests.test_compile_sm90 import check_census
@@ -115,46 +133,3 @@ def test_sm90_backward_support():
     assert "head_dim" in BACKEND.unsupported_reason(other, backward=True)
     assert routing.route(other, (9, 0), backward=True).family == "sm80"
     assert routing.route(other, (9, 0), backward=True, deterministic=True).family is None
-
-
-_SWAP_AB_SCRIPT = """
-import os, sys, json, tempfile
-os.environ["CUTE_DSL_ARCH"] = "sm_90a"
-from cute_flash import census, compile_cache
-from cute_flash.arch.sm90 import build
-from cute_flash.arch.sm90.tile_config import bwd_config_problem, bwd_tile_config
-from cute_flash.spec import AttentionSpec
-
-spec = AttentionSpec("bf16", 128, 128, sys.argv[1], "bf16")
-cfg = bwd_tile_config(spec, long=True)  # long query sequences without a mask: the 80-row tile
-assert (cfg.tile_m, cfg.dq_swap_ab, cfg.dv_early_kblocks) == (80, True, 1) and bwd_config_problem(cfg, 128) is None
-out = {}
-for role, make in (
-    ("bwd", lambda o: build.compile_backward(spec, cfg, "sm_90a", gqa=False, extra_options=o)),
-    ("post", lambda o: build.compile_dq_postprocess(spec, cfg, "sm_90a", o)),
-):
-    fn = make(compile_cache.keep_artifacts_options(tempfile.mkdtemp(), ptxas_report=False))
-    res = census.cubin_resources(fn.artifacts.CUBIN)
-    out[role] = {
-        "census": census.ptx_census(fn.artifacts.PTX),
-        "trans": fn.artifacts.PTX.count("stmatrix.sync.aligned.m8n8.x4.trans"),
-        "stack": max(r.get("stack_frame_bytes", 0) for r in res.values()),
-    }
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.parametrize("mask", ["none"])  # (the long-query configuration exists without a mask only)
-def test_sm90_backward_dq_swap_ab_builds(mask):
-    # The 80-row query tile (dQᵀ = Kᵀ·dSᵀ, FlashAttention-3's unmasked d128 shape; the default for long query
-    # sequences without a mask, with dV's first k-block before the dP wait): the main kernel issues its five products
-    # as wgmma without spilling, and the postprocess writes dQᵀ with the transposing stmatrix.
-    done = subprocess.run(
-        [sys.executable, "-c", _SWAP_AB_SCRIPT, mask], cwd=REPO, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["bwd"]["census"]["wgmma.mma_async"] > out["bwd"]["census"]["wgmma.mma_async.rs"] > 0
-    assert out["bwd"]["census"]["cp.reduce.async.bulk"] > 0
-    assert out["bwd"]["stack"] == 0  # no stack frame: nothing spilled
-    assert out["post"]["trans"] > 0

@@ -120,6 +120,40 @@ def test_backward_small_scales(monkeypatch, family, scale):
 
 
 # --- 2. gradients of any layout -------------------------------------------------------------------------------------
+# --- lse's gradient --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("uses", ["lse", "out_and_lse"])
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_backward_through_lse(monkeypatch, family, mask, uses):
+    """A loss of lse (alone, or with out): its gradient folds into the backward's D (arch/base.fold_lse_grad), and
+    the gradients follow the rule against float64 autograd through the reference's lse. seqlen_q > seqlen_k, so the
+    causal mask leaves rows without keys (lse -inf; the loss gives them a zero gradient)."""
+    _route_backward_freely(monkeypatch, family)
+    q, k, v = _inputs(family, seed=21, sq=517, sk=300, requires_grad=True)
+    kw = MASKS[mask]
+    out, lse = cute_flash.attention(q, k, v, return_lse=True, **kw)
+    g = torch.Generator(device="cuda").manual_seed(22)
+    dlse = torch.randn(lse.shape, generator=g, device="cuda")
+    dlse = torch.where(torch.isfinite(lse), dlse, torch.zeros_like(dlse))
+    dout = torch.randn(out.shape, generator=g, device="cuda").to(out.dtype)
+    if uses == "lse":
+        dout = torch.zeros_like(out)
+        grads = torch.autograd.grad(lse, (q, k, v), dlse, allow_unused=True)
+        grads = [torch.zeros_like(t) if gr is None else gr for t, gr in zip((q, k, v), grads)]
+    else:
+        grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    check_backward(q, k, v, dout, grads, dlse=dlse, **kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_double_backward_raises(monkeypatch, family):
+    _route_backward_freely(monkeypatch, family)
+    q, k, v = _inputs(family, requires_grad=True)
+    out = cute_flash.attention(q, k, v, causal=True)
+    with pytest.raises(NotImplementedError, match="create_graph"):
+        torch.autograd.grad(out.float().square().sum(), (q, k, v), create_graph=True)
+
+
 def _weights(shape, seed, layout=lambda w: w):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     return layout(torch.randn(*shape, generator=gen, device="cuda"))

@@ -46,14 +46,15 @@ class _ReferenceBackend:
         lse.copy_(l)
 
     def backward(self, t, grads, problem, deterministic=False):
-        dout, q, k, v, out, lse = t
+        dout, q, k, v, out, lse, dlse = t
         dq, dk, dv = grads
         softmax_scale, mask = problem.softmax_scale, problem.mask
         self.calls.append(("backward", mask, softmax_scale, tuple(q.shape), tuple(k.shape)))
         leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
         with torch.enable_grad():  # a backward runs with grad mode off
-            o, _ = self._ref(*leaves, softmax_scale, mask)
-        for g, t in zip(torch.autograd.grad(o, leaves, dout.double()), (dq, dk, dv)):
+            o, l_ = self._ref(*leaves, softmax_scale, mask)
+        outs, grads_in = ((o,), (dout.double(),)) if dlse is None else ((o, l_), (dout.double(), dlse.to(l_.dtype)))
+        for g, t in zip(torch.autograd.grad(outs, leaves, grads_in), (dq, dk, dv)):
             t.copy_(g)
 
 

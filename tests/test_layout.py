@@ -130,7 +130,7 @@ class _CheckingBackend:
         lse.copy_(l)
 
     def backward(self, t, grads, problem, deterministic=False):
-        dout, q, k, v, out, lse = t
+        dout, q, k, v, out, lse, dlse = t
         dq, dk, dv = grads
         softmax_scale, mask = problem.softmax_scale, problem.mask
         self._check(dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
@@ -138,9 +138,12 @@ class _CheckingBackend:
         qd, kd, vd, do = (t.double() for t in (q, k, v, dout))
         s = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * softmax_scale
         s = s.masked_fill(~visible_keys(q.shape[1], k.shape[1], mask), float("-inf"))
-        p = torch.softmax(s, dim=-1)
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # (a row without keys: 0, as the kernels)
         dp = torch.einsum("bqhd,bkhd->bhqk", do, vd)
-        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        d = (dp * p).sum(-1, keepdim=True)
+        if dlse is not None:  # lse's gradient folds into D (arch/base.fold_lse_grad)
+            d = d - dlse.double().unsqueeze(-1)
+        ds = p * (dp - d)
         dq.copy_(torch.einsum("bhqk,bkhd->bqhd", ds, kd) * softmax_scale)
         dk.copy_(torch.einsum("bhqk,bqhd->bkhd", ds, qd) * softmax_scale)
         dv.copy_(torch.einsum("bhqk,bqhd->bkhd", p, do))
@@ -198,3 +201,37 @@ def test_strided_and_offset_inputs_reach_the_backend_in_a_usable_layout(fake_gpu
         torch.testing.assert_close(out.double(), attention_reference(*inputs), atol=2e-2, rtol=2e-2)
         out.sum().backward()
         assert all(t.grad is not None and t.grad.shape == t.shape for t in inputs)
+
+
+def _finite(lse):
+    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+
+
+@pytest.mark.parametrize("uses", ["lse", "out_and_lse"])
+def test_lse_gradient_reaches_the_backend(fake_gpu, uses):
+    """lse is differentiable: its gradient reaches the backend as BwdTensors.dlse (folded into D there), with a zero
+    out gradient when the loss uses lse alone; the gradients match autograd through the float64 reference. A causal
+    mask with seqlen_q > seqlen_k leaves rows without keys (lse -inf), which the loss skips."""
+    torch.manual_seed(2)
+    q = torch.randn(2, 8, 4, 64).to(torch.bfloat16).requires_grad_(True)
+    k, v = (torch.randn(2, 5, 4, 64).to(torch.bfloat16).requires_grad_(True) for _ in range(2))
+    w = torch.randn(2, 4, 8, dtype=torch.float64)
+
+    def loss(out, lse):
+        value = (_finite(lse).double() * w).sum()
+        return value + (out.double().square().sum() if uses == "out_and_lse" else 0)
+
+    out, lse = cute_flash.attention(q, k, v, causal=True, return_lse=True)
+    assert lse.requires_grad and torch.isneginf(lse).any()
+    loss(out, lse).backward()
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    loss(*attention_reference(*leaves, causal=True, return_lse=True)).backward()
+    for got, ref in zip((q.grad, k.grad, v.grad), leaves):
+        want = torch.zeros_like(ref) if ref.grad is None else ref.grad  # (lse alone does not depend on v)
+        torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_double_backward_raises_instead_of_dropping_terms(fake_gpu):
+    q, k, v = (torch.randn(1, 8, 2, 64).to(torch.bfloat16).requires_grad_(True) for _ in range(3))
+    with pytest.raises(NotImplementedError, match="create_graph"):
+        torch.autograd.grad(cute_flash.attention(q, k, v).float().sum(), (q,), create_graph=True)

@@ -45,6 +45,24 @@ def test_torch_compile_inference_and_training_fullgraph():
     check_backward(q, k, v, (w / 1).to(torch.bfloat16), grads_c, causal=True)
 
 
+def test_torch_compile_training_through_lse():
+    """A loss of out and lse (a z-loss-like term) under inductor: lse's gradient reaches the backward op (dlse)."""
+    torch._dynamo.reset()
+
+    def step(q, k, v, w, wl):
+        out, lse = cute_flash.attention(q, k, v, causal=True, return_lse=True)
+        return (out.float() * w).sum() + (lse * wl).sum()
+
+    q, k, v = _inputs(seed=3)
+    w = torch.randn(2, 300, 8, 128, device="cuda")
+    wl = torch.randn(2, 8, 300, device="cuda")
+    grads_c = torch.autograd.grad(torch.compile(step, fullgraph=True)(q, k, v, w, wl), (q, k, v))
+    grads_e = torch.autograd.grad(step(q, k, v, w, wl), (q, k, v))
+    for a, b in zip(grads_c, grads_e):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    check_backward(q, k, v, w.to(torch.bfloat16), grads_c, dlse=wl, causal=True)
+
+
 def test_cuda_graph_capture_and_replay():
     q, k, v = _inputs(grad=False)
     static = [t.clone() for t in (q, k, v)]

@@ -37,9 +37,13 @@ def test_fake_outputs_and_gradients_have_the_documented_shapes():
         (2, 4, 100),
         torch.float32,
     )
-    assert out.requires_grad and not lse.requires_grad  # lse is not differentiable, as in eager mode
-    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert out.requires_grad and lse.requires_grad  # lse is differentiable, as in eager mode
+    grads = torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)
     assert [g.shape for g in grads] == [t.shape for t in (q, k, v)]
+    # A loss of lse alone, and of both (the backward op takes lse's gradient; out's is zeros when unused).
+    for value in (lse.sum(), out.float().sum() + lse.square().sum()):
+        grads = torch.autograd.grad(value, (q, k, v), retain_graph=True)
+        assert [g.shape for g in grads] == [t.shape for t in (q, k, v)]
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -71,3 +75,5 @@ def test_opcheck_on_fake_tensors():
     out, lse = torch.ops.cute_flash.fwd(*args)
     bargs = (torch.empty_like(out), q, k, v, out, lse, 0.125, "causal", 1 << 30, 0, False)
     torch.library.opcheck(torch.ops.cute_flash.bwd.default, bargs, test_utils=("test_schema", "test_faketensor"))
+    with_dlse = (*bargs, None, None, None, 0, 0, torch.empty_like(lse))
+    torch.library.opcheck(torch.ops.cute_flash.bwd.default, with_dlse, test_utils=("test_schema", "test_faketensor"))

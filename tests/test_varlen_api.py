@@ -129,16 +129,18 @@ class _RefBackend:
 
     def backward_varlen(self, t, grads, seqs, problem, deterministic=False):
         self.calls.append("backward")
-        dout, q, k, v, out, lse = t
+        dout, q, k, v, out, lse, dlse = t
         dq, dk, dv = grads
         cu_q, cu_k, seqused_k, max_q, max_k = seqs
         softmax_scale, mask = problem.softmax_scale, problem.mask
 
         def reference_grads():
             leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
-            o = attention_varlen_reference(*leaves, cu_q, cu_k, max_q, max_k, softmax_scale=softmax_scale,
-                                           seqused_k=seqused_k, causal=mask.kind == "causal")  # fmt: skip
-            return torch.autograd.grad(o, leaves, dout.double())
+            kw = dict(softmax_scale=softmax_scale, seqused_k=seqused_k, causal=mask.kind == "causal")
+            o, l_ = attention_varlen_reference(*leaves, cu_q, cu_k, max_q, max_k, return_lse=True, **kw)
+            if dlse is None:
+                return torch.autograd.grad(o, leaves, dout.double())
+            return torch.autograd.grad((o, l_), leaves, (dout.double(), dlse.to(l_.dtype)))
 
         # In a thread of its own: a backward runs with grad mode off, and inside a custom op (torch.compile's path)
         # below autograd's dispatch keys, both thread-local; a fresh thread records the reference's graph.
@@ -174,6 +176,53 @@ def test_autograd_plumbing(ref_backend):
     for got, want in zip(leaves, torch.autograd.grad(ref, ref_leaves, dout.double())):
         assert got.grad.shape == got.shape and got.grad.dtype == got.dtype
         torch.testing.assert_close(got.grad.double(), want, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+@pytest.mark.parametrize("uses", ["lse", "out_and_lse"])
+def test_lse_gradient_reaches_the_backward(ref_backend, uses, compiled):
+    """lse (h, total_q) is differentiable, eager and through the custom ops under torch.compile: its gradient reaches
+    the backend (BwdTensors.dlse); rows without keys (lse -inf) are skipped by the loss."""
+    q, k, v, cq, ck, mq, mk = _packed([0, 1, 7, 3], [2, 0, 9, 3], dtype=torch.float16)
+    w = torch.randn(4, 11, dtype=torch.float64)
+
+    def loss(out, lse):
+        value = (torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).double() * w).sum()
+        return value + (out.double().square().sum() if uses == "out_and_lse" else 0)
+
+    def run(q, k, v):
+        return loss(*cute_flash.attention_varlen(q, k, v, cq, ck, mq, mk, causal=True, return_lse=True))
+
+    if compiled:
+        torch._dynamo.reset()
+        run = torch.compile(run, fullgraph=True, backend="aot_eager")
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    run(*leaves).backward()
+    ref_leaves = [t.clone().double().requires_grad_(True) for t in (q, k, v)]
+    loss(*attention_varlen_reference(*ref_leaves, cq, ck, mq, mk, causal=True, return_lse=True)).backward()
+    for got, ref in zip(leaves, ref_leaves):
+        want = torch.zeros_like(ref) if ref.grad is None else ref.grad  # (lse alone does not depend on v)
+        torch.testing.assert_close(got.grad.double(), want, atol=2e-2, rtol=1e-2)
+
+
+def test_fold_lse_grad_packed_matches_a_loop_over_sequences():
+    """D -= dlse into the padded per-sequence layout, on the device's ops (no host read of cu_seqlens); rows past
+    cu_seqlens[-1] (a padded batch) leave the buffer alone."""
+    from cute_flash.arch.base import fold_lse_grad_packed
+
+    lens, pad, h = [5, 0, 130, 64, 1], 64, 3
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(cu[-1]) + 7  # 7 rows past the last sequence
+    rows = total + len(lens) * pad
+    dpsum = torch.randn(h, rows, dtype=torch.float32)
+    dlse = torch.randn(h, total, dtype=torch.float32)
+    want = dpsum.clone()
+    for b, n in enumerate(lens):
+        start = int(cu[b])
+        padded = (start + b * pad) // pad * pad
+        want[:, padded : padded + n] -= dlse[:, start : start + n]
+    fold_lse_grad_packed(dpsum, dlse, cu, pad)
+    assert torch.equal(dpsum, want)
 
 
 def test_no_grad_and_empty_batches_launch_nothing(ref_backend):

@@ -20,6 +20,12 @@ LENGTHS = {
     "mixed": ([4, 0, 1, 17, 128, 333, 64, 1, 77], [0, 0, 5, 17, 128, 333, 64, 1, 200]),
     "long": ([3, 1, 1537, 5, 0, 130], [3, 7, 1537, 2, 11, 65]),
     "longest": ([37, 4133, 0, 81, 200], [37, 4133, 5, 80, 333]),
+    # More sequences than a warp's 32 lanes: the sm90 kernels find a CTA's sequence in more than one step of their
+    # warp scan (common/packed_tiles.py); lengths 0..300 and one of 700.
+    "many": (
+        [(i * 37) % 151 for i in range(19)] + [700] + [(i * 53) % 301 for i in range(20)],
+        [(i * 41) % 173 + (i % 2) for i in range(19)] + [650] + [(i * 53) % 301 for i in range(20)],
+    ),
 }
 
 
@@ -52,28 +58,41 @@ def _cu(lens):
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
 
 
-def _packed(dt, d, lens_q, lens_k, h, h_kv, seed):
+def _packed(dt, d, lens_q, lens_k, h, h_kv, seed, dv=None, scale=1.0):
     g = torch.Generator(device="cuda").manual_seed(seed)
 
-    def make(rows, heads):
-        return torch.randn(rows, heads, d, generator=g, device="cuda").to(DTYPES[dt]).requires_grad_(True)
+    def make(rows, heads, dim, s=1.0):
+        x = torch.randn(rows, heads, dim, generator=g, device="cuda") * s
+        return x.to(DTYPES[dt]).requires_grad_(True)
 
-    return make(sum(lens_q), h), make(sum(lens_k), h_kv), make(sum(lens_k), h_kv), _cu(lens_q), _cu(lens_k)
+    q, k = make(sum(lens_q), h, d, scale), make(sum(lens_k), h_kv, d, scale)
+    return q, k, make(sum(lens_k), h_kv, dv or d), _cu(lens_q), _cu(lens_k)
 
 
-def _check(q, k, v, cq, ck, mq, mk, out, lse, dout, grads, **kw):
-    """out, lse and (dq, dk, dv) against the float64 reference; baseline: the reference in the inputs' dtype."""
+def _check(q, k, v, cq, ck, mq, mk, out, lse, dout, grads, dlse=None, **kw):
+    """out, lse and (dq, dk, dv) against the float64 reference; baseline: the reference in the inputs' dtype. dlse:
+    the loss's gradient of lse too."""
     from cute_flash.reference import attention_varlen_reference
     from cute_flash.testing import ErrorReport, _assert_all, _lse_report, _max_abs
 
     def reference(compute_dtype):
         leaves = [t.detach().to(compute_dtype).requires_grad_(True) for t in (q, k, v)]
         o, l_ = attention_varlen_reference(*leaves, cq, ck, mq, mk, compute_dtype=compute_dtype, return_lse=True, **kw)
-        gs = torch.autograd.grad(o, leaves, dout.to(compute_dtype)) if grads is not None else None
+        gs = None
+        if grads is not None:
+            outs, grads_in = (o,), (dout.to(compute_dtype),)
+            if dlse is not None:
+                outs, grads_in = (o, l_), (dout.to(compute_dtype), dlse)
+            gs = torch.autograd.grad(outs, leaves, grads_in)
         return o, l_, gs
 
     ref, ref_lse, ref_g = reference(torch.float64)
     low, low_lse, low_g = reference(q.dtype)
+    # A row that sees no key: out exactly 0 (lse -inf is _lse_report's), and exactly 0 in dq; not merely small.
+    empty = torch.isneginf(ref_lse).transpose(0, 1)  # (total_q, h)
+    assert torch.count_nonzero(out[empty]) == 0, "rows without keys must give out 0"
+    if grads is not None:
+        assert torch.count_nonzero(grads[0][empty]) == 0, "rows without keys must give dq 0"
     reports = [ErrorReport("out", _max_abs(out, ref), _max_abs(low, ref)), _lse_report(lse, ref_lse, low_lse)]
     finite = [("out", out)]
     if grads is not None:
@@ -198,6 +217,31 @@ def test_varlen_torch_compile_training_step_matches_eager():
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
+def _lse_gradient_case(heads, deterministic=False):
+    """A loss of out and lse over the mixed lengths (causal: rows without keys, lse -inf, zero gradient there)."""
+    import cute_flash
+
+    lens_q, lens_k = LENGTHS["mixed"]
+    q, k, v, cq, ck = _packed("bf16", 128, lens_q, lens_k, *heads, seed=31)
+    mq, mk = max(lens_q), max(lens_k)
+    out, lse = cute_flash.attention_varlen(
+        q, k, v, cq, ck, mq, mk, causal=True, return_lse=True, deterministic=deterministic
+    )
+    g = torch.Generator(device="cuda").manual_seed(32)
+    dlse = torch.randn(lse.shape, generator=g, device="cuda")
+    dlse = torch.where(torch.isfinite(lse), dlse, torch.zeros_like(dlse))
+    dout = torch.randn(out.shape, generator=g, device="cuda").to(out.dtype)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    _check(q, k, v, cq, ck, mq, mk, out, lse, dout, grads, dlse=dlse, causal=True)
+
+
+@pytest.mark.sm80
+@pytest.mark.xdist_group("varlen-bf16-d128-causal")
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_varlen_backward_through_lse(heads):
+    _lse_gradient_case(heads)
+
+
 # --- the sm90 packed kernels (the router's choice on Hopper; docs/varlen.md) -----------------------------------------
 def _sm90_cases():
     cases = [
@@ -212,6 +256,7 @@ def _sm90_cases():
     cases += [("fp16", 256, mask, (4, 4), "mixed") for mask in ("causal", "window")]
     # max_seqlen_q >= 4096 without a mask: the backward's long-sequence configuration (80-row query tiles).
     cases += [("bf16", 128, "full", heads, "longest") for heads in ((4, 4), (4, 2))]
+    cases += [("bf16", 128, mask, (4, 2), "many") for mask in MASKS]
     return _params(cases, "sm90")
 
 
@@ -301,6 +346,7 @@ def test_sm90_varlen_equal_lengths_match_dense_attention():
         ("fp16", 64, "causal", (6, 2), "mixed", True),
         ("bf16", 256, "causal", (2, 1), "long", False),
         ("bf16", 96, "window", (4, 2), "mixed", False),
+        ("bf16", 128, "window", (4, 2), "many", False),
     ],
     ids=lambda a: str(a),
 )
@@ -474,3 +520,56 @@ def test_varlen_non_finite_sequence_stays_in_its_rows(family, dt, d, mask, heads
         merged.append(m)
     out, lse, *grads = merged
     _check(q, k, v, cq, ck, mx, mx, out, lse, dout, tuple(grads), causal=causal, window_size=window)
+
+
+@pytest.mark.sm90
+@pytest.mark.xdist_group("varlen90-bf16-d128-causal")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_sm90_varlen_backward_through_lse(sm90_varlen, heads, deterministic):
+    _lse_gradient_case(heads, deterministic)
+
+
+@pytest.mark.sm90
+@pytest.mark.xdist_group("varlen90-bf16-d128-causal")
+@pytest.mark.parametrize("softmax_scale, input_scale", [(0.0, 1.0), (1e-30, 1.0), (None, 20.0)], ids=str)
+def test_sm90_varlen_scales_and_large_inputs(sm90_varlen, softmax_scale, input_scale):
+    """softmax_scale 0 (uniform attention over the visible keys) and 1e-30, and inputs 20x N(0, 1) (logits in the
+    hundreds): forward and gradients against the float64 reference, per sequence."""
+    import cute_flash
+
+    lens_q, lens_k = LENGTHS["mixed"]
+    q, k, v, cq, ck = _packed("bf16", 128, lens_q, lens_k, 4, 2, seed=41, scale=input_scale)
+    mq, mk = max(lens_q), max(lens_k)
+    kw = dict(causal=True, softmax_scale=softmax_scale)
+    out, lse = cute_flash.attention_varlen(q, k, v, cq, ck, mq, mk, return_lse=True, **kw)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    _check(q, k, v, cq, ck, mq, mk, out, lse, dout, grads, **kw)
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("d, dv", [(192, 128), (192, 192), (128, 64), (72, 72)], ids=lambda x: str(x))
+def test_varlen_other_head_dims_on_hopper(sm90_varlen, d, dv):
+    """Head dims beyond the sm90 backward's four and dv != d: whichever families `explain_varlen` names serve the
+    forward (and, where one exists, the backward) within the rule; where no family has a backward, asking for
+    gradients raises NotImplementedError before the forward instead of failing later."""
+    import cute_flash
+
+    lens_q, lens_k = LENGTHS["long"]
+    q, k, v, cq, ck = _packed("bf16", d, lens_q, lens_k, 4, 2, seed=43, dv=dv)
+    mq, mk = max(lens_q), max(lens_k)
+    e = cute_flash.explain_varlen(q, k, v, cq, ck, mq, mk, causal=True)
+    assert e.forward_family is not None, str(e)
+    if e.backward_family is None:
+        with pytest.raises(NotImplementedError):
+            out = cute_flash.attention_varlen(q, k, v, cq, ck, mq, mk, causal=True)
+            torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        with torch.no_grad():
+            out, lse = cute_flash.attention_varlen(q, k, v, cq, ck, mq, mk, causal=True, return_lse=True)
+        _check(q, k, v, cq, ck, mq, mk, out, lse, None, None, causal=True)
+        return
+    out, lse = cute_flash.attention_varlen(q, k, v, cq, ck, mq, mk, causal=True, return_lse=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    _check(q, k, v, cq, ck, mq, mk, out, lse, dout, grads, causal=True)

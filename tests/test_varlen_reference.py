@@ -74,5 +74,7 @@ def test_layout_and_value_errors():
         attention_varlen_reference(q, k, v, cq, ck, 3, 4)
     with pytest.raises(ValueError, match="never decrease"):
         attention_varlen_reference(q, k, v, torch.tensor([0, 5, 3], dtype=torch.int32), ck, 5, 4)
+    with pytest.raises(ValueError, match="end at 7"):  # rows past the last sequence: the kernels never write them
+        attention_varlen_reference(q, k, v, torch.tensor([0, 3, 6], dtype=torch.int32), ck, 4, 4)
     with pytest.raises(ValueError, match="seqused_k"):
         attention_varlen_reference(q, k, v, cq, ck, 4, 4, seqused_k=torch.tensor([3, 9], dtype=torch.int32))

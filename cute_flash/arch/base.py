@@ -44,7 +44,7 @@ class FwdTensors(NamedTuple):
 
 class BwdTensors(NamedTuple):
     """What a backward reads: the output's gradient and the forward's inputs and outputs (conventions above; dout
-    like out)."""
+    like out), and the gradient of lse when the loss uses lse (None otherwise; like lse, any strides)."""
 
     dout: torch.Tensor
     q: torch.Tensor
@@ -52,6 +52,7 @@ class BwdTensors(NamedTuple):
     v: torch.Tensor
     out: torch.Tensor
     lse: torch.Tensor
+    dlse: Optional[torch.Tensor] = None
 
 
 class Grads(NamedTuple):
@@ -153,3 +154,32 @@ def launch_packed_forward(kernel, q, k, v, out, lse, seqs: PackedSeqs, problem) 
         q, k, v, out, lse, float(problem.softmax_scale), int(mask.left), int(mask.right),
         seqs.cu_seqlens_q, seqs.cu_seqlens_k, seqs.seqused_k, int(seqs.max_seqlen_q),
     )  # fmt: skip
+
+
+# A gradient of lse enters the backward through D. lse_i = log sum_j exp(s_ij), so d lse_i / d s_ij = P_ij and
+# dS = P * (dP - D) + P * dlse = P * (dP - (D - dlse)): every family's kernels run unchanged on D - dlse, which these
+# fold into the preprocess's D buffer before the main kernel reads it (FlashAttention-4 folds it in its preprocess).
+def fold_lse_grad(dpsum: torch.Tensor, dlse: Optional[torch.Tensor]) -> None:
+    """D -= dlse for a dense backward: dpsum (b, h, padded rows) as the preprocess wrote it, dlse (b, h, sq)."""
+    if dlse is not None:
+        dpsum[..., : dlse.shape[-1]].sub_(dlse)
+
+
+def fold_lse_grad_packed(dpsum: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor, pad: int):
+    """D -= dlse for a packed backward: dpsum (h, padded rows) in which sequence b starts at its padded offset
+    (common/packed.py: cu_seqlens[b] + b * pad rounded down to a multiple of pad), dlse (h, total_q). On the device,
+    without reading cu_seqlens on the host: each packed row finds its sequence by a sorted search. Rows past the last
+    sequence (cu_seqlens[-1] < total_q) have no D; they write their own value back into the buffer's last column,
+    which no sequence reaches (it ends at least pad rows before)."""
+    if dlse is None:
+        return
+    batch, total = cu_seqlens_q.shape[0] - 1, dlse.shape[-1]
+    rows = torch.arange(total, device=dlse.device)
+    cu = cu_seqlens_q.long()
+    seq = torch.searchsorted(cu[1:], rows, right=True)  # sequence of each row; batch past the last one
+    inside = seq < batch
+    seq = seq.clamp_max(batch - 1)
+    start = cu[seq]
+    padded = torch.div(start + seq * pad, pad, rounding_mode="floor") * pad
+    index = torch.where(inside, padded + rows - start, dpsum.shape[-1] - 1)
+    dpsum[:, index] = dpsum[:, index] - torch.where(inside, dlse, 0.0)

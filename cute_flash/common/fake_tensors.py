@@ -63,3 +63,27 @@ def fake_packed_forward_args(dtype, head_dim: int, head_dim_v: int, seqused: boo
         used,
         cutlass.Int32(0),
     )
+
+
+def fake_packed_preprocess_args(dtype, head_dim_v: int, dq_zeroing_block: int = 0) -> tuple:
+    """The arguments of the backward preprocess's packed entry (sm80/flash_bwd_preprocess, which both families run)
+    before the stream: out / dout (total_q, h, dv), lse (h, total_q), D / lse_log2 (h, padded rows), cu_seqlens_q,
+    two runtime ints (the per-sequence pad and the grid's blocks per sequence), and with `dq_zeroing_block` (its
+    block_m; the `packed_with_dq_zeroing` entry) the (h, padded rows * dv) fp32 dQ accumulator it zeroes."""
+    import cutlass
+    import cutlass.cute as cute
+
+    total, heads, rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    args = (
+        fake_operand(dtype, (total, heads, head_dim_v)),
+        fake_operand(dtype, (total, heads, head_dim_v)),
+        fake_f32((heads, total)),
+        fake_f32((heads, rows)),
+        fake_f32((heads, rows)),
+        fake_cu_seqlens(cute.sym_int()),
+        cutlass.Int32(0),
+        cutlass.Int32(0),
+    )
+    if dq_zeroing_block:
+        args += (fake_f32((heads, cute.sym_int()), divisibility=dq_zeroing_block * head_dim_v, align=16),)
+    return args

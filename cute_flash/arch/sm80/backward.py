@@ -23,7 +23,7 @@ import torch
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import Problem, VarlenProblem, kernel_view
-from ..base import BwdTensors, Grads, KernelArtifact, PackedSeqs
+from ..base import BwdTensors, Grads, KernelArtifact, PackedSeqs, fold_lse_grad, fold_lse_grad_packed
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_tensor
 from ...common.packed import PRE_POST_ROWS, packed_pads, padded_rows
@@ -175,7 +175,7 @@ def _build_packed(
     from .flash_bwd import Sm80FlashBackward
     from .flash_bwd_postprocess import AccumConvertSm80, DqFragmentConvertSm80
     from .flash_bwd_preprocess import BackwardPreprocessSm80
-    from ...common.fake_tensors import fake_cu_seqlens
+    from ...common.fake_tensors import fake_cu_seqlens, fake_packed_preprocess_args
 
     dt = dsl_dtype(spec.dtype)
     d, dv = spec.head_dim, spec.head_dim_v
@@ -195,8 +195,7 @@ def _build_packed(
 
     if role == "bwd_preprocess":
         kernel = BackwardPreprocessSm80(dt, dv, block_m=_PRE_POST_BLOCK_M, varlen=True)
-        args = (rows(dt, tq, h, dv), rows(dt, tq, h, dv), stats(tq), stats(tq_pad), stats(tq_pad), fake_cu_seqlens(n))
-        return cute.compile(kernel.packed, *args, i32, i32, stream, options=options)
+        return cute.compile(kernel.packed, *fake_packed_preprocess_args(dt, dv), stream, options=options)
     if role == "bwd_postprocess":
         kernel = AccumConvertSm80(dt, d, block_m=_PRE_POST_BLOCK_M, varlen=True)
         args = (rows(cutlass.Float32, tq_pad, h, d), rows(dt, tq, h, d), f32, fake_cu_seqlens(n))
@@ -409,7 +408,7 @@ def backward_launcher(
     scale, left, right = softmax_scale, mask.left, mask.right
 
     def launch(t: BwdTensors, grads: Grads) -> None:
-        dout, q, k, v, out, lse = t
+        dout, q, k, v, out, lse, dlse = t
         dq, dk, dv = grads
         lse_log2 = torch.empty(stats_shape, **f32)
         dpsum = torch.empty(stats_shape, **f32)
@@ -421,6 +420,7 @@ def backward_launcher(
             )
             q, k, v, dout, out, dq, dk, dv = grad_views(q, k, v, dout, out, dq, dk, dv)
         preprocess(out, dout, lse, dpsum, lse_log2)
+        fold_lse_grad(dpsum, dlse)
         dk_out, dv_out = dkv_destinations(dk, dv, gqa, dkv_block)
         main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, None, None, scale, left, right)  # no semaphores
         dq_postprocess(dq_accum, dq, scale)
@@ -440,7 +440,7 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
     (common/packed.packed_pads): lse_log2 / D (h, rows), dQ's fp32 accumulator (rows, h, d) or (h, rows * d), and under
     GQA dK / dV's (rows, h_kv, d). Keys past seqused_k[b] get zero gradients.
     """
-    dout, q, k, v, out, lse = t
+    dout, q, k, v, out, lse, dlse = t
     dq, dk, dv = grads
     cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k = seqs
     spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
@@ -467,6 +467,7 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
 
     pre_blocks = -(-max_seqlen_q // pad_q) * pad_q // _PRE_POST_BLOCK_M  # whole pad_q rows per sequence
     _kernel("bwd_preprocess", spec, target)(out, dout, lse, dpsum, lse_log2, cu_seqlens_q, pad_q, pre_blocks)
+    fold_lse_grad_packed(dpsum, dlse, cu_seqlens_q, pad_q)
     dk_out, dv_out = packed_dkv_destinations(dk, dv, gqa, seqused_k is not None, padded_rows(total_k, batch, pad_k))
     role = ("bwd_gqa" if gqa else "bwd") + ("_seqused" if seqused_k is not None else "")
     no_semaphores = (None, None)  # this family has no deterministic build

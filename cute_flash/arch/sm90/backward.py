@@ -37,7 +37,7 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import PackedSeqs, Problem, VarlenProblem, _round_up
 from ...common.packed import PRE_POST_ROWS, packed_pads, padded_rows
-from ..base import BwdTensors, Grads, KernelArtifact
+from ..base import BwdTensors, Grads, KernelArtifact, fold_lse_grad, fold_lse_grad_packed
 from .tile_config import (
     ROWS_PER_CONSUMER,
     WARPGROUP_THREADS,
@@ -222,7 +222,7 @@ def backward_launcher(
     no_semaphores = (None, None)
 
     def launch(t: BwdTensors, grads: Grads) -> None:
-        dout, q, k, v, out, lse = t
+        dout, q, k, v, out, lse, dlse = t
         dq, dk, dv = grads
         lse_log2 = torch.empty(stats_shape, **f32)
         dpsum = torch.empty(stats_shape, **f32)
@@ -238,6 +238,7 @@ def backward_launcher(
             kernels.preprocess(out, dout, lse, dpsum, lse_log2, dq_accum)
         else:
             kernels.preprocess(out, dout, lse, dpsum, lse_log2)
+        fold_lse_grad(dpsum, dlse)
         kernels.main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *semaphores, scale, left, right)
         kernels.postprocess(dq_accum, dq, scale)
         if gqa:
@@ -253,7 +254,7 @@ def run_backward_varlen(
     """The packed backward: q / dout / out / dq (total_q, h, d), k / v / dk / dv (total_k, h_kv, d), lse (h, total_q).
     Keys past seqused_k[b] get zero gradients. deterministic: as `run_backward`'s, with semaphores per (head, padded
     query tile) and (KV head, padded key tile)."""
-    dout, q, k, v, out, lse = t
+    dout, q, k, v, out, lse, dlse = t
     dq, dk, dv = grads
     cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k = seqs
     spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
@@ -289,6 +290,7 @@ def run_backward_varlen(
     pre_blocks = -(-max_seqlen_q // pad_q) * pad_q // STATS_ROW_MULTIPLE  # whole pad_q rows per sequence
     zeroed = (dq_accum,) if cfg.zero_dq_in_preprocess else ()
     kernels.preprocess(out, dout, lse, dpsum[0], lse_log2[0], cu_seqlens_q, pad_q, pre_blocks, *zeroed)
+    fold_lse_grad_packed(dpsum[0], dlse, cu_seqlens_q, pad_q)
     kernels.main(
         q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *semaphores, softmax_scale, mask.left, mask.right,
         cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k,

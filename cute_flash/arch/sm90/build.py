@@ -11,7 +11,13 @@ from typing import Optional
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ...common.dsl_types import dsl_dtype
-from ...common.fake_tensors import fake_cu_seqlens, fake_f32, fake_operand, fake_packed_forward_args
+from ...common.fake_tensors import (
+    fake_cu_seqlens,
+    fake_f32,
+    fake_operand,
+    fake_packed_forward_args,
+    fake_packed_preprocess_args,
+)
 from .tile_config import FwdTileConfig
 
 compile_cache.ensure_cute_dsl_arch("sm_90a")
@@ -199,13 +205,7 @@ def compile_preprocess(spec: AttentionSpec, cfg, target: str, extra_options: Opt
 def _compile_packed_preprocess(kernel, dtype, dv: int, block_m: int, stream, options: str):
     """compile_preprocess's packed build: (total_q, h, dv) out / dout, (h, total_q) lse, (h, padded rows) statistics
     and the (h, padded rows * dv) dQ accumulator."""
-    total, heads, rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    out, dout = (fake_operand(dtype, (total, heads, dv)) for _ in range(2))  # (16-byte outer strides: kernel_view)
-    args = (out, dout, fake_f32((heads, total)), fake_f32((heads, rows)), fake_f32((heads, rows)))
-    args += (fake_cu_seqlens(cute.sym_int()), cutlass.Int32(0), cutlass.Int32(0))
     if not kernel.zero_dq_accum:
-        return cute.compile(kernel.packed, *args, stream, options=options)
-    dq_accum = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (heads, cute.sym_int()), (cute.sym_int64(divisibility=block_m * dv), 1), assumed_align=16
-    )
-    return cute.compile(kernel.packed_with_dq_zeroing, *args, dq_accum, stream, options=options)
+        return cute.compile(kernel.packed, *fake_packed_preprocess_args(dtype, dv), stream, options=options)
+    args = fake_packed_preprocess_args(dtype, dv, dq_zeroing_block=block_m)
+    return cute.compile(kernel.packed_with_dq_zeroing, *args, stream, options=options)

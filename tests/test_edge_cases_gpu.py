@@ -1,0 +1,119 @@
+"""GPU: inputs at the edges of what `attention` / `attention_varlen` take, on Hopper's default families: tensors on a
+GPU other than the current one, decode-like shapes (a few queries against tens of thousands of keys, deterministic
+too), empty batches / heads / keys with gradients, and odd layouts (a misaligned base, an expanded batch) through the
+backward. Each result against the float64 reference by FlashAttention's rule (cute_flash.testing).
+
+Run: python -m pytest -q tests/test_edge_cases_gpu.py (the other-GPU case needs two GPUs)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash.testing import check_backward, check_forward, random_qkv
+
+pytestmark = [pytest.mark.sm90, pytest.mark.xdist_group("edge-cases")]
+
+
+def _train(q, k, v, seed=0, **kw):
+    out, lse = cute_flash.attention(q, k, v, return_lse=True, **kw)
+    g = torch.Generator(device=q.device).manual_seed(seed)
+    dout = torch.randn(out.shape, generator=g, device=q.device).to(out.dtype)
+    return out, lse, dout, torch.autograd.grad(out, (q, k, v), dout)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_inputs_on_a_gpu_other_than_the_current_one():
+    """Kernels compiled and first launched on cuda:0 run on cuda:1 while cuda:0 stays current (the module is loaded
+    into each device's context), dense and packed, forward and backward; the results equal cuda:0's."""
+    assert torch.cuda.current_device() == 0
+    kw = dict(causal=True)
+    q0, k0, v0 = random_qkv(2, 300, 333, 4, 2, 128, seed=1, requires_grad=True, device="cuda:0")
+    out0, lse0, dout0, grads0 = _train(q0, k0, v0, **kw)
+    q1, k1, v1 = (t.detach().to("cuda:1").requires_grad_(True) for t in (q0, k0, v0))
+    out1, lse1, dout1, grads1 = _train(q1, k1, v1, **kw)
+    assert torch.cuda.current_device() == 0 and out1.device == torch.device("cuda:1")
+    torch.testing.assert_close(out1.cpu(), out0.cpu(), atol=0, rtol=0)
+    check_forward(q1, k1, v1, out1, lse1, **kw)
+    check_backward(q1, k1, v1, dout1, grads1, **kw)
+    # Packed sequences on cuda:1.
+    lens = [37, 0, 250, 13]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda:1")
+    pq, pk, pv = (t.detach()[0, :300].to("cuda:1").requires_grad_(True) for t in (q0, k0, v0))
+    pout = cute_flash.attention_varlen(pq, pk, pv, cu, cu, 250, 250, causal=True)
+    pgrads = torch.autograd.grad(pout, (pq, pk, pv), torch.ones_like(pout))
+    assert pout.device == torch.device("cuda:1") and all(torch.isfinite(g).all() for g in pgrads)
+    for b in range(len(lens)):
+        s, e = int(cu[b]), int(cu[b + 1])
+        if e > s:
+            check_forward(pq[None, s:e], pk[None, s:e], pv[None, s:e], pout[None, s:e], causal=True)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("seqlen_q", [1, 7])
+def test_decode_like_shapes(seqlen_q, deterministic):
+    """A few queries against 40k keys (one query tile, hundreds of key tiles: the deterministic dQ sums wait on a
+    long chain of semaphores)."""
+    q, k, v = random_qkv(1, seqlen_q, 40_000, 8, 2, 128, seed=seqlen_q, requires_grad=True)
+    kw = dict(causal=True)
+    out, lse, dout, grads = _train(q, k, v, deterministic=deterministic, **kw)
+    check_forward(q, k, v, out, lse, **kw)
+    check_backward(q, k, v, dout, grads, **kw)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(0, 64, 64, 4, 2), (2, 64, 0, 4, 2), (2, 0, 64, 4, 2), (2, 64, 64, 0, 1)],
+    ids=["batch0", "keys0", "queries0", "heads0"],
+)
+def test_empty_dense_shapes_with_gradients(shape):
+    b, sq, sk, h, hkv = shape
+    q, k, v = random_qkv(b, sq, sk, h, hkv, 128, seed=3, requires_grad=True)
+    out, lse = cute_flash.attention(q, k, v, causal=True, return_lse=True)
+    assert out.shape == (b, sq, h, 128) and lse.shape == (b, h, sq)
+    assert torch.count_nonzero(out) == 0 and bool(torch.isneginf(lse).all())
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out), allow_unused=True)
+    for g, t in zip(grads, (q, k, v)):
+        assert g is None or (g.shape == t.shape and torch.count_nonzero(g) == 0)
+
+
+def test_empty_packed_batches_with_gradients():
+    k = torch.randn(5, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(5, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q = torch.randn(0, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    none = torch.zeros(1, dtype=torch.int32, device="cuda")  # batch 0
+    out = cute_flash.attention_varlen(q, k[:0], v[:0], none, none, 0, 0)
+    assert out.shape == (0, 4, 128)
+    cu_q = torch.tensor([0, 0, 0], dtype=torch.int32, device="cuda")  # two sequences without queries
+    cu_k = torch.tensor([0, 2, 5], dtype=torch.int32, device="cuda")
+    out = cute_flash.attention_varlen(q, k, v, cu_q, cu_k, 0, 3, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert [g.shape for g in grads] == [t.shape for t in (q, k, v)]
+    assert all(torch.count_nonzero(g) == 0 for g in grads)
+
+
+def test_misaligned_and_expanded_inputs_through_the_backward():
+    """q starting 2 bytes past an aligned address (copied for the kernels), k / v expanded over the batch (stride 0,
+    copied): gradients come back in the inputs' own shapes, summed over the expanded batch."""
+    base = random_qkv(2, 200, 300, 4, 2, 128, seed=5)[0]
+    flat = torch.empty(base.numel() + 1, device="cuda", dtype=base.dtype)
+    q = flat[1:].view_as(base).copy_(base).requires_grad_(True)
+    assert q.data_ptr() % 16 != 0
+    k1, v1 = (t.requires_grad_(True) for t in random_qkv(1, 200, 300, 4, 2, 128, seed=6)[1:])
+    k, v = k1.expand(2, -1, -1, -1), v1.expand(2, -1, -1, -1)
+    kw = dict(causal=True)
+    out, lse = cute_flash.attention(q, k, v, return_lse=True, **kw)
+    dout = torch.randn_like(out)
+    dq, dk1, dv1 = torch.autograd.grad(out, (q, k1, v1), dout)
+    check_forward(q, k, v, out, lse, **kw)
+    # The reference's gradients for the expanded k / v, summed over the batch like autograd's.
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k1, v1)]
+    from cute_flash.reference import attention_reference
+
+    ref = attention_reference(leaves[0], leaves[1].expand(2, -1, -1, -1), leaves[2].expand(2, -1, -1, -1), **kw)
+    want = torch.autograd.grad(ref, leaves, dout.double())
+    for got, w in zip((dq, dk1, dv1), want):
+        assert got.shape == w.shape
+        torch.testing.assert_close(got.double(), w, atol=5e-2, rtol=5e-2)
