@@ -212,22 +212,40 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        refuse_double_backward()
         q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:  # only lse reached the loss
-            dout = torch.zeros_like(out)
-        return (*ctx.run.backward_saved(dout, q, k, v, out, lse, dlse), None)
+        recording = torch.is_grad_enabled()  # create_graph=True
+        with torch.set_grad_enabled(False):
+            if dout is None:  # only lse reached the loss
+                dout = torch.zeros_like(out)
+            grads = ctx.run.backward_saved(dout, q, k, v, out, lse, dlse)
+        if recording:
+            grads = refuse_second_order(grads, dout, dlse, q, k, v)
+        return (*grads, None)
 
 
-def refuse_double_backward() -> None:
-    """Called first in every backward of an autograd function here: the backward kernels are not differentiable, so
-    a backward that records a graph (create_graph=True: a gradient of a gradient) raises instead of returning
-    gradients detached from it, whose terms a second backward would silently drop."""
-    if torch.is_grad_enabled():
+class _SecondOrderRefused(torch.autograd.Function):
+    """The gradients a backward returned while recording a graph, passed through unchanged; a second backward that
+    reaches them raises (the backward kernels have no derivative of their own)."""
+
+    @staticmethod
+    def forward(ctx, anchor, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
         raise NotImplementedError(
-            "cute_flash: the attention backward is not differentiable; gradients of gradients (create_graph=True, "
-            "double backward) are not supported"
+            "cute_flash: the attention backward is not differentiable; a gradient of its gradients (double "
+            "backward through create_graph=True) is not supported"
         )
+
+
+def refuse_second_order(grads, *inputs):
+    """`grads` of a backward that ran with create_graph=True, attached to a node that raises if a second backward
+    reaches them, instead of handing them back detached (constants to that second backward, which would silently
+    drop their second-order terms). A create_graph=True backward whose gradients no second backward uses works as
+    before. inputs: the backward's inputs; the node hangs on one of them that requires grad (none: nothing to do)."""
+    anchor = next((t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad), None)
+    return grads if anchor is None else _SecondOrderRefused.apply(anchor, *grads)
 
 
 def _run_backward(dout, q, k, v, out, lse, problem: Problem, deterministic: bool, dlse=None):

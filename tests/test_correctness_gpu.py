@@ -4,11 +4,12 @@
      scales (1e-30, subnormal and zero in fp32), and logits whose scaled value overflows fp32 (a hard max);
   2. any gradient autograd hands the backward (expanded by out.sum(), broadcast, transposed, offset) works;
   3. on Hopper every documented head dim gets an answer: the sm90 family where it has a kernel, else sm80, per call
-     and per direction; a backward no family has raises NotImplementedError naming each family's reason.
+     and per direction; a backward no family has raises NotImplementedError naming each family's reason;
+  4. a loss of lse (alone or with out) gets its gradients, and a second backward through the gradients raises.
 
 Outputs and gradients follow FlashAttention's rule against the float64 reference (cute_flash.testing), except where
 that rule has no finite baseline (a scale beyond the input dtype's range): there the hard max is checked row by row.
-Items 1 and 2 run once per family: `sm80` (Ampere or later; on Hopper the marker forces the sm80 family) and `sm90`.
+Items 1, 2 and 4 run once per family: `sm80` (Ampere or later; on Hopper the marker forces the sm80 family) and `sm90`.
 
 Run: python -m pytest -q tests/test_correctness_gpu.py      (a few minutes on an H100, mostly compiling kernels)
 """
@@ -120,40 +121,6 @@ def test_backward_small_scales(monkeypatch, family, scale):
 
 
 # --- 2. gradients of any layout -------------------------------------------------------------------------------------
-# --- lse's gradient --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("uses", ["lse", "out_and_lse"])
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("family", FAMILIES)
-def test_backward_through_lse(monkeypatch, family, mask, uses):
-    """A loss of lse (alone, or with out): its gradient folds into the backward's D (arch/base.fold_lse_grad), and
-    the gradients follow the rule against float64 autograd through the reference's lse. seqlen_q > seqlen_k, so the
-    causal mask leaves rows without keys (lse -inf; the loss gives them a zero gradient)."""
-    _route_backward_freely(monkeypatch, family)
-    q, k, v = _inputs(family, seed=21, sq=517, sk=300, requires_grad=True)
-    kw = MASKS[mask]
-    out, lse = cute_flash.attention(q, k, v, return_lse=True, **kw)
-    g = torch.Generator(device="cuda").manual_seed(22)
-    dlse = torch.randn(lse.shape, generator=g, device="cuda")
-    dlse = torch.where(torch.isfinite(lse), dlse, torch.zeros_like(dlse))
-    dout = torch.randn(out.shape, generator=g, device="cuda").to(out.dtype)
-    if uses == "lse":
-        dout = torch.zeros_like(out)
-        grads = torch.autograd.grad(lse, (q, k, v), dlse, allow_unused=True)
-        grads = [torch.zeros_like(t) if gr is None else gr for t, gr in zip((q, k, v), grads)]
-    else:
-        grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
-    check_backward(q, k, v, dout, grads, dlse=dlse, **kw)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_double_backward_raises(monkeypatch, family):
-    _route_backward_freely(monkeypatch, family)
-    q, k, v = _inputs(family, requires_grad=True)
-    out = cute_flash.attention(q, k, v, causal=True)
-    with pytest.raises(NotImplementedError, match="create_graph"):
-        torch.autograd.grad(out.float().square().sum(), (q, k, v), create_graph=True)
-
-
 def _weights(shape, seed, layout=lambda w: w):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     return layout(torch.randn(*shape, generator=gen, device="cuda"))
@@ -227,3 +194,41 @@ def test_hopper_keeps_sm90_where_it_has_a_kernel(monkeypatch):
     q, k, v = random_qkv(2, 200, 300, 4, 2, 128, dtype=torch.bfloat16, seed=9)
     assert cute_flash.explain(q, k, v).forward_family == "sm90"
     assert cute_flash.backend() == "sm90"
+
+
+# --- 4. gradients through lse, and gradients of gradients -----------------------------------------------------------
+@pytest.mark.parametrize("uses", ["lse", "out_and_lse"])
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_backward_through_lse(monkeypatch, family, mask, uses):
+    """A loss of lse (alone, or with out): its gradient folds into the backward's D (arch/base.fold_lse_grad), and
+    the gradients follow the rule against float64 autograd through the reference's lse. seqlen_q > seqlen_k, so the
+    causal mask leaves rows without keys (lse -inf; the loss gives them a zero gradient)."""
+    _route_backward_freely(monkeypatch, family)
+    q, k, v = _inputs(family, seed=21, sq=517, sk=300, requires_grad=True)
+    kw = MASKS[mask]
+    out, lse = cute_flash.attention(q, k, v, return_lse=True, **kw)
+    g = torch.Generator(device="cuda").manual_seed(22)
+    dlse = torch.randn(lse.shape, generator=g, device="cuda")
+    dlse = torch.where(torch.isfinite(lse), dlse, torch.zeros_like(dlse))
+    dout = torch.randn(out.shape, generator=g, device="cuda").to(out.dtype)
+    if uses == "lse":
+        dout = torch.zeros_like(out)
+        grads = torch.autograd.grad(lse, (q, k, v), dlse, allow_unused=True)
+        grads = [torch.zeros_like(t) if gr is None else gr for t, gr in zip((q, k, v), grads)]
+    else:
+        grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    check_backward(q, k, v, dout, grads, dlse=dlse, **kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_double_backward_raises(monkeypatch, family):
+    """create_graph=True gives the same first-order gradients; a second backward through them raises."""
+    _route_backward_freely(monkeypatch, family)
+    q, k, v = _inputs(family, requires_grad=True)
+    out = cute_flash.attention(q, k, v, causal=True)
+    value = out.float().square().sum()
+    grads = torch.autograd.grad(value, (q, k, v), create_graph=True, retain_graph=True)
+    check_backward(q, k, v, (2 * out.float()).to(out.dtype).detach(), [g.detach() for g in grads], causal=True)
+    with pytest.raises(NotImplementedError, match="double"):
+        grads[0].float().square().sum().backward()

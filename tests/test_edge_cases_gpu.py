@@ -27,7 +27,8 @@ def _train(q, k, v, seed=0, **kw):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_inputs_on_a_gpu_other_than_the_current_one():
     """Kernels compiled and first launched on cuda:0 run on cuda:1 while cuda:0 stays current (the module is loaded
-    into each device's context), dense and packed, forward and backward; the results equal cuda:0's."""
+    into each device's context), dense and packed, forward and backward: cuda:0's forward bit for bit (on two GPUs of
+    one model) and the rule against float64; the packed gradients finite."""
     assert torch.cuda.current_device() == 0
     kw = dict(causal=True)
     q0, k0, v0 = random_qkv(2, 300, 333, 4, 2, 128, seed=1, requires_grad=True, device="cuda:0")
@@ -35,7 +36,8 @@ def test_inputs_on_a_gpu_other_than_the_current_one():
     q1, k1, v1 = (t.detach().to("cuda:1").requires_grad_(True) for t in (q0, k0, v0))
     out1, lse1, dout1, grads1 = _train(q1, k1, v1, **kw)
     assert torch.cuda.current_device() == 0 and out1.device == torch.device("cuda:1")
-    torch.testing.assert_close(out1.cpu(), out0.cpu(), atol=0, rtol=0)
+    if torch.cuda.get_device_name(0) == torch.cuda.get_device_name(1):  # the same kernels on the same model
+        torch.testing.assert_close(out1.cpu(), out0.cpu(), atol=0, rtol=0)
     check_forward(q1, k1, v1, out1, lse1, **kw)
     check_backward(q1, k1, v1, dout1, grads1, **kw)
     # Packed sequences on cuda:1.
@@ -105,7 +107,8 @@ def test_misaligned_and_expanded_inputs_through_the_backward():
     k, v = k1.expand(2, -1, -1, -1), v1.expand(2, -1, -1, -1)
     kw = dict(causal=True)
     out, lse = cute_flash.attention(q, k, v, return_lse=True, **kw)
-    dout = torch.randn_like(out)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    dout = torch.randn(out.shape, generator=g, device="cuda").to(out.dtype)
     dq, dk1, dv1 = torch.autograd.grad(out, (q, k1, v1), dout)
     check_forward(q, k, v, out, lse, **kw)
     # The reference's gradients for the expanded k / v, summed over the batch like autograd's.

@@ -232,6 +232,14 @@ def test_lse_gradient_reaches_the_backend(fake_gpu, uses):
 
 
 def test_double_backward_raises_instead_of_dropping_terms(fake_gpu):
+    """create_graph=True works where no second backward reaches attention's gradients (a penalty on a downstream
+    weight's gradient); a second backward through dq raises instead of treating it as a constant."""
+    torch.manual_seed(3)
     q, k, v = (torch.randn(1, 8, 2, 64).to(torch.bfloat16).requires_grad_(True) for _ in range(3))
-    with pytest.raises(NotImplementedError, match="create_graph"):
-        torch.autograd.grad(cute_flash.attention(q, k, v).float().sum(), (q,), create_graph=True)
+    w = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+    loss = (cute_flash.attention(q, k, v).double() @ w).square().sum()
+    dq, dw = torch.autograd.grad(loss, (q, w), create_graph=True)
+    dw.square().sum().backward(retain_graph=True)  # reaches attention's forward only: fine
+    assert w.grad is not None and q.grad is not None
+    with pytest.raises(NotImplementedError, match="double"):
+        dq.float().square().sum().backward()

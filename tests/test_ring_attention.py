@@ -204,8 +204,15 @@ def test_single_rank_is_plain_attention(kwargs):
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-9)
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-6)
     dout = torch.randn_like(out)
-    for g, r in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+    grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    for g, r in zip(grads, torch.autograd.grad(ref, (q, k, v), dout, retain_graph=True)):
         torch.testing.assert_close(g, r, rtol=0, atol=1e-9)
+    # A loss of lse too: each block's backward takes its rows of lse's gradient (D - dlse).
+    dlse = torch.randn_like(lse)
+    got = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    want = torch.autograd.grad((ref, ref_lse), (q, k, v), (dout, dlse.to(ref_lse.dtype)))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-6)
 
 
 def test_cute_flash_import_stays_light():

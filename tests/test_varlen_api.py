@@ -205,23 +205,43 @@ def test_lse_gradient_reaches_the_backward(ref_backend, uses, compiled):
         torch.testing.assert_close(got.grad.double(), want, atol=2e-2, rtol=1e-2)
 
 
-def test_fold_lse_grad_packed_matches_a_loop_over_sequences():
-    """D -= dlse into the padded per-sequence layout, on the device's ops (no host read of cu_seqlens); rows past
-    cu_seqlens[-1] (a padded batch) leave the buffer alone."""
+@pytest.mark.parametrize("round_rows", [False, True], ids=["sm80_rows", "sm90_rows"])
+def test_fold_lse_grad_packed_matches_a_loop_over_sequences(round_rows):
+    """D -= dlse into the padded per-sequence layout, by device ops alone (no host read of cu_seqlens): both families'
+    buffer sizes, a strided dlse, rows past cu_seqlens[-1] ignored, rows without keys (lse -inf) left at D even where
+    dlse is not finite there."""
     from cute_flash.arch.base import fold_lse_grad_packed
 
     lens, pad, h = [5, 0, 130, 64, 1], 64, 3
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     total = int(cu[-1]) + 7  # 7 rows past the last sequence
     rows = total + len(lens) * pad
+    rows = -(-rows // pad) * pad if round_rows else rows
     dpsum = torch.randn(h, rows, dtype=torch.float32)
-    dlse = torch.randn(h, total, dtype=torch.float32)
+    dlse = torch.randn(total, h, dtype=torch.float32).t()  # (h, total), not contiguous
+    lse = torch.randn(h, total, dtype=torch.float32)
+    lse[1, 3], dlse[1, 3] = float("-inf"), float("nan")  # a row without keys, a NaN gradient there
     want = dpsum.clone()
     for b, n in enumerate(lens):
         start = int(cu[b])
         padded = (start + b * pad) // pad * pad
-        want[:, padded : padded + n] -= dlse[:, start : start + n]
-    fold_lse_grad_packed(dpsum, dlse, cu, pad)
+        want[:, padded : padded + n] -= torch.where(torch.isneginf(lse), 0.0, dlse)[:, start : start + n]
+    fold_lse_grad_packed(dpsum, dlse, lse, cu, pad)
+    assert torch.equal(dpsum, want)
+
+
+def test_fold_lse_grad_dense_keeps_rows_without_keys():
+    from cute_flash.arch.base import fold_lse_grad
+
+    dpsum = torch.randn(2, 3, 64)
+    lse, dlse = torch.randn(2, 3, 50), torch.randn(2, 3, 50).expand(2, 3, 50)
+    lse[0, 1, 7], dlse = float("-inf"), dlse.clone()
+    dlse[0, 1, 7] = float("inf")
+    want = dpsum.clone()
+    want[..., :50] -= torch.where(torch.isneginf(lse), 0.0, dlse)
+    fold_lse_grad(dpsum, dlse, lse)
+    assert torch.equal(dpsum, want)
+    fold_lse_grad(dpsum, None, lse)  # no gradient of lse: nothing changes
     assert torch.equal(dpsum, want)
 
 

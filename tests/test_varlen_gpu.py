@@ -538,6 +538,7 @@ def test_sm90_varlen_scales_and_large_inputs(sm90_varlen, softmax_scale, input_s
     hundreds): forward and gradients against the float64 reference, per sequence."""
     import cute_flash
 
+    torch.manual_seed(42)
     lens_q, lens_k = LENGTHS["mixed"]
     q, k, v, cq, ck = _packed("bf16", 128, lens_q, lens_k, 4, 2, seed=41, scale=input_scale)
     mq, mk = max(lens_q), max(lens_k)
@@ -553,9 +554,10 @@ def test_sm90_varlen_scales_and_large_inputs(sm90_varlen, softmax_scale, input_s
 def test_varlen_other_head_dims_on_hopper(sm90_varlen, d, dv):
     """Head dims beyond the sm90 backward's four and dv != d: whichever families `explain_varlen` names serve the
     forward (and, where one exists, the backward) within the rule; where no family has a backward, asking for
-    gradients raises NotImplementedError before the forward instead of failing later."""
+    gradients raises NotImplementedError (at the latest in the backward) and the forward alone still works."""
     import cute_flash
 
+    torch.manual_seed(44)
     lens_q, lens_k = LENGTHS["long"]
     q, k, v, cq, ck = _packed("bf16", d, lens_q, lens_k, 4, 2, seed=43, dv=dv)
     mq, mk = max(lens_q), max(lens_k)

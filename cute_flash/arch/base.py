@@ -158,28 +158,35 @@ def launch_packed_forward(kernel, q, k, v, out, lse, seqs: PackedSeqs, problem) 
 
 # A gradient of lse enters the backward through D. lse_i = log sum_j exp(s_ij), so d lse_i / d s_ij = P_ij and
 # dS = P * (dP - D) + P * dlse = P * (dP - (D - dlse)): every family's kernels run unchanged on D - dlse, which these
-# fold into the preprocess's D buffer before the main kernel reads it (FlashAttention-4 folds it in its preprocess).
-def fold_lse_grad(dpsum: torch.Tensor, dlse: Optional[torch.Tensor]) -> None:
-    """D -= dlse for a dense backward: dpsum (b, h, padded rows) as the preprocess wrote it, dlse (b, h, sq)."""
+# fold into the preprocess's D buffer before the main kernel reads it (FlashAttention-4 takes dlse in its
+# preprocess). A row without keys (lse -inf) keeps D = 0: its P is 0, and a non-finite dlse there (the gradient of
+# lse ** 2, or NaN through a torch.where) would otherwise make 0 * NaN in dS and spread to the head's dK / dV.
+def _finite_rows(dlse: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isneginf(lse), 0.0, dlse).to(torch.float32)
+
+
+def fold_lse_grad(dpsum: torch.Tensor, dlse: Optional[torch.Tensor], lse: torch.Tensor) -> None:
+    """D -= dlse for a dense backward: dpsum (b, h, padded rows) as the preprocess wrote it, dlse and lse (b, h, sq)."""
     if dlse is not None:
-        dpsum[..., : dlse.shape[-1]].sub_(dlse)
+        dpsum[..., : lse.shape[-1]].sub_(_finite_rows(dlse, lse))
 
 
-def fold_lse_grad_packed(dpsum: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor, pad: int):
+def fold_lse_grad_packed(
+    dpsum: torch.Tensor, dlse: Optional[torch.Tensor], lse: torch.Tensor, cu_seqlens_q: torch.Tensor, pad: int
+) -> None:
     """D -= dlse for a packed backward: dpsum (h, padded rows) in which sequence b starts at its padded offset
-    (common/packed.py: cu_seqlens[b] + b * pad rounded down to a multiple of pad), dlse (h, total_q). On the device,
-    without reading cu_seqlens on the host: each packed row finds its sequence by a sorted search. Rows past the last
-    sequence (cu_seqlens[-1] < total_q) have no D; they write their own value back into the buffer's last column,
-    which no sequence reaches (it ends at least pad rows before)."""
+    (common/packed.py: cu_seqlens[b] + b * pad rounded down to a multiple of pad, each at least pad past the one
+    before), dlse and lse (h, total_q). On the device and without reading cu_seqlens on the host: each column of the
+    buffer finds its sequence by a sorted search of the padded offsets and gathers its row of dlse (a gather only, so
+    deterministic and capturable in a CUDA graph); columns past a sequence's length keep their D."""
     if dlse is None:
         return
-    batch, total = cu_seqlens_q.shape[0] - 1, dlse.shape[-1]
-    rows = torch.arange(total, device=dlse.device)
     cu = cu_seqlens_q.long()
-    seq = torch.searchsorted(cu[1:], rows, right=True)  # sequence of each row; batch past the last one
-    inside = seq < batch
-    seq = seq.clamp_max(batch - 1)
-    start = cu[seq]
-    padded = torch.div(start + seq * pad, pad, rounding_mode="floor") * pad
-    index = torch.where(inside, padded + rows - start, dpsum.shape[-1] - 1)
-    dpsum[:, index] = dpsum[:, index] - torch.where(inside, dlse, 0.0)
+    batch = cu.shape[0] - 1
+    starts = torch.div(cu[:-1] + torch.arange(batch, device=cu.device) * pad, pad, rounding_mode="floor") * pad
+    cols = torch.arange(dpsum.shape[-1], device=dpsum.device)
+    seq = torch.searchsorted(starts, cols, right=True) - 1  # the last sequence starting at or before the column
+    offset = cols - starts[seq]
+    inside = offset < cu[seq + 1] - cu[seq]
+    rows = (cu[seq] + offset).clamp(0, lse.shape[-1] - 1)
+    dpsum.sub_(torch.where(inside, _finite_rows(dlse, lse)[:, rows], 0.0))

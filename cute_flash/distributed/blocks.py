@@ -90,7 +90,7 @@ class ReferenceBlocks:
         return out, lse
 
     def backward(self, t: BwdTensors, mask, softmax_scale):
-        dout, q, k, v, out, lse = t[:6]  # (no dlse: the ring refuses a loss that uses lse)
+        dout, q, k, v, out, lse, dlse = t
         dtype = self._dtype(q)
         h, h_kv = q.shape[2], k.shape[2]
         s, visible = self._scores(q, k, mask, softmax_scale, dtype)
@@ -103,6 +103,8 @@ class ReferenceBlocks:
         ve = _expand_heads(v.to(dtype), h)
         ke = _expand_heads(k.to(dtype), h)
         d_row = (do * out.to(dtype)).sum(dim=-1).transpose(1, 2).unsqueeze(-1)  # D = rowsum(dO∘O), (b, h, m, 1)
+        if dlse is not None:  # lse's gradient: D - dlse (arch/base.fold_lse_grad); rows without keys keep D
+            d_row = d_row - torch.where(torch.isneginf(lse_c), 0.0, dlse.to(dtype).unsqueeze(-1))
         dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
         dp = torch.einsum("bqhd,bkhd->bhqk", do, ve)
         ds = p * (dp - d_row)
@@ -148,7 +150,9 @@ class KernelBlocks:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         with torch.cuda.device(q.device):
             # The kernels read lse (b, h, m) contiguous float32.
-            saved = BwdTensors(kernel_view(t.dout), q, k, v, kernel_view(t.out.to(q.dtype)), t.lse.float().contiguous())
+            saved = BwdTensors(
+                kernel_view(t.dout), q, k, v, kernel_view(t.out.to(q.dtype)), t.lse.float().contiguous(), t.dlse
+            )
             arch.backward(saved, Grads(dq, dk, dv), problem, self.deterministic)
         return dq, dk, dv
 

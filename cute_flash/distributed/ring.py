@@ -90,9 +90,7 @@ class _Config:
         return q, k, v, out, lse
 
     def backward_saved(self, dout, q, k, v, out, lse, dlse=None):
-        if dlse is not None:
-            raise NotImplementedError("ring attention: a loss that uses lse has no backward here (only out's gradient)")
-        return _ring_backward(dout, q, k, v, out, lse, self)
+        return _ring_backward(dout, q, k, v, out, lse, self, dlse)
 
 
 def _rows(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -123,7 +121,7 @@ def _ring_forward(q, k, v, cfg: _Config) -> Tuple[torch.Tensor, torch.Tensor]:
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, cfg: _Config) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _ring_backward(dout, q, k, v, out, lse, cfg: _Config, dlse=None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     acc = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     ring = _Ring(cfg.group, cfg.rank, cfg.world_size, q.device) if cfg.world_size > 1 else None
@@ -143,6 +141,7 @@ def _ring_backward(dout, q, k, v, out, lse, cfg: _Config) -> Tuple[torch.Tensor,
                 _rows(kv[1], t.k_start, t.k_end),
                 _rows(out, t.q_start, t.q_end),
                 lse[:, :, t.q_start : t.q_end],
+                None if dlse is None else dlse[:, :, t.q_start : t.q_end],  # lse's gradient: D - dlse, per block
             )
             dq_b, dk_b, dv_b = cfg.blocks.backward(rows, t.mask, cfg.softmax_scale)
             dq[:, t.q_start : t.q_end] += dq_b

@@ -420,7 +420,7 @@ def backward_launcher(
             )
             q, k, v, dout, out, dq, dk, dv = grad_views(q, k, v, dout, out, dq, dk, dv)
         preprocess(out, dout, lse, dpsum, lse_log2)
-        fold_lse_grad(dpsum, dlse)
+        fold_lse_grad(dpsum, dlse, lse)
         dk_out, dv_out = dkv_destinations(dk, dv, gqa, dkv_block)
         main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, None, None, scale, left, right)  # no semaphores
         dq_postprocess(dq_accum, dq, scale)
@@ -467,7 +467,7 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
 
     pre_blocks = -(-max_seqlen_q // pad_q) * pad_q // _PRE_POST_BLOCK_M  # whole pad_q rows per sequence
     _kernel("bwd_preprocess", spec, target)(out, dout, lse, dpsum, lse_log2, cu_seqlens_q, pad_q, pre_blocks)
-    fold_lse_grad_packed(dpsum, dlse, cu_seqlens_q, pad_q)
+    fold_lse_grad_packed(dpsum, dlse, lse, cu_seqlens_q, pad_q)
     dk_out, dv_out = packed_dkv_destinations(dk, dv, gqa, seqused_k is not None, padded_rows(total_k, batch, pad_k))
     role = ("bwd_gqa" if gqa else "bwd") + ("_seqused" if seqused_k is not None else "")
     no_semaphores = (None, None)  # this family has no deterministic build

@@ -238,7 +238,7 @@ def backward_launcher(
             kernels.preprocess(out, dout, lse, dpsum, lse_log2, dq_accum)
         else:
             kernels.preprocess(out, dout, lse, dpsum, lse_log2)
-        fold_lse_grad(dpsum, dlse)
+        fold_lse_grad(dpsum, dlse, lse)  # (between the two kernels when given: the main kernel then waits for it)
         kernels.main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *semaphores, scale, left, right)
         kernels.postprocess(dq_accum, dq, scale)
         if gqa:
@@ -290,7 +290,7 @@ def run_backward_varlen(
     pre_blocks = -(-max_seqlen_q // pad_q) * pad_q // STATS_ROW_MULTIPLE  # whole pad_q rows per sequence
     zeroed = (dq_accum,) if cfg.zero_dq_in_preprocess else ()
     kernels.preprocess(out, dout, lse, dpsum[0], lse_log2[0], cu_seqlens_q, pad_q, pre_blocks, *zeroed)
-    fold_lse_grad_packed(dpsum[0], dlse, cu_seqlens_q, pad_q)
+    fold_lse_grad_packed(dpsum[0], dlse, lse, cu_seqlens_q, pad_q)
     kernels.main(
         q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *semaphores, softmax_scale, mask.left, mask.right,
         cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k,
