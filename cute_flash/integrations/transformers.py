@@ -14,8 +14,9 @@ the Hub.
 What is served: causal (decoder) self-attention, GQA / MQA (cute-flash reads the shared kv heads itself), sliding-window
 layers (the `sliding_window` argument: query i sees keys i - sliding_window < j <= i, as transformers' masks), the
 model's `scaling`, decoding against a cache (queries aligned to the last keys). What raises instead of answering
-wrongly: a padding or custom mask (cute-flash has no variable-length path yet), packed sequences, attention dropout
-during training, soft-capping, attention sinks, non-causal attention.
+wrongly: a padding or custom mask, packed sequences (position_ids restarting inside a row make transformers build a
+mask), attention dropout during training, soft-capping, attention sinks, non-causal attention. (Padded and packed
+batches would go through `cute_flash.attention_varlen` after unpadding; this plug-in does not do that yet.)
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def attention_forward(
     if attention_mask is not None:
         raise NotImplementedError(
             "cute_flash (transformers plug-in): this call has an attention mask (padding, a static cache, packed or "
-            "custom masking); cute_flash has no variable-length path yet, so only unpadded causal batches are served. "
-            "Use attn_implementation='sdpa' for padded batches."
+            "custom masking); the plug-in serves unpadded causal batches only (it does not unpad into "
+            "cute_flash.attention_varlen yet). Use attn_implementation='sdpa' for padded or packed batches."
         )
     if dropout:
         raise NotImplementedError(
