@@ -76,6 +76,31 @@ def test_transformers_plugin_generates_like_sdpa():
     assert _err(logits_cute, logits_sdpa) < 0.1  # same next-token scores up to bf16 rounding
 
 
+@pytest.mark.parametrize(
+    "kind,extra", [("llama", {}), ("mistral", {"sliding_window": 64})], ids=["llama_gqa", "mistral_sliding"]
+)
+def test_transformers_plugin_decodes_with_a_cache_like_sdpa(kind, extra):
+    """Prefill 96 tokens into the model's cache, then decode 12 more one at a time (teacher-forced with the same
+    tokens, so no greedy near-tie can make the two runs diverge): every step's logits match SDPA's with the same
+    weights, including, with a 64-token sliding window, steps whose keys start past the window."""
+    from cute_flash.integrations import transformers as cft
+
+    name = cft.register()
+    models = _models(kind, name, **extra)
+    ids = torch.randint(0, 256, (1, 108), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    steps = {}
+    with torch.no_grad():
+        for impl in ("sdpa", name):
+            out = models[impl](ids[:, :96], use_cache=True)
+            cache, logits = out.past_key_values, [out.logits[:, -1]]
+            for t in range(96, 108):
+                out = models[impl](ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                logits.append(out.logits[:, -1])
+            steps[impl] = torch.stack(logits)
+    assert _err(steps[name], steps["sdpa"]) < 0.1, _err(steps[name], steps["sdpa"])
+
+
 def _bhsd(b, h, s, d, seed):
     g = torch.Generator("cuda").manual_seed(seed)
     return torch.randn(b, h, s, d, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
