@@ -213,14 +213,23 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        recording = torch.is_grad_enabled()  # create_graph=True
-        with torch.set_grad_enabled(False):
-            if dout is None:  # only lse reached the loss
-                dout = torch.zeros_like(out)
-            grads = ctx.run.backward_saved(dout, q, k, v, out, lse, dlse)
-        if recording:
-            grads = refuse_second_order(grads, dout, dlse, q, k, v)
+        run = ctx.run
+        grads = node_backward(lambda d: run.backward_saved(d, q, k, v, out, lse, dlse), dout, dlse, q, k, v, out)
         return (*grads, None)
+
+
+def node_backward(run, dout, dlse, q, k, v, out):
+    """What the autograd nodes of dense and packed attention do around their kernels' backward `run(dout)` ->
+    (dq, dk, dv): a zero out gradient when only lse reached the loss, and under create_graph=True (grad mode on in a
+    backward) the kernels run without recording and their gradients come back on a node that refuses a second
+    backward (`refuse_second_order`). The usual backward (grad mode off) calls `run` directly."""
+    if dout is None:
+        dout = torch.zeros_like(out)
+    if not torch.is_grad_enabled():
+        return run(dout)
+    with torch.no_grad():
+        grads = run(dout)
+    return refuse_second_order(grads, dout, dlse, q, k, v)
 
 
 class _SecondOrderRefused(torch.autograd.Function):

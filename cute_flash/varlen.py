@@ -22,7 +22,7 @@ import torch
 
 from . import interface, routing
 from .arch.base import ArchBackend, BwdTensors, Grads
-from .interface import Explanation, _autocast, _route, refuse_second_order
+from .interface import Explanation, _autocast, _route, node_backward
 from .validation import PackedSeqs, VarlenProblem, kernel_view, validate_varlen
 
 Window = Tuple[Optional[int], Optional[int]]
@@ -75,13 +75,12 @@ class _AttentionVarlen(torch.autograd.Function):
         q, k, v, out, lse, cu_q, cu_k, seqused_k = ctx.saved_tensors
         p = ctx.problem
         seqs = PackedSeqs(cu_q, cu_k, seqused_k, p.max_seqlen_q, p.max_seqlen_k)
-        recording = torch.is_grad_enabled()  # create_graph=True
-        with torch.set_grad_enabled(False):
-            if dout is None:  # only lse reached the loss
-                dout = torch.zeros_like(out)
-            grads = _run_backward(dout, q, k, v, out, lse, seqs, p, ctx.deterministic, dlse)
-        if recording:
-            grads = refuse_second_order(grads, dout, dlse, q, k, v)
+        det = ctx.deterministic
+
+        def run(d):
+            return _run_backward(d, q, k, v, out, lse, seqs, p, det, dlse)
+
+        grads = node_backward(run, dout, dlse, q, k, v, out)
         return (*grads, None, None, None, None)
 
 
