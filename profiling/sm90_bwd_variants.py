@@ -49,6 +49,23 @@ VARIANTS = {
         "dv_before_dp_wait": False,
         "dv_early_kblocks": None,
     },  # fmt: skip
+    # The long-query default (m80_kb1) with LSE / D held in registers (no 40 shuffles per step; spills: 7 local loads
+    # and 2 stores per step), and with B as well (session 16).
+    "m80_kb1_regstats": {
+        "tile_m": 80,
+        "dq_swap_ab": True,
+        "dv_before_dp_wait": True,
+        "dv_early_kblocks": 1,
+        "max_unshuffled_stat_cols": 20,
+    },  # fmt: skip
+    "m80_kb1_regstats_b": {
+        "tile_m": 80,
+        "dq_swap_ab": True,
+        "dv_before_dp_wait": True,
+        "dv_early_kblocks": 1,
+        "max_unshuffled_stat_cols": 20,
+        "dq_stage_single_base": True,
+    },  # fmt: skip
     # Fixed cost around the main kernel (any head dim; BwdTileConfig's launch-overhead switches, all on by default):
     # "plain" turns all three off (a torch.zeros of the dQ accumulator, the sm80 family's preprocess, ordinary
     # launches), "memset" only the zeroing in the preprocess, "no_pdl" only the programmatic dependent launches.

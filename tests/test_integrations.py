@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from cute_flash.arch.base import launcher_through_backward, launcher_through_forward
-from cute_flash import interface, validation
-from cute_flash.reference import attention_reference
+from cute_flash import interface, validation, varlen
+from cute_flash.reference import attention_reference, attention_varlen_reference
 
 
 class _ReferenceBackend:
@@ -57,12 +57,38 @@ class _ReferenceBackend:
         for g, t in zip(torch.autograd.grad(outs, leaves, grads_in), (dq, dk, dv)):
             t.copy_(g)
 
+    # Packed sequences (what the transformers plug-in sends padded batches and packed documents to).
+    def _ref_varlen(self, q, k, v, seqs, problem):
+        cu_q, cu_k, seqused_k, max_q, max_k = seqs
+        m = problem.mask
+        return attention_varlen_reference(
+            q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=problem.softmax_scale, seqused_k=seqused_k,
+            window_size=(m.left, m.right), return_lse=True,
+        )  # fmt: skip
+
+    def forward_varlen(self, q, k, v, out, lse, seqs, problem):
+        self.calls.append(("forward_varlen", problem.mask, problem.softmax_scale, tuple(q.shape), tuple(k.shape)))
+        o, l_ = self._ref_varlen(q, k, v, seqs, problem)
+        out.copy_(o)
+        lse.copy_(l_)
+
+    def backward_varlen(self, t, grads, seqs, problem, deterministic=False):
+        dout, q, k, v, out, lse, dlse = t
+        self.calls.append(("backward_varlen", problem.mask, problem.softmax_scale, tuple(q.shape), tuple(k.shape)))
+        leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
+        with torch.enable_grad():
+            o, _ = self._ref_varlen(*leaves, seqs, problem)
+        for g, x in zip(torch.autograd.grad(o, leaves, dout.double()), grads):
+            x.copy_(g)
+
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
     backend = _ReferenceBackend()
     monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(interface, "_route", lambda spec, t, backward, deterministic=False: backend)
+    monkeypatch.setattr(varlen, "_route", lambda spec, t, backward, deterministic=False: backend)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())  # attention_varlen's guard
     monkeypatch.setattr(interface, "_device_guard", lambda t: contextlib.nullcontext())
     return backend
 
@@ -180,14 +206,11 @@ def test_transformers_decoding_with_a_cache(fake_gpu, registered):
     assert torch.equal(got, want)
 
 
-def test_transformers_padding_dropout_and_config_switch(fake_gpu, registered):
+def test_transformers_dropout_and_config_switch(fake_gpu, registered):
     model, twin = _tiny("llama", registered)
     ids = torch.randint(0, 64, (2, 8))
-    padded = torch.ones(2, 8, dtype=torch.long)
-    padded[0, :3] = 0
-    with pytest.raises(NotImplementedError, match="attention mask"):
-        twin(ids, attention_mask=padded)
     twin(ids, attention_mask=torch.ones(2, 8, dtype=torch.long))  # an all-ones mask is no mask
+    assert {c[0] for c in fake_gpu.calls} == {"forward"}
     twin.config.attention_dropout = 0.1
     for layer in twin.model.layers:
         layer.self_attn.attention_dropout = 0.1
@@ -198,3 +221,173 @@ def test_transformers_padding_dropout_and_config_switch(fake_gpu, registered):
     twin(ids)  # evaluation passes dropout 0
     model.set_attn_implementation(registered)  # switching a built model
     assert model.config._attn_implementation == registered
+
+
+def _padding_mask(lengths, width, side):
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        if side == "left":
+            mask[i, width - n :] = 1
+        else:
+            mask[i, :n] = 1
+    return mask
+
+
+def _compare_training_step(model, twin, keep, **inputs):
+    """Logits and every parameter gradient of a loss over the `keep` positions, twin (cute-flash) against model."""
+    want, got = model(**inputs).logits, twin(**inputs).logits
+    torch.testing.assert_close(got[keep].float(), want[keep].float(), atol=3e-2, rtol=3e-2)
+    want[keep].float().square().mean().backward()
+    got[keep].float().square().mean().backward()
+    for (n, p), p2 in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p2.grad.float(), p.grad.float(), atol=5e-2, rtol=5e-2, msg=n)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("kind,extra", [("llama", {}), ("mistral", {"sliding_window": 5})], ids=["llama", "sliding"])
+def test_transformers_padded_batch_matches_sdpa(fake_gpu, registered, kind, extra, side):
+    # A padded batch goes through attention_varlen: valid rows gathered into packed sequences, outputs scattered
+    # back. Compared on the valid positions (SDPA's padded rows are not meaningful).
+    model, twin = _tiny(kind, registered, **extra)
+    ids = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(5))
+    mask = _padding_mask([12, 7, 1], 12, side)
+    _compare_training_step(model, twin, mask.bool(), input_ids=ids, attention_mask=mask)
+    kinds = [c[0] for c in fake_gpu.calls]
+    assert "forward_varlen" in kinds and "backward_varlen" in kinds and "forward" not in kinds
+    call = next(c for c in fake_gpu.calls if c[0] == "forward_varlen")
+    assert call[3] == (20, 4, 32) and call[4] == (20, 2, 32)  # 12 + 7 + 1 valid rows, kv heads unrepeated
+    assert (call[1].left, call[1].right) == ((4, 0) if extra else (1 << 30, 0))
+
+
+def _decode_teacher_forced(model, ids, mask, prefill, cache):
+    """Next-token logits of a padded batch: prefill, then one token per step into the cache (as generate does, position
+    ids counting each row's valid tokens), the same tokens for every model so no greedy near-tie can diverge."""
+    transformers = pytest.importorskip("transformers")
+    if cache == "static":
+        cache = transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1] + 3)
+    else:
+        cache = transformers.DynamicCache(config=model.config)
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    steps = []
+    with torch.no_grad():
+        for t0, t1 in [(0, prefill)] + [(t, t + 1) for t in range(prefill, ids.shape[1])]:
+            out = model(
+                ids[:, t0:t1], attention_mask=mask[:, :t1], position_ids=pos[:, t0:t1], past_key_values=cache,
+                use_cache=True,
+            )  # fmt: skip
+            steps.append(out.logits[:, -1])
+    return torch.stack(steps)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("kind,extra", [("llama", {}), ("mistral", {"sliding_window": 5})], ids=["llama", "sliding"])
+def test_transformers_padded_decoding_matches_sdpa(fake_gpu, registered, kind, extra, cache):
+    # Batched decoding: prompts of different lengths, left padded, then steps past the sliding window.
+    model, twin = _tiny(kind, registered, **extra)
+    ids = torch.randint(1, 64, (3, 15), generator=torch.Generator().manual_seed(6))
+    mask = _padding_mask([15, 10, 12], 15, "left")
+    want = _decode_teacher_forced(model, ids, mask, 9, cache)
+    got = _decode_teacher_forced(twin, ids, mask, 9, cache)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    assert any(c[0] == "forward_varlen" for c in fake_gpu.calls)
+    with torch.no_grad():  # and through generate itself
+        twin.generate(ids[:, :9], attention_mask=mask[:, :9], max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+
+def test_transformers_static_cache_prefill_without_mask(fake_gpu, registered):
+    # A static cache holds more key slots than tokens seen: without a mask the queries must still end at the last
+    # filled slot, not at the end of the cache.
+    transformers = pytest.importorskip("transformers")
+    model, twin = _tiny("llama", registered)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        outs = []
+        for m in (model, twin):
+            cache = transformers.StaticCache(config=m.config, max_cache_len=16)
+            outs.append(m(ids, past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=3e-2, rtol=3e-2)
+
+
+def _documents(lengths):
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32)
+    return position_ids, cu
+
+
+@pytest.mark.parametrize("kind,extra", [("llama", {}), ("mistral", {"sliding_window": 5})], ids=["llama", "sliding"])
+def test_transformers_packed_documents_match_sdpa(fake_gpu, registered, kind, extra):
+    # Documents packed into one row, marked by position_ids restarting (transformers' padding-free training).
+    model, twin = _tiny(kind, registered, **extra)
+    lengths = [5, 8, 1, 6]
+    position_ids, cu = _documents(lengths)
+    ids = torch.randint(0, 64, (1, sum(lengths)), generator=torch.Generator().manual_seed(8))
+    keep = torch.ones(1, sum(lengths), dtype=torch.bool)
+    # use_cache=False: transformers looks for packed documents only without a cache (as in training)
+    _compare_training_step(model, twin, keep, input_ids=ids, position_ids=position_ids, use_cache=False)
+    calls = [c for c in fake_gpu.calls if c[0] == "forward_varlen"]
+    assert len(calls) == 2 and calls[0][3] == (20, 4, 32)
+    # DataCollatorWithFlattening's keywords say the same (and are checked against the mask).
+    fake_gpu.calls.clear()
+    flat = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=8, max_length_k=8)
+    with torch.no_grad():
+        got = twin(input_ids=ids, position_ids=position_ids, use_cache=False, **flat).logits
+        want = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    assert [c[0] for c in fake_gpu.calls] == ["forward_varlen"] * 2
+    bad = dict(flat, cu_seq_lens_q=torch.tensor([0, 5, 20], dtype=torch.int32))
+    bad["cu_seq_lens_k"] = bad["cu_seq_lens_q"]
+    with pytest.raises(NotImplementedError, match="not the causal pattern"):
+        twin(input_ids=ids, position_ids=position_ids, use_cache=False, **bad)
+
+
+def test_transformers_refuses_what_it_cannot_serve(fake_gpu, registered):
+    model, twin = _tiny("mistral", registered, sliding_window=5)
+    ids = torch.randint(0, 64, (2, 8))
+    holes = torch.ones(2, 8, dtype=torch.long)
+    holes[1, 3] = 0  # padding inside a row: a window's distances would change once packed
+    with pytest.raises(NotImplementedError, match="contiguous"):
+        twin(ids, attention_mask=holes)
+    llama, twin = _tiny("llama", registered)
+    custom = torch.ones(2, 1, 8, 8, dtype=torch.bool)  # bidirectional: a custom 4D mask
+    with pytest.raises(NotImplementedError, match="neither padding nor packed|not the causal pattern"):
+        twin(ids, attention_mask=custom)
+    with pytest.raises(NotImplementedError, match="not the causal pattern"):
+        twin(ids, attention_mask=custom, position_ids=torch.arange(8)[None].expand(2, 8))
+
+
+def test_transformers_window_comes_with_the_mask(fake_gpu, registered):
+    # PhiMoE's attention module passes no sliding_window although its mask is a sliding-window one: the window travels
+    # with the mask the plug-in's mask function returns, so it is applied (not silently dropped).
+    transformers = pytest.importorskip("transformers")
+    common = dict(
+        vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=4, num_local_experts=2,
+        num_experts_per_tok=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.PhimoeConfig(**common), attn_implementation="sdpa"
+    )
+    model = model.to(torch.bfloat16).eval()
+    twin = transformers.AutoModelForCausalLM.from_config(
+        transformers.PhimoeConfig(**common), attn_implementation=registered
+    )
+    twin = twin.to(torch.bfloat16).eval()
+    twin.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():  # inference tensors keep no version counter: the per-forward cache copes
+        for mask in (None, _padding_mask([12, 7], 12, "left")):
+            want, got = model(ids, attention_mask=mask).logits, twin(ids, attention_mask=mask).logits
+            keep = slice(None) if mask is None else mask.bool()
+            torch.testing.assert_close(got[keep].float(), want[keep].float(), atol=3e-2, rtol=3e-2)
+    assert {(c[1].left, c[1].right) for c in fake_gpu.calls} == {(3, 0)}
+
+
+def test_transformers_refuses_sparse_attention_keywords(fake_gpu):
+    from cute_flash.integrations import transformers as cft
+
+    q = torch.randn(1, 4, 8, 32, dtype=torch.bfloat16)
+    module = torch.nn.Module()
+    for name in ("block_indices", "indices"):
+        with pytest.raises(NotImplementedError, match="sparse"):
+            cft.attention_forward(module, q, q, q, None, **{name: torch.zeros(1, dtype=torch.long)})

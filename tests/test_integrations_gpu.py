@@ -101,6 +101,100 @@ def test_transformers_plugin_decodes_with_a_cache_like_sdpa(kind, extra):
     assert _err(steps[name], steps["sdpa"]) < 0.1, _err(steps[name], steps["sdpa"])
 
 
+def _training_step_errors(models, name, keep, **inputs):
+    """Logits and parameter gradients of a loss over the `keep` positions: (ours, SDPA bf16) errors against the float32
+    SDPA twin, logits first, then every parameter."""
+    logits = {k: m(**inputs).logits for k, m in models.items()}
+    errs = [(_err(logits[name][keep], logits["fp32"][keep]), _err(logits["sdpa"][keep], logits["fp32"][keep]))]
+    for m_logits in logits.values():
+        m_logits[keep].float().logsumexp(-1).mean().backward()
+    for p32, p_sdpa, p_cute in zip(models["fp32"].parameters(), models["sdpa"].parameters(), models[name].parameters()):
+        errs.append((_err(p_cute.grad, p32.grad), _err(p_sdpa.grad, p32.grad)))
+    return errs
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize(
+    "kind,extra", [("llama", {}), ("mistral", {"sliding_window": 64})], ids=["llama_gqa", "mistral_sliding"]
+)
+def test_transformers_plugin_padded_batch_like_sdpa(kind, extra, side):
+    """A padded batch (lengths 256, 131, 1, 77 in 256 slots) goes through attention_varlen: logits and every
+    parameter gradient of a loss over the valid positions against the float32 twin, FlashAttention's 2x rule."""
+    from cute_flash.integrations import transformers as cft
+
+    name = cft.register()
+    models = _models(kind, name, **extra)
+    lengths, width = [256, 131, 1, 77], 256
+    mask = torch.zeros(len(lengths), width, dtype=torch.long, device="cuda")
+    for i, n in enumerate(lengths):
+        if side == "left":
+            mask[i, width - n :] = 1
+        else:
+            mask[i, :n] = 1
+    ids = torch.randint(0, 256, (len(lengths), width), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    errs = _training_step_errors(models, name, mask.bool(), input_ids=ids, attention_mask=mask)
+    assert errs[0][0] <= 2 * errs[0][1] + 1e-3, errs[0]
+    for i, (got, base) in enumerate(errs[1:]):
+        assert got <= 2 * base + 1e-4, (i, got, base)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize(
+    "kind,extra", [("llama", {}), ("mistral", {"sliding_window": 64})], ids=["llama_gqa", "mistral_sliding"]
+)
+def test_transformers_plugin_padded_decoding_like_sdpa(kind, extra, cache):
+    """Left-padded prompts (96, 40, 70 tokens in 96 slots), then 12 single-token steps teacher-forced into a dynamic
+    or static cache (the sliding window's keys start past the window): every step's logits against SDPA's."""
+    transformers = pytest.importorskip("transformers")
+    from cute_flash.integrations import transformers as cft
+
+    name = cft.register()
+    models = _models(kind, name, **extra)
+    lengths, prefill, total = [96, 40, 70], 96, 108
+    mask = torch.ones(len(lengths), total, dtype=torch.long, device="cuda")
+    for i, n in enumerate(lengths):
+        mask[i, : prefill - n] = 0
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    ids = torch.randint(1, 256, (len(lengths), total), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
+    steps = {}
+    with torch.no_grad():
+        for impl in ("sdpa", name):
+            m = models[impl]
+            if cache == "static":
+                kv = transformers.StaticCache(config=m.config, max_cache_len=total + 4)
+            else:
+                kv = transformers.DynamicCache(config=m.config)
+            logits = []
+            for t0, t1 in [(0, prefill)] + [(t, t + 1) for t in range(prefill, total)]:
+                out = m(
+                    ids[:, t0:t1], attention_mask=mask[:, :t1], position_ids=pos[:, t0:t1], past_key_values=kv,
+                    use_cache=True,
+                )  # fmt: skip
+                logits.append(out.logits[:, -1])
+            steps[impl] = torch.stack(logits)
+    assert _err(steps[name], steps["sdpa"]) < 0.1, _err(steps[name], steps["sdpa"])
+
+
+@pytest.mark.parametrize(
+    "kind,extra", [("llama", {}), ("mistral", {"sliding_window": 64})], ids=["llama_gqa", "mistral_sliding"]
+)
+def test_transformers_plugin_packed_documents_like_sdpa(kind, extra):
+    """Documents of 100, 37, 1, 200 and 174 tokens packed into one row (position_ids restarting; transformers'
+    padding-free training): logits and gradients against the float32 twin with the same packed mask."""
+    from cute_flash.integrations import transformers as cft
+
+    name = cft.register()
+    models = _models(kind, name, **extra)
+    lengths = [100, 37, 1, 200, 174]
+    position_ids = torch.cat([torch.arange(n, device="cuda") for n in lengths])[None]
+    ids = torch.randint(0, 256, (1, sum(lengths)), device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+    keep = torch.ones(1, sum(lengths), dtype=torch.bool, device="cuda")
+    errs = _training_step_errors(models, name, keep, input_ids=ids, position_ids=position_ids, use_cache=False)
+    assert errs[0][0] <= 2 * errs[0][1] + 1e-3, errs[0]
+    for i, (got, base) in enumerate(errs[1:]):
+        assert got <= 2 * base + 1e-4, (i, got, base)
+
+
 def _bhsd(b, h, s, d, seed):
     g = torch.Generator("cuda").manual_seed(seed)
     return torch.randn(b, h, s, d, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)

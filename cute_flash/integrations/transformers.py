@@ -13,15 +13,35 @@ the Hub.
 
 What is served: causal (decoder) self-attention, GQA / MQA (cute-flash reads the shared kv heads itself), sliding-window
 layers (the `sliding_window` argument: query i sees keys i - sliding_window < j <= i, as transformers' masks), the
-model's `scaling`, decoding against a cache (queries aligned to the last keys). What raises instead of answering
-wrongly: a padding or custom mask, packed sequences (position_ids restarting inside a row make transformers build a
-mask), attention dropout during training, soft-capping, attention sinks, non-causal attention. (Padded and packed
-batches would go through `cute_flash.attention_varlen` after unpadding; this plug-in does not do that yet.)
+model's `scaling`, decoding against a cache (dynamic or static), and two kinds of batches that go through
+`cute_flash.attention_varlen`:
+  - padded batches (a 2D `attention_mask`, left or right padding, prefill, training and decoding): the mask function
+    hands the attention function the 2D padding mask instead of a materialised 4D one; the attention function gathers
+    the valid query / key rows into packed sequences and scatters the outputs back (padded query rows get 0).
+  - packed sequences (several documents in one row, marked by `position_ids` restarting, or by the `cu_seq_lens_q` /
+    `cu_seq_lens_k` / `max_length_q` / `max_length_k` keywords of transformers' DataCollatorWithFlattening): one packed
+    sequence per document. transformers materialises a 4D mask for these; it is checked once per forward (the same
+    mask object reaches every layer) to be exactly the documents' causal (or sliding-window) pattern, so a mask
+    that says anything else is refused, not ignored.
+Both cost a device-to-host copy per forward and mask (the packed lengths are host ints), as transformers' own
+flash-attention path does: graph breaks under torch.compile, refused during CUDA-graph capture.
+
+The window a layer's mask was built for travels with the mask (an attribute of the tensor the mask function returns),
+so models whose attention modules do not pass `sliding_window` (PhiMoE, Qwen2-MoE) still get it, and a module whose
+`sliding_window` disagrees with its mask raises.
+
+What raises instead of answering wrongly: any other mask (custom 4D masks, bidirectional or chunked patterns, a mask
+that does not match its documents, a 2D mask wider than the positions seen, which transformers reads from the left),
+a sliding window over a padded row whose valid tokens are not contiguous (the window is a distance in positions;
+packing would close the gaps), sparse attention (`indices`, `block_indices`), attention dropout during training,
+soft-capping, attention sinks, non-causal attention. A caller that turns `allow_is_causal_skip` off gets the
+materialised mask it asked for.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import weakref
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -32,14 +52,193 @@ _UNSUPPORTED = {
     "softcap": "logit soft-capping",
     "s_aux": "attention sinks",
     "sinks": "attention sinks",
-    "cu_seq_lens_q": "packed (variable-length) sequences",
-    "cu_seq_lens_k": "packed (variable-length) sequences",
-    "cu_seqlens_q": "packed (variable-length) sequences",
-    "cu_seqlens_k": "packed (variable-length) sequences",
+    "cu_seqlens_q": "packed sequences by `cu_seqlens_q` (transformers' keyword is `cu_seq_lens_q`)",
+    "cu_seqlens_k": "packed sequences by `cu_seqlens_k` (transformers' keyword is `cu_seq_lens_k`)",
     "position_bias": "an additive position bias",
+    "block_indices": "block-sparse attention (block_indices)",
+    "indices": "sparse attention (indices)",
 }
+_PACKED_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
+def _err(message: str) -> NotImplementedError:
+    return NotImplementedError(f"cute_flash (transformers plug-in): {message}")
+
+
+def _tracing(t: Optional[torch.Tensor] = None) -> bool:
+    """Whether device values cannot be read here: CUDA-graph capture (a host copy would break it) or a fake tensor
+    (export, meta tracing). Under torch.compile the reads are graph breaks (errors with fullgraph=True), as in
+    transformers' own flash-attention path."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return True
+    return t is not None and isinstance(t, torch._subclasses.FakeTensor)
+
+
+# --- per-forward results, shared by the layers -------------------------------------------------------------------
+class _Derived:
+    """Results derived from a mask (and position) tensor, reused by every layer of one forward: transformers hands
+    the same mask object to each layer, so the device-to-host copy and the mask check happen once per forward.
+    Keyed on the tensors' identities and versions (an in-place change recomputes), held by weak reference."""
+
+    def __init__(self, size: int = 8):
+        self._entries: dict = {}
+        self._size = size
+
+    def get(self, tensors: tuple, extra: tuple, compute):
+        present = tuple(t for t in tensors if t is not None)
+        # Inference tensors keep no version counter (transformers never changes a mask in place within a forward).
+        versions = tuple(-1 if t.is_inference() else t._version for t in present)
+        key = (tuple(id(t) for t in present), versions, extra)
+        hit = self._entries.get(key)
+        if hit is not None and all(r() is t for r, t in zip(hit[0], present)):
+            return hit[1]
+        value = compute()
+        self._entries = {k: e for k, e in self._entries.items() if all(r() is not None for r in e[0])}
+        if len(self._entries) >= self._size:
+            self._entries.pop(next(iter(self._entries)))
+        self._entries[key] = (tuple(weakref.ref(t) for t in present), value)
+        return value
+
+
+_DERIVED = _Derived()
+
+
+class _Packing(NamedTuple):
+    """Where each packed sequence's query / key rows sit in the (batch, seqlen) grid of the call's tensors."""
+
+    q_rows: tuple  # (batch index, position) tensors of every packed query row, in packed order
+    k_rows: tuple  # the same for keys
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+# The window a mask was built for travels with it (an attribute of the tensor the mask function returns): some
+# models' attention modules do not pass `sliding_window` although their mask is a sliding-window one.
+_WINDOW_TAG = "_cute_flash_window"
+_FULL_TAG = "_cute_flash_full"
+
+
+def _tagged(mask: torch.Tensor, window: Optional[int], full: bool = False) -> torch.Tensor:
+    setattr(mask, _WINDOW_TAG, window)
+    setattr(mask, _FULL_TAG, full)
+    return mask
+
+
+def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def _rows(flat_index: torch.Tensor, width: int) -> tuple:
+    return flat_index // width, flat_index % width
+
+
+def _unpad(mask: torch.Tensor, q_length: int, windowed: bool) -> Optional[_Packing]:
+    """Packed sequences of a 2D padding mask (b, L) over the layer's first L key slots, whose last q_length slots are
+    the queries. None: no padding (every row full). One device-to-host copy."""
+    b, width = mask.shape
+    mq = mask[:, width - q_length :]
+    lens_k, lens_q = mask.sum(1, dtype=torch.int32), mq.sum(1, dtype=torch.int32)
+    # Gaps inside a row's valid keys change key distances once packed: harmless for causal order, not for a window.
+    first = mask.to(torch.int8).argmax(1)
+    last = width - 1 - mask.flip(1).to(torch.int8).argmax(1)
+    gaps = ((last - first + 1 != lens_k) & (lens_k > 0)).any()
+    full = (lens_k == width).all()
+    zero = lens_k.new_zeros(())
+    max_q, max_k, gap, all_full = torch.stack(
+        [lens_q.max() if b else zero, lens_k.max() if b else zero, gaps.int(), full.int()]
+    ).tolist()
+    if all_full:
+        return None
+    if windowed and gap:
+        raise _err(
+            "a sliding-window layer got a padded row whose valid tokens are not contiguous: packing them would "
+            "change the distances the window is measured in. Pad on one side only (left or right)."
+        )
+    return _Packing(
+        _rows(mq.flatten().nonzero().flatten(), q_length),
+        _rows(mask.flatten().nonzero().flatten(), width),
+        _cu_seqlens(lens_q),
+        _cu_seqlens(lens_k),
+        max_q,
+        max_k,
+    )
+
+
+def _single_queries(visible: torch.Tensor) -> _Packing:
+    """Packed sequences of one query per row against the keys `visible` (b, L) marks."""
+    b, width = visible.shape
+    lens = visible.sum(1, dtype=torch.int32)
+    max_k = int(lens.max()) if b else 0
+    rows = torch.arange(b, device=visible.device)
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=visible.device)
+    k_rows = _rows(visible.flatten().nonzero().flatten(), width)
+    return _Packing((rows, torch.zeros_like(rows)), k_rows, cu_q, _cu_seqlens(lens), 1, max_k)
+
+
+def _documents(starts: torch.Tensor, b: int, s: int) -> _Packing:
+    """Packed sequences of documents over a (b, s) grid: `starts` (b, s) bool marks each document's first token
+    (every row's first token included)."""
+    begin = starts.flatten().nonzero().flatten()
+    cu = torch.cat([begin, begin.new_full((1,), b * s)]).to(torch.int32)
+    max_len = int(cu.diff().max()) if cu.numel() > 1 else 0
+    rows = _rows(torch.arange(b * s, device=starts.device), s)
+    return _Packing(rows, rows, cu, cu, max_len, max_len)
+
+
+def _check_documents(mask: torch.Tensor, starts: torch.Tensor, window: Optional[int]) -> None:
+    """Refuses a materialised 4D mask (b, 1, s, s) that is not exactly causal (window) attention within documents."""
+    b, s = starts.shape
+    doc = starts.cumsum(1)
+    i = torch.arange(s, device=mask.device)
+    want = (doc[:, :, None] == doc[:, None, :]) & (i[None, :] <= i[:, None])
+    if window is not None:
+        want &= i[:, None] - i[None, :] < window
+    if mask.dtype != torch.bool or mask.shape[1] != 1 or not torch.equal(mask[:, 0], want):
+        raise _err(
+            "this call's attention mask is not the causal pattern within its packed documents (a custom or "
+            "bidirectional mask?); only padding and packed documents are served"
+        )
+
+
+def _packing_from_keywords(kwargs: dict, b: int, s: int, device) -> Optional[torch.Tensor]:
+    """Document starts (b, s) from DataCollatorWithFlattening's cu_seq_lens_* keywords, or None when not given."""
+    given = [kwargs.get(n) is not None for n in _PACKED_KEYWORDS]
+    if not any(given):
+        return None
+    if not all(given):
+        raise _err(f"packed sequences need all of {', '.join(_PACKED_KEYWORDS)}")
+    cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
+    if cu_q is not cu_k and not torch.equal(cu_q, cu_k):
+        raise _err("cu_seq_lens_q != cu_seq_lens_k: only self-attention over packed documents is served")
+    cu = cu_q.to(device=device, dtype=torch.long)
+    if cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != b * s or bool((cu.diff() < 0).any()):
+        raise _err(f"cu_seq_lens_q must run from 0 to the {b * s} tokens of the call without decreasing")
+    starts = torch.zeros(b * s, dtype=torch.bool, device=device)
+    starts[cu[:-1][cu.diff() > 0]] = True
+    starts = starts.view(b, s)
+    if b and s and not bool(starts[:, 0].all()):
+        raise _err("a packed document crosses a batch row")
+    return starts
+
+
+def _packing_from_positions(position_ids: Optional[torch.Tensor], b: int, s: int) -> Optional[torch.Tensor]:
+    """Document starts (b, s) where position_ids restart (transformers' rule: a step other than +1), or None."""
+    if position_ids is None or position_ids.shape[-1] != s:
+        return None
+    if position_ids.dim() != 2 or position_ids.shape[0] not in (1, b):
+        raise _err(
+            f"packed documents need position_ids of shape (batch, seqlen), got {tuple(position_ids.shape)} (e.g. "
+            "multimodal rope's 3D positions): give cu_seq_lens_q / cu_seq_lens_k instead"
+        )
+    pos = position_ids.expand(b, s)
+    starts = torch.ones(b, s, dtype=torch.bool, device=pos.device)
+    starts[:, 1:] = pos[:, 1:] - pos[:, :-1] != 1
+    return starts
+
+
+# --- the attention function --------------------------------------------------------------------------------------
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -56,23 +255,18 @@ def attention_forward(
     (out (b, sq, h, dv), None)."""
     import cute_flash
 
-    if attention_mask is not None:
-        raise NotImplementedError(
-            "cute_flash (transformers plug-in): this call has an attention mask (padding, a static cache, packed or "
-            "custom masking); the plug-in serves unpadded causal batches only (it does not unpad into "
-            "cute_flash.attention_varlen yet). Use attn_implementation='sdpa' for padded or packed batches."
-        )
     if dropout:
-        raise NotImplementedError(
-            f"cute_flash (transformers plug-in): attention dropout {dropout} is not implemented; set the config's "
-            "attention_dropout to 0 for training (evaluation passes 0 already)"
+        raise _err(
+            f"attention dropout {dropout} is not implemented; set the config's attention_dropout to 0 for training "
+            "(evaluation passes 0 already)"
         )
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
-            raise NotImplementedError(f"cute_flash (transformers plug-in): {what} ({name}=...) is not implemented")
+            raise _err(f"{what} ({name}=...) is not implemented")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if not causal:
-        raise NotImplementedError("cute_flash (transformers plug-in): only causal (decoder) attention is served")
+        raise _err("only causal (decoder) attention is served")
+    sliding_window = _layer_window(attention_mask, sliding_window)
     window = (None, None)
     if sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
@@ -81,15 +275,153 @@ def attention_forward(
             )
         window = (sliding_window - 1, 0)  # transformers: key j visible from query i iff i - sliding_window < j <= i
     # (b, h, s, d) -> (b, s, h, d): views, no copies (cute_flash takes any outer strides that keep 16-byte rows).
-    out = cute_flash.attention(
-        query.transpose(1, 2),
-        key.transpose(1, 2),
-        value.transpose(1, 2),
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    b, s = q.shape[:2]
+    packing = _packing(attention_mask, q, k, sliding_window, kwargs)
+    if isinstance(packing, int):  # no padding: the layer's first `packing` key slots, queries aligned to their end
+        k, v = k[:, :packing], v[:, :packing]
+        out = cute_flash.attention(q, k, v, causal=True, softmax_scale=scaling, window_size=window)
+        return out, None
+    out = cute_flash.attention_varlen(
+        q[packing.q_rows],
+        k[packing.k_rows],
+        v[packing.k_rows],
+        packing.cu_seqlens_q,
+        packing.cu_seqlens_k,
+        packing.max_seqlen_q,
+        packing.max_seqlen_k,
         causal=True,
         softmax_scale=scaling,
         window_size=window,
     )
-    return out, None
+    full = out.new_zeros(b, s, *out.shape[1:])  # padded query rows: 0 (as FlashAttention's own unpadding)
+    return full.index_put(packing.q_rows, out), None
+
+
+def _layer_window(attention_mask, sliding_window):
+    """The layer's window: what its mask was built for (the mask function's tag), which the module's own
+    `sliding_window` must agree with; without a mask, the plain causal pattern (no window) unless the module asks."""
+    if attention_mask is None or not hasattr(attention_mask, _WINDOW_TAG):
+        if sliding_window is not None and attention_mask is not None and attention_mask.dim() == 2:
+            raise _err("a 2D mask without the plug-in's window tag reached a sliding-window layer")
+        return sliding_window
+    tagged = getattr(attention_mask, _WINDOW_TAG)
+    if sliding_window is not None and sliding_window != tagged:
+        raise _err(f"the layer asks for sliding_window={sliding_window} but its mask was built for {tagged}")
+    return tagged
+
+
+def _packing(attention_mask, q, k, sliding_window, kwargs):
+    """How a call runs: an int (dense, over that many key slots) or a `_Packing` (packed sequences). The dense cases
+    read nothing from the device (no graph break under torch.compile); the others do, in `_packing_from_masks`."""
+    b, s, sk = q.shape[0], q.shape[1], k.shape[1]
+    if attention_mask is None and all(kwargs.get(n) is None for n in _PACKED_KEYWORDS):
+        return sk
+    if attention_mask is not None and attention_mask.dim() == 2:  # from mask_function: padding only
+        width = attention_mask.shape[1]
+        if not s <= width <= sk or attention_mask.shape[0] != b:
+            raise _err(f"a padding mask of shape {tuple(attention_mask.shape)} does not fit {b} rows of {s} queries "
+                       f"and {sk} key slots")  # fmt: skip
+        if getattr(attention_mask, _FULL_TAG, False):
+            return width
+    return _packing_from_masks(attention_mask, q, k, sliding_window, kwargs)
+
+
+@torch.compiler.disable  # host reads of the mask: run eagerly (a guard on the mask's identity would recompile)
+def _packing_from_masks(attention_mask, q, k, sliding_window, kwargs):
+    b, s, sk = q.shape[0], q.shape[1], k.shape[1]
+    if attention_mask is not None and attention_mask.dim() == 2:
+        width = attention_mask.shape[1]
+        if _tracing(attention_mask):
+            raise _err("padded batches read their lengths on the host: not under CUDA-graph capture or fake tensors")
+        mask = attention_mask.to(device=q.device, dtype=torch.bool)
+        packing = _DERIVED.get(
+            (attention_mask,),
+            ("pad", s, sliding_window is not None),
+            lambda: _unpad(mask, s, sliding_window is not None),
+        )
+        return width if packing is None else packing
+    if attention_mask is not None and attention_mask.dim() != 4:
+        raise _err(f"an attention mask of {attention_mask.dim()} dims is not served")
+    if attention_mask is not None and attention_mask.shape[0] == 1 and b > 1:
+        attention_mask = attention_mask.expand(b, *attention_mask.shape[1:])  # broadcast over the batch, as SDPA
+    if attention_mask is not None and s == 1:
+        # One query per row (decoding, e.g. with a static cache, where transformers materialises the mask): any mask
+        # is then just the set of keys that query sees, served exactly as a packed sequence. A sliding window is
+        # inside the mask already; reapplied to the packed keys it removes none (packing moves keys no farther apart).
+        if attention_mask.dtype != torch.bool or attention_mask.shape != (b, 1, 1, sk):
+            raise _err(f"a decoding mask of shape {tuple(attention_mask.shape)} / {attention_mask.dtype} is not served")
+        if _tracing(attention_mask):
+            raise _err("masked decoding reads its lengths on the host: not under CUDA-graph capture or fake tensors")
+        return _DERIVED.get(
+            (attention_mask,), ("one", b), lambda: _single_queries(attention_mask[:, 0, 0].to(q.device))
+        )
+    # Packed documents: a materialised 4D mask (or none, with the collator's keywords).
+    if s != sk:
+        raise _err("this call has a custom attention mask (queries and keys of different lengths)")
+    if _tracing(attention_mask):
+        raise _err("packed documents read their lengths on the host: not under CUDA-graph capture or fake tensors")
+    position_ids = kwargs.get("position_ids")
+
+    def derive():
+        starts = _packing_from_keywords(kwargs, b, s, q.device)
+        if starts is None:
+            starts = _packing_from_positions(position_ids, b, s)
+        if starts is None:
+            raise _err(
+                "this call has an attention mask that is neither padding nor packed documents (position_ids "
+                "restarting, or cu_seq_lens_q / cu_seq_lens_k): custom masks are not served"
+            )
+        if attention_mask is not None:
+            _check_documents(attention_mask.to(q.device), starts.to(q.device), sliding_window)
+        return _documents(starts.to(q.device), b, s)
+
+    tensors = (attention_mask, position_ids, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
+    return _DERIVED.get(tensors, ("docs", b, s, sliding_window), derive)
+
+
+# --- the mask function -------------------------------------------------------------------------------------------
+def _plain_pattern(mask_function, allow_is_causal_skip: bool, local_size, config, kwargs) -> bool:
+    """Whether transformers asks for its plain causal pattern or the config's sliding window (nothing that padding
+    and the attention function's own causal / window arguments do not already say). A caller that turns the skip off
+    wants the materialised mask (some models index it; transformers also does so for decoding into a static cache,
+    which the attention function serves from the 4D mask too)."""
+    if not allow_is_causal_skip or "allow_is_bidirectional_skip" in kwargs:
+        return False
+    if local_size is not None:
+        # The config's sliding window; another local_size is a chunked-attention pattern (chunk size).
+        chunk = getattr(config, "attention_chunk_size", None)
+        return local_size == getattr(config, "sliding_window", None) and local_size != chunk
+    try:
+        from transformers.masking_utils import causal_mask_function
+    except ImportError:
+        return True
+    # Overlays (packing, image tokens, custom functions) wrap the plain function; they also turn the skip off.
+    return mask_function is causal_mask_function or mask_function is None
+
+
+def _padding(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, window, device):
+    """For a plain pattern: None (no mask: plain causal, queries end where the layer's keys end, no padding), a 2D
+    bool mask (b, L) over the layer's first L key slots whose last q_length are the queries, tagged with the window
+    it was built for, or False (cannot be said so: materialise)."""
+    if isinstance(q_offset, torch.Tensor):
+        if _tracing(q_offset):
+            return False
+        q_offset = int(q_offset)
+    end = q_offset + q_length - kv_offset  # key slots in use: the queries' own slot is the last of them
+    if not q_length <= end <= kv_length:
+        return False
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or _tracing(attention_mask) or attention_mask.shape[-1] != q_offset + q_length:
+            return False  # e.g. a fixed-width mask with future slots, which transformers reads from kv_offset
+        mask = attention_mask[:, -kv_length:].to(torch.bool)  # a sliding layer's cache holds the last kv_length
+        if mask.shape != (batch_size, end):
+            return False
+        if not bool(mask.all()):  # one host sync, as transformers' own flash-attention mask
+            return _tagged(mask, window)
+    if end == kv_length and window is None:
+        return None
+    return _tagged(torch.ones(batch_size, end, dtype=torch.bool, device=device), window, full=True)
 
 
 def mask_function(
@@ -105,20 +437,18 @@ def mask_function(
     config=None,
     **kwargs,
 ):
-    """transformers' mask-interface contract. Returns None (no mask: the attention function applies the causal /
-    sliding-window pattern itself) when the batch has no padding and the pattern is the plain causal or the config's
-    sliding window; otherwise the materialised mask, which the attention function refuses with a clear error."""
+    """transformers' mask-interface contract. For the plain causal / sliding-window pattern: None (plain causal, no
+    mask needed) or a 2D padding mask tagged with its window, which the attention function unpads into packed
+    sequences. Anything else: the materialised 4D mask, which the attention function serves only when it is exactly
+    causal attention within packed documents, or the keys of one query per row."""
     from transformers.masking_utils import sdpa_mask
 
-    plain = allow_is_causal_skip and "allow_is_bidirectional_skip" not in kwargs
-    if local_size is not None and local_size != getattr(config, "sliding_window", None):
-        plain = False  # a chunked-attention pattern (local_size = chunk size), not the sliding window
-    if plain and attention_mask is not None:
-        # A 2D padding mask (b, seen + q) that is all ones over exactly the keys is no mask (one host sync, as
-        # transformers' own flash-attention mask does).
-        plain = attention_mask.dim() == 2 and attention_mask.shape[-1] == kv_length and bool(attention_mask.all())
-    if plain:
-        return None
+    window = local_size if local_size is not None and local_size == getattr(config, "sliding_window", None) else None
+    if _plain_pattern(mask_function, allow_is_causal_skip, local_size, config, kwargs):
+        device = kwargs.get("device", "cpu")
+        padding = _padding(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, window, device)
+        if padding is not False:
+            return padding
     kwargs.pop("allow_is_bidirectional_skip", None)
     mask = sdpa_mask(
         batch_size=batch_size,
@@ -133,9 +463,10 @@ def mask_function(
         config=config,
         **kwargs,
     )
-    if mask is None:  # cannot happen with the skip disabled; never let a masked call look unmasked
+    if mask is None:  # cannot happen with the skip disallowed; never let a masked call look unmasked
         mask = torch.zeros(batch_size, 1, q_length, kv_length, dtype=torch.bool)
-    return mask
+    # The config's sliding window is part of this pattern (packed documents check it); a chunk size is not a window.
+    return _tagged(mask, window) if window is not None else mask
 
 
 def register(name: str = DEFAULT_NAME) -> str:
