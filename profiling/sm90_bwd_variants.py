@@ -49,6 +49,14 @@ VARIANTS = {
         "dv_before_dp_wait": False,
         "dv_early_kblocks": None,
     },  # fmt: skip
+    "m80_regstats_b": {
+        "tile_m": 80,
+        "dq_swap_ab": True,
+        "max_unshuffled_stat_cols": 20,
+        "dv_before_dp_wait": False,
+        "dv_early_kblocks": None,
+        "dq_stage_single_base": True,
+    },  # fmt: skip
     # The long-query default (m80_kb1) with LSE / D held in registers (no 40 shuffles per step; spills: 7 local loads
     # and 2 stores per step), and with B as well (session 16).
     "m80_kb1_regstats": {

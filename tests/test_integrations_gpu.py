@@ -236,3 +236,38 @@ def test_sdpa_flash_backend_routes_to_cute_flash(monkeypatch, sq, sk, causal):
     assert _err(out, ref) <= 2 * _err(low, ref) + 1e-5
     for got, want, base in zip(grads, ref_grads, low_grads):
         assert _err(got, want) <= 2 * _err(base, want) + 1e-4
+
+
+@pytest.mark.parametrize(
+    "kind,extra", [("llama", {}), ("mistral", {"sliding_window": 64})], ids=["llama_gqa", "mistral_sliding"]
+)
+def test_transformers_plugin_under_torch_compile(kind, extra):
+    """torch.compile of the whole model with the plug-in. fullgraph=True: a forward with a cache and no padding (the
+    dense path reads nothing from the device; the sliding layers' window rides on the mask). Without a cache
+    transformers cannot tell packed rows from plain ones while tracing (it reads position_ids) and materialises a
+    mask, which the plug-in reads on the host: a training step compiles with graph breaks, padded too. Logits and
+    gradients against the float32 twin by the 2x rule."""
+    from cute_flash.integrations import transformers as cft
+
+    name = cft.register()
+    models = _models(kind, name, **extra)
+    eager_twin = models[name]
+    ids = torch.randint(0, 256, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(8))
+    torch._dynamo.reset()
+    compiled = torch.compile(eager_twin, fullgraph=True)
+    with torch.no_grad():
+        got = compiled(ids, use_cache=True).logits
+        want, ref = models["fp32"](ids).logits, models["sdpa"](ids).logits
+    assert _err(got, want) <= 2 * _err(ref, want) + 1e-3
+    torch._dynamo.reset()
+    models[name] = torch.compile(eager_twin)  # graph breaks allowed
+    mask = torch.ones(2, 256, dtype=torch.long, device="cuda")
+    mask[1, :100] = 0
+    for inputs in (dict(input_ids=ids), dict(input_ids=ids, attention_mask=mask)):
+        for m in models.values():
+            m.zero_grad()
+        keep = inputs.get("attention_mask", torch.ones_like(mask)).bool()
+        errs = _training_step_errors(models, name, keep, use_cache=False, **inputs)
+        assert errs[0][0] <= 2 * errs[0][1] + 1e-3, errs[0]
+        for i, (got, base) in enumerate(errs[1:]):
+            assert got <= 2 * base + 1e-4, (i, got, base)
