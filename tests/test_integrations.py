@@ -153,7 +153,8 @@ def _tiny(kind: str, name: str, **extra):
         vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=64, **extra,
     )  # fmt: skip
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig}[kind]
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}
+    cls = cls[kind]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cls(**common), attn_implementation="sdpa")
     model = model.to(torch.bfloat16)
@@ -391,3 +392,19 @@ def test_transformers_refuses_sparse_attention_keywords(fake_gpu):
     for name in ("block_indices", "indices"):
         with pytest.raises(NotImplementedError, match="sparse"):
             cft.attention_forward(module, q, q, q, None, **{name: torch.zeros(1, dtype=torch.long)})
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_transformers_mixed_layer_types(fake_gpu, registered, cache):
+    # Qwen2 with a full-attention layer and a sliding-window one (layer_types): each layer gets its own mask and
+    # window, padded training and padded decoding alike.
+    extra = dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    model, twin = _tiny("qwen2", registered, **extra)
+    assert twin.config.layer_types == ["full_attention", "sliding_attention"]
+    ids = torch.randint(1, 64, (3, 15), generator=torch.Generator().manual_seed(10))
+    mask = _padding_mask([15, 10, 12], 15, "left")
+    _compare_training_step(model, twin, mask.bool(), input_ids=ids, attention_mask=mask)
+    want = _decode_teacher_forced(model, ids, mask, 9, cache)
+    got = _decode_teacher_forced(twin, ids, mask, 9, cache)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    assert {(c[1].left, c[1].right) for c in fake_gpu.calls} == {(1 << 30, 0), (4, 0)}
