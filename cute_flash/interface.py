@@ -9,7 +9,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from . import compile_cache, ops, routing, validation  # noqa: F401  (ops registers torch.ops.cute_flash.*)
+from . import compile_cache, decode, ops, routing, validation  # noqa: F401  (ops registers torch.ops.cute_flash.*)
 from .arch import ARCH_ENV_VAR, resolve_arch
 from .arch.base import ArchBackend, BwdTensors, FwdTensors, Grads
 from .spec import AttentionSpec
@@ -32,6 +32,12 @@ def backend(device: Optional[Union[torch.device, int, str]] = None) -> str:
 @functools.lru_cache(maxsize=None)
 def _capability(device_index: int) -> Tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (0 for other devices: tests on CPU tensors)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def _device_capability(t: torch.Tensor) -> Tuple[int, int]:
@@ -57,7 +63,7 @@ class _Plan:
     backend is routed on the first backward (a forward-only call never asks for it)."""
 
     __slots__ = ("problem", "forward", "backward", "deterministic", "copies", "empty", "device", "device_index")
-    __slots__ += ("out_shape", "out_dtype", "lse_shape", "launch", "backward_launch")
+    __slots__ += ("out_shape", "out_dtype", "lse_shape", "launch", "backward_launch", "decode_keys", "decode_plan")
 
     def __init__(self, problem: Problem, forward: ArchBackend, deterministic: bool, copies: bool, device):
         p = problem
@@ -69,6 +75,8 @@ class _Plan:
         self.lse_shape = (p.batch, p.nheads, p.seqlen_q)
         self.launch = None  # the forward backend's launcher for this problem, made at the first launch
         self.backward_launch = None  # the backward backend's, made at the first backward
+        self.decode_keys = decode.keys_seen(p, _sm_count(device))  # decoding under GQA: packed (decode.py)
+        self.decode_plan = None  # the packed problem's plan, made at the first launch
 
     def backward_backend(self, q: torch.Tensor) -> ArchBackend:
         # Routed on its own: the family that ran the forward may have no backward for this spec while another does.
@@ -153,13 +161,29 @@ def _plan(q, k, v, causal, softmax_scale, window_size, deterministic) -> _Plan:
     return plan
 
 
-def _launch_forward(plan: _Plan, q, k, v) -> Tuple[torch.Tensor, torch.Tensor]:
-    """out, lse of a planned call; q, k, v already in the kernels' layout."""
-    out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=plan.device)
-    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
+def _launch_forward(plan: _Plan, q, k, v, out=None, lse=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """out, lse of a planned call; q, k, v already in the kernels' layout (out, lse: given buffers, else new)."""
+    if out is None:
+        out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=plan.device)
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
     if plan.empty:
         out.zero_()
         lse.fill_(float("-inf"))
+        return out, lse
+    if plan.decode_keys is not None:
+        # One query row under GQA: the query heads of a KV head as the rows of one problem over the keys it sees.
+        lo, hi = plan.decode_keys
+        p = plan.problem
+        q_rows, out_rows, lse_rows = decode.pack_gqa(q, out, lse, p.nheads_kv)
+        if lo:
+            k, v = k[:, lo:hi], v[:, lo:hi]
+        # (The views' shapes, strides and alignment follow from this plan's signature: their plan is this plan's.)
+        packed = plan.decode_plan
+        if packed is None:
+            packed = plan.decode_plan = _plan(q_rows, k, v, False, p.softmax_scale, (None, None), plan.deterministic)
+        if packed.copies:
+            q_rows, k, v = kernel_view(q_rows), kernel_view(k), kernel_view(v)
+        _launch_forward(packed, q_rows, k, v, out_rows, lse_rows)
         return out, lse
     launch = plan.launch
     if launch is None:

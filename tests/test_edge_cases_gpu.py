@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import cute_flash
+from cute_flash import interface
 from cute_flash.testing import check_backward, check_forward, random_qkv
 
 pytestmark = [pytest.mark.sm90, pytest.mark.xdist_group("edge-cases")]
@@ -63,6 +64,34 @@ def test_decode_like_shapes(seqlen_q, deterministic):
     out, lse, dout, grads = _train(q, k, v, deterministic=deterministic, **kw)
     check_forward(q, k, v, out, lse, **kw)
     check_backward(q, k, v, dout, grads, **kw)
+
+
+@pytest.mark.parametrize("head_major", [False, True], ids=["seq_major", "head_major"])
+@pytest.mark.parametrize(
+    "b,sk,h,hkv,d,dv,kw",
+    [
+        (5, 4099, 32, 8, 128, 128, dict(causal=True)),
+        (9, 40_000, 16, 1, 128, 128, dict()),
+        (12, 777, 12, 4, 64, 64, dict(causal=True, window_size=(300, None))),
+        (17, 2048, 8, 2, 256, 256, dict(causal=True, window_size=(4000, 0))),
+        (9, 1000, 16, 2, 96, 96, dict(causal=True)),
+        (17, 513, 8, 4, 192, 128, dict(causal=True)),
+    ],
+    ids=["gqa4_d128", "mqa_40k", "d64_window", "d256_wide_window", "d96", "d192x128"],
+)
+def test_decoding_with_packed_query_heads(b, sk, h, hkv, d, dv, kw, head_major):
+    """One query row per sequence under GQA / MQA runs as one problem per KV head whose rows are its query heads
+    (cute_flash/decode.py; batch x heads above an H100's 132 SMs, where it applies): out and lse against float64,
+    q / k / v in the layout they come in (transformers' cache is head-major), both 16-bit dtypes in the d128 case."""
+    for dtype in (torch.bfloat16, torch.float16) if d == 128 and hkv == 8 else (torch.bfloat16,):
+        q, k, v = random_qkv(b, 1, sk, h, hkv, d, dv, dtype=dtype, seed=sk)
+        if head_major:
+            q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        assert interface._plan(
+            q, k, v, kw.get("causal", False), kw.get("softmax_scale"), kw.get("window_size", (None, None)), False
+        ).decode_keys
+        out, lse = cute_flash.attention(q, k, v, return_lse=True, **kw)
+        check_forward(q, k, v, out, lse, **kw)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,53 @@
+"""Decoding under GQA / MQA: one query row per sequence, several query heads per KV head ("pack_gqa").
+
+Run as it comes, a decoding call gives every (batch, query head) a CTA of its own: each walks its KV head's whole
+cache with one valid row in a 64- or 128-row query tile, so the cache is read once per query head and the other
+rows are wasted tensor-core work (measured 2-5x slower than SDPA's decoding kernel, docs/performance.md session 16).
+Here the query heads that share a KV head become the query rows of one (batch, KV head) problem, as
+FlashAttention-4's pack_gqa does: q (b, 1, h, d) is viewed as (b, group, h_kv, d), out and lse likewise, without
+copies, and the call runs as plain multi-head attention over the keys that its single query row sees (all of
+them, or the slice its window leaves), without a mask. Each row's arithmetic is that of the unpacked call.
+`interface._launch_forward` takes this path for every planned call it qualifies for (`keys_seen`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .validation import Problem
+
+
+def keys_seen(problem: Problem, sm_count: int) -> Optional[Tuple[int, int]]:
+    """The key rows [lo, hi) that the single query row of `problem` sees, when the call decodes with several query
+    heads per KV head (fp16 / bf16, seqlen_q 1, at least one key) and has more (batch, query head) CTAs than the GPU
+    has SMs (`sm_count`; fewer all run at once anyway: packed, they would take as long, measured on an H100);
+    None otherwise (the call runs as it comes)."""
+    p = problem
+    if p.seqlen_q != 1 or p.seqlen_k == 0 or p.batch == 0 or p.nheads_kv == 0 or p.nheads == p.nheads_kv:
+        return None
+    if p.batch * p.nheads <= sm_count:
+        return None
+    if p.spec.dtype not in ("fp16", "bf16"):
+        return None
+    m = p.mask
+    # Bottom-right alignment puts the query row at key position seqlen_k - 1: it sees keys seqlen_k - 1 - left ..
+    # seqlen_k - 1 + right, clipped to the keys that exist ("none" and "causal": all of them).
+    # (Windows are never negative, so the query row always sees its own position's key.)
+    if m.kind != "local":
+        return 0, p.seqlen_k
+    return max(0, p.seqlen_k - 1 - m.left), p.seqlen_k
+
+
+def pack_gqa(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, nheads_kv: int):
+    """Views of one decoding call's q (b, 1, h, d), out (b, 1, h, dv) and lse (b, h, 1) as the packed problem's
+    (b, group, h_kv, d), (b, group, h_kv, dv) and (b, h_kv, group): query head g * group + j is row j of KV head g."""
+    b, _, h, d = q.shape
+    dv = out.shape[-1]
+    group = h // nheads_kv
+    sb, _, sh, sd = q.stride()
+    q_rows = q.as_strided((b, group, nheads_kv, d), (sb, sh, group * sh, sd), q.storage_offset())
+    ob, _, oh, od = out.stride()
+    out_rows = out.as_strided((b, group, nheads_kv, dv), (ob, oh, group * oh, od), out.storage_offset())
+    return q_rows, out_rows, lse.view(b, nheads_kv, group)

@@ -1,0 +1,82 @@
+"""Decoding under GQA / MQA (cute_flash/decode.py) without a GPU: a reference backend (tests/test_integrations.py)
+computes each launch with the float64 reference, so the packing of query heads into rows, the key slice of a window,
+the strided views of q / out / lse and the results against the unpacked reference are checked on the CPU. The GPU
+side is tests/test_correctness_gpu.py's decoding cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash import decode
+from cute_flash.reference import attention_reference
+from cute_flash.validation import validate
+
+from .test_integrations import fake_gpu  # noqa: F401  (fixture)
+
+
+def _qkv(b, sk, h, hkv, d, dv=None, head_major=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dv = dv or d
+    if head_major:  # transformers' layout: (b, h, s, d) storage seen as (b, s, h, d)
+        q = torch.randn(b, h, 1, d, generator=g).to(torch.bfloat16).transpose(1, 2)
+        k = torch.randn(b, hkv, sk, d, generator=g).to(torch.bfloat16).transpose(1, 2)
+        v = torch.randn(b, hkv, sk, dv, generator=g).to(torch.bfloat16).transpose(1, 2)
+        return q, k, v
+    return (
+        torch.randn(b, 1, h, d, generator=g).to(torch.bfloat16),
+        torch.randn(b, sk, hkv, d, generator=g).to(torch.bfloat16),
+        torch.randn(b, sk, hkv, dv, generator=g).to(torch.bfloat16),
+    )
+
+
+@pytest.mark.parametrize("head_major", [False, True], ids=["seq_major", "head_major"])
+@pytest.mark.parametrize(
+    "causal,window", [(False, (None, None)), (True, (None, None)), (True, (5, None)), (False, (3, 2)), (False, (40, 0))]
+)
+@pytest.mark.parametrize("h,hkv", [(8, 2), (6, 1)], ids=["gqa", "mqa"])
+def test_decoding_packs_query_heads(fake_gpu, h, hkv, causal, window, head_major):  # noqa: F811
+    q, k, v = _qkv(3, 29, h, hkv, 32, head_major=head_major)
+    out, lse = cute_flash.attention(q, k, v, causal=causal, window_size=window, softmax_scale=0.3, return_lse=True)
+    want, want_lse = attention_reference(q, k, v, causal=causal, window_size=window, softmax_scale=0.3, return_lse=True)
+    torch.testing.assert_close(out.double(), want.double(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, want_lse.float(), atol=1e-4, rtol=1e-4)
+    (call,) = fake_gpu.calls  # one launch: the packed problem, group rows per KV head, no mask, the keys it sees
+    kind, mask, scale, q_shape, k_shape = call
+    left = window[0]
+    keys = 29 if left is None else min(29, left + 1)
+    assert q_shape == (3, h // hkv, hkv, 32) and k_shape == (3, keys, hkv, 32)
+    assert mask.kind == "none" and scale == pytest.approx(0.3)
+
+
+def test_what_is_not_packed(fake_gpu):  # noqa: F811
+    # No GQA, or several query rows: the plain path.
+    for args, kw in [
+        (_qkv(2, 20, 4, 2, 32)[:1] * 3, {}),  # q as keys: seqlen_k 1 with MHA
+        ((torch.randn(2, 2, 4, 32).bfloat16(), *_qkv(2, 20, 4, 2, 32)[1:]), {"causal": True}),
+    ]:
+        p = validate(
+            *args,
+            causal=kw.get("causal", False),
+            softmax_scale=None,
+            window_size=kw.get("window_size", (None, None)),
+            dtype=None,
+        )
+        assert decode.keys_seen(p, 0) is None
+    q, k, v = _qkv(2, 20, 4, 2, 32)
+    p = validate(q, k, v, causal=True, softmax_scale=None, window_size=(None, None), dtype=None)
+    assert decode.keys_seen(p, 0) == (0, 20)
+    assert decode.keys_seen(p, 132) is None  # 2 x 4 CTAs: all at once anyway, packing gains nothing
+
+
+def test_decoding_gradients_are_unchanged(fake_gpu):  # noqa: F811
+    # The forward may run packed; the backward takes the saved q, k, v, out and lse as they are.
+    q, k, v = (t.detach().requires_grad_(True) for t in _qkv(2, 17, 8, 2, 32))
+    out = cute_flash.attention(q, k, v, causal=True)
+    dq, dk, dv = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref = attention_reference(*leaves, causal=True)
+    grads = torch.autograd.grad(ref.square().sum(), leaves)
+    for got, want in zip((dq, dk, dv), grads):
+        torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2)
