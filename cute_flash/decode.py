@@ -6,15 +6,17 @@ rows are wasted tensor-core work (measured 2-5x slower than SDPA's decoding kern
 Here the query heads that share a KV head become the query rows of one (batch, KV head) problem, as
 FlashAttention-4's pack_gqa does: q (b, 1, h, d) is viewed as (b, group, h_kv, d), out and lse likewise, without
 copies, and the call runs as plain multi-head attention over the keys that its single query row sees (all of
-them, or the slice its window leaves), without a mask. Each row's arithmetic is that of the unpacked call.
-`interface._launch_forward` takes this path for every planned call it qualifies for (`keys_seen`).
+them, or the slice its window leaves), without a mask: the same math (with a window the key blocks start at its
+first key rather than at a multiple of the tile, so the sums may round differently than the unpacked call's).
+Eager calls (`interface._launch_forward`) and the custom op under torch.compile (`interface._run_forward`) both take
+it for every call that qualifies (`keys_seen`), so the two agree bit for bit. The packed problem runs the forward
+kernel without a mask whatever the call's mask: `python -m cute_flash warmup` builds it with its default masks
+("none" and "causal"); a warm-up restricted to other masks leaves it to the first decoding call.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Tuple
-
-import torch
 
 from .validation import Problem
 
@@ -40,9 +42,10 @@ def keys_seen(problem: Problem, sm_count: int) -> Optional[Tuple[int, int]]:
     return max(0, p.seqlen_k - 1 - m.left), p.seqlen_k
 
 
-def pack_gqa(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, nheads_kv: int):
-    """Views of one decoding call's q (b, 1, h, d), out (b, 1, h, dv) and lse (b, h, 1) as the packed problem's
-    (b, group, h_kv, d), (b, group, h_kv, dv) and (b, h_kv, group): query head g * group + j is row j of KV head g."""
+def pack_gqa(q, k, v, out, lse, nheads_kv: int, keys: Tuple[int, int]):
+    """Views of one decoding call's tensors as the packed problem's: q (b, 1, h, d) -> (b, group, h_kv, d), out (b, 1,
+    h, dv) -> (b, group, h_kv, dv), lse (b, h, 1) -> (b, h_kv, group) (query head g * group + j is row j of KV head
+    g), and k, v cut to the rows [lo, hi) of `keys` (`keys_seen`)."""
     b, _, h, d = q.shape
     dv = out.shape[-1]
     group = h // nheads_kv
@@ -50,4 +53,7 @@ def pack_gqa(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, nheads_kv: i
     q_rows = q.as_strided((b, group, nheads_kv, d), (sb, sh, group * sh, sd), q.storage_offset())
     ob, _, oh, od = out.stride()
     out_rows = out.as_strided((b, group, nheads_kv, dv), (ob, oh, group * oh, od), out.storage_offset())
-    return q_rows, out_rows, lse.view(b, nheads_kv, group)
+    lo, hi = keys
+    if lo:
+        k, v = k[:, lo:hi], v[:, lo:hi]
+    return q_rows, k, v, out_rows, lse.view(b, nheads_kv, group)

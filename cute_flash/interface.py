@@ -34,10 +34,16 @@ def _capability(device_index: int) -> Tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (0 for other devices: tests on CPU tensors)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+    if device.type != "cuda":
+        return 0
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _device_capability(t: torch.Tensor) -> Tuple[int, int]:
@@ -172,18 +178,15 @@ def _launch_forward(plan: _Plan, q, k, v, out=None, lse=None) -> Tuple[torch.Ten
         return out, lse
     if plan.decode_keys is not None:
         # One query row under GQA: the query heads of a KV head as the rows of one problem over the keys it sees.
-        lo, hi = plan.decode_keys
         p = plan.problem
-        q_rows, out_rows, lse_rows = decode.pack_gqa(q, out, lse, p.nheads_kv)
-        if lo:
-            k, v = k[:, lo:hi], v[:, lo:hi]
-        # (The views' shapes, strides and alignment follow from this plan's signature: their plan is this plan's.)
+        q, k, v, out_rows, lse_rows = decode.pack_gqa(q, k, v, out, lse, p.nheads_kv, plan.decode_keys)
+        # The views' shapes, strides and alignment follow from this plan's signature, so their plan is this plan's;
+        # views of tensors in the kernels' layout are in it too (strides of whole 16-byte units, rows cut at 16 bytes).
         packed = plan.decode_plan
         if packed is None:
-            packed = plan.decode_plan = _plan(q_rows, k, v, False, p.softmax_scale, (None, None), plan.deterministic)
-        if packed.copies:
-            q_rows, k, v = kernel_view(q_rows), kernel_view(k), kernel_view(v)
-        _launch_forward(packed, q_rows, k, v, out_rows, lse_rows)
+            packed = plan.decode_plan = _plan(q, k, v, False, p.softmax_scale, (None, None), plan.deterministic)
+            assert not packed.copies
+        _launch_forward(packed, q, k, v, out_rows, lse_rows)
         return out, lse
     launch = plan.launch
     if launch is None:
@@ -315,9 +318,19 @@ def _run_forward(q, k, v, problem: Problem, arch: ArchBackend, fp8=None) -> Tupl
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
+    keys = decode.keys_seen(problem, _sm_count(q.device)) if fp8 is None else None
+    if keys is not None:
+        # Decoding under GQA, packed as the eager path packs it (`_launch_forward`; cute_flash/decode.py).
+        q, k, v, out_rows, lse_rows = decode.pack_gqa(q, k, v, out, lse, problem.nheads_kv, keys)
+        packed = validate(
+            q, k, v, causal=False, softmax_scale=problem.softmax_scale, window_size=(None, None), dtype=None
+        )
+        problem, arch, out_view, lse_view = packed, _route(packed.spec, q, backward=False), out_rows, lse_rows
+    else:
+        out_view, lse_view = out, lse
     with torch.cuda.device(q.device):
         if fp8 is None:
-            arch.forward(FwdTensors(q, k, v, out, lse), problem)
+            arch.forward(FwdTensors(q, k, v, out_view, lse_view), problem)
         else:
             # FP8: q, k e4m3 (b, s, h, d); v transposed e4m3 (b, h_kv, dv, sk_pad); block descales (see Fp8Inputs).
             f = fp8()

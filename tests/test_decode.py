@@ -1,7 +1,7 @@
 """Decoding under GQA / MQA (cute_flash/decode.py) without a GPU: a reference backend (tests/test_integrations.py)
 computes each launch with the float64 reference, so the packing of query heads into rows, the key slice of a window,
-the strided views of q / out / lse and the results against the unpacked reference are checked on the CPU. The GPU
-side is tests/test_correctness_gpu.py's decoding cases."""
+the strided views of q / out / lse and the results against the unpacked reference are checked on the CPU, eager and
+through the custom op (torch.compile's path). The GPU side is tests/test_edge_cases_gpu.py's decoding cases."""
 
 from __future__ import annotations
 
@@ -80,3 +80,15 @@ def test_decoding_gradients_are_unchanged(fake_gpu):  # noqa: F811
     grads = torch.autograd.grad(ref.square().sum(), leaves)
     for got, want in zip((dq, dk, dv), grads):
         torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_the_custom_op_packs_as_the_eager_path(fake_gpu):  # noqa: F811
+    # torch.compile's path (cute_flash::fwd -> interface._run_forward) packs too: the same launch, the same result.
+    import cute_flash.ops  # noqa: F401  (registers the ops)
+
+    q, k, v = _qkv(3, 29, 8, 2, 32)
+    eager = cute_flash.attention(q, k, v, causal=True, window_size=(5, None), return_lse=True)
+    op = torch.ops.cute_flash.fwd(q, k, v, 32**-0.5, "local", 5, 0, False)
+    assert [c[3] for c in fake_gpu.calls] == [(3, 4, 2, 32)] * 2
+    for a, b in zip(eager, op):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

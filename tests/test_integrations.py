@@ -407,5 +407,8 @@ def test_transformers_mixed_layer_types(fake_gpu, registered, cache):
     want = _decode_teacher_forced(model, ids, mask, 9, cache)
     got = _decode_teacher_forced(twin, ids, mask, 9, cache)
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
-    # (single-row decoding steps without padding run packed, without a mask: cute_flash/decode.py)
+    # (single-row decoding steps without padding run packed, without a mask: cute_flash/decode.py; q (b, group, h_kv,
+    # d), the keys the window leaves)
     assert {(c[1].left, c[1].right) for c in fake_gpu.calls if c[1].kind != "none"} == {(1 << 30, 0), (4, 0)}
+    packed = [c for c in fake_gpu.calls if c[1].kind == "none"]
+    assert all(c[3] == (3, 2, 2, 32) and c[4][1] <= 5 for c in packed)  # (static caches: none, 4D masks)
