@@ -12,8 +12,8 @@ import torch
 from . import compile_cache, decode, ops, routing, validation  # noqa: F401  (ops registers torch.ops.cute_flash.*)
 from .arch import ARCH_ENV_VAR, resolve_arch
 from .arch.base import ArchBackend, BwdTensors, FwdTensors, Grads
-from .spec import AttentionSpec
-from .validation import ALIGN_BYTES, Problem, is_kernel_layout, kernel_view, validate
+from .spec import AttentionSpec, normalize_mask
+from .validation import ALIGN_BYTES, Problem, is_kernel_layout, kernel_view, problem_of, validate
 
 
 def backend(device: Optional[Union[torch.device, int, str]] = None) -> str:
@@ -322,9 +322,8 @@ def _run_forward(q, k, v, problem: Problem, arch: ArchBackend, fp8=None) -> Tupl
     if keys is not None:
         # Decoding under GQA, packed as the eager path packs it (`_launch_forward`; cute_flash/decode.py).
         q, k, v, out_rows, lse_rows = decode.pack_gqa(q, k, v, out, lse, problem.nheads_kv, keys)
-        packed = validate(
-            q, k, v, causal=False, softmax_scale=problem.softmax_scale, window_size=(None, None), dtype=None
-        )
+        # (Views of an accepted call are accepted: rebuilt, not validated again, on this per-call path.)
+        packed = problem_of(q, k, v, normalize_mask(False, (None, None)), problem.softmax_scale)
         problem, arch, out_view, lse_view = packed, _route(packed.spec, q, backward=False), out_rows, lse_rows
     else:
         out_view, lse_view = out, lse

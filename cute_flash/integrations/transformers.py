@@ -334,15 +334,16 @@ def _packing_from_masks(attention_mask, q, k, sliding_window, kwargs):
         width = attention_mask.shape[1]
         if _tracing(attention_mask):
             raise _err("padded batches read their lengths on the host: not under CUDA-graph capture or fake tensors")
-        mask = attention_mask.to(device=q.device, dtype=torch.bool)
+        windowed = sliding_window is not None
         packing = _DERIVED.get(
             (attention_mask,),
-            ("pad", s, sliding_window is not None),
-            lambda: _unpad(mask, s, sliding_window is not None),
+            ("pad", s, windowed),
+            lambda: _unpad(attention_mask.to(device=q.device, dtype=torch.bool), s, windowed),
         )
         return width if packing is None else packing
     if attention_mask is not None and attention_mask.dim() != 4:
         raise _err(f"an attention mask of {attention_mask.dim()} dims is not served")
+    given = attention_mask  # (the per-forward results are keyed on the mask transformers hands every layer)
     if attention_mask is not None and attention_mask.shape[0] == 1 and b > 1:
         attention_mask = attention_mask.expand(b, *attention_mask.shape[1:])  # broadcast over the batch, as SDPA
     if attention_mask is not None and s == 1:
@@ -353,9 +354,7 @@ def _packing_from_masks(attention_mask, q, k, sliding_window, kwargs):
             raise _err(f"a decoding mask of shape {tuple(attention_mask.shape)} / {attention_mask.dtype} is not served")
         if _tracing(attention_mask):
             raise _err("masked decoding reads its lengths on the host: not under CUDA-graph capture or fake tensors")
-        return _DERIVED.get(
-            (attention_mask,), ("one", b), lambda: _single_queries(attention_mask[:, 0, 0].to(q.device))
-        )
+        return _DERIVED.get((given,), ("one", b), lambda: _single_queries(attention_mask[:, 0, 0].to(q.device)))
     # Packed documents: a materialised 4D mask (or none, with the collator's keywords).
     if s != sk:
         raise _err("this call has a custom attention mask (queries and keys of different lengths)")
@@ -376,7 +375,7 @@ def _packing_from_masks(attention_mask, q, k, sliding_window, kwargs):
             _check_documents(attention_mask.to(q.device), starts.to(q.device), sliding_window)
         return _documents(starts.to(q.device), b, s)
 
-    tensors = (attention_mask, position_ids, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
+    tensors = (given, position_ids, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
     return _DERIVED.get(tensors, ("docs", b, s, sliding_window), derive)
 
 
