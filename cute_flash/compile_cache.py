@@ -34,6 +34,12 @@ def memo() -> Dict[Hashable, object]:
     return d
 
 
+def forget_with_cache(obj):
+    """Registers `obj` (anything with a `clear()` method) to be cleared with this cache, like a `memo`; returns it."""
+    _memos.append(obj)
+    return obj
+
+
 def get_or_compile(key: Hashable, build: Callable[[], Callable]) -> Callable:
     """Returns the compiled kernel for `key`: from memory, else from the disk cache, else built (and written)."""
     fn = _cache.get(key)

@@ -9,9 +9,9 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from . import compile_cache, decode, ops, routing, validation  # noqa: F401  (ops registers torch.ops.cute_flash.*)
+from . import compile_cache, decode, native, ops, routing, validation  # noqa: F401  (ops: torch.ops.cute_flash.*)
 from .arch import ARCH_ENV_VAR, resolve_arch
-from .arch.base import ArchBackend, BwdTensors, FwdTensors, Grads
+from .arch.base import ArchBackend, BoundForward, BwdTensors, FwdTensors, Grads
 from .spec import AttentionSpec, normalize_mask
 from .validation import ALIGN_BYTES, Problem, is_kernel_layout, kernel_view, problem_of, validate
 
@@ -111,6 +111,46 @@ _MAX_PLANS = 4096
 def clear_call_cache() -> None:
     """Forget every plan (tests that change routing, the device check or the backends call this)."""
     _plans.clear()
+    _native_keys.clear()
+
+
+class _NativeKeys:
+    """The C++ call path's signatures (cute_flash/native.py), forgotten with the plans and the kernel cache."""
+
+    def clear(self) -> None:
+        lib = native.loaded()
+        if lib is not None:
+            lib.clear()
+
+
+_native_keys = compile_cache.forget_with_cache(_NativeKeys())
+# The C++ call path's `forward`, set when the first signature is registered (`_register_native`); None before.
+_native_forward = None
+_TVM_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_PLAIN = frozenset((type(None), bool, int, float))
+_NATIVE_DEVICE_TYPES = ("cuda",)  # (profiling.host_overhead_cpu adds "cpu": no-op kernels on CPU tensors)
+
+
+def _register_native(plan: _Plan, q, k, v, causal, softmax_scale, left, right, deterministic) -> None:
+    """After the Python path launched a no-grad forward that the C++ path did not know: registers its signature,
+    with the kernel and scalars to launch when the plan's launch is a plain bound kernel on tensors in the kernels'
+    layout, or as Python's (packed decoding, layout copies, empty problems, FP8 or families without a bound form)."""
+    global _native_forward
+    if q.device.type not in _NATIVE_DEVICE_TYPES or not native.enabled():
+        return
+    lib = native.library(block=False)  # (being built in the background: the Python path serves meanwhile)
+    if lib is None:
+        return
+    launch, dtype = plan.launch, _TVM_DTYPES[plan.out_dtype]
+    kernel = None
+    if isinstance(launch, BoundForward) and not (plan.copies or plan.empty or plan.decode_keys is not None):
+        kernel = native.launchable(launch.kernel)
+    if kernel is not None:
+        lib.put(q, k, v, causal, softmax_scale, left, right, deterministic, kernel, launch.scale, launch.left,
+                launch.right, dtype)  # fmt: skip
+    else:
+        lib.put(q, k, v, causal, softmax_scale, left, right, deterministic, None, 0.0, 0, 0, dtype)
+    _native_forward = lib.forward
 
 
 def _signature(q, k, v, causal, softmax_scale, window_size, deterministic) -> tuple:
@@ -400,6 +440,31 @@ def attention(
     if dtype is None and torch.is_autocast_enabled("cuda"):
         q, k, v = _autocast(q, k, v)
     if dtype is None and descale is None and fp8_rotate is True and not torch.compiler.is_compiling():
+        native_miss = False
+        fast = _native_forward
+        if fast is not None and not return_lse:
+            # A warm no-grad call whose signature the Python path registered: one C++ call finds its kernel,
+            # allocates and launches (cute_flash/native.py). A miss (None) falls through and registers below.
+            try:
+                left, right = window_size
+                # The C++ key sees TVM-FFI's scalar kinds, which merge numpy's scalars with Python's: only Python's
+                # own types go there, so that a value validation refuses is never answered from the key of one it
+                # accepted (a numpy bool for causal, a numpy int in a window).
+                go = type(causal) is bool and type(deterministic) is bool and type(softmax_scale) in _PLAIN
+                go = go and type(left) in _PLAIN and type(right) in _PLAIN
+                if go and torch.is_grad_enabled():
+                    go = not (q.requires_grad or k.requires_grad or v.requires_grad)
+            except (AttributeError, TypeError, ValueError):  # not tensors, a malformed window: validated below
+                go = False
+            if go:
+                try:
+                    out = fast(q, k, v, causal, softmax_scale, left, right, deterministic)
+                except Exception as e:  # noqa: BLE001 - e.g. a tensor DLPack cannot export: Python decides
+                    native.warn_once(f"a call failed in the C++ call path and took the Python path ({e!r})")
+                    out = False
+                if out is not None and out is not False:
+                    return out
+                native_miss = out is None
         # The eager fp16/bf16 path: validation and routing come from the plan cached for this call signature, so a
         # warm call does one dict lookup before it allocates and launches (docs/torch.md, "Host time").
         plan = _plan(q, k, v, causal, softmax_scale, window_size, deterministic)
@@ -409,10 +474,11 @@ def attention(
             # The layouts are normalised inside the autograd function, so that a view or copy made for the kernels
             # records nothing on the autograd graph (the gradients come back in q, k, v's own shapes).
             out, lse = _Attention.apply(q, k, v, plan)
-        elif plan.copies:
-            out, lse = _launch_forward(plan, kernel_view(q), kernel_view(k), kernel_view(v))
         else:
-            out, lse = _launch_forward(plan, q, k, v)
+            qv, kv, vv = (kernel_view(q), kernel_view(k), kernel_view(v)) if plan.copies else (q, k, v)
+            out, lse = _launch_forward(plan, qv, kv, vv)
+            if (native_miss or fast is None) and not return_lse:
+                _register_native(plan, q, k, v, causal, softmax_scale, *window_size, deterministic)
         return (out, lse) if return_lse else out
 
     problem = validate(

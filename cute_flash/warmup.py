@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from . import compile_cache, disk_cache
+from . import compile_cache, disk_cache, native
 from .routing import route
 from .spec import AttentionSpec
 
@@ -157,12 +157,14 @@ def run(config_list: List[Config], capability: Capability, jobs: int = 1) -> dic
     else:
         items = [warm(c, capability) for c in config_list]
     totals = {s: sum(1 for i in items if i["status"] == s) for s in ("built", "cached", "unsaved", "failed")}
+    native.library()  # the eager forward's C++ call path, built beside the kernels (None: unavailable, warned)
     return {
         "capability": f"{capability[0]}.{capability[1]}",
         "target": target,
         "cache_dir": disk_cache.entries_dir(),
         "items": items,
         "totals": {**totals, "skipped": len(items) - sum(totals.values())},
+        "native": native.loaded_path(),
         "jobs": jobs,
         "seconds": round(time.perf_counter() - start, 2),
     }

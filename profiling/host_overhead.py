@@ -5,8 +5,10 @@ a long matmul chain is queued first so the GPU stays busy, then 100 back-to-back
 
 --breakdown also times the pieces of a cute-flash call the same way (what issue 15's host-time targets are spent
 on): the plan lookup, the two output allocations, one compiled forward kernel called directly through TVM-FFI with
-its outputs given, the backend's forward and the plan's bound launcher around that call, the whole no-grad call,
-and the backend's backward (four launches and its buffers) without autograd, and its bound launcher.
+its outputs given, the backend's forward and the plan's bound launcher around that call, the whole no-grad call
+(the C++ call path's when it is available, cute_flash/native.py; with return_lse, the Python path's), the C++ path's
+own call, and the backend's backward (four launches and its buffers) without autograd, and its bound launcher.
+CUTE_FLASH_NATIVE=0 times every call through the Python path.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def main() -> None:
 
 def _breakdown(q, k, v, dout, calls: int, busy) -> None:
     """Host µs of the pieces of a warm causal cute-flash call (sm90 backend), each timed as the whole calls are."""
-    from cute_flash import compile_cache, interface
+    from cute_flash import compile_cache, interface, native
     from cute_flash.arch.base import BwdTensors, FwdTensors, Grads
 
     with torch.no_grad():
@@ -119,9 +121,13 @@ def _breakdown(q, k, v, dout, calls: int, busy) -> None:
             "backend.forward": lambda: plan.forward.forward(FwdTensors(q, k, v, out, lse), p),
             "the plan's launcher": lambda: plan.launch(q, k, v, out, lse),
             "attention (no grad)": lambda: interface.attention(q, k, v, causal=True),
+            "attention (no grad), Python path": lambda: interface.attention(q, k, v, causal=True, return_lse=True),
             f"backend.backward ({bwd.name})": lambda: bwd.backward(t, grads, p, False),
             "its backward launcher": lambda: bwd_launch(t, grads),
         }
+        lib = native.loaded()
+        if lib is not None:  # the C++ call path's own call (cute_flash/native.py), the signature registered above
+            pieces["the C++ path's forward call"] = lambda: lib.forward(q, k, v, True, None, None, None, False)
         for name, fn in pieces.items():
             print(f"  {name:>34} {_host_us(fn, calls, busy):>8.1f} µs", flush=True)
 

@@ -31,16 +31,20 @@ def _zeros_without_memset(*size, **kwargs):
 @contextlib.contextmanager
 def fake_gpu(capability=(9, 0)) -> Iterator[None]:
     """Runs cute_flash's host path on CPU tensors with no-op kernels (see the module docstring)."""
-    from cute_flash import compile_cache, interface, validation
+    from cute_flash import compile_cache, interface, native, validation
 
     def noop(*args):
         return None
 
+    # The C++ call path launches TVM-FFI functions only: forward kernels are its own no-op when it is available.
+    lib = native.library()
+    forward_noop = lib.noop_kernel if lib is not None else noop
     saved = [
         (validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu")),
+        (interface, "_NATIVE_DEVICE_TYPES", ("cuda", "cpu")),
         (interface, "_device_capability", lambda t: capability),
         (interface, "_device_guard", lambda t: contextlib.nullcontext()),
-        (compile_cache, "get_or_compile", lambda key, build: noop),
+        (compile_cache, "get_or_compile", lambda key, build: forward_noop if key[2] == "fwd" else noop),
         (compile_cache, "runtime_target", lambda device: "sm_90a"),
         # On a GPU, zeroing a buffer is an asynchronous fill kernel; on the CPU it would be a memset of hundreds of
         # KiB that has nothing to do with host overhead.

@@ -112,11 +112,21 @@ class ArchBackend(Protocol):
         with this, also without a GPU."""
 
 
-def bound_forward(kernel: Callable, problem: Problem) -> ForwardLauncher:
+class BoundForward:
     """The `forward_launcher` of a compiled fp16/bf16 forward kernel (q, k, v, out, lse, softmax_scale, window_left,
-    window_right): the scalars converted once; its tensors are in the kernel's layout (the eager path's guarantee)."""
-    scale, left, right = float(problem.softmax_scale), int(problem.mask.left), int(problem.mask.right)
-    return lambda q, k, v, out, lse: kernel(q, k, v, out, lse, scale, left, right)
+    window_right): the scalars converted once; its tensors are in the kernel's layout (the eager path's guarantee).
+    Its parts are public: the eager path hands them to the C++ call path (cute_flash/native.py)."""
+
+    __slots__ = ("kernel", "scale", "left", "right")
+
+    def __init__(self, kernel: Callable, problem: Problem):
+        self.kernel = kernel
+        self.scale, self.left, self.right = (
+            float(problem.softmax_scale), int(problem.mask.left), int(problem.mask.right)
+        )  # fmt: skip
+
+    def __call__(self, q, k, v, out, lse) -> None:
+        self.kernel(q, k, v, out, lse, self.scale, self.left, self.right)
 
 
 def launcher_through_forward(backend: ArchBackend, problem: Problem) -> ForwardLauncher:

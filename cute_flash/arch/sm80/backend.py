@@ -21,7 +21,7 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import Problem, VarlenProblem, kernel_view
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, PackedSeqs
-from ..base import bound_forward, launch_packed_forward, prepare_build
+from ..base import BoundForward, launch_packed_forward, prepare_build
 from ...census import cubin_resources
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_operand, fake_packed_forward_args
@@ -183,7 +183,7 @@ class _Backend:
         reason = forward_unsupported_reason(problem.spec)
         if reason is not None:
             raise NotImplementedError(reason)
-        return bound_forward(self._forward_kernel(problem.spec, compile_cache.runtime_target(device)), problem)
+        return BoundForward(self._forward_kernel(problem.spec, compile_cache.runtime_target(device)), problem)
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
         q, k, v, out, lse = t

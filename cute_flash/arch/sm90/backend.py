@@ -23,7 +23,7 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import PackedSeqs, Problem, VarlenProblem
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact
-from ..base import bound_forward, launch_packed_forward, launcher_through_forward, prepare_build
+from ..base import BoundForward, launch_packed_forward, launcher_through_forward, prepare_build
 from .tile_config import FwdTileConfig, budget_problem, fwd_tile_config, smem_bytes
 
 FAMILY = "sm90"
@@ -112,7 +112,7 @@ class _Backend:
         spec = problem.spec
         if spec.dtype == "fp8":
             return launcher_through_forward(self, problem)
-        return bound_forward(self._forward_kernel(spec, compile_cache.runtime_target(device)), problem)
+        return BoundForward(self._forward_kernel(spec, compile_cache.runtime_target(device)), problem)
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
         q, k, v, out, lse = t

@@ -1,0 +1,232 @@
+"""The eager forward's C++ call path (cute_flash/native.py, csrc/eager_forward.cc), on CPU tensors with stand-in
+kernels: its key sees every part of a call signature the Python plan cache keys on, a warm no-grad call takes it and
+launches what the Python path registered, and everything else (gradients, lse, refused arguments) does not."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import cute_flash
+from cute_flash import interface, native
+
+tvm_ffi = pytest.importorskip("tvm_ffi")
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = native.library()
+    if lib is None:
+        pytest.skip("no C++ compiler here: the C++ call path is unavailable")
+    return lib
+
+
+@pytest.fixture(autouse=True)
+def empty_table():
+    interface.clear_call_cache()
+    yield
+    interface.clear_call_cache()
+
+
+class Recorder:
+    """A stand-in kernel (a TVM-FFI function) that records its arguments and fills out with 1."""
+
+    def __init__(self):
+        self.calls = []
+        self.lse_after_out = []  # lse sits right after out in one allocation (the C++ path's layout)
+        self.fn = tvm_ffi.convert(self._call)
+
+    def _call(self, q, k, v, out, lse, scale, left, right):
+        out, lse = torch.from_dlpack(out), torch.from_dlpack(lse)  # (a Python callee gets TVM-FFI tensors)
+        self.calls.append((tuple(out.shape), out.dtype, tuple(lse.shape), lse.dtype, scale, left, right))
+        self.lse_after_out.append(lse.data_ptr() - out.data_ptr() == out.numel() * out.element_size())
+        lse.fill_(-5)
+        out.fill_(1)
+
+
+def _qkv(shape=(2, 33, 4, 64), kv_heads=2, dtype=torch.bfloat16):
+    b, s, h, d = shape
+    return torch.randn(b, s, h, d, dtype=dtype), *(torch.randn(b, s + 7, kv_heads, d, dtype=dtype) for _ in range(2))
+
+
+def _put(lib, q, k, v, kernel, args=(True, None, None, 0, False)):
+    return lib.put(q, k, v, *args, kernel, 0.125, -1, 0, "bfloat16")
+
+
+def test_a_registered_signature_launches_its_kernel(lib):
+    q, k, v = _qkv()
+    rec = Recorder()
+    args = (True, None, None, 0, False)
+    assert lib.forward(q, k, v, *args) is None
+    assert _put(lib, q, k, v, rec.fn, args)
+    out = lib.forward(q, k, v, *args)
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 33, 4, 64) and out.dtype == torch.bfloat16
+    assert bool((out == 1).all()) and rec.lse_after_out == [True]  # lse's writes do not reach out
+    assert rec.calls == [((2, 33, 4, 64), torch.bfloat16, (2, 4, 33), torch.float32, 0.125, -1, 0)]
+    # A signature registered as the Python path's answers False (no launch).
+    assert lib.put(q, k, v, False, None, None, 0, False, None, 0.0, 0, 0, "bfloat16")
+    assert lib.forward(q, k, v, False, None, None, 0, False) is False
+    assert lib.size() == 2
+    lib.clear()
+    assert lib.size() == 0 and lib.forward(q, k, v, *args) is None
+
+
+def test_the_key_sees_every_part_of_the_signature(lib, monkeypatch):
+    q, k, v = _qkv()
+    rec = Recorder()
+    args = (True, 0.5, 3, None, False)
+    _put(lib, q, k, v, rec.fn, args)
+    assert isinstance(lib.forward(q, k, v, *args), torch.Tensor)
+    q2 = torch.randn(2, 34, 4, 64, dtype=torch.bfloat16)
+    q_strided = torch.randn(2, 4, 33, 64, dtype=torch.bfloat16).transpose(1, 2)
+    q_offset = torch.randn(2 * 33 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 33, 4, 64)  # 2 bytes off
+    others = [
+        ((q2, k, v), args),
+        ((q_strided, k, v), args),
+        ((q_offset, k, v), args),
+        ((q.half(), k, v), args),
+        ((q, k[:, :-1], v[:, :-1]), args),
+        ((q, k, v), (1, 0.5, 3, None, False)),  # 1 == True, but not a bool
+        ((q, k, v), (True, None, 3, None, False)),
+        ((q, k, v), (True, 0.5000001, 3, None, False)),
+        ((q, k, v), (True, 0.5, 3, 0, False)),
+        ((q, k, v), (True, 0.5, None, None, False)),
+        ((q, k, v), (True, 0.5, 3, None, True)),
+        ((q, k, v), (True, 0.5, 3.0, None, False)),
+    ]
+    for tensors, other in others:
+        assert lib.forward(*tensors, *other) is None, other
+    # Strings, tensors and other objects as scalars are not keyed (Python validates them).
+    assert lib.forward(q, k, v, "yes", 0.5, 3, None, False) is None
+    assert lib.forward(q, k, v, True, torch.tensor(0.5), 3, None, False) is None
+    assert lib.forward(q[0], k[0], v[0], *args) is None  # 3-D tensors
+    monkeypatch.setenv("CUTE_FLASH_ARCH", "sm80")  # routing may change: the key is not served
+    assert lib.forward(q, k, v, *args) is None
+    monkeypatch.delenv("CUTE_FLASH_ARCH")
+    assert isinstance(lib.forward(q, k, v, *args), torch.Tensor)
+    assert len(rec.calls) == 2
+
+
+@pytest.fixture
+def fake_gpu_with_recorder(lib, monkeypatch):
+    """cute_flash.attention on CPU tensors as on a Hopper GPU, every forward kernel the recorder."""
+    from cute_flash import compile_cache
+    from profiling.host_overhead_cpu import fake_gpu
+
+    rec = Recorder()
+    with fake_gpu((9, 0)):
+        compile_cache.get_or_compile = lambda key, build: rec.fn if key[2] == "fwd" else (lambda *a: None)
+        plans = []
+        real_plan = interface._plan
+        monkeypatch.setattr(interface, "_plan", lambda *a: plans.append(a) or real_plan(*a))
+        yield rec, plans
+
+
+def test_a_warm_no_grad_call_takes_the_cpp_path(lib, fake_gpu_with_recorder):
+    rec, plans = fake_gpu_with_recorder
+    q, k, v = _qkv()
+    with torch.no_grad():
+        first = cute_flash.attention(q, k, v, causal=True, window_size=(5, 0))
+        assert len(plans) == 1 and lib.size() == 1
+        second = cute_flash.attention(q, k, v, causal=True, window_size=(5, 0))
+        assert len(plans) == 1  # no Python plan lookup: served by the C++ path
+        assert rec.calls[0] == rec.calls[1] and torch.equal(first, second)
+        # lse asked for: the Python path (the C++ path returns out only)
+        out, lse = cute_flash.attention(q, k, v, causal=True, window_size=(5, 0), return_lse=True)
+        assert len(plans) == 2 and lse.shape == (2, 4, 33)
+        # refused arguments stay refused with a warm key of an equal value
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            cute_flash.attention(q, k, v, causal=np.bool_(True), window_size=(5, 0))
+        with pytest.raises(ValueError, match="window_size left"):
+            cute_flash.attention(q, k, v, causal=True, window_size=(np.int64(5), 0))
+        with pytest.raises(ValueError, match="window_size"):
+            cute_flash.attention(q, k, v, causal=True, window_size=(5, 0, 1))
+    # gradients: the autograd function, never the C++ path
+    qg = q.clone().requires_grad_()
+    n = len(plans)
+    cute_flash.attention(qg, k, v, causal=True, window_size=(5, 0))
+    assert len(plans) == n + 1
+
+
+def test_calls_python_serves_are_registered_as_its_own(lib, fake_gpu_with_recorder):
+    """Layout copies and packed decoding are the Python path's: registered so (False), launched by Python."""
+    rec, plans = fake_gpu_with_recorder
+    q, k, v = _qkv()
+    qt = torch.randn(2, 33, 4, 68, dtype=torch.bfloat16)[..., :64]  # rows of 136 bytes: the kernels get a copy
+    with torch.no_grad():
+        for _ in range(2):
+            cute_flash.attention(qt, k, v)
+    assert len(plans) == 2 and len(rec.calls) == 2
+    assert lib.forward(qt, k, v, False, None, None, None, False) is False
+    q1 = torch.randn(2, 1, 4, 64, dtype=torch.bfloat16)  # decoding under GQA: packed by Python (cute_flash.decode)
+    with torch.no_grad():
+        for _ in range(2):
+            cute_flash.attention(q1, k, v)
+    assert len(plans) == 5 and lib.forward(q1, k, v, False, None, None, None, False) is False
+
+
+def test_clearing_the_caches_clears_the_cpp_keys(lib, fake_gpu_with_recorder):
+    from cute_flash import compile_cache
+
+    q, k, v = _qkv()
+    with torch.no_grad():
+        cute_flash.attention(q, k, v)
+    assert lib.size() == 1
+    compile_cache.clear()
+    assert lib.size() == 0
+
+
+def test_without_a_compiler_the_python_path_serves_and_says_why(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_failed", False)
+    monkeypatch.setattr(native, "cxx_compiler", lambda: None)
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        assert native.library() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.library() is None  # warned once
+    monkeypatch.setenv("CUTE_FLASH_NATIVE", "0")
+    monkeypatch.setattr(native, "_failed", False)
+    assert native.library() is None
+
+
+def test_a_missing_library_is_built_in_the_background(lib, monkeypatch, tmp_path):
+    """The eager path asks with block=False: no call waits for the compiler; the library is there afterwards."""
+    monkeypatch.setenv("CUTE_FLASH_CACHE_DIR", str(tmp_path))
+    for name, value in (("_library", None), ("_path", None), ("_failed", False), ("_builder", None)):
+        monkeypatch.setattr(native, name, value)
+    assert native.library(block=False) is None
+    native._builder.join(timeout=300)
+    built = native.loaded()
+    assert built is not None and native.loaded_path().startswith(str(tmp_path))
+    assert native.library(block=False) is built and built.size() == 0
+    # a later process finds it on disk and loads it at once
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_builder", None)
+    assert native.library(block=False) is not None and native._builder is None
+
+
+def test_the_library_is_built_atomically_where_the_cache_lives(lib, monkeypatch, tmp_path):
+    monkeypatch.setenv("CUTE_FLASH_CACHE_DIR", str(tmp_path))
+    compiler = native.cxx_compiler()
+    path = tmp_path / "native" / native._build_hash(compiler) / "eager_forward.so"
+    assert native.library_dir(compiler) == str(path.parent)
+    native._build(compiler, str(path))
+    assert path.exists() and [p.name for p in path.parent.iterdir()] == ["eager_forward.so"]  # no temporaries
+    assert tvm_ffi.load_module(str(path)).size() == 0  # a fresh copy loads (its own table)
+
+
+def test_what_the_library_can_launch():
+    fn = tvm_ffi.convert(lambda *a: None)
+
+    class Wrapped:  # CuTe DSL's compiled kernel with keyword support hands its function over this way
+        def __tvm_ffi_object__(self):
+            return fn
+
+    class PointerArgs(Wrapped):  # its Python call converts pointer arguments first: not launchable from C++
+        class execution_args:
+            has_pointer_address_arg_specs = True
+
+    assert native.launchable(fn) is fn and native.launchable(Wrapped()) is fn
+    assert native.launchable(PointerArgs()) is None and native.launchable(lambda *a: None) is None

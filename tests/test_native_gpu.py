@@ -1,0 +1,113 @@
+"""The eager forward's C++ call path on a GPU (cute_flash/native.py): a warm no-grad call served by it equals the
+Python path's bit for bit (sm90 and the sm80 family forced, masks, GQA, head dims, layouts, fp16 / bf16), launches
+on torch's current stream, is captured by CUDA graphs, and follows the call to another GPU than the current one.
+
+Run: python -m pytest -q tests/test_native_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash import interface, native
+from cute_flash.testing import check_forward, random_qkv
+
+pytestmark = [pytest.mark.sm90, pytest.mark.xdist_group("native")]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The C++ path's library, and a list that grows by one for every call the Python path plans."""
+    lib = native.library()
+    assert lib is not None, "the C++ call path did not build on this machine (see the warning)"
+    plans = []
+    real = interface._plan
+    monkeypatch.setattr(interface, "_plan", lambda *a: plans.append(a) or real(*a))
+    return lib, plans
+
+
+CASES = [
+    # (batch, seqlen_q, seqlen_k, heads, heads_kv, d, dv, causal, window, dtype, layout, arch)
+    (2, 300, 333, 8, 2, 128, 128, True, (None, None), torch.bfloat16, "bshd", None),
+    (1, 128, 128, 8, 8, 128, 128, True, (None, None), torch.bfloat16, "bshd", None),
+    (2, 257, 1000, 4, 4, 64, 64, False, (64, 0), torch.float16, "bshd", None),
+    (1, 190, 190, 6, 2, 256, 256, True, (None, None), torch.bfloat16, "bhsd", None),
+    (3, 77, 500, 4, 1, 96, 96, False, (None, None), torch.float16, "bhsd", None),
+    (2, 129, 129, 4, 2, 192, 128, True, (None, None), torch.bfloat16, "bshd", None),
+    (2, 200, 300, 4, 2, 128, 128, True, (32, 8), torch.bfloat16, "bshd", "sm80"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c[5]}-{c[10]}-{c[11] or 'default'}-c{int(c[7])}-w{c[8]}")
+def test_the_cpp_path_equals_the_python_path(case, counted, monkeypatch):
+    lib, plans = counted
+    b, sq, sk, h, hkv, d, dv, causal, window, dtype, layout, arch = case
+    if arch is not None:
+        monkeypatch.setenv("CUTE_FLASH_ARCH", arch)
+    q, k, v = random_qkv(b, sq, sk, h, hkv, d, dv, dtype=dtype, seed=sq)
+    if layout == "bhsd":  # head-major memory, seen through a (b, s, h, d) view
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    kw = dict(causal=causal, window_size=window)
+    with torch.no_grad():
+        first = cute_flash.attention(q, k, v, **kw)  # the Python path; registers the signature
+        n = len(plans)
+        second = cute_flash.attention(q, k, v, **kw)
+    assert len(plans) == n, "the warm call did not take the C++ path"
+    assert torch.equal(first, second)
+    out, lse = cute_flash.attention(q, k, v, return_lse=True, **kw)
+    assert torch.equal(out, second)
+    check_forward(q, k, v, second, lse, **kw)
+
+
+def test_the_cpp_path_launches_on_the_current_stream(counted):
+    lib, plans = counted
+    q, k, v = random_qkv(2, 512, 512, 8, 2, 128, seed=1)
+    q2 = torch.randn_like(q)
+    with torch.no_grad():
+        expected = cute_flash.attention(q2, k, v, causal=True)
+        torch.cuda.synchronize()
+        n = len(plans)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # the copy below lands long after the call returns to the host
+            q.copy_(q2)
+            out = cute_flash.attention(q, k, v, causal=True)  # on `side`, after the copy
+        side.synchronize()
+    assert len(plans) == n
+    assert torch.equal(out, expected)
+
+
+def test_the_cpp_path_is_captured_by_cuda_graphs(counted):
+    lib, plans = counted
+    q, k, v = random_qkv(2, 384, 640, 8, 2, 128, seed=2)
+    with torch.no_grad():
+        cute_flash.attention(q, k, v, causal=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm on a side stream, as torch's graph docs do
+            cute_flash.attention(q, k, v, causal=True)
+        torch.cuda.current_stream().wait_stream(side)
+        n = len(plans)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = cute_flash.attention(q, k, v, causal=True)
+        assert len(plans) == n
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, cute_flash.attention(q, k, v, causal=True))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_call_on_another_gpu_than_the_current_one(counted):
+    lib, plans = counted
+    q, k, v = random_qkv(1, 256, 256, 4, 4, 128, device="cuda:1", seed=3)
+    with torch.no_grad():
+        a = cute_flash.attention(q, k, v)
+        b = cute_flash.attention(q, k, v)  # current device 0: the Python path's device guard
+        with torch.cuda.device(1):
+            c = cute_flash.attention(q, k, v)  # the C++ path
+    assert a.device == b.device == c.device == q.device
+    assert torch.equal(a, b) and torch.equal(a, c)
