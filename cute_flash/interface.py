@@ -110,8 +110,14 @@ _MAX_PLANS = 4096
 
 def clear_call_cache() -> None:
     """Forget every plan (tests that change routing, the device check or the backends call this)."""
-    _plans.clear()
-    _native_keys.clear()
+    for cache in _call_caches:
+        cache.clear()
+
+
+def call_cache(cache):
+    """Registers another per-signature cache (anything with `clear()`) to be forgotten with the plans; returns it."""
+    _call_caches.append(cache)
+    return cache
 
 
 class _NativeKeys:
@@ -124,27 +130,37 @@ class _NativeKeys:
 
 
 _native_keys = compile_cache.forget_with_cache(_NativeKeys())
+_call_caches: list = [_plans, _native_keys]
 # The C++ call path's `forward`, set when the first signature is registered (`_register_native`); None before.
 _native_forward = None
+# What the Python plan cache keys on besides the call and that only tests change (the device check, the capability
+# lookup): the C++ path serves only while they are the objects its keys were registered under.
+_native_device_types = _native_capability = None
 _TVM_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _PLAIN = frozenset((type(None), bool, int, float))
+_PAIRS = (tuple, list)  # what validation takes for window_size (with two entries)
 _NATIVE_DEVICE_TYPES = ("cuda",)  # (profiling.host_overhead_cpu adds "cpu": no-op kernels on CPU tensors)
 
 
 def _register_native(plan: _Plan, q, k, v, causal, softmax_scale, left, right, deterministic) -> None:
     """After the Python path launched a no-grad forward that the C++ path did not know: registers its signature,
     with the kernel and scalars to launch when the plan's launch is a plain bound kernel on tensors in the kernels'
-    layout, or as Python's (packed decoding, layout copies, empty problems, FP8 or families without a bound form)."""
-    global _native_forward
-    if q.device.type not in _NATIVE_DEVICE_TYPES or not native.enabled():
+    layout whose out is shaped like q, or as Python's (packed decoding, layout copies, empty problems, head_dim_v !=
+    head_dim, FP8 or families without a bound form)."""
+    global _native_forward, _native_device_types, _native_capability
+    if q.device.type not in _NATIVE_DEVICE_TYPES:
         return
     lib = native.library(block=False)  # (being built in the background: the Python path serves meanwhile)
     if lib is None:
         return
-    launch, dtype = plan.launch, _TVM_DTYPES[plan.out_dtype]
+    if _native_device_types is not validation.KERNEL_DEVICE_TYPES or _native_capability is not _device_capability:
+        lib.clear()  # keys registered under other checks
+        _native_device_types, _native_capability = validation.KERNEL_DEVICE_TYPES, _device_capability
+    launch, p, dtype = plan.launch, plan.problem, _TVM_DTYPES[plan.out_dtype]
     kernel = None
     if isinstance(launch, BoundForward) and not (plan.copies or plan.empty or plan.decode_keys is not None):
-        kernel = native.launchable(launch.kernel)
+        # out is allocated like q (attention's fast path): a kernel whose out is shaped otherwise stays Python's
+        kernel = native.launchable(launch.kernel) if p.head_dim_v == p.head_dim else None
     if kernel is not None:
         lib.put(q, k, v, causal, softmax_scale, left, right, deterministic, kernel, launch.scale, launch.left,
                 launch.right, dtype)  # fmt: skip
@@ -440,31 +456,36 @@ def attention(
     if dtype is None and torch.is_autocast_enabled("cuda"):
         q, k, v = _autocast(q, k, v)
     if dtype is None and descale is None and fp8_rotate is True and not torch.compiler.is_compiling():
-        native_miss = False
+        declined = False  # the C++ path answered False: Python serves this signature, do not register it again
         fast = _native_forward
         if fast is not None and not return_lse:
-            # A warm no-grad call whose signature the Python path registered: one C++ call finds its kernel,
-            # allocates and launches (cute_flash/native.py). A miss (None) falls through and registers below.
+            # A warm no-grad call whose signature the Python path registered: one C++ call finds its kernel and
+            # launches it into an out allocated here (cute_flash/native.py). A miss (None) falls through and
+            # registers below; False: the Python path serves this call.
             try:
                 left, right = window_size
                 # The C++ key sees TVM-FFI's scalar kinds, which merge numpy's scalars with Python's: only Python's
                 # own types go there, so that a value validation refuses is never answered from the key of one it
-                # accepted (a numpy bool for causal, a numpy int in a window).
+                # accepted (a numpy bool for causal, a numpy int in a window, a range as the window).
                 go = type(causal) is bool and type(deterministic) is bool and type(softmax_scale) in _PLAIN
-                go = go and type(left) in _PLAIN and type(right) in _PLAIN
+                go = go and type(left) in _PLAIN and type(right) in _PLAIN and type(window_size) in _PAIRS
+                go = go and type(q) is torch.Tensor and _native_device_types is validation.KERNEL_DEVICE_TYPES
+                go = go and _native_capability is _device_capability
                 if go and torch.is_grad_enabled():
                     go = not (q.requires_grad or k.requires_grad or v.requires_grad)
             except (AttributeError, TypeError, ValueError):  # not tensors, a malformed window: validated below
                 go = False
             if go:
+                # A plain torch allocation: the caching allocator owns it (record_stream works as on any tensor).
+                out = torch.empty_like(q, memory_format=torch.contiguous_format)
                 try:
-                    out = fast(q, k, v, causal, softmax_scale, left, right, deterministic)
+                    launched = fast(q, k, v, out, causal, softmax_scale, left, right, deterministic)
                 except Exception as e:  # noqa: BLE001 - e.g. a tensor DLPack cannot export: Python decides
                     native.warn_once(f"a call failed in the C++ call path and took the Python path ({e!r})")
-                    out = False
-                if out is not None and out is not False:
+                    launched = False
+                if launched is True:
                     return out
-                native_miss = out is None
+                declined = launched is False
         # The eager fp16/bf16 path: validation and routing come from the plan cached for this call signature, so a
         # warm call does one dict lookup before it allocates and launches (docs/torch.md, "Host time").
         plan = _plan(q, k, v, causal, softmax_scale, window_size, deterministic)
@@ -477,7 +498,7 @@ def attention(
         else:
             qv, kv, vv = (kernel_view(q), kernel_view(k), kernel_view(v)) if plan.copies else (q, k, v)
             out, lse = _launch_forward(plan, qv, kv, vv)
-            if (native_miss or fast is None) and not return_lse:
+            if not (declined or return_lse):
                 _register_native(plan, q, k, v, causal, softmax_scale, *window_size, deterministic)
         return (out, lse) if return_lse else out
 

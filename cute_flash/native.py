@@ -1,15 +1,17 @@
 """The eager forward's C++ call path (csrc/eager_forward.cc): built with the machine's C++ compiler on first use,
 kept beside the kernel cache, loaded through TVM-FFI.
 
-A warm no-grad forward whose call signature Python has already planned goes through one TVM-FFI call that finds the
-kernel, allocates out and lse (torch's allocator) and launches (torch's current stream), instead of Python's
-signature lookup, two `torch.empty` calls and a kernel call. Every other call, and every first call of a signature,
-takes the Python path, which validates and routes it and then registers what it launched (`register`).
+A warm no-grad forward whose call signature Python has already planned allocates out (`torch.empty_like(q)`) and
+makes one TVM-FFI call that finds the kernel and launches it (torch's current stream) with an lse nobody reads,
+instead of Python's signature lookup, two `torch.empty` calls and the kernel's own call from Python. Every other
+call, and every first call of a signature, takes the Python path, which validates and routes it and then registers
+what it launched (`interface._register_native`).
 
-CUTE_FLASH_NATIVE=0 turns it off. Without a C++ compiler (or when the build fails) calls take the Python path and a
-warning says why, once. The library lives in `<cache dir>/native/<hash>/` (the hash covers the source, TVM-FFI's
-version and headers, the compiler and Python's platform), written atomically: concurrent processes each build and
-the last rename wins, with identical files.
+CUTE_FLASH_NATIVE=0 turns it off (read when a process sets the path up, at its first registration). Without a C++
+compiler (or when the build fails) calls take the Python path and a warning says why, once. The library lives in
+`<cache dir>/native/<hash>/` (the hash covers the source, TVM-FFI's version and library, the compiler and Python's
+version), written atomically: concurrent processes each build and the last rename wins, with identical files. With
+the disk cache off it is built per process in a private temporary directory.
 """
 
 from __future__ import annotations
@@ -65,8 +67,15 @@ def _build_hash(compiler: str) -> str:
     return h.hexdigest()[:24]
 
 
+@functools.lru_cache(maxsize=None)
+def _private_dir() -> str:
+    return tempfile.mkdtemp(prefix="cute_flash_native_")  # mode 0700, this process's own
+
+
 def library_dir(compiler: str) -> str:
-    base = disk_cache.cache_dir() if disk_cache.enabled() else os.path.join(tempfile.gettempdir(), "cute_flash")
+    """Beside the kernel cache; with the disk cache off, a directory of this process's own (a shared, predictable
+    path in /tmp would let another user plant the library this process loads)."""
+    base = disk_cache.cache_dir() if disk_cache.enabled() else _private_dir()
     return os.path.join(base, "native", _build_hash(compiler))
 
 
@@ -127,6 +136,19 @@ def launchable(kernel: Any) -> Optional[Any]:
     return fn if isinstance(fn, tvm_ffi.Function) else None
 
 
+class Library:
+    """The loaded library's functions: forward, put, clear, size, noop_kernel. They run with the GIL held (TVM-FFI
+    releases it by default): `forward` and `put` read CUTE_FLASH_ARCH with getenv, which must not race with a Python
+    thread writing os.environ, and the calls are too short for another thread to gain anything meanwhile."""
+
+    def __init__(self, module: Any):
+        self.module = module
+        for name in ("forward", "put", "clear", "size", "noop_kernel"):
+            fn = getattr(module, name)
+            fn.release_gil = False
+            setattr(self, name, fn)
+
+
 def _library_path() -> str:
     compiler = cxx_compiler()
     if compiler is None:
@@ -134,14 +156,17 @@ def _library_path() -> str:
     return os.path.join(library_dir(compiler), f"{_NAME}.so")
 
 
-def library(block: bool = True) -> Optional[Any]:
-    """The loaded library (its functions: forward, put, clear, size, noop_kernel); None when switched off or
+def library(block: bool = True) -> Optional[Library]:
+    """The loaded library (`Library`); None when switched off or
     unavailable (warned once). A library already on disk is loaded (a millisecond); one to be built is built here
     (seconds), or with block=False in a background thread while this call returns None: the eager path asks that
     way, so that no call waits for a compiler (calls take the Python path until the library is there)."""
     global _library, _path, _failed, _builder
-    if _library is not None or _failed or not enabled():
+    if _library is not None or _failed:
         return _library
+    if not enabled():
+        _failed = True  # read once: later calls in this process return at once
+        return None
     if not block:
         if _builder is None:
             try:
@@ -161,7 +186,7 @@ def library(block: bool = True) -> Optional[Any]:
                 path = _library_path()
                 if not os.path.exists(path):
                     _build(cxx_compiler(), path)
-                _library, _path = tvm_ffi.load_module(path), path
+                _library, _path = Library(tvm_ffi.load_module(path)), path
             except Exception as e:  # noqa: BLE001 - the Python path serves every call without it
                 _failed = True
                 warnings.warn(

@@ -20,12 +20,60 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import interface, routing
+from . import compile_cache, interface, routing
 from .arch.base import ArchBackend, BwdTensors, Grads
 from .interface import Explanation, _autocast, _route, node_backward
-from .validation import PackedSeqs, VarlenProblem, kernel_view, validate_varlen
+from .validation import PackedSeqs, VarlenProblem, is_kernel_layout, kernel_view, validate_varlen
 
 Window = Tuple[Optional[int], Optional[int]]
+
+
+class _Plan:
+    """What a warm eager call of one signature needs (`_signature`): the validated problem, the forward family,
+    whether the packed-sequence vectors need `contiguous()` (the kernels read them with unit stride) and whether q,
+    k, v need `kernel_view`'s fix-ups."""
+
+    __slots__ = ("problem", "arch", "copy_seqs", "copies")
+
+    def __init__(self, problem: VarlenProblem, arch: ArchBackend, copy_seqs: bool, copies: bool):
+        self.problem, self.arch, self.copy_seqs, self.copies = problem, arch, copy_seqs, copies
+
+
+# Plans by call signature, as interface's for dense calls (bounded, emptied with it and with the kernel cache).
+_plans = interface.call_cache(compile_cache.memo())
+_MAX_PLANS = 4096
+
+
+def _signature(q, k, v, seqs: PackedSeqs, causal, softmax_scale, window_size, deterministic) -> tuple:
+    """interface._signature of the packed tensors, and the packed-sequence arguments: the vectors' metadata (their
+    values are the kernels' to read) and max_seqlen_* with their types. Raises like interface._signature."""
+    cu_q, cu_k, used, max_q, max_k = seqs
+    meta = (cu_q.shape, cu_q.stride(), cu_q.dtype, cu_q.device, cu_k.shape, cu_k.stride(), cu_k.dtype, cu_k.device)
+    used_meta = None if used is None else (used.shape, used.stride(), used.dtype, used.device)
+    dense = interface._signature(q, k, v, causal, softmax_scale, window_size, deterministic)
+    return dense + meta + (used_meta, max_q, max_k, type(max_q), type(max_k), type(used))
+
+
+def _plan(q, k, v, seqs: PackedSeqs, causal, softmax_scale, window_size, deterministic) -> _Plan:
+    """The cached plan of an eager call (validating and routing it on a miss, which raises what they raise)."""
+    try:
+        key = _signature(q, k, v, seqs, causal, softmax_scale, window_size, deterministic)
+        plan = _plans.get(key)
+    except (TypeError, ValueError, AttributeError):  # not tensors, or unhashable / malformed arguments
+        key, plan = None, None
+    if plan is not None:
+        return plan
+    problem = validate_varlen(
+        q, k, v, seqs, causal=causal, softmax_scale=softmax_scale, window_size=window_size, deterministic=deterministic
+    )
+    arch = _route(problem.spec, q, backward=False)
+    copy_seqs = not all(t is None or t.is_contiguous() for t in seqs[:3])
+    plan = _Plan(problem, arch, copy_seqs, not all(is_kernel_layout(t) for t in (q, k, v)))
+    if key is not None:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
 
 
 def _is_empty(p: VarlenProblem) -> bool:
@@ -40,7 +88,7 @@ def _run_forward(q, k, v, seqs: PackedSeqs, p: VarlenProblem, arch: ArchBackend)
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    with torch.cuda.device(q.device):
+    with interface._device_guard(q):
         arch.forward_varlen(q, k, v, out, lse, seqs, p)
     return out, lse
 
@@ -52,7 +100,7 @@ def _run_backward(dout, q, k, v, out, lse, seqs: PackedSeqs, p: VarlenProblem, d
         for g in (dq, dk, dv):
             g.zero_()
         return dq, dk, dv
-    with torch.cuda.device(q.device):
+    with interface._device_guard(q):
         t = BwdTensors(kernel_view(dout), q, k, v, out, lse, dlse)
         arch.backward_varlen(t, Grads(dq, dk, dv), seqs, p, deterministic)
     return dq, dk, dv
@@ -121,30 +169,39 @@ def attention_varlen(
     if torch.is_autocast_enabled("cuda"):
         q, k, v = _autocast(q, k, v)
     seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
-    problem = validate_varlen(
-        q, k, v, seqs, causal=causal, softmax_scale=softmax_scale, window_size=window_size, deterministic=deterministic
-    )
-    # The kernels read these with unit stride (a no-op for the usual contiguous vectors).
-    seqs = seqs._replace(
-        cu_seqlens_q=cu_seqlens_q.contiguous(),
-        cu_seqlens_k=cu_seqlens_k.contiguous(),
-        seqused_k=None if seqused_k is None else seqused_k.contiguous(),
-    )
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        problem = validate_varlen(
+            q, k, v, seqs, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+            deterministic=deterministic,
+        )  # fmt: skip
+        copy_seqs = True
+    else:  # eager: validation and routing from the plan cached for this call signature (as `attention`'s)
+        plan = _plan(q, k, v, seqs, causal, softmax_scale, window_size, deterministic)
+        problem, arch, copy_seqs = plan.problem, plan.arch, plan.copy_seqs
+    if copy_seqs:
+        # The kernels read these with unit stride (a no-op for the usual contiguous vectors).
+        seqs = seqs._replace(
+            cu_seqlens_q=cu_seqlens_q.contiguous(),
+            cu_seqlens_k=cu_seqlens_k.contiguous(),
+            seqused_k=None if seqused_k is None else seqused_k.contiguous(),
+        )
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if compiling:
         # One custom op in the graph; routing and layouts are settled inside it at run time (as in `attention`).
         m = problem.mask
         out, lse = torch.ops.cute_flash.fwd(
             q, k, v, problem.softmax_scale, m.kind, m.left, m.right, deterministic and needs_grad, *seqs
         )
         return (out, lse) if return_lse else out
-    arch = _route(problem.spec, q, backward=False)
     if needs_grad:
         if deterministic:  # fail before the forward, not in the middle of autograd
             _route(problem.spec, q, backward=True, deterministic=True)
         out, lse = _AttentionVarlen.apply(q, k, v, seqs, problem, arch, deterministic)
-    else:
+    elif plan.copies:
         out, lse = _run_forward(kernel_view(q), kernel_view(k), kernel_view(v), seqs, problem, arch)
+    else:
+        out, lse = _run_forward(q, k, v, seqs, problem, arch)
     return (out, lse) if return_lse else out
 
 

@@ -127,7 +127,10 @@ def _breakdown(q, k, v, dout, calls: int, busy) -> None:
         }
         lib = native.loaded()
         if lib is not None:  # the C++ call path's own call (cute_flash/native.py), the signature registered above
-            pieces["the C++ path's forward call"] = lambda: lib.forward(q, k, v, True, None, None, None, False)
+            pieces["the C++ path's forward call (out given)"] = lambda: lib.forward(
+                q, k, v, out, True, None, None, None, False
+            )
+            pieces["torch.empty_like(q) (its out)"] = lambda: torch.empty_like(q, memory_format=torch.contiguous_format)
         for name, fn in pieces.items():
             print(f"  {name:>34} {_host_us(fn, calls, busy):>8.1f} µs", flush=True)
 

@@ -81,3 +81,33 @@ def test_sm80_bound_launchers_launch_each_kernel_once_per_call(heads):
     fwd_args, main_args = warm[0][1], warm[2][1]
     assert fwd_args[-3] == main_args[-3] == 0.25 and fwd_args[-1] == main_args[-1] == 0  # scale; causal: right 0
     assert fwd_args[-2] == main_args[-2]  # the same (unbounded) left edge
+
+
+def test_a_cached_packed_signature_never_accepts_a_rejected_argument(monkeypatch):
+    """attention_varlen's plan cache (varlen._plan), keyed like the dense one plus the packed-sequence arguments."""
+    import numpy as np
+
+    from cute_flash import varlen
+    from cute_flash.validation import PackedSeqs
+
+    q, k, v = (torch.empty(40, 2, 64, device="meta", dtype=torch.bfloat16) for _ in range(3))
+    cu = torch.empty(3, device="meta", dtype=torch.int32)
+    seqs = PackedSeqs(cu, cu, None, 30, 30)
+    a = varlen._plan(q, k, v, seqs, True, None, (None, None), False)
+    assert varlen._plan(q, k, v, seqs, True, None, (None, None), False) is a and not a.copy_seqs
+    rejected = [
+        (seqs._replace(max_seqlen_q=True), "max_seqlen_q"),  # True == 1, but not a host int
+        (seqs._replace(max_seqlen_k=np.int64(30)), "max_seqlen_k"),  # 30, but a numpy scalar
+        (seqs._replace(cu_seqlens_q=cu.long()), "cu_seqlens_q"),
+        (seqs._replace(cu_seqlens_k=torch.empty(4, device="meta", dtype=torch.int32)), "cu_seqlens_k"),
+        (seqs._replace(seqused_k=torch.empty(2, device="meta", dtype=torch.int64)), "seqused_k"),
+    ]
+    for other, match in rejected:
+        with pytest.raises(ValueError, match=match):
+            varlen._plan(q, k, v, other, True, None, (None, None), False)
+    strided = torch.empty(6, device="meta", dtype=torch.int32)[::2]
+    assert varlen._plan(q, k, v, seqs._replace(cu_seqlens_q=strided), True, None, (None, None), False).copy_seqs
+    monkeypatch.setenv("CUTE_FLASH_ARCH", "sm80")
+    assert varlen._plan(q, k, v, seqs, True, None, (None, None), False).arch.name == "sm80"
+    interface.clear_call_cache()
+    assert not varlen._plans

@@ -30,17 +30,15 @@ def empty_table():
 
 
 class Recorder:
-    """A stand-in kernel (a TVM-FFI function) that records its arguments and fills out with 1."""
+    """A stand-in kernel (a TVM-FFI function) that records its arguments and fills out with 1 (lse with -5)."""
 
     def __init__(self):
         self.calls = []
-        self.lse_after_out = []  # lse sits right after out in one allocation (the C++ path's layout)
         self.fn = tvm_ffi.convert(self._call)
 
     def _call(self, q, k, v, out, lse, scale, left, right):
         out, lse = torch.from_dlpack(out), torch.from_dlpack(lse)  # (a Python callee gets TVM-FFI tensors)
         self.calls.append((tuple(out.shape), out.dtype, tuple(lse.shape), lse.dtype, scale, left, right))
-        self.lse_after_out.append(lse.data_ptr() - out.data_ptr() == out.numel() * out.element_size())
         lse.fill_(-5)
         out.fill_(1)
 
@@ -54,22 +52,38 @@ def _put(lib, q, k, v, kernel, args=(True, None, None, 0, False)):
     return lib.put(q, k, v, *args, kernel, 0.125, -1, 0, "bfloat16")
 
 
+def _forward(lib, q, k, v, *args, out=None):
+    """lib.forward with an out allocated as attention's fast path allocates it; (result, out)."""
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    return lib.forward(q, k, v, out, *args), out
+
+
 def test_a_registered_signature_launches_its_kernel(lib):
     q, k, v = _qkv()
     rec = Recorder()
     args = (True, None, None, 0, False)
-    assert lib.forward(q, k, v, *args) is None
+    assert _forward(lib, q, k, v, *args)[0] is None
     assert _put(lib, q, k, v, rec.fn, args)
-    out = lib.forward(q, k, v, *args)
-    assert isinstance(out, torch.Tensor) and out.shape == (2, 33, 4, 64) and out.dtype == torch.bfloat16
-    assert bool((out == 1).all()) and rec.lse_after_out == [True]  # lse's writes do not reach out
+    launched, out = _forward(lib, q, k, v, *args)
+    assert launched is True and bool((out == 1).all())  # lse (elsewhere) did not reach out
     assert rec.calls == [((2, 33, 4, 64), torch.bfloat16, (2, 4, 33), torch.float32, 0.125, -1, 0)]
+    # out must be the contiguous (b, s, h, dv) tensor of the output dtype: anything else is Python's to serve
+    wrong = [
+        torch.empty(2, 4, 33, 64, dtype=torch.bfloat16).transpose(1, 2),
+        torch.empty(2, 33, 4, 64, dtype=torch.float16),
+        torch.empty(2, 33, 4, 32, dtype=torch.bfloat16),
+        torch.empty(2 * 33 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 33, 4, 64),  # 2 bytes off
+        "out",
+    ]
+    for bad in wrong:
+        assert lib.forward(q, k, v, bad, *args) is False
+    assert len(rec.calls) == 1
     # A signature registered as the Python path's answers False (no launch).
     assert lib.put(q, k, v, False, None, None, 0, False, None, 0.0, 0, 0, "bfloat16")
-    assert lib.forward(q, k, v, False, None, None, 0, False) is False
+    assert _forward(lib, q, k, v, False, None, None, 0, False)[0] is False
     assert lib.size() == 2
     lib.clear()
-    assert lib.size() == 0 and lib.forward(q, k, v, *args) is None
+    assert lib.size() == 0 and _forward(lib, q, k, v, *args)[0] is None
 
 
 def test_the_key_sees_every_part_of_the_signature(lib, monkeypatch):
@@ -77,16 +91,20 @@ def test_the_key_sees_every_part_of_the_signature(lib, monkeypatch):
     rec = Recorder()
     args = (True, 0.5, 3, None, False)
     _put(lib, q, k, v, rec.fn, args)
-    assert isinstance(lib.forward(q, k, v, *args), torch.Tensor)
+    assert _forward(lib, q, k, v, *args)[0] is True
     q2 = torch.randn(2, 34, 4, 64, dtype=torch.bfloat16)
     q_strided = torch.randn(2, 4, 33, 64, dtype=torch.bfloat16).transpose(1, 2)
     q_offset = torch.randn(2 * 33 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 33, 4, 64)  # 2 bytes off
+    q_size1 = torch.randn(2, 33, 4, 1, 64, dtype=torch.bfloat16)[:, :, :, 0]  # same layout, another object
+    q_unit_batch = torch.randn(1, 33, 4, 64, dtype=torch.bfloat16)
+    k1, v1 = k[:1], v[:1]
     others = [
         ((q2, k, v), args),
         ((q_strided, k, v), args),
         ((q_offset, k, v), args),
         ((q.half(), k, v), args),
         ((q, k[:, :-1], v[:, :-1]), args),
+        ((q_unit_batch, k1, v1), args),
         ((q, k, v), (1, 0.5, 3, None, False)),  # 1 == True, but not a bool
         ((q, k, v), (True, None, 3, None, False)),
         ((q, k, v), (True, 0.5000001, 3, None, False)),
@@ -96,16 +114,17 @@ def test_the_key_sees_every_part_of_the_signature(lib, monkeypatch):
         ((q, k, v), (True, 0.5, 3.0, None, False)),
     ]
     for tensors, other in others:
-        assert lib.forward(*tensors, *other) is None, other
+        assert _forward(lib, *tensors, *other)[0] is None, other
+    assert _forward(lib, q_size1, k, v, *args)[0] is True  # equal metadata, equal key
     # Strings, tensors and other objects as scalars are not keyed (Python validates them).
-    assert lib.forward(q, k, v, "yes", 0.5, 3, None, False) is None
-    assert lib.forward(q, k, v, True, torch.tensor(0.5), 3, None, False) is None
-    assert lib.forward(q[0], k[0], v[0], *args) is None  # 3-D tensors
+    assert _forward(lib, q, k, v, "yes", 0.5, 3, None, False)[0] is None
+    assert _forward(lib, q, k, v, True, torch.tensor(0.5), 3, None, False)[0] is None
+    assert lib.forward(q[0], k[0], v[0], q[0], *args) is None  # 3-D tensors
     monkeypatch.setenv("CUTE_FLASH_ARCH", "sm80")  # routing may change: the key is not served
-    assert lib.forward(q, k, v, *args) is None
+    assert _forward(lib, q, k, v, *args)[0] is None
     monkeypatch.delenv("CUTE_FLASH_ARCH")
-    assert isinstance(lib.forward(q, k, v, *args), torch.Tensor)
-    assert len(rec.calls) == 2
+    assert _forward(lib, q, k, v, *args)[0] is True
+    assert len(rec.calls) == 3
 
 
 @pytest.fixture
@@ -123,16 +142,17 @@ def fake_gpu_with_recorder(lib, monkeypatch):
         yield rec, plans
 
 
-def test_a_warm_no_grad_call_takes_the_cpp_path(lib, fake_gpu_with_recorder):
+def test_a_warm_no_grad_call_takes_the_cpp_path(lib, fake_gpu_with_recorder, monkeypatch):
     rec, plans = fake_gpu_with_recorder
     q, k, v = _qkv()
     with torch.no_grad():
         first = cute_flash.attention(q, k, v, causal=True, window_size=(5, 0))
         assert len(plans) == 1 and lib.size() == 1
-        second = cute_flash.attention(q, k, v, causal=True, window_size=(5, 0))
+        second = cute_flash.attention(q, k, v, causal=True, window_size=[5, 0])
         assert len(plans) == 1  # no Python plan lookup: served by the C++ path
         assert rec.calls[0] == rec.calls[1] and torch.equal(first, second)
-        # lse asked for: the Python path (the C++ path returns out only)
+        assert second.is_contiguous() and type(second) is torch.Tensor
+        # lse asked for: the Python path (the C++ path fills out only)
         out, lse = cute_flash.attention(q, k, v, causal=True, window_size=(5, 0), return_lse=True)
         assert len(plans) == 2 and lse.shape == (2, 4, 33)
         # refused arguments stay refused with a warm key of an equal value
@@ -140,8 +160,16 @@ def test_a_warm_no_grad_call_takes_the_cpp_path(lib, fake_gpu_with_recorder):
             cute_flash.attention(q, k, v, causal=np.bool_(True), window_size=(5, 0))
         with pytest.raises(ValueError, match="window_size left"):
             cute_flash.attention(q, k, v, causal=True, window_size=(np.int64(5), 0))
-        with pytest.raises(ValueError, match="window_size"):
-            cute_flash.attention(q, k, v, causal=True, window_size=(5, 0, 1))
+        for window in ((5, 0, 1), range(5, 7), iter((5, 0)), {5: 0, 0: 0}):
+            with pytest.raises(ValueError, match="window_size"):
+                cute_flash.attention(q, k, v, causal=True, window_size=window)
+        # a device check in force that refuses these tensors is not answered from keys registered under another
+        from cute_flash import validation
+
+        with monkeypatch.context() as m:
+            m.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda",))
+            with pytest.raises(ValueError, match="CUDA GPUs only"):
+                cute_flash.attention(q, k, v, causal=True, window_size=(5, 0))
     # gradients: the autograd function, never the C++ path
     qg = q.clone().requires_grad_()
     n = len(plans)
@@ -158,12 +186,17 @@ def test_calls_python_serves_are_registered_as_its_own(lib, fake_gpu_with_record
         for _ in range(2):
             cute_flash.attention(qt, k, v)
     assert len(plans) == 2 and len(rec.calls) == 2
-    assert lib.forward(qt, k, v, False, None, None, None, False) is False
+    assert _forward(lib, qt, k, v, False, None, None, None, False)[0] is False
     q1 = torch.randn(2, 1, 4, 64, dtype=torch.bfloat16)  # decoding under GQA: packed by Python (cute_flash.decode)
     with torch.no_grad():
         for _ in range(2):
             cute_flash.attention(q1, k, v)
-    assert len(plans) == 5 and lib.forward(q1, k, v, False, None, None, None, False) is False
+    assert len(plans) == 5 and _forward(lib, q1, k, v, False, None, None, None, False)[0] is False
+    vw = torch.randn(2, 40, 2, 32, dtype=torch.bfloat16)  # head_dim_v != head_dim: out is not shaped like q
+    with torch.no_grad():
+        for _ in range(2):
+            assert cute_flash.attention(q, k, vw).shape == (2, 33, 4, 32)
+    assert len(plans) == 7 and _forward(lib, q, k, vw, False, None, None, None, False)[0] is False
 
 
 def test_clearing_the_caches_clears_the_cpp_keys(lib, fake_gpu_with_recorder):

@@ -53,8 +53,12 @@ def test_the_cpp_path_equals_the_python_path(case, counted, monkeypatch):
     with torch.no_grad():
         first = cute_flash.attention(q, k, v, **kw)  # the Python path; registers the signature
         n = len(plans)
+        assert n == 1
         second = cute_flash.attention(q, k, v, **kw)
-    assert len(plans) == n, "the warm call did not take the C++ path"
+    if d == dv:
+        assert len(plans) == n, "the warm call did not take the C++ path"
+    else:  # out is not shaped like q: the Python path's (registered so)
+        assert len(plans) == n + 1
     assert torch.equal(first, second)
     out, lse = cute_flash.attention(q, k, v, return_lse=True, **kw)
     assert torch.equal(out, second)
@@ -98,6 +102,31 @@ def test_the_cpp_path_is_captured_by_cuda_graphs(counted):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, cute_flash.attention(q, k, v, causal=True))
+
+
+def test_out_is_an_ordinary_tensor_of_the_caching_allocator(counted):
+    """record_stream on the C++ path's out keeps its memory from reuse while another stream still reads it (an out
+    made through DLPack would not be the allocator's own: record_stream would silently do nothing)."""
+    lib, plans = counted
+    q, k, v = random_qkv(1, 256, 256, 8, 8, 128, seed=4)
+    with torch.no_grad():
+        cute_flash.attention(q, k, v)
+        n = len(plans)
+        out = cute_flash.attention(q, k, v)
+        assert len(plans) == n and out.is_contiguous()
+        expected = out.float().sum()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)
+            seen = out.float().sum()
+        out.record_stream(side)
+        ptr = out.data_ptr()
+        del out
+        junk = torch.zeros(256 * 8 * 128, dtype=torch.bfloat16, device="cuda")
+        assert junk.data_ptr() != ptr  # the block stays out's until the side stream's work is done
+        side.synchronize()
+    assert seen.item() == expected.item()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -1,19 +1,24 @@
 // The eager forward's call path in C++ (cute_flash/native.py builds and loads it; docs/torch.md, "Host time").
 //
-// A warm no-grad `attention(q, k, v, ...)` in Python spends most of its host time on torch's tensor allocations,
-// the call-signature lookup and TVM-FFI's argument conversion, not on the kernel launch. This library does the same
-// steps in one TVM-FFI call: it keys the call on what the Python plan cache keys it on (shapes, strides, dtypes,
-// devices, 16-byte alignment, the scalar arguments with their types, CUTE_FLASH_ARCH), finds the compiled kernel
-// that Python's slow path registered for that key (`put`), allocates out and lse through the caller's allocator
-// (torch's, by TVM-FFI's DLPack exchange), launches on the caller's stream (TVM-FFI's env stream, torch's current
-// one) and returns out. A key it has not seen returns None and Python takes its own path, which validates, routes,
-// launches and registers the key; a key registered as not served here (fn None) returns False.
+// A warm no-grad `attention(q, k, v, ...)` in Python spends most of its host time on the call-signature lookup,
+// torch's allocations and TVM-FFI's argument conversion, not on the kernel launch. This library does those steps in
+// one TVM-FFI call: it keys the call on what the Python plan cache keys it on (shapes, strides, dtypes, devices,
+// 16-byte alignment, the scalar arguments with their types, CUTE_FLASH_ARCH), finds the compiled kernel that
+// Python's slow path registered for that key (`put`) and launches it on the caller's stream (TVM-FFI's env stream:
+// torch's current one) into the `out` Python allocated (a plain torch tensor, so that record_stream and the caching
+// allocator treat it as any other) and an lse nobody reads (`LseBuffer`). A key it has not seen returns None and
+// Python takes its own path, which validates, routes, launches and registers the key; a key registered as not
+// served here (kernel None) returns False, as does a call this path cannot take (another device than the current
+// one, an `out` that is not the expected contiguous tensor).
+//
+// Python calls these with the GIL held (release_gil off, native.py): `getenv` must not race with os.environ.
 
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/tvm_ffi.h>
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstdlib>
@@ -21,6 +26,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace ffi = tvm::ffi;
 
@@ -93,8 +99,9 @@ bool PutScalar(const TVMFFIAny& a, int64_t* out) {
   return true;
 }
 
-// Fills `key` from args[0..8) = q, k, v, causal, softmax_scale, left, right, deterministic; false if not keyable.
-bool MakeKey(const TVMFFIAny* args, Key* key, const DLTensor* t[3]) {
+// Fills `key` from args[0..3) = q, k, v and args[scalars..scalars + 5) = causal, softmax_scale, left, right,
+// deterministic; false if not keyable.
+bool MakeKey(const TVMFFIAny* args, int scalars, Key* key, const DLTensor* t[3]) {
   int64_t* w = key->data();
   uint64_t low_bits = 0;
   for (int i = 0; i < 3; ++i) {
@@ -118,7 +125,7 @@ bool MakeKey(const TVMFFIAny* args, Key* key, const DLTensor* t[3]) {
     w += kPerTensor;
   }
   *w++ = static_cast<int64_t>(low_bits & 15);
-  for (int i = 3; i < 8; ++i, w += 2) {
+  for (int i = scalars; i < scalars + 5; ++i, w += 2) {
     if (!PutScalar(args[i], w)) return false;
   }
   return true;
@@ -137,6 +144,57 @@ int CurrentCudaDevice() {
   return device;
 }
 
+// lse of a call that does not return it: the kernel writes it, nobody reads it. Up to kScratchBytes it goes to a
+// per-device buffer that is never freed (grown by doubling; outgrown buffers are kept too): calls on several streams
+// may write it at once (values nobody reads), and CUDA graphs that captured its address may replay at any time, so
+// it must never return to the allocator. Larger ones (GPU-bound calls, where a few µs of host time do not matter)
+// get an allocation of their own, freed after the call in the stream order of torch's caching allocator.
+constexpr int64_t kScratchBytes = 4 << 20;
+
+struct Scratch {
+  ffi::Tensor block;
+  int64_t bytes = 0;
+};
+
+ffi::Tensor LseBuffer(const DLDevice& device, int64_t b, int64_t h, int64_t s) {
+  const DLDataType f32{kDLFloat, 32, 1};
+  int64_t bytes = b * h * s * 4;
+  if (bytes > kScratchBytes) return ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, ffi::Shape({b, h, s}), f32, device);
+  static auto& scratch = *new std::unordered_map<int64_t, Scratch>();  // by device; never destroyed (as `table`)
+  static auto& retired = *new std::vector<ffi::Tensor>();               // outgrown buffers, still written by graphs
+  ffi::Tensor block;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    Scratch& sc = scratch[(int64_t{device.device_type} << 32) | static_cast<uint32_t>(device.device_id)];
+    if (sc.bytes < bytes) {
+      int64_t grown = std::max<int64_t>({bytes, 2 * sc.bytes, 64 << 10});
+      if (sc.bytes > 0) retired.push_back(sc.block);
+      sc.block = ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, ffi::Shape({grown / 4}), f32, device);
+      sc.bytes = grown;
+    }
+    block = sc.block;
+  }
+  return ffi::Tensor::FromNDAlloc(ViewOf{block, 0}, ffi::Shape({b, h, s}), f32, device);
+}
+
+// Whether `out` is what Python allocates for a call of these extents: a contiguous (b, s, h, dv) tensor of the
+// kernel's output dtype on q's device, 16-byte aligned.
+bool IsOutFor(const DLTensor* out, const DLTensor& q, int64_t dv, DLDataType dtype) {
+  if (out == nullptr || out->ndim != 4 || out->device.device_type != q.device.device_type ||
+      out->device.device_id != q.device.device_id || out->dtype.code != dtype.code || out->dtype.bits != dtype.bits ||
+      out->dtype.lanes != dtype.lanes) {
+    return false;
+  }
+  const int64_t want[4] = {q.shape[0], q.shape[1], q.shape[2], dv};
+  int64_t stride = 1;
+  for (int d = 3; d >= 0; --d) {
+    if (out->shape[d] != want[d]) return false;
+    if (out->strides != nullptr && want[d] > 1 && out->strides[d] != stride) return false;
+    stride *= want[d];
+  }
+  return ((reinterpret_cast<uintptr_t>(out->data) + out->byte_offset) & 15) == 0;
+}
+
 std::string ArchEnv() {
   const char* v = std::getenv("CUTE_FLASH_ARCH");
   return v == nullptr ? std::string("\x01unset") : std::string(v);
@@ -149,16 +207,16 @@ bool SameArchEnv(const std::string& registered) {
 
 }  // namespace
 
-// forward(q, k, v, causal, softmax_scale, left, right, deterministic)
-//   -> out (hit), None (not registered), False (registered as served by Python).
+// forward(q, k, v, out, causal, softmax_scale, left, right, deterministic)
+//   -> True (launched into out), None (not registered), False (Python serves this call).
 extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_forward(void*, const TVMFFIAny* args, int32_t num_args,
                                                     TVMFFIAny* result) {
   TVM_FFI_SAFE_CALL_BEGIN();
   ffi::Any* ret = reinterpret_cast<ffi::Any*>(result);
-  TVM_FFI_ICHECK_EQ(num_args, 8) << "forward takes 8 arguments";
+  TVM_FFI_ICHECK_EQ(num_args, 9) << "forward takes 9 arguments";
   Key key;
   const DLTensor* t[3];
-  if (!MakeKey(args, &key, t)) {
+  if (!MakeKey(args, 4, &key, t)) {
     *ret = nullptr;
     return 0;
   }
@@ -172,40 +230,21 @@ extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_forward(void*, const TVMFFIAny* args
     }
     entry = it->second;
   }
-  if (!entry.kernel.has_value()) {
+  const DLTensor& q = *t[0];
+  int64_t dv = t[2]->shape[3];
+  // The kernel launches into the current CUDA context: a call on another device than the current one goes through
+  // Python's device guard.
+  if (!entry.kernel.has_value() || (q.device.device_type == kDLCUDA && CurrentCudaDevice() != q.device.device_id) ||
+      !IsOutFor(AsTensor(args[3]), q, dv, entry.out_dtype)) {
     *ret = false;
     return 0;
   }
-  const DLTensor& q = *t[0];
-  // The kernel launches into the current CUDA context: a call on another device than the current one goes through
-  // Python's device guard.
-  if (q.device.device_type == kDLCUDA && CurrentCudaDevice() != q.device.device_id) {
-    *ret = nullptr;
-    return 0;
-  }
-  int64_t b = q.shape[0], s = q.shape[1], h = q.shape[2], dv = t[2]->shape[3];
-  // One allocation holds out and, after it, lse (out's bytes are a multiple of 16: dv is a multiple of 8): one call
-  // of the caller's allocator instead of two. The caller gets out, a view that keeps the whole block alive; lse is
-  // not returned (callers that want it take the Python path).
-  int64_t out_elems = b * s * h * dv, out_bytes = out_elems * entry.out_dtype.bits / 8;
-  int64_t lse_bytes = b * h * s * 4;
-  ffi::Tensor block = ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc,
-                                                ffi::Shape({out_elems + lse_bytes * 8 / entry.out_dtype.bits}),
-                                                entry.out_dtype, q.device);
-  ffi::Tensor out = ffi::Tensor::FromNDAlloc(ViewOf{block, 0}, ffi::Shape({b, s, h, dv}), entry.out_dtype, q.device);
-  ffi::Tensor lse = ffi::Tensor::FromNDAlloc(ViewOf{block, static_cast<uint64_t>(out_bytes)}, ffi::Shape({b, h, s}),
-                                             DLDataType{kDLFloat, 32, 1}, q.device);
-  ffi::AnyView call[8] = {ffi::AnyView(reinterpret_cast<const ffi::AnyView*>(args)[0]),
-                          ffi::AnyView(reinterpret_cast<const ffi::AnyView*>(args)[1]),
-                          ffi::AnyView(reinterpret_cast<const ffi::AnyView*>(args)[2]),
-                          out,
-                          lse,
-                          entry.scale,
-                          entry.left,
-                          entry.right};
+  ffi::Tensor lse = LseBuffer(q.device, q.shape[0], q.shape[2], q.shape[1]);
+  const ffi::AnyView* a = reinterpret_cast<const ffi::AnyView*>(args);
+  ffi::AnyView call[8] = {a[0], a[1], a[2], a[3], lse, entry.scale, entry.left, entry.right};
   ffi::Any unused;
   entry.kernel.value().CallPacked(call, 8, &unused);
-  *ret = std::move(out);
+  *ret = true;
   TVM_FFI_SAFE_CALL_END();
 }
 
@@ -219,7 +258,7 @@ extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_put(void*, const TVMFFIAny* args, in
   TVM_FFI_ICHECK_EQ(num_args, 13) << "put takes 13 arguments";
   Key key;
   const DLTensor* t[3];
-  if (!MakeKey(args, &key, t)) {
+  if (!MakeKey(args, 3, &key, t)) {
     *ret = false;
     return 0;
   }
