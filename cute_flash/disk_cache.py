@@ -397,15 +397,17 @@ class DiskCache:
 
 
 # --------------------------------------------------------------------------------------------------- the kernel codec
-def c_compiler() -> Optional[str]:
-    cc = os.environ.get("CC")
-    if cc and shutil.which(cc):
-        return shutil.which(cc)
-    for name in ("cc", "gcc", "clang"):
-        path = shutil.which(name)
+def find_tool(env_var: str, names: Tuple[str, ...]) -> Optional[str]:
+    """The program `$env_var` names when it is found, else the first of `names` on PATH (None: none)."""
+    for name in (os.environ.get(env_var), *names):
+        path = shutil.which(name) if name else None
         if path:
             return path
     return None
+
+
+def c_compiler() -> Optional[str]:
+    return find_tool("CC", ("cc", "gcc", "clang"))
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -200,27 +200,36 @@ def _signature(q, k, v, causal, softmax_scale, window_size, deterministic) -> tu
     )
 
 
-def _plan(q, k, v, causal, softmax_scale, window_size, deterministic) -> _Plan:
-    """The cached plan of an fp16/bf16 call (validating and routing it on a miss, which raises what they raise)."""
+def cached_plan(plans: dict, signature: Callable[[], tuple], make: Callable[[], object]):
+    """The plan `plans` keeps under `signature()`, else `make()`'s (validating and routing, which raise what they
+    raise; errors are never kept). A signature that cannot be built (not tensors, unhashable or malformed arguments)
+    is not kept. Bounded: a workload with ever-new shapes rebuilds the dict now and then instead of growing it."""
     try:
-        key = _signature(q, k, v, causal, softmax_scale, window_size, deterministic)
-        plan = _plans.get(key)
-    except (TypeError, ValueError, AttributeError):  # not tensors, or unhashable / malformed arguments
+        key = signature()
+        plan = plans.get(key)
+    except (TypeError, ValueError, AttributeError):
         key, plan = None, None
-    if plan is not None:
-        return plan
-    problem = validate(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=None,
-        deterministic=deterministic,
-    )  # fmt: skip
-    arch = _route(problem.spec, q, backward=False)
-    copies = not all(is_kernel_layout(t) for t in (q, k, v))
-    plan = _Plan(problem, arch, deterministic, copies, q.device)
-    if key is not None:
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
+    if plan is None:
+        plan = make()
+        if key is not None:
+            if len(plans) >= _MAX_PLANS:
+                plans.clear()
+            plans[key] = plan
     return plan
+
+
+def _plan(q, k, v, causal, softmax_scale, window_size, deterministic) -> _Plan:
+    """The cached plan of an fp16/bf16 call (validating and routing it on a miss)."""
+
+    def make() -> _Plan:
+        problem = validate(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=None,
+            deterministic=deterministic,
+        )  # fmt: skip
+        copies = not all(is_kernel_layout(t) for t in (q, k, v))
+        return _Plan(problem, _route(problem.spec, q, backward=False), deterministic, copies, q.device)
+
+    return cached_plan(_plans, lambda: _signature(q, k, v, causal, softmax_scale, window_size, deterministic), make)
 
 
 def _launch_forward(plan: _Plan, q, k, v, out=None, lse=None) -> Tuple[torch.Tensor, torch.Tensor]:

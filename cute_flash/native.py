@@ -20,7 +20,6 @@ import functools
 import hashlib
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,14 +44,7 @@ def enabled() -> bool:
 
 
 def cxx_compiler() -> Optional[str]:
-    cxx = os.environ.get("CXX")
-    if cxx and shutil.which(cxx):
-        return shutil.which(cxx)
-    for name in ("c++", "g++", "clang++"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
+    return disk_cache.find_tool("CXX", ("c++", "g++", "clang++"))
 
 
 @functools.lru_cache(maxsize=None)

@@ -41,7 +41,6 @@ class _Plan:
 
 # Plans by call signature, as interface's for dense calls (bounded, emptied with it and with the kernel cache).
 _plans = interface.call_cache(compile_cache.memo())
-_MAX_PLANS = 4096
 
 
 def _signature(q, k, v, seqs: PackedSeqs, causal, softmax_scale, window_size, deterministic) -> tuple:
@@ -55,25 +54,19 @@ def _signature(q, k, v, seqs: PackedSeqs, causal, softmax_scale, window_size, de
 
 
 def _plan(q, k, v, seqs: PackedSeqs, causal, softmax_scale, window_size, deterministic) -> _Plan:
-    """The cached plan of an eager call (validating and routing it on a miss, which raises what they raise)."""
-    try:
-        key = _signature(q, k, v, seqs, causal, softmax_scale, window_size, deterministic)
-        plan = _plans.get(key)
-    except (TypeError, ValueError, AttributeError):  # not tensors, or unhashable / malformed arguments
-        key, plan = None, None
-    if plan is not None:
-        return plan
-    problem = validate_varlen(
-        q, k, v, seqs, causal=causal, softmax_scale=softmax_scale, window_size=window_size, deterministic=deterministic
-    )
-    arch = _route(problem.spec, q, backward=False)
-    copy_seqs = not all(t is None or t.is_contiguous() for t in seqs[:3])
-    plan = _Plan(problem, arch, copy_seqs, not all(is_kernel_layout(t) for t in (q, k, v)))
-    if key is not None:
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
-    return plan
+    """The cached plan of an eager call (validating and routing it on a miss)."""
+
+    def make() -> _Plan:
+        problem = validate_varlen(
+            q, k, v, seqs, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+            deterministic=deterministic,
+        )  # fmt: skip
+        copy_seqs = not all(t is None or t.is_contiguous() for t in seqs[:3])
+        copies = not all(is_kernel_layout(t) for t in (q, k, v))
+        return _Plan(problem, _route(problem.spec, q, backward=False), copy_seqs, copies)
+
+    key = lambda: _signature(q, k, v, seqs, causal, softmax_scale, window_size, deterministic)
+    return interface.cached_plan(_plans, key, make)
 
 
 def _is_empty(p: VarlenProblem) -> bool:
