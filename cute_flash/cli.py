@@ -46,6 +46,9 @@ def cmd_info(args) -> int:
 
         print(f"GPU: {torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]})")
     print(f"kernel cache: {_cache_summary()}")
+    from . import native
+
+    print(f"C++ call path: {native.describe()}")
     from .interface import backend
 
     try:

@@ -128,6 +128,19 @@ def launchable(kernel: Any) -> Optional[Any]:
     return fn if isinstance(fn, tvm_ffi.Function) else None
 
 
+def describe() -> str:
+    """One line for `python -m cute_flash info`: whether the library is there, will be built, or cannot be."""
+    if not enabled():
+        return f"off ({ENV_SWITCH}=0): warm calls take the Python path"
+    try:
+        path = _library_path()
+    except Exception as e:  # noqa: BLE001 - reported, never raised by `info`
+        return f"unavailable ({e}): warm calls take the Python path"
+    if os.path.exists(path):
+        return f"built ({path})"
+    return f"built at the first warm no-grad call (or by warmup) with {cxx_compiler()}, into {os.path.dirname(path)}"
+
+
 class Library:
     """The loaded library's functions: forward, put, clear, size, noop_kernel. They run with the GIL held (TVM-FFI
     releases it by default): `forward` and `put` read CUTE_FLASH_ARCH with getenv, which must not race with a Python

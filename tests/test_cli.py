@@ -17,7 +17,7 @@ def run_cli(*args, **kw):
 def test_info_runs():
     proc = run_cli("info")
     assert proc.returncode == 0, proc.stderr
-    assert "cute_flash" in proc.stdout and "backend" in proc.stdout
+    assert "cute_flash" in proc.stdout and "backend" in proc.stdout and "C++ call path: " in proc.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU demo is exercised by the GPU tests")
