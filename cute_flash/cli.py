@@ -243,7 +243,9 @@ def cmd_warmup(args) -> int:
             detail = item.get("reason") or "{built} built, {disk} loaded from disk".format(**item["kernels"])
             seconds = f"{item['seconds']:6.1f} s" if "seconds" in item else " " * 8
             print(f"  {item['status']:<11} {family:<6} {seconds}  {item['config']:<40} {detail}")
-        print(f"  the eager forward's C++ call path: {summary['native'] or 'unavailable (see the warning)'}")
+        from . import native
+
+        print(f"  the eager forward's C++ call path: {summary['native'] or native.describe()}")
         t = summary["totals"]
         print(
             f"{t['built']} built, {t['cached']} already cached, {t['skipped']} without a kernel, "

@@ -97,9 +97,14 @@ _warned = set()
 
 
 def warn_once(message: str) -> None:
+    """Says once why a call took the Python path. Under warnings-as-errors (-W error) the warning is not raised: the
+    Python path serves the call either way, and a call whose kernel already ran must not fail afterwards."""
     if message not in _warned:
         _warned.add(message)
-        warnings.warn(f"cute_flash: {message}", RuntimeWarning, stacklevel=3)
+        try:
+            warnings.warn(f"cute_flash: {message}", RuntimeWarning, stacklevel=3)
+        except Warning:
+            pass
 
 
 def loaded_path() -> Optional[str]:
@@ -131,7 +136,9 @@ def launchable(kernel: Any) -> Optional[Any]:
 def describe() -> str:
     """One line for `python -m cute_flash info`: whether the library is there, will be built, or cannot be."""
     if not enabled():
-        return f"off ({ENV_SWITCH}=0): warm calls take the Python path"
+        return f"off ({ENV_SWITCH}={os.environ.get(ENV_SWITCH)!r}): warm calls take the Python path"
+    if not disk_cache.enabled():
+        return "built in a private temporary directory by each process, at its first warm no-grad call (disk cache off)"
     try:
         path = _library_path()
     except Exception as e:  # noqa: BLE001 - reported, never raised by `info`
@@ -194,10 +201,8 @@ def library(block: bool = True) -> Optional[Library]:
                 _library, _path = Library(tvm_ffi.load_module(path)), path
             except Exception as e:  # noqa: BLE001 - the Python path serves every call without it
                 _failed = True
-                warnings.warn(
-                    f"cute_flash: the C++ call path is unavailable ({e}); warm calls take the Python path "
-                    f"(slower host time, same results). {ENV_SWITCH}=0 silences this.",
-                    RuntimeWarning,
-                    stacklevel=3,
+                warn_once(
+                    f"the C++ call path is unavailable ({e}); warm calls take the Python path (slower host time, "
+                    f"same results). {ENV_SWITCH}=0 silences this."
                 )
     return _library

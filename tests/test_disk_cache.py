@@ -257,7 +257,10 @@ def test_warmup_cross_compiles_entries_a_new_process_loads(tmp_path):
     assert (item["status"], item["family"], item["kernels"]["built"]) == ("built", "sm90", 1), summary
     assert summary["target"] == "sm_90a" and summary["cache_dir"] == os.path.join(str(tmp_path), "v1")
     # the eager forward's C++ call path is built beside the kernels (cute_flash/native.py)
-    assert summary["native"] is None or summary["native"].startswith(os.path.join(str(tmp_path), "native"))
+    from cute_flash import native
+
+    if native.cxx_compiler() is not None:
+        assert summary["native"].startswith(os.path.join(str(tmp_path), "native")), summary
 
     # A new process asking for the kernel the way the sm90 launch path does loads it: nothing is compiled, and with
     # a linked entry cutlass is not even imported.

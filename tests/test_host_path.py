@@ -95,6 +95,7 @@ def test_a_cached_packed_signature_never_accepts_a_rejected_argument(monkeypatch
     seqs = PackedSeqs(cu, cu, None, 30, 30)
     a = varlen._plan(q, k, v, seqs, True, None, (None, None), False)
     assert varlen._plan(q, k, v, seqs, True, None, (None, None), False) is a and not a.copy_seqs
+    varlen._plan(q, k, v, seqs._replace(max_seqlen_q=1), True, None, (None, None), False)  # cached with 1
     rejected = [
         (seqs._replace(max_seqlen_q=True), "max_seqlen_q"),  # True == 1, but not a host int
         (seqs._replace(max_seqlen_k=np.int64(30)), "max_seqlen_k"),  # 30, but a numpy scalar

@@ -221,7 +221,14 @@ def test_without_a_compiler_the_python_path_serves_and_says_why(monkeypatch, tmp
         assert native.library() is None  # warned once
     monkeypatch.setenv("CUTE_FLASH_NATIVE", "0")
     monkeypatch.setattr(native, "_failed", False)
-    assert native.library() is None
+    assert native.library() is None and "off (CUTE_FLASH_NATIVE='0')" in native.describe()
+    # warnings as errors: the path still just falls back (a call whose kernel ran must not fail afterwards)
+    monkeypatch.delenv("CUTE_FLASH_NATIVE")
+    monkeypatch.setattr(native, "_failed", False)
+    monkeypatch.setattr(native, "_warned", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.library() is None
 
 
 def test_a_missing_library_is_built_in_the_background(lib, monkeypatch, tmp_path):
