@@ -200,17 +200,18 @@ def _signature(q, k, v, causal, softmax_scale, window_size, deterministic) -> tu
     )
 
 
-def cached_plan(plans: dict, signature: Callable[[], tuple], make: Callable[[], object]):
-    """The plan `plans` keeps under `signature()`, else `make()`'s (validating and routing, which raise what they
-    raise; errors are never kept). A signature that cannot be built (not tensors, unhashable or malformed arguments)
-    is not kept. Bounded: a workload with ever-new shapes rebuilds the dict now and then instead of growing it."""
+def cached_plan(plans: dict, signature: Callable[..., tuple], make: Callable[..., object], *args):
+    """The plan `plans` keeps under `signature(*args)`, else `make(*args)`'s (validating and routing, which raise what
+    they raise; errors are never kept). A signature that cannot be built (not tensors, unhashable or malformed
+    arguments) is not kept. Bounded: a workload with ever-new shapes rebuilds the dict now and then instead of
+    growing it. (Plain functions and their arguments, no closures: this runs on every eager call.)"""
     try:
-        key = signature()
+        key = signature(*args)
         plan = plans.get(key)
     except (TypeError, ValueError, AttributeError):
         key, plan = None, None
     if plan is None:
-        plan = make()
+        plan = make(*args)
         if key is not None:
             if len(plans) >= _MAX_PLANS:
                 plans.clear()
@@ -218,18 +219,18 @@ def cached_plan(plans: dict, signature: Callable[[], tuple], make: Callable[[], 
     return plan
 
 
+def _make_plan(q, k, v, causal, softmax_scale, window_size, deterministic) -> _Plan:
+    problem = validate(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=None,
+        deterministic=deterministic,
+    )  # fmt: skip
+    copies = not all(is_kernel_layout(t) for t in (q, k, v))
+    return _Plan(problem, _route(problem.spec, q, backward=False), deterministic, copies, q.device)
+
+
 def _plan(q, k, v, causal, softmax_scale, window_size, deterministic) -> _Plan:
     """The cached plan of an fp16/bf16 call (validating and routing it on a miss)."""
-
-    def make() -> _Plan:
-        problem = validate(
-            q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=None,
-            deterministic=deterministic,
-        )  # fmt: skip
-        copies = not all(is_kernel_layout(t) for t in (q, k, v))
-        return _Plan(problem, _route(problem.spec, q, backward=False), deterministic, copies, q.device)
-
-    return cached_plan(_plans, lambda: _signature(q, k, v, causal, softmax_scale, window_size, deterministic), make)
+    return cached_plan(_plans, _signature, _make_plan, q, k, v, causal, softmax_scale, window_size, deterministic)
 
 
 def _launch_forward(plan: _Plan, q, k, v, out=None, lse=None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -465,8 +466,11 @@ def attention(
     if dtype is None and torch.is_autocast_enabled("cuda"):
         q, k, v = _autocast(q, k, v)
     if dtype is None and descale is None and fp8_rotate is True and not torch.compiler.is_compiling():
-        declined = False  # the C++ path answered False: Python serves this signature, do not register it again
+        # Register this call's signature with the C++ path after the Python path ran it: on the first call of the
+        # process, or when the C++ path could take the call but did not know it (None). Not when it declined (False:
+        # the signature is Python's) nor for calls it never takes (gradients, lse, other argument types).
         fast = _native_forward
+        register = fast is None
         if fast is not None and not return_lse:
             # A warm no-grad call whose signature the Python path registered: one C++ call finds its kernel and
             # launches it into an out allocated here (cute_flash/native.py). A miss (None) falls through and
@@ -478,10 +482,13 @@ def attention(
                 # accepted (a numpy bool for causal, a numpy int in a window, a range as the window).
                 go = type(causal) is bool and type(deterministic) is bool and type(softmax_scale) in _PLAIN
                 go = go and type(left) in _PLAIN and type(right) in _PLAIN and type(window_size) in _PAIRS
-                go = go and type(q) is torch.Tensor and _native_device_types is validation.KERNEL_DEVICE_TYPES
-                go = go and _native_capability is _device_capability
+                go = go and type(q) is torch.Tensor
                 if go and torch.is_grad_enabled():
                     go = not (q.requires_grad or k.requires_grad or v.requires_grad)
+                if go and not (
+                    _native_device_types is validation.KERNEL_DEVICE_TYPES and _native_capability is _device_capability
+                ):
+                    go, register = False, True  # keys made under another device check: registering renews them
             except (AttributeError, TypeError, ValueError):  # not tensors, a malformed window: validated below
                 go = False
             if go:
@@ -494,7 +501,7 @@ def attention(
                     launched = False
                 if launched is True:
                     return out
-                declined = launched is False
+                register = launched is None
         # The eager fp16/bf16 path: validation and routing come from the plan cached for this call signature, so a
         # warm call does one dict lookup before it allocates and launches (docs/torch.md, "Host time").
         plan = _plan(q, k, v, causal, softmax_scale, window_size, deterministic)
@@ -507,7 +514,7 @@ def attention(
         else:
             qv, kv, vv = (kernel_view(q), kernel_view(k), kernel_view(v)) if plan.copies else (q, k, v)
             out, lse = _launch_forward(plan, qv, kv, vv)
-            if not (declined or return_lse):
+            if register and not return_lse:
                 _register_native(plan, q, k, v, causal, softmax_scale, *window_size, deterministic)
         return (out, lse) if return_lse else out
 

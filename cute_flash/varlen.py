@@ -53,20 +53,19 @@ def _signature(q, k, v, seqs: PackedSeqs, causal, softmax_scale, window_size, de
     return dense + meta + (used_meta, max_q, max_k, type(max_q), type(max_k), type(used))
 
 
+def _make_plan(q, k, v, seqs: PackedSeqs, causal, softmax_scale, window_size, deterministic) -> _Plan:
+    problem = validate_varlen(
+        q, k, v, seqs, causal=causal, softmax_scale=softmax_scale, window_size=window_size, deterministic=deterministic
+    )
+    copy_seqs = not all(t is None or t.is_contiguous() for t in seqs[:3])
+    copies = not all(is_kernel_layout(t) for t in (q, k, v))
+    return _Plan(problem, _route(problem.spec, q, backward=False), copy_seqs, copies)
+
+
 def _plan(q, k, v, seqs: PackedSeqs, causal, softmax_scale, window_size, deterministic) -> _Plan:
     """The cached plan of an eager call (validating and routing it on a miss)."""
-
-    def make() -> _Plan:
-        problem = validate_varlen(
-            q, k, v, seqs, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-            deterministic=deterministic,
-        )  # fmt: skip
-        copy_seqs = not all(t is None or t.is_contiguous() for t in seqs[:3])
-        copies = not all(is_kernel_layout(t) for t in (q, k, v))
-        return _Plan(problem, _route(problem.spec, q, backward=False), copy_seqs, copies)
-
-    key = lambda: _signature(q, k, v, seqs, causal, softmax_scale, window_size, deterministic)
-    return interface.cached_plan(_plans, key, make)
+    args = (q, k, v, seqs, causal, softmax_scale, window_size, deterministic)
+    return interface.cached_plan(_plans, _signature, _make_plan, *args)
 
 
 def _is_empty(p: VarlenProblem) -> bool:
