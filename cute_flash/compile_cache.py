@@ -127,6 +127,23 @@ def _runtime_target_for_index(device_index: int) -> str:
     return target
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(device_index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of `device` (a torch.device), looked up once per device; 0 for a device that is not
+    a GPU (CPU tests of the host path)."""
+    if device.type != "cuda":
+        return 0
+    import torch
+
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def runtime_target(device) -> str:
     """The CuTe DSL target for launching on `device` (a torch.device or index), looked up once per device.
 

@@ -34,18 +34,6 @@ def _capability(device_index: int) -> Tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (0 for other devices: tests on CPU tensors)."""
-    if device.type != "cuda":
-        return 0
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count_of(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _device_capability(t: torch.Tensor) -> Tuple[int, int]:
     """The compute capability of the GPU holding `t`, read once per device (tests replace this function)."""
     return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
@@ -81,7 +69,7 @@ class _Plan:
         self.lse_shape = (p.batch, p.nheads, p.seqlen_q)
         self.launch = None  # the forward backend's launcher for this problem, made at the first launch
         self.backward_launch = None  # the backward backend's, made at the first backward
-        self.decode_keys = decode.keys_seen(p, _sm_count(device))  # decoding under GQA: packed (decode.py)
+        self.decode_keys = decode.keys_seen(p)  # decoding under GQA: packed (decode.py)
         self.decode_plan = None  # the packed problem's plan, made at the first launch
 
     def backward_backend(self, q: torch.Tensor) -> ArchBackend:
@@ -384,7 +372,7 @@ def _run_forward(q, k, v, problem: Problem, arch: ArchBackend, fp8=None) -> Tupl
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    keys = decode.keys_seen(problem, _sm_count(q.device)) if fp8 is None else None
+    keys = decode.keys_seen(problem) if fp8 is None else None
     if keys is not None:
         # Decoding under GQA, packed as the eager path packs it (`_launch_forward`; cute_flash/decode.py).
         q, k, v, out_rows, lse_rows = decode.pack_gqa(q, k, v, out, lse, problem.nheads_kv, keys)

@@ -99,6 +99,70 @@ def test_decoding_with_packed_query_heads(b, sk, h, hkv, d, dv, kw, head_major):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+def _split_launch(q, k, v, kw):
+    """The launcher a warm eager call of these arguments runs (the packed problem's under packed decoding)."""
+    plan = interface._plan(
+        q, k, v, kw.get("causal", False), kw.get("softmax_scale"), kw.get("window_size", (None, None)), False
+    )
+    return (plan.decode_plan or plan).launch
+
+
+@pytest.mark.parametrize("head_major", [False, True], ids=["seq_major", "head_major"])
+@pytest.mark.parametrize(
+    "b,sq,sk,h,hkv,d,dv,kw",
+    [
+        (1, 1, 8192, 32, 8, 128, 128, dict()),
+        (2, 1, 4099, 8, 8, 128, 128, dict(causal=True)),
+        (1, 5, 3001, 4, 1, 64, 64, dict(causal=True)),
+        (3, 1, 3000, 16, 2, 256, 256, dict(causal=True, window_size=(600, None))),
+        (1, 64, 20_000, 2, 2, 96, 96, dict(window_size=(5000, 100))),
+        (2, 1, 2050, 8, 4, 192, 128, dict(causal=True)),
+        (1, 128, 2048, 4, 2, 128, 128, dict(causal=True, softmax_scale=0.5)),
+        (4, 3, 1777, 4, 4, 128, 128, dict(window_size=(900, 0))),
+    ],
+    ids=["gqa_8k", "mha_causal", "mqa_5rows_d64", "d256_window", "d96_64rows_window", "d192x128", "full_tile", "3rows_window"],
+)
+def test_split_key_decoding(b, sq, sk, h, hkv, d, dv, kw, head_major):
+    """Few query rows against many keys on few CTAs: the keys are split over CTAs and the partial results combined
+    (arch/sm90/split_kv.py): out and lse against float64 (both 16-bit dtypes at d128), the split launcher really
+    taken, rows whose window misses a split's keys (causal with several rows, windows), torch.compile's custom op
+    bit for bit the eager result, and gradients through a split forward."""
+    from cute_flash.arch.sm90.split_kv import SplitForward
+
+    for dtype in (torch.bfloat16, torch.float16) if d == 128 else (torch.bfloat16,):
+        q, k, v = random_qkv(b, sq, sk, h, hkv, d, dv, dtype=dtype, seed=sk + sq)
+        if head_major:
+            q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        out, lse = cute_flash.attention(q, k, v, return_lse=True, **kw)
+        assert isinstance(_split_launch(q, k, v, kw), SplitForward)
+        check_forward(q, k, v, out, lse, **kw)
+        assert torch.equal(cute_flash.attention(q, k, v, **kw), out)  # the no-grad fast path agrees
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: cute_flash.attention(q, k, v, return_lse=True, **kw), fullgraph=True)
+    for got, want in zip(compiled(q, k, v), (out, lse)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    if dv == d:
+        q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+        out, lse, dout, grads = _train(q, k, v, **kw)
+        check_forward(q, k, v, out, lse, **kw)
+        check_backward(q, k, v, dout, grads, **kw)
+
+
+def test_split_key_decoding_in_a_cuda_graph():
+    """A split decoding call (partials from torch's allocator, two launches) captured and replayed with new
+    queries: the eager result of each."""
+    q, k, v = random_qkv(1, 1, 6000, 16, 4, 128, seed=11)
+    cute_flash.attention(q, k, v, causal=True)  # warm: kernels built and loaded outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cute_flash.attention(q, k, v, causal=True)
+    for seed in (1, 2):
+        q.copy_(random_qkv(1, 1, 6000, 16, 4, 128, seed=seed)[0])
+        graph.replay()
+        torch.testing.assert_close(out, cute_flash.attention(q, k, v, causal=True), atol=0, rtol=0)
+        check_forward(q, k, v, out, causal=True)
+
+
 @pytest.mark.parametrize(
     "shape",
     [(0, 64, 64, 4, 2), (2, 64, 0, 4, 2), (2, 0, 64, 4, 2), (2, 64, 64, 0, 1)],

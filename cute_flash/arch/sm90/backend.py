@@ -60,15 +60,27 @@ def _bwd():
     return backward
 
 
-def _build_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_options: str = "", seqused=False):
-    from .build import compile_forward, compile_forward_packed  # imports cutlass: only when a kernel is needed
+def _build_forward(
+    spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_options: str = "", seqused=False, split=False
+):
+    from . import build  # imports cutlass: only when a kernel is needed
 
     if spec.varlen:
-        return compile_forward_packed(spec, cfg, target, extra_options, seqused)
-    return compile_forward(spec, cfg, target, extra_options)
+        return build.compile_forward_packed(spec, cfg, target, extra_options, seqused)
+    if split:
+        return build.compile_forward_split(spec, cfg, target, extra_options)
+    return build.compile_forward(spec, cfg, target, extra_options)
 
 
-_forward_kernels: Dict[tuple, object] = compile_cache.memo()  # (spec, target, seqused) -> compiled forward
+def _split_kv():
+    from . import split_kv  # split-key decoding's host side (imports torch only)
+
+    return split_kv
+
+
+# (spec, target, variant) -> compiled forward; variant: "" (dense), "seqused_k" (packed, reading seqused_k), "split"
+# (split keys, split_kv.py), "combine" (the split's combine kernel)
+_forward_kernels: Dict[tuple, object] = compile_cache.memo()
 
 
 class _Backend:
@@ -89,52 +101,61 @@ class _Backend:
             return "the sm90 FP8 path is forward-only: there is no FP8 backward"
         return _bwd().backward_unsupported_reason(spec)  # every sm90 backward configuration has a deterministic build
 
-    def _forward_kernel(self, spec: AttentionSpec, target: str, seqused: bool = False):
-        """seqused: the packed build that reads seqused_k (spec.varlen only). A spec this family does not serve
-        raises NotImplementedError when its kernel would be built (a warm call does not check again: the router
-        has)."""
-        kernel = _forward_kernels.get((spec, target, seqused))
+    def _forward_kernel(self, spec: AttentionSpec, target: str, variant: str = ""):
+        """The compiled forward of `spec` for `target`; variant: "" dense (packed for spec.varlen), "seqused_k" the
+        packed build that reads seqused_k, "split" the split-key build and "combine" its combine kernel
+        (split_kv.py). A spec this family does not serve raises NotImplementedError when its kernel would be built
+        (a warm call does not check again: the router has)."""
+        kernel = _forward_kernels.get((spec, target, variant))
         if kernel is not None:  # a warm call: one lookup, no tile configuration or cache key built again
             return kernel
-        cfg = fwd_tile_config(spec)
-        key = (FAMILY, target, "fwd", spec, cfg) + (("seqused_k",) if seqused else ())
+        cfg = _split_kv().split_tile_config(spec) if variant == "split" else fwd_tile_config(spec)
+        key = (FAMILY, target, "fwd", spec, cfg) + ((variant,) if variant else ())
 
         def build():
             reason = self.unsupported_reason(spec, backward=False)
             if reason is not None:
                 raise NotImplementedError(reason)
-            return _build_forward(spec, cfg, target, "", seqused)
+            if variant == "combine":
+                from .build import compile_split_combine
 
-        kernel = _forward_kernels[(spec, target, seqused)] = compile_cache.get_or_compile(key, build)
+                return compile_split_combine(spec, target)
+            return _build_forward(spec, cfg, target, "", variant == "seqused_k", variant == "split")
+
+        kernel = _forward_kernels[(spec, target, variant)] = compile_cache.get_or_compile(key, build)
         return kernel
 
     def forward_launcher(self, problem: Problem, device: torch.device) -> ForwardLauncher:
         spec = problem.spec
         if spec.dtype == "fp8":
             return launcher_through_forward(self, problem)
-        return BoundForward(self._forward_kernel(spec, compile_cache.runtime_target(device)), problem)
+        target = compile_cache.runtime_target(device)
+        split_kv = _split_kv()
+        splits = split_kv.num_splits(problem, compile_cache.sm_count(device))
+        if splits > 1:
+            split = self._forward_kernel(spec, target, "split")
+            return split_kv.SplitForward(split, self._forward_kernel(spec, target, "combine"), problem, splits)
+        return BoundForward(self._forward_kernel(spec, target), problem)
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
         q, k, v, out, lse = t
-        spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
+        spec = problem.spec
         if spec.dtype == "fp8":
             _fp8().run_forward_fp8(
-                q, k, v, out, lse, descale=descale, spec=spec, softmax_scale=softmax_scale, mask=mask
+                q, k, v, out, lse, descale=descale, spec=spec, softmax_scale=problem.softmax_scale, mask=problem.mask
             )
             return
         if descale is not None:
             raise NotImplementedError("descale factors belong to the FP8 path; this call computes in " + spec.dtype)
-
-        target = compile_cache.runtime_target(q.device)
-        kernel = self._forward_kernel(spec, target)
-        kernel(q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right))
+        self.forward_launcher(problem, q.device)(q, k, v, out, lse)
 
     def forward_varlen(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
         seqs: PackedSeqs, problem: VarlenProblem,
     ) -> None:  # fmt: skip
         """Packed forward: q (total_q, h, d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q)."""
-        kernel = self._forward_kernel(problem.spec, compile_cache.runtime_target(q.device), seqs.seqused_k is not None)
+        variant = "seqused_k" if seqs.seqused_k is not None else ""
+        kernel = self._forward_kernel(problem.spec, compile_cache.runtime_target(q.device), variant)
         launch_packed_forward(kernel, q, k, v, out, lse, seqs, problem)
 
     def backward_launcher(

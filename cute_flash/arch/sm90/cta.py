@@ -33,6 +33,7 @@ class CtaWork(NamedTuple):
     n_max: Int32
     offset_q: object = None  # packed tensors: the sequence's first query / key row (None: dense, indexed by batch)
     offset_k: object = None
+    out_batch: object = None  # split_kv: the batch index of this CTA's partial O and LSE (split * batch + b)
 
     def active(self, tile_m: int):
         """Whether the query tile holds a row of its sequence (always, dense: the grid is the sequence's tiles)."""
@@ -49,9 +50,17 @@ def cta_work(
     window_left: Int32,
     window_right: Int32,
     packed=None,
+    split_kv: cutlass.Constexpr[bool] = False,
 ) -> CtaWork:
-    """packed: (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK or None) for packed tensors ((total, d, h) views), else None."""
+    """packed: (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK or None) for packed tensors ((total, d, h) views), else None;
+    split_kv: the grid's third dimension holds (split, batch) pairs (dense tensors only)."""
     bidx, head, batch = cute.arch.block_idx()
+    out_batch = None
+    split = Int32(0)
+    if cutlass.const_expr(split_kv):
+        out_batch = batch
+        split = batch // mQ.shape[3]
+        batch = batch - split * mQ.shape[3]
     m_block = bidx
     if cutlass.const_expr(mask_kind == "causal"):
         m_block = cute.arch.grid_dim()[0] - 1 - bidx
@@ -69,4 +78,9 @@ def cta_work(
             seqlen_q = Int32(0)
     info = BlockInfo(tile_m, tile_n, mask_kind, seqlen_q, seqlen_k, window_left, window_right)
     n_min, n_max = info.kv_block_range(m_block)
-    return CtaWork(m_block, head, head_kv, batch, seqlen_q, info, n_min, n_max, offset_q, offset_k)
+    if cutlass.const_expr(split_kv):
+        splits = cute.arch.grid_dim()[2] // mQ.shape[3]
+        per_split = (cutlass.max(n_max - n_min, 0) + splits - 1) // splits
+        n_min = cutlass.min(n_min + split * per_split, n_max)
+        n_max = cutlass.min(n_min + per_split, n_max)
+    return CtaWork(m_block, head, head_kv, batch, seqlen_q, info, n_min, n_max, offset_q, offset_k, out_batch)

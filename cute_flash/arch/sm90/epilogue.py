@@ -84,6 +84,34 @@ def store_o_and_lse(
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the store's reads
 
 
+@cute.jit
+def store_partial_o_and_lse(
+    acc_O: cute.Tensor,  # fp32, already normalised (0 for rows that saw no key)
+    lse: cute.Tensor,  # per row of this thread (-inf for rows that saw no key)
+    head_dim_v: cutlass.Constexpr[int],
+    thr_o,  # this thread's slice of the MMA whose C layout acc_O has
+    mO: cute.Tensor,  # (sq, dv, h, splits * b) fp32 partials (a seq-major view)
+    mLSE: cute.Tensor,  # (sq, h, splits * b) fp32
+    slice_idx: Int32,
+    head: Int32,
+    out_batch: Int32,
+    seqlen_q: Int32,
+):
+    """A split-key CTA's partial O and LSE in fp32, straight from registers (split_kv.py combines them): few rows
+    (decoding), so no staging through shared memory; each thread stores the column pairs the MMA gave it."""
+    rows = ROWS_PER_CONSUMER
+    coords = rows_cols_view(thr_o.partition_C(cute.make_identity_tensor((rows, head_dim_v))))
+    acc = rows_cols_view(acc_O)
+    gO = mO[None, None, head, out_batch]
+    for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+        row = slice_idx * rows + coords[r, 0][0]
+        if row < seqlen_q:
+            for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                gO[row, coords[r, c][1]] = acc[r, c]
+            if coords[0, 0][1] == 0:
+                mLSE[row, head, out_batch] = lse[r]
+
+
 def row_chunks_copy(dtype, cols: int, tidx: Int32, threads: int = WARPGROUP_THREADS):
     """This thread's slice of a 16-byte-per-thread copy over a (rows, cols) tile by `threads` threads (one
     warpgroup unless said): consecutive threads take consecutive 16-byte chunks of a row, up to 16 threads (256

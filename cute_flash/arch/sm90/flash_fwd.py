@@ -47,7 +47,7 @@ from ...common.online_softmax import LOG2_E, OnlineSoftmax
 from ...spec import AttentionSpec
 from .barriers import WarpGroupTurns, warpgroup_sync
 from .cta import CtaWork, cta_work
-from .epilogue import store_o_and_lse, zero_rows_from
+from .epilogue import store_o_and_lse, store_partial_o_and_lse, zero_rows_from
 from .loads import load_q_k_v
 from .pipelines import LoadPipelines, consumer_state, consumer_wait, make_load_pipelines
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, FwdTileConfig
@@ -99,13 +99,18 @@ class Sm90FlashForward(FwdEntries):
     `loop_state`, `carry_kv`, `finish_step`, `finish_loop`)."""
 
     promote_pv = False  # P·V accumulates into O inside the wgmma (the FP8 kernel may promote it in fp32)
+    split_kv = False  # (set per instance, below)
 
-    def __init__(self, spec: AttentionSpec, cfg: FwdTileConfig):
+    def __init__(self, spec: AttentionSpec, cfg: FwdTileConfig, split_kv: bool = False):
         dtype = dsl_dtype(spec.dtype)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
         self.out_dtype = dtype
         self._init_cta(spec, cfg)
+        # split_kv: the key tiles of each query tile are shared among several CTAs (decoding, split_kv.py), each
+        # writing its normalised O and LSE in fp32 for the combine kernel; mO / mLSE are then (splits * b, sq, h, dv)
+        # and (splits * b, h, sq) fp32 and the grid's third dimension spans them (cta.py).
+        self.split_kv = split_kv
         # O reuses each consumer's Q slice: one slot per consumer, as wide as the wider of the two, so that a consumer
         # writing its O never touches the Q another consumer may still be reading (head_dim != head_dim_v).
         self.slice_elems = ROWS_PER_CONSUMER * max(spec.head_dim, spec.head_dim_v)
@@ -134,16 +139,21 @@ class Sm90FlashForward(FwdEntries):
         atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, _one(sQ_layout), (rows, self.head_dim))
         atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, _one(sK_layout), (self.tile_n, self.head_dim))
         atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, _one(sV_layout), v_box)
+        if const_expr(mO is None):  # O stored without TMA (split_kv: fp32 partials from registers)
+            return (atom_q, atom_k, atom_v), (tma_q, tma_k, tma_v, None)
         atom_o, tma_o = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, _one(sO_layout), (rows, self.head_dim_v)
         )
         return (atom_q, atom_k, atom_v, atom_o), (tma_q, tma_k, tma_v, tma_o)
 
-    def launch_shape(self, mQ: cute.Tensor, packed=None) -> dict:
-        """Grid (query tiles, heads, batch) and block of the launch; packed: (cu_seqlens_q, max_seqlen_q), grid
-        (every sequence's query tiles, heads, 1) (cta.py)."""
+    def launch_shape(self, mQ: cute.Tensor, packed=None, mO=None) -> dict:
+        """Grid (query tiles, heads, batch) and block of the launch (split_kv: (query tiles, heads, splits x batch),
+        mO the partials' view); packed: (cu_seqlens_q, max_seqlen_q), grid (every sequence's query tiles, heads, 1)
+        (cta.py)."""
         if const_expr(packed is None):
             grid = [cute.ceil_div(mQ.shape[0], self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3])]
+            if const_expr(self.split_kv):
+                grid[2] = cute.size(mO.shape[3])  # (split, batch) pairs: mO's batch dimension
         else:
             mCuSeqlensQ, _ = packed
             tiles = packed_tiles_bound(mQ.shape[0], mCuSeqlensQ.shape[0] - 1, self.tile_m)
@@ -184,8 +194,9 @@ class Sm90FlashForward(FwdEntries):
         )
 
         atoms, tmas = self.tma_atoms(
-            mQ, mK, mV, mO, sQ_layout, sK_layout, sV_layout, sO_layout, (self.tile_n, self.head_dim_v)
-        )
+            mQ, mK, mV, None if const_expr(self.split_kv) else mO, sQ_layout, sK_layout, sV_layout, sO_layout,
+            (self.tile_n, self.head_dim_v),
+        )  # fmt: skip
         # Every consumer's slice, one barrier (not the layout's cosize: slices may be spaced wider than Q).
         self.bytes_q = cute.size_in_bytes(self.dtype, _one(sQ_layout)) * self.num_consumers
         self.bytes_k = cute.size_in_bytes(self.dtype, _one(sK_layout))
@@ -205,9 +216,11 @@ class Sm90FlashForward(FwdEntries):
         mmas, layouts = (tiled_mma_qk, tiled_mma_pv), (sQ_layout, sK_layout, sV_layout, sO_layout)
         descales = ()  # the FP8 kernel's
         if const_expr(packed is None):
+            if const_expr(self.split_kv):
+                tmas = (*tmas[:3], mO)  # fp32 partials, stored from registers (epilogue.store_partial_o_and_lse)
             self.kernel(
                 tmas, mLSE, descales, atoms, mmas, layouts, softmax_scale, window_left, window_right, SharedStorage
-            ).launch(stream=stream, **self.launch_shape(mQ))
+            ).launch(stream=stream, **self.launch_shape(mQ, mO=mO))
         else:
             # O goes out by predicated stores (epilogue.py): the kernel gets the tensor itself, not O's TMA view.
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q = packed
@@ -246,7 +259,8 @@ class Sm90FlashForward(FwdEntries):
         mSeqUsedK: Optional[cute.Tensor] = None,
     ):
         mQ, mK, mV, mO = tmas
-        atom_q, atom_k, atom_v, atom_o = atoms
+        atom_q, atom_k, atom_v = atoms[:3]
+        atom_o = atoms[3] if const_expr(len(atoms) > 3) else None
         sQ_layout, sK_layout = layouts[:2]
         warp_idx, tidx, storage, pipes = self.prologue(atoms, SharedStorage)
 
@@ -316,7 +330,10 @@ class Sm90FlashForward(FwdEntries):
         Q, K and V), while the others take them and consume(work, consumer index, thread index within the
         warpgroup, warp index within it). packed: the cu_seqlens_q, cu_seqlens_k, seqused_k tensors of packed
         sequences (a CTA past its sequence's end does nothing)."""
-        work = cta_work(gmem[0], gmem[1], self.tile_m, self.tile_n, self.mask_kind, window_left, window_right, packed)
+        work = cta_work(
+            gmem[0], gmem[1], self.tile_m, self.tile_n, self.mask_kind, window_left, window_right, packed,
+            self.split_kv,
+        )  # fmt: skip
 
         pipeline.pipeline_init_wait()
 
@@ -348,7 +365,10 @@ class Sm90FlashForward(FwdEntries):
         atom_q, atom_k, atom_v = atoms
         mQ, mK, mV = gmem
         sQ, sK, sV = smem
-        m_block, head, head_kv, batch, _, _, n_min, n_max, offset_q, offset_k = work
+        m_block, head, head_kv, batch, offset_q, offset_k = (
+            work.m_block, work.head, work.head_kv, work.batch, work.offset_q, work.offset_k
+        )
+        n_min, n_max = work.n_min, work.n_max
         rows = ROWS_PER_CONSUMER
         gQ = cute.local_tile(head_tiles(mQ, head, batch, offset_q), (rows, self.head_dim), (None, 0))
         gK = cute.local_tile(head_tiles(mK, head_kv, batch, offset_k), (self.tile_n, self.head_dim), (None, 0))
@@ -438,6 +458,11 @@ class Sm90FlashForward(FwdEntries):
         """O (normalised, in the MMA layout of tiled_mma_o) and LSE of this consumer's 64 rows."""
         sO, mO, mLSE, atom_o = out
         slice_idx = work.m_block * self.num_consumers + consumer
+        if const_expr(self.split_kv):
+            store_partial_o_and_lse(
+                acc_O, lse, self.head_dim_v, thr_o, mO, mLSE, slice_idx, work.head, work.out_batch, work.seqlen_q
+            )
+            return
         store_o_and_lse(
             acc_O,
             lse,

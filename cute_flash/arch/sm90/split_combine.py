@@ -1,0 +1,75 @@
+"""The combine kernel of split-key decoding (split_kv.py): per query row, the splits' partial results merged.
+
+Split s of a row wrote its normalised partial output O_s and log-sum-exp lse_s over its own keys (fp32; a split
+that saw no key of the row: O_s = 0, lse_s = -inf). The whole row's result is the softmax-weighted sum
+
+    lse = log sum_s exp(lse_s),    O = sum_s exp(lse_s - lse) O_s,
+
+computed here in fp32 and rounded once to the output dtype; a row no split saw keeps O = 0, lse = -inf.
+
+Layout: partials (splits * b, sq, h, dv) and (splits * b, h, sq) (split s of batch b at index s * b + b, as the
+split forward's grid writes them), out (b, sq, h, dv) and lse (b, h, sq) with any strides (decoding's packed GQA
+views included). Each thread owns 4 columns of one row: a CTA of 128 threads covers 128 / (dv / 4) rows of one
+(batch, head). The data is a few hundred KiB at most, so plain loads and stores.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from ...common.online_softmax import LOG2_E
+
+COLS_PER_THREAD = 4
+THREADS = 128
+LN2 = 0.6931471805599453
+
+
+class SplitCombine:
+    """Compiled once per (output dtype, dv); shapes, strides and the split count are runtime."""
+
+    def __init__(self, out_dtype, head_dim_v: int):
+        assert head_dim_v % COLS_PER_THREAD == 0 and head_dim_v // COLS_PER_THREAD <= THREADS
+        self.out_dtype = out_dtype
+        self.head_dim_v = head_dim_v
+        self.threads_per_row = head_dim_v // COLS_PER_THREAD
+        self.rows_per_cta = THREADS // self.threads_per_row
+
+    @cute.jit
+    def __call__(self, mOpart: cute.Tensor, mLSEpart: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, stream):
+        grid = [cute.ceil_div(mO.shape[1], self.rows_per_cta), cute.size(mO.shape[2]), cute.size(mO.shape[0])]
+        self.kernel(mOpart, mLSEpart, mO, mLSE).launch(
+            grid=grid, block=[self.rows_per_cta * self.threads_per_row, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mOpart: cute.Tensor, mLSEpart: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, head, batch = cute.arch.block_idx()
+        row = bidx * self.rows_per_cta + tidx // self.threads_per_row
+        col = (tidx % self.threads_per_row) * COLS_PER_THREAD
+        nbatch = mO.shape[0]
+        splits = mOpart.shape[0] // nbatch
+        if row < mO.shape[1]:
+            lse_max = -Float32.inf
+            for s in cutlass.range(splits, unroll=1):
+                lse_max = cutlass.max(lse_max, mLSEpart[s * nbatch + batch, head, row])
+            # A row no split saw: every weight exp(-inf) = 0 below, total 0.
+            shift = Float32(0.0) if lse_max == -Float32.inf else lse_max
+            acc = cute.make_rmem_tensor((COLS_PER_THREAD,), Float32)
+            acc.fill(0.0)
+            total = Float32(0.0)
+            for s in cutlass.range(splits, unroll=1):
+                z = s * nbatch + batch
+                w = cute.math.exp2((mLSEpart[z, head, row] - shift) * LOG2_E, fastmath=True)
+                total += w
+                for i in cutlass.range_constexpr(COLS_PER_THREAD):
+                    acc[i] += w * mOpart[z, row, head, col + i]
+            empty = total == 0.0
+            inv = Float32(0.0) if empty else cute.arch.rcp_approx(total)
+            for i in cutlass.range_constexpr(COLS_PER_THREAD):
+                mO[batch, row, head, col + i] = (acc[i] * inv).to(self.out_dtype)
+            if col == Int32(0):
+                log_total = cute.math.log2(Float32(1.0) if empty else total, fastmath=True) * LN2
+                mLSE[batch, head, row] = -Float32.inf if empty else shift + log_total

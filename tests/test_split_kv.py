@@ -1,0 +1,128 @@
+"""CPU: split-key decoding (cute_flash/arch/sm90/split_kv.py) without a GPU: when a call splits and into how many
+parts, what the launcher hands its two kernels, and the sm_90a builds of the split forward and the combine (spill-free,
+wgmma with P from registers, TMA loads, O stored from registers). The results are checked on the GPU
+(tests/test_edge_cases_gpu.py::test_split_key_decoding)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from cute_flash import compile_cache
+from cute_flash.arch.sm90 import BACKEND, split_kv
+from cute_flash.arch.sm90.tile_config import fwd_tile_config
+from cute_flash.spec import AttentionSpec, normalize_mask
+from cute_flash.validation import Problem
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _problem(b, sq, sk, h, hkv, d, causal=False, window=(None, None), dtype="bf16", dv=None):
+    mask = normalize_mask(causal, window)
+    spec = AttentionSpec(dtype, d, dv or d, mask.kind, dtype)
+    return Problem(b, sq, sk, h, hkv, d, dv or d, mask, d**-0.5, spec)
+
+
+@pytest.mark.parametrize(
+    "args,kw,splits",
+    [
+        ((1, 4, 8192, 8, 8, 128), {}, 16),  # packed GQA decoding at batch 1: 8 CTAs -> 16 splits of 4 key tiles
+        ((2, 1, 4099, 8, 8, 128), dict(causal=True), 8),  # 16 CTAs: 8 fill 132 SMs (33 key tiles)
+        ((1, 5, 3001, 4, 1, 64), dict(causal=True), 12),  # capped by the key tiles (24, two per split)
+        ((1, 64, 20_000, 2, 2, 96), dict(window=(5000, 100)), 20),  # the window's 41 key tiles
+        ((1, 1, 10**6, 1, 1, 128), {}, 64),  # MAX_SPLITS
+        ((1, 1, 767, 8, 8, 128), {}, 3),  # 6 key tiles, 2 each
+        ((1, 1, 1024, 8, 8, 128), {}, 4),  # 8 key tiles, 2 each
+        ((1, 1, 640, 8, 8, 128), {}, 1),  # 5 key tiles: 2 splits, fewer than MIN_SPLITS
+        ((6, 1, 8192, 8, 8, 128), {}, 1),  # 48 CTAs: 2 splits would fill the SMs, fewer than MIN_SPLITS
+        ((1, 129, 8192, 4, 4, 128), {}, 1),  # two query tiles: not decoding
+        ((8, 1, 8192, 16, 16, 128), {}, 1),  # 128 CTAs already
+        ((1, 1, 8192, 8, 8, 128), dict(dtype="fp8"), 1),
+    ],
+)
+def test_num_splits(args, kw, splits):
+    p = _problem(*args, **kw)
+    assert split_kv.num_splits(p, 132) == splits
+    assert split_kv.num_splits(p, 0) == 1  # not a GPU
+
+
+def test_split_launcher_hands_its_kernels_the_partials(monkeypatch):
+    calls = []
+    kernels = {}
+
+    def fake_kernel(spec, target, variant=""):
+        return kernels.setdefault(variant, lambda *a: calls.append((variant, a)))
+
+    monkeypatch.setattr(BACKEND, "_forward_kernel", fake_kernel)
+    monkeypatch.setattr(compile_cache, "runtime_target", lambda device: "sm_90a")
+    monkeypatch.setattr(compile_cache, "sm_count", lambda device: 132)
+    p = _problem(3, 2, 5000, 4, 2, 128, causal=True, window=(700, None))
+    launch = BACKEND.forward_launcher(p, torch.device("cpu"))
+    assert isinstance(launch, split_kv.SplitForward)
+    splits = split_kv.num_splits(p, 132)
+    assert splits == 3  # 12 CTAs; the window's 7 key tiles, 2 per split
+    q, k, v = torch.empty(3, 2, 4, 128), torch.empty(3, 5000, 2, 128), torch.empty(3, 5000, 2, 128)
+    out, lse = torch.empty(3, 2, 4, 128), torch.empty(3, 4, 2)
+    launch(q, k, v, out, lse)
+    (kind, fwd), (kind2, combine) = calls
+    assert (kind, kind2) == ("split", "combine")
+    o_part, lse_part = fwd[3], fwd[4]
+    assert o_part.shape == (9, 2, 4, 128) and lse_part.shape == (9, 4, 2) and o_part.dtype == torch.float32
+    assert fwd[5:] == (128**-0.5, 700, 0)
+    assert combine[0] is o_part and combine[1] is lse_part and combine[2] is out and combine[3] is lse
+    # forward() (the custom op's path) takes the same launcher.
+    calls.clear()
+    BACKEND.forward((q, k, v, out, lse), p)
+    assert [c[0] for c in calls] == ["split", "combine"]
+    # Not split: the bound dense kernel.
+    calls.clear()
+    BACKEND.forward((q, k, v, out, lse), _problem(3, 200, 5000, 4, 2, 128))
+    assert [c[0] for c in calls] == [""]
+
+
+_CENSUS = textwrap.dedent(
+    """
+    import json, os, re, tempfile
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+    from cute_flash import census, compile_cache
+    from cute_flash.arch.sm90 import build
+    from cute_flash.arch.sm90.tile_config import fwd_tile_config
+    from cute_flash.spec import AttentionSpec
+
+    def report(name, fn):
+        with tempfile.TemporaryDirectory() as dump:
+            with census.capture_fd_stderr() as err:
+                compiled = fn(compile_cache.keep_artifacts_options(dump))
+            ptx, _ = census.read_artifacts(compiled)
+        (_, res), = census.parse_ptxas_reports("".join(err))
+        stores = len(re.findall(r"^\\s*(?:@!?%\\w+\\s+)?st\\.global\\.b32", ptx, re.M))
+        print(json.dumps(dict(name=name, census=census.ptx_census(ptx), stores=stores, **res)), flush=True)
+
+    for dtype, d, dv, mask in [("bf16", 128, 128, "causal"), ("fp16", 64, 64, "local"), ("bf16", 256, 256, "none")]:
+        spec = AttentionSpec(dtype, d, dv, mask, dtype)
+        report(f"split d{d} {mask}", lambda x: build.compile_forward_split(spec, fwd_tile_config(spec), "sm_90a", x))
+        report(f"combine d{dv}", lambda x: build.compile_split_combine(spec, "sm_90a", x))
+    """
+)
+
+
+def test_split_builds_compile_for_sm90():
+    done = subprocess.run([sys.executable, "-c", _CENSUS], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 6
+    for r in reports:
+        assert r["spill_bytes"] == 0, r
+        c = r["census"]
+        if r["name"].startswith("split"):
+            assert c["wgmma.mma_async.rs"] > 0 and c["wgmma.mma_async"] > c["wgmma.mma_async.rs"], r
+            assert c["cp.async.bulk.tensor"] > 0 and c["setmaxnreg"] >= 2, r
+            assert r["stores"] > 0, r  # O and LSE partials from registers (no TMA store of O)
+        else:
+            assert c["wgmma.mma_async"] == 0 and c["cp.async.bulk.tensor"] == 0, r
