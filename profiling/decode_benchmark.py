@@ -31,6 +31,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--heads-kv", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--peers", default="fa4,sdpa", help="peers to time beside cute-flash ('' for none)")
     p.add_argument("--unsplit", action="store_true", help="also time cute-flash without split-key decoding")
     p.add_argument("--min-tiles-per-split", type=int, help="split_kv.MIN_TILES_PER_SPLIT for this run (a study)")
     p.add_argument(
@@ -54,15 +55,18 @@ def main() -> None:
     for c in filter(None, args.split_configs.split(";")):
         studies[f"split {c}"] = tuple(int(x) for x in c.split(","))
         impls[f"split {c}"] = impls["cute-flash"]
-    try:
-        from flash_attn.cute import flash_attn_func
+    peers = args.peers.split(",")
+    if "fa4" in peers:
+        try:
+            from flash_attn.cute import flash_attn_func
 
-        impls["fa4"] = lambda q, k, v: flash_attn_func(q, k, v, causal=True)
-    except Exception as e:  # noqa: BLE001
-        print(f"fa4 not timed: {e}")
-    impls["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True
-    )  # one query row per sequence: causal (bottom-right) = every key
+            impls["fa4"] = lambda q, k, v: flash_attn_func(q, k, v, causal=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"fa4 not timed: {e}")
+    if "sdpa" in peers:
+        impls["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True
+        )  # one query row per sequence: causal (bottom-right) = every key
     h, hkv, d, sq = args.heads, args.heads_kv, args.head_dim, args.seqlen_q
     print(f"{torch.cuda.get_device_name()}: decode, seqlen_q {sq}, h{h} h_kv{hkv} d{d} bf16; µs and cache GB/s")
     print(f"{'batch':>6}{'seqlen_k':>10}" + "".join(f"{n:>22}" for n in impls))

@@ -297,6 +297,8 @@ class Sm90FlashForward(FwdEntries):
         if warp_idx == 0:
             for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
+        if const_expr(self.split_kv):
+            cute.arch.griddepcontrol_launch_dependents()  # the combine kernel (PDL) may launch now; it waits for us
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         pipes = make_load_pipelines(

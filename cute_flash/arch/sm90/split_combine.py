@@ -39,8 +39,10 @@ class SplitCombine:
     @cute.jit
     def __call__(self, mOpart: cute.Tensor, mLSEpart: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, stream):
         grid = [cute.ceil_div(mO.shape[1], self.rows_per_cta), cute.size(mO.shape[2]), cute.size(mO.shape[0])]
+        # Programmatic dependent launch: the CTAs are set up while the split forward runs (it lets them launch from
+        # its start) and wait for its results at griddepcontrol.wait.
         self.kernel(mOpart, mLSEpart, mO, mLSE).launch(
-            grid=grid, block=[self.rows_per_cta * self.threads_per_row, 1, 1], stream=stream
+            grid=grid, block=[self.rows_per_cta * self.threads_per_row, 1, 1], stream=stream, use_pdl=True
         )
 
     @cute.kernel
@@ -51,6 +53,7 @@ class SplitCombine:
         col = (tidx % self.threads_per_row) * COLS_PER_THREAD
         nbatch = mO.shape[0]
         splits = mOpart.shape[0] // nbatch
+        cute.arch.griddepcontrol_wait()  # the split forward's partials are complete and visible past this
         if row < mO.shape[1]:
             lse_max = -Float32.inf
             for s in cutlass.range(splits, unroll=1):
