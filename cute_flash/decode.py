@@ -8,7 +8,7 @@ FlashAttention-4's pack_gqa does: q (b, 1, h, d) is viewed as (b, group, h_kv, d
 copies, and the call runs as plain multi-head attention over the keys that its single query row sees (all of
 them, or the slice its window leaves), without a mask: the same math (with a window the key blocks start at its
 first key rather than at a multiple of the tile, so the sums may round differently than the unpacked call's).
-At small batch the packed problem has few query tiles and the sm90 family splits its keys over CTAs
+On the sm90 family it packs at every batch: with few query tiles the packed problem's keys are split over CTAs
 (arch/sm90/split_kv.py). Eager calls (`interface._launch_forward`) and the custom op under torch.compile
 (`interface._run_forward`) both take
 it for every call that qualifies (`keys_seen`), so the two agree bit for bit. The packed problem runs the forward
@@ -23,14 +23,16 @@ from typing import Optional, Tuple
 from .validation import Problem
 
 
-def keys_seen(problem: Problem) -> Optional[Tuple[int, int]]:
+def keys_seen(problem: Problem, sm_count: int, split_keys: bool) -> Optional[Tuple[int, int]]:
     """The key rows [lo, hi) that the single query row of `problem` sees, when the call decodes with several query
-    heads per KV head (fp16 / bf16, seqlen_q 1, at least one key); None otherwise (the call runs as it comes).
-    Packed whatever the batch: with many CTAs it saves the repeated cache reads and wasted rows; with few, the
-    packed problem is the one the sm90 family splits over the keys (arch/sm90/split_kv.py) with one CTA group per
-    KV head rather than per query head."""
+    heads per KV head (fp16 / bf16, seqlen_q 1, at least one key) and either has more (batch, query head) CTAs than
+    the GPU has SMs (`sm_count`) or runs on a family that splits the keys of few query tiles over CTAs (`split_keys`,
+    the sm90 family: arch/sm90/split_kv.py, which then splits one problem per KV head rather than per query head);
+    None otherwise (the call runs as it comes: with few CTAs and no split, packed measured no faster on an H100)."""
     p = problem
     if p.seqlen_q != 1 or p.seqlen_k == 0 or p.batch == 0 or p.nheads_kv == 0 or p.nheads == p.nheads_kv:
+        return None
+    if p.batch * p.nheads <= sm_count and not split_keys:
         return None
     if p.spec.dtype not in ("fp16", "bf16"):
         return None

@@ -11,7 +11,7 @@ import torch
 
 from . import compile_cache, decode, native, ops, routing, validation  # noqa: F401  (ops: torch.ops.cute_flash.*)
 from .arch import ARCH_ENV_VAR, resolve_arch
-from .arch.base import ArchBackend, BoundForward, BwdTensors, FwdTensors, Grads
+from .arch.base import ArchBackend, BoundForward, BwdTensors, FwdTensors, Grads, SplitForward
 from .spec import AttentionSpec, normalize_mask
 from .validation import ALIGN_BYTES, Problem, is_kernel_layout, kernel_view, problem_of, validate
 
@@ -69,7 +69,8 @@ class _Plan:
         self.lse_shape = (p.batch, p.nheads, p.seqlen_q)
         self.launch = None  # the forward backend's launcher for this problem, made at the first launch
         self.backward_launch = None  # the backward backend's, made at the first backward
-        self.decode_keys = decode.keys_seen(p)  # decoding under GQA: packed (decode.py)
+        # decoding under GQA: packed (decode.py)
+        self.decode_keys = decode.keys_seen(p, compile_cache.sm_count(device), getattr(forward, "split_keys", False))
         self.decode_plan = None  # the packed problem's plan, made at the first launch
 
     def backward_backend(self, q: torch.Tensor) -> ArchBackend:
@@ -132,9 +133,10 @@ _NATIVE_DEVICE_TYPES = ("cuda",)  # (profiling.host_overhead_cpu adds "cpu": no-
 
 def _register_native(plan: _Plan, q, k, v, causal, softmax_scale, left, right, deterministic) -> None:
     """After the Python path launched a no-grad forward that the C++ path did not know: registers its signature,
-    with the kernel and scalars to launch when the plan's launch is a plain bound kernel on tensors in the kernels'
-    layout whose out is shaped like q, or as Python's (packed decoding, layout copies, empty problems, head_dim_v !=
-    head_dim, FP8 or families without a bound form)."""
+    with what to launch when the plan's launcher is a plain bound kernel or a split-key pair (`SplitForward`) on
+    tensors in the kernels' layout whose out is shaped like q, also for packed decoding under GQA (the launcher of
+    the packed problem, with the views' group and the window's first key); or as Python's (layout copies, empty
+    problems, head_dim_v != head_dim, FP8 or families without a bound form)."""
     global _native_forward, _native_device_types, _native_capability
     if q.device.type not in _NATIVE_DEVICE_TYPES:
         return
@@ -145,15 +147,24 @@ def _register_native(plan: _Plan, q, k, v, causal, softmax_scale, left, right, d
         lib.clear()  # keys registered under other checks
         _native_device_types, _native_capability = validation.KERNEL_DEVICE_TYPES, _device_capability
     launch, p, dtype = plan.launch, plan.problem, _TVM_DTYPES[plan.out_dtype]
-    kernel = None
-    if isinstance(launch, BoundForward) and not (plan.copies or plan.empty or plan.decode_keys is not None):
-        # out is allocated like q (attention's fast path): a kernel whose out is shaped otherwise stays Python's
-        kernel = native.launchable(launch.kernel) if p.head_dim_v == p.head_dim else None
+    group, keys_lo = 1, 0
+    if plan.decode_keys is not None:  # the packed problem's launcher (made at the first launch) on decode.py's views
+        launch = plan.decode_plan.launch if plan.decode_plan is not None else None
+        group, keys_lo = p.nheads // p.nheads_kv, plan.decode_keys[0]
+    kernel = combine = None
+    splits = 1
+    # out is allocated like q (attention's fast path): a kernel whose out is shaped otherwise stays Python's
+    if not (plan.copies or plan.empty) and p.head_dim_v == p.head_dim:
+        if isinstance(launch, BoundForward):
+            kernel = native.launchable(launch.kernel)
+        elif isinstance(launch, SplitForward):
+            kernel, combine, splits = native.launchable(launch.kernel), native.launchable(launch.combine), launch.splits
+            kernel = kernel if combine is not None else None
     if kernel is not None:
         lib.put(q, k, v, causal, softmax_scale, left, right, deterministic, kernel, launch.scale, launch.left,
-                launch.right, dtype)  # fmt: skip
+                launch.right, dtype, combine, splits, group, keys_lo)  # fmt: skip
     else:
-        lib.put(q, k, v, causal, softmax_scale, left, right, deterministic, None, 0.0, 0, 0, dtype)
+        lib.put(q, k, v, causal, softmax_scale, left, right, deterministic, None, 0.0, 0, 0, dtype, None, 1, 1, 0)
     _native_forward = lib.forward
 
 
@@ -372,7 +383,8 @@ def _run_forward(q, k, v, problem: Problem, arch: ArchBackend, fp8=None) -> Tupl
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    keys = decode.keys_seen(problem) if fp8 is None else None
+    split_keys = getattr(arch, "split_keys", False)
+    keys = decode.keys_seen(problem, compile_cache.sm_count(q.device), split_keys) if fp8 is None else None
     if keys is not None:
         # Decoding under GQA, packed as the eager path packs it (`_launch_forward`; cute_flash/decode.py).
         q, k, v, out_rows, lse_rows = decode.pack_gqa(q, k, v, out, lse, problem.nheads_kv, keys)

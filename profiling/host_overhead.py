@@ -1,7 +1,10 @@
 """Host time per warm call, cute-flash beside FlashAttention-4 and torch SDPA (GPU), measured as issue 15's table was:
 a long matmul chain is queued first so the GPU stays busy, then 100 back-to-back calls are timed on the host.
 
-  python3 -m profiling.host_overhead [--shape 1,128,8,128] [--calls 100] [--breakdown]
+  python3 -m profiling.host_overhead [--shape 1,128,8,128] [--seqlen-k N] [--heads-kv N] [--calls 100] [--breakdown]
+
+--seqlen-k / --heads-kv give k and v other extents than q's (decoding: --shape 1,1,32,128 --seqlen-k 8192
+--heads-kv 8).
 
 --breakdown also times the pieces of a cute-flash call the same way (what issue 15's host-time targets are spent
 on): the plan lookup, the two output allocations, one compiled forward kernel called directly through TVM-FFI with
@@ -38,6 +41,8 @@ def _host_us(fn, calls: int, busy: torch.Tensor) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="1,128,8,128", help="batch,seqlen,heads,head_dim")
+    p.add_argument("--seqlen-k", type=int, help="keys (default: the shape's seqlen)")
+    p.add_argument("--heads-kv", type=int, help="KV heads (default: the shape's heads)")
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--breakdown", action="store_true", help="also time the pieces of a cute-flash call")
     args = p.parse_args()
@@ -47,7 +52,9 @@ def main() -> None:
 
     import cute_flash
 
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    sk, hkv = args.seqlen_k or s, args.heads_kv or h
+    q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     dout = torch.randn_like(q)
     busy = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
     impls = {"cute-flash": lambda q, k, v: cute_flash.attention(q, k, v, causal=True)}
@@ -78,10 +85,11 @@ def main() -> None:
 
     impls["torch floor"] = lambda q, k, v: Floor.apply(q, k, v)[0]
     impls["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-    ).transpose(1, 2)
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=s == sk, enable_gqa=hkv != h
+    ).transpose(1, 2)  # (is_causal is top-left aligned: bottom-right only when square; one query row sees all keys)
 
-    print(f"host µs per warm call, shape b{b} s{s} h{h} d{d}, bf16 causal, {args.calls} calls, GPU busy")
+    shape = f"b{b} s{s} h{h} d{d} (keys {sk}, KV heads {hkv})"
+    print(f"host µs per warm call, shape {shape}, bf16 causal, {args.calls} calls, GPU busy")
     print(f"{'impl':>12} {'forward':>10} {'fwd+bwd':>10}")
     for name, fn in impls.items():
         with torch.no_grad():

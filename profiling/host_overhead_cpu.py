@@ -44,7 +44,11 @@ def fake_gpu(capability=(9, 0)) -> Iterator[None]:
         (interface, "_NATIVE_DEVICE_TYPES", ("cuda", "cpu")),
         (interface, "_device_capability", lambda t: capability),
         (interface, "_device_guard", lambda t: contextlib.nullcontext()),
-        (compile_cache, "get_or_compile", lambda key, build: forward_noop if key[2] == "fwd" else noop),
+        (
+            compile_cache,
+            "get_or_compile",
+            lambda key, build: forward_noop if key[2] in ("fwd", "split_combine") else noop,
+        ),
         (compile_cache, "runtime_target", lambda device: "sm_90a"),
         # On a GPU, zeroing a buffer is an asynchronous fill kernel; on the CPU it would be a memset of hundreds of
         # KiB that has nothing to do with host overhead.

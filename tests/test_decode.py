@@ -63,10 +63,12 @@ def test_what_is_not_packed(fake_gpu):  # noqa: F811
             window_size=kw.get("window_size", (None, None)),
             dtype=None,
         )
-        assert decode.keys_seen(p) is None
+        assert decode.keys_seen(p, 0, False) is None
     q, k, v = _qkv(2, 20, 4, 2, 32)
     p = validate(q, k, v, causal=True, softmax_scale=None, window_size=(None, None), dtype=None)
-    assert decode.keys_seen(p) == (0, 20)
+    assert decode.keys_seen(p, 0, False) == (0, 20)
+    assert decode.keys_seen(p, 132, False) is None  # 2 x 4 CTAs: all at once anyway, packing gains nothing
+    assert decode.keys_seen(p, 132, True) == (0, 20)  # unless the family splits the packed problem's keys
 
 
 def test_decoding_gradients_are_unchanged(fake_gpu):  # noqa: F811

@@ -120,14 +120,23 @@ def _split_launch(q, k, v, kw):
         (1, 128, 2048, 4, 2, 128, 128, dict(causal=True, softmax_scale=0.5)),
         (4, 3, 1777, 4, 4, 128, 128, dict(window_size=(900, 0))),
     ],
-    ids=["gqa_8k", "mha_causal", "mqa_5rows_d64", "d256_window", "d96_64rows_window", "d192x128", "full_tile", "3rows_window"],
+    ids=[
+        "gqa_8k",
+        "mha_causal",
+        "mqa_5rows_d64",
+        "d256_window",
+        "d96_64rows_window",
+        "d192x128",
+        "full_tile",
+        "3rows_window",
+    ],
 )
 def test_split_key_decoding(b, sq, sk, h, hkv, d, dv, kw, head_major):
     """Few query rows against many keys on few CTAs: the keys are split over CTAs and the partial results combined
     (arch/sm90/split_kv.py): out and lse against float64 (both 16-bit dtypes at d128), the split launcher really
     taken, rows whose window misses a split's keys (causal with several rows, windows), torch.compile's custom op
     bit for bit the eager result, and gradients through a split forward."""
-    from cute_flash.arch.sm90.split_kv import SplitForward
+    from cute_flash.arch.base import SplitForward
 
     for dtype in (torch.bfloat16, torch.float16) if d == 128 else (torch.bfloat16,):
         q, k, v = random_qkv(b, sq, sk, h, hkv, d, dv, dtype=dtype, seed=sk + sq)

@@ -49,7 +49,7 @@ def _qkv(shape=(2, 33, 4, 64), kv_heads=2, dtype=torch.bfloat16):
 
 
 def _put(lib, q, k, v, kernel, args=(True, None, None, 0, False)):
-    return lib.put(q, k, v, *args, kernel, 0.125, -1, 0, "bfloat16")
+    return lib.put(q, k, v, *args, kernel, 0.125, -1, 0, "bfloat16", None, 1, 1, 0)
 
 
 def _forward(lib, q, k, v, *args, out=None):
@@ -79,7 +79,7 @@ def test_a_registered_signature_launches_its_kernel(lib):
         assert lib.forward(q, k, v, bad, *args) is False
     assert len(rec.calls) == 1
     # A signature registered as the Python path's answers False (no launch).
-    assert lib.put(q, k, v, False, None, None, 0, False, None, 0.0, 0, 0, "bfloat16")
+    assert lib.put(q, k, v, False, None, None, 0, False, None, 0.0, 0, 0, "bfloat16", None, 1, 1, 0)
     assert _forward(lib, q, k, v, False, None, None, 0, False)[0] is False
     assert lib.size() == 2
     lib.clear()
@@ -187,16 +187,11 @@ def test_calls_python_serves_are_registered_as_its_own(lib, fake_gpu_with_record
             cute_flash.attention(qt, k, v)
     assert len(plans) == 2 and len(rec.calls) == 2
     assert _forward(lib, qt, k, v, False, None, None, None, False)[0] is False
-    q1 = torch.randn(2, 1, 4, 64, dtype=torch.bfloat16)  # decoding under GQA: packed by Python (cute_flash.decode)
-    with torch.no_grad():
-        for _ in range(2):
-            cute_flash.attention(q1, k, v)
-    assert len(plans) == 5 and _forward(lib, q1, k, v, False, None, None, None, False)[0] is False
     vw = torch.randn(2, 40, 2, 32, dtype=torch.bfloat16)  # head_dim_v != head_dim: out is not shaped like q
     with torch.no_grad():
         for _ in range(2):
             assert cute_flash.attention(q, k, vw).shape == (2, 33, 4, 32)
-    assert len(plans) == 7 and _forward(lib, q, k, vw, False, None, None, None, False)[0] is False
+    assert len(plans) == 4 and _forward(lib, q, k, vw, False, None, None, None, False)[0] is False
 
 
 def test_clearing_the_caches_clears_the_cpp_keys(lib, fake_gpu_with_recorder):
@@ -262,3 +257,81 @@ def test_what_the_library_can_launch():
 
     assert native.launchable(fn) is fn and native.launchable(Wrapped()) is fn
     assert native.launchable(PointerArgs()) is None and native.launchable(lambda *a: None) is None
+
+
+def _reference_kernels(calls):
+    """Stand-ins for the forward ("" variant), the split forward and the combine that compute with the float64
+    reference on the tensors they are handed (views included), recording their shapes and strides: the split puts
+    the whole result in split 0 and leaves the other splits empty (O 0, LSE -inf), which the combine must ignore."""
+    from cute_flash.reference import attention_reference
+
+    def forward(q, k, v, out, lse, scale, left, right):
+        q, k, v, out, lse = (torch.from_dlpack(t) for t in (q, k, v, out, lse))
+        calls.append(("fwd", tuple(q.shape), q.stride(), tuple(k.shape), out.stride()))
+        o, l = attention_reference(q, k, v, softmax_scale=scale, return_lse=True)
+        out.copy_(o)
+        lse.copy_(l)
+
+    def split(q, k, v, o_part, lse_part, scale, left, right):
+        q, k, v, o_part, lse_part = (torch.from_dlpack(t) for t in (q, k, v, o_part, lse_part))
+        calls.append(("split", tuple(q.shape), q.stride(), tuple(k.shape), tuple(o_part.shape)))
+        o, l = attention_reference(q, k, v, softmax_scale=scale, return_lse=True)
+        o_part.zero_()
+        lse_part.fill_(float("-inf"))
+        o_part[: q.shape[0]] = o
+        lse_part[: q.shape[0]] = l
+
+    def combine(o_part, lse_part, out, lse):
+        o_part, lse_part, out, lse = (torch.from_dlpack(t) for t in (o_part, lse_part, out, lse))
+        calls.append(("combine", tuple(out.shape), out.stride()))
+        b = out.shape[0]
+        parts = lse_part.view(-1, b, *lse_part.shape[1:])
+        total = torch.logsumexp(parts, dim=0)
+        weights = torch.exp(parts - total).transpose(-1, -2).unsqueeze(-1)  # (splits, b, rows, h, 1)
+        out.copy_((weights * o_part.view(-1, b, *o_part.shape[1:])).sum(0))
+        lse.copy_(total)
+
+    fns = {"": forward, "split": split, "combine": combine}
+    return {name: tvm_ffi.convert(fn) for name, fn in fns.items()}
+
+
+@pytest.mark.parametrize(
+    "shape,kw,launches",
+    [
+        ((1, 1, 8, 2, 2000), dict(causal=True), ["split", "combine"]),  # packed GQA decoding, split
+        ((1, 1, 8, 2, 2000), dict(window_size=(700, None)), ["split", "combine"]),  # the window's keys only
+        ((2, 3, 4, 4, 1500), dict(), ["split", "combine"]),  # MHA, 3 rows: split, not packed
+        ((40, 1, 8, 2, 300), dict(), ["fwd"]),  # packed, 80 CTAs: not split
+    ],
+    ids=["gqa_split", "gqa_window_split", "mha_split", "gqa_packed"],
+)
+def test_decoding_calls_take_the_cpp_path(lib, monkeypatch, shape, kw, launches):
+    """Packed GQA decoding and split-key calls are launched by the C++ path as the Python path launches them: the
+    same views of q / out (and of the keys a window leaves), the same partials and combine, the same result."""
+    from cute_flash import compile_cache
+    from cute_flash.reference import attention_reference
+    from profiling.host_overhead_cpu import fake_gpu
+
+    calls = []
+    kernels = _reference_kernels(calls)
+    b, sq, h, hkv, sk = shape
+    g = torch.Generator().manual_seed(sk)
+    q = torch.randn(b, sq, h, 64, generator=g).to(torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)
+    k, v = (torch.randn(b, sk, hkv, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    with fake_gpu((9, 0)):
+        variant = lambda key: "combine" if key[2] == "split_combine" else (key[5] if len(key) > 5 else "")  # noqa: E731
+        compile_cache.get_or_compile = lambda key, build: kernels[variant(key)]
+        monkeypatch.setattr(compile_cache, "sm_count", lambda device: 132)
+        compile_cache.clear()  # (the kernel memos hold other tests' stand-ins)
+        with torch.no_grad():
+            python = cute_flash.attention(q, k, v, **kw)
+            first = list(calls)
+            plans = []
+            real_plan = interface._plan
+            monkeypatch.setattr(interface, "_plan", lambda *a: plans.append(a) or real_plan(*a))
+            cpp = cute_flash.attention(q, k, v, **kw)
+    assert not plans, "the warm call did not take the C++ path"
+    assert [c[0] for c in first] == launches and calls[len(first) :] == first  # same launches, same views
+    assert torch.equal(python, cpp)
+    want = attention_reference(q, k, v, **kw)
+    torch.testing.assert_close(cpp.double(), want.double(), atol=2e-2, rtol=2e-2)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from cute_flash import compile_cache
+from cute_flash.arch.base import SplitForward
 from cute_flash.arch.sm90 import BACKEND, split_kv
-from cute_flash.arch.sm90.tile_config import fwd_tile_config
 from cute_flash.spec import AttentionSpec, normalize_mask
 from cute_flash.validation import Problem
 
@@ -64,7 +64,7 @@ def test_split_launcher_hands_its_kernels_the_partials(monkeypatch):
     monkeypatch.setattr(compile_cache, "sm_count", lambda device: 132)
     p = _problem(3, 2, 5000, 4, 2, 128, causal=True, window=(700, None))
     launch = BACKEND.forward_launcher(p, torch.device("cpu"))
-    assert isinstance(launch, split_kv.SplitForward)
+    assert isinstance(launch, SplitForward)
     splits = split_kv.num_splits(p, 132)
     assert splits == 3  # 12 CTAs; the window's 7 key tiles, 2 per split
     q, k, v = torch.empty(3, 2, 4, 128), torch.empty(3, 5000, 2, 128), torch.empty(3, 5000, 2, 128)

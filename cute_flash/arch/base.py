@@ -72,6 +72,7 @@ BackwardLauncher = Callable[[BwdTensors, Grads], None]
 class ArchBackend(Protocol):
     name: str  # "sm80" | "sm90" | "sm100"
     cute_arch: str  # default CuTe DSL target when cross-compiling: "sm_80" | "sm_90a" | "sm_100a"
+    split_keys: bool  # forward_launcher splits the keys of calls with few query tiles over CTAs (decoding)
 
     def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
         """None when this family has kernels for `spec` (and its backward if asked, deterministic if asked), else
@@ -101,7 +102,8 @@ class ArchBackend(Protocol):
         the kernels' layout (the eager path guarantees it; a launcher need not check it again)."""
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
-        """Compiles every kernel that serves `spec` for CuTe DSL target `target` with fake tensors (no GPU needed)."""
+        """Compiles the kernels that serve `spec` for CuTe DSL target `target` with fake tensors (no GPU needed): the
+        forward, and with `backward` the backward's (not the sm90 split-key decoding pair: tests/test_split_kv.py)."""
 
     def warm(
         self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False
@@ -127,6 +129,29 @@ class BoundForward:
 
     def __call__(self, q, k, v, out, lse) -> None:
         self.kernel(q, k, v, out, lse, self.scale, self.left, self.right)
+
+
+class SplitForward:
+    """The `forward_launcher` of a split-key call (arch/sm90/split_kv.py): the split forward writes each split's
+    partial O and LSE in fp32, the combine kernel merges them into out and lse. The partial buffers come from torch's
+    caching allocator per call (nothing held between calls; CUDA-graph capture takes them from its pool). Its parts
+    are public, as BoundForward's: the eager path hands them to the C++ call path."""
+
+    __slots__ = ("kernel", "combine", "splits", "scale", "left", "right", "o_shape", "lse_shape")
+
+    def __init__(self, kernel: Callable, combine: Callable, problem: Problem, splits: int):
+        p = problem
+        self.kernel, self.combine, self.splits = kernel, combine, splits
+        self.scale, self.left, self.right = float(p.softmax_scale), int(p.mask.left), int(p.mask.right)
+        self.o_shape = (splits * p.batch, p.seqlen_q, p.nheads, p.head_dim_v)
+        self.lse_shape = (splits * p.batch, p.nheads, p.seqlen_q)
+
+    def __call__(self, q, k, v, out, lse) -> None:
+        # The combine waits (programmatic dependent launch) for the kernel launched just before it on this stream.
+        o_part = torch.empty(self.o_shape, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        self.kernel(q, k, v, o_part, lse_part, self.scale, self.left, self.right)
+        self.combine(o_part, lse_part, out, lse)
 
 
 def launcher_through_forward(backend: ArchBackend, problem: Problem) -> ForwardLauncher:

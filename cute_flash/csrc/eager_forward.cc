@@ -6,7 +6,11 @@
 // 16-byte alignment, the scalar arguments with their types, CUTE_FLASH_ARCH), finds the compiled kernel that
 // Python's slow path registered for that key (`put`) and launches it on the caller's stream (TVM-FFI's env stream:
 // torch's current one) into the `out` Python allocated (a plain torch tensor, so that record_stream and the caching
-// allocator treat it as any other) and an lse nobody reads (`LseBuffer`). A key it has not seen returns None and
+// allocator treat it as any other) and an lse nobody reads (`LseBuffer`). Decoding calls launch as Python's plan
+// does: under GQA a KV head's query heads as the rows of one problem (views of q and out, the keys a window leaves;
+// cute_flash/decode.py), and calls with few query tiles as a split-key forward into fp32 partials (one allocation
+// of torch's, through TVM-FFI's env allocator) and its combine kernel (arch/sm90/split_kv.py). A key it has not
+// seen returns None and
 // Python takes its own path, which validates, routes, launches and registers the key; a key registered as not
 // served here (kernel None) returns False, as does a call this path cannot take (another device than the current
 // one, an `out` that is not the expected contiguous tensor).
@@ -49,10 +53,14 @@ struct KeyHash {
 };
 
 struct Entry {
-  ffi::Optional<ffi::Function> kernel;  // None: Python serves this signature (e.g. packed decoding, copies)
+  ffi::Optional<ffi::Function> kernel;  // None: Python serves this signature (e.g. layout copies)
+  ffi::Optional<ffi::Function> combine;  // the split-key combine kernel when splits > 1
   double scale;
   int64_t left, right;
   DLDataType out_dtype;
+  int64_t splits;   // 1: one launch into out; > 1: kernel into fp32 partials, then combine into out
+  int64_t group;    // > 1: decoding under GQA, this many query heads per KV head launched as rows
+  int64_t keys_lo;  // packed decoding: the first key the query row sees (a window), the keys before it left out
   std::string arch_env;  // CUTE_FLASH_ARCH when it was registered: a change routes again
 };
 
@@ -195,6 +203,33 @@ bool IsOutFor(const DLTensor* out, const DLTensor& q, int64_t dv, DLDataType dty
   return ((reinterpret_cast<uintptr_t>(out->data) + out->byte_offset) & 15) == 0;
 }
 
+// A tensor's strides, also when DLPack leaves them out (compact row-major).
+void StridesOf(const DLTensor& t, int64_t s[4]) {
+  int64_t c = 1;
+  for (int d = 3; d >= 0; --d) {
+    s[d] = t.strides != nullptr ? t.strides[d] : c;
+    c *= t.shape[d];
+  }
+}
+
+// The allocator of a tensor that views memory the caller owns for the duration of the call (no reference kept).
+struct Borrowed {
+  void* data;
+  uint64_t byte_offset;
+  void AllocData(DLTensor* t) {
+    t->data = data;
+    t->byte_offset = byte_offset;
+  }
+  void FreeData(DLTensor*) {}
+};
+
+// A view of the caller's 4-D tensor `t` with other extents and strides, `byte_offset` more bytes in (a TVM-FFI
+// tensor object, as the kernels take their arguments).
+ffi::Tensor View4(const DLTensor& t, const int64_t shape[4], const int64_t strides[4], uint64_t byte_offset) {
+  return ffi::Tensor::FromNDAllocStrided(Borrowed{t.data, t.byte_offset + byte_offset}, ffi::Shape(shape, shape + 4),
+                                         ffi::Shape(strides, strides + 4), t.dtype, t.device);
+}
+
 std::string ArchEnv() {
   const char* v = std::getenv("CUTE_FLASH_ARCH");
   return v == nullptr ? std::string("\x01unset") : std::string(v);
@@ -239,23 +274,77 @@ extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_forward(void*, const TVMFFIAny* args
     *ret = false;
     return 0;
   }
-  ffi::Tensor lse = LseBuffer(q.device, q.shape[0], q.shape[2], q.shape[1]);
+  const DLTensor& k = *t[1];
+  const DLTensor& v = *t[2];
+  const DLTensor& out = *AsTensor(args[3]);
+  int64_t b = q.shape[0], rows = q.shape[1], heads = q.shape[2];
+  // Packed decoding (one query row, group query heads per KV head): q (b, 1, h, d) seen as (b, group, h_kv, d),
+  // out likewise, k and v from the window's first key on (decode.pack_gqa's views).
+  int64_t qs[4], os[4], ks[4], vs[4], q_shape[4], o_shape[4], k_shape[4], v_shape[4];
+  StridesOf(q, qs);
+  StridesOf(out, os);
+  StridesOf(k, ks);
+  StridesOf(v, vs);
+  std::copy(q.shape, q.shape + 4, q_shape);
+  std::copy(out.shape, out.shape + 4, o_shape);
+  std::copy(k.shape, k.shape + 4, k_shape);
+  std::copy(v.shape, v.shape + 4, v_shape);
+  uint64_t k_off = 0, v_off = 0;
+  if (entry.group > 1) {
+    rows = entry.group;
+    heads = q.shape[2] / entry.group;
+    q_shape[1] = o_shape[1] = rows;
+    q_shape[2] = o_shape[2] = heads;
+    qs[1] = qs[2];
+    qs[2] *= rows;
+    os[1] = os[2];
+    os[2] *= rows;
+    k_shape[1] = v_shape[1] = k.shape[1] - entry.keys_lo;
+    k_off = static_cast<uint64_t>(entry.keys_lo * ks[1]) * (k.dtype.bits / 8);
+    v_off = static_cast<uint64_t>(entry.keys_lo * vs[1]) * (v.dtype.bits / 8);
+  }
+  // The tensors as the kernels take them: the caller's own, or (packed decoding) the views above.
   const ffi::AnyView* a = reinterpret_cast<const ffi::AnyView*>(args);
-  ffi::AnyView call[8] = {a[0], a[1], a[2], a[3], lse, entry.scale, entry.left, entry.right};
+  ffi::Tensor views[4];
+  ffi::AnyView tq = a[0], tk = a[1], tv = a[2], to = a[3];
+  if (entry.group > 1) {
+    views[0] = View4(q, q_shape, qs, 0);
+    views[1] = View4(k, k_shape, ks, k_off);
+    views[2] = View4(v, v_shape, vs, v_off);
+    views[3] = View4(out, o_shape, os, 0);
+    tq = views[0], tk = views[1], tv = views[2], to = views[3];
+  }
+  ffi::Tensor lse = LseBuffer(q.device, b, heads, rows);
   ffi::Any unused;
-  entry.kernel.value().CallPacked(call, 8, &unused);
+  if (entry.splits > 1) {
+    // Partial O (splits * b, rows, heads, dv) and LSE (splits * b, heads, rows) in fp32, one allocation (torch's
+    // caching allocator on the current stream, freed in its stream order when the call returns).
+    const DLDataType f32{kDLFloat, 32, 1};
+    int64_t parts = entry.splits * b, o_elems = parts * rows * heads * dv, l_elems = parts * heads * rows;
+    ffi::Tensor block = ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, ffi::Shape({o_elems + l_elems}), f32, q.device);
+    ffi::Tensor o_part = ffi::Tensor::FromNDAlloc(ViewOf{block, 0}, ffi::Shape({parts, rows, heads, dv}), f32, q.device);
+    ffi::Tensor l_part = ffi::Tensor::FromNDAlloc(ViewOf{block, static_cast<uint64_t>(o_elems) * 4},
+                                                  ffi::Shape({parts, heads, rows}), f32, q.device);
+    ffi::AnyView split[8] = {tq, tk, tv, o_part, l_part, entry.scale, entry.left, entry.right};
+    entry.kernel.value().CallPacked(split, 8, &unused);
+    ffi::AnyView merge[4] = {o_part, l_part, to, lse};
+    entry.combine.value().CallPacked(merge, 4, &unused);
+  } else {
+    ffi::AnyView call[8] = {tq, tk, tv, to, lse, entry.scale, entry.left, entry.right};
+    entry.kernel.value().CallPacked(call, 8, &unused);
+  }
   *ret = true;
   TVM_FFI_SAFE_CALL_END();
 }
 
-// put(q, k, v, causal, softmax_scale, left, right, deterministic, kernel | None, scale, left, right, out_dtype)
-//   -> True when the call's key was stored.
+// put(q, k, v, causal, softmax_scale, left, right, deterministic, kernel | None, scale, left, right, out_dtype,
+//     combine | None, splits, group, keys_lo) -> True when the call's key was stored.
 extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_put(void*, const TVMFFIAny* args, int32_t num_args,
                                                 TVMFFIAny* result) {
   TVM_FFI_SAFE_CALL_BEGIN();
   const ffi::AnyView* a = reinterpret_cast<const ffi::AnyView*>(args);
   ffi::Any* ret = reinterpret_cast<ffi::Any*>(result);
-  TVM_FFI_ICHECK_EQ(num_args, 13) << "put takes 13 arguments";
+  TVM_FFI_ICHECK_EQ(num_args, 17) << "put takes 17 arguments";
   Key key;
   const DLTensor* t[3];
   if (!MakeKey(args, 3, &key, t)) {
@@ -268,6 +357,11 @@ extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_put(void*, const TVMFFIAny* args, in
   entry.left = a[10].cast<int64_t>();
   entry.right = a[11].cast<int64_t>();
   entry.out_dtype = a[12].cast<DLDataType>();
+  entry.combine = a[13].cast<ffi::Optional<ffi::Function>>();
+  entry.splits = a[14].cast<int64_t>();
+  entry.group = a[15].cast<int64_t>();
+  entry.keys_lo = a[16].cast<int64_t>();
+  TVM_FFI_ICHECK(entry.splits == 1 || entry.combine.has_value()) << "a split entry needs its combine kernel";
   entry.arch_env = ArchEnv();
   std::lock_guard<std::mutex> lock(mutex);
   if (table.size() >= kMaxEntries) table.clear();

@@ -124,6 +124,7 @@ def _fp8_args(spec: AttentionSpec, q, k, v, descale: Optional[Dict[str, torch.Te
 class _Backend:
     name = "sm100"
     cute_arch = "sm_100a"
+    split_keys = False
 
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         return cfgmod.FP8_KV_SCALE_KEYS

@@ -159,6 +159,7 @@ class _Backend:
     name = FAMILY
     cute_arch = "sm_80"
     varlen = True  # has packed-sequence kernels (forward_varlen / backward_varlen); see routing
+    split_keys = False
 
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         raise NotImplementedError("the sm80 family has no FP8 kernel")

@@ -23,7 +23,7 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import PackedSeqs, Problem, VarlenProblem
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact
-from ..base import BoundForward, launch_packed_forward, launcher_through_forward, prepare_build
+from ..base import BoundForward, SplitForward, launch_packed_forward, launcher_through_forward, prepare_build
 from .tile_config import FwdTileConfig, budget_problem, fwd_tile_config, smem_bytes
 
 FAMILY = "sm90"
@@ -87,6 +87,7 @@ class _Backend:
     name = FAMILY
     cute_arch = "sm_90a"
     varlen = True  # has packed-sequence kernels (forward_varlen / backward_varlen); see routing
+    split_keys = True  # split-key decoding (split_kv.py)
 
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         return _fp8().kv_scale_block(spec.head_dim, spec.head_dim_v)
@@ -109,8 +110,11 @@ class _Backend:
         kernel = _forward_kernels.get((spec, target, variant))
         if kernel is not None:  # a warm call: one lookup, no tile configuration or cache key built again
             return kernel
-        cfg = _split_kv().split_tile_config(spec) if variant == "split" else fwd_tile_config(spec)
-        key = (FAMILY, target, "fwd", spec, cfg) + ((variant,) if variant else ())
+        if variant == "combine":  # depends on the output dtype and dv only: one build serves every such spec
+            key = (FAMILY, target, "split_combine", spec.out_dtype, spec.head_dim_v)
+        else:
+            cfg = _split_kv().split_tile_config(spec) if variant == "split" else fwd_tile_config(spec)
+            key = (FAMILY, target, "fwd", spec, cfg) + ((variant,) if variant else ())
 
         def build():
             reason = self.unsupported_reason(spec, backward=False)
@@ -134,7 +138,7 @@ class _Backend:
         splits = split_kv.num_splits(problem, compile_cache.sm_count(device))
         if splits > 1:
             split = self._forward_kernel(spec, target, "split")
-            return split_kv.SplitForward(split, self._forward_kernel(spec, target, "combine"), problem, splits)
+            return SplitForward(split, self._forward_kernel(spec, target, "combine"), problem, splits)
         return BoundForward(self._forward_kernel(spec, target), problem)
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
@@ -180,6 +184,9 @@ class _Backend:
             _bwd().warm_backward(spec, target, gqa=gqa, deterministic=deterministic)
         else:
             self._forward_kernel(spec, target)
+            if _split_kv().splittable(spec):  # decoding calls of this spec run the split build and its combine
+                self._forward_kernel(spec, target, "split")
+                self._forward_kernel(spec, target, "combine")
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         prepare_build(self, spec, target, backward=backward)

@@ -1,7 +1,8 @@
 """What one CTA of the sm90 forward kernels works on: its query tile, heads, and range of key tiles.
 
-Grid: (query tiles, heads, batch). With a causal mask the tiles go in reverse, so that the CTAs with the most key
-tiles (the last rows) start first and the short ones fill in behind them.
+Grid: (query tiles, heads, batch) (split_kv: (query tiles, heads, splits x batch), below). With a causal mask the
+tiles go in reverse, so that the CTAs with the most key tiles (the last rows) start first and the short ones fill in
+behind them.
 
 Packed (varlen) batches: grid (tiles, heads, 1) over every sequence's query tiles in order, sized by
 `packed_tiles_bound` (at most batch + 1 tiles per head without work, `CtaWork.active`); a CTA finds its sequence and

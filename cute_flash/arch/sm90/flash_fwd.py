@@ -11,7 +11,8 @@ One CTA computes `tile_m = 64 * num_consumer_wgs` query rows of one (batch, head
       barriers let the consumers issue their GEMMs in turn, so one's softmax overlaps the other's GEMMs.
   epilogue (per consumer): O normalised in registers, stored with stmatrix into the consumer's own Q slice of
       shared memory (its wgmmas are done reading it; each slice is max(d, dv) columns wide, so O fits whichever
-      is wider) and written with one TMA store (clipped at seqlen_q); LSE straight from registers.
+      is wider) and written with one TMA store (clipped at seqlen_q); LSE straight from registers. The split-key
+      build (split_kv) stores its fp32 partial O and LSE straight from registers instead (epilogue.py).
 
 Global tensors are viewed as (seqlen, head_dim, heads, batch) so that TMA boxes never cross a (batch, head): rows past
 seqlen are out of bounds of their own dimension, zero-filled on load and clipped on store. GQA/MQA index the K/V head
@@ -367,10 +368,8 @@ class Sm90FlashForward(FwdEntries):
         atom_q, atom_k, atom_v = atoms
         mQ, mK, mV = gmem
         sQ, sK, sV = smem
-        m_block, head, head_kv, batch, offset_q, offset_k = (
-            work.m_block, work.head, work.head_kv, work.batch, work.offset_q, work.offset_k
-        )
-        n_min, n_max = work.n_min, work.n_max
+        m_block, head, head_kv, batch = work.m_block, work.head, work.head_kv, work.batch
+        offset_q, offset_k, n_min, n_max = work.offset_q, work.offset_k, work.n_min, work.n_max
         rows = ROWS_PER_CONSUMER
         gQ = cute.local_tile(head_tiles(mQ, head, batch, offset_q), (rows, self.head_dim), (None, 0))
         gK = cute.local_tile(head_tiles(mK, head_kv, batch, offset_k), (self.tile_n, self.head_dim), (None, 0))

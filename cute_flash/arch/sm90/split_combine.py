@@ -9,8 +9,10 @@ computed here in fp32 and rounded once to the output dtype; a row no split saw k
 
 Layout: partials (splits * b, sq, h, dv) and (splits * b, h, sq) (split s of batch b at index s * b + b, as the
 split forward's grid writes them), out (b, sq, h, dv) and lse (b, h, sq) with any strides (decoding's packed GQA
-views included). Each thread owns 4 columns of one row: a CTA of 128 threads covers 128 / (dv / 4) rows of one
-(batch, head). The data is a few hundred KiB at most, so plain loads and stores.
+views included). Each thread owns 4 columns of one row: a CTA covers 128 // (dv / 4) rows of one (batch, head)
+(128 threads at dv 64 / 128 / 256, 120 at dv 96, 96 at dv 192). The partials are at most splits x b x h x sq x dv
+fp32 with b x h a third of the SMs (decoding: under 1 MiB; a full 128-row tile at d256: ~17 MiB), read once: plain
+loads and stores.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ class SplitCombine:
     def __call__(self, mOpart: cute.Tensor, mLSEpart: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, stream):
         grid = [cute.ceil_div(mO.shape[1], self.rows_per_cta), cute.size(mO.shape[2]), cute.size(mO.shape[0])]
         # Programmatic dependent launch: the CTAs are set up while the split forward runs (it lets them launch from
-        # its start) and wait for its results at griddepcontrol.wait.
+        # its start) and wait for its results at griddepcontrol.wait. That orders the combine after the kernel
+        # launched just before it on the same stream: both launch sites (arch/base.SplitForward and the C++ call
+        # path) launch the pair back to back on the current stream.
         self.kernel(mOpart, mLSEpart, mO, mLSE).launch(
             grid=grid, block=[self.rows_per_cta * self.threads_per_row, 1, 1], stream=stream, use_pdl=True
         )

@@ -5,7 +5,8 @@ has one query tile per (batch, head). At small batch that is fewer CTAs than the
 whole key range alone: at batch 1 with 8 KV heads, 8 of 132 SMs read the cache. Here the key tiles of each query
 tile are cut into `splits` equal runs, one CTA each (grid (1, heads, splits x batch), cta.py); each writes its
 normalised O and LSE in fp32 (epilogue.store_partial_o_and_lse), and `split_combine.SplitCombine` merges them into
-out and lse (FlashAttention-2/3's split-KV decoding). The result is the same softmax up to fp32 rounding order.
+out and lse (FlashAttention-2/3's split-KV decoding; the launcher: arch/base.SplitForward). The result is the same
+softmax up to fp32 rounding order.
 
 When (`num_splits`): fp16 / bf16 dense calls whose query rows fit one tile, with at most a third as many CTAs as
 SMs; splits = the CTAs that fill the SMs once, capped by the key tiles (MIN_TILES_PER_SPLIT each) and MAX_SPLITS,
@@ -14,11 +15,9 @@ and only when that is at least MIN_SPLITS.
 
 from __future__ import annotations
 
-import torch
-
 from ...common.block_info import BlockInfo
-from ...validation import Problem
 from ...spec import AttentionSpec
+from ...validation import Problem
 from .tile_config import FwdTileConfig, fwd_tile_config
 
 MIN_TILES_PER_SPLIT = 2  # key tiles per CTA: fewer leaves each CTA mostly its pipeline's start-up
@@ -31,10 +30,15 @@ def split_tile_config(spec: AttentionSpec) -> FwdTileConfig:
     return fwd_tile_config(spec)
 
 
+def splittable(spec: AttentionSpec) -> bool:
+    """Whether calls of `spec` may run split (its split build exists): fp16 / bf16 on dense tensors."""
+    return spec.dtype in ("fp16", "bf16") and not spec.varlen
+
+
 def num_splits(problem: Problem, sm_count: int) -> int:
     """How many CTAs share each query tile's keys (1: the call runs unsplit)."""
     p = problem
-    if p.spec.dtype not in ("fp16", "bf16") or p.spec.varlen:
+    if not splittable(p.spec):
         return 1
     cfg = split_tile_config(p.spec)
     ctas = p.batch * p.nheads
@@ -44,23 +48,3 @@ def num_splits(problem: Problem, sm_count: int) -> int:
     n_min, n_max = info.kv_block_range(0)
     splits = min(sm_count // ctas, (n_max - n_min) // MIN_TILES_PER_SPLIT, MAX_SPLITS)
     return splits if splits >= MIN_SPLITS else 1
-
-
-class SplitForward:
-    """The `forward_launcher` of a split call: (q, k, v, out, lse) -> None, the partial buffers allocated per call
-    (torch's caching allocator: nothing held between calls, and CUDA-graph capture takes them from its pool)."""
-
-    __slots__ = ("kernel", "combine", "scale", "left", "right", "o_shape", "lse_shape")
-
-    def __init__(self, kernel, combine, problem: Problem, splits: int):
-        p = problem
-        self.kernel, self.combine = kernel, combine
-        self.scale, self.left, self.right = float(p.softmax_scale), int(p.mask.left), int(p.mask.right)
-        self.o_shape = (splits * p.batch, p.seqlen_q, p.nheads, p.head_dim_v)
-        self.lse_shape = (splits * p.batch, p.nheads, p.seqlen_q)
-
-    def __call__(self, q, k, v, out, lse) -> None:
-        o_part = torch.empty(self.o_shape, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-        self.kernel(q, k, v, o_part, lse_part, self.scale, self.left, self.right)
-        self.combine(o_part, lse_part, out, lse)

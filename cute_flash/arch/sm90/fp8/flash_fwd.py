@@ -178,9 +178,8 @@ class Sm90FlashForwardFp8(Sm90FlashForward):
     def consume(self, pipes, mmas, smem, out, descales, softmax_scale, work: CtaWork, consumer, tidx, warp_in_wg):
         """mmas: (Q·Kᵀ, P·[V | 1], O); smem: sQ, sK and (sVt, its unswizzled base); descales (mQd, mKd, mVd): per 64
         query rows, per K / V scale block."""
-        m_block, head, head_kv, batch, n_min, n_max = (
-            work.m_block, work.head, work.head_kv, work.batch, work.n_min, work.n_max
-        )
+        m_block, head, head_kv, batch = work.m_block, work.head, work.head_kv, work.batch
+        n_min, n_max = work.n_min, work.n_max
         mQd, mKd, mVd = descales
         tiled_mma_qk, tiled_mma_pv, tiled_mma_o = mmas
         sQ, sK, (sVt, sVt_base) = smem
