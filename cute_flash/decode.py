@@ -9,7 +9,7 @@ copies, and the call runs as plain multi-head attention over the keys that its s
 them, or the slice its window leaves), without a mask: the same math (with a window the key blocks start at its
 first key rather than at a multiple of the tile, so the sums may round differently than the unpacked call's).
 On the sm90 family it packs at every batch: with few query tiles the packed problem's keys are split over CTAs
-(arch/sm90/split_kv.py). Eager calls (`interface._launch_forward`) and the custom op under torch.compile
+(arch/split_kv.py). Eager calls (`interface._launch_forward`) and the custom op under torch.compile
 (`interface._run_forward`) both take
 it for every call that qualifies (`keys_seen`), so the two agree bit for bit. The packed problem runs the forward
 kernel without a mask whatever the call's mask: `python -m cute_flash warmup` builds it with its default masks
@@ -27,7 +27,7 @@ def keys_seen(problem: Problem, sm_count: int, split_keys: bool) -> Optional[Tup
     """The key rows [lo, hi) that the single query row of `problem` sees, when the call decodes with several query
     heads per KV head (fp16 / bf16, seqlen_q 1, at least one key) and either has more (batch, query head) CTAs than
     the GPU has SMs (`sm_count`) or runs on a family that splits the keys of few query tiles over CTAs (`split_keys`,
-    the sm90 family: arch/sm90/split_kv.py, which then splits one problem per KV head rather than per query head);
+    arch/split_kv.py, which then splits one problem per KV head rather than per query head);
     None otherwise (the call runs as it comes: with few CTAs and no split, packed measured no faster on an H100)."""
     p = problem
     if p.seqlen_q != 1 or p.seqlen_k == 0 or p.batch == 0 or p.nheads_kv == 0 or p.nheads == p.nheads_kv:

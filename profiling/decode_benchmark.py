@@ -5,7 +5,7 @@ merit is the cache's bytes over the call's time (GB/s), against the GPU's DRAM b
     python3 -m profiling.decode_benchmark [--batches 1,8] [--seqlens-k 4096,32768] [--heads 32] [--heads-kv 8]
         [--unsplit] [--min-tiles-per-split N] [--split-configs "1,128,2;1,128,3"]
 
---unsplit also times cute-flash with split-key decoding off (arch/sm90/split_kv.py's MAX_SPLITS = 1), in the same
+--unsplit also times cute-flash with split-key decoding off (arch/split_kv.py's MAX_SPLITS = 1), in the same
 process: the split's own gain.
 """
 
@@ -41,7 +41,7 @@ def main() -> None:
     )
     args = p.parse_args()
     if args.min_tiles_per_split:
-        from cute_flash.arch.sm90 import split_kv
+        from cute_flash.arch import split_kv
 
         split_kv.MIN_TILES_PER_SPLIT = args.min_tiles_per_split
     import torch.nn.functional as F
@@ -102,7 +102,7 @@ def main() -> None:
 def _unsplit():
     """Split-key decoding off inside (the plans made meanwhile are forgotten again on the way out)."""
     from cute_flash import interface
-    from cute_flash.arch.sm90 import split_kv
+    from cute_flash.arch import split_kv
 
     saved = split_kv.MAX_SPLITS
     split_kv.MAX_SPLITS = 1
@@ -118,18 +118,18 @@ def _unsplit():
 def _split_config(consumers: int, tile_n: int, stages: int):
     """Split builds with this tile configuration inside (kernels and plans made meanwhile forgotten on the way out)."""
     from cute_flash import interface
-    from cute_flash.arch.sm90 import backend, split_kv
+    from cute_flash.arch.sm90 import backend
     from cute_flash.arch.sm90.tile_config import FwdTileConfig
 
     cfg = FwdTileConfig(num_consumer_wgs=consumers, tile_n=tile_n, num_stages=stages, ping_pong=consumers > 1)
-    saved = split_kv.split_tile_config
-    split_kv.split_tile_config = lambda spec: cfg
+    saved = backend.split_tile_config
+    backend.split_tile_config = lambda spec: cfg
     backend._forward_kernels.clear()
     interface.clear_call_cache()
     try:
         yield
     finally:
-        split_kv.split_tile_config = saved
+        backend.split_tile_config = saved
         backend._forward_kernels.clear()
         interface.clear_call_cache()
 

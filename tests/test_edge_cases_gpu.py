@@ -131,12 +131,17 @@ def _split_launch(q, k, v, kw):
         "3rows_window",
     ],
 )
-def test_split_key_decoding(b, sq, sk, h, hkv, d, dv, kw, head_major):
+@pytest.mark.parametrize("arch", [None, "sm80"], ids=["default", "sm80"])
+def test_split_key_decoding(b, sq, sk, h, hkv, d, dv, kw, head_major, arch, monkeypatch):
     """Few query rows against many keys on few CTAs: the keys are split over CTAs and the partial results combined
-    (arch/sm90/split_kv.py): out and lse against float64 (both 16-bit dtypes at d128), the split launcher really
+    (arch/split_kv.py): out and lse against float64 (both 16-bit dtypes at d128), the split launcher really
     taken, rows whose window misses a split's keys (causal with several rows, windows), torch.compile's custom op
-    bit for bit the eager result, and gradients through a split forward."""
+    bit for bit the eager result, and gradients through a split forward; on Hopper's default family and on the
+    sm80 family (forced: Ampere's kernels, which run on Hopper too)."""
     from cute_flash.arch.base import SplitForward
+
+    if arch is not None:
+        monkeypatch.setenv("CUTE_FLASH_ARCH", arch)
 
     for dtype in (torch.bfloat16, torch.float16) if d == 128 else (torch.bfloat16,):
         q, k, v = random_qkv(b, sq, sk, h, hkv, d, dv, dtype=dtype, seed=sk + sq)

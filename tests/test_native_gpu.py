@@ -43,6 +43,7 @@ CASES = [
     (2, 1, 3000, 16, 2, 64, 64, False, (700, None), torch.float16, "bshd", None),
     (2, 3, 2000, 4, 4, 256, 256, True, (None, None), torch.bfloat16, "bshd", None),
     (40, 1, 1000, 8, 2, 128, 128, True, (None, None), torch.bfloat16, "bhsd", None),
+    (1, 1, 8192, 32, 8, 128, 128, True, (None, None), torch.bfloat16, "bhsd", "sm80"),  # the sm80 family's split
 ]
 
 

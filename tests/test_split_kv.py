@@ -1,7 +1,7 @@
-"""CPU: split-key decoding (cute_flash/arch/sm90/split_kv.py) without a GPU: when a call splits and into how many
-parts, what the launcher hands its two kernels, and the sm_90a builds of the split forward and the combine (spill-free,
-wgmma with P from registers, TMA loads, O stored from registers). The results are checked on the GPU
-(tests/test_edge_cases_gpu.py::test_split_key_decoding)."""
+"""CPU: split-key decoding (cute_flash/arch/split_kv.py) without a GPU: when a call splits and into how many parts,
+which key tiles each split walks, what the launchers hand their two kernels, and the sm_90a / sm_80 builds of the
+split forwards and the combine (spill-free; sm90: wgmma with P from registers and TMA loads; O stored from
+registers). The results are checked on the GPU (tests/test_edge_cases_gpu.py::test_split_key_decoding)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ import torch
 
 from cute_flash import compile_cache
 from cute_flash.arch.base import SplitForward
-from cute_flash.arch.sm90 import BACKEND, split_kv
+from cute_flash.arch import split_kv
+from cute_flash.arch.sm90 import BACKEND
+from cute_flash.arch.sm90.tile_config import fwd_tile_config
+from cute_flash.common.block_info import BlockInfo, split_kv_range
 from cute_flash.spec import AttentionSpec, normalize_mask
 from cute_flash.validation import Problem
 
@@ -48,8 +51,30 @@ def _problem(b, sq, sk, h, hkv, d, causal=False, window=(None, None), dtype="bf1
 )
 def test_num_splits(args, kw, splits):
     p = _problem(*args, **kw)
-    assert split_kv.num_splits(p, 132) == splits
-    assert split_kv.num_splits(p, 0) == 1  # not a GPU
+    cfg = fwd_tile_config(_problem(*args).spec)  # (the sm90 forward's tile: fp8 has its own)
+    assert split_kv.num_splits(p, cfg.tile_m, cfg.tile_n, 132) == splits
+    assert split_kv.num_splits(p, cfg.tile_m, cfg.tile_n, 0) == 1  # not a GPU
+
+
+def test_the_splits_cover_each_rows_keys_once():
+    """Every split's run of key tiles, over query tiles, masks and split counts: the runs tile [n_min, n_max)
+    exactly (an empty range stays empty), so each key a row sees is walked by exactly one split."""
+    import random
+
+    r = random.Random(0)
+    for _ in range(20000):
+        tile_m, tile_n = r.choice([(64, 128), (128, 128), (192, 128), (128, 80)])
+        sq, sk = r.randint(1, tile_m), r.randint(1, 5000)
+        mask = r.choice(["none", "causal", "local"])
+        left, right = r.choice([0, 3, 200, 1 << 30]), r.choice([0, 7, 1 << 30])
+        info = BlockInfo(tile_m, tile_n, mask, sq, sk, left, right)
+        n_min, n_max = info.kv_block_range(0)
+        splits = r.randint(1, 64)
+        walked = []
+        for s in range(splits):
+            lo, hi = split_kv_range(n_min, n_max, s, splits)
+            walked += range(lo, hi)
+        assert walked == list(range(n_min, max(n_min, n_max))), (tile_m, tile_n, sq, sk, mask, left, right, splits)
 
 
 def test_split_launcher_hands_its_kernels_the_partials(monkeypatch):
@@ -65,7 +90,7 @@ def test_split_launcher_hands_its_kernels_the_partials(monkeypatch):
     p = _problem(3, 2, 5000, 4, 2, 128, causal=True, window=(700, None))
     launch = BACKEND.forward_launcher(p, torch.device("cpu"))
     assert isinstance(launch, SplitForward)
-    splits = split_kv.num_splits(p, 132)
+    splits = split_kv.num_splits(p, 128, 128, 132)
     assert splits == 3  # 12 CTAs; the window's 7 key tiles, 2 per split
     q, k, v = torch.empty(3, 2, 4, 128), torch.empty(3, 5000, 2, 128), torch.empty(3, 5000, 2, 128)
     out, lse = torch.empty(3, 2, 4, 128), torch.empty(3, 4, 2)
@@ -88,12 +113,16 @@ def test_split_launcher_hands_its_kernels_the_partials(monkeypatch):
 
 _CENSUS = textwrap.dedent(
     """
-    import json, os, re, tempfile
-    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+    import json, os, re, sys, tempfile
+    arch = sys.argv[1]
+    os.environ["CUTE_DSL_ARCH"] = {"sm90": "sm_90a", "sm80": "sm_80"}[arch]
+    target = os.environ["CUTE_DSL_ARCH"]
     from cute_flash import census, compile_cache
-    from cute_flash.arch.sm90 import build
-    from cute_flash.arch.sm90.tile_config import fwd_tile_config
+    from cute_flash.common.split_combine import compile_split_combine
     from cute_flash.spec import AttentionSpec
+
+    def stores(ptx):
+        return len(re.findall(r"^\\s*(?:@!?%\\w+\\s+)?st\\.global\\.b32", ptx, re.M))
 
     def report(name, fn):
         with tempfile.TemporaryDirectory() as dump:
@@ -101,28 +130,45 @@ _CENSUS = textwrap.dedent(
                 compiled = fn(compile_cache.keep_artifacts_options(dump))
             ptx, _ = census.read_artifacts(compiled)
         (_, res), = census.parse_ptxas_reports("".join(err))
-        stores = len(re.findall(r"^\\s*(?:@!?%\\w+\\s+)?st\\.global\\.b32", ptx, re.M))
-        print(json.dumps(dict(name=name, census=census.ptx_census(ptx), stores=stores, **res)), flush=True)
+        print(json.dumps(dict(name=name, census=census.ptx_census(ptx), stores=stores(ptx), pdl="griddepcontrol" in ptx,
+                              **res)), flush=True)
 
-    for dtype, d, dv, mask in [("bf16", 128, 128, "causal"), ("fp16", 64, 64, "local"), ("bf16", 256, 256, "none")]:
+    for dtype, d, dv, mask in [("bf16", 128, 128, "causal"), ("fp16", 64, 64, "local")]:
         spec = AttentionSpec(dtype, d, dv, mask, dtype)
-        report(f"split d{d} {mask}", lambda x: build.compile_forward_split(spec, fwd_tile_config(spec), "sm_90a", x))
-        report(f"combine d{dv}", lambda x: build.compile_split_combine(spec, "sm_90a", x))
+        if arch == "sm90":
+            from cute_flash.arch.sm90 import build
+            from cute_flash.arch.sm90.tile_config import fwd_tile_config
+
+            report(f"split d{d} {mask}", lambda x: build.compile_forward_split(spec, fwd_tile_config(spec), target, x))
+        else:
+            from cute_flash.arch.sm80.backend import compile_forward
+            from cute_flash.census import cubin_resources
+
+            fwd = compile_forward(spec, target, split=True)
+            frame = max(r.get("stack_frame_bytes", 0) for r in cubin_resources(fwd.cubin).values())
+            print(json.dumps(dict(name=f"split d{d} {mask}", census=census.ptx_census(fwd.ptx), stores=stores(fwd.ptx),
+                                  pdl=False, spill_bytes=frame)), flush=True)
+        report(f"combine d{dv}", lambda x: compile_split_combine(dtype, dv, target, x))
     """
 )
 
 
-def test_split_builds_compile_for_sm90():
-    done = subprocess.run([sys.executable, "-c", _CENSUS], cwd=REPO, capture_output=True, text=True, timeout=900)
+@pytest.mark.parametrize("arch", ["sm90", "sm80"])
+def test_split_builds_compile(arch):
+    done = subprocess.run([sys.executable, "-c", _CENSUS, arch], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 6
+    assert len(reports) == 4
     for r in reports:
         assert r["spill_bytes"] == 0, r
         c = r["census"]
         if r["name"].startswith("split"):
-            assert c["wgmma.mma_async.rs"] > 0 and c["wgmma.mma_async"] > c["wgmma.mma_async.rs"], r
-            assert c["cp.async.bulk.tensor"] > 0 and c["setmaxnreg"] >= 2, r
-            assert r["stores"] > 0, r  # O and LSE partials from registers (no TMA store of O)
+            if arch == "sm90":
+                assert c["wgmma.mma_async.rs"] > 0 and c["wgmma.mma_async"] > c["wgmma.mma_async.rs"], r
+                assert c["cp.async.bulk.tensor"] > 0 and c["setmaxnreg"] >= 2, r
+            else:
+                assert c["mma.sync"] > 0 and c["cp.async"] > 0 and c["wgmma.mma_async"] == 0, r
+            assert r["stores"] > 0, r  # O and LSE partials from registers
         else:
             assert c["wgmma.mma_async"] == 0 and c["cp.async.bulk.tensor"] == 0, r
+            assert r["pdl"] is (arch == "sm90"), r  # programmatic dependent launch on sm_90 only

@@ -103,7 +103,7 @@ class ArchBackend(Protocol):
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         """Compiles the kernels that serve `spec` for CuTe DSL target `target` with fake tensors (no GPU needed): the
-        forward, and with `backward` the backward's (not the sm90 split-key decoding pair: tests/test_split_kv.py)."""
+        forward, and with `backward` the backward's (not the split-key decoding pair: tests/test_split_kv.py)."""
 
     def warm(
         self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False
@@ -132,7 +132,7 @@ class BoundForward:
 
 
 class SplitForward:
-    """The `forward_launcher` of a split-key call (arch/sm90/split_kv.py): the split forward writes each split's
+    """The `forward_launcher` of a split-key call (arch/split_kv.py): the split forward writes each split's
     partial O and LSE in fp32, the combine kernel merges them into out and lse. The partial buffers come from torch's
     caching allocator per call (nothing held between calls; CUDA-graph capture takes them from its pool). Its parts
     are public, as BoundForward's: the eager path hands them to the C++ call path."""

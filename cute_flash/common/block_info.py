@@ -170,3 +170,12 @@ class BlockInfo:
         if self.has_left_bound:
             needs = needs | (m_block >= self.q_left_masked_start(n_block))
         return needs
+
+
+def split_kv_range(n_min: Int, n_max: Int, split: Int, splits: Int) -> Tuple[Int, Int]:
+    """Run `split` of `splits` over the key tiles [n_min, n_max) of a query tile (split-key decoding,
+    arch/split_kv.py): [lo, hi) with equal runs of ceil(tiles / splits), the last ones shorter or empty (lo >= hi);
+    an empty range stays empty."""
+    per_split = _ceil_div_nonneg(_max(n_max - n_min, 0), splits)
+    lo = _min(n_min + split * per_split, n_max)
+    return lo, _min(lo + per_split, n_max)

@@ -1,7 +1,8 @@
 """The sm80 entry point for the front end (see cute_flash.arch.base.ArchBackend).
 
 Forward: `flash_fwd.Sm80FlashForward`, compiled once per (target, spec, tile) with symbolic batch / seqlen / head
-extents and launched through TVM-FFI on torch's current stream. Backward: delegated to `backward.py` (the sm80
+extents and launched through TVM-FFI on torch's current stream; decoding calls with few query blocks run its
+split-key build and the shared combine kernel (arch/split_kv.py). Backward: delegated to `backward.py` (the sm80
 backward kernels), imported only when asked for.
 """
 
@@ -21,7 +22,8 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import Problem, VarlenProblem, kernel_view
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, PackedSeqs
-from ..base import BoundForward, launch_packed_forward, prepare_build
+from ..base import BoundForward, SplitForward, launch_packed_forward, prepare_build
+from .. import split_kv
 from ...census import cubin_resources
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_operand, fake_packed_forward_args
@@ -53,8 +55,9 @@ def _backward_module():
         raise
 
 
-def _build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str, seqused: bool = False):
-    """Compiles the forward kernel with fake tensors: batch, seqlens and head counts are symbolic."""
+def _build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str, seqused: bool = False, split=False):
+    """Compiles the forward kernel with fake tensors: batch, seqlens and head counts are symbolic; split: the
+    split-key build, whose out / lse are the fp32 partials (splits * b, sq, h, dv) / (splits * b, h, sq)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -73,7 +76,10 @@ def _build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str, sequs
     v = operand(seqlen_k, heads_kv, spec.head_dim_v)
     out = operand(seqlen_q, heads, spec.head_dim_v)
     lse = fake_f32((batch, heads, seqlen_q))
-    kernel = Sm80FlashForward(spec, tile)
+    if split:
+        parts = cute.sym_int()
+        out, lse = fake_f32((parts, seqlen_q, heads, spec.head_dim_v)), fake_f32((parts, heads, seqlen_q))
+    kernel = Sm80FlashForward(spec, tile, split_kv=split)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
         kernel, q, k, v, out, lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream, options=options
@@ -119,7 +125,7 @@ class CompiledForward:
 
 
 def compile_forward(
-    spec: AttentionSpec, target: str, extra_options: str = "", seqused: bool = False
+    spec: AttentionSpec, target: str, extra_options: str = "", seqused: bool = False, split: bool = False
 ) -> CompiledForward:
     """Compiles the first tile candidate that ptxas fits in registers without spilling (see fwd_tile_candidates).
 
@@ -131,7 +137,7 @@ def compile_forward(
     tried: List[Dict[str, object]] = []
     for i, tile in enumerate(candidates):
         keep = compile_cache.keep_artifacts_options(_dump_dir(), ptxas_report=False)
-        compiled = _build_forward(spec, tile, _options(target, tile, f"{keep} {extra_options}"), seqused)
+        compiled = _build_forward(spec, tile, _options(target, tile, f"{keep} {extra_options}"), seqused, split)
         ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
         frame = max((r.get("stack_frame_bytes", 0) for r in cubin_resources(cubin).values()), default=0)
         tried.append({**tile.as_dict(), "stack_frame_bytes": frame})
@@ -140,7 +146,7 @@ def compile_forward(
     raise AssertionError("unreachable: the last candidate always returns")
 
 
-def _compile_runnable_forward(spec: AttentionSpec, target: str, seqused: bool = False):
+def _compile_runnable_forward(spec: AttentionSpec, target: str, seqused: bool = False, split: bool = False):
     # CuTe DSL only loads a kernel compiled for the arch it was imported for (CUTE_DSL_ARCH, else the GPU's own).
     dsl_arch = os.environ.get("CUTE_DSL_ARCH")
     if dsl_arch and dsl_arch != target:
@@ -148,7 +154,7 @@ def _compile_runnable_forward(spec: AttentionSpec, target: str, seqused: bool = 
             f"CUTE_DSL_ARCH={dsl_arch} but this GPU runs {target} kernels; unset CUTE_DSL_ARCH (it is only for "
             f"cross-compiling without a GPU)"
         )
-    return compile_forward(spec, target, seqused=seqused).kernel
+    return compile_forward(spec, target, seqused=seqused, split=split).kernel
 
 
 def _options(target: str, tile: FwdTileConfig, extra: str = "") -> str:
@@ -159,7 +165,7 @@ class _Backend:
     name = FAMILY
     cute_arch = "sm_80"
     varlen = True  # has packed-sequence kernels (forward_varlen / backward_varlen); see routing
-    split_keys = False
+    split_keys = True  # split-key decoding (arch/split_kv.py)
 
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         raise NotImplementedError("the sm80 family has no FP8 kernel")
@@ -175,31 +181,34 @@ class _Backend:
             return "sm80 backward not implemented yet"
         return bwd.backward_unsupported_reason(spec)
 
-    def _forward_kernel(self, spec: AttentionSpec, target: str):
+    def _forward_kernel(self, spec: AttentionSpec, target: str, split: bool = False):
+        """The compiled forward of `spec` for `target` (split: its split-key build)."""
         # The tile is a function of (spec, target) (see compile_forward), so it needs no place in the key.
-        key = (FAMILY, target, "fwd", spec)
-        return compile_cache.get_or_compile(key, lambda: _compile_runnable_forward(spec, target))
+        key = (FAMILY, target, "fwd", spec) + (("split",) if split else ())
+        return compile_cache.get_or_compile(key, lambda: _compile_runnable_forward(spec, target, split=split))
 
     def forward_launcher(self, problem: Problem, device: torch.device) -> ForwardLauncher:
-        reason = forward_unsupported_reason(problem.spec)
-        if reason is not None:
-            raise NotImplementedError(reason)
-        return BoundForward(self._forward_kernel(problem.spec, compile_cache.runtime_target(device)), problem)
-
-    def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
-        q, k, v, out, lse = t
-        spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
-        if descale is not None:
-            raise NotImplementedError("the sm80 forward has no fp8 path, so it takes no descale factors")
+        spec = problem.spec
         reason = forward_unsupported_reason(spec)
         if reason is not None:
             raise NotImplementedError(reason)
+        target = compile_cache.runtime_target(device)  # the device's own: a kernel loads only there (sm_90a on Hopper)
+        # The first tile candidate's extents (the one that compiles without spills at these head dims; another one
+        # only changes how well the split fits, not what the kernels compute).
+        tile = fwd_tile_candidates(spec.head_dim, spec.head_dim_v, target)[0]
+        splits = split_kv.num_splits(problem, tile.tile_m, tile.tile_n, compile_cache.sm_count(device))
+        if splits > 1:
+            split = self._forward_kernel(spec, target, split=True)
+            return SplitForward(split, split_kv.combine_kernel(spec, target), problem, splits)
+        return BoundForward(self._forward_kernel(spec, target), problem)
 
-        # The DSL's target must be the device's own for the compiled kernel to load here (sm_90a on Hopper).
-        target = compile_cache.runtime_target(q.device)
-        kernel = self._forward_kernel(spec, target)
+    def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        q, k, v, out, lse = t
+        if descale is not None:
+            raise NotImplementedError("the sm80 forward has no fp8 path, so it takes no descale factors")
+        launch = self.forward_launcher(problem, q.device)  # (refuses what the family does not serve)
         q, k, v, out = (kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out)))
-        kernel(q, k, v, out, lse, float(softmax_scale), int(mask.left), int(mask.right))
+        launch(q, k, v, out, lse)
 
     def forward_varlen(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -236,6 +245,9 @@ class _Backend:
             _backward_module().warm_backward(spec, target, gqa=gqa)
         else:
             self._forward_kernel(spec, target)
+            if split_kv.splittable(spec):  # decoding calls of this spec run the split build and its combine
+                self._forward_kernel(spec, target, split=True)
+                split_kv.combine_kernel(spec, target)
 
     def backward_varlen(
         self, t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: VarlenProblem, deterministic: bool = False

@@ -15,6 +15,11 @@ interior blocks run without any mask arithmetic, and local windows end with mask
 Tails are handled by predication: Q/K/V rows past the sequence ends are not loaded (V's are zero-filled, K's are
 masked to -inf), head-dim padding (see tile_config) is zero-filled once, and only in-range rows of O and LSE are
 stored. GQA reads kv head (head // (h / h_kv)) directly.
+
+Split-key build (`split_kv`, decoding: arch/split_kv.py): grid (query blocks, heads, splits x batch); the CTA at
+z = split * batch + b walks the split-th run of its query block's KV blocks and stores its normalised O and LSE in
+fp32 straight from registers at batch index z of the (splits * b, sq, h, dv) / (splits * b, h, sq) partials, which
+the combine kernel (common/split_combine.py) merges.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from ...common.acc_views import rows_cols_view, sm80_acc_as_a_operand
 from ...common.dsl_types import dsl_dtype
-from ...common.block_info import BlockInfo
+from ...common.block_info import BlockInfo, split_kv_range
 from ...common.block_walk import walk_kv_blocks
 from ...common.entries import FwdEntries
 from ...common.grid import block_grid
@@ -166,8 +171,9 @@ class Sm80FlashForward(FwdEntries):
     for every sequence; a CTA whose block lies past its sequence's end exits at once (see common/packed.py).
     """
 
-    def __init__(self, spec: AttentionSpec, tile: FwdTileConfig):
-        """spec.varlen: packed q/k/v/out/lse with cu_seqlens (entry point `packed`), else dense (`__call__`)."""
+    def __init__(self, spec: AttentionSpec, tile: FwdTileConfig, split_kv: bool = False):
+        """spec.varlen: packed q/k/v/out/lse with cu_seqlens (entry point `packed`), else dense (`__call__`);
+        split_kv: the split-key build (dense only: out / lse are the fp32 partials)."""
         dtype, head_dim, head_dim_v = dsl_dtype(spec.dtype), spec.head_dim, spec.head_dim_v
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise TypeError("the sm80 forward kernel computes in fp16 or bf16")
@@ -183,6 +189,8 @@ class Sm80FlashForward(FwdEntries):
         self.num_threads = tile.num_threads
         self.num_stages = tile.num_stages
         self.varlen = spec.varlen
+        self.split_kv = split_kv
+        assert not (split_kv and spec.varlen)
         assert self.tile_n % 16 == 0 and self.tile_m % (16 * tile.num_warps) == 0
 
     # ------------------------------------------------------------------------------------------------------------
@@ -230,6 +238,8 @@ class Sm80FlashForward(FwdEntries):
 
         num_m_blocks, heads, batch = block_grid(mQ, mQ, self.tile_m, mCuSeqlensQ, max_seqlen_q)
         grid = (num_m_blocks, cute.size(heads), cute.size(batch))
+        if cutlass.const_expr(self.split_kv):
+            grid = (num_m_blocks, cute.size(heads), cute.size(mO.shape[0]))  # (split, batch) pairs
         params = FwdParams(
             mQ, mK, mV, mO, mLSE, softmax_scale * LOG2_E, window_left, window_right, sQ_layout, sK_layout, sV_layout,
             sO_layout, copy_qk, copy_v, copy_o, tiled_mma, SharedStorage,
@@ -246,6 +256,12 @@ class Sm80FlashForward(FwdEntries):
         """packed: (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK) of packed sequences, or three None."""
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
+        split = None
+        if cutlass.const_expr(self.split_kv):
+            # (split, batch index of the partials, splits)
+            nbatch = params.mQ.shape[0]
+            split = (batch // nbatch, batch, cute.arch.grid_dim()[2] // nbatch)
+            batch = batch - split[0] * nbatch
         if cutlass.const_expr(self.mask == "causal"):
             # Bottom query blocks see the most keys: start them first so the short ones fill the tail of the grid.
             m_block = cute.arch.grid_dim()[0] - 1 - m_block
@@ -255,12 +271,15 @@ class Sm80FlashForward(FwdEntries):
             if m_block * self.tile_m < seq.seqlen_q:
                 self.cta(params, tidx, m_block, head, head_kv, seq)
         else:
-            self.cta(params, tidx, m_block, head, head_kv, seq)
+            self.cta(params, tidx, m_block, head, head_kv, seq, split)
 
     @cute.jit
-    def cta(self, params: FwdParams, tidx: Int32, m_block: Int32, head: Int32, head_kv: Int32, seq: SeqRows):
+    def cta(
+        self, params: FwdParams, tidx: Int32, m_block: Int32, head: Int32, head_kv: Int32, seq: SeqRows, split=None
+    ):
         """One (query block, head, sequence) tile; seq.offset_q / offset_k: the sequence's first rows in packed
-        tensors (None: dense tensors, indexed by batch)."""
+        tensors (None: dense tensors, indexed by batch); split: the split-key build's (split, partials' batch
+        index, splits)."""
         (
             mQ, mK, mV, mO, mLSE, scale_log2, window_left, window_right, sQ_layout, sK_layout, sV_layout, sO_layout,
             copy_qk, copy_v, copy_o, tiled_mma, SharedStorage,
@@ -269,6 +288,8 @@ class Sm80FlashForward(FwdEntries):
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         info = BlockInfo(self.tile_m, self.tile_n, self.mask, seqlen_q, seqlen_k, window_left, window_right)
         n_block_min, n_block_max = info.kv_block_range(m_block)
+        if cutlass.const_expr(split is not None):
+            n_block_min, n_block_max = split_kv_range(n_block_min, n_block_max, split[0], split[2])
 
         # ---- global tiles of this CTA ----------------------------------------------------------------------------
         gQ = cute.local_tile(head_rows(mQ, batch, head, offset_q), (self.tile_m, self.d_pad), (m_block, 0))
@@ -377,9 +398,36 @@ class Sm80FlashForward(FwdEntries):
         # ---- epilogue: normalise, write LSE and O ------------------------------------------------------------------
         row_scale, lse = softmax.finalize()
         softmax.rescale(rows_cols_view(acc_O), row_scale)
-        self.epilogue(
-            acc_O, lse, mO, mLSE, sQ, sO_layout, copy_o, tiled_mma, tidx, m_block, head, batch, seqlen_q, offset_q
+        if cutlass.const_expr(split is not None):
+            cute.arch.cp_async_wait_group(0)  # (a CTA with no KV block never waited for its Q load)
+            self.store_partials(acc_O, lse, mO, mLSE, tiled_mma, tidx, m_block, head, split[1], seqlen_q)
+        else:
+            self.epilogue(
+                acc_O, lse, mO, mLSE, sQ, sO_layout, copy_o, tiled_mma, tidx, m_block, head, batch, seqlen_q, offset_q
+            )
+
+    @cute.jit
+    def store_partials(self, acc_O, lse, mO, mLSE, tiled_mma, tidx, m_block, head, out_batch, seqlen_q):
+        """The split-key build's normalised O and LSE of this CTA's run, fp32 straight from registers (few rows:
+        decoding), at batch index `out_batch` of the partials."""
+        coords = rows_cols_view(
+            tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.dv_pad)))
         )
+        acc = rows_cols_view(acc_O)
+        gO = head_rows(mO, out_batch, head)
+        gLSE = head_stats(mLSE, out_batch, head)
+        row_base = m_block * self.tile_m
+        for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+            row = row_base + coords[r, 0][0]
+            if row < seqlen_q:
+                for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                    if cutlass.const_expr(self.head_dim_v == self.dv_pad):
+                        gO[row, coords[r, c][1]] = acc[r, c]
+                    else:
+                        if coords[r, c][1] < self.head_dim_v:
+                            gO[row, coords[r, c][1]] = acc[r, c]
+                if coords[0, 0][1] == 0:
+                    gLSE[row] = lse[r]
 
     @cute.jit
     def epilogue(

@@ -24,6 +24,7 @@ from ...spec import AttentionSpec
 from ...validation import PackedSeqs, Problem, VarlenProblem
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact
 from ..base import BoundForward, SplitForward, launch_packed_forward, launcher_through_forward, prepare_build
+from .. import split_kv
 from .tile_config import FwdTileConfig, budget_problem, fwd_tile_config, smem_bytes
 
 FAMILY = "sm90"
@@ -72,14 +73,14 @@ def _build_forward(
     return build.compile_forward(spec, cfg, target, extra_options)
 
 
-def _split_kv():
-    from . import split_kv  # split-key decoding's host side (imports torch only)
-
-    return split_kv
+def split_tile_config(spec: AttentionSpec) -> FwdTileConfig:
+    """The tile configuration of `spec`'s split-key build: the forward's (a study may replace this function:
+    profiling/decode_benchmark.py --split-configs)."""
+    return fwd_tile_config(spec)
 
 
 # (spec, target, variant) -> compiled forward; variant: "" (dense), "seqused_k" (packed, reading seqused_k), "split"
-# (split keys, split_kv.py), "combine" (the split's combine kernel)
+# (split keys, arch/split_kv.py), "combine" (its combine kernel, shared by the families: split_kv.combine_kernel)
 _forward_kernels: Dict[tuple, object] = compile_cache.memo()
 
 
@@ -87,7 +88,7 @@ class _Backend:
     name = FAMILY
     cute_arch = "sm_90a"
     varlen = True  # has packed-sequence kernels (forward_varlen / backward_varlen); see routing
-    split_keys = True  # split-key decoding (split_kv.py)
+    split_keys = True  # split-key decoding (arch/split_kv.py)
 
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         return _fp8().kv_scale_block(spec.head_dim, spec.head_dim_v)
@@ -105,25 +106,21 @@ class _Backend:
     def _forward_kernel(self, spec: AttentionSpec, target: str, variant: str = ""):
         """The compiled forward of `spec` for `target`; variant: "" dense (packed for spec.varlen), "seqused_k" the
         packed build that reads seqused_k, "split" the split-key build and "combine" its combine kernel
-        (split_kv.py). A spec this family does not serve raises NotImplementedError when its kernel would be built
+        (arch/split_kv.py). A spec this family does not serve raises NotImplementedError when its kernel would be built
         (a warm call does not check again: the router has)."""
         kernel = _forward_kernels.get((spec, target, variant))
         if kernel is not None:  # a warm call: one lookup, no tile configuration or cache key built again
             return kernel
-        if variant == "combine":  # depends on the output dtype and dv only: one build serves every such spec
-            key = (FAMILY, target, "split_combine", spec.out_dtype, spec.head_dim_v)
-        else:
-            cfg = _split_kv().split_tile_config(spec) if variant == "split" else fwd_tile_config(spec)
-            key = (FAMILY, target, "fwd", spec, cfg) + ((variant,) if variant else ())
+        if variant == "combine":
+            kernel = _forward_kernels[(spec, target, variant)] = split_kv.combine_kernel(spec, target)
+            return kernel
+        cfg = split_tile_config(spec) if variant == "split" else fwd_tile_config(spec)
+        key = (FAMILY, target, "fwd", spec, cfg) + ((variant,) if variant else ())
 
         def build():
             reason = self.unsupported_reason(spec, backward=False)
             if reason is not None:
                 raise NotImplementedError(reason)
-            if variant == "combine":
-                from .build import compile_split_combine
-
-                return compile_split_combine(spec, target)
             return _build_forward(spec, cfg, target, "", variant == "seqused_k", variant == "split")
 
         kernel = _forward_kernels[(spec, target, variant)] = compile_cache.get_or_compile(key, build)
@@ -134,8 +131,8 @@ class _Backend:
         if spec.dtype == "fp8":
             return launcher_through_forward(self, problem)
         target = compile_cache.runtime_target(device)
-        split_kv = _split_kv()
-        splits = split_kv.num_splits(problem, compile_cache.sm_count(device))
+        cfg = split_tile_config(spec)
+        splits = split_kv.num_splits(problem, cfg.tile_m, cfg.tile_n, compile_cache.sm_count(device))
         if splits > 1:
             split = self._forward_kernel(spec, target, "split")
             return SplitForward(split, self._forward_kernel(spec, target, "combine"), problem, splits)
@@ -184,7 +181,7 @@ class _Backend:
             _bwd().warm_backward(spec, target, gqa=gqa, deterministic=deterministic)
         else:
             self._forward_kernel(spec, target)
-            if _split_kv().splittable(spec):  # decoding calls of this spec run the split build and its combine
+            if split_kv.splittable(spec):  # decoding calls of this spec run the split build and its combine
                 self._forward_kernel(spec, target, "split")
                 self._forward_kernel(spec, target, "combine")
 

@@ -53,7 +53,7 @@ def compile_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_
 
 
 def compile_forward_split(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_options: Optional[str] = None):
-    """The split-key forward (split_kv.py): fn(q, k, v, o_part, lse_part, softmax_scale, window_left, window_right)
+    """The split-key forward (arch/split_kv.py): fn(q, k, v, o_part, lse_part, softmax_scale, window_left, window_right)
     with o_part (splits * b, sq, h, dv) and lse_part (splits * b, h, sq) fp32, the split count their first
     extent over q's batch."""
     dtype = dsl_dtype(spec.dtype)
@@ -70,22 +70,6 @@ def compile_forward_split(spec: AttentionSpec, cfg: FwdTileConfig, target: str, 
         kernel, q, k, v, o_part, lse_part, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream,
         options=options,
     )  # fmt: skip
-
-
-def compile_split_combine(spec: AttentionSpec, target: str, extra_options: Optional[str] = None):
-    """The split-key combine (split_combine.py): fn(o_part, lse_part, out, lse), layouts as compile_forward_split's
-    partials and the dense out (b, sq, h, dv) / lse (b, h, sq), any strides."""
-    from .split_combine import SplitCombine
-
-    dtype = dsl_dtype(spec.out_dtype)
-    batch, seqlen_q, heads, parts = (cute.sym_int() for _ in range(4))
-    o_part = fake_f32((parts, seqlen_q, heads, spec.head_dim_v))
-    lse_part = fake_f32((parts, heads, seqlen_q))
-    out = _strided(dtype, (batch, seqlen_q, heads), spec.head_dim_v)
-    lse = fake_f32((batch, heads, seqlen_q))
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = compile_cache.compile_options(target, extra=extra_options or "")
-    return cute.compile(SplitCombine(dtype, spec.head_dim_v), o_part, lse_part, out, lse, stream, options=options)
 
 
 def compile_forward_packed(

@@ -18,7 +18,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from ...common.block_info import BlockInfo
+from ...common.block_info import BlockInfo, split_kv_range
 from ...common.packed import seq_rows
 from ...common.packed_tiles import packed_tile
 
@@ -80,8 +80,5 @@ def cta_work(
     info = BlockInfo(tile_m, tile_n, mask_kind, seqlen_q, seqlen_k, window_left, window_right)
     n_min, n_max = info.kv_block_range(m_block)
     if cutlass.const_expr(split_kv):
-        splits = cute.arch.grid_dim()[2] // mQ.shape[3]
-        per_split = (cutlass.max(n_max - n_min, 0) + splits - 1) // splits
-        n_min = cutlass.min(n_min + split * per_split, n_max)
-        n_max = cutlass.min(n_min + per_split, n_max)
+        n_min, n_max = split_kv_range(n_min, n_max, split, cute.arch.grid_dim()[2] // mQ.shape[3])
     return CtaWork(m_block, head, head_kv, batch, seqlen_q, info, n_min, n_max, offset_q, offset_k, out_batch)

@@ -97,8 +97,8 @@ def store_partial_o_and_lse(
     out_batch: Int32,
     seqlen_q: Int32,
 ):
-    """A split-key CTA's partial O and LSE in fp32, straight from registers (split_kv.py combines them): few rows
-    (decoding), so no staging through shared memory; each thread stores the column pairs the MMA gave it."""
+    """A split-key CTA's partial O and LSE in fp32, straight from registers (common/split_combine.py combines them):
+    few rows (decoding), so no staging through shared memory; each thread stores the column pairs the MMA gave it."""
     rows = ROWS_PER_CONSUMER
     coords = rows_cols_view(thr_o.partition_C(cute.make_identity_tensor((rows, head_dim_v))))
     acc = rows_cols_view(acc_O)

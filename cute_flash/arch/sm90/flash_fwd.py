@@ -108,7 +108,7 @@ class Sm90FlashForward(FwdEntries):
         self.dtype = dtype
         self.out_dtype = dtype
         self._init_cta(spec, cfg)
-        # split_kv: the key tiles of each query tile are shared among several CTAs (decoding, split_kv.py), each
+        # split_kv: the key tiles of each query tile are shared among several CTAs (decoding, arch/split_kv.py), each
         # writing its normalised O and LSE in fp32 for the combine kernel; mO / mLSE are then (splits * b, sq, h, dv)
         # and (splits * b, h, sq) fp32 and the grid's third dimension spans them (cta.py).
         self.split_kv = split_kv

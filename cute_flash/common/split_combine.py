@@ -1,4 +1,5 @@
-"""The combine kernel of split-key decoding (split_kv.py): per query row, the splits' partial results merged.
+"""The combine kernel of split-key decoding (arch/split_kv.py): per query row, the splits' partial results merged.
+Arch-neutral (plain loads and stores): every family's split build shares it, compiled for the GPU's target.
 
 Split s of a row wrote its normalised partial output O_s and log-sum-exp lse_s over its own keys (fp32; a split
 that saw no key of the row: O_s = 0, lse_s = -inf). The whole row's result is the softmax-weighted sum
@@ -21,7 +22,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ...common.online_softmax import LOG2_E
+from .online_softmax import LOG2_E
 
 COLS_PER_THREAD = 4
 THREADS = 128
@@ -31,9 +32,10 @@ LN2 = 0.6931471805599453
 class SplitCombine:
     """Compiled once per (output dtype, dv); shapes, strides and the split count are runtime."""
 
-    def __init__(self, out_dtype, head_dim_v: int):
+    def __init__(self, out_dtype, head_dim_v: int, pdl: bool = True):
         assert head_dim_v % COLS_PER_THREAD == 0 and head_dim_v // COLS_PER_THREAD <= THREADS
         self.out_dtype = out_dtype
+        self.pdl = pdl  # programmatic dependent launch (sm_90 on; sm_80 has none)
         self.head_dim_v = head_dim_v
         self.threads_per_row = head_dim_v // COLS_PER_THREAD
         self.rows_per_cta = THREADS // self.threads_per_row
@@ -41,12 +43,13 @@ class SplitCombine:
     @cute.jit
     def __call__(self, mOpart: cute.Tensor, mLSEpart: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, stream):
         grid = [cute.ceil_div(mO.shape[1], self.rows_per_cta), cute.size(mO.shape[2]), cute.size(mO.shape[0])]
-        # Programmatic dependent launch: the CTAs are set up while the split forward runs (it lets them launch from
-        # its start) and wait for its results at griddepcontrol.wait. That orders the combine after the kernel
-        # launched just before it on the same stream: both launch sites (arch/base.SplitForward and the C++ call
-        # path) launch the pair back to back on the current stream.
+        # Programmatic dependent launch: the CTAs are set up while the split forward runs (a family's split build
+        # may let them launch from its start; else they launch as it ends) and wait for its results at
+        # griddepcontrol.wait. That orders the combine after the kernel launched just before it on the same stream:
+        # both launch sites (arch/base.SplitForward and the C++ call path) launch the pair back to back on the
+        # current stream. Without it (sm_80 targets) stream order alone orders the pair.
         self.kernel(mOpart, mLSEpart, mO, mLSE).launch(
-            grid=grid, block=[self.rows_per_cta * self.threads_per_row, 1, 1], stream=stream, use_pdl=True
+            grid=grid, block=[self.rows_per_cta * self.threads_per_row, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
@@ -57,7 +60,8 @@ class SplitCombine:
         col = (tidx % self.threads_per_row) * COLS_PER_THREAD
         nbatch = mO.shape[0]
         splits = mOpart.shape[0] // nbatch
-        cute.arch.griddepcontrol_wait()  # the split forward's partials are complete and visible past this
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # the split forward's partials are complete and visible past this
         if row < mO.shape[1]:
             lse_max = -Float32.inf
             for s in cutlass.range(splits, unroll=1):
@@ -80,3 +84,23 @@ class SplitCombine:
             if col == Int32(0):
                 log_total = cute.math.log2(Float32(1.0) if empty else total, fastmath=True) * LN2
                 mLSE[batch, head, row] = -Float32.inf if empty else shift + log_total
+
+
+def compile_split_combine(out_dtype: str, head_dim_v: int, target: str, extra_options: str = ""):
+    """The compiled combine: fn(o_part, lse_part, out, lse) with o_part (splits * b, sq, h, dv) and lse_part
+    (splits * b, h, sq) fp32, out (b, sq, h, dv) of `out_dtype` ("fp16" / "bf16") and lse (b, h, sq) fp32, any
+    strides (last dimension contiguous)."""
+    from .. import compile_cache
+    from .dsl_types import dsl_dtype
+    from .fake_tensors import fake_f32, fake_operand
+
+    dtype = dsl_dtype(out_dtype)
+    batch, seqlen_q, heads, parts = (cute.sym_int() for _ in range(4))
+    o_part = fake_f32((parts, seqlen_q, heads, head_dim_v))
+    lse_part = fake_f32((parts, heads, seqlen_q))
+    out = fake_operand(dtype, (batch, seqlen_q, heads, head_dim_v))
+    lse = fake_f32((batch, heads, seqlen_q))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = compile_cache.compile_options(target, extra=extra_options)
+    kernel = SplitCombine(dtype, head_dim_v, pdl=not target.startswith("sm_8"))
+    return cute.compile(kernel, o_part, lse_part, out, lse, stream, options=options)

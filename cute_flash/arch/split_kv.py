@@ -1,0 +1,59 @@
+"""Split-key decoding, the part every kernel family shares: when a call splits, and the combine kernel.
+
+A decoding call (one query row per sequence, or a few: packed GQA query heads, speculative tokens, short chunks)
+has one query tile per (batch, head). At small batch that is fewer CTAs than the GPU has SMs, and each walks its
+whole key range alone: at batch 1 with 8 KV heads, 8 of 132 SMs read the cache. A family with `split_keys` cuts the
+key tiles of each query tile into `splits` equal runs, one CTA each (grid (query tiles, heads, splits x batch); the
+CTA at z = split * batch + b walks the split-th run, none when the tile has fewer key tiles than that), writes each
+run's normalised O and natural-log LSE in fp32 to (splits * b, sq, h, dv) / (splits * b, h, sq) buffers, and
+`common/split_combine.SplitCombine` merges them into out and lse (FlashAttention-2/3's split-KV decoding; the
+launcher: arch/base.SplitForward). The result is the same softmax up to fp32 rounding order.
+
+When (`num_splits`): fp16 / bf16 dense calls whose query rows fit one tile, with at most a third as many CTAs as
+SMs; splits = the CTAs that fill the SMs once, capped by the key tiles (MIN_TILES_PER_SPLIT each) and MAX_SPLITS,
+and only when that is at least MIN_SPLITS.
+"""
+
+from __future__ import annotations
+
+from .. import compile_cache
+from ..common.block_info import BlockInfo
+from ..spec import AttentionSpec
+from ..validation import Problem
+
+MIN_TILES_PER_SPLIT = 2  # key tiles per CTA: fewer leaves each CTA mostly its pipeline's start-up
+MIN_SPLITS = 3  # below, the combine's launch and the partials cost about what the split gains (H100, docs)
+MAX_SPLITS = 64
+
+
+def splittable(spec: AttentionSpec) -> bool:
+    """Whether calls of `spec` may run split (a family's split build exists): fp16 / bf16 on dense tensors."""
+    return spec.dtype in ("fp16", "bf16") and not spec.varlen
+
+
+def num_splits(problem: Problem, tile_m: int, tile_n: int, sm_count: int) -> int:
+    """How many CTAs share each query tile's keys (1: the call runs unsplit), for a kernel of tile_m x tile_n
+    tiles. (The kernels derive each run from the split count and their own tiles, so the answer affects speed only.)"""
+    p = problem
+    if not splittable(p.spec):
+        return 1
+    ctas = p.batch * p.nheads
+    if not (0 < p.seqlen_q <= tile_m) or ctas == 0 or MIN_SPLITS * ctas > sm_count:
+        return 1
+    info = BlockInfo(tile_m, tile_n, p.mask.kind, p.seqlen_q, p.seqlen_k, p.mask.left, p.mask.right)
+    n_min, n_max = info.kv_block_range(0)
+    splits = min(sm_count // ctas, (n_max - n_min) // MIN_TILES_PER_SPLIT, MAX_SPLITS)
+    return splits if splits >= MIN_SPLITS else 1
+
+
+def combine_kernel(spec: AttentionSpec, target: str):
+    """The compiled combine for `spec`'s output dtype and dv on `target`: fn(o_part, lse_part, out, lse). One build
+    serves every family, mask and head dim with that (dtype, dv)."""
+    key = ("split_kv", target, "split_combine", spec.out_dtype, spec.head_dim_v)
+
+    def build():
+        from ..common.split_combine import compile_split_combine  # imports cutlass: only when built
+
+        return compile_split_combine(spec.out_dtype, spec.head_dim_v, target)
+
+    return compile_cache.get_or_compile(key, build)
