@@ -56,6 +56,14 @@ def test_num_splits(args, kw, splits):
     assert split_kv.num_splits(p, cfg.tile_m, cfg.tile_n, 0) == 1  # not a GPU
 
 
+def test_families_choose_their_fewest_splits():
+    # The sm80 family splits from 2 on (its unsplit CTAs read the cache slowly): batch 8 x 8 heads, 64 CTAs.
+    p = _problem(8, 1, 8192, 8, 8, 128)
+    assert split_kv.num_splits(p, 128, 128, 132) == 1
+    assert split_kv.num_splits(p, 128, 64, 132, 2) == 2
+    assert split_kv.num_splits(_problem(17, 1, 8192, 8, 8, 128), 128, 64, 132, 2) == 1  # 136 CTAs
+
+
 def test_the_splits_cover_each_rows_keys_once():
     """Every split's run of key tiles, over query tiles, masks and split counts: the runs tile [n_min, n_max)
     exactly (an empty range stays empty), so each key a row sees is walked by exactly one split."""

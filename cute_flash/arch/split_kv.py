@@ -9,9 +9,9 @@ run's normalised O and natural-log LSE in fp32 to (splits * b, sq, h, dv) / (spl
 `common/split_combine.SplitCombine` merges them into out and lse (FlashAttention-2/3's split-KV decoding; the
 launcher: arch/base.SplitForward). The result is the same softmax up to fp32 rounding order.
 
-When (`num_splits`): fp16 / bf16 dense calls whose query rows fit one tile, with at most a third as many CTAs as
-SMs; splits = the CTAs that fill the SMs once, capped by the key tiles (MIN_TILES_PER_SPLIT each) and MAX_SPLITS,
-and only when that is at least MIN_SPLITS.
+When (`num_splits`): fp16 / bf16 dense calls whose query rows fit one tile, with at most a third (the sm80 family:
+half) as many CTAs as SMs; splits = the CTAs that fill the SMs once, capped by the key tiles (MIN_TILES_PER_SPLIT
+each) and MAX_SPLITS, and only when that is at least MIN_SPLITS (sm80: 2, its backend's SPLIT_MIN_SPLITS).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..spec import AttentionSpec
 from ..validation import Problem
 
 MIN_TILES_PER_SPLIT = 2  # key tiles per CTA: fewer leaves each CTA mostly its pipeline's start-up
-MIN_SPLITS = 3  # below, the combine's launch and the partials cost about what the split gains (H100, docs)
+MIN_SPLITS = 3  # sm90: below, the combine's launch and the partials cost about what the split gains (H100, docs)
 MAX_SPLITS = 64
 
 
@@ -31,19 +31,22 @@ def splittable(spec: AttentionSpec) -> bool:
     return spec.dtype in ("fp16", "bf16") and not spec.varlen
 
 
-def num_splits(problem: Problem, tile_m: int, tile_n: int, sm_count: int) -> int:
+def num_splits(problem: Problem, tile_m: int, tile_n: int, sm_count: int, min_splits: int = 0) -> int:
     """How many CTAs share each query tile's keys (1: the call runs unsplit), for a kernel of tile_m x tile_n
-    tiles. (The kernels derive each run from the split count and their own tiles, so the answer affects speed only.)"""
+    tiles; min_splits: the fewest worth a split (default MIN_SPLITS; a family whose unsplit CTAs read the cache
+    slowly gains from 2). (The kernels derive each run from the split count and their own tiles, so the answer
+    affects speed only.)"""
     p = problem
+    min_splits = min_splits or MIN_SPLITS
     if not splittable(p.spec):
         return 1
     ctas = p.batch * p.nheads
-    if not (0 < p.seqlen_q <= tile_m) or ctas == 0 or MIN_SPLITS * ctas > sm_count:
+    if not (0 < p.seqlen_q <= tile_m) or ctas == 0 or min_splits * ctas > sm_count:
         return 1
     info = BlockInfo(tile_m, tile_n, p.mask.kind, p.seqlen_q, p.seqlen_k, p.mask.left, p.mask.right)
     n_min, n_max = info.kv_block_range(0)
     splits = min(sm_count // ctas, (n_max - n_min) // MIN_TILES_PER_SPLIT, MAX_SPLITS)
-    return splits if splits >= MIN_SPLITS else 1
+    return splits if splits >= min_splits else 1
 
 
 def combine_kernel(spec: AttentionSpec, target: str):

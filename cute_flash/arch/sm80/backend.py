@@ -99,6 +99,10 @@ def _build_forward_packed(spec: AttentionSpec, tile: FwdTileConfig, options: str
     return cute.compile(kernel.packed, *args, stream, options=options)
 
 
+# Split-key decoding from 2 splits on: an unsplit CTA of this family reads the cache at ~20 GB/s (H100, 64 CTAs:
+# 1.3 TB/s), so halving the keys per CTA pays for the combine (docs/performance.md, session 18).
+SPLIT_MIN_SPLITS = 2
+
 DETERMINISTIC_UNSUPPORTED = (
     "the sm80 backward adds dQ (and GQA's dK/dV) with fp32 atomics in no fixed order, so it has no deterministic mode"
 )
@@ -196,7 +200,8 @@ class _Backend:
         # The first tile candidate's extents (the one that compiles without spills at these head dims; another one
         # only changes how well the split fits, not what the kernels compute).
         tile = fwd_tile_candidates(spec.head_dim, spec.head_dim_v, target)[0]
-        splits = split_kv.num_splits(problem, tile.tile_m, tile.tile_n, compile_cache.sm_count(device))
+        sm_count = compile_cache.sm_count(device)
+        splits = split_kv.num_splits(problem, tile.tile_m, tile.tile_n, sm_count, SPLIT_MIN_SPLITS)
         if splits > 1:
             split = self._forward_kernel(spec, target, split=True)
             return SplitForward(split, split_kv.combine_kernel(spec, target), problem, splits)
