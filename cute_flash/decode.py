@@ -8,7 +8,8 @@ FlashAttention-4's pack_gqa does: q (b, 1, h, d) is viewed as (b, group, h_kv, d
 copies, and the call runs as plain multi-head attention over the keys that its single query row sees (all of
 them, or the slice its window leaves), without a mask: the same math (with a window the key blocks start at its
 first key rather than at a multiple of the tile, so the sums may round differently than the unpacked call's).
-On the sm90 family it packs at every batch: with few query tiles the packed problem's keys are split over CTAs
+On a family with `split_keys` (sm80, sm90) it packs at every batch: with few query tiles the packed problem's keys
+are split over CTAs
 (arch/split_kv.py). Eager calls (`interface._launch_forward`) and the custom op under torch.compile
 (`interface._run_forward`) both take
 it for every call that qualifies (`keys_seen`), so the two agree bit for bit. The packed problem runs the forward

@@ -150,6 +150,8 @@ def _register_native(plan: _Plan, q, k, v, causal, softmax_scale, left, right, d
     group, keys_lo = 1, 0
     if plan.decode_keys is not None:  # the packed problem's launcher (made at the first launch) on decode.py's views
         launch = plan.decode_plan.launch if plan.decode_plan is not None else None
+        if plan.decode_keys[1] != p.seqlen_k:  # the C++ views keep the keys from the window's first to the last
+            launch = None
         group, keys_lo = p.nheads // p.nheads_kv, plan.decode_keys[0]
     kernel = combine = None
     splits = 1

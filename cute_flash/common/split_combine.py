@@ -12,7 +12,7 @@ Layout: partials (splits * b, sq, h, dv) and (splits * b, h, sq) (split s of bat
 split forward's grid writes them), out (b, sq, h, dv) and lse (b, h, sq) with any strides (decoding's packed GQA
 views included). Each thread owns 4 columns of one row: a CTA covers 128 // (dv / 4) rows of one (batch, head)
 (128 threads at dv 64 / 128 / 256, 120 at dv 96, 96 at dv 192). The partials are at most splits x b x h x sq x dv
-fp32 with b x h a third of the SMs (decoding: under 1 MiB; a full 128-row tile at d256: ~17 MiB), read once: plain
+fp32 with b x h at most half the SMs (decoding: under 1 MiB; a full 128-row tile at d256: ~17 MiB), read once: plain
 loads and stores.
 """
 
@@ -35,7 +35,7 @@ class SplitCombine:
     def __init__(self, out_dtype, head_dim_v: int, pdl: bool = True):
         assert head_dim_v % COLS_PER_THREAD == 0 and head_dim_v // COLS_PER_THREAD <= THREADS
         self.out_dtype = out_dtype
-        self.pdl = pdl  # programmatic dependent launch (sm_90 on; sm_80 has none)
+        self.pdl = pdl  # programmatic dependent launch (sm_90 and later; sm_8x targets have none)
         self.head_dim_v = head_dim_v
         self.threads_per_row = head_dim_v // COLS_PER_THREAD
         self.rows_per_cta = THREADS // self.threads_per_row

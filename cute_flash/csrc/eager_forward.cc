@@ -9,11 +9,10 @@
 // allocator treat it as any other) and an lse nobody reads (`LseBuffer`). Decoding calls launch as Python's plan
 // does: under GQA a KV head's query heads as the rows of one problem (views of q and out, the keys a window leaves;
 // cute_flash/decode.py), and calls with few query tiles as a split-key forward into fp32 partials (one allocation
-// of torch's, through TVM-FFI's env allocator) and its combine kernel (arch/sm90/split_kv.py). A key it has not
-// seen returns None and
-// Python takes its own path, which validates, routes, launches and registers the key; a key registered as not
-// served here (kernel None) returns False, as does a call this path cannot take (another device than the current
-// one, an `out` that is not the expected contiguous tensor).
+// of torch's, through TVM-FFI's env allocator) and its combine kernel (arch/split_kv.py, arch/base.SplitForward).
+// A key it has not seen returns None and Python takes its own path, which validates, routes, launches and registers
+// the key; a key registered as not served here (kernel None) returns False, as does a call this path cannot take
+// (another device than the current one, an `out` that is not the expected contiguous tensor).
 //
 // Python calls these with the GIL held (release_gil off, native.py): `getenv` must not race with os.environ.
 

@@ -9,6 +9,7 @@ backward kernels), imported only when asked for.
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib
 import os
 import shutil
@@ -44,6 +45,12 @@ def forward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
     if spec.mask not in ("none", "causal", "local"):
         return f"unknown mask kind {spec.mask!r}"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _first_tile(head_dim: int, head_dim_v: int, target: str) -> FwdTileConfig:
+    """The first forward tile candidate (looked up once: `forward` builds a launcher on every call)."""
+    return fwd_tile_candidates(head_dim, head_dim_v, target)[0]
 
 
 def _backward_module():
@@ -197,9 +204,10 @@ class _Backend:
         if reason is not None:
             raise NotImplementedError(reason)
         target = compile_cache.runtime_target(device)  # the device's own: a kernel loads only there (sm_90a on Hopper)
-        # The first tile candidate's extents (the one that compiles without spills at these head dims; another one
-        # only changes how well the split fits, not what the kernels compute).
-        tile = fwd_tile_candidates(spec.head_dim, spec.head_dim_v, target)[0]
+        # The first tile candidate's extents: compile_forward may keep a later one (fewer keys per tile) when the
+        # first spills, which changes how well the split fits, not what the kernels compute (every candidate has
+        # 128-row tiles, and the kernel derives its runs from the split count and its own tiles).
+        tile = _first_tile(spec.head_dim, spec.head_dim_v, target)
         sm_count = compile_cache.sm_count(device)
         splits = split_kv.num_splits(problem, tile.tile_m, tile.tile_n, sm_count, SPLIT_MIN_SPLITS)
         if splits > 1:
