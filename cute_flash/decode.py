@@ -9,10 +9,9 @@ copies, and the call runs as plain multi-head attention over the keys that its s
 them, or the slice its window leaves), without a mask: the same math (with a window the key blocks start at its
 first key rather than at a multiple of the tile, so the sums may round differently than the unpacked call's).
 On a family with `split_keys` (sm80, sm90) it packs at every batch: with few query tiles the packed problem's keys
-are split over CTAs
-(arch/split_kv.py). Eager calls (`interface._launch_forward`) and the custom op under torch.compile
-(`interface._run_forward`) both take
-it for every call that qualifies (`keys_seen`), so the two agree bit for bit. The packed problem runs the forward
+are split over CTAs (arch/split_kv.py). Eager calls (`interface._launch_forward`) and the custom op under
+torch.compile (`interface._run_forward`) both take it for every call that qualifies (`keys_seen`), so the two agree
+bit for bit. The packed problem runs the forward
 kernel without a mask whatever the call's mask: `python -m cute_flash warmup` builds it with its default masks
 ("none" and "causal"); a warm-up restricted to other masks leaves it to the first decoding call.
 """

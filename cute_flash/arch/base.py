@@ -133,11 +133,12 @@ class BoundForward:
 
 class SplitForward:
     """The `forward_launcher` of a split-key call (arch/split_kv.py): the split forward writes each split's
-    partial O and LSE in fp32, the combine kernel merges them into out and lse. The partial buffers come from torch's
-    caching allocator per call (nothing held between calls; CUDA-graph capture takes them from its pool). Its parts
+    partial O and LSE in fp32, the combine kernel merges them into out and lse. The partials are one allocation of
+    torch's caching allocator per call, as the C++ call path makes them (nothing held between calls; CUDA-graph
+    capture takes it from its pool). Its parts
     are public, as BoundForward's: the eager path hands them to the C++ call path."""
 
-    __slots__ = ("kernel", "combine", "splits", "scale", "left", "right", "o_shape", "lse_shape")
+    __slots__ = ("kernel", "combine", "splits", "scale", "left", "right", "o_shape", "lse_shape", "o_elems")
 
     def __init__(self, kernel: Callable, combine: Callable, problem: Problem, splits: int):
         p = problem
@@ -145,11 +146,13 @@ class SplitForward:
         self.scale, self.left, self.right = float(p.softmax_scale), int(p.mask.left), int(p.mask.right)
         self.o_shape = (splits * p.batch, p.seqlen_q, p.nheads, p.head_dim_v)
         self.lse_shape = (splits * p.batch, p.nheads, p.seqlen_q)
+        self.o_elems = splits * p.batch * p.seqlen_q * p.nheads * p.head_dim_v
 
     def __call__(self, q, k, v, out, lse) -> None:
         # The combine waits (programmatic dependent launch) for the kernel launched just before it on this stream.
-        o_part = torch.empty(self.o_shape, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        block = torch.empty(self.o_elems + self.o_elems // self.o_shape[-1], dtype=torch.float32, device=q.device)
+        o_part = block[: self.o_elems].view(self.o_shape)
+        lse_part = block[self.o_elems :].view(self.lse_shape)
         self.kernel(q, k, v, o_part, lse_part, self.scale, self.left, self.right)
         self.combine(o_part, lse_part, out, lse)
 
