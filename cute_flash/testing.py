@@ -160,6 +160,59 @@ def check_backward(
     return reports
 
 
+def check_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: Optional[torch.Tensor] = None,
+    grads: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    dlse: Optional[torch.Tensor] = None,
+    **attn_kwargs,
+) -> Sequence[ErrorReport]:
+    """`attention_varlen`'s out, lse and (with grads) dq, dk, dv against the per-sequence float64 reference, by the
+    same rule; dlse: the loss's gradient of lse too. A row that sees no key must give out 0 and dq 0 exactly, not
+    merely small. attn_kwargs: causal, softmax_scale, window_size, seqused_k."""
+    from .reference import attention_varlen_reference
+
+    def reference(compute_dtype):
+        leaves = [t.detach().to(compute_dtype).requires_grad_(True) for t in (q, k, v)]
+        o, l_ = attention_varlen_reference(
+            *leaves, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            compute_dtype=compute_dtype, return_lse=True, **attn_kwargs,
+        )  # fmt: skip
+        gs = None
+        if grads is not None:
+            outs, grads_in = (o,), (dout.to(compute_dtype),)
+            if dlse is not None:
+                outs, grads_in = (o, l_), (dout.to(compute_dtype), dlse.to(l_.dtype))
+            gs = [None] * 3
+            if o.requires_grad:  # not when no sequence has a query and a key: then every gradient is 0
+                gs = torch.autograd.grad(outs, leaves, grads_in, allow_unused=True)
+            gs = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, gs)]
+        return o, l_, gs
+
+    ref, ref_lse, ref_g = reference(torch.float64)
+    low, low_lse, low_g = reference(q.dtype)
+    empty = torch.isneginf(ref_lse).transpose(0, 1)  # (total_q, h)
+    assert torch.count_nonzero(out[empty]) == 0, "rows without keys must give out 0"
+    if grads is not None:
+        assert torch.count_nonzero(grads[0][empty]) == 0, "rows without keys must give dq 0"
+    reports = [ErrorReport("out", _max_abs(out, ref), _max_abs(low, ref)), _lse_report(lse, ref_lse, low_lse)]
+    finite = [("out", out)]
+    if grads is not None:
+        names = ("dq", "dk", "dv")
+        reports += [ErrorReport(n, _max_abs(g, r), _max_abs(lo, r)) for n, g, r, lo in zip(names, grads, ref_g, low_g)]
+        finite += list(zip(names, grads))
+    _assert_all(reports, finite)
+    return reports
+
+
 def _assert_all(reports: Sequence[ErrorReport], finite) -> None:
     for name, t in finite:
         if not torch.isfinite(t).all():

@@ -35,7 +35,11 @@
 #                   cProfile of one warm-cache first call (first_call_profile.txt)
 #   hostprof  [90]  cProfile of warm forward + backward calls (profiling/host_profile.py)
 #   sm90bwd   [300] only the sm90 backward matrix (tests/test_sm90_bwd.py)
+#   fuzz      [540] randomised forward, training and packed-sequence calls against float64 (tests/test_fuzz_gpu.py;
+#                   FUZZ_CASES / FUZZ_TRAIN_CASES / FUZZ_VARLEN_CASES set how many)
 #   vbench    [180] packed sequences against dense cute-flash and FA4's varlen (profiling/varlen_benchmark.py)
+#   hotspots  [420] Nsight Compute source-level stall samples of the d128 backward main kernel without a mask (b4 s4096
+#                   h16: the 80-row tile), ours and FA4's: summaries and profiling.hotspots tables next to the logs
 #   ncu       [420] Nsight Compute (full set) of the backward main kernel, ours and FA4's, d128 / d256, causal and
 #                   not (b2 s8192); summaries copied next to the logs, reports left in /tmp/ncu (too large to bring
 #                   back; run profiling.hotspots there on a source-page export if needed)
@@ -126,6 +130,14 @@ for s in $steps; do
             --kernel-regex "Sm90FlashBackward|FlashAttentionBackwardSm90" --out /tmp/ncu/$name \
             && cp /tmp/ncu/$name/summary.txt "'"$out"'/ncu-$name.txt"; done; done'
          tail -n 5 "$out"/ncu-*.txt 2>/dev/null | head -n 60 ;;
+    fuzz) step fuzz 540 python3 -m pytest -q -n 12 -p no:cacheprovider -rf tests/test_fuzz_gpu.py ;;
+    hotspots) step hotspots 420 bash -c 'for impl in cute-flash fa4; do d=/tmp/ncu/hot-$impl;
+            python3 -m profiling.ncu_profile --impl $impl --direction bwd --batch 4 --seqlen 4096 --heads 16 \
+            --head-dim 128 --set full --kernel-regex "Sm90FlashBackward|FlashAttentionBackwardSm90" --out $d \
+            && cp $d/summary.txt "'"$out"'/hot-summary-$impl.txt" \
+            && ${NCU:-ncu} --import $d/profile.ncu-rep --page source --csv --print-source sass > $d/src.csv \
+            && python3 -m profiling.hotspots $d/src.csv --top 60 > "'"$out"'/hotspots-$impl.txt"; done'
+         head -n 40 "$out"/hotspots-*.txt 2>/dev/null ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -58,13 +58,15 @@ HOPPER_ROUTES = [
     (spec(72), "sm80", None),
     (spec(160), "sm80", "sm80"),
     (spec(224), "sm80", "sm80"),
-    # head_dim != head_dim_v: the sm90 forward where both are sm90 head dims; no family has a backward for dv != d.
-    (spec(192, 128), "sm90", None),
-    (spec(192, 128, dtype="fp16", mask="causal"), "sm90", None),
-    (spec(128, 64), "sm90", None),
-    (spec(64, 256, mask="local"), "sm90", None),
-    (spec(128, 80), "sm80", None),
-    (spec(8, 256), "sm80", None),
+    # head_dim != head_dim_v: the sm90 forward where both are sm90 head dims; the sm80 backward at the wider head dim
+    # (a multiple of 32) with the narrower operands zero-padded.
+    (spec(192, 128), "sm90", "sm80"),
+    (spec(192, 128, dtype="fp16", mask="causal"), "sm90", "sm80"),
+    (spec(128, 64), "sm90", "sm80"),
+    (spec(64, 256, mask="local"), "sm90", "sm80"),
+    (spec(128, 80), "sm80", "sm80"),
+    (spec(8, 256), "sm80", "sm80"),
+    (spec(72, 64), "sm80", None),
     (spec(128, dtype="fp8"), "sm90", None),
 ]
 
@@ -101,7 +103,7 @@ def test_skipped_families_say_why():
     assert "72" in r.skipped[0][1]
     none = routing.route(spec(72), HOPPER, backward=True)
     assert none.family is None and [f for f, _ in none.skipped] == ["sm90", "sm80"]
-    with pytest.raises(NotImplementedError, match=r"no backward kernel.*sm90: .*sm80: .*multiples of 32"):
+    with pytest.raises(NotImplementedError, match=r"no backward kernel.*sm90: .*sm80: .*multiple of 32"):
         none.backend
 
 
@@ -223,13 +225,19 @@ def test_explain_for_a_given_capability():
 
 
 def test_explain_dv_differs_on_hopper():
-    # DeepSeek-style (192, 128): the sm90 forward; the backward has no family (sm90's serves d == dv in {64, 128},
-    # sm80's d == dv), and explain says why for each.
+    # DeepSeek-style (192, 128): the sm90 forward; the backward on the sm80 family (the sm90 backward serves d == dv
+    # only; the sm80 kernels run at the wider head dim with the narrower operands zero-padded), and explain says why.
     e = cute_flash.explain(*_meta(192, 128), causal=True, capability=HOPPER)
-    assert (e.forward_family, e.backward_family) == ("sm90", None)
+    assert (e.forward_family, e.backward_family) == ("sm90", "sm80")
     assert not e.forward.skipped
-    assert [f for f, _ in e.backward.skipped] == ["sm90", "sm80"]
-    assert "head_dim == head_dim_v" in e.backward.skipped[0][1] and "head_dim_v" in e.backward.skipped[1][1]
+    assert [f for f, _ in e.backward.skipped] == ["sm90"]
+    assert "head_dim == head_dim_v" in e.backward.skipped[0][1]
+    for dims in ((128, 64), (64, 128), (96, 256)):
+        assert cute_flash.explain(*_meta(*dims), capability=HOPPER).backward_family == "sm80", dims
+        assert cute_flash.explain(*_meta(*dims), capability=AMPERE).backward_family == "sm80", dims
+    # The wider head dim must be one the sm80 backward builds (a multiple of 32).
+    e = cute_flash.explain(*_meta(72, 64), capability=HOPPER)
+    assert e.backward_family is None and "multiple of 32" in e.backward.skipped[-1][1]
 
 
 def test_explain_validates_like_attention():

@@ -177,6 +177,29 @@ def test_sm90_family_trains_other_head_dims_through_sm80(monkeypatch, d, forward
 
 
 @pytest.mark.parametrize(
+    "d, dv, h_kv", [pytest.param(d, dv, hk, marks=pytest.mark.xdist_group(f"sm80-dv{d}_{dv}")) for d, dv, hk in
+                    ((192, 128, 2), (192, 128, 4), (128, 64, 1), (64, 128, 2))],
+)  # fmt: skip
+def test_dv_differs_trains_through_padded_sm80_kernels(monkeypatch, d, dv, h_kv):
+    """head_dim != head_dim_v (DeepSeek's (192, 128) and others) trains on Hopper: the sm90 forward, the sm80
+    backward at the wider head dim with the narrower operands zero-padded; gradients by the rule, loss through out
+    and lse, odd lengths and a causal mask."""
+    import cute_flash
+    from cute_flash.testing import check_backward, random_qkv
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
+    q, k, v = random_qkv(2, 301, 517, 4, h_kv, d, dv, seed=d + dv + h_kv, requires_grad=True)
+    route = cute_flash.explain(q, k, v, causal=True)
+    assert (route.forward_family, route.backward_family) == ("sm90", "sm80"), str(route)
+    out, lse = cute_flash.attention(q, k, v, causal=True, return_lse=True)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    dout = torch.randn(out.shape, generator=g, device="cuda").to(out.dtype)
+    dlse = torch.randn(lse.shape, generator=g, device="cuda")
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    check_backward(q, k, v, dout, grads, dlse, causal=True)
+
+
+@pytest.mark.parametrize(
     "d, mask, h_kv, sq, sk",
     [
         pytest.param(d, m, hk, sq, sk, marks=pytest.mark.xdist_group(f"det-d{d}"))

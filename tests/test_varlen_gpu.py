@@ -70,37 +70,9 @@ def _packed(dt, d, lens_q, lens_k, h, h_kv, seed, dv=None, scale=1.0):
 
 
 def _check(q, k, v, cq, ck, mq, mk, out, lse, dout, grads, dlse=None, **kw):
-    """out, lse and (dq, dk, dv) against the float64 reference; baseline: the reference in the inputs' dtype. dlse:
-    the loss's gradient of lse too."""
-    from cute_flash.reference import attention_varlen_reference
-    from cute_flash.testing import ErrorReport, _assert_all, _lse_report, _max_abs
+    from cute_flash.testing import check_varlen
 
-    def reference(compute_dtype):
-        leaves = [t.detach().to(compute_dtype).requires_grad_(True) for t in (q, k, v)]
-        o, l_ = attention_varlen_reference(*leaves, cq, ck, mq, mk, compute_dtype=compute_dtype, return_lse=True, **kw)
-        gs = None
-        if grads is not None:
-            outs, grads_in = (o,), (dout.to(compute_dtype),)
-            if dlse is not None:
-                outs, grads_in = (o, l_), (dout.to(compute_dtype), dlse)
-            gs = torch.autograd.grad(outs, leaves, grads_in)
-        return o, l_, gs
-
-    ref, ref_lse, ref_g = reference(torch.float64)
-    low, low_lse, low_g = reference(q.dtype)
-    # A row that sees no key: out exactly 0 (lse -inf is _lse_report's), and exactly 0 in dq; not merely small.
-    empty = torch.isneginf(ref_lse).transpose(0, 1)  # (total_q, h)
-    assert torch.count_nonzero(out[empty]) == 0, "rows without keys must give out 0"
-    if grads is not None:
-        assert torch.count_nonzero(grads[0][empty]) == 0, "rows without keys must give dq 0"
-    reports = [ErrorReport("out", _max_abs(out, ref), _max_abs(low, ref)), _lse_report(lse, ref_lse, low_lse)]
-    finite = [("out", out)]
-    if grads is not None:
-        names = ("dq", "dk", "dv")
-        reports += [ErrorReport(n, _max_abs(g, r), _max_abs(lo, r)) for n, g, r, lo in zip(names, grads, ref_g, low_g)]
-        finite += list(zip(names, grads))
-    _assert_all(reports, finite)
-    return reports
+    return check_varlen(q, k, v, cq, ck, mq, mk, out, lse, dout, grads, dlse, **kw)
 
 
 @pytest.mark.sm80

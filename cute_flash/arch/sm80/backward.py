@@ -6,13 +6,20 @@
     3. postprocess: dq = scale * dq_accum in the input dtype
 
 Under GQA/MQA the main kernel's dK/dV are partial sums per query head; they are added with fp32 atomics into
-(b, sk_padded, h_kv, d) buffers that the postprocess converts as well. Kernels are compiled once per
+(b, sk_padded, h_kv, d) buffers that the postprocess converts as well.
+
+The kernels take one head dim. head_dim != head_dim_v (e.g. DeepSeek's (192, 128)) runs them at the wider of the two
+with the narrower operands zero-padded to it (`_padded_head_dims`): zero columns of V, dO and O leave dP = dO·Vᵀ and
+D = rowsum(dO·O) unchanged and give zero columns of dV; zero columns of Q and K leave S = Q·Kᵀ unchanged and give
+zero columns of dQ and dK. So the gradients are exact; the padded columns cost their share of the products and one
+copy of each padded tensor. Kernels are compiled once per
 (target, role, spec, tile config) with symbolic batch, sequence and head extents and launched through TVM-FFI on
 torch's current stream.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import tempfile
@@ -41,17 +48,51 @@ def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
         return f"the sm80 backward supports fp16 and bf16 inputs, not {spec.dtype}"
     if spec.out_dtype != spec.dtype:
         return f"the sm80 backward needs out_dtype equal to the input dtype ({spec.dtype}), got {spec.out_dtype}"
-    if spec.head_dim_v != spec.head_dim:
+    width = max(spec.head_dim, spec.head_dim_v)  # the kernels' head dim (module docstring: padded head dims)
+    if width % 32 != 0 or not 0 < width <= _MAX_HEAD_DIM:
+        dims = f"{spec.head_dim}" if spec.head_dim == spec.head_dim_v else f"({spec.head_dim}, {spec.head_dim_v})"
         return (
-            f"the sm80 backward needs head_dim_v == head_dim, got head_dim {spec.head_dim} and head_dim_v "
-            f"{spec.head_dim_v}"
-        )
-    if spec.head_dim % 32 != 0 or not 0 < spec.head_dim <= _MAX_HEAD_DIM:
-        return (
-            f"the sm80 backward supports head dims that are multiples of 32 up to {_MAX_HEAD_DIM} "
-            f"(32, 64, 96, 128, 160, 192, 224, 256), got {spec.head_dim}"
+            f"the sm80 backward supports head dims whose wider one (head_dim or head_dim_v) is a multiple of 32 up to "
+            f"{_MAX_HEAD_DIM} (32, 64, 96, 128, 160, 192, 224, 256), got {dims}"
         )
     return None
+
+
+def kernel_spec(spec: AttentionSpec) -> AttentionSpec:
+    """The spec the kernels are built for: both head dims the wider of the two (module docstring)."""
+    width = max(spec.head_dim, spec.head_dim_v)
+    return dataclasses.replace(spec, head_dim=width, head_dim_v=width)
+
+
+def _widened(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t with its last dim zero-padded to `width` (a new contiguous tensor), or t itself when it is that wide."""
+    if t.shape[-1] == width:
+        return t
+    wide = t.new_zeros(*t.shape[:-1], width)
+    wide[..., : t.shape[-1]] = t
+    return wide
+
+
+def _padded_head_dims(problem, run: Callable[[BwdTensors, Grads], None]) -> Callable[[BwdTensors, Grads], None]:
+    """`run` (a launcher of the kernels at the wider head dim) as a launcher of `problem`'s tensors: the narrower
+    operands zero-padded, the padded gradients computed into wide buffers and their leading columns copied out."""
+    width = max(problem.head_dim, problem.head_dim_v)
+
+    def launch(t: BwdTensors, grads: Grads) -> None:
+        dout, q, k, v, out, lse, dlse = t
+        wide = [_widened(x, width) for x in (dout, q, k, v, out)]
+        wide_grads = [g if g.shape[-1] == width else g.new_empty(*g.shape[:-1], width) for g in grads]
+        run(BwdTensors(*wide, lse, dlse), Grads(*wide_grads))
+        for g, w in zip(grads, wide_grads):
+            if w is not g:
+                g.copy_(w[..., : g.shape[-1]])
+
+    return launch
+
+
+def _widened_problem(problem):
+    width = max(problem.head_dim, problem.head_dim_v)
+    return dataclasses.replace(problem, head_dim=width, head_dim_v=width, spec=kernel_spec(problem.spec))
 
 
 # ---------------------------------------------------------------------------------------------------- compiling
@@ -303,6 +344,7 @@ def accum_convert_kernel(spec: AttentionSpec, target: str):
 
 def warm_backward(spec: AttentionSpec, target: str, *, gqa: bool) -> None:
     """Gets every kernel `run_backward` launches for `spec` (default tile config) under the same cache keys."""
+    spec = kernel_spec(spec)
     _kernel("bwd_preprocess", spec, target)
     _kernel("bwd_gqa" if gqa else "bwd", spec, target)
     _kernel("bwd_postprocess", spec, target)
@@ -318,6 +360,7 @@ def compile_backward_artifacts(
     reason = backward_unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(reason)
+    spec = kernel_spec(spec)
     compile_cache.ensure_cute_dsl_arch(target)
     artifacts = []
     with tempfile.TemporaryDirectory(prefix="cute_flash_sm80_bwd_") as dump:
@@ -390,6 +433,9 @@ def backward_launcher(
     reason = backward_unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(reason)
+    if problem.head_dim != problem.head_dim_v:
+        inner = backward_launcher(_widened_problem(problem), device, cfg, checked)
+        return _padded_head_dims(problem, inner)
     target = compile_cache.runtime_target(device)
     override = cfg
     cfg = cfg or bwd_tile_config(spec.head_dim, target)
@@ -440,13 +486,18 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
     (common/packed.packed_pads): lse_log2 / D (h, rows), dQ's fp32 accumulator (rows, h, d) or (h, rows * d), and under
     GQA dK / dV's (rows, h_kv, d). Keys past seqused_k[b] get zero gradients.
     """
-    dout, q, k, v, out, lse, dlse = t
-    dq, dk, dv = grads
-    cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k = seqs
-    spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
+    spec = problem.spec
     reason = backward_unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(reason)
+    if problem.head_dim != problem.head_dim_v:
+        wide = _widened_problem(problem)
+        _padded_head_dims(problem, lambda tw, gw: run_backward_varlen(tw, gw, seqs, wide))(t, grads)
+        return
+    dout, q, k, v, out, lse, dlse = t
+    dq, dk, dv = grads
+    cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k = seqs
+    softmax_scale, mask = problem.softmax_scale, problem.mask
     target = compile_cache.runtime_target(q.device)
     cfg = bwd_tile_config(spec.head_dim, target)
     pad_q, pad_k = packed_pads(cfg.block_m, cfg.block_n)
