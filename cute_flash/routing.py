@@ -93,7 +93,7 @@ def _route(
 
 def _varlen_reason(family: str, backend: ArchBackend, spec: AttentionSpec) -> Optional[str]:
     """Packed-sequence calls (`attention_varlen`) go only to families that declare a varlen kernel (`varlen` true on
-    the backend): sm80, which also serves them on Hopper, and sm90 (its forward; its backend sends the backward on);
+    the backend): sm80, which also serves them on Hopper where sm90 has no forward tile, and sm90;
     sm100 varlen kernels come later."""
     if spec.varlen and not getattr(backend, "varlen", False):
         return f"the {family} kernels have no varlen variant yet"

@@ -2,7 +2,7 @@
 GPU (the kernels are cross-compiled for the GPU's target), so that a fleet's processes load instead of compiling.
 
 Each configuration is routed as a call on a GPU of that compute capability would be (cute_flash.routing: on a Hopper
-GPU a backward the sm90 family has no kernel for goes to the sm80 one), and the serving family's `warm` gets its
+GPU a forward the sm90 family has no tile for goes to the sm80 one), and the serving family's `warm` gets its
 kernels through the launch path's own cache keys (arch/base.py). What a real call later looks up is therefore what
 was written; the disk cache's fingerprint (disk_cache.py) keeps a warm-up made with other versions from being used.
 """

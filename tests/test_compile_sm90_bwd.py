@@ -125,11 +125,18 @@ def test_sm90_backward_support():
         spec = AttentionSpec("bf16", d, d, "causal", "bf16")
         assert backward_unsupported_reason(spec) is None
         assert BACKEND.unsupported_reason(spec, backward=True, deterministic=True) is None
-    # Other head dims: the sm90 family says it has no backward, and the router sends it to the sm80 family, which
-    # has no deterministic mode.
+    # Other head dims run a wider tile on zero-padded operands (deterministic too): d192 and (192, 128) the d256
+    # kernels. d160 keeps the sm80 backward's own tiles (the padded run is not timed against them), which have no
+    # deterministic mode.
     from cute_flash import routing
+    from cute_flash.arch.sm90.backward import kernel_spec
 
-    other = AttentionSpec("bf16", 192, 192, "none", "bf16")
-    assert "head_dim" in BACKEND.unsupported_reason(other, backward=True)
-    assert routing.route(other, (9, 0), backward=True).family == "sm80"
-    assert routing.route(other, (9, 0), backward=True, deterministic=True).family is None
+    for d, dv in ((192, 192), (192, 128)):
+        other = AttentionSpec("bf16", d, dv, "none", "bf16")
+        assert BACKEND.unsupported_reason(other, backward=True, deterministic=True) is None
+        assert routing.route(other, (9, 0), backward=True, deterministic=True).family == "sm90"
+        assert kernel_spec(other) == AttentionSpec("bf16", 256, 256, "none", "bf16")
+    d160 = AttentionSpec("bf16", 160, 160, "none", "bf16")
+    assert "sm80 backward's own tiles" in BACKEND.unsupported_reason(d160, backward=True)
+    assert routing.route(d160, (9, 0), backward=True).family == "sm80"
+    assert routing.route(d160, (9, 0), backward=True, deterministic=True).family is None

@@ -3,8 +3,9 @@
   1. every finite softmax_scale >= 0 gives the reference's answer: 0 (uniform attention over the visible keys), tiny
      scales (1e-30, subnormal and zero in fp32), and logits whose scaled value overflows fp32 (a hard max);
   2. any gradient autograd hands the backward (expanded by out.sum(), broadcast, transposed, offset) works;
-  3. on Hopper every documented head dim gets an answer: the sm90 family where it has a kernel, else sm80, per call
-     and per direction; a backward no family has raises NotImplementedError naming each family's reason;
+  3. on Hopper every documented head dim gets an answer: the sm90 family where it has a kernel (padded, for the
+     backward), else sm80, per call and per direction; a backward no family has would raise NotImplementedError
+     naming each family's reason;
   4. a loss of lse (alone or with out) gets its gradients, and a second backward through the gradients raises.
 
 Outputs and gradients follow FlashAttention's rule against the float64 reference (cute_flash.testing), except where
@@ -156,7 +157,9 @@ def test_backward_of_any_gradient_layout(monkeypatch, family, loss):
 
 
 # --- 3. every documented head dim on Hopper -------------------------------------------------------------------------
-# (d, dv, forward family): sm90 serves head_dim != head_dim_v where both are sm90 head dims (no backward has dv != d).
+# (d, dv, forward family): sm90 serves head_dim != head_dim_v where both are sm90 head dims; the backward: the sm90
+# family's tiles, padded where the call has none of its own (d16, d72, (128, 80), (128, 64), (192, 128)), and the sm80
+# family's for d32 / d160 (sm90.backward.kernel_width).
 HOPPER_SHAPES = [
     (16, 16, "sm80"),
     (32, 32, "sm80"),

@@ -1,7 +1,8 @@
-"""CPU: the sm80 backward's padded head dims (arch/sm80/backward.py, `_padded_head_dims`). head_dim != head_dim_v runs
-the kernels at the wider head dim with the narrower operands zero-padded; here a float64 reference backward stands in
-for the kernels at that width, and the gradients it gives through the padding must equal the reference gradients of
-the unpadded problem (the padding's zero columns change neither S, dP nor D, and their gradients are dropped)."""
+"""CPU: backwards at a wider head dim than the call's (arch/padded_head_dims.py), as the sm80 backward runs
+head_dim != head_dim_v and the sm90 backward every head dim without a tile of its own: kernels built for the wider
+head dim on zero-padded operands. Here a float64 reference backward stands in for the kernels at that width, and the
+gradients it gives through the padding must equal the reference gradients of the unpadded problem (the padding's zero
+columns change neither S, dP nor D, and their gradients are dropped)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 from cute_flash.arch.base import BwdTensors, Grads
+from cute_flash.arch.padded_head_dims import padded_launcher, widened_problem
 from cute_flash.arch.sm80 import backward as sm80_backward
+from cute_flash.arch.sm90 import backward as sm90_backward
 from cute_flash.reference import attention_reference
 from cute_flash.spec import AttentionSpec, normalize_mask
 from cute_flash.validation import Problem
@@ -22,8 +25,13 @@ def _reference_grads(q, k, v, dout, dlse, scale, causal):
     return out.detach(), lse.detach(), grads
 
 
-@pytest.mark.parametrize("d, dv", [(192, 128), (128, 64), (64, 128), (96, 256)])
-def test_padded_head_dims_give_the_unpadded_gradients(d, dv):
+# (d, dv, family): the families' widths: sm80 the wider head dim, sm90 the narrowest tile at least that wide.
+CASES = [(192, 128, "sm80"), (128, 64, "sm80"), (64, 128, "sm80"), (96, 256, "sm80"), (192, 128, "sm90"),
+         (192, 192, "sm90"), (72, 72, "sm90"), (16, 40, "sm90"), (160, 96, "sm90")]  # fmt: skip
+
+
+@pytest.mark.parametrize("d, dv, family", CASES)
+def test_padded_head_dims_give_the_unpadded_gradients(d, dv, family):
     g = torch.Generator().manual_seed(d + dv)
     b, sq, sk, h, h_kv = 2, 9, 13, 4, 2
     q = torch.randn(b, sq, h, d, generator=g, dtype=torch.float64)
@@ -37,9 +45,13 @@ def test_padded_head_dims_give_the_unpadded_gradients(d, dv):
     spec = AttentionSpec("bf16", d, dv, "causal")
     mask = normalize_mask(True, (None, None))
     problem = Problem(b, sq, sk, h, h_kv, d, dv, mask, scale, spec)
-    width = max(d, dv)
-    assert sm80_backward.kernel_spec(spec) == AttentionSpec("bf16", width, width, "causal")
-    assert sm80_backward.backward_unsupported_reason(spec) is None
+    backward = sm80_backward if family == "sm80" else sm90_backward
+    width = backward.kernel_spec(spec).head_dim
+    assert backward.kernel_spec(spec) == AttentionSpec("bf16", width, width, "causal")
+    assert width == (max(d, dv) if family == "sm80" else min(w for w in (64, 96, 128, 256) if w >= max(d, dv)))
+    assert backward.backward_unsupported_reason(spec) is None
+    wide = widened_problem(problem, width)
+    assert (wide.head_dim, wide.head_dim_v, wide.spec.head_dim, wide.softmax_scale) == (width, width, width, scale)
     seen = {}
 
     def kernels_at_the_wider_head_dim(t: BwdTensors, grads: Grads):
@@ -53,9 +65,7 @@ def test_padded_head_dims_give_the_unpadded_gradients(d, dv):
             dst.copy_(src)
 
     grads = Grads(*(torch.full_like(x, float("nan")) for x in (q, k, v)))
-    sm80_backward._padded_head_dims(problem, kernels_at_the_wider_head_dim)(
-        BwdTensors(dout, q, k, v, out, lse, dlse), grads
-    )
+    padded_launcher(width, kernels_at_the_wider_head_dim)(BwdTensors(dout, q, k, v, out, lse, dlse), grads)
     assert seen["zero_columns"]
     torch.testing.assert_close(seen["out"][..., :dv], out)  # the padded forward is the unpadded one
     torch.testing.assert_close(seen["lse"], lse)
@@ -66,3 +76,4 @@ def test_padded_head_dims_give_the_unpadded_gradients(d, dv):
 def test_wider_head_dim_must_be_one_the_kernels_build():
     assert "multiple of 32" in sm80_backward.backward_unsupported_reason(AttentionSpec("bf16", 72, 64, "none"))
     assert "(288, 128)" in sm80_backward.backward_unsupported_reason(AttentionSpec("bf16", 288, 128, "none"))
+    assert "(288, 128)" in sm90_backward.backward_unsupported_reason(AttentionSpec("bf16", 288, 128, "none"))

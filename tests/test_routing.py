@@ -51,22 +51,24 @@ HOPPER_ROUTES = [
     (spec(64), "sm90", "sm90"),
     (spec(128, mask="causal"), "sm90", "sm90"),
     (spec(256, mask="local"), "sm90", "sm90"),
-    (spec(192, mask="causal"), "sm90", "sm80"),  # no sm90 backward configuration at d192 yet
+    # Head dims without an sm90 backward tile of their own run the narrowest wider one on zero-padded operands
+    # (sm90.backward.kernel_width): d192 the d256 kernels, d16 the d64 ones, d72 the d96 ones; d32 / d160 / d224
+    # keep the sm80 backward's own tiles until the padded run is timed against them.
+    (spec(192, mask="causal"), "sm90", "sm90"),
     (spec(96, mask="causal"), "sm90", "sm90"),
-    (spec(16), "sm80", None),
+    (spec(16), "sm80", "sm90"),
     (spec(32), "sm80", "sm80"),
-    (spec(72), "sm80", None),
+    (spec(72), "sm80", "sm90"),
     (spec(160), "sm80", "sm80"),
     (spec(224), "sm80", "sm80"),
-    # head_dim != head_dim_v: the sm90 forward where both are sm90 head dims; the sm80 backward at the wider head dim
-    # (a multiple of 32) with the narrower operands zero-padded.
-    (spec(192, 128), "sm90", "sm80"),
-    (spec(192, 128, dtype="fp16", mask="causal"), "sm90", "sm80"),
-    (spec(128, 64), "sm90", "sm80"),
-    (spec(64, 256, mask="local"), "sm90", "sm80"),
-    (spec(128, 80), "sm80", "sm80"),
-    (spec(8, 256), "sm80", "sm80"),
-    (spec(72, 64), "sm80", None),
+    # head_dim != head_dim_v: the sm90 forward where both are sm90 head dims; the sm90 backward, padded.
+    (spec(192, 128), "sm90", "sm90"),
+    (spec(192, 128, dtype="fp16", mask="causal"), "sm90", "sm90"),
+    (spec(128, 64), "sm90", "sm90"),
+    (spec(64, 256, mask="local"), "sm90", "sm90"),
+    (spec(128, 80), "sm80", "sm90"),
+    (spec(8, 256), "sm80", "sm90"),
+    (spec(72, 64), "sm80", "sm90"),
     (spec(128, dtype="fp8"), "sm90", None),
 ]
 
@@ -83,10 +85,19 @@ def test_hopper_routes(s, fwd, bwd):
 
 def test_deterministic_backward_routes_to_a_family_that_has_one():
     assert routing.route(spec(128, mask="causal"), HOPPER, backward=True, deterministic=True).family == "sm90"
-    none = routing.route(spec(192), HOPPER, backward=True, deterministic=True)
-    assert none.family is None and [f for f, _ in none.skipped] == ["sm90", "sm80"]
-    assert "deterministic" in none.skipped[1][1]
-    assert routing.route(spec(192), HOPPER, backward=True).family == "sm80"
+    # Padded head dims have the mode too (the sm90 backward's own kernels, wider).
+    assert routing.route(spec(192, 128), HOPPER, backward=True, deterministic=True).family == "sm90"
+    none = routing.route(spec(128), AMPERE, backward=True, deterministic=True)
+    assert none.family is None and [f for f, _ in none.skipped] == ["sm80"]
+    assert "deterministic" in none.skipped[0][1]
+    assert routing.route(spec(128), AMPERE, backward=True).family == "sm80"
+
+
+def test_every_head_dim_trains_on_hopper():
+    for d in range(8, 257, 8):
+        for dv in (8, d, 256):
+            want = "sm80" if d == dv and d in (32, 160, 224) else "sm90"
+            assert routing.route(spec(d, dv), HOPPER, backward=True).family == want, (d, dv)
 
 
 def test_every_documented_head_dim_has_a_forward_on_hopper_and_ampere():
@@ -101,10 +112,13 @@ def test_skipped_families_say_why():
     r = routing.route(spec(72), HOPPER)
     assert r.family == "sm80" and [f for f, _ in r.skipped] == ["sm90"]
     assert "72" in r.skipped[0][1]
-    none = routing.route(spec(72), HOPPER, backward=True)
-    assert none.family is None and [f for f, _ in none.skipped] == ["sm90", "sm80"]
-    with pytest.raises(NotImplementedError, match=r"no backward kernel.*sm90: .*sm80: .*multiple of 32"):
+    assert routing.route(spec(72), HOPPER, backward=True).family == "sm90"  # its d96 kernels, padded
+    none = routing.route(spec(72), AMPERE, backward=True)
+    assert none.family is None and [f for f, _ in none.skipped] == ["sm80"]
+    with pytest.raises(NotImplementedError, match=r"no backward kernel.*sm80: .*multiple of 32"):
         none.backend
+    fp8 = routing.route(spec(128, dtype="fp8"), HOPPER, backward=True)
+    assert fp8.family is None and "forward-only" in fp8.skipped[0][1]
 
 
 def test_fp8_without_a_family_that_has_it():
@@ -215,9 +229,11 @@ def _meta(d=64, dv=None, dtype=torch.bfloat16):
 
 def test_explain_for_a_given_capability():
     e = cute_flash.explain(*_meta(72), causal=True, capability=HOPPER)
-    assert e.forward_family == "sm80" and e.backward_family is None
+    assert e.forward_family == "sm80" and e.backward_family == "sm90"
     text = str(e)
-    assert "compute capability 9.0" in text and "forward: sm80 (skipped sm90:" in text and "backward: none" in text
+    assert "compute capability 9.0" in text and "forward: sm80 (skipped sm90:" in text and "backward: sm90" in text
+    e = cute_flash.explain(*_meta(72), causal=True, capability=AMPERE)
+    assert e.backward_family is None and "backward: none" in str(e)
     e = cute_flash.explain(*_meta(128), capability=HOPPER)
     assert (e.forward_family, e.backward_family) == ("sm90", "sm90")
     assert cute_flash.explain(*_meta(128), capability=AMPERE).forward_family == "sm80"
@@ -225,19 +241,17 @@ def test_explain_for_a_given_capability():
 
 
 def test_explain_dv_differs_on_hopper():
-    # DeepSeek-style (192, 128): the sm90 forward; the backward on the sm80 family (the sm90 backward serves d == dv
-    # only; the sm80 kernels run at the wider head dim with the narrower operands zero-padded), and explain says why.
+    # DeepSeek-style (192, 128): the sm90 forward and the sm90 backward (its d256 kernels on zero-padded operands).
     e = cute_flash.explain(*_meta(192, 128), causal=True, capability=HOPPER)
-    assert (e.forward_family, e.backward_family) == ("sm90", "sm80")
-    assert not e.forward.skipped
-    assert [f for f, _ in e.backward.skipped] == ["sm90"]
-    assert "head_dim == head_dim_v" in e.backward.skipped[0][1]
-    for dims in ((128, 64), (64, 128), (96, 256)):
-        assert cute_flash.explain(*_meta(*dims), capability=HOPPER).backward_family == "sm80", dims
-        assert cute_flash.explain(*_meta(*dims), capability=AMPERE).backward_family == "sm80", dims
-    # The wider head dim must be one the sm80 backward builds (a multiple of 32).
-    e = cute_flash.explain(*_meta(72, 64), capability=HOPPER)
-    assert e.backward_family is None and "multiple of 32" in e.backward.skipped[-1][1]
+    assert (e.forward_family, e.backward_family) == ("sm90", "sm90")
+    assert not e.forward.skipped and not e.backward.skipped
+    for dims in ((128, 64), (64, 128), (96, 256), (72, 64)):
+        assert cute_flash.explain(*_meta(*dims), capability=HOPPER).backward_family == "sm90", dims
+        # Ampere: the sm80 backward at the wider head dim, when that is a multiple of 32.
+        e = cute_flash.explain(*_meta(*dims), capability=AMPERE)
+        assert e.backward_family == (None if dims == (72, 64) else "sm80"), dims
+    e = cute_flash.explain(*_meta(72, 64), capability=AMPERE)
+    assert "multiple of 32" in e.backward.skipped[-1][1]
 
 
 def test_explain_validates_like_attention():

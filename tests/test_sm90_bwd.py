@@ -157,46 +157,60 @@ def test_sm90_backward_strided_inputs():
 
 
 @pytest.mark.parametrize(
-    "d, forward_family",
-    [pytest.param(d, f, marks=pytest.mark.xdist_group(f"sm80-d{d}")) for d, f in ((160, "sm80"), (192, "sm90"))],
-)
-def test_sm90_family_trains_other_head_dims_through_sm80(monkeypatch, d, forward_family):
-    """Head dims without an sm90 backward configuration still train on Hopper: the router sends their backward to
-    the sm80 family (the marker's CUTE_FLASH_ARCH=sm90 would forbid that, so it is lifted). d160 has no sm90 forward
-    tile either (sm90 forward head dims: 64, 96, 128, 192, 256), so both directions run on sm80 there."""
+    "d, forward_family, backward_family",
+    [pytest.param(d, f, b, marks=pytest.mark.xdist_group(f"pad-d{d}")) for d, f, b in (
+        (72, "sm80", "sm90"), (160, "sm80", "sm80"), (192, "sm90", "sm90"))],
+)  # fmt: skip
+def test_other_head_dims_train_on_hopper(monkeypatch, d, forward_family, backward_family):
+    """Head dims without an sm90 backward tile of their own train on the narrowest wider one with zero-padded
+    operands (sm90.backward.kernel_width: d72 on the d96 kernels, d192 on the d256 ones), also after the sm80
+    forward (d72: no sm90 forward tile); d160 keeps the sm80 backward's own tiles. The marker's CUTE_FLASH_ARCH=sm90
+    would forbid the sm80 family, so it is lifted."""
     import cute_flash
     from cute_flash.testing import check_backward
 
     monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
-    q, k, v, dout = _inputs("bf16", d, 300, 300, 4, 2, _seed(d, "sm80"))
+    q, k, v, dout = _inputs("bf16", d, 300, 300, 4, 2, _seed(d, "pad"))
     route = cute_flash.explain(q, k, v, causal=True)
-    assert (route.forward_family, route.backward_family) == (forward_family, "sm80"), str(route)
+    assert (route.forward_family, route.backward_family) == (forward_family, backward_family), str(route)
     out = cute_flash.attention(q, k, v, causal=True)
     out.backward(dout)
     check_backward(q, k, v, dout, (q.grad, k.grad, v.grad), causal=True)
 
 
 @pytest.mark.parametrize(
-    "d, dv, h_kv", [pytest.param(d, dv, hk, marks=pytest.mark.xdist_group(f"sm80-dv{d}_{dv}")) for d, dv, hk in
-                    ((192, 128, 2), (192, 128, 4), (128, 64, 1), (64, 128, 2))],
+    "d, dv, h_kv, family, deterministic",
+    [pytest.param(*c, marks=pytest.mark.xdist_group(f"dv{c[0]}_{c[1]}-{c[3]}")) for c in (
+        (192, 128, 2, "default", False), (192, 128, 4, "default", True), (128, 64, 1, "default", False),
+        (64, 128, 2, "default", False), (192, 128, 2, "sm80", False), (128, 64, 1, "sm80", False))],
 )  # fmt: skip
-def test_dv_differs_trains_through_padded_sm80_kernels(monkeypatch, d, dv, h_kv):
-    """head_dim != head_dim_v (DeepSeek's (192, 128) and others) trains on Hopper: the sm90 forward, the sm80
-    backward at the wider head dim with the narrower operands zero-padded; gradients by the rule, loss through out
-    and lse, odd lengths and a causal mask."""
+def test_dv_differs_trains_on_padded_kernels(monkeypatch, d, dv, h_kv, family, deterministic):
+    """head_dim != head_dim_v (DeepSeek's (192, 128) and others) trains on Hopper: the sm90 forward, the sm90 backward
+    at the narrowest tile at least as wide as both head dims on zero-padded operands (deterministic too: bitwise
+    equal over repeats), and with the sm80 family forced, its backward at the wider head dim, padded likewise.
+    Gradients by the rule, loss through out and lse, odd lengths and a causal mask."""
     import cute_flash
     from cute_flash.testing import check_backward, random_qkv
 
-    monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
+    if family == "sm80":
+        monkeypatch.setenv("CUTE_FLASH_ARCH", "sm80")
+    else:
+        monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
     q, k, v = random_qkv(2, 301, 517, 4, h_kv, d, dv, seed=d + dv + h_kv, requires_grad=True)
     route = cute_flash.explain(q, k, v, causal=True)
-    assert (route.forward_family, route.backward_family) == ("sm90", "sm80"), str(route)
-    out, lse = cute_flash.attention(q, k, v, causal=True, return_lse=True)
+    want = ("sm80", "sm80") if family == "sm80" else ("sm90", "sm90")
+    assert (route.forward_family, route.backward_family) == want, str(route)
     g = torch.Generator(device="cuda").manual_seed(5)
-    dout = torch.randn(out.shape, generator=g, device="cuda").to(out.dtype)
-    dlse = torch.randn(lse.shape, generator=g, device="cuda")
-    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
-    check_backward(q, k, v, dout, grads, dlse, causal=True)
+    runs = []
+    for _ in range(2 if deterministic else 1):
+        out, lse = cute_flash.attention(q, k, v, causal=True, return_lse=True, deterministic=deterministic)
+        g.manual_seed(5)
+        dout = torch.randn(out.shape, generator=g, device="cuda").to(out.dtype)
+        dlse = torch.randn(lse.shape, generator=g, device="cuda")
+        runs.append(torch.autograd.grad((out, lse), (q, k, v), (dout, dlse)))
+    if deterministic:
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
+    check_backward(q, k, v, dout, runs[0], dlse, causal=True)
 
 
 @pytest.mark.parametrize(

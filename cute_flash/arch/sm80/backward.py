@@ -8,18 +8,15 @@
 Under GQA/MQA the main kernel's dK/dV are partial sums per query head; they are added with fp32 atomics into
 (b, sk_padded, h_kv, d) buffers that the postprocess converts as well.
 
-The kernels take one head dim. head_dim != head_dim_v (e.g. DeepSeek's (192, 128)) runs them at the wider of the two
-with the narrower operands zero-padded to it (`_padded_head_dims`): zero columns of V, dO and O leave dP = dO·Vᵀ and
-D = rowsum(dO·O) unchanged and give zero columns of dV; zero columns of Q and K leave S = Q·Kᵀ unchanged and give
-zero columns of dQ and dK. So the gradients are exact; the padded columns cost their share of the products and one
-copy of each padded tensor. Kernels are compiled once per
-(target, role, spec, tile config) with symbolic batch, sequence and head extents and launched through TVM-FFI on
-torch's current stream.
+The kernels take one head dim. head_dim != head_dim_v (e.g. DeepSeek's (192, 128) on Ampere) runs them at the wider
+of the two with the narrower operands zero-padded to it, exactly (arch/padded_head_dims.py).
+
+Kernels are compiled once per (target, role, spec, tile config) with symbolic batch, sequence and head extents and
+launched through TVM-FFI on torch's current stream.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import tempfile
@@ -31,6 +28,7 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import Problem, VarlenProblem, kernel_view
 from ..base import BwdTensors, Grads, KernelArtifact, PackedSeqs, fold_lse_grad, fold_lse_grad_packed
+from ..padded_head_dims import padded_launcher, widened_problem, widened_spec
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_tensor
 from ...common.packed import PRE_POST_ROWS, packed_pads, padded_rows
@@ -59,40 +57,8 @@ def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
 
 
 def kernel_spec(spec: AttentionSpec) -> AttentionSpec:
-    """The spec the kernels are built for: both head dims the wider of the two (module docstring)."""
-    width = max(spec.head_dim, spec.head_dim_v)
-    return dataclasses.replace(spec, head_dim=width, head_dim_v=width)
-
-
-def _widened(t: torch.Tensor, width: int) -> torch.Tensor:
-    """t with its last dim zero-padded to `width` (a new contiguous tensor), or t itself when it is that wide."""
-    if t.shape[-1] == width:
-        return t
-    wide = t.new_zeros(*t.shape[:-1], width)
-    wide[..., : t.shape[-1]] = t
-    return wide
-
-
-def _padded_head_dims(problem, run: Callable[[BwdTensors, Grads], None]) -> Callable[[BwdTensors, Grads], None]:
-    """`run` (a launcher of the kernels at the wider head dim) as a launcher of `problem`'s tensors: the narrower
-    operands zero-padded, the padded gradients computed into wide buffers and their leading columns copied out."""
-    width = max(problem.head_dim, problem.head_dim_v)
-
-    def launch(t: BwdTensors, grads: Grads) -> None:
-        dout, q, k, v, out, lse, dlse = t
-        wide = [_widened(x, width) for x in (dout, q, k, v, out)]
-        wide_grads = [g if g.shape[-1] == width else g.new_empty(*g.shape[:-1], width) for g in grads]
-        run(BwdTensors(*wide, lse, dlse), Grads(*wide_grads))
-        for g, w in zip(grads, wide_grads):
-            if w is not g:
-                g.copy_(w[..., : g.shape[-1]])
-
-    return launch
-
-
-def _widened_problem(problem):
-    width = max(problem.head_dim, problem.head_dim_v)
-    return dataclasses.replace(problem, head_dim=width, head_dim_v=width, spec=kernel_spec(problem.spec))
+    """The spec the kernels are built for: both head dims the wider of the two (arch/padded_head_dims.py)."""
+    return widened_spec(spec, max(spec.head_dim, spec.head_dim_v))
 
 
 # ---------------------------------------------------------------------------------------------------- compiling
@@ -434,8 +400,8 @@ def backward_launcher(
     if reason is not None:
         raise NotImplementedError(reason)
     if problem.head_dim != problem.head_dim_v:
-        inner = backward_launcher(_widened_problem(problem), device, cfg, checked)
-        return _padded_head_dims(problem, inner)
+        width = max(problem.head_dim, problem.head_dim_v)
+        return padded_launcher(width, backward_launcher(widened_problem(problem, width), device, cfg, checked))
     target = compile_cache.runtime_target(device)
     override = cfg
     cfg = cfg or bwd_tile_config(spec.head_dim, target)
@@ -491,8 +457,9 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
     if reason is not None:
         raise NotImplementedError(reason)
     if problem.head_dim != problem.head_dim_v:
-        wide = _widened_problem(problem)
-        _padded_head_dims(problem, lambda tw, gw: run_backward_varlen(tw, gw, seqs, wide))(t, grads)
+        width = max(problem.head_dim, problem.head_dim_v)
+        wide = widened_problem(problem, width)
+        padded_launcher(width, lambda tw, gw: run_backward_varlen(tw, gw, seqs, wide))(t, grads)
         return
     dout, q, k, v, out, lse, dlse = t
     dq, dk, dv = grads

@@ -2,10 +2,10 @@
 
 Forward: `flash_fwd.Sm90FlashForward` (TMA + wgmma, warp-specialised ping-pong consumers), compiled once per
 (target, spec, tile config) with symbolic shapes and launched through TVM-FFI on torch's current stream.
-Backward: `backward.py` (TMA + wgmma, flash_bwd.Sm90FlashBackward) for the specs with an sm90 backward tile
-configuration (tile_config.bwd_tile_config). For the others `unsupported_reason(spec, backward=True)` says so and
-the router (cute_flash.routing) sends the backward to the sm80 family, whose kernels run on Hopper and take the
-sm90 forward's out / lse as they are.
+Backward: `backward.py` (TMA + wgmma, flash_bwd.Sm90FlashBackward), built for the head dims with a tile configuration
+(tile_config.bwd_tile_config: d == dv in 64, 96, 128, 256); every other fp16/bf16 call up to 256 runs the narrowest
+of them at least as wide as its head dims on zero-padded operands (backward.kernel_width, arch/padded_head_dims.py),
+also after a forward of another family (its out / lse are taken as they are).
 FP8 (`spec.dtype == "fp8"`, forward only) is served by the `fp8` sub-package (`fp8.launch`; its kernel
 `fp8/flash_fwd.py` is a subclass of the bf16 forward).
 Packed sequences (`attention_varlen`): the forward's and the backward's packed builds (`build.compile_forward_packed`,
@@ -94,14 +94,16 @@ class _Backend:
         return _fp8().kv_scale_block(spec.head_dim, spec.head_dim_v)
 
     def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
+        if backward:
+            # The backward's own head dims bound it, not the forward's: the router picks each direction's family
+            # separately (d72: the sm80 forward, then this backward on operands zero-padded to d96).
+            if spec.dtype == "fp8":
+                return "the sm90 FP8 path is forward-only: there is no FP8 backward"
+            return _bwd().backward_unsupported_reason(spec)  # every configuration has a deterministic build
         reason = forward_unsupported_reason(spec)
         if reason is None and spec.varlen and spec.dtype == "fp8":
             reason = "the sm90 FP8 forward has no varlen (packed sequences) build"
-        if reason is not None or not backward:
-            return reason
-        if spec.dtype == "fp8":
-            return "the sm90 FP8 path is forward-only: there is no FP8 backward"
-        return _bwd().backward_unsupported_reason(spec)  # every sm90 backward configuration has a deterministic build
+        return reason
 
     def _forward_kernel(self, spec: AttentionSpec, target: str, variant: str = ""):
         """The compiled forward of `spec` for `target`; variant: "" dense (packed for spec.varlen), "seqused_k" the
@@ -189,22 +191,25 @@ class _Backend:
         prepare_build(self, spec, target, backward=backward)
         if spec.dtype == "fp8":
             return _fp8().compile_fp8_artifacts(spec, target)
-        cfg = fwd_tile_config(spec)
-        with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_") as dump:
-            extra = compile_cache.keep_artifacts_options(dump)
-            compiled = _build_forward(spec, cfg, target, extra)
-            artifacts = [
-                KernelArtifact(
-                    kernel="fwd",
-                    ptx=compiled.artifacts.PTX,
-                    cubin=compiled.artifacts.CUBIN,
-                    config={
-                        **cfg.as_dict(),
-                        "shared_bytes": smem_bytes(cfg, spec.head_dim, spec.head_dim_v),
-                        "threads": cfg.num_threads,
-                    },
+        artifacts = []
+        # The forward where this family has one: a backward-only spec (d72: the sm80 forward's) builds its backward.
+        if forward_unsupported_reason(spec) is None:
+            cfg = fwd_tile_config(spec)
+            with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_") as dump:
+                extra = compile_cache.keep_artifacts_options(dump)
+                compiled = _build_forward(spec, cfg, target, extra)
+                artifacts.append(
+                    KernelArtifact(
+                        kernel="fwd",
+                        ptx=compiled.artifacts.PTX,
+                        cubin=compiled.artifacts.CUBIN,
+                        config={
+                            **cfg.as_dict(),
+                            "shared_bytes": smem_bytes(cfg, spec.head_dim, spec.head_dim_v),
+                            "threads": cfg.num_threads,
+                        },
+                    )
                 )
-            ]
         if backward:
             artifacts += _bwd().compile_backward_artifacts(spec, target)
         return artifacts

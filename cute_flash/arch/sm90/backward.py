@@ -38,6 +38,7 @@ from ...spec import AttentionSpec
 from ...validation import PackedSeqs, Problem, VarlenProblem, _round_up
 from ...common.packed import PRE_POST_ROWS, packed_pads, padded_rows
 from ..base import BwdTensors, Grads, KernelArtifact, fold_lse_grad, fold_lse_grad_packed
+from ..padded_head_dims import padded_launcher, widened_problem, widened_spec
 from .tile_config import (
     ROWS_PER_CONSUMER,
     WARPGROUP_THREADS,
@@ -53,17 +54,51 @@ FAMILY = "sm90"
 STATS_ROW_MULTIPLE = PRE_POST_ROWS  # the preprocess writes whole 64-row blocks
 
 
+# d == dv head dims that the sm80 backward builds as they are and whose padded run here has not been timed against
+# that: they keep the sm80 backward (the router's next family on Hopper). d192 was timed (docs/performance.md,
+# session 19: the d256 kernels padded, 1.8-2.2x the sm80 route's (192, 128)).
+_SM80_UNTIL_MEASURED = (32, 160, 224)
+
+
+def kernel_width(spec: AttentionSpec) -> Optional[int]:
+    """The head dim of the kernels serving `spec`: the narrowest with a tile configuration that is at least as wide as
+    head_dim and head_dim_v (their own where d == dv has one), or None. A narrower call runs them on zero-padded
+    operands (arch/padded_head_dims.py): e.g. d192 and (192, 128) the d256 kernels, (128, 64) the d128 ones, d72
+    the d96 ones."""
+    if spec.head_dim == spec.head_dim_v and spec.head_dim in _SM80_UNTIL_MEASURED:
+        return None
+    need = max(spec.head_dim, spec.head_dim_v)
+    return next((w for w in bwd_head_dims() if w >= need), None)
+
+
+def kernel_spec(spec: AttentionSpec) -> AttentionSpec:
+    """The spec the kernels serving `spec` are built for."""
+    return widened_spec(spec, _checked_width(spec))
+
+
 def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
     if spec.dtype not in ("fp16", "bf16"):
         return f"the sm90 backward computes in fp16 or bf16, not {spec.dtype}"
     if spec.out_dtype != spec.dtype:
         return f"the sm90 backward needs out_dtype equal to the input dtype ({spec.dtype}), got {spec.out_dtype}"
-    if bwd_tile_config(spec) is None:
+    if kernel_width(spec) is None:
+        if spec.head_dim == spec.head_dim_v and spec.head_dim in _SM80_UNTIL_MEASURED:
+            return (
+                f"head dim {spec.head_dim} trains on the sm80 backward's own tiles (the sm90 backward would run "
+                f"its wider ones padded, not timed against those yet)"
+            )
         return (
-            f"the sm90 backward has tile configurations for head_dim == head_dim_v in {bwd_head_dims()}, not "
-            f"({spec.head_dim}, {spec.head_dim_v})"
+            f"the sm90 backward has tile configurations for head dims {bwd_head_dims()} (narrower ones and "
+            f"head_dim != head_dim_v run on zero-padded operands), not ({spec.head_dim}, {spec.head_dim_v})"
         )
     return None
+
+
+def _checked_width(spec: AttentionSpec) -> int:
+    width = kernel_width(spec)
+    if width is None:
+        raise NotImplementedError(backward_unsupported_reason(spec))
+    return width
 
 
 @functools.lru_cache(maxsize=None)
@@ -203,6 +238,10 @@ def backward_launcher(
     kernel set, the buffers' shapes, the scalars) settled once. checked: every tensor goes through kernel_view's
     check (grad_views: raises for a layout the kernels cannot take); the eager plan, whose tensors are in the
     kernels' layout by construction, keeps an unchecked launcher."""
+    width = _checked_width(problem.spec)
+    if (problem.head_dim, problem.head_dim_v) != (width, width):
+        inner = backward_launcher(widened_problem(problem, width), device, deterministic, cfg, checked)
+        return padded_launcher(width, inner)
     p, mask = problem, problem.mask
     gqa = p.nheads != p.nheads_kv
     target = compile_cache.runtime_target(device)
@@ -254,6 +293,11 @@ def run_backward_varlen(
     """The packed backward: q / dout / out / dq (total_q, h, d), k / v / dk / dv (total_k, h_kv, d), lse (h, total_q).
     Keys past seqused_k[b] get zero gradients. deterministic: as `run_backward`'s, with semaphores per (head, padded
     query tile) and (KV head, padded key tile)."""
+    width = _checked_width(problem.spec)
+    if (problem.head_dim, problem.head_dim_v) != (width, width):
+        wide = widened_problem(problem, width)
+        padded_launcher(width, lambda tw, gw: run_backward_varlen(tw, gw, seqs, wide, deterministic))(t, grads)
+        return
     dout, q, k, v, out, lse, dlse = t
     dq, dk, dv = grads
     cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k = seqs
@@ -305,6 +349,7 @@ def run_backward_varlen(
 def warm_backward(spec: AttentionSpec, target: str, *, gqa: bool, deterministic: bool) -> None:
     """Gets every kernel `run_backward` (packed specs: `run_backward_varlen` without seqused_k) launches for `spec`
     (default tile configs, short and long query sequences) under the same cache keys."""
+    spec = kernel_spec(spec)
     for long in (False, True):
         if long and bwd_tile_config(spec, deterministic, True) == bwd_tile_config(spec, deterministic):
             continue  # (no long-sequence configuration: the same kernels)
@@ -322,6 +367,7 @@ def compile_backward_artifacts(
     reason = backward_unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(reason)
+    spec = kernel_spec(spec)
     default = cfg is None
     cfg = cfg or bwd_tile_config(spec)
     own_preprocess = cfg.zero_dq_in_preprocess or cfg.pdl

@@ -308,7 +308,8 @@ def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, elem_bytes: int = 2) -> in
 #         registers (dq_red), which frees the fp32 dQ buffer (64 KiB) for a second Q / dO stage (226 KiB): 1.34x the
 #         one-stage kernel with the dQ buffer and 1.14x FA4 over 1k/4k/16k, both masks (H200, session 11,
 #         docs/performance.md). Deterministic builds keep the dQ buffer and so one stage (_BWD_DETERMINISTIC).
-# Other head dims (192, dv != d) keep the sm80 backward.
+# Other head dims (d192, dv != d, ...) run the narrowest of these at least as wide on zero-padded operands
+# (backward.kernel_width, arch/padded_head_dims.py).
 _BWD_BY_HEAD_DIM = {
     64: BwdTileConfig(tile_m=128, dq_split="m", opt_level=2),
     96: BwdTileConfig(tile_m=64, dq_split="single"),

@@ -1,0 +1,68 @@
+"""Backwards at a wider head dim than the call's (host side, shared by the sm80 and sm90 backwards).
+
+A family whose backward kernels exist for head dim W serves a call with (head_dim, head_dim_v) both <= W by running
+them at W on zero-padded operands: zero columns of Q and K leave S = Q·Kᵀ unchanged and give zero columns of dQ and
+dK; zero columns of V, dO and O leave dP = dO·Vᵀ and D = rowsum(dO·O) unchanged and give zero columns of dV. The
+softmax scale is the call's own (a runtime argument of the kernels), so the gradients are exact; the padded columns
+cost their share of the products and a copy of each padded tensor. Used for head_dim != head_dim_v (e.g. DeepSeek's
+(192, 128)) and, on Hopper, for head dims without an sm90 backward tile of their own (d192 runs the d256 kernels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, TypeVar
+
+import torch
+
+from ..spec import AttentionSpec
+from ..validation import MAX_ELEMENTS_PER_HEAD, VarlenProblem
+from .base import BwdTensors, Grads
+
+P = TypeVar("P")  # Problem or VarlenProblem (both carry head_dim, head_dim_v and spec)
+
+
+def widened_spec(spec: AttentionSpec, width: int) -> AttentionSpec:
+    """`spec` with both head dims `width` (what the kernels are built for)."""
+    return dataclasses.replace(spec, head_dim=width, head_dim_v=width)
+
+
+def widened_problem(problem: P, width: int) -> P:
+    """`problem` at head dim `width`; raises NotImplementedError where the wider rows leave the kernels' Int32
+    indexing (validation checked the call's own head dims, with the same padding of its rows)."""
+    if isinstance(problem, VarlenProblem):
+        rows = max(problem.total_q, problem.total_k) + (problem.batch + 1) * 256
+    else:
+        rows = max(problem.seqlen_q, problem.seqlen_k) + 256
+    if rows * width > MAX_ELEMENTS_PER_HEAD:
+        raise NotImplementedError(
+            f"the backward runs head dims ({problem.head_dim}, {problem.head_dim_v}) on kernels {width} wide, and "
+            f"{rows} rows x {width} exceeds their Int32 indexing ({MAX_ELEMENTS_PER_HEAD}); split the call"
+        )
+    return dataclasses.replace(problem, head_dim=width, head_dim_v=width, spec=widened_spec(problem.spec, width))
+
+
+def widened(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t with its last dim zero-padded to `width` (a new contiguous tensor), or t itself when it is that wide."""
+    if t.shape[-1] == width:
+        return t
+    wide = t.new_zeros(*t.shape[:-1], width)
+    wide[..., : t.shape[-1]] = t
+    return wide
+
+
+def padded_launcher(width: int, run: Callable[[BwdTensors, Grads], None]) -> Callable[[BwdTensors, Grads], None]:
+    """`run` (a launcher of kernels built for head dim `width`) as a launcher of a call's own tensors: the narrower
+    operands zero-padded to `width`, the narrower gradients computed into wide buffers and their leading columns
+    copied out."""
+
+    def launch(t: BwdTensors, grads: Grads) -> None:
+        dout, q, k, v, out, lse, dlse = t
+        wide = [widened(x, width) for x in (dout, q, k, v, out)]
+        wide_grads = [g if g.shape[-1] == width else g.new_empty(*g.shape[:-1], width) for g in grads]
+        run(BwdTensors(*wide, lse, dlse), Grads(*wide_grads))
+        for g, w in zip(grads, wide_grads):
+            if w is not g:
+                g.copy_(w[..., : g.shape[-1]])
+
+    return launch
