@@ -27,7 +27,7 @@ def _reference_grads(q, k, v, dout, dlse, scale, causal):
 
 # (d, dv, family): the families' widths: sm80 the wider head dim, sm90 the narrowest tile at least that wide.
 CASES = [(192, 128, "sm80"), (128, 64, "sm80"), (64, 128, "sm80"), (96, 256, "sm80"), (192, 128, "sm90"),
-         (192, 192, "sm90"), (72, 72, "sm90"), (16, 40, "sm90"), (160, 96, "sm90")]  # fmt: skip
+         (192, 192, "sm90"), (72, 72, "sm90"), (16, 40, "sm90"), (136, 96, "sm90")]  # fmt: skip
 
 
 @pytest.mark.parametrize("d, dv, family", CASES)

@@ -75,8 +75,8 @@ class ArchBackend(Protocol):
     split_keys: bool  # forward_launcher splits the keys of calls with few query tiles over CTAs (decoding)
 
     def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
-        """None when this family has kernels for `spec` (and its backward if asked, deterministic if asked), else
-        what is missing."""
+        """None when this family has kernels for `spec` (with `backward`: the backward's, deterministic if asked; the
+        router picks each direction's family separately), else what is missing."""
 
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         """Keys per K/V descale that this family's FP8 kernel reads for `spec` (cute_flash.fp8.prepare)."""
@@ -103,7 +103,9 @@ class ArchBackend(Protocol):
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         """Compiles the kernels that serve `spec` for CuTe DSL target `target` with fake tensors (no GPU needed): the
-        forward, and with `backward` the backward's (not the split-key decoding pair: tests/test_split_kv.py)."""
+        forward, and with `backward` the backward's (not the split-key decoding pair: tests/test_split_kv.py). A
+        family whose backward serves a spec its forward does not (sm90: d72, on zero-padded operands) builds the
+        backward alone."""
 
     def warm(
         self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False

@@ -54,9 +54,9 @@ FAMILY = "sm90"
 STATS_ROW_MULTIPLE = PRE_POST_ROWS  # the preprocess writes whole 64-row blocks
 
 
-# d == dv head dims that the sm80 backward builds as they are and whose padded run here has not been timed against
-# that: they keep the sm80 backward (the router's next family on Hopper). d192 was timed (docs/performance.md,
-# session 19: the d256 kernels padded, 1.8-2.2x the sm80 route's (192, 128)).
+# Wider head dims (max(d, dv)) at which the sm80 backward has tiles of its own and the padded run here has not been
+# timed against them: calls there keep the sm80 backward (the router's next family on Hopper). d192 was timed
+# (docs/performance.md, session 19: the d256 kernels padded, 1.8-2.2x the sm80 route's (192, 128)).
 _SM80_UNTIL_MEASURED = (32, 160, 224)
 
 
@@ -65,9 +65,9 @@ def kernel_width(spec: AttentionSpec) -> Optional[int]:
     head_dim and head_dim_v (their own where d == dv has one), or None. A narrower call runs them on zero-padded
     operands (arch/padded_head_dims.py): e.g. d192 and (192, 128) the d256 kernels, (128, 64) the d128 ones, d72
     the d96 ones."""
-    if spec.head_dim == spec.head_dim_v and spec.head_dim in _SM80_UNTIL_MEASURED:
-        return None
     need = max(spec.head_dim, spec.head_dim_v)
+    if need in _SM80_UNTIL_MEASURED:
+        return None
     return next((w for w in bwd_head_dims() if w >= need), None)
 
 
@@ -82,10 +82,10 @@ def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
     if spec.out_dtype != spec.dtype:
         return f"the sm90 backward needs out_dtype equal to the input dtype ({spec.dtype}), got {spec.out_dtype}"
     if kernel_width(spec) is None:
-        if spec.head_dim == spec.head_dim_v and spec.head_dim in _SM80_UNTIL_MEASURED:
+        if max(spec.head_dim, spec.head_dim_v) in _SM80_UNTIL_MEASURED:
             return (
-                f"head dim {spec.head_dim} trains on the sm80 backward's own tiles (the sm90 backward would run "
-                f"its wider ones padded, not timed against those yet)"
+                f"head dims ({spec.head_dim}, {spec.head_dim_v}) train on the sm80 backward's own tiles (the sm90 "
+                f"backward would run its wider ones padded, not timed against those yet)"
             )
         return (
             f"the sm90 backward has tile configurations for head dims {bwd_head_dims()} (narrower ones and "
