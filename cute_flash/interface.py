@@ -572,6 +572,9 @@ class Explanation:
     capability: Tuple[int, int]
     forward: routing.Route
     backward: routing.Route
+    # The head dim the backward's kernels run at where it is wider than the call's head dims (operands zero-padded
+    # to it, arch/padded_head_dims.py), else None.
+    backward_padded_to: Optional[int] = None
 
     @property
     def forward_family(self) -> Optional[str]:
@@ -583,7 +586,20 @@ class Explanation:
 
     def __str__(self) -> str:
         cap = f"compute capability {self.capability[0]}.{self.capability[1]}"
-        return f"{cap}: {self.forward.describe()}; {self.backward.describe()}"
+        backward = self.backward.describe()
+        if self.backward_padded_to is not None:
+            backward += f" (its head dim {self.backward_padded_to} kernels, on operands zero-padded to it)"
+        return f"{cap}: {self.forward.describe()}; {backward}"
+
+    @classmethod
+    def of(cls, spec: AttentionSpec, capability: Tuple[int, int], deterministic: bool) -> "Explanation":
+        forward = routing.route(spec, capability, backward=False)
+        backward = routing.route(spec, capability, backward=True, deterministic=deterministic)
+        padded_to = None
+        if backward.family is not None:
+            width = backward.backend.backward_head_dim(spec)
+            padded_to = width if (width, width) != (spec.head_dim, spec.head_dim_v) else None
+        return cls(capability, forward, backward, padded_to)
 
 
 def explain(
@@ -622,8 +638,4 @@ def explain(
         any_device=given is not None,
     )
     capability = _device_capability(q) if given is None else given
-    return Explanation(
-        capability,
-        routing.route(problem.spec, capability, backward=False),
-        routing.route(problem.spec, capability, backward=True, deterministic=deterministic),
-    )
+    return Explanation.of(problem.spec, capability, deterministic)

@@ -20,7 +20,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import compile_cache, interface, routing
+from . import compile_cache, interface
 from .arch.base import ArchBackend, BwdTensors, Grads
 from .interface import Explanation, _autocast, _route, node_backward
 from .validation import PackedSeqs, VarlenProblem, is_kernel_layout, kernel_view, validate_varlen
@@ -230,8 +230,4 @@ def explain_varlen(
         any_device=capability is not None,
     )
     capability = interface._device_capability(q) if capability is None else tuple(capability)
-    return Explanation(
-        capability,
-        routing.route(problem.spec, capability, backward=False),
-        routing.route(problem.spec, capability, backward=True, deterministic=deterministic),
-    )
+    return Explanation.of(problem.spec, capability, deterministic)

@@ -245,6 +245,11 @@ def test_explain_dv_differs_on_hopper():
     e = cute_flash.explain(*_meta(192, 128), causal=True, capability=HOPPER)
     assert (e.forward_family, e.backward_family) == ("sm90", "sm90")
     assert not e.forward.skipped and not e.backward.skipped
+    assert e.backward_padded_to == 256 and "head dim 256 kernels, on operands zero-padded" in str(e)
+    assert cute_flash.explain(*_meta(192, 128), capability=AMPERE).backward_padded_to == 192
+    assert cute_flash.explain(*_meta(128), capability=HOPPER).backward_padded_to is None
+    assert cute_flash.explain(*_meta(72), capability=HOPPER).backward_padded_to == 96
+    assert cute_flash.explain(*_meta(160), capability=HOPPER).backward_padded_to is None  # the sm80 tiles
     for dims in ((128, 64), (64, 128), (96, 256), (72, 64)):
         assert cute_flash.explain(*_meta(*dims), capability=HOPPER).backward_family == "sm90", dims
         # Ampere: the sm80 backward at the wider head dim, when that is a multiple of 32.

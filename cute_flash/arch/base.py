@@ -81,6 +81,10 @@ class ArchBackend(Protocol):
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         """Keys per K/V descale that this family's FP8 kernel reads for `spec` (cute_flash.fp8.prepare)."""
 
+    def backward_head_dim(self, spec: AttentionSpec) -> int:
+        """The head dim this family's backward kernels for `spec` are built for (where it serves `spec`): wider than
+        the call's own where they run on zero-padded operands (arch/padded_head_dims.py); `explain` reports it."""
+
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
         """Fills `t.out` and `t.lse` for the validated call `problem` (its spec, scale and mask); descale: the FP8
         path's factors."""

@@ -167,6 +167,9 @@ class _Backend:
             *descale_args,
         )
 
+    def backward_head_dim(self, spec: AttentionSpec) -> int:
+        return spec.head_dim  # (no backward yet)
+
     def backward_launcher(
         self, problem: Problem, device: torch.device, deterministic: bool = False
     ) -> BackwardLauncher:

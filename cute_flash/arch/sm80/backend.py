@@ -238,6 +238,9 @@ class _Backend:
         kernel = compile_cache.get_or_compile(key, lambda: _compile_runnable_forward(spec, target, seqused))
         launch_packed_forward(kernel, q, k, v, out, lse, seqs, problem)
 
+    def backward_head_dim(self, spec: AttentionSpec) -> int:
+        return max(spec.head_dim, spec.head_dim_v)  # dv != d: the wider one (backward.py)
+
     def backward_launcher(
         self, problem: Problem, device: torch.device, deterministic: bool = False
     ) -> BackwardLauncher:

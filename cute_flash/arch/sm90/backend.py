@@ -93,6 +93,9 @@ class _Backend:
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         return _fp8().kv_scale_block(spec.head_dim, spec.head_dim_v)
 
+    def backward_head_dim(self, spec: AttentionSpec) -> int:
+        return _bwd().kernel_width(spec)
+
     def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
         if backward:
             # The backward's own head dims bound it, not the forward's: the router picks each direction's family
