@@ -239,7 +239,7 @@ class _Backend:
         launch_packed_forward(kernel, q, k, v, out, lse, seqs, problem)
 
     def backward_head_dim(self, spec: AttentionSpec) -> int:
-        return max(spec.head_dim, spec.head_dim_v)  # dv != d: the wider one (backward.py)
+        return _backward_module().kernel_width(spec)
 
     def backward_launcher(
         self, problem: Problem, device: torch.device, deterministic: bool = False

@@ -46,7 +46,7 @@ def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
         return f"the sm80 backward supports fp16 and bf16 inputs, not {spec.dtype}"
     if spec.out_dtype != spec.dtype:
         return f"the sm80 backward needs out_dtype equal to the input dtype ({spec.dtype}), got {spec.out_dtype}"
-    width = max(spec.head_dim, spec.head_dim_v)  # the kernels' head dim (module docstring: padded head dims)
+    width = kernel_width(spec)
     if width % 32 != 0 or not 0 < width <= _MAX_HEAD_DIM:
         dims = f"{spec.head_dim}" if spec.head_dim == spec.head_dim_v else f"({spec.head_dim}, {spec.head_dim_v})"
         return (
@@ -56,9 +56,14 @@ def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
     return None
 
 
+def kernel_width(spec: AttentionSpec) -> int:
+    """The head dim of the kernels serving `spec`: the wider of head_dim and head_dim_v (arch/padded_head_dims.py)."""
+    return max(spec.head_dim, spec.head_dim_v)
+
+
 def kernel_spec(spec: AttentionSpec) -> AttentionSpec:
-    """The spec the kernels are built for: both head dims the wider of the two (arch/padded_head_dims.py)."""
-    return widened_spec(spec, max(spec.head_dim, spec.head_dim_v))
+    """The spec the kernels serving `spec` are built for."""
+    return widened_spec(spec, kernel_width(spec))
 
 
 # ---------------------------------------------------------------------------------------------------- compiling
@@ -399,8 +404,8 @@ def backward_launcher(
     reason = backward_unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(reason)
-    if problem.head_dim != problem.head_dim_v:
-        width = max(problem.head_dim, problem.head_dim_v)
+    width = kernel_width(spec)
+    if (problem.head_dim, problem.head_dim_v) != (width, width):
         return padded_launcher(width, backward_launcher(widened_problem(problem, width), device, cfg, checked))
     target = compile_cache.runtime_target(device)
     override = cfg
@@ -456,8 +461,8 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
     reason = backward_unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(reason)
-    if problem.head_dim != problem.head_dim_v:
-        width = max(problem.head_dim, problem.head_dim_v)
+    width = kernel_width(spec)
+    if (problem.head_dim, problem.head_dim_v) != (width, width):
         wide = widened_problem(problem, width)
         padded_launcher(width, lambda tw, gw: run_backward_varlen(tw, gw, seqs, wide))(t, grads)
         return
