@@ -6,7 +6,7 @@
 #   STEPS="sm90 sm80_bwd" tests/gpu_suite.sh OUT_DIR
 #
 # Steps (each under its own time limit, seconds in brackets; a step that runs out reports exit 124):
-#   sm90      [420] issue-13 regressions, the sm90 backward matrix, the sm90 forward matrix, FP8, edge cases (another
+#   sm90      [560] issue-13 regressions, the sm90 backward matrix, the sm90 forward matrix, FP8, edge cases (another
 #                   GPU than the current one when two are visible, decode-like shapes, empty shapes, odd layouts)
 #                   (pytest-xdist workers grouped by compiled kernels, so each compiles only its own)
 #   sm80_fwd  [300] the sm80 forward (forced on Hopper): odd lengths, masked rows, windows, strides, other head dims
@@ -64,7 +64,7 @@ step() {
 
 for s in $steps; do
   case $s in
-    sm90) step sm90 420 python3 -m pytest -q -n 10 --dist loadgroup -p no:cacheprovider -rf \
+    sm90) step sm90 560 python3 -m pytest -q -n 12 --dist loadgroup -p no:cacheprovider -rf \
             tests/test_correctness_gpu.py tests/test_sm90_bwd.py tests/test_sm90_fwd.py tests/test_fp8_gpu.py \
             tests/test_edge_cases_gpu.py ;;
     sm80_fwd) step sm80_fwd 300 python3 -m pytest -q -n 6 -p no:cacheprovider -rf -m sm80 tests/test_sm80_fwd.py \

@@ -19,11 +19,12 @@ import pytest
 from cute_flash.spec import AttentionSpec
 
 REPO = Path(__file__).resolve().parents[1]
-HEAD_DIMS = (64, 96, 128, 256)
+HEAD_DIMS = (64, 96, 128, 192, 256)
+QUERIES_ON_ROWS = (192, 256)  # head dims whose configuration puts the queries on the S rows, with dQ from registers
 # (head_dim, causal) builds. Every head dim's configuration and both masks' code paths by default (d128 both: its
 # masks take different configurations); CUTE_FLASH_SM90_FULL_COMPILE=1 builds the other three pairs too (spill-free
 # when last run), which the CPU suite leaves out for time.
-DEFAULT_BUILDS = [(64, True), (96, False), (128, False), (128, True), (256, False)]
+DEFAULT_BUILDS = [(64, True), (96, False), (128, False), (128, True), (192, True), (256, False)]
 FULL_BUILDS = [(d, causal) for d in HEAD_DIMS for causal in (False, True)]
 BUILDS = FULL_BUILDS if os.environ.get("CUTE_FLASH_SM90_FULL_COMPILE") == "1" else DEFAULT_BUILDS
 
@@ -75,17 +76,17 @@ def test_sm90_backward_compiles(builds, head_dim, causal):
     for role in sorted(roles | long_roles):
         report = reports[role]
         census = report["census"]
-        if head_dim == 256:  # queries on rows: P and dS through shared memory, every product SS
+        if head_dim in QUERIES_ON_ROWS:  # P and dS through shared memory, every product SS
             assert census["wgmma.mma_async"] > 0 and census["wgmma.mma_async.rs"] == 0, census
         else:
             assert census["wgmma.mma_async"] > census["wgmma.mma_async.rs"] > 0, census  # SS and RS forms
         assert census["cp.async.bulk.tensor"] > 0
         assert census["setmaxnreg"] >= 2  # producer decreases, consumers increase
-        if head_dim == 256 and not role.endswith("_det"):  # dq_red: consumers add dQ from registers
+        if head_dim in QUERIES_ON_ROWS and not role.endswith("_det"):  # dq_red: consumers add dQ from registers
             assert census["red.global.add.v4.f32"] > 0 and census["cp.reduce.async.bulk"] == 0, census
         else:
             assert census["cp.reduce.async.bulk"] > 0, "dQ must be added by the bulk reduce-add"
-            assert census["red.global.add.v4.f32"] == 0, "dQ from registers (dq_red) is on at d256 only"
+            assert census["red.global.add.v4.f32"] == 0, "dQ from registers (dq_red) is on at d192 / d256 only"
         # kv_with_first_tile: K and V ride on the first Q / dO stage's barrier, each adding its bytes there
         assert census["mbarrier.expect_tx"] == 2, census
         assert census["mma.sync"] == 0, "the sm90 backward must not fall back to mma.sync"
@@ -121,22 +122,18 @@ def test_sm90_backward_support():
     from cute_flash.arch.sm90 import BACKEND
     from cute_flash.arch.sm90.backward import backward_unsupported_reason
 
-    for d in (64, 96, 128, 256):
+    for d in HEAD_DIMS:
         spec = AttentionSpec("bf16", d, d, "causal", "bf16")
         assert backward_unsupported_reason(spec) is None
         assert BACKEND.unsupported_reason(spec, backward=True, deterministic=True) is None
-    # Other head dims run a wider tile on zero-padded operands (deterministic too): d192 and (192, 128) the d256
-    # kernels. d160 keeps the sm80 backward's own tiles (the padded run is not timed against them), which have no
-    # deterministic mode.
+    # Other head dims run a wider tile on zero-padded operands (deterministic too): (192, 128) and d160 the d192
+    # kernels, (192, 256) and d224 the d256 ones, d32 the d64 ones.
     from cute_flash import routing
     from cute_flash.arch.sm90.backward import kernel_spec
 
-    for d, dv in ((192, 192), (192, 128)):
+    for d, dv, width in ((192, 192, 192), (192, 128, 192), (160, 160, 192), (192, 256, 256), (224, 224, 256),
+                         (32, 32, 64)):  # fmt: skip
         other = AttentionSpec("bf16", d, dv, "none", "bf16")
         assert BACKEND.unsupported_reason(other, backward=True, deterministic=True) is None
         assert routing.route(other, (9, 0), backward=True, deterministic=True).family == "sm90"
-        assert kernel_spec(other) == AttentionSpec("bf16", 256, 256, "none", "bf16")
-    d160 = AttentionSpec("bf16", 160, 160, "none", "bf16")
-    assert "sm80 backward's own tiles" in BACKEND.unsupported_reason(d160, backward=True)
-    assert routing.route(d160, (9, 0), backward=True).family == "sm80"
-    assert routing.route(d160, (9, 0), backward=True, deterministic=True).family is None
+        assert kernel_spec(other) == AttentionSpec("bf16", width, width, "none", "bf16")

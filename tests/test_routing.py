@@ -52,15 +52,15 @@ HOPPER_ROUTES = [
     (spec(128, mask="causal"), "sm90", "sm90"),
     (spec(256, mask="local"), "sm90", "sm90"),
     # Head dims without an sm90 backward tile of their own run the narrowest wider one on zero-padded operands
-    # (sm90.backward.kernel_width): d192 the d256 kernels, d16 the d64 ones, d72 the d96 ones; d32 / d160 / d224
-    # keep the sm80 backward's own tiles until the padded run is timed against them.
+    # (sm90.backward.kernel_width): (192, 128) and d160 the d192 kernels, d16 / d32 the d64 ones, d72 the d96 ones,
+    # d224 the d256 ones.
     (spec(192, mask="causal"), "sm90", "sm90"),
     (spec(96, mask="causal"), "sm90", "sm90"),
     (spec(16), "sm80", "sm90"),
-    (spec(32), "sm80", "sm80"),
+    (spec(32), "sm80", "sm90"),
     (spec(72), "sm80", "sm90"),
-    (spec(160), "sm80", "sm80"),
-    (spec(224), "sm80", "sm80"),
+    (spec(160), "sm80", "sm90"),
+    (spec(224), "sm80", "sm90"),
     # head_dim != head_dim_v: the sm90 forward where both are sm90 head dims; the sm90 backward, padded.
     (spec(192, 128), "sm90", "sm90"),
     (spec(192, 128, dtype="fp16", mask="causal"), "sm90", "sm90"),
@@ -96,8 +96,7 @@ def test_deterministic_backward_routes_to_a_family_that_has_one():
 def test_every_head_dim_trains_on_hopper():
     for d in range(8, 257, 8):
         for dv in (8, d, 256):
-            want = "sm80" if max(d, dv) in (32, 160, 224) else "sm90"
-            assert routing.route(spec(d, dv), HOPPER, backward=True).family == want, (d, dv)
+            assert routing.route(spec(d, dv), HOPPER, backward=True).family == "sm90", (d, dv)
 
 
 def test_every_documented_head_dim_has_a_forward_on_hopper_and_ampere():
@@ -241,15 +240,16 @@ def test_explain_for_a_given_capability():
 
 
 def test_explain_dv_differs_on_hopper():
-    # DeepSeek-style (192, 128): the sm90 forward and the sm90 backward (its d256 kernels on zero-padded operands).
+    # DeepSeek-style (192, 128): the sm90 forward and the sm90 backward (its d192 kernels on zero-padded operands).
     e = cute_flash.explain(*_meta(192, 128), causal=True, capability=HOPPER)
     assert (e.forward_family, e.backward_family) == ("sm90", "sm90")
     assert not e.forward.skipped and not e.backward.skipped
-    assert e.backward_padded_to == 256 and "head dim 256 kernels, on operands zero-padded" in str(e)
+    assert e.backward_padded_to == 192 and "head dim 192 kernels, on operands zero-padded" in str(e)
+    assert cute_flash.explain(*_meta(192), capability=HOPPER).backward_padded_to is None  # its own tile
     assert cute_flash.explain(*_meta(192, 128), capability=AMPERE).backward_padded_to == 192
     assert cute_flash.explain(*_meta(128), capability=HOPPER).backward_padded_to is None
     assert cute_flash.explain(*_meta(72), capability=HOPPER).backward_padded_to == 96
-    assert cute_flash.explain(*_meta(160), capability=HOPPER).backward_padded_to is None  # the sm80 tiles
+    assert cute_flash.explain(*_meta(160), capability=HOPPER).backward_padded_to == 192
     for dims in ((128, 64), (64, 128), (96, 256), (72, 64)):
         assert cute_flash.explain(*_meta(*dims), capability=HOPPER).backward_family == "sm90", dims
         # Ampere: the sm80 backward at the wider head dim, when that is a multiple of 32.

@@ -5,7 +5,7 @@ Two entry points over the same matrix:
   - test_sm90_backward_kernels: the sm90 backward kernels alone, fed out/lse from the reference forward, so that a
     backward failure is told apart from a forward one.
 Plus long sequences, fully masked rows, odd strides of the gradient, and the head dims without a tile of their own
-(a wider one on zero-padded operands, or the sm80 backward for d32 / d160 / d224).
+(a wider one on zero-padded operands).
 
 Run on an H100/H200 (one pytest worker per (dtype, head dim) group, so that each compiles only its kernels):
   python3 -m pytest -q -n 8 --dist loadgroup tests/test_sm90_bwd.py
@@ -20,7 +20,7 @@ import torch
 
 pytestmark = pytest.mark.sm90
 
-HEAD_DIMS = (64, 96, 128, 256)
+HEAD_DIMS = (64, 96, 128, 192, 256)
 SEQLENS = ((1, 1), (113, 203), (128, 128), (239, 1), (1023, 1024), (2048, 2048))
 MASKS = {  # name -> (causal, window_size)
     "full": (False, (None, None)),
@@ -159,12 +159,12 @@ def test_sm90_backward_strided_inputs():
 @pytest.mark.parametrize(
     "d, forward_family, backward_family",
     [pytest.param(d, f, b, marks=pytest.mark.xdist_group(f"pad-d{d}")) for d, f, b in (
-        (72, "sm80", "sm90"), (160, "sm80", "sm80"), (192, "sm90", "sm90"))],
+        (72, "sm80", "sm90"), (160, "sm80", "sm90"), (32, "sm80", "sm90"), (224, "sm80", "sm90"))],
 )  # fmt: skip
 def test_other_head_dims_train_on_hopper(monkeypatch, d, forward_family, backward_family):
     """Head dims without an sm90 backward tile of their own train on the narrowest wider one with zero-padded
-    operands (sm90.backward.kernel_width: d72 on the d96 kernels, d192 on the d256 ones), also after the sm80
-    forward (d72: no sm90 forward tile); d160 keeps the sm80 backward's own tiles. The marker's CUTE_FLASH_ARCH=sm90
+    operands (sm90.backward.kernel_width: d72 on the d96 kernels, d160 on the d192 ones, d32 on the d64 ones, d224
+    on the d256 ones), after the sm80 forward (no sm90 forward tile for them). The marker's CUTE_FLASH_ARCH=sm90
     would forbid the sm80 family, so it is lifted."""
     import cute_flash
     from cute_flash.testing import check_backward
@@ -244,15 +244,22 @@ def test_sm90_backward_deterministic(d, mask, h_kv, sq, sk):
 
 
 @pytest.mark.xdist_group("pad-d160")
-def test_sm90_deterministic_refused_where_sm80_trains(monkeypatch):
-    """Head dims that train through the sm80 backward (d160 on Hopper) have no deterministic mode: a clear error
-    before the forward."""
+def test_padded_head_dim_deterministic(monkeypatch):
+    """d160 (its wider tile's d192 kernels, zero-padded) in deterministic mode: bitwise-equal gradients over repeats,
+    within the rule, GQA and a window. (Until session 20 it trained on the sm80 backward, which has no deterministic
+    mode.)"""
     import cute_flash
+    from cute_flash.testing import check_backward
 
     monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
-    q, k, v, _ = _inputs("bf16", 160, 64, 64, 2, 2, 0)
-    with pytest.raises(NotImplementedError, match="deterministic"):
-        cute_flash.attention(q, k, v, deterministic=True)
+    q, k, v, dout = _inputs("bf16", 160, 700, 900, 4, 2, _seed(160, "det"))
+    assert cute_flash.explain(q, k, v, deterministic=True).backward_padded_to == 192
+    runs = []
+    for _ in range(2):
+        out = cute_flash.attention(q, k, v, window_size=(100, 30), deterministic=True)
+        runs.append(torch.autograd.grad(out, (q, k, v), dout))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    check_backward(q, k, v, dout, runs[0], window_size=(100, 30))
 
 
 SWAP_AB_CASES = [

@@ -54,8 +54,8 @@ def test_forward_dv_differs_long(causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim, backward_family", [(128, "sm90"), (256, "sm90"), (192, "sm90")])
 def test_training_routes(monkeypatch, head_dim, backward_family, causal):
-    """Training on Hopper: forward by the sm90 kernel, backward by the sm90 backward: its own tile, or (d192) its d256
-    kernels on zero-padded operands (docs/sm90.md), chosen by the router."""
+    """Training on Hopper: forward by the sm90 kernel, backward by the sm90 backward's own tile for each head dim,
+    chosen by the router."""
     monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
     q, k, v = random_qkv(2, 300, 431, 4, 2, head_dim, dtype=torch.bfloat16, seed=3, requires_grad=True)
     route = cute_flash.explain(q, k, v, causal=causal)

@@ -5,7 +5,7 @@ them at W on zero-padded operands: zero columns of Q and K leave S = Q·Kᵀ unc
 dK; zero columns of V, dO and O leave dP = dO·Vᵀ and D = rowsum(dO·O) unchanged and give zero columns of dV. The
 softmax scale is the call's own (a runtime argument of the kernels), so the gradients are exact; the padded columns
 cost their share of the products and a copy of each padded tensor. Used for head_dim != head_dim_v (e.g. DeepSeek's
-(192, 128)) and, on Hopper, for head dims without an sm90 backward tile of their own (d192 runs the d256 kernels).
+(192, 128)) and, on Hopper, for head dims without an sm90 backward tile of their own (d160 runs the d192 kernels).
 """
 
 from __future__ import annotations

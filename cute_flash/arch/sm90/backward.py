@@ -54,20 +54,13 @@ FAMILY = "sm90"
 STATS_ROW_MULTIPLE = PRE_POST_ROWS  # the preprocess writes whole 64-row blocks
 
 
-# Wider head dims (max(d, dv)) at which the sm80 backward has tiles of its own and the padded run here has not been
-# timed against them: calls there keep the sm80 backward (the router's next family on Hopper). d192 was timed
-# (docs/performance.md, session 19: the d256 kernels padded, 1.8-2.2x the sm80 route's (192, 128)).
-_SM80_UNTIL_MEASURED = (32, 160, 224)
-
-
 def kernel_width(spec: AttentionSpec) -> Optional[int]:
     """The head dim of the kernels serving `spec`: the narrowest with a tile configuration that is at least as wide as
     head_dim and head_dim_v (their own where d == dv has one), or None. A narrower call runs them on zero-padded
-    operands (arch/padded_head_dims.py): e.g. d192 and (192, 128) the d256 kernels, (128, 64) the d128 ones, d72
-    the d96 ones."""
+    operands (arch/padded_head_dims.py): e.g. (192, 128) and d160 the d192 kernels, d224 the d256 ones, (128, 64)
+    the d128 ones, d72 the d96 ones, d32 the d64 ones. Every such route measured faster than the sm80 backward's own
+    tiles for that head dim (H100, docs/performance.md session 20: d32 / d160 / d224 1.0-2.5x)."""
     need = max(spec.head_dim, spec.head_dim_v)
-    if need in _SM80_UNTIL_MEASURED:
-        return None
     return next((w for w in bwd_head_dims() if w >= need), None)
 
 
@@ -82,11 +75,6 @@ def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
     if spec.out_dtype != spec.dtype:
         return f"the sm90 backward needs out_dtype equal to the input dtype ({spec.dtype}), got {spec.out_dtype}"
     if kernel_width(spec) is None:
-        if max(spec.head_dim, spec.head_dim_v) in _SM80_UNTIL_MEASURED:
-            return (
-                f"head dims ({spec.head_dim}, {spec.head_dim_v}) train on the sm80 backward's own tiles (the sm90 "
-                f"backward would run its wider ones padded, not timed against those yet)"
-            )
         return (
             f"the sm90 backward has tile configurations for head dims {bwd_head_dims()} (narrower ones and "
             f"head_dim != head_dim_v run on zero-padded operands), not ({spec.head_dim}, {spec.head_dim_v})"

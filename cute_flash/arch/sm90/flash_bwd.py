@@ -2,9 +2,10 @@
 
 One CTA owns one key tile (tile_n keys) of one query head and walks the query tiles that see it
 (`BlockInfo.q_block_range`), tile_m query rows at a time. Described here is the "keys on rows" form (d64, d128); with
-queries on rows (d256, `BwdTileConfig.keys_on_rows` False) S = Q·Kᵀ and dP = dO·Vᵀ put the 64 queries on the
+queries on rows (d192, d256, `BwdTileConfig.keys_on_rows` False) S = Q·Kᵀ and dP = dO·Vᵀ put the 64 queries on the
 accumulator rows and split the 64 keys between the consumers, P and dS go to shared memory, and each consumer computes
-dV, dK and dQ for its half of the head dim with every operand read from shared memory:
+dV, dK and dQ for its half of the head dim with every operand read from shared memory (d192: halves of 96 columns,
+on tiles swizzled in 64-byte atoms, `operand_atom_cols`):
 
   warpgroup 0 (producer, setmaxnreg.dec): warp 0 issues TMA loads of the K and V tiles once, then per query tile
       Q with its log2-domain LSE and dO with its D = rowsum(dO * O) through `num_stages`-deep mbarrier rings.
@@ -19,7 +20,7 @@ dV, dK and dQ for its half of the head dim with every operand read from shared m
       one bulk reduce-add (cp.reduce.async.bulk) per query tile, in that same "fragment" layout (undone by
       `flash_bwd_postprocess.DqConvertSm90`); two named barriers per consumer hand the buffer back and forth. With
       `deterministic`, a semaphore per (batch, head, query tile) makes the key tiles add in a fixed order.
-      With BwdTileConfig.dq_red (a study option) there is no dQ writer and no shared dQ buffer: each consumer adds
+      With BwdTileConfig.dq_red (d192, d256) there is no dQ writer and no shared dQ buffer: each consumer adds
       its dQ share from registers with red.global.add.v4.f32 at the same offsets (after griddepcontrol.wait under
       `pdl`, since the preprocess zeroes the accumulator); no deterministic build.
   epilogue: dK (times the softmax scale) and dV converted to 16 bits and stored with stmatrix + one TMA store per
@@ -57,7 +58,7 @@ reverses the key tiles within the sequence, whose tiles are consecutive in the g
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple, Tuple, Type
+from typing import NamedTuple, Optional, Tuple, Type
 
 import cuda.bindings.driver as cuda
 
@@ -128,6 +129,14 @@ def dq_tiled_mma(dtype: Type[cutlass.Numeric], head_dim: int, cfg: BwdTileConfig
         atoms, tiler = (1, w, 1), (cfg.tile_m, head_dim // w)
     a_major = mn if cfg.keys_on_rows else cute.nvgpu.OperandMajorMode.K
     return wgmma.tiled_mma_f32(dtype, a_major, mn, atoms, tiler)
+
+
+def operand_atom_cols(head_dim: int, cfg: BwdTileConfig) -> Optional[int]:
+    """Columns of the swizzle atom of the Q, dO, K and V tiles (and the dQ postprocess's output tile), or None for
+    the widest the row allows. The consumers split the head dim of dK, dV and dQ (queries on rows, dq_split "n"),
+    and a warpgroup's share must start on an atom: d192's halves of 96 columns take 32-column (64-byte) atoms."""
+    share = head_dim // cfg.num_consumer_wgs
+    return 32 if cfg.dq_split == "n" and share % 64 else None
 
 
 def dq_tile(head_dim: int, cfg: BwdTileConfig) -> Tuple[int, int]:
@@ -266,6 +275,7 @@ class Sm90FlashBackward(BwdEntries):
         self.num_dq_wgs = cfg.num_dq_wgs
         self.dq_chunk = cfg.tile_m * head_dim // cfg.num_dq_wgs  # floats per dQ consumer and query tile
         self.keys_on_rows = cfg.keys_on_rows
+        self.operand_atom_cols = operand_atom_cols(head_dim, cfg)
         # Deterministic dQ order: descending key tiles under a right window edge (causal or local), ascending else.
         self.shortest_first = deterministic and mask_kind != "none"
         self.s_tile = (cfg.tile_n, cfg.tile_m) if cfg.keys_on_rows else (cfg.tile_m, cfg.tile_n)
@@ -305,10 +315,11 @@ class Sm90FlashBackward(BwdEntries):
                 mdK, mdV = packed_seq_major_view(mdK), packed_seq_major_view(mdV)
 
         stages = self.num_stages
-        sQ_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_m, d, stages)
-        sdO_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_m, d, stages)
-        sK_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, d, 1)
-        sV_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, d, 1)
+        atom = self.operand_atom_cols
+        sQ_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_m, d, stages, atom_cols=atom)
+        sdO_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_m, d, stages, atom_cols=atom)
+        sK_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, d, 1, atom_cols=atom)
+        sV_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, d, 1, atom_cols=atom)
         # The S / dP tile as the accumulators hold it (dSᵀ: keys x queries, or dS: queries x keys); P likewise.
         sdS_layout = wgmma.k_major_smem_layout(self.dtype, *self.s_tile, stages)
         # Each stage of LSE / D starts on a 128-byte boundary, as a TMA destination must (tile_m 80: 320 bytes).

@@ -24,7 +24,7 @@ from cutlass.cute.nvgpu import cpasync
 from ...common.entries import AccumEntries
 from ...common.packed import seq_rows
 from .epilogue import store_rows_predicated
-from .flash_bwd import DQ_VEC, SMEM_ALIGN, _transposed, dq_fragment_offset, dq_tile, dq_tiled_mma
+from .flash_bwd import DQ_VEC, SMEM_ALIGN, _transposed, dq_fragment_offset, dq_tile, dq_tiled_mma, operand_atom_cols
 from .tile_config import WARPGROUP_THREADS, BwdTileConfig
 from .views import accum_rows, head_tiles, packed_seq_major_view, seq_major_view
 from . import wgmma
@@ -47,7 +47,7 @@ class DqConvertSm90(AccumEntries):
         self, mAccum: cute.Tensor, mOut: cute.Tensor, scale: Float32, stream, mCuSeqlens=None, pad=None, max_seqlen=None
     ):
         tile_m, d = self.cfg.tile_m, self.head_dim
-        sO_layout = wgmma.k_major_smem_layout(self.dtype, tile_m, d, 1)
+        sO_layout = wgmma.k_major_smem_layout(self.dtype, tile_m, d, 1, atom_cols=operand_atom_cols(d, self.cfg))
 
         @cute.struct
         class SharedStorage:

@@ -133,8 +133,8 @@ class BwdTileConfig:
           tile_n = 64 keys; P and dS go through shared memory and every consumer computes dK / dV for all 64 keys and
           head_dim / num_consumer_wgs columns: half the accumulator registers per thread, what d256 needs.
     dq_split says how the consumers share dQ = dS·K: "m" (64 query rows each; tile_m = 64 * num_consumer_wgs),
-    "n" (head_dim / num_consumer_wgs columns each, which must be whole 64-column swizzle atoms), or "single" (consumer
-    0 alone computes the whole 64-row dQ: head dims such as 96 that split neither way).
+    "n" (head_dim / num_consumer_wgs columns each, which must start on a swizzle atom: multiples of 32), or "single"
+    (consumer 0 alone computes the whole 64-row dQ: head dims such as 96 that split neither way).
     dq_swap_ab computes dQᵀ = Kᵀ·dSᵀ instead (FlashAttention-3's dQ_swapAB): wgmma's M is then the 64 head-dim columns
     of each consumer and the query rows are its N, so tile_m need not be a multiple of 64 (d128's 80-row tile).
     Study switches (docs/sm90_bwd_sass_study.md, variants A, B, C; timed on an H100 in session 9; only A is a default:
@@ -258,9 +258,10 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int) -> Optional[str]:
         )
     if not cfg.dq_swap_ab and cfg.tile_m % 64 != 0:
         return f"tile_m {cfg.tile_m} must be a multiple of 64 (wgmma's M of dQ) unless dq_swap_ab"
-    if cfg.dq_split == "n" and (head_dim % w != 0 or (head_dim // w) % 64 != 0):
+    if cfg.dq_split == "n" and (head_dim % w != 0 or (head_dim // w) % 32 != 0):
+        # (shares of 64-column multiples start on 128-byte swizzle atoms, others on 64-byte ones: operand_atom_cols)
         return (
-            f"dq_split 'n' needs head_dim / consumers in whole 64-column swizzle atoms, got head_dim {head_dim}, "
+            f"dq_split 'n' needs head_dim / consumers in whole 32-column swizzle atoms, got head_dim {head_dim}, "
             f"{w} consumers"
         )
     if cfg.dq_split == "single" and cfg.tile_m != ROWS_PER_CONSUMER:
@@ -303,23 +304,31 @@ def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, elem_bytes: int = 2) -> in
 #         queries per step for the same per-step costs; dQᵀ = Kᵀ·dSᵀ, since 80 rows are no wgmma M): built here as
 #         dq_swap_ab (profiling/sm90_bwd_variants.py "m80", "m80_kb1", "m80_regstats"): the default without a mask
 #         from 4096 query rows on (_BWD_LONG_QUERIES), not below (shorter walks and the partial last tile cost more).
+#   d192: d256's form (64 x 64, queries on rows, dQ from registers, two stages; 182 KiB): each consumer's share of
+#         dK, dV and dQ is 96 head-dim columns (48 registers each), which start on a swizzle atom only with 64-byte
+#         atoms (flash_bwd.operand_atom_cols). 1.3-2.0x the d256 kernels on padded operands and 0.76-0.81x FA4's
+#         64 x 96 tile (whose dK / dV products are swapped, dKᵀ = Qᵀ·dS, to make 96 keys a wgmma N); the dQ buffer
+#         with the dQ warp instead (which also fits two stages, 226 KiB) measured 1-4% slower (H100, session 20,
+#         docs/performance.md). Deterministic builds take that buffer.
 #   d256: 64 x 64 tiles with queries on rows (FlashAttention-3's d256 shape): dK and dV split by head-dim halves
 #         (64 registers each) instead of 128 keys' rows (256 each); P and dS through shared memory. dQ is added from
 #         registers (dq_red), which frees the fp32 dQ buffer (64 KiB) for a second Q / dO stage (226 KiB): 1.34x the
 #         one-stage kernel with the dQ buffer and 1.14x FA4 over 1k/4k/16k, both masks (H200, session 11,
 #         docs/performance.md). Deterministic builds keep the dQ buffer and so one stage (_BWD_DETERMINISTIC).
-# Other head dims (d192, dv != d, ...) run the narrowest of these at least as wide on zero-padded operands
+# Other head dims (d160, dv != d, ...) run the narrowest of these at least as wide on zero-padded operands
 # (backward.kernel_width, arch/padded_head_dims.py).
 _BWD_BY_HEAD_DIM = {
     64: BwdTileConfig(tile_m=128, dq_split="m", opt_level=2),
     96: BwdTileConfig(tile_m=64, dq_split="single"),
     128: BwdTileConfig(tile_m=64, dq_split="n"),
+    192: BwdTileConfig(tile_m=64, dq_split="n", keys_on_rows=False, tile_n=64, num_stages=2, dq_red=True),
     256: BwdTileConfig(tile_m=64, dq_split="n", keys_on_rows=False, tile_n=64, num_stages=2, dq_red=True),
 }
 
 # Changes for deterministic builds (dq_red's adds have no fixed order): the dQ buffer and the dQ warp's ordered
-# reduce-adds, in the shared memory the second stage had.
+# reduce-adds (d256: in the shared memory the second stage had; d192 fits both, 226 KiB).
 _BWD_DETERMINISTIC = {
+    192: {"dq_red": False},
     256: {"dq_red": False, "num_stages": 1},
 }
 

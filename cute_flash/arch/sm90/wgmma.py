@@ -32,14 +32,22 @@ def tiled_mma_f32(
 
 
 def k_major_smem_layout(
-    dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: int, stage_elems: Optional[int] = None
+    dtype: Type[cutlass.Numeric],
+    rows: int,
+    cols: int,
+    stages: int,
+    stage_elems: Optional[int] = None,
+    atom_cols: Optional[int] = None,
 ) -> cute.ComposedLayout:
     """(rows, cols, stages) shared-memory tile with `cols` contiguous, in the widest swizzle the row length allows:
     what wgmma reads as a K-major operand (and what TMA writes).
 
+    `atom_cols` caps the swizzle at the atom of that many columns (e.g. 32 bf16 columns: 64-byte swizzle), for tiles
+    whose column blocks must start on an atom (flash_bwd.operand_atom_cols).
+
     `stage_elems` spaces the stages further apart than rows * cols (two tiles of different widths sharing one slot
     per stage); it must keep every stage on a 1 KiB boundary, where the swizzle pattern repeats."""
-    row_bits = cols * dtype.width
+    row_bits = (atom_cols or cols) * dtype.width
     kinds = warpgroup.SmemLayoutAtomKind
     if row_bits % 1024 == 0:
         kind = kinds.K_SW128
