@@ -597,8 +597,8 @@ class Explanation:
         backward = routing.route(spec, capability, backward=True, deterministic=deterministic)
         padded_to = None
         if backward.family is not None:
-            width = backward.backend.backward_head_dim(spec)
-            padded_to = width if (width, width) != (spec.head_dim, spec.head_dim_v) else None
+            dims = backward.backend.backward_head_dims(spec)
+            padded_to = max(dims) if dims != (spec.head_dim, spec.head_dim_v) else None
         return cls(capability, forward, backward, padded_to)
 
 

@@ -240,13 +240,18 @@ def backward_inputs(
     nheads_kv: int,
     seed: int,
     batch: Optional[int] = None,
+    head_dim_v: Optional[int] = None,
 ):
-    """q, k, v (requiring grad) and an output gradient dout, all fresh N(0, 1); two batch entries for small cases."""
+    """q, k, v (requiring grad) and an output gradient dout, all fresh N(0, 1); two batch entries for small cases.
+    head_dim_v: v's and dout's (head_dim by default)."""
     b = batch or (2 if seqlen_q * seqlen_k <= 256 * 256 else 1)
-    q, k, v = random_qkv(b, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype=dtype, seed=seed, requires_grad=True)
+    dv = head_dim if head_dim_v is None else head_dim_v
+    q, k, v = random_qkv(
+        b, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dv, dtype=dtype, seed=seed, requires_grad=True
+    )
     gen = torch.Generator(device="cuda")
     gen.manual_seed(seed + 1)
-    dout = torch.randn(b, seqlen_q, nheads, head_dim, generator=gen, device="cuda").to(dtype)
+    dout = torch.randn(b, seqlen_q, nheads, dv, generator=gen, device="cuda").to(dtype)
     return q, k, v, dout
 
 

@@ -5,8 +5,8 @@ another in separate processes (GPU).
 
 --without-tile D: the sm90 backward forgets its head-dim-D tile, so D runs on the next wider tile, zero-padded
     (e.g. `--without-tile 192`: d192 and (192, 128) on the d256 kernels, as before session 20).
---config D KEY=VALUE: one field of the head-dim-D tile configuration changed (a Python literal), e.g.
-    `--config 192 dq_red=False` (repeatable).
+--config D[,DV] KEY=VALUE: one field of the head-dim-D (or (D, DV)) tile configuration changed (a Python literal),
+    e.g. `--config 192 dq_red=False`, `--config 192,128 num_stages=3` (repeatable).
 (The sm80 backward's own tiles for a head dim the sm90 backward serves padded: `CUTE_FLASH_ARCH=sm80 python3 -m
 cute_flash bench ... --directions bwd`; session 20's `--padded-everywhere` compared them while the sm90 backward left
 d32 / d160 / d224 to them.)
@@ -26,12 +26,15 @@ def main() -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--without-tile", type=int, action="append", default=[])
-    parser.add_argument("--config", nargs=2, action="append", default=[], metavar=("D", "KEY=VALUE"))
+    parser.add_argument("--config", nargs=2, action="append", default=[], metavar=("D[,DV]", "KEY=VALUE"))
     args = parser.parse_args(argv[:split])
-    for d, change in args.config:
+    for dims, change in args.config:
         key, value = change.split("=", 1)
-        table = tile_config._BWD_BY_HEAD_DIM
-        table[int(d)] = replace(table[int(d)], **{key: ast.literal_eval(value)})
+        d, _, dv = dims.partition(",")
+        table, entry = tile_config._BWD_BY_HEAD_DIM, int(d)
+        if dv:
+            table, entry = tile_config._BWD_BY_HEAD_DIMS, (int(d), int(dv))
+        table[entry] = replace(table[entry], **{key: ast.literal_eval(value)})
     for d in args.without_tile:
         del tile_config._BWD_BY_HEAD_DIM[d]
     print(f"route override: {vars(args)}", flush=True)

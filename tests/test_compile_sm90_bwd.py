@@ -19,19 +19,27 @@ import pytest
 from cute_flash.spec import AttentionSpec
 
 REPO = Path(__file__).resolve().parents[1]
-HEAD_DIMS = (64, 96, 128, 192, 256)
+# Head dims with kernels of their own: d == dv, or a (head_dim, head_dim_v) pair (tile_config.bwd_head_dim_pairs).
+HEAD_DIMS = (64, 96, 128, 192, 256, (192, 128))
 QUERIES_ON_ROWS = (192, 256)  # head dims whose configuration puts the queries on the S rows, with dQ from registers
 # (head_dim, causal) builds. Every head dim's configuration and both masks' code paths by default (d128 both: its
-# masks take different configurations); CUTE_FLASH_SM90_FULL_COMPILE=1 builds the other three pairs too (spill-free
-# when last run), which the CPU suite leaves out for time.
-DEFAULT_BUILDS = [(64, True), (96, False), (128, False), (128, True), (192, True), (256, False)]
+# masks take different configurations; (192, 128) builds d192's configuration with dO / V of their own width);
+# CUTE_FLASH_SM90_FULL_COMPILE=1 builds the other pairs too (spill-free when last run), which the CPU suite leaves out
+# for time.
+DEFAULT_BUILDS = [(64, True), (96, False), (128, False), (128, True), ((192, 128), True), (256, False)]
 FULL_BUILDS = [(d, causal) for d in HEAD_DIMS for causal in (False, True)]
 BUILDS = FULL_BUILDS if os.environ.get("CUTE_FLASH_SM90_FULL_COMPILE") == "1" else DEFAULT_BUILDS
 
 
-def _compile(out_dir, head_dim: int, causal: bool) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "cute_flash", "compile", "--arch", "sm90", "--backward", "--head-dim", str(head_dim)]
-    cmd += ["--dtype", "bf16", "--out", str(out_dir), "--json"] + (["--causal"] if causal else [])
+def _dims(head_dim) -> tuple:
+    return head_dim if isinstance(head_dim, tuple) else (head_dim, head_dim)
+
+
+def _compile(out_dir, head_dim, causal: bool) -> subprocess.CompletedProcess:
+    d, dv = _dims(head_dim)
+    cmd = [sys.executable, "-m", "cute_flash", "compile", "--arch", "sm90", "--backward", "--head-dim", str(d)]
+    cmd += ["--head-dim-v", str(dv), "--dtype", "bf16", "--out", str(out_dir), "--json"]
+    cmd += ["--causal"] if causal else []
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
 
 
@@ -41,7 +49,7 @@ def builds(tmp_path_factory):
     single-threaded subprocess, so the suite's 2-core machine finishes them in about half the time."""
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1)))
     futures = {
-        (d, causal): pool.submit(_compile, tmp_path_factory.mktemp(f"sm90_bwd_d{d}_{causal}"), d, causal)
+        (d, causal): pool.submit(_compile, tmp_path_factory.mktemp(f"sm90_bwd_{_build_id((d, causal))}"), d, causal)
         for d, causal in BUILDS
     }
     yield futures
@@ -56,7 +64,8 @@ def _compile_reports(builds, head_dim: int, causal: bool) -> dict:
 
 
 def _build_id(build) -> str:
-    return f"{build[0]}-{'causal' if build[1] else 'full'}"
+    d, dv = _dims(build[0])
+    return f"{d if d == dv else f'{d}x{dv}'}-{'causal' if build[1] else 'full'}"
 
 
 @pytest.mark.parametrize("head_dim,causal", BUILDS, ids=[_build_id(b) for b in BUILDS])
@@ -76,13 +85,13 @@ def test_sm90_backward_compiles(builds, head_dim, causal):
     for role in sorted(roles | long_roles):
         report = reports[role]
         census = report["census"]
-        if head_dim in QUERIES_ON_ROWS:  # P and dS through shared memory, every product SS
+        if _dims(head_dim)[0] in QUERIES_ON_ROWS:  # P and dS through shared memory, every product SS
             assert census["wgmma.mma_async"] > 0 and census["wgmma.mma_async.rs"] == 0, census
         else:
             assert census["wgmma.mma_async"] > census["wgmma.mma_async.rs"] > 0, census  # SS and RS forms
         assert census["cp.async.bulk.tensor"] > 0
         assert census["setmaxnreg"] >= 2  # producer decreases, consumers increase
-        if head_dim in QUERIES_ON_ROWS and not role.endswith("_det"):  # dq_red: consumers add dQ from registers
+        if _dims(head_dim)[0] in QUERIES_ON_ROWS and not role.endswith("_det"):  # dq_red: dQ from registers
             assert census["red.global.add.v4.f32"] > 0 and census["cp.reduce.async.bulk"] == 0, census
         else:
             assert census["cp.reduce.async.bulk"] > 0, "dQ must be added by the bulk reduce-add"
@@ -92,6 +101,8 @@ def test_sm90_backward_compiles(builds, head_dim, causal):
         assert census["mma.sync"] == 0, "the sm90 backward must not fall back to mma.sync"
         assert report["threads"] == 384
         assert report["spill_bytes"] == 0, f"{role} d={head_dim} spills {report['spill_bytes']} bytes"
+        # Built at the call's own head dims (no padding): (192, 128) reads dO and V 128 wide.
+        assert (report["head_dim"], report["head_dim_v"]) == _dims(head_dim)
     # The launch-overhead switches (BwdTileConfig.zero_dq_in_preprocess, .pdl, .pdl_dq_post) are on by default: the
     # sm90 preprocess build signals its dependent, the main kernel waits (producer, dQ warp, epilogue) and signals,
     # the dQ postprocess waits (tests/test_sm90_bwd_variants.py builds them off).
@@ -114,7 +125,7 @@ def test_sm90_forward_compiles(builds, head_dim, causal):
 
     report = _compile_reports(builds, head_dim, causal)["fwd"]
     check_census(report)
-    if head_dim <= 128:
+    if max(_dims(head_dim)) <= 128:
         assert report["spill_bytes"] == 0, f"d={head_dim} spills {report['spill_bytes']} bytes"
 
 
@@ -123,17 +134,17 @@ def test_sm90_backward_support():
     from cute_flash.arch.sm90.backward import backward_unsupported_reason
 
     for d in HEAD_DIMS:
-        spec = AttentionSpec("bf16", d, d, "causal", "bf16")
+        spec = AttentionSpec("bf16", *_dims(d), "causal", "bf16")
         assert backward_unsupported_reason(spec) is None
         assert BACKEND.unsupported_reason(spec, backward=True, deterministic=True) is None
-    # Other head dims run a wider tile on zero-padded operands (deterministic too): (192, 128) and d160 the d192
-    # kernels, (192, 256) and d224 the d256 ones, d32 the d64 ones.
+    # (192, 128) has kernels of its own; other head dims run a wider tile on zero-padded operands (deterministic too):
+    # d160 and (160, 128) the d192 kernels, (192, 256) and d224 the d256 ones, d32 the d64 ones.
     from cute_flash import routing
     from cute_flash.arch.sm90.backward import kernel_spec
 
-    for d, dv, width in ((192, 192, 192), (192, 128, 192), (160, 160, 192), (192, 256, 256), (224, 224, 256),
-                         (32, 32, 64)):  # fmt: skip
+    for d, dv, dims in ((192, 192, (192, 192)), (192, 128, (192, 128)), (160, 128, (192, 192)), (160, 160, (192, 192)),
+                        (192, 256, (256, 256)), (224, 224, (256, 256)), (32, 32, (64, 64))):  # fmt: skip
         other = AttentionSpec("bf16", d, dv, "none", "bf16")
         assert BACKEND.unsupported_reason(other, backward=True, deterministic=True) is None
         assert routing.route(other, (9, 0), backward=True, deterministic=True).family == "sm90"
-        assert kernel_spec(other) == AttentionSpec("bf16", width, width, "none", "bf16")
+        assert kernel_spec(other) == AttentionSpec("bf16", *dims, "none", "bf16")

@@ -158,8 +158,8 @@ def test_backward_of_any_gradient_layout(monkeypatch, family, loss):
 
 # --- 3. every documented head dim on Hopper -------------------------------------------------------------------------
 # (d, dv, forward family): sm90 serves head_dim != head_dim_v where both are sm90 head dims; the backward: the sm90
-# family's tiles, padded where the call has none of its own (d16, d32, d72, d160, (128, 80), (128, 64), (192, 128);
-# sm90.backward.kernel_width).
+# family's tiles ((192, 128) has its own), padded where the call has none of its own (d16, d32, d72, d160, (128, 80),
+# (128, 64); sm90.backward.kernel_dims).
 HOPPER_SHAPES = [
     (16, 16, "sm80"),
     (32, 32, "sm80"),

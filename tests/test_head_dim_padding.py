@@ -26,9 +26,11 @@ def _reference_grads(q, k, v, dout, dlse, scale, causal):
     return out.detach(), lse.detach(), grads
 
 
-# (d, dv, family): the families' widths: sm80 the wider head dim, sm90 the narrowest tile at least that wide.
-CASES = [(192, 128, "sm80"), (128, 64, "sm80"), (64, 128, "sm80"), (96, 256, "sm80"), (192, 128, "sm90"),
-         (176, 176, "sm90"), (200, 200, "sm90"), (72, 72, "sm90"), (16, 40, "sm90"), (136, 96, "sm90")]  # fmt: skip
+# (d, dv, family): the families' widths: sm80 the wider head dim, sm90 the narrowest tile at least that wide; or
+# (d, dv, (d', dv')): the launcher alone padding each operand to its own kernel width.
+CASES = [(192, 128, "sm80"), (128, 64, "sm80"), (64, 128, "sm80"), (96, 256, "sm80"), (160, 128, "sm90"),
+         (176, 176, "sm90"), (200, 200, "sm90"), (72, 72, "sm90"), (16, 40, "sm90"), (136, 96, "sm90"),
+         (160, 96, (192, 128)), (40, 128, (64, 128))]  # fmt: skip
 
 
 @pytest.mark.parametrize("d, dv, family", CASES)
@@ -46,17 +48,23 @@ def test_padded_head_dims_give_the_unpadded_gradients(d, dv, family):
     spec = AttentionSpec("bf16", d, dv, "causal")
     mask = normalize_mask(True, (None, None))
     problem = Problem(b, sq, sk, h, h_kv, d, dv, mask, scale, spec)
-    backward = sm80_backward if family == "sm80" else sm90_backward
-    width = backward.kernel_spec(spec).head_dim
-    assert backward.kernel_spec(spec) == AttentionSpec("bf16", width, width, "causal")
-    assert width == (max(d, dv) if family == "sm80" else min(w for w in bwd_head_dims() if w >= max(d, dv)))
-    assert backward.backward_unsupported_reason(spec) is None
-    wide = widened_problem(problem, width)
-    assert (wide.head_dim, wide.head_dim_v, wide.spec.head_dim, wide.softmax_scale) == (width, width, width, scale)
+    if isinstance(family, tuple):
+        dims = family
+    else:
+        backward = sm80_backward if family == "sm80" else sm90_backward
+        width = backward.kernel_spec(spec).head_dim
+        assert backward.kernel_spec(spec) == AttentionSpec("bf16", width, width, "causal")
+        dims = (width, width)
+        assert width == (max(d, dv) if family == "sm80" else min(w for w in bwd_head_dims() if w >= max(d, dv)))
+        assert backward.backward_unsupported_reason(spec) is None
+    wide = widened_problem(problem, dims)
+    assert (wide.head_dim, wide.head_dim_v, wide.spec.head_dim, wide.spec.head_dim_v) == (*dims, *dims)
+    assert wide.softmax_scale == scale
     seen = {}
 
     def kernels_at_the_wider_head_dim(t: BwdTensors, grads: Grads):
-        assert all(x.shape[-1] == width for x in (t.dout, t.q, t.k, t.v, t.out, *grads))
+        assert all(x.shape[-1] == dims[0] for x in (t.q, t.k, grads.dq, grads.dk))
+        assert all(x.shape[-1] == dims[1] for x in (t.dout, t.v, t.out, grads.dv))
         seen["zero_columns"] = all(
             bool((x[..., n:] == 0).all()) for x, n in ((t.q, d), (t.k, d), (t.v, dv), (t.dout, dv), (t.out, dv))
         )
@@ -66,7 +74,7 @@ def test_padded_head_dims_give_the_unpadded_gradients(d, dv, family):
             dst.copy_(src)
 
     grads = Grads(*(torch.full_like(x, float("nan")) for x in (q, k, v)))
-    padded_launcher(width, kernels_at_the_wider_head_dim)(BwdTensors(dout, q, k, v, out, lse, dlse), grads)
+    padded_launcher(dims, kernels_at_the_wider_head_dim)(BwdTensors(dout, q, k, v, out, lse, dlse), grads)
     assert seen["zero_columns"]
     torch.testing.assert_close(seen["out"][..., :dv], out)  # the padded forward is the unpadded one
     torch.testing.assert_close(seen["lse"], lse)

@@ -52,8 +52,8 @@ HOPPER_ROUTES = [
     (spec(128, mask="causal"), "sm90", "sm90"),
     (spec(256, mask="local"), "sm90", "sm90"),
     # Head dims without an sm90 backward tile of their own run the narrowest wider one on zero-padded operands
-    # (sm90.backward.kernel_width): (192, 128) and d160 the d192 kernels, d16 / d32 the d64 ones, d72 the d96 ones,
-    # d224 the d256 ones.
+    # (sm90.backward.kernel_dims): d160 the d192 kernels, d16 / d32 the d64 ones, d72 the d96 ones, d224 the d256
+    # ones; (192, 128) has its own.
     (spec(192, mask="causal"), "sm90", "sm90"),
     (spec(96, mask="causal"), "sm90", "sm90"),
     (spec(16), "sm80", "sm90"),
@@ -240,10 +240,13 @@ def test_explain_for_a_given_capability():
 
 
 def test_explain_dv_differs_on_hopper():
-    # DeepSeek-style (192, 128): the sm90 forward and the sm90 backward (its d192 kernels on zero-padded operands).
+    # DeepSeek-style (192, 128): the sm90 forward and the sm90 backward (a tile of its own, nothing padded); (160, 128)
+    # runs the d192 kernels on zero-padded operands.
     e = cute_flash.explain(*_meta(192, 128), causal=True, capability=HOPPER)
     assert (e.forward_family, e.backward_family) == ("sm90", "sm90")
     assert not e.forward.skipped and not e.backward.skipped
+    assert e.backward_padded_to is None and "zero-padded" not in str(e)
+    e = cute_flash.explain(*_meta(160, 128), capability=HOPPER)
     assert e.backward_padded_to == 192 and "head dim 192 kernels, on operands zero-padded" in str(e)
     assert cute_flash.explain(*_meta(192), capability=HOPPER).backward_padded_to is None  # its own tile
     assert cute_flash.explain(*_meta(192, 128), capability=AMPERE).backward_padded_to == 192

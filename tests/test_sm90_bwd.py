@@ -20,7 +20,14 @@ import torch
 
 pytestmark = pytest.mark.sm90
 
-HEAD_DIMS = (64, 96, 128, 192, 256)
+# Head dims with kernels of their own: d == dv, or a (head_dim, head_dim_v) pair (tile_config.bwd_head_dim_pairs).
+HEAD_DIMS = (64, 96, 128, 192, 256, (192, 128))
+
+
+def _dims_id(d) -> str:
+    return f"d{d[0]}x{d[1]}" if isinstance(d, tuple) else f"d{d}"
+
+
 SEQLENS = ((1, 1), (113, 203), (128, 128), (239, 1), (1023, 1024), (2048, 2048))
 MASKS = {  # name -> (causal, window_size)
     "full": (False, (None, None)),
@@ -41,8 +48,8 @@ def _case(dt, d, sq, sk, mask, h, h_kv):
         mask,
         h,
         h_kv,
-        id=f"{dt}-d{d}-{sq}x{sk}-{mask}-h{h}_{h_kv}",
-        marks=pytest.mark.xdist_group(f"{dt}-d{d}"),
+        id=f"{dt}-{_dims_id(d)}-{sq}x{sk}-{mask}-h{h}_{h_kv}",
+        marks=pytest.mark.xdist_group(f"{dt}-{_dims_id(d)}"),
     )
 
 
@@ -53,9 +60,11 @@ CASES = [
 
 
 def _inputs(dt, d, sq, sk, h, h_kv, seed, batch=None):
+    """d: a head dim, or a (head_dim, head_dim_v) pair."""
     from cute_flash.testing import backward_inputs
 
-    return backward_inputs(DTYPES[dt], d, sq, sk, h, h_kv, seed, batch)
+    d, dv = d if isinstance(d, tuple) else (d, d)
+    return backward_inputs(DTYPES[dt], d, sq, sk, h, h_kv, seed, batch, head_dim_v=dv)
 
 
 def _seed(*params) -> int:
@@ -105,6 +114,7 @@ def test_sm90_attention_backward(dt, d, sq, sk, mask, h, h_kv):
             (64, 8192, True, 1),
             (128, 16384, True, 1),
             (256, 8192, True, 2),
+            ((192, 128), 8192, False, 2),
         )
     ],
 )
@@ -116,7 +126,9 @@ def test_sm90_backward_long(d, seqlen, causal, h_kv):
     check_backward(q, k, v, dout, grads, causal=causal)
 
 
-@pytest.mark.parametrize("d", [pytest.param(d, marks=pytest.mark.xdist_group(f"bf16-d{d}")) for d in HEAD_DIMS])
+@pytest.mark.parametrize(
+    "d", [pytest.param(d, marks=pytest.mark.xdist_group(f"bf16-{_dims_id(d)}"), id=_dims_id(d)) for d in HEAD_DIMS]
+)
 def test_sm90_backward_fully_masked_rows(d):
     """Rows that see no key (seqlen_q > seqlen_k, causal; a window that ends before key 0): their dq must be exactly
     0, everything finite, the rest within the rule; key tiles no query sees get dk = dv = 0."""
@@ -163,7 +175,7 @@ def test_sm90_backward_strided_inputs():
 )  # fmt: skip
 def test_other_head_dims_train_on_hopper(monkeypatch, d, forward_family, backward_family):
     """Head dims without an sm90 backward tile of their own train on the narrowest wider one with zero-padded
-    operands (sm90.backward.kernel_width: d72 on the d96 kernels, d160 on the d192 ones, d32 on the d64 ones, d224
+    operands (sm90.backward.kernel_dims: d72 on the d96 kernels, d160 on the d192 ones, d32 on the d64 ones, d224
     on the d256 ones), after the sm80 forward (no sm90 forward tile for them). The marker's CUTE_FLASH_ARCH=sm90
     would forbid the sm80 family, so it is lifted."""
     import cute_flash
@@ -216,7 +228,7 @@ def test_dv_differs_trains_on_padded_kernels(monkeypatch, d, dv, h_kv, family, d
 @pytest.mark.parametrize(
     "d, mask, h_kv, sq, sk",
     [
-        pytest.param(d, m, hk, sq, sk, marks=pytest.mark.xdist_group(f"det-d{d}"))
+        pytest.param(d, m, hk, sq, sk, marks=pytest.mark.xdist_group(f"det-{_dims_id(d)}"))
         for d in HEAD_DIMS
         for m in ("full", "causal", "window64_0", "window100_30")
         for hk in (4, 1)

@@ -13,7 +13,7 @@ Tensor conventions handed to a backend (all on one CUDA device, last dimension c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, NamedTuple, Optional, Protocol
+from typing import Callable, Dict, List, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 
@@ -81,9 +81,10 @@ class ArchBackend(Protocol):
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         """Keys per K/V descale that this family's FP8 kernel reads for `spec` (cute_flash.fp8.prepare)."""
 
-    def backward_head_dim(self, spec: AttentionSpec) -> int:
-        """The head dim this family's backward kernels for `spec` are built for (where it serves `spec`): wider than
-        the call's own where they run on zero-padded operands (arch/padded_head_dims.py); `explain` reports it."""
+    def backward_head_dims(self, spec: AttentionSpec) -> Tuple[int, int]:
+        """The (head_dim, head_dim_v) this family's backward kernels for `spec` are built for (where it serves
+        `spec`): wider than the call's own where they run on zero-padded operands (arch/padded_head_dims.py);
+        `explain` reports it."""
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
         """Fills `t.out` and `t.lse` for the validated call `problem` (its spec, scale and mask); descale: the FP8

@@ -11,7 +11,7 @@ cost their share of the products and a copy of each padded tensor. Used for head
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, TypeVar
+from typing import Callable, Tuple, TypeVar
 
 import torch
 
@@ -20,16 +20,18 @@ from ..validation import MAX_ELEMENTS_PER_HEAD, VarlenProblem
 from .base import BwdTensors, Grads
 
 P = TypeVar("P")  # Problem or VarlenProblem (both carry head_dim, head_dim_v and spec)
+Dims = Tuple[int, int]  # (head_dim, head_dim_v) of the kernels
 
 
-def widened_spec(spec: AttentionSpec, width: int) -> AttentionSpec:
-    """`spec` with both head dims `width` (what the kernels are built for)."""
-    return dataclasses.replace(spec, head_dim=width, head_dim_v=width)
+def widened_spec(spec: AttentionSpec, dims: Dims) -> AttentionSpec:
+    """`spec` with the kernels' head dims `dims` (what they are built for)."""
+    return dataclasses.replace(spec, head_dim=dims[0], head_dim_v=dims[1])
 
 
-def widened_problem(problem: P, width: int) -> P:
-    """`problem` at head dim `width`; raises NotImplementedError where the wider rows leave the kernels' Int32
+def widened_problem(problem: P, dims: Dims) -> P:
+    """`problem` at head dims `dims`; raises NotImplementedError where the wider rows leave the kernels' Int32
     indexing (validation checked the call's own head dims, with the same padding of its rows)."""
+    width = max(dims)
     if isinstance(problem, VarlenProblem):
         rows = max(problem.total_q, problem.total_k) + (problem.batch + 1) * 256
     else:
@@ -39,7 +41,7 @@ def widened_problem(problem: P, width: int) -> P:
             f"the backward runs head dims ({problem.head_dim}, {problem.head_dim_v}) on kernels {width} wide, and "
             f"{rows} rows x {width} exceeds their Int32 indexing ({MAX_ELEMENTS_PER_HEAD}); split the call"
         )
-    return dataclasses.replace(problem, head_dim=width, head_dim_v=width, spec=widened_spec(problem.spec, width))
+    return dataclasses.replace(problem, head_dim=dims[0], head_dim_v=dims[1], spec=widened_spec(problem.spec, dims))
 
 
 def widened(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -51,15 +53,16 @@ def widened(t: torch.Tensor, width: int) -> torch.Tensor:
     return wide
 
 
-def padded_launcher(width: int, run: Callable[[BwdTensors, Grads], None]) -> Callable[[BwdTensors, Grads], None]:
-    """`run` (a launcher of kernels built for head dim `width`) as a launcher of a call's own tensors: the narrower
-    operands zero-padded to `width`, the narrower gradients computed into wide buffers and their leading columns
-    copied out."""
+def padded_launcher(dims: Dims, run: Callable[[BwdTensors, Grads], None]) -> Callable[[BwdTensors, Grads], None]:
+    """`run` (a launcher of kernels built for head dims `dims`) as a launcher of a call's own tensors: the narrower
+    operands zero-padded to their kernel width (q, k: head_dim's; v, dout, out: head_dim_v's), the narrower gradients
+    computed into wide buffers and their leading columns copied out."""
+    d, dv = dims
 
     def launch(t: BwdTensors, grads: Grads) -> None:
         dout, q, k, v, out, lse, dlse = t
-        wide = [widened(x, width) for x in (dout, q, k, v, out)]
-        wide_grads = [g if g.shape[-1] == width else g.new_empty(*g.shape[:-1], width) for g in grads]
+        wide = [widened(x, w) for x, w in ((dout, dv), (q, d), (k, d), (v, dv), (out, dv))]
+        wide_grads = [g if g.shape[-1] == w else g.new_empty(*g.shape[:-1], w) for g, w in zip(grads, (d, d, dv))]
         run(BwdTensors(*wide, lse, dlse), Grads(*wide_grads))
         for g, w in zip(grads, wide_grads):
             if w is not g:

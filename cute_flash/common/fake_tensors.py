@@ -65,11 +65,12 @@ def fake_packed_forward_args(dtype, head_dim: int, head_dim_v: int, seqused: boo
     )
 
 
-def fake_packed_preprocess_args(dtype, head_dim_v: int, dq_zeroing_block: int = 0) -> tuple:
+def fake_packed_preprocess_args(dtype, head_dim_v: int, dq_zeroing_block: int = 0, dq_head_dim: int = 0) -> tuple:
     """The arguments of the backward preprocess's packed entry (sm80/flash_bwd_preprocess, which both families run)
     before the stream: out / dout (total_q, h, dv), lse (h, total_q), D / lse_log2 (h, padded rows), cu_seqlens_q,
     two runtime ints (the per-sequence pad and the grid's blocks per sequence), and with `dq_zeroing_block` (its
-    block_m; the `packed_with_dq_zeroing` entry) the (h, padded rows * dv) fp32 dQ accumulator it zeroes."""
+    block_m; the `packed_with_dq_zeroing` entry) the (h, padded rows * d) fp32 dQ accumulator it zeroes (d:
+    dq_head_dim, by default head_dim_v)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -85,5 +86,6 @@ def fake_packed_preprocess_args(dtype, head_dim_v: int, dq_zeroing_block: int = 
         cutlass.Int32(0),
     )
     if dq_zeroing_block:
-        args += (fake_f32((heads, cute.sym_int()), divisibility=dq_zeroing_block * head_dim_v, align=16),)
+        d = dq_head_dim or head_dim_v
+        args += (fake_f32((heads, cute.sym_int()), divisibility=dq_zeroing_block * d, align=16),)
     return args

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import tempfile
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -167,8 +167,8 @@ class _Backend:
             *descale_args,
         )
 
-    def backward_head_dim(self, spec: AttentionSpec) -> int:
-        return spec.head_dim  # (no backward yet)
+    def backward_head_dims(self, spec: AttentionSpec) -> Tuple[int, int]:
+        return spec.head_dim, spec.head_dim_v  # (no backward yet)
 
     def backward_launcher(
         self, problem: Problem, device: torch.device, deterministic: bool = False

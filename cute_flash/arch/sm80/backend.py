@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -238,8 +238,8 @@ class _Backend:
         kernel = compile_cache.get_or_compile(key, lambda: _compile_runnable_forward(spec, target, seqused))
         launch_packed_forward(kernel, q, k, v, out, lse, seqs, problem)
 
-    def backward_head_dim(self, spec: AttentionSpec) -> int:
-        return _backward_module().kernel_width(spec)
+    def backward_head_dims(self, spec: AttentionSpec) -> Tuple[int, int]:
+        return (_backward_module().kernel_width(spec),) * 2
 
     def backward_launcher(
         self, problem: Problem, device: torch.device, deterministic: bool = False

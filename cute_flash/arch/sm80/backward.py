@@ -63,7 +63,7 @@ def kernel_width(spec: AttentionSpec) -> int:
 
 def kernel_spec(spec: AttentionSpec) -> AttentionSpec:
     """The spec the kernels serving `spec` are built for."""
-    return widened_spec(spec, kernel_width(spec))
+    return widened_spec(spec, (kernel_width(spec),) * 2)
 
 
 # ---------------------------------------------------------------------------------------------------- compiling
@@ -368,9 +368,9 @@ def dkv_destinations(dk: torch.Tensor, dv: torch.Tensor, gqa: bool, block: int):
     fp32 accumulators with sk rounded up to `block` rows, which a conversion kernel then turns into dk / dv."""
     if not gqa:
         return dk, dv
-    batch, seqlen_k, nheads_kv, head_dim = dk.shape
-    shape, f32 = (batch, _round_up(seqlen_k, block), nheads_kv, head_dim), dict(dtype=torch.float32, device=dk.device)
-    return torch.zeros(shape, **f32), torch.zeros(shape, **f32)
+    f32 = dict(dtype=torch.float32, device=dk.device)
+    padded = lambda t: (t.shape[0], _round_up(t.shape[1], block), *t.shape[2:])  # noqa: E731
+    return torch.zeros(padded(dk), **f32), torch.zeros(padded(dv), **f32)
 
 
 def packed_dkv_destinations(dk: torch.Tensor, dv: torch.Tensor, gqa: bool, seqused: bool, rows_k: int):
@@ -379,8 +379,8 @@ def packed_dkv_destinations(dk: torch.Tensor, dv: torch.Tensor, gqa: bool, sequs
     zeroed first with seqused_k (the kernel writes only the first seqused_k[b] keys' rows; the others' gradients are
     zero)."""
     if gqa:
-        shape, f32 = (rows_k, *dk.shape[1:]), dict(dtype=torch.float32, device=dk.device)
-        return torch.zeros(shape, **f32), torch.zeros(shape, **f32)
+        f32 = dict(dtype=torch.float32, device=dk.device)
+        return torch.zeros(rows_k, *dk.shape[1:], **f32), torch.zeros(rows_k, *dv.shape[1:], **f32)
     if seqused:
         dk.zero_()
         dv.zero_()
@@ -406,7 +406,8 @@ def backward_launcher(
         raise NotImplementedError(reason)
     width = kernel_width(spec)
     if (problem.head_dim, problem.head_dim_v) != (width, width):
-        return padded_launcher(width, backward_launcher(widened_problem(problem, width), device, cfg, checked))
+        dims = (width, width)
+        return padded_launcher(dims, backward_launcher(widened_problem(problem, dims), device, cfg, checked))
     target = compile_cache.runtime_target(device)
     override = cfg
     cfg = cfg or bwd_tile_config(spec.head_dim, target)
@@ -463,8 +464,8 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
         raise NotImplementedError(reason)
     width = kernel_width(spec)
     if (problem.head_dim, problem.head_dim_v) != (width, width):
-        wide = widened_problem(problem, width)
-        padded_launcher(width, lambda tw, gw: run_backward_varlen(tw, gw, seqs, wide))(t, grads)
+        wide = widened_problem(problem, (width, width))
+        padded_launcher((width, width), lambda tw, gw: run_backward_varlen(tw, gw, seqs, wide))(t, grads)
         return
     dout, q, k, v, out, lse, dlse = t
     dq, dk, dv = grads

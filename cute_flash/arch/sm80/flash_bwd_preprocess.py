@@ -43,6 +43,7 @@ class BackwardPreprocessSm80:
     # launch_dependents, griddepcontrol.launch_dependents at the start of every CTA (for a PDL-launched successor).
     zero_dq_accum = False
     launch_dependents = False
+    dq_head_dim = None  # with zero_dq_accum: the accumulator's head dim (the main kernel's head_dim; None: head_dim_v)
 
     def __init__(self, dtype: Type[cutlass.Numeric], head_dim_v: int, block_m: int = 64, varlen: bool = False):
         """varlen: the packed variant (entry `packed`), whose outputs give each sequence its rows from
@@ -128,7 +129,7 @@ class BackwardPreprocessSm80:
         tiled_mma: cute.TiledMma,
         mCuSeqlensQ: Optional[cute.Tensor] = None,
         pad_q: Optional[Int32] = None,  # packed: sequence b's rows from cu_seqlens_q[b] + b * pad_q, rounded down
-        mdQaccum: Optional[cute.Tensor] = None,  # zero_dq_accum: (b, h, sq_padded * dv) or (h, padded rows * dv) fp32
+        mdQaccum: Optional[cute.Tensor] = None,  # zero_dq_accum: (b, h, sq_padded * d) or (h, padded rows * d) fp32
     ):
         if cutlass.const_expr(self.launch_dependents):
             cute.arch.griddepcontrol_launch_dependents()
@@ -142,20 +143,25 @@ class BackwardPreprocessSm80:
                 self.cta(tensors, tiled_mma, tidx, m_block, head, seq, pad_q)
                 if cutlass.const_expr(self.zero_dq_accum):
                     first = seq.padded_offset_q(pad_q) + m_block * self.block_m
-                    self.zero_dq_rows(mdQaccum[head, None], tidx, first * self.head_dim_v)
+                    self.zero_dq_rows(mdQaccum[head, None], tidx, first * self.dq_width)
         else:
             self.cta(tensors, tiled_mma, tidx, m_block, head, dense_seq(batch, mO.shape[1]), None)
             if cutlass.const_expr(self.zero_dq_accum):
-                self.zero_dq_rows(mdQaccum[batch, head, None], tidx, m_block * (self.block_m * self.head_dim_v))
+                self.zero_dq_rows(mdQaccum[batch, head, None], tidx, m_block * (self.block_m * self.dq_width))
+
+    @property
+    def dq_width(self) -> int:
+        """The dQ accumulator's floats per row (zero_dq_accum)."""
+        return self.head_dim_v if self.dq_head_dim is None else self.dq_head_dim
 
     @cute.jit
     def zero_dq_rows(self, mdQhead: cute.Tensor, tidx: Int32, offset: Int32):
-        """Zeroes block_m rows of one (sequence, head)'s dQ accumulator `mdQhead` from float `offset` on: block_m * dv
+        """Zeroes block_m rows of one (sequence, head)'s dQ accumulator `mdQhead` from float `offset` on: block_m * d
         contiguous floats (whatever order the main kernel gives them inside its tiles), one 16-byte store per
         thread and round, consecutive threads on consecutive 16 bytes."""
         vec = 4
         threads = self.num_warps * 32
-        chunk = self.block_m * self.head_dim_v
+        chunk = self.block_m * self.dq_width
         assert chunk % (vec * threads) == 0
         zeros = cute.make_rmem_tensor(vec, Float32)
         zeros.fill(0.0)

@@ -3,9 +3,9 @@
 Forward: `flash_fwd.Sm90FlashForward` (TMA + wgmma, warp-specialised ping-pong consumers), compiled once per
 (target, spec, tile config) with symbolic shapes and launched through TVM-FFI on torch's current stream.
 Backward: `backward.py` (TMA + wgmma, flash_bwd.Sm90FlashBackward), built for the head dims with a tile configuration
-(tile_config.bwd_tile_config: d == dv in 64, 96, 128, 256); every other fp16/bf16 call up to 256 runs the narrowest
-of them at least as wide as its head dims on zero-padded operands (backward.kernel_width, arch/padded_head_dims.py),
-also after a forward of another family (its out / lse are taken as they are).
+(tile_config.bwd_tile_config: d == dv in 64, 96, 128, 192, 256, and (192, 128)); every other fp16/bf16 call up to
+256 runs the narrowest d == dv one at least as wide as its head dims on zero-padded operands (backward.kernel_dims,
+arch/padded_head_dims.py), also after a forward of another family (its out / lse are taken as they are).
 FP8 (`spec.dtype == "fp8"`, forward only) is served by the `fp8` sub-package (`fp8.launch`; its kernel
 `fp8/flash_fwd.py` is a subclass of the bf16 forward).
 Packed sequences (`attention_varlen`): the forward's and the backward's packed builds (`build.compile_forward_packed`,
@@ -15,7 +15,7 @@ Packed sequences (`attention_varlen`): the forward's and the backward's packed b
 from __future__ import annotations
 
 import tempfile
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -93,8 +93,8 @@ class _Backend:
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         return _fp8().kv_scale_block(spec.head_dim, spec.head_dim_v)
 
-    def backward_head_dim(self, spec: AttentionSpec) -> int:
-        return _bwd().kernel_width(spec)
+    def backward_head_dims(self, spec: AttentionSpec) -> Tuple[int, int]:
+        return _bwd().kernel_dims(spec)
 
     def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
         if backward:

@@ -29,7 +29,7 @@ import functools
 import math
 import os
 import tempfile
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -44,6 +44,7 @@ from .tile_config import (
     WARPGROUP_THREADS,
     BwdTileConfig,
     bwd_config_problem,
+    bwd_head_dim_pairs,
     bwd_head_dims,
     bwd_smem_bytes,
     bwd_tile_config,
@@ -54,19 +55,23 @@ FAMILY = "sm90"
 STATS_ROW_MULTIPLE = PRE_POST_ROWS  # the preprocess writes whole 64-row blocks
 
 
-def kernel_width(spec: AttentionSpec) -> Optional[int]:
-    """The head dim of the kernels serving `spec`: the narrowest with a tile configuration that is at least as wide as
-    head_dim and head_dim_v (their own where d == dv has one), or None. A narrower call runs them on zero-padded
-    operands (arch/padded_head_dims.py): e.g. (192, 128) and d160 the d192 kernels, d224 the d256 ones, (128, 64)
-    the d128 ones, d72 the d96 ones, d32 the d64 ones. Every such route measured faster than the sm80 backward's own
-    tiles for that head dim (H100, docs/performance.md session 20: d32 / d160 / d224 1.0-2.5x)."""
-    need = max(spec.head_dim, spec.head_dim_v)
-    return next((w for w in bwd_head_dims() if w >= need), None)
+def kernel_dims(spec: AttentionSpec) -> Optional[Tuple[int, int]]:
+    """(head_dim, head_dim_v) of the kernels serving `spec`, or None: the call's own where they have a tile
+    configuration (d == dv in bwd_head_dims, or a pair of bwd_head_dim_pairs such as (192, 128)), else both the
+    narrowest d == dv tile's that is at least as wide as either. A narrower call runs them on zero-padded operands
+    (arch/padded_head_dims.py): e.g. d160 the d192 kernels, d224 the d256 ones, (128, 64) the d128 ones, d72 the d96
+    ones, d32 the d64 ones. Every such route measured faster than the sm80 backward's own tiles for that head dim
+    (H100, docs/performance.md session 20: d32 / d160 / d224 1.0-2.5x)."""
+    own = (spec.head_dim, spec.head_dim_v)
+    if own in bwd_head_dim_pairs():
+        return own
+    width = next((w for w in bwd_head_dims() if w >= max(own)), None)
+    return None if width is None else (width, width)
 
 
 def kernel_spec(spec: AttentionSpec) -> AttentionSpec:
     """The spec the kernels serving `spec` are built for."""
-    return widened_spec(spec, _checked_width(spec))
+    return widened_spec(spec, _checked_dims(spec))
 
 
 def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
@@ -74,19 +79,20 @@ def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
         return f"the sm90 backward computes in fp16 or bf16, not {spec.dtype}"
     if spec.out_dtype != spec.dtype:
         return f"the sm90 backward needs out_dtype equal to the input dtype ({spec.dtype}), got {spec.out_dtype}"
-    if kernel_width(spec) is None:
+    if kernel_dims(spec) is None:
         return (
-            f"the sm90 backward has tile configurations for head dims {bwd_head_dims()} (narrower ones and "
-            f"head_dim != head_dim_v run on zero-padded operands), not ({spec.head_dim}, {spec.head_dim_v})"
+            f"the sm90 backward has tile configurations for head dims {bwd_head_dims()} and (head_dim, head_dim_v) "
+            f"{bwd_head_dim_pairs()} (narrower ones and other head_dim != head_dim_v run on zero-padded operands), "
+            f"not ({spec.head_dim}, {spec.head_dim_v})"
         )
     return None
 
 
-def _checked_width(spec: AttentionSpec) -> int:
-    width = kernel_width(spec)
-    if width is None:
+def _checked_dims(spec: AttentionSpec) -> Tuple[int, int]:
+    dims = kernel_dims(spec)
+    if dims is None:
         raise NotImplementedError(backward_unsupported_reason(spec))
-    return width
+    return dims
 
 
 @functools.lru_cache(maxsize=None)
@@ -162,7 +168,8 @@ class _Kernels(NamedTuple):
     preprocess: Callable
     main: Callable
     postprocess: Callable
-    convert: Optional[Callable]  # GQA's fp32 dK / dV sums to the input dtype
+    convert: Optional[Callable]  # GQA's fp32 dK sums to the input dtype
+    convert_v: Optional[Callable]  # ... and dV's (the same kernel where head_dim_v == head_dim)
 
 
 _launch_sets: Dict[tuple, _Kernels] = compile_cache.memo()
@@ -188,13 +195,20 @@ def _kernels(
         if reason is not None:
             raise NotImplementedError(reason)
         chosen = cfg or bwd_tile_config(spec, deterministic, long)
-        problem = bwd_config_problem(chosen, spec.head_dim)
+        problem = bwd_config_problem(chosen, spec.head_dim, spec.head_dim_v)
         if problem is None and deterministic and chosen.dq_red:
             problem = "dq_red adds dQ with plain atomics in no fixed order: no deterministic build"
         if problem is not None:
             raise ValueError(problem)
         sm80 = _sm80_backward()
         role = main_role(gqa, seqused, deterministic)
+        convert = convert_v = None
+        if gqa:
+            convert = sm80.accum_convert_kernel(spec, target)
+            convert_v = convert
+            if spec.head_dim_v != spec.head_dim:
+                dv = spec.head_dim_v
+                convert_v = sm80.accum_convert_kernel(dataclasses.replace(spec, head_dim=dv, head_dim_v=dv), target)
         if chosen.zero_dq_in_preprocess or chosen.pdl:
             preprocess = _kernel("bwd_preprocess", spec, chosen, target)
         else:
@@ -204,7 +218,8 @@ def _kernels(
             preprocess,
             _kernel(role, spec, chosen, target),
             _kernel("bwd_dq_postprocess", spec, chosen, target),
-            sm80.accum_convert_kernel(spec, target) if gqa else None,
+            convert,
+            convert_v,
         )
     return kernels
 
@@ -226,10 +241,10 @@ def backward_launcher(
     kernel set, the buffers' shapes, the scalars) settled once. checked: every tensor goes through kernel_view's
     check (grad_views: raises for a layout the kernels cannot take); the eager plan, whose tensors are in the
     kernels' layout by construction, keeps an unchecked launcher."""
-    width = _checked_width(problem.spec)
-    if (problem.head_dim, problem.head_dim_v) != (width, width):
-        inner = backward_launcher(widened_problem(problem, width), device, deterministic, cfg, checked)
-        return padded_launcher(width, inner)
+    dims = _checked_dims(problem.spec)
+    if (problem.head_dim, problem.head_dim_v) != dims:
+        inner = backward_launcher(widened_problem(problem, dims), device, deterministic, cfg, checked)
+        return padded_launcher(dims, inner)
     p, mask = problem, problem.mask
     gqa = p.nheads != p.nheads_kv
     target = compile_cache.runtime_target(device)
@@ -270,7 +285,7 @@ def backward_launcher(
         kernels.postprocess(dq_accum, dq, scale)
         if gqa:
             kernels.convert(dk_out, dk, 1.0)  # the main kernel already applied the softmax scale to dK
-            kernels.convert(dv_out, dv, 1.0)
+            kernels.convert_v(dv_out, dv, 1.0)
 
     return launch
 
@@ -281,10 +296,10 @@ def run_backward_varlen(
     """The packed backward: q / dout / out / dq (total_q, h, d), k / v / dk / dv (total_k, h_kv, d), lse (h, total_q).
     Keys past seqused_k[b] get zero gradients. deterministic: as `run_backward`'s, with semaphores per (head, padded
     query tile) and (KV head, padded key tile)."""
-    width = _checked_width(problem.spec)
-    if (problem.head_dim, problem.head_dim_v) != (width, width):
-        wide = widened_problem(problem, width)
-        padded_launcher(width, lambda tw, gw: run_backward_varlen(tw, gw, seqs, wide, deterministic))(t, grads)
+    dims = _checked_dims(problem.spec)
+    if (problem.head_dim, problem.head_dim_v) != dims:
+        wide = widened_problem(problem, dims)
+        padded_launcher(dims, lambda tw, gw: run_backward_varlen(tw, gw, seqs, wide, deterministic))(t, grads)
         return
     dout, q, k, v, out, lse, dlse = t
     dq, dk, dv = grads
@@ -331,7 +346,7 @@ def run_backward_varlen(
     if gqa:
         # Every key row of each sequence (cu_seqlens_k, not seqused_k): rows past seqused_k convert their zeros.
         kernels.convert(dk_out, dk, 1.0, cu_seqlens_k, pad_k, max_seqlen_k)
-        kernels.convert(dv_out, dv, 1.0, cu_seqlens_k, pad_k, max_seqlen_k)
+        kernels.convert_v(dv_out, dv, 1.0, cu_seqlens_k, pad_k, max_seqlen_k)
 
 
 def warm_backward(spec: AttentionSpec, target: str, *, gqa: bool, deterministic: bool) -> None:
@@ -377,7 +392,7 @@ def compile_backward_artifacts(
             compiled = _build(role, spec, role_cfg, target, compile_cache.keep_artifacts_options(sub))
             role_config = {
                 **role_cfg.as_dict(),
-                "shared_bytes": bwd_smem_bytes(role_cfg, spec.head_dim),
+                "shared_bytes": bwd_smem_bytes(role_cfg, spec.head_dim, spec.head_dim_v),
                 "threads": role_cfg.num_threads,
             }
             if role == "bwd_dq_postprocess":

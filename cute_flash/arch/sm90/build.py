@@ -114,7 +114,7 @@ def compile_backward(
 
     dtype = dsl_dtype(spec.dtype)
     kernel = Sm90FlashBackward(spec, cfg, gqa, deterministic)
-    tensors = _fake_backward_tensors(dtype, spec.head_dim, cfg, gqa, spec.varlen)
+    tensors = _fake_backward_tensors(dtype, spec.head_dim, spec.head_dim_v, cfg, gqa, spec.varlen)
     sems = _fake_semaphores(deterministic, gqa)
     scalars = cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0)
     options = compile_cache.compile_options(target, extra=extra_options or "")
@@ -127,8 +127,9 @@ def compile_backward(
     return cute.compile(kernel.packed, *tensors, *sems, *scalars, *packed, stream, options=options)
 
 
-def _fake_backward_tensors(dtype, d: int, cfg, gqa: bool, packed: bool) -> tuple:
-    """(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv) of a dense or packed build (layouts: compile_backward)."""
+def _fake_backward_tensors(dtype, d: int, dv: int, cfg, gqa: bool, packed: bool) -> tuple:
+    """(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv) of a dense or packed build (layouts: compile_backward;
+    v, dout and dv head_dim_v wide)."""
     heads, heads_kv, rows_q = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=64)
     if packed:
         total_q, total_k, rows_k = (cute.sym_int() for _ in range(3))
@@ -140,13 +141,11 @@ def _fake_backward_tensors(dtype, d: int, cfg, gqa: bool, packed: bool) -> tuple
         q_rows, k_rows, sum_rows = (batch, seqlen_q, heads), (batch, seqlen_k, heads_kv), (batch, sk_pad, heads_kv)
         stats = [_fake_stats(batch, heads, rows_q) for _ in range(2)]
         dq_accum = _fake_dq_accum(cfg, d, (batch, heads), cute.sym_int())
-    q, dout = _strided(dtype, q_rows, d), _strided(dtype, q_rows, d)
-    k, v = _strided(dtype, k_rows, d), _strided(dtype, k_rows, d)
-    if gqa:
-        dk, dv = _strided(cutlass.Float32, sum_rows, d), _strided(cutlass.Float32, sum_rows, d)
-    else:
-        dk, dv = _strided(dtype, k_rows, d), _strided(dtype, k_rows, d)
-    return (q, k, v, dout, *stats, dq_accum, dk, dv)
+    q, dout = _strided(dtype, q_rows, d), _strided(dtype, q_rows, dv)
+    k, v = _strided(dtype, k_rows, d), _strided(dtype, k_rows, dv)
+    grad_dtype, grad_rows = (cutlass.Float32, sum_rows) if gqa else (dtype, k_rows)
+    dk, dv_ = _strided(grad_dtype, grad_rows, d), _strided(grad_dtype, grad_rows, dv)
+    return (q, k, v, dout, *stats, dq_accum, dk, dv_)
 
 
 def _fake_semaphores(deterministic: bool, gqa: bool) -> tuple:
@@ -202,10 +201,11 @@ def compile_preprocess(spec: AttentionSpec, cfg, target: str, extra_options: Opt
     block_m = 64  # STATS_ROW_MULTIPLE: one CTA per 64 padded query rows
     kernel = BackwardPreprocessSm80(dtype, dv, block_m=block_m, varlen=spec.varlen)
     kernel.zero_dq_accum, kernel.launch_dependents = cfg.zero_dq_in_preprocess, cfg.pdl  # over the class defaults
+    kernel.dq_head_dim = d = spec.head_dim  # (the dQ accumulator's rows: head_dim, where dO and O are head_dim_v)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = compile_cache.compile_options(target, extra=extra_options or "")
     if spec.varlen:
-        return _compile_packed_preprocess(kernel, dtype, dv, block_m, stream, options)
+        return _compile_packed_preprocess(kernel, dtype, dv, d, block_m, stream, options)
     batch, seqlen_q, heads, sq_pad = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=block_m)
     o = _strided(dtype, (batch, seqlen_q, heads), dv)
     do = _strided(dtype, (batch, seqlen_q, heads), dv)
@@ -216,16 +216,16 @@ def compile_preprocess(spec: AttentionSpec, cfg, target: str, extra_options: Opt
     dq_accum = cute.runtime.make_fake_tensor(
         cutlass.Float32,
         (batch, heads, cute.sym_int()),
-        (cute.sym_int64(divisibility=block_m * dv), cute.sym_int64(divisibility=block_m * dv), 1),
+        (cute.sym_int64(divisibility=block_m * d), cute.sym_int64(divisibility=block_m * d), 1),
         assumed_align=16,
     )
     return cute.compile(kernel.with_dq_zeroing, o, do, lse, *stats, dq_accum, stream, options=options)
 
 
-def _compile_packed_preprocess(kernel, dtype, dv: int, block_m: int, stream, options: str):
+def _compile_packed_preprocess(kernel, dtype, dv: int, d: int, block_m: int, stream, options: str):
     """compile_preprocess's packed build: (total_q, h, dv) out / dout, (h, total_q) lse, (h, padded rows) statistics
-    and the (h, padded rows * dv) dQ accumulator."""
+    and the (h, padded rows * d) dQ accumulator."""
     if not kernel.zero_dq_accum:
         return cute.compile(kernel.packed, *fake_packed_preprocess_args(dtype, dv), stream, options=options)
-    args = fake_packed_preprocess_args(dtype, dv, dq_zeroing_block=block_m)
+    args = fake_packed_preprocess_args(dtype, dv, dq_zeroing_block=block_m, dq_head_dim=d)
     return cute.compile(kernel.packed_with_dq_zeroing, *args, stream, options=options)

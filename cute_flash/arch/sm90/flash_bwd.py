@@ -226,10 +226,11 @@ class PackedRows(NamedTuple):
 
 
 class BwdMmas(NamedTuple):
-    """The tiled MMAs of a consumer: S and dP, dV and dK, dQ."""
+    """The tiled MMAs of a consumer: S and dP, dK, dV, dQ."""
 
     sdp: cute.TiledMma
-    dkv: cute.TiledMma
+    dk: cute.TiledMma
+    dv: cute.TiledMma
     dq: cute.TiledMma
 
 
@@ -258,10 +259,12 @@ class Sm90FlashBackward(BwdEntries):
         dtype, head_dim, mask_kind = dsl_dtype(spec.dtype), spec.head_dim, spec.mask
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         assert mask_kind in ("none", "causal", "local")
-        problem = bwd_config_problem(cfg, head_dim)
+        problem = bwd_config_problem(cfg, head_dim, spec.head_dim_v)
         assert problem is None, problem
         self.dtype = dtype
         self.head_dim = head_dim
+        self.head_dim_v = spec.head_dim_v  # (dO, V, dV; queries on rows only, where it may differ from head_dim)
+        assert spec.head_dim_v == head_dim or not cfg.keys_on_rows, "keys on rows need head_dim_v == head_dim"
         self.mask_kind = mask_kind
         self.cfg = cfg
         self.gqa = gqa
@@ -275,7 +278,6 @@ class Sm90FlashBackward(BwdEntries):
         self.num_dq_wgs = cfg.num_dq_wgs
         self.dq_chunk = cfg.tile_m * head_dim // cfg.num_dq_wgs  # floats per dQ consumer and query tile
         self.keys_on_rows = cfg.keys_on_rows
-        self.operand_atom_cols = operand_atom_cols(head_dim, cfg)
         # Deterministic dQ order: descending key tiles under a right window edge (causal or local), ascending else.
         self.shortest_first = deterministic and mask_kind != "none"
         self.s_tile = (cfg.tile_n, cfg.tile_m) if cfg.keys_on_rows else (cfg.tile_m, cfg.tile_n)
@@ -315,24 +317,25 @@ class Sm90FlashBackward(BwdEntries):
                 mdK, mdV = packed_seq_major_view(mdK), packed_seq_major_view(mdV)
 
         stages = self.num_stages
-        atom = self.operand_atom_cols
+        dv = self.head_dim_v
+        atom, atom_v = operand_atom_cols(d, self.cfg), operand_atom_cols(dv, self.cfg)
         sQ_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_m, d, stages, atom_cols=atom)
-        sdO_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_m, d, stages, atom_cols=atom)
+        sdO_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_m, dv, stages, atom_cols=atom_v)
         sK_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, d, 1, atom_cols=atom)
-        sV_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, d, 1, atom_cols=atom)
+        sV_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, dv, 1, atom_cols=atom_v)
         # The S / dP tile as the accumulators hold it (dSᵀ: keys x queries, or dS: queries x keys); P likewise.
         sdS_layout = wgmma.k_major_smem_layout(self.dtype, *self.s_tile, stages)
         # Each stage of LSE / D starts on a 128-byte boundary, as a TMA destination must (tile_m 80: 320 bytes).
         sStat_layout = cute.make_layout((self.tile_m, stages), stride=(1, stat_stage_stride(self.tile_m)))
 
-        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
+        tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq = self._tiled_mmas()
 
         one = lambda layout: cute.select(layout, mode=[0, 1])  # noqa: E731  (one stage)
         load = cpasync.CopyBulkTensorTileG2SOp()
         atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, one(sQ_layout), (self.tile_m, d))
-        atom_do, tma_do = cpasync.make_tiled_tma_atom(load, mdO, one(sdO_layout), (self.tile_m, d))
+        atom_do, tma_do = cpasync.make_tiled_tma_atom(load, mdO, one(sdO_layout), (self.tile_m, dv))
         atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, one(sK_layout), (self.tile_n, d))
-        atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, one(sV_layout), (self.tile_n, d))
+        atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, one(sV_layout), (self.tile_n, dv))
         stat_one = cute.make_layout(self.tile_m)
         atom_lse, tma_lse = cpasync.make_tiled_tma_atom(load, mLSElog2, stat_one, (self.tile_m,))
         atom_dpsum, tma_dpsum = cpasync.make_tiled_tma_atom(load, mdPsum, stat_one, (self.tile_m,))
@@ -341,7 +344,7 @@ class Sm90FlashBackward(BwdEntries):
         if const_expr(not self.gqa and packed is None):
             store = cpasync.CopyBulkTensorTileS2GOp()
             atom_dk, tma_dk = cpasync.make_tiled_tma_atom(store, mdK, one(sK_layout), (self.tile_n, d))
-            atom_dv, tma_dv = cpasync.make_tiled_tma_atom(store, mdV, one(sV_layout), (self.tile_n, d))
+            atom_dv, tma_dv = cpasync.make_tiled_tma_atom(store, mdV, one(sV_layout), (self.tile_n, dv))
 
         stat_bytes = self.tile_m * 4
         self.bytes_q_lse = cute.size_in_bytes(self.dtype, one(sQ_layout)) + stat_bytes
@@ -380,7 +383,8 @@ class Sm90FlashBackward(BwdEntries):
             atom_dk,
             atom_dv,
             tiled_mma_sdp,
-            tiled_mma_dkv,
+            tiled_mma_dk,
+            tiled_mma_dv,
             tiled_mma_dq,
             sQ_layout,
             sdO_layout,
@@ -402,8 +406,8 @@ class Sm90FlashBackward(BwdEntries):
         )
 
     def _tiled_mmas(self) -> tuple:
-        """The (S / dP, dK / dV, dQ) tiled MMAs (plain Python, called while `_launch` is traced)."""
-        d = self.head_dim
+        """The (S / dP, dK, dV, dQ) tiled MMAs (plain Python, called while `_launch` is traced)."""
+        d, dv = self.head_dim, self.head_dim_v
         k_major = cute.nvgpu.OperandMajorMode.K
         mn_major = cute.nvgpu.OperandMajorMode.MN
         w = self.num_consumers
@@ -413,18 +417,22 @@ class Sm90FlashBackward(BwdEntries):
                 self.dtype, k_major, k_major, (w, 1, 1), (ROWS_PER_CONSUMER, self.tile_m)
             )
             # dV += Pᵀ·dO, dK += dSᵀ·Q: A from registers (the Sᵀ / dPᵀ accumulators), B = dOᵀ / Qᵀ (MN-major).
-            tiled_mma_dkv = wgmma.tiled_mma_f32(
+            tiled_mma_dk = wgmma.tiled_mma_f32(
                 self.dtype, k_major, mn_major, (w, 1, 1), (ROWS_PER_CONSUMER, d), warpgroup.OperandSource.RMEM
             )
+            tiled_mma_dv = tiled_mma_dk  # (head_dim_v == head_dim with keys on rows)
         else:
             # S = Q·Kᵀ and dP = dO·Vᵀ: all 64 queries x each consumer's tile_n / w keys.
             tiled_mma_sdp = wgmma.tiled_mma_f32(
                 self.dtype, k_major, k_major, (1, w, 1), (ROWS_PER_CONSUMER, self.tile_n // w)
             )
             # dV += Pᵀ·dO, dK += dSᵀ·Q: A = Pᵀ / dSᵀ read transposed from shared memory (every key of the tile),
-            # B = dOᵀ / Qᵀ; each consumer owns head_dim / w columns.
-            tiled_mma_dkv = wgmma.tiled_mma_f32(self.dtype, mn_major, mn_major, (1, w, 1), (self.tile_n, d // w))
-        return tiled_mma_sdp, tiled_mma_dkv, dq_tiled_mma(self.dtype, d, self.cfg)
+            # B = dOᵀ / Qᵀ; each consumer owns head_dim / w columns of dK and head_dim_v / w of dV.
+            tiled_mma_dk = wgmma.tiled_mma_f32(self.dtype, mn_major, mn_major, (1, w, 1), (self.tile_n, d // w))
+            tiled_mma_dv = tiled_mma_dk
+            if dv != d:
+                tiled_mma_dv = wgmma.tiled_mma_f32(self.dtype, mn_major, mn_major, (1, w, 1), (self.tile_n, dv // w))
+        return tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, dq_tiled_mma(self.dtype, d, self.cfg)
 
     def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout):
         """The kernel's shared-memory struct (plain Python: the P buffer exists only with queries on rows, and the
@@ -471,7 +479,8 @@ class Sm90FlashBackward(BwdEntries):
         atom_dk: cute.CopyAtom,
         atom_dv: cute.CopyAtom,
         tiled_mma_sdp: cute.TiledMma,
-        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dk: cute.TiledMma,
+        tiled_mma_dv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
         sQ_layout: cute.ComposedLayout,
         sdO_layout: cute.ComposedLayout,
@@ -583,7 +592,8 @@ class Sm90FlashBackward(BwdEntries):
                 pipe_q,
                 pipe_do,
                 tiled_mma_sdp,
-                tiled_mma_dkv,
+                tiled_mma_dk,
+                tiled_mma_dv,
                 tiled_mma_dq,
                 sQ,
                 sK,
@@ -646,9 +656,9 @@ class Sm90FlashBackward(BwdEntries):
             return cpasync.tma_partition(atom, 0, no_cluster, cute.group_modes(s, 0, 1), cute.group_modes(g, 0, 1))
 
         gK = cute.local_tile(head_tiles(mK, head_kv, batch, rows.offset_k), (self.tile_n, d), (None, 0))
-        gV = cute.local_tile(head_tiles(mV, head_kv, batch, rows.offset_k), (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(head_tiles(mV, head_kv, batch, rows.offset_k), (self.tile_n, self.head_dim_v), (None, 0))
         gQ = cute.local_tile(head_tiles(mQ, head, batch, rows.offset_q), (self.tile_m, d), (None, 0))
-        gdO = cute.local_tile(head_tiles(mdO, head, batch, rows.offset_q), (self.tile_m, d), (None, 0))
+        gdO = cute.local_tile(head_tiles(mdO, head, batch, rows.offset_q), (self.tile_m, self.head_dim_v), (None, 0))
         gLSE = cute.local_tile(padded_stat_rows(mLSElog2, head, batch, rows.padded_q), (self.tile_m,), (None,))
         gdPsum = cute.local_tile(padded_stat_rows(mdPsum, head, batch, rows.padded_q), (self.tile_m,), (None,))
         tKsK, tKgK = part(atom_k, sK, gK)
@@ -729,7 +739,8 @@ class Sm90FlashBackward(BwdEntries):
         pipe_q,
         pipe_do,
         tiled_mma_sdp: cute.TiledMma,
-        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dk: cute.TiledMma,
+        tiled_mma_dv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
         sQ: cute.Tensor,
         sK: cute.Tensor,
@@ -764,12 +775,14 @@ class Sm90FlashBackward(BwdEntries):
         consumer = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
         wg_first = consumer * WARPGROUP_THREADS  # operand partitions are per warpgroup
         wg_sdp = tiled_mma_sdp.get_slice(wg_first)
-        wg_dkv = tiled_mma_dkv.get_slice(wg_first)
+        wg_dk = tiled_mma_dk.get_slice(wg_first)
+        wg_dv = tiled_mma_dv.get_slice(wg_first)
         # The dQ MMA spans one warpgroup with dq_split "single": every consumer slices it as consumer 0 (only consumer
         # 0 issues it).
         wg_dq = tiled_mma_dq.get_slice(wg_first if const_expr(self.num_dq_wgs > 1) else 0)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
-        thr_dkv = tiled_mma_dkv.get_slice(tidx)
+        thr_dk = tiled_mma_dk.get_slice(tidx)
+        thr_dv = tiled_mma_dv.get_slice(tidx)
         thr_dq = tiled_mma_dq.get_slice(tidx if const_expr(self.num_dq_wgs > 1) else tidx % WARPGROUP_THREADS)
 
         # Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ (keys on rows), or S = Q·Kᵀ, dP = dO·Vᵀ: all K-major tiles as loaded. The Q and dO
@@ -786,16 +799,16 @@ class Sm90FlashBackward(BwdEntries):
             tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
         # dV += Pᵀ·dO, dK += dSᵀ·Q: B = dOᵀ / Qᵀ, the (d, tile_m) views of the same tiles. A = Pᵀ / dSᵀ: register
         # fragments (keys on rows), else the (tile_n, tile_m) views of the P / dS tiles, with their stage mode.
-        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sdO, self.tile_m, d, stages)))
-        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sQ, self.tile_m, d, stages)))
+        tdVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(_transposed(sdO, self.tile_m, self.head_dim_v, stages)))
+        tdKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(_transposed(sQ, self.tile_m, d, stages)))
         if const_expr(self.keys_on_rows):
-            tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
-            tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
+            tdVrP = wg_dv.make_fragment_A(wg_dv.partition_shape_A((self.tile_n, self.tile_m)))
+            tdKrdS = wg_dk.make_fragment_A(wg_dk.partition_shape_A((self.tile_n, self.tile_m)))
             # dQ = dS·K: A = dS, the (tile_m, tile_n) view of the dSᵀ tiles; B = Kᵀ, the (d, tile_n) view of K.
             tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(_transposed(sdS, self.tile_n, self.tile_m, stages)))
         else:
-            tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_A(_transposed(sP, self.tile_m, self.tile_n, stages)))
-            tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_A(_transposed(sdS, self.tile_m, self.tile_n, stages)))
+            tdVrP = wg_dv.make_fragment_A(wg_dv.partition_A(_transposed(sP, self.tile_m, self.tile_n, stages)))
+            tdKrdS = wg_dk.make_fragment_A(wg_dk.partition_A(_transposed(sdS, self.tile_m, self.tile_n, stages)))
             tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
         sKt = _transposed(sK, self.tile_n, d, 1)
         if const_expr(self.cfg.dq_swap_ab):
@@ -805,8 +818,8 @@ class Sm90FlashBackward(BwdEntries):
         else:
             tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))[None, None, None, 0]
 
-        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, d)), Float32)
-        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, d)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_dv.partition_shape_C((self.tile_n, self.head_dim_v)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_dk.partition_shape_C((self.tile_n, d)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
 
@@ -833,7 +846,7 @@ class Sm90FlashBackward(BwdEntries):
                 self.step,
                 pipe_q=pipe_q,
                 pipe_do=pipe_do,
-                mmas=BwdMmas(tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq),
+                mmas=BwdMmas(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq),
                 frags=BwdFragments(tSrK, tSrQ, tdPrV, tdPrdO, tdVrdOt, tdKrQt, tdVrP, tdKrdS, tdQrdS, tdQrKt),
                 acc_dV=acc_dV,
                 acc_dK=acc_dK,
@@ -902,7 +915,8 @@ class Sm90FlashBackward(BwdEntries):
                 self.add_dkv_partials,
                 acc_dK,
                 acc_dV,
-                tiled_mma_dkv,
+                tiled_mma_dk,
+                tiled_mma_dv,
                 mdK,
                 mdV,
                 mdKVsem,
@@ -924,7 +938,8 @@ class Sm90FlashBackward(BwdEntries):
             self.store_dkv(
                 acc_dK,
                 acc_dV,
-                tiled_mma_dkv,
+                tiled_mma_dk,
+                tiled_mma_dv,
                 sK,
                 sV,
                 mdK,
@@ -950,7 +965,8 @@ class Sm90FlashBackward(BwdEntries):
         if const_expr(self.cfg.kv_with_first_tile):
             consumer_wait(pipe_q, consumer_state(self.num_stages))  # K rides on the first Q stage, V on dO's
             consumer_wait(pipe_do, consumer_state(self.num_stages))
-        self.zero_tails((sK[None, None, 0], sV[None, None, 0]), keys, self.tile_n, tidx)
+        widths = (self.head_dim, self.head_dim_v)
+        self.zero_tails((sK[None, None, 0], sV[None, None, 0]), widths, keys, self.tile_n, tidx)
 
     @cute.jit
     def zero_q_do_tail(self, pipe_q, pipe_do, q, do, sQ: cute.Tensor, sdO: cute.Tensor, rows: Int32, tidx: Int32):
@@ -961,14 +977,22 @@ class Sm90FlashBackward(BwdEntries):
         values, no race) once they have landed, before this step's first product."""
         pipe_q.consumer_wait(q)
         pipe_do.consumer_wait(do)
-        self.zero_tails((sQ[None, None, q.index], sdO[None, None, do.index]), rows, self.tile_m, tidx)
+        widths = (self.head_dim, self.head_dim_v)
+        self.zero_tails((sQ[None, None, q.index], sdO[None, None, do.index]), widths, rows, self.tile_m, tidx)
 
     @cute.jit
-    def zero_tails(self, tiles: tuple, first_row: Int32, tile_rows: cutlass.Constexpr[int], tidx: Int32):
-        """Rows first_row.. of each landed (tile_rows, head_dim) shared-memory tile become 0, written by every consumer
+    def zero_tails(
+        self,
+        tiles: tuple,
+        widths: cutlass.Constexpr[tuple],
+        first_row: Int32,
+        tile_rows: cutlass.Constexpr[int],
+        tidx: Int32,
+    ):
+        """Rows first_row.. of each landed (tile_rows, width) shared-memory tile become 0, written by every consumer
         warpgroup alike; fenced for the async proxy and synchronised across the consumers before a wgmma reads them."""
-        for s in tiles:
-            zero_rows_from(s, first_row, self.dtype, tile_rows, self.head_dim, tidx % WARPGROUP_THREADS)
+        for s, width in zip(tiles, widths):
+            zero_rows_from(s, first_row, self.dtype, tile_rows, width, tidx % WARPGROUP_THREADS)
         cute.arch.fence_view_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
         cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
 
@@ -1000,7 +1024,7 @@ class Sm90FlashBackward(BwdEntries):
         tidx: Int32,
     ):
         """One query tile: S, dP, P, dS, dV, dQ, dK (see the module docstring for the order and the overlap)."""
-        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
+        tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq = mmas
         tSrK, tSrQ, tdPrV, tdPrdO, tdVrdOt, tdKrQt, tdVrP, tdKrdS, tdQrdS, tdQrKt = frags
         kor = self.keys_on_rows
         s_shape = tiled_mma_sdp.get_slice(0).partition_shape_C(self.s_tile)
@@ -1060,7 +1084,7 @@ class Sm90FlashBackward(BwdEntries):
             # keeps the 32 of an unmasked d128 causal step ahead of it); dV stays in flight through the dS math.
             wgmma.store_p_operand(acc_S, tdVrP, early)
             dO_t = tdVrdOt[None, None, None, do.index]
-            wgmma.gemm(tiled_mma_dkv, acc_dV, tdVrP, dO_t, zero_init=False, wait=-1, k_blocks=early)
+            wgmma.gemm(tiled_mma_dv, acc_dV, tdVrP, dO_t, zero_init=False, wait=-1, k_blocks=early)
             warpgroup.wait_group(1)  # dP done
         else:
             warpgroup.wait_group(0)
@@ -1085,10 +1109,10 @@ class Sm90FlashBackward(BwdEntries):
             cute.copy(smem_copy_ds, smem_copy_ds.retile(rdS), tdSsdS[None, None, None, q.index])
             cute.arch.fence_view_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
             if const_expr(not dv_early):
-                wgmma.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do.index], zero_init=False, wait=-1)
+                wgmma.gemm(tiled_mma_dv, acc_dV, tdVrP, tdVrdOt[None, None, None, do.index], zero_init=False, wait=-1)
             elif const_expr(late is not None):
                 dO_t = tdVrdOt[None, None, None, do.index]
-                wgmma.gemm(tiled_mma_dkv, acc_dV, tdVrP, dO_t, zero_init=False, wait=-1, k_blocks=late)
+                wgmma.gemm(tiled_mma_dv, acc_dV, tdVrP, dO_t, zero_init=False, wait=-1, k_blocks=late)
         else:
             # P and dS go to shared memory: the dK / dV products of every consumer read all of the tile's keys.
             for acc, dst in ((acc_S, tPsP), (acc_dP, tdSsdS)):
@@ -1103,7 +1127,7 @@ class Sm90FlashBackward(BwdEntries):
         cute.arch.barrier(barrier_id=int(BwdBarrierId.DS_READY), number_of_threads=self.num_consumer_threads)
         if const_expr(not kor):
             wgmma.gemm(
-                tiled_mma_dkv,
+                tiled_mma_dv,
                 acc_dV,
                 tdVrP[None, None, None, q.index],
                 tdVrdOt[None, None, None, do.index],
@@ -1124,7 +1148,7 @@ class Sm90FlashBackward(BwdEntries):
                 warpgroup.wait_group(0)
         pipe_do.consumer_release(do)  # dV's product is done with dO (the wait above leaves only dQ's in flight)
         dS_t = tdKrdS if const_expr(kor) else tdKrdS[None, None, None, q.index]
-        wgmma.gemm(tiled_mma_dkv, acc_dK, dS_t, tdKrQt[None, None, None, q.index], zero_init=False, wait=1)
+        wgmma.gemm(tiled_mma_dk, acc_dK, dS_t, tdKrQt[None, None, None, q.index], zero_init=False, wait=1)
 
         # dQ (unscaled) into this consumer's shared buffer, in the fragment layout, for the dQ warp to add; or with
         # dq_red added to the accumulator from registers.
@@ -1233,7 +1257,8 @@ class Sm90FlashBackward(BwdEntries):
         self,
         acc_dK: cute.Tensor,
         acc_dV: cute.Tensor,
-        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dk: cute.TiledMma,
+        tiled_mma_dv: cute.TiledMma,
         sK: cute.Tensor,
         sV: cute.Tensor,
         mdK: cute.Tensor,
@@ -1252,19 +1277,19 @@ class Sm90FlashBackward(BwdEntries):
         """dK·scale and dV in 16 bits through the K / V tiles' shared memory (every consumer is done reading them
         once all have passed the barrier) and one TMA store each, clipped at seqlen_k; packed sequences by 16-byte
         stores of the sequence's rows (a TMA store would clip only at the end of the tensor)."""
-        d = self.head_dim
+        dk_dv = ((sK, mdK, atom_dk, self.head_dim), (sV, mdV, atom_dv, self.head_dim_v))
         cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
         acc_dK.store(acc_dK.load() * softmax_scale)
         stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        smem_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma_dkv).get_slice(tidx)
-        for acc, s in ((acc_dK, sK), (acc_dV, sV)):
+        for acc, s, mma in ((acc_dK, sK, tiled_mma_dk), (acc_dV, sV, tiled_mma_dv)):
+            smem_copy = cute.make_tiled_copy_C(stmatrix, mma).get_slice(tidx)
             r16 = cute.make_rmem_tensor(acc.shape, self.dtype)
             wgmma.convert_to_16bit(acc, r16)
             cute.copy(smem_copy, smem_copy.retile(r16), smem_copy.partition_D(s[None, None, 0]))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
         if const_expr(offset_k is not None):
-            for s, m in ((sK, mdK), (sV, mdV)):
+            for s, m, _, d in dk_dv:
                 g = cute.local_tile(head_tiles(m, head_kv, batch, offset_k), (self.tile_n, d), (n_block, 0))
                 store_rows_predicated(
                     s[None, None, 0], g, seqlen_k - n_block * self.tile_n, self.dtype, d, tidx, self.tile_n,
@@ -1273,7 +1298,7 @@ class Sm90FlashBackward(BwdEntries):
         else:
             if warp_idx == 4:
                 no_cluster = cute.make_layout(1)
-                for atom, s, m in ((atom_dk, sK, mdK), (atom_dv, sV, mdV)):
+                for s, m, atom, d in dk_dv:
                     g = cute.local_tile(m[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
                     t_s, t_g = cpasync.tma_partition(
                         atom, 0, no_cluster, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
@@ -1287,7 +1312,8 @@ class Sm90FlashBackward(BwdEntries):
         self,
         acc_dK: cute.Tensor,
         acc_dV: cute.Tensor,
-        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dk: cute.TiledMma,
+        tiled_mma_dv: cute.TiledMma,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mdKVsem: cute.Tensor,
@@ -1311,16 +1337,22 @@ class Sm90FlashBackward(BwdEntries):
             cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
         # Each thread holds two rows of its warp's 16 and, per 8-column group, two adjacent columns: one row pointer
         # per row, and column offsets that are thread 0's (compile-time) plus this thread's shift.
-        tile = cute.make_identity_tensor((self.tile_n, self.head_dim))
         # The thread's coordinates from a fresh thread-index read: values derived from the index at the kernel's
         # start would stay live (or spill) across the whole walk just for this epilogue.
         fresh_tidx = cute.arch.make_warp_uniform(cute.arch.warp_idx()) * WARP_THREADS + cute.arch.lane_idx()
-        coords_rc = rows_cols_view(tiled_mma_dkv.get_slice(fresh_tidx - WARPGROUP_THREADS).partition_C(tile))
-        coords0_rc = rows_cols_view(tiled_mma_dkv.get_slice(0).partition_C(tile))
-        col_shift = coords_rc[0, 0][1] - coords0_rc[0, 0][1]
+
+        def coords(mma, d):  # (this thread's coordinates, thread 0's, their column shift) in dK's / dV's tile
+            tile = cute.make_identity_tensor((self.tile_n, d))
+            coords_rc = rows_cols_view(mma.get_slice(fresh_tidx - WARPGROUP_THREADS).partition_C(tile))
+            coords0_rc = rows_cols_view(mma.get_slice(0).partition_C(tile))
+            return coords_rc, coords0_rc, coords_rc[0, 0][1] - coords0_rc[0, 0][1]
+
+        coords_rc, coords0_rc, col_shift = coords(tiled_mma_dk, self.head_dim)
         row0 = n_block * self.tile_n
         acc_dK.store(acc_dK.load() * softmax_scale)
-        for acc, m in ((acc_dK, mdK), (acc_dV, mdV)):
+        for acc, m, d in ((acc_dK, mdK, self.head_dim), (acc_dV, mdV, self.head_dim_v)):
+            if const_expr(d != self.head_dim):  # dV's own tile (head_dim_v wide); else dK's coordinates serve
+                coords_rc, coords0_rc, col_shift = coords(tiled_mma_dv, d)
             acc_rc = rows_cols_view(acc)
             for r in cutlass.range_constexpr(cute.size(acc_rc, mode=[0])):
                 if const_expr(padded_k is None):

@@ -212,9 +212,17 @@ class BwdTileConfig:
 MAX_BWD_CONSUMER_WGS = 2  # barriers.BwdBarrierId reserves named barriers for this many consumers
 
 
-def bwd_config_problem(cfg: BwdTileConfig, head_dim: int) -> Optional[str]:
-    """A sentence saying why the backward kernel cannot be built with `cfg` at `head_dim`, or None."""
+def bwd_config_problem(cfg: BwdTileConfig, head_dim: int, head_dim_v: Optional[int] = None) -> Optional[str]:
+    """A sentence saying why the backward kernel cannot be built with `cfg` at `head_dim` (and `head_dim_v`, by
+    default the same), or None."""
     w = cfg.num_consumer_wgs
+    dv = head_dim if head_dim_v is None else head_dim_v
+    if dv != head_dim and (cfg.keys_on_rows or dv % w != 0 or (dv // w) % 32 != 0):
+        # (keys on rows: Pᵀ and dSᵀ are one register fragment shape, the A operand of both dV and dK)
+        return (
+            f"head_dim_v {dv} != head_dim {head_dim} needs queries on rows and head_dim_v / consumers in whole "
+            f"32-column swizzle atoms"
+        )
     if not 1 <= w <= MAX_BWD_CONSUMER_WGS:
         return f"num_consumer_wgs={w}: the backward has named barriers for 1..{MAX_BWD_CONSUMER_WGS} consumers"
     if cfg.keys_on_rows and cfg.tile_n != ROWS_PER_CONSUMER * w:
@@ -270,7 +278,7 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int) -> Optional[str]:
         return f"dq_split must be 'm', 'n' or 'single', got {cfg.dq_split!r}"
     if (problem := register_problem(cfg)) is not None:
         return problem
-    need = bwd_smem_bytes(cfg, head_dim)
+    need = bwd_smem_bytes(cfg, head_dim, dv)
     if need > SMEM_CAPACITY_BYTES:
         return f"backward tile {cfg.tile_m}x{cfg.tile_n} x {cfg.num_stages} stages needs {need} B of shared memory"
     return None
@@ -282,10 +290,11 @@ def stat_stage_stride(tile_m: int) -> int:
     return -(-tile_m // 32) * 32
 
 
-def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, elem_bytes: int = 2) -> int:
+def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, head_dim_v: Optional[int] = None, elem_bytes: int = 2) -> int:
     """Q and dO stages, the K and V tiles, dS (and, queries on rows, P) stages, LSE and D stages."""
-    qdo = 2 * cfg.num_stages * cfg.tile_m * head_dim * elem_bytes
-    kv = 2 * cfg.tile_n * head_dim * elem_bytes
+    dv = head_dim if head_dim_v is None else head_dim_v
+    qdo = cfg.num_stages * cfg.tile_m * (head_dim + dv) * elem_bytes
+    kv = cfg.tile_n * (head_dim + dv) * elem_bytes
     ds = (1 if cfg.keys_on_rows else 2) * cfg.num_stages * cfg.tile_n * cfg.tile_m * elem_bytes
     dq = 0 if cfg.dq_red else cfg.tile_m * head_dim * 4
     stats = 2 * cfg.num_stages * stat_stage_stride(cfg.tile_m) * 4
@@ -316,7 +325,7 @@ def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, elem_bytes: int = 2) -> in
 #         one-stage kernel with the dQ buffer and 1.14x FA4 over 1k/4k/16k, both masks (H200, session 11,
 #         docs/performance.md). Deterministic builds keep the dQ buffer and so one stage (_BWD_DETERMINISTIC).
 # Other head dims (d160, dv != d, ...) run the narrowest of these at least as wide on zero-padded operands
-# (backward.kernel_width, arch/padded_head_dims.py).
+# (backward.kernel_dims, arch/padded_head_dims.py).
 _BWD_BY_HEAD_DIM = {
     64: BwdTileConfig(tile_m=128, dq_split="m", opt_level=2),
     96: BwdTileConfig(tile_m=64, dq_split="single"),
@@ -333,9 +342,25 @@ _BWD_DETERMINISTIC = {
 }
 
 
+# (head_dim, head_dim_v) pairs with a configuration of their own: their kernels read dO and V at head_dim_v instead of
+# running head_dim's kernels on operands zero-padded to it.
+#   (192, 128) (DeepSeek): d192's configuration; dP and dV take 2/3 of d192's products and dO / V 2/3 of its shared
+#         memory (154 KiB), and no tensor is padded: 1.13-1.36x d192's kernels on dv padded to 192, 0.75-0.79x FA4;
+#         a third Q / dO stage (194 KiB) measured the same (H100, session 20, docs/performance.md). Deterministic
+#         builds: d192's changes (the dQ buffer, 202 KiB).
+_BWD_BY_HEAD_DIMS = {
+    (192, 128): _BWD_BY_HEAD_DIM[192],
+}
+
+
 def bwd_head_dims() -> tuple:
     """Head dims (d == dv) with an sm90 backward configuration."""
     return tuple(sorted(_BWD_BY_HEAD_DIM))
+
+
+def bwd_head_dim_pairs() -> tuple:
+    """(head_dim, head_dim_v) pairs, head_dim != head_dim_v, with an sm90 backward configuration of their own."""
+    return tuple(sorted(_BWD_BY_HEAD_DIMS))
 
 
 # Per-mask changes to the head dim's configuration.
@@ -374,11 +399,12 @@ def bwd_tile_config(spec: AttentionSpec, deterministic: bool = False, long: bool
     """The sm90 backward's configuration for `spec` (its deterministic build's when asked; `long`: for long query
     sequences, `long_queries`), or None where it has none."""
     if spec.head_dim != spec.head_dim_v:
-        return None
-    cfg = _BWD_BY_HEAD_DIM.get(spec.head_dim)
+        cfg = _BWD_BY_HEAD_DIMS.get((spec.head_dim, spec.head_dim_v))
+    else:
+        cfg = _BWD_BY_HEAD_DIM.get(spec.head_dim)
     if cfg is None:
         return None
-    key = (spec.head_dim, spec.mask)
+    key = (spec.head_dim, spec.mask)  # (a pair takes its head_dim's per-mask and deterministic changes)
     changes = {
         **_BWD_BY_HEAD_DIM_AND_MASK.get(key, {}),
         **(_BWD_DETERMINISTIC.get(spec.head_dim, {}) if deterministic else {}),
