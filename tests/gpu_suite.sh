@@ -10,7 +10,7 @@
 #                   GPU than the current one when two are visible, decode-like shapes, empty shapes, odd layouts)
 #                   (pytest-xdist workers grouped by compiled kernels, so each compiles only its own)
 #   sm80_fwd  [300] the sm80 forward (forced on Hopper): odd lengths, masked rows, windows, strides, other head dims
-#   sm80_bwd  [90] the sm80 backward matrix through autograd at bf16 d128 and fp16 d64 (one process per shard)
+#   sm80_bwd  [180] the sm80 backward matrix through autograd at bf16 d128 and fp16 d64 (one process per shard)
 #   bench     [240] backward grid beside FA4 and cuDNN: d 64/128/256 x $BENCH_SEQLENS (default 1k/4k/16k) x causal
 #                   both (bench/report.md)
 #   fbbench   [240] the same grid, forward + backward (fbbench/report.md)
@@ -69,7 +69,7 @@ for s in $steps; do
             tests/test_edge_cases_gpu.py ;;
     sm80_fwd) step sm80_fwd 300 python3 -m pytest -q -n 6 -p no:cacheprovider -rf -m sm80 tests/test_sm80_fwd.py \
             -k "q113k203 or q1023k1024 or q239k1 or fully or local or strided or other" ;;
-    sm80_bwd) step sm80_bwd 90 python3 tests/test_sm80_bwd.py -j 6 --test test_sm80_attention_backward \
+    sm80_bwd) step sm80_bwd 180 python3 tests/test_sm80_bwd.py -j 6 --test test_sm80_attention_backward \
             -k "bf16-d128- or fp16-d64-" ;;
     bench|fbbench) dir=bwd; [ "$s" = fbbench ] && dir=fwdbwd
            step "$s" 240 python3 -m cute_flash bench --dtypes bf16 --head-dims 64,128,256 \
