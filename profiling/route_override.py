@@ -3,10 +3,11 @@ another in separate processes (GPU).
 
     python3 -m profiling.route_override [--without-tile D ...] [--config D KEY=VALUE ...] -- bench --shape ...
 
---without-tile D: the sm90 backward forgets its head-dim-D tile, so D runs on the next wider tile, zero-padded
-    (e.g. `--without-tile 192`: d192 and (192, 128) on the d256 kernels, as before session 20).
+--without-tile D: the sm90 backward forgets its head-dim-D tile and the (D, DV) pairs' own, so they run on the next
+    wider tile, zero-padded (e.g. `--without-tile 192`: d192 and (192, 128) on the d256 kernels, as before session 20).
 --config D[,DV] KEY=VALUE: one field of the head-dim-D (or (D, DV)) tile configuration changed (a Python literal),
-    e.g. `--config 192 dq_red=False`, `--config 192,128 num_stages=3` (repeatable).
+    e.g. `--config 192 dq_red=False` (d192 only: (192, 128) has its own entry), `--config 192,128 num_stages=3`
+    (repeatable).
 (The sm80 backward's own tiles for a head dim the sm90 backward serves padded: `CUTE_FLASH_ARCH=sm80 python3 -m
 cute_flash bench ... --directions bwd`; session 20's `--padded-everywhere` compared them while the sm90 backward left
 d32 / d160 / d224 to them.)
@@ -37,6 +38,8 @@ def main() -> int:
         table[entry] = replace(table[entry], **{key: ast.literal_eval(value)})
     for d in args.without_tile:
         del tile_config._BWD_BY_HEAD_DIM[d]
+        for pair in [p for p in tile_config._BWD_BY_HEAD_DIMS if p[0] == d]:
+            del tile_config._BWD_BY_HEAD_DIMS[pair]
     print(f"route override: {vars(args)}", flush=True)
     return cli_main(argv[split + 1 :])
 

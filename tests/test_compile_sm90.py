@@ -69,7 +69,7 @@ def test_sm90_rejects_what_it_lacks():
     assert "forward-only" in BACKEND.unsupported_reason(AttentionSpec("fp8", 128, 128, "none"), backward=True)
     assert "head dims" in BACKEND.unsupported_reason(AttentionSpec("bf16", 80, 80, "none"), backward=False)
     assert "head_dim_v 80" in BACKEND.unsupported_reason(AttentionSpec("bf16", 128, 80, "none"), backward=False)
-    # head_dim != head_dim_v: the forward serves it, the backward too (its d192 kernels on zero-padded operands).
+    # head_dim != head_dim_v: the forward serves it, the backward too (kernels of its own).
     assert BACKEND.unsupported_reason(AttentionSpec("bf16", 192, 128, "causal"), backward=False) is None
     assert BACKEND.unsupported_reason(AttentionSpec("bf16", 192, 128, "none"), backward=True) is None
     # The backward's head dims do not depend on the forward's: d72 (an sm80 forward) trains on the d96 kernels.

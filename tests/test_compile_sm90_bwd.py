@@ -116,6 +116,8 @@ def test_sm90_backward_compiles(builds, head_dim, causal):
             census,
         )
     assert "sm80_bwd_preprocess" not in reports
+    if _dims(head_dim)[0] != _dims(head_dim)[1]:  # GQA's dV sums convert at head_dim_v
+        assert reports["sm80_bwd_postprocess_v"]["config"]["head_dim"] == _dims(head_dim)[1]
 
 
 @pytest.mark.parametrize("head_dim,causal", BUILDS, ids=[_build_id(b) for b in BUILDS])

@@ -6,8 +6,9 @@
   twice: the warm no-grad call (the C++ call path where it serves) must equal the first bit for bit, and out / lse
   follow FlashAttention's rule.
 - Training (`test_random_training_calls`): the same kinds of inputs through autograd at the sm90 backward's own head
-  dims and ones it runs padded (d72, d192, (192, 128)), losses of out alone or of out and lse, output gradients that
-  are strided or expanded, deterministic backwards (run twice, bitwise equal); out, lse and dq / dk / dv by the rule.
+  dims (d192 and (192, 128) among them) and ones it runs padded (d72, d160, (128, 64), (160, 128)), losses of out
+  alone or of out and lse, output gradients that are strided or expanded, deterministic backwards (run twice, bitwise
+  equal); out, lse and dq / dk / dv by the rule.
 - Packed sequences (`test_random_varlen_calls`): length mixes with empty sequences, single tokens, partial tiles and
   the long-query tile (>= 4096 rows), keys that differ from queries, seqused_k, GQA, masks, q / k / v as slices of
   a fused buffer or off a 16-byte boundary; out, lse and the three gradients against the per-sequence reference.
@@ -99,9 +100,11 @@ def test_random_forward_calls(i):
     check_forward(q, k, v, out, lse, **kw)
 
 
-# Training: (head_dim, head_dim_v) pairs of the sm90 backward's own tiles, and ones it runs padded to a wider tile
-# ((192, 128), d192, d72 after the sm80 forward); d128 twice (the common case).
-_TRAIN_DIMS = [(64, 64), (96, 96), (128, 128), (128, 128), (192, 128), (256, 256), (192, 192), (72, 72)]
+# Training: (head_dim, head_dim_v) pairs of the sm90 backward's own tiles ((192, 128) and d192 among them), and ones
+# it runs padded to a wider tile (d72 and d160 after the sm80 forward, (128, 64), (160, 128)); d128 twice (the common
+# case).
+_TRAIN_DIMS = [(64, 64), (96, 96), (128, 128), (128, 128), (192, 128), (256, 256), (192, 192), (72, 72), (160, 160),
+               (128, 64), (160, 128)]  # fmt: skip
 TRAIN_CASES = int(os.environ.get("FUZZ_TRAIN_CASES", "100"))
 _REFERENCE_ELEMENTS = 1 << 26  # b * h * sq * sk of the float64 reference's scores (~0.5 GiB), per case
 
@@ -168,7 +171,7 @@ def test_random_training_calls(i):
 # (the long-query backward tile); at most 4 long ones, so that the per-sequence reference stays small.
 _VARLEN_LENGTHS = [0, 1, 2, 7, 63, 64, 80, 81, 128, 129, 300, 777, 1500]
 _VARLEN_LONG = [4096, 4133, 5000]
-_VARLEN_DIMS = [(64, 64), (96, 96), (128, 128), (128, 128), (192, 128), (256, 256), (192, 192), (72, 72)]
+_VARLEN_DIMS = _TRAIN_DIMS
 VARLEN_CASES = int(os.environ.get("FUZZ_VARLEN_CASES", "60"))
 
 

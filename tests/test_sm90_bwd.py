@@ -196,11 +196,11 @@ def test_other_head_dims_train_on_hopper(monkeypatch, d, forward_family, backwar
         (192, 128, 2, "default", False), (192, 128, 4, "default", True), (128, 64, 1, "default", False),
         (64, 128, 2, "default", False), (192, 128, 2, "sm80", False), (128, 64, 1, "sm80", False))],
 )  # fmt: skip
-def test_dv_differs_trains_on_padded_kernels(monkeypatch, d, dv, h_kv, family, deterministic):
-    """head_dim != head_dim_v (DeepSeek's (192, 128) and others) trains on Hopper: the sm90 forward, the sm90 backward
-    at the narrowest tile at least as wide as both head dims on zero-padded operands (deterministic too: bitwise
-    equal over repeats), and with the sm80 family forced, its backward at the wider head dim, padded likewise.
-    Gradients by the rule, loss through out and lse, odd lengths and a causal mask."""
+def test_dv_differs_trains_on_hopper(monkeypatch, d, dv, h_kv, family, deterministic):
+    """head_dim != head_dim_v trains on Hopper: the sm90 forward, the sm90 backward on (192, 128)'s own kernels or at
+    the narrowest tile at least as wide as both head dims on zero-padded operands ((128, 64), (64, 128); deterministic
+    too: bitwise equal over repeats), and with the sm80 family forced, its backward at the wider head dim, padded
+    likewise. Gradients by the rule, loss through out and lse, odd lengths and a causal mask."""
     import cute_flash
     from cute_flash.testing import check_backward, random_qkv
 

@@ -60,8 +60,8 @@ def kernel_dims(spec: AttentionSpec) -> Optional[Tuple[int, int]]:
     configuration (d == dv in bwd_head_dims, or a pair of bwd_head_dim_pairs such as (192, 128)), else both the
     narrowest d == dv tile's that is at least as wide as either. A narrower call runs them on zero-padded operands
     (arch/padded_head_dims.py): e.g. d160 the d192 kernels, d224 the d256 ones, (128, 64) the d128 ones, d72 the d96
-    ones, d32 the d64 ones. Every such route measured faster than the sm80 backward's own tiles for that head dim
-    (H100, docs/performance.md session 20: d32 / d160 / d224 1.0-2.5x)."""
+    ones, d32 the d64 ones. Those routes measured up to 2.5x the sm80 backward's own tiles for d32 / d160 / d224, and
+    no slower but at one point within noise (H100, docs/performance.md session 20)."""
     own = (spec.head_dim, spec.head_dim_v)
     if own in bwd_head_dim_pairs():
         return own
@@ -128,9 +128,9 @@ def _build(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str, extr
 
 def _kernel(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str):
     if role == "bwd_dq_postprocess":
-        # The dQ conversion depends on the dtype, the head dim and the dQ MMA's shape only (not the mask, stages,
-        # registers or ptxas level of the main kernel).
-        key_spec = dataclasses.replace(spec, mask="none")
+        # The dQ conversion depends on the dtype, the head dim and the dQ MMA's shape only (not the mask, head_dim_v,
+        # stages, registers or ptxas level of the main kernel).
+        key_spec = dataclasses.replace(spec, mask="none", head_dim_v=spec.head_dim)
         cfg = BwdTileConfig(
             tile_m=cfg.tile_m,
             dq_split=cfg.dq_split,
@@ -403,6 +403,13 @@ def compile_backward_artifacts(
     if roles is not None:
         return artifacts
     sm80_roles = ["bwd_postprocess"] if own_preprocess else ["bwd_preprocess", "bwd_postprocess"]
-    for art in _sm80_backward().compile_backward_artifacts(spec, target, roles=sm80_roles):
+    sm80 = _sm80_backward()
+    for art in sm80.compile_backward_artifacts(spec, target, roles=sm80_roles):
         artifacts.append(KernelArtifact(f"sm80_{art.kernel}", art.ptx, art.cubin, {**art.config, "family": "sm80"}))
+    if spec.head_dim_v != spec.head_dim:  # GQA's dV conversion at head_dim_v (_kernels' convert_v)
+        dv = spec.head_dim_v
+        spec_v = dataclasses.replace(spec, head_dim=dv, head_dim_v=dv)
+        for art in sm80.compile_backward_artifacts(spec_v, target, roles=["bwd_postprocess"]):
+            config = {**art.config, "family": "sm80", "head_dim": dv}
+            artifacts.append(KernelArtifact(f"sm80_{art.kernel}_v", art.ptx, art.cubin, config))
     return artifacts

@@ -250,8 +250,9 @@ class BwdFragments(NamedTuple):
 
 
 class Sm90FlashBackward(BwdEntries):
-    """Callable compiled once per (dtype, head dim, mask kind, varlen, tile config, GQA, deterministic; packed: also
-    seqused_k); shapes and strides are runtime. Entries (common/entries.py): `__call__` (dense tensors) and
+    """Callable compiled once per (dtype, head dims (d, dv), mask kind, varlen, tile config, GQA, deterministic;
+    packed: also seqused_k); shapes and strides are runtime. dv (v, dout, dv) may differ from d (q, k, dq, dk) with
+    queries on rows only. Entries (common/entries.py): `__call__` (dense tensors) and
     `packed` (packed sequences, spec.varlen); deterministic builds take their semaphores there."""
 
     def __init__(self, spec: AttentionSpec, cfg: BwdTileConfig, gqa: bool, deterministic: bool = False):
@@ -298,9 +299,9 @@ class Sm90FlashBackward(BwdEntries):
         packed=None,  # (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k): packed tensors (common/entries.py)
         semaphores=(None, None),  # (mdQsem, mdKVsem): tensors where a deterministic build reads them
     ):
-        """Packed tensors: q / dout (total_q, h, d), k / v (total_k, h_kv, d), lse_log2 / dpsum (1, h, rows_q) from
-        the packed preprocess (rows_q >= total_q + batch * pad_q), the dQ sums (h, rows_q * d) zeroed, dk / dv
-        (total_k, h_kv, d) or fp32 (rows_k, h_kv, d) sums zeroed under GQA."""
+        """Packed tensors: q (total_q, h, d), dout (total_q, h, dv), k / v (total_k, h_kv, d / dv), lse_log2 / dpsum
+        (1, h, rows_q) from the packed preprocess (rows_q >= total_q + batch * pad_q), the dQ sums (h, rows_q * d)
+        zeroed, dk / dv (total_k, h_kv, d / dv) or fp32 (rows_k, h_kv, d / dv) sums zeroed under GQA."""
         mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV = tensors
         mdQsem, mdKVsem = semaphores
         d = self.head_dim

@@ -133,7 +133,8 @@ class BwdTileConfig:
           tile_n = 64 keys; P and dS go through shared memory and every consumer computes dK / dV for all 64 keys and
           head_dim / num_consumer_wgs columns: half the accumulator registers per thread, what d256 needs.
     dq_split says how the consumers share dQ = dS·K: "m" (64 query rows each; tile_m = 64 * num_consumer_wgs),
-    "n" (head_dim / num_consumer_wgs columns each, which must start on a swizzle atom: multiples of 32), or "single"
+    "n" (head_dim / num_consumer_wgs columns each, which must start on a swizzle atom: multiples of 64, or of 32 with
+    queries on rows, whose tiles then take 64-byte atoms), or "single"
     (consumer 0 alone computes the whole 64-row dQ: head dims such as 96 that split neither way).
     dq_swap_ab computes dQᵀ = Kᵀ·dSᵀ instead (FlashAttention-3's dQ_swapAB): wgmma's M is then the 64 head-dim columns
     of each consumer and the query rows are its N, so tile_m need not be a multiple of 64 (d128's 80-row tile).
@@ -266,11 +267,13 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int, head_dim_v: Optional[i
         )
     if not cfg.dq_swap_ab and cfg.tile_m % 64 != 0:
         return f"tile_m {cfg.tile_m} must be a multiple of 64 (wgmma's M of dQ) unless dq_swap_ab"
-    if cfg.dq_split == "n" and (head_dim % w != 0 or (head_dim // w) % 32 != 0):
-        # (shares of 64-column multiples start on 128-byte swizzle atoms, others on 64-byte ones: operand_atom_cols)
+    # Shares of 64-column multiples start on 128-byte swizzle atoms; with queries on rows, shares of 32-column
+    # multiples on 64-byte ones (operand_atom_cols: d192's 96 columns).
+    atom_cols = 64 if cfg.keys_on_rows else 32
+    if cfg.dq_split == "n" and (head_dim % w != 0 or (head_dim // w) % atom_cols != 0):
         return (
-            f"dq_split 'n' needs head_dim / consumers in whole 32-column swizzle atoms, got head_dim {head_dim}, "
-            f"{w} consumers"
+            f"dq_split 'n' needs head_dim / consumers in whole {atom_cols}-column swizzle atoms, got head_dim "
+            f"{head_dim}, {w} consumers"
         )
     if cfg.dq_split == "single" and cfg.tile_m != ROWS_PER_CONSUMER:
         return f"dq_split 'single' needs tile_m = 64, got {cfg.tile_m}"
@@ -313,7 +316,7 @@ def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, head_dim_v: Optional[int] 
 #         queries per step for the same per-step costs; dQᵀ = Kᵀ·dSᵀ, since 80 rows are no wgmma M): built here as
 #         dq_swap_ab (profiling/sm90_bwd_variants.py "m80", "m80_kb1", "m80_regstats"): the default without a mask
 #         from 4096 query rows on (_BWD_LONG_QUERIES), not below (shorter walks and the partial last tile cost more).
-#   d192: d256's form (64 x 64, queries on rows, dQ from registers, two stages; 182 KiB): each consumer's share of
+#   d192: d256's form (64 x 64, queries on rows, dQ from registers, two stages; 178 KiB): each consumer's share of
 #         dK, dV and dQ is 96 head-dim columns (48 registers each), which start on a swizzle atom only with 64-byte
 #         atoms (flash_bwd.operand_atom_cols). 1.3-2.0x the d256 kernels on padded operands and 0.76-0.81x FA4's
 #         64 x 96 tile (whose dK / dV products are swapped, dKᵀ = Qᵀ·dS, to make 96 keys a wgmma N); the dQ buffer
