@@ -55,6 +55,7 @@ FAMILY = "sm90"
 STATS_ROW_MULTIPLE = PRE_POST_ROWS  # the preprocess writes whole 64-row blocks
 
 
+@functools.lru_cache(maxsize=None)  # (on every packed backward call; the tile tables do not change once calls start)
 def kernel_dims(spec: AttentionSpec) -> Optional[Tuple[int, int]]:
     """(head_dim, head_dim_v) of the kernels serving `spec`, or None: the call's own where they have a tile
     configuration (d == dv in bwd_head_dims, or a pair of bwd_head_dim_pairs such as (192, 128)), else both the

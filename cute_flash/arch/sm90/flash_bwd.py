@@ -5,7 +5,7 @@ One CTA owns one key tile (tile_n keys) of one query head and walks the query ti
 queries on rows (d192, d256, `BwdTileConfig.keys_on_rows` False) S = Q·Kᵀ and dP = dO·Vᵀ put the 64 queries on the
 accumulator rows and split the 64 keys between the consumers, P and dS go to shared memory, and each consumer computes
 dV, dK and dQ for its half of the head dim with every operand read from shared memory (d192: halves of 96 columns,
-on tiles swizzled in 64-byte atoms, `operand_atom_cols`):
+on tiles swizzled in 64-byte atoms, `tile_config.operand_atom_cols`):
 
   warpgroup 0 (producer, setmaxnreg.dec): warp 0 issues TMA loads of the K and V tiles once, then per query tile
       Q with its log2-domain LSE and dO with its D = rowsum(dO * O) through `num_stages`-deep mbarrier rings.
@@ -58,7 +58,7 @@ reverses the key tiles within the sequence, whose tiles are consecutive in the g
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple, Optional, Tuple, Type
+from typing import NamedTuple, Tuple, Type
 
 import cuda.bindings.driver as cuda
 
@@ -95,6 +95,7 @@ from .tile_config import (
     WARPGROUP_THREADS,
     BwdTileConfig,
     bwd_config_problem,
+    operand_atom_cols,
     stat_stage_stride,
 )
 from . import wgmma
@@ -129,14 +130,6 @@ def dq_tiled_mma(dtype: Type[cutlass.Numeric], head_dim: int, cfg: BwdTileConfig
         atoms, tiler = (1, w, 1), (cfg.tile_m, head_dim // w)
     a_major = mn if cfg.keys_on_rows else cute.nvgpu.OperandMajorMode.K
     return wgmma.tiled_mma_f32(dtype, a_major, mn, atoms, tiler)
-
-
-def operand_atom_cols(head_dim: int, cfg: BwdTileConfig) -> Optional[int]:
-    """Columns of the swizzle atom of the Q, dO, K and V tiles (and the dQ postprocess's output tile), or None for
-    the widest the row allows. The consumers split the head dim of dK, dV and dQ (queries on rows, dq_split "n"),
-    and a warpgroup's share must start on an atom: d192's halves of 96 columns take 32-column (64-byte) atoms."""
-    share = head_dim // cfg.num_consumer_wgs
-    return 32 if cfg.dq_split == "n" and share % 64 else None
 
 
 def dq_tile(head_dim: int, cfg: BwdTileConfig) -> Tuple[int, int]:

@@ -24,8 +24,8 @@ from cutlass.cute.nvgpu import cpasync
 from ...common.entries import AccumEntries
 from ...common.packed import seq_rows
 from .epilogue import store_rows_predicated
-from .flash_bwd import DQ_VEC, SMEM_ALIGN, _transposed, dq_fragment_offset, dq_tile, dq_tiled_mma, operand_atom_cols
-from .tile_config import WARPGROUP_THREADS, BwdTileConfig
+from .flash_bwd import DQ_VEC, SMEM_ALIGN, _transposed, dq_fragment_offset, dq_tile, dq_tiled_mma
+from .tile_config import WARPGROUP_THREADS, BwdTileConfig, operand_atom_cols
 from .views import accum_rows, head_tiles, packed_seq_major_view, seq_major_view
 from . import wgmma
 

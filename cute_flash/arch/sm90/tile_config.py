@@ -213,12 +213,25 @@ class BwdTileConfig:
 MAX_BWD_CONSUMER_WGS = 2  # barriers.BwdBarrierId reserves named barriers for this many consumers
 
 
+def operand_atom_cols(head_dim: int, cfg: BwdTileConfig) -> Optional[int]:
+    """Columns of the swizzle atom of the backward's `head_dim`-wide Q / K (or dO / V) tiles and of the dQ
+    postprocess's output tile, or None for the widest the row allows (128-byte atoms, 64 columns). With queries on
+    rows the consumers split dK, dV and dQ by head-dim columns, and a warpgroup's share must start on an atom: shares
+    that are not whole 64-column atoms (d192's 96 columns) take 32-column (64-byte) ones."""
+    share = head_dim // cfg.num_consumer_wgs
+    return 32 if not cfg.keys_on_rows and share % 64 else None
+
+
 def bwd_config_problem(cfg: BwdTileConfig, head_dim: int, head_dim_v: Optional[int] = None) -> Optional[str]:
     """A sentence saying why the backward kernel cannot be built with `cfg` at `head_dim` (and `head_dim_v`, by
     default the same), or None."""
     w = cfg.num_consumer_wgs
     dv = head_dim if head_dim_v is None else head_dim_v
-    if dv != head_dim and (cfg.keys_on_rows or dv % w != 0 or (dv // w) % 32 != 0):
+
+    def whole_atoms(width: int) -> bool:  # each consumer's share of `width` columns starts on a swizzle atom
+        return width % w == 0 and (width // w) % (operand_atom_cols(width, cfg) or 64) == 0
+
+    if dv != head_dim and (cfg.keys_on_rows or not whole_atoms(dv)):
         # (keys on rows: Pᵀ and dSᵀ are one register fragment shape, the A operand of both dV and dK)
         return (
             f"head_dim_v {dv} != head_dim {head_dim} needs queries on rows and head_dim_v / consumers in whole "
@@ -267,13 +280,10 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int, head_dim_v: Optional[i
         )
     if not cfg.dq_swap_ab and cfg.tile_m % 64 != 0:
         return f"tile_m {cfg.tile_m} must be a multiple of 64 (wgmma's M of dQ) unless dq_swap_ab"
-    # Shares of 64-column multiples start on 128-byte swizzle atoms; with queries on rows, shares of 32-column
-    # multiples on 64-byte ones (operand_atom_cols: d192's 96 columns).
-    atom_cols = 64 if cfg.keys_on_rows else 32
-    if cfg.dq_split == "n" and (head_dim % w != 0 or (head_dim // w) % atom_cols != 0):
+    if cfg.dq_split == "n" and not whole_atoms(head_dim):
         return (
-            f"dq_split 'n' needs head_dim / consumers in whole {atom_cols}-column swizzle atoms, got head_dim "
-            f"{head_dim}, {w} consumers"
+            f"dq_split 'n' needs head_dim / consumers in whole {64 if cfg.keys_on_rows else 32}-column swizzle atoms "
+            f"(operand_atom_cols), got head_dim {head_dim}, {w} consumers"
         )
     if cfg.dq_split == "single" and cfg.tile_m != ROWS_PER_CONSUMER:
         return f"dq_split 'single' needs tile_m = 64, got {cfg.tile_m}"
@@ -318,7 +328,7 @@ def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, head_dim_v: Optional[int] 
 #         from 4096 query rows on (_BWD_LONG_QUERIES), not below (shorter walks and the partial last tile cost more).
 #   d192: d256's form (64 x 64, queries on rows, dQ from registers, two stages; 178 KiB): each consumer's share of
 #         dK, dV and dQ is 96 head-dim columns (48 registers each), which start on a swizzle atom only with 64-byte
-#         atoms (flash_bwd.operand_atom_cols). 1.3-2.0x the d256 kernels on padded operands and 0.76-0.81x FA4's
+#         atoms (operand_atom_cols). 1.3-2.0x the d256 kernels on padded operands and 0.76-0.81x FA4's
 #         64 x 96 tile (whose dK / dV products are swapped, dKᵀ = Qᵀ·dS, to make 96 keys a wgmma N); the dQ buffer
 #         with the dQ warp instead (which also fits two stages, 226 KiB) measured 1-4% slower (H100, session 20,
 #         docs/performance.md). Deterministic builds take that buffer.

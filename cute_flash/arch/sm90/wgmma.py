@@ -43,7 +43,7 @@ def k_major_smem_layout(
     what wgmma reads as a K-major operand (and what TMA writes).
 
     `atom_cols` caps the swizzle at the atom of that many columns (e.g. 32 bf16 columns: 64-byte swizzle), for tiles
-    whose column blocks must start on an atom (flash_bwd.operand_atom_cols).
+    whose column blocks must start on an atom (tile_config.operand_atom_cols).
 
     `stage_elems` spaces the stages further apart than rows * cols (two tiles of different widths sharing one slot
     per stage); it must keep every stage on a 1 KiB boundary, where the swizzle pattern repeats."""
