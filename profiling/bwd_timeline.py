@@ -62,9 +62,10 @@ def main() -> None:
             start, end = e.time_range.start, e.time_range.end
             print(f"  {start - t0:9.0f} +{end - start:8.0f} gap {start - prev_end:7.0f}  {e.name[:70]}")
             prev_end = max(prev_end, end)
-        api = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cuda")]
-        for e in sorted(api, key=lambda e: e.time_range.start - e.time_range.end)[:8]:
-            print(f"  api {e.name} {e.time_range.end - e.time_range.start:.0f} us")
+        api = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cu")]
+        # In issue order (host clock, same origin as the device events): which call blocks the host, and until when.
+        for e in sorted(api, key=lambda e: e.time_range.start):
+            print(f"  api {e.time_range.start - t0:9.0f} +{e.time_range.end - e.time_range.start:6.0f}  {e.name}")
 
 
 if __name__ == "__main__":

@@ -89,9 +89,13 @@ VARIANTS = {
     # dQ added from registers (red.global.add.v4.f32) instead of the staged bulk reduce-add; with the freed shared
     # memory, d256 gets a second Q / dO stage ("red2"; at d128 the same as "red") and d128 a third ("red3"; does not
     # fit at d256).
-    "red": {"dq_red": True},
-    "red2": {"dq_red": True, "num_stages": 2},
-    "red3": {"dq_red": True, "num_stages": 3},
+    "red": {"dq_red": True, "dq_buffers": 1},  # (no shared dQ buffer: d64 causal's second one goes too)
+    "red2": {"dq_red": True, "num_stages": 2, "dq_buffers": 1},
+    "red3": {"dq_red": True, "num_stages": 3, "dq_buffers": 1},
+    # Two shared dQ buffers (session 21): a consumer's dQ stores wait for the bulk reduce-add of the tile before the
+    # previous one, not of the previous one. 64-row tiles only at d128 (the 80-row tile has no room for a second).
+    "dqbuf1": {"dq_buffers": 1},
+    "dqbuf2": {"dq_buffers": 2},
 }
 
 

@@ -103,6 +103,11 @@ def test_sm90_backward_compiles(builds, head_dim, causal):
         assert report["spill_bytes"] == 0, f"{role} d={head_dim} spills {report['spill_bytes']} bytes"
         # Built at the call's own head dims (no padding): (192, 128) reads dO and V 128 wide.
         assert (report["head_dim"], report["head_dim_v"]) == _dims(head_dim)
+        # d64 causal stages dQ in two shared buffers (tile_config._BWD_BY_HEAD_DIM_AND_MASK), all 227 KiB
+        if (head_dim, causal) == (64, True):
+            assert report["config"]["dq_buffers"] == 2 and report["shared_bytes"] == 232448, report["config"]
+        else:
+            assert report["config"]["dq_buffers"] == 1
     # The launch-overhead switches (BwdTileConfig.zero_dq_in_preprocess, .pdl, .pdl_dq_post) are on by default: the
     # sm90 preprocess build signals its dependent, the main kernel waits (producer, dQ warp, epilogue) and signals,
     # the dQ postprocess waits (tests/test_sm90_bwd_variants.py builds them off).

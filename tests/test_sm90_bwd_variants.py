@@ -389,6 +389,53 @@ def test_sm90_backward_dq_red(name, head_dim, sq, sk, mask, h, h_kv):
         check_backward(q, k, v, dout, grads, causal=causal, window_size=window)
 
 
+# dq_buffers (BwdTileConfig): two shared dQ buffers, query tile m_block's dQ in buffer m_block % 2 (the d64 causal
+# default; session 21). GPU: the gradients of the variants below with the other head dims' tiles.
+DQ_BUFFER_VARIANTS = (("dqbuf2", 128), ("dqbuf2", 96), ("dqbuf1", 64))
+
+
+def test_dq_buffers_config():
+    from cute_flash.arch.sm90.tile_config import SMEM_CAPACITY_BYTES, bwd_smem_bytes
+
+    d64 = bwd_tile_config(_spec(64, "causal"))
+    assert d64.dq_buffers == 2 and bwd_smem_bytes(d64, 64) <= SMEM_CAPACITY_BYTES
+    one = dataclasses.replace(d64, dq_buffers=1)
+    assert bwd_smem_bytes(d64, 64) - bwd_smem_bytes(one, 64) == 128 * 64 * 4  # one more tile_m x d fp32 buffer
+    for mask in ("none", "local"):
+        assert bwd_tile_config(_spec(64, mask)).dq_buffers == 1
+    for name, head_dim in DQ_BUFFER_VARIANTS:
+        for mask in ("none", "causal", "local"):
+            cfg = dataclasses.replace(bwd_tile_config(_spec(head_dim, mask)), **VARIANTS[name])
+            assert bwd_config_problem(cfg, head_dim) is None, (name, head_dim, mask)
+    assert "dq_buffers" in bwd_config_problem(dataclasses.replace(d64, dq_buffers=3), 64)
+    red = dataclasses.replace(bwd_tile_config(_spec(256, "none")), dq_buffers=2)
+    assert "dq_red" in bwd_config_problem(red, 256)
+    # d128's 80-row tile (long query sequences) has no room for a second buffer: its entry keeps one.
+    long = bwd_tile_config(_spec(128, "none"), long=True)
+    assert long.tile_m == 80 and long.dq_buffers == 1
+    assert "shared memory" in bwd_config_problem(dataclasses.replace(long, dq_buffers=2), 128)
+
+
+DQ_BUFFER_GPU_CASES = _variant_gpu_cases("dqbuf", DQ_BUFFER_VARIANTS, ("full", "causal", "window100_30"))
+
+
+@pytest.mark.parametrize("name, head_dim, sq, sk, mask, h, h_kv", DQ_BUFFER_GPU_CASES)
+def test_sm90_backward_dq_buffers(name, head_dim, sq, sk, mask, h, h_kv):
+    """One or two dQ buffers where the default has the other: gradients against the reference."""
+    from cute_flash.arch.sm90.backward import run_backward
+    from cute_flash.testing import backward_inputs, backward_kernel_grads, check_backward, stable_seed
+
+    causal, window = MASKS[mask]
+    q, k, v, dout = backward_inputs(
+        torch.bfloat16, head_dim, sq, sk, h, h_kv, stable_seed("bf16", head_dim, sq, sk, mask, h, h_kv, name)
+    )
+    base = bwd_tile_config(_spec(head_dim, "causal" if causal else ("local" if window[0] is not None else "none")))
+    grads = backward_kernel_grads(
+        run_backward, q, k, v, dout, causal, window, cfg=dataclasses.replace(base, **VARIANTS[name])
+    )
+    check_backward(q, k, v, dout, grads, causal=causal, window_size=window)
+
+
 def test_preprocess_build_gets_a_config_keyed_on_its_options(monkeypatch):
     # The option preprocess is cached on (dtype, head dim, zero_dq_in_preprocess, pdl) only, and its builder must get
     # a BwdTileConfig (a bare tuple once reached it and failed on the GPU only).

@@ -445,7 +445,8 @@ class Sm90FlashBackward(BwdEntries):
             "sdS": aligned[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], SMEM_ALIGN],
         }
         if not self.cfg.dq_red:  # (with dq_red the consumers add dQ from registers)
-            fields["sdQ"] = aligned[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], SMEM_ALIGN]
+            dq_floats = self.cfg.dq_buffers * self.tile_m * self.head_dim
+            fields["sdQ"] = aligned[cute.struct.MemRange[Float32, dq_floats], SMEM_ALIGN]
         if not self.keys_on_rows:  # last, so that the other offsets do not move
             fields["sP"] = aligned[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], SMEM_ALIGN]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
@@ -542,7 +543,7 @@ class Sm90FlashBackward(BwdEntries):
         if const_expr(self.cfg.dq_red):
             dq_dst = accum_rows(mdQaccum, head, batch, rows.padded_q, self.head_dim)
         else:
-            dq_dst = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim))
+            dq_dst = storage.sdQ.get_tensor(cute.make_layout(self.cfg.dq_buffers * self.tile_m * self.head_dim))
         group = mQ.shape[2] // mK.shape[2]  # query heads per KV head (GQA / MQA)
         head_kv = head // group
         info = BlockInfo(self.tile_m, self.tile_n, self.mask_kind, seqlen_q, seqlen_k, window_left, window_right)
@@ -1164,6 +1165,8 @@ class Sm90FlashBackward(BwdEntries):
         buffer over; then tells the dQ warp it is full."""
         pair = WARPGROUP_THREADS + WARP_THREADS
         cute.arch.barrier(barrier_id=int(BwdBarrierId.DQ_EMPTY_FIRST) + consumer, number_of_threads=pair)
+        if const_expr(self.cfg.dq_buffers > 1):
+            sdQ = cute.make_tensor(sdQ.iterator + self.dq_buffer_offset(m_block), sdQ.layout)
         # dq_stage_single_base: dq_fragment_offset(i * DQ_VEC, ...) = dq_fragment_offset(0, ...) + i * 128 * DQ_VEC, so
         # one aligned base plus compile-time offsets gives the same addresses (tests/test_sm90_bwd_variants.py).
         base = None
@@ -1178,6 +1181,12 @@ class Sm90FlashBackward(BwdEntries):
             cute.autovec_copy(src, cute.make_tensor(dst, cute.make_layout(DQ_VEC)))
         cute.arch.fence_view_async_shared()  # read next by the bulk copy engine (async proxy)
         cute.arch.barrier_arrive(barrier_id=int(BwdBarrierId.DQ_FULL_FIRST) + consumer, number_of_threads=pair)
+
+    def dq_buffer_offset(self, m_block: Int32):
+        """Floats from the shared dQ buffers' start to query tile m_block's buffer (dq_buffers)."""
+        if const_expr(self.cfg.dq_buffers == 1):
+            return 0
+        return (m_block & (self.cfg.dq_buffers - 1)) * (self.tile_m * self.head_dim)  # (1 or 2 buffers)
 
     @cute.jit
     def red_dq(self, acc_dQ: cute.Tensor, gdQ: cute.Tensor, m_block: Int32, tidx: Int32, consumer: Int32):
@@ -1216,8 +1225,10 @@ class Sm90FlashBackward(BwdEntries):
         for m_block in cutlass.range(m_min, m_max, unroll=1):
             for c in cutlass.range_constexpr(self.num_dq_wgs):
                 if const_expr(not self.deterministic):
-                    # The previous reduce of buffer c has finished reading it (groups retire in order).
-                    cute.arch.cp_async_bulk_wait_group(self.num_dq_wgs - 1 - c, read=True)
+                    # Consumer c's part of this tile's buffer, last read by the reduce dq_buffers tiles back, is free
+                    # (groups retire in order; the num_dq_wgs * (dq_buffers - 1) groups of the tiles in between and
+                    # those of consumers after c may still be reading).
+                    cute.arch.cp_async_bulk_wait_group(self.num_dq_wgs * self.cfg.dq_buffers - 1 - c, read=True)
                 cute.arch.barrier_arrive(barrier_id=int(BwdBarrierId.DQ_EMPTY_FIRST) + c, number_of_threads=pair)
             if const_expr(self.deterministic):
                 sem = tile_semaphores(mdQsem, head, batch, rows.padded_q, self.tile_m).iterator + m_block
@@ -1235,7 +1246,7 @@ class Sm90FlashBackward(BwdEntries):
                 with cute.arch.elect_one():
                     bulk_reduce_add_f32(
                         dq_base + (m_block * (self.tile_m * self.head_dim) + c * chunk),
-                        sdQ.iterator + c * chunk,
+                        sdQ.iterator + (self.dq_buffer_offset(m_block) + c * chunk),
                         chunk * 4,
                     )
                 cute.arch.cp_async_bulk_commit_group()

@@ -175,6 +175,11 @@ class BwdTileConfig:
         session 11: the adds from registers cost more than the dQ warp's bulk reduce-add there). The adds have no
         fixed order: deterministic builds take _BWD_DETERMINISTIC's configuration, and an explicit dq_red one is
         refused (backward._kernels).
+    dq_buffers (2 at d64 causal, _BWD_BY_HEAD_DIM_AND_MASK; profiling/sm90_bwd_variants.py "dqbuf1", "dqbuf2"): the
+        consumers write query tile m_block's dQ into buffer m_block % dq_buffers, so before their dQ stores they wait
+        for the bulk reduce-add of the tile before the previous one to have read its buffer, not for that of the
+        previous one (the consumers' wait there: docs/performance.md, session 20's hot spots). Needs a walk that
+        alternates the parity of m_block (consecutive query tiles).
     """
 
     tile_m: int
@@ -196,6 +201,7 @@ class BwdTileConfig:
     pdl_dq_post: bool = True  # main kernel -> dQ postprocess by programmatic dependent launch
     kv_with_first_tile: bool = True  # K / V complete the first Q / dO stage's barrier (not one K + V barrier)
     dq_red: bool = False  # consumers add dQ from registers (red.global.add.v4.f32): no shared dQ buffer, no dQ warp
+    dq_buffers: int = 1  # shared dQ buffers the consumers alternate between (query tile m_block takes m_block % n)
 
     @property
     def num_threads(self) -> int:
@@ -289,6 +295,8 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int, head_dim_v: Optional[i
         return f"dq_split 'single' needs tile_m = 64, got {cfg.tile_m}"
     if cfg.dq_split not in ("m", "n", "single"):
         return f"dq_split must be 'm', 'n' or 'single', got {cfg.dq_split!r}"
+    if cfg.dq_buffers not in (1, 2) or (cfg.dq_red and cfg.dq_buffers != 1):
+        return f"dq_buffers must be 1 or 2 (and 1 with dq_red, which has no dQ buffer), got {cfg.dq_buffers!r}"
     if (problem := register_problem(cfg)) is not None:
         return problem
     need = bwd_smem_bytes(cfg, head_dim, dv)
@@ -309,7 +317,7 @@ def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, head_dim_v: Optional[int] 
     qdo = cfg.num_stages * cfg.tile_m * (head_dim + dv) * elem_bytes
     kv = cfg.tile_n * (head_dim + dv) * elem_bytes
     ds = (1 if cfg.keys_on_rows else 2) * cfg.num_stages * cfg.tile_n * cfg.tile_m * elem_bytes
-    dq = 0 if cfg.dq_red else cfg.tile_m * head_dim * 4
+    dq = 0 if cfg.dq_red else cfg.dq_buffers * cfg.tile_m * head_dim * 4
     stats = 2 * cfg.num_stages * stat_stage_stride(cfg.tile_m) * 4
     return qdo + kv + ds + dq + stats + SMEM_RESERVED_BYTES
 
@@ -385,7 +393,12 @@ def bwd_head_dim_pairs() -> tuple:
 #         bytes): all 32 exponentials of the unmasked steps ahead of the wait (4 before), no spills in the dense,
 #         GQA and deterministic builds; +3.4% geomean over 1k / 4k / 16k (+1.2 / +2.5 / +6.6%; 3 of 4 k-blocks:
 #         -0.6%), H200, session 13 (docs/performance.md).
+#   d64 causal: two dQ buffers (dq_buffers; 227 KiB, all of it): +2.7 / +0.5 / +1.3% geomean over d64's 1k / 4k /
+#         16k x both masks in three H100 runs, all of it from the causal points (4k +8.7 / +1.8 / +5.6%, 16k +4.8 /
+#         +0.7 / +2.8%, 1k +0.7 / +1.0 / +1.5%); without a mask 0.99-1.00 (16k +0.3 / -1.3 / -1.6%). d128 (64-row
+#         tile) measured 0.994 (causal 4k / 16k -2.3%), d96 1.007: one buffer there (session 21, docs/performance.md).
 _BWD_BY_HEAD_DIM_AND_MASK = {
+    (64, "causal"): {"dq_buffers": 2},
     (128, "none"): {"dv_before_dp_wait": True},
     (128, "causal"): {"dv_before_dp_wait": True, "dv_early_kblocks": 2},
 }
