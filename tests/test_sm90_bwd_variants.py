@@ -403,6 +403,9 @@ def test_dq_buffers_config():
     assert bwd_smem_bytes(d64, 64) - bwd_smem_bytes(one, 64) == 128 * 64 * 4  # one more tile_m x d fp32 buffer
     for mask in ("none", "local"):
         assert bwd_tile_config(_spec(64, mask)).dq_buffers == 1
+    # Dense only: packed GQA builds spill with two buffers (tile_config._DENSE_ONLY).
+    packed = AttentionSpec("bf16", 64, 64, "causal", "bf16", varlen=True)
+    assert bwd_tile_config(packed).dq_buffers == 1 and bwd_tile_config(packed, True).dq_buffers == 1
     for name, head_dim in DQ_BUFFER_VARIANTS:
         for mask in ("none", "causal", "local"):
             cfg = dataclasses.replace(bwd_tile_config(_spec(head_dim, mask)), **VARIANTS[name])
@@ -421,7 +424,8 @@ DQ_BUFFER_GPU_CASES = _variant_gpu_cases("dqbuf", DQ_BUFFER_VARIANTS, ("full", "
 
 @pytest.mark.parametrize("name, head_dim, sq, sk, mask, h, h_kv", DQ_BUFFER_GPU_CASES)
 def test_sm90_backward_dq_buffers(name, head_dim, sq, sk, mask, h, h_kv):
-    """One or two dQ buffers where the default has the other: gradients against the reference."""
+    """Two dQ buffers at d128 / d96 and one at d64 (the default's other choice at d64 causal, the same build at its
+    other masks): gradients against the reference."""
     from cute_flash.arch.sm90.backward import run_backward
     from cute_flash.testing import backward_inputs, backward_kernel_grads, check_backward, stable_seed
 

@@ -18,7 +18,9 @@ on tiles swizzled in 64-byte atoms, `tile_config.operand_atom_cols`):
       from the K-major tiles) and writes it to its own shared-memory buffer in the accumulator's register order.
   warp 1 of warpgroup 0 (the dQ writer): adds each consumer's dQ buffer to an fp32 accumulator in global memory with
       one bulk reduce-add (cp.reduce.async.bulk) per query tile, in that same "fragment" layout (undone by
-      `flash_bwd_postprocess.DqConvertSm90`); two named barriers per consumer hand the buffer back and forth. With
+      `flash_bwd_postprocess.DqConvertSm90`); two named barriers per consumer hand the buffer back and forth
+      (BwdTileConfig.dq_buffers 2: query tiles of alternating parity use two buffers, so a consumer waits only for
+      the reduce of the tile two back to have read its buffer). With
       `deterministic`, a semaphore per (batch, head, query tile) makes the key tiles add in a fixed order.
       With BwdTileConfig.dq_red (d192, d256) there is no dQ writer and no shared dQ buffer: each consumer adds
       its dQ share from registers with red.global.add.v4.f32 at the same offsets (after griddepcontrol.wait under
@@ -538,8 +540,8 @@ class Sm90FlashBackward(BwdEntries):
             if idle:
                 seqlen_k = Int32(0)  # no query tile to walk, nothing to store (below)
             rows = PackedRows(seq.offset_q, seq.offset_k, seq.padded_offset_q(self.pad_q))
-        # Where a consumer puts its dQ: its part of the shared buffer that the dQ warp adds to the accumulator, or with
-        # dq_red this (sequence, head)'s accumulator itself.
+        # Where a consumer puts its dQ: its part of the shared buffer(s) that the dQ warp adds to the accumulator, or
+        # with dq_red this (sequence, head)'s accumulator itself.
         if const_expr(self.cfg.dq_red):
             dq_dst = accum_rows(mdQaccum, head, batch, rows.padded_q, self.head_dim)
         else:

@@ -397,6 +397,8 @@ def bwd_head_dim_pairs() -> tuple:
 #         16k x both masks in three H100 runs, all of it from the causal points (4k +8.7 / +1.8 / +5.6%, 16k +4.8 /
 #         +0.7 / +2.8%, 1k +0.7 / +1.0 / +1.5%); without a mask 0.99-1.00 (16k +0.3 / -1.3 / -1.6%). d128 (64-row
 #         tile) measured 0.994 (causal 4k / 16k -2.3%), d96 1.007: one buffer there (session 21, docs/performance.md).
+#         Dense only (_DENSE_ONLY): packed GQA builds spill 64-84 bytes with it (none with one buffer), and packed
+#         calls were not timed with it.
 _BWD_BY_HEAD_DIM_AND_MASK = {
     (64, "causal"): {"dq_buffers": 2},
     (128, "none"): {"dv_before_dp_wait": True},
@@ -410,6 +412,8 @@ _BWD_BY_HEAD_DIM_AND_MASK = {
 #         64-row default, H200, session 14 (docs/performance.md), two runs: 1k -4.3 / -4.1%, 2k 0.0%, 4k 0.0 / +1.1%,
 #         8k +1.7%, 16k +4.0 / +2.0%; the varlen benchmark's drawn mix (max 8037) +0.9% (two runs each). Below
 #         LONG_QUERIES the 80-row tile's partial last tile and shorter walks cost more than its 25% longer steps gain.
+_DENSE_ONLY = ("dq_buffers",)  # per-mask changes that packed (varlen) builds do not take
+
 _BWD_LONG_QUERIES = {
     (128, "none"): {"tile_m": 80, "dq_swap_ab": True, "dv_early_kblocks": 1},
 }
@@ -431,8 +435,11 @@ def bwd_tile_config(spec: AttentionSpec, deterministic: bool = False, long: bool
     if cfg is None:
         return None
     key = (spec.head_dim, spec.mask)  # (a pair takes its head_dim's per-mask and deterministic changes)
+    per_mask = _BWD_BY_HEAD_DIM_AND_MASK.get(key, {})
+    if spec.varlen:
+        per_mask = {k: v for k, v in per_mask.items() if k not in _DENSE_ONLY}
     changes = {
-        **_BWD_BY_HEAD_DIM_AND_MASK.get(key, {}),
+        **per_mask,
         **(_BWD_DETERMINISTIC.get(spec.head_dim, {}) if deterministic else {}),
         **(_BWD_LONG_QUERIES.get(key, {}) if long and not deterministic else {}),
     }
