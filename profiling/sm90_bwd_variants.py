@@ -4,10 +4,11 @@
       --variants default,opt2 [--fa4] [--deterministic]
 
 Each variant is a `BwdTileConfig` derived from the default of that head dim (see VARIANTS; the short-sequence default:
-from 4096 query rows d128 without a mask runs "m80_kb1" in the library, tile_config.long_queries); the kernels alone are
-timed (`run_backward` on precomputed out / lse, allocations included), as TFLOP/s with FLOPs = 2.5 x 4 b h s^2 d
-(halved when causal). Every variant's gradients are compared with the default's (max |difference|), so a faster
-variant that computes something else shows up. B·S = 16k tokens, H·D = 2048, bf16, as in the issue grid.
+from 4096 query rows d128 without a mask runs "m80_kb1_at_use" in the library, tile_config.long_queries); the kernels
+alone are timed (`run_backward` on precomputed out / lse, allocations included), as TFLOP/s with FLOPs =
+2.5 x 4 b h s^2 d (halved when causal). Every variant's gradients are compared with the default's (max
+|difference|), so a faster variant that computes something else shows up. B·S = 16k tokens (--tokens), H·D = 2048,
+bf16, as in the issue grid.
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ VARIANTS = {
     # d128: 64-row query tiles (dQ = dS·K) against 80-row ones (dQᵀ = Kᵀ·dSᵀ, FlashAttention-3's unmasked shape).
     "m64": {"tile_m": 64, "dq_swap_ab": False},
     # (A off, as session 9 timed it: the mask defaults now carry A, which has no register room at 80 rows)
-    "m80": {"tile_m": 80, "dq_swap_ab": True, "dv_before_dp_wait": False, "dv_early_kblocks": None},
+    "m80": {
+        "tile_m": 80,
+        "dq_swap_ab": True,
+        "dv_before_dp_wait": False,
+        "dv_early_kblocks": None,
+        "d_after_dv_issue": False,
+    },
     # docs/sm90_bwd_sass_study.md: A (dV's whole product issued before the dP wait; 64-row tiles), B (dQ staging from
     # one base address), C (tile_m 80 with every column's LSE / D in registers instead of shuffles).
     "dv_early": {"dv_before_dp_wait": True, "dv_early_kblocks": None},
@@ -40,7 +47,15 @@ VARIANTS = {
     "dq_base": {"dq_stage_single_base": True},
     # The 80-row tile with dV's first 1 (2) of 5 k-blocks before the dP wait (session 14; 2: 8 spilled bytes, two
     # values reloaded per step).
-    "m80_kb1": {"tile_m": 80, "dq_swap_ab": True, "dv_before_dp_wait": True, "dv_early_kblocks": 1},
+    # (m80_kb1 shuffles LSE / D: the long-query default until session 22, which loads them where used)
+    "m80_kb1": {
+        "tile_m": 80,
+        "dq_swap_ab": True,
+        "dv_before_dp_wait": True,
+        "dv_early_kblocks": 1,
+        "d_after_dv_issue": False,
+        "stats_at_use": False,
+    },  # fmt: skip
     "m80_kb2": {"tile_m": 80, "dq_swap_ab": True, "dv_before_dp_wait": True, "dv_early_kblocks": 2},
     "m80_regstats": {
         "tile_m": 80,
@@ -48,6 +63,7 @@ VARIANTS = {
         "max_unshuffled_stat_cols": 20,
         "dv_before_dp_wait": False,
         "dv_early_kblocks": None,
+        "d_after_dv_issue": False,
     },  # fmt: skip
     "m80_regstats_b": {
         "tile_m": 80,
@@ -55,6 +71,7 @@ VARIANTS = {
         "max_unshuffled_stat_cols": 20,
         "dv_before_dp_wait": False,
         "dv_early_kblocks": None,
+        "d_after_dv_issue": False,
         "dq_stage_single_base": True,
     },  # fmt: skip
     # The long-query default (m80_kb1) with LSE / D held in registers (no 40 shuffles per step; spills: 7 local loads
@@ -96,6 +113,27 @@ VARIANTS = {
     # previous one, not of the previous one. 64-row tiles only at d128 (the 80-row tile has no room for a second).
     "dqbuf1": {"dq_buffers": 1},
     "dqbuf2": {"dq_buffers": 2},
+    # Session 22. D's shared-memory loads after dV's early product is issued (d_dv; the d128 causal default) or
+    # between the exponentials and P's conversion (d_exp), where ptxas gave a D load and the exponential that P's
+    # first conversion waits for one scoreboard; the 80-row tile with it (m80_kb1_d_dv). The 80-row tile's LSE / D
+    # loaded where used, 8 bytes per two columns, instead of shuffled (m80_kb1_at_use; the long-query default).
+    "d_exp": {"d_after_dv_issue": False},
+    "d_dv": {"d_after_dv_issue": True},
+    "m80_kb1_d_dv": {
+        "tile_m": 80,
+        "dq_swap_ab": True,
+        "dv_before_dp_wait": True,
+        "dv_early_kblocks": 1,
+        "d_after_dv_issue": True,
+    },  # fmt: skip
+    "m80_kb1_at_use": {
+        "tile_m": 80,
+        "dq_swap_ab": True,
+        "dv_before_dp_wait": True,
+        "dv_early_kblocks": 1,
+        "d_after_dv_issue": False,
+        "stats_at_use": True,
+    },  # fmt: skip
 }
 
 
@@ -113,6 +151,7 @@ def main() -> None:
     p.add_argument("--deterministic", action="store_true", help="also time deterministic=True of the default")
     p.add_argument("--rounds", type=int, default=3, help="timing rounds, each over every variant in turn")
     p.add_argument("--rep-ms", type=int, default=60, help="do_bench time per variant and round")
+    p.add_argument("--tokens", type=int, default=16384, help="batch x seqlen (batch = tokens // seqlen)")
     args = p.parse_args()
 
     from cute_flash import compile_cache
@@ -130,7 +169,7 @@ def main() -> None:
     rows = []
     for seqlen in [int(s) for s in args.seqlens.split(",")]:
         for causal in causals:
-            b, h = max(1, 16384 // seqlen), 2048 // d
+            b, h = max(1, args.tokens // seqlen), 2048 // d
             gen = torch.Generator(device="cuda").manual_seed(0)
             q, k, v, dout = (
                 torch.randn(b, seqlen, h, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(4)

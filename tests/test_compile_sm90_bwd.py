@@ -103,6 +103,10 @@ def test_sm90_backward_compiles(builds, head_dim, causal):
         assert report["spill_bytes"] == 0, f"{role} d={head_dim} spills {report['spill_bytes']} bytes"
         # Built at the call's own head dims (no padding): (192, 128) reads dO and V 128 wide.
         assert (report["head_dim"], report["head_dim_v"]) == _dims(head_dim)
+        # d128 (session 22): the 80-row tile loads LSE / D where they are used (no shuffles), and the causal build
+        # loads D after dV's early product is issued
+        assert report["config"]["stats_at_use"] == (role in long_roles), role
+        assert report["config"]["d_after_dv_issue"] == ((head_dim, causal) == (128, True)), role
         # d64 causal stages dQ in two shared buffers (tile_config._BWD_BY_HEAD_DIM_AND_MASK), all 227 KiB
         if (head_dim, causal) == (64, True):
             assert report["config"]["dq_buffers"] == 2 and report["shared_bytes"] == 232448, report["config"]

@@ -48,7 +48,10 @@ def test_study_switches_default_off():
     # A is the default at d128 without a mask, half of it (2 of dV's 4 k-blocks) with a causal mask
     # (tile_config._BWD_BY_HEAD_DIM_AND_MASK); the rest is unchanged there.
     assert _d128("none") == dataclasses.replace(cfg, dv_before_dp_wait=True)
-    assert _d128("causal") == dataclasses.replace(cfg, dv_before_dp_wait=True, dv_early_kblocks=2)
+    # With a causal mask D's loads also move after dV's early product is issued (d_after_dv_issue, session 22).
+    assert _d128("causal") == dataclasses.replace(
+        cfg, dv_before_dp_wait=True, dv_early_kblocks=2, d_after_dv_issue=True
+    )
 
 
 def test_dv_early_kblocks_needs_dv_before_dp_wait():
@@ -59,6 +62,19 @@ def test_dv_early_kblocks_needs_dv_before_dp_wait():
         problem = bwd_config_problem(cfg_bad, 128)
         assert problem is not None and "dv_early_kblocks" in problem, cfg_bad
     assert bwd_config_problem(dataclasses.replace(a, dv_early_kblocks=3), 128) is None
+
+
+def test_session22_switches_need_their_forms():
+    # D after dV's early product needs that product (A); LSE / D loaded where used need keys on rows.
+    cfg = _d128("local")
+    problem = bwd_config_problem(dataclasses.replace(cfg, d_after_dv_issue=True), 128)
+    assert problem is not None and "d_after_dv_issue" in problem
+    assert bwd_config_problem(dataclasses.replace(_d128("none"), d_after_dv_issue=True), 128) is None
+    d256 = bwd_tile_config(AttentionSpec("bf16", 256, 256, "none", "bf16"))
+    problem = bwd_config_problem(dataclasses.replace(d256, stats_at_use=True), 256)
+    assert problem is not None and "stats_at_use" in problem
+    long = bwd_tile_config(AttentionSpec("bf16", 128, 128, "none", "bf16"), long=True)
+    assert long.stats_at_use and long.tile_m == 80 and bwd_config_problem(long, 128) is None
 
 
 def test_dv_before_dp_wait_needs_keys_on_rows():
@@ -456,3 +472,25 @@ def test_preprocess_build_gets_a_config_keyed_on_its_options(monkeypatch):
         assert role == "bwd_preprocess" and isinstance(cfg, BwdTileConfig) and spec.mask == "none"
         assert cfg.zero_dq_in_preprocess and cfg.pdl
     assert keys[0] == keys[1] and keys[0] != keys[2]  # the mask and main-kernel options do not split the cache
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+@pytest.mark.parametrize("dims", [(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128)], ids=str)
+def test_dq_postprocess_key_keeps_what_its_code_reads(dims, mask):
+    # The dQ conversion is cached on a reduced configuration (backward.kernel_key). It once dropped keys_on_rows, so
+    # d192's conversion took 128-byte swizzle atoms its 96-column halves cannot start on, and every d192 backward
+    # failed to build on the GPU while the compile command (which built from the full configuration) passed. Both
+    # build from kernel_key now; every field the conversion's code reads must survive the reduction.
+    from cute_flash.arch.sm90.backward import kernel_key
+    from cute_flash.arch.sm90.flash_bwd import dq_tile
+    from cute_flash.arch.sm90.tile_config import operand_atom_cols
+
+    spec = AttentionSpec("bf16", *dims, mask, "bf16")
+    for long in (False, True):
+        cfg = bwd_tile_config(spec, long=long)
+        key_spec, key = kernel_key("bwd_dq_postprocess", spec, cfg)
+        assert key_spec.head_dim == spec.head_dim and key_spec.dtype == spec.dtype
+        assert operand_atom_cols(spec.head_dim, key) == operand_atom_cols(spec.head_dim, cfg)
+        assert dq_tile(spec.head_dim, key) == dq_tile(spec.head_dim, cfg)
+        for field in ("tile_m", "dq_split", "num_consumer_wgs", "num_dq_wgs", "dq_swap_ab", "pdl_dq_post"):
+            assert getattr(key, field) == getattr(cfg, field), field

@@ -127,28 +127,35 @@ def _build(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str, extr
     return build.compile_backward(spec, cfg, target, gqa, deterministic, extra, seqused)
 
 
-def _kernel(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str):
+def kernel_key(role: str, spec: AttentionSpec, cfg: BwdTileConfig) -> Tuple[AttentionSpec, BwdTileConfig]:
+    """The (spec, configuration) that `role`'s kernel is built from: only what its code depends on, so builds that
+    generate the same code share one cache entry. Calls (`_kernel`) and the compile command
+    (`compile_backward_artifacts`) both build from it, so what the CPU compile tests check is what calls run."""
     if role == "bwd_dq_postprocess":
-        # The dQ conversion depends on the dtype, the head dim and the dQ MMA's shape only (not the mask, head_dim_v,
-        # stages, registers or ptxas level of the main kernel).
+        # The dQ conversion depends on the dtype, the head dim, the dQ MMA's shape and the output tile's swizzle atom
+        # (operand_atom_cols: keys_on_rows) only, not on the mask, head_dim_v, stages, registers or ptxas level of
+        # the main kernel.
         key_spec = dataclasses.replace(spec, mask="none", head_dim_v=spec.head_dim)
-        cfg = BwdTileConfig(
+        return key_spec, BwdTileConfig(
             tile_m=cfg.tile_m,
             dq_split=cfg.dq_split,
+            keys_on_rows=cfg.keys_on_rows,
             num_consumer_wgs=cfg.num_consumer_wgs,
             dq_swap_ab=cfg.dq_swap_ab,
             pdl_dq_post=cfg.pdl_dq_post,
         )
-    elif role == "bwd_preprocess":
+    if role == "bwd_preprocess":
         # The launch-overhead options' builds (with both off, the sm80 family's preprocess_kernel serves): the
         # dtype, head dim and the two options.
         key_spec = dataclasses.replace(spec, mask="none")
-        cfg = BwdTileConfig(
+        return key_spec, BwdTileConfig(
             tile_m=ROWS_PER_CONSUMER, dq_split="m", zero_dq_in_preprocess=cfg.zero_dq_in_preprocess, pdl=cfg.pdl
         )
-    else:
-        key_spec = spec
-        cfg = dataclasses.replace(cfg, zero_dq_in_preprocess=False)  # the main kernel's code does not depend on it
+    return spec, dataclasses.replace(cfg, zero_dq_in_preprocess=False)  # the main kernel's code does not read it
+
+
+def _kernel(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str):
+    key_spec, cfg = kernel_key(role, spec, cfg)
     key = (FAMILY, target, role, key_spec, cfg)
     compile_cache.ensure_cute_dsl_arch(target)
     return compile_cache.get_or_compile(key, lambda: _build(role, key_spec, cfg, target))
@@ -390,7 +397,9 @@ def compile_backward_artifacts(
             jobs += [(f"{role}_long", role, long) for role in ("bwd", "bwd_gqa", "bwd_dq_postprocess")]
         for name, role, role_cfg in jobs:
             sub = os.path.join(dump, name)
-            compiled = _build(role, spec, role_cfg, target, compile_cache.keep_artifacts_options(sub))
+            compiled = _build(
+                role, *kernel_key(role, spec, role_cfg), target, compile_cache.keep_artifacts_options(sub)
+            )
             role_config = {
                 **role_cfg.as_dict(),
                 "shared_bytes": bwd_smem_bytes(role_cfg, spec.head_dim, spec.head_dim_v),

@@ -198,14 +198,24 @@ def column_stat(
     c: cutlass.Constexpr[int],
     num_cols: cutlass.Constexpr[int],
     max_unshuffled: cutlass.Constexpr[int],
+    s_stat: cute.Tensor = None,
+    coords_rc: cute.Tensor = None,
 ) -> Float32:
-    """The statistic of column `c` from `load_column_stats`' registers."""
-    value = regs[0]
-    if const_expr(num_cols <= max_unshuffled):
-        value = regs[c]
+    """The statistic of column `c` from `load_column_stats`' registers, or with `s_stat` (the stage's shared-memory
+    statistics; above `max_unshuffled` columns, BwdTileConfig.stats_at_use) loaded here: columns 2 g and 2 g + 1 are
+    adjacent queries, one 8-byte load (the same load for both, merged by the compiler)."""
+    if const_expr(s_stat is not None and num_cols > max_unshuffled):
+        pair = cute.make_rmem_tensor(2, Float32)
+        ptr = (s_stat.iterator + coords_rc[0, c - c % 2][1]).align(8)
+        cute.autovec_copy(cute.make_tensor(ptr, cute.make_layout(2)), pair)
+        value = pair[c % 2]
     else:
-        v, g = c % 2, c // 2
-        value = cute.arch.shuffle_sync(regs[2 * (g // 8) + v], offset=4 * (g % 8) + cute.arch.lane_idx() % 4)
+        value = regs[0]
+        if const_expr(num_cols <= max_unshuffled):
+            value = regs[c]
+        else:
+            v, g = c % 2, c // 2
+            value = cute.arch.shuffle_sync(regs[2 * (g // 8) + v], offset=4 * (g % 8) + cute.arch.lane_idx() % 4)
     return value
 
 
@@ -1036,10 +1046,7 @@ class Sm90FlashBackward(BwdEntries):
         s_rc = rows_cols_view(acc_S)
         num_rows = cute.size(s_rc, mode=[0])
         num_cols = cute.size(s_rc, mode=[1])
-        if const_expr(kor):
-            lse = load_column_stats(sLSE[None, q.index], coords_rc, num_cols, self.cfg.max_unshuffled_stat_cols)
-        else:
-            lse = load_row_stats(sLSE[None, q.index], coords_rc, num_rows)
+        lse = self.load_stats(sLSE[None, q.index], coords_rc, num_rows, num_cols)
         # dO with the library's wait (no test first): the extra branch of `consumer_wait` here made the d64 GQA build
         # spill 72 bytes.
         pipe_do.consumer_wait(do)
@@ -1052,7 +1059,7 @@ class Sm90FlashBackward(BwdEntries):
         # P = exp2(S · scale · log2e − lse_log2[query]); the mask (on the scaled exponent) leaves -inf -> P = 0.
         if const_expr(kor):
             for c in cutlass.range_constexpr(num_cols):
-                lse_c = column_stat(lse, c, num_cols, self.cfg.max_unshuffled_stat_cols)
+                lse_c = self.column_value(lse, sLSE[None, q.index], coords_rc, c, num_cols)
                 for r in cutlass.range_constexpr(num_rows):
                     s_rc[r, c] = s_rc[r, c] * scale_log2 - lse_c
         else:
@@ -1062,15 +1069,17 @@ class Sm90FlashBackward(BwdEntries):
         if const_expr(masked):
             apply_mask(s_rc, coords_rc, coords0_rc, info, m_block, n_block, True, True, keys_on_rows=kor)
         acc_S.store(cute.math.exp2(acc_S.load(), fastmath=True))
+        dv_early = kor and self.cfg.dv_before_dp_wait
+        d_late = dv_early and self.cfg.d_after_dv_issue
         # D is loaded here rather than with the LSE, and P is converted only once dS is formed: that keeps the
-        # live registers (Sᵀ, dPᵀ, D, dV, dK) under the 240 a consumer thread has at d64 (tile_m 128).
-        if const_expr(kor):
-            dpsum = load_column_stats(sdPsum[None, do.index], coords_rc, num_cols, self.cfg.max_unshuffled_stat_cols)
-        else:
-            dpsum = load_row_stats(sdPsum[None, do.index], coords_rc, num_rows)
+        # live registers (Sᵀ, dPᵀ, D, dV, dK) under the 240 a consumer thread has at d64 (tile_m 128). With
+        # d_after_dv_issue, after dV's early product is issued instead: here ptxas gave a D load and the exponential
+        # that P's first conversion (for that product) waits for one scoreboard, so the conversion waited for the load.
+        dpsum = None
+        if const_expr(not d_late):
+            dpsum = self.load_stats(sdPsum[None, do.index], coords_rc, num_rows, num_cols)
 
         # dS = P ⊙ (dP − D[query]).
-        dv_early = kor and self.cfg.dv_before_dp_wait
         # dV's k-blocks before the dP wait: all (None), or the first dv_early_kblocks and the rest after dS.
         dv_kb = cute.size(tdVrP.shape[2])
         early = None if const_expr(self.cfg.dv_early_kblocks is None) else (0, min(self.cfg.dv_early_kblocks, dv_kb))
@@ -1082,13 +1091,15 @@ class Sm90FlashBackward(BwdEntries):
             wgmma.store_p_operand(acc_S, tdVrP, early)
             dO_t = tdVrdOt[None, None, None, do.index]
             wgmma.gemm(tiled_mma_dv, acc_dV, tdVrP, dO_t, zero_init=False, wait=-1, k_blocks=early)
+            if const_expr(d_late):
+                dpsum = self.load_stats(sdPsum[None, do.index], coords_rc, num_rows, num_cols)
             warpgroup.wait_group(1)  # dP done
         else:
             warpgroup.wait_group(0)
         dp_rc = rows_cols_view(acc_dP)
         if const_expr(kor):
             for c in cutlass.range_constexpr(num_cols):
-                d = column_stat(dpsum, c, num_cols, self.cfg.max_unshuffled_stat_cols)
+                d = self.column_value(dpsum, sdPsum[None, do.index], coords_rc, c, num_cols)
                 for r in cutlass.range_constexpr(num_rows):
                     dp_rc[r, c] = s_rc[r, c] * (dp_rc[r, c] - d)
         else:
@@ -1160,6 +1171,39 @@ class Sm90FlashBackward(BwdEntries):
         q.advance()
         do.advance()
         return q, do
+
+    @cute.jit
+    def load_stats(
+        self,
+        s_stat: cute.Tensor,
+        coords_rc: cute.Tensor,
+        num_rows: cutlass.Constexpr[int],
+        num_cols: cutlass.Constexpr[int],
+    ):
+        """This thread's registers of one per-query statistic (LSE or D) of a stage, `s_stat`; None where
+        `column_value` reads them from shared memory at their use (stats_at_use)."""
+        regs = None
+        if const_expr(not self.keys_on_rows):
+            regs = load_row_stats(s_stat, coords_rc, num_rows)
+        elif const_expr(not self.stats_at_use(num_cols)):
+            regs = load_column_stats(s_stat, coords_rc, num_cols, self.cfg.max_unshuffled_stat_cols)
+        return regs
+
+    def stats_at_use(self, num_cols: int) -> bool:
+        return self.cfg.stats_at_use and num_cols > self.cfg.max_unshuffled_stat_cols
+
+    @cute.jit
+    def column_value(
+        self,
+        regs,
+        s_stat: cute.Tensor,
+        coords_rc: cute.Tensor,
+        c: cutlass.Constexpr[int],
+        num_cols: cutlass.Constexpr[int],
+    ) -> Float32:
+        """Column c's statistic (keys on rows) from `load_stats`' registers or, with stats_at_use, shared memory."""
+        at_use = self.stats_at_use(num_cols)
+        return column_stat(regs, c, num_cols, self.cfg.max_unshuffled_stat_cols, s_stat if at_use else None, coords_rc)
 
     @cute.jit
     def stage_dq(self, acc_dQ: cute.Tensor, sdQ: cute.Tensor, m_block: Int32, tidx: Int32, consumer: Int32):

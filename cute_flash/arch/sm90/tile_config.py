@@ -149,6 +149,14 @@ class BwdTileConfig:
           (the same shared-memory offsets) instead of recomputing and re-aligning each of them.
       max_unshuffled_stat_cols (C): above this many query columns per thread, LSE / D come through shuffles
           (load_column_stats); 20 keeps all of tile_m 80's columns in registers at d128.
+      stats_at_use (on for the 80-row d128 tile, _BWD_LONG_QUERIES): above max_unshuffled_stat_cols, each pair of
+          columns' LSE / D is one 8-byte shared-memory load where it is used instead of a shuffle from the lane that
+          loaded it: no registers held, 20 loads instead of 40 shuffles per step (459 SASS instructions per step
+          against 507; FA4's 463).
+      d_after_dv_issue (with A; on at d128 causal): D's shared-memory loads go after dV's early product is issued,
+          not between the exponentials and P's conversion, where ptxas gave a D load and the exponential that P's
+          first conversion waits for one scoreboard (Nsight Compute, session 21: that conversion's wait was 4.7% of
+          the d128 causal main loop's samples).
     Launch-overhead switches, all on by default since session 10: with all three the backward measured +0.4..+2.6%
     (d128, three runs), +1.7..+2.2% (d64), +0.3..+0.6% (d256) over none (geomean over 1k/4k/16k x causal both,
     kernels alone, H100, docs/performance.md session 10; profiling/sm90_bwd_variants.py "plain" turns all three off,
@@ -202,6 +210,8 @@ class BwdTileConfig:
     kv_with_first_tile: bool = True  # K / V complete the first Q / dO stage's barrier (not one K + V barrier)
     dq_red: bool = False  # consumers add dQ from registers (red.global.add.v4.f32): no shared dQ buffer, no dQ warp
     dq_buffers: int = 1  # shared dQ buffers the consumers alternate between (query tile m_block takes m_block % n)
+    d_after_dv_issue: bool = False  # with A: D's shared-memory loads after dV's early product is issued
+    stats_at_use: bool = False  # above max_unshuffled_stat_cols: LSE / D loaded where used, not shuffled
 
     @property
     def num_threads(self) -> int:
@@ -271,6 +281,10 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int, head_dim_v: Optional[i
             "dv_before_dp_wait needs keys on rows (P in registers as dV's A operand); with queries on rows P goes "
             "through shared memory after the dP wait"
         )
+    if cfg.d_after_dv_issue and not cfg.dv_before_dp_wait:
+        return "d_after_dv_issue needs dv_before_dp_wait (D is loaded after dV's early product is issued)"
+    if cfg.stats_at_use and not cfg.keys_on_rows:
+        return "stats_at_use applies to keys on rows only (queries on rows keep one LSE / D per row)"
     if cfg.max_unshuffled_stat_cols < 1:
         return f"max_unshuffled_stat_cols must be at least 1, got {cfg.max_unshuffled_stat_cols}"
     if cfg.max_unshuffled_stat_cols != UNSHUFFLED_STAT_COLS and not cfg.keys_on_rows:
@@ -392,7 +406,10 @@ def bwd_head_dim_pairs() -> tuple:
 #   d128 causal: dV's first 2 of 4 k-blocks before the dP wait (dv_early_kblocks; the whole product there spills 8
 #         bytes): all 32 exponentials of the unmasked steps ahead of the wait (4 before), no spills in the dense,
 #         GQA and deterministic builds; +3.4% geomean over 1k / 4k / 16k (+1.2 / +2.5 / +6.6%; 3 of 4 k-blocks:
-#         -0.6%), H200, session 13 (docs/performance.md).
+#         -0.6%), H200, session 13 (docs/performance.md). D loaded after that product is issued (d_after_dv_issue):
+#         +1.5% / +2.9% geomean over 1k / 4k (/ 8k) / 16k in two H100 runs, packed drawn mix +1.8 / +2.6%; spill-free
+#         dense, GQA, deterministic and packed (session 22). Without a mask it spills 16-40 bytes at 64 rows and
+#         measured -1.2 to -2.0% packed at 80 rows: off there.
 #   d64 causal: two dQ buffers (dq_buffers; 227 KiB, all of it): +2.7 / +0.5 / +1.3% geomean over d64's 1k / 4k /
 #         16k x both masks in three H100 runs, all of it from the causal points (4k +8.7 / +1.8 / +5.6%, 16k +4.8 /
 #         +0.7 / +2.8%, 1k +0.7 / +1.0 / +1.5%); without a mask 0.99-1.00 (16k +0.3 / -1.3 / -1.6%). d128 (64-row
@@ -402,7 +419,7 @@ def bwd_head_dim_pairs() -> tuple:
 _BWD_BY_HEAD_DIM_AND_MASK = {
     (64, "causal"): {"dq_buffers": 2},
     (128, "none"): {"dv_before_dp_wait": True},
-    (128, "causal"): {"dv_before_dp_wait": True, "dv_early_kblocks": 2},
+    (128, "causal"): {"dv_before_dp_wait": True, "dv_early_kblocks": 2, "d_after_dv_issue": True},
 }
 
 
@@ -412,10 +429,13 @@ _BWD_BY_HEAD_DIM_AND_MASK = {
 #         64-row default, H200, session 14 (docs/performance.md), two runs: 1k -4.3 / -4.1%, 2k 0.0%, 4k 0.0 / +1.1%,
 #         8k +1.7%, 16k +4.0 / +2.0%; the varlen benchmark's drawn mix (max 8037) +0.9% (two runs each). Below
 #         LONG_QUERIES the 80-row tile's partial last tile and shorter walks cost more than its 25% longer steps gain.
+#         LSE / D loaded where used (stats_at_use) instead of shuffled: +3.2% geomean over 4k / 8k / 16k (+4.1 / +1.4
+#         / +4.3%), +3.9% at b11 x 5888, packed drawn mixes +0.5 to +2.4%, H100, session 22; no spills in the dense,
+#         GQA and packed (seqused) builds.
 _DENSE_ONLY = ("dq_buffers",)  # per-mask changes that packed (varlen) builds do not take
 
 _BWD_LONG_QUERIES = {
-    (128, "none"): {"tile_m": 80, "dq_swap_ab": True, "dv_early_kblocks": 1},
+    (128, "none"): {"tile_m": 80, "dq_swap_ab": True, "dv_early_kblocks": 1, "stats_at_use": True},
 }
 LONG_QUERIES = 4096
 
