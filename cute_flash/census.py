@@ -29,6 +29,7 @@ CENSUS_PATTERNS: Dict[str, str] = {
     "mbarrier.expect_tx": r"mbarrier\.expect_tx",  # extra bytes on a stage's barrier (BwdTileConfig.kv_with_first_tile)
     "red.global.add.v4.f32": r"red\.global\.add\.v4\.f32",  # vector reductions (sm80 dQ on sm_90a, sm90 dq_red)
     "stmatrix.trans": r"stmatrix\.sync\.aligned\.[^\s]*\.trans",  # transposing stores (the sm90 dQᵀ conversion)
+    "shfl.sync": r"shfl\.sync\.",  # warp shuffles (the sm90 backward's LSE / D without BwdTileConfig.stats_at_use)
     "tcgen05.mma": r"tcgen05\.mma\.",
     "tcgen05.mma.cta_group::2": r"tcgen05\.mma\.cta_group::2",
     "tcgen05.alloc.cta_group::2": r"tcgen05\.alloc\.cta_group::2",

@@ -26,14 +26,14 @@ import time
 
 def _ours(args):
     from cute_flash import compile_cache
-    from cute_flash.arch.sm90.backward import _build
+    from cute_flash.arch.sm90.backward import _build, kernel_key
     from cute_flash.arch.sm90.tile_config import bwd_tile_config
     from cute_flash.spec import AttentionSpec
 
     spec = AttentionSpec(dtype=args.dtype, head_dim=args.head_dim, head_dim_v=args.head_dim, mask=args.mask)
     cfg = dataclasses.replace(bwd_tile_config(spec), **json.loads(args.override))
     print(cfg)
-    _build(args.role, spec, cfg, "sm_90a", compile_cache.keep_artifacts_options(args.out))
+    _build(args.role, *kernel_key(args.role, spec, cfg), "sm_90a", compile_cache.keep_artifacts_options(args.out))
 
 
 def _fa4(args):

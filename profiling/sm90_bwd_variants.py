@@ -74,8 +74,8 @@ VARIANTS = {
         "d_after_dv_issue": False,
         "dq_stage_single_base": True,
     },  # fmt: skip
-    # The long-query default (m80_kb1) with LSE / D held in registers (no 40 shuffles per step; spills: 7 local loads
-    # and 2 stores per step), and with B as well (session 16).
+    # The long-query default before session 22 (m80_kb1) with LSE / D held in registers (no 40 shuffles per step;
+    # spills: 7 local loads and 2 stores per step), and with B as well (session 16).
     "m80_kb1_regstats": {
         "tile_m": 80,
         "dq_swap_ab": True,

@@ -106,6 +106,10 @@ def test_sm90_backward_compiles(builds, head_dim, causal):
         # d128 (session 22): the 80-row tile loads LSE / D where they are used (no shuffles), and the causal build
         # loads D after dV's early product is issued
         assert report["config"]["stats_at_use"] == (role in long_roles), role
+        if (
+            role in long_roles
+        ):  # no statistics shuffles: no more shuffles than the 64-row build (16 columns in registers)
+            assert census["shfl.sync"] == reports[role.removesuffix("_long")]["census"]["shfl.sync"], role
         assert report["config"]["d_after_dv_issue"] == ((head_dim, causal) == (128, True)), role
         # d64 causal stages dQ in two shared buffers (tile_config._BWD_BY_HEAD_DIM_AND_MASK), all 227 KiB
         if (head_dim, causal) == (64, True):

@@ -34,10 +34,13 @@ with census.capture_fd_stderr() as captured:
         )
     else:
         from cute_flash.arch.sm90 import backward
-        det = role.endswith("_det")
-        role = role.removesuffix("_det") + ("_seqused" if seqused else "") + ("_det" if det else "")
+        det, long = role.endswith("_det"), role.endswith("_long")
+        role = role.removesuffix("_det").removesuffix("_long")
+        role += ("_seqused" if seqused else "") + ("_det" if det else "")
+        cfg = backward.bwd_tile_config(spec, det, long)
+        # (built from the role's cache key, as calls build it: backward.kernel_key)
         compiled = backward._build(
-            role, spec, backward.bwd_tile_config(spec, det), "sm_90a", compile_cache.keep_artifacts_options(dump)
+            role, *backward.kernel_key(role, spec, cfg), "sm_90a", compile_cache.keep_artifacts_options(dump)
         )
 ptx = compiled.artifacts.PTX
 print(json.dumps({
@@ -47,6 +50,7 @@ print(json.dumps({
     "tma_stores": sum("cp.async.bulk.tensor" in line and "global.shared" in line for line in ptx.splitlines()),
     "acquire_loads": sum("ld.acquire.gpu" in line for line in ptx.splitlines()),
     "launch_dependents": ptx.count("griddepcontrol.launch_dependents"),
+    "shuffles": sum("shfl.sync" in line for line in ptx.splitlines()),
 }))
 """
 
@@ -59,6 +63,7 @@ BUILDS = [
     (128, 128, "causal", True, "bwd"),
     (128, 128, "causal", False, "bwd_gqa_det"),
     (128, 128, "none", False, "bwd_preprocess"),
+    (128, 128, "none", True, "bwd_gqa_long"),  # the 80-row tile (long queries), LSE / D loaded where used
 ]
 FORWARD_BUILDS = [b for b in BUILDS if b[4] == "fwd"]
 
@@ -101,6 +106,16 @@ def test_sm90_varlen_backward_compiles(builds):
     assert rep["spills"] and set(rep["spills"]) == {0}, rep["spills"]
     # dK and dV: 128 keys x 128 columns each in 16-byte stores over the 256 consumer threads, no TMA store
     assert rep["vector_stores"] == 2 * 128 * 128 // (8 * 256) and rep["tma_stores"] == 0, rep
+
+
+def test_sm90_varlen_long_query_backward_compiles(builds):
+    """The packed 80-row tile (max_seqlen_q from 4096, no mask; GQA, seqused_k): spill-free, and its LSE / D come
+    from shared memory where they are used (stats_at_use), not by shuffles: the 40 per step of the shuffling build
+    (20 query columns per thread, twice) are gone, a few other shuffles stay."""
+    rep = _report(builds, (128, 128, "none", True, "bwd_gqa_long"))
+    assert rep["spills"] and set(rep["spills"]) == {0}, rep["spills"]
+    assert rep["census"]["wgmma.mma_async.rs"] > 0 and rep["census"]["mma.sync"] == 0
+    assert rep["shuffles"] < 20, rep["shuffles"]
 
 
 def test_sm90_varlen_deterministic_backward_compiles(builds):

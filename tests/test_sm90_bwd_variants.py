@@ -22,7 +22,7 @@ from cute_flash.arch.sm90.tile_config import BwdTileConfig, bwd_config_problem, 
 from cute_flash.spec import AttentionSpec
 from profiling.sm90_bwd_variants import VARIANTS
 
-STUDY_VARIANTS = ("dv_early", "dv_early_b", "dv_kb3", "dq_base", "m80_regstats")
+STUDY_VARIANTS = ("dv_early", "dv_early_b", "dv_kb3", "dq_base", "m80_regstats", "d_dv", "m80_kb1_at_use")
 OVERHEAD_VARIANTS = ("plain", "memset", "no_pdl", "kv_barrier")
 OVERHEAD_FIELDS = ("zero_dq_in_preprocess", "pdl", "pdl_dq_post", "kv_with_first_tile")
 REPO = Path(__file__).resolve().parents[1]
@@ -492,5 +492,6 @@ def test_dq_postprocess_key_keeps_what_its_code_reads(dims, mask):
         assert key_spec.head_dim == spec.head_dim and key_spec.dtype == spec.dtype
         assert operand_atom_cols(spec.head_dim, key) == operand_atom_cols(spec.head_dim, cfg)
         assert dq_tile(spec.head_dim, key) == dq_tile(spec.head_dim, cfg)
-        for field in ("tile_m", "dq_split", "num_consumer_wgs", "num_dq_wgs", "dq_swap_ab", "pdl_dq_post"):
+        fields = ("tile_m", "dq_split", "keys_on_rows", "num_consumer_wgs", "num_dq_wgs", "dq_swap_ab", "pdl_dq_post")
+        for field in fields:
             assert getattr(key, field) == getattr(cfg, field), field

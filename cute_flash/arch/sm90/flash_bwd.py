@@ -1042,7 +1042,8 @@ class Sm90FlashBackward(BwdEntries):
         else:
             wgmma.gemm(tiled_mma_sdp, acc_S, tSrQ[None, None, None, q.index], tSrK, zero_init=True, wait=-1)
         # The statistics of this thread's queries go to registers while the products run (a shared-memory load after
-        # the wgmma wait would stall the exponentials behind it).
+        # the wgmma wait would stall the exponentials behind it), except with stats_at_use (columns beyond
+        # max_unshuffled_stat_cols), where each is loaded where it is used instead of shuffled from another lane.
         s_rc = rows_cols_view(acc_S)
         num_rows = cute.size(s_rc, mode=[0])
         num_cols = cute.size(s_rc, mode=[1])

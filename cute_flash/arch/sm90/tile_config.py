@@ -138,8 +138,9 @@ class BwdTileConfig:
     (consumer 0 alone computes the whole 64-row dQ: head dims such as 96 that split neither way).
     dq_swap_ab computes dQᵀ = Kᵀ·dSᵀ instead (FlashAttention-3's dQ_swapAB): wgmma's M is then the 64 head-dim columns
     of each consumer and the query rows are its N, so tile_m need not be a multiple of 64 (d128's 80-row tile).
-    Study switches (docs/sm90_bwd_sass_study.md, variants A, B, C; timed on an H100 in session 9; only A is a default:
-    at d128, whole without a mask and split (dv_early_kblocks) with a causal one, _BWD_BY_HEAD_DIM_AND_MASK):
+    Study switches (docs/sm90_bwd_sass_study.md, variants A, B, C; timed on an H100 in session 9; of these only A is a
+    default: at d128, whole without a mask and split (dv_early_kblocks) with a causal one, _BWD_BY_HEAD_DIM_AND_MASK;
+    the two session-22 switches below are d128 defaults too):
       dv_before_dp_wait (A; keys on rows only): dV += Pᵀ·dO is issued before the dP wait, which becomes
           wait_group(1): P being dV's A operand pins all exponentials before that wait (ptxas hoists it otherwise).
           dv_early_kblocks: only that many of its k-blocks (16 queries each) go before the wait, the rest after dS,
@@ -148,7 +149,7 @@ class BwdTileConfig:
       dq_stage_single_base (B): stage_dq addresses its dQ stores from one aligned base plus compile-time offsets
           (the same shared-memory offsets) instead of recomputing and re-aligning each of them.
       max_unshuffled_stat_cols (C): above this many query columns per thread, LSE / D come through shuffles
-          (load_column_stats); 20 keeps all of tile_m 80's columns in registers at d128.
+          (load_column_stats) unless stats_at_use; 20 keeps all of tile_m 80's columns in registers at d128.
       stats_at_use (on for the 80-row d128 tile, _BWD_LONG_QUERIES): above max_unshuffled_stat_cols, each pair of
           columns' LSE / D is one 8-byte shared-memory load where it is used instead of a shuffle from the lane that
           loaded it: no registers held, 20 loads instead of 40 shuffles per step (459 SASS instructions per step
@@ -346,8 +347,9 @@ def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, head_dim_v: Optional[int] 
 #   d128: 64 x 128 tiles, dQ split by head-dim halves: Sᵀ, dPᵀ (32 registers each), dV and dK (64 each) and dQ (32)
 #         fit the 240 registers of a consumer thread. FlashAttention-3 takes 80 x 128 tiles without a mask (25% more
 #         queries per step for the same per-step costs; dQᵀ = Kᵀ·dSᵀ, since 80 rows are no wgmma M): built here as
-#         dq_swap_ab (profiling/sm90_bwd_variants.py "m80", "m80_kb1", "m80_regstats"): the default without a mask
-#         from 4096 query rows on (_BWD_LONG_QUERIES), not below (shorter walks and the partial last tile cost more).
+#         dq_swap_ab (profiling/sm90_bwd_variants.py "m80", "m80_kb1", "m80_regstats", "m80_kb1_at_use"): the
+#         default without a mask from 4096 query rows on (_BWD_LONG_QUERIES, "m80_kb1_at_use" since session 22), not
+#         below (shorter walks and the partial last tile cost more).
 #   d192: d256's form (64 x 64, queries on rows, dQ from registers, two stages; 178 KiB): each consumer's share of
 #         dK, dV and dQ is 96 head-dim columns (48 registers each), which start on a swizzle atom only with 64-byte
 #         atoms (operand_atom_cols). 1.3-2.0x the d256 kernels on padded operands and 0.76-0.81x FA4's
