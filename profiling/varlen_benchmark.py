@@ -10,6 +10,7 @@ the same work as the packed batch. cute-flash runs on the sm80 family and, on Ho
 
     python -m profiling.varlen_benchmark [--tokens 65536] [--heads 16] [--head-dim 128] [--causal both|yes|no]
     python -m profiling.varlen_benchmark --lengths 8192x8 --no-sm80      # equal lengths: what packing itself costs
+    python -m profiling.varlen_benchmark --no-sm80 --rounds 3            # medians of 3 rounds, FA4 in between
 """
 
 from __future__ import annotations
@@ -179,6 +180,23 @@ def bench(
     return rows
 
 
+def median_rows(rounds: List[List[dict]]) -> List[dict]:
+    """The rows of one `bench` call, each timing the median over `rounds` (the same rows, timed in turn)."""
+    import statistics
+
+    out = []
+    for rows in zip(*rounds):
+        row = dict(rows[0])
+        if "fwd_ms" in row:
+            for key, flops_key in (("fwd_ms", "fwd_tflops"), ("bwd_ms", "bwd_tflops")):
+                if row[key]:
+                    ms = statistics.median(r[key] for r in rows)
+                    row[flops_key] = row[flops_key] * row[key] / ms
+                    row[key] = ms
+        out.append(row)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=65536)
@@ -193,6 +211,8 @@ def main(argv=None):
                     help="order of the sequences in cu_seqlens")  # fmt: skip
     ap.add_argument("--no-sm80", action="store_true", help="skip the sm80 family (Hopper: time the sm90 kernels only)")
     ap.add_argument("--kernels", action="store_true", help="also print each call's device time per kernel (µs)")
+    ap.add_argument("--rounds", type=int, default=1, help="time every row this many times in turn (ours and FA4 "
+                    "alternating in one process) and print the medians; single runs move by a few percent")  # fmt: skip
     ap.add_argument("--no-peers", action="store_true", help="only cute-flash's packed call (no dense, no FA4)")
     ap.add_argument("--bwd-variant", help="study: this sm90_bwd_variants variant as the d128 backward's default (its "
                     "mask: --causal)")  # fmt: skip
@@ -217,7 +237,11 @@ def main(argv=None):
     for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]:
         print(f"\n{'causal' if causal else 'non-causal'}")
         print(f"{'impl':<44}{'fwd ms':>9}{'fwd TF/s':>10}{'bwd ms':>9}{'bwd TF/s':>10}")
-        for r in bench(lens, args.heads, args.head_dim, causal, args.seed, not args.no_sm80, not args.no_peers):
+        rounds = [
+            bench(lens, args.heads, args.head_dim, causal, args.seed, not args.no_sm80, not args.no_peers)
+            for _ in range(max(1, args.rounds))
+        ]
+        for r in median_rows(rounds):
             if "fwd_ms" not in r:
                 print(r["impl"])
                 continue

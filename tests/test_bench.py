@@ -429,3 +429,18 @@ def test_sass_census_loops_and_sections():
     assert [s.get("MUFU.EX2", 0) for s in sections[:3]] == [0, 1, 1]  # one exponential before the second wait
     order = sass_census.order(body)
     assert order[0] == "HGMMA.64x64x16.SS [commit]" and "HGMMA.64x128x16.RS [commit]" in order
+
+
+def test_varlen_benchmark_rounds_take_each_rows_median():
+    # profiling.varlen_benchmark --rounds: each row's times are the median over the rounds and its TFLOP/s follow
+    # them; rows without times (a peer that failed) pass through.
+    from profiling.varlen_benchmark import median_rows
+
+    def row(fwd, bwd):
+        return {"impl": "ours", "fwd_ms": fwd, "fwd_tflops": 600.0 / fwd, "bwd_ms": bwd, "bwd_tflops": 1500.0 / bwd}
+
+    rounds = [[row(f, b), {"impl": "FA4 varlen: failed"}] for f, b in ((2.0, 4.0), (1.0, 5.0), (4.0, 6.0))]
+    ours, failed = median_rows(rounds)
+    assert (ours["fwd_ms"], ours["bwd_ms"]) == (2.0, 5.0)
+    assert ours["fwd_tflops"] == pytest.approx(300.0) and ours["bwd_tflops"] == pytest.approx(300.0)
+    assert failed == {"impl": "FA4 varlen: failed"}
