@@ -6,6 +6,10 @@ cudaProfilerStart/Stop, each inside an NVTX range named `cf_profile`, so that
 
   python -m profiling.target --impl cute-flash --dtype bf16 --direction fwd --batch 2 --seqlen 8192 \
       --heads 16 --head-dim 128 --causal --meta out/meta.json
+
+With --varlen-seed S the call is packed (`cute_flash.attention_varlen`, or FA4's `flash_attn_varlen_func` for
+--impl fa4): batch x seqlen tokens in sequences drawn as profiling.varlen_benchmark draws them (128..8192, seed S);
+the meta's FLOPs are the sequences' own, its IO-model bytes those of the dense batch x seqlen case.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim-v", type=int, default=None)
     p.add_argument("--tile-m", type=int, default=128, help="query tile of the IO model (bytes FlashAttention reads)")
     p.add_argument("--tile-n", type=int, default=128, help="key tile of the backward IO model")
+    p.add_argument(
+        "--varlen-seed", type=int, default=None, help="packed: lengths drawn with this seed (cute-flash, fa4)"
+    )
 
 
 def config_argv(args) -> list:
@@ -62,6 +69,7 @@ def config_argv(args) -> list:
         ("--seqlen-k", args.seqlen_k),
         ("--heads-kv", args.heads_kv),
         ("--head-dim-v", args.head_dim_v),
+        ("--varlen-seed", args.varlen_seed),
     ):
         if value is not None:
             argv += [flag, str(value)]
@@ -88,13 +96,73 @@ def describe(args) -> dict:
     from .io_model import predicted_bytes
 
     case = case_from_args(args)
-    return {
+    meta = {
         "impl": args.impl,
         "case": case.as_dict(),
         "label": case.label(),
         "flops": case.flops,
         "io_bytes": predicted_bytes(case, tile_m=args.tile_m, tile_n=args.tile_n),
     }
+    if args.varlen_seed is not None:
+        lens = varlen_lengths(args)
+        shape = case.shape
+        fwd = sum(4 * shape.heads * shape.head_dim * s * s for s in lens) * (0.5 if args.causal else 1.0)
+        meta["flops"] = fwd * (2.5 if args.direction == "bwd" else 1.0)
+        meta["label"] = (
+            f"{case.label()} packed: {len(lens)} sequences {min(lens)}..{max(lens)} (seed {args.varlen_seed})"
+        )
+        meta["lengths"] = lens
+    return meta
+
+
+def varlen_lengths(args) -> list:
+    from .varlen_benchmark import draw_lengths
+
+    return draw_lengths(args.batch * args.seqlen, 128, 8192, args.varlen_seed)
+
+
+def _varlen_call(args, case):
+    """The packed call of --varlen-seed (forward, or a backward on a kept graph)."""
+    import torch
+
+    if args.impl not in ("cute-flash", "fa4") or case.dtype not in ("bf16", "fp16"):
+        raise SystemExit("--varlen-seed: --impl cute-flash or fa4, --dtype bf16 or fp16")
+    lens = varlen_lengths(args)
+    shape, dev = case.shape, "cuda"
+    dtype = torch.bfloat16 if case.dtype == "bf16" else torch.float16
+    grad = case.direction == "bwd"
+    total, mx = sum(lens), max(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    q = torch.randn(total, shape.heads, shape.head_dim, device=dev, dtype=dtype, requires_grad=grad)
+    k, v = (
+        torch.randn(total, shape.heads_kv, d, device=dev, dtype=dtype, requires_grad=grad)
+        for d in (shape.head_dim, shape.head_dim_v)
+    )
+    if args.impl == "cute-flash":
+        import cute_flash
+
+        def fn():
+            return cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx, causal=args.causal)
+    else:
+        from flash_attn.cute import flash_attn_varlen_func
+
+        def fn():
+            out = flash_attn_varlen_func(
+                q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=args.causal
+            )
+            return out[0] if isinstance(out, tuple) else out
+
+    if not grad:
+        return fn
+    out = fn()
+    dout = torch.randn_like(out)
+
+    def call():
+        for t in (q, k, v):
+            t.grad = None
+        out.backward(dout, retain_graph=True)
+
+    return call
 
 
 def main(argv=None) -> int:
@@ -125,7 +193,9 @@ def main(argv=None) -> int:
             json.dump(describe(args), f, indent=1)
 
     scale = 1.0 / math.sqrt(case.shape.head_dim)
-    if case.direction == "fwd":
+    if args.varlen_seed is not None:
+        call = _varlen_call(args, case)
+    elif case.direction == "fwd":
         q, k, v = make_inputs(case)
         call = lambda: impl(q, k, v, case, scale)  # noqa: E731
     else:

@@ -444,3 +444,21 @@ def test_varlen_benchmark_rounds_take_each_rows_median():
     assert (ours["fwd_ms"], ours["bwd_ms"]) == (2.0, 5.0)
     assert ours["fwd_tflops"] == pytest.approx(300.0) and ours["bwd_tflops"] == pytest.approx(300.0)
     assert failed == {"impl": "FA4 varlen: failed"}
+
+
+def test_profiling_target_packed_meta_counts_each_sequences_work():
+    # profiling.target --varlen-seed (and ncu_profile, which passes it on): the lengths varlen_benchmark draws for
+    # batch x seqlen tokens, FLOPs summed per sequence, the flag kept for the profiled subprocess.
+    import argparse
+
+    from profiling import target
+    from profiling.varlen_benchmark import draw_lengths
+
+    p = argparse.ArgumentParser()
+    target.add_config_arguments(p)
+    args = p.parse_args("--direction bwd --batch 1 --seqlen 65536 --causal --varlen-seed 2".split())
+    meta = target.describe(args)
+    lens = draw_lengths(65536, 128, 8192, 2)
+    assert meta["lengths"] == lens and sum(lens) == 65536
+    assert meta["flops"] == pytest.approx(sum(4 * 16 * 128 * s * s for s in lens) * 0.5 * 2.5)
+    assert target.config_argv(args)[-3:] == ["--varlen-seed", "2", "--causal"]
