@@ -116,9 +116,9 @@ def describe(args) -> dict:
 
 
 def varlen_lengths(args) -> list:
-    from .varlen_benchmark import draw_lengths
+    from .varlen_benchmark import MAX_LEN, MIN_LEN, draw_lengths
 
-    return draw_lengths(args.batch * args.seqlen, 128, 8192, args.varlen_seed)
+    return draw_lengths(args.batch * args.seqlen, MIN_LEN, MAX_LEN, args.varlen_seed)
 
 
 def _varlen_call(args, case):
@@ -144,13 +144,16 @@ def _varlen_call(args, case):
         def fn():
             return cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx, causal=args.causal)
     else:
-        from flash_attn.cute import flash_attn_varlen_func
+        from .varlen_benchmark import fa4_function, first_output
+
+        fa4 = fa4_function("flash_attn_varlen_func")
+        if fa4 is None:
+            raise SystemExit("--impl fa4: flash_attn.cute does not import")
 
         def fn():
-            out = flash_attn_varlen_func(
-                q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=args.causal
+            return first_output(
+                fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=args.causal)
             )
-            return out[0] if isinstance(out, tuple) else out
 
     if not grad:
         return fn

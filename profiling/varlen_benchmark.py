@@ -73,7 +73,10 @@ def _family(name: Optional[str]):
             os.environ["CUTE_FLASH_ARCH"] = old
 
 
-def _fa4(name: str) -> Optional[Callable]:
+MIN_LEN, MAX_LEN = 128, 8192  # the drawn sequence lengths (--min-len, --max-len; profiling.target --varlen-seed)
+
+
+def fa4_function(name: str) -> Optional[Callable]:
     """flash_attn.cute's `name` (flash_attn_varlen_func / flash_attn_func), or None where FA4 does not import."""
     try:
         import flash_attn.cute as fa4
@@ -83,7 +86,7 @@ def _fa4(name: str) -> Optional[Callable]:
         return None
 
 
-def _first(out):
+def first_output(out):
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -156,11 +159,11 @@ def bench(
         with _family(None):
             add(f"cute-flash dense default ({batch}x{seqlen})", *_fwd_bwd_ms(dense, (dq, dk, dv), "dense"), dense_flops)
 
-    fa4 = _fa4("flash_attn_varlen_func")
+    fa4 = fa4_function("flash_attn_varlen_func")
     if fa4 is not None:
 
         def fa4_run():
-            return _first(
+            return first_output(
                 fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=causal)
             )
 
@@ -170,10 +173,10 @@ def bench(
             rows.append({"impl": f"FA4 varlen: failed ({type(e).__name__}: {e})"[:120]})
     else:
         rows.append({"impl": "FA4 varlen: flash_attn.cute does not import"})
-    fa4_dense = _fa4("flash_attn_func")
+    fa4_dense = fa4_function("flash_attn_func")
     if fa4_dense is not None:  # separates our dense kernels' distance to FA4 from what packing costs
         try:
-            run = lambda: _first(fa4_dense(dq, dk, dv, causal=causal))  # noqa: E731
+            run = lambda: first_output(fa4_dense(dq, dk, dv, causal=causal))  # noqa: E731
             add(f"FA4 dense ({batch}x{seqlen})", *_fwd_bwd_ms(run, (dq, dk, dv), "FA4 dense"), dense_flops)
         except Exception as e:  # noqa: BLE001
             rows.append({"impl": f"FA4 dense: failed ({type(e).__name__}: {e})"[:120]})
@@ -200,8 +203,8 @@ def median_rows(rounds: List[List[dict]]) -> List[dict]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=65536)
-    ap.add_argument("--min-len", type=int, default=128)
-    ap.add_argument("--max-len", type=int, default=8192)
+    ap.add_argument("--min-len", type=int, default=MIN_LEN)
+    ap.add_argument("--max-len", type=int, default=MAX_LEN)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")

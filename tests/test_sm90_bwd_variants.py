@@ -75,6 +75,13 @@ def test_session22_switches_need_their_forms():
     assert problem is not None and "stats_at_use" in problem
     long = bwd_tile_config(AttentionSpec("bf16", 128, 128, "none", "bf16"), long=True)
     assert long.stats_at_use and long.tile_m == 80 and bwd_config_problem(long, 128) is None
+    # where a thread's columns stay in registers anyway (64-row tile: 16 columns) the switch is refused, not ignored
+    for cfg_bad in (
+        dataclasses.replace(_d128("none"), stats_at_use=True),
+        dataclasses.replace(long, max_unshuffled_stat_cols=20),
+    ):
+        problem = bwd_config_problem(cfg_bad, 128)
+        assert problem is not None and "stats_at_use" in problem, cfg_bad
 
 
 def test_dv_before_dp_wait_needs_keys_on_rows():

@@ -202,9 +202,9 @@ def column_stat(
     coords_rc: cute.Tensor = None,
 ) -> Float32:
     """The statistic of column `c` from `load_column_stats`' registers, or with `s_stat` (the stage's shared-memory
-    statistics; above `max_unshuffled` columns, BwdTileConfig.stats_at_use) loaded here: columns 2 g and 2 g + 1 are
-    adjacent queries, one 8-byte load (the same load for both, merged by the compiler)."""
-    if const_expr(s_stat is not None and num_cols > max_unshuffled):
+    statistics, given only above `max_unshuffled` columns with BwdTileConfig.stats_at_use) loaded here: columns 2 g
+    and 2 g + 1 are adjacent queries, one 8-byte load (the same load for both, merged by the compiler)."""
+    if const_expr(s_stat is not None):
         pair = cute.make_rmem_tensor(2, Float32)
         ptr = (s_stat.iterator + coords_rc[0, c - c % 2][1]).align(8)
         cute.autovec_copy(cute.make_tensor(ptr, cute.make_layout(2)), pair)

@@ -286,6 +286,13 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int, head_dim_v: Optional[i
         return "d_after_dv_issue needs dv_before_dp_wait (D is loaded after dV's early product is issued)"
     if cfg.stats_at_use and not cfg.keys_on_rows:
         return "stats_at_use applies to keys on rows only (queries on rows keep one LSE / D per row)"
+    if cfg.stats_at_use and cfg.tile_m // 4 <= cfg.max_unshuffled_stat_cols:
+        # (keys on rows: a thread holds tile_m / 4 query columns; up to max_unshuffled_stat_cols they stay in
+        # registers, so the switch would change nothing)
+        return (
+            f"stats_at_use needs more query columns per thread (tile_m / 4 = {cfg.tile_m // 4}) than "
+            f"max_unshuffled_stat_cols ({cfg.max_unshuffled_stat_cols}); below that LSE / D are held in registers"
+        )
     if cfg.max_unshuffled_stat_cols < 1:
         return f"max_unshuffled_stat_cols must be at least 1, got {cfg.max_unshuffled_stat_cols}"
     if cfg.max_unshuffled_stat_cols != UNSHUFFLED_STAT_COLS and not cfg.keys_on_rows:
