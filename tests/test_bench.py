@@ -462,3 +462,25 @@ def test_profiling_target_packed_meta_counts_each_sequences_work():
     assert meta["lengths"] == lens and sum(lens) == 65536
     assert meta["flops"] == pytest.approx(sum(4 * 16 * 128 * s * s for s in lens) * 0.5 * 2.5)
     assert target.config_argv(args)[-3:] == ["--varlen-seed", "2", "--causal"]
+
+
+def test_varlen_fwd_variants_join_labels_ncu_rows_in_launch_order(tmp_path, capsys):
+    # profiling.varlen_fwd_variants --join: ncu's CSV (one row per metric and launch, after ncu's own log lines) is
+    # matched with the labels --cycles wrote, in launch order; Mcycles, µs, TFLOP/s and the clock per row.
+    from profiling.varlen_fwd_variants import join
+
+    header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+    rows = [
+        ("0", "gpc__cycles_elapsed.max", "6,718,045"),
+        ("0", "gpu__time_duration.sum", "4,001,504"),
+        ("1", "gpc__cycles_elapsed.max", "3,000,000"),
+        ("1", "gpu__time_duration.sum", "2,000,000"),
+    ]
+    csv_path = tmp_path / "ncu.csv"
+    csv_path.write_text("==PROF== Connected\n" + header + "".join(f'"{i}","k","{m}","x","{v}"\n' for i, m, v in rows))
+    labels = tmp_path / "labels.txt"
+    labels.write_text("seed1 default\t2.8e12\nseed1 FA4\t1.4e12\n")
+    join(str(csv_path), str(labels))
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == ["seed1", "default", "6.718", "4002", "699.7", "1679"]
+    assert out[2].split() == ["seed1", "FA4", "3.000", "2000", "700.0", "1500"]

@@ -32,12 +32,15 @@ def clamp_scale_log2(c: float) -> torch.Tensor:
 
 
 def limit_bits(c: torch.Tensor) -> torch.Tensor:
-    return _bits(torch.tensor(2.0**24, dtype=torch.float32) / c) & EXP_MASK
+    """max_limit_bits: bits(c) + the exponent bits of 2^24 / c, an unsigned 32-bit value (int64 here)."""
+    return (_bits(torch.tensor(2.0**24, dtype=torch.float32) / c) & EXP_MASK) + _bits(c)
 
 
 def row_exponent_scale(c: torch.Tensor, row_max: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
-    excess = ((_bits(row_max) & EXP_MASK) - limit).clamp_min(0)
-    return _float(_bits(c) - excess)
+    """The kernel's two unsigned 32-bit operations: min(limit - (bits(row_max) & EXP), bits(c))."""
+    diff = limit - (_bits(row_max) & EXP_MASK)
+    assert (diff >= 0).all() and (diff < 2**32).all()  # no unsigned wrap
+    return _float(torch.minimum(diff, _bits(c).expand_as(diff)))
 
 
 def _ftz(x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +73,7 @@ def kernel_softmax(scores: torch.Tensor, scale: float, block_n: int = 64):
         new = torch.maximum(prev, s.amax(dim=1))
         row_max = new
         safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
-        c_row = row_exponent_scale(c, safe, limit)
+        c_row = row_exponent_scale(c, new, limit)  # the raw max, as the kernel (-inf: any normal factor)
         max_scaled = (safe * c_row).to(torch.float32)
         p = _ex2(_fma(s, c_row[:, None], -max_scaled[:, None]))
         factor = _ex2(_fma(prev, c_row, -max_scaled))
@@ -159,3 +162,14 @@ def test_row_factor_keeps_scaled_max_in_range(scale):
     # A reduced factor is c times a power of two (exact scaling).
     ratio = c.double() / c_row.double()
     assert torch.equal(torch.exp2(torch.round(torch.log2(ratio))), ratio)
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-30, 0.088, 1.0, 1e10, 1e38, 1e300])
+def test_two_op_row_factor_equals_the_clamped_exponent_difference(scale):
+    """The kernel's min(limit - e_m, bits(c)) is bits(c) - max(0, e_m - e_limit) for every finite row max."""
+    c = clamp_scale_log2(scale * math.log2(math.e))
+    e_limit = _bits(torch.tensor(2.0**24, dtype=torch.float32) / c) & EXP_MASK
+    m = torch.cat([torch.tensor([0.0, FLT_MIN, FLT_MAX]), torch.logspace(-38, 38, 400)]).to(torch.float32)
+    m = torch.cat([m, -m])
+    expected = _float(_bits(c) - ((_bits(m) & EXP_MASK) - e_limit).clamp_min(0))
+    assert torch.equal(row_exponent_scale(c, m, limit_bits(c)), expected)

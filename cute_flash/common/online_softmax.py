@@ -32,7 +32,7 @@ Extreme scales, all handled per kernel or per row, never per score:
     |m * c| < 2^24). Beyond 2^24 the fp32 scores themselves carry less than one bit of exponent (their rounding
     times c is >= 1), and such a row is a hard max: every key whose score is not within ~2^-19 relative of the
     row max gets P < 2^-32 with c_r as with c. So the row keeps the exact answer to the resolution of its fp32
-    scores instead of overflowing. It costs four integer instructions per row and block, none per score.
+    scores instead of overflowing. It costs two dependent integer instructions per row and block, none per score.
 """
 
 from __future__ import annotations
@@ -64,10 +64,11 @@ def clamp_scale_log2(scale_log2: Float32) -> Float32:
 
 @cute.jit
 def max_limit_bits(scale_log2: Float32) -> Int32:
-    """The exponent bits of 2^24 / scale_log2 (the largest |row max| whose scaled value stays below ~2^25), computed
-    once per thread for `row_exponent_scale`; all ones (inf) when scale_log2 is so small that no row can overflow."""
+    """bits(scale_log2) + the exponent bits of 2^24 / scale_log2 (the largest |row max| whose scaled value stays below
+    ~2^25; all ones (inf) when scale_log2 is so small that no row can overflow), computed once per thread for
+    `row_exponent_scale`. As an unsigned 32-bit sum it stays below 2^32: the two exponents add up to about 278."""
     limit = Float32(2.0**ROW_EXPONENT_LIMIT_LOG2) / scale_log2
-    return _exponent_bits(limit)
+    return _exponent_bits(limit) + _bits(scale_log2)
 
 
 @dsl_user_op
@@ -85,12 +86,21 @@ def _exponent_bits(x: Float32, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def _bits(x: Float32, *, loc=None, ip=None) -> Int32:
+    return Int32(ptx_asm(T.i32(), [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f", loc=loc, ip=ip))
+
+
+@dsl_user_op
 def row_exponent_scale(scale_log2: Float32, row_max: Float32, limit_bits: Int32, *, loc=None, ip=None) -> Float32:
     """scale_log2 * 2^-k for one row, k = max(0, exponent(|row_max|) - exponent(limit)): scale_log2 itself unless
     |row_max * scale_log2| could reach 2^25, else reduced by the power of two that brings it back into [2^23, 2^25).
 
-    Integer arithmetic on the exponent fields (and, sub, max, sub); the result stays a normal float because
-    scale_log2 >= FLT_MIN and k is at most what the clamp leaves room for."""
+    Integer arithmetic on the exponent fields: bits(scale_log2) - max(0, e_m - e_limit) computed as
+    min(limit_bits - e_m, bits(scale_log2)) with limit_bits = bits(scale_log2) + e_limit (`max_limit_bits`), in
+    unsigned 32-bit arithmetic (no operand wraps: e_m <= e_limit + bits(scale_log2)). Two dependent instructions
+    (and; sub + min, which ptxas fuses into one VIADDMNMX) where the row max's exponentials wait for them, not
+    three. The result stays a normal float because scale_log2 >= FLT_MIN and k is at most what the clamp leaves
+    room for."""
     return Float32(
         ptx_asm(
             T.f32(),
@@ -102,10 +112,9 @@ def row_exponent_scale(scale_log2: Float32, row_max: Float32, limit_bits: Int32,
             "{\n.reg .b32 cb, mb;\n"
             "mov.b32 mb, $2;\n"
             "and.b32 mb, mb, 2139095040;\n"
-            "sub.s32 mb, mb, $3;\n"
-            "max.s32 mb, mb, 0;\n"
+            "sub.u32 mb, $3, mb;\n"
             "mov.b32 cb, $1;\n"
-            "sub.s32 cb, cb, mb;\n"
+            "min.u32 cb, mb, cb;\n"
             "mov.b32 $0, cb;\n}",
             "=f,f,f,r",
             loc=loc,
@@ -160,7 +169,7 @@ class OnlineSoftmax:
     """
 
     scale_log2: Float32  # softmax_scale * log2(e), a runtime value, clamped into [FLT_MIN, FLT_MAX]
-    limit_bits: Int32  # exponent bits of 2^24 / scale_log2 (see row_exponent_scale)
+    limit_bits: Int32  # bits(scale_log2) + the exponent bits of 2^24 / scale_log2 (see row_exponent_scale)
     num_rows: int  # rows this thread holds: size of mode 0 of the rows_cols view
     threads_per_row: int  # lanes sharing a row: 4 for mma.sync and WGMMA accumulators
     row_max: cute.Tensor
@@ -201,7 +210,9 @@ class OnlineSoftmax:
             # A row with no visible key so far keeps max -inf; subtract 0 instead so P = exp2(-inf) = 0.
             safe_max = 0.0 if new_max == -Float32.inf else new_max
             # This row's exponent factor: scale_log2, unless |max * scale_log2| would overflow fp32's exponent range.
-            c_row = row_exponent_scale(self.scale_log2, safe_max, self.limit_bits)
+            # From the max itself, not safe_max, so that it does not wait for the -inf test: a -inf max gives some
+            # positive normal factor (>= FLT_MIN), and with safe_max 0 every P and rescale factor is still exp2(-inf).
+            c_row = row_exponent_scale(self.scale_log2, new_max, self.limit_bits)
             max_scaled = safe_max * c_row
             p = cute.math.exp2(row.load() * c_row - max_scaled, fastmath=True)
             row.store(p)

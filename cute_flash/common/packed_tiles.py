@@ -35,11 +35,7 @@ def packed_tile(idx: Int32, tile: cutlass.Constexpr[int], mCuSeqlens: cute.Tenso
                 n = (mCuSeqlens[b + 1] - mCuSeqlens[b] + tile - 1) // tile
             else:
                 n = (mSeqUsed[b] + tile - 1) // tile
-        incl = n  # tiles of sequences first .. b
-        for k in cutlass.range_constexpr(5):
-            up = cute.arch.shuffle_sync_up(incl, 1 << k)
-            if lane >= (1 << k):
-                incl = incl + up
+        incl = warp_inclusive_sum(n, lane)  # tiles of sequences first .. b
         hits = cute.arch.vote_ballot_sync(base + incl > idx)
         if hits != 0:
             hit = Int32(cute.arch.clz(cute.arch.brev(hits)))  # the first lane whose tiles end past idx
@@ -50,3 +46,14 @@ def packed_tile(idx: Int32, tile: cutlass.Constexpr[int], mCuSeqlens: cute.Tenso
             base = base + cute.arch.shuffle_sync(incl, 31)
             first = first + 32
     return found_b, found_t
+
+
+@cute.jit
+def warp_inclusive_sum(n: Int32, lane: Int32) -> Int32:
+    """The sum of `n` over lanes 0 .. lane of the warp (every lane of the warp calls it): five shuffle-up steps."""
+    incl = n
+    for k in cutlass.range_constexpr(5):
+        up = cute.arch.shuffle_sync_up(incl, 1 << k)
+        if lane >= (1 << k):
+            incl = incl + up
+    return incl

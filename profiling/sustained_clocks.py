@@ -1,0 +1,100 @@
+"""Study: speed, SM clock and power under sustained load, ours beside FA4, on the varlen benchmark's drawn mix.
+
+A kernel timed back to back runs at whatever clock the GPU's power limit allows; Nsight Compute's one-shot replays
+run near the boost clock. Two kernels with the same cycle count can differ in time when one draws more power. Each
+row runs back to back for --seconds while `nvidia-smi` samples the SM clock and the board power every 50 ms; rows go in
+turn for --rounds rounds. Prints per row: ms per call, mean SM clock (MHz), mean power (W), and ms x clock (millions of
+cycles per call: the clock-independent cost).
+
+    python -m profiling.sustained_clocks --seed 1 --seconds 3 --rounds 2 [--dense] [--bwd]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+from .varlen_benchmark import draw_lengths, fa4_function, first_output, MIN_LEN, MAX_LEN
+
+
+def _sampled(fn: Callable[[], object], seconds: float) -> dict:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    query = ["--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits", "-lms", "50"]
+    smi = subprocess.Popen(["nvidia-smi", *query], stdout=subprocess.PIPE, text=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    calls, t0 = 0, time.time()
+    start.record()
+    while time.time() - t0 < seconds:
+        for _ in range(5):
+            fn()
+        calls += 5
+        torch.cuda.synchronize()
+    end.record()
+    torch.cuda.synchronize()
+    smi.terminate()
+    out, _ = smi.communicate()
+    samples = [[float(x) for x in line.split(",")] for line in out.strip().splitlines() if line.count(",") == 2]
+    samples = samples[len(samples) // 5 :]  # the first fifth: the clock still settling
+    ms = start.elapsed_time(end) / calls
+    clock = statistics.mean(s[0] for s in samples) if samples else float("nan")
+    power = statistics.mean(s[1] for s in samples) if samples else float("nan")
+    temp = max(s[2] for s in samples) if samples else float("nan")
+    return {"ms": ms, "mhz": clock, "w": power, "temp": temp, "mcycles": ms * clock / 1e3}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--dense", action="store_true", help="also the dense calls at equal work (ours and FA4)")
+    args = ap.parse_args(argv)
+
+    import cute_flash
+
+    dev, dtype = "cuda", torch.bfloat16
+    lens = draw_lengths(65536, MIN_LEN, MAX_LEN, args.seed)
+    total, mx = sum(lens), max(lens)
+    q, k, v = (torch.randn(total, args.heads, args.head_dim, device=dev, dtype=dtype) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    rows: Dict[str, Callable] = {
+        "ours varlen": lambda: cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx, causal=args.causal)
+    }
+    fa4 = fa4_function("flash_attn_varlen_func")
+    if fa4 is not None:
+        rows["FA4 varlen"] = lambda: first_output(
+            fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=args.causal)
+        )
+    if args.dense:
+        seqlen = max(128, round(sum(s * s for s in lens) / total / 128) * 128)
+        batch = max(1, round(total / seqlen))
+        dq, dk, dv = (torch.randn(batch, seqlen, args.heads, args.head_dim, device=dev, dtype=dtype) for _ in range(3))
+        rows[f"ours dense {batch}x{seqlen}"] = lambda: cute_flash.attention(dq, dk, dv, causal=args.causal)
+        fa4d = fa4_function("flash_attn_func")
+        if fa4d is not None:
+            rows[f"FA4 dense {batch}x{seqlen}"] = lambda: first_output(fa4d(dq, dk, dv, causal=args.causal))
+    mask = "causal" if args.causal else "no mask"
+    print(f"{torch.cuda.get_device_name()}: seed {args.seed}, {len(lens)} sequences, h{args.heads} d{args.head_dim} "
+          f"bf16 fwd {mask}, {args.seconds} s per row, {args.rounds} rounds")  # fmt: skip
+    results: Dict[str, List[dict]] = {name: [] for name in rows}
+    for _ in range(args.rounds):
+        for name, fn in rows.items():
+            results[name].append(_sampled(fn, args.seconds))
+    print(f"{'row':<26}{'ms':>8}{'MHz':>7}{'W':>6}{'°C':>5}{'Mcycles':>9}")
+    for name, rs in results.items():
+        for r in rs:
+            print(f"{name:<26}{r['ms']:>8.3f}{r['mhz']:>7.0f}{r['w']:>6.0f}{r['temp']:>5.0f}{r['mcycles']:>9.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""Study: variants of the sm90 packed (varlen) forward timed against each other and FA4's varlen in one process.
+
+Each variant is a subclass of the library's forward kernel, defined here (research code stays outside the library),
+compiled through the library's own packed build and put in place of the default in the forward's kernel memo, so
+`cute_flash.attention_varlen` runs it. Rows are timed in turn for --rounds rounds; medians printed. Every variant's
+output is compared with the default's (max abs difference).
+
+    python -m profiling.varlen_fwd_variants --seeds 0,1,2 --rounds 3 [--variants default,no_zero_v,one_trip]
+
+Under a power cap the back-to-back timings move by a few percent between rounds; --cycles instead launches every row
+once inside a profiler range, for Nsight Compute to count cycles at the clock it finds (one-shot, caches flushed),
+with rows labelled in launch order in --labels (what `--join` matches with ncu's CSV):
+
+    ncu --profile-from-start off --clock-control none --kernel-name regex:'Forward|Variant' --csv \
+        --metrics gpc__cycles_elapsed.max,gpu__time_duration.sum python -m profiling.varlen_fwd_variants --cycles \
+        --labels labels.txt > ncu.csv
+    python -m profiling.varlen_fwd_variants --join ncu.csv labels.txt
+
+Variants:
+  default     the library's kernel
+  no_zero_v   skips zeroing the V rows past seqlen_k in the first key tile (unsafe with non-finite neighbours:
+              measures what the zeroing costs)
+  one_trip    each CTA's sequence, row offsets and lengths from one round of cu_seqlens loads (the warp scan's lanes
+              load cu_seqlens_q / _k at b and b + 1 together; the hit lane's values are shuffled), instead of the
+              scan followed by a second dependent round of loads (common/packed.seq_rows)
+  seq_major   FA4's CTA order: sequence-major (every head of sequence 0, then sequence 1, ...) instead of head-major
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Dict, List
+
+import torch
+
+from .varlen_benchmark import _bench_ms, draw_lengths, fa4_function, first_output, MIN_LEN, MAX_LEN
+
+VARIANTS = ("default", "no_zero_v", "one_trip", "seq_major")
+
+
+def _variant_class(name: str):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32, pipeline
+
+    from cute_flash.arch.sm90 import flash_fwd
+    from cute_flash.arch.sm90.cta import CtaWork
+    from cute_flash.common.block_info import BlockInfo
+    from cute_flash.common.packed_tiles import warp_inclusive_sum
+
+    base = flash_fwd.Sm90FlashForward
+    if name == "default":
+        return base
+
+    @cute.jit
+    def scan(idx: Int32, tile: cutlass.Constexpr[int], mult: Int32, cu_q: cute.Tensor, cu_k: cute.Tensor):
+        """(batch, index within the sequence's mult x tiles, offset_q, seqlen_q, offset_k, seqlen_k, tiles)."""
+        batch = cu_q.shape[0] - 1
+        lane = cute.arch.lane_idx()
+        found_b, found_t = Int32(batch), Int32(0)
+        oq, sq, ok, sk, nt = Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
+        first, base_ = Int32(0), Int32(0)
+        while first < batch:
+            b = first + lane
+            n, q0, q1, k0, k1 = Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
+            if b < batch:
+                q0 = cu_q[b]
+                q1 = cu_q[b + 1]
+                k0 = cu_k[b]
+                k1 = cu_k[b + 1]
+                n = (q1 - q0 + tile - 1) // tile
+            w = n * mult
+            incl = warp_inclusive_sum(w, lane)
+            hits = cute.arch.vote_ballot_sync(base_ + incl > idx)
+            if hits != 0:
+                hit = Int32(cute.arch.clz(cute.arch.brev(hits)))
+                found_b = first + hit
+                found_t = idx - base_ - cute.arch.shuffle_sync(incl - w, hit)
+                oq = cute.arch.shuffle_sync(q0, hit)
+                sq = cute.arch.shuffle_sync(q1 - q0, hit)
+                ok = cute.arch.shuffle_sync(k0, hit)
+                sk = cute.arch.shuffle_sync(k1 - k0, hit)
+                nt = cute.arch.shuffle_sync(n, hit)
+                first = Int32(batch)
+            else:
+                base_ = base_ + cute.arch.shuffle_sync(incl, 31)
+                first = first + 32
+        return found_b, found_t, oq, sq, ok, sk, nt
+
+    class Variant(base):
+        pass
+
+    if name == "no_zero_v":
+
+        def zero_v_tail(self, *args):
+            return None
+
+        Variant.zero_v_tail = zero_v_tail
+        return Variant
+
+    @cute.jit
+    def work_of(self, mQ, mK, window_left, window_right, packed):
+        """no-mask packed builds only (the study's configurations)."""
+        bidx, head, _ = cute.arch.block_idx()
+        cu_q, cu_k, _seqused = packed
+        num_seqs = cu_q.shape[0] - 1
+        heads = mQ.shape[2]
+        if cutlass.const_expr(name == "one_trip"):
+            batch, m_block, oq, sq, ok, sk, _nt = scan(bidx, self.tile_m, Int32(1), cu_q, cu_k)
+        else:  # seq_major: linear launch index over (sequence, head, tile)
+            lin = bidx + head * cute.arch.grid_dim()[0]
+            batch, r, oq, sq, ok, sk, nt = scan(lin, self.tile_m, heads, cu_q, cu_k)
+            head = Int32(0)
+            m_block = Int32(0)
+            if nt > 0:
+                head = r // nt
+                m_block = r - head * nt
+        if batch >= num_seqs:
+            sq = Int32(0)
+        batch = cutlass.min(batch, num_seqs - 1)
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        info = BlockInfo(self.tile_m, self.tile_n, self.mask_kind, sq, sk, window_left, window_right)
+        n_min, n_max = info.kv_block_range(m_block)
+        return CtaWork(m_block, head, head_kv, batch, sq, info, n_min, n_max, oq, ok, None)
+
+    @cute.jit
+    def run_roles(self, warp_idx, tidx, pipes, atoms, gmem, smem, window_left, window_right, consume, packed=None):
+        work = work_of(self, gmem[0], gmem[1], window_left, window_right, packed)
+        pipeline.pipeline_init_wait()
+        if work.active(self.tile_m):
+            self.roles(warp_idx, tidx, pipes, atoms, gmem, smem, consume, work)
+
+    Variant.run_roles = run_roles
+    return Variant
+
+
+def build_variant(name: str, spec, target: str):
+    """The compiled packed forward of `spec` for `target` with variant `name`'s kernel class."""
+    from cute_flash.arch.sm90 import build
+    from cute_flash.arch.sm90.tile_config import fwd_tile_config
+
+    cls = _variant_class(name)
+    saved = build.Sm90FlashForward
+    build.Sm90FlashForward = cls
+    try:
+        return build.compile_forward_packed(spec, fwd_tile_config(spec), target)
+    finally:
+        build.Sm90FlashForward = saved
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--cycles", action="store_true", help="one profiled launch per row (run under ncu, see above)")
+    ap.add_argument("--labels", default="labels.txt", help="--cycles: where the rows' labels go, in launch order")
+    shapes_help = (
+        "--cycles: also the first seed's lengths rounded up to 128, equal lengths (a multiple of 128 and one less), "
+        "the dense batch at equal work; ours and FA4"
+    )
+    ap.add_argument("--shapes", action="store_true", help=shapes_help)
+    ap.add_argument("--join", nargs=2, metavar=("NCU_CSV", "LABELS"), help="print ncu's cycles per labelled row")
+    args = ap.parse_args(argv)
+    if args.join:
+        return join(*args.join)
+
+    import cute_flash
+    from cute_flash.arch.sm90 import backend
+
+    names = args.variants.split(",")
+    fa4 = fa4_function("flash_attn_varlen_func")
+    dev, dtype = "cuda", torch.bfloat16
+    print(f"{torch.cuda.get_device_name()}: h{args.heads} d{args.head_dim} bf16, no mask, {args.tokens} tokens")
+    kernels: Dict[str, object] = {}
+    for seed in (int(s) for s in args.seeds.split(",")):
+        lens = draw_lengths(args.tokens, MIN_LEN, MAX_LEN, seed)
+        total, mx = sum(lens), max(lens)
+        g = torch.Generator(device=dev).manual_seed(seed)
+        q, k, v = (
+            torch.randn(total, args.heads, args.head_dim, generator=g, device=dev, dtype=dtype) for _ in range(3)
+        )
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        flops = sum(4 * args.heads * args.head_dim * s * s for s in lens)
+        ours = lambda: cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx)  # noqa: E731
+        ref = ours()  # builds the default kernel; its memo key is the one the variants replace
+        key = next(kk for kk in backend._forward_kernels if kk[0].varlen and kk[2] == "")
+        default_kernel = backend._forward_kernels[key]
+        for name in names:
+            if name not in kernels:
+                kernels[name] = default_kernel if name == "default" else build_variant(name, key[0], key[1])
+        if args.cycles:
+            for name in names:
+                backend._forward_kernels[key] = kernels[name]
+                profiled(f"seed{seed} {name}", flops, ours, args.labels)
+            backend._forward_kernels[key] = default_kernel
+            if fa4 is not None:
+                profiled(f"seed{seed} FA4", flops, lambda: fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                            max_seqlen_q=mx, max_seqlen_k=mx), args.labels)  # fmt: skip
+            if args.shapes and seed == int(args.seeds.split(",")[0]):
+                shapes(lens, args, fa4)
+            continue
+        rows: Dict[str, List[float]] = {name: [] for name in names}
+        if fa4 is not None:
+            rows["FA4 varlen"] = []
+        diffs = {}
+        for _ in range(args.rounds):
+            for name in names:
+                backend._forward_kernels[key] = kernels[name]
+                diffs[name] = float((ours() - ref).abs().max())
+                rows[name].append(_bench_ms(ours))
+            backend._forward_kernels[key] = default_kernel
+            if fa4 is not None:
+                run = lambda: first_output(  # noqa: E731
+                    fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx)
+                )
+                rows["FA4 varlen"].append(_bench_ms(run))
+        print(f"\nseed {seed}: {len(lens)} sequences {min(lens)}..{mx}; median of {args.rounds} rounds")
+        fa4_ms = statistics.median(rows["FA4 varlen"]) if fa4 is not None else None
+        for name, times in rows.items():
+            ms = statistics.median(times)
+            vs = f"  x FA4 {fa4_ms / ms:.3f}" if fa4_ms else ""
+            diff = f"  max|diff| {diffs[name]:.2e}" if name in diffs else ""
+            spread = f"  ({min(times):.3f}-{max(times):.3f})"
+            print(f"  {name:<12} {ms:7.3f} ms {flops / ms / 1e9:7.1f} TF/s{vs}{spread}{diff}")
+
+
+def profiled(label: str, flops: float, fn, labels_path: str) -> None:
+    """fn once for warm-up, then once between cudaProfilerStart / Stop; the label appended to labels_path."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    with open(labels_path, "a") as f:
+        f.write(f"{label}\t{flops}\n")
+
+
+def shapes(lens: List[int], args, fa4) -> None:
+    """Where packing's cost comes from: the drawn lengths rounded up to whole tiles, equal lengths on whole tiles and
+    one short of them (packed), and the dense batch at equal work; ours (the library's kernel) and FA4's."""
+    import cute_flash
+
+    fa4_dense = fa4_function("flash_attn_func")
+    total = sum(lens)
+    seqlen = max(128, round(sum(s * s for s in lens) / total / 128) * 128)
+    batch = max(1, round(total / seqlen))
+    cases = {
+        "rounded": [(s + 127) // 128 * 128 for s in lens],
+        f"{batch}x{seqlen}": [seqlen] * batch,
+        f"{batch}x{seqlen - 1}": [seqlen - 1] * batch,
+    }
+    dev, dtype, h, d = "cuda", torch.bfloat16, args.heads, args.head_dim
+    for name, ls in cases.items():
+        t, mx = sum(ls), max(ls)
+        q, k, v = (torch.randn(t, h, d, device=dev, dtype=dtype) for _ in range(3))
+        cu = torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        flops = sum(4 * h * d * s * s for s in ls)
+        profiled(f"{name} ours", flops, lambda: cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx), args.labels)
+        if fa4 is not None:
+            run = lambda: fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx)  # noqa: E731
+            profiled(f"{name} FA4", flops, run, args.labels)
+    q, k, v = (torch.randn(batch, seqlen, h, d, device=dev, dtype=dtype) for _ in range(3))
+    flops = 4 * h * d * batch * seqlen * seqlen
+    profiled(f"dense {batch}x{seqlen} ours", flops, lambda: cute_flash.attention(q, k, v), args.labels)
+    if fa4_dense is not None:
+        profiled(f"dense {batch}x{seqlen} FA4", flops, lambda: fa4_dense(q, k, v), args.labels)
+
+
+def join(ncu_csv: str, labels_path: str) -> None:
+    """ncu's per-launch cycles and durations beside the labels written by --cycles (same order)."""
+    import csv
+
+    labels = [line.rstrip("\n").split("\t") for line in open(labels_path) if line.strip()]
+    with open(ncu_csv) as f:
+        lines = [line for line in f if line.startswith('"')]
+    per_id: Dict[str, Dict[str, float]] = {}
+    for r in csv.DictReader(lines):
+        value = float(r["Metric Value"].replace(",", ""))
+        per_id.setdefault(r["ID"], {})[r["Metric Name"]] = value
+    launches = [per_id[i] for i in sorted(per_id, key=int)]
+    if len(launches) != len(labels):
+        print(f"warning: {len(launches)} profiled launches, {len(labels)} labels")
+    print(f"{'row':<28}{'Mcycles':>9}{'us':>9}{'TF/s':>8}{'MHz':>7}")
+    for (label, flops), m in zip(labels, launches):
+        cyc, ns = m.get("gpc__cycles_elapsed.max", 0.0), m.get("gpu__time_duration.sum", 0.0)
+        print(f"{label:<28}{cyc / 1e6:>9.3f}{ns / 1e3:>9.0f}{float(flops) / ns / 1e3:>8.1f}{cyc / ns * 1e3:>7.0f}")
+
+
+if __name__ == "__main__":
+    main()
