@@ -4,6 +4,8 @@
       --heads 16 --head-dim 128 --causal --out out/profile/fwd-d128-causal
   python -m profiling.ncu_profile --impl fa4 --direction fwd --batch 1 --seqlen 65536 --varlen-seed 1 \
       --out out/profile/fa4-varlen-fwd          # packed: varlen_benchmark's drawn mix (profiling.target)
+  python -m profiling.ncu_profile --direction fwd --batch 12 --seqlen 5248 --varlen-equal \
+      --out out/profile/packed-equal            # the dense shape through the packed kernel
 
 Writes into --out: NAME.ncu-rep (open it in the Nsight Compute GUI), raw.csv (every metric, base units),
 meta.json (configuration, FLOPs, IO-model bytes), summary.csv and summary.txt (profiling.summary), ncu.log.

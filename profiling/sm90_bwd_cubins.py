@@ -6,12 +6,12 @@ tensors and keeps its PTX and cubin, for `profiling.sass_census`.
     PYTHONPATH=/path/to/flash-attention python -m profiling.sm90_bwd_cubins --impl fa4 --head-dim 128 \
         --mask causal --out /tmp/c/fa4_causal [--tile-m 64]
 
-`--impl ours` builds the role's kernel from `bwd_tile_config(spec)` with `--override` applied (BwdTileConfig fields,
-JSON); to compile a patched copy of the package, put that copy first on PYTHONPATH. `--impl fa4` needs
-flash_attn.cute (FA4's sources) and quack-kernels importable; it takes FA4's own d128 choice
-(`_tile_size_bwd_sm90`: 64 x 128 causal, 80 x 128 without a mask) unless `--tile-m 64` forces the 64-row tile (and
-then dQ_swapAB off). quack's package __init__ imports triton-backed modules; on a machine without triton, install
-quack with `pip install --no-deps --target DIR` and drop those three imports from DIR/quack/__init__.py.
+`--impl ours` builds the role's kernel from `bwd_tile_config(spec)` (its deterministic build's for `*_det` roles) with
+`--override` applied (BwdTileConfig fields, JSON); to compile a patched copy of the package, put that copy first on
+PYTHONPATH. `--impl fa4` needs flash_attn.cute (FA4's sources) and quack-kernels importable; it takes FA4's own d128
+choice (`_tile_size_bwd_sm90`: 64 x 128 causal, 80 x 128 without a mask) unless `--tile-m 64` forces the 64-row
+tile (and then dQ_swapAB off). quack's package __init__ imports triton-backed modules; on a machine without triton,
+install quack with `pip install --no-deps --target DIR` and drop those three imports from DIR/quack/__init__.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ def _ours(args):
     from cute_flash.spec import AttentionSpec
 
     spec = AttentionSpec(dtype=args.dtype, head_dim=args.head_dim, head_dim_v=args.head_dim, mask=args.mask)
-    cfg = dataclasses.replace(bwd_tile_config(spec), **json.loads(args.override))
+    # (a deterministic role from the deterministic build's configuration, as calls take it)
+    cfg = bwd_tile_config(spec, deterministic=args.role.endswith("_det"))
+    cfg = dataclasses.replace(cfg, **json.loads(args.override))
     print(cfg)
     _build(args.role, *kernel_key(args.role, spec, cfg), "sm_90a", compile_cache.keep_artifacts_options(args.out))
 

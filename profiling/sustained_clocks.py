@@ -6,7 +6,7 @@ row runs back to back for --seconds while `nvidia-smi` samples the SM clock and 
 turn for --rounds rounds. Prints per row: ms per call, mean SM clock (MHz), mean power (W), and ms x clock (millions of
 cycles per call: the clock-independent cost).
 
-    python -m profiling.sustained_clocks --seed 1 --seconds 3 --rounds 2 [--dense] [--bwd]
+    python -m profiling.sustained_clocks --seed 1 --seconds 3 --rounds 2 [--dense] [--causal] [--bwd]
 """
 
 from __future__ import annotations
@@ -49,6 +49,13 @@ def _sampled(fn: Callable[[], object], seconds: float) -> dict:
     return {"ms": ms, "mhz": clock, "w": power, "temp": temp, "mcycles": ms * clock / 1e3}
 
 
+def _backward_of(forward: Callable[[], torch.Tensor], leaves) -> Callable[[], object]:
+    """The backward alone of one forward call, on its graph kept for replay with a fixed dout (as varlen_benchmark)."""
+    out = forward()
+    dout = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=1)
@@ -58,6 +65,7 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--dense", action="store_true", help="also the dense calls at equal work (ours and FA4)")
+    ap.add_argument("--bwd", action="store_true", help="time each row's backward (autograd on a kept graph) instead")
     args = ap.parse_args(argv)
 
     import cute_flash
@@ -65,7 +73,11 @@ def main(argv=None):
     dev, dtype = "cuda", torch.bfloat16
     lens = draw_lengths(65536, MIN_LEN, MAX_LEN, args.seed)
     total, mx = sum(lens), max(lens)
-    q, k, v = (torch.randn(total, args.heads, args.head_dim, device=dev, dtype=dtype) for _ in range(3))
+
+    def make(*shape):
+        return torch.randn(*shape, device=dev, dtype=dtype).requires_grad_(args.bwd)
+
+    q, k, v = (make(total, args.heads, args.head_dim) for _ in range(3))
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     rows: Dict[str, Callable] = {
         "ours varlen": lambda: cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx, causal=args.causal)
@@ -78,14 +90,16 @@ def main(argv=None):
     if args.dense:
         seqlen = max(128, round(sum(s * s for s in lens) / total / 128) * 128)
         batch = max(1, round(total / seqlen))
-        dq, dk, dv = (torch.randn(batch, seqlen, args.heads, args.head_dim, device=dev, dtype=dtype) for _ in range(3))
+        dq, dk, dv = (make(batch, seqlen, args.heads, args.head_dim) for _ in range(3))
         rows[f"ours dense {batch}x{seqlen}"] = lambda: cute_flash.attention(dq, dk, dv, causal=args.causal)
         fa4d = fa4_function("flash_attn_func")
         if fa4d is not None:
             rows[f"FA4 dense {batch}x{seqlen}"] = lambda: first_output(fa4d(dq, dk, dv, causal=args.causal))
+    if args.bwd:
+        rows = {name: _backward_of(fn, (q, k, v) if "varlen" in name else (dq, dk, dv)) for name, fn in rows.items()}
     mask = "causal" if args.causal else "no mask"
     print(f"{torch.cuda.get_device_name()}: seed {args.seed}, {len(lens)} sequences, h{args.heads} d{args.head_dim} "
-          f"bf16 fwd {mask}, {args.seconds} s per row, {args.rounds} rounds")  # fmt: skip
+          f"bf16 {'bwd' if args.bwd else 'fwd'} {mask}, {args.seconds} s per row, {args.rounds} rounds")  # fmt: skip
     results: Dict[str, List[dict]] = {name: [] for name in rows}
     for _ in range(args.rounds):
         for name, fn in rows.items():

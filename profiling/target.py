@@ -9,7 +9,8 @@ cudaProfilerStart/Stop, each inside an NVTX range named `cf_profile`, so that
 
 With --varlen-seed S the call is packed (`cute_flash.attention_varlen`, or FA4's `flash_attn_varlen_func` for
 --impl fa4): batch x seqlen tokens in sequences drawn as profiling.varlen_benchmark draws them (128..8192, seed S);
-the meta's FLOPs are the sequences' own, its IO-model bytes those of the dense batch x seqlen case.
+the meta's FLOPs are the sequences' own, its IO-model bytes those of the dense batch x seqlen case. With
+--varlen-equal the packed call has batch sequences of seqlen each: the dense shape's work through the packed kernel.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tile-n", type=int, default=128, help="key tile of the backward IO model")
     p.add_argument(
         "--varlen-seed", type=int, default=None, help="packed: lengths drawn with this seed (cute-flash, fa4)"
+    )
+    p.add_argument(
+        "--varlen-equal", action="store_true", help="packed: batch sequences of seqlen each (the dense shape, packed)"
     )
 
 
@@ -73,7 +77,7 @@ def config_argv(args) -> list:
     ):
         if value is not None:
             argv += [flag, str(value)]
-    return argv + (["--causal"] if args.causal else [])
+    return argv + (["--varlen-equal"] if args.varlen_equal else []) + (["--causal"] if args.causal else [])
 
 
 def case_from_args(args):
@@ -103,30 +107,36 @@ def describe(args) -> dict:
         "flops": case.flops,
         "io_bytes": predicted_bytes(case, tile_m=args.tile_m, tile_n=args.tile_n),
     }
-    if args.varlen_seed is not None:
+    if packed(args):
         lens = varlen_lengths(args)
         shape = case.shape
         fwd = sum(4 * shape.heads * shape.head_dim * s * s for s in lens) * (0.5 if args.causal else 1.0)
         meta["flops"] = fwd * (2.5 if args.direction == "bwd" else 1.0)
-        meta["label"] = (
-            f"{case.label()} packed: {len(lens)} sequences {min(lens)}..{max(lens)} (seed {args.varlen_seed})"
-        )
+        drawn = "equal" if args.varlen_equal else f"seed {args.varlen_seed}"
+        meta["label"] = f"{case.label()} packed: {len(lens)} sequences {min(lens)}..{max(lens)} ({drawn})"
         meta["lengths"] = lens
     return meta
+
+
+def packed(args) -> bool:
+    """Whether the call is packed (--varlen-seed or --varlen-equal)."""
+    return args.varlen_seed is not None or args.varlen_equal
 
 
 def varlen_lengths(args) -> list:
     from .varlen_benchmark import MAX_LEN, MIN_LEN, draw_lengths
 
+    if args.varlen_equal:
+        return [args.seqlen] * args.batch
     return draw_lengths(args.batch * args.seqlen, MIN_LEN, MAX_LEN, args.varlen_seed)
 
 
 def _varlen_call(args, case):
-    """The packed call of --varlen-seed (forward, or a backward on a kept graph)."""
+    """The packed call of --varlen-seed / --varlen-equal (forward, or a backward on a kept graph)."""
     import torch
 
     if args.impl not in ("cute-flash", "fa4") or case.dtype not in ("bf16", "fp16"):
-        raise SystemExit("--varlen-seed: --impl cute-flash or fa4, --dtype bf16 or fp16")
+        raise SystemExit("--varlen-seed / --varlen-equal: --impl cute-flash or fa4, --dtype bf16 or fp16")
     lens = varlen_lengths(args)
     shape, dev = case.shape, "cuda"
     dtype = torch.bfloat16 if case.dtype == "bf16" else torch.float16
@@ -196,7 +206,7 @@ def main(argv=None) -> int:
             json.dump(describe(args), f, indent=1)
 
     scale = 1.0 / math.sqrt(case.shape.head_dim)
-    if args.varlen_seed is not None:
+    if packed(args):
         call = _varlen_call(args, case)
     elif case.direction == "fwd":
         q, k, v = make_inputs(case)

@@ -484,3 +484,17 @@ def test_varlen_fwd_variants_join_labels_ncu_rows_in_launch_order(tmp_path, caps
     out = capsys.readouterr().out.splitlines()
     assert out[1].split() == ["seed1", "default", "6.718", "4002", "699.7", "1679"]
     assert out[2].split() == ["seed1", "FA4", "3.000", "2000", "700.0", "1500"]
+
+
+def test_profiling_target_varlen_equal_packs_the_dense_shape():
+    # profiling.target --varlen-equal: batch sequences of seqlen each, the dense case's FLOPs, the flag passed on.
+    import argparse
+
+    from profiling import target
+
+    p = argparse.ArgumentParser()
+    target.add_config_arguments(p)
+    args = p.parse_args("--batch 12 --seqlen 5248 --varlen-equal".split())
+    meta = target.describe(args)
+    assert meta["lengths"] == [5248] * 12 and meta["flops"] == pytest.approx(12 * 4 * 16 * 128 * 5248**2)
+    assert "(equal)" in meta["label"] and target.config_argv(args)[-1] == "--varlen-equal"

@@ -131,3 +131,34 @@ def test_backward_postprocess_issues_every_load_before_any_branch(role):
     branches = [i for i, line in enumerate(lines) if re.search(r"\bbra\b", line)]
     assert loads, "no global loads found"
     assert not branches or max(loads) < min(branches), (len(loads), loads[-1], branches[:3])
+
+
+def test_every_tile_config_field_reaches_the_tiled_roles_cache_keys():
+    """The sm80 twin of the sm90 check (session 22's d192 bug: a reduced cache key that dropped a field its kernel
+    reads). The main kernels and the fragment dQ conversion build from their full tile configuration, so every
+    field must change their key; the preprocess and the rows-layout conversion take none of it, so their keys
+    must not move with it, nor with the mask."""
+    import dataclasses
+
+    from cute_flash.arch.sm80 import backward
+    from cute_flash.arch.sm80.tile_config import bwd_tile_config
+
+    spec = AttentionSpec("bf16", 128, 128, "causal", "bf16")
+    cfg = bwd_tile_config(128, "sm_90a")
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, bool):
+            other = not value
+        elif isinstance(value, str):
+            other = "fragment" if value != "fragment" else "rows"
+        else:
+            other = value + 1
+        changed = dataclasses.replace(cfg, **{f.name: other})
+        for role in ("bwd", "bwd_gqa", "bwd_dq_postprocess"):
+            assert backward._cache_key(role, spec, "sm_90a", changed) != backward._cache_key(
+                role, spec, "sm_90a", cfg
+            ), (role, f.name)
+        for role in ("bwd_preprocess", "bwd_postprocess"):
+            assert backward._cache_key(role, spec, "sm_90a", changed) == backward._cache_key(
+                role, dataclasses.replace(spec, mask="none"), "sm_90a", cfg
+            ), (role, f.name)

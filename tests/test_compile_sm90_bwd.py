@@ -111,8 +111,9 @@ def test_sm90_backward_compiles(builds, head_dim, causal):
         ):  # no statistics shuffles: no more shuffles than the 64-row build (16 columns in registers)
             assert census["shfl.sync"] == reports[role.removesuffix("_long")]["census"]["shfl.sync"], role
         assert report["config"]["d_after_dv_issue"] == ((head_dim, causal) == (128, True)), role
-        # d64 causal stages dQ in two shared buffers (tile_config._BWD_BY_HEAD_DIM_AND_MASK), all 227 KiB
-        if (head_dim, causal) == (64, True):
+        # d64 causal stages dQ in two shared buffers (tile_config._BWD_BY_HEAD_DIM_AND_MASK), all 227 KiB; not its
+        # deterministic builds, whose dQ warp waits for every reduce (tile_config._NOT_DETERMINISTIC)
+        if (head_dim, causal) == (64, True) and not role.endswith("_det"):
             assert report["config"]["dq_buffers"] == 2 and report["shared_bytes"] == 232448, report["config"]
         else:
             assert report["config"]["dq_buffers"] == 1

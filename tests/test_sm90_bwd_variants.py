@@ -426,6 +426,8 @@ def test_dq_buffers_config():
     assert bwd_smem_bytes(d64, 64) - bwd_smem_bytes(one, 64) == 128 * 64 * 4  # one more tile_m x d fp32 buffer
     for mask in ("none", "local"):
         assert bwd_tile_config(_spec(64, mask)).dq_buffers == 1
+    # Not deterministic builds either: their dQ warp waits for each reduce before handing the next buffer over.
+    assert bwd_tile_config(_spec(64, "causal"), deterministic=True).dq_buffers == 1
     # Dense only: packed GQA builds spill with two buffers (tile_config._DENSE_ONLY).
     packed = AttentionSpec("bf16", 64, 64, "causal", "bf16", varlen=True)
     assert bwd_tile_config(packed).dq_buffers == 1 and bwd_tile_config(packed, True).dq_buffers == 1

@@ -424,7 +424,8 @@ def bwd_head_dim_pairs() -> tuple:
 #         +0.7 / +2.8%, 1k +0.7 / +1.0 / +1.5%); without a mask 0.99-1.00 (16k +0.3 / -1.3 / -1.6%). d128 (64-row
 #         tile) measured 0.994 (causal 4k / 16k -2.3%), d96 1.007: one buffer there (session 21, docs/performance.md).
 #         Dense only (_DENSE_ONLY): packed GQA builds spill 64-84 bytes with it (none with one buffer), and packed
-#         calls were not timed with it.
+#         calls were not timed with it. Not deterministic (_NOT_DETERMINISTIC, session 23): those builds wait for
+#         every reduce, so the second buffer overlapped nothing (and no deterministic call was timed with it).
 _BWD_BY_HEAD_DIM_AND_MASK = {
     (64, "causal"): {"dq_buffers": 2},
     (128, "none"): {"dv_before_dp_wait": True},
@@ -442,6 +443,9 @@ _BWD_BY_HEAD_DIM_AND_MASK = {
 #         / +4.3%), +3.9% at b11 x 5888, packed drawn mixes +0.5 to +2.4%, H100, session 22; no spills in the dense,
 #         GQA and packed (seqused) builds.
 _DENSE_ONLY = ("dq_buffers",)  # per-mask changes that packed (varlen) builds do not take
+# ... and that deterministic builds do not take: their dQ warp waits for each query tile's reduce to finish before
+# it hands the next tile's buffer over (flash_bwd.store_dq), so a second buffer never overlaps a reduce with staging.
+_NOT_DETERMINISTIC = ("dq_buffers",)
 
 _BWD_LONG_QUERIES = {
     (128, "none"): {"tile_m": 80, "dq_swap_ab": True, "dv_early_kblocks": 1, "stats_at_use": True},
@@ -464,9 +468,8 @@ def bwd_tile_config(spec: AttentionSpec, deterministic: bool = False, long: bool
     if cfg is None:
         return None
     key = (spec.head_dim, spec.mask)  # (a pair takes its head_dim's per-mask and deterministic changes)
-    per_mask = _BWD_BY_HEAD_DIM_AND_MASK.get(key, {})
-    if spec.varlen:
-        per_mask = {k: v for k, v in per_mask.items() if k not in _DENSE_ONLY}
+    dropped = (_DENSE_ONLY if spec.varlen else ()) + (_NOT_DETERMINISTIC if deterministic else ())
+    per_mask = {k: v for k, v in _BWD_BY_HEAD_DIM_AND_MASK.get(key, {}).items() if k not in dropped}
     changes = {
         **per_mask,
         **(_BWD_DETERMINISTIC.get(spec.head_dim, {}) if deterministic else {}),
