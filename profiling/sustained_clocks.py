@@ -12,6 +12,7 @@ cycles per call: the clock-independent cost).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import time
@@ -22,12 +23,20 @@ import torch
 from .varlen_benchmark import draw_lengths, fa4_function, first_output, MIN_LEN, MAX_LEN
 
 
+def _smi_index() -> str:
+    """nvidia-smi's index of the GPU this process uses (CUDA_VISIBLE_DEVICES maps torch's indices), so that on a
+    machine with several GPUs only this one is sampled."""
+    index = torch.cuda.current_device()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[index].strip() if visible else str(index)
+
+
 def _sampled(fn: Callable[[], object], seconds: float) -> dict:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     query = ["--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits", "-lms", "50"]
-    smi = subprocess.Popen(["nvidia-smi", *query], stdout=subprocess.PIPE, text=True)
+    smi = subprocess.Popen(["nvidia-smi", "-i", _smi_index(), *query], stdout=subprocess.PIPE, text=True)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     calls, t0 = 0, time.time()
     start.record()

@@ -12,8 +12,8 @@ once inside a profiler range, for Nsight Compute to count cycles at the clock it
 with rows labelled in launch order in --labels (what `--join` matches with ncu's CSV):
 
     ncu --profile-from-start off --clock-control none --kernel-name regex:'Forward|Variant' --csv \
-        --metrics gpc__cycles_elapsed.max,gpu__time_duration.sum python -m profiling.varlen_fwd_variants --cycles \
-        --labels labels.txt > ncu.csv
+        --print-units base --log-file ncu.csv --metrics gpc__cycles_elapsed.max,gpu__time_duration.sum \
+        python -m profiling.varlen_fwd_variants --cycles --labels labels.txt
     python -m profiling.varlen_fwd_variants --join ncu.csv labels.txt
 
 Variants:
@@ -126,6 +126,8 @@ def _variant_class(name: str):
 
     @cute.jit
     def run_roles(self, warp_idx, tidx, pipes, atoms, gmem, smem, window_left, window_right, consume, packed=None):
+        # work_of maps tiles for the study's builds only: no mask (tiles in order) and no seqused_k
+        assert self.mask_kind == "none" and packed[2] is None, "study variant: packed builds without a mask only"
         work = work_of(self, gmem[0], gmem[1], window_left, window_right, packed)
         pipeline.pipeline_init_wait()
         if work.active(self.tile_m):
@@ -168,6 +170,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.join:
         return join(*args.join)
+    if args.cycles:
+        open(args.labels, "w").close()  # this run's launches only: join pairs labels and launches by position
 
     import cute_flash
     from cute_flash.arch.sm90 import backend
@@ -196,6 +200,7 @@ def main(argv=None):
         if args.cycles:
             for name in names:
                 backend._forward_kernels[key] = kernels[name]
+                print(f"seed {seed} {name}: max|out - default's| {float((ours() - ref).abs().max()):.2e}")
                 profiled(f"seed{seed} {name}", flops, ours, args.labels)
             backend._forward_kernels[key] = default_kernel
             if fa4 is not None:
@@ -272,6 +277,13 @@ def shapes(lens: List[int], args, fa4) -> None:
         profiled(f"dense {batch}x{seqlen} FA4", flops, lambda: fa4_dense(q, k, v), args.labels)
 
 
+# Metric units ncu may print, to cycles and nanoseconds (base units: "cycle", "nsecond"; ncu's default scales them).
+_UNIT_SCALE = {
+    "cycle": 1.0, "Kcycle": 1e3, "Mcycle": 1e6, "Gcycle": 1e9,
+    "nsecond": 1.0, "ns": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6, "second": 1e9, "s": 1e9,
+}  # fmt: skip
+
+
 def join(ncu_csv: str, labels_path: str) -> None:
     """ncu's per-launch cycles and durations beside the labels written by --cycles (same order)."""
     import csv
@@ -281,11 +293,14 @@ def join(ncu_csv: str, labels_path: str) -> None:
         lines = [line for line in f if line.startswith('"')]
     per_id: Dict[str, Dict[str, float]] = {}
     for r in csv.DictReader(lines):
-        value = float(r["Metric Value"].replace(",", ""))
+        unit = r.get("Metric Unit", "")
+        if unit not in _UNIT_SCALE:
+            raise SystemExit(f"{r['Metric Name']}: unit {unit!r} (run ncu with --print-units base)")
+        value = float(r["Metric Value"].replace(",", "")) * _UNIT_SCALE[unit]
         per_id.setdefault(r["ID"], {})[r["Metric Name"]] = value
     launches = [per_id[i] for i in sorted(per_id, key=int)]
     if len(launches) != len(labels):
-        print(f"warning: {len(launches)} profiled launches, {len(labels)} labels")
+        raise SystemExit(f"{len(launches)} profiled launches but {len(labels)} labels: not the same run")
     print(f"{'row':<28}{'Mcycles':>9}{'us':>9}{'TF/s':>8}{'MHz':>7}")
     for (label, flops), m in zip(labels, launches):
         cyc, ns = m.get("gpc__cycles_elapsed.max", 0.0), m.get("gpu__time_duration.sum", 0.0)

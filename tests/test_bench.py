@@ -470,20 +470,24 @@ def test_varlen_fwd_variants_join_labels_ncu_rows_in_launch_order(tmp_path, caps
     from profiling.varlen_fwd_variants import join
 
     header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
-    rows = [
-        ("0", "gpc__cycles_elapsed.max", "6,718,045"),
-        ("0", "gpu__time_duration.sum", "4,001,504"),
-        ("1", "gpc__cycles_elapsed.max", "3,000,000"),
-        ("1", "gpu__time_duration.sum", "2,000,000"),
+    rows = [  # base units, or ones ncu scaled
+        ("0", "gpc__cycles_elapsed.max", "cycle", "6,718,045"),
+        ("0", "gpu__time_duration.sum", "nsecond", "4,001,504"),
+        ("1", "gpc__cycles_elapsed.max", "Mcycle", "3.00"),
+        ("1", "gpu__time_duration.sum", "msecond", "2.00"),
     ]
+    body = "".join(f'"{i}","k","{m}","{u}","{v}"\n' for i, m, u, v in rows)
     csv_path = tmp_path / "ncu.csv"
-    csv_path.write_text("==PROF== Connected\n" + header + "".join(f'"{i}","k","{m}","x","{v}"\n' for i, m, v in rows))
+    csv_path.write_text("==PROF== Connected\n" + header + body)
     labels = tmp_path / "labels.txt"
     labels.write_text("seed1 default\t2.8e12\nseed1 FA4\t1.4e12\n")
     join(str(csv_path), str(labels))
     out = capsys.readouterr().out.splitlines()
     assert out[1].split() == ["seed1", "default", "6.718", "4002", "699.7", "1679"]
     assert out[2].split() == ["seed1", "FA4", "3.000", "2000", "700.0", "1500"]
+    labels.write_text("seed1 default\t2.8e12\n")  # labels of another run: refused, not paired by position
+    with pytest.raises(SystemExit):
+        join(str(csv_path), str(labels))
 
 
 def test_profiling_target_varlen_equal_packs_the_dense_shape():

@@ -135,9 +135,9 @@ def test_backward_postprocess_issues_every_load_before_any_branch(role):
 
 def test_every_tile_config_field_reaches_the_tiled_roles_cache_keys():
     """The sm80 twin of the sm90 check (session 22's d192 bug: a reduced cache key that dropped a field its kernel
-    reads). The main kernels and the fragment dQ conversion build from their full tile configuration, so every
-    field must change their key; the preprocess and the rows-layout conversion take none of it, so their keys
-    must not move with it, nor with the mask."""
+    reads). The main kernels build from their full tile configuration, so every field must change their keys;
+    the preprocess and the rows-layout conversion take none of it, so their keys must not move with it, nor with
+    the mask. (The fragment dQ conversion is keyed on the whole configuration too, more than it reads.)"""
     import dataclasses
 
     from cute_flash.arch.sm80 import backward
@@ -154,7 +154,7 @@ def test_every_tile_config_field_reaches_the_tiled_roles_cache_keys():
         else:
             other = value + 1
         changed = dataclasses.replace(cfg, **{f.name: other})
-        for role in ("bwd", "bwd_gqa", "bwd_dq_postprocess"):
+        for role in backward._MAIN_ROLES:
             assert backward._cache_key(role, spec, "sm_90a", changed) != backward._cache_key(
                 role, spec, "sm_90a", cfg
             ), (role, f.name)

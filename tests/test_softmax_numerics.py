@@ -166,10 +166,13 @@ def test_row_factor_keeps_scaled_max_in_range(scale):
 
 @pytest.mark.parametrize("scale", [0.0, 1e-30, 0.088, 1.0, 1e10, 1e38, 1e300])
 def test_two_op_row_factor_equals_the_clamped_exponent_difference(scale):
-    """The kernel's min(limit - e_m, bits(c)) is bits(c) - max(0, e_m - e_limit) for every finite row max."""
+    """The kernel's min(limit - e_m, bits(c)) is bits(c) - max(0, e_m - e_limit) for every row max (the kernel passes
+    the raw max: -inf too), and a positive normal float."""
     c = clamp_scale_log2(scale * math.log2(math.e))
     e_limit = _bits(torch.tensor(2.0**24, dtype=torch.float32) / c) & EXP_MASK
-    m = torch.cat([torch.tensor([0.0, FLT_MIN, FLT_MAX]), torch.logspace(-38, 38, 400)]).to(torch.float32)
-    m = torch.cat([m, -m])
+    m = torch.cat([torch.tensor([0.0, FLT_MIN, FLT_MAX, 1e-45]), torch.logspace(-38, 38, 400)]).to(torch.float32)
+    m = torch.cat([m, -m, torch.tensor([float("inf"), float("-inf"), float("nan")])])  # exponent field 255 too
     expected = _float(_bits(c) - ((_bits(m) & EXP_MASK) - e_limit).clamp_min(0))
-    assert torch.equal(row_exponent_scale(c, m, limit_bits(c)), expected)
+    got = row_exponent_scale(c, m, limit_bits(c))
+    assert torch.equal(got, expected)
+    assert (got >= FLT_MIN).all() and torch.isfinite(got).all()

@@ -66,7 +66,8 @@ def clamp_scale_log2(scale_log2: Float32) -> Float32:
 def max_limit_bits(scale_log2: Float32) -> Int32:
     """bits(scale_log2) + the exponent bits of 2^24 / scale_log2 (the largest |row max| whose scaled value stays below
     ~2^25; all ones (inf) when scale_log2 is so small that no row can overflow), computed once per thread for
-    `row_exponent_scale`. As an unsigned 32-bit sum it stays below 2^32: the two exponents add up to about 278."""
+    `row_exponent_scale`. An unsigned 32-bit value (negative read as Int32): the two exponent fields add up to 256..278
+    (times 2^23), so it stays below 2^32 and above any row max's exponent field."""
     limit = Float32(2.0**ROW_EXPONENT_LIMIT_LOG2) / scale_log2
     return _exponent_bits(limit) + _bits(scale_log2)
 
@@ -169,7 +170,7 @@ class OnlineSoftmax:
     """
 
     scale_log2: Float32  # softmax_scale * log2(e), a runtime value, clamped into [FLT_MIN, FLT_MAX]
-    limit_bits: Int32  # bits(scale_log2) + the exponent bits of 2^24 / scale_log2 (see row_exponent_scale)
+    limit_bits: Int32  # bits(scale_log2) + the exponent bits of 2^24 / scale_log2, unsigned (row_exponent_scale)
     num_rows: int  # rows this thread holds: size of mode 0 of the rows_cols view
     threads_per_row: int  # lanes sharing a row: 4 for mma.sync and WGMMA accumulators
     row_max: cute.Tensor
