@@ -13,8 +13,8 @@ with rows labelled in launch order in --labels (what `--join` matches with ncu's
 
     ncu --profile-from-start off --clock-control none --kernel-name regex:'Forward|Variant' --csv \
         --print-units base --log-file ncu.csv --metrics gpc__cycles_elapsed.max,gpu__time_duration.sum \
-        python -m profiling.varlen_fwd_variants --cycles --labels labels.txt
-    python -m profiling.varlen_fwd_variants --join ncu.csv labels.txt
+        python -m profiling.varlen_fwd_variants --cycles --labels out/labels.txt
+    python -m profiling.varlen_fwd_variants --join ncu.csv out/labels.txt
 
 Variants:
   default     the library's kernel
@@ -29,6 +29,7 @@ Variants:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 from typing import Dict, List
 
@@ -160,7 +161,7 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--cycles", action="store_true", help="one profiled launch per row (run under ncu, see above)")
-    ap.add_argument("--labels", default="labels.txt", help="--cycles: where the rows' labels go, in launch order")
+    ap.add_argument("--labels", default="out/labels.txt", help="--cycles: where the rows' labels go, in launch order")
     shapes_help = (
         "--cycles: also the first seed's lengths rounded up to 128, equal lengths (a multiple of 128 and one less), "
         "the dense batch at equal work; ours and FA4"
@@ -171,6 +172,7 @@ def main(argv=None):
     if args.join:
         return join(*args.join)
     if args.cycles:
+        os.makedirs(os.path.dirname(args.labels) or ".", exist_ok=True)
         open(args.labels, "w").close()  # this run's launches only: join pairs labels and launches by position
 
     import cute_flash
