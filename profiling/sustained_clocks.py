@@ -20,7 +20,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from .varlen_benchmark import draw_lengths, fa4_function, first_output, MIN_LEN, MAX_LEN
+from .varlen_benchmark import cu_seqlens, draw_lengths, equal_work_dense, fa4_function, first_output, MIN_LEN, MAX_LEN
 
 
 def _smi_index() -> str:
@@ -87,7 +87,7 @@ def main(argv=None):
         return torch.randn(*shape, device=dev, dtype=dtype).requires_grad_(args.bwd)
 
     q, k, v = (make(total, args.heads, args.head_dim) for _ in range(3))
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    cu = cu_seqlens(lens, dev)
     rows: Dict[str, Callable] = {
         "ours varlen": lambda: cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx, causal=args.causal)
     }
@@ -97,8 +97,7 @@ def main(argv=None):
             fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=args.causal)
         )
     if args.dense:
-        seqlen = max(128, round(sum(s * s for s in lens) / total / 128) * 128)
-        batch = max(1, round(total / seqlen))
+        batch, seqlen = equal_work_dense(lens)
         dq, dk, dv = (make(batch, seqlen, args.heads, args.head_dim) for _ in range(3))
         rows[f"ours dense {batch}x{seqlen}"] = lambda: cute_flash.attention(dq, dk, dv, causal=args.causal)
         fa4d = fa4_function("flash_attn_func")

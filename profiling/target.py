@@ -135,6 +135,8 @@ def _varlen_call(args, case):
     """The packed call of --varlen-seed / --varlen-equal (forward, or a backward on a kept graph)."""
     import torch
 
+    from .varlen_benchmark import cu_seqlens
+
     if args.impl not in ("cute-flash", "fa4") or case.dtype not in ("bf16", "fp16"):
         raise SystemExit("--varlen-seed / --varlen-equal: --impl cute-flash or fa4, --dtype bf16 or fp16")
     lens = varlen_lengths(args)
@@ -142,7 +144,7 @@ def _varlen_call(args, case):
     dtype = torch.bfloat16 if case.dtype == "bf16" else torch.float16
     grad = case.direction == "bwd"
     total, mx = sum(lens), max(lens)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    cu = cu_seqlens(lens, dev)
     q = torch.randn(total, shape.heads, shape.head_dim, device=dev, dtype=dtype, requires_grad=grad)
     k, v = (
         torch.randn(total, shape.heads_kv, d, device=dev, dtype=dtype, requires_grad=grad)

@@ -52,6 +52,19 @@ def draw_lengths(tokens: int, lo: int, hi: int, seed: int) -> List[int]:
     return lens
 
 
+def cu_seqlens(lens: List[int], device) -> torch.Tensor:
+    """int32 (batch + 1,) offsets of packed sequences of these lengths."""
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def equal_work_dense(lens: List[int]) -> tuple:
+    """(batch, seqlen) of the dense call with (nearly) the packed batch's tokens and work: seqlen = sum(s²) / sum(s)
+    rounded to 128, batch = tokens / seqlen."""
+    total = sum(lens)
+    seqlen = max(128, round(sum(s * s for s in lens) / total / 128) * 128)
+    return max(1, round(total / seqlen)), seqlen
+
+
 def _expand(part: str) -> List[str]:
     length, _, count = part.partition("x")
     return [length] * int(count or 1)
@@ -123,7 +136,7 @@ def bench(
     def make(*shape):
         return torch.randn(*shape, generator=g, device=dev, dtype=torch.float32).to(dtype).requires_grad_(True)
 
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    cu = cu_seqlens(lens, dev)
     q, k, v = make(total, heads, head_dim), make(total, heads, head_dim), make(total, heads, head_dim)
     fwd_flops = sum(4 * heads * head_dim * s * s for s in lens) * (0.5 if causal else 1.0)
     rows = []
@@ -146,8 +159,7 @@ def bench(
     if not peers:
         return rows
     # Dense at equal tokens and (nearly) equal work: batch x L with L = sum(s^2) / sum(s).
-    seqlen = max(128, round(sum(s * s for s in lens) / total / 128) * 128)
-    batch = max(1, round(total / seqlen))
+    batch, seqlen = equal_work_dense(lens)
     dq, dk, dv = (make(batch, seqlen, heads, head_dim) for _ in range(3))
     dense_flops = 4 * heads * head_dim * batch * seqlen * seqlen * (0.5 if causal else 1.0)
     dense = lambda: cute_flash.attention(dq, dk, dv, causal=causal)  # noqa: E731

@@ -35,7 +35,16 @@ from typing import Dict, List
 
 import torch
 
-from .varlen_benchmark import _bench_ms, draw_lengths, fa4_function, first_output, MIN_LEN, MAX_LEN
+from .varlen_benchmark import (
+    MAX_LEN,
+    MIN_LEN,
+    _bench_ms,
+    cu_seqlens,
+    draw_lengths,
+    equal_work_dense,
+    fa4_function,
+    first_output,
+)
 
 VARIANTS = ("default", "no_zero_v", "one_trip", "seq_major")
 
@@ -190,7 +199,7 @@ def main(argv=None):
         q, k, v = (
             torch.randn(total, args.heads, args.head_dim, generator=g, device=dev, dtype=dtype) for _ in range(3)
         )
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        cu = cu_seqlens(lens, dev)
         flops = sum(4 * args.heads * args.head_dim * s * s for s in lens)
         ours = lambda: cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx)  # noqa: E731
         ref = ours()  # builds the default kernel; its memo key is the one the variants replace
@@ -254,9 +263,7 @@ def shapes(lens: List[int], args, fa4) -> None:
     import cute_flash
 
     fa4_dense = fa4_function("flash_attn_func")
-    total = sum(lens)
-    seqlen = max(128, round(sum(s * s for s in lens) / total / 128) * 128)
-    batch = max(1, round(total / seqlen))
+    batch, seqlen = equal_work_dense(lens)
     cases = {
         "rounded": [(s + 127) // 128 * 128 for s in lens],
         f"{batch}x{seqlen}": [seqlen] * batch,
@@ -266,7 +273,7 @@ def shapes(lens: List[int], args, fa4) -> None:
     for name, ls in cases.items():
         t, mx = sum(ls), max(ls)
         q, k, v = (torch.randn(t, h, d, device=dev, dtype=dtype) for _ in range(3))
-        cu = torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        cu = cu_seqlens(ls, dev)
         flops = sum(4 * h * d * s * s for s in ls)
         profiled(f"{name} ours", flops, lambda: cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx), args.labels)
         if fa4 is not None:

@@ -502,3 +502,13 @@ def test_profiling_target_varlen_equal_packs_the_dense_shape():
     meta = target.describe(args)
     assert meta["lengths"] == [5248] * 12 and meta["flops"] == pytest.approx(12 * 4 * 16 * 128 * 5248**2)
     assert "(equal)" in meta["label"] and target.config_argv(args)[-1] == "--varlen-equal"
+
+
+def test_varlen_benchmark_equal_work_dense_shapes():
+    # The dense batch at the drawn mixes' work that sessions 22-23 report (11 x 5888, 12 x 5248, 10 x 6272), and the
+    # offsets of packed lengths.
+    from profiling.varlen_benchmark import cu_seqlens, draw_lengths, equal_work_dense
+
+    shapes = [equal_work_dense(draw_lengths(65536, 128, 8192, seed)) for seed in (0, 1, 2)]
+    assert shapes == [(11, 5888), (12, 5248), (10, 6272)]
+    assert cu_seqlens([3, 0, 5], "cpu").tolist() == [0, 3, 3, 8]
