@@ -73,22 +73,14 @@ def max_limit_bits(scale_log2: Float32) -> Int32:
 
 
 @dsl_user_op
-def _exponent_bits(x: Float32, *, loc=None, ip=None) -> Int32:
-    return Int32(
-        ptx_asm(
-            T.i32(),
-            [Float32(x).ir_value(loc=loc, ip=ip)],
-            "{\n.reg .b32 xb;\nmov.b32 xb, $1;\nand.b32 $0, xb, 2139095040;\n}",
-            "=r,f",
-            loc=loc,
-            ip=ip,
-        )
-    )
-
-
-@dsl_user_op
 def _bits(x: Float32, *, loc=None, ip=None) -> Int32:
+    """The bit pattern of an fp32 value."""
     return Int32(ptx_asm(T.i32(), [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f", loc=loc, ip=ip))
+
+
+def _exponent_bits(x: Float32) -> Int32:
+    """The exponent field of an fp32 value, in place (bits 23..30)."""
+    return _bits(x) & Int32(0x7F800000)
 
 
 @dsl_user_op
