@@ -180,6 +180,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.join:
         return join(*args.join)
+    if args.shapes and not args.cycles:
+        ap.error("--shapes adds rows to --cycles only")
     if args.cycles:
         os.makedirs(os.path.dirname(args.labels) or ".", exist_ok=True)
         open(args.labels, "w").close()  # this run's launches only: join pairs labels and launches by position
