@@ -10,16 +10,18 @@ runs it. Also a pytest plugin:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 
 def apply(name: str, head_dim: int = 128, mask: str = "none") -> None:
-    """From now on in this process, (head_dim, mask) backwards take VARIANTS[name] (kernel sets built before stay)."""
+    """From now on in this process, (head_dim, mask) backwards take VARIANTS[name], or `name`'s BwdTileConfig fields
+    when it is JSON ('{"lse_ahead": 6}'), on top of their default (kernel sets built before stay)."""
     from cute_flash.arch.sm90 import backward
 
     from .sm90_bwd_variants import VARIANTS
 
-    changes = VARIANTS[name]
+    changes = json.loads(name) if name.startswith("{") else VARIANTS[name]
     default = backward.bwd_tile_config
 
     def patched(spec, deterministic=False, long=False):

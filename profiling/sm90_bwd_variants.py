@@ -4,7 +4,7 @@
       --variants default,opt2 [--fa4] [--deterministic]
 
 Each variant is a `BwdTileConfig` derived from the default of that head dim (see VARIANTS; the short-sequence default:
-from 4096 query rows d128 without a mask runs "m80_kb1_at_use" in the library, tile_config.long_queries); the kernels
+from 4096 query rows d128 without a mask runs "m80_la7" in the library, tile_config.long_queries); the kernels
 alone are timed (`run_backward` on precomputed out / lse, allocations included), as TFLOP/s with FLOPs =
 2.5 x 4 b h s^2 d (halved when causal). Every variant's gradients are compared with the default's (max
 |difference|), so a faster variant that computes something else shows up. B·S = 16k tokens (--tokens), H·D = 2048,
@@ -116,7 +116,8 @@ VARIANTS = {
     # Session 22. D's shared-memory loads after dV's early product is issued (d_dv; the d128 causal default) or
     # between the exponentials and P's conversion (d_exp), where ptxas gave a D load and the exponential that P's
     # first conversion waits for one scoreboard; the 80-row tile with it (m80_kb1_d_dv). The 80-row tile's LSE / D
-    # loaded where used, 8 bytes per two columns, instead of shuffled (m80_kb1_at_use; the long-query default).
+    # loaded where used, 8 bytes per two columns, instead of shuffled (m80_kb1_at_use; the long-query default until
+    # session 24, which loads the LSE of the first 7 column pairs while S runs: m80_la7).
     "d_exp": {"d_after_dv_issue": False},
     "d_dv": {"d_after_dv_issue": True},
     "m80_kb1_d_dv": {
@@ -133,6 +134,16 @@ VARIANTS = {
         "dv_early_kblocks": 1,
         "d_after_dv_issue": False,
         "stats_at_use": True,
+        "lse_ahead": 0,
+    },  # fmt: skip
+    "m80_la7": {
+        "tile_m": 80,
+        "dq_swap_ab": True,
+        "dv_before_dp_wait": True,
+        "dv_early_kblocks": 1,
+        "d_after_dv_issue": False,
+        "stats_at_use": True,
+        "lse_ahead": 7,
     },  # fmt: skip
 }
 

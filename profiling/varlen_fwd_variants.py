@@ -6,6 +6,7 @@ compiled through the library's own packed build and put in place of the default 
 output is compared with the default's (max abs difference).
 
     python -m profiling.varlen_fwd_variants --seeds 0,1,2 --rounds 3 [--variants default,no_zero_v,one_trip]
+        [--sustained 1.5]      # each row back to back for 1.5 s, SM clock sampled (under the power cap)
 
 Under a power cap the back-to-back timings move by a few percent between rounds; --cycles instead launches every row
 once inside a profiler range, for Nsight Compute to count cycles at the clock it finds (one-shot, caches flushed),
@@ -177,6 +178,8 @@ def main(argv=None):
     )
     ap.add_argument("--shapes", action="store_true", help=shapes_help)
     ap.add_argument("--join", nargs=2, metavar=("NCU_CSV", "LABELS"), help="print ncu's cycles per labelled row")
+    ap.add_argument("--sustained", type=float, metavar="SECONDS", help="time each row back to back for this long "
+                    "with the SM clock sampled (profiling.sustained_clocks) instead of by do_bench")  # fmt: skip
     args = ap.parse_args(argv)
     if args.join:
         return join(*args.join)
@@ -223,20 +226,32 @@ def main(argv=None):
                 shapes(lens, args, fa4)
             continue
         rows: Dict[str, List[float]] = {name: [] for name in names}
+        clocks: Dict[str, List[float]] = {name: [] for name in names}
         if fa4 is not None:
-            rows["FA4 varlen"] = []
+            rows["FA4 varlen"], clocks["FA4 varlen"] = [], []
         diffs = {}
+
+        def timed(name, fn):
+            if args.sustained:
+                from .sustained_clocks import _sampled
+
+                r = _sampled(fn, args.sustained)
+                rows[name].append(r["ms"])
+                clocks[name].append(r["mhz"])
+            else:
+                rows[name].append(_bench_ms(fn))
+
         for _ in range(args.rounds):
             for name in names:
                 backend._forward_kernels[key] = kernels[name]
                 diffs[name] = float((ours() - ref).abs().max())
-                rows[name].append(_bench_ms(ours))
+                timed(name, ours)
             backend._forward_kernels[key] = default_kernel
             if fa4 is not None:
                 run = lambda: first_output(  # noqa: E731
                     fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx)
                 )
-                rows["FA4 varlen"].append(_bench_ms(run))
+                timed("FA4 varlen", run)
         print(f"\nseed {seed}: {len(lens)} sequences {min(lens)}..{mx}; median of {args.rounds} rounds")
         fa4_ms = statistics.median(rows["FA4 varlen"]) if fa4 is not None else None
         for name, times in rows.items():
@@ -244,7 +259,8 @@ def main(argv=None):
             vs = f"  x FA4 {fa4_ms / ms:.3f}" if fa4_ms else ""
             diff = f"  max|diff| {diffs[name]:.2e}" if name in diffs else ""
             spread = f"  ({min(times):.3f}-{max(times):.3f})"
-            print(f"  {name:<12} {ms:7.3f} ms {flops / ms / 1e9:7.1f} TF/s{vs}{spread}{diff}")
+            mhz = f"  {statistics.median(clocks[name]):.0f} MHz" if clocks[name] else ""
+            print(f"  {name:<12} {ms:7.3f} ms {flops / ms / 1e9:7.1f} TF/s{vs}{spread}{mhz}{diff}")
 
 
 def profiled(label: str, flops: float, fn, labels_path: str) -> None:
@@ -295,21 +311,27 @@ _UNIT_SCALE = {
 }  # fmt: skip
 
 
-def join(ncu_csv: str, labels_path: str) -> None:
-    """ncu's per-launch cycles and durations beside the labels written by --cycles (same order)."""
+def ncu_launches(ncu_csv: str) -> List[Dict[str, object]]:
+    """The profiled launches of an `ncu --csv --print-units base` log, in launch order: each its metrics (cycles,
+    nanoseconds) and its "kernel" name."""
     import csv
 
-    labels = [line.rstrip("\n").split("\t") for line in open(labels_path) if line.strip()]
     with open(ncu_csv) as f:
         lines = [line for line in f if line.startswith('"')]
-    per_id: Dict[str, Dict[str, float]] = {}
+    per_id: Dict[str, Dict[str, object]] = {}
     for r in csv.DictReader(lines):
         unit = r.get("Metric Unit", "")
         if unit not in _UNIT_SCALE:
             raise SystemExit(f"{r['Metric Name']}: unit {unit!r} (run ncu with --print-units base)")
         value = float(r["Metric Value"].replace(",", "")) * _UNIT_SCALE[unit]
-        per_id.setdefault(r["ID"], {})[r["Metric Name"]] = value
-    launches = [per_id[i] for i in sorted(per_id, key=int)]
+        per_id.setdefault(r["ID"], {"kernel": r["Kernel Name"]})[r["Metric Name"]] = value
+    return [per_id[i] for i in sorted(per_id, key=int)]
+
+
+def join(ncu_csv: str, labels_path: str) -> None:
+    """ncu's per-launch cycles and durations beside the labels written by --cycles (same order)."""
+    labels = [line.rstrip("\n").split("\t") for line in open(labels_path) if line.strip()]
+    launches = ncu_launches(ncu_csv)
     if len(launches) != len(labels):
         raise SystemExit(f"{len(launches)} profiled launches but {len(labels)} labels: not the same run")
     print(f"{'row':<28}{'Mcycles':>9}{'us':>9}{'TF/s':>8}{'MHz':>7}")

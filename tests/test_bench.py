@@ -490,6 +490,30 @@ def test_varlen_fwd_variants_join_labels_ncu_rows_in_launch_order(tmp_path, caps
         join(str(csv_path), str(labels))
 
 
+def test_varlen_bwd_cycles_join_splits_launches_at_the_markers(tmp_path, capsys):
+    # profiling.varlen_bwd_cycles --join: each labelled backward's kernels are the launches after one marker
+    # (torch.cuda._sleep's spin_kernel) up to the next; totals and per-kernel Mcycles in launch order.
+    from profiling.varlen_bwd_cycles import join
+
+    header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+    launches = [("spin_kernel", 10), ("pre", 700_000), ("main", 17_000_000), ("post", 500_000), ("spin_kernel", 10)]
+    launches += [("pre", 800_000), ("main", 17_500_000), ("spin_kernel", 10)]
+    body = "".join(
+        f'"{i}","{name}","gpc__cycles_elapsed.max","cycle","{cycles}"\n' for i, (name, cycles) in enumerate(launches)
+    )
+    csv_path = tmp_path / "ncu.csv"
+    csv_path.write_text("==PROF== Connected\n" + header + body)
+    labels = tmp_path / "labels.txt"
+    labels.write_text("seed 1 ours\nseed 1 FA4\n")
+    join(str(csv_path), str(labels))
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == ["seed", "1", "ours", "18.200", "0.700", "17.000", "0.500"]
+    assert out[2].split() == ["seed", "1", "FA4", "18.300", "0.800", "17.500"]
+    labels.write_text("seed 1 ours\n")  # labels of another run: refused
+    with pytest.raises(SystemExit):
+        join(str(csv_path), str(labels))
+
+
 def test_profiling_target_varlen_equal_packs_the_dense_shape():
     # profiling.target --varlen-equal: batch sequences of seqlen each, the dense case's FLOPs, the flag passed on.
     import argparse

@@ -106,6 +106,7 @@ def test_sm90_backward_compiles(builds, head_dim, causal):
         # d128 (session 22): the 80-row tile loads LSE / D where they are used (no shuffles), and the causal build
         # loads D after dV's early product is issued
         assert report["config"]["stats_at_use"] == (role in long_roles), role
+        assert report["config"]["lse_ahead"] == (7 if role in long_roles else 0), role  # session 24
         if (
             role in long_roles
         ):  # no statistics shuffles: no more shuffles than the 64-row build (16 columns in registers)

@@ -84,6 +84,24 @@ def test_session22_switches_need_their_forms():
         assert problem is not None and "stats_at_use" in problem, cfg_bad
 
 
+def test_lse_ahead_needs_stats_at_use_and_counts_pairs():
+    # session 24: the 80-row tile's default loads 7 of its 10 LSE column pairs while S runs
+    long = bwd_tile_config(AttentionSpec("bf16", 128, 128, "none", "bf16"), long=True)
+    assert long.lse_ahead == 7 and bwd_config_problem(long, 128) is None
+    assert bwd_config_problem(dataclasses.replace(long, lse_ahead=10), 128) is None
+    for cfg_bad in (
+        dataclasses.replace(long, lse_ahead=11),
+        dataclasses.replace(long, lse_ahead=-1),
+        dataclasses.replace(long, stats_at_use=False),
+        dataclasses.replace(_d128("none"), lse_ahead=2),
+    ):
+        problem = bwd_config_problem(cfg_bad, 128)
+        assert problem is not None and "lse_ahead" in problem, cfg_bad
+    # deterministic builds keep the plain 64-row tile (no long-query changes)
+    det = bwd_tile_config(AttentionSpec("bf16", 128, 128, "none", "bf16"), deterministic=True, long=True)
+    assert det.lse_ahead == 0
+
+
 def test_dv_before_dp_wait_needs_keys_on_rows():
     d256 = bwd_tile_config(AttentionSpec("bf16", 256, 256, "causal", "bf16"))
     assert not d256.keys_on_rows and bwd_config_problem(d256, 256) is None

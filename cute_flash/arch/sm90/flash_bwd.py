@@ -205,10 +205,7 @@ def column_stat(
     statistics, given only above `max_unshuffled` columns with BwdTileConfig.stats_at_use) loaded here: columns 2 g
     and 2 g + 1 are adjacent queries, one 8-byte load (the same load for both, merged by the compiler)."""
     if const_expr(s_stat is not None):
-        pair = cute.make_rmem_tensor(2, Float32)
-        ptr = (s_stat.iterator + coords_rc[0, c - c % 2][1]).align(8)
-        cute.autovec_copy(cute.make_tensor(ptr, cute.make_layout(2)), pair)
-        value = pair[c % 2]
+        value = column_pair(s_stat, coords_rc, c - c % 2)[c % 2]
     else:
         value = regs[0]
         if const_expr(num_cols <= max_unshuffled):
@@ -217,6 +214,27 @@ def column_stat(
             v, g = c % 2, c // 2
             value = cute.arch.shuffle_sync(regs[2 * (g // 8) + v], offset=4 * (g % 8) + cute.arch.lane_idx() % 4)
     return value
+
+
+@cute.jit
+def column_pair(s_stat: cute.Tensor, coords_rc: cute.Tensor, c: cutlass.Constexpr[int]) -> cute.Tensor:
+    """The statistic of columns c and c + 1 (c even: adjacent queries) as one 8-byte shared-memory load."""
+    pair = cute.make_rmem_tensor(2, Float32)
+    ptr = (s_stat.iterator + coords_rc[0, c][1]).align(8)
+    cute.autovec_copy(cute.make_tensor(ptr, cute.make_layout(2)), pair)
+    return pair
+
+
+@cute.jit
+def load_column_pairs(s_stat: cute.Tensor, coords_rc: cute.Tensor, pairs: cutlass.Constexpr[int]) -> cute.Tensor:
+    """The statistic of the first 2 `pairs` columns in registers, by 8-byte loads of adjacent pairs
+    (BwdTileConfig.lse_ahead)."""
+    regs = cute.make_rmem_tensor(2 * pairs, Float32)
+    for g in cutlass.range_constexpr(pairs):
+        pair = column_pair(s_stat, coords_rc, 2 * g)
+        regs[2 * g] = pair[0]
+        regs[2 * g + 1] = pair[1]
+    return regs
 
 
 class PackedRows(NamedTuple):
@@ -1047,7 +1065,7 @@ class Sm90FlashBackward(BwdEntries):
         s_rc = rows_cols_view(acc_S)
         num_rows = cute.size(s_rc, mode=[0])
         num_cols = cute.size(s_rc, mode=[1])
-        lse = self.load_stats(sLSE[None, q.index], coords_rc, num_rows, num_cols)
+        lse = self.load_stats(sLSE[None, q.index], coords_rc, num_rows, num_cols, ahead=self.cfg.lse_ahead)
         # dO with the library's wait (no test first): the extra branch of `consumer_wait` here made the d64 GQA build
         # spill 72 bytes.
         pipe_do.consumer_wait(do)
@@ -1180,14 +1198,18 @@ class Sm90FlashBackward(BwdEntries):
         coords_rc: cute.Tensor,
         num_rows: cutlass.Constexpr[int],
         num_cols: cutlass.Constexpr[int],
+        ahead: cutlass.Constexpr[int] = 0,
     ):
         """This thread's registers of one per-query statistic (LSE or D) of a stage, `s_stat`; None where
-        `column_value` reads them from shared memory at their use (stats_at_use)."""
+        `column_value` reads them from shared memory at their use (stats_at_use), unless `ahead` (lse_ahead):
+        then the first `ahead` column pairs now, the rest still at their use."""
         regs = None
         if const_expr(not self.keys_on_rows):
             regs = load_row_stats(s_stat, coords_rc, num_rows)
         elif const_expr(not self.stats_at_use(num_cols)):
             regs = load_column_stats(s_stat, coords_rc, num_cols, self.cfg.max_unshuffled_stat_cols)
+        elif const_expr(ahead > 0):
+            regs = load_column_pairs(s_stat, coords_rc, ahead)  # (tile_config: at most num_cols / 2)
         return regs
 
     def stats_at_use(self, num_cols: int) -> bool:
@@ -1204,7 +1226,12 @@ class Sm90FlashBackward(BwdEntries):
     ) -> Float32:
         """Column c's statistic (keys on rows) from `load_stats`' registers or, with stats_at_use, shared memory."""
         at_use = self.stats_at_use(num_cols)
-        return column_stat(regs, c, num_cols, self.cfg.max_unshuffled_stat_cols, s_stat if at_use else None, coords_rc)
+        if const_expr(at_use and regs is not None and c < cute.size(regs)):
+            value = regs[c]  # loaded ahead (lse_ahead)
+        else:
+            cols = self.cfg.max_unshuffled_stat_cols
+            value = column_stat(regs, c, num_cols, cols, s_stat if at_use else None, coords_rc)
+        return value
 
     @cute.jit
     def stage_dq(self, acc_dQ: cute.Tensor, sdQ: cute.Tensor, m_block: Int32, tidx: Int32, consumer: Int32):

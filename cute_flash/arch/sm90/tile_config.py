@@ -154,6 +154,10 @@ class BwdTileConfig:
           columns' LSE / D is one 8-byte shared-memory load where it is used instead of a shuffle from the lane that
           loaded it: no registers held, 20 loads instead of 40 shuffles per step (459 SASS instructions per step
           against 507; FA4's 463).
+      lse_ahead (with stats_at_use; 7 for the 80-row d128 tile): the LSE of the first this many column pairs goes
+          to registers while the S product runs, as FlashAttention-4 loads it, rather than after the S wait, where
+          the first exponentials waited for the loads; the other pairs are still loaded where used. D likewise, 4-6
+          pairs before dV's early product: 1-4% more cycles (session 24), not kept.
       d_after_dv_issue (with A; on at d128 causal): D's shared-memory loads go after dV's early product is issued,
           not between the exponentials and P's conversion, where ptxas gave a D load and the exponential that P's
           first conversion waits for one scoreboard (Nsight Compute, session 21: that conversion's wait was 4.7% of
@@ -213,6 +217,7 @@ class BwdTileConfig:
     dq_buffers: int = 1  # shared dQ buffers the consumers alternate between (query tile m_block takes m_block % n)
     d_after_dv_issue: bool = False  # with A: D's shared-memory loads after dV's early product is issued
     stats_at_use: bool = False  # above max_unshuffled_stat_cols: LSE / D loaded where used, not shuffled
+    lse_ahead: int = 0  # with stats_at_use: LSE of this many column pairs into registers once S is issued
 
     @property
     def num_threads(self) -> int:
@@ -293,6 +298,11 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int, head_dim_v: Optional[i
             f"stats_at_use needs more query columns per thread (tile_m / 4 = {cfg.tile_m // 4}) than "
             f"max_unshuffled_stat_cols ({cfg.max_unshuffled_stat_cols}); below that LSE / D are held in registers"
         )
+    if cfg.lse_ahead and not cfg.stats_at_use:
+        return "lse_ahead needs stats_at_use (without it LSE is already loaded into registers once S is issued)"
+    if not 0 <= cfg.lse_ahead <= cfg.tile_m // 8:
+        # (keys on rows: tile_m / 4 query columns per thread, in adjacent pairs)
+        return f"lse_ahead counts a thread's column pairs, 0..{cfg.tile_m // 8}, got {cfg.lse_ahead}"
     if cfg.max_unshuffled_stat_cols < 1:
         return f"max_unshuffled_stat_cols must be at least 1, got {cfg.max_unshuffled_stat_cols}"
     if cfg.max_unshuffled_stat_cols != UNSHUFFLED_STAT_COLS and not cfg.keys_on_rows:
@@ -441,14 +451,17 @@ _BWD_BY_HEAD_DIM_AND_MASK = {
 #         LONG_QUERIES the 80-row tile's partial last tile and shorter walks cost more than its 25% longer steps gain.
 #         LSE / D loaded where used (stats_at_use) instead of shuffled: +3.2% geomean over 4k / 8k / 16k (+4.1 / +1.4
 #         / +4.3%), +3.9% at b11 x 5888, packed drawn mixes +0.5 to +2.4%, H100, session 22; no spills in the dense,
-#         GQA and packed (seqused) builds.
+#         GQA and packed (seqused) builds. LSE of the first 7 of 10 column pairs loaded once S is issued (lse_ahead):
+#         loaded at use, the exponentials' FFMAs waited on them right after the S wait (Nsight Compute, session 24:
+#         7.8% of the kernel's samples); 1.6-1.9% fewer cycles of the main kernel, dense and packed (H100, session
+#         24, docs/performance.md). 6 pairs helped only the dense build (ptxas's schedule), 8 spill 4-8 bytes.
 _DENSE_ONLY = ("dq_buffers",)  # per-mask changes that packed (varlen) builds do not take
 # ... and that deterministic builds do not take: their dQ warp waits for each query tile's reduce to finish before
 # it hands the next tile's buffer over (flash_bwd.store_dq), so a second buffer never overlaps a reduce with staging.
 _NOT_DETERMINISTIC = ("dq_buffers",)
 
 _BWD_LONG_QUERIES = {
-    (128, "none"): {"tile_m": 80, "dq_swap_ab": True, "dv_early_kblocks": 1, "stats_at_use": True},
+    (128, "none"): {"tile_m": 80, "dq_swap_ab": True, "dv_early_kblocks": 1, "stats_at_use": True, "lse_ahead": 7},
 }
 LONG_QUERIES = 4096
 
