@@ -127,23 +127,17 @@ VARIANTS = {
         "dv_early_kblocks": 1,
         "d_after_dv_issue": True,
     },  # fmt: skip
-    "m80_kb1_at_use": {
-        "tile_m": 80,
-        "dq_swap_ab": True,
-        "dv_before_dp_wait": True,
-        "dv_early_kblocks": 1,
-        "d_after_dv_issue": False,
-        "stats_at_use": True,
-        "lse_ahead": 0,
-    },  # fmt: skip
-    "m80_la7": {
-        "tile_m": 80,
-        "dq_swap_ab": True,
-        "dv_before_dp_wait": True,
-        "dv_early_kblocks": 1,
-        "d_after_dv_issue": False,
-        "stats_at_use": True,
-        "lse_ahead": 7,
+    **{
+        name: {
+            "tile_m": 80,
+            "dq_swap_ab": True,
+            "dv_before_dp_wait": True,
+            "dv_early_kblocks": 1,
+            "d_after_dv_issue": False,
+            "stats_at_use": True,
+            "lse_ahead": pairs,
+        }
+        for name, pairs in (("m80_kb1_at_use", 0), ("m80_la7", 7))
     },  # fmt: skip
 }
 

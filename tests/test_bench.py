@@ -464,21 +464,27 @@ def test_profiling_target_packed_meta_counts_each_sequences_work():
     assert target.config_argv(args)[-3:] == ["--varlen-seed", "2", "--causal"]
 
 
+def _ncu_csv(tmp_path, rows):
+    """An `ncu --csv` log: ncu's own log lines, then one row per (launch ID, kernel, metric, unit, value)."""
+    header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+    body = "".join(",".join(f'"{x}"' for x in row) + "\n" for row in rows)
+    path = tmp_path / "ncu.csv"
+    path.write_text("==PROF== Connected\n" + header + body)
+    return path
+
+
 def test_varlen_fwd_variants_join_labels_ncu_rows_in_launch_order(tmp_path, capsys):
     # profiling.varlen_fwd_variants --join: ncu's CSV (one row per metric and launch, after ncu's own log lines) is
     # matched with the labels --cycles wrote, in launch order; Mcycles, µs, TFLOP/s and the clock per row.
     from profiling.varlen_fwd_variants import join
 
-    header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
     rows = [  # base units, or ones ncu scaled
-        ("0", "gpc__cycles_elapsed.max", "cycle", "6,718,045"),
-        ("0", "gpu__time_duration.sum", "nsecond", "4,001,504"),
-        ("1", "gpc__cycles_elapsed.max", "Mcycle", "3.00"),
-        ("1", "gpu__time_duration.sum", "msecond", "2.00"),
+        ("0", "k", "gpc__cycles_elapsed.max", "cycle", "6,718,045"),
+        ("0", "k", "gpu__time_duration.sum", "nsecond", "4,001,504"),
+        ("1", "k", "gpc__cycles_elapsed.max", "Mcycle", "3.00"),
+        ("1", "k", "gpu__time_duration.sum", "msecond", "2.00"),
     ]
-    body = "".join(f'"{i}","k","{m}","{u}","{v}"\n' for i, m, u, v in rows)
-    csv_path = tmp_path / "ncu.csv"
-    csv_path.write_text("==PROF== Connected\n" + header + body)
+    csv_path = _ncu_csv(tmp_path, rows)
     labels = tmp_path / "labels.txt"
     labels.write_text("seed1 default\t2.8e12\nseed1 FA4\t1.4e12\n")
     join(str(csv_path), str(labels))
@@ -495,14 +501,10 @@ def test_varlen_bwd_cycles_join_splits_launches_at_the_markers(tmp_path, capsys)
     # (torch.cuda._sleep's spin_kernel) up to the next; totals and per-kernel Mcycles in launch order.
     from profiling.varlen_bwd_cycles import join
 
-    header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
     launches = [("spin_kernel", 10), ("pre", 700_000), ("main", 17_000_000), ("post", 500_000), ("spin_kernel", 10)]
     launches += [("pre", 800_000), ("main", 17_500_000), ("spin_kernel", 10)]
-    body = "".join(
-        f'"{i}","{name}","gpc__cycles_elapsed.max","cycle","{cycles}"\n' for i, (name, cycles) in enumerate(launches)
-    )
-    csv_path = tmp_path / "ncu.csv"
-    csv_path.write_text("==PROF== Connected\n" + header + body)
+    rows = [(str(i), name, "gpc__cycles_elapsed.max", "cycle", str(c)) for i, (name, c) in enumerate(launches)]
+    csv_path = _ncu_csv(tmp_path, rows)
     labels = tmp_path / "labels.txt"
     labels.write_text("seed 1 ours\nseed 1 FA4\n")
     join(str(csv_path), str(labels))
