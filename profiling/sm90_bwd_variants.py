@@ -28,7 +28,8 @@ VARIANTS = {
     "opt3": {"opt_level": 3},
     "stages1": {"num_stages": 1},
     # d128: 64-row query tiles (dQ = dS·K) against 80-row ones (dQᵀ = Kᵀ·dSᵀ, FlashAttention-3's unmasked shape).
-    "m64": {"tile_m": 64, "dq_swap_ab": False},
+    # (stats_at_use / lse_ahead off: on top of the long-query default through bwd_variant_patch they would not apply)
+    "m64": {"tile_m": 64, "dq_swap_ab": False, "stats_at_use": False, "lse_ahead": 0},
     # (A off, as session 9 timed it: the mask defaults now carry A, which has no register room at 80 rows)
     "m80": {
         "tile_m": 80,
@@ -55,12 +56,15 @@ VARIANTS = {
         "dv_early_kblocks": 1,
         "d_after_dv_issue": False,
         "stats_at_use": False,
+        "lse_ahead": 0,
     },  # fmt: skip
     "m80_kb2": {"tile_m": 80, "dq_swap_ab": True, "dv_before_dp_wait": True, "dv_early_kblocks": 2},
     "m80_regstats": {
         "tile_m": 80,
         "dq_swap_ab": True,
         "max_unshuffled_stat_cols": 20,
+        "stats_at_use": False,
+        "lse_ahead": 0,
         "dv_before_dp_wait": False,
         "dv_early_kblocks": None,
         "d_after_dv_issue": False,
@@ -69,6 +73,8 @@ VARIANTS = {
         "tile_m": 80,
         "dq_swap_ab": True,
         "max_unshuffled_stat_cols": 20,
+        "stats_at_use": False,
+        "lse_ahead": 0,
         "dv_before_dp_wait": False,
         "dv_early_kblocks": None,
         "d_after_dv_issue": False,
@@ -82,6 +88,8 @@ VARIANTS = {
         "dv_before_dp_wait": True,
         "dv_early_kblocks": 1,
         "max_unshuffled_stat_cols": 20,
+        "stats_at_use": False,
+        "lse_ahead": 0,
     },  # fmt: skip
     "m80_kb1_regstats_b": {
         "tile_m": 80,
@@ -89,6 +97,8 @@ VARIANTS = {
         "dv_before_dp_wait": True,
         "dv_early_kblocks": 1,
         "max_unshuffled_stat_cols": 20,
+        "stats_at_use": False,
+        "lse_ahead": 0,
         "dq_stage_single_base": True,
     },  # fmt: skip
     # Fixed cost around the main kernel (any head dim; BwdTileConfig's launch-overhead switches, all on by default):

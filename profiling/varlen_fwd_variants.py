@@ -185,6 +185,8 @@ def main(argv=None):
         return join(*args.join)
     if args.shapes and not args.cycles:
         ap.error("--shapes adds rows to --cycles only")
+    if args.sustained and args.cycles:
+        ap.error("--sustained times rows; --cycles launches each once for ncu: one or the other")
     if args.cycles:
         os.makedirs(os.path.dirname(args.labels) or ".", exist_ok=True)
         open(args.labels, "w").close()  # this run's launches only: join pairs labels and launches by position

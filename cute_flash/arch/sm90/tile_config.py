@@ -453,8 +453,9 @@ _BWD_BY_HEAD_DIM_AND_MASK = {
 #         / +4.3%), +3.9% at b11 x 5888, packed drawn mixes +0.5 to +2.4%, H100, session 22; no spills in the dense,
 #         GQA and packed (seqused) builds. LSE of the first 7 of 10 column pairs loaded once S is issued (lse_ahead):
 #         loaded at use, the exponentials' FFMAs waited on them right after the S wait (Nsight Compute, session 24:
-#         7.8% of the kernel's samples); 1.6-1.9% fewer cycles of the main kernel, dense and packed (H100, session
-#         24, docs/performance.md). 6 pairs helped only the dense build (ptxas's schedule), 8 spill 4-8 bytes.
+#         7.8% of the kernel's samples); 1.6-1.9% fewer cycles of the whole backward (main kernel 1.8-2.2%), dense
+#         and packed (H100, session 24, docs/performance.md). 6 pairs helped only the dense build (ptxas's
+#         schedule), 8 spill 4-8 bytes.
 _DENSE_ONLY = ("dq_buffers",)  # per-mask changes that packed (varlen) builds do not take
 # ... and that deterministic builds do not take: their dQ warp waits for each query tile's reduce to finish before
 # it hands the next tile's buffer over (flash_bwd.store_dq), so a second buffer never overlaps a reduce with staging.
