@@ -20,7 +20,16 @@ from typing import Callable, Dict, List
 
 import torch
 
-from .varlen_benchmark import cu_seqlens, draw_lengths, equal_work_dense, fa4_function, first_output, MIN_LEN, MAX_LEN
+from .varlen_benchmark import (
+    MAX_LEN,
+    MIN_LEN,
+    cu_seqlens,
+    draw_lengths,
+    equal_work_dense,
+    fa4_function,
+    first_output,
+    parse_lengths,
+)
 
 
 def _smi_index() -> str:
@@ -68,6 +77,7 @@ def _backward_of(forward: Callable[[], torch.Tensor], leaves) -> Callable[[], ob
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--lengths", help="these sequence lengths (varlen_benchmark's form, LxN: N of length L), no draw")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--heads", type=int, default=16)
@@ -80,7 +90,7 @@ def main(argv=None):
     import cute_flash
 
     dev, dtype = "cuda", torch.bfloat16
-    lens = draw_lengths(65536, MIN_LEN, MAX_LEN, args.seed)
+    lens = parse_lengths(args.lengths) if args.lengths else draw_lengths(65536, MIN_LEN, MAX_LEN, args.seed)
     total, mx = sum(lens), max(lens)
 
     def make(*shape):
@@ -106,7 +116,8 @@ def main(argv=None):
     if args.bwd:
         rows = {name: _backward_of(fn, (q, k, v) if "varlen" in name else (dq, dk, dv)) for name, fn in rows.items()}
     mask = "causal" if args.causal else "no mask"
-    print(f"{torch.cuda.get_device_name()}: seed {args.seed}, {len(lens)} sequences, h{args.heads} d{args.head_dim} "
+    which = f"lengths {args.lengths}" if args.lengths else f"seed {args.seed}"
+    print(f"{torch.cuda.get_device_name()}: {which}, {len(lens)} sequences, h{args.heads} d{args.head_dim} "
           f"bf16 {'bwd' if args.bwd else 'fwd'} {mask}, {args.seconds} s per row, {args.rounds} rounds")  # fmt: skip
     results: Dict[str, List[dict]] = {name: [] for name in rows}
     for _ in range(args.rounds):

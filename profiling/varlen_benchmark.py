@@ -65,6 +65,11 @@ def equal_work_dense(lens: List[int]) -> tuple:
     return max(1, round(total / seqlen)), seqlen
 
 
+def parse_lengths(text: str) -> List[int]:
+    """`--lengths`: comma-separated sequence lengths, LxN for N of length L."""
+    return [int(n) for part in text.split(",") for n in _expand(part)]
+
+
 def _expand(part: str) -> List[str]:
     length, _, count = part.partition("x")
     return [length] * int(count or 1)
@@ -240,7 +245,7 @@ def main(argv=None):
         print(f"sm90 backward: study variant {args.bwd_variant} as the d{args.head_dim} default")
 
     if args.lengths:
-        lens = [int(n) for part in args.lengths.split(",") for n in _expand(part)]
+        lens = parse_lengths(args.lengths)
     else:
         lens = draw_lengths(args.tokens, args.min_len, args.max_len, args.seed)
     if args.order != "drawn":
