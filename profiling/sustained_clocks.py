@@ -20,16 +20,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from .varlen_benchmark import (
-    MAX_LEN,
-    MIN_LEN,
-    cu_seqlens,
-    draw_lengths,
-    equal_work_dense,
-    fa4_function,
-    first_output,
-    parse_lengths,
-)
+from .varlen_benchmark import MAX_LEN, MIN_LEN, draw_lengths, parse_lengths, peer_calls
 
 
 def _smi_index() -> str:
@@ -40,7 +31,7 @@ def _smi_index() -> str:
     return visible.split(",")[index].strip() if visible else str(index)
 
 
-def _sampled(fn: Callable[[], object], seconds: float) -> dict:
+def sampled(fn: Callable[[], object], seconds: float) -> dict:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -87,34 +78,9 @@ def main(argv=None):
     ap.add_argument("--bwd", action="store_true", help="time each row's backward (autograd on a kept graph) instead")
     args = ap.parse_args(argv)
 
-    import cute_flash
-
-    dev, dtype = "cuda", torch.bfloat16
     lens = parse_lengths(args.lengths) if args.lengths else draw_lengths(65536, MIN_LEN, MAX_LEN, args.seed)
-    total, mx = sum(lens), max(lens)
-
-    def make(*shape):
-        return torch.randn(*shape, device=dev, dtype=dtype).requires_grad_(args.bwd)
-
-    q, k, v = (make(total, args.heads, args.head_dim) for _ in range(3))
-    cu = cu_seqlens(lens, dev)
-    rows: Dict[str, Callable] = {
-        "ours varlen": lambda: cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx, causal=args.causal)
-    }
-    fa4 = fa4_function("flash_attn_varlen_func")
-    if fa4 is not None:
-        rows["FA4 varlen"] = lambda: first_output(
-            fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=args.causal)
-        )
-    if args.dense:
-        batch, seqlen = equal_work_dense(lens)
-        dq, dk, dv = (make(batch, seqlen, args.heads, args.head_dim) for _ in range(3))
-        rows[f"ours dense {batch}x{seqlen}"] = lambda: cute_flash.attention(dq, dk, dv, causal=args.causal)
-        fa4d = fa4_function("flash_attn_func")
-        if fa4d is not None:
-            rows[f"FA4 dense {batch}x{seqlen}"] = lambda: first_output(fa4d(dq, dk, dv, causal=args.causal))
-    if args.bwd:
-        rows = {name: _backward_of(fn, (q, k, v) if "varlen" in name else (dq, dk, dv)) for name, fn in rows.items()}
+    calls = peer_calls(lens, args.heads, args.head_dim, args.causal, grad=args.bwd, dense=args.dense)
+    rows: Dict[str, Callable] = {name: _backward_of(*c) if args.bwd else c[0] for name, c in calls.items()}
     mask = "causal" if args.causal else "no mask"
     which = f"lengths {args.lengths}" if args.lengths else f"seed {args.seed}"
     print(f"{torch.cuda.get_device_name()}: {which}, {len(lens)} sequences, h{args.heads} d{args.head_dim} "
@@ -122,7 +88,7 @@ def main(argv=None):
     results: Dict[str, List[dict]] = {name: [] for name in rows}
     for _ in range(args.rounds):
         for name, fn in rows.items():
-            results[name].append(_sampled(fn, args.seconds))
+            results[name].append(sampled(fn, args.seconds))
     print(f"{'row':<26}{'ms':>8}{'MHz':>7}{'W':>6}{'°C':>5}{'Mcycles':>9}")
     for name, rs in results.items():
         for r in rs:

@@ -21,39 +21,27 @@ from typing import List
 
 import torch
 
-from .varlen_benchmark import MAX_LEN, MIN_LEN, cu_seqlens, draw_lengths, equal_work_dense, fa4_function, first_output
+from .varlen_benchmark import MAX_LEN, MIN_LEN, draw_lengths, peer_calls
 from .varlen_fwd_variants import ncu_launches
 
 MARKER = "spin_kernel"  # torch.cuda._sleep's kernel
 
 
 def rows(seeds: List[int], heads: int, head_dim: int, ours_only: bool, tag: str) -> list:
-    """(label, forward, leaves) per row: packed per seed, then dense at the first seed's equal work."""
-    import cute_flash
-
-    def make(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
-
-    names = ("flash_attn_varlen_func", "flash_attn_func")
-    fa4_varlen, fa4_dense = (None, None) if ours_only else (fa4_function(n) for n in names)
-    out = []
-    for seed in seeds:
+    """(label, forward, leaves) per row: packed per seed (ours, FA4's varlen), then the first seed's equal-work dense
+    batch (ours, FA4's); ours labelled `tag`."""
+    packed, dense = [], []
+    for i, seed in enumerate(seeds):
         lens = draw_lengths(65536, MIN_LEN, MAX_LEN, seed)
-        cu, mx = cu_seqlens(lens, "cuda"), max(lens)
-        q, k, v = (make(sum(lens), heads, head_dim) for _ in range(3))
-        ours = lambda q=q, k=k, v=v, cu=cu, mx=mx: cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx)  # noqa: E731
-        out.append((f"seed {seed} {tag}", ours, (q, k, v)))
-        if fa4_varlen is not None:
-            run = lambda q=q, k=k, v=v, cu=cu, mx=mx: first_output(  # noqa: E731
-                fa4_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx)
-            )
-            out.append((f"seed {seed} FA4", run, (q, k, v)))
-    batch, seqlen = equal_work_dense(draw_lengths(65536, MIN_LEN, MAX_LEN, seeds[0]))
-    q, k, v = (make(batch, seqlen, heads, head_dim) for _ in range(3))
-    out.append((f"dense {batch}x{seqlen} {tag}", lambda: cute_flash.attention(q, k, v), (q, k, v)))
-    if fa4_dense is not None:
-        out.append((f"dense {batch}x{seqlen} FA4", lambda: first_output(fa4_dense(q, k, v)), (q, k, v)))
-    return out
+        calls = peer_calls(lens, heads, head_dim, grad=True, dense=i == 0, peers=not ours_only)
+        for name, (fn, leaves) in calls.items():
+            who, kind = name.split(" ", 1)  # "ours varlen", "FA4 dense 12x5248", ...
+            who = tag if who == "ours" else who
+            if kind == "varlen":
+                packed.append((f"seed {seed} {who}", fn, leaves))
+            else:
+                dense.append((f"{kind} {who}", fn, leaves))
+    return packed + dense
 
 
 def profile(args) -> None:
@@ -112,6 +100,8 @@ def main(argv=None):
     ap.add_argument("--labels", default="out/bwd_labels.txt", help="where the rows' labels go, in launch order")
     ap.add_argument("--join", nargs=2, metavar=("NCU_CSV", "LABELS"), help="print ncu's cycles per labelled row")
     args = ap.parse_args(argv)
+    if args.join and args.variant:
+        ap.error("--variant chooses what a profiled run builds; --join only reads one run's CSV and labels")
     if args.join:
         join(*args.join)
     else:

@@ -36,16 +36,7 @@ from typing import Dict, List
 
 import torch
 
-from .varlen_benchmark import (
-    MAX_LEN,
-    MIN_LEN,
-    _bench_ms,
-    cu_seqlens,
-    draw_lengths,
-    equal_work_dense,
-    fa4_function,
-    first_output,
-)
+from .varlen_benchmark import MAX_LEN, MIN_LEN, _bench_ms, draw_lengths, equal_work_dense, peer_calls
 
 VARIANTS = ("default", "no_zero_v", "one_trip", "seq_major")
 
@@ -191,24 +182,17 @@ def main(argv=None):
         os.makedirs(os.path.dirname(args.labels) or ".", exist_ok=True)
         open(args.labels, "w").close()  # this run's launches only: join pairs labels and launches by position
 
-    import cute_flash
     from cute_flash.arch.sm90 import backend
 
     names = args.variants.split(",")
-    fa4 = fa4_function("flash_attn_varlen_func")
-    dev, dtype = "cuda", torch.bfloat16
     print(f"{torch.cuda.get_device_name()}: h{args.heads} d{args.head_dim} bf16, no mask, {args.tokens} tokens")
     kernels: Dict[str, object] = {}
     for seed in (int(s) for s in args.seeds.split(",")):
         lens = draw_lengths(args.tokens, MIN_LEN, MAX_LEN, seed)
-        total, mx = sum(lens), max(lens)
-        g = torch.Generator(device=dev).manual_seed(seed)
-        q, k, v = (
-            torch.randn(total, args.heads, args.head_dim, generator=g, device=dev, dtype=dtype) for _ in range(3)
-        )
-        cu = cu_seqlens(lens, dev)
+        calls = peer_calls(lens, args.heads, args.head_dim, dense=False, seed=seed)
+        ours = calls["ours varlen"][0]
+        fa4 = calls["FA4 varlen"][0] if "FA4 varlen" in calls else None
         flops = sum(4 * args.heads * args.head_dim * s * s for s in lens)
-        ours = lambda: cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx)  # noqa: E731
         ref = ours()  # builds the default kernel; its memo key is the one the variants replace
         key = next(kk for kk in backend._forward_kernels if kk[0].varlen and kk[2] == "")
         default_kernel = backend._forward_kernels[key]
@@ -222,10 +206,9 @@ def main(argv=None):
                 profiled(f"seed{seed} {name}", flops, ours, args.labels)
             backend._forward_kernels[key] = default_kernel
             if fa4 is not None:
-                profiled(f"seed{seed} FA4", flops, lambda: fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                                                            max_seqlen_q=mx, max_seqlen_k=mx), args.labels)  # fmt: skip
+                profiled(f"seed{seed} FA4", flops, fa4, args.labels)
             if args.shapes and seed == int(args.seeds.split(",")[0]):
-                shapes(lens, args, fa4)
+                shapes(lens, args)
             continue
         rows: Dict[str, List[float]] = {name: [] for name in names}
         clocks: Dict[str, List[float]] = {name: [] for name in names}
@@ -235,9 +218,9 @@ def main(argv=None):
 
         def timed(name, fn):
             if args.sustained:
-                from .sustained_clocks import _sampled
+                from .sustained_clocks import sampled
 
-                r = _sampled(fn, args.sustained)
+                r = sampled(fn, args.sustained)
                 rows[name].append(r["ms"])
                 clocks[name].append(r["mhz"])
             else:
@@ -250,11 +233,8 @@ def main(argv=None):
                 timed(name, ours)
             backend._forward_kernels[key] = default_kernel
             if fa4 is not None:
-                run = lambda: first_output(  # noqa: E731
-                    fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx)
-                )
-                timed("FA4 varlen", run)
-        print(f"\nseed {seed}: {len(lens)} sequences {min(lens)}..{mx}; median of {args.rounds} rounds")
+                timed("FA4 varlen", fa4)
+        print(f"\nseed {seed}: {len(lens)} sequences {min(lens)}..{max(lens)}; median of {args.rounds} rounds")
         fa4_ms = statistics.median(rows["FA4 varlen"]) if fa4 is not None else None
         for name, times in rows.items():
             ms = statistics.median(times)
@@ -277,33 +257,25 @@ def profiled(label: str, flops: float, fn, labels_path: str) -> None:
         f.write(f"{label}\t{flops}\n")
 
 
-def shapes(lens: List[int], args, fa4) -> None:
+def shapes(lens: List[int], args) -> None:
     """Where packing's cost comes from: the drawn lengths rounded up to whole tiles, equal lengths on whole tiles and
     one short of them (packed), and the dense batch at equal work; ours (the library's kernel) and FA4's."""
-    import cute_flash
-
-    fa4_dense = fa4_function("flash_attn_func")
     batch, seqlen = equal_work_dense(lens)
     cases = {
         "rounded": [(s + 127) // 128 * 128 for s in lens],
         f"{batch}x{seqlen}": [seqlen] * batch,
         f"{batch}x{seqlen - 1}": [seqlen - 1] * batch,
     }
-    dev, dtype, h, d = "cuda", torch.bfloat16, args.heads, args.head_dim
+    h, d = args.heads, args.head_dim
     for name, ls in cases.items():
-        t, mx = sum(ls), max(ls)
-        q, k, v = (torch.randn(t, h, d, device=dev, dtype=dtype) for _ in range(3))
-        cu = cu_seqlens(ls, dev)
         flops = sum(4 * h * d * s * s for s in ls)
-        profiled(f"{name} ours", flops, lambda: cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx), args.labels)
-        if fa4 is not None:
-            run = lambda: fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx)  # noqa: E731
-            profiled(f"{name} FA4", flops, run, args.labels)
-    q, k, v = (torch.randn(batch, seqlen, h, d, device=dev, dtype=dtype) for _ in range(3))
+        for row, (fn, _) in peer_calls(ls, h, d, dense=False).items():
+            profiled(f"{name} {row.split()[0]}", flops, fn, args.labels)  # "{case} ours", "{case} FA4"
     flops = 4 * h * d * batch * seqlen * seqlen
-    profiled(f"dense {batch}x{seqlen} ours", flops, lambda: cute_flash.attention(q, k, v), args.labels)
-    if fa4_dense is not None:
-        profiled(f"dense {batch}x{seqlen} FA4", flops, lambda: fa4_dense(q, k, v), args.labels)
+    for row, (fn, _) in peer_calls(lens, h, d).items():
+        if "dense" in row:  # "ours dense BxL" -> "dense BxL ours"
+            who, _, shape = row.split()
+            profiled(f"dense {shape} {who}", flops, fn, args.labels)
 
 
 # Metric units ncu may print, to cycles and nanoseconds (base units: "cycle", "nsecond"; ncu's default scales them).

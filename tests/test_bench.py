@@ -516,6 +516,51 @@ def test_varlen_bwd_cycles_join_splits_launches_at_the_markers(tmp_path, capsys)
         join(str(csv_path), str(labels))
 
 
+def test_study_tools_build_their_rows_from_one_set_of_peer_calls(monkeypatch):
+    # profiling.varlen_benchmark.peer_calls serves sustained_clocks, varlen_bwd_cycles and varlen_fwd_variants: the
+    # rows and labels those tools print (and docs/performance.md quotes), built here on the CPU with fake peers.
+    import torch
+
+    from profiling import varlen_benchmark, varlen_bwd_cycles, varlen_fwd_variants
+
+    randn = torch.randn
+    monkeypatch.setattr(
+        torch, "randn", lambda *shape, generator=None, device=None, dtype=None: randn(*shape, dtype=dtype)
+    )
+    monkeypatch.setattr(torch, "Generator", lambda device=None: type("G", (), {"manual_seed": lambda self, s: self})())
+    cu_seqlens = varlen_benchmark.cu_seqlens
+    monkeypatch.setattr(varlen_benchmark, "cu_seqlens", lambda lens, dev: cu_seqlens(lens, "cpu"))
+    monkeypatch.setattr(varlen_benchmark, "fa4_function", lambda name: (lambda *a, **k: None))
+
+    calls = varlen_benchmark.peer_calls([300, 500], 2, 64, grad=True, seed=1)
+    assert list(calls) == ["ours varlen", "FA4 varlen", "ours dense 2x384", "FA4 dense 2x384"]
+    assert [t.shape for t in calls["ours dense 2x384"][1]] == [(2, 384, 2, 64)] * 3
+    assert all(t.requires_grad for _, leaves in calls.values() for t in leaves)
+    assert list(varlen_benchmark.peer_calls([300], 2, 64, dense=False, peers=False)) == ["ours varlen"]
+
+    labels = [row[0] for row in varlen_bwd_cycles.rows([1, 0], 2, 64, False, "ours")]
+    assert labels == [
+        "seed 1 ours",
+        "seed 1 FA4",
+        "seed 0 ours",
+        "seed 0 FA4",
+        "dense 12x5248 ours",
+        "dense 12x5248 FA4",
+    ]
+    assert [row[0] for row in varlen_bwd_cycles.rows([2], 2, 64, True, "ours v")] == [
+        "seed 2 ours v",
+        "dense 10x6272 ours v",
+    ]
+
+    profiled = []
+    monkeypatch.setattr(varlen_fwd_variants, "profiled", lambda label, flops, fn, path: profiled.append(label))
+    varlen_fwd_variants.shapes([300, 500], type("Args", (), {"heads": 2, "head_dim": 64, "labels": ""})())
+    assert profiled == [
+        "rounded ours", "rounded FA4", "2x384 ours", "2x384 FA4", "2x383 ours", "2x383 FA4",
+        "dense 2x384 ours", "dense 2x384 FA4",
+    ]  # fmt: skip
+
+
 def test_profiling_target_varlen_equal_packs_the_dense_shape():
     # profiling.target --varlen-equal: batch sequences of seqlen each, the dense case's FLOPs, the flag passed on.
     import argparse
