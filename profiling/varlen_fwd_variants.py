@@ -18,13 +18,15 @@ with rows labelled in launch order in --labels (what `--join` matches with ncu's
     python -m profiling.varlen_fwd_variants --join ncu.csv out/labels.txt
 
 Variants:
-  default     the library's kernel
-  no_zero_v   skips zeroing the V rows past seqlen_k in the first key tile (unsafe with non-finite neighbours:
-              measures what the zeroing costs)
-  one_trip    each CTA's sequence, row offsets and lengths from one round of cu_seqlens loads (the warp scan's lanes
-              load cu_seqlens_q / _k at b and b + 1 together; the hit lane's values are shuffled), instead of the
-              scan followed by a second dependent round of loads (common/packed.seq_rows)
-  seq_major   FA4's CTA order: sequence-major (every head of sequence 0, then sequence 1, ...) instead of head-major
+  default       the library's kernel (d128: 2-CTA clusters sharing K / V by multicast, FwdTileConfig.cluster_m)
+  no_multicast  the library's kernel with one CTA per cluster (the default before session 25)
+  no_zero_v     skips zeroing the V rows past seqlen_k in the first key tile (unsafe with non-finite neighbours:
+                measures what the zeroing costs)
+  one_trip      each CTA's sequence, row offsets and lengths from one round of cu_seqlens loads (the warp scan's
+                lanes load cu_seqlens_q / _k at b and b + 1 together; the hit lane's values are shuffled), instead of
+                the scan followed by a second dependent round of loads (common/packed.seq_rows); one CTA per cluster
+  seq_major     FA4's CTA order: sequence-major (every head of sequence 0, then sequence 1, ...) instead of
+                head-major; one CTA per cluster
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ import torch
 
 from .varlen_benchmark import MAX_LEN, MIN_LEN, _bench_ms, draw_lengths, equal_work_dense, peer_calls
 
-VARIANTS = ("default", "no_zero_v", "one_trip", "seq_major")
+VARIANTS = ("default", "no_multicast", "no_zero_v", "one_trip", "seq_major")
+SINGLE_CTA = ("no_multicast", "one_trip", "seq_major")  # built with cluster_m 1 (the last two map CTAs to tiles alone)
 
 
 def _variant_class(name: str):
@@ -52,7 +55,7 @@ def _variant_class(name: str):
     from cute_flash.common.packed_tiles import warp_inclusive_sum
 
     base = flash_fwd.Sm90FlashForward
-    if name == "default":
+    if name in ("default", "no_multicast"):
         return base
 
     @cute.jit
@@ -139,16 +142,20 @@ def _variant_class(name: str):
     return Variant
 
 
-def build_variant(name: str, spec, target: str):
-    """The compiled packed forward of `spec` for `target` with variant `name`'s kernel class."""
+def build_variant(name: str, spec, target: str, extra_options=None):
+    """The compiled packed forward of `spec` for `target` with variant `name`'s kernel class (and its tile
+    configuration: SINGLE_CTA)."""
+    from dataclasses import replace
+
     from cute_flash.arch.sm90 import build
     from cute_flash.arch.sm90.tile_config import fwd_tile_config
 
     cls = _variant_class(name)
+    cfg = replace(fwd_tile_config(spec), cluster_m=1) if name in SINGLE_CTA else fwd_tile_config(spec)
     saved = build.Sm90FlashForward
     build.Sm90FlashForward = cls
     try:
-        return build.compile_forward_packed(spec, fwd_tile_config(spec), target)
+        return build.compile_forward_packed(spec, cfg, target, extra_options)
     finally:
         build.Sm90FlashForward = saved
 

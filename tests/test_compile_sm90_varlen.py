@@ -51,6 +51,9 @@ print(json.dumps({
     "acquire_loads": sum("ld.acquire.gpu" in line for line in ptx.splitlines()),
     "launch_dependents": ptx.count("griddepcontrol.launch_dependents"),
     "shuffles": sum("shfl.sync" in line for line in ptx.splitlines()),
+    "multicast_loads": sum("multicast::cluster" in line for line in ptx.splitlines()),
+    "remote_arrives": ptx.count("mbarrier.arrive.shared::cluster"),
+    "cluster_barriers": ptx.count("barrier.cluster.arrive") + ptx.count("barrier.cluster.wait"),
 }))
 """
 
@@ -59,6 +62,7 @@ print(json.dumps({
 # spill-free); kept out of CI for time.
 BUILDS = [
     (128, 128, "causal", False, "fwd"),
+    (128, 128, "none", True, "fwd"),  # 2-CTA clusters sharing K / V (tile_config.multicast_kv)
     (64, 64, "none", True, "fwd"),
     (128, 128, "causal", True, "bwd"),
     (128, 128, "causal", False, "bwd_gqa_det"),
@@ -96,6 +100,34 @@ def test_sm90_varlen_forward_compiles(builds, d, dv, mask, seqused, role):
     assert rep["spills"] and set(rep["spills"]) == {0}, rep["spills"]
     # O: 64 rows x dv per consumer warpgroup in 16-byte stores over its 128 threads, no TMA store
     assert rep["vector_stores"] == 64 * dv // (8 * 128) and rep["tma_stores"] == 0, rep
+
+
+def test_sm90_varlen_forward_multicasts_kv_without_a_mask(builds):
+    """The packed d128 forward without a mask runs in 2-CTA clusters: K and V arrive by multicast TMA loads, the
+    consumers release stages in both CTAs (remote mbarrier arrives), and the only cluster barrier is the one after
+    the barriers' init (no barrier before exit: pipelines.ClusterRing). With a causal mask, one CTA per cluster."""
+    rep = _report(builds, (128, 128, "none", True, "fwd"))
+    assert rep["multicast_loads"] > 0 and rep["remote_arrives"] > 0 and rep["cluster_barriers"] == 2, rep
+    causal = _report(builds, (128, 128, "causal", False, "fwd"))
+    assert causal["multicast_loads"] == 0 and causal["remote_arrives"] == 0 and causal["cluster_barriers"] == 0
+
+
+def test_forward_tile_configs_multicast_only_packed_d128_without_a_mask():
+    from dataclasses import replace
+
+    from cute_flash.arch.sm90.backend import split_tile_config
+    from cute_flash.arch.sm90.tile_config import budget_problem, fwd_tile_config
+    from cute_flash.spec import AttentionSpec
+
+    def cluster(d, mask, varlen, dtype="bf16"):
+        return fwd_tile_config(AttentionSpec(dtype, d, d, mask, "bf16", varlen=varlen)).cluster_m
+
+    assert cluster(128, "none", True) == 2 and cluster(128, "none", True, "fp16") == 2
+    assert {cluster(128, "none", False), cluster(128, "causal", True), cluster(128, "local", True)} == {1}
+    assert {cluster(64, "none", True), cluster(96, "none", True), cluster(256, "none", True)} == {1}
+    packed = AttentionSpec("bf16", 128, 128, "none", "bf16", varlen=True)
+    assert split_tile_config(packed).cluster_m == 1
+    assert "cluster_m" in budget_problem(replace(fwd_tile_config(packed), cluster_m=4), 128, 128)
 
 
 def test_sm90_varlen_backward_compiles(builds):
@@ -137,22 +169,14 @@ def test_sm90_varlen_preprocess_zeroes_dq_and_signals_pdl(builds):
 _VARIANTS_SCRIPT = r"""
 import json, tempfile
 from cute_flash import census, compile_cache
-from cute_flash.arch.sm90 import build
-from cute_flash.arch.sm90.tile_config import fwd_tile_config
 from cute_flash.spec import AttentionSpec
-from profiling.varlen_fwd_variants import VARIANTS, _variant_class
+from profiling.varlen_fwd_variants import VARIANTS, build_variant
 
 spec = AttentionSpec("bf16", 128, 128, "none", "bf16", varlen=True)
 spills = {}
 for name in VARIANTS[1:]:
-    saved, build.Sm90FlashForward = build.Sm90FlashForward, _variant_class(name)
-    try:
-        with census.capture_fd_stderr() as captured:
-            build.compile_forward_packed(
-                spec, fwd_tile_config(spec), "sm_90a", compile_cache.keep_artifacts_options(tempfile.mkdtemp())
-            )
-    finally:
-        build.Sm90FlashForward = saved
+    with census.capture_fd_stderr() as captured:
+        build_variant(name, spec, "sm_90a", compile_cache.keep_artifacts_options(tempfile.mkdtemp()))
     spills[name] = [r.get("spill_bytes") for _, r in census.parse_ptxas_reports("".join(captured))]
 print(json.dumps(spills))
 """
@@ -166,5 +190,5 @@ def test_varlen_forward_study_variants_compile():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     spills = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(spills) == {"no_zero_v", "one_trip", "seq_major"}
+    assert set(spills) == {"no_multicast", "no_zero_v", "one_trip", "seq_major"}
     assert all(s and set(s) == {0} for s in spills.values()), spills

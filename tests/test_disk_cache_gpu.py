@@ -1,6 +1,7 @@
-"""The disk kernel cache on a Hopper GPU: a second process loads every kernel of a forward + backward (MHA and GQA)
-from disk and computes the same results, and `python -m cute_flash warmup` writes exactly the keys those calls look
-up. Each run is a fresh process with its own cache directory.
+"""The disk kernel cache on a Hopper GPU: a second process loads every kernel of a forward + backward (MHA and GQA;
+dense, and packed sequences whose forward launches clusters) from disk and computes the same results, and
+`python -m cute_flash warmup` writes exactly the keys those calls look up. Each run is a fresh process with its own
+cache directory.
 
 Run: python -m pytest -q tests/test_disk_cache_gpu.py
 """
@@ -21,12 +22,12 @@ pytestmark = [pytest.mark.sm90]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _child(cache_dir, out_path) -> dict:
+def _child(cache_dir, out_path, *args) -> dict:
     env = dict(os.environ, CUTE_FLASH_CACHE_DIR=str(cache_dir))
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("CUTE_FLASH_ARCH", None)
     env.pop("CUTE_DSL_ARCH", None)
-    cmd = [sys.executable, os.path.join(ROOT, "tests", "cache_gpu_child.py"), str(out_path)]
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "cache_gpu_child.py"), str(out_path), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -41,11 +42,12 @@ def _assert_same(a, b):
             torch.testing.assert_close(ga, gb, atol=2e-2, rtol=2e-2)  # dQ's fp32 atomics may add in another order
 
 
-def test_a_second_process_loads_every_kernel_from_disk(tmp_path):
-    cache = tmp_path / "cache"
-    first = _child(cache, tmp_path / "first.pt")
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+def test_a_second_process_loads_every_kernel_from_disk(tmp_path, layout):
+    cache, args = tmp_path / "cache", ["packed"] if layout == "packed" else []
+    first = _child(cache, tmp_path / "first.pt", *args)
     assert "built" in first["sources"] and "disk" not in first["sources"], first
-    second = _child(cache, tmp_path / "second.pt")
+    second = _child(cache, tmp_path / "second.pt", *args)
     assert set(second["sources"]) == {"disk"} and len(second["sources"]) == len(first["sources"]), second
     if disk_cache.c_compiler() is not None:
         assert not second["cutlass_imported"], "a linked entry should load through TVM-FFI alone"

@@ -13,6 +13,7 @@ import enum
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+from cutlass.cutlass_dsl import if_generate
 
 from .tile_config import MAX_BWD_CONSUMER_WGS, WARPGROUP_THREADS
 
@@ -53,6 +54,11 @@ class WarpGroupTurns:
         if cutlass.const_expr(self.enabled):
             nxt = (self.consumer_idx + 1) % self.num_consumers
             cute.arch.barrier_arrive(barrier_id=int(BarrierId.TURN_FIRST) + nxt, number_of_threads=self.threads)
+
+    def take_turn_if(self, take) -> None:
+        """A turn without GEMMs (a consumer without rows keeps the others going) where `take` (a runtime Boolean)."""
+        if cutlass.const_expr(self.enabled):
+            if_generate(take, lambda: (self.wait_turn(), self.pass_turn()))
 
 
 def warpgroup_sync(consumer_idx: Int32) -> None:

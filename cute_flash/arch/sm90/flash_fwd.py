@@ -24,6 +24,12 @@ d / dv), out (total_q, h, dv), lse (h, total_q), cu_seqlens_q / _k, seqused_k or
 next sequence's rows: keys there are masked like any key past seqlen_k, query rows there are computed and not
 stored (epilogue.py stores O row-predicated, not by TMA). The grid spans every sequence's query tiles in order
 (cta.py; at most batch + 1 CTAs per head without work).
+
+Clusters (FwdTileConfig.cluster_m 2; packed d128 calls without a mask, tile_config.multicast_kv): two CTAs share the
+query tiles of one (sequence, head), 64-row slices dealt out in turn (cta.py), and each loads half of every K / V tile
+into both by TMA multicast (loads.py); the K / V rings count both CTAs' consumers (pipelines.py). Half the L2 reads of
+K and V: the GPU runs at a higher clock under its power cap. A consumer whose slice has no rows takes part in the rings
+and the ping-pong without computing (`drain_kv`).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from .barriers import WarpGroupTurns, warpgroup_sync
 from .cta import CtaWork, cta_work
 from .epilogue import store_o_and_lse, store_partial_o_and_lse, zero_rows_from
 from .loads import load_q_k_v
-from .pipelines import LoadPipelines, consumer_state, consumer_wait, make_load_pipelines
+from .pipelines import LoadPipelines, cluster_rings, consumer_state, consumer_wait, make_load_pipelines
 from .tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS, FwdTileConfig
 from .views import head_tiles, packed_seq_major_view, packed_stats_view, seq_major_view, stats_view
 from . import wgmma
@@ -112,6 +118,9 @@ class Sm90FlashForward(FwdEntries):
         # writing its normalised O and LSE in fp32 for the combine kernel; mO / mLSE are then (splits * b, sq, h, dv)
         # and (splits * b, h, sq) fp32 and the grid's third dimension spans them (cta.py).
         self.split_kv = split_kv
+        assert self.cluster_m == 1 or (
+            self.mask_kind == "none" and not split_kv
+        ), "K / V multicast (cluster_m 2) needs every CTA of a cluster to walk the same key tiles: no mask or split"
         # O reuses each consumer's Q slice: one slot per consumer, as wide as the wider of the two, so that a consumer
         # writing its O never touches the Q another consumer may still be reading (head_dim != head_dim_v).
         self.slice_elems = ROWS_PER_CONSUMER * max(spec.head_dim, spec.head_dim_v)
@@ -131,6 +140,7 @@ class Sm90FlashForward(FwdEntries):
         self.tile_m = cfg.tile_m
         self.tile_n = cfg.tile_n
         self.num_stages = cfg.num_stages
+        self.cluster_m = cfg.cluster_m
 
     def tma_atoms(self, mQ, mK, mV, mO, sQ_layout, sK_layout, sV_layout, sO_layout, v_box):
         """TMA atoms and coordinate tensors: loads of one Q slice, one K and one V stage (`v_box`: the V tile as the
@@ -138,8 +148,12 @@ class Sm90FlashForward(FwdEntries):
         rows = ROWS_PER_CONSUMER
         load = cpasync.CopyBulkTensorTileG2SOp()
         atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, _one(sQ_layout), (rows, self.head_dim))
-        atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, _one(sK_layout), (self.tile_n, self.head_dim))
-        atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, _one(sV_layout), v_box)
+        kv_load, mcast = load, {}
+        if const_expr(self.cluster_m > 1):  # each CTA of the cluster loads a part of K / V for all (loads.py)
+            kv_load, mcast = cpasync.CopyBulkTensorTileG2SMulticastOp(), {"num_multicast": self.cluster_m}
+        k_box = (self.tile_n, self.head_dim)
+        atom_k, tma_k = cpasync.make_tiled_tma_atom(kv_load, mK, _one(sK_layout), k_box, **mcast)
+        atom_v, tma_v = cpasync.make_tiled_tma_atom(kv_load, mV, _one(sV_layout), v_box, **mcast)
         if const_expr(mO is None):  # O stored without TMA (split_kv: fp32 partials from registers)
             return (atom_q, atom_k, atom_v), (tma_q, tma_k, tma_v, None)
         atom_o, tma_o = cpasync.make_tiled_tma_atom(
@@ -151,15 +165,18 @@ class Sm90FlashForward(FwdEntries):
         """Grid (query tiles, heads, batch) and block of the launch (split_kv: (query tiles, heads, splits x batch),
         mO the partials' view); packed: (cu_seqlens_q, max_seqlen_q), grid (every sequence's query tiles, heads, 1)
         (cta.py)."""
+        ctas = self.cluster_m  # the query tiles of a cluster: whole clusters of tiles per (sequence, head) (cta.py)
         if const_expr(packed is None):
-            grid = [cute.ceil_div(mQ.shape[0], self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3])]
+            tiles = cute.ceil_div(mQ.shape[0], self.tile_m * ctas) * ctas
+            grid = [tiles, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])]
             if const_expr(self.split_kv):
                 grid[2] = cute.size(mO.shape[3])  # (split, batch) pairs: mO's batch dimension
         else:
             mCuSeqlensQ, _ = packed
-            tiles = packed_tiles_bound(mQ.shape[0], mCuSeqlensQ.shape[0] - 1, self.tile_m)
+            tiles = packed_tiles_bound(mQ.shape[0], mCuSeqlensQ.shape[0] - 1, self.tile_m * ctas) * ctas
             grid = [tiles, cute.size(mQ.shape[2]), 1]
-        return dict(grid=grid, block=[self.cfg.num_threads, 1, 1], min_blocks_per_mp=1)
+        cluster = {} if const_expr(ctas == 1) else {"cluster": [ctas, 1, 1]}
+        return dict(grid=grid, block=[self.cfg.num_threads, 1, 1], min_blocks_per_mp=1, **cluster)
 
     @cute.jit
     def _launch(self, mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, packed=None):
@@ -311,9 +328,14 @@ class Sm90FlashForward(FwdEntries):
             q_bytes=self.bytes_q,
             k_bytes=self.bytes_k,
             v_bytes=self.bytes_v,
+            cluster_m=self.cluster_m,
         )
-        pipeline.pipeline_init_arrive(is_relaxed=True)
+        pipeline.pipeline_init_arrive(self.cluster_shape(), is_relaxed=True)
         return warp_idx, tidx, storage, pipes
+
+    def cluster_shape(self):
+        """The (m, n) shape of a cluster where there are clusters (the multicast's barrier init is cluster-wide)."""
+        return None if const_expr(self.cluster_m == 1) else (self.cluster_m, 1)
 
     @cute.jit
     def run_roles(
@@ -335,12 +357,15 @@ class Sm90FlashForward(FwdEntries):
         sequences (a CTA past its sequence's end does nothing)."""
         work = cta_work(
             gmem[0], gmem[1], self.tile_m, self.tile_n, self.mask_kind, window_left, window_right, packed,
-            self.split_kv,
+            self.split_kv, self.cluster_m,
         )  # fmt: skip
 
-        pipeline.pipeline_init_wait()
+        pipeline.pipeline_init_wait(self.cluster_shape())
 
-        if const_expr(packed is None):
+        if const_expr(self.cluster_m > 1):
+            if work.cluster_active(self.tile_m, self.cluster_m):  # (no barrier before exit: pipelines.ClusterRing)
+                self.roles(warp_idx, tidx, pipes, atoms, gmem, smem, consume, work)
+        elif const_expr(packed is None):
             self.roles(warp_idx, tidx, pipes, atoms, gmem, smem, consume, work)
         else:
             if work.active(self.tile_m):
@@ -356,7 +381,35 @@ class Sm90FlashForward(FwdEntries):
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             consumer = warp_group - 1
-            consume(work, consumer, tidx % WARPGROUP_THREADS, warp_idx % 4)
+            if const_expr(self.cluster_m == 1):
+                consume(work, consumer, tidx % WARPGROUP_THREADS, warp_idx % 4)
+            else:
+                self.consume_or_drain(pipes, consume, work, consumer, tidx % WARPGROUP_THREADS, warp_idx % 4)
+
+    @cute.jit
+    def consume_or_drain(self, pipes, consume: cutlass.Constexpr, work: CtaWork, consumer, tidx, warp_in_wg):
+        """In a cluster: consume where this consumer's 64-row slice has query rows; else take every K and V stage as
+        it fills and release it at once (in the consumers' order, K_j before V_j), so that the multicast goes on."""
+        if work.slice_active(consumer, self.num_consumers, self.cluster_m):
+            consume(work, consumer, tidx, warp_in_wg)
+        else:
+            self.drain_kv(cluster_rings(pipes, work.n_max - work.n_min, self.num_stages), work, consumer)
+
+    @cute.jit
+    def drain_kv(self, pipes: LoadPipelines, work: CtaWork, consumer: Int32):
+        """(consume_or_drain) The consumer also takes its GEMM turns as `mainloop` does (one per tile after the
+        first), so that the other consumer of the CTA, which may have rows, goes on."""
+        turns = WarpGroupTurns(consumer, self.num_consumers, self.cfg.ping_pong)
+        turns.prime()
+        take_turn_if = turns.take_turn_if  # (a function: the DSL's loop need not carry `turns`)
+        kv = consumer_state(self.num_stages)
+        for i in cutlass.range(work.n_max - work.n_min, unroll=1):
+            consumer_wait(pipes.k, kv)
+            pipes.k.consumer_release(kv)
+            take_turn_if(i > 0)  # (mainloop: no turn for the first tile)
+            consumer_wait(pipes.v, kv)
+            pipes.v.consumer_release(kv)
+            kv.advance()
 
     def v_tiles(self, mV: cute.Tensor, head_kv: Int32, batch: Int32, offset_k=None) -> cute.Tensor:
         """This (batch, KV head)'s V tiles as the producer loads them, tile index last: (tile_n, dv, tiles)."""
@@ -368,7 +421,7 @@ class Sm90FlashForward(FwdEntries):
         atom_q, atom_k, atom_v = atoms
         mQ, mK, mV = gmem
         sQ, sK, sV = smem
-        m_block, head, head_kv, batch = work.m_block, work.head, work.head_kv, work.batch
+        head, head_kv, batch = work.head, work.head_kv, work.batch
         offset_q, offset_k, n_min, n_max = work.offset_q, work.offset_k, work.n_min, work.n_max
         rows = ROWS_PER_CONSUMER
         gQ = cute.local_tile(head_tiles(mQ, head, batch, offset_q), (rows, self.head_dim), (None, 0))
@@ -385,17 +438,21 @@ class Sm90FlashForward(FwdEntries):
             sQ,
             sK,
             sV,
-            m_block * self.num_consumers,
+            work.q_slice(0, self.num_consumers, self.cluster_m),
             self.num_consumers,
             self.num_stages,
             n_min,
             n_max,
+            self.cluster_m,
+            None if const_expr(self.cluster_m == 1) else work.slice_active(0, self.num_consumers, self.cluster_m),
         )
 
     @cute.jit
     def consume(self, pipes, mmas, smem, out, descales, softmax_scale, work: CtaWork, consumer, tidx, warp_in_wg):
         """One consumer warpgroup's query rows: mmas, smem (sQ, sK, sV) and out (sO, mO, mLSE, O's TMA atom) as
         kernel() packs them; descales: the FP8 kernel's (none here)."""
+        if const_expr(self.cluster_m > 1):
+            pipes = cluster_rings(pipes, work.n_max - work.n_min, self.num_stages)
         tiled_mma_qk, tiled_mma_pv = mmas
         sQ, sK, sV = smem
         n_min, n_max = work.n_min, work.n_max
@@ -458,7 +515,7 @@ class Sm90FlashForward(FwdEntries):
     ):
         """O (normalised, in the MMA layout of tiled_mma_o) and LSE of this consumer's 64 rows."""
         sO, mO, mLSE, atom_o = out
-        slice_idx = work.m_block * self.num_consumers + consumer
+        slice_idx = work.q_slice(consumer, self.num_consumers, self.cluster_m)
         if const_expr(self.split_kv):
             store_partial_o_and_lse(
                 acc_O, lse, self.head_dim_v, thr_o, mO, mLSE, slice_idx, work.head, work.out_batch, work.seqlen_q

@@ -20,6 +20,7 @@ reproduces it):
 With head_dim != head_dim_v the widest of the two picks the row above, except for the pairs in _BY_HEAD_DIMS.
 Q·Kᵀ reads both operands from shared memory, so head_dim costs shared memory and GEMM time but no registers;
 head_dim_v sets the O accumulator (dv / 2 registers per thread) and, with head_dim, the K/V stage size.
+Packed d128 calls without a mask run the d <= 128 tile in 2-CTA clusters that share K / V (cluster_m, multicast_kv).
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class FwdTileConfig:
     ping_pong: bool = True  # named barriers make the consumers take turns issuing their GEMMs
     consumer_regs: int = 240  # setmaxnreg.inc for consumer threads
     producer_regs: int = 24  # setmaxnreg.dec for the producer warpgroup
+    # CTAs per cluster along the query tiles (1 or 2). With 2, the CTAs of a cluster take adjacent query tiles of one
+    # (sequence, head) and each loads half of every K / V tile for both by TMA multicast: half the L2 reads of K and V.
+    # Only without a mask (the cluster's CTAs must walk the same key tiles) and not with split keys.
+    cluster_m: int = 1
 
     @property
     def tile_m(self) -> int:
@@ -80,6 +85,8 @@ def budget_problem(cfg: FwdTileConfig, head_dim: int, head_dim_v: int) -> Option
         return f"tile_n={cfg.tile_n} must be a multiple of 16 in [16, 256] (wgmma N for S, K for P·V)"
     if head_dim_v > 256:
         return f"head_dim_v={head_dim_v} exceeds wgmma's N limit of 256"
+    if cfg.cluster_m not in (1, 2):
+        return f"cluster_m={cfg.cluster_m} must be 1 or 2"
     if (problem := register_problem(cfg)) is not None:
         return problem
     need = smem_bytes(cfg, head_dim, head_dim_v)
@@ -113,8 +120,17 @@ def fwd_tile_config(spec: AttentionSpec) -> FwdTileConfig:
     width = max(spec.head_dim, spec.head_dim_v)
     for limit, cfg in _BY_HEAD_DIM:
         if width <= limit:
-            return cfg
+            return replace(cfg, cluster_m=2) if multicast_kv(spec) else cfg
     raise ValueError(f"no sm90 forward tile configuration for head dim {width} (at most 256)")
+
+
+def multicast_kv(spec: AttentionSpec) -> bool:
+    """Whether `spec`'s forward runs in 2-CTA clusters sharing K / V (FwdTileConfig.cluster_m): packed d128 calls
+    without a mask. They take 2.4-3.5% more cycles but run at a 4-6% higher clock under the power cap (half the L2
+    reads of K and V): sustained 0.5-1.5% (H100) and 2.5-3.3% (H200) faster than one CTA per cluster
+    (docs/performance.md, session 25). Dense calls gained nothing (their clock did not move); other head dims were
+    not measured."""
+    return spec.varlen and spec.mask == "none" and spec.head_dim == spec.head_dim_v == 128 and spec.dtype != "fp8"
 
 
 UNSHUFFLED_STAT_COLS = 16  # default of BwdTileConfig.max_unshuffled_stat_cols
