@@ -9,6 +9,8 @@ Cases sharing compiled kernels share an xdist group:
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -286,6 +288,49 @@ def test_sm90_varlen_seqused_k(sm90_varlen, mask, heads):
     for b in range(len(lens_k)):
         k0, k1 = ck[b].item() + used[b].item(), ck[b + 1].item()
         assert torch.all(grads[1][k0:k1] == 0) and torch.all(grads[2][k0:k1] == 0)
+
+
+@pytest.mark.sm90
+@pytest.mark.xdist_group("varlen90-bf16-d128-full")
+def test_sm90_varlen_multicast_forward_matches_one_cta_per_cluster(sm90_varlen):
+    """The d128 packed forward without a mask runs in 2-CTA clusters sharing K / V (tile_config.multicast_kv): its
+    out and lse are bitwise those of the same kernel with one CTA per cluster (the same products of the same tiles).
+    Sequences whose last cluster holds 1, 2, 3 or 4 slices of 64 rows, empty ones, queries without keys, GQA, with
+    and without seqused_k."""
+    import dataclasses
+
+    import cute_flash
+    from cute_flash.arch.sm90 import backend, build
+    from cute_flash.arch.sm90.tile_config import fwd_tile_config
+
+    lens_q, lens_k = [0, 1, 64, 65, 129, 193, 256, 257, 700, 3], [5, 1, 64, 80, 129, 200, 256, 300, 650, 0]
+    q, k, v, cq, ck = _packed("bf16", 128, lens_q, lens_k, 4, 2, seed=11)
+    used = torch.tensor([max(0, n - 37) for n in lens_k], dtype=torch.int32, device="cuda")
+
+    def both():
+        with torch.no_grad():
+            run = partial(cute_flash.attention_varlen, q, k, v, cq, ck, max(lens_q), max(lens_k), return_lse=True)
+            return run(), run(seqused_k=used)
+
+    multicast = both()
+
+    def these_calls(key):  # their two builds: without and with seqused_k
+        spec, _, variant = key
+        return spec.varlen and (spec.dtype, spec.head_dim, spec.mask) == ("bf16", 128, "none") and variant != "split"
+
+    keys = [key for key in backend._forward_kernels if these_calls(key)]
+    spec = keys[0][0]
+    assert len(keys) == 2 and fwd_tile_config(spec).cluster_m == 2, keys
+    saved = {key: backend._forward_kernels[key] for key in keys}
+    try:
+        cfg = dataclasses.replace(fwd_tile_config(spec), cluster_m=1)
+        for key in keys:
+            backend._forward_kernels[key] = build.compile_forward_packed(spec, cfg, key[1], None, key[2] == "seqused_k")
+        single = both()
+    finally:
+        backend._forward_kernels.update(saved)
+    for (out_m, lse_m), (out_s, lse_s) in zip(multicast, single):
+        assert torch.equal(out_m, out_s) and torch.equal(lse_m, lse_s)
 
 
 @pytest.mark.sm90

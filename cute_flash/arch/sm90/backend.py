@@ -14,8 +14,6 @@ Packed sequences (`attention_varlen`): the forward's and the backward's packed b
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import tempfile
 from typing import Dict, List, Optional, Tuple
 
@@ -78,7 +76,7 @@ def _build_forward(
 def split_tile_config(spec: AttentionSpec) -> FwdTileConfig:
     """The tile configuration of `spec`'s split-key build: the forward's (a study may replace this function:
     profiling/decode_benchmark.py --split-configs)."""
-    return replace(fwd_tile_config(spec), cluster_m=1)  # (the split keys of one query tile differ per CTA)
+    return fwd_tile_config(spec)
 
 
 # (spec, target, variant) -> compiled forward; variant: "" (dense), "seqused_k" (packed, reading seqused_k), "split"

@@ -5,7 +5,8 @@ tiles go in reverse, so that the CTAs with the most key tiles (the last rows) st
 behind them.
 
 Packed (varlen) batches: grid (tiles, heads, 1) over every sequence's query tiles in order, sized by
-`packed_tiles_bound` (at most batch + 1 tiles per head without work, `CtaWork.active`); a CTA finds its sequence and
+`packed_tiles_bound` (at most batch + 1 tiles per head without work, `CtaWork.active`; in clusters of two, at most
+2 (batch + 1) CTAs); a CTA finds its sequence and
 tile (`packed_tile`; causal: in reverse, the last tile of the last sequence first) and reads the sequence's row
 offsets and lengths from cu_seqlens (common/packed.py).
 
@@ -52,7 +53,9 @@ class CtaWork(NamedTuple):
 
     def q_slice(self, consumer, num_consumers: int, cluster_m: int):
         """The 64-row query slice (of the sequence) that consumer `consumer` of this CTA owns: the CTA's tile's
-        own, or in a cluster dealt out in turn (above), with m_block = cluster * cluster_m + the CTA's rank."""
+        own, or in a cluster dealt out in turn (above), with m_block = cluster * cluster_m + the CTA's rank (bidx %
+        cluster_m: the launch's cluster dims (cluster_m, 1, 1) make it the CTA's rank in its cluster, which
+        loads.py reads from the hardware for the multicast)."""
         if cluster_m == 1:
             return self.m_block * num_consumers + consumer
         rank = self.m_block % cluster_m

@@ -23,7 +23,7 @@ d / dv), out (total_q, h, dv), lse (h, total_q), cu_seqlens_q / _k, seqused_k or
 (total, dim, heads); a CTA offsets them to its sequence's first row (cta.py). Loads past the sequence's end read the
 next sequence's rows: keys there are masked like any key past seqlen_k, query rows there are computed and not
 stored (epilogue.py stores O row-predicated, not by TMA). The grid spans every sequence's query tiles in order
-(cta.py; at most batch + 1 CTAs per head without work).
+(cta.py; at most batch + 1 CTAs per head without work, twice that in clusters).
 
 Clusters (FwdTileConfig.cluster_m 2; packed d128 calls without a mask, tile_config.multicast_kv): two CTAs share the
 query tiles of one (sequence, head), 64-row slices dealt out in turn (cta.py), and each loads half of every K / V tile
@@ -118,9 +118,7 @@ class Sm90FlashForward(FwdEntries):
         # writing its normalised O and LSE in fp32 for the combine kernel; mO / mLSE are then (splits * b, sq, h, dv)
         # and (splits * b, h, sq) fp32 and the grid's third dimension spans them (cta.py).
         self.split_kv = split_kv
-        assert self.cluster_m == 1 or (
-            self.mask_kind == "none" and not split_kv
-        ), "K / V multicast (cluster_m 2) needs every CTA of a cluster to walk the same key tiles: no mask or split"
+        assert self.cluster_m == 1 or not split_kv, "K / V multicast (cluster_m 2) and split keys do not combine"
         # O reuses each consumer's Q slice: one slot per consumer, as wide as the wider of the two, so that a consumer
         # writing its O never touches the Q another consumer may still be reading (head_dim != head_dim_v).
         self.slice_elems = ROWS_PER_CONSUMER * max(spec.head_dim, spec.head_dim_v)
@@ -141,10 +139,14 @@ class Sm90FlashForward(FwdEntries):
         self.tile_n = cfg.tile_n
         self.num_stages = cfg.num_stages
         self.cluster_m = cfg.cluster_m
+        assert (
+            cfg.cluster_m == 1 or spec.mask == "none"
+        ), "K / V multicast (cluster_m 2) needs every CTA of a cluster to walk the same key tiles: no mask"
 
     def tma_atoms(self, mQ, mK, mV, mO, sQ_layout, sK_layout, sV_layout, sO_layout, v_box):
         """TMA atoms and coordinate tensors: loads of one Q slice, one K and one V stage (`v_box`: the V tile as the
-        kernel stores it), the store of one O slice."""
+        kernel stores it; in a cluster each CTA's atom loads its part of the stage for all, loads.py), the store of
+        one O slice."""
         rows = ROWS_PER_CONSUMER
         load = cpasync.CopyBulkTensorTileG2SOp()
         atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, _one(sQ_layout), (rows, self.head_dim))
@@ -354,7 +356,8 @@ class Sm90FlashForward(FwdEntries):
         """This CTA's work; then warpgroup 0 gives registers away and its warp 0 loads (atoms, gmem, smem: those of
         Q, K and V), while the others take them and consume(work, consumer index, thread index within the
         warpgroup, warp index within it). packed: the cu_seqlens_q, cu_seqlens_k, seqused_k tensors of packed
-        sequences (a CTA past its sequence's end does nothing)."""
+        sequences (a CTA past its sequence's end does nothing, unless another CTA of its cluster has rows: then it
+        still loads its part of K / V and drains the rings)."""
         work = cta_work(
             gmem[0], gmem[1], self.tile_m, self.tile_n, self.mask_kind, window_left, window_right, packed,
             self.split_kv, self.cluster_m,
@@ -389,7 +392,8 @@ class Sm90FlashForward(FwdEntries):
     @cute.jit
     def consume_or_drain(self, pipes, consume: cutlass.Constexpr, work: CtaWork, consumer, tidx, warp_in_wg):
         """In a cluster: consume where this consumer's 64-row slice has query rows; else take every K and V stage as
-        it fills and release it at once (in the consumers' order, K_j before V_j), so that the multicast goes on."""
+        it fills and release it at once (in the consumers' order, K_j before V_j; the last num_stages are not
+        released, pipelines.ClusterRing), so that the multicast goes on."""
         if work.slice_active(consumer, self.num_consumers, self.cluster_m):
             consume(work, consumer, tidx, warp_in_wg)
         else:

@@ -43,12 +43,12 @@ def load_q_k_v(
     `has_rows` (a CTA past its sequence's end still loads its part of K and V for the others)."""
     no_cluster = cute.make_layout(1)
     tQsQ, tQgQ = cpasync.tma_partition(atom_q, 0, no_cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-    rank, ctas, mcast_mask = 0, no_cluster, None
+    rank, cluster, mcast_mask = 0, no_cluster, None
     if cutlass.const_expr(cluster_m > 1):
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        ctas, mcast_mask = cute.make_layout(cluster_m), cutlass.Int16((1 << cluster_m) - 1)  # every CTA
-    tKsK, tKgK = cpasync.tma_partition(atom_k, rank, ctas, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-    tVsV, tVgV = cpasync.tma_partition(atom_v, rank, ctas, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        cluster, mcast_mask = cute.make_layout(cluster_m), cutlass.Int16((1 << cluster_m) - 1)  # every CTA
+    tKsK, tKgK = cpasync.tma_partition(atom_k, rank, cluster, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+    tVsV, tVgV = cpasync.tma_partition(atom_v, rank, cluster, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
     k_tiles = (pipes.k, atom_k, tKgK, tKsK, mcast_mask)
     v_tiles = (pipes.v, atom_v, tVgV, tVsV, mcast_mask)
 
@@ -78,7 +78,8 @@ def load_q_k_v(
 def load_tile(tiles, n: Int32, state) -> None:
     """Tile n of (ring, atom, gmem tiles, smem stages, multicast mask or None) into the stage `state` names."""
     ring, atom, src, dst, mcast_mask = tiles
-    # (the barrier's address taken after the tiles', as before clusters: the single-CTA builds' PTX is unchanged)
+    # (the barrier's address taken after the tiles', as before clusters: the single-CTA builds' PTX is unchanged,
+    # profiling.ptx_identity --compare, session 25)
     if cutlass.const_expr(mcast_mask is None):
         cute.copy(atom, src[None, n], dst[None, state.index], tma_bar_ptr=ring.producer_get_barrier(state))
     else:

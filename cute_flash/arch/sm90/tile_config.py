@@ -46,9 +46,10 @@ class FwdTileConfig:
     ping_pong: bool = True  # named barriers make the consumers take turns issuing their GEMMs
     consumer_regs: int = 240  # setmaxnreg.inc for consumer threads
     producer_regs: int = 24  # setmaxnreg.dec for the producer warpgroup
-    # CTAs per cluster along the query tiles (1 or 2). With 2, the CTAs of a cluster take adjacent query tiles of one
-    # (sequence, head) and each loads half of every K / V tile for both by TMA multicast: half the L2 reads of K and V.
-    # Only without a mask (the cluster's CTAs must walk the same key tiles) and not with split keys.
+    # CTAs per cluster along the query tiles (1 or 2). With 2, the CTAs of a cluster share the rows of two query tiles
+    # of one (sequence, head), 64-row slices dealt out in turn (cta.py), and each loads half of every K / V tile for
+    # both by TMA multicast: half the L2 reads of K and V. Only without a mask (the cluster's CTAs must walk the same
+    # key tiles), not with split keys, not in the FP8 kernel.
     cluster_m: int = 1
 
     @property
@@ -130,7 +131,7 @@ def multicast_kv(spec: AttentionSpec) -> bool:
     reads of K and V): sustained 0.5-1.5% (H100) and 2.5-3.3% (H200) faster than one CTA per cluster
     (docs/performance.md, session 25). Dense calls gained nothing (their clock did not move); other head dims were
     not measured."""
-    return spec.varlen and spec.mask == "none" and spec.head_dim == spec.head_dim_v == 128 and spec.dtype != "fp8"
+    return spec.varlen and spec.mask == "none" and spec.head_dim == spec.head_dim_v == 128
 
 
 UNSHUFFLED_STAT_COLS = 16  # default of BwdTileConfig.max_unshuffled_stat_cols

@@ -72,6 +72,7 @@ class Sm90FlashForwardFp8(Sm90FlashForward):
         assert self.out_dtype in (cutlass.BFloat16, cutlass.Float16)
         assert head_dim % 32 == 0 and head_dim_v % 32 == 0
         self._init_cta(spec, cfg.tile)
+        assert self.cluster_m == 1, "the FP8 kernel has no K / V multicast (its consume takes whole CTAs' tiles)"
         self.promote_pv = cfg.promote_pv
         self.exp2_poly_per_row = cfg.exp2_poly_per_row
         self.row_sum_mma = cfg.row_sum_mma
