@@ -20,6 +20,8 @@ with rows labelled in launch order in --labels (what `--join` matches with ncu's
 Variants:
   default       the library's kernel (d128: 2-CTA clusters sharing K / V by multicast, FwdTileConfig.cluster_m)
   no_multicast  the library's kernel with one CTA per cluster (the default before session 25)
+  multicast     the library's kernel in 2-CTA clusters whatever the head dim (the default at d128; with
+                --head-dim 64 / 96 / 256 it measures multicast where the library does not use it yet)
   no_zero_v     skips zeroing the V rows past seqlen_k in the first key tile (unsafe with non-finite neighbours:
                 measures what the zeroing costs)
   one_trip      each CTA's sequence, row offsets and lengths from one round of cu_seqlens loads (the warp scan's
@@ -40,7 +42,7 @@ import torch
 
 from .varlen_benchmark import MAX_LEN, MIN_LEN, _bench_ms, draw_lengths, equal_work_dense, peer_calls
 
-VARIANTS = ("default", "no_multicast", "no_zero_v", "one_trip", "seq_major")
+VARIANTS = ("default", "no_multicast", "multicast", "no_zero_v", "one_trip", "seq_major")
 SINGLE_CTA = ("no_multicast", "one_trip", "seq_major")  # built with cluster_m 1 (the last two map CTAs to tiles alone)
 
 
@@ -55,7 +57,7 @@ def _variant_class(name: str):
     from cute_flash.common.packed_tiles import warp_inclusive_sum
 
     base = flash_fwd.Sm90FlashForward
-    if name in ("default", "no_multicast"):
+    if name in ("default", "no_multicast", "multicast"):
         return base
 
     @cute.jit
@@ -151,7 +153,9 @@ def build_variant(name: str, spec, target: str, extra_options=None):
     from cute_flash.arch.sm90.tile_config import fwd_tile_config
 
     cls = _variant_class(name)
-    cfg = replace(fwd_tile_config(spec), cluster_m=1) if name in SINGLE_CTA else fwd_tile_config(spec)
+    cfg = fwd_tile_config(spec)
+    if name in SINGLE_CTA or name == "multicast":
+        cfg = replace(cfg, cluster_m=2 if name == "multicast" else 1)
     saved = build.Sm90FlashForward
     build.Sm90FlashForward = cls
     try:
