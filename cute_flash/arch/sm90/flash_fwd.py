@@ -167,17 +167,17 @@ class Sm90FlashForward(FwdEntries):
         """Grid (query tiles, heads, batch) and block of the launch (split_kv: (query tiles, heads, splits x batch),
         mO the partials' view); packed: (cu_seqlens_q, max_seqlen_q), grid (every sequence's query tiles, heads, 1)
         (cta.py)."""
-        ctas = self.cluster_m  # the query tiles of a cluster: whole clusters of tiles per (sequence, head) (cta.py)
+        cluster_m = self.cluster_m  # whole clusters of query tiles per (sequence, head) (cta.py)
         if const_expr(packed is None):
-            tiles = cute.ceil_div(mQ.shape[0], self.tile_m * ctas) * ctas
+            tiles = cute.ceil_div(mQ.shape[0], self.tile_m * cluster_m) * cluster_m
             grid = [tiles, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])]
             if const_expr(self.split_kv):
                 grid[2] = cute.size(mO.shape[3])  # (split, batch) pairs: mO's batch dimension
         else:
             mCuSeqlensQ, _ = packed
-            tiles = packed_tiles_bound(mQ.shape[0], mCuSeqlensQ.shape[0] - 1, self.tile_m * ctas) * ctas
+            tiles = packed_tiles_bound(mQ.shape[0], mCuSeqlensQ.shape[0] - 1, self.tile_m * cluster_m) * cluster_m
             grid = [tiles, cute.size(mQ.shape[2]), 1]
-        cluster = {} if const_expr(ctas == 1) else {"cluster": [ctas, 1, 1]}
+        cluster = {} if const_expr(cluster_m == 1) else {"cluster": [cluster_m, 1, 1]}
         return dict(grid=grid, block=[self.cfg.num_threads, 1, 1], min_blocks_per_mp=1, **cluster)
 
     @cute.jit

@@ -49,13 +49,13 @@ def make_load_pipelines(
     producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
     consumer_warps = num_consumer_threads // WARP_THREADS
 
-    def ring(ptr, stages, tx, ctas=1):
-        extra = {} if ctas == 1 else {"cta_layout_vmnk": cute.make_layout((1, ctas, 1, 1))}
+    def ring(ptr, stages, tx, cluster_m=1):
+        extra = {} if cluster_m == 1 else {"cta_layout_vmnk": cute.make_layout((1, cluster_m, 1, 1))}
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=ptr,
             num_stages=stages,
             producer_group=producer,
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps * ctas),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps * cluster_m),
             tx_count=tx,
             defer_sync=True,
             **extra,
