@@ -7,6 +7,8 @@ output is compared with the default's (max abs difference).
 
     python -m profiling.varlen_fwd_variants --seeds 0,1,2 --rounds 3 [--variants default,no_zero_v,one_trip]
         [--sustained 1.5]      # each row back to back for 1.5 s, SM clock sampled (under the power cap)
+    python -m profiling.varlen_fwd_variants --tile c2s3='{"num_stages": 3}' --variants default,c2s3 --sustained 1.5
+        # --tile NAME=JSON: a variant of the library's kernel with these FwdTileConfig fields changed
 
 Under a power cap the back-to-back timings move by a few percent between rounds; --cycles instead launches every row
 once inside a profiler range, for Nsight Compute to count cycles at the clock it finds (one-shot, caches flushed),
@@ -34,6 +36,7 @@ Variants:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 from typing import Dict, List
@@ -44,6 +47,7 @@ from .varlen_benchmark import MAX_LEN, MIN_LEN, _bench_ms, draw_lengths, equal_w
 
 VARIANTS = ("default", "no_multicast", "multicast", "no_zero_v", "one_trip", "seq_major")
 SINGLE_CTA = ("no_multicast", "one_trip", "seq_major")  # built with cluster_m 1 (the last two map CTAs to tiles alone)
+TILES: Dict[str, dict] = {}  # --tile NAME=JSON: FwdTileConfig fields changed on the library's kernel
 
 
 def _variant_class(name: str):
@@ -152,10 +156,12 @@ def build_variant(name: str, spec, target: str, extra_options=None):
     from cute_flash.arch.sm90 import build
     from cute_flash.arch.sm90.tile_config import fwd_tile_config
 
-    cls = _variant_class(name)
     cfg = fwd_tile_config(spec)
-    if name in SINGLE_CTA or name == "multicast":
+    if name in TILES:  # (--tile: the library's kernel class)
+        cfg, name = replace(cfg, **TILES[name]), "default"
+    elif name in SINGLE_CTA or name == "multicast":
         cfg = replace(cfg, cluster_m=2 if name == "multicast" else 1)
+    cls = _variant_class(name)
     saved = build.Sm90FlashForward
     build.Sm90FlashForward = cls
     try:
@@ -168,6 +174,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--tile", action="append", default=[], metavar="NAME=JSON", help="a variant NAME: the library's "
+                    "kernel with these FwdTileConfig fields, e.g. c2s3='{\"num_stages\": 3}'")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -195,6 +203,7 @@ def main(argv=None):
 
     from cute_flash.arch.sm90 import backend
 
+    TILES.update({name: json.loads(fields) for name, _, fields in (t.partition("=") for t in args.tile)})
     names = args.variants.split(",")
     print(f"{torch.cuda.get_device_name()}: h{args.heads} d{args.head_dim} bf16, no mask, {args.tokens} tokens")
     kernels: Dict[str, object] = {}
