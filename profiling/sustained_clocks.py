@@ -7,6 +7,10 @@ turn for --rounds rounds. Prints per row: ms per call, mean SM clock (MHz), mean
 cycles per call: the clock-independent cost).
 
     python -m profiling.sustained_clocks --seed 1 --seconds 3 --rounds 2 [--dense] [--causal] [--bwd]
+        [--variant '{"cluster_n": 2}']
+
+--variant (with --bwd): our packed backward once more as that profiling/sm90_bwd_variants.py variant (or BwdTileConfig
+fields as JSON, profiling/bwd_variant_patch.py), in turn with the other rows of the same process.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import statistics
 import subprocess
 import time
+from functools import partial
 from typing import Callable, Dict, List
 
 import torch
@@ -31,7 +36,8 @@ def _smi_index() -> str:
     return visible.split(",")[index].strip() if visible else str(index)
 
 
-def sampled(fn: Callable[[], object], seconds: float) -> dict:
+def sampled(fn: Callable[[], object], seconds: float, setup: Callable[[], None] = lambda: None) -> dict:
+    setup()
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -76,11 +82,23 @@ def main(argv=None):
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--dense", action="store_true", help="also the dense calls at equal work (ours and FA4)")
     ap.add_argument("--bwd", action="store_true", help="time each row's backward (autograd on a kept graph) instead")
+    ap.add_argument("--variant", help="with --bwd: also our packed backward as this study variant (above)")
     args = ap.parse_args(argv)
+    assert args.variant is None or args.bwd, "--variant applies to the backward (--bwd)"
 
     lens = parse_lengths(args.lengths) if args.lengths else draw_lengths(65536, MIN_LEN, MAX_LEN, args.seed)
     calls = peer_calls(lens, args.heads, args.head_dim, args.causal, grad=args.bwd, dense=args.dense)
     rows: Dict[str, Callable] = {name: _backward_of(*c) if args.bwd else c[0] for name, c in calls.items()}
+    setups: Dict[str, Callable] = {}
+    if args.variant:
+        from .bwd_variant_patch import apply
+
+        ours = "ours varlen"
+        at = list(rows).index(ours) + 1
+        items = list(rows.items())
+        items.insert(at, (f"ours {args.variant}", rows[ours]))  # the same graph, the variant's kernels
+        rows = dict(items)
+        setups = {name: partial(apply, args.variant if name == f"ours {args.variant}" else None) for name in rows}
     mask = "causal" if args.causal else "no mask"
     which = f"lengths {args.lengths}" if args.lengths else f"seed {args.seed}"
     print(f"{torch.cuda.get_device_name()}: {which}, {len(lens)} sequences, h{args.heads} d{args.head_dim} "
@@ -88,11 +106,12 @@ def main(argv=None):
     results: Dict[str, List[dict]] = {name: [] for name in rows}
     for _ in range(args.rounds):
         for name, fn in rows.items():
-            results[name].append(sampled(fn, args.seconds))
-    print(f"{'row':<26}{'ms':>8}{'MHz':>7}{'W':>6}{'°C':>5}{'Mcycles':>9}")
+            results[name].append(sampled(fn, args.seconds, setups.get(name, lambda: None)))
+    width = max(26, *(len(name) + 2 for name in rows))
+    print(f"{'row':<{width}}{'ms':>8}{'MHz':>7}{'W':>6}{'°C':>5}{'Mcycles':>9}")
     for name, rs in results.items():
         for r in rs:
-            print(f"{name:<26}{r['ms']:>8.3f}{r['mhz']:>7.0f}{r['w']:>6.0f}{r['temp']:>5.0f}{r['mcycles']:>9.3f}")
+            print(f"{name:<{width}}{r['ms']:>8.3f}{r['mhz']:>7.0f}{r['w']:>6.0f}{r['temp']:>5.0f}{r['mcycles']:>9.3f}")
 
 
 if __name__ == "__main__":

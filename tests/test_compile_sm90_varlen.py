@@ -33,11 +33,15 @@ with census.capture_fd_stderr() as captured:
             spec, fwd_tile_config(spec), "sm_90a", compile_cache.keep_artifacts_options(dump), seqused
         )
     else:
+        import dataclasses
         from cute_flash.arch.sm90 import backward
+        c2 = role.endswith("_c2")  # the study field BwdTileConfig.cluster_n = 2
+        role = role.removesuffix("_c2")
         det, long = role.endswith("_det"), role.endswith("_long")
         role = role.removesuffix("_det").removesuffix("_long")
         role += ("_seqused" if seqused else "") + ("_det" if det else "")
         cfg = backward.bwd_tile_config(spec, det, long)
+        cfg = dataclasses.replace(cfg, cluster_n=2) if c2 else cfg
         # (built from the role's cache key, as calls build it: backward.kernel_key)
         compiled = backward._build(
             role, *backward.kernel_key(role, spec, cfg), "sm_90a", compile_cache.keep_artifacts_options(dump)
@@ -68,6 +72,7 @@ BUILDS = [
     (128, 128, "causal", False, "bwd_gqa_det"),
     (128, 128, "none", False, "bwd_preprocess"),
     (128, 128, "none", True, "bwd_gqa_long"),  # the 80-row tile (long queries), LSE / D loaded where used
+    (128, 128, "none", True, "bwd_gqa_long_c2"),  # its study form in 2-CTA clusters sharing Q / dO (cluster_n)
 ]
 FORWARD_BUILDS = [b for b in BUILDS if b[4] == "fwd"]
 
@@ -112,7 +117,7 @@ def test_sm90_varlen_forward_multicasts_kv_without_a_mask(builds):
     assert causal["multicast_loads"] == 0 and causal["remote_arrives"] == 0 and causal["cluster_barriers"] == 0
 
 
-def test_forward_tile_configs_multicast_only_packed_d128_without_a_mask():
+def test_forward_tile_configs_multicast_only_packed_d128_d256_without_a_mask():
     from dataclasses import replace
 
     from cute_flash.arch.sm90.tile_config import budget_problem, fwd_tile_config
@@ -123,7 +128,8 @@ def test_forward_tile_configs_multicast_only_packed_d128_without_a_mask():
 
     assert cluster(128, "none", True) == 2 and cluster(128, "none", True, "fp16") == 2
     assert {cluster(128, "none", False), cluster(128, "causal", True), cluster(128, "local", True)} == {1}
-    assert {cluster(64, "none", True), cluster(96, "none", True), cluster(256, "none", True)} == {1}
+    assert cluster(256, "none", True) == 2 and {cluster(256, "none", False), cluster(256, "causal", True)} == {1}
+    assert {cluster(64, "none", True), cluster(96, "none", True)} == {1}
     packed = AttentionSpec("bf16", 128, 128, "none", "bf16", varlen=True)
     assert "cluster_m" in budget_problem(replace(fwd_tile_config(packed), cluster_m=4), 128, 128)
 
@@ -146,6 +152,36 @@ def test_sm90_varlen_long_query_backward_compiles(builds):
     assert rep["spills"] and set(rep["spills"]) == {0}, rep["spills"]
     assert rep["census"]["wgmma.mma_async.rs"] > 0 and rep["census"]["mma.sync"] == 0
     assert rep["shuffles"] < 20, rep["shuffles"]
+
+
+def test_sm90_varlen_backward_in_clusters_compiles(builds):
+    """The study field BwdTileConfig.cluster_n = 2 (2-CTA clusters of adjacent key tiles sharing Q / dO) on the 80-row
+    GQA build with seqused_k: spill-free, Q and dO by multicast TMA loads, the consumers' Q / dO releases in both CTAs
+    (remote mbarrier arrives), and only the init's cluster barrier (no barrier before exit: pipelines.ClusterRing)."""
+    rep = _report(builds, (128, 128, "none", True, "bwd_gqa_long_c2"))
+    assert rep["spills"] and set(rep["spills"]) == {0}, rep["spills"]
+    assert rep["multicast_loads"] > 0 and rep["remote_arrives"] > 0 and rep["cluster_barriers"] == 2, rep
+    plain = _report(builds, (128, 128, "none", True, "bwd_gqa_long"))
+    assert plain["multicast_loads"] == 0 and plain["remote_arrives"] == 0 and plain["cluster_barriers"] == 0, plain
+
+
+def test_backward_clusters_are_refused_where_they_cannot_run():
+    """cluster_n is 1 or 2, and 2 only for packed calls without a mask and without a deterministic order (the CTAs
+    of a cluster must walk the same query tiles; the deterministic order is per key tile)."""
+    from dataclasses import replace
+
+    from cute_flash.arch.sm90.flash_bwd import Sm90FlashBackward
+    from cute_flash.arch.sm90.tile_config import bwd_config_problem, bwd_tile_config
+    from cute_flash.spec import AttentionSpec
+
+    packed = AttentionSpec("bf16", 128, 128, "none", "bf16", varlen=True)
+    cfg = replace(bwd_tile_config(packed, long=True), cluster_n=2)
+    assert bwd_config_problem(cfg, 128) is None
+    assert "cluster_n" in bwd_config_problem(replace(cfg, cluster_n=3), 128)
+    Sm90FlashBackward(packed, cfg, gqa=False)
+    for spec, det in ((replace(packed, varlen=False), False), (replace(packed, mask="causal"), False), (packed, True)):
+        with pytest.raises(AssertionError, match="cluster_n"):
+            Sm90FlashBackward(spec, cfg, gqa=False, deterministic=det)
 
 
 def test_sm90_varlen_deterministic_backward_compiles(builds):

@@ -292,11 +292,12 @@ def test_sm90_varlen_seqused_k(sm90_varlen, mask, heads):
 
 @pytest.mark.sm90
 @pytest.mark.xdist_group("varlen90-bf16-d128-full")
-def test_sm90_varlen_multicast_forward_matches_one_cta_per_cluster(sm90_varlen):
-    """The d128 packed forward without a mask runs in 2-CTA clusters sharing K / V (tile_config.multicast_kv): its
-    out and lse are bitwise those of the same kernel with one CTA per cluster (the same products of the same tiles).
-    Sequences whose last cluster holds 1, 2, 3 or 4 slices of 64 rows, empty ones, queries without keys, GQA, with
-    and without seqused_k."""
+@pytest.mark.parametrize("d", [128, 256])
+def test_sm90_varlen_multicast_forward_matches_one_cta_per_cluster(sm90_varlen, d):
+    """The d128 / d256 packed forward without a mask runs in 2-CTA clusters sharing K / V (tile_config.multicast_kv):
+    its out and lse are bitwise those of the same kernel with one CTA per cluster (the same products of the same
+    tiles). Sequences whose last cluster holds 1, 2, 3 or 4 slices of 64 rows, empty ones, queries without keys, GQA,
+    with and without seqused_k."""
     import dataclasses
 
     import cute_flash
@@ -304,7 +305,7 @@ def test_sm90_varlen_multicast_forward_matches_one_cta_per_cluster(sm90_varlen):
     from cute_flash.arch.sm90.tile_config import fwd_tile_config
 
     lens_q, lens_k = [0, 1, 64, 65, 129, 193, 256, 257, 700, 3], [5, 1, 64, 80, 129, 200, 256, 300, 650, 0]
-    q, k, v, cq, ck = _packed("bf16", 128, lens_q, lens_k, 4, 2, seed=11)
+    q, k, v, cq, ck = _packed("bf16", d, lens_q, lens_k, 4, 2, seed=11)
     used = torch.tensor([max(0, n - 37) for n in lens_k], dtype=torch.int32, device="cuda")
 
     def both():
@@ -316,7 +317,7 @@ def test_sm90_varlen_multicast_forward_matches_one_cta_per_cluster(sm90_varlen):
 
     def these_calls(key):  # their two builds: without and with seqused_k
         spec, _, variant = key
-        return spec.varlen and (spec.dtype, spec.head_dim, spec.mask) == ("bf16", 128, "none") and variant != "split"
+        return spec.varlen and (spec.dtype, spec.head_dim, spec.mask) == ("bf16", d, "none") and variant != "split"
 
     keys = [key for key in backend._forward_kernels if these_calls(key)]
     spec = keys[0][0]
@@ -331,6 +332,54 @@ def test_sm90_varlen_multicast_forward_matches_one_cta_per_cluster(sm90_varlen):
         backend._forward_kernels.update(saved)
     for (out_m, lse_m), (out_s, lse_s) in zip(multicast, single):
         assert torch.equal(out_m, out_s) and torch.equal(lse_m, lse_s)
+
+
+@pytest.mark.sm90
+@pytest.mark.xdist_group("varlen90-bf16-d128-full")
+@pytest.mark.parametrize("long", [False, True], ids=["64-row tile", "80-row tile"])
+def test_sm90_varlen_multicast_backward_matches_one_cta_per_cluster(sm90_varlen, monkeypatch, long):
+    """The d128 packed backward without a mask in 2-CTA clusters of adjacent key tiles sharing Q / dO
+    (BwdTileConfig.cluster_n 2): dK / dV bitwise those of one CTA per cluster (the same products of the same tiles),
+    dQ the same sums in another order (its adds have no fixed order either way), and every gradient within the
+    rule of the float64 reference. Key lengths give sequences whose last cluster has one CTA with keys (128, 300:
+    that CTA loads whole tiles alone) or two (129, 256, 385), no keys, queries without keys; GQA, with and without
+    seqused_k; the 64-row tile and the 80-row one (max_seqlen_q from 4096)."""
+    import dataclasses
+
+    import cute_flash
+    from cute_flash.arch.sm90 import backward
+
+    lens_q = [0, 1, 64, 81, 129, 256, 300, 700, 5, 3] + ([4133] if long else [])
+    lens_k = [5, 1, 64, 128, 129, 256, 385, 650, 0, 300] + ([4000] if long else [])
+    q, k, v, cq, ck = _packed("bf16", 128, lens_q, lens_k, 4, 2, seed=12)
+    used = torch.tensor([max(0, n - 29) for n in lens_k], dtype=torch.int32, device="cuda")
+    default = backward.bwd_tile_config
+
+    def with_cluster(cluster_n):
+        def cfg(spec, deterministic=False, long=False):
+            chosen = default(spec, deterministic, long)
+            if spec.varlen and (spec.head_dim, spec.mask) == (128, "none") and not deterministic:
+                chosen = dataclasses.replace(chosen, cluster_n=cluster_n)
+            return chosen
+
+        monkeypatch.setattr(backward, "bwd_tile_config", cfg)
+        backward._launch_sets.clear()  # (the kernel sets of the other configuration)
+
+    try:
+        for seqused in (None, used):
+            mq, mk = max(lens_q), max(lens_k)
+            out, lse = cute_flash.attention_varlen(q, k, v, cq, ck, mq, mk, seqused_k=seqused, return_lse=True)
+            dout = torch.randn_like(out)
+            runs = {}
+            for cluster_n in (2, 1):
+                with_cluster(cluster_n)
+                runs[cluster_n] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+            (dq2, dk2, dv2), (dq1, dk1, dv1) = runs[2], runs[1]
+            assert torch.equal(dk2, dk1) and torch.equal(dv2, dv1)
+            torch.testing.assert_close(dq2, dq1, rtol=2**-7, atol=1e-3)
+            _check(q, k, v, cq, ck, mq, mk, out, lse, dout, runs[2], seqused_k=seqused)
+    finally:
+        backward._launch_sets.clear()  # (monkeypatch restores bwd_tile_config after the test)
 
 
 @pytest.mark.sm90

@@ -45,6 +45,13 @@ adds and semaphores). With `pdl_dq_post` the kernel lets the dQ postprocess laun
 K and V (BwdTileConfig.kv_with_first_tile, on by default) ride on the first Q and dO stage's barriers, which expect
 their bytes on top of the stage's: a CTA's first S product waits for K and Q only.
 
+Clusters (BwdTileConfig.cluster_n 2, a study field; packed sequences without a mask, not deterministic): the CTAs of
+a cluster take adjacent key tiles of one (sequence, head) and walk the same query tiles, so each loads its part of
+every Q and dO tile into both CTAs' shared memory (TMA multicast, `load_rows`); the Q / dO rings' empty barriers
+count both CTAs' consumer warps, and the consumers skip their last num_stages releases (pipelines.ClusterRing: no
+cluster barrier before exit). Where the second CTA has no keys (a sequence's odd last key tile) it does nothing, and
+the first loads whole tiles alone ("solo", `shared_ring`). LSE / D, K / V and the dQ path stay each CTA's own.
+
 Global tensors are viewed as (seqlen, head_dim, heads, batch) as in the forward kernel.
 
 Packed sequences (the `packed` entry, common/entries.BwdEntries; instances with `varlen` set): the grid spans
@@ -59,6 +66,7 @@ reverses the key tiles within the sequence, whose tiles are consecutive in the g
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from typing import NamedTuple, Tuple, Type
 
@@ -81,7 +89,7 @@ from ...spec import AttentionSpec
 from ..sm80.flash_bwd import red_add_f32_vec
 from .barriers import BwdBarrierId
 from .ptx import add_release_gpu, bulk_reduce_add_f32, load_acquire_gpu
-from .pipelines import consumer_state, consumer_wait, producer_state
+from .pipelines import ClusterRing, consumer_state, consumer_wait, producer_state
 from .epilogue import store_rows_predicated, zero_rows_from
 from .views import (
     accum_rows,
@@ -310,6 +318,11 @@ class Sm90FlashBackward(BwdEntries):
         # Packed sequences: sequence b's rows of the padded buffers (LSE / D, the dQ and GQA dK / dV sums) start at
         # cu_seqlens[b] + b * pad rounded down to a multiple of pad (common/packed.py).
         self.pad_q, self.pad_k = packed_pads(cfg.tile_m, cfg.tile_n)
+        self.cluster_n = cfg.cluster_n
+        assert cfg.cluster_n == 1 or (spec.varlen and mask_kind == "none" and not deterministic), (
+            "Q / dO multicast (cluster_n 2) needs packed sequences without a mask (the CTAs of a cluster walk the same "
+            "query tiles) and no deterministic order"
+        )
 
     @cute.jit
     def _launch(
@@ -356,8 +369,11 @@ class Sm90FlashBackward(BwdEntries):
 
         one = lambda layout: cute.select(layout, mode=[0, 1])  # noqa: E731  (one stage)
         load = cpasync.CopyBulkTensorTileG2SOp()
-        atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, one(sQ_layout), (self.tile_m, d))
-        atom_do, tma_do = cpasync.make_tiled_tma_atom(load, mdO, one(sdO_layout), (self.tile_m, dv))
+        q_load, mcast = load, {}
+        if const_expr(self.cluster_n > 1):  # each CTA of the cluster loads a part of every Q / dO tile for both
+            q_load, mcast = cpasync.CopyBulkTensorTileG2SMulticastOp(), {"num_multicast": self.cluster_n}
+        atom_q, tma_q = cpasync.make_tiled_tma_atom(q_load, mQ, one(sQ_layout), (self.tile_m, d), **mcast)
+        atom_do, tma_do = cpasync.make_tiled_tma_atom(q_load, mdO, one(sdO_layout), (self.tile_m, dv), **mcast)
         atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, one(sK_layout), (self.tile_n, d))
         atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, one(sV_layout), (self.tile_n, dv))
         stat_one = cute.make_layout(self.tile_m)
@@ -383,9 +399,13 @@ class Sm90FlashBackward(BwdEntries):
             grid = [num_n_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])]
             seqs = None
         else:
-            # Every sequence's key tiles in order (common/packed.py: at most batch + 1 per head without work).
-            grid = [packed_tiles_bound(mK.shape[0], packed[0].shape[0] - 1, self.tile_n), cute.size(mQ.shape[2]), 1]
+            # Every sequence's key tiles in order (common/packed.py: at most batch + 1 per head without work; in
+            # clusters, pairs of key tiles: at most 2 (batch + 1) CTAs).
+            c = self.cluster_n
+            tiles = packed_tiles_bound(mK.shape[0], packed[0].shape[0] - 1, self.tile_n * c) * c
+            grid = [tiles, cute.size(mQ.shape[2]), 1]
             seqs = packed[:3]
+        cluster = {} if const_expr(self.cluster_n == 1) else {"cluster": [self.cluster_n, 1, 1]}
         self.kernel(
             tma_q,
             tma_k,
@@ -427,6 +447,7 @@ class Sm90FlashBackward(BwdEntries):
             stream=stream,
             min_blocks_per_mp=1,
             use_pdl=self.cfg.pdl,
+            **cluster,
         )
 
     def _tiled_mmas(self) -> tuple:
@@ -535,11 +556,23 @@ class Sm90FlashBackward(BwdEntries):
             pipeline.PipelineTmaAsync.create, producer_group=producer, consumer_group=consumer_warps, defer_sync=True
         )
         pipe_kv = ring(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, tx_count=self.bytes_k + self.bytes_v)
+        if const_expr(self.cluster_n > 1):
+            # Q / dO stages are shared: a stage's empty barrier counts the consumer warps of both CTAs (lane r of each
+            # warp releases to CTA r), its full barrier still the whole tile (each CTA's part lands in both).
+            ring = partial(
+                pipeline.PipelineTmaAsync.create,
+                producer_group=producer,
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.num_consumer_threads // WARP_THREADS * self.cluster_n
+                ),
+                defer_sync=True,
+                cta_layout_vmnk=cute.make_layout((1, self.cluster_n, 1, 1)),
+            )
         pipe_q = ring(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages, tx_count=self.bytes_q_lse)
         pipe_do = ring(
             barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages, tx_count=self.bytes_do_dpsum
         )
-        pipeline.pipeline_init_arrive(is_relaxed=True)
+        pipeline.pipeline_init_arrive(self.cluster_shape(), is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
@@ -560,7 +593,11 @@ class Sm90FlashBackward(BwdEntries):
         if const_expr(seqs is not None):
             # This CTA's sequence and key tile (its sequence's keys: seqused_k when given); past the last tile, none.
             num_seqs = seqs[0].shape[0] - 1
-            batch, n_block = packed_tile(n_block, self.tile_n, seqs[1], seqs[2])
+            if const_expr(self.cluster_n == 1):
+                batch, n_block = packed_tile(n_block, self.tile_n, seqs[1], seqs[2])
+            else:  # a cluster's CTAs take adjacent key tiles of one sequence; its pairs of tiles are numbered in order
+                batch, tiles = packed_tile(n_block // self.cluster_n, self.tile_n * self.cluster_n, seqs[1], seqs[2])
+                n_block = tiles * self.cluster_n + n_block % self.cluster_n
             idle = batch >= num_seqs
             batch = cutlass.min(batch, num_seqs - 1)
             seq = seq_rows(batch, *seqs)
@@ -594,7 +631,17 @@ class Sm90FlashBackward(BwdEntries):
             if n_block * self.tile_n >= seqlen_k:
                 m_max = m_min
 
-        pipeline.pipeline_init_wait()
+        # In a cluster: whether this CTA loads whole Q / dO tiles alone (its partner has no keys: a sequence's odd last
+        # key tile, or a CTA past the last tile) instead of its part for both; (rank, solo, multicast mask).
+        pair = None
+        if const_expr(self.cluster_n > 1):
+            solo = (n_block | 1) * self.tile_n >= seqlen_k  # (rank 0's partner is n_block + 1)
+            mask = cutlass.Int16(1)  # (solo: rank 0 alone)
+            if not solo:
+                mask = cutlass.Int16((1 << self.cluster_n) - 1)
+            pair = (cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()), solo, mask)
+
+        pipeline.pipeline_init_wait(self.cluster_shape())
 
         # The producer's six loads (Q, K, V, dO, LSE, D): their TMA atoms, global (coordinate) and shared tensors.
         atoms = (atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum)
@@ -605,7 +652,20 @@ class Sm90FlashBackward(BwdEntries):
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
                 self.produce(
-                    pipe_kv, pipe_q, pipe_do, atoms, tensors, tiles, n_block, head, head_kv, batch, m_min, m_max, rows
+                    pipe_kv,
+                    pipe_q,
+                    pipe_do,
+                    atoms,
+                    tensors,
+                    tiles,
+                    n_block,
+                    head,
+                    head_kv,
+                    batch,
+                    m_min,
+                    m_max,
+                    rows,
+                    pair,
                 )
             if const_expr(not self.cfg.dq_red):
                 if warp_idx == 1:
@@ -645,7 +705,12 @@ class Sm90FlashBackward(BwdEntries):
                 tidx - WARPGROUP_THREADS,
                 warp_idx,
                 seqs,
+                pair,
             )
+
+    def cluster_shape(self):
+        """The (n, 1) shape of a cluster where there are clusters (the Q / dO rings' barrier init is cluster-wide)."""
+        return None if const_expr(self.cluster_n == 1) else (self.cluster_n, 1)
 
     @cute.jit
     def produce(
@@ -663,6 +728,7 @@ class Sm90FlashBackward(BwdEntries):
         m_min: Int32,
         m_max: Int32,
         rows: PackedRows,
+        pair=None,  # in a cluster: (rank, solo, multicast mask) (kernel)
     ):
         """K and V once; then Q + LSE and dO + D per query tile, in the consumers' order. atoms / tensors / tiles: the
         TMA atoms, global coordinate tensors and shared-memory tiles of Q, K, V, dO, LSE and D, in that order.
@@ -688,8 +754,22 @@ class Sm90FlashBackward(BwdEntries):
         gdPsum = cute.local_tile(padded_stat_rows(mdPsum, head, batch, rows.padded_q), (self.tile_m,), (None,))
         tKsK, tKgK = part(atom_k, sK, gK)
         tVsV, tVgV = part(atom_v, sV, gV)
-        tQsQ, tQgQ = part(atom_q, sQ, gQ)
-        tdOsdO, tdOgdO = part(atom_do, sdO, gdO)
+        if const_expr(pair is None):
+            tQsQ, tQgQ = part(atom_q, sQ, gQ)
+            tdOsdO, tdOgdO = part(atom_do, sdO, gdO)
+        else:
+            # Every CTA's part of the Q / dO tiles (a solo CTA loads them all): tuples indexed by rank.
+            cluster = cute.make_layout(self.cluster_n)
+            q_parts = [
+                cpasync.tma_partition(atom_q, r, cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+                for r in range(self.cluster_n)
+            ]
+            do_parts = [
+                cpasync.tma_partition(atom_do, r, cluster, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
+                for r in range(self.cluster_n)
+            ]
+            tQsQ, tQgQ = tuple(p[0] for p in q_parts), tuple(p[1] for p in q_parts)
+            tdOsdO, tdOgdO = tuple(p[0] for p in do_parts), tuple(p[1] for p in do_parts)
         tLsL, tLgL = part1(atom_lse, sLSE, gLSE)
         tDsD, tDgD = part1(atom_dpsum, sdPsum, gdPsum)
 
@@ -703,11 +783,11 @@ class Sm90FlashBackward(BwdEntries):
             dst = (tQsQ, tKsK, tVsV, tdOsdO, tLsL, tDsD)
             q = producer_state(self.num_stages)
             do = producer_state(self.num_stages)
-            self.load_query_tile(pipe_q, pipe_do, q, do, atoms, src, dst, m_min, n_block, True)
+            self.load_query_tile(pipe_q, pipe_do, q, do, atoms, src, dst, m_min, n_block, True, pair)
             q.advance()
             do.advance()
             for m_block in cutlass.range(m_min + 1, m_max, unroll=1):
-                self.load_query_tile(pipe_q, pipe_do, q, do, atoms, src, dst, m_block, n_block, False)
+                self.load_query_tile(pipe_q, pipe_do, q, do, atoms, src, dst, m_block, n_block, False, pair)
                 q.advance()
                 do.advance()
 
@@ -736,6 +816,7 @@ class Sm90FlashBackward(BwdEntries):
         m_block: Int32,
         n_block: Int32,
         first: cutlass.Constexpr,
+        pair=None,
     ):
         """Q + LSE on a Q stage's barrier, dO + D on a dO stage's. src / dst: the TMA partitions of Q, K, V, dO, LSE
         and D in global and shared memory. The first query tile (`first`): with kv_with_first_tile, K completes Q's
@@ -746,16 +827,29 @@ class Sm90FlashBackward(BwdEntries):
         tQsQ, tKsK, tVsV, tdOsdO, tLsL, tDsD = dst
         kv_here = first and self.cfg.kv_with_first_tile
         bar_q = self.acquire_stage(pipe_q, q, atom_k, tKgK[None, n_block], tKsK[None, 0], self.bytes_k, kv_here)
-        cute.copy(atom_q, tQgQ[None, m_block], tQsQ[None, q.index], tma_bar_ptr=bar_q)
+        self.load_rows(atom_q, tQgQ, tQsQ, m_block, q.index, bar_q, pair)
         if const_expr(not first):
             cute.copy(atom_lse, tLgL[None, m_block], tLsL[None, q.index], tma_bar_ptr=bar_q)
         bar_do = self.acquire_stage(pipe_do, do, atom_v, tVgV[None, n_block], tVsV[None, 0], self.bytes_v, kv_here)
-        cute.copy(atom_do, tdOgdO[None, m_block], tdOsdO[None, do.index], tma_bar_ptr=bar_do)
+        self.load_rows(atom_do, tdOgdO, tdOsdO, m_block, do.index, bar_do, pair)
         if const_expr(first):
             if const_expr(self.cfg.pdl):
                 cute.arch.griddepcontrol_wait()  # the preprocess has ended and its writes are visible
             cute.copy(atom_lse, tLgL[None, m_block], tLsL[None, q.index], tma_bar_ptr=bar_q)
         cute.copy(atom_dpsum, tDgD[None, m_block], tDsD[None, do.index], tma_bar_ptr=bar_do)
+
+    @cute.jit
+    def load_rows(self, atom, g, s, m_block: Int32, index: Int32, bar, pair):
+        """Query tile m_block of Q or dO into stage `index` on `bar`. In a cluster (pair: (rank, solo, multicast
+        mask)), g / s hold every CTA's part: this CTA's part goes to both CTAs, or a solo CTA loads every part for
+        itself."""
+        if const_expr(pair is None):
+            cute.copy(atom, g[None, m_block], s[None, index], tma_bar_ptr=bar)
+        else:
+            rank, solo, mask = pair
+            for r in cutlass.range_constexpr(self.cluster_n):
+                if rank == r or solo:
+                    cute.copy(atom, g[r][None, m_block], s[r][None, index], tma_bar_ptr=bar, mcast_mask=mask)
 
     @cute.jit
     def consume(
@@ -792,9 +886,12 @@ class Sm90FlashBackward(BwdEntries):
         tidx: Int32,  # 0 .. num_consumer_threads - 1
         warp_idx: Int32,
         seqs,  # packed: the cu_seqlens / seqused_k tensors (see kernel); dense: None
+        pair=None,  # in a cluster: (rank, solo, multicast mask) (kernel)
     ):
         d = self.head_dim
         stages = self.num_stages
+        if const_expr(pair is not None):
+            pipe_q, pipe_do = [self.shared_ring(p, pair[1], m_max - m_min) for p in (pipe_q, pipe_do)]
         # Warp-uniform, so that the operand descriptors of every wgmma are built in uniform registers (from tidx they
         # would be per-thread values, moved to uniform registers with R2UR before each wgmma).
         consumer = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
@@ -980,6 +1077,13 @@ class Sm90FlashBackward(BwdEntries):
                 offset_k,
                 info.seqlen_k,
             )
+
+    def shared_ring(self, pipe: pipeline.PipelineTmaAsync, solo, num_tiles: Int32) -> ClusterRing:
+        """A consumer's view of the Q or dO ring in a cluster: lanes 0 and 1 of each warp release a stage to CTAs 0 and
+        1, or, solo (rank 0 alone), both to this CTA's barrier, whose count is the same; the releases of the last
+        num_stages tiles are skipped (pipelines.ClusterRing: no barrier before exit)."""
+        dst = pipe.consumer_mask * (1 - Int32(solo))  # (the lane's CTA; solo: 0, this CTA)
+        return ClusterRing(replace(pipe, consumer_mask=dst), num_tiles - self.num_stages)
 
     @cute.jit
     def zero_kv_tail(self, pipe_kv, pipe_q, pipe_do, sK: cute.Tensor, sV: cute.Tensor, keys: Int32, tidx: Int32):

@@ -70,8 +70,9 @@ def make_load_pipelines(
 
 @dataclass(frozen=True)
 class ClusterRing:
-    """A consumer's view of a K or V ring whose tiles the CTAs of a cluster share (above): the releases of the tiles
-    counted `releases` and on (the last num_stages of the CTA's walk: no producer waits for them) are skipped.
+    """A consumer's view of a ring whose tiles the CTAs of a cluster share (above; the backward's Q / dO rings alike,
+    flash_bwd.Sm90FlashBackward.shared_ring): the releases of the tiles counted `releases` and on (the last num_stages
+    of the CTA's walk: no producer waits for them) are skipped.
 
     Why that suffices: CTA X's producer waits for CTA Y's release of tile t before it loads tile t + num_stages, and
     X's consumers wait for that tile; so when X's consumers are done, every release Y sends X (tiles up to the walk's

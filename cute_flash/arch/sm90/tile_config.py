@@ -20,7 +20,7 @@ reproduces it):
 With head_dim != head_dim_v the widest of the two picks the row above, except for the pairs in _BY_HEAD_DIMS.
 Q·Kᵀ reads both operands from shared memory, so head_dim costs shared memory and GEMM time but no registers;
 head_dim_v sets the O accumulator (dv / 2 registers per thread) and, with head_dim, the K/V stage size.
-Packed d128 calls without a mask run the d <= 128 tile in 2-CTA clusters that share K / V (cluster_m, multicast_kv).
+Packed d128 and d256 calls without a mask run in 2-CTA clusters that share K / V (cluster_m, multicast_kv).
 """
 
 from __future__ import annotations
@@ -126,12 +126,13 @@ def fwd_tile_config(spec: AttentionSpec) -> FwdTileConfig:
 
 
 def multicast_kv(spec: AttentionSpec) -> bool:
-    """Whether `spec`'s forward runs in 2-CTA clusters sharing K / V (FwdTileConfig.cluster_m): packed d128 calls
-    without a mask. They take 2.4-3.5% more cycles but run at a 4-6% higher clock under the power cap (half the L2
-    reads of K and V): sustained 0.5-1.5% (H100) and 2.5-3.3% (H200) faster than one CTA per cluster
-    (docs/performance.md, session 25). Dense calls gained nothing (their clock did not move); other head dims were
-    not measured."""
-    return spec.varlen and spec.mask == "none" and spec.head_dim == spec.head_dim_v == 128
+    """Whether `spec`'s forward runs in 2-CTA clusters sharing K / V (FwdTileConfig.cluster_m): packed d128 and d256
+    calls without a mask. At d128 they take 2.4-3.5% more cycles but run at a 4-6% higher clock under the power cap
+    (half the L2 reads of K and V): sustained 0.5-1.5% (H100) and 2.5-3.3% (H200) faster than one CTA per cluster
+    (docs/performance.md, session 25); at d256 1.5-2.9% (H100) and 3.8-3.9% (H200) faster (session 26). Dense calls
+    gained nothing at d128 (their clock did not move); d64 did not gain (its extra cycles cancel its higher clock);
+    d96 and (192, 128) were not measured."""
+    return spec.varlen and spec.mask == "none" and spec.head_dim == spec.head_dim_v and spec.head_dim in (128, 256)
 
 
 UNSHUFFLED_STAT_COLS = 16  # default of BwdTileConfig.max_unshuffled_stat_cols
@@ -205,6 +206,11 @@ class BwdTileConfig:
         session 11: the adds from registers cost more than the dQ warp's bulk reduce-add there). The adds have no
         fixed order: deterministic builds take _BWD_DETERMINISTIC's configuration, and an explicit dq_red one is
         refused (backward._kernels).
+    cluster_n (1 or 2; study field, profiling/varlen_bwd_cycles.py --variant '{"cluster_n": 2}'): packed
+        sequences without a mask in clusters of two CTAs with adjacent key tiles of one (sequence, head). Both walk
+        the same query tiles, so each loads half of every Q and dO tile into both CTAs' shared memory (TMA
+        multicast), halving the L2 reads of Q and dO; a CTA whose partner has no keys (a sequence's odd last key
+        tile) loads whole tiles alone (flash_bwd.py).
     dq_buffers (2 at d64 causal, _BWD_BY_HEAD_DIM_AND_MASK; profiling/sm90_bwd_variants.py "dqbuf1", "dqbuf2"): the
         consumers write query tile m_block's dQ into buffer m_block % dq_buffers, so before their dQ stores they wait
         for the bulk reduce-add of the tile before the previous one to have read its buffer, not for that of the
@@ -235,6 +241,7 @@ class BwdTileConfig:
     d_after_dv_issue: bool = False  # with A: D's shared-memory loads after dV's early product is issued
     stats_at_use: bool = False  # above max_unshuffled_stat_cols: LSE / D loaded where used, not shuffled
     lse_ahead: int = 0  # with stats_at_use: LSE of this many column pairs into registers once S is issued
+    cluster_n: int = 1  # 2: adjacent key tiles' CTAs in 2-CTA clusters share Q / dO by multicast (packed, no mask)
 
     @property
     def num_threads(self) -> int:
@@ -344,6 +351,8 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int, head_dim_v: Optional[i
         return f"dq_split 'single' needs tile_m = 64, got {cfg.tile_m}"
     if cfg.dq_split not in ("m", "n", "single"):
         return f"dq_split must be 'm', 'n' or 'single', got {cfg.dq_split!r}"
+    if cfg.cluster_n not in (1, 2):
+        return f"cluster_n={cfg.cluster_n} must be 1 or 2"
     if cfg.dq_buffers not in (1, 2) or (cfg.dq_red and cfg.dq_buffers != 1):
         return f"dq_buffers must be 1 or 2 (and 1 with dq_red, which has no dQ buffer), got {cfg.dq_buffers!r}"
     if (problem := register_problem(cfg)) is not None:
