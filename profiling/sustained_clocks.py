@@ -98,7 +98,10 @@ def main(argv=None):
         items = list(rows.items())
         items.insert(at, (f"ours {args.variant}", rows[ours]))  # the same graph, the variant's kernels
         rows = dict(items)
-        setups = {name: partial(apply, args.variant if name == f"ours {args.variant}" else None) for name in rows}
+        # (the variant applies to this head dim and mask)
+        where = dict(head_dim=args.head_dim, mask="causal" if args.causal else "none")
+        variant_row = f"ours {args.variant}"
+        setups = {name: partial(apply, args.variant if name == variant_row else None, **where) for name in rows}
     mask = "causal" if args.causal else "no mask"
     which = f"lengths {args.lengths}" if args.lengths else f"seed {args.seed}"
     print(f"{torch.cuda.get_device_name()}: {which}, {len(lens)} sequences, h{args.heads} d{args.head_dim} "

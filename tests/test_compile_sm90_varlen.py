@@ -67,6 +67,7 @@ print(json.dumps({
 BUILDS = [
     (128, 128, "causal", False, "fwd"),
     (128, 128, "none", True, "fwd"),  # 2-CTA clusters sharing K / V (tile_config.multicast_kv)
+    (256, 256, "none", False, "fwd"),  # d256's 128 x 80 tile in clusters too
     (64, 64, "none", True, "fwd"),
     (128, 128, "causal", True, "bwd"),
     (128, 128, "causal", False, "bwd_gqa_det"),
@@ -108,11 +109,13 @@ def test_sm90_varlen_forward_compiles(builds, d, dv, mask, seqused, role):
 
 
 def test_sm90_varlen_forward_multicasts_kv_without_a_mask(builds):
-    """The packed d128 forward without a mask runs in 2-CTA clusters: K and V arrive by multicast TMA loads, the
-    consumers release stages in both CTAs (remote mbarrier arrives), and the only cluster barrier is the one after
-    the barriers' init (no barrier before exit: pipelines.ClusterRing). With a causal mask, one CTA per cluster."""
-    rep = _report(builds, (128, 128, "none", True, "fwd"))
-    assert rep["multicast_loads"] > 0 and rep["remote_arrives"] > 0 and rep["cluster_barriers"] == 2, rep
+    """The packed d128 / d256 forward without a mask runs in 2-CTA clusters: K and V arrive by multicast TMA loads,
+    the consumers release stages in both CTAs (remote mbarrier arrives), and the only cluster barrier is the one
+    after the barriers' init (no barrier before exit: pipelines.ClusterRing). With a causal mask, one CTA per
+    cluster."""
+    for build in ((128, 128, "none", True, "fwd"), (256, 256, "none", False, "fwd")):
+        rep = _report(builds, build)
+        assert rep["multicast_loads"] > 0 and rep["remote_arrives"] > 0 and rep["cluster_barriers"] == 2, rep
     causal = _report(builds, (128, 128, "causal", False, "fwd"))
     assert causal["multicast_loads"] == 0 and causal["remote_arrives"] == 0 and causal["cluster_barriers"] == 0
 
@@ -170,6 +173,7 @@ def test_backward_clusters_are_refused_where_they_cannot_run():
     of a cluster must walk the same query tiles; the deterministic order is per key tile)."""
     from dataclasses import replace
 
+    from cute_flash.arch.sm90 import backward
     from cute_flash.arch.sm90.flash_bwd import Sm90FlashBackward
     from cute_flash.arch.sm90.tile_config import bwd_config_problem, bwd_tile_config
     from cute_flash.spec import AttentionSpec
@@ -179,9 +183,12 @@ def test_backward_clusters_are_refused_where_they_cannot_run():
     assert bwd_config_problem(cfg, 128) is None
     assert "cluster_n" in bwd_config_problem(replace(cfg, cluster_n=3), 128)
     Sm90FlashBackward(packed, cfg, gqa=False)
-    for spec, det in ((replace(packed, varlen=False), False), (replace(packed, mask="causal"), False), (packed, True)):
+    refused = ((replace(packed, varlen=False), False), (replace(packed, mask="causal"), False), (packed, True))
+    for spec, det in refused:
         with pytest.raises(AssertionError, match="cluster_n"):
             Sm90FlashBackward(spec, cfg, gqa=False, deterministic=det)
+        with pytest.raises(ValueError, match="cluster_n"):  # (a call with such a configuration, before any build)
+            backward._kernels(spec, cfg, "sm_90a", False, det)
 
 
 def test_sm90_varlen_deterministic_backward_compiles(builds):

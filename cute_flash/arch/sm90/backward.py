@@ -206,6 +206,9 @@ def _kernels(
         problem = bwd_config_problem(chosen, spec.head_dim, spec.head_dim_v)
         if problem is None and deterministic and chosen.dq_red:
             problem = "dq_red adds dQ with plain atomics in no fixed order: no deterministic build"
+        if problem is None and chosen.cluster_n > 1 and (deterministic or not spec.varlen or spec.mask != "none"):
+            # (the CTAs of a cluster must walk the same query tiles, and the deterministic order is per key tile)
+            problem = "cluster_n 2 (Q / dO multicast) needs packed sequences without a mask and no deterministic order"
         if problem is not None:
             raise ValueError(problem)
         sm80 = _sm80_backward()

@@ -25,11 +25,11 @@ next sequence's rows: keys there are masked like any key past seqlen_k, query ro
 stored (epilogue.py stores O row-predicated, not by TMA). The grid spans every sequence's query tiles in order
 (cta.py; at most batch + 1 CTAs per head without work, twice that in clusters).
 
-Clusters (FwdTileConfig.cluster_m 2; packed d128 calls without a mask, tile_config.multicast_kv): two CTAs share the
-query tiles of one (sequence, head), 64-row slices dealt out in turn (cta.py), and each loads half of every K / V tile
-into both by TMA multicast (loads.py); the K / V rings count both CTAs' consumers (pipelines.py). Half the L2 reads of
-K and V: the GPU runs at a higher clock under its power cap. A consumer whose slice has no rows takes part in the rings
-and the ping-pong without computing (`drain_kv`).
+Clusters (FwdTileConfig.cluster_m 2; packed d128 / d256 calls without a mask, tile_config.multicast_kv): two CTAs
+share the query tiles of one (sequence, head), 64-row slices dealt out in turn (cta.py), and each loads half of every
+K / V tile into both by TMA multicast (loads.py); the K / V rings count both CTAs' consumers (pipelines.py). Half the
+L2 reads of K and V: the GPU runs at a higher clock under its power cap. A consumer whose slice has no rows takes
+part in the rings and the ping-pong without computing (`drain_kv`).
 """
 
 from __future__ import annotations
