@@ -341,9 +341,10 @@ def test_sm90_varlen_multicast_backward_matches_one_cta_per_cluster(sm90_varlen,
     """The d128 packed backward without a mask in 2-CTA clusters of adjacent key tiles sharing Q / dO
     (BwdTileConfig.cluster_n 2): dK / dV bitwise those of one CTA per cluster (the same products of the same tiles),
     dQ the same sums in another order (its adds have no fixed order either way), and every gradient within the
-    rule of the float64 reference. Key lengths give sequences whose last cluster has one CTA with keys (128, 300:
-    that CTA loads whole tiles alone) or two (129, 256, 385), no keys, queries without keys; GQA, with and without
-    seqused_k; the 64-row tile and the 80-row one (max_seqlen_q from 4096)."""
+    rule of the float64 reference. Key lengths give sequences with an odd number of key tiles (5, 1, 64, 128, 300:
+    their last tiles go two to a cluster, each CTA loading whole tiles alone, the last cluster's second CTA without
+    work) and an even one (129, 256, 385, 650), no keys, queries without keys; GQA, with and without seqused_k; the
+    64-row tile and the 80-row one (max_seqlen_q from 4096)."""
     import dataclasses
 
     import cute_flash

@@ -49,8 +49,9 @@ Clusters (BwdTileConfig.cluster_n 2, a study field; packed sequences without a m
 a cluster take adjacent key tiles of one (sequence, head) and walk the same query tiles, so each loads its part of
 every Q and dO tile into both CTAs' shared memory (TMA multicast, `load_rows`); the Q / dO rings' empty barriers
 count both CTAs' consumer warps, and the consumers skip their last num_stages releases (pipelines.ClusterRing: no
-cluster barrier before exit). Where the second CTA has no keys (a sequence's odd last key tile) it does nothing, and
-the first loads whole tiles alone ("solo", `shared_ring`). LSE / D, K / V and the dQ path stay each CTA's own.
+cluster barrier before exit). The sequences' odd last key tiles go two to a cluster after all pairs
+(common/packed_tiles.packed_tile_pairs): each of those CTAs loads whole tiles for itself alone ("single", multicast
+to itself, releases to its own barriers: `shared_ring`). LSE / D, K / V and the dQ path stay each CTA's own.
 
 Global tensors are viewed as (seqlen, head_dim, heads, batch) as in the forward kernel.
 
@@ -84,7 +85,7 @@ from ...common.entries import BwdEntries
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E
 from ...common.packed import packed_pads, seq_rows
-from ...common.packed_tiles import packed_tile, packed_tiles_bound
+from ...common.packed_tiles import packed_tile, packed_tile_pairs, packed_tiles_bound
 from ...spec import AttentionSpec
 from ..sm80.flash_bwd import red_add_f32_vec
 from .barriers import BwdBarrierId
@@ -595,9 +596,9 @@ class Sm90FlashBackward(BwdEntries):
             num_seqs = seqs[0].shape[0] - 1
             if const_expr(self.cluster_n == 1):
                 batch, n_block = packed_tile(n_block, self.tile_n, seqs[1], seqs[2])
-            else:  # a cluster's CTAs take adjacent key tiles of one sequence; its pairs of tiles are numbered in order
-                batch, tiles = packed_tile(n_block // self.cluster_n, self.tile_n * self.cluster_n, seqs[1], seqs[2])
-                n_block = tiles * self.cluster_n + n_block % self.cluster_n
+            else:  # adjacent key tiles of one sequence, or two sequences' odd last tiles (packed_tile_pairs)
+                rank = n_block % self.cluster_n
+                batch, n_block, single = packed_tile_pairs(n_block // self.cluster_n, rank, self.tile_n, *seqs[1:3])
             idle = batch >= num_seqs
             batch = cutlass.min(batch, num_seqs - 1)
             seq = seq_rows(batch, *seqs)
@@ -631,15 +632,15 @@ class Sm90FlashBackward(BwdEntries):
             if n_block * self.tile_n >= seqlen_k:
                 m_max = m_min
 
-        # In a cluster: whether this CTA loads whole Q / dO tiles alone (its partner has no keys: a sequence's odd last
-        # key tile, or a CTA past the last tile) instead of its part for both; (rank, solo, multicast mask).
+        # In a cluster: (rank, single, multicast mask). A single CTA (a sequence's odd last key tile, its partner
+        # another sequence's) loads whole Q / dO tiles for itself alone; the CTAs of a pair load their parts for both.
         pair = None
         if const_expr(self.cluster_n > 1):
-            solo = (n_block | 1) * self.tile_n >= seqlen_k  # (rank 0's partner is n_block + 1)
-            mask = cutlass.Int16(1)  # (solo: rank 0 alone)
-            if not solo:
-                mask = cutlass.Int16((1 << self.cluster_n) - 1)
-            pair = (cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()), solo, mask)
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())  # (bidx % cluster_n)
+            mask = cutlass.Int16((1 << self.cluster_n) - 1)
+            if single != 0:
+                mask = cutlass.Int16(Int32(1) << rank)
+            pair = (rank, single, mask)
 
         pipeline.pipeline_init_wait(self.cluster_shape())
 
@@ -728,7 +729,7 @@ class Sm90FlashBackward(BwdEntries):
         m_min: Int32,
         m_max: Int32,
         rows: PackedRows,
-        pair=None,  # in a cluster: (rank, solo, multicast mask) (kernel)
+        pair=None,  # in a cluster: (rank, single, multicast mask) (kernel)
     ):
         """K and V once; then Q + LSE and dO + D per query tile, in the consumers' order. atoms / tensors / tiles: the
         TMA atoms, global coordinate tensors and shared-memory tiles of Q, K, V, dO, LSE and D, in that order.
@@ -758,7 +759,7 @@ class Sm90FlashBackward(BwdEntries):
             tQsQ, tQgQ = part(atom_q, sQ, gQ)
             tdOsdO, tdOgdO = part(atom_do, sdO, gdO)
         else:
-            # Every CTA's part of the Q / dO tiles (a solo CTA loads them all): tuples indexed by rank.
+            # Every CTA's part of the Q / dO tiles (a single CTA loads them all): tuples indexed by rank.
             cluster = cute.make_layout(self.cluster_n)
             q_parts = [
                 cpasync.tma_partition(atom_q, r, cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
@@ -840,15 +841,15 @@ class Sm90FlashBackward(BwdEntries):
 
     @cute.jit
     def load_rows(self, atom, g, s, m_block: Int32, index: Int32, bar, pair):
-        """Query tile m_block of Q or dO into stage `index` on `bar`. In a cluster (pair: (rank, solo, multicast
-        mask)), g / s hold every CTA's part: this CTA's part goes to both CTAs, or a solo CTA loads every part for
+        """Query tile m_block of Q or dO into stage `index` on `bar`. In a cluster (pair: (rank, single, multicast
+        mask)), g / s hold every CTA's part: this CTA's part goes to both CTAs, or a single CTA loads every part for
         itself."""
         if const_expr(pair is None):
             cute.copy(atom, g[None, m_block], s[None, index], tma_bar_ptr=bar)
         else:
-            rank, solo, mask = pair
+            rank, single, mask = pair
             for r in cutlass.range_constexpr(self.cluster_n):
-                if rank == r or solo:
+                if rank == r or single != 0:
                     cute.copy(atom, g[r][None, m_block], s[r][None, index], tma_bar_ptr=bar, mcast_mask=mask)
 
     @cute.jit
@@ -886,12 +887,12 @@ class Sm90FlashBackward(BwdEntries):
         tidx: Int32,  # 0 .. num_consumer_threads - 1
         warp_idx: Int32,
         seqs,  # packed: the cu_seqlens / seqused_k tensors (see kernel); dense: None
-        pair=None,  # in a cluster: (rank, solo, multicast mask) (kernel)
+        pair=None,  # in a cluster: (rank, single, multicast mask) (kernel)
     ):
         d = self.head_dim
         stages = self.num_stages
         if const_expr(pair is not None):
-            pipe_q, pipe_do = [self.shared_ring(p, pair[1], m_max - m_min) for p in (pipe_q, pipe_do)]
+            pipe_q, pipe_do = [self.shared_ring(p, pair[0], pair[1], m_max - m_min) for p in (pipe_q, pipe_do)]
         # Warp-uniform, so that the operand descriptors of every wgmma are built in uniform registers (from tidx they
         # would be per-thread values, moved to uniform registers with R2UR before each wgmma).
         consumer = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
@@ -1078,11 +1079,11 @@ class Sm90FlashBackward(BwdEntries):
                 info.seqlen_k,
             )
 
-    def shared_ring(self, pipe: pipeline.PipelineTmaAsync, solo, num_tiles: Int32) -> ClusterRing:
+    def shared_ring(self, pipe: pipeline.PipelineTmaAsync, rank: Int32, single: Int32, num_tiles: Int32) -> ClusterRing:
         """A consumer's view of the Q or dO ring in a cluster: lanes 0 and 1 of each warp release a stage to CTAs 0 and
-        1, or, solo (rank 0 alone), both to this CTA's barrier, whose count is the same; the releases of the last
+        1, or, in a single CTA, both to this CTA's barrier, whose count is the same; the releases of the last
         num_stages tiles are skipped (pipelines.ClusterRing: no barrier before exit)."""
-        dst = pipe.consumer_mask * (1 - Int32(solo))  # (the lane's CTA; solo: 0, this CTA)
+        dst = pipe.consumer_mask + (rank - pipe.consumer_mask) * single  # (the lane's CTA; single: this CTA)
         return ClusterRing(replace(pipe, consumer_mask=dst), num_tiles - self.num_stages)
 
     @cute.jit

@@ -209,8 +209,8 @@ class BwdTileConfig:
     cluster_n (1 or 2; study field, profiling/varlen_bwd_cycles.py --variant '{"cluster_n": 2}'): packed
         sequences without a mask in clusters of two CTAs with adjacent key tiles of one (sequence, head). Both walk
         the same query tiles, so each loads half of every Q and dO tile into both CTAs' shared memory (TMA
-        multicast), halving the L2 reads of Q and dO; a CTA whose partner has no keys (a sequence's odd last key
-        tile) loads whole tiles alone (flash_bwd.py).
+        multicast), halving the L2 reads of Q and dO; the sequences' odd last key tiles go two to a cluster, each
+        CTA loading whole tiles alone (flash_bwd.py, common/packed_tiles.packed_tile_pairs).
     dq_buffers (2 at d64 causal, _BWD_BY_HEAD_DIM_AND_MASK; profiling/sm90_bwd_variants.py "dqbuf1", "dqbuf2"): the
         consumers write query tile m_block's dQ into buffer m_block % dq_buffers, so before their dQ stores they wait
         for the bulk reduce-add of the tile before the previous one to have read its buffer, not for that of the
