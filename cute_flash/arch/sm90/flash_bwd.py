@@ -597,7 +597,7 @@ class Sm90FlashBackward(BwdEntries):
             if const_expr(self.cluster_n == 1):
                 batch, n_block = packed_tile(n_block, self.tile_n, seqs[1], seqs[2])
             else:  # adjacent key tiles of one sequence, or two sequences' odd last tiles (packed_tile_pairs)
-                rank = n_block % self.cluster_n
+                rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())  # (bidx % cluster_n)
                 batch, n_block, single = packed_tile_pairs(n_block // self.cluster_n, rank, self.tile_n, *seqs[1:3])
             idle = batch >= num_seqs
             batch = cutlass.min(batch, num_seqs - 1)
@@ -634,13 +634,12 @@ class Sm90FlashBackward(BwdEntries):
 
         # In a cluster: (rank, single, multicast mask). A single CTA (a sequence's odd last key tile, its partner
         # another sequence's) loads whole Q / dO tiles for itself alone; the CTAs of a pair load their parts for both.
-        pair = None
+        multicast = None
         if const_expr(self.cluster_n > 1):
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())  # (bidx % cluster_n)
             mask = cutlass.Int16((1 << self.cluster_n) - 1)
             if single != 0:
                 mask = cutlass.Int16(Int32(1) << rank)
-            pair = (rank, single, mask)
+            multicast = (rank, single, mask)
 
         pipeline.pipeline_init_wait(self.cluster_shape())
 
@@ -666,7 +665,7 @@ class Sm90FlashBackward(BwdEntries):
                     m_min,
                     m_max,
                     rows,
-                    pair,
+                    multicast,
                 )
             if const_expr(not self.cfg.dq_red):
                 if warp_idx == 1:
@@ -706,7 +705,7 @@ class Sm90FlashBackward(BwdEntries):
                 tidx - WARPGROUP_THREADS,
                 warp_idx,
                 seqs,
-                pair,
+                multicast,
             )
 
     def cluster_shape(self):
@@ -729,7 +728,7 @@ class Sm90FlashBackward(BwdEntries):
         m_min: Int32,
         m_max: Int32,
         rows: PackedRows,
-        pair=None,  # in a cluster: (rank, single, multicast mask) (kernel)
+        multicast=None,  # in a cluster: (rank, single, multicast mask) (kernel)
     ):
         """K and V once; then Q + LSE and dO + D per query tile, in the consumers' order. atoms / tensors / tiles: the
         TMA atoms, global coordinate tensors and shared-memory tiles of Q, K, V, dO, LSE and D, in that order.
@@ -755,7 +754,7 @@ class Sm90FlashBackward(BwdEntries):
         gdPsum = cute.local_tile(padded_stat_rows(mdPsum, head, batch, rows.padded_q), (self.tile_m,), (None,))
         tKsK, tKgK = part(atom_k, sK, gK)
         tVsV, tVgV = part(atom_v, sV, gV)
-        if const_expr(pair is None):
+        if const_expr(multicast is None):
             tQsQ, tQgQ = part(atom_q, sQ, gQ)
             tdOsdO, tdOgdO = part(atom_do, sdO, gdO)
         else:
@@ -784,11 +783,11 @@ class Sm90FlashBackward(BwdEntries):
             dst = (tQsQ, tKsK, tVsV, tdOsdO, tLsL, tDsD)
             q = producer_state(self.num_stages)
             do = producer_state(self.num_stages)
-            self.load_query_tile(pipe_q, pipe_do, q, do, atoms, src, dst, m_min, n_block, True, pair)
+            self.load_query_tile(pipe_q, pipe_do, q, do, atoms, src, dst, m_min, n_block, True, multicast)
             q.advance()
             do.advance()
             for m_block in cutlass.range(m_min + 1, m_max, unroll=1):
-                self.load_query_tile(pipe_q, pipe_do, q, do, atoms, src, dst, m_block, n_block, False, pair)
+                self.load_query_tile(pipe_q, pipe_do, q, do, atoms, src, dst, m_block, n_block, False, multicast)
                 q.advance()
                 do.advance()
 
@@ -817,7 +816,7 @@ class Sm90FlashBackward(BwdEntries):
         m_block: Int32,
         n_block: Int32,
         first: cutlass.Constexpr,
-        pair=None,
+        multicast=None,
     ):
         """Q + LSE on a Q stage's barrier, dO + D on a dO stage's. src / dst: the TMA partitions of Q, K, V, dO, LSE
         and D in global and shared memory. The first query tile (`first`): with kv_with_first_tile, K completes Q's
@@ -828,11 +827,11 @@ class Sm90FlashBackward(BwdEntries):
         tQsQ, tKsK, tVsV, tdOsdO, tLsL, tDsD = dst
         kv_here = first and self.cfg.kv_with_first_tile
         bar_q = self.acquire_stage(pipe_q, q, atom_k, tKgK[None, n_block], tKsK[None, 0], self.bytes_k, kv_here)
-        self.load_rows(atom_q, tQgQ, tQsQ, m_block, q.index, bar_q, pair)
+        self.load_rows(atom_q, tQgQ, tQsQ, m_block, q.index, bar_q, multicast)
         if const_expr(not first):
             cute.copy(atom_lse, tLgL[None, m_block], tLsL[None, q.index], tma_bar_ptr=bar_q)
         bar_do = self.acquire_stage(pipe_do, do, atom_v, tVgV[None, n_block], tVsV[None, 0], self.bytes_v, kv_here)
-        self.load_rows(atom_do, tdOgdO, tdOsdO, m_block, do.index, bar_do, pair)
+        self.load_rows(atom_do, tdOgdO, tdOsdO, m_block, do.index, bar_do, multicast)
         if const_expr(first):
             if const_expr(self.cfg.pdl):
                 cute.arch.griddepcontrol_wait()  # the preprocess has ended and its writes are visible
@@ -840,14 +839,13 @@ class Sm90FlashBackward(BwdEntries):
         cute.copy(atom_dpsum, tDgD[None, m_block], tDsD[None, do.index], tma_bar_ptr=bar_do)
 
     @cute.jit
-    def load_rows(self, atom, g, s, m_block: Int32, index: Int32, bar, pair):
-        """Query tile m_block of Q or dO into stage `index` on `bar`. In a cluster (pair: (rank, single, multicast
-        mask)), g / s hold every CTA's part: this CTA's part goes to both CTAs, or a single CTA loads every part for
-        itself."""
-        if const_expr(pair is None):
+    def load_rows(self, atom, g, s, m_block: Int32, index: Int32, bar, multicast):
+        """Query tile m_block of Q or dO into stage `index` on `bar`. In a cluster (multicast: (rank, single, mask)),
+        g / s hold every CTA's part: this CTA's part goes to both CTAs, or a single CTA loads every part for itself."""
+        if const_expr(multicast is None):
             cute.copy(atom, g[None, m_block], s[None, index], tma_bar_ptr=bar)
         else:
-            rank, single, mask = pair
+            rank, single, mask = multicast
             for r in cutlass.range_constexpr(self.cluster_n):
                 if rank == r or single != 0:
                     cute.copy(atom, g[r][None, m_block], s[r][None, index], tma_bar_ptr=bar, mcast_mask=mask)
@@ -887,12 +885,13 @@ class Sm90FlashBackward(BwdEntries):
         tidx: Int32,  # 0 .. num_consumer_threads - 1
         warp_idx: Int32,
         seqs,  # packed: the cu_seqlens / seqused_k tensors (see kernel); dense: None
-        pair=None,  # in a cluster: (rank, single, multicast mask) (kernel)
+        multicast=None,  # in a cluster: (rank, single, multicast mask) (kernel)
     ):
         d = self.head_dim
         stages = self.num_stages
-        if const_expr(pair is not None):
-            pipe_q, pipe_do = [self.shared_ring(p, pair[0], pair[1], m_max - m_min) for p in (pipe_q, pipe_do)]
+        if const_expr(multicast is not None):
+            rank, single, _ = multicast
+            pipe_q, pipe_do = [self.shared_ring(p, rank, single, m_max - m_min) for p in (pipe_q, pipe_do)]
         # Warp-uniform, so that the operand descriptors of every wgmma are built in uniform registers (from tidx they
         # would be per-thread values, moved to uniform registers with R2UR before each wgmma).
         consumer = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
