@@ -9,6 +9,8 @@ output is compared with the default's (max abs difference).
         [--sustained 1.5]      # each row back to back for 1.5 s, SM clock sampled (under the power cap)
     python -m profiling.varlen_fwd_variants --tile c2s3='{"num_stages": 3}' --variants default,c2s3 --sustained 1.5
         # --tile NAME=JSON: a variant of the library's kernel with these FwdTileConfig fields changed
+    python -m profiling.varlen_fwd_variants --causal --tile s3='{"num_stages": 3}' --variants default,s3
+        # --causal: causal calls (the default and --tile variants only)
 
 Under a power cap the back-to-back timings move by a few percent between rounds; --cycles instead launches every row
 once inside a profiler range, for Nsight Compute to count cycles at the clock it finds (one-shot, caches flushed),
@@ -180,6 +182,7 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--causal", action="store_true", help="causal calls (--tile variants and the default only)")
     ap.add_argument("--cycles", action="store_true", help="one profiled launch per row (run under ncu, see above)")
     ap.add_argument("--labels", default="out/labels.txt", help="--cycles: where the rows' labels go, in launch order")
     shapes_help = (
@@ -205,14 +208,15 @@ def main(argv=None):
 
     TILES.update({name: json.loads(fields) for name, _, fields in (t.partition("=") for t in args.tile)})
     names = args.variants.split(",")
-    print(f"{torch.cuda.get_device_name()}: h{args.heads} d{args.head_dim} bf16, no mask, {args.tokens} tokens")
+    mask = "causal" if args.causal else "no mask"
+    print(f"{torch.cuda.get_device_name()}: h{args.heads} d{args.head_dim} bf16, {mask}, {args.tokens} tokens")
     kernels: Dict[str, object] = {}
     for seed in (int(s) for s in args.seeds.split(",")):
         lens = draw_lengths(args.tokens, MIN_LEN, MAX_LEN, seed)
-        calls = peer_calls(lens, args.heads, args.head_dim, dense=False, seed=seed)
+        calls = peer_calls(lens, args.heads, args.head_dim, args.causal, dense=False, seed=seed)
         ours = calls["ours varlen"][0]
         fa4 = calls["FA4 varlen"][0] if "FA4 varlen" in calls else None
-        flops = sum(4 * args.heads * args.head_dim * s * s for s in lens)
+        flops = sum(4 * args.heads * args.head_dim * s * s for s in lens) * (0.5 if args.causal else 1.0)
         ref = ours()  # builds the default kernel; its memo key is the one the variants replace
         key = next(kk for kk in backend._forward_kernels if kk[0].varlen and kk[2] == "")
         default_kernel = backend._forward_kernels[key]
@@ -286,13 +290,13 @@ def shapes(lens: List[int], args) -> None:
         f"{batch}x{seqlen}": [seqlen] * batch,
         f"{batch}x{seqlen - 1}": [seqlen - 1] * batch,
     }
-    h, d = args.heads, args.head_dim
+    h, d, half = args.heads, args.head_dim, 0.5 if args.causal else 1.0
     for name, ls in cases.items():
-        flops = sum(4 * h * d * s * s for s in ls)
-        for row, (fn, _) in peer_calls(ls, h, d, dense=False).items():
+        flops = sum(4 * h * d * s * s for s in ls) * half
+        for row, (fn, _) in peer_calls(ls, h, d, args.causal, dense=False).items():
             profiled(f"{name} {row.split()[0]}", flops, fn, args.labels)  # "{case} ours", "{case} FA4"
-    flops = 4 * h * d * batch * seqlen * seqlen
-    for row, (fn, _) in peer_calls(lens, h, d).items():
+    flops = 4 * h * d * batch * seqlen * seqlen * half
+    for row, (fn, _) in peer_calls(lens, h, d, args.causal).items():
         if "dense" in row:  # "ours dense BxL" -> "dense BxL ours"
             who, _, shape = row.split()
             profiled(f"dense {shape} {who}", flops, fn, args.labels)

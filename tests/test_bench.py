@@ -554,7 +554,8 @@ def test_study_tools_build_their_rows_from_one_set_of_peer_calls(monkeypatch):
 
     profiled = []
     monkeypatch.setattr(varlen_fwd_variants, "profiled", lambda label, flops, fn, path: profiled.append(label))
-    varlen_fwd_variants.shapes([300, 500], type("Args", (), {"heads": 2, "head_dim": 64, "labels": ""})())
+    args = {"heads": 2, "head_dim": 64, "labels": "", "causal": False}
+    varlen_fwd_variants.shapes([300, 500], type("Args", (), args)())
     assert profiled == [
         "rounded ours", "rounded FA4", "2x384 ours", "2x384 FA4", "2x383 ours", "2x383 FA4",
         "dense 2x384 ours", "dense 2x384 FA4",
