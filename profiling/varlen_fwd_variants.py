@@ -306,6 +306,7 @@ def shapes(lens: List[int], args) -> None:
 _UNIT_SCALE = {
     "cycle": 1.0, "Kcycle": 1e3, "Mcycle": 1e6, "Gcycle": 1e9,
     "nsecond": 1.0, "ns": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6, "second": 1e9, "s": 1e9,
+    "byte": 1.0, "sector": 1.0, "inst": 1.0, "": 1.0,  # (counters ncu prints in base units with --print-units base)
 }  # fmt: skip
 
 
