@@ -208,6 +208,9 @@ def main(argv=None):
 
     TILES.update({name: json.loads(fields) for name, _, fields in (t.partition("=") for t in args.tile)})
     names = args.variants.split(",")
+    if args.causal and set(names) - {"default", *TILES}:
+        # (the study classes map CTAs to tiles for builds without a mask only, and clusters need no mask)
+        ap.error(f"--causal times the default and --tile variants only, not {sorted(set(names) - {'default', *TILES})}")
     mask = "causal" if args.causal else "no mask"
     print(f"{torch.cuda.get_device_name()}: h{args.heads} d{args.head_dim} bf16, {mask}, {args.tokens} tokens")
     kernels: Dict[str, object] = {}

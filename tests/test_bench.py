@@ -473,6 +473,15 @@ def _ncu_csv(tmp_path, rows):
     return path
 
 
+def test_varlen_fwd_variants_refuses_causal_study_classes(capsys):
+    # --causal times the library's kernel (default, --tile); the study classes map tiles for no-mask builds only.
+    from profiling.varlen_fwd_variants import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--causal", "--variants", "default,no_zero_v", "--tile", 's3={"num_stages": 3}'])
+    assert exit_info.value.code == 2 and "no_zero_v" in capsys.readouterr().err
+
+
 def test_varlen_fwd_variants_join_labels_ncu_rows_in_launch_order(tmp_path, capsys):
     # profiling.varlen_fwd_variants --join: ncu's CSV (one row per metric and launch, after ncu's own log lines) is
     # matched with the labels --cycles wrote, in launch order; Mcycles, µs, TFLOP/s and the clock per row.
