@@ -24,7 +24,24 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 
+SETTLE_S = [0.0]  # --settle: seconds each timed function first runs untimed (set by main)
+
+
+def _settle(fn: Callable[[], object], seconds: float) -> None:
+    """Runs `fn` back to back for `seconds` (synchronising every 5 calls), so that the timing after it starts in the
+    power state this workload itself reaches rather than the one the row before left."""
+    import time
+
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+
+
 def _bench_ms(fn: Callable[[], object]) -> float:
+    if SETTLE_S[0] > 0:
+        _settle(fn, SETTLE_S[0])
     try:
         from triton.testing import do_bench
 
@@ -170,9 +187,29 @@ def _fwd_bwd_ms(run: Callable[[], torch.Tensor], leaves, name: str = "") -> tupl
     return fwd, _bench_ms(backward)
 
 
+def rotated(items: list, turn: int) -> list:
+    """`items` starting from item `turn` (mod their number), the ones before it last: the order one round times its
+    rows in. A row timed for 200 ms inherits the power state the rows before it left (at the power cap a few percent
+    of clock, docs/performance.md session 28), so successive rounds start at successive rows instead of always
+    timing the same row first."""
+    if not items:
+        return []
+    k = turn % len(items)
+    return items[k:] + items[:k]
+
+
 def bench(
-    lens: List[int], heads: int, head_dim: int, causal: bool, seed: int = 0, sm80: bool = True, peers: bool = True
+    lens: List[int],
+    heads: int,
+    head_dim: int,
+    causal: bool,
+    seed: int = 0,
+    sm80: bool = True,
+    peers: bool = True,
+    turn: int = 0,
 ) -> List[dict]:
+    """One round: every row's forward and backward times, the rows timed in the order `rotated(rows, turn)` and
+    returned in their usual order."""
     import cute_flash
 
     dtype, dev = torch.bfloat16, "cuda"
@@ -185,60 +222,60 @@ def bench(
     cu = cu_seqlens(lens, dev)
     q, k, v = make(total, heads, head_dim), make(total, heads, head_dim), make(total, heads, head_dim)
     fwd_flops = sum(4 * heads * head_dim * s * s for s in lens) * (0.5 if causal else 1.0)
-    rows = []
-
-    def add(name, fwd_ms, bwd_ms, flops):
-        rows.append(
-            {"impl": name, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwd_tflops": flops / fwd_ms / 1e9,
-             "bwd_tflops": 2.5 * flops / bwd_ms / 1e9 if bwd_ms else None}
-        )  # fmt: skip
-
+    # (name, family or None, forward, leaves, flops, label); a row whose peer does not import is a note instead.
+    jobs: list = []
     mx = max(lens)
     varlen = lambda: cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx, causal=causal)  # noqa: E731
+    hopper = torch.cuda.get_device_capability() == (9, 0)  # the router's choice: the sm90 packed kernels
     if sm80:
-        with _family("sm80"):
-            add("cute-flash varlen sm80", *_fwd_bwd_ms(varlen, (q, k, v), "varlen sm80"), fwd_flops)
-    if torch.cuda.get_device_capability() == (9, 0):  # the router's choice: the sm90 packed kernels
-        with _family(None):
-            add("cute-flash varlen default", *_fwd_bwd_ms(varlen, (q, k, v), "varlen"), fwd_flops)
+        jobs.append(("cute-flash varlen sm80", "sm80", varlen, (q, k, v), fwd_flops, "varlen sm80"))
+    if hopper:
+        jobs.append(("cute-flash varlen default", None, varlen, (q, k, v), fwd_flops, "varlen"))
+    if peers:
+        # Dense at equal tokens and (nearly) equal work: batch x L with L = sum(s^2) / sum(s).
+        batch, seqlen = equal_work_dense(lens)
+        dq, dk, dv = (make(batch, seqlen, heads, head_dim) for _ in range(3))
+        dense_flops = 4 * heads * head_dim * batch * seqlen * seqlen * (0.5 if causal else 1.0)
+        dense = lambda: cute_flash.attention(dq, dk, dv, causal=causal)  # noqa: E731
+        shape = f"({batch}x{seqlen})"
+        if sm80:
+            jobs.append((f"cute-flash dense sm80 {shape}", "sm80", dense, (dq, dk, dv), dense_flops, "dense sm80"))
+        if hopper:
+            jobs.append((f"cute-flash dense default {shape}", None, dense, (dq, dk, dv), dense_flops, "dense"))
+        fa4 = fa4_function("flash_attn_varlen_func")
+        if fa4 is not None:
 
-    if not peers:
-        return rows
-    # Dense at equal tokens and (nearly) equal work: batch x L with L = sum(s^2) / sum(s).
-    batch, seqlen = equal_work_dense(lens)
-    dq, dk, dv = (make(batch, seqlen, heads, head_dim) for _ in range(3))
-    dense_flops = 4 * heads * head_dim * batch * seqlen * seqlen * (0.5 if causal else 1.0)
-    dense = lambda: cute_flash.attention(dq, dk, dv, causal=causal)  # noqa: E731
-    if sm80:
-        with _family("sm80"):
-            times = _fwd_bwd_ms(dense, (dq, dk, dv), "dense sm80")
-            add(f"cute-flash dense sm80 ({batch}x{seqlen})", *times, dense_flops)
-    if torch.cuda.get_device_capability() == (9, 0):
-        with _family(None):
-            add(f"cute-flash dense default ({batch}x{seqlen})", *_fwd_bwd_ms(dense, (dq, dk, dv), "dense"), dense_flops)
+            def fa4_run():
+                return first_output(
+                    fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=causal)
+                )
 
-    fa4 = fa4_function("flash_attn_varlen_func")
-    if fa4 is not None:
-
-        def fa4_run():
-            return first_output(
-                fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=causal)
-            )
-
-        try:
-            add("FA4 varlen", *_fwd_bwd_ms(fa4_run, (q, k, v), "FA4 varlen"), fwd_flops)
-        except Exception as e:  # noqa: BLE001
-            rows.append({"impl": f"FA4 varlen: failed ({type(e).__name__}: {e})"[:120]})
-    else:
-        rows.append({"impl": "FA4 varlen: flash_attn.cute does not import"})
-    fa4_dense = fa4_function("flash_attn_func")
-    if fa4_dense is not None:  # separates our dense kernels' distance to FA4 from what packing costs
-        try:
+            jobs.append(("FA4 varlen", "peer", fa4_run, (q, k, v), fwd_flops, "FA4 varlen"))
+        else:
+            jobs.append(("FA4 varlen: flash_attn.cute does not import", "note", None, None, None, None))
+        fa4_dense = fa4_function("flash_attn_func")
+        if fa4_dense is not None:  # separates our dense kernels' distance to FA4 from what packing costs
             run = lambda: first_output(fa4_dense(dq, dk, dv, causal=causal))  # noqa: E731
-            add(f"FA4 dense ({batch}x{seqlen})", *_fwd_bwd_ms(run, (dq, dk, dv), "FA4 dense"), dense_flops)
+            jobs.append((f"FA4 dense {shape}", "peer", run, (dq, dk, dv), dense_flops, "FA4 dense"))
+
+    rows = {}
+    for name, family, fn, leaves, flops, label in rotated([j for j in jobs if j[1] != "note"], turn):
+        try:
+            if family == "peer":
+                fwd_ms, bwd_ms = _fwd_bwd_ms(fn, leaves, label)
+            else:
+                with _family(family):
+                    fwd_ms, bwd_ms = _fwd_bwd_ms(fn, leaves, label)
         except Exception as e:  # noqa: BLE001
-            rows.append({"impl": f"FA4 dense: failed ({type(e).__name__}: {e})"[:120]})
-    return rows
+            if family != "peer":
+                raise
+            rows[name] = {"impl": f"{name}: failed ({type(e).__name__}: {e})"[:120]}
+            continue
+        rows[name] = {
+            "impl": name, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwd_tflops": flops / fwd_ms / 1e9,
+            "bwd_tflops": 2.5 * flops / bwd_ms / 1e9 if bwd_ms else None,
+        }  # fmt: skip
+    return [rows[name] if family != "note" else {"impl": name} for name, family, *_ in jobs]
 
 
 def median_rows(rounds: List[List[dict]]) -> List[dict]:
@@ -273,11 +310,15 @@ def main(argv=None):
     ap.add_argument("--no-sm80", action="store_true", help="skip the sm80 family (Hopper: time the sm90 kernels only)")
     ap.add_argument("--kernels", action="store_true", help="also print each call's device time per kernel (µs)")
     ap.add_argument("--rounds", type=int, default=1, help="time every row this many times in turn (ours and FA4 "
-                    "alternating in one process) and print the medians; single runs move by a few percent")  # fmt: skip
+                    "alternating in one process, each round starting one row later: `rotated`) and print the "
+                    "medians; single runs move by a few percent")  # fmt: skip
+    ap.add_argument("--settle", type=float, default=0.0, help="run each timed call untimed for this many seconds "
+                    "first (its own power state under the cap, not the previous row's)")  # fmt: skip
     ap.add_argument("--no-peers", action="store_true", help="only cute-flash's packed call (no dense, no FA4)")
     ap.add_argument("--bwd-variant", help="study: this sm90_bwd_variants variant as the d128 backward's default (its "
                     "mask: --causal)")  # fmt: skip
     args = ap.parse_args(argv)
+    SETTLE_S[0] = args.settle
     if args.bwd_variant:
         from .bwd_variant_patch import apply
 
@@ -299,8 +340,8 @@ def main(argv=None):
         print(f"\n{'causal' if causal else 'non-causal'}")
         print(f"{'impl':<44}{'fwd ms':>9}{'fwd TF/s':>10}{'bwd ms':>9}{'bwd TF/s':>10}")
         rounds = [
-            bench(lens, args.heads, args.head_dim, causal, args.seed, not args.no_sm80, not args.no_peers)
-            for _ in range(max(1, args.rounds))
+            bench(lens, args.heads, args.head_dim, causal, args.seed, not args.no_sm80, not args.no_peers, turn)
+            for turn in range(max(1, args.rounds))
         ]
         for r in median_rows(rounds):
             if "fwd_ms" not in r:

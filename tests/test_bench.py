@@ -446,6 +446,17 @@ def test_varlen_benchmark_rounds_take_each_rows_median():
     assert failed == {"impl": "FA4 varlen: failed"}
 
 
+def test_varlen_benchmark_rounds_start_at_successive_rows():
+    # profiling.varlen_benchmark --rounds: round r times its rows starting from row r (mod their number), so that no
+    # row always runs first (a 200-ms row inherits the power state the rows before it left).
+    from profiling.varlen_benchmark import rotated
+
+    rows = ["ours varlen", "ours dense", "FA4 varlen", "FA4 dense"]
+    assert [rotated(rows, r)[0] for r in range(5)] == rows + rows[:1]
+    assert rotated(rows, 2) == ["FA4 varlen", "FA4 dense", "ours varlen", "ours dense"]
+    assert rotated([], 3) == []
+
+
 def test_profiling_target_packed_meta_counts_each_sequences_work():
     # profiling.target --varlen-seed (and ncu_profile, which passes it on): the lengths varlen_benchmark draws for
     # batch x seqlen tokens, FLOPs summed per sequence, the flag kept for the profiled subprocess.
