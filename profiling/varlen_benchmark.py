@@ -19,7 +19,7 @@ import argparse
 import os
 import random
 from contextlib import contextmanager
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -187,6 +187,18 @@ def _fwd_bwd_ms(run: Callable[[], torch.Tensor], leaves, name: str = "") -> tupl
     return fwd, _bench_ms(backward)
 
 
+class _Row(NamedTuple):
+    """One timed row of `bench`: family "sm80" / None (the router's choice) for ours, "peer" for FA4's (its failure
+    becomes a note), "note" for a peer that does not import (nothing to time)."""
+
+    name: str
+    family: Optional[str]
+    fn: Optional[Callable[[], torch.Tensor]] = None
+    leaves: tuple = ()
+    flops: float = 0.0
+    label: str = ""
+
+
 def rotated(items: list, turn: int) -> list:
     """`items` starting from item `turn` (mod their number), the ones before it last: the order one round times its
     rows in. A row timed for 200 ms inherits the power state the rows before it left (at the power cap a few percent
@@ -222,15 +234,14 @@ def bench(
     cu = cu_seqlens(lens, dev)
     q, k, v = make(total, heads, head_dim), make(total, heads, head_dim), make(total, heads, head_dim)
     fwd_flops = sum(4 * heads * head_dim * s * s for s in lens) * (0.5 if causal else 1.0)
-    # (name, family or None, forward, leaves, flops, label); a row whose peer does not import is a note instead.
-    jobs: list = []
+    jobs: List[_Row] = []
     mx = max(lens)
     varlen = lambda: cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx, causal=causal)  # noqa: E731
     hopper = torch.cuda.get_device_capability() == (9, 0)  # the router's choice: the sm90 packed kernels
     if sm80:
-        jobs.append(("cute-flash varlen sm80", "sm80", varlen, (q, k, v), fwd_flops, "varlen sm80"))
+        jobs.append(_Row("cute-flash varlen sm80", "sm80", varlen, (q, k, v), fwd_flops, "varlen sm80"))
     if hopper:
-        jobs.append(("cute-flash varlen default", None, varlen, (q, k, v), fwd_flops, "varlen"))
+        jobs.append(_Row("cute-flash varlen default", None, varlen, (q, k, v), fwd_flops, "varlen"))
     if peers:
         # Dense at equal tokens and (nearly) equal work: batch x L with L = sum(s^2) / sum(s).
         batch, seqlen = equal_work_dense(lens)
@@ -239,9 +250,9 @@ def bench(
         dense = lambda: cute_flash.attention(dq, dk, dv, causal=causal)  # noqa: E731
         shape = f"({batch}x{seqlen})"
         if sm80:
-            jobs.append((f"cute-flash dense sm80 {shape}", "sm80", dense, (dq, dk, dv), dense_flops, "dense sm80"))
+            jobs.append(_Row(f"cute-flash dense sm80 {shape}", "sm80", dense, (dq, dk, dv), dense_flops, "dense sm80"))
         if hopper:
-            jobs.append((f"cute-flash dense default {shape}", None, dense, (dq, dk, dv), dense_flops, "dense"))
+            jobs.append(_Row(f"cute-flash dense default {shape}", None, dense, (dq, dk, dv), dense_flops, "dense"))
         fa4 = fa4_function("flash_attn_varlen_func")
         if fa4 is not None:
 
@@ -250,16 +261,16 @@ def bench(
                     fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=causal)
                 )
 
-            jobs.append(("FA4 varlen", "peer", fa4_run, (q, k, v), fwd_flops, "FA4 varlen"))
+            jobs.append(_Row("FA4 varlen", "peer", fa4_run, (q, k, v), fwd_flops, "FA4 varlen"))
         else:
-            jobs.append(("FA4 varlen: flash_attn.cute does not import", "note", None, None, None, None))
+            jobs.append(_Row("FA4 varlen: flash_attn.cute does not import", "note"))
         fa4_dense = fa4_function("flash_attn_func")
         if fa4_dense is not None:  # separates our dense kernels' distance to FA4 from what packing costs
             run = lambda: first_output(fa4_dense(dq, dk, dv, causal=causal))  # noqa: E731
-            jobs.append((f"FA4 dense {shape}", "peer", run, (dq, dk, dv), dense_flops, "FA4 dense"))
+            jobs.append(_Row(f"FA4 dense {shape}", "peer", run, (dq, dk, dv), dense_flops, "FA4 dense"))
 
     rows = {}
-    for name, family, fn, leaves, flops, label in rotated([j for j in jobs if j[1] != "note"], turn):
+    for name, family, fn, leaves, flops, label in rotated([j for j in jobs if j.family != "note"], turn):
         try:
             if family == "peer":
                 fwd_ms, bwd_ms = _fwd_bwd_ms(fn, leaves, label)
@@ -275,7 +286,7 @@ def bench(
             "impl": name, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwd_tflops": flops / fwd_ms / 1e9,
             "bwd_tflops": 2.5 * flops / bwd_ms / 1e9 if bwd_ms else None,
         }  # fmt: skip
-    return [rows[name] if family != "note" else {"impl": name} for name, family, *_ in jobs]
+    return [{"impl": j.name} if j.family == "note" else rows[j.name] for j in jobs]
 
 
 def median_rows(rounds: List[List[dict]]) -> List[dict]:
