@@ -3,10 +3,12 @@
 A kernel timed back to back runs at whatever clock the GPU's power limit allows; Nsight Compute's one-shot replays
 run near the boost clock. Two kernels with the same cycle count can differ in time when one draws more power. Each
 row runs back to back for --seconds while `nvidia-smi` samples the SM clock and the board power every 50 ms; rows go in
-turn for --rounds rounds. Prints per row: ms per call, mean SM clock (MHz), mean power (W), and ms x clock (millions of
-cycles per call: the clock-independent cost).
+turn for --rounds rounds, round r starting at row r (as varlen_benchmark's rounds). Prints per row: ms per call, mean SM
+clock (MHz), mean power (W), and ms x clock (millions of cycles per call: the clock-independent cost); then, per seed
+and as a geomean over the seeds, each other row's median ms, MHz and Mcycles over ours' ("FA4 varlen" 1.02: FA4 takes
+2% longer than ours).
 
-    python -m profiling.sustained_clocks --seed 1 --seconds 3 --rounds 2 [--dense] [--causal] [--bwd]
+    python -m profiling.sustained_clocks --seeds 1,0,2 --seconds 3 --rounds 2 [--dense] [--causal] [--bwd]
         [--variant '{"cluster_n": 2}']
 
 --variant (with --bwd): our packed backward once more as that profiling/sm90_bwd_variants.py variant (or BwdTileConfig
@@ -16,6 +18,7 @@ fields as JSON, profiling/bwd_variant_patch.py), in turn with the other rows of 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -25,7 +28,9 @@ from typing import Callable, Dict, List
 
 import torch
 
-from .varlen_benchmark import MAX_LEN, MIN_LEN, draw_lengths, parse_lengths, peer_calls
+from .varlen_benchmark import MAX_LEN, MIN_LEN, draw_lengths, parse_lengths, peer_calls, rotated
+
+OURS = "ours varlen"
 
 
 def _smi_index() -> str:
@@ -71,9 +76,33 @@ def _backward_of(forward: Callable[[], torch.Tensor], leaves) -> Callable[[], ob
     return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
 
+def ratios(results: Dict[str, List[dict]], base: str = OURS) -> Dict[str, Dict[str, float]]:
+    """Each row's median ms, MHz and Mcycles over the `base` row's (medians over the rounds): a row that takes longer
+    than ours gets an ms ratio above 1."""
+    if base not in results:
+        return {}
+    med = {
+        name: {k: statistics.median(r[k] for r in rs) for k in ("ms", "mhz", "mcycles")} for name, rs in results.items()
+    }
+    return {name: {k: m[k] / med[base][k] for k in m} for name, m in med.items() if name != base}
+
+
+def geomean_ratios(per_seed: List[Dict[str, Dict[str, float]]]) -> Dict[str, Dict[str, float]]:
+    """Geometric means over seeds of `ratios`' values, for the rows every seed has."""
+    names = [n for n in (per_seed[0] if per_seed else {}) if all(n in r for r in per_seed)]
+    return {
+        n: {k: math.exp(statistics.fmean(math.log(r[n][k]) for r in per_seed)) for k in per_seed[0][n]} for n in names
+    }
+
+
+def _print_ratios(label: str, table: Dict[str, Dict[str, float]]) -> None:
+    for name, r in table.items():
+        print(f"{label:<10} {name:<34} ms {r['ms']:.3f}  MHz {r['mhz']:.3f}  Mcycles {r['mcycles']:.3f}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seeds", "--seed", dest="seeds", default="1", help="comma-separated draws, each in turn")
     ap.add_argument("--lengths", help="these sequence lengths (varlen_benchmark's form, LxN: N of length L), no draw")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=2)
@@ -86,35 +115,47 @@ def main(argv=None):
     args = ap.parse_args(argv)
     assert args.variant is None or args.bwd, "--variant applies to the backward (--bwd)"
 
-    lens = parse_lengths(args.lengths) if args.lengths else draw_lengths(65536, MIN_LEN, MAX_LEN, args.seed)
+    seeds = [None] if args.lengths else [int(s) for s in args.seeds.split(",")]
+    per_seed = []
+    for seed in seeds:
+        results = run_seed(args, seed)
+        per_seed.append(ratios(results))
+        _print_ratios("lengths" if seed is None else f"seed {seed}", per_seed[-1])
+    if len(per_seed) > 1:
+        _print_ratios("geomean", geomean_ratios(per_seed))
+
+
+def run_seed(args, seed) -> Dict[str, List[dict]]:
+    """Times one draw's rows (`seed`, or --lengths when None) and prints them; returns each row's samples."""
+    lens = parse_lengths(args.lengths) if seed is None else draw_lengths(65536, MIN_LEN, MAX_LEN, seed)
     calls = peer_calls(lens, args.heads, args.head_dim, args.causal, grad=args.bwd, dense=args.dense)
     rows: Dict[str, Callable] = {name: _backward_of(*c) if args.bwd else c[0] for name, c in calls.items()}
     setups: Dict[str, Callable] = {}
     if args.variant:
         from .bwd_variant_patch import apply
 
-        ours = "ours varlen"
-        at = list(rows).index(ours) + 1
+        at = list(rows).index(OURS) + 1
         items = list(rows.items())
-        items.insert(at, (f"ours {args.variant}", rows[ours]))  # the same graph, the variant's kernels
+        items.insert(at, (f"ours {args.variant}", rows[OURS]))  # the same graph, the variant's kernels
         rows = dict(items)
         # (the variant applies to this head dim and mask)
         where = dict(head_dim=args.head_dim, mask="causal" if args.causal else "none")
         variant_row = f"ours {args.variant}"
         setups = {name: partial(apply, args.variant if name == variant_row else None, **where) for name in rows}
     mask = "causal" if args.causal else "no mask"
-    which = f"lengths {args.lengths}" if args.lengths else f"seed {args.seed}"
+    which = f"lengths {args.lengths}" if seed is None else f"seed {seed}"
     print(f"{torch.cuda.get_device_name()}: {which}, {len(lens)} sequences, h{args.heads} d{args.head_dim} "
           f"bf16 {'bwd' if args.bwd else 'fwd'} {mask}, {args.seconds} s per row, {args.rounds} rounds")  # fmt: skip
     results: Dict[str, List[dict]] = {name: [] for name in rows}
-    for _ in range(args.rounds):
-        for name, fn in rows.items():
-            results[name].append(sampled(fn, args.seconds, setups.get(name, lambda: None)))
+    for turn in range(args.rounds):
+        for name in rotated(list(rows), turn):
+            results[name].append(sampled(rows[name], args.seconds, setups.get(name, lambda: None)))
     width = max(26, *(len(name) + 2 for name in rows))
     print(f"{'row':<{width}}{'ms':>8}{'MHz':>7}{'W':>6}{'°C':>5}{'Mcycles':>9}")
     for name, rs in results.items():
         for r in rs:
             print(f"{name:<{width}}{r['ms']:>8.3f}{r['mhz']:>7.0f}{r['w']:>6.0f}{r['temp']:>5.0f}{r['mcycles']:>9.3f}")
+    return results
 
 
 if __name__ == "__main__":

@@ -457,6 +457,24 @@ def test_varlen_benchmark_rounds_start_at_successive_rows():
     assert rotated([], 3) == []
 
 
+def test_sustained_clocks_ratios_over_ours_and_their_geomean_over_seeds():
+    # profiling.sustained_clocks --seeds: each row's median ms / MHz / Mcycles over ours' per seed (above 1: slower
+    # than ours), then their geometric mean over the seeds.
+    from profiling.sustained_clocks import geomean_ratios, ratios
+
+    def sample(ms, mhz):
+        return {"ms": ms, "mhz": mhz, "mcycles": ms * mhz / 1e3}
+
+    seed1 = {"ours varlen": [sample(10.0, 1500), sample(12.0, 1400), sample(11.0, 1450)], "FA4 varlen": []}
+    seed1["FA4 varlen"] = [sample(11.0, 1500), sample(11.55, 1600), sample(30.0, 1000)]
+    r1 = ratios(seed1)
+    assert list(r1) == ["FA4 varlen"]
+    assert r1["FA4 varlen"]["ms"] == pytest.approx(1.05) and r1["FA4 varlen"]["mhz"] == pytest.approx(1500 / 1450)
+    r2 = ratios({"ours varlen": [sample(10.0, 1500)], "FA4 varlen": [sample(10.0 / 1.05, 1500)]})
+    assert geomean_ratios([r1, r2])["FA4 varlen"]["ms"] == pytest.approx(1.0)
+    assert ratios({"FA4 varlen": [sample(1.0, 1.0)]}) == {} and geomean_ratios([]) == {}
+
+
 def test_profiling_target_packed_meta_counts_each_sequences_work():
     # profiling.target --varlen-seed (and ncu_profile, which passes it on): the lengths varlen_benchmark draws for
     # batch x seqlen tokens, FLOPs summed per sequence, the flag kept for the profiled subprocess.
