@@ -22,13 +22,12 @@ import math
 import os
 import statistics
 import subprocess
-import time
 from functools import partial
 from typing import Callable, Dict, List
 
 import torch
 
-from .varlen_benchmark import MAX_LEN, MIN_LEN, draw_lengths, parse_lengths, peer_calls, rotated
+from .varlen_benchmark import MAX_LEN, MIN_LEN, back_to_back, draw_lengths, parse_lengths, peer_calls, rotated
 
 OURS = "ours varlen"
 
@@ -49,13 +48,8 @@ def sampled(fn: Callable[[], object], seconds: float, setup: Callable[[], None] 
     query = ["--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits", "-lms", "50"]
     smi = subprocess.Popen(["nvidia-smi", "-i", _smi_index(), *query], stdout=subprocess.PIPE, text=True)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    calls, t0 = 0, time.time()
     start.record()
-    while time.time() - t0 < seconds:
-        for _ in range(5):
-            fn()
-        calls += 5
-        torch.cuda.synchronize()
+    calls = back_to_back(fn, seconds)
     end.record()
     torch.cuda.synchronize()
     smi.terminate()
@@ -102,7 +96,7 @@ def _print_ratios(label: str, table: Dict[str, Dict[str, float]]) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", "--seed", dest="seeds", default="1", help="comma-separated draws, each in turn")
+    ap.add_argument("--seeds", "--seed", dest="seeds", help="comma-separated draws, each in turn (default 1)")
     ap.add_argument("--lengths", help="these sequence lengths (varlen_benchmark's form, LxN: N of length L), no draw")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=2)
@@ -114,8 +108,10 @@ def main(argv=None):
     ap.add_argument("--variant", help="with --bwd: also our packed backward as this study variant (above)")
     args = ap.parse_args(argv)
     assert args.variant is None or args.bwd, "--variant applies to the backward (--bwd)"
+    if args.lengths and args.seeds:
+        ap.error("--lengths times those lengths, not a draw: give --seeds or --lengths, not both")
 
-    seeds = [None] if args.lengths else [int(s) for s in args.seeds.split(",")]
+    seeds = [None] if args.lengths else [int(s) for s in (args.seeds or "1").split(",")]
     per_seed = []
     for seed in seeds:
         results = run_seed(args, seed)

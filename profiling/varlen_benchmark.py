@@ -27,21 +27,24 @@ import torch
 SETTLE_S = [0.0]  # --settle: seconds each timed function first runs untimed (set by main)
 
 
-def _settle(fn: Callable[[], object], seconds: float) -> None:
-    """Runs `fn` back to back for `seconds` (synchronising every 5 calls), so that the timing after it starts in the
-    power state this workload itself reaches rather than the one the row before left."""
+def back_to_back(fn: Callable[[], object], seconds: float) -> int:
+    """Runs `fn` back to back for `seconds` (synchronising every 5 calls) and returns how many calls ran. --settle
+    runs it before a timing, so that the timing starts in the power state this workload itself reaches rather than
+    the one the row before left; sustained_clocks times it."""
     import time
 
-    t0 = time.time()
+    calls, t0 = 0, time.time()
     while time.time() - t0 < seconds:
         for _ in range(5):
             fn()
+        calls += 5
         torch.cuda.synchronize()
+    return calls
 
 
 def _bench_ms(fn: Callable[[], object]) -> float:
     if SETTLE_S[0] > 0:
-        _settle(fn, SETTLE_S[0])
+        back_to_back(fn, SETTLE_S[0])
     try:
         from triton.testing import do_bench
 

@@ -475,6 +475,15 @@ def test_sustained_clocks_ratios_over_ours_and_their_geomean_over_seeds():
     assert ratios({"FA4 varlen": [sample(1.0, 1.0)]}) == {} and geomean_ratios([]) == {}
 
 
+def test_sustained_clocks_refuses_seeds_with_given_lengths(capsys):
+    # --lengths replaces the draw, so --seeds beside it would be ignored: a usage error instead.
+    from profiling.sustained_clocks import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--lengths", "512x4", "--seeds", "1,0"])
+    assert exit_info.value.code == 2 and "--seeds or --lengths" in capsys.readouterr().err
+
+
 def test_profiling_target_packed_meta_counts_each_sequences_work():
     # profiling.target --varlen-seed (and ncu_profile, which passes it on): the lengths varlen_benchmark draws for
     # batch x seqlen tokens, FLOPs summed per sequence, the flag kept for the profiled subprocess.
