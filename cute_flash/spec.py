@@ -28,6 +28,12 @@ class AttentionSpec:
     # Packed sequences (`cute_flash.attention_varlen`): q/k/v are (total, h, d) with per-sequence offsets read from
     # cu_seqlens inside the kernel. A separate compiled variant; only families with a varlen kernel serve it.
     varlen: bool = False
+    # Soft-capping (Gemma 2): scores become softcap * tanh(score * softmax_scale / softcap) before the mask and the
+    # softmax. The flag changes generated code; the cap itself is a runtime value (`Problem.softcap`).
+    softcap: bool = False
+    # A learnable sink per query head (gpt-oss): one extra logit that joins every row's softmax denominator and
+    # attends to no value. The logits are a runtime fp32 tensor (`FwdTensors.sink`, arch/base.py).
+    sink: bool = False
 
     @property
     def causal(self) -> bool:
@@ -40,7 +46,9 @@ class AttentionSpec:
 
 @dataclass(frozen=True)
 class MaskBounds:
-    """Runtime window of one call. Query i sees key j iff i + off - left <= j <= i + off + right, off = sk - sq."""
+    """Runtime window of one call. Query i sees key j iff i + off - left <= j <= i + off + right, off = sk - sq.
+    Either bound may be negative (a window shifted off the diagonal, FlashAttention-4's convention): (None, -w) keeps
+    the keys at least w before the diagonal, (-w, None) those at least w after it; a row may then see no key."""
 
     kind: MaskKind
     left: int  # UNBOUNDED_WINDOW when unlimited
@@ -52,8 +60,8 @@ def normalize_mask(causal: bool, window_size: Tuple[Optional[int], Optional[int]
 
     Causal is a window whose right bound is 0; with a finite left bound as well it becomes a general local window,
     which kernels handle with runtime bounds so that every window size shares one compiled kernel. Bounds are clamped
-    to UNBOUNDED_WINDOW (any bound >= max(seqlen_q, seqlen_k) means the same): kernels add sequence lengths to them
-    in Int32, where a bound near 2^31 would wrap and hide every key.
+    to +-UNBOUNDED_WINDOW (any bound >= max(seqlen_q, seqlen_k) means the same, and so does any bound below minus
+    that): kernels add sequence lengths to them in Int32, where a bound near 2^31 would wrap and hide every key.
     """
     left, right = window_size
     if causal:
@@ -64,6 +72,12 @@ def normalize_mask(causal: bool, window_size: Tuple[Optional[int], Optional[int]
         return MaskBounds("causal", UNBOUNDED_WINDOW, 0)
     return MaskBounds(
         "local",
-        UNBOUNDED_WINDOW if left is None else min(int(left), UNBOUNDED_WINDOW),
-        UNBOUNDED_WINDOW if right is None else min(int(right), UNBOUNDED_WINDOW),
+        UNBOUNDED_WINDOW if left is None else _clamp_bound(left),
+        UNBOUNDED_WINDOW if right is None else _clamp_bound(right),
     )
+
+
+def _clamp_bound(w: int) -> int:
+    """A window bound in [-UNBOUNDED_WINDOW, UNBOUNDED_WINDOW]: beyond either end every bound means the same (all keys
+    on that side, or none), and kernels add sequence lengths to it in Int32."""
+    return max(-UNBOUNDED_WINDOW, min(int(w), UNBOUNDED_WINDOW))

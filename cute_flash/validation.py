@@ -47,9 +47,11 @@ class Semantics:
 
 @dataclass(frozen=True)
 class Problem(Semantics):
-    """A validated kernel call: its semantics (shapes, the runtime mask, the softmax scale) and the compile spec."""
+    """A validated kernel call: its semantics (shapes, the runtime mask, the softmax scale) and the compile spec;
+    softcap: the soft-capping value where spec.softcap (0.0: none)."""
 
     spec: AttentionSpec
+    softcap: float = 0.0
 
 
 def problem_of(
@@ -454,6 +456,7 @@ class VarlenProblem:
     spec: AttentionSpec
     mask: MaskBounds
     softmax_scale: float
+    softcap: float = 0.0  # where spec.softcap (0.0: none)
 
 
 def validate_varlen(

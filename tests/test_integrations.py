@@ -38,7 +38,7 @@ class _ReferenceBackend:
         return launcher_through_backward(self, problem, deterministic)
 
     def forward(self, t, problem, descale=None):
-        q, k, v, out, lse = t
+        q, k, v, out, lse = t[:5]
         softmax_scale, mask = problem.softmax_scale, problem.mask
         self.calls.append(("forward", mask, softmax_scale, tuple(q.shape), tuple(k.shape)))
         o, l = self._ref(q, k, v, softmax_scale, mask)
@@ -46,8 +46,8 @@ class _ReferenceBackend:
         lse.copy_(l)
 
     def backward(self, t, grads, problem, deterministic=False):
-        dout, q, k, v, out, lse, dlse = t
-        dq, dk, dv = grads
+        dout, q, k, v, out, lse, dlse = t[:7]
+        dq, dk, dv = grads[:3]
         softmax_scale, mask = problem.softmax_scale, problem.mask
         self.calls.append(("backward", mask, softmax_scale, tuple(q.shape), tuple(k.shape)))
         leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
@@ -73,7 +73,7 @@ class _ReferenceBackend:
         lse.copy_(l_)
 
     def backward_varlen(self, t, grads, seqs, problem, deterministic=False):
-        dout, q, k, v, out, lse, dlse = t
+        dout, q, k, v, out, lse, dlse = t[:7]
         self.calls.append(("backward_varlen", problem.mask, problem.softmax_scale, tuple(q.shape), tuple(k.shape)))
         leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
         with torch.enable_grad():

@@ -120,7 +120,7 @@ class _CheckingBackend:
         return launcher_through_backward(self, problem, deterministic)
 
     def forward(self, t, problem, descale=None):
-        q, k, v, out, lse = t
+        q, k, v, out, lse = t[:5]
         softmax_scale, mask = problem.softmax_scale, problem.mask
         self._check(q=q, k=k, v=v, out=out)
         o, l = attention_reference(
@@ -130,8 +130,8 @@ class _CheckingBackend:
         lse.copy_(l)
 
     def backward(self, t, grads, problem, deterministic=False):
-        dout, q, k, v, out, lse, dlse = t
-        dq, dk, dv = grads
+        dout, q, k, v, out, lse, dlse = t[:7]
+        dq, dk, dv = grads[:3]
         softmax_scale, mask = problem.softmax_scale, problem.mask
         self._check(dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
         # The attention gradients written out (a kernel call runs below autograd, inside torch.ops.cute_flash.bwd).

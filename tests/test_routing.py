@@ -169,7 +169,7 @@ class _Fake:
 
     def backward(self, t, grads, problem, deterministic=False):
         self.calls.append("backward")
-        for g in grads:
+        for g in grads[:3]:
             g.fill_(1.0)
 
 

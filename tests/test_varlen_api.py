@@ -129,8 +129,8 @@ class _RefBackend:
 
     def backward_varlen(self, t, grads, seqs, problem, deterministic=False):
         self.calls.append("backward")
-        dout, q, k, v, out, lse, dlse = t
-        dq, dk, dv = grads
+        dout, q, k, v, out, lse, dlse = t[:7]
+        dq, dk, dv = grads[:3]
         cu_q, cu_k, seqused_k, max_q, max_k = seqs
         softmax_scale, mask = problem.softmax_scale, problem.mask
 

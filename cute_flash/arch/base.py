@@ -8,6 +8,16 @@ Tensor conventions handed to a backend (all on one CUDA device, last dimension c
   q (b, sq, h, d), k (b, sk, h_kv, d), v (b, sk, h_kv, dv), out (b, sq, h, dv) in the input dtype,
   lse (b, h, sq) float32 contiguous, natural log; -inf for a row that sees no key (its out row is 0).
   GQA: query head i reads kv head i // (h // h_kv).
+  sink (spec.sink): fp32 logits as a (rows, h) view, read as sink[row, head] for query row `row` (within its
+  sequence) of head `head`: the (h,) learnable sinks expanded along the rows (row stride 0), or, where decoding packs
+  a KV head's query heads as the rows of one problem (decode.py), the view that maps each packed row to its query
+  head's sink. Only the forward reads it; the backward's sink gradient needs lse and D alone (`sink_grad`).
+  softcap (spec.softcap): `Problem.softcap` > 0, the value of the cap.
+
+Kernels built for spec.softcap or spec.sink take two more arguments after the window bounds (common/entries.py,
+"feature" entries): softcap (Float32, 0.0 when unused) and the sink view (None when unused); the backward main
+kernels take softcap only. Builds without these features keep the plain entries, so their generated code and
+calling convention do not change.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ class FwdTensors(NamedTuple):
     v: torch.Tensor
     out: torch.Tensor
     lse: torch.Tensor
+    sink: Optional[torch.Tensor] = None  # spec.sink: the (rows, h) fp32 view of the conventions above
 
 
 class BwdTensors(NamedTuple):
@@ -53,17 +64,19 @@ class BwdTensors(NamedTuple):
     out: torch.Tensor
     lse: torch.Tensor
     dlse: Optional[torch.Tensor] = None
+    sink: Optional[torch.Tensor] = None  # spec.sink: the (h,) fp32 sink logits
 
 
 class Grads(NamedTuple):
-    """What a backward fills: dq, dk, dv, shaped and typed like q, k, v."""
+    """What a backward fills: dq, dk, dv, shaped and typed like q, k, v; with spec.sink, dsink (h,) fp32 as well."""
 
     dq: torch.Tensor
     dk: torch.Tensor
     dv: torch.Tensor
+    dsink: Optional[torch.Tensor] = None
 
 
-# forward_launcher's result: (q, k, v, out, lse) -> None, the tensors as FwdTensors holds them.
+# forward_launcher's result: (q, k, v, out, lse[, sink]) -> None, the tensors as FwdTensors holds them.
 ForwardLauncher = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 # backward_launcher's result: (BwdTensors, Grads) -> None.
 BackwardLauncher = Callable[[BwdTensors, Grads], None]
@@ -126,16 +139,22 @@ class BoundForward:
     window_right): the scalars converted once; its tensors are in the kernel's layout (the eager path's guarantee).
     Its parts are public: the eager path hands them to the C++ call path (cute_flash/native.py)."""
 
-    __slots__ = ("kernel", "scale", "left", "right")
+    __slots__ = ("kernel", "scale", "left", "right", "softcap", "features")
 
     def __init__(self, kernel: Callable, problem: Problem):
         self.kernel = kernel
         self.scale, self.left, self.right = (
             float(problem.softmax_scale), int(problem.mask.left), int(problem.mask.right)
         )  # fmt: skip
+        self.softcap = float(problem.softcap)
+        # A build with softcap or sinks has the feature entry (common/entries.py): two more arguments.
+        self.features = problem.spec.softcap or problem.spec.sink
 
-    def __call__(self, q, k, v, out, lse) -> None:
-        self.kernel(q, k, v, out, lse, self.scale, self.left, self.right)
+    def __call__(self, q, k, v, out, lse, sink=None) -> None:
+        if self.features:
+            self.kernel(q, k, v, out, lse, self.scale, self.left, self.right, self.softcap, sink)
+        else:
+            self.kernel(q, k, v, out, lse, self.scale, self.left, self.right)
 
 
 class SplitForward:
@@ -146,27 +165,37 @@ class SplitForward:
     are public, as BoundForward's: the eager path hands them to the C++ call path."""
 
     __slots__ = ("kernel", "combine", "splits", "scale", "left", "right", "o_shape", "lse_shape", "o_elems")
+    __slots__ += ("softcap", "features", "sink")
 
     def __init__(self, kernel: Callable, combine: Callable, problem: Problem, splits: int):
         p = problem
         self.kernel, self.combine, self.splits = kernel, combine, splits
         self.scale, self.left, self.right = float(p.softmax_scale), int(p.mask.left), int(p.mask.right)
+        # The split kernel applies softcap (feature entry: softcap, and no sink: the partials leave the sink out);
+        # the combine adds the sink once, to the merged rows (its build for spec.sink takes the sink view).
+        self.softcap, self.features, self.sink = float(p.softcap), p.spec.softcap or p.spec.sink, p.spec.sink
         self.o_shape = (splits * p.batch, p.seqlen_q, p.nheads, p.head_dim_v)
         self.lse_shape = (splits * p.batch, p.nheads, p.seqlen_q)
         self.o_elems = splits * p.batch * p.seqlen_q * p.nheads * p.head_dim_v
 
-    def __call__(self, q, k, v, out, lse) -> None:
+    def __call__(self, q, k, v, out, lse, sink=None) -> None:
         # The combine waits (programmatic dependent launch) for the kernel launched just before it on this stream.
         block = torch.empty(self.o_elems + self.o_elems // self.o_shape[-1], dtype=torch.float32, device=q.device)
         o_part = block[: self.o_elems].view(self.o_shape)
         lse_part = block[self.o_elems :].view(self.lse_shape)
-        self.kernel(q, k, v, o_part, lse_part, self.scale, self.left, self.right)
-        self.combine(o_part, lse_part, out, lse)
+        if self.features:
+            self.kernel(q, k, v, o_part, lse_part, self.scale, self.left, self.right, self.softcap, None)
+        else:
+            self.kernel(q, k, v, o_part, lse_part, self.scale, self.left, self.right)
+        if self.sink:
+            self.combine(o_part, lse_part, out, lse, sink)
+        else:
+            self.combine(o_part, lse_part, out, lse)
 
 
 def launcher_through_forward(backend: ArchBackend, problem: Problem) -> ForwardLauncher:
     """The `forward_launcher` of a family without a faster bound form: every call goes through `forward`."""
-    return lambda q, k, v, out, lse: backend.forward(FwdTensors(q, k, v, out, lse), problem)
+    return lambda q, k, v, out, lse, sink=None: backend.forward(FwdTensors(q, k, v, out, lse, sink), problem)
 
 
 def launcher_through_backward(backend: ArchBackend, problem: Problem, deterministic: bool) -> BackwardLauncher:
@@ -189,14 +218,16 @@ def prepare_build(
     compile_cache.ensure_cute_dsl_arch(target)
 
 
-def launch_packed_forward(kernel, q, k, v, out, lse, seqs: PackedSeqs, problem) -> None:
-    """Calls a compiled packed forward (the `packed` entry, common/entries.FwdEntries) on packed tensors: q
-    (total_q, h, d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q); seqs' cu_seqlens and
-    seqused_k (or None) as the build expects. The one calling convention of every family's forward_varlen."""
+def launch_packed_forward(kernel, q, k, v, out, lse, seqs: PackedSeqs, problem, sink=None) -> None:
+    """Calls a compiled packed forward (the `packed` entry, common/entries.FwdEntries; `packed_features` for builds
+    with softcap or sinks, sink: the (total_q, h) view) on packed tensors: q (total_q, h, d), k / v (total_k, h_kv,
+    d / dv), out (total_q, h, dv), lse (h, total_q); seqs' cu_seqlens and seqused_k (or None) as the build expects.
+    The one calling convention of every family's forward_varlen."""
     mask = problem.mask
     q, k, v, out = (kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out)))
+    features = (float(problem.softcap), sink) if problem.spec.softcap or problem.spec.sink else ()
     kernel(
-        q, k, v, out, lse, float(problem.softmax_scale), int(mask.left), int(mask.right),
+        q, k, v, out, lse, float(problem.softmax_scale), int(mask.left), int(mask.right), *features,
         seqs.cu_seqlens_q, seqs.cu_seqlens_k, seqs.seqused_k, int(seqs.max_seqlen_q),
     )  # fmt: skip
 
@@ -235,3 +266,19 @@ def fold_lse_grad_packed(
     inside = offset < cu[seq + 1] - cu[seq]
     rows = (cu[seq] + offset).clamp(0, lse.shape[-1] - 1)
     dpsum.sub_(torch.where(inside, _finite_rows(dlse, lse)[:, rows], 0.0))
+
+
+def sink_grad(dsink: torch.Tensor, sink: torch.Tensor, lse: torch.Tensor, d_minus_dlse: torch.Tensor) -> None:
+    """Fills dsink (h,) fp32 with the gradient of the learnable sinks: lse_i includes the sink, so with
+    P_sink,i = exp(sink_h - lse_i), dL/dsink_h = sum over batch and rows of P_sink,i * (dlse_i - D_i), where
+    D_i = rowsum(dO_i * O_i) (the key gradients keep dS = P * (dP - D): the sink's value is 0, so it adds nothing
+    to dP or D). `d_minus_dlse`: D - dlse per row as the preprocess left it (dlse folded in, `fold_lse_grad`),
+    shaped like lse: (b, h, sq) dense or (h, total_q) packed (h is the second-last dimension of both or the
+    first of the packed one: `sink` broadcasts over the rest). Rows without keys or sink weight (lse -inf) add 0."""
+    h_dim = lse.dim() - 2 if lse.dim() == 3 else 0
+    shape = [1] * lse.dim()
+    shape[h_dim] = sink.shape[0]
+    p_sink = torch.exp(sink.view(shape).float() - lse)
+    p_sink = torch.where(torch.isneginf(lse), 0.0, p_sink)
+    dims = [i for i in range(lse.dim()) if i != h_dim]
+    dsink.copy_(-(p_sink * d_minus_dlse).sum(dim=dims))

@@ -60,7 +60,7 @@ def padded_launcher(dims: Dims, run: Callable[[BwdTensors, Grads], None]) -> Cal
     d, dv = dims
 
     def launch(t: BwdTensors, grads: Grads) -> None:
-        dout, q, k, v, out, lse, dlse = t
+        dout, q, k, v, out, lse, dlse = t[:7]
         wide = [widened(x, w) for x, w in ((dout, dv), (q, d), (k, d), (v, dv), (out, dv))]
         wide_grads = [g if g.shape[-1] == w else g.new_empty(*g.shape[:-1], w) for g, w in zip(grads, (d, d, dv))]
         run(BwdTensors(*wide, lse, dlse), Grads(*wide_grads))

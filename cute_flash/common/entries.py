@@ -11,6 +11,12 @@ once:
   on dense tensors and (sm80 family) packed ones, where sequence b's output rows start at mCuSeqlens[b] and its
   accumulator rows at mCuSeqlens[b] + b * pad rounded down to a multiple of pad.
 
+Builds for spec.softcap or spec.sink are compiled through the "feature" entries (`features`, `packed_features`):
+the same arguments with `softcap` (Float32; 0.0 when unused) and `mSink` (the (rows, h) fp32 sink view of
+arch/base.py, or None) after the window bounds; the backward main kernels take `softcap` alone. They forward
+`features=(softcap, mSink)` (backward: `features=(softcap,)`) to `_launch`, whose default None is the plain
+entries': builds without these features keep their code and calling convention.
+
 Each kernel's docstring gives the layouts of its tensors.
 """
 
@@ -42,6 +48,24 @@ class DenseFwdEntry:
     ):
         self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream)
 
+    @cute.jit
+    def features(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        softcap: Float32,  # spec.softcap: the cap (> 0)
+        mSink: Optional[cute.Tensor],  # spec.sink: (rows, h) fp32 sink logits (arch/base.py), else None
+        stream: cuda.CUstream,
+    ):
+        features = (softcap, mSink)
+        self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, features=features)
+
 
 class FwdEntries(DenseFwdEntry):
     """Adds `packed(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, mCuSeqlensQ, mCuSeqlensK,
@@ -69,6 +93,30 @@ class FwdEntries(DenseFwdEntry):
         assert self.varlen
         packed = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q)
         self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, packed)
+
+    @cute.jit
+    def packed_features(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        softcap: Float32,
+        mSink: Optional[cute.Tensor],  # (total_q, h) fp32 view, or None
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        mSeqUsedK: Optional[cute.Tensor],
+        max_seqlen_q: Int32,
+        stream: cuda.CUstream,
+    ):
+        assert self.varlen
+        packed = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q)
+        features = (softcap, mSink)
+        self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, packed, features=features)
 
 
 class BwdEntries:
@@ -105,6 +153,31 @@ class BwdEntries:
         self._launch(tensors, softmax_scale, window_left, window_right, stream, None, (mdQsem, mdKVsem))
 
     @cute.jit
+    def features(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSElog2: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mdQsem: Optional[cute.Tensor],
+        mdKVsem: Optional[cute.Tensor],
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        softcap: Float32,  # spec.softcap: the cap (> 0)
+        stream: cuda.CUstream,
+    ):
+        assert not self.varlen
+        tensors = (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV)
+        sems = (mdQsem, mdKVsem)
+        self._launch(tensors, softmax_scale, window_left, window_right, stream, None, sems, features=(softcap,))
+
+    @cute.jit
     def packed(
         self,
         mQ: cute.Tensor,  # packed queries (total_q, h, d)
@@ -131,6 +204,36 @@ class BwdEntries:
         tensors = (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV)
         packed = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k)
         self._launch(tensors, softmax_scale, window_left, window_right, stream, packed, (mdQsem, mdKVsem))
+
+    @cute.jit
+    def packed_features(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSElog2: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mdQsem: Optional[cute.Tensor],
+        mdKVsem: Optional[cute.Tensor],
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        softcap: Float32,
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        mSeqUsedK: Optional[cute.Tensor],
+        max_seqlen_k: Int32,
+        stream: cuda.CUstream,
+    ):
+        assert self.varlen
+        tensors = (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV)
+        packed = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k)
+        sems = (mdQsem, mdKVsem)
+        self._launch(tensors, softmax_scale, window_left, window_right, stream, packed, sems, features=(softcap,))
 
 
 class DenseAccumEntry:

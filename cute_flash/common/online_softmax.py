@@ -225,14 +225,30 @@ class OnlineSoftmax:
             acc_rc[r, None].store(acc_rc[r, None].load() * row_scale[r])
 
     @cute.jit
-    def finalize(self) -> tuple:
-        """Returns (row_scale, lse): 1/l to normalise O by (0 for rows that saw no key) and the natural-log LSE."""
+    def finalize(self, sinks_log2: cutlass.Constexpr = None) -> tuple:
+        """Returns (row_scale, lse): 1/l to normalise O by (0 for rows that saw no key) and the natural-log LSE.
+
+        sinks_log2: a register tensor of this thread's rows' sink logits times log2(e) (spec.sink), or None. A sink
+        is one more term of the row's denominator, exp2(sink_log2 - M) with M = max(m * scale_log2, sink_log2), that
+        adds nothing to O: O's factor becomes exp2(m * scale_log2 - M) / l' and the LSE (M + log2 l') ln 2, with
+        l' = l exp2(m * scale_log2 - M) + exp2(sink_log2 - M). A row without keys gets O 0 and the sink as its LSE.
+        """
         row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
         lse = cute.make_rmem_tensor(self.num_rows, Float32)
         for r in cutlass.range_constexpr(self.num_rows):
             total = _lane_group_reduce(self.row_sum[r], _add, self.threads_per_row)
-            empty = total == 0.0
-            row_scale[r] = 0.0 if empty else cute.arch.rcp_approx(total)
-            log2_sum = cute.math.log2(1.0 if empty else total, fastmath=True)
-            lse[r] = -Float32.inf if empty else (self.row_max[r] * self.scale_log2 + log2_sum) * LN2
+            if cutlass.const_expr(sinks_log2 is None):
+                empty = total == 0.0
+                row_scale[r] = 0.0 if empty else cute.arch.rcp_approx(total)
+                log2_sum = cute.math.log2(1.0 if empty else total, fastmath=True)
+                lse[r] = -Float32.inf if empty else (self.row_max[r] * self.scale_log2 + log2_sum) * LN2
+            else:
+                sink = sinks_log2[r]
+                # m * scale_log2 is -inf for a row without keys (scale_log2 > 0); its total is then 0.
+                max_scaled = self.row_max[r] * self.scale_log2
+                top = cute.arch.fmax(max_scaled, sink)
+                keys_weight = cute.math.exp2(max_scaled - top, fastmath=True)
+                denom = total * keys_weight + cute.math.exp2(sink - top, fastmath=True)
+                row_scale[r] = keys_weight * cute.arch.rcp_approx(denom)
+                lse[r] = (top + cute.math.log2(denom, fastmath=True)) * LN2
         return row_scale, lse

@@ -90,7 +90,7 @@ class ReferenceBlocks:
         return out, lse
 
     def backward(self, t: BwdTensors, mask, softmax_scale):
-        dout, q, k, v, out, lse, dlse = t
+        dout, q, k, v, out, lse, dlse = t[:7]
         dtype = self._dtype(q)
         h, h_kv = q.shape[2], k.shape[2]
         s, visible = self._scores(q, k, mask, softmax_scale, dtype)

@@ -140,7 +140,7 @@ class _Backend:
         return launcher_through_forward(self, problem)
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
-        q, k, v, out, lse = t
+        q, k, v, out, lse = t[:5]
         spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
         reason = self.unsupported_reason(spec, backward=False)
         if reason is not None:

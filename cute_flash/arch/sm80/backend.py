@@ -216,7 +216,7 @@ class _Backend:
         return BoundForward(self._forward_kernel(spec, target), problem)
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
-        q, k, v, out, lse = t
+        q, k, v, out, lse = t[:5]
         if descale is not None:
             raise NotImplementedError("the sm80 forward has no fp8 path, so it takes no descale factors")
         launch = self.forward_launcher(problem, q.device)  # (refuses what the family does not serve)

@@ -426,8 +426,8 @@ def backward_launcher(
     scale, left, right = softmax_scale, mask.left, mask.right
 
     def launch(t: BwdTensors, grads: Grads) -> None:
-        dout, q, k, v, out, lse, dlse = t
-        dq, dk, dv = grads
+        dout, q, k, v, out, lse, dlse = t[:7]
+        dq, dk, dv = grads[:3]
         lse_log2 = torch.empty(stats_shape, **f32)
         dpsum = torch.empty(stats_shape, **f32)
         dq_accum = torch.zeros(dq_accum_shape, **f32)
@@ -467,8 +467,8 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
         wide = widened_problem(problem, (width, width))
         padded_launcher((width, width), lambda tw, gw: run_backward_varlen(tw, gw, seqs, wide))(t, grads)
         return
-    dout, q, k, v, out, lse, dlse = t
-    dq, dk, dv = grads
+    dout, q, k, v, out, lse, dlse = t[:7]
+    dq, dk, dv = grads[:3]
     cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k = seqs
     softmax_scale, mask = problem.softmax_scale, problem.mask
     target = compile_cache.runtime_target(q.device)

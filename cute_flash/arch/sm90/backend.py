@@ -144,7 +144,7 @@ class _Backend:
         return BoundForward(self._forward_kernel(spec, target), problem)
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
-        q, k, v, out, lse = t
+        q, k, v, out, lse = t[:5]
         spec = problem.spec
         if spec.dtype == "fp8":
             _fp8().run_forward_fp8(

@@ -275,8 +275,8 @@ def backward_launcher(
     no_semaphores = (None, None)
 
     def launch(t: BwdTensors, grads: Grads) -> None:
-        dout, q, k, v, out, lse, dlse = t
-        dq, dk, dv = grads
+        dout, q, k, v, out, lse, dlse = t[:7]
+        dq, dk, dv = grads[:3]
         lse_log2 = torch.empty(stats_shape, **f32)
         dpsum = torch.empty(stats_shape, **f32)
         dq_accum = new_dq_accum(dq_accum_shape, **f32)
@@ -312,8 +312,8 @@ def run_backward_varlen(
         wide = widened_problem(problem, dims)
         padded_launcher(dims, lambda tw, gw: run_backward_varlen(tw, gw, seqs, wide, deterministic))(t, grads)
         return
-    dout, q, k, v, out, lse, dlse = t
-    dq, dk, dv = grads
+    dout, q, k, v, out, lse, dlse = t[:7]
+    dq, dk, dv = grads[:3]
     cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k = seqs
     spec, softmax_scale, mask = problem.spec, problem.softmax_scale, problem.mask
     total_q, nheads, head_dim = q.shape
