@@ -34,6 +34,14 @@ class AttentionSpec:
     # A learnable sink per query head (gpt-oss): one extra logit that joins every row's softmax denominator and
     # attends to no value. The logits are a runtime fp32 tensor (`FwdTensors.sink`, arch/base.py).
     sink: bool = False
+    # The KV-cache forward (`cute_flash.attention_with_kvcache`, serving): K / V come from a cache with per-sequence
+    # lengths read on the device, the query heads of a KV head are packed as the rows of one tile (GQA), and the
+    # keys may be split over CTAs. page_size: 0 for a dense cache (batch, seqlen_cache, h_kv, d), else the rows per
+    # page of a paged cache (num_pages, page_size, h_kv, d) read through a page table. kv_fp8: the cache holds
+    # float8_e4m3fn with per-(sequence, KV head) descales (q and out stay fp16 / bf16).
+    kvcache: bool = False
+    page_size: int = 0
+    kv_fp8: bool = False
 
     @property
     def causal(self) -> bool:

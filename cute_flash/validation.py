@@ -516,3 +516,29 @@ def validate_varlen(
         mask=sem.mask,
         softmax_scale=sem.softmax_scale,
     )
+
+
+@dataclass(frozen=True)
+class KvCacheProblem:
+    """A validated `attention_with_kvcache` call: the shapes, the compile spec (spec.kvcache) and the runtime mask.
+
+    seqlen_q: query tokens per sequence (dense q), or the longest sequence's (packed q, `cu_seqlens_q`); total_q:
+    the packed rows (batch * seqlen_q for dense q). max_seqlen_k bounds every sequence's keys (the cache's capacity:
+    max_pages * page_size, or seqlen_cache), so splits and grids are chosen on the host without reading lengths.
+    The mask is bottom-right aligned per sequence: query row s of sequence b sees key j iff
+    s + off_b - left <= j <= s + off_b + right, off_b = seqlen_k[b] - seqlen_q[b]."""
+
+    batch: int
+    seqlen_q: int
+    total_q: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    head_dim_v: int
+    max_seqlen_k: int
+    num_pages: int  # pages of the cache (batch for a dense cache)
+    spec: AttentionSpec
+    mask: MaskBounds
+    softmax_scale: float
+    softcap: float = 0.0
+    packed_q: bool = False  # q is (total_q, h, d) with cu_seqlens_q

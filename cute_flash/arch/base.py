@@ -29,7 +29,7 @@ import torch
 
 from .. import compile_cache
 from ..spec import AttentionSpec
-from ..validation import PackedSeqs, Problem, kernel_view  # noqa: F401  (PackedSeqs: part of this contract)
+from ..validation import KvCacheProblem, PackedSeqs, Problem, kernel_view  # noqa: F401  (part of this contract)
 
 
 @dataclass
@@ -76,6 +76,31 @@ class Grads(NamedTuple):
     dsink: Optional[torch.Tensor] = None
 
 
+class KvCacheTensors(NamedTuple):
+    """What a KV-cache forward (spec.kvcache, `ArchBackend.forward_kvcache`) reads and fills.
+
+    q (b, sq, h, d), or packed (total_q, h, d) with cu_seqlens_q; k_cache (num_pages, page_size, h_kv, d) and
+    v_cache (num_pages, page_size, h_kv, dv), a dense cache being (b, seqlen_cache, h_kv, d) read as one page per
+    sequence (page_table None); out like q with dv; lse (b, h, sq) or (h, total_q) fp32; seqlens_k (b,) int32, the
+    keys of each sequence (new tokens already appended); page_table (b, max_pages) int32: page i of sequence b holds
+    its keys [i * page_size, (i + 1) * page_size); sink (h,) fp32 (the kernel maps its packed rows to query heads);
+    k_descale / v_descale (b, h_kv) fp32 for an fp8 cache (spec.kv_fp8). Query heads g * group .. g * group +
+    group - 1 (group = h // h_kv) of a KV head g are the rows of its tiles, (query token, head) pairs; page indices
+    are trusted (the front end documents the contract: every page a sequence's length reaches is a valid page)."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    seqlens_k: torch.Tensor
+    page_table: Optional[torch.Tensor] = None
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    sink: Optional[torch.Tensor] = None
+    k_descale: Optional[torch.Tensor] = None
+    v_descale: Optional[torch.Tensor] = None
+
+
 # forward_launcher's result: (q, k, v, out, lse[, sink]) -> None, the tensors as FwdTensors holds them.
 ForwardLauncher = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 # backward_launcher's result: (BwdTensors, Grads) -> None.
@@ -111,6 +136,15 @@ class ArchBackend(Protocol):
     def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
         """Fills `grads` for the validated call `problem` (its spec, scale and mask); deterministic: bitwise-
         reproducible sums."""
+
+    def kvcache_splits(self, problem: KvCacheProblem, sm_count: int) -> int:
+        """How many CTAs share each query tile's keys in `forward_kvcache` (1: unsplit), from the problem's host-side
+        shapes only (no device lengths): what `attention_with_kvcache(num_splits=0)` runs."""
+
+    def forward_kvcache(self, t: KvCacheTensors, problem: KvCacheProblem, num_splits: int) -> None:
+        """Fills `t.out` and `t.lse` of a KV-cache forward (spec.kvcache; conventions at KvCacheTensors), its keys
+        split over `num_splits` CTAs per query tile (combined exactly, deterministic for a given split). No host
+        synchronisation and nothing data-dependent on the host, so that a decoding step captures in a CUDA graph."""
 
     def backward_launcher(
         self, problem: Problem, device: torch.device, deterministic: bool = False
