@@ -97,14 +97,45 @@ def _check_tensor(name: str, t: object, device: bool = True, layout: bool = True
 
 
 def _check_window(window_size: object) -> Tuple[Optional[int], Optional[int]]:
+    """(left, right) of a window: each None (unlimited) or an int of any sign (a negative bound shifts the window off
+    the diagonal, FlashAttention-4's convention: see spec.MaskBounds)."""
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
-        raise ValueError(f"window_size must be a pair (left, right) of None or ints >= 0, got {window_size!r}")
+        raise ValueError(f"window_size must be a pair (left, right) of None or ints, got {window_size!r}")
     out = []
     for side, w in zip(("left", "right"), window_size):
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
-            raise ValueError(f"window_size {side} must be None (unlimited) or an int >= 0, got {w!r}")
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int)):
+            raise ValueError(f"window_size {side} must be None (unlimited) or an int, got {w!r}")
         out.append(w)
     return out[0], out[1]
+
+
+def check_softcap(softcap: object) -> float:
+    """softcap: 0 (off) or a finite cap > 0, as a float."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap):
+        raise ValueError(f"softcap must be a finite float >= 0 (0: no soft-capping), got {softcap!r}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0: no soft-capping), got {softcap}")
+    return float(softcap)
+
+
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_learnable_sink(sink: object, nheads: int, device: torch.device) -> Optional[torch.Tensor]:
+    """learnable_sink: None, or one logit per query head, a (nheads,) float32 / bfloat16 / float16 tensor on the
+    inputs' device."""
+    if sink is None:
+        return None
+    if not isinstance(sink, torch.Tensor):
+        what = type(sink).__name__
+        raise TypeError(f"learnable_sink must be a torch.Tensor of shape ({nheads},) or None, got {what}")
+    if sink.dim() != 1 or sink.shape[0] != nheads:
+        raise ValueError(f"learnable_sink must have shape (nheads,) = ({nheads},), got {tuple(sink.shape)}")
+    if sink.dtype not in SINK_DTYPES:
+        raise TypeError(f"learnable_sink has dtype {sink.dtype}; expected float32, bfloat16 or float16")
+    if sink.device != device:
+        raise ValueError(f"learnable_sink is on {sink.device} but q is on {device}; all inputs must share one device")
+    return sink
 
 
 def validate(
