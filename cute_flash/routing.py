@@ -84,19 +84,24 @@ def _route(
     skipped = []
     for family in candidate_families(capability, forced):
         backend = get_backend(family)
-        reason = _varlen_reason(family, backend, spec) or backend.unsupported_reason(spec, backward, deterministic)
+        reason = _variant_reason(family, backend, spec, backward)
+        reason = reason or backend.unsupported_reason(spec, backward, deterministic)
         if reason is None:
             return Route("backward" if backward else "forward", family, tuple(skipped), backend)
         skipped.append((family, reason))
     return Route("backward" if backward else "forward", None, tuple(skipped))
 
 
-def _varlen_reason(family: str, backend: ArchBackend, spec: AttentionSpec) -> Optional[str]:
+def _variant_reason(family: str, backend: ArchBackend, spec: AttentionSpec, backward: bool) -> Optional[str]:
     """Packed-sequence calls (`attention_varlen`) go only to families that declare a varlen kernel (`varlen` true on
-    the backend): sm80, which also serves them on Hopper where sm90 has no forward tile, and sm90;
-    sm100 varlen kernels come later."""
+    the backend), KV-cache calls (`attention_with_kvcache`) only to those that declare a KV-cache forward
+    (`kvcache`); each family's `unsupported_reason` then says what else its variant lacks."""
     if spec.varlen and not getattr(backend, "varlen", False):
         return f"the {family} kernels have no varlen variant yet"
+    if spec.kvcache and not getattr(backend, "kvcache", False):
+        return f"the {family} kernels have no KV-cache forward yet"
+    if spec.kvcache and backward:
+        return "the KV-cache forward has no backward (attention_with_kvcache is forward-only)"
     return None
 
 

@@ -573,3 +573,189 @@ class KvCacheProblem:
     softmax_scale: float
     softcap: float = 0.0
     packed_q: bool = False  # q is (total_q, h, d) with cu_seqlens_q
+
+
+class KvCacheArgs(NamedTuple):
+    """The tensors of an `attention_with_kvcache` call as `validate_kvcache` accepted them (None where absent)."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cache_seqlens: torch.Tensor
+    page_table: Optional[torch.Tensor]
+    k_new: Optional[torch.Tensor]
+    v_new: Optional[torch.Tensor]
+    cu_seqlens_q: Optional[torch.Tensor]
+    learnable_sink: Optional[torch.Tensor]
+    k_descale: Optional[torch.Tensor]
+    v_descale: Optional[torch.Tensor]
+    out: Optional[torch.Tensor]
+
+
+def _check_int32_vector(name: str, t: object, shape: tuple, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != shape:
+        what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be an int32 tensor of shape {shape}, got {what}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}; all inputs must share one device")
+    return t
+
+
+def _check_in_kernel_layout(name: str, t: torch.Tensor) -> None:
+    """Tensors the kernels read or write in place (a cache, a given `out`) cannot be copied into the kernels' layout."""
+    if not is_kernel_layout(t):
+        raise ValueError(
+            f"{name} (shape {tuple(t.shape)}, strides {tuple(t.stride())}) must have a unit last stride, outer "
+            f"strides of whole {ALIGN_BYTES}-byte units and a {ALIGN_BYTES}-byte aligned base: the kernels use it in "
+            f"place"
+        )
+
+
+def validate_kvcache(
+    args: KvCacheArgs,
+    *,
+    max_seqlen_q: Optional[int],
+    causal: bool,
+    softmax_scale: Optional[float],
+    window_size: Tuple[Optional[int], Optional[int]],
+    softcap: float,
+    num_splits: int,
+) -> KvCacheProblem:
+    """Every check of an `attention_with_kvcache` call that needs no device-to-host copy (a decoding step must
+    capture in a CUDA graph). Not checked (they would need the values): cache_seqlens[b] plus the new tokens within
+    the cache's capacity, page indices in [0, num_pages), cu_seqlens_q starting at 0 and non-decreasing. The kernels
+    never read or write outside the cache for any of these values (the results of such a call are undefined)."""
+    q, k_cache, v_cache = args.q, args.k_cache, args.v_cache
+    packed = args.cu_seqlens_q is not None
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != (3 if packed else 4):
+        want = "(total_q, nheads, head_dim) with cu_seqlens_q" if packed else "(batch, seqlen_q, nheads, head_dim)"
+        raise ValueError(f"q must be {want}, got shape {tuple(q.shape)}")
+    q4 = q.unsqueeze(0) if packed else q
+    _check_tensor("q", q4)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, t)
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
+        _check_in_kernel_layout(name, t)
+    if q.dtype not in INPUT_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; attention_with_kvcache takes torch.float16 or torch.bfloat16 queries")
+    kv_fp8 = k_cache.dtype == FP8_INPUT_DTYPE
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype and t.dtype != FP8_INPUT_DTYPE:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected q's dtype ({q.dtype}) or torch.float8_e4m3fn")
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must share one dtype")
+    if tuple(k_cache.shape[:3]) != tuple(v_cache.shape[:3]):
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ before head_dim")
+
+    if packed:
+        total_q, nheads, head_dim = q.shape
+        if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, torch.SymInt)) or max_seqlen_q < 0:
+            raise ValueError(f"max_seqlen_q must be a host int >= 0 with cu_seqlens_q, got {max_seqlen_q!r}")
+        batch = args.cu_seqlens_q.shape[0] - 1 if isinstance(args.cu_seqlens_q, torch.Tensor) else -1
+        if batch < 0:
+            raise ValueError("cu_seqlens_q must be an int32 tensor of shape (batch + 1,)")
+        _check_int32_vector("cu_seqlens_q", args.cu_seqlens_q, (batch + 1,), q.device)
+        seqlen_q = int(max_seqlen_q)
+    else:
+        if max_seqlen_q is not None:
+            raise ValueError("max_seqlen_q belongs to packed queries (cu_seqlens_q); dense q has its own seqlen_q")
+        batch, seqlen_q, nheads, head_dim = q.shape
+        total_q = batch * seqlen_q
+    _check_int32_vector("cache_seqlens", args.cache_seqlens, (batch,), q.device)
+
+    nheads_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache head_dim {k_cache.shape[3]} must equal q head_dim {head_dim}")
+    if nheads_kv == 0 or nheads % nheads_kv != 0:
+        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads of the cache ({nheads_kv})")
+    for name, dim in (("head_dim of q/k", head_dim), ("head_dim of v", head_dim_v)):
+        if dim <= 0 or dim > MAX_HEAD_DIM or dim % HEAD_DIM_MULTIPLE != 0:
+            raise NotImplementedError(
+                f"{name} is {dim}; cute_flash supports multiples of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
+            )
+
+    page_table = args.page_table
+    if page_table is not None:
+        if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2:
+            raise ValueError("page_table must be an int32 tensor of shape (batch, max_pages_per_sequence)")
+        _check_int32_vector("page_table", page_table, (batch, page_table.shape[1]), q.device)
+        if page_table.stride(-1) != 1:
+            raise ValueError(f"page_table must be contiguous in its last dimension, got strides {page_table.stride()}")
+        num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+        if page_size < 1:
+            raise ValueError("a paged cache (num_pages, page_size, nheads_kv, head_dim) needs page_size >= 1")
+        max_seqlen_k = page_table.shape[1] * page_size
+    else:
+        if k_cache.shape[0] != batch:
+            raise ValueError(
+                f"a dense cache (batch, seqlen_cache, nheads_kv, head_dim) needs batch {batch}, got k_cache "
+                f"{tuple(k_cache.shape)} (a paged cache takes page_table)"
+            )
+        num_pages, page_size, max_seqlen_k = batch, 0, k_cache.shape[1]
+
+    if (args.k_new is None) != (args.v_new is None):
+        raise ValueError("k_new and v_new go together: pass both or neither")
+    if args.k_new is not None:
+        rows = (total_q,) if packed else (batch, args.k_new.shape[1] if args.k_new.dim() == 4 else -1)
+        for name, t, d in (("k_new", args.k_new, head_dim), ("v_new", args.v_new, head_dim_v)):
+            want = (*rows, nheads_kv, d)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                note = " (packed like q: sequence b appends its query rows' tokens)" if packed else ""
+                raise ValueError(f"{name} must have shape {want}{note}, got {got}")
+            if t.dtype != q.dtype or t.device != q.device:
+                raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {q.device})")
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
+
+    if kv_fp8:
+        for name, t in (("k_descale", args.k_descale), ("v_descale", args.v_descale)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (batch, nheads_kv):
+                raise ValueError(
+                    f"an fp8 cache needs {name}: a float32 tensor of shape (batch, nheads_kv) = ({batch}, {nheads_kv})"
+                )
+            if t.device != q.device:
+                raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    elif args.k_descale is not None or args.v_descale is not None:
+        raise ValueError("k_descale / v_descale belong to a float8_e4m3fn cache; this cache is " + str(k_cache.dtype))
+
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    left, right = _check_window(window_size)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise ValueError(f"softmax_scale must be a finite float >= 0 or None, got {softmax_scale!r}")
+    elif not math.isfinite(softmax_scale) or softmax_scale < 0:
+        raise ValueError(f"softmax_scale must be a finite float >= 0 or None, got {softmax_scale!r}")
+    softcap = check_softcap(softcap)
+    check_learnable_sink(args.learnable_sink, nheads, q.device)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: chosen from the shapes), got {num_splits!r}")
+
+    out_shape = (total_q, nheads, head_dim_v) if packed else (batch, seqlen_q, nheads, head_dim_v)
+    if args.out is not None:
+        o = args.out
+        if not isinstance(o, torch.Tensor) or tuple(o.shape) != out_shape or o.dtype != q.dtype:
+            got = f"{o.dtype} {tuple(o.shape)}" if isinstance(o, torch.Tensor) else type(o).__name__
+            raise ValueError(f"out must be a {q.dtype} tensor of shape {out_shape}, got {got}")
+        if o.device != q.device:
+            raise ValueError(f"out is on {o.device} but q is on {q.device}")
+        _check_in_kernel_layout("out", o)
+    if batch > MAX_GRID_YZ or nheads > MAX_GRID_YZ:
+        raise NotImplementedError(f"batch ({batch}) and nheads ({nheads}) must each be <= {MAX_GRID_YZ}")
+
+    mask = normalize_mask(causal, (left, right))
+    dtype = INPUT_DTYPES[q.dtype]
+    spec = AttentionSpec(
+        dtype, head_dim, head_dim_v, mask.kind, dtype, softcap=softcap > 0, sink=args.learnable_sink is not None,
+        kvcache=True, page_size=page_size, kv_fp8=kv_fp8,
+    )  # fmt: skip
+    return KvCacheProblem(
+        batch, seqlen_q, total_q, nheads, nheads_kv, head_dim, head_dim_v, max_seqlen_k, num_pages, spec, mask,
+        float(softmax_scale), softcap, packed,
+    )  # fmt: skip

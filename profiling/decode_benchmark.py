@@ -1,138 +1,158 @@
-"""Decoding speed (GPU): one (or a few) query rows per sequence against a long key cache, cute-flash beside
-FlashAttention-4 and torch SDPA in one process. Decoding reads the whole K / V cache once per step, so the figure of
-merit is the cache's bytes over the call's time (GB/s), against the GPU's DRAM bandwidth.
+"""Decoding speed (GPU): query tokens against a KV cache, cute-flash's `attention_with_kvcache` (dense and paged
+caches, bf16 and fp8) beside torch SDPA (dense) and FlashAttention-4's paged decode, in one process. A decoding
+step reads the whole cache once, so the figure of merit is the K + V bytes read over the call's time (TB/s),
+against the GPU's DRAM bandwidth (H200: 4.8 TB/s by its datasheet).
 
-    python3 -m profiling.decode_benchmark [--batches 1,8] [--seqlens-k 4096,32768] [--heads 32] [--heads-kv 8]
-        [--unsplit] [--min-tiles-per-split N] [--split-configs "1,128,2;1,128,3"]
+    python3 -m profiling.decode_benchmark                       # the grid of issue 46 (configs that fit in memory)
+    python3 -m profiling.decode_benchmark --batches 8 --contexts 32768 --pages 0,16 --impls cute,sdpa
+    python3 -m profiling.decode_benchmark --fp8                 # also an fp8 cache (cute-flash only)
+    python3 -m profiling.decode_benchmark --graphs              # time CUDA-graph replays (no host time)
 
---unsplit also times cute-flash with split-key decoding off (arch/split_kv.py's MAX_SPLITS = 1), in the same
-process: the split's own gain.
+Page size 0 is the dense cache (batch, context, h_kv, d); others are paged caches whose pages are a random
+permutation (shared by no sequence). Timing: triton's do_bench median (--graphs: do_bench_cudagraph), each call
+with its own inputs; a config whose caches would not fit in --max-gib is skipped.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import sys
+from typing import Callable, Dict, List, Optional
 
-import torch
-
-
-def _ms(fn) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+IMPLS = ("cute", "sdpa", "fa4")
 
 
-def main() -> None:
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--seqlens-k", default="4096,32768")
-    p.add_argument("--seqlen-q", type=int, default=1)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--heads-kv", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--peers", default="fa4,sdpa", help="peers to time beside cute-flash ('' for none)")
-    p.add_argument("--unsplit", action="store_true", help="also time cute-flash without split-key decoding")
-    p.add_argument("--min-tiles-per-split", type=int, help="split_kv.MIN_TILES_PER_SPLIT for this run (a study)")
-    p.add_argument(
-        "--split-configs",
-        default="",
-        help="also time split builds with other tile configurations, 'consumers,tile_n,stages;...' (a study)",
-    )
-    args = p.parse_args()
-    if args.min_tiles_per_split:
-        from cute_flash.arch import split_kv
+    p.add_argument("--batches", default="1,8,64,256", help="(default: %(default)s)")
+    p.add_argument("--contexts", default="1024,8192,32768,131072", help="keys per sequence (default: %(default)s)")
+    p.add_argument("--pages", default="0,16,128", help="page sizes; 0 = dense cache (default: %(default)s)")
+    p.add_argument("--seqlen-q", type=int, default=1, help="query tokens per sequence (default: %(default)s)")
+    p.add_argument("--heads", type=int, default=32, help="(default: %(default)s)")
+    p.add_argument("--heads-kv", type=int, default=8, help="(default: %(default)s)")
+    p.add_argument("--head-dim", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated, of %(default)s")
+    p.add_argument("--fp8", action="store_true", help="also time cute-flash with a float8_e4m3fn cache")
+    p.add_argument("--graphs", action="store_true", help="time CUDA-graph replays instead of eager calls")
+    p.add_argument("--max-gib", type=float, default=60.0, help="skip configs whose caches exceed this (%(default)s)")
+    p.add_argument("--peak-tbs", type=float, default=4.8, help="DRAM bandwidth for the %% column (%(default)s)")
+    args = p.parse_args(argv)
+    try:
+        for name in ("batches", "contexts", "pages"):
+            setattr(args, name, [int(x) for x in getattr(args, name).split(",") if x != ""])
+    except ValueError:
+        p.error("--batches, --contexts and --pages take comma-separated integers")
+    if min(args.batches + args.contexts) <= 0 or min(args.pages) < 0:
+        p.error("batches and contexts must be positive, page sizes >= 0")
+    args.impls = [x for x in args.impls.split(",") if x]
+    bad = [x for x in args.impls if x not in IMPLS]
+    if bad or not args.impls:
+        p.error(f"--impls: unknown {bad} (choose from {','.join(IMPLS)})")
+    if args.heads % args.heads_kv:
+        p.error("--heads must be a multiple of --heads-kv")
+    return args
 
-        split_kv.MIN_TILES_PER_SPLIT = args.min_tiles_per_split
+
+def cache_bytes(batch: int, context: int, heads_kv: int, head_dim: int, elem: int) -> int:
+    """K + V bytes a decoding step reads."""
+    return 2 * batch * context * heads_kv * head_dim * elem
+
+
+def make_cache(batch, context, page, hkv, d, dtype, device, gen):
+    """(k_cache, v_cache, page_table or None) holding `context` keys per sequence."""
+    import torch
+
+    if page == 0:
+        shape = (batch, context, hkv, d)
+        return torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype), None
+    per_seq = -(-context // page)
+    pages = batch * per_seq
+    k = torch.randn(pages, page, hkv, d, device=device, dtype=dtype)
+    v = torch.randn(pages, page, hkv, d, device=device, dtype=dtype)
+    table = torch.randperm(pages, generator=gen).to(device=device, dtype=torch.int32).view(batch, per_seq)
+    return k, v, table
+
+
+def impls_for(args, q, k, v, table, seqlens, fp8=None) -> Dict[str, Callable]:
+    import torch
     import torch.nn.functional as F
 
     import cute_flash
 
-    impls = {"cute-flash": lambda q, k, v: cute_flash.attention(q, k, v, causal=True)}
-    if args.unsplit:
-        impls["cute-flash unsplit"] = impls["cute-flash"]
-    studies = {}
-    for c in filter(None, args.split_configs.split(";")):
-        studies[f"split {c}"] = tuple(int(x) for x in c.split(","))
-        impls[f"split {c}"] = impls["cute-flash"]
-    peers = args.peers.split(",")
-    if "fa4" in peers:
+    fns: Dict[str, Callable] = {}
+    if "cute" in args.impls:
+        fns["cute"] = lambda: cute_flash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, page_table=table)
+        if fp8 is not None:
+            k8, v8, kd, vd = fp8
+            fns["cute fp8"] = lambda: cute_flash.attention_with_kvcache(
+                q, k8, v8, cache_seqlens=seqlens, page_table=table, k_descale=kd, v_descale=vd
+            )
+    if "sdpa" in args.impls and table is None:
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        fns["sdpa"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+    if "fa4" in args.impls:
         try:
-            from flash_attn.cute import flash_attn_func
+            from flash_attn.cute import flash_attn_varlen_func
 
-            impls["fa4"] = lambda q, k, v: flash_attn_func(q, k, v, causal=True)
-        except Exception as e:  # noqa: BLE001
-            print(f"fa4 not timed: {e}")
-    if "sdpa" in peers:
-        impls["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True
-        )  # one query row per sequence: causal (bottom-right) = every key
+            fns["fa4"] = lambda: flash_attn_varlen_func(q, k, v, seqused_k=seqlens, page_table=table, causal=True)
+        except Exception as e:  # noqa: BLE001 - reported once per config
+            print(f"  (fa4 not timed: {type(e).__name__}: {e})")
+    del torch
+    return fns
+
+
+def time_ms(fn, graphs: bool) -> float:
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    if graphs:
+        return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
     h, hkv, d, sq = args.heads, args.heads_kv, args.head_dim, args.seqlen_q
-    print(f"{torch.cuda.get_device_name()}: decode, seqlen_q {sq}, h{h} h_kv{hkv} d{d} bf16; µs and cache GB/s")
-    print(f"{'batch':>6}{'seqlen_k':>10}" + "".join(f"{n:>22}" for n in impls))
+    mode = "CUDA-graph replays" if args.graphs else "eager calls"
+    print(f"{torch.cuda.get_device_name()}: decode sq{sq} h{h}/{hkv} d{d} bf16, {mode}; µs and K+V TB/s (% of "
+          f"{args.peak_tbs} TB/s)")  # fmt: skip
+    print(f"{'batch':>6}{'context':>9}{'page':>6}  " + "  ".join(f"{n:>22}" for n in ("impl", "µs", "TB/s")))
     with torch.no_grad():
-        # The GPU's clocks ramp up under load: a second of matmuls first, or the first row reads slow.
-        busy = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-        for _ in range(1000):
+        busy = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)  # clocks up before the first row
+        for _ in range(500):
             busy = busy @ busy / 64
         torch.cuda.synchronize()
-        for b in (int(x) for x in args.batches.split(",")):
-            for sk in (int(x) for x in args.seqlens_k.split(",")):
-                q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
-                k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-                cache_bytes = 2 * k.numel() * k.element_size()
-                row = f"{b:>6}{sk:>10}"
-                for name, fn in impls.items():
-                    try:
-                        if name == "cute-flash unsplit":
-                            ctx = _unsplit()
-                        elif name in studies:
-                            ctx = _split_config(*studies[name])
-                        else:
-                            ctx = contextlib.nullcontext()
-                        with ctx:
-                            ms = _ms(lambda: fn(q, k, v))
-                        row += f"{ms * 1e3:>12.1f}{cache_bytes / ms / 1e6:>8.0f}GB/s"[:22].rjust(22)
-                    except Exception as e:  # noqa: BLE001
-                        row += f"{type(e).__name__:>22}"
-                print(row)
-
-
-@contextlib.contextmanager
-def _unsplit():
-    """Split-key decoding off inside (the plans made meanwhile are forgotten again on the way out)."""
-    from cute_flash import interface
-    from cute_flash.arch import split_kv
-
-    saved = split_kv.MAX_SPLITS
-    split_kv.MAX_SPLITS = 1
-    interface.clear_call_cache()
-    try:
-        yield
-    finally:
-        split_kv.MAX_SPLITS = saved
-        interface.clear_call_cache()
-
-
-@contextlib.contextmanager
-def _split_config(consumers: int, tile_n: int, stages: int):
-    """Split builds with this tile configuration inside (kernels and plans made meanwhile forgotten on the way out)."""
-    from cute_flash import interface
-    from cute_flash.arch.sm90 import backend
-    from cute_flash.arch.sm90.tile_config import FwdTileConfig
-
-    cfg = FwdTileConfig(num_consumer_wgs=consumers, tile_n=tile_n, num_stages=stages, ping_pong=consumers > 1)
-    saved = backend.split_tile_config
-    backend.split_tile_config = lambda spec: cfg
-    backend._forward_kernels.clear()
-    interface.clear_call_cache()
-    try:
-        yield
-    finally:
-        backend.split_tile_config = saved
-        backend._forward_kernels.clear()
-        interface.clear_call_cache()
+        for b in args.batches:
+            for ctx in args.contexts:
+                nbytes = cache_bytes(b, ctx, hkv, d, 2)
+                if nbytes / 2**30 > args.max_gib:
+                    print(f"{b:>6}{ctx:>9}{'':>6}  skipped: {nbytes / 2**30:.0f} GiB of cache > --max-gib")
+                    continue
+                for page in args.pages:
+                    q = torch.randn(b, sq, h, d, device=device, dtype=torch.bfloat16)
+                    k, v, table = make_cache(b, ctx, page, hkv, d, torch.bfloat16, device, gen)
+                    seqlens = torch.full((b,), ctx, device=device, dtype=torch.int32)
+                    fp8 = None
+                    if args.fp8:
+                        kd = torch.full((b, hkv), 0.05, device=device)
+                        vd = torch.full((b, hkv), 0.05, device=device)
+                        fp8 = ((k / 0.05).to(torch.float8_e4m3fn), (v / 0.05).to(torch.float8_e4m3fn), kd, vd)
+                    for name, fn in impls_for(args, q, k, v, table, seqlens, fp8).items():
+                        row = f"{b:>6}{ctx:>9}{page:>6}  {name:>22}"
+                        try:
+                            ms = time_ms(fn, args.graphs)
+                            moved = nbytes // 2 if name.endswith("fp8") else nbytes
+                            tbs = moved / ms / 1e9
+                            print(f"{row}{ms * 1e3:>24.1f}{tbs:>18.2f} ({100 * tbs / args.peak_tbs:.0f}%)")
+                        except Exception as e:  # noqa: BLE001 - one failed impl does not stop the grid
+                            print(f"{row}  failed: {type(e).__name__}: {str(e)[:100]}")
+                    del q, k, v, table, fp8
+                    torch.cuda.empty_cache()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

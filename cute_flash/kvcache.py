@@ -1,0 +1,206 @@
+"""`attention_with_kvcache`: attention of new query tokens against a KV cache (serving: decoding, speculative
+decoding, chunked prefill), with the new tokens' K / V appended to the cache first.
+
+One call does, on the current stream and without any host synchronisation (a decoding step captures in a CUDA
+graph and replays with new lengths and page tables):
+  1. if k_new / v_new are given, one append kernel (common/kv_append.py) writes them into the cache at each
+     sequence's length (through the page table of a paged cache) and the sequences' new lengths;
+  2. the family's KV-cache forward (`ArchBackend.forward_kvcache`): the query heads of each KV head packed as the
+     rows of one tile (each cache byte read once per GQA group), keys split over CTAs when the grid would not fill
+     the GPU (`num_splits`, combined exactly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+
+from . import compile_cache, routing
+from .arch import ARCH_ENV_VAR
+from .arch.base import KvCacheTensors
+from .validation import ALIGN_BYTES, KvCacheArgs, KvCacheProblem, validate_kvcache
+
+MAX_SPLITS = 64
+
+# (append kernel key) -> compiled append; (call signature) -> _Plan
+_append_kernels: Dict[tuple, object] = compile_cache.memo()
+_plans: Dict[tuple, "_Plan"] = compile_cache.memo()
+_MAX_PLANS = 4096
+
+
+class _Plan:
+    """What a warm call of one signature needs: the validated problem, the serving backend, the split count, the
+    append kernel (None without new tokens), the device."""
+
+    __slots__ = ("problem", "backend", "splits", "append", "device", "lse_shape", "out_shape")
+
+    def __init__(self, problem: KvCacheProblem, backend, splits: int, append, device: torch.device):
+        p = problem
+        self.problem, self.backend, self.splits, self.append, self.device = problem, backend, splits, append, device
+        self.out_shape = (p.total_q, p.nheads, p.head_dim_v) if p.packed_q else (
+            p.batch, p.seqlen_q, p.nheads, p.head_dim_v
+        )  # fmt: skip
+        self.lse_shape = (p.nheads, p.total_q) if p.packed_q else (p.batch, p.nheads, p.seqlen_q)
+
+
+def _meta(t: Optional[torch.Tensor]):
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & (ALIGN_BYTES - 1))
+
+
+def _signature(args: KvCacheArgs, max_seqlen_q, causal, softmax_scale, window_size, softcap, num_splits) -> tuple:
+    """What validation, routing and the split depend on, from metadata only (no device values)."""
+    scalars = (max_seqlen_q, causal, softmax_scale, *window_size, softcap, num_splits)
+    return (
+        tuple(_meta(t) for t in args),
+        scalars,
+        tuple(type(x) for x in scalars),
+        type(window_size),
+        os.environ.get(ARCH_ENV_VAR),
+    )
+
+
+def _capability(device: torch.device) -> Tuple[int, int]:
+    from .interface import _device_capability  # the one capability lookup (tests replace it)
+
+    return _device_capability(torch.empty(0, device=device))
+
+
+def _append_kernel(args: KvCacheArgs, p: KvCacheProblem, device: torch.device):
+    if args.k_new is None:
+        return None
+    dtype = p.spec.dtype
+    key = ("kv_append", compile_cache.runtime_target(device), dtype, p.spec.kv_fp8, p.head_dim, p.head_dim_v)
+    key += (args.page_table is not None, p.packed_q)
+    kernel = _append_kernels.get(key)
+    if kernel is None:
+
+        def build():
+            from .common.kv_append import compile_kv_append
+
+            return compile_kv_append(dtype, p.spec.kv_fp8, p.head_dim, p.head_dim_v, key[-2], key[-1], key[1])
+
+        kernel = _append_kernels[key] = compile_cache.get_or_compile(key, build)
+    return kernel
+
+
+def _make_plan(args: KvCacheArgs, max_seqlen_q, causal, softmax_scale, window_size, softcap, num_splits) -> _Plan:
+    problem = validate_kvcache(
+        args, max_seqlen_q=max_seqlen_q, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+        softcap=softcap, num_splits=num_splits,
+    )  # fmt: skip
+    device = args.q.device
+    backend = routing.route(problem.spec, _capability(device), backward=False).backend
+    if num_splits == 0:
+        splits = backend.kvcache_splits(problem, compile_cache.sm_count(device))
+    else:
+        splits = num_splits
+    splits = max(1, min(splits, MAX_SPLITS))
+    return _Plan(problem, backend, splits, _append_kernel(args, problem, device), device)
+
+
+def _plan(args: KvCacheArgs, *scalars) -> _Plan:
+    try:
+        key = _signature(args, *scalars)
+        plan = _plans.get(key)
+    except (TypeError, ValueError, AttributeError):
+        key, plan = None, None
+    if plan is None:
+        plan = _make_plan(args, *scalars)
+        if key is not None:
+            if len(_plans) >= _MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+    return plan
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cache_seqlens: torch.Tensor,
+    page_table: Optional[torch.Tensor] = None,
+    k_new: Optional[torch.Tensor] = None,
+    v_new: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    causal: bool = True,
+    softmax_scale: Optional[float] = None,
+    window_size: Tuple[Optional[int], Optional[int]] = (None, None),
+    softcap: float = 0.0,
+    learnable_sink: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
+    num_splits: int = 0,
+    out: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Attention of q against a KV cache, after appending k_new / v_new to it. Forward only (no autograd).
+
+    q: (batch, seqlen_q, nheads, head_dim), or packed (total_q, nheads, head_dim) with int32 cu_seqlens_q
+    (batch + 1,) and the host int max_seqlen_q (varlen queries: chunked prefill, a different number of speculative
+    tokens per sequence).
+    k_cache / v_cache: a dense cache (batch, seqlen_cache, nheads_kv, head_dim / head_dim_v), or a paged cache
+    (num_pages, page_size, nheads_kv, head_dim / head_dim_v) with page_table (batch, max_pages) int32, vLLM's
+    layout: key position p of sequence b is row p % page_size of page page_table[b, p // page_size]. Any page size
+    >= 1; pages may be permuted, shared between sequences and non-contiguous. In q's dtype, or float8_e4m3fn with
+    k_descale / v_descale (batch, nheads_kv) float32: the cache stores K / descale (Hopper; half the bytes).
+    cache_seqlens: (batch,) int32, the tokens each sequence already has in the cache. It is read, not updated: the
+    caller advances it (by the appended tokens) for the next step.
+    k_new / v_new: tokens appended at positions cache_seqlens[b] .. before attending, in q's dtype (quantised with
+    the descales into an fp8 cache): (batch, seqlen_new, nheads_kv, d) with dense q, packed like q (total_q,
+    nheads_kv, d) with cu_seqlens_q (sequence b appends one token per query row).
+    Sequence b attends to its cache_seqlens[b] + new tokens keys. The mask is bottom-right aligned per sequence:
+    query row s of a sequence with n_q query rows and n_k keys sees key j iff
+    s + n_k - n_q - left <= j <= s + n_k - n_q + right (causal: right = 0), so new tokens see each other causally.
+    softmax_scale, window_size, softcap, learnable_sink: as in `cute_flash.attention`.
+    num_splits: how many CTAs share each query tile's keys (0: chosen from batch, heads, the cache's capacity and
+    the GPU's SM count; the choice depends on shapes only, so a CUDA graph replays with new lengths). The combine
+    is exact and, for a given split, deterministic.
+    out: a preallocated output (q's shape with head_dim_v, q's dtype, in place: unit last stride, 16-byte units).
+    Returns out, and with return_lse the float32 log-sum-exp, (batch, nheads, seqlen_q) or (nheads, total_q).
+
+    Contract not checked on the host (it would need the values): cache_seqlens[b] plus the new tokens fit the
+    cache (max_pages * page_size, or seqlen_cache) and every page index a sequence reaches lies in [0, num_pages).
+    The kernels never read or write memory outside the cache whatever these values are; a call that breaks the
+    contract has undefined results.
+    """
+    args = KvCacheArgs(
+        q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, cu_seqlens_q, learnable_sink, k_descale,
+        v_descale, out,
+    )  # fmt: skip
+    if torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k_cache, v_cache, k_new, v_new, learnable_sink)
+    ):
+        raise NotImplementedError(
+            "attention_with_kvcache is forward-only (serving); for gradients use cute_flash.attention or "
+            "cute_flash.attention_varlen, or call it under torch.no_grad()"
+        )
+    plan = _plan(args, max_seqlen_q, causal, softmax_scale, tuple(window_size), softcap, num_splits)
+    p = plan.problem
+    if out is None:
+        out = torch.empty(plan.out_shape, dtype=q.dtype, device=plan.device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
+    guard = torch.cuda.device(plan.device) if plan.device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        if plan.append is not None:
+            seqlens_k = torch.empty_like(cache_seqlens)
+            max_new = p.seqlen_q if p.packed_q else k_new.shape[1]
+            plan.append(
+                k_new, v_new, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, seqlens_k, k_descale,
+                v_descale, max_new,
+            )  # fmt: skip
+        else:
+            seqlens_k = cache_seqlens
+        sink = None if learnable_sink is None else learnable_sink.float().contiguous()
+        tensors = KvCacheTensors(
+            q, k_cache, v_cache, out, lse, seqlens_k, page_table, cu_seqlens_q, sink, k_descale, v_descale
+        )
+        if p.total_q and p.nheads:
+            plan.backend.forward_kvcache(tensors, p, plan.splits)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,138 @@
+"""attention_with_kvcache's host side on the CPU: validation (every malformed call raises before any launch), the
+plan cache, the split choice, and what reaches the backend (meta tensors, a recording backend)."""
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash import interface, kvcache, validation
+
+
+class _Recorder:
+    name = "fake"
+    kvcache = True
+
+    def __init__(self):
+        self.calls = []
+
+    def kvcache_splits(self, problem, sm_count):
+        return 3
+
+    def forward_kvcache(self, t, problem, num_splits):
+        self.calls.append((t, problem, num_splits))
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "meta"))
+    monkeypatch.setattr(interface, "_device_capability", lambda t: (9, 0))
+    rec = _Recorder()
+
+    class _Route:
+        backend = rec
+
+    monkeypatch.setattr(kvcache.routing, "route", lambda spec, cap, backward=False: _Route)
+    kvcache._plans.clear()
+    yield rec
+    kvcache._plans.clear()
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _paged(b=2, sq=1, h=8, hkv=2, d=64, pages=10, page=16, max_pages=4, dtype=torch.bfloat16):
+    q = _meta(b, sq, h, d, dtype=dtype)
+    cache_dtype = dtype
+    k = _meta(pages, page, hkv, d, dtype=cache_dtype)
+    v = _meta(pages, page, hkv, d, dtype=cache_dtype)
+    kw = dict(cache_seqlens=_meta(b, dtype=torch.int32), page_table=_meta(b, max_pages, dtype=torch.int32))
+    return q, k, v, kw
+
+
+def test_a_paged_decoding_call_reaches_the_backend_with_its_problem(backend):
+    q, k, v, kw = _paged()
+    out = cute_flash.attention_with_kvcache(q, k, v, **kw)
+    assert out.shape == (2, 1, 8, 64)
+    ((t, p, splits),) = backend.calls
+    assert splits == 3 and p.spec.kvcache and p.spec.page_size == 16 and p.max_seqlen_k == 64
+    assert p.spec.mask == "causal" and not p.spec.kv_fp8 and t.seqlens_k is kw["cache_seqlens"]
+    cute_flash.attention_with_kvcache(q, k, v, **kw, num_splits=5)
+    assert backend.calls[-1][2] == 5
+
+
+def test_a_dense_cache_is_one_page_per_sequence(backend):
+    q = _meta(3, 2, 4, 128)
+    k, v = _meta(3, 300, 4, 128), _meta(3, 300, 4, 128)
+    cute_flash.attention_with_kvcache(q, k, v, cache_seqlens=_meta(3, dtype=torch.int32))
+    p = backend.calls[-1][1]
+    assert p.spec.page_size == 0 and p.max_seqlen_k == 300 and p.num_pages == 3 and p.seqlen_q == 2
+
+
+def test_packed_queries_and_an_fp8_cache(backend):
+    q = _meta(7, 8, 64)
+    k = _meta(10, 16, 2, 64, dtype=torch.float8_e4m3fn)
+    v = _meta(10, 16, 2, 64, dtype=torch.float8_e4m3fn)
+    desc = dict(k_descale=_meta(3, 2, dtype=torch.float32), v_descale=_meta(3, 2, dtype=torch.float32))
+    cute_flash.attention_with_kvcache(
+        q, k, v, cache_seqlens=_meta(3, dtype=torch.int32), page_table=_meta(3, 5, dtype=torch.int32),
+        cu_seqlens_q=_meta(4, dtype=torch.int32), max_seqlen_q=4, **desc,
+    )  # fmt: skip
+    p = backend.calls[-1][1]
+    assert p.packed_q and p.total_q == 7 and p.seqlen_q == 4 and p.spec.kv_fp8
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(cache_seqlens=_meta(2, dtype=torch.int64)), ValueError, "cache_seqlens must be an int32"),
+        (dict(page_table=_meta(3, 4, dtype=torch.int32)), ValueError, "page_table must be an int32"),
+        (dict(k_new=_meta(2, 1, 2, 64)), ValueError, "k_new and v_new go together"),
+        (dict(k_new=_meta(2, 1, 3, 64), v_new=_meta(2, 1, 3, 64)), ValueError, "k_new must have shape"),
+        (dict(k_descale=_meta(2, 2, dtype=torch.float32)), ValueError, "belong to a float8_e4m3fn cache"),
+        (dict(softcap=-1.0), ValueError, "softcap must be >= 0"),
+        (dict(softmax_scale=-0.5), ValueError, "softmax_scale"),
+        (dict(window_size=(1.5, None)), ValueError, "window_size"),
+        (dict(num_splits=-1), ValueError, "num_splits"),
+        (dict(out=_meta(2, 1, 8, 32)), ValueError, "out must be"),
+        (dict(max_seqlen_q=3), ValueError, "max_seqlen_q belongs to packed"),
+        (dict(learnable_sink=_meta(7, dtype=torch.float32)), ValueError, "learnable_sink must have shape"),
+        (dict(causal=1), TypeError, "causal must be a bool"),
+    ],
+)
+def test_malformed_calls_raise_before_any_launch(backend, change, error, match):
+    q, k, v, kw = _paged()
+    kw.update(change)
+    with pytest.raises(error, match=match):
+        cute_flash.attention_with_kvcache(q, k, v, **kw)
+    assert backend.calls == []
+
+
+def test_cache_layouts_the_kernels_cannot_use_in_place_are_refused(backend):
+    q, k, v, kw = _paged()
+    k_strided = _meta(10, 16, 2, 128)[..., :60]  # rows not in 16-byte units
+    with pytest.raises(ValueError, match="k_cache"):
+        cute_flash.attention_with_kvcache(q, k_strided, v, **kw)
+    fp8 = _meta(10, 16, 2, 64, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="an fp8 cache needs k_descale"):
+        cute_flash.attention_with_kvcache(q, fp8, fp8, **kw)
+    with pytest.raises(TypeError, match="must share one dtype"):
+        cute_flash.attention_with_kvcache(q, k, fp8, **kw)
+
+
+def test_gradients_are_refused(backend):
+    q, k, v, kw = _paged()
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        cute_flash.attention_with_kvcache(q.requires_grad_(), k, v, **kw)
+    with torch.no_grad():
+        cute_flash.attention_with_kvcache(q, k, v, **kw)
+
+
+def test_a_warm_call_reuses_its_plan_and_a_rejected_argument_is_never_cached(backend):
+    q, k, v, kw = _paged()
+    cute_flash.attention_with_kvcache(q, k, v, **kw)
+    cute_flash.attention_with_kvcache(q, k, v, **kw)
+    assert len(kvcache._plans) == 1
+    with pytest.raises(TypeError, match="causal"):
+        cute_flash.attention_with_kvcache(q, k, v, **kw, causal=1)
+    assert len(kvcache._plans) == 1

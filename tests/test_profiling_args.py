@@ -1,0 +1,44 @@
+"""Argument handling of the end-to-end benchmarks (profiling/model_step.py, profiling/decode_benchmark.py): usage
+errors before anything touches a GPU."""
+
+import pytest
+
+from profiling import decode_benchmark, model_step
+
+
+def test_model_step_defaults_and_lists():
+    args = model_step.parse_args(["--models", "llama,gemma2", "--seqs", "512,2048", "--batches", "1,8"])
+    assert args.models == ["llama", "gemma2"] and args.seqs == [512, 2048] and args.batches == [1, 8]
+    assert args.impls == list(model_step.IMPLS) and args.padding == "none"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--models", "gpt5"],
+        ["--impls", "cute,xformers"],
+        ["--seqs", "1k"],
+        ["--batches", "0"],
+        ["--heads", "12", "--kv-heads", "5"],
+        ["--cuda-graphs"],
+        ["--padding", "packed", "--generate", "8"],
+    ],
+)
+def test_model_step_usage_errors(argv):
+    with pytest.raises(SystemExit) as e:
+        model_step.parse_args(argv)
+    assert e.value.code == 2
+
+
+def test_decode_benchmark_grid_and_bytes():
+    args = decode_benchmark.parse_args(["--batches", "8", "--contexts", "32768", "--pages", "0,16"])
+    assert args.batches == [8] and args.contexts == [32768] and args.pages == [0, 16]
+    # 8 x 32k keys, 8 KV heads, d128, bf16: K and V are 1 GiB together
+    assert decode_benchmark.cache_bytes(8, 32768, 8, 128, 2) == 2**30
+
+
+@pytest.mark.parametrize("argv", [["--pages", "-1"], ["--impls", "flashinfer"], ["--contexts", "x"]])
+def test_decode_benchmark_usage_errors(argv):
+    with pytest.raises(SystemExit) as e:
+        decode_benchmark.parse_args(argv)
+    assert e.value.code == 2
