@@ -7,7 +7,8 @@ has one:
 
     compute capability 9.0   sm90, then sm80
     compute capability 8.x   sm80
-    compute capability 10.x  sm100 (the sm80 kernels have never run on a Blackwell GPU here, so they are not offered)
+    compute capability 10.x  sm100, then sm80 (mma.sync, cp.async and ldmatrix exist on sm_100a; neither family
+                             has run on a Blackwell GPU here: both are verified by cross-compiling, docs/status.md)
 
 The forward and the backward are routed on their own: a backward goes to the first family whose backward serves
 the spec (`unsupported_reason(spec, backward=True)` is None; with `deterministic`, a backward that sums in a fixed
@@ -45,8 +46,8 @@ def candidate_families(capability: Optional[Capability], forced: Optional[str] =
     if capability is None:
         raise RuntimeError("no CUDA GPU is visible; set CUTE_FLASH_ARCH to pick a kernel family for cross-compiling")
     primary = arch_for_capability(capability)  # raises for a capability no family serves
-    if primary == "sm90":
-        return ("sm90", "sm80")
+    if primary in ("sm90", "sm100"):
+        return (primary, "sm80")
     return (primary,)
 
 

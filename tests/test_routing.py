@@ -31,7 +31,7 @@ def spec(d, dv=None, dtype="bf16", mask="none"):
 
 @pytest.mark.parametrize(
     "cap, families",
-    [(HOPPER, ("sm90", "sm80")), (AMPERE, ("sm80",)), ((8, 6), ("sm80",)), (ADA, ("sm80",)), (BLACKWELL, ("sm100",))],
+    [(HOPPER, ("sm90", "sm80")), (AMPERE, ("sm80",)), ((8, 6), ("sm80",)), (ADA, ("sm80",)), (BLACKWELL, ("sm100", "sm80"))],
 )
 def test_candidate_families(cap, families):
     assert routing.candidate_families(cap) == families
@@ -135,9 +135,11 @@ def test_forcing_a_family_disables_the_fallback(monkeypatch):
     assert routing.route(spec(64), HOPPER).family == "sm80"
 
 
-def test_blackwell_keeps_its_own_family():
+def test_blackwell_prefers_its_own_family_then_the_sm80_kernels():
     assert routing.route(spec(128), BLACKWELL).family == "sm100"
-    assert routing.route(spec(72), BLACKWELL).family is None  # sm80 kernels are not offered there
+    r = routing.route(spec(72), BLACKWELL)  # no sm100 forward at d72: the sm80 kernels, compiled for sm_100a
+    assert r.family == "sm80" and [f for f, _ in r.skipped] == ["sm100"]
+    assert routing.route(spec(128), BLACKWELL, backward=True).family == "sm80"  # sm100 has no backward
 
 
 class _Fake:
@@ -264,7 +266,7 @@ def test_explain_dv_differs_on_hopper():
 
 def test_explain_validates_like_attention():
     with pytest.raises(ValueError, match="window_size"):
-        cute_flash.explain(*_meta(), window_size=(-1, 0), capability=HOPPER)
+        cute_flash.explain(*_meta(), window_size=(1.5, 0), capability=HOPPER)
     with pytest.raises(NotImplementedError, match="head_dim of q/k is 12"):
         cute_flash.explain(*_meta(12), capability=HOPPER)
     q, k, v = (torch.empty(t.shape, dtype=t.dtype) for t in _meta())  # on the CPU
