@@ -19,7 +19,7 @@ import argparse
 import os
 import random
 from contextlib import contextmanager
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -32,7 +32,7 @@ SETTLE_S = [0.0]  # --settle: seconds each timed function first runs untimed (se
 def back_to_back(fn: Callable[[], object], seconds: float) -> int:
     """Runs `fn` back to back for `seconds` (synchronising every 5 calls) and returns how many calls ran. --settle
     runs it before a timing, so that the timing starts in the power state this workload itself reaches rather than
-    the one the row before left."""
+    the one the row before left; profiling.sustained_clocks times its rows with it."""
     import time
 
     calls, t0 = 0, time.time()
@@ -128,6 +128,48 @@ def fa4_function(name: str) -> Optional[Callable]:
 
 def first_output(out):
     return out[0] if isinstance(out, tuple) else out
+
+
+def peer_calls(
+    lens: List[int],
+    heads: int,
+    head_dim: int,
+    causal: bool = False,
+    grad: bool = False,
+    dense: bool = True,
+    peers: bool = True,
+    seed: Optional[int] = None,
+) -> Dict[str, Tuple[Callable[[], torch.Tensor], tuple]]:
+    """The forward calls of one packed batch of `lens` on random bf16 inputs (drawn from `seed` when given), for
+    profiling.sustained_clocks:
+    "ours varlen", "FA4 varlen"; with `dense` also "ours dense BxL" / "FA4 dense BxL" at equal work
+    (`equal_work_dense`). Each with its (q, k, v), which require grad when `grad`. FA4's rows only with `peers` and
+    where flash_attn.cute imports."""
+    import cute_flash
+
+    g = None if seed is None else torch.Generator(device="cuda").manual_seed(seed)
+
+    def make(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_(grad)
+
+    q, k, v = (make(sum(lens), heads, head_dim) for _ in range(3))
+    cu, mx = cu_seqlens(lens, "cuda"), max(lens)
+    calls = {"ours varlen": (lambda: cute_flash.attention_varlen(q, k, v, cu, cu, mx, mx, causal=causal), (q, k, v))}
+    fa4 = fa4_function("flash_attn_varlen_func") if peers else None
+    if fa4 is not None:
+        run = lambda: first_output(  # noqa: E731
+            fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=causal)
+        )
+        calls["FA4 varlen"] = (run, (q, k, v))
+    if dense:
+        batch, seqlen = equal_work_dense(lens)
+        dq, dk, dv = (make(batch, seqlen, heads, head_dim) for _ in range(3))
+        calls[f"ours dense {batch}x{seqlen}"] = (lambda: cute_flash.attention(dq, dk, dv, causal=causal), (dq, dk, dv))
+        fa4_dense = fa4_function("flash_attn_func") if peers else None
+        if fa4_dense is not None:
+            run = lambda: first_output(fa4_dense(dq, dk, dv, causal=causal))  # noqa: E731
+            calls[f"FA4 dense {batch}x{seqlen}"] = (run, (dq, dk, dv))
+    return calls
 
 
 KERNELS: List[str] = []  # --kernels: per-kernel device time of each timed call, printed after the tables

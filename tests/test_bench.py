@@ -457,6 +457,56 @@ def test_varlen_benchmark_rounds_start_at_successive_rows():
     assert rotated([], 3) == []
 
 
+def test_sustained_clocks_ratios_over_ours_and_their_geomean_over_seeds():
+    # profiling.sustained_clocks --seeds: each row's median ms / MHz / Mcycles over ours' per seed (above 1: slower
+    # than ours), then their geometric mean over the seeds.
+    from profiling.sustained_clocks import geomean_ratios, ratios
+
+    def sample(ms, mhz):
+        return {"ms": ms, "mhz": mhz, "mcycles": ms * mhz / 1e3}
+
+    seed1 = {"ours varlen": [sample(10.0, 1500), sample(12.0, 1400), sample(11.0, 1450)], "FA4 varlen": []}
+    seed1["FA4 varlen"] = [sample(11.0, 1500), sample(11.55, 1600), sample(30.0, 1000)]
+    r1 = ratios(seed1)
+    assert list(r1) == ["FA4 varlen"]
+    assert r1["FA4 varlen"]["ms"] == pytest.approx(1.05) and r1["FA4 varlen"]["mhz"] == pytest.approx(1500 / 1450)
+    r2 = ratios({"ours varlen": [sample(10.0, 1500)], "FA4 varlen": [sample(10.0 / 1.05, 1500)]})
+    assert geomean_ratios([r1, r2])["FA4 varlen"]["ms"] == pytest.approx(1.0)
+    assert ratios({"FA4 varlen": [sample(1.0, 1.0)]}) == {} and geomean_ratios([]) == {}
+
+
+def test_sustained_clocks_refuses_seeds_with_given_lengths(capsys):
+    # --lengths replaces the draw, so --seeds beside it would be ignored: a usage error instead.
+    from profiling.sustained_clocks import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--lengths", "512x4", "--seeds", "1,0"])
+    assert exit_info.value.code == 2 and "--seeds or --lengths" in capsys.readouterr().err
+
+
+def test_sustained_clocks_rows_come_from_varlen_benchmarks_peer_calls(monkeypatch):
+    # profiling.varlen_benchmark.peer_calls builds sustained_clocks' rows: ours and FA4's packed calls and, with
+    # dense, both dense calls at equal work; on the CPU here with a fake FA4.
+    import torch
+
+    from profiling import varlen_benchmark
+
+    randn = torch.randn
+    monkeypatch.setattr(
+        torch, "randn", lambda *shape, generator=None, device=None, dtype=None: randn(*shape, dtype=dtype)
+    )
+    monkeypatch.setattr(torch, "Generator", lambda device=None: type("G", (), {"manual_seed": lambda self, s: self})())
+    cu_seqlens = varlen_benchmark.cu_seqlens
+    monkeypatch.setattr(varlen_benchmark, "cu_seqlens", lambda lens, dev: cu_seqlens(lens, "cpu"))
+    monkeypatch.setattr(varlen_benchmark, "fa4_function", lambda name: (lambda *a, **k: None))
+
+    calls = varlen_benchmark.peer_calls([300, 500], 2, 64, grad=True, seed=1)
+    assert list(calls) == ["ours varlen", "FA4 varlen", "ours dense 2x384", "FA4 dense 2x384"]
+    assert [t.shape for t in calls["ours dense 2x384"][1]] == [(2, 384, 2, 64)] * 3
+    assert all(t.requires_grad for _, leaves in calls.values() for t in leaves)
+    assert list(varlen_benchmark.peer_calls([300], 2, 64, dense=False, peers=False)) == ["ours varlen"]
+
+
 def test_profiling_target_packed_meta_counts_each_sequences_work():
     # profiling.target --varlen-seed (and ncu_profile, which passes it on): the lengths varlen_benchmark draws for
     # batch x seqlen tokens, FLOPs summed per sequence, the flag kept for the profiled subprocess.
@@ -512,6 +562,7 @@ PROFILING_TOOLS = [
     "sanitize_target",
     "sass_census",
     "summary",
+    "sustained_clocks",
     "target",
     "varlen_benchmark",
 ]
