@@ -295,7 +295,7 @@ def test_accuracy_check_accepts_right_and_rejects_wrong_outputs():
 
 def test_backward_check_on_the_naive_peer():
     # Seeded: the naive peer's bf16 gradients miss the rule (2 x torch's own error) for 12 of 200 seeds at this size
-    # (CI, session 14: dv 0.0142 against 2 x 0.0069 with inputs from whatever state earlier tests left).
+    # (unseeded, CI once drew one: dv 0.0142 against 2 x 0.0069 with inputs from whatever state earlier tests left).
     g = torch.Generator().manual_seed(3)
     case = grid.Case("bf16", "bwd", False, grid.Shape(1, 48, 48, 2, 1, 32, 32))
     q, k, v = (torch.randn(1, 48, h, 32, generator=g).bfloat16().requires_grad_() for h in (2, 1, 1))
