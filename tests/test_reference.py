@@ -406,7 +406,7 @@ def _features(feat: dict, h: int, seed: int) -> dict:
     return kw
 
 
-@pytest.mark.parametrize("shape", [(2, 37, 53, 4, 2, 16, 24), (1, 61, 20, 3, 1, 8, 8), (1, 16, 16, 2, 2, 8, 8)])
+@pytest.mark.parametrize("shape", [(2, 37, 53, 4, 2, 16, 24), (1, 61, 20, 3, 1, 8, 8)])
 @pytest.mark.parametrize(
     "mask",
     [{}, {"causal": True}, {"causal": True, "window_size": (9, None)}] + [{"window_size": w} for w in SIGNED_WINDOWS],
@@ -421,7 +421,7 @@ def test_references_match_the_direct_formula(shape, mask, feat):
     torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(lse, want_lse.float(), atol=1e-5, rtol=1e-6)  # the reference's lse is float32
     # The tiled algorithm (the kernels' block walk, the sink folded in at the end) gives the same.
-    tiled, tiled_lse, _ = attention_tiled(q, k, v, block_m=16, block_n=8, compute_dtype=torch.float64, **mask, **kw)
+    tiled, tiled_lse, _ = attention_tiled(q, k, v, block_m=32, block_n=16, compute_dtype=torch.float64, **mask, **kw)
     torch.testing.assert_close(tiled, want, atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(tiled_lse, want_lse.float(), atol=1e-5, rtol=1e-6)
 
