@@ -1,7 +1,10 @@
 """Inputs and acceptance checks shared by the GPU tests and the benchmark.
 
 The rule is FlashAttention's: a kernel's error against the float64 reference may be at most twice the error of the
-same computation done by plain torch in the input dtype, plus 1e-5. It applies to outputs and to each gradient.
+same computation done by plain torch in the input dtype, plus 1e-5. It applies to outputs, lse and each gradient (dq,
+dk, dv and, with learnable sinks, dsink). Softcap and sinks reach the references through the checks' keyword
+arguments (`softcap=`, `learnable_sink=`), as they reach `cute_flash.attention`. KV-cache calls are checked by
+`check_kvcache` (out / lse by the rule, the updated caches exactly), with page tables from `random_page_table`.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from .arch.base import BwdTensors, Grads
-from .reference import attention_reference
+from .reference import attention_reference, kvcache_reference
 
 ABS_SLACK = 1e-5
 # FP8's max-error rule (docs/fp8.md, "Error budget"): 2x the error of an emulation of the FP8 recipe plus this.
@@ -108,7 +111,7 @@ def check_forward(
 ) -> Sequence[ErrorReport]:
     """Error reports for out (and lse when given); raises AssertionError when any breaks the rule or is not finite.
 
-    attn_kwargs: causal, softmax_scale, window_size — as passed to cute_flash.attention.
+    attn_kwargs: causal, softmax_scale, window_size, softcap, learnable_sink — as passed to cute_flash.attention.
     """
     ref, ref_lse = attention_reference(q, k, v, return_lse=True, **attn_kwargs)
     low, low_lse = attention_reference(q, k, v, compute_dtype=q.dtype, return_lse=True, **attn_kwargs)
@@ -137,27 +140,49 @@ def check_backward(
     dout: torch.Tensor,
     grads: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     dlse: Optional[torch.Tensor] = None,
+    dsink: Optional[torch.Tensor] = None,
     **attn_kwargs,
 ) -> Sequence[ErrorReport]:
     """Error reports for (dq, dk, dv) against float64 autograd through the reference, with the same rule; dlse: the
-    loss's gradient of lse too (the reference's lse takes it)."""
+    loss's gradient of lse too (the reference's lse takes it); dsink: the kernel's (h,) sink gradient, checked the
+    same way when attn_kwargs holds `learnable_sink`."""
+    sink = attn_kwargs.pop("learnable_sink", None)
+    _check_dsink_request(sink, dsink)
 
     def reference_grads(compute_dtype):
-        leaves = [t.detach().to(compute_dtype).requires_grad_(True) for t in (q, k, v)]
-        out, lse = attention_reference(*leaves, compute_dtype=compute_dtype, return_lse=True, **attn_kwargs)
+        leaves, kw = _reference_leaves((q, k, v), sink, compute_dtype)
+        out, lse = attention_reference(*leaves[:3], compute_dtype=compute_dtype, return_lse=True, **kw, **attn_kwargs)
         outputs, grads_in = (out,), (dout.to(compute_dtype),)
         if dlse is not None:
             outputs, grads_in = (out, lse), (dout.to(compute_dtype), dlse.to(lse.dtype))
         got = torch.autograd.grad(outputs, leaves, grads_in, allow_unused=True)
         return [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, got)]
 
+    names, kernel_grads = _grad_names(grads, dsink)
     ref = reference_grads(torch.float64)
     low = reference_grads(q.dtype)
-    reports = [
-        ErrorReport(n, _max_abs(g, r), _max_abs(l, r)) for n, g, r, l in zip(("dq", "dk", "dv"), grads, ref, low)
-    ]
-    _assert_all(reports, finite=list(zip(("dq", "dk", "dv"), grads)))
+    reports = [ErrorReport(n, _max_abs(g, r), _max_abs(lo, r)) for n, g, r, lo in zip(names, kernel_grads, ref, low)]
+    _assert_all(reports, finite=list(zip(names, kernel_grads)))
     return reports
+
+
+def _check_dsink_request(sink: Optional[torch.Tensor], dsink: Optional[torch.Tensor]) -> None:
+    if dsink is not None and sink is None:
+        raise ValueError("dsink is checked against the reference's sink gradient: pass learnable_sink= as well")
+
+
+def _reference_leaves(tensors, sink: Optional[torch.Tensor], compute_dtype: torch.dtype):
+    """Detached leaves of q, k, v (and the sink, last) in compute_dtype, and the reference's sink keyword."""
+    leaves = [t.detach().to(compute_dtype).requires_grad_(True) for t in tensors]
+    if sink is None:
+        return leaves, {}
+    s = sink.detach().to(compute_dtype).requires_grad_(True)
+    return leaves + [s], {"learnable_sink": s}
+
+
+def _grad_names(grads, dsink: Optional[torch.Tensor]):
+    names = ("dq", "dk", "dv") + (("dsink",) if dsink is not None else ())
+    return names, tuple(grads) + ((dsink,) if dsink is not None else ())
 
 
 def check_varlen(
@@ -173,25 +198,30 @@ def check_varlen(
     dout: Optional[torch.Tensor] = None,
     grads: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     dlse: Optional[torch.Tensor] = None,
+    dsink: Optional[torch.Tensor] = None,
     **attn_kwargs,
 ) -> Sequence[ErrorReport]:
-    """`attention_varlen`'s out, lse and (with grads) dq, dk, dv against the per-sequence float64 reference, by the
-    same rule; dlse: the loss's gradient of lse too. A row that sees no key must give out 0 and dq 0 exactly, not
-    merely small. attn_kwargs: causal, softmax_scale, window_size, seqused_k."""
+    """`attention_varlen`'s out, lse and (with grads) dq, dk, dv (and dsink, with `learnable_sink`) against the
+    per-sequence float64 reference, by the same rule; dlse: the loss's gradient of lse too. A row that sees no key
+    must give out 0 and dq 0 exactly, not merely small. attn_kwargs: causal, softmax_scale, window_size, seqused_k,
+    softcap, learnable_sink."""
     from .reference import attention_varlen_reference
 
+    sink = attn_kwargs.pop("learnable_sink", None)
+    _check_dsink_request(sink, dsink)
+    seqs = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
     def reference(compute_dtype):
-        leaves = [t.detach().to(compute_dtype).requires_grad_(True) for t in (q, k, v)]
+        leaves, kw = _reference_leaves((q, k, v), sink, compute_dtype)
         o, l_ = attention_varlen_reference(
-            *leaves, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            compute_dtype=compute_dtype, return_lse=True, **attn_kwargs,
-        )  # fmt: skip
+            *leaves[:3], *seqs, compute_dtype=compute_dtype, return_lse=True, **kw, **attn_kwargs
+        )
         gs = None
         if grads is not None:
             outs, grads_in = (o,), (dout.to(compute_dtype),)
             if dlse is not None:
                 outs, grads_in = (o, l_), (dout.to(compute_dtype), dlse.to(l_.dtype))
-            gs = [None] * 3
+            gs = [None] * len(leaves)
             if o.requires_grad:  # not when no sequence has a query and a key: then every gradient is 0
                 gs = torch.autograd.grad(outs, leaves, grads_in, allow_unused=True)
             gs = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, gs)]
@@ -199,18 +229,90 @@ def check_varlen(
 
     ref, ref_lse, ref_g = reference(torch.float64)
     low, low_lse, low_g = reference(q.dtype)
-    empty = torch.isneginf(ref_lse).transpose(0, 1)  # (total_q, h)
+    # Rows that see no key: lse -inf without sinks; with sinks their lse is the sink, so ask the reference without.
+    no_key_lse = ref_lse
+    if sink is not None:
+        with torch.no_grad():
+            _, no_key_lse = attention_varlen_reference(q, k, v, *seqs, return_lse=True, **attn_kwargs)
+    empty = torch.isneginf(no_key_lse).transpose(0, 1)  # (total_q, h)
     assert torch.count_nonzero(out[empty]) == 0, "rows without keys must give out 0"
     if grads is not None:
         assert torch.count_nonzero(grads[0][empty]) == 0, "rows without keys must give dq 0"
     reports = [ErrorReport("out", _max_abs(out, ref), _max_abs(low, ref)), _lse_report(lse, ref_lse, low_lse)]
     finite = [("out", out)]
     if grads is not None:
-        names = ("dq", "dk", "dv")
-        reports += [ErrorReport(n, _max_abs(g, r), _max_abs(lo, r)) for n, g, r, lo in zip(names, grads, ref_g, low_g)]
-        finite += list(zip(names, grads))
+        names, kernel_grads = _grad_names(grads, dsink)
+        reports += [
+            ErrorReport(n, _max_abs(g, r), _max_abs(lo, r)) for n, g, r, lo in zip(names, kernel_grads, ref_g, low_g)
+        ]
+        finite += list(zip(names, kernel_grads))
     _assert_all(reports, finite)
     return reports
+
+
+# --- KV-cache calls (serving) -----------------------------------------------------------------------------------
+def random_page_table(
+    batch: int,
+    pages_per_seq: int,
+    *,
+    num_pages: Optional[int] = None,
+    shared_pages: int = 0,
+    device: str = "cuda",
+    seed: Optional[int] = None,
+) -> torch.Tensor:
+    """A (batch, pages_per_seq) int32 page table over a pool of `num_pages` pages in random order: the first
+    `shared_pages` entries of every row are the same pages (a prefix the sequences share), the others are distinct
+    pages of each sequence. num_pages defaults to exactly the pages used; a larger pool leaves some pages unused."""
+    if not 0 <= shared_pages <= pages_per_seq:
+        raise ValueError(f"shared_pages must be within [0, pages_per_seq = {pages_per_seq}], got {shared_pages}")
+    needed = shared_pages + batch * (pages_per_seq - shared_pages)
+    num_pages = needed if num_pages is None else num_pages
+    if num_pages < needed:
+        raise ValueError(f"the table needs {needed} distinct pages, the pool has {num_pages}")
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % (2**31))
+    pool = torch.randperm(num_pages, generator=gen)[:needed]
+    shared, own = pool[:shared_pages], pool[shared_pages:].view(batch, pages_per_seq - shared_pages)
+    table = torch.cat([shared.expand(batch, shared_pages), own], dim=1)
+    return table.to(device=device, dtype=torch.int32)
+
+
+def check_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    lse: Optional[torch.Tensor],
+    k_cache_after: Optional[torch.Tensor] = None,
+    v_cache_after: Optional[torch.Tensor] = None,
+    **kvcache_kwargs,
+) -> Sequence[ErrorReport]:
+    """A KV-cache call's out (and lse) against `kvcache_reference` by the rule (float64, and the baseline computed in
+    q's dtype from the same dequantised keys), and its caches after the call: `k_cache_after` / `v_cache_after` must
+    equal the reference's updated caches bit for bit (the new tokens in their slots, every other slot unchanged).
+    k_cache / v_cache: the caches as they were before the call (clone them first: the call writes in place).
+    kvcache_kwargs: those of `kvcache_reference` (cache_seqlens, page_table, k_new, ...)."""
+    ref = kvcache_reference(q, k_cache, v_cache, return_lse=True, **kvcache_kwargs)
+    low = kvcache_reference(q, k_cache, v_cache, return_lse=True, compute_dtype=q.dtype, **kvcache_kwargs)
+    reports = [ErrorReport("out", _max_abs(out, ref.out), _max_abs(low.out, ref.out))]
+    if lse is not None:
+        reports.append(_lse_report(lse, ref.lse, low.lse))
+    for name, got, want in (("k_cache", k_cache_after, ref.k_cache), ("v_cache", v_cache_after, ref.v_cache)):
+        if got is None:
+            continue
+        if got.shape != want.shape or not torch.equal(_bits(got), _bits(want)):
+            changed = (
+                (_bits(got) != _bits(want)).flatten(2).any(-1).nonzero().tolist() if got.shape == want.shape else []
+            )
+            raise AssertionError(
+                f"{name} after the call differs from the reference's at (page or batch, row) {changed[:8]}"
+            )
+    _assert_all(reports, finite=[("out", out)])
+    return reports
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as integers: equality of bits (NaN == NaN, fp8 compared without arithmetic)."""
+    return t.contiguous().view(torch.uint8)
 
 
 def _assert_all(reports: Sequence[ErrorReport], finite) -> None:

@@ -214,10 +214,14 @@ def validate_reference(
     causal: bool,
     softmax_scale: Optional[float],
     window_size: Tuple[Optional[int], Optional[int]],
+    softcap: float = 0.0,
+    learnable_sink: Optional[torch.Tensor] = None,
 ) -> Semantics:
     """The checks of `validate` that define the semantics, for the plain-torch reference: the same shapes, heads,
-    head dims, mask and softmax scale are accepted and rejected, with the same messages. What only a kernel needs
-    is not asked: any device, any strides, and float32/float64 inputs besides fp16/bf16."""
+    head dims, mask (negative window bounds included), softmax scale, softcap and learnable sinks are accepted and
+    rejected, with the same messages. What only a kernel needs is not asked: any device, any strides, and
+    float32/float64 inputs besides fp16/bf16. The softcap and sink values stay the caller's (they are not part of
+    `Semantics`)."""
     q, k, v = (_check_tensor(n, t, device=False, layout=False) for n, t in (("q", q), ("k", k), ("v", v)))
     _check_same_device_and_dtype(q, k, v)
     if q.dtype not in REFERENCE_INPUT_DTYPES:
@@ -225,7 +229,14 @@ def validate_reference(
             f"q, k, v have dtype {q.dtype}; the reference takes float16, bfloat16, float32 or float64 "
             f"(dequantise float8 inputs with their descales first)"
         )
-    return _check_semantics(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+    sem = _check_semantics(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+    # The checks every entry point shares (check_softcap, check_learnable_sink). The reference takes float64 sinks
+    # too, as it takes float64 inputs: those are checked as a float32 stand-in of the same shape and device.
+    check_softcap(softcap)
+    if isinstance(learnable_sink, torch.Tensor) and learnable_sink.dtype == torch.float64:
+        learnable_sink = learnable_sink.detach().float()
+    check_learnable_sink(learnable_sink, sem.nheads, q.device)
+    return sem
 
 
 def _check_same_device_and_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

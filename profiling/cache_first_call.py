@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from profiling import HelpFormatter
 
 IMPLS = ("cute-flash", "fa4", "sdpa")
 TORCH_WARMUP_ENV = "CUTE_FLASH_FIRST_CALL_TORCH_WARMUP"  # set by --torch-warmup for the child processes
@@ -109,17 +110,17 @@ def _run(impl: str, shape, env_extra: dict, torch_warmup: bool = False) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--shape", default="1,128,8,128", help="batch,seqlen,heads,head_dim")
     p.add_argument("--runs", type=int, default=2, help="warm runs (and FA4 / SDPA runs) to take the median of")
-    p.add_argument("--cache-dir", default=None, help="a cache directory to start from (default: a new empty one)")
+    p.add_argument("--cache-dir", default=None, help="a cache directory to start from (None: a new empty one)")
     p.add_argument(
         "--torch-warmup",
         action="store_true",
         help="run one untimed torch backward in each process first, so that torch's own first-use cost is not counted",
     )
     p.add_argument("--profile", default=None, help="also write a cProfile summary of one warm-cache run to this file")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the results as JSON too")
     p.add_argument("--child", choices=IMPLS, help=argparse.SUPPRESS)
     args = p.parse_args()
     shape = tuple(int(x) for x in args.shape.split(","))

@@ -16,6 +16,7 @@ import sys
 from typing import Dict, List, Tuple
 
 from .summary import LABELS, _fmt, _number
+from profiling import HelpFormatter
 
 
 def load(path: str) -> List[Dict[str, str]]:
@@ -56,9 +57,9 @@ def compare_table(before: List[Dict[str, str]], after: List[Dict[str, str]]) -> 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("before")
-    p.add_argument("after")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("before", help="a summary.csv, or a directory holding one (ncu_profile --out)")
+    p.add_argument("after", help="the same, after the change")
     args = p.parse_args(argv)
     print(compare_table(load(args.before), load(args.after)))
     return 0

@@ -16,6 +16,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from profiling import HelpFormatter
+
 
 def _bench_ms(fn: Callable[[], object]) -> float:
     """Median device time (cute_flash.bench.timing: do_bench, or CUDA events without triton)."""
@@ -33,18 +35,6 @@ def _fa4() -> Optional[Callable]:
         return None
 
 
-def _variants(head_dim: int, names: Optional[List[str]] = None):
-    """Named alternatives to the default configuration (`profiling.fp8_variants.VARIANTS`, kernel-alone timing), for the
-    head dims they replace (`variant_head_dims`); `names` picks some (all by default)."""
-    from profiling.fp8_variants import VARIANTS, variant_head_dims
-
-    def serves(name: str) -> bool:
-        lo, hi = variant_head_dims(name)
-        return lo <= head_dim <= hi
-
-    return {n: c for n, c in VARIANTS.items() if serves(n) and (names is None or n in names)}
-
-
 def bench_case(
     batch: int,
     seqlen: int,
@@ -53,10 +43,8 @@ def bench_case(
     causal: bool,
     *,
     peers: bool = True,
-    variants: Optional[List[str]] = None,
 ) -> Dict[str, object]:
-    """One shape; `variants` = names of `profiling.fp8_variants.VARIANTS` to time beside the default ([] or None: none,
-    ["all"]: every one)."""
+    """One shape: every row's TFLOP/s (GB/s for the pre-pass), its ms, and errors as text."""
     import cute_flash
 
     from cute_flash.arch.sm90.fp8.launch import run_forward_fp8
@@ -106,14 +94,6 @@ def bench_case(
         g = prepare(q, k, v)
         run_forward_fp8(g.q, g.k, g.v_t, out, lse, descale=g.descales(), spec=spec, softmax_scale=scale, mask=mask)
 
-    if variants:
-        for name, c in _variants(head_dim, None if variants == ["all"] else variants).items():
-            timed(
-                f"fp8_kernel_{name}",
-                lambda c=c: run_forward_fp8(
-                    f.q, f.k, f.v_t, out, lse, descale=f.descales(), spec=spec, softmax_scale=scale, mask=mask, cfg=c
-                ),
-            )
     if not peers:
         timed("bf16_ours", lambda: cute_flash.attention(q, k, v, causal=causal))
         ours, fp8 = row.get("bf16_ours"), row.get("fp8_kernel")
@@ -159,37 +139,21 @@ def format_table(rows: List[Dict[str, object]]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seqlen", type=int, nargs="+", default=[16384])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--head-dim", type=int, nargs="+", default=[128])
-    ap.add_argument("--causal", choices=("no", "yes", "both"), default="both")
-    ap.add_argument("--json")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--seqlen", type=int, nargs="+", default=[16384], help="sequence lengths (seqlen_q = seqlen_k)")
+    ap.add_argument("--batch", type=int, default=1, help="batch")
+    ap.add_argument("--heads", type=int, default=16, help="heads")
+    ap.add_argument("--head-dim", type=int, nargs="+", default=[128], help="head dims")
+    ap.add_argument("--causal", choices=("no", "yes", "both"), default="both", help="masks to time")
+    ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--no-peers", action="store_true", help="only the FP8 kernel and our bf16 kernel")
-    ap.add_argument(
-        "--variants",
-        nargs="?",
-        const="all",
-        default="",
-        help="also time alternative FP8 configurations (d <= 128): 'all' (the default when the flag has no "
-        "value) or comma-separated names of profiling.fp8_variants.VARIANTS",
-    )
     args = ap.parse_args(argv)
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     rows = []
     for d in args.head_dim:
         for s in args.seqlen:
             for causal in causals:
-                row = bench_case(
-                    args.batch,
-                    s,
-                    args.heads,
-                    d,
-                    causal,
-                    peers=not args.no_peers,
-                    variants=[v for v in args.variants.split(",") if v],
-                )
+                row = bench_case(args.batch, s, args.heads, d, causal, peers=not args.no_peers)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print(format_table(rows))

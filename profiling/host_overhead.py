@@ -2,6 +2,7 @@
 a long matmul chain is queued first so the GPU stays busy, then 100 back-to-back calls are timed on the host.
 
   python3 -m profiling.host_overhead [--shape 1,128,8,128] [--seqlen-k N] [--heads-kv N] [--calls 100] [--breakdown]
+  python3 -m profiling.host_overhead --cprofile [--backward] [--calls 200]
 
 --seqlen-k / --heads-kv give k and v other extents than q's (decoding: --shape 1,1,32,128 --seqlen-k 8192
 --heads-kv 8).
@@ -12,6 +13,9 @@ its outputs given, the backend's forward and the plan's bound launcher around th
 (the C++ call path's when it is available, cute_flash/native.py; with return_lse, the Python path's), the C++ path's
 own call, and the backend's backward (four launches and its buffers) without autograd, and its bound launcher.
 CUTE_FLASH_NATIVE=0 times every call through the Python path.
+
+--cprofile instead runs a cProfile of --calls warm cute-flash calls (no-grad forwards, or forward + backward with
+--backward) and prints the 25 functions with the most own time: where the host time goes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import statistics
 import time
 
 import torch
+
+from profiling import HelpFormatter
 
 
 def _host_us(fn, calls: int, busy: torch.Tensor) -> float:
@@ -39,12 +45,14 @@ def _host_us(fn, calls: int, busy: torch.Tensor) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="1,128,8,128", help="batch,seqlen,heads,head_dim")
-    p.add_argument("--seqlen-k", type=int, help="keys (default: the shape's seqlen)")
-    p.add_argument("--heads-kv", type=int, help="KV heads (default: the shape's heads)")
-    p.add_argument("--calls", type=int, default=100)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--shape", default="1,128,8,128", help="batch,seqlen,heads,head_dim (bf16, causal)")
+    p.add_argument("--seqlen-k", type=int, help="keys (None: the shape's seqlen)")
+    p.add_argument("--heads-kv", type=int, help="KV heads (None: the shape's heads)")
+    p.add_argument("--calls", type=int, default=100, help="calls per timing (per profile with --cprofile)")
     p.add_argument("--breakdown", action="store_true", help="also time the pieces of a cute-flash call")
+    p.add_argument("--cprofile", action="store_true", help="a cProfile of warm cute-flash calls instead of timings")
+    p.add_argument("--backward", action="store_true", help="--cprofile: forward + backward calls")
     args = p.parse_args()
     b, s, h, d = (int(x) for x in args.shape.split(","))
 
@@ -56,6 +64,9 @@ def main() -> None:
     q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     dout = torch.randn_like(q)
+    if args.cprofile:
+        _cprofile(q, k, v, dout, args.calls, args.backward)
+        return
     busy = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
     impls = {"cute-flash": lambda q, k, v: cute_flash.attention(q, k, v, causal=True)}
     try:
@@ -98,6 +109,32 @@ def main() -> None:
         print(f"{name:>12} {fwd:>10.1f} {both:>10.1f}", flush=True)
     if args.breakdown:
         _breakdown(q, k, v, dout, args.calls, busy)
+
+
+def _cprofile(q, k, v, dout, calls: int, backward: bool) -> None:
+    """cProfile of `calls` warm causal cute-flash calls, the top 25 functions by own time."""
+    import cProfile
+    import pstats
+
+    import cute_flash
+
+    def call():
+        if backward:
+            torch.autograd.grad(cute_flash.attention(q, k, v, causal=True), (q, k, v), dout)
+        else:
+            with torch.no_grad():
+                cute_flash.attention(q, k, v, causal=True)
+
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 def _breakdown(q, k, v, dout, calls: int, busy) -> None:

@@ -19,6 +19,7 @@ import time
 from typing import Callable, Iterator
 
 import torch
+from profiling import HelpFormatter
 
 
 _empty = torch.empty
@@ -80,9 +81,9 @@ def host_us(fn: Callable[[], object], calls: int, repeats: int = 7) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--shape", default="1,128,8,128", help="batch,seqlen,heads,head_dim")
-    p.add_argument("--calls", type=int, default=100)
+    p.add_argument("--calls", type=int, default=100, help="calls per timing")
     p.add_argument("--profile", action="store_true", help="print a cProfile of the forward + backward calls")
     p.add_argument("--capability", default="9.0", help="the compute capability the router sees (8.0: the sm80 family)")
     args = p.parse_args()

@@ -16,6 +16,7 @@ import csv
 import re
 import sys
 from typing import Dict, List
+from profiling import HelpFormatter
 
 
 def _number(text: str) -> float:
@@ -76,9 +77,9 @@ def report(rows: List[Dict[str, str]], top: int) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source_csv")
-    p.add_argument("--top", type=int, default=40)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("source_csv", help="ncu --import R.ncu-rep --page source --csv --print-source sass output")
+    p.add_argument("--top", type=int, default=40, help="instructions to list, most sampled first")
     args = p.parse_args(argv)
     print(report(read_source_csv(args.source_csv), args.top))
     return 0

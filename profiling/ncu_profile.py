@@ -24,6 +24,7 @@ import sys
 
 from . import summary
 from .target import NVTX_RANGE, add_config_arguments, config_argv
+from profiling import HelpFormatter
 
 # Sections for --set lean: what the summary reads, without source-level sampling (faster, fewer replays).
 LEAN_SECTIONS = (
@@ -57,11 +58,11 @@ def ncu_command(args, report_base: str, meta_path: str) -> list:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_config_arguments(p)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--name", default="profile", help="report file name (without .ncu-rep)")
-    p.add_argument("--set", default="full", help="ncu section set: full (default), detailed, basic, or lean")
+    p.add_argument("--set", default="full", help="ncu section set: full, detailed, basic, or lean")
     p.add_argument("--iters", type=int, default=1, help="profiled calls (each kernel is replayed per section pass)")
     p.add_argument("--kernel-regex", default=None, help="profile only kernels whose name matches")
     p.add_argument(

@@ -28,6 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Tuple
 
+from profiling import HelpFormatter
+
 REPO = Path(__file__).resolve().parents[1]
 
 # (dtype, head_dim, head_dim_v, mask) per arch: the forward kernels of the sm90 bf16 / FP8 and sm100 families.
@@ -43,7 +45,7 @@ CASES: Dict[str, List[Tuple[str, int, int, str]]] = {
         ("fp8", 128, 128, "causal"),
         ("fp8", 256, 256, "none"),
     ],
-    # FP8 alternatives (profiling/fp8_variants.py) that take the paths the defaults do not: promote_pv, row_sum_mma,
+    # FP8 configurations that take the paths the defaults do not (`fp8_variants` below): promote_pv, row_sum_mma,
     # the polynomial exp2.
     "sm90-variants": [
         ("fp8", 128, 128, "causal", "tile128_promote"),
@@ -142,16 +144,30 @@ def _artifact_reports(artifacts, ptxas_output: str, tmp: str) -> List[dict]:
     return reports
 
 
+def fp8_variants() -> dict:
+    """The sm90 FP8 forward configurations of the "sm90-variants" group, for the kernel paths no default takes: the
+    128-key tile with P·V promoted (the d <= 128 default before the 192-key tile), the same with the row sums taken
+    from the P·V wgmma, and without promotion but with 8 of each row's exponentials by the FMA-pipe polynomial."""
+    from cute_flash.arch.sm90.fp8.tile_config import Fp8FwdConfig
+    from cute_flash.arch.sm90.tile_config import FwdTileConfig
+
+    tile128 = FwdTileConfig(2, 128, 2)
+    return {
+        "tile128_promote": Fp8FwdConfig(tile128, promote_pv=True),
+        "tile128_promote_row_sum_mma": Fp8FwdConfig(tile128, promote_pv=True, row_sum_mma=True),
+        "poly8_no_promote": Fp8FwdConfig(tile128, promote_pv=False, exp2_poly_per_row=8),
+    }
+
+
 def _variant_report(spec, variant: str, tmp: str) -> List[dict]:
-    """Builds the sm90 FP8 forward with one of profiling/fp8_variants.py's configurations."""
+    """Builds the sm90 FP8 forward with one of `fp8_variants()`' configurations."""
     from cute_flash.arch.base import KernelArtifact
     from cute_flash.arch.sm90.fp8.launch import build_fp8_forward
     from cute_flash.census import capture_fd_stderr
     from cute_flash.compile_cache import keep_artifacts_options
-    from profiling.fp8_variants import VARIANTS
 
     with capture_fd_stderr() as captured:
-        compiled = build_fp8_forward(spec, VARIANTS[variant], "sm_90a", keep_artifacts_options(tmp))
+        compiled = build_fp8_forward(spec, fp8_variants()[variant], "sm_90a", keep_artifacts_options(tmp))
     art = KernelArtifact("fwd_fp8", compiled.artifacts.PTX, compiled.artifacts.CUBIN)
     return _artifact_reports([art], "".join(captured), tmp)
 
@@ -237,7 +253,7 @@ def compare(reference: Path, current: Path, arches: List[str], only: str) -> int
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--save", type=Path, help="build and write normalised PTX into this folder")
     g.add_argument("--compare", type=Path, help="build and compare with a folder written by --save")
@@ -247,7 +263,7 @@ def main(argv=None) -> int:
         "--arch",
         choices=sorted(CASES),
         action="append",
-        help=f"these case groups (repeatable; default {DEFAULT_ARCHES})",
+        help=f"these case groups (repeatable; None: {' '.join(DEFAULT_ARCHES)})",
     )
     p.add_argument("--only", default="", help="only cases whose name contains this (e.g. fp8, d128x128_causal)")
     args = p.parse_args(argv)

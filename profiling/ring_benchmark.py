@@ -35,25 +35,26 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from profiling import HelpFormatter
 
 GIB = float(1 << 30)
 
 
 def _parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--out", required=True, help="directory for ring_benchmark.json / .txt")
-    ap.add_argument("--world", type=int, default=None, help="GPUs (default: every visible GPU)")
+    ap.add_argument("--world", type=int, default=None, help="GPUs (None: every visible GPU)")
     ap.add_argument("--seqlens", default="131072,262144,524288,1048576", help="total sequence lengths N")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--heads-kv", type=int, default=None, help="default: --heads")
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    ap.add_argument("--causal", choices=["both", "true", "false"], default="both")
-    ap.add_argument("--layout", choices=["zigzag", "contiguous"], default="zigzag")
+    ap.add_argument("--batch", type=int, default=1, help="batch")
+    ap.add_argument("--heads", type=int, default=16, help="query heads")
+    ap.add_argument("--heads-kv", type=int, default=None, help="KV heads (None: --heads)")
+    ap.add_argument("--head-dim", type=int, default=128, help="head dim")
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="input dtype")
+    ap.add_argument("--causal", choices=["both", "true", "false"], default="both", help="masks to time")
+    ap.add_argument("--layout", choices=["zigzag", "contiguous"], default="zigzag", help="how the sequence is sharded")
     ap.add_argument("--modes", default="fwd,fwd_bwd", help="fwd and/or fwd_bwd")
     ap.add_argument("--budget-s", type=float, default=2.0, help="timed seconds per measurement (after its first call)")
-    ap.add_argument("--max-iters", type=int, default=5)
+    ap.add_argument("--max-iters", type=int, default=5, help="timed calls per measurement at most")
     ap.add_argument("--no-single", action="store_true", help="skip the single-GPU baseline")
     return ap.parse_args(argv)
 

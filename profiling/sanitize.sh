@@ -5,10 +5,11 @@
 #   profiling/sanitize.sh                          # memcheck + racecheck over profiling/sanitize_target.py
 #   profiling/sanitize.sh --tools memcheck,synccheck,initcheck
 #   profiling/sanitize.sh -- --forward-only        # arguments after -- go to sanitize_target
-#   profiling/sanitize.sh --pytest tests/test_sm90_forward.py -x -q    # over GPU tests instead (slow: keep them small)
+#   profiling/sanitize.sh --pytest tests/test_sm90_fwd.py -x -q -k q113   # over GPU tests instead (keep them small)
 #
-# Logs go to ${SANITIZE_OUT:-out/sanitize}/<tool>.log; the exit status is non-zero when any tool reports
-# an error or the target fails. Run from the repository root on the GPU machine (after `source .devkit/setup.sh`).
+# Defaults: --tools memcheck,racecheck; target python3 -m profiling.sanitize_target; logs in
+# ${SANITIZE_OUT:-out/sanitize}/<tool>.log. The exit status is non-zero when any tool reports an error or the target
+# fails. Run from the repository root on the GPU machine (after `source .devkit/setup.sh`).
 set -u
 tools="memcheck,racecheck"
 target=(python3 -m profiling.sanitize_target)
@@ -17,7 +18,7 @@ while [ $# -gt 0 ]; do
     --tools) tools="$2"; shift 2 ;;
     --pytest) shift; target=(python3 -m pytest "$@"); break ;;
     --) shift; target+=("$@"); break ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
     *) echo "sanitize.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from profiling import HelpFormatter
 
 CASES = (
     # (dtype, b, sq, sk, h, hkv, d, dv, causal, window)
@@ -25,8 +26,8 @@ CASES = (
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--forward-only", action="store_true")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--forward-only", action="store_true", help="skip the backward calls")
     args = p.parse_args(argv)
 
     import torch

@@ -25,6 +25,7 @@ import subprocess
 import sys
 from collections import Counter, OrderedDict
 from typing import Dict, List, Tuple
+from profiling import HelpFormatter
 
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _FUNC = re.compile(r"Function : (\S+)")
@@ -202,12 +203,12 @@ def sections(instrs) -> List[Dict]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("files", nargs="+", help="cubins (or SASS text with --sass)")
     ap.add_argument("--sass", action="store_true", help="inputs are cuobjdump -sass text")
     ap.add_argument("--order", action="store_true", help="print the event order of each loop body")
     ap.add_argument("--sections", action="store_true", help="print the loop body cut at wgmma waits and barriers")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the census as JSON")
     ap.add_argument("--min-class", default="HGMMA,UTMA*,UBLK*", help="report loops holding one of these classes")
     args = ap.parse_args(argv)
     wanted = set(args.min_class.split(","))

@@ -21,6 +21,7 @@ import json
 import re
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
+from profiling import HelpFormatter
 
 # (summary column, candidate raw metric names in order of preference, scale applied to the raw value)
 METRICS: Sequence[Tuple[str, Sequence[str], float]] = (
@@ -224,10 +225,10 @@ def write_csv(path: str, kernels: Sequence[Dict[str, object]]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("raw_csv")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("raw_csv", help="ncu --import R.ncu-rep --csv --page raw --print-units base output")
     p.add_argument("--meta", default=None, help="configuration JSON from profiling.target")
-    p.add_argument("--csv", default=None, help="write the summary here")
+    p.add_argument("--csv", default=None, help="also write the summary here (CSV, what profiling.compare reads)")
     args = p.parse_args(argv)
     meta = None
     if args.meta:

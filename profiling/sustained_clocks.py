@@ -1,4 +1,5 @@
-"""Study: speed, SM clock and power under sustained load, ours beside FA4, on the varlen benchmark's drawn mix.
+"""Speed, SM clock and power under sustained load, ours beside FA4, on the varlen benchmark's drawn mixes: the
+method the packed (varlen) comparison with FA4 is judged by (docs/performance.md, "Packed sequences").
 
 A kernel timed back to back runs at whatever clock the GPU's power limit allows; Nsight Compute's one-shot replays
 run near the boost clock. Two kernels with the same cycle count can differ in time when one draws more power. Each
@@ -8,11 +9,10 @@ clock (MHz), mean power (W), and ms x clock (millions of cycles per call: the cl
 and as a geomean over the seeds, each other row's median ms, MHz and Mcycles over ours' ("FA4 varlen" 1.02: FA4 takes
 2% longer than ours).
 
-    python -m profiling.sustained_clocks --seeds 1,0,2 --seconds 3 --rounds 2 [--dense] [--causal] [--bwd]
-        [--variant '{"cluster_n": 2}']
+    python -m profiling.sustained_clocks --seeds 1,0,2 --seconds 1.5 --rounds 3 [--dense] [--causal] [--bwd]
 
---variant (with --bwd): our packed backward once more as that profiling/sm90_bwd_variants.py variant (or BwdTileConfig
-fields as JSON, profiling/bwd_variant_patch.py), in turn with the other rows of the same process.
+At an H100's or H200's power cap, 200-ms do_bench windows inherit the power state the rows before them left (the same
+kernels moved by up to 7% with the timing method); 1.5-s back-to-back windows repeated within 0.4%.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ import math
 import os
 import statistics
 import subprocess
-from functools import partial
 from typing import Callable, Dict, List
 
 import torch
+
+from profiling import HelpFormatter
 
 from .varlen_benchmark import MAX_LEN, MIN_LEN, back_to_back, draw_lengths, parse_lengths, peer_calls, rotated
 
@@ -40,8 +41,9 @@ def _smi_index() -> str:
     return visible.split(",")[index].strip() if visible else str(index)
 
 
-def sampled(fn: Callable[[], object], seconds: float, setup: Callable[[], None] = lambda: None) -> dict:
-    setup()
+def sampled(fn: Callable[[], object], seconds: float) -> dict:
+    """`fn` back to back for `seconds` with nvidia-smi sampling every 50 ms: ms per call, mean SM clock and power,
+    the hottest temperature, and Mcycles (ms x MHz)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -95,19 +97,17 @@ def _print_ratios(label: str, table: Dict[str, Dict[str, float]]) -> None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", "--seed", dest="seeds", help="comma-separated draws, each in turn (default 1)")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--seeds", "--seed", dest="seeds", help="comma-separated draws, each in turn (None: 1)")
     ap.add_argument("--lengths", help="these sequence lengths (varlen_benchmark's form, LxN: N of length L), no draw")
-    ap.add_argument("--seconds", type=float, default=3.0)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--seconds", type=float, default=3.0, help="seconds each row runs back to back per round")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds, each starting one row later")
+    ap.add_argument("--heads", type=int, default=16, help="heads")
+    ap.add_argument("--head-dim", type=int, default=128, help="head dim (bf16)")
+    ap.add_argument("--causal", action="store_true", help="causal calls")
     ap.add_argument("--dense", action="store_true", help="also the dense calls at equal work (ours and FA4)")
     ap.add_argument("--bwd", action="store_true", help="time each row's backward (autograd on a kept graph) instead")
-    ap.add_argument("--variant", help="with --bwd: also our packed backward as this study variant (above)")
     args = ap.parse_args(argv)
-    assert args.variant is None or args.bwd, "--variant applies to the backward (--bwd)"
     if args.lengths and args.seeds:
         ap.error("--lengths times those lengths, not a draw: give --seeds or --lengths, not both")
 
@@ -126,26 +126,16 @@ def run_seed(args, seed) -> Dict[str, List[dict]]:
     lens = parse_lengths(args.lengths) if seed is None else draw_lengths(65536, MIN_LEN, MAX_LEN, seed)
     calls = peer_calls(lens, args.heads, args.head_dim, args.causal, grad=args.bwd, dense=args.dense)
     rows: Dict[str, Callable] = {name: _backward_of(*c) if args.bwd else c[0] for name, c in calls.items()}
-    setups: Dict[str, Callable] = {}
-    if args.variant:
-        from .bwd_variant_patch import apply
-
-        at = list(rows).index(OURS) + 1
-        items = list(rows.items())
-        items.insert(at, (f"ours {args.variant}", rows[OURS]))  # the same graph, the variant's kernels
-        rows = dict(items)
-        # (the variant applies to this head dim and mask)
-        where = dict(head_dim=args.head_dim, mask="causal" if args.causal else "none")
-        variant_row = f"ours {args.variant}"
-        setups = {name: partial(apply, args.variant if name == variant_row else None, **where) for name in rows}
     mask = "causal" if args.causal else "no mask"
     which = f"lengths {args.lengths}" if seed is None else f"seed {seed}"
-    print(f"{torch.cuda.get_device_name()}: {which}, {len(lens)} sequences, h{args.heads} d{args.head_dim} "
-          f"bf16 {'bwd' if args.bwd else 'fwd'} {mask}, {args.seconds} s per row, {args.rounds} rounds")  # fmt: skip
+    print(
+        f"{torch.cuda.get_device_name()}: {which}, {len(lens)} sequences, h{args.heads} d{args.head_dim} "
+        f"bf16 {'bwd' if args.bwd else 'fwd'} {mask}, {args.seconds} s per row, {args.rounds} rounds"
+    )
     results: Dict[str, List[dict]] = {name: [] for name in rows}
     for turn in range(args.rounds):
         for name in rotated(list(rows), turn):
-            results[name].append(sampled(rows[name], args.seconds, setups.get(name, lambda: None)))
+            results[name].append(sampled(rows[name], args.seconds))
     width = max(26, *(len(name) + 2 for name in rows))
     print(f"{'row':<{width}}{'ms':>8}{'MHz':>7}{'W':>6}{'°C':>5}{'Mcycles':>9}")
     for name, rs in results.items():

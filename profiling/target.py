@@ -21,22 +21,24 @@ import math
 import os
 import sys
 
+from profiling import HelpFormatter
+
 NVTX_RANGE = "cf_profile"
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """The configuration flags, shared with profiling.ncu_profile, which passes them through."""
     p.add_argument("--impl", default="cute-flash", help="cute-flash, fa4, sdpa-cudnn, ... (as in the benchmark)")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp8"))
-    p.add_argument("--direction", default="fwd", choices=("fwd", "bwd"))
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp8"), help="input / compute dtype")
+    p.add_argument("--direction", default="fwd", choices=("fwd", "bwd"), help="bwd: out.backward(dout), every kernel")
+    p.add_argument("--causal", action="store_true", help="causal mask")
+    p.add_argument("--batch", type=int, default=2, help="batch")
     p.add_argument("--seqlen", type=int, default=8192, help="seqlen_q and seqlen_k unless --seqlen-k is given")
-    p.add_argument("--seqlen-k", type=int, default=None)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--heads-kv", type=int, default=None)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--head-dim-v", type=int, default=None)
+    p.add_argument("--seqlen-k", type=int, default=None, help="seqlen_k (None: --seqlen)")
+    p.add_argument("--heads", type=int, default=16, help="query heads")
+    p.add_argument("--heads-kv", type=int, default=None, help="KV heads (None: --heads)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim of q / k")
+    p.add_argument("--head-dim-v", type=int, default=None, help="head dim of v (None: --head-dim)")
     p.add_argument("--tile-m", type=int, default=128, help="query tile of the IO model (bytes FlashAttention reads)")
     p.add_argument("--tile-n", type=int, default=128, help="key tile of the backward IO model")
     p.add_argument(
@@ -181,7 +183,7 @@ def _varlen_call(args, case):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_config_arguments(p)
     p.add_argument("--warmup", type=int, default=2, help="unprofiled calls first (compilation happens here)")
     p.add_argument("--iters", type=int, default=1, help="profiled calls")
@@ -194,10 +196,6 @@ def main(argv=None) -> int:
     from cute_flash.bench.runner import make_inputs
 
     case = case_from_args(args)
-    if os.environ.get("CUTE_FLASH_BWD_VARIANT"):  # a backward study variant (profiling/bwd_variant_patch.py)
-        from .bwd_variant_patch import apply_from_env
-
-        apply_from_env()
     impls = select_impls([args.impl], log=lambda m: print(m, file=sys.stderr))
     if not impls:
         return 2

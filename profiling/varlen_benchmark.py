@@ -23,6 +23,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from profiling import HelpFormatter
+
 
 SETTLE_S = [0.0]  # --settle: seconds each timed function first runs untimed (set by main)
 
@@ -30,7 +32,7 @@ SETTLE_S = [0.0]  # --settle: seconds each timed function first runs untimed (se
 def back_to_back(fn: Callable[[], object], seconds: float) -> int:
     """Runs `fn` back to back for `seconds` (synchronising every 5 calls) and returns how many calls ran. --settle
     runs it before a timing, so that the timing starts in the power state this workload itself reaches rather than
-    the one the row before left; sustained_clocks times it."""
+    the one the row before left; profiling.sustained_clocks times its rows with it."""
     import time
 
     calls, t0 = 0, time.time()
@@ -138,7 +140,8 @@ def peer_calls(
     peers: bool = True,
     seed: Optional[int] = None,
 ) -> Dict[str, Tuple[Callable[[], torch.Tensor], tuple]]:
-    """The forward calls of one packed batch of `lens` on random bf16 inputs (drawn from `seed` when given):
+    """The forward calls of one packed batch of `lens` on random bf16 inputs (drawn from `seed` when given), for
+    profiling.sustained_clocks:
     "ours varlen", "FA4 varlen"; with `dense` also "ours dense BxL" / "FA4 dense BxL" at equal work
     (`equal_work_dense`). Each with its (q, k, v), which require grad when `grad`. FA4's rows only with `peers` and
     where flash_attn.cute imports."""
@@ -182,12 +185,45 @@ def _fwd_bwd_ms(run: Callable[[], torch.Tensor], leaves, name: str = "") -> tupl
         torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
     if KERNELS:
-        from .bwd_breakdown import kernel_times
-
         for direction, fn in (("fwd", run), ("bwd", backward)):
             parts = sorted(kernel_times(fn, 5).items(), key=lambda kv: -kv[1])
             KERNELS.append(f"{name:<40} {direction}: " + ", ".join(f"{k} {us:.0f}" for k, us in parts))
     return fwd, _bench_ms(backward)
+
+
+def _short_kernel_name(name: str) -> str:
+    for key, short in (
+        ("Sm90FlashBackward", "main"),
+        ("FlashAttentionBackwardSm90", "main"),
+        ("Preprocess", "preprocess"),
+        ("preprocess", "preprocess"),
+        ("Postprocess", "postprocess"),
+        ("postprocess", "postprocess"),
+        ("DqConvert", "postprocess"),
+        ("AccumConvert", "dkv_convert"),
+        ("fill", "memset"),
+        ("Memset", "memset"),
+    ):
+        if key in name:
+            return short
+    return name[:60]
+
+
+def kernel_times(fn: Callable[[], object], iters: int) -> Dict[str, float]:
+    """Mean device time (µs) per call of `fn`, per kernel (short names), under torch.profiler."""
+    import collections
+
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel: Dict[str, float] = collections.defaultdict(float)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[_short_kernel_name(evt.name)] += evt.device_time / iters
+    return dict(per_kernel)
 
 
 class _Row(NamedTuple):
@@ -204,9 +240,9 @@ class _Row(NamedTuple):
 
 def rotated(items: list, turn: int) -> list:
     """`items` starting from item `turn` (mod their number), the ones before it last: the order one round times its
-    rows in. A row timed for 200 ms inherits the power state the rows before it left (at the power cap a few percent
-    of clock, docs/performance.md session 28), so successive rounds start at successive rows instead of always
-    timing the same row first."""
+    rows in. A row timed for 200 ms inherits the power state the rows before it left (at an H100's power cap the
+    same kernels moved by up to 7% with the order of the rows), so successive rounds start at successive rows
+    instead of always timing the same row first."""
     if not items:
         return []
     k = turn % len(items)
@@ -310,44 +346,47 @@ def median_rows(rounds: List[List[dict]]) -> List[dict]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=65536)
-    ap.add_argument("--min-len", type=int, default=MIN_LEN)
-    ap.add_argument("--max-len", type=int, default=MAX_LEN)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--tokens", type=int, default=65536, help="tokens of the drawn batch")
+    ap.add_argument("--min-len", type=int, default=MIN_LEN, help="shortest drawn sequence")
+    ap.add_argument("--max-len", type=int, default=MAX_LEN, help="longest drawn sequence")
+    ap.add_argument("--heads", type=int, default=16, help="heads (q, k and v)")
+    ap.add_argument("--head-dim", type=int, default=128, help="head dim (bf16)")
+    ap.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="masks to time")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the drawn lengths and the inputs")
     ap.add_argument("--lengths", help="these sequence lengths (comma-separated, LxN: N of length L), not a draw")
-    ap.add_argument("--order", choices=("drawn", "longest-first", "shortest-first"), default="drawn",
-                    help="order of the sequences in cu_seqlens")  # fmt: skip
+    ap.add_argument(
+        "--order", choices=("drawn", "longest-first", "shortest-first"), default="drawn", help="order in cu_seqlens"
+    )
     ap.add_argument("--no-sm80", action="store_true", help="skip the sm80 family (Hopper: time the sm90 kernels only)")
     ap.add_argument("--kernels", action="store_true", help="also print each call's device time per kernel (µs)")
-    ap.add_argument("--rounds", type=int, default=1, help="time every row this many times in turn (ours and FA4 "
-                    "alternating in one process, each round starting one row later: `rotated`) and print the "
-                    "medians; single runs move by a few percent")  # fmt: skip
-    ap.add_argument("--settle", type=float, default=0.0, help="run each timed call untimed for this many seconds "
-                    "first (its own power state under the cap, not the previous row's)")  # fmt: skip
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time every row this many times in turn (ours and FA4 alternating in one process, each round starting "
+        "one row later: `rotated`) and print the medians; single runs move by a few percent",
+    )
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="run each timed call untimed for this many seconds first (its own power state under the cap, not the "
+        "previous row's)",
+    )
     ap.add_argument("--no-peers", action="store_true", help="only cute-flash's packed call (no dense, no FA4)")
-    ap.add_argument("--bwd-variant", help="study: this sm90_bwd_variants variant as the d128 backward's default (its "
-                    "mask: --causal)")  # fmt: skip
     args = ap.parse_args(argv)
     SETTLE_S[0] = args.settle
-    if args.bwd_variant:
-        from .bwd_variant_patch import apply
-
-        for mask in {"both": ("none", "causal"), "yes": ("causal",), "no": ("none",)}[args.causal]:
-            apply(args.bwd_variant, args.head_dim, mask)
-        print(f"sm90 backward: study variant {args.bwd_variant} as the d{args.head_dim} default")
-
     if args.lengths:
         lens = parse_lengths(args.lengths)
     else:
         lens = draw_lengths(args.tokens, args.min_len, args.max_len, args.seed)
     if args.order != "drawn":
         lens.sort(reverse=args.order == "longest-first")
-    print(f"{torch.cuda.get_device_name()}: {len(lens)} sequences, {sum(lens)} tokens, lengths {min(lens)}..{max(lens)}"
-          f", h{args.heads} d{args.head_dim} bf16")  # fmt: skip
+    print(
+        f"{torch.cuda.get_device_name()}: {len(lens)} sequences, {sum(lens)} tokens, lengths {min(lens)}..{max(lens)}, "
+        f"h{args.heads} d{args.head_dim} bf16"
+    )
     if args.kernels:
         KERNELS.append("")
     for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]:

@@ -33,7 +33,7 @@
 #                   with NaN in the unused rows, equal lengths against dense, CUDA graphs
 #   host      [240] host time per warm call and first-call time from a cold / warm disk cache (profiling/), with a
 #                   cProfile of one warm-cache first call (first_call_profile.txt)
-#   hostprof  [90]  cProfile of warm forward + backward calls (profiling/host_profile.py)
+#   hostprof  [90]  cProfile of warm forward + backward calls (profiling/host_overhead.py --cprofile)
 #   sm90bwd   [300] only the sm90 backward matrix (tests/test_sm90_bwd.py)
 #   fuzz      [540] randomised forward, training and packed-sequence calls against float64 (tests/test_fuzz_gpu.py;
 #                   FUZZ_CASES / FUZZ_TRAIN_CASES / FUZZ_VARLEN_CASES set how many)
@@ -119,7 +119,7 @@ for s in $steps; do
           step host 240 bash -c "python3 -m profiling.host_overhead --breakdown && python3 -m profiling.cache_first_call --runs 2 \
             --torch-warmup --profile $out/first_call_profile.txt"
           grep -v -i warn "$out/host.log" | grep -v exe_args | tail -n 26 ;;
-    hostprof) step hostprof 90 python3 -m profiling.host_profile --backward
+    hostprof) step hostprof 90 python3 -m profiling.host_overhead --cprofile --backward --calls 200
           head -n 45 "$out/hostprof.log" ;;
     sm90bwd) step sm90bwd 300 python3 -m pytest -q -n 10 --dist loadgroup -p no:cacheprovider -rf tests/test_sm90_bwd.py ;;
     vbench) step vbench 180 python3 -m profiling.varlen_benchmark

@@ -295,7 +295,7 @@ def test_accuracy_check_accepts_right_and_rejects_wrong_outputs():
 
 def test_backward_check_on_the_naive_peer():
     # Seeded: the naive peer's bf16 gradients miss the rule (2 x torch's own error) for 12 of 200 seeds at this size
-    # (CI, session 14: dv 0.0142 against 2 x 0.0069 with inputs from whatever state earlier tests left).
+    # (unseeded, CI once drew one: dv 0.0142 against 2 x 0.0069 with inputs from whatever state earlier tests left).
     g = torch.Generator().manual_seed(3)
     case = grid.Case("bf16", "bwd", False, grid.Shape(1, 48, 48, 2, 1, 32, 32))
     q, k, v = (torch.randn(1, 48, h, 32, generator=g).bfloat16().requires_grad_() for h in (2, 1, 1))
@@ -484,6 +484,29 @@ def test_sustained_clocks_refuses_seeds_with_given_lengths(capsys):
     assert exit_info.value.code == 2 and "--seeds or --lengths" in capsys.readouterr().err
 
 
+def test_sustained_clocks_rows_come_from_varlen_benchmarks_peer_calls(monkeypatch):
+    # profiling.varlen_benchmark.peer_calls builds sustained_clocks' rows: ours and FA4's packed calls and, with
+    # dense, both dense calls at equal work; on the CPU here with a fake FA4.
+    import torch
+
+    from profiling import varlen_benchmark
+
+    randn = torch.randn
+    monkeypatch.setattr(
+        torch, "randn", lambda *shape, generator=None, device=None, dtype=None: randn(*shape, dtype=dtype)
+    )
+    monkeypatch.setattr(torch, "Generator", lambda device=None: type("G", (), {"manual_seed": lambda self, s: self})())
+    cu_seqlens = varlen_benchmark.cu_seqlens
+    monkeypatch.setattr(varlen_benchmark, "cu_seqlens", lambda lens, dev: cu_seqlens(lens, "cpu"))
+    monkeypatch.setattr(varlen_benchmark, "fa4_function", lambda name: (lambda *a, **k: None))
+
+    calls = varlen_benchmark.peer_calls([300, 500], 2, 64, grad=True, seed=1)
+    assert list(calls) == ["ours varlen", "FA4 varlen", "ours dense 2x384", "FA4 dense 2x384"]
+    assert [t.shape for t in calls["ours dense 2x384"][1]] == [(2, 384, 2, 64)] * 3
+    assert all(t.requires_grad for _, leaves in calls.values() for t in leaves)
+    assert list(varlen_benchmark.peer_calls([300], 2, 64, dense=False, peers=False)) == ["ours varlen"]
+
+
 def test_profiling_target_packed_meta_counts_each_sequences_work():
     # profiling.target --varlen-seed (and ncu_profile, which passes it on): the lengths varlen_benchmark draws for
     # batch x seqlen tokens, FLOPs summed per sequence, the flag kept for the profiled subprocess.
@@ -502,113 +525,6 @@ def test_profiling_target_packed_meta_counts_each_sequences_work():
     assert target.config_argv(args)[-3:] == ["--varlen-seed", "2", "--causal"]
 
 
-def _ncu_csv(tmp_path, rows):
-    """An `ncu --csv` log: ncu's own log lines, then one row per (launch ID, kernel, metric, unit, value)."""
-    header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
-    body = "".join(",".join(f'"{x}"' for x in row) + "\n" for row in rows)
-    path = tmp_path / "ncu.csv"
-    path.write_text("==PROF== Connected\n" + header + body)
-    return path
-
-
-def test_varlen_fwd_variants_refuses_causal_study_classes(capsys):
-    # --causal times the library's kernel (default, --tile); the study classes map tiles for no-mask builds only.
-    from profiling.varlen_fwd_variants import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--causal", "--variants", "default,no_zero_v", "--tile", 's3={"num_stages": 3}'])
-    assert exit_info.value.code == 2 and "no_zero_v" in capsys.readouterr().err
-
-
-def test_varlen_fwd_variants_join_labels_ncu_rows_in_launch_order(tmp_path, capsys):
-    # profiling.varlen_fwd_variants --join: ncu's CSV (one row per metric and launch, after ncu's own log lines) is
-    # matched with the labels --cycles wrote, in launch order; Mcycles, µs, TFLOP/s and the clock per row.
-    from profiling.varlen_fwd_variants import join
-
-    rows = [  # base units, or ones ncu scaled
-        ("0", "k", "gpc__cycles_elapsed.max", "cycle", "6,718,045"),
-        ("0", "k", "gpu__time_duration.sum", "nsecond", "4,001,504"),
-        ("1", "k", "gpc__cycles_elapsed.max", "Mcycle", "3.00"),
-        ("1", "k", "gpu__time_duration.sum", "msecond", "2.00"),
-    ]
-    csv_path = _ncu_csv(tmp_path, rows)
-    labels = tmp_path / "labels.txt"
-    labels.write_text("seed1 default\t2.8e12\nseed1 FA4\t1.4e12\n")
-    join(str(csv_path), str(labels))
-    out = capsys.readouterr().out.splitlines()
-    assert out[1].split() == ["seed1", "default", "6.718", "4002", "699.7", "1679"]
-    assert out[2].split() == ["seed1", "FA4", "3.000", "2000", "700.0", "1500"]
-    labels.write_text("seed1 default\t2.8e12\n")  # labels of another run: refused, not paired by position
-    with pytest.raises(SystemExit):
-        join(str(csv_path), str(labels))
-
-
-def test_varlen_bwd_cycles_join_splits_launches_at_the_markers(tmp_path, capsys):
-    # profiling.varlen_bwd_cycles --join: each labelled backward's kernels are the launches after one marker
-    # (torch.cuda._sleep's spin_kernel) up to the next; totals and per-kernel Mcycles in launch order.
-    from profiling.varlen_bwd_cycles import join
-
-    launches = [("spin_kernel", 10), ("pre", 700_000), ("main", 17_000_000), ("post", 500_000), ("spin_kernel", 10)]
-    launches += [("pre", 800_000), ("main", 17_500_000), ("spin_kernel", 10)]
-    rows = [(str(i), name, "gpc__cycles_elapsed.max", "cycle", str(c)) for i, (name, c) in enumerate(launches)]
-    csv_path = _ncu_csv(tmp_path, rows)
-    labels = tmp_path / "labels.txt"
-    labels.write_text("seed 1 ours\nseed 1 FA4\n")
-    join(str(csv_path), str(labels))
-    out = capsys.readouterr().out.splitlines()
-    assert out[1].split() == ["seed", "1", "ours", "18.200", "0.700", "17.000", "0.500"]
-    assert out[2].split() == ["seed", "1", "FA4", "18.300", "0.800", "17.500"]
-    labels.write_text("seed 1 ours\n")  # labels of another run: refused
-    with pytest.raises(SystemExit):
-        join(str(csv_path), str(labels))
-
-
-def test_study_tools_build_their_rows_from_one_set_of_peer_calls(monkeypatch):
-    # profiling.varlen_benchmark.peer_calls serves sustained_clocks, varlen_bwd_cycles and varlen_fwd_variants: the
-    # rows and labels those tools print (and docs/performance.md quotes), built here on the CPU with fake peers.
-    import torch
-
-    from profiling import varlen_benchmark, varlen_bwd_cycles, varlen_fwd_variants
-
-    randn = torch.randn
-    monkeypatch.setattr(
-        torch, "randn", lambda *shape, generator=None, device=None, dtype=None: randn(*shape, dtype=dtype)
-    )
-    monkeypatch.setattr(torch, "Generator", lambda device=None: type("G", (), {"manual_seed": lambda self, s: self})())
-    cu_seqlens = varlen_benchmark.cu_seqlens
-    monkeypatch.setattr(varlen_benchmark, "cu_seqlens", lambda lens, dev: cu_seqlens(lens, "cpu"))
-    monkeypatch.setattr(varlen_benchmark, "fa4_function", lambda name: (lambda *a, **k: None))
-
-    calls = varlen_benchmark.peer_calls([300, 500], 2, 64, grad=True, seed=1)
-    assert list(calls) == ["ours varlen", "FA4 varlen", "ours dense 2x384", "FA4 dense 2x384"]
-    assert [t.shape for t in calls["ours dense 2x384"][1]] == [(2, 384, 2, 64)] * 3
-    assert all(t.requires_grad for _, leaves in calls.values() for t in leaves)
-    assert list(varlen_benchmark.peer_calls([300], 2, 64, dense=False, peers=False)) == ["ours varlen"]
-
-    labels = [row[0] for row in varlen_bwd_cycles.rows([1, 0], 2, 64, False, "ours")]
-    assert labels == [
-        "seed 1 ours",
-        "seed 1 FA4",
-        "seed 0 ours",
-        "seed 0 FA4",
-        "dense 12x5248 ours",
-        "dense 12x5248 FA4",
-    ]
-    assert [row[0] for row in varlen_bwd_cycles.rows([2], 2, 64, True, "ours v")] == [
-        "seed 2 ours v",
-        "dense 10x6272 ours v",
-    ]
-
-    profiled = []
-    monkeypatch.setattr(varlen_fwd_variants, "profiled", lambda label, flops, fn, path: profiled.append(label))
-    args = {"heads": 2, "head_dim": 64, "labels": "", "causal": False}
-    varlen_fwd_variants.shapes([300, 500], type("Args", (), args)())
-    assert profiled == [
-        "rounded ours", "rounded FA4", "2x384 ours", "2x384 FA4", "2x383 ours", "2x383 FA4",
-        "dense 2x384 ours", "dense 2x384 FA4",
-    ]  # fmt: skip
-
-
 def test_profiling_target_varlen_equal_packs_the_dense_shape():
     # profiling.target --varlen-equal: batch sequences of seqlen each, the dense case's FLOPs, the flag passed on.
     import argparse
@@ -624,10 +540,46 @@ def test_profiling_target_varlen_equal_packs_the_dense_shape():
 
 
 def test_varlen_benchmark_equal_work_dense_shapes():
-    # The dense batch at the drawn mixes' work that sessions 22-23 report (11 x 5888, 12 x 5248, 10 x 6272), and the
-    # offsets of packed lengths.
+    # The dense batch at the work of the drawn mixes of seeds 0 / 1 / 2 (11 x 5888, 12 x 5248, 10 x 6272: the dense
+    # rows docs/performance_archive.md quotes beside them), and the offsets of packed lengths.
     from profiling.varlen_benchmark import cu_seqlens, draw_lengths, equal_work_dense
 
     shapes = [equal_work_dense(draw_lengths(65536, 128, 8192, seed)) for seed in (0, 1, 2)]
     assert shapes == [(11, 5888), (12, 5248), (10, 6272)]
     assert cu_seqlens([3, 0, 5], "cpu").tolist() == [0, 3, 3, 8]
+
+
+PROFILING_TOOLS = [
+    "cache_first_call",
+    "compare",
+    "fp8_benchmark",
+    "host_overhead",
+    "host_overhead_cpu",
+    "hotspots",
+    "ncu_profile",
+    "ptx_identity",
+    "ring_benchmark",
+    "sanitize_target",
+    "sass_census",
+    "summary",
+    "sustained_clocks",
+    "target",
+    "varlen_benchmark",
+]
+
+
+@pytest.mark.parametrize("tool", PROFILING_TOOLS)
+def test_profiling_tools_have_a_help_with_their_defaults(tool, monkeypatch, capsys):
+    # Every tool of profiling/README.md answers --help (without a GPU) with what it does and each option's default.
+    import importlib
+    import sys
+
+    module = importlib.import_module(f"profiling.{tool}")
+    monkeypatch.setattr(sys, "argv", [tool, "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert module.__doc__.split()[0] in text
+    if "--" in text.split("options:")[-1].replace("--help", ""):
+        assert "(default:" in text, text

@@ -62,14 +62,13 @@ def test_fp8_rejects_what_it_lacks():
     assert "computes in fp8" in fp8_unsupported_reason(AttentionSpec("bf16", 128, 128, "none", "bf16"))
 
 
-def test_fp8_variants_fit():
-    """The study's alternatives (profiling/fp8_variants.py) pass the budget checks at the head dims they replace."""
-    from cute_flash.arch.sm90.fp8.tile_config import budget_problem
-    from profiling.fp8_variants import VARIANTS, variant_head_dims
+def _tile128(**fields):
+    """The 128-key FP8 tile with P·V promoted (the d <= 128 default before the 192-key tile), with `fields` changed:
+    the kernel paths no default takes (the polynomial exponential, row sums from the P·V wgmma)."""
+    from cute_flash.arch.sm90.fp8.tile_config import Fp8FwdConfig
+    from cute_flash.arch.sm90.tile_config import FwdTileConfig
 
-    for name, cfg in VARIANTS.items():
-        d = variant_head_dims(name)[1]
-        assert budget_problem(cfg, d, d) is None, name
+    return replace(Fp8FwdConfig(FwdTileConfig(2, 128, 2), promote_pv=True), **fields)
 
 
 def test_fp8_polynomial_exp2_variant_compiles_without_spills():
@@ -77,13 +76,15 @@ def test_fp8_polynomial_exp2_variant_compiles_without_spills():
     import tempfile
 
     from cute_flash.arch.sm90.fp8.launch import build_fp8_forward
-    from profiling.fp8_variants import VARIANTS
     from cute_flash.compile_cache import keep_artifacts_options
 
     py_stderr = io.StringIO()
     with tempfile.TemporaryDirectory() as dump, capture_fd_stderr() as captured, contextlib.redirect_stderr(py_stderr):
         compiled = build_fp8_forward(
-            AttentionSpec("fp8", 128, 128, "causal", "bf16"), VARIANTS["poly8"], "sm_90a", keep_artifacts_options(dump)
+            AttentionSpec("fp8", 128, 128, "causal", "bf16"),
+            _tile128(exp2_poly_per_row=8),
+            "sm_90a",
+            keep_artifacts_options(dump),
         )
     ptx = compiled.artifacts.PTX
     assert "add.rm.f32" in ptx and "ex2.approx.ftz.f32" in ptx, "both exponentials must be present"
@@ -99,15 +100,14 @@ def test_fp8_row_sum_mma_variant_takes_the_sums_from_the_pv_wgmma():
 
     from cute_flash.arch.sm90.fp8.launch import build_fp8_forward
     from cute_flash.arch.sm90.fp8.tile_config import budget_problem, fp8_fwd_config
-    from profiling.fp8_variants import VARIANTS
     from cute_flash.compile_cache import keep_artifacts_options
 
-    cfg = VARIANTS["tile128_promote_row_sum_mma"]
+    cfg = _tile128(row_sum_mma=True)
     assert budget_problem(replace(cfg, promote_pv=False), 128, 128) is not None  # the sums need the fresh accumulator
     assert budget_problem(replace(fp8_fwd_config(256, 256), row_sum_mma=True), 256, 256) is not None
     assert budget_problem(replace(fp8_fwd_config(128, 128), promote_pv=True, row_sum_mma=True), 128, 128)
     builds = {}
-    for name, c in (("default", VARIANTS["tile128_promote"]), ("row_sum_mma", cfg)):
+    for name, c in (("default", _tile128()), ("row_sum_mma", cfg)):
         py_stderr = io.StringIO()
         with (
             tempfile.TemporaryDirectory() as dump,

@@ -329,3 +329,256 @@ def test_tiny_scale_is_nearly_uniform():
     q, k, v = _inputs(1, 4, 8, 1, 1, 8, 8, seed=12)
     out = attention_reference(q, k, v, softmax_scale=1e-30)
     torch.testing.assert_close(out, v.mean(dim=1, keepdim=True).expand_as(out))
+
+
+# --- Softcap, learnable sinks and negative windows (FlashAttention-4's `attention_ref` semantics) -----------------
+def fa4_hidden(sq: int, sk: int, window) -> torch.Tensor:
+    """True where query i must not see key j: FlashAttention-4's `construct_local_mask` logic (no padding, no sink
+    tokens), restated: with only a right bound, keys right of row + off + right are hidden; with a left bound, keys
+    left of row + off - left, and (with a right bound too) keys right of min(row + off + right, sk)."""
+    left, right = window
+    row = torch.arange(sq).unsqueeze(1)
+    col = torch.arange(sk).unsqueeze(0)
+    off = sk - sq
+    if left is None and right is None:
+        return torch.zeros(sq, sk, dtype=torch.bool)
+    if left is None:
+        return col > row + off + right
+    right_hidden = col > sk if right is None else col > torch.minimum(row + off + right, torch.tensor(sk))
+    return right_hidden | (col < row + off - left)
+
+
+def direct_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(None, None), softcap=0.0, sink=None):
+    """The float64 formula in one piece, as FlashAttention-4's reference writes it: scaled scores, the tanh cap, the
+    mask, then softmax over the keys and the sink together (logsumexp of the row with one more column)."""
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    scale = 1 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    kx = k.repeat_interleave(h // k.shape[2], dim=2)
+    vx = v.repeat_interleave(h // k.shape[2], dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q * scale, kx)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    left, right = window_size
+    if causal:
+        right = 0
+    scores = scores.masked_fill(fa4_hidden(sq, sk, (left, right)), float("-inf"))
+    logits = scores
+    if sink is not None:
+        logits = torch.cat([scores, sink.view(1, h, 1, 1).expand(b, h, sq, 1)], dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    p = torch.exp(scores - lse.unsqueeze(-1))
+    p = torch.where(torch.isneginf(lse).unsqueeze(-1), torch.zeros_like(p), p)  # rows with no key and no sink
+    return torch.einsum("bhqk,bkhd->bqhd", p, vx), lse
+
+
+# Windows of every sign: shifted off the diagonal either way, rows that see no key, bounds beyond the sequence.
+SIGNED_WINDOWS = [
+    (None, -3),
+    (-4, None),
+    (-2, 6),
+    (5, -2),
+    (0, 0),
+    (3, -3),
+    (-7, -1),
+    (10, -40),
+    (-300, None),
+    (None, 300),
+]
+FEATURES = [
+    {},
+    {"softcap": 5.0},
+    {"sink": True},
+    {"softcap": 2.5, "sink": True},
+]
+
+
+def _sink(h: int, seed: int) -> torch.Tensor:
+    return torch.randn(h, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2
+
+
+def _features(feat: dict, h: int, seed: int) -> dict:
+    kw = {}
+    if feat.get("softcap"):
+        kw["softcap"] = feat["softcap"]
+    if feat.get("sink"):
+        kw["learnable_sink"] = _sink(h, seed)
+    return kw
+
+
+@pytest.mark.parametrize("shape", [(2, 37, 53, 4, 2, 16, 24), (1, 61, 20, 3, 1, 8, 8)])
+@pytest.mark.parametrize(
+    "mask",
+    [{}, {"causal": True}, {"causal": True, "window_size": (9, None)}] + [{"window_size": w} for w in SIGNED_WINDOWS],
+    ids=str,
+)
+@pytest.mark.parametrize("feat", FEATURES, ids=lambda f: "-".join(f) or "plain")
+def test_references_match_the_direct_formula(shape, mask, feat):
+    q, k, v = _inputs(*shape, seed=len(str(mask)) + shape[1])
+    kw = _features(feat, shape[3], seed=shape[2])
+    want, want_lse = direct_attention(q, k, v, **mask, softcap=kw.get("softcap", 0.0), sink=kw.get("learnable_sink"))
+    out, lse = attention_reference(q, k, v, return_lse=True, **mask, **kw)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse, want_lse.float(), atol=1e-5, rtol=1e-6)  # the reference's lse is float32
+    # The tiled algorithm (the kernels' block walk, the sink folded in at the end) gives the same.
+    tiled, tiled_lse, _ = attention_tiled(q, k, v, block_m=32, block_n=16, compute_dtype=torch.float64, **mask, **kw)
+    torch.testing.assert_close(tiled, want, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(tiled_lse, want_lse.float(), atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 1), (7, 7), (5, 13), (13, 5), (1, 40), (40, 1)])
+def test_signed_windows_match_flashattention4s_local_mask(sq, sk):
+    bounds = [None, -45, -6, -1, 0, 1, 2, 6, 45]
+    for left in bounds:
+        for right in bounds:
+            ours = ~visible_keys(sq, sk, normalize_mask(False, (left, right)))
+            assert torch.equal(ours, fa4_hidden(sq, sk, (left, right))), (sq, sk, left, right)
+        # causal: FlashAttention-4 sets the right bound to 0 (ours is min(right, 0): the same for right >= 0)
+        for right in (None, 0, 3):
+            ours = ~visible_keys(sq, sk, normalize_mask(True, (left, right)))
+            assert torch.equal(ours, fa4_hidden(sq, sk, (left, 0))), (sq, sk, left, right, "causal")
+
+
+def test_rows_without_keys_give_zero_and_their_sink():
+    # window (None, -3) on sq == sk: rows 0..2 see no key; (-4, None): the last 4 rows see none.
+    q, k, v = _inputs(2, 12, 12, 3, 1, 8, 8, seed=20)
+    sink = _sink(3, seed=21)
+    for window, empty in (((None, -3), slice(0, 3)), ((-4, None), slice(8, 12))):
+        for kw in ({}, {"learnable_sink": sink}, {"learnable_sink": sink, "softcap": 3.0}):
+            out, lse = attention_reference(q, k, v, window_size=window, return_lse=True, **kw)
+            tiled, tiled_lse, _ = attention_tiled(q, k, v, window_size=window, compute_dtype=torch.float64, **kw)
+            for o, l_ in ((out, lse), (tiled, tiled_lse)):
+                assert torch.all(o[:, empty] == 0)
+                n = empty.stop - empty.start
+                expect = sink.float().view(1, 3, 1).expand(2, 3, n) if kw else torch.full((2, 3, n), float("-inf"))
+                assert torch.equal(l_[:, :, empty], expect)
+                others = torch.ones(12, dtype=torch.bool)
+                others[empty] = False
+                assert torch.isfinite(l_[:, :, others]).all() and (o[:, others] != 0).any()
+
+
+@pytest.mark.parametrize("b, sq, sk, h", [(0, 5, 7, 2), (2, 0, 7, 2), (2, 5, 0, 2), (2, 5, 7, 0), (0, 0, 0, 0)])
+@pytest.mark.parametrize("sink", [False, True])
+def test_every_empty_dimension(b, sq, sk, h, sink):
+    # Zero keys used to raise in amax(); the kernels and the tiled reference give out 0 / lse -inf (the sink with
+    # sinks), and the gradients of empty problems are zeros, not errors.
+    q, k, v = (t.requires_grad_(True) for t in _inputs(b, sq, sk, h, 1 if h else 1, 16, 8, seed=22))
+    kw = {"learnable_sink": _sink(h, seed=23).requires_grad_(True)} if sink else {}
+    for extra in ({}, {"causal": True}, {"window_size": (-2, 3)}, {"softcap": 4.0}):
+        out, lse = attention_reference(q, k, v, return_lse=True, **extra, **kw)
+        assert out.shape == (b, sq, h, 8) and lse.shape == (b, h, sq)
+        assert torch.all(out == 0) or sk > 0
+        if sk == 0:
+            expect = kw["learnable_sink"].detach().float().view(1, h, 1).expand(b, h, sq) if sink else None
+            assert torch.equal(lse, expect) if sink else torch.all(torch.isneginf(lse))
+        tiled, tiled_lse, visited = attention_tiled(q, k, v, compute_dtype=torch.float64, **extra, **kw)
+        torch.testing.assert_close(tiled, out.detach())
+        assert torch.equal(torch.isneginf(tiled_lse), torch.isneginf(lse))
+        leaves = [q, k, v] + ([kw["learnable_sink"]] if sink else [])
+        grads = torch.autograd.grad((out.sum(), lse[torch.isfinite(lse)].sum()), leaves, allow_unused=True)
+        for leaf, g in zip(leaves, grads):
+            assert g is None or (g.shape == leaf.shape and torch.isfinite(g).all())
+            if sk == 0 and leaf is q:
+                assert g is None or torch.all(g == 0)
+
+
+def test_sink_gradient_is_the_contracts_formula():
+    # Autograd through the float64 reference gives dsink = sum over batch and rows of P_sink * (dlse - D),
+    # D = rowsum(dO * O): what `arch.base.sink_grad` computes on the device from lse and D.
+    from cute_flash.arch.base import sink_grad
+
+    q, k, v = (t.requires_grad_(True) for t in _inputs(2, 19, 23, 4, 2, 16, 16, seed=24))
+    sink = _sink(4, seed=25).requires_grad_(True)
+    g = torch.Generator().manual_seed(26)
+    dout = torch.randn(2, 19, 4, 16, generator=g, dtype=torch.float64)
+    dlse = torch.randn(2, 4, 19, generator=g, dtype=torch.float64)
+    for kw in ({"causal": True}, {"window_size": (None, -5)}, {"softcap": 3.0, "window_size": (4, 2)}):
+        out, lse = attention_reference(q, k, v, learnable_sink=sink, return_lse=True, **kw)
+        (dsink,) = torch.autograd.grad((out, lse), (sink,), (dout, dlse.float()))
+        d = (dout * out.detach()).sum(-1).transpose(1, 2)  # (b, h, sq)
+        want = torch.empty(4, dtype=torch.float32)
+        sink_grad(want, sink.detach().float(), lse.detach(), (d - dlse).float())
+        torch.testing.assert_close(dsink.float(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_of_softcap_and_sink_are_exact():
+    # Finite differences in float64 against autograd through the reference's out: dq, dk, dv, dsink (the float32
+    # lse is too coarse for finite differences; its gradient is checked against the formula above).
+    q, k, v = (t.requires_grad_(True) for t in _inputs(1, 5, 6, 2, 1, 8, 8, seed=27))
+    sink = _sink(2, seed=28).requires_grad_(True)
+
+    def f(q, k, v, sink):
+        return attention_reference(q, k, v, causal=True, window_size=(3, -1), softcap=2.0, learnable_sink=sink)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, sink), atol=1e-5)
+
+
+def test_softcap_bounds_every_logit():
+    # Capped logits lie in (-softcap, softcap): even a huge scale leaves the softmax finite and smooth.
+    q, k, v = _inputs(1, 9, 11, 2, 2, 16, 16, seed=29)
+    out, lse = attention_reference(q, k, v, softmax_scale=1e30, softcap=1.5, return_lse=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert (lse <= 1.5 + math.log(11) + 1e-6).all() and (lse >= -1.5).all()
+
+
+def test_sink_at_extreme_scales():
+    q, k, v = _inputs(1, 5, 9, 1, 1, 8, 8, seed=30)
+    # A hard max (scale * score overflows): the sink's weight is 0 beside it.
+    hard = attention_reference(q, k, v, softmax_scale=1e300)
+    torch.testing.assert_close(attention_reference(q, k, v, softmax_scale=1e300, learnable_sink=_sink(1, 31)), hard)
+    # A sink far above every score takes the whole weight: out 0 (underflowed), lse = the sink.
+    out, lse = attention_reference(q, k, v, learnable_sink=torch.tensor([5000.0]), return_lse=True)
+    assert torch.all(out.abs() < 1e-300) and torch.all(lse == 5000.0)
+
+
+SINK_AND_SOFTCAP_ERRORS = [
+    ({"softcap": -1.0}, ValueError, "softcap"),
+    ({"softcap": float("nan")}, ValueError, "softcap"),
+    ({"softcap": True}, ValueError, "softcap"),
+    ({"learnable_sink": torch.zeros(3)}, ValueError, "learnable_sink"),
+    ({"learnable_sink": torch.zeros(4, 1)}, ValueError, "learnable_sink"),
+    ({"learnable_sink": torch.zeros(4, dtype=torch.int32)}, TypeError, "learnable_sink"),
+    ({"learnable_sink": [0.0] * 4}, TypeError, "learnable_sink"),
+    ({"learnable_sink": torch.zeros(4, device="meta")}, ValueError, "learnable_sink"),
+]
+
+
+@pytest.mark.parametrize("kw, error, match", SINK_AND_SOFTCAP_ERRORS, ids=lambda x: str(x)[:40])
+def test_references_check_softcap_and_sinks_as_every_entry_point(kw, error, match):
+    from cute_flash import validation
+
+    q, k, v = _inputs(1, 4, 4, 4, 2, 8, 8, seed=32)
+    with pytest.raises(error, match=match) as from_reference:
+        attention_reference(q, k, v, **kw)
+    with pytest.raises(error) as from_tiled:
+        attention_tiled(q, k, v, **kw)
+    # The messages are the shared checks' own.
+    with pytest.raises(error) as shared:
+        if "softcap" in kw:
+            validation.check_softcap(kw["softcap"])
+        else:
+            validation.check_learnable_sink(kw["learnable_sink"], 4, q.device)
+    assert str(from_reference.value) == str(shared.value) == str(from_tiled.value)
+
+
+def test_acceptance_checks_take_sinks_and_dsink():
+    # cute_flash.testing's checks on the CPU, fed the float32 reference's answers (within the rule of bf16 inputs):
+    # softcap and the sink reach the references; dsink is one more report; a wrong dsink fails it.
+    from cute_flash.testing import check_backward, check_forward
+
+    q, k, v = (t.to(torch.bfloat16) for t in _inputs(2, 24, 40, 4, 2, 16, 16, seed=33))
+    sink = _sink(4, seed=34).float()
+    kw = {"causal": True, "window_size": (None, -2), "softcap": 3.0, "learnable_sink": sink}
+    out, lse = attention_reference(q, k, v, compute_dtype=torch.float32, return_lse=True, **kw)
+    assert [r.name for r in check_forward(q, k, v, out.to(q.dtype), lse, **kw)] == ["out", "lse"]
+    leaves = [t.float().requires_grad_(True) for t in (q, k, v)] + [sink.clone().requires_grad_(True)]
+    dout = torch.randn(2, 24, 4, 16, generator=torch.Generator().manual_seed(35)).to(torch.bfloat16)
+    o = attention_reference(*leaves[:3], compute_dtype=torch.float32, **{**kw, "learnable_sink": leaves[3]})
+    *grads, dsink = torch.autograd.grad(o, leaves, dout.float())
+    grads = [g.to(torch.bfloat16) for g in grads]
+    reports = check_backward(q, k, v, dout, grads, dsink=dsink, **kw)
+    assert [r.name for r in reports] == ["dq", "dk", "dv", "dsink"] and all(r.ok for r in reports)
+    with pytest.raises(AssertionError, match="dsink"):
+        check_backward(q, k, v, dout, grads, dsink=dsink + 0.05 * dsink.abs().max(), **kw)
+    with pytest.raises(ValueError, match="learnable_sink"):
+        check_backward(q, k, v, dout, grads, dsink=dsink, causal=True)

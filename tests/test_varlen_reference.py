@@ -78,3 +78,56 @@ def test_layout_and_value_errors():
         attention_varlen_reference(q, k, v, torch.tensor([0, 3, 6], dtype=torch.int32), ck, 4, 4)
     with pytest.raises(ValueError, match="seqused_k"):
         attention_varlen_reference(q, k, v, cq, ck, 4, 4, seqused_k=torch.tensor([3, 9], dtype=torch.int32))
+
+
+@pytest.mark.parametrize(
+    "kw", [{"softcap": 4.0}, {"window_size": (-3, None)}, {"window_size": (None, -2), "softcap": 2.0}, {}], ids=str
+)
+def test_softcap_sinks_and_signed_windows_per_sequence(kw):
+    # Each sequence is its own dense problem (softcap, the sink and the window aligned per sequence); a sequence with
+    # no keys gives out 0 and, with sinks, lse = the sink (-inf without).
+    lens_q, lens_k = [4, 9, 3, 0, 6], [7, 9, 0, 5, 2]
+    q, k, v, cq, ck = _packed(lens_q, lens_k, h=4, hkv=1, d=16)
+    sink = torch.randn(4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    for extra in ({}, {"learnable_sink": sink}):
+        out, lse = attention_varlen_reference(q, k, v, cq, ck, 9, 9, return_lse=True, **kw, **extra)
+        for i in range(len(lens_q)):
+            q0, q1, k0, k1 = cq[i].item(), cq[i + 1].item(), ck[i].item(), ck[i + 1].item()
+            if q1 == q0:
+                continue
+            o, l_ = attention_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], return_lse=True, **kw, **extra)
+            torch.testing.assert_close(out[q0:q1], o[0], rtol=0, atol=0)
+            torch.testing.assert_close(lse[:, q0:q1], l_[0], rtol=0, atol=0)
+            if k1 == k0:
+                assert torch.all(out[q0:q1] == 0)
+                want = sink.float()[:, None].expand(4, q1 - q0) if extra else torch.full((4, q1 - q0), float("-inf"))
+                assert torch.equal(lse[:, q0:q1], want)
+
+
+def test_sink_gradient_flows_through_every_sequence():
+    q, k, v, cq, ck = _packed([3, 5, 2], [4, 0, 6], h=2, hkv=2, d=8)
+    sink = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    out, lse = attention_varlen_reference(q, k, v, cq, ck, 5, 6, learnable_sink=sink, return_lse=True)
+    (g,) = torch.autograd.grad(lse.sum(), sink)
+    # d(lse)/d(sink) = P_sink per row: exactly 1 for the 5 rows of the sequence without keys, in (0, 1) elsewhere.
+    p_sink = torch.exp(sink.detach().float()[:, None] - lse)
+    torch.testing.assert_close(g.float(), p_sink.sum(dim=1))
+    assert torch.all(p_sink[:, 3:8] == 1)
+
+
+def test_check_varlen_with_sinks_finds_rows_without_keys():
+    # With sinks a row without keys has lse = the sink, not -inf; the check still demands out 0 there.
+    from cute_flash.testing import check_varlen
+
+    q, k, v, cq, ck = _packed([3, 4], [0, 5], h=2, hkv=1, d=8)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    sink = torch.tensor([0.5, -1.0])
+    out, lse = attention_varlen_reference(
+        q, k, v, cq, ck, 4, 5, learnable_sink=sink, compute_dtype=torch.float32, return_lse=True
+    )
+    out = out.to(torch.bfloat16)
+    assert all(r.ok for r in check_varlen(q, k, v, cq, ck, 4, 5, out, lse, learnable_sink=sink))
+    bad = out.clone()
+    bad[:3] = 1e-3  # the first sequence has no keys
+    with pytest.raises(AssertionError, match="out 0"):
+        check_varlen(q, k, v, cq, ck, 4, 5, bad, lse, learnable_sink=sink)
