@@ -331,7 +331,7 @@ def kvcache_reference(
     `page_table` (b, max_pages) int32: key position j of sequence b lives in row j % page_size of page
     page_table[b, j // page_size]. Pages may be shared between sequences (a common prefix) and in any order.
     cache_seqlens (b,) int32: the keys each sequence holds before this call. k_new / v_new (optional, both or
-    neither, the caches' dtype): the new tokens' keys, (b, s_new, h_kv, d) (every sequence s_new tokens) or, with
+    neither, the caches' dtype; q's for an fp8 cache, which stores k_new / k_descale rounded to e4m3, saturated): the new tokens' keys, (b, s_new, h_kv, d) (every sequence s_new tokens) or, with
     packed q, packed (total_q, h_kv, d) (each query token brings one key: sequence b's are the rows of cu_seqlens_q).
     They are written into copies of the caches at positions cache_seqlens[b] onwards; sequence b then attends to its
     cache_seqlens[b] + new keys, the mask bottom-right aligned per sequence as in `attention` (causal by default).
@@ -356,8 +356,11 @@ def kvcache_reference(
         for i in range(batch):
             n0, n1 = new_rows[i]
             written = slots[i][old_lens[i] :]
-            for cache, new in ((k_out, k_new), (v_out, v_new)):
+            for cache, new, descale in ((k_out, k_new, k_descale), (v_out, v_new, v_descale)):
                 part = new[i, n0:n1] if new.dim() == 4 else new[n0:n1]
+                if cache.dtype == KV_FP8_DTYPE:
+                    # stored = new / descale, rounded to nearest and saturated to e4m3's +-448 (the append kernel's)
+                    part = (part.float() / descale[i].view(1, -1, 1)).clamp(-448.0, 448.0)
                 _flat(cache, i, paged)[written] = part.to(cache.dtype)
 
     h = q.shape[-2]
@@ -526,7 +529,10 @@ def _kvcache_layout(
                 f"k_new {tuple(k_new.shape)} / v_new {tuple(v_new.shape)} must match each other and the caches' heads "
                 f"and head dims ({tuple(k_cache.shape[2:])}, {tuple(v_cache.shape[2:])})"
             )
-        if k_new.dtype != k_cache.dtype or v_new.dtype != v_cache.dtype:
+        if k_cache.dtype == KV_FP8_DTYPE:
+            if KV_FP8_DTYPE in (k_new.dtype, v_new.dtype):
+                raise ValueError("k_new / v_new for a float8_e4m3fn cache come in q's dtype (quantised on append)")
+        elif k_new.dtype != k_cache.dtype or v_new.dtype != v_cache.dtype:
             raise ValueError(
                 f"k_new / v_new must have the caches' dtype {k_cache.dtype}, got {k_new.dtype} / {v_new.dtype}"
             )

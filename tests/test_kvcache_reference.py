@@ -183,7 +183,8 @@ def test_fp8_cache_is_dequantised_per_sequence_and_kv_head():
     page_size, old_lens = 16, [5, 16, 20]
     q, kc, vc, table, seqlens, k_new, v_new, _, _ = _paged_case(page_size, old_lens, 1, 4, 2, seed=4)
     fp8 = torch.float8_e4m3fn
-    kc8, vc8, kn8, vn8 = (t.to(fp8) for t in (kc, vc, k_new, v_new))
+    kc8, vc8 = (t.to(fp8) for t in (kc, vc))
+    kn8, vn8 = k_new.to(torch.bfloat16), v_new.to(torch.bfloat16)  # new tokens in q's dtype, quantised on append
     k_descale = torch.rand(3, 2, generator=gen) + 0.5
     v_descale = torch.rand(3, 2, generator=gen) + 0.5
     q16 = q.to(torch.bfloat16)

@@ -84,8 +84,8 @@ class KvAppend:
         k_scale = Float32(1.0)
         v_scale = Float32(1.0)
         if cutlass.const_expr(self.fp8):
-            k_scale = cute.arch.rcp_approx(mKdescale[b, head])
-            v_scale = cute.arch.rcp_approx(mVdescale[b, head])
+            k_scale = mKdescale[b, head]
+            v_scale = mVdescale[b, head]
         col = (tidx % self.width) * COLS
         rows_per_pass = THREADS // self.width
         for r in cutlass.range(ROWS_PER_CTA // rows_per_pass, unroll=1):
@@ -103,7 +103,7 @@ class KvAppend:
                     self.copy_row(mVnew, mVcache, first + i, b, head, page, row, col, self.head_dim_v, v_scale)
 
     @cute.jit
-    def copy_row(self, mNew, mCache, src_row, b, head, page, row, col, dim: cutlass.Constexpr[int], scale):
+    def copy_row(self, mNew, mCache, src_row, b, head, page, row, col, dim: cutlass.Constexpr[int], descale):
         if col < dim:
             for c in cutlass.range_constexpr(COLS):
                 if cutlass.const_expr(self.packed):
@@ -111,8 +111,9 @@ class KvAppend:
                 else:
                     x = mNew[b, src_row, head, col + c]
                 if cutlass.const_expr(self.fp8):
-                    # e4m3's largest finite value: saturate instead of producing NaN for out-of-range rows
-                    y = cute.arch.fmin(cute.arch.fmax(x.to(Float32) * scale, Float32(-448.0)), Float32(448.0))
+                    # x / descale rounded once (IEEE division, as the reference), saturated at e4m3's largest
+                    # finite value instead of producing NaN for out-of-range values
+                    y = cute.arch.fmin(cute.arch.fmax(x.to(Float32) / descale, Float32(-448.0)), Float32(448.0))
                     mCache[page, row, head, col + c] = y.to(self.cache_dtype)
                 else:
                     mCache[page, row, head, col + c] = x.to(self.cache_dtype)

@@ -1,0 +1,150 @@
+"""attention_with_kvcache end to end on a GPU (the append kernel, then the serving family's KV-cache forward) against
+`cute_flash.reference.kvcache_reference` in float64 with FlashAttention's rule, and the caches after the call bit
+for bit (the new rows in their slots, every other slot unchanged).
+
+Unmarked tests run on the family the GPU routes to (Hopper: sm90 for the page sizes its TMA loads take, sm80's
+gathers for the others); the `sm80` ones force the sm80 family."""
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash.testing import check_kvcache, random_page_table
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _case(batch, sq, h, hkv, d, page, lens, new=0, packed=False, shared=0, fp8=False, seed=0):
+    """q, caches, the call's keyword arguments; lens: cache_seqlens (a list)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = torch.bfloat16
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(dt)
+
+    capacity = max(max(lens) + max(new, sq if packed else new), 1)
+    kw = {"cache_seqlens": torch.tensor(lens, dtype=torch.int32, device="cuda")}
+    if page:
+        per_seq = -(-capacity // page)
+        table = random_page_table(batch, per_seq, shared_pages=min(shared, per_seq), num_pages=batch * per_seq + 3,
+                                  seed=seed)  # fmt: skip
+        shape = (batch * per_seq + 3, page, hkv, d)
+        kw["page_table"] = table
+    else:
+        shape = (batch, capacity, hkv, d)
+    k, v = randn(*shape), randn(*shape)
+    if packed:
+        q_lens = torch.randint(1, sq + 1, (batch,), generator=torch.Generator().manual_seed(seed)).tolist()
+        cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
+        q = randn(int(cu[-1]), h, d)
+        kw.update(cu_seqlens_q=cu, max_seqlen_q=max(q_lens))
+        if new:
+            kw.update(k_new=randn(int(cu[-1]), hkv, d), v_new=randn(int(cu[-1]), hkv, d))
+    else:
+        q = randn(batch, sq, h, d)
+        if new:
+            kw.update(k_new=randn(batch, new, hkv, d), v_new=randn(batch, new, hkv, d))
+    if fp8:
+        kd = torch.rand(batch, hkv, generator=g, device="cuda") * 0.02 + 0.01
+        vd = torch.rand(batch, hkv, generator=g, device="cuda") * 0.02 + 0.01
+        kw.update(k_descale=kd, v_descale=vd)
+        k = (k.float() / 0.02).to(torch.float8_e4m3fn)
+        v = (v.float() / 0.02).to(torch.float8_e4m3fn)
+    return q, k, v, kw
+
+
+def _run_and_check(q, k, v, kw, **options):
+    k0, v0 = k.clone(), v.clone()
+    out, lse = cute_flash.attention_with_kvcache(q, k, v, **kw, **options, return_lse=True)
+    torch.cuda.synchronize()
+    reports = check_kvcache(q, k0, v0, out, lse, k, v, **kw, **options)
+    bad = [r for r in reports if not r.ok]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("page", [0, 1, 16, 64, 128, 256])
+@pytest.mark.parametrize("hkv", [8, 2, 1])
+def test_decoding_over_page_sizes_and_gqa(page, hkv):
+    lens = [0, 1, 255, 256, 257, 1000, 64]
+    q, k, v, kw = _case(len(lens), 1, 8, hkv, 128, page, lens, seed=page + hkv)
+    _run_and_check(q, k, v, kw)
+
+
+@pytest.mark.parametrize("page", [0, 16, 3])
+@pytest.mark.parametrize("sq, new", [(1, 1), (4, 4), (5, 2)])
+def test_appended_tokens_see_each_other_causally(page, sq, new):
+    q, k, v, kw = _case(4, sq, 8, 2, 64, page, [0, 17, 300, 63], new=new, shared=1, seed=sq + new)
+    _run_and_check(q, k, v, kw)
+
+
+@pytest.mark.parametrize("page", [0, 16])
+def test_chunked_prefill_with_packed_queries(page):
+    q, k, v, kw = _case(3, 40, 8, 2, 128, page, [0, 100, 513], new=40, packed=True, seed=3)
+    _run_and_check(q, k, v, kw)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(window_size=(100, 0)),
+        dict(window_size=(None, -20)),
+        dict(window_size=(-5, 50), causal=False),
+        dict(softcap=30.0),
+        dict(learnable_sink=True),
+        dict(softcap=10.0, learnable_sink=True, window_size=(64, 0)),
+        dict(causal=False),
+    ],
+    ids=["window", "neg-right", "neg-left", "softcap", "sink", "all", "noncausal"],
+)
+def test_masks_softcap_and_sinks(options):
+    q, k, v, kw = _case(5, 3, 8, 2, 128, 16, [5, 0, 700, 128, 33], new=2, seed=7)
+    if options.pop("learnable_sink", False):
+        options["learnable_sink"] = torch.randn(8, device="cuda")
+    _run_and_check(q, k, v, kw, **options)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 0])
+def test_splits_agree_and_a_given_split_is_deterministic(splits):
+    q, k, v, kw = _case(2, 1, 32, 8, 128, 16, [4000, 9000], seed=11)
+    a = cute_flash.attention_with_kvcache(q, k, v, **kw, num_splits=splits)
+    b = cute_flash.attention_with_kvcache(q, k, v, **kw, num_splits=splits)
+    assert torch.equal(a, b)
+    _run_and_check(q, k, v, kw, num_splits=splits)
+
+
+def test_preallocated_out_is_filled_in_place():
+    q, k, v, kw = _case(2, 1, 8, 2, 64, 16, [10, 20], seed=13)
+    out = torch.full((2, 1, 8, 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = cute_flash.attention_with_kvcache(q, k, v, **kw, out=out)
+    assert got is out and not out.isnan().any()
+
+
+def test_cuda_graph_replays_with_new_lengths_and_page_tables():
+    q, k, v, kw = _case(4, 1, 16, 4, 128, 16, [10, 200, 3000, 0], new=1, seed=17)
+    lens, table = kw["cache_seqlens"], kw["page_table"]
+    cute_flash.attention_with_kvcache(q, k.clone(), v.clone(), **kw)  # compile and plan outside the capture
+    graph = torch.cuda.CUDAGraph()
+    k_live, v_live = k.clone(), v.clone()
+    with torch.cuda.graph(graph):
+        out = cute_flash.attention_with_kvcache(q, k_live, v_live, **kw)
+    for step in range(3):
+        new_lens = torch.tensor([11 + step, 2000, 5 * step, 3001], dtype=torch.int32, device="cuda")
+        lens.copy_(new_lens)
+        table.copy_(table.flip(0))
+        k_before, v_before = k_live.clone(), v_live.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        reports = check_kvcache(q, k_before, v_before, out, None, k_live, v_live, **kw)
+        assert all(r.ok for r in reports), reports
+
+
+def test_fp8_cache_against_its_dequantised_cache():
+    q, k, v, kw = _case(3, 1, 32, 8, 128, 16, [1000, 4096, 17], new=1, fp8=True, seed=19)
+    _run_and_check(q, k, v, kw)
+
+
+@pytest.mark.sm80
+@pytest.mark.parametrize("page", [0, 1, 5, 16, 128])
+def test_the_sm80_family_serves_every_page_size(page):
+    q, k, v, kw = _case(4, 2, 8, 2, 128, page, [0, 33, 700, 255], new=2, shared=1, seed=page)
+    _run_and_check(q, k, v, kw)
