@@ -331,7 +331,8 @@ def kvcache_reference(
     `page_table` (b, max_pages) int32: key position j of sequence b lives in row j % page_size of page
     page_table[b, j // page_size]. Pages may be shared between sequences (a common prefix) and in any order.
     cache_seqlens (b,) int32: the keys each sequence holds before this call. k_new / v_new (optional, both or
-    neither, the caches' dtype; q's for an fp8 cache, which stores k_new / k_descale rounded to e4m3, saturated): the new tokens' keys, (b, s_new, h_kv, d) (every sequence s_new tokens) or, with
+    neither, the caches' dtype; q's for an fp8 cache, which stores k_new / k_descale rounded to e4m3, saturated):
+    the new tokens' keys, (b, s_new, h_kv, d) (every sequence s_new tokens) or, with
     packed q, packed (total_q, h_kv, d) (each query token brings one key: sequence b's are the rows of cu_seqlens_q).
     They are written into copies of the caches at positions cache_seqlens[b] onwards; sequence b then attends to its
     cache_seqlens[b] + new keys, the mask bottom-right aligned per sequence as in `attention` (causal by default).

@@ -210,15 +210,15 @@ def test_fp8_cache_is_dequantised_per_sequence_and_kv_head():
         torch.testing.assert_close(got.lse[i], l_[0])
     with pytest.raises(ValueError, match="k_descale"):
         kvcache_reference(q16, kc8, vc8, cache_seqlens=seqlens, page_table=table)
-    with pytest.raises(ValueError, match="caches' dtype"):
+    with pytest.raises(ValueError, match="come in q's dtype"):
         kvcache_reference(
             q16,
             kc8,
             vc8,
             cache_seqlens=seqlens,
             page_table=table,
-            k_new=k_new,
-            v_new=v_new,
+            k_new=k_new.to(fp8),
+            v_new=v_new.to(fp8),
             k_descale=k_descale,
             v_descale=v_descale,
         )

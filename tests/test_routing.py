@@ -31,7 +31,13 @@ def spec(d, dv=None, dtype="bf16", mask="none"):
 
 @pytest.mark.parametrize(
     "cap, families",
-    [(HOPPER, ("sm90", "sm80")), (AMPERE, ("sm80",)), ((8, 6), ("sm80",)), (ADA, ("sm80",)), (BLACKWELL, ("sm100", "sm80"))],
+    [
+        (HOPPER, ("sm90", "sm80")),
+        (AMPERE, ("sm80",)),
+        ((8, 6), ("sm80",)),
+        (ADA, ("sm80",)),
+        (BLACKWELL, ("sm100", "sm80")),
+    ],
 )
 def test_candidate_families(cap, families):
     assert routing.candidate_families(cap) == families
