@@ -72,17 +72,22 @@ class Cache:
     per sequence, page table columns x page_size)."""
 
     def __init__(
-        self, seqlens_k: Sequence[int], page_size: int, h_kv: int, d: int, dtype, seed: int, capacity=None, spare=1
-    ):
+        self, seqlens_k: Sequence[int], page_size: int, h_kv: int, d: int, dtype, seed: int, capacity=None, spare=1,
+        fp8: bool = False,
+    ):  # fmt: skip
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.page_size, self.lengths = page_size, list(seqlens_k)
         b = len(seqlens_k)
+        self.k_descale = self.v_descale = None
+        if fp8:  # e4m3 values up to ~16 and per (sequence, KV head) descales: the keys are k * k_descale[b, g]
+            self.k_descale, self.v_descale = (torch.rand(b, h_kv, generator=gen, device="cuda") + 0.05 for _ in "kv")
         if page_size == 0:
             cap = capacity or max(max(seqlens_k), 1)
             self.k, self.v = (torch.randn(b, cap, h_kv, d, generator=gen, device="cuda").to(dtype) for _ in "kv")
             for i, n in enumerate(seqlens_k):
                 self.k[i, n:], self.v[i, n:] = float("nan"), float("nan")
             self.page_table, self.capacity = None, cap
+            self._to_fp8(fp8)
             return
         pages = [-(-n // page_size) for n in seqlens_k]
         max_pages = (capacity // page_size) if capacity else max(pages) + 1
@@ -106,14 +111,23 @@ class Cache:
             flat[:n] = True
             used[rows] = flat.view(-1, page_size)
         self.k[~used], self.v[~used] = float("nan"), float("nan")
+        self._to_fp8(fp8)
+
+    def _to_fp8(self, fp8: bool) -> None:
+        if fp8:
+            self.k, self.v = ((x.float() * 4).to(torch.float8_e4m3fn) for x in (self.k, self.v))
 
     def keys(self, i: int):
-        """Sequence i's (K, V) rows, (seqlen_k, h_kv, d) each."""
+        """Sequence i's (K, V) rows, (seqlen_k, h_kv, d) each (an fp8 cache's times its descales, in fp32)."""
         n = self.lengths[i]
         if self.page_table is None:
-            return self.k[i, :n], self.v[i, :n]
-        rows = self.page_table[i, : -(-n // self.page_size)].long()
-        return (x[rows].reshape(-1, *x.shape[2:])[:n] for x in (self.k, self.v))
+            k, v = self.k[i, :n], self.v[i, :n]
+        else:
+            rows = self.page_table[i, : -(-n // self.page_size)].long()
+            k, v = (x[rows].reshape(-1, *x.shape[2:])[:n] for x in (self.k, self.v))
+        if self.k_descale is None:
+            return k, v
+        return k.float() * self.k_descale[i, :, None], v.float() * self.v_descale[i, :, None]
 
 
 def _run(
@@ -132,6 +146,7 @@ def _run(
     h, d)); returns (tensors, problem)."""
     b = len(cache.lengths)
     h_kv, d = cache.k.shape[2], cache.k.shape[3]
+    fp8 = cache.k_descale is not None
     gen = torch.Generator(device="cuda").manual_seed(seed)
     total = sum(seqlens_q) if packed else b * seqlens_q[0]
     max_sq = max(seqlens_q)
@@ -144,13 +159,14 @@ def _run(
         cu = torch.tensor([0] + list(torch.tensor(seqlens_q).cumsum(0)), dtype=torch.int32, device="cuda")
     mask = normalize_mask(causal, window)
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
-    spec = AttentionSpec(name, d, d, mask.kind, name, kvcache=True, page_size=cache.page_size)
+    spec = AttentionSpec(name, d, d, mask.kind, name, kvcache=True, page_size=cache.page_size, kv_fp8=fp8)
     assert BACKEND.unsupported_reason(spec, backward=False) is None
     problem = KvCacheProblem(
         b, max_sq, total, h, h_kv, d, d, cache.capacity, cache.k.shape[0], spec, mask, d**-0.5, packed_q=packed
     )
     seqlens_k = torch.tensor(cache.lengths, dtype=torch.int32, device="cuda")
-    t = KvCacheTensors(q, cache.k, cache.v, out, lse, seqlens_k, cache.page_table, cu)
+    descales = dict(k_descale=cache.k_descale, v_descale=cache.v_descale)
+    t = KvCacheTensors(q, cache.k, cache.v, out, lse, seqlens_k, cache.page_table, cu, **descales)
     BACKEND.forward_kvcache(t, problem, splits)
     return t, problem
 
@@ -239,6 +255,26 @@ def test_fp16():
     cache = Cache([100, 1030], 16, 2, 128, torch.float16, seed=4)
     t, problem = _run(cache, [1], 8, splits=3, seed=4, dtype=torch.float16)
     _check(cache, t, problem, [1])
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("page_size", [16, 0], ids=["page16", "dense"])
+def test_fp8_cache(page_size, splits):
+    """An e4m3 cache with descales per (sequence, KV head), against the oracle on its dequantized keys (the kernel
+    converts exactly and folds the descales into the scale and O)."""
+    cache = Cache([0, 16, 17, 900, 2047], page_size, 2, 128, torch.bfloat16, seed=31 + splits, fp8=True)
+    t, problem = _run(cache, [2], 8, causal=True, splits=splits, seed=31)
+    _check(cache, t, problem, [2])
+
+
+@pytest.mark.parametrize("case", ["d256", "more_rows", "fp16"])
+def test_fp8_cache_other_tiles(case):
+    d, seqlens_q, dtype = {"d256": (256, [3], torch.bfloat16), "more_rows": (128, [40, 5], torch.bfloat16),
+                           "fp16": (128, [1], torch.float16)}[case]  # fmt: skip
+    packed = case == "more_rows"
+    cache = Cache([300, 1111], 16, 2, d, dtype, seed=d, fp8=True)
+    t, problem = _run(cache, seqlens_q, 8, packed=packed, causal=True, splits=2, seed=d, dtype=dtype)
+    _check(cache, t, problem, seqlens_q)
 
 
 def test_one_long_sequence_with_the_backends_splits():

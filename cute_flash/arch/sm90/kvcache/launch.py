@@ -58,7 +58,8 @@ def run_forward_kvcache(t: KvCacheTensors, problem: KvCacheProblem, num_splits: 
     target = compile_cache.runtime_target(t.q.device)
     split = num_splits > 1
     kernel = kvcache_kernel(spec, cfg, target, packed, split)
-    tail = (t.seqlens_k, t.page_table, t.cu_seqlens_q, int(p.seqlen_q), float(p.softmax_scale))
+    tail = (t.seqlens_k, t.page_table, t.cu_seqlens_q, t.k_descale, t.v_descale, int(p.seqlen_q))
+    tail += (float(p.softmax_scale),)
     tail += (int(p.mask.left), int(p.mask.right))
     if not split:
         kernel(t.q, t.k_cache, t.v_cache, t.out, t.lse, *tail)

@@ -46,6 +46,7 @@ from ... import split_kv
 from ..tile_config import (
     REGISTERS_PER_SM,
     ROWS_PER_CONSUMER,
+    SMEM_CAPACITY_BYTES,
     WARPGROUP_THREADS,
     FwdTileConfig,
     budget_problem,
@@ -62,31 +63,57 @@ KVCACHE_HEAD_DIMS = (64, 128, 256)  # head_dim == head_dim_v: the 128-byte-swizz
 @dataclass(frozen=True)
 class KvCacheTileConfig(FwdTileConfig):
     ctas_per_sm: int = 1  # the launch's min_blocks_per_mp: CTAs that share an SM (registers and shared memory)
+    # An fp8 cache (spec.kv_fp8): stages of the e4m3 K / V tiles that TMA fills and the producer warpgroup's
+    # converter warps turn into the 16-bit stages the consumers read (convert.py); 0: a 16-bit cache.
+    fp8_stages: int = 0
 
 
-def _decode(cfg: FwdTileConfig, ctas_per_sm: int) -> KvCacheTileConfig:
-    return KvCacheTileConfig(**{**cfg.__dict__, "ctas_per_sm": ctas_per_sm})
+def _config(cfg: FwdTileConfig, ctas_per_sm: int, fp8_stages: int = 0) -> KvCacheTileConfig:
+    return KvCacheTileConfig(**{**cfg.__dict__, "ctas_per_sm": ctas_per_sm, "fp8_stages": fp8_stages})
 
 
 # (head dim, decoding config); reasons in the module docstring.
 _DECODE_BY_HEAD_DIM = {
-    64: _decode(FwdTileConfig(1, 128, 2, ping_pong=False, consumer_regs=232), 2),
-    128: _decode(FwdTileConfig(1, 64, 2, ping_pong=False, consumer_regs=232), 2),
-    256: _decode(FwdTileConfig(1, 64, 3, ping_pong=False), 1),
+    64: _config(FwdTileConfig(1, 128, 2, ping_pong=False, consumer_regs=232), 2),
+    128: _config(FwdTileConfig(1, 64, 2, ping_pong=False, consumer_regs=232), 2),
+    256: _config(FwdTileConfig(1, 64, 3, ping_pong=False), 1),
 }
+# An fp8 cache: the same tiles with two e4m3 stages beside the two 16-bit ones, and 40 registers for the producer
+# warpgroup, whose two converter warps hold a 16-byte load and its 32 converted bytes per step. d128: 16 + 64 + 32
+# + 1 KiB = 113 KiB per CTA, two per SM (228 KiB). Only the e4m3 stages are bytes in flight (the 16-bit ones are
+# converted already): 2 x 16 KiB per CTA, 64 KiB per SM, half the 16-bit decoding tile's 128 KiB for the same bytes
+# per second, at the edge of Little's law under load: the first thing to measure (the alternative: one CTA per SM
+# with 6 e4m3 stages, 16 + 64 + 96 = 177 KiB, 96 KiB in flight). d256: one CTA, 32 + 128 + 64 + 1 = 225 KiB. More
+# rows (d128): the forward's 128 x 128 tile with two e4m3 stages (225 KiB) and 232 / 40 registers; d64 and d256
+# keep the 64-row tile for every row count (the forward's tiles leave no room for the e4m3 stages).
+_FP8_DECODE_BY_HEAD_DIM = {
+    64: _config(FwdTileConfig(1, 128, 2, ping_pong=False, consumer_regs=216, producer_regs=40), 2, 2),
+    128: _config(FwdTileConfig(1, 64, 2, ping_pong=False, consumer_regs=216, producer_regs=40), 2, 2),
+    256: _config(FwdTileConfig(1, 64, 2, ping_pong=False, consumer_regs=240, producer_regs=40), 1, 2),
+}
+_FP8_MORE_ROWS_BY_HEAD_DIM = {128: _config(FwdTileConfig(2, 128, 2, consumer_regs=232, producer_regs=40), 1, 2)}
 
 
 def kvcache_tile_config(spec: AttentionSpec, rows: int) -> KvCacheTileConfig:
     """The configuration for calls of `spec` whose sequences have at most `rows` packed rows (query tokens x group;
     a host-side bound, KvCacheProblem.seqlen_q x group)."""
+    if spec.kv_fp8:
+        if rows > ROWS_PER_CONSUMER and spec.head_dim in _FP8_MORE_ROWS_BY_HEAD_DIM:
+            return _FP8_MORE_ROWS_BY_HEAD_DIM[spec.head_dim]
+        return _FP8_DECODE_BY_HEAD_DIM[spec.head_dim]
     if rows <= ROWS_PER_CONSUMER:
         return _DECODE_BY_HEAD_DIM[spec.head_dim]
-    return _decode(replace(fwd_tile_config(replace(spec, kvcache=False, page_size=0)), cluster_m=1), 1)
+    return _config(replace(fwd_tile_config(replace(spec, kvcache=False, page_size=0)), cluster_m=1), 1)
+
+
+def kvcache_smem_bytes(cfg: KvCacheTileConfig, head_dim: int, head_dim_v: int) -> int:
+    """The forward's shared memory (Q / O slots, 16-bit K / V stages) and the e4m3 stages of an fp8 cache."""
+    return smem_bytes(cfg, head_dim, head_dim_v) + cfg.fp8_stages * cfg.tile_n * (head_dim + head_dim_v)
 
 
 def kvcache_configs(spec: AttentionSpec) -> tuple:
-    """Every configuration calls of `spec` may run (decoding, more rows)."""
-    return kvcache_tile_config(spec, 1), kvcache_tile_config(spec, ROWS_PER_CONSUMER + 1)
+    """Every configuration calls of `spec` may run (decoding, more rows: one where they coincide)."""
+    return tuple(dict.fromkeys((kvcache_tile_config(spec, 1), kvcache_tile_config(spec, ROWS_PER_CONSUMER + 1))))
 
 
 def residency_problem(cfg: KvCacheTileConfig, head_dim: int, head_dim_v: int) -> Optional[str]:
@@ -95,7 +122,10 @@ def residency_problem(cfg: KvCacheTileConfig, head_dim: int, head_dim_v: int) ->
     regs = (cfg.consumer_regs * cfg.num_consumer_wgs + cfg.producer_regs) * threads * cfg.ctas_per_sm
     if regs > REGISTERS_PER_SM:
         return f"{cfg.ctas_per_sm} CTAs of {cfg.consumer_regs}/{cfg.producer_regs} registers need {regs} per SM"
-    smem = (smem_bytes(cfg, head_dim, head_dim_v) + SMEM_SYSTEM_BYTES_PER_CTA) * cfg.ctas_per_sm
+    cta = kvcache_smem_bytes(cfg, head_dim, head_dim_v)
+    if cta > SMEM_CAPACITY_BYTES:
+        return f"tile {cfg.tile_m}x{cfg.tile_n} with {cfg.fp8_stages} e4m3 stages needs {cta} B of shared memory"
+    smem = (cta + SMEM_SYSTEM_BYTES_PER_CTA) * cfg.ctas_per_sm
     if smem > SMEM_PER_SM_BYTES:
         return f"{cfg.ctas_per_sm} CTAs need {smem} B of shared memory per SM"
     return None
@@ -106,8 +136,6 @@ def kvcache_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
     sm80 family's gather path)."""
     if spec.dtype not in ("fp16", "bf16") or spec.out_dtype != spec.dtype:
         return f"the sm90 KV-cache forward computes in fp16 or bf16 and writes its input dtype, not {spec.dtype}"
-    if spec.kv_fp8:
-        return "the sm90 KV-cache forward has no fp8 cache yet"
     if spec.softcap or spec.sink:
         return "the sm90 KV-cache forward has no softcap or sink build yet"
     if spec.head_dim != spec.head_dim_v or spec.head_dim not in KVCACHE_HEAD_DIMS:
