@@ -113,7 +113,8 @@ def compile_forward_kvcache(
         out = _strided(dtype, (*q_rows, heads), dv)
         lse = fake_f32((heads, q_rows[0]) if packed_q else (batch, heads, seqlen_q))
     if spec.page_size:
-        cache_rows, page_table = (cute.sym_int(), spec.page_size), fake_tensor(cutlass.Int32, (batch, cute.sym_int()))
+        cache_rows = (cute.sym_int(), spec.page_size)
+        page_table = fake_tensor(cutlass.Int32, (batch, cute.sym_int()), 1, 4)  # (any int32 alignment)
     else:
         cache_rows, page_table = (batch, cute.sym_int()), None
     cache_dtype = cutlass.Float8E4M3FN if spec.kv_fp8 else dtype
