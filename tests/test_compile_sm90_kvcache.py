@@ -1,8 +1,8 @@
 """CPU: the sm90 KV-cache forward (arch/sm90/kvcache/) without a GPU: the key-tile ranges of tiles whose rows are
 (query token, query head) pairs, what the backend refuses (the router then takes the sm80 gather path), the split
-counts, and two decoding builds (paged page 16 and dense) cross-compiled for sm_90a: spill-free, the K / V tiles as
-TMA boxes (one per page and 64 columns), the query rows by cp.async, wgmma with P from registers. The numbers are
-checked on the GPU (tests/test_sm90_kvcache.py)."""
+counts, and three decoding builds (paged page 16 and dense, and paged with an fp8 cache) cross-compiled for sm_90a:
+spill-free, the K / V tiles as TMA boxes (one per page and 128 bytes of a row), the query rows by cp.async, wgmma
+with P from registers. The numbers are checked on the GPU (tests/test_sm90_kvcache.py)."""
 
 from __future__ import annotations
 

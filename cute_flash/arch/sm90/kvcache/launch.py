@@ -24,7 +24,8 @@ from ....validation import KvCacheProblem
 from ...base import KernelArtifact, KvCacheTensors
 from ... import split_kv
 from ..tile_config import smem_bytes
-from .tile_config import KvCacheTileConfig, kvcache_configs, kvcache_tile_config, problem_rows
+from . import tile_config as kv_tiles
+from .tile_config import KvCacheTileConfig, kvcache_configs, problem_rows
 
 FAMILY = "sm90"
 
@@ -54,7 +55,7 @@ def run_forward_kvcache(t: KvCacheTensors, problem: KvCacheProblem, num_splits: 
     p = problem
     spec = p.spec
     packed = t.cu_seqlens_q is not None
-    cfg = kvcache_tile_config(spec, problem_rows(p))
+    cfg = kv_tiles.kvcache_tile_config(spec, problem_rows(p))  # (through the module: a study may replace it)
     target = compile_cache.runtime_target(t.q.device)
     split = num_splits > 1
     kernel = kvcache_kernel(spec, cfg, target, packed, split)

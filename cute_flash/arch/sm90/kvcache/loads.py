@@ -6,9 +6,9 @@ n * tile_n + i * chunk .., read from page page_table[b, key // page_size] at row
 i * chunk .. of the stage. The stage keeps the forward's 128-byte-swizzled K-major layout (the consumers' wgmma
 descriptors do not change); a box of whole 8-row swizzle atoms starts on a 1 KiB boundary of it (chunk a multiple
 of 8, every stage 1 KiB aligned), where the swizzle pattern repeats, so the TMA's address-based swizzle writes what
-the wgmma reads. (TMA itself needs a 128-byte aligned shared-memory destination; CuTe issues each box as one copy
-per 64 columns, the 128-byte swizzle's widest box.) A dense cache is one page per sequence (page b, page_size the
-cache's length) with chunk = tile_n: one box per tile, rows past the cache zero-filled.
+the wgmma reads. (TMA itself needs a 128-byte aligned shared-memory destination; CuTe issues each box as one
+instruction per 128 bytes of a row, the 128-byte swizzle's widest box.) A dense cache is one page per sequence (page
+b, page_size the cache's length) with chunk = tile_n: one box per tile, rows past the cache zero-filled.
 
 Boxes that start past seqlen_k[b] are not issued (their page-table entries are never read): the full barrier
 expects the bytes of the boxes issued, not the tile's. Their stage rows keep stale data, and the rows of a page
@@ -132,7 +132,7 @@ def _load_tile(
     page_size: cutlass.Constexpr[int],
 ):
     """Tile n_block into the stage `state` names: acquire the stage (its full barrier expecting the boxes' bytes),
-    then one TMA copy per box (CuTe issues it as one instruction per 64 columns)."""
+    then one TMA copy per box (CuTe issues it as one instruction per 128 bytes of a row)."""
     ring = tiles.ring
     boxes = tile_n // chunk
     key0 = n_block * tile_n
