@@ -218,10 +218,9 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
         pipeline.pipeline_init_wait(self.cluster_shape())
         if work.active(self.tile_m):
             consume = partial(self.consume, pipes, mmas, (sQ, sK, sV), (sO, mO, mLSE, mVDescale), ())
-            scale = softmax_scale
             self.roles_kvcache(
                 warp_idx, tidx, pipes, atoms, (mQ, mK, mV, mPageTable, mKDescale), (sQ, sK, sV), consume, work,
-                scale, staging,
+                softmax_scale, staging,
             )  # fmt: skip
 
     @cute.jit

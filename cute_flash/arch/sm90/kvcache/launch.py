@@ -20,7 +20,7 @@ import torch
 
 from .... import compile_cache
 from ....spec import AttentionSpec
-from ....validation import KvCacheProblem
+from ....validation import MAX_GRID_YZ, KvCacheProblem
 from ...base import KernelArtifact, KvCacheTensors
 from ... import split_kv
 from ..tile_config import smem_bytes
@@ -57,6 +57,7 @@ def run_forward_kvcache(t: KvCacheTensors, problem: KvCacheProblem, num_splits: 
     packed = t.cu_seqlens_q is not None
     cfg = kv_tiles.kvcache_tile_config(spec, problem_rows(p))  # (through the module: a study may replace it)
     target = compile_cache.runtime_target(t.q.device)
+    num_splits = min(num_splits, MAX_GRID_YZ // max(p.batch, 1))  # grid z = splits x b (the count changes speed only)
     split = num_splits > 1
     kernel = kvcache_kernel(spec, cfg, target, packed, split)
     tail = (t.seqlens_k, t.page_table, t.cu_seqlens_q, t.k_descale, t.v_descale, int(p.seqlen_q))
