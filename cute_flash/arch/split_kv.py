@@ -49,6 +49,27 @@ def num_splits(problem: Problem, tile_m: int, tile_n: int, sm_count: int, min_sp
     return splits if splits >= min_splits else 1
 
 
+# The KV-cache forward (attention_with_kvcache; its families' kvcache_splits): splits chosen for the grid's waves.
+FILLED = 0.8  # a grid with this many CTAs per CTA slot of the GPU runs unsplit (FlashAttention-3's rule)
+FILL_SLACK = 0.95  # the fewest splits whose waves fill the slots within this of the best count's
+KVCACHE_MAX_SPLITS = 128  # batch 1 under MQA: 128 CTAs of a few tiles each keep 128 SMs' bytes in flight
+
+
+def splits_to_fill(ctas: int, slots: int, key_tiles: int, max_splits: int = MAX_SPLITS) -> int:
+    """Splits per query tile for a grid of `ctas` CTAs per split on `slots` CTA slots (SMs x CTAs per SM) whose
+    query tiles walk at most `key_tiles` key tiles: 1 when the grid fills the slots already, else the fewest splits
+    (of MIN_TILES_PER_SPLIT key tiles at least, max_splits at most) whose last wave is filled within FILL_SLACK as
+    well as with the best count: fill(s) = ctas s / (slots ceil(ctas s / slots)) (wave quantisation)."""
+    if ctas <= 0 or slots <= 0 or ctas >= FILLED * slots:
+        return 1
+    cap = min(max_splits, key_tiles // MIN_TILES_PER_SPLIT)
+    if cap < 2:
+        return 1
+    fill = [ctas * s / (slots * -(-(ctas * s) // slots)) for s in range(1, cap + 1)]
+    best = max(fill)
+    return next(s for s, f in enumerate(fill, start=1) if f >= FILL_SLACK * best)
+
+
 def combine_kernel(spec: AttentionSpec, target: str):
     """The compiled combine for `spec`'s output dtype and dv on `target`: fn(o_part, lse_part, out, lse). One build
     serves every family, mask and head dim with that (dtype, dv)."""

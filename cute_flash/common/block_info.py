@@ -17,7 +17,7 @@ numerators, so Python's floor division and the DSL's truncating division agree.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 Int = Any  # a Python int or a cutlass.Int32
 
@@ -53,6 +53,11 @@ class BlockInfo:
 
     tile_m, tile_n and mask are compile-time constants; seqlen_q, seqlen_k and the window bounds may be runtime Int32.
     `window_left` / `window_right` are only read for mask == "local" (causal fixes right = 0, left unbounded).
+
+    rows_per_query (forward direction only): the tile's rows are (query, head) pairs of the query heads that share a
+    KV head (GQA packed into the rows, the KV-cache forward): row r holds query r // rows_per_query, so a tile of
+    tile_m rows spans queries m_block * tile_m // rows_per_query .. and the sequence has seqlen_q * rows_per_query
+    rows. None (every other kernel): row r is query r.
     """
 
     tile_m: int
@@ -62,6 +67,7 @@ class BlockInfo:
     seqlen_k: Int
     window_left: Int = 0
     window_right: Int = 0
+    rows_per_query: Optional[Int] = None
 
     def __post_init__(self):
         if self.mask not in ("none", "causal", "local"):
@@ -88,6 +94,20 @@ class BlockInfo:
     def left(self) -> Int:
         return self.window_left
 
+    def first_query(self, m_block: Int) -> Int:
+        """The query of m_block's first row."""
+        if self.rows_per_query is None:
+            return m_block * self.tile_m
+        return (m_block * self.tile_m) // self.rows_per_query
+
+    def last_query(self, m_block: Int) -> Int:
+        """The query of m_block's last row inside the sequence (-1 for a sequence without queries; 0 with
+        rows_per_query, whose tile then has no rows)."""
+        if self.rows_per_query is None:
+            return _min((m_block + 1) * self.tile_m, self.seqlen_q) - 1
+        rows = _max(_min((m_block + 1) * self.tile_m, self.seqlen_q * self.rows_per_query), 1)
+        return (rows - 1) // self.rows_per_query
+
     # ----------------------------------------------------------------------------------------------------------------
     # Forward direction: KV blocks of one query block.
     # ----------------------------------------------------------------------------------------------------------------
@@ -99,13 +119,13 @@ class BlockInfo:
         """
         n_block_max = _ceil_div_nonneg(self.seqlen_k, self.tile_n)
         if self.has_right_bound:
-            last_row = _min((m_block + 1) * self.tile_m, self.seqlen_q) - 1
+            last_row = self.last_query(m_block)
             key_end = last_row + self.offset + self.right + 1  # exclusive
             key_end = _max(_min(key_end, self.seqlen_k), 0)
             n_block_max = _ceil_div_nonneg(key_end, self.tile_n)
         n_block_min = 0
         if self.has_left_bound:
-            key_start = m_block * self.tile_m + self.offset - self.left
+            key_start = self.first_query(m_block) + self.offset - self.left
             n_block_min = _max(key_start, 0) // self.tile_n
         return n_block_min, n_block_max
 
@@ -115,13 +135,13 @@ class BlockInfo:
         Blocks below it are free of the right edge. Only meaningful when `has_right_bound`; the seqlen_k tail is
         always the last block of the range, which kernels mask anyway.
         """
-        first_row = m_block * self.tile_m
+        first_row = self.first_query(m_block)
         # Block n is clear of the right edge iff its last key (n+1)*tile_n - 1 <= first_row + off + right.
         return _max(first_row + self.offset + self.right + 1, 0) // self.tile_n
 
     def kv_left_masked_end(self, m_block: Int) -> Int:
         """KV blocks n < this may hold keys left of some row's window: they need masking (local masks only)."""
-        last_row = _min((m_block + 1) * self.tile_m, self.seqlen_q) - 1
+        last_row = self.last_query(m_block)
         # Block n is clear of the left edge iff its first key n*tile_n >= last_row + off - left.
         return _ceil_div_nonneg(_max(last_row + self.offset - self.left, 0), self.tile_n)
 

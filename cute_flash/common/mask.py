@@ -57,9 +57,16 @@ def apply_mask(
                         acc_rc[r, c] = -Float32.inf if past_end else acc_rc[r, c]
         else:
             # Query row i sees keys in [i + off - left, i + off + right]; shift both ends into the column frame.
-            diag_base = m_block * info.tile_m + info.offset - key_base
+            if cutlass.const_expr(info.rows_per_query is None):
+                diag_base = m_block * info.tile_m + info.offset - key_base
+            else:  # rows are (query, head) pairs: row r holds query r // rows_per_query (block_info.BlockInfo)
+                row_base = m_block * info.tile_m
+                query_to_col = info.offset - key_base
             for r in cutlass.range_constexpr(num_rows):
-                diag = coords_rc[r, 0][0] + diag_base
+                if cutlass.const_expr(info.rows_per_query is None):
+                    diag = coords_rc[r, 0][0] + diag_base
+                else:
+                    diag = (row_base + coords_rc[r, 0][0]) // info.rows_per_query + query_to_col
                 col_end = diag + info.right + 1  # exclusive
                 if cutlass.const_expr(mask_seqlen):
                     col_end = cutlass.min(col_end, seqlen_limit)

@@ -10,6 +10,9 @@ FP8 (`spec.dtype == "fp8"`, forward only) is served by the `fp8` sub-package (`f
 `fp8/flash_fwd.py` is a subclass of the bf16 forward).
 Packed sequences (`attention_varlen`): the forward's and the backward's packed builds (`build.compile_forward_packed`,
 `build.compile_backward` with spec.varlen, entries `packed`; deterministic builds too).
+KV cache (`spec.kvcache`, `attention_with_kvcache`: decoding and chunked prefill against a dense or paged cache) is
+served by the `kvcache` sub-package (`kvcache.launch`; its kernel `kvcache/flash_fwd.py` is a subclass of the bf16
+forward).
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec
-from ...validation import PackedSeqs, Problem, VarlenProblem
-from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact
+from ...validation import KvCacheProblem, PackedSeqs, Problem, VarlenProblem
+from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, KvCacheTensors
 from ..base import BoundForward, SplitForward, launch_packed_forward, launcher_through_forward, prepare_build
 from .. import split_kv
 from .tile_config import FwdTileConfig, budget_problem, fwd_tile_config, smem_bytes
@@ -51,6 +54,12 @@ def forward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
 
 def _fp8():
     from .fp8 import launch  # the FP8 forward (its own kernel subclass and tile configuration)
+
+    return launch
+
+
+def _kvcache():
+    from .kvcache import launch  # the KV-cache forward (its own kernel subclass and tile configurations)
 
     return launch
 
@@ -97,6 +106,12 @@ class _Backend:
         return _bwd().kernel_dims(spec)
 
     def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
+        if spec.kvcache:
+            if backward:
+                return "the KV-cache forward (attention_with_kvcache) has no backward"
+            from .kvcache.tile_config import kvcache_unsupported_reason
+
+            return kvcache_unsupported_reason(spec)
         if backward:
             # The backward's own head dims bound it, not the forward's: the router picks each direction's family
             # separately (d72: the sm80 forward, then this backward on operands zero-padded to d96).
@@ -164,6 +179,14 @@ class _Backend:
         kernel = self._forward_kernel(problem.spec, compile_cache.runtime_target(q.device), variant)
         launch_packed_forward(kernel, q, k, v, out, lse, seqs, problem)
 
+    def kvcache_splits(self, problem: KvCacheProblem, sm_count: int) -> int:
+        from .kvcache.tile_config import kvcache_splits
+
+        return kvcache_splits(problem, sm_count)
+
+    def forward_kvcache(self, t: KvCacheTensors, problem: KvCacheProblem, num_splits: int) -> None:
+        _kvcache().run_forward_kvcache(t, problem, num_splits)
+
     def backward_launcher(
         self, problem: Problem, device: torch.device, deterministic: bool = False
     ) -> BackwardLauncher:
@@ -182,6 +205,9 @@ class _Backend:
         self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False
     ) -> None:
         prepare_build(self, spec, target, backward=backward, deterministic=deterministic, warming=True)
+        if spec.kvcache:
+            _kvcache().warm_kvcache(spec, target)
+            return
         if backward:
             _bwd().warm_backward(spec, target, gqa=gqa, deterministic=deterministic)
         else:
@@ -194,6 +220,8 @@ class _Backend:
         prepare_build(self, spec, target, backward=backward)
         if spec.dtype == "fp8":
             return _fp8().compile_fp8_artifacts(spec, target)
+        if spec.kvcache:
+            return _kvcache().compile_kvcache_artifacts(spec, target)
         artifacts = []
         # The forward where this family has one: a backward-only spec (d72: the sm80 forward's) builds its backward.
         if forward_unsupported_reason(spec) is None:

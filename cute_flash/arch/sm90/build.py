@@ -17,6 +17,7 @@ from ...common.fake_tensors import (
     fake_operand,
     fake_packed_forward_args,
     fake_packed_preprocess_args,
+    fake_tensor,
 )
 from .tile_config import FwdTileConfig
 
@@ -85,6 +86,49 @@ def compile_forward_packed(
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = compile_cache.compile_options(target, extra=extra_options or "")
     return cute.compile(kernel.packed, *args, stream, options=options)
+
+
+def compile_forward_kvcache(
+    spec: AttentionSpec, cfg, target: str, packed_q: bool, split: bool, extra_options: Optional[str] = None
+):
+    """The KV-cache forward (kvcache/flash_fwd.py): fn(q, k_cache, v_cache, out, lse, seqlens_k, page_table,
+    cu_seqlens_q, k_descale, v_descale, max_seqlen_q, softmax_scale, window_left, window_right) with q (b, sq, h, d)
+    or, packed_q, (total_q, h, d) and cu_seqlens_q (b + 1,) int32 (else None); k_cache / v_cache (pages,
+    spec.page_size, h_kv, d) with page_table (b, max_pages) int32, or for spec.page_size 0 a dense (b, seqlen_cache,
+    h_kv, d) and None, in q's dtype or with spec.kv_fp8 float8_e4m3fn and k_descale / v_descale (b, h_kv) fp32 (else
+    None); seqlens_k (b,) int32; out / lse like q ((b, sq, h, dv) / (b, h, sq), packed (total_q, h, dv) / (h,
+    total_q)), or with `split` the fp32 partials (parts, sq or total_q, h, dv) / (parts, h, sq or total_q), parts =
+    splits x b (packed: splits)."""
+    from .kvcache.flash_fwd import Sm90FlashForwardKvCache
+
+    dtype = dsl_dtype(spec.dtype)
+    d, dv = spec.head_dim, spec.head_dim_v
+    batch, seqlen_q, heads, heads_kv, parts = (cute.sym_int() for _ in range(5))
+    q_rows = (cute.sym_int(),) if packed_q else (batch, seqlen_q)
+    q = _strided(dtype, (*q_rows, heads), d)
+    if split:
+        out = fake_f32((parts, q_rows[-1], heads, dv))
+        lse = fake_f32((parts, heads, q_rows[-1]))
+    else:
+        out = _strided(dtype, (*q_rows, heads), dv)
+        lse = fake_f32((heads, q_rows[0]) if packed_q else (batch, heads, seqlen_q))
+    if spec.page_size:
+        cache_rows = (cute.sym_int(), spec.page_size)
+        page_table = fake_tensor(cutlass.Int32, (batch, cute.sym_int()), 1, 4)  # (any int32 alignment)
+    else:
+        cache_rows, page_table = (batch, cute.sym_int()), None
+    cache_dtype = cutlass.Float8E4M3FN if spec.kv_fp8 else dtype
+    k = _strided(cache_dtype, (*cache_rows, heads_kv), d)
+    v = _strided(cache_dtype, (*cache_rows, heads_kv), dv)
+    descales = (fake_f32((batch, heads_kv)), fake_f32((batch, heads_kv))) if spec.kv_fp8 else (None, None)
+    seqlens_k = fake_cu_seqlens(batch)
+    cu_seqlens_q = fake_cu_seqlens(cute.sym_int()) if packed_q else None
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    kernel = Sm90FlashForwardKvCache(spec, cfg, split_kv=split, packed_q=packed_q)
+    options = compile_cache.compile_options(target, extra=extra_options or "")
+    scalars = cutlass.Int32(1), cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0)
+    args = (q, k, v, out, lse, seqlens_k, page_table, cu_seqlens_q, *descales, *scalars)
+    return cute.compile(kernel.kvcache, *args, stream, options=options)
 
 
 def _fake_stats(batch, heads, seqlen_padded):

@@ -133,6 +133,9 @@ class Sm90FlashForward(FwdEntries):
         self.causal = spec.mask == "causal"
         self.local = spec.mask == "local"
         self.varlen = spec.varlen
+        # Whether the V rows past seqlen_k in a walk's right-most key tile may hold anything but zeros (TMA fills rows
+        # past a dense tensor with zeros; packed sequences and KV caches have other rows there): `zero_v_tail`.
+        self.v_tail_dirty = spec.varlen or spec.kvcache
         self.cfg = cfg
         self.num_consumers = cfg.num_consumer_wgs
         self.tile_m = cfg.tile_m
@@ -476,7 +479,7 @@ class Sm90FlashForward(FwdEntries):
 
         if n_max > n_min:
             zero_v = None
-            if const_expr(self.varlen):
+            if const_expr(self.v_tail_dirty):
                 zero_v = partial(self.zero_v_tail, pipes, sV, work, consumer, tidx)
             self.mainloop(pipes, gemms.for_consumer(consumer), acc_O, softmax, turns, work, coords, None, zero_v)
 

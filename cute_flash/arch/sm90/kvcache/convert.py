@@ -1,0 +1,127 @@
+"""The converter warps of the sm90 KV-cache forward with an fp8 cache (spec.kv_fp8): e4m3 K / V tiles to 16-bit.
+
+q stays bf16 / fp16, and an e4m3 wgmma needs both operands in e4m3 (and V K-major, which a cache in place cannot
+be), so the GEMMs stay 16-bit and the cache's tiles are converted in shared memory, on the producer side: TMA fills
+`fp8_stages` e4m3 stages (their own rings, `Staging`), and warps 2 and 3 of the producer warpgroup turn each tile
+into the 16-bit stage the consumers wait on, in the consumers' order (K_last, K_{j-1} with V_j, V_first). The
+consumers' side does not change: its rings' full barriers complete on the converters' arrivals (one per converter
+warp) instead of TMA bytes. A converter warp, per tile: waits for the e4m3 stage and for the 16-bit stage to be
+free, converts its rows (16 elements per thread and step: one 16-byte load, two 16-byte stores, in the stages'
+swizzled layouts), fences its stores for the wgmma (async proxy), and arrives on the 16-bit stage's full barrier
+and the e4m3 stage's empty one.
+
+The conversion is exact (every e4m3 value is a bf16 and an fp16): e4m3x2 -> f16x2 (cvt), then for bf16 through
+fp32 (two cvt, one packing cvt), two instructions per element. The descales are per (sequence, KV head) scalars:
+k_descale joins the softmax scale and v_descale O's final factor (flash_fwd.py), not the tiles.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from ....common.inline_ptx import ptx_asm
+from ..pipelines import consumer_state, consumer_wait, producer_state
+
+FP8 = cutlass.Float8E4M3FN
+FIRST_CONVERTER_WARP = 2  # of the producer warpgroup (warp 0: TMA, warp 1: the query rows)
+CONVERTER_WARPS = 2
+ELEMS = 16  # per thread and step: one 16-byte e4m3 load
+
+
+class Staging(NamedTuple):
+    """The e4m3 side of an fp8 cache: the TMA -> converter rings of K and V and their stages (tile_n, d, stages)."""
+
+    k: object
+    v: object
+    sK8: cute.Tensor
+    sV8: cute.Tensor
+
+
+@dsl_user_op
+def _e4m3x2_to_16bit(word: Int32, high: bool, to_bf16: bool, *, loc=None, ip=None) -> Int32:
+    """The two e4m3 values in the low (or high) 16 bits of `word` as a bf16x2 / f16x2 word (low value low)."""
+    half = "h" if high else "l"
+    body = f"{{\n.reg .b16 l, h, a, b;\n.reg .b32 p;\nmov.b32 {{l, h}}, $1;\ncvt.rn.f16x2.e4m3x2 p, {half};\n"
+    if to_bf16:
+        body += (
+            ".reg .f32 f0, f1;\nmov.b32 {a, b}, p;\ncvt.f32.f16 f0, a;\ncvt.f32.f16 f1, b;\n"
+            "cvt.rn.bf16x2.f32 $0, f1, f0;\n}"
+        )
+    else:
+        body += "mov.b32 $0, p;\n}"
+    return Int32(ptx_asm(T.i32(), [Int32(word).ir_value(loc=loc, ip=ip)], body, "=r,r", loc=loc, ip=ip))
+
+
+class _TileCopies(NamedTuple):
+    """This thread's steps over one tile: its e4m3 pieces (ELEMS, steps, 1, fp8 stages) and 16-bit pieces."""
+
+    src: cute.Tensor
+    dst: cute.Tensor
+
+
+def _tile_copies(s8: cute.Tensor, s16: cute.Tensor, dtype, cols: int, tidx: Int32) -> _TileCopies:
+    per_row = cols // ELEMS
+    threads = cute.make_ordered_layout((CONVERTER_WARPS * 32 // per_row, per_row), order=(1, 0))
+    values = cute.make_layout((1, ELEMS))
+    copy8 = cute.make_tiled_copy_tv(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), FP8, num_bits_per_copy=128),
+                                    threads, values)  # fmt: skip
+    copy16 = cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128), threads, values
+    )
+    return _TileCopies(copy8.get_slice(tidx).partition_S(s8), copy16.get_slice(tidx).partition_D(s16))
+
+
+@cute.jit
+def _convert_tile(ring8, state8, ring16, state16, copies: _TileCopies, dtype: cutlass.Constexpr, lane: Int32):
+    consumer_wait(ring8, state8)
+    ring16.sync_object_empty.wait(state16.index, state16.phase)
+    to_bf16 = dtype is cutlass.BFloat16
+    for m in cutlass.range_constexpr(cute.size(copies.src, mode=[1])):
+        r8 = cute.make_fragment_like(copies.src[None, m, 0, 0])
+        cute.autovec_copy(copies.src[None, m, 0, state8.index], r8)
+        r16 = cute.make_fragment_like(copies.dst[None, m, 0, 0])
+        w8, w16 = cute.recast_tensor(r8, Int32), cute.recast_tensor(r16, Int32)
+        for w in cutlass.range_constexpr(cute.size(w8)):
+            w16[2 * w] = _e4m3x2_to_16bit(w8[w], False, to_bf16)
+            w16[2 * w + 1] = _e4m3x2_to_16bit(w8[w], True, to_bf16)
+        cute.autovec_copy(r16, copies.dst[None, m, 0, state16.index])
+    cute.arch.fence_view_async_shared()  # the 16-bit stores -> the consumers' wgmma (async proxy)
+    cute.arch.sync_warp()
+    if lane == 0:
+        cute.arch.mbarrier_arrive(ring16.producer_get_barrier(state16))
+    ring8.consumer_release(state8)  # (lane 0 of each warp arrives)
+    state8.advance()
+    state16.advance()
+    return state8, state16
+
+
+@cute.jit
+def convert_cache_tiles(
+    staging: Staging,
+    pipes,  # the consumers' LoadPipelines (their k / v rings, full barriers counting CONVERTER_WARPS arrivals)
+    sK: cute.Tensor,  # (tile_n, d, stages) 16-bit
+    sV: cute.Tensor,
+    n_min: Int32,
+    n_max: Int32,
+    tidx: Int32,  # 0 .. 32 * CONVERTER_WARPS - 1
+    dtype: cutlass.Constexpr,
+    head_dim: cutlass.Constexpr[int],
+    num_stages: cutlass.Constexpr[int],
+    fp8_stages: cutlass.Constexpr[int],
+):
+    lane = cute.arch.lane_idx()
+    k_copies = _tile_copies(staging.sK8, sK, dtype, head_dim, tidx)
+    v_copies = _tile_copies(staging.sV8, sV, dtype, head_dim, tidx)
+    if n_max > n_min:
+        k8, v8 = consumer_state(fp8_stages), consumer_state(fp8_stages)
+        k16, v16 = producer_state(num_stages), producer_state(num_stages)
+        k8, k16 = _convert_tile(staging.k, k8, pipes.k, k16, k_copies, dtype, lane)
+        for _ in cutlass.range(n_max - 1 - n_min, unroll=1):
+            k8, k16 = _convert_tile(staging.k, k8, pipes.k, k16, k_copies, dtype, lane)
+            v8, v16 = _convert_tile(staging.v, v8, pipes.v, v16, v_copies, dtype, lane)
+        _convert_tile(staging.v, v8, pipes.v, v16, v_copies, dtype, lane)

@@ -1,0 +1,97 @@
+"""Building and launching the sm90 KV-cache forward: what the sm90 backend's kvcache_splits / forward_kvcache call.
+
+  run_forward_kvcache(t, problem, num_splits)   fills t.out / t.lse (arch/base.KvCacheTensors' conventions)
+  warm_kvcache(spec, target)                    builds every kernel a call of `spec` may launch
+  compile_kvcache_artifacts(spec, target)       [KernelArtifact] of the decoding build (fake tensors, no GPU)
+
+A call launches one kernel, or with num_splits > 1 the split build (fp32 partials, one torch allocation per call as
+arch/base.SplitForward makes it: CUDA-graph capture takes it from its pool) and the shared combine
+(common/split_combine.py) on the same stream, which waits for it by programmatic dependent launch. Packed q is
+combined as one sequence of total_q rows (out (1, total_q, h, dv)); every row must belong to a sequence
+(cu_seqlens_q[-1] == total_q: the front end's contract), since the combine writes every row.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import List
+
+import torch
+
+from .... import compile_cache
+from ....spec import AttentionSpec
+from ....validation import MAX_GRID_YZ, KvCacheProblem
+from ...base import KernelArtifact, KvCacheTensors
+from ... import split_kv
+from ..tile_config import smem_bytes
+from . import tile_config as kv_tiles
+from .tile_config import KvCacheTileConfig, kvcache_configs, problem_rows
+
+FAMILY = "sm90"
+
+_kernels = compile_cache.memo()  # (spec, target, cfg, packed_q, split) -> compiled kernel
+
+
+def kvcache_kernel(spec: AttentionSpec, cfg: KvCacheTileConfig, target: str, packed_q: bool, split: bool, extra=""):
+    """The compiled KV-cache forward (build.compile_forward_kvcache's calling convention)."""
+    memo_key = (spec, target, cfg, packed_q, split)
+    kernel = _kernels.get(memo_key) if not extra else None
+    if kernel is not None:
+        return kernel
+
+    def build():
+        from .. import build as sm90_build  # imports cutlass: only when a kernel is built
+
+        return sm90_build.compile_forward_kvcache(spec, cfg, target, packed_q, split, extra)
+
+    if extra:  # (artifacts for the compile command: not cached)
+        return build()
+    key = (FAMILY, target, "fwd_kvcache", spec, cfg, packed_q, split)
+    kernel = _kernels[memo_key] = compile_cache.get_or_compile(key, build)
+    return kernel
+
+
+def run_forward_kvcache(t: KvCacheTensors, problem: KvCacheProblem, num_splits: int) -> None:
+    p = problem
+    spec = p.spec
+    packed = t.cu_seqlens_q is not None
+    cfg = kv_tiles.kvcache_tile_config(spec, problem_rows(p))  # (through the module: a study may replace it)
+    target = compile_cache.runtime_target(t.q.device)
+    num_splits = min(num_splits, MAX_GRID_YZ // max(p.batch, 1))  # grid z = splits x b (the count changes speed only)
+    split = num_splits > 1
+    kernel = kvcache_kernel(spec, cfg, target, packed, split)
+    tail = (t.seqlens_k, t.page_table, t.cu_seqlens_q, t.k_descale, t.v_descale, int(p.seqlen_q))
+    tail += (float(p.softmax_scale),)
+    tail += (int(p.mask.left), int(p.mask.right))
+    if not split:
+        kernel(t.q, t.k_cache, t.v_cache, t.out, t.lse, *tail)
+        return
+    parts = num_splits * (1 if packed else p.batch)
+    rows = p.total_q if packed else p.seqlen_q
+    o_elems = parts * rows * p.nheads * p.head_dim_v
+    block = torch.empty(o_elems + parts * p.nheads * rows, dtype=torch.float32, device=t.q.device)
+    o_part = block[:o_elems].view(parts, rows, p.nheads, p.head_dim_v)
+    lse_part = block[o_elems:].view(parts, p.nheads, rows)
+    kernel(t.q, t.k_cache, t.v_cache, o_part, lse_part, *tail)
+    out, lse = (t.out.unsqueeze(0), t.lse.unsqueeze(0)) if packed else (t.out, t.lse)
+    split_kv.combine_kernel(spec, target)(o_part, lse_part, out, lse)
+
+
+def warm_kvcache(spec: AttentionSpec, target: str) -> None:
+    """Every build a call of `spec` may launch: both tile configurations, dense and packed q, split or not, and the
+    combine."""
+    for cfg in kvcache_configs(spec):
+        for packed in (False, True):
+            for split in (False, True):
+                kvcache_kernel(spec, cfg, target, packed, split)
+    split_kv.combine_kernel(spec, target)
+
+
+def compile_kvcache_artifacts(spec: AttentionSpec, target: str) -> List[KernelArtifact]:
+    """The decoding build (dense q, unsplit) for the `compile` command."""
+    cfg = kvcache_configs(spec)[0]
+    with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_kvcache_") as dump:
+        compiled = kvcache_kernel(spec, cfg, target, False, False, compile_cache.keep_artifacts_options(dump))
+        config = {**cfg.as_dict(), "shared_bytes": smem_bytes(cfg, spec.head_dim, spec.head_dim_v)}
+        config["threads"] = cfg.num_threads
+        return [KernelArtifact("fwd_kvcache", compiled.artifacts.PTX, compiled.artifacts.CUBIN, config)]

@@ -1,0 +1,188 @@
+"""Tile configurations of the sm90 KV-cache forward, what it refuses, and how many CTAs split each query tile's keys.
+
+The CTA is the bf16 forward's (`..tile_config.FwdTileConfig`: a producer warpgroup, 64 rows per consumer warpgroup);
+its rows are (query token, query head) pairs of one KV head, `group = h / h_kv` rows per token. Decoding has few of
+them (group x sq, e.g. 4..32): one consumer warpgroup of 64 rows, and the tile is chosen for the bytes it keeps in
+flight, since the loop is bound by the cache's bytes, not by the tensor cores.
+
+The numbers (H200: 132 SMs, 4.8 TB/s, ~1.8-2.0 GHz under load):
+  bandwidth per SM   4.8 TB/s / 132 = 36 GB/s, about 18-20 bytes per cycle.
+  bytes in flight    Little's law with ~1 us of DRAM latency (unloaded; 1.5-2 us under a full load): 36 KiB per
+                     SM at least, 55-73 KiB under load. Only the K / V ring holds bytes in flight (Q is read once).
+  tensor cores       a 64 x tile_n x d Q·Kᵀ and a 64 x d x tile_n P·V per tile: 4 * 64 * tile_n * d FLOP, at
+                     ~4096 bf16 FLOP / cycle / SM 30% of the tile's memory time at any tile_n (both scale with
+                     tile_n), and the softmax of 64 x tile_n scores as much again: the consumer keeps up.
+  two CTAs per SM    a CTA starts with three dependent round trips (seqlens_k, its first page-table entries, its
+                     first TMA tile: ~2-3 us) and ends with its stores; split CTAs walk a few dozen tiles and large
+                     batches run in several waves, so with one CTA per SM the SM idles through every start (a split
+                     of 1k keys at d128 streams 512 KiB in ~14 us). With two, one streams while the other starts.
+                     That needs registers for 2 x 256 threads (consumer 232 + producer 24 per thread pair: 64 K) and
+                     shared memory for two (228 KiB per SM).
+  d128 (decoding)    64 x 64, 2 stages, 2 CTAs / SM: K + V stages 2 x 32 KiB = 64 KiB in flight per CTA, 128 KiB per
+                     SM; Q 16 KiB + 64 KiB + 1 KiB = 81 KiB per CTA. (64 x 128 needs 144 KiB: one CTA per SM.)
+                     S 32 + P 16 + O 64 + the next S 32 fp32 registers per thread: 232 is ample.
+  d64 (decoding)     64 x 128, 2 stages, 2 CTAs / SM: the same 64 KiB in flight per CTA; 73 KiB of shared memory.
+  d256 (decoding)    64 x 64, 3 stages, 1 CTA / SM: O alone is 128 registers (240 needed), so one CTA; 3 stages of
+                     64 KiB = 192 KiB in flight; 32 + 192 + 1 = 225 KiB of shared memory.
+  more rows          (group x sq > 64: chunked prefill, long speculative runs) the forward's own tile for the head
+                     dim (fwd_tile_config: 128 x 128 at d128), one CTA per SM: each KV byte is read once per 128 rows.
+These are design numbers; the lead measures them (profiling/decode_benchmark.py).
+
+Splits (`kvcache_splits`): the grid has b x h_kv x row tiles CTAs per split; the split count is the smallest whose
+last wave fills the CTA slots (SMs x CTAs per SM) within 5% as well as any count up to the cap does
+(arch/split_kv.splits_to_fill), from host shapes only: a CUDA graph replays it with new lengths and page tables.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from ....common.block_info import BlockInfo
+from ....spec import AttentionSpec
+from ....validation import KvCacheProblem
+from ... import split_kv
+from ..tile_config import (
+    REGISTERS_PER_SM,
+    ROWS_PER_CONSUMER,
+    SMEM_CAPACITY_BYTES,
+    WARPGROUP_THREADS,
+    FwdTileConfig,
+    budget_problem,
+    fwd_tile_config,
+    smem_bytes,
+)
+
+SMEM_PER_SM_BYTES = 228 * 1024  # Hopper: shared memory of one SM, for every resident CTA
+SMEM_SYSTEM_BYTES_PER_CTA = 1024  # what the hardware reserves per resident CTA
+PAGE_ROW_MULTIPLE = 8  # a TMA box of whole 8-row swizzle atoms (loads.py); other page sizes: the sm80 gather path
+KVCACHE_HEAD_DIMS = (64, 128, 256)  # head_dim == head_dim_v: the 128-byte-swizzled K / V tiles the boxes cut
+
+
+@dataclass(frozen=True)
+class KvCacheTileConfig(FwdTileConfig):
+    ctas_per_sm: int = 1  # the launch's min_blocks_per_mp: CTAs that share an SM (registers and shared memory)
+    # An fp8 cache (spec.kv_fp8): stages of the e4m3 K / V tiles that TMA fills and the producer warpgroup's
+    # converter warps turn into the 16-bit stages the consumers read (convert.py); 0: a 16-bit cache.
+    fp8_stages: int = 0
+
+
+def _config(cfg: FwdTileConfig, ctas_per_sm: int, fp8_stages: int = 0) -> KvCacheTileConfig:
+    return KvCacheTileConfig(**{**cfg.__dict__, "ctas_per_sm": ctas_per_sm, "fp8_stages": fp8_stages})
+
+
+# (head dim, decoding config); reasons in the module docstring.
+_DECODE_BY_HEAD_DIM = {
+    64: _config(FwdTileConfig(1, 128, 2, ping_pong=False, consumer_regs=232), 2),
+    128: _config(FwdTileConfig(1, 64, 2, ping_pong=False, consumer_regs=232), 2),
+    256: _config(FwdTileConfig(1, 64, 3, ping_pong=False), 1),
+}
+# An fp8 cache: the same tiles with two e4m3 stages beside the two 16-bit ones, and 40 registers for the producer
+# warpgroup, whose two converter warps hold a 16-byte load and its 32 converted bytes per step. d128: 16 + 64 + 32
+# + 1 KiB = 113 KiB per CTA, two per SM (228 KiB). Only the e4m3 stages are bytes in flight (the 16-bit ones are
+# converted already): 2 x 16 KiB per CTA, 64 KiB per SM, half the 16-bit decoding tile's 128 KiB for the same bytes
+# per second, at the edge of Little's law under load: the first thing to measure (the alternative: one CTA per SM
+# with 6 e4m3 stages, 16 + 64 + 96 = 177 KiB, 96 KiB in flight). d256: one CTA, 32 + 128 + 64 + 1 = 225 KiB. More
+# rows (d128): the forward's 128 x 128 tile with two e4m3 stages (225 KiB) and 232 / 40 registers; d64 and d256
+# keep the 64-row tile for every row count (the forward's tiles leave no room for the e4m3 stages).
+_FP8_DECODE_BY_HEAD_DIM = {
+    64: _config(FwdTileConfig(1, 128, 2, ping_pong=False, consumer_regs=216, producer_regs=40), 2, 2),
+    128: _config(FwdTileConfig(1, 64, 2, ping_pong=False, consumer_regs=216, producer_regs=40), 2, 2),
+    256: _config(FwdTileConfig(1, 64, 2, ping_pong=False, consumer_regs=240, producer_regs=40), 1, 2),
+}
+_FP8_MORE_ROWS_BY_HEAD_DIM = {128: _config(FwdTileConfig(2, 128, 2, consumer_regs=232, producer_regs=40), 1, 2)}
+
+
+def kvcache_tile_config(spec: AttentionSpec, rows: int) -> KvCacheTileConfig:
+    """The configuration for calls of `spec` whose sequences have at most `rows` packed rows (query tokens x group;
+    a host-side bound, KvCacheProblem.seqlen_q x group)."""
+    if spec.kv_fp8:
+        if rows > ROWS_PER_CONSUMER and spec.head_dim in _FP8_MORE_ROWS_BY_HEAD_DIM:
+            return _FP8_MORE_ROWS_BY_HEAD_DIM[spec.head_dim]
+        return _FP8_DECODE_BY_HEAD_DIM[spec.head_dim]
+    if rows <= ROWS_PER_CONSUMER:
+        return _DECODE_BY_HEAD_DIM[spec.head_dim]
+    return _config(replace(fwd_tile_config(replace(spec, kvcache=False, page_size=0)), cluster_m=1), 1)
+
+
+def kvcache_smem_bytes(cfg: KvCacheTileConfig, head_dim: int, head_dim_v: int) -> int:
+    """The forward's shared memory (Q / O slots, 16-bit K / V stages) and the e4m3 stages of an fp8 cache."""
+    return smem_bytes(cfg, head_dim, head_dim_v) + cfg.fp8_stages * cfg.tile_n * (head_dim + head_dim_v)
+
+
+def kvcache_configs(spec: AttentionSpec) -> tuple:
+    """Every configuration calls of `spec` may run (decoding, more rows: one where they coincide)."""
+    return tuple(dict.fromkeys((kvcache_tile_config(spec, 1), kvcache_tile_config(spec, ROWS_PER_CONSUMER + 1))))
+
+
+def residency_problem(cfg: KvCacheTileConfig, head_dim: int, head_dim_v: int) -> Optional[str]:
+    """Why `cfg.ctas_per_sm` CTAs do not fit one SM's registers and shared memory, or None."""
+    threads = WARPGROUP_THREADS
+    regs = (cfg.consumer_regs * cfg.num_consumer_wgs + cfg.producer_regs) * threads * cfg.ctas_per_sm
+    if regs > REGISTERS_PER_SM:
+        return f"{cfg.ctas_per_sm} CTAs of {cfg.consumer_regs}/{cfg.producer_regs} registers need {regs} per SM"
+    cta = kvcache_smem_bytes(cfg, head_dim, head_dim_v)
+    if cta > SMEM_CAPACITY_BYTES:
+        return f"tile {cfg.tile_m}x{cfg.tile_n} with {cfg.fp8_stages} e4m3 stages needs {cta} B of shared memory"
+    smem = (cta + SMEM_SYSTEM_BYTES_PER_CTA) * cfg.ctas_per_sm
+    if smem > SMEM_PER_SM_BYTES:
+        return f"{cfg.ctas_per_sm} CTAs need {smem} B of shared memory per SM"
+    return None
+
+
+def kvcache_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
+    """None when the sm90 KV-cache forward serves `spec` (spec.kvcache), else what it lacks (the router then tries the
+    sm80 family's gather path)."""
+    if spec.dtype not in ("fp16", "bf16") or spec.out_dtype != spec.dtype:
+        return f"the sm90 KV-cache forward computes in fp16 or bf16 and writes its input dtype, not {spec.dtype}"
+    if spec.softcap or spec.sink:
+        return "the sm90 KV-cache forward has no softcap or sink build yet"
+    if spec.head_dim != spec.head_dim_v or spec.head_dim not in KVCACHE_HEAD_DIMS:
+        return (
+            f"the sm90 KV-cache forward needs head_dim == head_dim_v in {KVCACHE_HEAD_DIMS}, got ({spec.head_dim}, "
+            f"{spec.head_dim_v})"
+        )
+    if spec.mask not in ("none", "causal", "local"):
+        return f"unknown mask kind {spec.mask!r}"
+    if spec.page_size < 0 or spec.page_size % PAGE_ROW_MULTIPLE != 0:
+        return (
+            f"the sm90 KV-cache forward loads pages by TMA in boxes of whole 8-row swizzle atoms: page_size must be a "
+            f"multiple of {PAGE_ROW_MULTIPLE}, got {spec.page_size}"
+        )
+    for cfg in kvcache_configs(spec):
+        problem = budget_problem(cfg, spec.head_dim, spec.head_dim_v) or residency_problem(
+            cfg, spec.head_dim, spec.head_dim_v
+        )
+        if problem is not None:
+            return problem
+    return None
+
+
+def chunk_rows(page_size: int, tile_n: int) -> int:
+    """Rows per TMA box of a K / V tile: gcd(page_size, tile_n), so that every box lies in one page (a dense cache,
+    page_size 0: the whole tile)."""
+    return tile_n if page_size == 0 else math.gcd(page_size, tile_n)
+
+
+def problem_rows(problem: KvCacheProblem) -> int:
+    """Packed rows of the longest sequence: query tokens x query heads per KV head."""
+    return problem.seqlen_q * (problem.nheads // problem.nheads_kv)
+
+
+def kvcache_splits(problem: KvCacheProblem, sm_count: int) -> int:
+    """CTAs per query tile's keys (arch/base.ArchBackend.kvcache_splits), from host shapes only: the row tiles of the
+    longest sequence, the cache's capacity max_seqlen_k and the mask bound the key tiles a query tile walks."""
+    p = problem
+    rows = problem_rows(p)
+    cfg = kvcache_tile_config(p.spec, rows)
+    row_tiles = -(-rows // cfg.tile_m)
+    ctas = p.batch * p.nheads_kv * row_tiles
+    if ctas == 0 or sm_count <= 0:
+        return 1
+    info = BlockInfo(
+        cfg.tile_m, cfg.tile_n, p.mask.kind, p.seqlen_q, p.max_seqlen_k, p.mask.left, p.mask.right,
+        rows_per_query=p.nheads // p.nheads_kv,
+    )  # fmt: skip
+    key_tiles = max((hi - lo for lo, hi in map(info.kv_block_range, range(row_tiles))), default=0)
+    return split_kv.splits_to_fill(ctas, sm_count * cfg.ctas_per_sm, key_tiles, split_kv.KVCACHE_MAX_SPLITS)

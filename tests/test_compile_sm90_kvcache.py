@@ -1,0 +1,168 @@
+"""CPU: the sm90 KV-cache forward (arch/sm90/kvcache/) without a GPU: the key-tile ranges of tiles whose rows are
+(query token, query head) pairs, what the backend refuses (the router then takes the sm80 gather path), the split
+counts, and three decoding builds (paged page 16 and dense, and paged with an fp8 cache) cross-compiled for sm_90a:
+spill-free, the K / V tiles as TMA boxes (one per page and 128 bytes of a row), the query rows by cp.async, wgmma
+with P from registers. The numbers are checked on the GPU (tests/test_sm90_kvcache.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from cute_flash.arch.sm90 import BACKEND
+from cute_flash.arch.sm90.kvcache.tile_config import chunk_rows, kvcache_splits, kvcache_tile_config
+from cute_flash.common.block_info import BlockInfo
+from cute_flash.reference import visible_keys
+from cute_flash.spec import UNBOUNDED_WINDOW, AttentionSpec, MaskBounds, normalize_mask
+from cute_flash.validation import KvCacheProblem
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _spec(d=128, mask="none", page_size=16, **kw):
+    return AttentionSpec("bf16", d, d, mask, "bf16", kvcache=True, page_size=page_size, **kw)
+
+
+def test_rows_per_query_block_ranges_match_brute_force():
+    """BlockInfo with rows_per_query (row r is query r // group): kv_block_range holds exactly the key tiles some
+    row of the tile sees, and the blocks the walk leaves unmasked (between kv_left_masked_end and
+    kv_right_masked_start, before the right-most) are seen whole by every row of the tile."""
+    rng = random.Random(0)
+    for _ in range(800):
+        tile_m, tile_n = rng.choice([(64, 64), (64, 128), (128, 128), (192, 128)])
+        group = rng.choice([1, 2, 3, 4, 5, 8, 16])
+        sq, sk = rng.randint(1, 40), rng.randint(0, 600)
+        kind = rng.choice(["none", "causal", "local"])
+        left, right = UNBOUNDED_WINDOW, 0 if kind == "causal" else UNBOUNDED_WINDOW
+        if kind == "local":
+            left = rng.choice([UNBOUNDED_WINDOW, 0, 5, 64, 300, -3])
+            right = rng.choice([UNBOUNDED_WINDOW, 0, 7, 200, -2])
+        info = BlockInfo(tile_m, tile_n, kind, sq, sk, left, right, rows_per_query=group)
+        seen = visible_keys(sq, sk, MaskBounds(kind, left, right)).repeat_interleave(group, dim=0)  # (rows, sk)
+        m_tiles, n_tiles = -(-sq * group // tile_m), -(-sk // tile_n)
+        # Per (query tile, key tile): does some row see a key; do all the tile's rows see all its keys.
+        pad = (0, n_tiles * tile_n - sk, 0, m_tiles * tile_m - sq * group)
+        tiles = torch.nn.functional.pad(seen, pad).view(m_tiles, tile_m, n_tiles, tile_n)
+        some = tiles.any(dim=3).any(dim=1).tolist()
+        whole = torch.nn.functional.pad(seen, pad, value=True).view(m_tiles, tile_m, n_tiles, tile_n)
+        every = whole.all(dim=3).all(dim=1).tolist()
+        for m in range(m_tiles):
+            seen_tiles = [n for n in range(n_tiles) if some[m][n]]
+            lo, hi = info.kv_block_range(m)
+            case = (tile_m, tile_n, group, sq, sk, kind, left, right, m)
+            if left >= 0 and left + right >= 0:  # one run of tiles, and the range is empty when nothing is seen
+                assert list(range(lo, hi)) == seen_tiles, case
+            else:  # windows off the diagonal may add tiles that no row sees (masked whole: 0 / -inf rows)
+                assert set(seen_tiles) <= set(range(lo, hi)), case
+            right_lo = min(max(info.kv_right_masked_start(m), lo), hi - 1) if kind != "none" else hi - 1
+            left_hi = max(min(info.kv_left_masked_end(m), right_lo), lo) if kind == "local" else lo
+            assert all(every[m][n] for n in range(left_hi, right_lo)), case
+
+
+@pytest.mark.parametrize(
+    "page_size, d, reason",
+    [
+        (16, 128, None),
+        (8, 128, None),
+        (24, 128, None),
+        (0, 64, None),
+        (256, 256, None),
+        (4, 128, "multiple of 8"),
+        (12, 128, "multiple of 8"),
+        (16, 96, "head_dim == head_dim_v"),
+    ],
+)
+def test_kvcache_specs_the_backend_refuses(page_size, d, reason):
+    got = BACKEND.unsupported_reason(_spec(d, page_size=page_size), backward=False)
+    assert (got is None) if reason is None else (reason in got), got
+    assert "no backward" in BACKEND.unsupported_reason(_spec(), backward=True)
+    assert BACKEND.unsupported_reason(_spec(d, page_size=page_size, kv_fp8=True), backward=False) == got
+
+
+def test_boxes_lie_in_one_page():
+    assert [chunk_rows(p, 64) for p in (0, 8, 16, 24, 48, 64, 128, 256)] == [64, 8, 16, 8, 16, 64, 64, 64]
+    assert kvcache_tile_config(_spec(), 32).tile_n == 64  # decoding: 64 rows
+    assert kvcache_tile_config(_spec(), 65).tile_m == 128  # more rows: the forward's own tile
+
+
+def _problem(batch, context, h=32, h_kv=8, sq=1, page_size=16, mask=(False, (None, None))):
+    spec = _spec(mask=normalize_mask(*mask).kind, page_size=page_size)
+    pages = batch * -(-context // page_size) if page_size else batch
+    return KvCacheProblem(
+        batch, sq, batch * sq, h, h_kv, 128, 128, context, pages, spec, normalize_mask(*mask), 128**-0.5
+    )
+
+
+@pytest.mark.parametrize(
+    "batch, context, splits",
+    [
+        (1, 32768, 32),  # 8 CTAs, 264 slots (132 SMs x 2): 32 splits fill 97% of them
+        (1, 1024, 8),  # 16 key tiles of 64, two per split at least
+        (8, 8192, 4),  # 64 CTAs: 4 splits, 256 of 264 slots
+        (8, 131072, 4),
+        (64, 8192, 1),  # 512 CTAs: two full waves
+        (256, 1024, 1),
+        (1, 64, 1),  # one key tile
+    ],
+)
+def test_kvcache_splits_fill_the_waves(batch, context, splits):
+    assert kvcache_splits(_problem(batch, context), 132) == splits
+    assert kvcache_splits(_problem(batch, context, page_size=0), 132) == splits  # the cache's layout does not matter
+    assert kvcache_splits(_problem(batch, context), 0) == 1  # not a GPU
+
+
+def test_kvcache_splits_see_the_window():
+    # A 256-key window at 32k: the key tiles a query tile walks are the window's 5, not the cache's 512.
+    assert kvcache_splits(_problem(1, 32768, mask=(True, (256, None))), 132) == 2
+
+
+_CENSUS = textwrap.dedent(
+    """
+    import json, os, sys, tempfile
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+    from cute_flash import census, compile_cache
+    from cute_flash.arch.sm90.kvcache.launch import kvcache_kernel
+    from cute_flash.arch.sm90.kvcache.tile_config import kvcache_tile_config
+    from cute_flash.spec import AttentionSpec
+
+    for page_size, fp8 in ((16, False), (0, False), (16, True)):
+        spec = AttentionSpec("bf16", 128, 128, "causal", "bf16", kvcache=True, page_size=page_size, kv_fp8=fp8)
+        cfg = kvcache_tile_config(spec, 4)
+        with tempfile.TemporaryDirectory() as dump:
+            with census.capture_fd_stderr() as err:
+                fn = kvcache_kernel(spec, cfg, "sm_90a", False, False, compile_cache.keep_artifacts_options(dump))
+            ptx, _ = census.read_artifacts(fn)
+        (_, res), = census.parse_ptxas_reports("".join(err))
+        conversions = ptx.count("cvt.rn.f16x2.e4m3x2")
+        print(json.dumps(dict(page_size=page_size, fp8=fp8, census=census.ptx_census(ptx), conversions=conversions,
+                              **res)), flush=True)
+    """
+)
+
+
+def test_kvcache_decoding_builds_compile():
+    """Paged (page 16) and dense with a 16-bit cache, paged with an fp8 one (its e4m3 tiles converted by the
+    producer warpgroup's converter warps: wgmma stays 16-bit)."""
+    done = subprocess.run([sys.executable, "-c", _CENSUS], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [(r["page_size"], r["fp8"]) for r in reports] == [(16, False), (0, False), (16, True)]
+    for r in reports:
+        c = r["census"]
+        assert r["spill_bytes"] == 0, r
+        assert c["wgmma.mma_async.rs"] > 0 and c["wgmma.mma_async"] > c["wgmma.mma_async.rs"], r
+        assert c["wgmma.mma_async.e4m3"] == 0 and c["setmaxnreg"] == 2 and c["mma.sync"] == 0, r
+        assert c["cp.async"] == 2 * 128 // 8, r  # a lane's two query rows, 16 bytes at a time
+        # The K / V tiles (64 keys): 4 load sites (K first, K and V in the loop, V last) x boxes x the 128-byte
+        # halves of a row (d128: two in 16 bits, one in e4m3).
+        boxes = 64 // chunk_rows(r["page_size"], 64)
+        assert c["cp.async.bulk.tensor"] == 4 * boxes * (1 if r["fp8"] else 2), r
+        # A converter thread's 16-element steps over a 64 x 128 tile (64 threads: 8 steps), at 4 conversion sites.
+        assert r["conversions"] == (4 * 8 * 16 // 2 if r["fp8"] else 0), r
