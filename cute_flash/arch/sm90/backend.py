@@ -97,6 +97,7 @@ class _Backend:
     name = FAMILY
     cute_arch = "sm_90a"
     varlen = True  # has packed-sequence kernels (forward_varlen / backward_varlen); see routing
+    kvcache = True  # has a KV-cache forward (forward_kvcache, attention_with_kvcache); see routing
     split_keys = True  # split-key decoding (arch/split_kv.py)
 
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
