@@ -12,12 +12,14 @@ softcap * tanh(score * softmax_scale / softcap), masked after capping; the sink 
 each row's softmax, attending to no value, included in the LSE. (cute_flash.reference.attention_reference gains
 softcap= / learnable_sink= separately; this module keeps its own until then.)
 
-Run: pytest -m sm90 tests/test_softcap_sink_sm90_gpu.py  (about 16 kernel builds; skips without an sm_90 GPU).
+Run: pytest -m sm90 tests/test_softcap_sink_sm90_gpu.py -n 4  (21 kernel builds; skips without an sm_90 GPU). The
+forward's timing beside FlashAttention-4 is opt-in: SOFTCAP_BENCH=1 pytest -s -m sm90 ... -k timing.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -296,3 +298,34 @@ def test_oracle_matches_the_reference_without_features():
     ref, ref_lse = attention_reference(q, k, v, causal=True, return_lse=True)
     assert torch.allclose(out, ref, atol=1e-12) and torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
     assert math.isclose(_max_abs(lse[~torch.isneginf(lse)], ref_lse[~torch.isneginf(ref_lse)]), 0.0, abs_tol=1e-5)
+
+
+# --- timing (opt-in: SOFTCAP_BENCH=1 pytest -s -m sm90 tests/test_softcap_sink_sm90_gpu.py -k timing) --------------
+@pytest.mark.skipif(not os.environ.get("SOFTCAP_BENCH"), reason="timing only on request (SOFTCAP_BENCH=1)")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_timing_softcap_d128_16k(causal):
+    """Prints the forward's device time at d128, 16k tokens, 16 heads: plain, softcap, softcap + sinks, and
+    FlashAttention-4's softcap call where it is installed (the targets: softcap within 5% of plain, at least FA4's
+    speed). Measures only; asserts nothing."""
+    from cute_flash.bench.timing import TimingOptions, median_ms
+
+    q, k, v = random_qkv(1, 16384, 16384, 16, 16, 128, dtype=torch.bfloat16, seed=0)
+    out = torch.empty_like(q)
+    lse = torch.empty(1, 16, 16384, device="cuda", dtype=torch.float32)
+    sink = _sinks(16)
+    flops = 4 * 16 * 16384**2 * 128 / (2 if causal else 1)
+    times = {}
+    for name, kw in (("plain", {}), ("softcap", dict(softcap=30.0)), ("softcap+sink", dict(softcap=30.0, sink=sink))):
+        problem = _problem(q, k, v, causal=causal, **kw)
+        launch = _backend().forward_launcher(problem, q.device)
+        view = None if "sink" not in kw else sink.view(1, 16).expand(16384, 16)
+        times[name] = median_ms(lambda: launch(q, k, v, out, lse, view), TimingOptions())
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        times["fa4 softcap"] = median_ms(lambda: flash_attn_func(q, k, v, causal=causal, softcap=30.0), TimingOptions())
+    except Exception as e:  # FA4 absent or without softcap here: report ours alone
+        print(f"FA4: {type(e).__name__}: {e}")
+    for name, ms in times.items():
+        print(f"d128 16k {'causal' if causal else 'full'} {name}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s "
+              f"({ms / times['plain']:.3f}x plain)")  # fmt: skip

@@ -180,7 +180,8 @@ class BlockInfo:
 
     def tile_needs_mask(self, m_block: Int, n_block: Int) -> Int:
         """Whether tile (m_block, n_block) needs element-wise masking: it holds keys past seqlen_k, or some row of it
-        has a window edge inside it. Rows past seqlen_q are not considered (kernels neutralise them otherwise).
+        has a window edge inside it. Rows past seqlen_q do not make it False; with a local window's left edge they
+        may make it True (those rows are never stored: it only masks more).
 
         Combined with `|` so it works on Python bools and on DSL booleans alike.
         """

@@ -25,6 +25,14 @@ next sequence's rows: keys there are masked like any key past seqlen_k, query ro
 stored (epilogue.py stores O row-predicated, not by TMA). The grid spans every sequence's query tiles in order
 (cta.py; at most batch + 1 CTAs per head without work, twice that in clusters).
 
+Soft-capping and learnable sinks (spec.softcap / spec.sink; the feature entries `features` / `packed_features`,
+common/entries.py, which take the cap and the (rows, h) fp32 sink view after the window bounds) are consumer-side
+only: each S tile becomes tanh(S * softmax_scale / softcap) in place right after its wgmma, before the mask
+(`modify_scores`: one FMUL and one MUFU.TANH per score), and the online softmax runs with softcap * log2(e) as its
+scale; each consumer thread reads the sink of its rows once before its walk (`row_sinks`) and finalize folds it into
+the denominator and LSE (rows without keys: O 0, LSE the sink). A split build applies the cap and leaves the sink
+to its combine.
+
 Clusters (FwdTileConfig.cluster_m 2; packed d128 / d256 calls without a mask, tile_config.multicast_kv): two CTAs
 share the query tiles of one (sequence, head), 64-row slices dealt out in turn (cta.py), and each loads half of every
 K / V tile into both by TMA multicast (loads.py); the K / V rings count both CTAs' consumers (pipelines.py). Half the
