@@ -71,13 +71,14 @@ def splits_to_fill(ctas: int, slots: int, key_tiles: int, max_splits: int = MAX_
 
 
 def combine_kernel(spec: AttentionSpec, target: str):
-    """The compiled combine for `spec`'s output dtype and dv on `target`: fn(o_part, lse_part, out, lse). One build
-    serves every family, mask and head dim with that (dtype, dv)."""
-    key = ("split_kv", target, "split_combine", spec.out_dtype, spec.head_dim_v)
+    """The compiled combine for `spec`'s output dtype and dv on `target`: fn(o_part, lse_part, out, lse), or with
+    spec.sink fn(o_part, lse_part, out, lse, sink) (the sink joins the merged rows there). One build serves every
+    family, mask and head dim with that (dtype, dv, sink)."""
+    key = ("split_kv", target, "split_combine", spec.out_dtype, spec.head_dim_v) + (("sink",) if spec.sink else ())
 
     def build():
         from ..common.split_combine import compile_split_combine  # imports cutlass: only when built
 
-        return compile_split_combine(spec.out_dtype, spec.head_dim_v, target)
+        return compile_split_combine(spec.out_dtype, spec.head_dim_v, target, sink=spec.sink)
 
     return compile_cache.get_or_compile(key, build)

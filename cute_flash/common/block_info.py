@@ -42,6 +42,15 @@ def _max(a: Int, b: Int) -> Int:
     return cutlass.max(a, b)
 
 
+def _select(cond, a: Int, b: Int) -> Int:
+    """a where cond else b, for Python bools and DSL booleans alike."""
+    if isinstance(cond, bool):
+        return a if cond else b
+    import cutlass
+
+    return cutlass.Int32(cutlass.select_(cond, a, b))
+
+
 def _ceil_div_nonneg(x: Int, d: int) -> Int:
     """ceil(x / d) for x >= 0 (callers clamp first)."""
     return (x + (d - 1)) // d
@@ -125,9 +134,17 @@ class BlockInfo:
             n_block_max = _ceil_div_nonneg(key_end, self.tile_n)
         n_block_min = 0
         if self.has_left_bound:
-            key_start = self.first_query(m_block) + self.offset - self.left
-            n_block_min = _max(key_start, 0) // self.tile_n
+            key_start = _max(self.first_query(m_block) + self.offset - self.left, 0)
+            n_block_min = key_start // self.tile_n
+            # The rows' windows [i + off - left, i + off + right] move by one key per row, so the keys they see
+            # form the one interval [key_start, key_end) unless it is empty, or every window is (left + right < 0;
+            # compared as left < -right, which cannot overflow).
+            n_block_max = _select(self._no_keys(key_start, key_end), n_block_min, n_block_max)
         return n_block_min, n_block_max
+
+    def _no_keys(self, start: Int, end: Int):
+        """Whether a local window sees nothing of [start, end): an empty interval, or left + right < 0."""
+        return (end <= start) | (self.left < -self.right)
 
     def kv_right_masked_start(self, m_block: Int) -> Int:
         """KV blocks n >= this may hold keys right of some row's window (or past seqlen_k): they need masking.
@@ -164,6 +181,9 @@ class BlockInfo:
             last_key = _min((n_block + 1) * self.tile_n, self.seqlen_k) - 1
             row_end = _max(_min(last_key - self.offset + self.left + 1, self.seqlen_q), 0)
             m_block_max = _ceil_div_nonneg(row_end, self.tile_m)
+            # As in kv_block_range: the rows that see the tile's keys are one interval, or none.
+            row_start = _max(first_key - self.offset - self.right, 0)
+            m_block_max = _select(self._no_keys(row_start, row_end), m_block_min, m_block_max)
         return m_block_min, m_block_max
 
     def q_right_masked_end(self, n_block: Int) -> Int:
@@ -180,7 +200,8 @@ class BlockInfo:
 
     def tile_needs_mask(self, m_block: Int, n_block: Int) -> Int:
         """Whether tile (m_block, n_block) needs element-wise masking: it holds keys past seqlen_k, or some row of it
-        has a window edge inside it. Rows past seqlen_q are not considered (kernels neutralise them otherwise).
+        has a window edge inside it. Rows past seqlen_q do not make it False; with a local window's left edge they
+        may make it True (those rows are never stored: it only masks more).
 
         Combined with `|` so it works on Python bools and on DSL booleans alike.
         """

@@ -65,6 +65,24 @@ def fake_packed_forward_args(dtype, head_dim: int, head_dim_v: int, seqused: boo
     )
 
 
+def fake_sink():
+    """The (rows, h) fp32 sink view a forward with spec.sink reads (arch/base.py): both strides symbolic, row stride
+    0 for the (h,) logits expanded along the rows, (1, group) for decoding's packed query heads."""
+    import cutlass
+    import cutlass.cute as cute
+
+    shape = (cute.sym_int(), cute.sym_int())
+    return cute.runtime.make_fake_tensor(cutlass.Float32, shape, (cute.sym_int64(), cute.sym_int64()), assumed_align=4)
+
+
+def fake_feature_args(sink: bool) -> tuple:
+    """The two arguments of a forward feature entry (common/entries.py) after the window bounds: softcap and the sink
+    view (None where the build reads no sink)."""
+    import cutlass
+
+    return cutlass.Float32(1.0), (fake_sink() if sink else None)
+
+
 def fake_packed_preprocess_args(dtype, head_dim_v: int, dq_zeroing_block: int = 0, dq_head_dim: int = 0) -> tuple:
     """The arguments of the backward preprocess's packed entry (sm80/flash_bwd_preprocess, which both families run)
     before the stream: out / dout (total_q, h, dv), lse (h, total_q), D / lse_log2 (h, padded rows), cu_seqlens_q,

@@ -244,11 +244,13 @@ class OnlineSoftmax:
                 lse[r] = -Float32.inf if empty else (self.row_max[r] * self.scale_log2 + log2_sum) * LN2
             else:
                 sink = sinks_log2[r]
-                # m * scale_log2 is -inf for a row without keys (scale_log2 > 0); its total is then 0.
+                # m * scale_log2 is -inf for a row without keys (scale_log2 > 0); its total is then 0. A -inf sink
+                # (no sink) on such a row leaves nothing at all: shift by 0 there, and give it O 0 and LSE -inf.
                 max_scaled = self.row_max[r] * self.scale_log2
                 top = cute.arch.fmax(max_scaled, sink)
+                top = 0.0 if top == -Float32.inf else top
                 keys_weight = cute.math.exp2(max_scaled - top, fastmath=True)
                 denom = total * keys_weight + cute.math.exp2(sink - top, fastmath=True)
-                row_scale[r] = keys_weight * cute.arch.rcp_approx(denom)
+                row_scale[r] = 0.0 if denom == 0.0 else keys_weight * cute.arch.rcp_approx(denom)
                 lse[r] = (top + cute.math.log2(denom, fastmath=True)) * LN2
         return row_scale, lse

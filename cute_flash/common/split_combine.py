@@ -7,6 +7,9 @@ that saw no key of the row: O_s = 0, lse_s = -inf). The whole row's result is th
     lse = log sum_s exp(lse_s),    O = sum_s exp(lse_s - lse) O_s,
 
 computed here in fp32 and rounded once to the output dtype; a row no split saw keeps O = 0, lse = -inf.
+With learnable sinks (spec.sink; the `with_sink` entry) the splits' partials leave the sink out and it joins here,
+once: lse = log(sum_s exp(lse_s) + exp(sink)), the O weights exp(lse_s - lse); a row no split saw gets O = 0 and
+lse = sink. The sink is read from the (rows, h) fp32 view of arch/base.py at [row, head].
 
 Layout: partials (splits * b, sq, h, dv) and (splits * b, h, sq) (split s of batch b at index s * b + b, as the
 split forward's grid writes them), out (b, sq, h, dv) and lse (b, h, sq) with any strides (decoding's packed GQA
@@ -17,6 +20,8 @@ loads and stores.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -42,18 +47,36 @@ class SplitCombine:
 
     @cute.jit
     def __call__(self, mOpart: cute.Tensor, mLSEpart: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, stream):
+        self._launch(mOpart, mLSEpart, mO, mLSE, stream)
+
+    @cute.jit
+    def with_sink(
+        self, mOpart: cute.Tensor, mLSEpart: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mSink: cute.Tensor, stream
+    ):
+        """The entry of spec.sink builds: mSink the (rows, h) fp32 sink view (natural-log logits)."""
+        self._launch(mOpart, mLSEpart, mO, mLSE, stream, mSink)
+
+    @cute.jit
+    def _launch(self, mOpart, mLSEpart, mO, mLSE, stream, mSink=None):
         grid = [cute.ceil_div(mO.shape[1], self.rows_per_cta), cute.size(mO.shape[2]), cute.size(mO.shape[0])]
         # Programmatic dependent launch: the CTAs are set up while the split forward runs (a family's split build
         # may let them launch from its start; else they launch as it ends) and wait for its results at
         # griddepcontrol.wait. That orders the combine after the kernel launched just before it on the same stream:
         # both launch sites (arch/base.SplitForward and the C++ call path) launch the pair back to back on the
         # current stream. Without it (sm_80 targets) stream order alone orders the pair.
-        self.kernel(mOpart, mLSEpart, mO, mLSE).launch(
+        self.kernel(mOpart, mLSEpart, mO, mLSE, mSink).launch(
             grid=grid, block=[self.rows_per_cta * self.threads_per_row, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
-    def kernel(self, mOpart: cute.Tensor, mLSEpart: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
+    def kernel(
+        self,
+        mOpart: cute.Tensor,
+        mLSEpart: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mSink: Optional[cute.Tensor] = None,
+    ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, head, batch = cute.arch.block_idx()
         row = bidx * self.rows_per_cta + tidx // self.threads_per_row
@@ -66,11 +89,17 @@ class SplitCombine:
             lse_max = -Float32.inf
             for s in cutlass.range(splits, unroll=1):
                 lse_max = cutlass.max(lse_max, mLSEpart[s * nbatch + batch, head, row])
-            # A row no split saw: every weight exp(-inf) = 0 below, total 0.
+            sink = -Float32.inf
+            if cutlass.const_expr(mSink is not None):
+                sink = mSink[row, head]
+                lse_max = cutlass.max(lse_max, sink)
+            # A row no split saw (and no sink): every weight exp(-inf) = 0 below, total 0.
             shift = Float32(0.0) if lse_max == -Float32.inf else lse_max
             acc = cute.make_rmem_tensor((COLS_PER_THREAD,), Float32)
             acc.fill(0.0)
             total = Float32(0.0)
+            if cutlass.const_expr(mSink is not None):
+                total = cute.math.exp2((sink - shift) * LOG2_E, fastmath=True)  # the sink's weight: no value
             for s in cutlass.range(splits, unroll=1):
                 z = s * nbatch + batch
                 w = cute.math.exp2((mLSEpart[z, head, row] - shift) * LOG2_E, fastmath=True)
@@ -86,13 +115,13 @@ class SplitCombine:
                 mLSE[batch, head, row] = -Float32.inf if empty else shift + log_total
 
 
-def compile_split_combine(out_dtype: str, head_dim_v: int, target: str, extra_options: str = ""):
+def compile_split_combine(out_dtype: str, head_dim_v: int, target: str, extra_options: str = "", sink: bool = False):
     """The compiled combine: fn(o_part, lse_part, out, lse) with o_part (splits * b, sq, h, dv) and lse_part
     (splits * b, h, sq) fp32, out (b, sq, h, dv) of `out_dtype` ("fp16" / "bf16") and lse (b, h, sq) fp32, any
-    strides (last dimension contiguous)."""
+    strides (last dimension contiguous); with `sink`, fn(o_part, lse_part, out, lse, sink) (the `with_sink` entry)."""
     from .. import compile_cache
     from .dsl_types import dsl_dtype
-    from .fake_tensors import fake_f32, fake_operand
+    from .fake_tensors import fake_f32, fake_operand, fake_sink
 
     dtype = dsl_dtype(out_dtype)
     batch, seqlen_q, heads, parts = (cute.sym_int() for _ in range(4))
@@ -103,4 +132,6 @@ def compile_split_combine(out_dtype: str, head_dim_v: int, target: str, extra_op
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = compile_cache.compile_options(target, extra=extra_options)
     kernel = SplitCombine(dtype, head_dim_v, pdl=not target.startswith("sm_8"))
+    if sink:
+        return cute.compile(kernel.with_sink, o_part, lse_part, out, lse, fake_sink(), stream, options=options)
     return cute.compile(kernel, o_part, lse_part, out, lse, stream, options=options)

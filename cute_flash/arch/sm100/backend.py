@@ -15,7 +15,7 @@ from ...validation import Problem, kernel_view
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact
 from ..base import launcher_through_backward, launcher_through_forward, prepare_build
 from ...common.dsl_types import dsl_dtype
-from ...common.fake_tensors import fake_f32, fake_operand
+from ...common.fake_tensors import fake_f32, fake_feature_args, fake_operand
 from . import tile_config as cfgmod
 
 
@@ -59,20 +59,13 @@ def _build_with_kernel(spec: AttentionSpec, cfg: cfgmod.FwdTileConfig, target: s
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = compile_cache.compile_options(target, extra=f"--opt-level {cfg.opt_level} {extra_options}".strip())
     kernel = Sm100FlashForward(spec, cfg)
-    compiled = cute.compile(
-        kernel,
-        q,
-        k,
-        v,
-        o,
-        lse,
-        cutlass.Float32(1.0),
-        cutlass.Int32(0),
-        cutlass.Int32(0),
-        *descale,
-        stream,
-        options=options,
-    )
+    scalars = cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0)
+    if spec.softcap or spec.sink:  # the feature entry: softcap and the sink view after the window bounds
+        features = fake_feature_args(spec.sink)
+        args = (q, k, v, o, lse, *scalars, *features, *descale)
+        compiled = cute.compile(kernel.features, *args, stream, options=options)
+    else:
+        compiled = cute.compile(kernel, q, k, v, o, lse, *scalars, *descale, stream, options=options)
     return compiled, kernel
 
 
@@ -158,12 +151,18 @@ class _Backend:
         cfg = cfgmod.choose_config(spec, seqlen_q=q.shape[1])
         target = compile_cache.runtime_target(q.device)
         compiled = _forward_kernel(spec, cfg, target)
+        # Builds for spec.softcap / spec.sink take the cap and the (rows, h) fp32 sink view after the window bounds.
+        sink = t[5] if len(t) > 5 else None  # FwdTensors.sink (callers may pass the plain 5-tuple)
+        features = (float(problem.softcap), sink) if spec.softcap or spec.sink else ()
+        if spec.sink and (sink is None or sink.dtype != torch.float32):
+            raise ValueError("a build with learnable sinks needs the (rows, h) float32 sink view (FwdTensors.sink)")
         compiled(
             *(kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out))),
             lse,
             softmax_scale * math.log2(math.e),
             int(mask.left),
             int(mask.right),
+            *features,
             *descale_args,
         )
 

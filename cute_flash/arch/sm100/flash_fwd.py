@@ -26,6 +26,12 @@ Synchronisation (every mbarrier pipeline has one slot per q stage unless noted):
 A tcgen05.commit tracks every MMA issued before it, so "S_s(j) full" also means "PV_s(j+1) done": the correction
 warps may rescale O_s as soon as softmax reports block j, without a separate O-ready barrier.
 
+Soft-capping and learnable sinks (spec.softcap / spec.sink, fp16 / bf16; the `features` entry, which takes the cap
+and the (rows, h) fp32 sink view after the window bounds): the softmax warps replace each score S read from TMEM by
+tanh(S * softmax_scale / softcap) before the mask and run the softmax with softcap * log2(e) as the scale
+(common/softcap.py); the correction warps fold each row's sink into its denominator and LSE at the end (rows without
+keys: O 0, LSE the sink), as the sm90 kernel's OnlineSoftmax.finalize does.
+
 2-CTA mode: `tcgen05.mma.cta_group::2` with M = 256 spans both CTAs of the cluster; each CTA loads its own 128 Q rows
 and half of every K tile (64 keys) and V tile (half of head_dim_v). The leader's MMA warp issues for both; its
 commits multicast to both CTAs' barriers, and the peer's softmax/correction threads arrive remotely on the leader's
@@ -45,7 +51,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ...common.block_info import BlockInfo
-from ...common.online_softmax import FLT_MIN, clamp_scale_log2
+from ...common.online_softmax import FLT_MIN, LOG2_E, clamp_scale_log2
+from ...common.softcap import apply_softcap, softcap_factors
 from ...spec import AttentionSpec
 from .tile_config import FP8_Q_SCALE_ROWS, M_BLOCK, N_BLOCK, Q_STAGES, TMEM_COLUMNS, FwdTileConfig
 from .tmem_softmax import TmemRowSoftmax, finalize_row, mask_row
@@ -115,6 +122,7 @@ class SoftmaxRow(NamedTuple):
     copies: SoftmaxCopies
     sStats: cute.Tensor
     pipes: Pipes
+    pre_tanh: Optional[Float32] = None  # spec.softcap: the factor before the tanh (common/softcap.py)
 
 
 def _stage_state(index, phase) -> pipeline.PipelineState:
@@ -149,6 +157,9 @@ class Sm100FlashForward:
         # See tmem_softmax: 16-bit P tolerates a lagging max; fp8 P instead uses e4m3's range above 1.
         self.rescale_threshold = 0.0 if self.is_fp8 else 8.0
         self.max_offset = 8.0 if self.is_fp8 else 0.0
+        self.softcap = spec.softcap
+        self.sink = spec.sink
+        assert not (self.is_fp8 and (self.softcap or self.sink)), "fp8 builds have no soft-capping or sinks"
 
     # ------------------------------------------------------------------------------------------------------------
     # Host side
@@ -169,6 +180,38 @@ class Sm100FlashForward:
         mDescaleV: Optional[cute.Tensor],  # fp8 only: (b, h_kv, ceil(sk / 128)) fp32, one per KV block
         stream,
     ):
+        descales = (mDescaleQ, mDescaleK, mDescaleV)
+        self._launch(mQ, mK, mV, mO, mLSE, softmax_scale_log2, window_left, window_right, descales, stream)
+
+    @cute.jit
+    def features(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        softcap: Float32,  # spec.softcap: the cap (> 0)
+        mSink: Optional[cute.Tensor],  # spec.sink: the (rows, h) fp32 sink view (arch/base.py), else None
+        mDescaleQ: Optional[cute.Tensor],
+        mDescaleK: Optional[cute.Tensor],
+        mDescaleV: Optional[cute.Tensor],
+        stream,
+    ):
+        """The entry of builds for spec.softcap / spec.sink."""
+        descales = (mDescaleQ, mDescaleK, mDescaleV)
+        features = (softcap, mSink)
+        self._launch(mQ, mK, mV, mO, mLSE, softmax_scale_log2, window_left, window_right, descales, stream, features)
+
+    @cute.jit
+    def _launch(
+        self, mQ, mK, mV, mO, mLSE, softmax_scale_log2, window_left, window_right, descales, stream, features=None
+    ):
+        """Both entries; descales: fp8's (q, k, v) descale tensors or Nones; features: (softcap, sink view) of the
+        `features` entry."""
         self.q_dtype = mQ.element_type
         self.k_dtype = mK.element_type
         self.v_dtype = mV.element_type
@@ -262,7 +305,8 @@ class Sm100FlashForward:
             softmax_scale_log2,
             window_left,
             window_right,
-            (mDescaleQ, mDescaleK, mDescaleV),
+            descales,
+            features,
         ).launch(
             grid=grid,
             block=[THREADS, 1, 1],
@@ -305,6 +349,7 @@ class Sm100FlashForward:
         window_left: Int32,
         window_right: Int32,
         descales,  # fp8: (q, k, v) descale tensors; None otherwise
+        features=None,  # feature builds: (softcap, the (rows, h) sink view or None)
     ):
         tiled_mma_qk, tiled_mma_pv = mmas
         (tma_atom_q, mQ), (tma_atom_k, mK), (tma_atom_v, mV), (tma_atom_o, mO) = tmas
@@ -391,13 +436,14 @@ class Sm100FlashForward:
                 tile,
                 window_left,
                 window_right,
+                features,
             )
             tmem_barrier.arrive()
         if warp_idx >= CORRECTION_WARP0 and warp_idx < MMA_WARP:
             cute.arch.setmaxregister_decrease(self.cfg.regs_correction)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.correction_warpgroup(o_layout, tOsO, tOcO, tmem_ptr, sStats, mLSE, pipes, descales, tile)
+            self.correction_warpgroup(o_layout, tOsO, tOcO, tmem_ptr, sStats, mLSE, pipes, descales, tile, features)
             tmem_barrier.arrive()
         if warp_idx == MMA_WARP:
             cute.arch.setmaxregister_decrease(self.cfg.regs_other)
@@ -618,6 +664,7 @@ class Sm100FlashForward:
         tile: ClusterTile,
         window_left,
         window_right,
+        features=None,
     ):
         head, head_kv, batch, cluster_m, cta_v, seqlen_q, seqlen_k, n_block_min, n_block_max = tile
         mDescaleQ, mDescaleK, _ = descales
@@ -661,6 +708,10 @@ class Sm100FlashForward:
         # FP8_Q_SCALE_ROWS rows) and, per KV block, the block's K factor.
         # Clamped into [FLT_MIN, FLT_MAX] (common/online_softmax.py): a factor of 0 (softmax_scale = 0, or a scale
         # whose product with log2(e) underflows) would turn masked -inf scores into NaN.
+        pre_tanh = None
+        if const_expr(self.softcap):
+            # T = tanh(S * softmax_scale / softcap) in place of S; the softmax of T runs with softcap * log2(e).
+            pre_tanh, softmax_scale_log2 = softcap_factors(softmax_scale_log2 * (1.0 / LOG2_E), features[0])
         row_scale = clamp_scale_log2(softmax_scale_log2)
         if const_expr(self.is_fp8):
             q_block = cutlass.min(row // FP8_Q_SCALE_ROWS, cute.size(mDescaleQ.shape[2]) - 1)
@@ -668,7 +719,7 @@ class Sm100FlashForward:
 
         softmax = TmemRowSoftmax(self.rescale_threshold, self.max_offset)
         softmax.reset()
-        row_ctx = SoftmaxRow(stage, tidx, key_begin, key_end, softmax, copies, sStats, pipes)
+        row_ctx = SoftmaxRow(stage, tidx, key_begin, key_end, softmax, copies, sStats, pipes, pre_tanh)
         s_phase = Int32(0)
         stats_phase = Int32(1)
         n_blocks = n_block_max - n_block_min
@@ -702,13 +753,15 @@ class Sm100FlashForward:
         is_first,
     ):
         """One key block of one row: S from TMEM, mask, max, hand the O factor to correction, P back to TMEM, sum."""
-        stage, tidx, key_begin, key_end, softmax, copies, sStats, pipes = row
+        stage, tidx, key_begin, key_end, softmax, copies, sStats, pipes = row[:8]
         thr_load, tStS_t2r, tScS_t2r, thr_store, tStP_r2t, tPshape = copies
         pipe_s_p_o, pipe_stats = pipes.s_p_o, pipes.stats
         pipe_s_p_o.consumer_wait(_stage_state(stage, s_phase))
         tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
         cute.copy(thr_load, tStS_t2r, tSrS)
         cute.arch.fence_view_async_tmem_load()
+        if const_expr(self.softcap):
+            apply_softcap(tSrS, row.pre_tanh)  # before the mask, which then sets -inf
         if const_expr(masked):
             block_start = n_block * N_BLOCK
             mask_row(tSrS, tScS_t2r, key_end - block_start, key_begin - block_start, self.has_left)
@@ -732,7 +785,7 @@ class Sm100FlashForward:
     # ------------------------------------------------------------------------------------------------------------
     @cute.jit
     def correction_warpgroup(
-        self, o_layout, tOsO, tOcO, tmem_ptr, sStats, mLSE, pipes: Pipes, descales, tile: ClusterTile
+        self, o_layout, tOsO, tOcO, tmem_ptr, sStats, mLSE, pipes: Pipes, descales, tile: ClusterTile, features=None
     ):
         _, head_kv, batch, _, _, _, _, n_block_min, n_block_max = tile
         mDescaleV = descales[2]
@@ -740,6 +793,9 @@ class Sm100FlashForward:
         tidx = cute.arch.thread_idx()[0] % WG_THREADS
         tOtO = [cute.make_tensor(tmem_ptr + self.tmem_o[s], o_layout) for s in range(Q_STAGES)]
         n_blocks = n_block_max - n_block_min
+        sinks_log2 = None
+        if const_expr(self.sink):
+            sinks_log2 = self._row_sinks(features[1], tile, tidx)
         if n_blocks > 0:
             stats_phase = Int32(0)
             # fp8: O is kept in units of the current KV block's V factor. Before P_j V_j is added, O is rescaled by
@@ -766,19 +822,37 @@ class Sm100FlashForward:
                 row_sum = sStats[s * M_BLOCK + tidx]
                 row_max = sStats[(Q_STAGES + s) * M_BLOCK + tidx]
                 pipe_stats.consumer_release(_stage_state(s, 0))
-                inv_sum, lse = finalize_row(row_sum, row_max, self.max_offset)
+                if const_expr(self.sink):
+                    inv_sum, lse = finalize_row(row_sum, row_max, self.max_offset, sinks_log2[s])
+                else:
+                    inv_sum, lse = finalize_row(row_sum, row_max, self.max_offset)
                 pipe_o_full.consumer_wait(_stage_state(s, 0))
                 pipe_o_epi.producer_acquire(_stage_state(s, 1))
                 self._write_o_tile(tOtO[s], tOsO[s], tOcO, tidx, inv_sum * v_scale, True)
                 pipe_o_epi.producer_commit(_stage_state(s, 0))
                 self._write_lse(mLSE, lse, tile, s, tidx)
         else:
-            # No key is visible to any row of this tile: out = 0, lse = -inf.
+            # No key is visible to any row of this tile: out = 0, lse = -inf (with a sink: the sink).
             for s in cutlass.range_constexpr(Q_STAGES):
                 pipe_o_epi.producer_acquire(_stage_state(s, 1))
                 self._write_o_tile(tOtO[s], tOsO[s], tOcO, tidx, Float32(0.0), False)
                 pipe_o_epi.producer_commit(_stage_state(s, 0))
-                self._write_lse(mLSE, -Float32.inf, tile, s, tidx)
+                empty_lse = -Float32.inf
+                if const_expr(self.sink):
+                    empty_lse = sinks_log2[s] * (1.0 / LOG2_E)
+                self._write_lse(mLSE, empty_lse, tile, s, tidx)
+
+    @cute.jit
+    def _row_sinks(self, mSink: cute.Tensor, tile: ClusterTile, tidx) -> cute.Tensor:
+        """sink * log2(e) of this thread's row in each q stage, read from the (rows, h) view at [row, head]; rows past
+        seqlen_q (never stored) read nothing and take 0."""
+        sinks = cute.make_rmem_tensor((Q_STAGES,), Float32)
+        for s in cutlass.range_constexpr(Q_STAGES):
+            row = ((tile.cluster_m * Q_STAGES + s) * self.cta + tile.cta_v) * M_BLOCK + tidx
+            sinks[s] = 0.0
+            if row < tile.seqlen_q:
+                sinks[s] = mSink[row, tile.head] * LOG2_E
+        return sinks
 
     @cute.jit
     def _write_lse(self, mLSE, lse, tile: ClusterTile, stage: cutlass.Constexpr[int], tidx):

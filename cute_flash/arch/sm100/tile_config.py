@@ -82,6 +82,9 @@ def unsupported_reason(spec: AttentionSpec) -> Optional[str]:
         )
     if spec.dtype == "fp8" and spec.out_dtype not in ("bf16", "fp16"):
         return f"fp8 needs a bf16 or fp16 output, got {spec.out_dtype}"
+    if spec.dtype == "fp8" and (spec.softcap or spec.sink):
+        missing = " or ".join(n for n, on in (("soft-capping", spec.softcap), ("learnable sinks", spec.sink)) if on)
+        return f"the sm100 fp8 forward has no {missing} (its fp16 / bf16 builds have them)"
     return None
 
 

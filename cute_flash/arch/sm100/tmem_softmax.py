@@ -124,13 +124,25 @@ def mask_row(
 
 
 @cute.jit
-def finalize_row(row_sum: Float32, row_max: Float32, max_offset: float):
-    """(1 / row_sum or 0 for an empty row, natural-log LSE or -inf for an empty row); row_max in scaled units."""
+def finalize_row(row_sum: Float32, row_max: Float32, max_offset: float, sink_log2: cutlass.Constexpr = None):
+    """(1 / row_sum or 0 for an empty row, natural-log LSE or -inf for an empty row); row_max in scaled units.
+
+    sink_log2 (spec.sink, 16-bit P: max_offset 0): the row's sink logit times log2(e), one more term of the
+    denominator that adds nothing to O (common/online_softmax.OnlineSoftmax.finalize): O's factor becomes
+    exp2(row_max - M) / l' and the LSE (M + log2 l') ln 2, M = max(row_max, sink_log2),
+    l' = row_sum exp2(row_max - M) + exp2(sink_log2 - M); a row without keys gets O 0 and the sink as its LSE."""
     LN2 = 0.6931471805599453
-    empty = row_sum == 0.0 or row_sum != row_sum
-    inv = cute.arch.rcp_approx(row_sum if not empty else Float32(1.0))
-    lse = (row_max + cute.math.log2(row_sum, fastmath=True) - Float32(max_offset)) * Float32(LN2)
-    if empty:
-        inv = Float32(0.0)
-        lse = -Float32.inf
-    return inv, lse
+    if cutlass.const_expr(sink_log2 is None):
+        empty = row_sum == 0.0 or row_sum != row_sum
+        inv = cute.arch.rcp_approx(row_sum if not empty else Float32(1.0))
+        lse = (row_max + cute.math.log2(row_sum, fastmath=True) - Float32(max_offset)) * Float32(LN2)
+        if empty:
+            inv = Float32(0.0)
+            lse = -Float32.inf
+        return inv, lse
+    top = cute.arch.fmax(row_max, sink_log2)
+    top = Float32(0.0) if top == -Float32.inf else top  # (no keys and a -inf sink: O 0, LSE -inf)
+    keys_weight = cute.math.exp2(row_max - top, fastmath=True)
+    denom = row_sum * keys_weight + cute.math.exp2(sink_log2 - top, fastmath=True)
+    inv = Float32(0.0) if denom == 0.0 else keys_weight * cute.arch.rcp_approx(denom)
+    return inv, (top + cute.math.log2(denom, fastmath=True)) * Float32(LN2)

@@ -13,6 +13,9 @@ Packed sequences (`attention_varlen`): the forward's and the backward's packed b
 KV cache (`spec.kvcache`, `attention_with_kvcache`: decoding and chunked prefill against a dense or paged cache) is
 served by the `kvcache` sub-package (`kvcache.launch`; its kernel `kvcache/flash_fwd.py` is a subclass of the bf16
 forward).
+Soft-capping and learnable sinks (spec.softcap / spec.sink, fp16 / bf16): the forward builds' feature entries
+(`features`, `packed_features`, common/entries.py) take the cap and the sink view (FwdTensors.sink); split-key
+builds apply the cap and leave the sink to their combine (arch/split_kv.py).
 """
 
 from __future__ import annotations
@@ -169,16 +172,20 @@ class _Backend:
             return
         if descale is not None:
             raise NotImplementedError("descale factors belong to the FP8 path; this call computes in " + spec.dtype)
-        self.forward_launcher(problem, q.device)(q, k, v, out, lse)
+        sink = t[5] if len(t) > 5 else None  # FwdTensors.sink (callers may pass the plain 5-tuple)
+        _check_features(problem, sink)
+        self.forward_launcher(problem, q.device)(q, k, v, out, lse, sink)
 
     def forward_varlen(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-        seqs: PackedSeqs, problem: VarlenProblem,
+        seqs: PackedSeqs, problem: VarlenProblem, sink: Optional[torch.Tensor] = None,
     ) -> None:  # fmt: skip
-        """Packed forward: q (total_q, h, d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q)."""
+        """Packed forward: q (total_q, h, d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q);
+        sink (spec.sink): the (total_q, h) fp32 view, read at [row within its sequence, head]."""
+        _check_features(problem, sink)
         variant = "seqused_k" if seqs.seqused_k is not None else ""
         kernel = self._forward_kernel(problem.spec, compile_cache.runtime_target(q.device), variant)
-        launch_packed_forward(kernel, q, k, v, out, lse, seqs, problem)
+        launch_packed_forward(kernel, q, k, v, out, lse, seqs, problem, sink)
 
     def kvcache_splits(self, problem: KvCacheProblem, sm_count: int) -> int:
         from .kvcache.tile_config import kvcache_splits
@@ -245,6 +252,18 @@ class _Backend:
         if backward:
             artifacts += _bwd().compile_backward_artifacts(spec, target)
         return artifacts
+
+
+def _check_features(problem, sink: Optional[torch.Tensor]) -> None:
+    """The runtime values a build for spec.softcap / spec.sink reads: a cap > 0 and an fp32 sink view (the front end
+    validates them; a kernel handed none would fail obscurely at launch)."""
+    spec = problem.spec
+    if spec.softcap and not problem.softcap > 0:
+        raise ValueError(f"a soft-capping build needs softcap > 0, got {problem.softcap}")
+    if spec.sink and (sink is None or sink.dtype != torch.float32 or sink.dim() != 2):
+        raise ValueError("a build with learnable sinks needs the (rows, h) float32 sink view (arch/base.FwdTensors)")
+    if not spec.sink and sink is not None:
+        raise ValueError("sink logits given to a build without learnable sinks (spec.sink is False)")
 
 
 BACKEND = _Backend()

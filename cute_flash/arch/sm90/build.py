@@ -14,6 +14,7 @@ from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import (
     fake_cu_seqlens,
     fake_f32,
+    fake_feature_args,
     fake_operand,
     fake_packed_forward_args,
     fake_packed_preprocess_args,
@@ -35,7 +36,8 @@ def _strided(dtype, shape, last_dim: int):
 
 def compile_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_options: Optional[str] = None):
     """The compiled forward: call it as fn(q, k, v, out, lse, softmax_scale, window_left, window_right); with
-    spec.varlen the packed entry (compile_forward_packed)."""
+    spec.varlen the packed entry (compile_forward_packed). Builds for spec.softcap / spec.sink take the `features`
+    entry: fn(..., window_right, softcap, sink) with sink the (rows, h) fp32 view (None without spec.sink)."""
     if spec.varlen:
         return compile_forward_packed(spec, cfg, target, extra_options, seqused=False)
     dtype = dsl_dtype(spec.dtype)
@@ -48,15 +50,18 @@ def compile_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     kernel = Sm90FlashForward(spec, cfg)
     options = compile_cache.compile_options(target, extra=extra_options or "")
-    return cute.compile(
-        kernel, q, k, v, out, lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream, options=options
-    )
+    scalars = cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0)
+    if spec.softcap or spec.sink:
+        features = fake_feature_args(spec.sink)
+        return cute.compile(kernel.features, q, k, v, out, lse, *scalars, *features, stream, options=options)
+    return cute.compile(kernel, q, k, v, out, lse, *scalars, stream, options=options)
 
 
 def compile_forward_split(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_options: Optional[str] = None):
     """The split-key forward (arch/split_kv.py): fn(q, k, v, o_part, lse_part, softmax_scale, window_left, window_right)
     with o_part (splits * b, sq, h, dv) and lse_part (splits * b, h, sq) fp32, the split count their first
-    extent over q's batch."""
+    extent over q's batch. Builds for spec.softcap / spec.sink take the `features` entry, fn(..., window_right,
+    softcap, None): the partials leave the sink out (the combine adds it)."""
     dtype = dsl_dtype(spec.dtype)
     batch, seqlen_q, seqlen_k, heads, heads_kv, parts = (cute.sym_int() for _ in range(6))
     q = _strided(dtype, (batch, seqlen_q, heads), spec.head_dim)
@@ -67,10 +72,11 @@ def compile_forward_split(spec: AttentionSpec, cfg: FwdTileConfig, target: str, 
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     kernel = Sm90FlashForward(spec, cfg, split_kv=True)
     options = compile_cache.compile_options(target, extra=extra_options or "")
-    return cute.compile(
-        kernel, q, k, v, o_part, lse_part, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream,
-        options=options,
-    )  # fmt: skip
+    scalars = cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0)
+    if spec.softcap or spec.sink:
+        features = fake_feature_args(sink=False)
+        return cute.compile(kernel.features, q, k, v, o_part, lse_part, *scalars, *features, stream, options=options)
+    return cute.compile(kernel, q, k, v, o_part, lse_part, *scalars, stream, options=options)
 
 
 def compile_forward_packed(
@@ -78,13 +84,18 @@ def compile_forward_packed(
 ):
     """The packed (varlen) forward: fn(q, k, v, out, lse, softmax_scale, window_left, window_right, cu_seqlens_q,
     cu_seqlens_k, seqused_k (a tensor when `seqused`, else None), max_seqlen_q) with q (total_q, h, d), k / v
-    (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q); batch = cu_seqlens_q's length - 1."""
+    (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q); batch = cu_seqlens_q's length - 1. Builds for
+    spec.softcap / spec.sink take the `packed_features` entry: softcap and the (total_q, h) sink view (None without
+    spec.sink) after window_right."""
     dtype = dsl_dtype(spec.dtype)
     args = fake_packed_forward_args(dtype, spec.head_dim, spec.head_dim_v, seqused)
     assert spec.varlen
     kernel = Sm90FlashForward(spec, cfg)  # the `packed` entry (common/entries.FwdEntries)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = compile_cache.compile_options(target, extra=extra_options or "")
+    if spec.softcap or spec.sink:
+        args = (*args[:8], *fake_feature_args(spec.sink), *args[8:])
+        return cute.compile(kernel.packed_features, *args, stream, options=options)
     return cute.compile(kernel.packed, *args, stream, options=options)
 
 

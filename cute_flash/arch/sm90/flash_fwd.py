@@ -25,6 +25,14 @@ next sequence's rows: keys there are masked like any key past seqlen_k, query ro
 stored (epilogue.py stores O row-predicated, not by TMA). The grid spans every sequence's query tiles in order
 (cta.py; at most batch + 1 CTAs per head without work, twice that in clusters).
 
+Soft-capping and learnable sinks (spec.softcap / spec.sink; the feature entries `features` / `packed_features`,
+common/entries.py, which take the cap and the (rows, h) fp32 sink view after the window bounds) are consumer-side
+only: each S tile becomes tanh(S * softmax_scale / softcap) in place right after its wgmma, before the mask
+(`modify_scores`: one FMUL and one MUFU.TANH per score), and the online softmax runs with softcap * log2(e) as its
+scale; each consumer thread reads the sink of its rows once before its walk (`row_sinks`) and finalize folds it into
+the denominator and LSE (rows without keys: O 0, LSE the sink). A split build applies the cap and leaves the sink
+to its combine.
+
 Clusters (FwdTileConfig.cluster_m 2; packed d128 / d256 calls without a mask, tile_config.multicast_kv): two CTAs
 share the query tiles of one (sequence, head), 64-row slices dealt out in turn (cta.py), and each loads half of every
 K / V tile into both by TMA multicast (loads.py); the K / V rings count both CTAs' consumers (pipelines.py). Half the
@@ -51,6 +59,7 @@ from ...common.entries import FwdEntries
 from ...common.packed_tiles import packed_tiles_bound
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
+from ...common.softcap import apply_softcap, softcap_factors
 from ...spec import AttentionSpec
 from .barriers import WarpGroupTurns, warpgroup_sync
 from .cta import CtaWork, cta_work
@@ -96,6 +105,7 @@ class TileLoop(NamedTuple):
     turns: WarpGroupTurns
     mask: Callable
     scales: Optional[Callable]  # the FP8 kernel's per-tile factors; None here
+    pre_tanh: Optional[Float32] = None  # spec.softcap: the factor before the tanh (common/softcap.py)
 
 
 class Sm90FlashForward(FwdEntries):
@@ -107,6 +117,8 @@ class Sm90FlashForward(FwdEntries):
 
     promote_pv = False  # P·V accumulates into O inside the wgmma (the FP8 kernel may promote it in fp32)
     split_kv = False  # (set per instance, below)
+    softcap = False  # spec.softcap: scores soft-capped before the mask (set per instance, below)
+    sink = False  # spec.sink: a learnable sink joins each row's denominator (set per instance, below)
 
     def __init__(self, spec: AttentionSpec, cfg: FwdTileConfig, split_kv: bool = False):
         dtype = dsl_dtype(spec.dtype)
@@ -119,6 +131,10 @@ class Sm90FlashForward(FwdEntries):
         # and (splits * b, h, sq) fp32 and the grid's third dimension spans them (cta.py).
         self.split_kv = split_kv
         assert self.cluster_m == 1 or not split_kv, "K / V multicast (cluster_m 2) and split keys do not combine"
+        # Soft-capping and sinks (the feature entries, common/entries.py). A split build's partials leave the sink
+        # out: the combine adds it once to the merged row (common/split_combine.py).
+        self.softcap = spec.softcap
+        self.sink = spec.sink and not split_kv
         # O reuses each consumer's Q slice: one slot per consumer, as wide as the wider of the two, so that a consumer
         # writing its O never touches the Q another consumer may still be reading (head_dim != head_dim_v).
         self.slice_elems = ROWS_PER_CONSUMER * max(spec.head_dim, spec.head_dim_v)
@@ -184,9 +200,12 @@ class Sm90FlashForward(FwdEntries):
         return dict(grid=grid, block=[self.cfg.num_threads, 1, 1], min_blocks_per_mp=1, **cluster)
 
     @cute.jit
-    def _launch(self, mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, packed=None):
-        """Both entries: `__call__` (common/entries.py) on dense tensors, `packed` (packed: (cu_seqlens_q,
-        cu_seqlens_k, seqused_k or None, max_seqlen_q)) on packed ones."""
+    def _launch(
+        self, mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, packed=None, features=None
+    ):
+        """Every entry: `__call__` (common/entries.py) on dense tensors, `packed` (packed: (cu_seqlens_q,
+        cu_seqlens_k, seqused_k or None, max_seqlen_q)) on packed ones; `features` / `packed_features` (features:
+        (softcap, the (rows, h) sink view or None)) for builds with soft-capping or sinks."""
         if const_expr(packed is None):
             mQ, mK, mV, mO = [seq_major_view(t) for t in (mQ, mK, mV, mO)]
             mLSE = stats_view(mLSE)  # (sq, h, b)
@@ -242,8 +261,9 @@ class Sm90FlashForward(FwdEntries):
             if const_expr(self.split_kv):
                 tmas = (*tmas[:3], mO)  # fp32 partials, stored from registers (epilogue.store_partial_o_and_lse)
             self.kernel(
-                tmas, mLSE, descales, atoms, mmas, layouts, softmax_scale, window_left, window_right, SharedStorage
-            ).launch(stream=stream, **self.launch_shape(mQ, mO=mO))
+                tmas, mLSE, descales, atoms, mmas, layouts, softmax_scale, window_left, window_right, SharedStorage,
+                features=features,
+            ).launch(stream=stream, **self.launch_shape(mQ, mO=mO))  # fmt: skip
         else:
             # O goes out by predicated stores (epilogue.py): the kernel gets the tensor itself, not O's TMA view.
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q = packed
@@ -262,6 +282,7 @@ class Sm90FlashForward(FwdEntries):
                 mCuSeqlensQ,
                 mCuSeqlensK,
                 mSeqUsedK,
+                features=features,
             ).launch(stream=stream, **self.launch_shape(mQ, (mCuSeqlensQ, max_seqlen_q)))
 
     @cute.kernel
@@ -280,6 +301,7 @@ class Sm90FlashForward(FwdEntries):
         mCuSeqlensQ: Optional[cute.Tensor] = None,  # packed sequences only
         mCuSeqlensK: Optional[cute.Tensor] = None,
         mSeqUsedK: Optional[cute.Tensor] = None,
+        features=None,  # feature builds: (softcap, the (rows, h) sink view or None)
     ):
         mQ, mK, mV, mO = tmas
         atom_q, atom_k, atom_v = atoms[:3]
@@ -290,6 +312,9 @@ class Sm90FlashForward(FwdEntries):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV_load, sV, sO = self.v_and_o_smem(storage, layouts)
+        consume = partial(self.consume, pipes, mmas, (sQ, sK, sV), (sO, mO, mLSE, atom_o), descales, softmax_scale)
+        if const_expr(features is not None):
+            consume = partial(consume, features=features)
 
         self.run_roles(
             warp_idx,
@@ -300,7 +325,7 @@ class Sm90FlashForward(FwdEntries):
             (sQ, sK, sV_load),
             window_left,
             window_right,
-            partial(self.consume, pipes, mmas, (sQ, sK, sV), (sO, mO, mLSE, atom_o), descales, softmax_scale),
+            consume,
             None if const_expr(not self.varlen) else (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK),
         )
 
@@ -455,9 +480,12 @@ class Sm90FlashForward(FwdEntries):
         )
 
     @cute.jit
-    def consume(self, pipes, mmas, smem, out, descales, softmax_scale, work: CtaWork, consumer, tidx, warp_in_wg):
+    def consume(
+        self, pipes, mmas, smem, out, descales, softmax_scale, work: CtaWork, consumer, tidx, warp_in_wg, features=None
+    ):
         """One consumer warpgroup's query rows: mmas, smem (sQ, sK, sV) and out (sO, mO, mLSE, O's TMA atom) as
-        kernel() packs them; descales: the FP8 kernel's (none here)."""
+        kernel() packs them; descales: the FP8 kernel's (none here); features: (softcap, sink view) of a feature
+        build."""
         if const_expr(self.cluster_m > 1):
             pipes = cluster_rings(pipes, work.n_max - work.n_min, self.num_stages)
         tiled_mma_qk, tiled_mma_pv = mmas
@@ -471,9 +499,15 @@ class Sm90FlashForward(FwdEntries):
         acc_O.fill(0.0)
 
         coords = self.score_coords(tiled_mma_qk, thr_qk, consumer)
-        softmax = OnlineSoftmax.create(
-            softmax_scale * LOG2_E, cute.size(rows_cols_view(acc_O), mode=[0]), sequential_sum=True
-        )
+        scale_log2 = softmax_scale * LOG2_E
+        pre_tanh = None
+        if const_expr(self.softcap):
+            # T = tanh(S * pre_tanh) in place of S, and the softmax of T runs with softcap * log2(e) as its scale.
+            pre_tanh, scale_log2 = softcap_factors(softmax_scale, features[0])
+        softmax = OnlineSoftmax.create(scale_log2, cute.size(rows_cols_view(acc_O), mode=[0]), sequential_sum=True)
+        sinks_log2 = None
+        if const_expr(self.sink):  # loaded here, so that the loads' latency hides behind the main loop
+            sinks_log2 = self.row_sinks(features[1], thr_pv, work, consumer)
         turns = WarpGroupTurns(consumer, self.num_consumers, self.cfg.ping_pong)
         turns.prime()
 
@@ -481,11 +515,29 @@ class Sm90FlashForward(FwdEntries):
             zero_v = None
             if const_expr(self.v_tail_dirty):
                 zero_v = partial(self.zero_v_tail, pipes, sV, work, consumer, tidx)
-            self.mainloop(pipes, gemms.for_consumer(consumer), acc_O, softmax, turns, work, coords, None, zero_v)
+            self.mainloop(
+                pipes, gemms.for_consumer(consumer), acc_O, softmax, turns, work, coords, None, zero_v, pre_tanh
+            )
 
-        row_scale, lse = softmax.finalize()
+        row_scale, lse = softmax.finalize(sinks_log2)
         softmax.rescale(rows_cols_view(acc_O), row_scale)
         self.store_output(acc_O, lse, tiled_mma_pv, thr_pv, out, work, consumer, tidx, warp_in_wg)
+
+    @cute.jit
+    def row_sinks(self, mSink: cute.Tensor, thr_o, work: CtaWork, consumer: Int32) -> cute.Tensor:
+        """sink * log2(e) of each of this thread's query rows (OnlineSoftmax.finalize's sinks_log2), read from the
+        (rows, h) view at the row's index within its sequence; rows past seqlen_q (never stored) read nothing and
+        take 0."""
+        rows = ROWS_PER_CONSUMER
+        coords = rows_cols_view(thr_o.partition_C(cute.make_identity_tensor((rows, self.head_dim_v))))
+        first = work.q_slice(consumer, self.num_consumers, self.cluster_m) * rows
+        sinks = cute.make_rmem_tensor(cute.size(coords, mode=[0]), Float32)
+        for r in cutlass.range_constexpr(cute.size(sinks)):
+            row = first + coords[r, 0][0]
+            sinks[r] = 0.0
+            if row < work.seqlen_q:
+                sinks[r] = mSink[row, work.head] * LOG2_E
+        return sinks
 
     @cute.jit
     def zero_v_tail(self, pipes: LoadPipelines, sV: cute.Tensor, work: CtaWork, consumer: Int32, tidx: Int32):
@@ -563,14 +615,23 @@ class Sm90FlashForward(FwdEntries):
         return coords_rc, coords0_rc
 
     @cute.jit
-    def first_scores(self, pipes, gemms: ConsumerGemms, kv, s_shape: cutlass.Constexpr, mask, n_first: Int32):
+    def first_scores(
+        self, pipes, gemms: ConsumerGemms, kv, s_shape: cutlass.Constexpr, mask, n_first: Int32, pre_tanh=None
+    ):
         """S of the right-most key tile (the seqlen_k tail and the diagonal live there), alone and masked."""
         consumer_wait(pipes.k, kv)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         wgmma.gemm(gemms.mma_qk, acc_S, gemms.tSrQ, gemms.tSrK[None, None, None, kv.index], zero_init=True, wait=0)
         pipes.k.consumer_release(kv)
+        self.modify_scores(acc_S, pre_tanh)
         mask(acc_S, n_first, True, self.causal or self.local)
         return acc_S
+
+    def modify_scores(self, acc_S: cute.Tensor, pre_tanh):
+        """What happens to a tile's raw scores before the mask: soft-capping where spec.softcap (one FMUL and one
+        MUFU.TANH per score, common/softcap.py), nothing otherwise."""
+        if const_expr(self.softcap):
+            apply_softcap(acc_S, pre_tanh)
 
     @cute.jit
     def overlapped_gemms(
@@ -591,6 +652,7 @@ class Sm90FlashForward(FwdEntries):
         loop.turns.pass_turn()
         warpgroup.wait_group(1)  # S is ready; P·V may still run
         pipes.k.consumer_release(kv)
+        self.modify_scores(acc_S, loop.pre_tanh)
         if const_expr(mask_window):
             loop.mask(acc_S, n_block, False, True)
         return kv, kv_v, acc_S
@@ -607,6 +669,7 @@ class Sm90FlashForward(FwdEntries):
         coords,  # score_coords
         scales: cutlass.Constexpr,  # FP8: per-tile factors (tile_factors); None here
         before_first_pv=None,  # packed sequences: zero_v_tail, once the first tile's P is formed
+        pre_tanh=None,  # spec.softcap: the factor before the tanh (softcap_factors)
     ):
         """All key blocks of one CTA tile, right to left, for one consumer warpgroup; returns what the walk carried
         (the K/V pipeline state, and the FP8 kernel's V descale of the last tile)."""
@@ -620,7 +683,7 @@ class Sm90FlashForward(FwdEntries):
 
         n_first = work.n_max - 1
         factors = self.tile_factors(scales, n_first)
-        acc_S = self.first_scores(pipes, gemms, kv, s_shape, mask, n_first)
+        acc_S = self.first_scores(pipes, gemms, kv, s_shape, mask, n_first, pre_tanh)
         self.softmax_update(softmax, acc_S, factors, True)
         self.store_p(acc_S, gemms.tOrP)
         if const_expr(before_first_pv is not None):
@@ -629,7 +692,7 @@ class Sm90FlashForward(FwdEntries):
             before_first_pv()
 
         acc_PV, o_state, carry = self.loop_state(gemms, acc_O, softmax, kv, factors)
-        loop = TileLoop(pipes, gemms, acc_O, acc_PV, o_state, s_shape, softmax, turns, mask, scales)
+        loop = TileLoop(pipes, gemms, acc_O, acc_PV, o_state, s_shape, softmax, turns, mask, scales, pre_tanh)
         # Then the rest, right to left; only blocks crossing a window edge pay for masking.
         carry = walk_kv_blocks(work.info, work.m_block, work.n_min, n_first, partial(self.step, loop=loop), carry)
 

@@ -39,6 +39,9 @@ def fp8_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
             )
     if spec.mask not in ("none", "causal", "local"):
         return f"unknown mask kind {spec.mask!r}"
+    missing = [name for name, on in (("soft-capping", spec.softcap), ("learnable sinks", spec.sink)) if on]
+    if missing:
+        return f"the sm90 FP8 forward has no {' or '.join(missing)} (the bf16 / fp16 kernels have them)"
     return budget_problem(fp8_fwd_config(spec.head_dim, spec.head_dim_v, spec.mask), spec.head_dim, spec.head_dim_v)
 
 
