@@ -214,7 +214,12 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         _, sV, sO = self.v_and_o_smem(storage, layouts[:4])
 
-        work = self.kvcache_work(mQ, mSeqlensK, mCuSeqlensQ, window_left, window_right)
+        # Keys a sequence can hold: a length past it reads as the capacity (a broken contract, undefined results),
+        # so that no page-table entry past a sequence's row is read (TMA zero-fills what lies past a dense cache).
+        capacity = mK.shape[0]
+        if const_expr(mPageTable is not None):
+            capacity = mPageTable.shape[1] * self.page_size
+        work = self.kvcache_work(mQ, mSeqlensK, mCuSeqlensQ, capacity, window_left, window_right)
         pipeline.pipeline_init_wait(self.cluster_shape())
         if work.active(self.tile_m):
             consume = partial(self.consume, pipes, mmas, (sQ, sK, sV), (sO, mO, mLSE, mVDescale), ())
@@ -261,7 +266,10 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
         return warp_idx, tidx, storage, pipes, rings8
 
     @cute.jit
-    def kvcache_work(self, mQ, mSeqlensK, mCuSeqlensQ, window_left: Int32, window_right: Int32) -> CtaWork:
+    def kvcache_work(
+        self, mQ, mSeqlensK, mCuSeqlensQ, capacity: Int32, window_left: Int32, window_right: Int32
+    ) -> CtaWork:
+        """This CTA's rows and key tiles; its sequence's length clamped into [0, capacity]."""
         bidx, head_kv, z = cute.arch.block_idx()
         num_seqs = mSeqlensK.shape[0]
         batch, split = z, Int32(0)
@@ -278,8 +286,9 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
             offset_q = mCuSeqlensQ[batch]
             seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
             out_batch = split
+        seqlen_k = cutlass.max(cutlass.min(mSeqlensK[batch], capacity), 0)
         info = BlockInfo(
-            self.tile_m, self.tile_n, self.mask_kind, seqlen_q, mSeqlensK[batch], window_left, window_right,
+            self.tile_m, self.tile_n, self.mask_kind, seqlen_q, seqlen_k, window_left, window_right,
             rows_per_query=group,
         )  # fmt: skip
         n_min, n_max = info.kv_block_range(m_block)

@@ -17,7 +17,11 @@ past seqlen_k hold whatever the cache holds: the consumers mask those keys and z
 
 Page-table entries: lane i of the warp holds the entry of box i of a tile (up to 32 boxes: tile_n / 8 <= 32), read a
 tile ahead of the tile's TMA issue (the loads of tile n - 1's entries go out before the producer waits for the
-stages of tile n), and the issuing lane takes each by a shuffle. Only the walk's own tiles' entries are read.
+stages of tile n), and the issuing lane takes each by a shuffle. Only the walk's own tiles' entries are read, and
+none past a sequence's row of the table: seqlen_k is the sequence's length clamped to the table's capacity
+(flash_fwd.kvcache_work). A page index outside [0, num_pages) reads zeros, never other memory: TMA zero-fills
+boxes outside the cache tensor, whose extents (the page count included) the descriptor takes from k_cache / v_cache
+at each launch.
 
 The query rows (warp 1): (token, head) pairs have two strides, which one TMA box cannot follow, so the warp copies
 each row's 16-byte chunks with cp.async into the consumers' swizzled Q slices (zeros for rows past the sequence),
