@@ -109,7 +109,9 @@ def compile_forward_kvcache(
     h_kv, d) and None, in q's dtype or with spec.kv_fp8 float8_e4m3fn and k_descale / v_descale (b, h_kv) fp32 (else
     None); seqlens_k (b,) int32; out / lse like q ((b, sq, h, dv) / (b, h, sq), packed (total_q, h, dv) / (h,
     total_q)), or with `split` the fp32 partials (parts, sq or total_q, h, dv) / (parts, h, sq or total_q), parts =
-    splits x b (packed: splits)."""
+    splits x b (packed: splits). Builds for spec.softcap / spec.sink take the `kvcache_features` entry: fn(...,
+    window_right, softcap, sink) with sink the (h,) fp32 logits (None without spec.sink, and for `split`: the
+    partials leave the sink to the combine)."""
     from .kvcache.flash_fwd import Sm90FlashForwardKvCache
 
     dtype = dsl_dtype(spec.dtype)
@@ -139,6 +141,9 @@ def compile_forward_kvcache(
     options = compile_cache.compile_options(target, extra=extra_options or "")
     scalars = cutlass.Int32(1), cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0)
     args = (q, k, v, out, lse, seqlens_k, page_table, cu_seqlens_q, *descales, *scalars)
+    if spec.softcap or spec.sink:
+        sink = fake_f32((heads,)) if spec.sink and not split else None
+        return cute.compile(kernel.kvcache_features, *args, cutlass.Float32(1.0), sink, stream, options=options)
     return cute.compile(kernel.kvcache, *args, stream, options=options)
 
 

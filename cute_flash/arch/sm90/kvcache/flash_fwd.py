@@ -24,6 +24,13 @@ k_cache / v_cache (pages, page_size, h_kv, d), a dense cache (b, seqlen_cache, h
 seqlens_k (b,) int32; page_table (b, max_pages) int32; out like q; lse (b, h, sq) or (h, total_q). Split builds:
 out / lse are the fp32 partials (splits * b, sq, h, dv) / (splits * b, h, sq), packed q (splits, total_q, h, dv) /
 (splits, h, total_q). max_seqlen_q: the longest sequence's query tokens (the grid; dense q: sq).
+
+Soft-capping and learnable sinks (spec.softcap / spec.sink): entry `kvcache_features`, `kvcache`'s arguments then
+softcap (Float32) and the (h,) fp32 sink logits (None without spec.sink, and in split builds, whose partials leave
+the sink to the combine). They are the forward's consumer-side hooks, unchanged: the tanh right after each S
+product (an fp8 cache's k_descale is already in the score scale there, so the cap bends the dequantised scores) and
+the sinks folded in at finalize, read through `views.gqa_sink_view` (row s * group + j of KV head g: query head
+g * group + j's sink).
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from .convert import CONVERTER_WARPS, FIRST_CONVERTER_WARP, FP8, Staging, conver
 from .epilogue import store_lse_rows, store_o_rows, store_partial_o_rows
 from .loads import cache_tiles, load_cache_tiles, load_q_rows
 from .tile_config import KvCacheTileConfig, chunk_rows
-from .views import cache_view, gqa_rows_view, gqa_stats_view
+from .views import cache_view, gqa_rows_view, gqa_sink_view, gqa_stats_view
 
 
 class Sm90FlashForwardKvCache(Sm90FlashForward):
@@ -92,8 +99,49 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
         window_right: Int32,
         stream: cuda.CUstream,
     ):
+        self._launch_kvcache(
+            mQ, mK, mV, mO, mLSE, mSeqlensK, mPageTable, mCuSeqlensQ, mKDescale, mVDescale, max_seqlen_q,
+            softmax_scale, window_left, window_right, stream,
+        )  # fmt: skip
+
+    @cute.jit
+    def kvcache_features(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mSeqlensK: cute.Tensor,
+        mPageTable,
+        mCuSeqlensQ,
+        mKDescale,
+        mVDescale,
+        max_seqlen_q: Int32,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        softcap: Float32,  # spec.softcap: the cap (> 0; 0.0 when unused)
+        mSink,  # Optional[cute.Tensor]: spec.sink, unsplit: the (h,) fp32 sink logits (split builds: None)
+        stream: cuda.CUstream,
+    ):
+        """The entry of builds for spec.softcap / spec.sink (`kvcache`'s arguments, then softcap and the sink)."""
+        self._launch_kvcache(
+            mQ, mK, mV, mO, mLSE, mSeqlensK, mPageTable, mCuSeqlensQ, mKDescale, mVDescale, max_seqlen_q,
+            softmax_scale, window_left, window_right, stream, features=(softcap, mSink),
+        )  # fmt: skip
+
+    @cute.jit
+    def _launch_kvcache(
+        self, mQ, mK, mV, mO, mLSE, mSeqlensK, mPageTable, mCuSeqlensQ, mKDescale, mVDescale, max_seqlen_q,
+        softmax_scale, window_left, window_right, stream, features=None,
+    ):  # fmt: skip
         group = mQ.shape[cute.rank(mQ) - 2] // mK.shape[2]
         num_seqs = mSeqlensK.shape[0]
+        if const_expr(features is not None and features[1] is not None):
+            # The consumers read sink[row, head] (row_sinks) with the row within the sequence and head the KV head:
+            # the (h,) logits seen as ((group, 1), h_kv), row s * group + j of KV head g at g * group + j.
+            features = (features[0], gqa_sink_view(features[1], group))
         mQ = gqa_rows_view(mQ, group)
         mO = gqa_rows_view(mO, group)
         mLSE = gqa_stats_view(mLSE, group, packed=self.packed_q and not self.split_kv)
@@ -174,6 +222,7 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
             window_left,
             window_right,
             SharedStorage,
+            features=features,
         ).launch(grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, **self.residency())
 
     def residency(self) -> dict:
@@ -196,6 +245,7 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
         window_left: Int32,
         window_right: Int32,
         SharedStorage: cutlass.Constexpr,
+        features=None,  # feature builds: (softcap, the sink view of gqa_sink_view or None)
     ):
         mQ, mK, mV, mO = tensors
         mSeqlensK, mPageTable, mCuSeqlensQ, mKDescale, mVDescale = cache_args
@@ -223,6 +273,8 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
         pipeline.pipeline_init_wait(self.cluster_shape())
         if work.active(self.tile_m):
             consume = partial(self.consume, pipes, mmas, (sQ, sK, sV), (sO, mO, mLSE, mVDescale), ())
+            if const_expr(features is not None):
+                consume = partial(consume, features=features)
             self.roles_kvcache(
                 warp_idx, tidx, pipes, atoms, (mQ, mK, mV, mPageTable, mKDescale), (sQ, sK, sV), consume, work,
                 softmax_scale, staging,

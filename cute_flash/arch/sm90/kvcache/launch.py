@@ -9,6 +9,11 @@ arch/base.SplitForward makes it: CUDA-graph capture takes it from its pool) and 
 (common/split_combine.py) on the same stream, which waits for it by programmatic dependent launch. Packed q is
 combined as one sequence of total_q rows (out (1, total_q, h, dv)); every row must belong to a sequence
 (cu_seqlens_q[-1] == total_q: the front end's contract), since the combine writes every row.
+
+Soft-capping and learnable sinks (spec.softcap / spec.sink): the builds' `kvcache_features` entry takes the cap and
+the (h,) fp32 logits (KvCacheTensors.sink), which the kernel maps to its (token, head) rows itself. A split build
+applies the cap and leaves the sink out of its partials; the combine's sink build adds it once per output row, whose
+rows are the output's own (token, query head) pairs: it reads the logits as a (rows, h) view of row stride 0.
 """
 
 from __future__ import annotations
@@ -59,10 +64,13 @@ def run_forward_kvcache(t: KvCacheTensors, problem: KvCacheProblem, num_splits: 
     target = compile_cache.runtime_target(t.q.device)
     num_splits = min(num_splits, MAX_GRID_YZ // max(p.batch, 1))  # grid z = splits x b (the count changes speed only)
     split = num_splits > 1
+    _check_features(t, p)
     kernel = kvcache_kernel(spec, cfg, target, packed, split)
     tail = (t.seqlens_k, t.page_table, t.cu_seqlens_q, t.k_descale, t.v_descale, int(p.seqlen_q))
     tail += (float(p.softmax_scale),)
     tail += (int(p.mask.left), int(p.mask.right))
+    if spec.softcap or spec.sink:  # the feature entry (build.compile_forward_kvcache)
+        tail += (float(p.softcap), None if split else t.sink)
     if not split:
         kernel(t.q, t.k_cache, t.v_cache, t.out, t.lse, *tail)
         return
@@ -74,7 +82,25 @@ def run_forward_kvcache(t: KvCacheTensors, problem: KvCacheProblem, num_splits: 
     lse_part = block[o_elems:].view(parts, p.nheads, rows)
     kernel(t.q, t.k_cache, t.v_cache, o_part, lse_part, *tail)
     out, lse = (t.out.unsqueeze(0), t.lse.unsqueeze(0)) if packed else (t.out, t.lse)
-    split_kv.combine_kernel(spec, target)(o_part, lse_part, out, lse)
+    combine = split_kv.combine_kernel(spec, target)
+    if spec.sink:  # the combine's rows are the output's (token, query head) pairs: sink[head] for every token
+        combine(o_part, lse_part, out, lse, t.sink.view(1, p.nheads).expand(rows, p.nheads))
+    else:
+        combine(o_part, lse_part, out, lse)
+
+
+def _check_features(t: KvCacheTensors, p: KvCacheProblem) -> None:
+    """The runtime values a build for spec.softcap / spec.sink reads (the front end validates them; a kernel handed
+    none would fail obscurely at launch): a cap > 0, and the (h,) contiguous fp32 logits."""
+    spec = p.spec
+    if spec.softcap and not p.softcap > 0:
+        raise ValueError(f"a soft-capping build needs softcap > 0, got {p.softcap}")
+    if spec.sink:
+        s = t.sink
+        if s is None or s.dtype != torch.float32 or tuple(s.shape) != (p.nheads,) or not s.is_contiguous():
+            raise ValueError(f"a build with learnable sinks needs the ({p.nheads},) contiguous float32 logits")
+    elif t.sink is not None:
+        raise ValueError("sink logits given to a build without learnable sinks (spec.sink is False)")
 
 
 def warm_kvcache(spec: AttentionSpec, target: str) -> None:

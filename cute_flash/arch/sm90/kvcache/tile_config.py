@@ -136,8 +136,6 @@ def kvcache_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
     sm80 family's gather path)."""
     if spec.dtype not in ("fp16", "bf16") or spec.out_dtype != spec.dtype:
         return f"the sm90 KV-cache forward computes in fp16 or bf16 and writes its input dtype, not {spec.dtype}"
-    if spec.softcap or spec.sink:
-        return "the sm90 KV-cache forward has no softcap or sink build yet"
     if spec.head_dim != spec.head_dim_v or spec.head_dim not in KVCACHE_HEAD_DIMS:
         return (
             f"the sm90 KV-cache forward needs head_dim == head_dim_v in {KVCACHE_HEAD_DIMS}, got ({spec.head_dim}, "
