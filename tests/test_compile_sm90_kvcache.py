@@ -1,8 +1,9 @@
 """CPU: the sm90 KV-cache forward (arch/sm90/kvcache/) without a GPU: the key-tile ranges of tiles whose rows are
 (query token, query head) pairs, what the backend refuses (the router then takes the sm80 gather path), the split
-counts, and three decoding builds (paged page 16 and dense, and paged with an fp8 cache) cross-compiled for sm_90a:
-spill-free, the K / V tiles as TMA boxes (one per page and 128 bytes of a row), the query rows by cp.async, wgmma
-with P from registers. The numbers are checked on the GPU (tests/test_sm90_kvcache.py)."""
+counts, and four decoding builds (paged page 16 and dense, paged with an fp8 cache, and that one with soft-capping
+and sinks) cross-compiled for sm_90a: spill-free, the K / V tiles as TMA boxes (one per page and 128 bytes of a
+row), the query rows by cp.async, wgmma with P from registers, one tanh per score where capped. The numbers are
+checked on the GPU (tests/test_sm90_kvcache.py)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,9 @@ def test_kvcache_specs_the_backend_refuses(page_size, d, reason):
     assert (got is None) if reason is None else (reason in got), got
     assert "no backward" in BACKEND.unsupported_reason(_spec(), backward=True)
     assert BACKEND.unsupported_reason(_spec(d, page_size=page_size, kv_fp8=True), backward=False) == got
+    for fp8 in (False, True):  # soft-capping and sinks change nothing the backend refuses
+        features = _spec(d, page_size=page_size, kv_fp8=fp8, softcap=True, sink=True)
+        assert BACKEND.unsupported_reason(features, backward=False) == got
 
 
 def test_boxes_lie_in_one_page():
@@ -132,8 +136,9 @@ _CENSUS = textwrap.dedent(
     from cute_flash.arch.sm90.kvcache.tile_config import kvcache_tile_config
     from cute_flash.spec import AttentionSpec
 
-    for page_size, fp8 in ((16, False), (0, False), (16, True)):
-        spec = AttentionSpec("bf16", 128, 128, "causal", "bf16", kvcache=True, page_size=page_size, kv_fp8=fp8)
+    for page_size, fp8, features in ((16, False, False), (0, False, False), (16, True, False), (16, True, True)):
+        spec = AttentionSpec("bf16", 128, 128, "causal", "bf16", kvcache=True, page_size=page_size, kv_fp8=fp8,
+                             softcap=features, sink=features)
         cfg = kvcache_tile_config(spec, 4)
         with tempfile.TemporaryDirectory() as dump:
             with census.capture_fd_stderr() as err:
@@ -141,19 +146,23 @@ _CENSUS = textwrap.dedent(
             ptx, _ = census.read_artifacts(fn)
         (_, res), = census.parse_ptxas_reports("".join(err))
         conversions = ptx.count("cvt.rn.f16x2.e4m3x2")
-        print(json.dumps(dict(page_size=page_size, fp8=fp8, census=census.ptx_census(ptx), conversions=conversions,
-                              **res)), flush=True)
+        print(json.dumps(dict(page_size=page_size, fp8=fp8, features=features, census=census.ptx_census(ptx),
+                              conversions=conversions, tanh=ptx.count("tanh.approx.f32"), **res)), flush=True)
     """
 )
 
 
 def test_kvcache_decoding_builds_compile():
     """Paged (page 16) and dense with a 16-bit cache, paged with an fp8 one (its e4m3 tiles converted by the
-    producer warpgroup's converter warps: wgmma stays 16-bit)."""
+    producer warpgroup's converter warps: wgmma stays 16-bit), and that one with soft-capping and sinks (the
+    `kvcache_features` entry) within the same 216 / 40 registers."""
     done = subprocess.run([sys.executable, "-c", _CENSUS], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [(r["page_size"], r["fp8"]) for r in reports] == [(16, False), (0, False), (16, True)]
+    want = [(16, False, False), (0, False, False), (16, True, False), (16, True, True)]
+    assert [(r["page_size"], r["fp8"], r["features"]) for r in reports] == want
+    # 32 scores per consumer thread and 64 x 64 tile, capped at the first tile and at both kinds of walk step.
+    assert [r["tanh"] for r in reports] == [0, 0, 0, 3 * 32]
     for r in reports:
         c = r["census"]
         assert r["spill_bytes"] == 0, r
