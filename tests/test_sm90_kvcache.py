@@ -7,7 +7,13 @@ The caches are hostile: pages in a random order, prefix pages shared between seq
 sequence's length NaN (the kernel must mask those keys and zero those V rows), unused page-table entries pointing
 nowhere, outputs NaN before the call (every row must be written).
 
-Run: pytest -m sm90 tests/test_sm90_kvcache.py  (skips without a compute capability 9.0 GPU; ~24 builds).
+Soft-capping and learnable sinks (the `kvcache_features` builds): the oracle caps scores as FlashAttention-4's
+attention_ref does (softcap * tanh(score * scale / softcap), masked after capping; an fp8 cache's scores are its
+dequantised keys' before the cap) and adds each query head's sink to its rows' denominators and LSE (rows without
+keys: out 0, LSE the sink). The sinks differ per query head, so a row that read another head's sink (a wrong GQA
+row mapping in the kernel's view, or in the split combine's) fails the rule.
+
+Run: pytest -m sm90 tests/test_sm90_kvcache.py  (skips without a compute capability 9.0 GPU; ~37 builds).
 """
 
 from __future__ import annotations
@@ -30,35 +36,49 @@ pytestmark = pytest.mark.sm90
 UNUSED_PAGE = 1 << 20  # page-table entries no length reaches: the kernel must never use them
 
 
-def _oracle(q, k, v, mask: MaskBounds, scale: float, dtype):
-    """out (sq, h, dv) and lse (h, sq) of one sequence (q (sq, h, d), k / v (sk, h_kv, d)), computed in `dtype`."""
+def _oracle(q, k, v, mask: MaskBounds, scale: float, dtype, softcap: float = 0.0, sink=None):
+    """out (sq, h, dv) and lse (h, sq) of one sequence (q (sq, h, d), k / v (sk, h_kv, d)), computed in `dtype`;
+    softcap > 0 caps the scores, sink (h,) joins each row's denominator and LSE."""
     sq, h, _ = q.shape
     sk, h_kv, _ = k.shape
     kc = k.to(dtype).repeat_interleave(h // h_kv, dim=1)
     vc = v.to(dtype).repeat_interleave(h // h_kv, dim=1)
     raw = torch.einsum("qhd,khd->hqk", q.to(dtype), kc)
+    if softcap > 0:  # the logits are base * mult: the capped scores, or the raw ones times the scale
+        base, mult = softcap * torch.tanh(raw * (scale / softcap)), 1.0
+    else:
+        base, mult = raw, scale
     hidden = ~visible_keys(sq, sk, mask, q.device)
-    row_max = raw.masked_fill(hidden, float("-inf")).amax(dim=-1, keepdim=True)
+    row_max = base.masked_fill(hidden, float("-inf")).amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-    p = torch.exp(((raw - row_max) * scale).masked_fill(hidden, float("-inf")))
-    row_sum = p.sum(dim=-1, keepdim=True)
+    logits = ((base - row_max) * mult).masked_fill(hidden, float("-inf"))
+    top = row_max * mult
+    sink_term = 0.0
+    if sink is not None:  # one more logit per row, valued at nothing: the larger of it and the keys' max is the shift
+        s = sink.to(dtype).view(h, 1, 1)
+        logits = logits + torch.clamp(top - s, max=0.0)
+        top = torch.maximum(top, s)
+        sink_term = torch.exp(s - top)
+    p = torch.exp(logits)
+    row_sum = p.sum(dim=-1, keepdim=True) + sink_term
     out = torch.einsum("hqk,khd->qhd", p / torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum), vc)
-    return out, (row_max * scale + torch.log(row_sum)).squeeze(-1).float()
+    return out, (top + torch.log(row_sum)).squeeze(-1).float()
 
 
 def _max_abs(a, b) -> float:
     return 0.0 if a.numel() == 0 else (a.double() - b.double()).abs().max().item()
 
 
-def _check_sequence(out, lse, q, k, v, mask: MaskBounds, scale: float, name: str) -> None:
-    ref, ref_lse = _oracle(q, k, v, mask, scale, torch.float64)
-    low, low_lse = _oracle(q, k, v, mask, scale, q.dtype)
+def _check_sequence(out, lse, q, k, v, mask: MaskBounds, scale: float, name: str, softcap=0.0, sink=None) -> None:
+    ref, ref_lse = _oracle(q, k, v, mask, scale, torch.float64, softcap, sink)
+    low, low_lse = _oracle(q, k, v, mask, scale, q.dtype, softcap, sink)
     assert torch.isfinite(out).all(), f"{name}: out has non-finite values"
     err, bound = _max_abs(out, ref), 2 * _max_abs(low, ref) + ABS_SLACK
     assert err <= bound, f"{name}: out err {err:.3e} > {bound:.3e}"
-    empty = torch.isinf(ref_lse)
+    empty = torch.isinf(ref_lse)  # rows without keys and without a sink
     assert torch.equal(torch.isneginf(lse), empty), f"{name}: lse -inf rows differ"
-    assert torch.count_nonzero(out.transpose(0, 1)[empty]) == 0, f"{name}: rows without keys must give out 0"
+    no_keys = ~visible_keys(q.shape[0], k.shape[0], mask, q.device).any(dim=-1)
+    assert torch.count_nonzero(out[no_keys]) == 0, f"{name}: rows without keys must give out 0"
     keep = ~empty
     err = _max_abs(lse[keep], ref_lse[keep])
     bound = 2 * max(_max_abs(low_lse[keep], ref_lse[keep]), 1e-4) + ABS_SLACK
@@ -141,9 +161,12 @@ def _run(
     splits: int = 1,
     seed: int = 0,
     dtype=torch.bfloat16,
+    softcap: float = 0.0,
+    sink=None,
+    scale=None,
 ):
     """One forward_kvcache call and its tensors: q (b, sq, h, d) with sq = seqlens_q[0] for all (packed: (total_q,
-    h, d)); returns (tensors, problem)."""
+    h, d)); softcap > 0 and sink (h,) fp32 select the feature build; returns (tensors, problem)."""
     b = len(cache.lengths)
     h_kv, d = cache.k.shape[2], cache.k.shape[3]
     fp8 = cache.k_descale is not None
@@ -159,14 +182,18 @@ def _run(
         cu = torch.tensor([0] + list(torch.tensor(seqlens_q).cumsum(0)), dtype=torch.int32, device="cuda")
     mask = normalize_mask(causal, window)
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
-    spec = AttentionSpec(name, d, d, mask.kind, name, kvcache=True, page_size=cache.page_size, kv_fp8=fp8)
+    spec = AttentionSpec(
+        name, d, d, mask.kind, name, kvcache=True, page_size=cache.page_size, kv_fp8=fp8, softcap=softcap > 0,
+        sink=sink is not None,
+    )  # fmt: skip
     assert BACKEND.unsupported_reason(spec, backward=False) is None
+    scale = d**-0.5 if scale is None else scale
     problem = KvCacheProblem(
-        b, max_sq, total, h, h_kv, d, d, cache.capacity, cache.k.shape[0], spec, mask, d**-0.5, packed_q=packed
+        b, max_sq, total, h, h_kv, d, d, cache.capacity, cache.k.shape[0], spec, mask, scale, softcap, packed_q=packed
     )
     seqlens_k = torch.tensor(cache.lengths, dtype=torch.int32, device="cuda")
     descales = dict(k_descale=cache.k_descale, v_descale=cache.v_descale)
-    t = KvCacheTensors(q, cache.k, cache.v, out, lse, seqlens_k, cache.page_table, cu, **descales)
+    t = KvCacheTensors(q, cache.k, cache.v, out, lse, seqlens_k, cache.page_table, cu, sink, **descales)
     BACKEND.forward_kvcache(t, problem, splits)
     return t, problem
 
@@ -183,7 +210,7 @@ def _check(cache: Cache, t: KvCacheTensors, problem: KvCacheProblem, seqlens_q: 
         if q.shape[0] == 0:
             continue
         name = f"seq {i} (sq {q.shape[0]}, sk {cache.lengths[i]})"
-        _check_sequence(out, lse, q, k, v, problem.mask, problem.softmax_scale, name)
+        _check_sequence(out, lse, q, k, v, problem.mask, problem.softmax_scale, name, problem.softcap, t.sink)
 
 
 def _lengths(page_size: int) -> List[int]:
@@ -321,3 +348,99 @@ def test_cuda_graph_replays_with_new_lengths_and_page_tables(page_size):
         torch.cuda.synchronize()
         cache.lengths, cache.page_table = list(lengths), t.page_table
         _check(cache, t, problem, [1])
+
+
+def _sinks(h: int, seed: int):
+    """Sink logits per query head, of both signs and all different (a row reading another head's sink fails the
+    rule); head 0's large enough to dominate its rows."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    s = torch.randn(h, generator=gen) * 2.0
+    s[0] = 6.0
+    return s.cuda()
+
+
+# Scores of std ~4 (0.35 x sqrt(128)): a cap of 4 bends most of them (tanh is far from linear there).
+SOFTCAP = dict(softcap=4.0, scale=0.35)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("feature", ["softcap", "sink"])
+def test_softcap_and_sinks(feature, splits):
+    """Each feature alone (paged, GQA 4, causal; empty sequences: out 0, LSE the sink); split: the partials leave the
+    sink to the combine."""
+    cache = Cache(_lengths(16), 16, 2, 128, torch.bfloat16, seed=41 + splits)
+    kw = SOFTCAP if feature == "softcap" else dict(sink=_sinks(8, seed=splits))
+    t, problem = _run(cache, [2], 8, causal=True, splits=splits, seed=41, **kw)
+    _check(cache, t, problem, [2])
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_softcap_and_sinks_gqa_groups(group, splits):
+    """Both features over GQA groups (the sink of row s * group + j of KV head g is head g * group + j's), dense
+    cache, two query tokens."""
+    cache = Cache([5, 300, 0, 1000, 64], 0, 2, 128, torch.bfloat16, seed=group)
+    t, problem = _run(cache, [2], 2 * group, causal=True, splits=splits, sink=_sinks(2 * group, group), **SOFTCAP)
+    _check(cache, t, problem, [2])
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("mask", WINDOWS[1:2] + WINDOWS[3:], ids=lambda m: f"causal{m[1]}" if m[0] else f"window{m[1]}")
+def test_softcap_and_sinks_windows(mask, splits):
+    """Windows; with negative bounds or short sequences some rows see no key: out 0, the sink as their LSE."""
+    causal, window = mask
+    cache = Cache([3, 129, 1000, 2047], 16, 2, 128, torch.bfloat16, seed=splits + 5)
+    t, problem = _run(cache, [5], 8, causal=causal, window=window, splits=splits, seed=8, sink=_sinks(8, 3), **SOFTCAP)
+    _check(cache, t, problem, [5])
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_softcap_and_sinks_packed_queries(splits):
+    """Packed q: the kernel's sink view is indexed by the row within its sequence, the combine's by the packed
+    output row."""
+    seqlens_q = [1, 3, 0, 6, 2]
+    cache = Cache([17, 500, 40, 1500, 0], 16, 2, 128, torch.bfloat16, seed=12)
+    t, problem = _run(cache, seqlens_q, 8, packed=True, causal=True, splits=splits, sink=_sinks(8, 4), **SOFTCAP)
+    _check(cache, t, problem, seqlens_q)
+
+
+def test_softcap_and_sinks_chunked_prefill():
+    """More rows than the decoding tile: the forward's 128-row tile (two consumers, each its own rows' sinks)."""
+    seqlens_q = [40, 1, 33, 17]
+    cache = Cache([40 + 900, 1, 33, 17 + 64], 16, 2, 128, torch.bfloat16, seed=13)
+    t, problem = _run(cache, seqlens_q, 8, packed=True, causal=True, sink=_sinks(8, 5), **SOFTCAP)
+    _check(cache, t, problem, seqlens_q)
+
+
+@pytest.mark.parametrize("group, splits", [(1, 1), (4, 3), (8, 1), (8, 3)])
+def test_softcap_and_sinks_fp8_cache(group, splits):
+    """An e4m3 cache: the cap bends the dequantised scores (k_descale joins the score scale before the tanh; a
+    descale applied after it would miss the rule by far, the descales spanning 0.05..1.05)."""
+    cache = Cache([0, 16, 17, 900, 2047], 16, 2, 128, torch.bfloat16, seed=51 + splits, fp8=True)
+    t, problem = _run(
+        cache, [2], 2 * group, causal=True, splits=splits, seed=51, sink=_sinks(2 * group, 6), softcap=2.0, scale=0.35
+    )
+    _check(cache, t, problem, [2])
+
+
+def test_lengths_and_page_indices_outside_the_contract_stay_inside_the_cache():
+    """A length past the cache's capacity reads as the capacity (no page-table entry past the sequence's row is
+    read), and a page index outside [0, num_pages) reads zeros (TMA zero-fills boxes outside the cache): the
+    kernel's result is then attention over those keys, with no access outside the cache."""
+    cache = Cache([100, 64], 16, 2, 128, torch.bfloat16, seed=61, capacity=128)  # 8 page-table columns
+    cache.page_table[0, 2] = UNUSED_PAGE
+    cache.page_table[0, 3] = -5
+    cache.lengths = [100, cache.capacity + 50]  # sequence 1's columns 4.. hold UNUSED_PAGE: zeros
+    t, problem = _run(cache, [3], 8, seed=61)
+    table = cache.page_table.tolist()
+    for i, n in enumerate(cache.lengths):
+        n = min(n, cache.capacity)
+        keys = [torch.zeros(n, *cache.k.shape[2:], dtype=cache.k.dtype, device="cuda") for _ in "kv"]
+        for col in range(-(-n // 16)):
+            page = table[i][col]
+            if 0 <= page < cache.k.shape[0]:
+                rows = slice(col * 16, min(col * 16 + 16, n))
+                for x, src in zip(keys, (cache.k, cache.v)):
+                    x[rows] = src[page, : rows.stop - rows.start]
+        name = f"seq {i} (clamped to {n} keys)"
+        _check_sequence(t.out[i], t.lse[i], t.q[i], *keys, problem.mask, problem.softmax_scale, name)
