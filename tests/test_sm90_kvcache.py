@@ -444,3 +444,24 @@ def test_lengths_and_page_indices_outside_the_contract_stay_inside_the_cache():
                     x[rows] = src[page, : rows.stop - rows.start]
         name = f"seq {i} (clamped to {n} keys)"
         _check_sequence(t.out[i], t.lse[i], t.q[i], *keys, problem.mask, problem.softmax_scale, name)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_packed_rows_past_total_q_are_never_touched(splits):
+    """cu_seqlens_q is not checked on the host: a sequence whose rows run past total_q is cut at it (sequence 1
+    here: rows 3 and 4 of 5), and nothing of out or lse past total_q is written."""
+    cache = Cache([40, 300], 16, 2, 128, torch.bfloat16, seed=71)
+    total, h, d = 5, 8, 128
+    gen = torch.Generator(device="cuda").manual_seed(71)
+    q = torch.randn(total, h, d, generator=gen, device="cuda").to(torch.bfloat16)
+    out_buf = torch.full((total + 70, h, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse_buf = torch.full((h, total + 70), float("nan"), device="cuda")
+    cu = torch.tensor([0, 3, 100], dtype=torch.int32, device="cuda")
+    mask = normalize_mask(True, (None, None))
+    spec = AttentionSpec("bf16", d, d, mask.kind, "bf16", kvcache=True, page_size=16)
+    problem = KvCacheProblem(2, 3, total, h, 2, d, d, cache.capacity, cache.k.shape[0], spec, mask, d**-0.5, 0.0, True)
+    seqlens_k = torch.tensor(cache.lengths, dtype=torch.int32, device="cuda")
+    t = KvCacheTensors(q, cache.k, cache.v, out_buf[:total], lse_buf[:, :total], seqlens_k, cache.page_table, cu)
+    BACKEND.forward_kvcache(t, problem, splits)
+    assert out_buf[total:].isnan().all() and lse_buf[:, total:].isnan().all()
+    _check(cache, t, problem, [3, 2])

@@ -321,7 +321,8 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
     def kvcache_work(
         self, mQ, mSeqlensK, mCuSeqlensQ, capacity: Int32, window_left: Int32, window_right: Int32
     ) -> CtaWork:
-        """This CTA's rows and key tiles; its sequence's length clamped into [0, capacity]."""
+        """This CTA's rows and key tiles; its sequence's length clamped into [0, capacity] (and packed q's rows into
+        [0, total_q))."""
         bidx, head_kv, z = cute.arch.block_idx()
         num_seqs = mSeqlensK.shape[0]
         batch, split = z, Int32(0)
@@ -335,8 +336,11 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
         seqlen_q, offset_q = mQ.shape[0][1], Int32(0)
         out_batch = z if const_expr(self.split_kv) else batch
         if const_expr(self.packed_q):
-            offset_q = mCuSeqlensQ[batch]
-            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+            # cu_seqlens_q is not checked on the host (it would need its values): the sequence's rows are clamped into
+            # [0, total_q), so that no value makes the kernel read q or write out / lse outside their rows.
+            total_q = seqlen_q
+            offset_q = cutlass.min(cutlass.max(mCuSeqlensQ[batch], 0), total_q)
+            seqlen_q = cutlass.min(cutlass.max(mCuSeqlensQ[batch + 1], offset_q), total_q) - offset_q
             out_batch = split
         seqlen_k = cutlass.max(cutlass.min(mSeqlensK[batch], capacity), 0)
         info = BlockInfo(
