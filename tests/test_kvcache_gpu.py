@@ -90,11 +90,12 @@ def test_chunked_prefill_with_packed_queries(page):
         dict(window_size=(None, -20)),
         dict(window_size=(-5, 50), causal=False),
         dict(softcap=30.0),
+        dict(softcap=4.0, softmax_scale=0.35),  # scores of std ~4: the cap bends them (at 30 tanh is near linear)
         dict(learnable_sink=True),
         dict(softcap=10.0, learnable_sink=True, window_size=(64, 0)),
         dict(causal=False),
     ],
-    ids=["window", "neg-right", "neg-left", "softcap", "sink", "all", "noncausal"],
+    ids=["window", "neg-right", "neg-left", "softcap", "softcap-bends", "sink", "all", "noncausal"],
 )
 def test_masks_softcap_and_sinks(options):
     q, k, v, kw = _case(5, 3, 8, 2, 128, 16, [5, 0, 700, 128, 33], new=2, seed=7)
