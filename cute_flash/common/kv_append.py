@@ -9,7 +9,7 @@ cu_seqlens[b + 1]) (the query rows' own tokens: chunked prefill). Position p of 
 page_table[b, p // page_size] at row p % page_size of a paged cache (num_pages, page_size, h_kv, d); in row p of a
 dense cache (b, seqlen_cache, h_kv, d). Writes that would land outside the cache (a position past the page table
 or the dense cache, a page index outside [0, num_pages)) are dropped: the cache's memory is never written out of
-bounds, whatever the lengths and page tables hold. seqlens_k[b] = cache_seqlens[b] + n_b is written for the
+bounds, whatever the lengths and page tables hold, and no row outside k_new / v_new is read. seqlens_k[b] = cache_seqlens[b] + n_b is written for the
 attention kernel (the caller's cache_seqlens is left alone).
 
 FP8 caches (float8_e4m3fn) store the new rows divided by their sequence's and KV head's descale, rounded to the
@@ -91,7 +91,11 @@ class KvAppend:
         for r in cutlass.range(ROWS_PER_CTA // rows_per_pass, unroll=1):
             i = block * ROWS_PER_CTA + r * rows_per_pass + tidx // self.width
             pos = start + i
-            if i < count and pos >= 0 and pos < capacity:
+            # (a packed source row past k_new's rows, from a bad cu_seqlens, is dropped too)
+            in_new = True
+            if cutlass.const_expr(self.packed):
+                in_new = first + i < mKnew.shape[0] and first + i >= 0
+            if i < count and pos >= 0 and pos < capacity and in_new:
                 page = b
                 row = pos
                 if cutlass.const_expr(self.paged):
