@@ -9,8 +9,9 @@ cu_seqlens[b + 1]) (the query rows' own tokens: chunked prefill). Position p of 
 page_table[b, p // page_size] at row p % page_size of a paged cache (num_pages, page_size, h_kv, d); in row p of a
 dense cache (b, seqlen_cache, h_kv, d). Writes that would land outside the cache (a position past the page table
 or the dense cache, a page index outside [0, num_pages)) are dropped: the cache's memory is never written out of
-bounds, whatever the lengths and page tables hold, and no row outside k_new / v_new is read. seqlens_k[b] = cache_seqlens[b] + n_b is written for the
-attention kernel (the caller's cache_seqlens is left alone).
+bounds, whatever the lengths and page tables hold, and no row outside k_new / v_new is read.
+seqlens_k[b] = cache_seqlens[b] + n_b is written for the attention kernel (the caller's cache_seqlens is left
+alone).
 
 FP8 caches (float8_e4m3fn) store the new rows divided by their sequence's and KV head's descale, rounded to the
 nearest e4m3 value and saturated to its range (+-448).
