@@ -9,10 +9,6 @@ and as a geomean over the seeds, each other row's median ms, MHz and Mcycles ove
 2% longer than ours).
 
     python -m profiling.sustained_clocks --seeds 1,0,2 --seconds 3 --rounds 2 [--dense] [--causal] [--bwd]
-        [--variant '{"cluster_n": 2}']
-
---variant (with --bwd): our packed backward once more as that profiling/sm90_bwd_variants.py variant (or BwdTileConfig
-fields as JSON, profiling/bwd_variant_patch.py), in turn with the other rows of the same process.
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ import math
 import os
 import statistics
 import subprocess
-from functools import partial
 from typing import Callable, Dict, List
 
 import torch
@@ -40,8 +35,7 @@ def _smi_index() -> str:
     return visible.split(",")[index].strip() if visible else str(index)
 
 
-def sampled(fn: Callable[[], object], seconds: float, setup: Callable[[], None] = lambda: None) -> dict:
-    setup()
+def sampled(fn: Callable[[], object], seconds: float) -> dict:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -105,9 +99,7 @@ def main(argv=None):
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--dense", action="store_true", help="also the dense calls at equal work (ours and FA4)")
     ap.add_argument("--bwd", action="store_true", help="time each row's backward (autograd on a kept graph) instead")
-    ap.add_argument("--variant", help="with --bwd: also our packed backward as this study variant (above)")
     args = ap.parse_args(argv)
-    assert args.variant is None or args.bwd, "--variant applies to the backward (--bwd)"
     if args.lengths and args.seeds:
         ap.error("--lengths times those lengths, not a draw: give --seeds or --lengths, not both")
 
@@ -126,18 +118,6 @@ def run_seed(args, seed) -> Dict[str, List[dict]]:
     lens = parse_lengths(args.lengths) if seed is None else draw_lengths(65536, MIN_LEN, MAX_LEN, seed)
     calls = peer_calls(lens, args.heads, args.head_dim, args.causal, grad=args.bwd, dense=args.dense)
     rows: Dict[str, Callable] = {name: _backward_of(*c) if args.bwd else c[0] for name, c in calls.items()}
-    setups: Dict[str, Callable] = {}
-    if args.variant:
-        from .bwd_variant_patch import apply
-
-        at = list(rows).index(OURS) + 1
-        items = list(rows.items())
-        items.insert(at, (f"ours {args.variant}", rows[OURS]))  # the same graph, the variant's kernels
-        rows = dict(items)
-        # (the variant applies to this head dim and mask)
-        where = dict(head_dim=args.head_dim, mask="causal" if args.causal else "none")
-        variant_row = f"ours {args.variant}"
-        setups = {name: partial(apply, args.variant if name == variant_row else None, **where) for name in rows}
     mask = "causal" if args.causal else "no mask"
     which = f"lengths {args.lengths}" if seed is None else f"seed {seed}"
     print(f"{torch.cuda.get_device_name()}: {which}, {len(lens)} sequences, h{args.heads} d{args.head_dim} "
@@ -145,7 +125,7 @@ def run_seed(args, seed) -> Dict[str, List[dict]]:
     results: Dict[str, List[dict]] = {name: [] for name in rows}
     for turn in range(args.rounds):
         for name in rotated(list(rows), turn):
-            results[name].append(sampled(rows[name], args.seconds, setups.get(name, lambda: None)))
+            results[name].append(sampled(rows[name], args.seconds))
     width = max(26, *(len(name) + 2 for name in rows))
     print(f"{'row':<{width}}{'ms':>8}{'MHz':>7}{'W':>6}{'°C':>5}{'Mcycles':>9}")
     for name, rs in results.items():

@@ -194,10 +194,6 @@ def main(argv=None) -> int:
     from cute_flash.bench.runner import make_inputs
 
     case = case_from_args(args)
-    if os.environ.get("CUTE_FLASH_BWD_VARIANT"):  # a backward study variant (profiling/bwd_variant_patch.py)
-        from .bwd_variant_patch import apply_from_env
-
-        apply_from_env()
     impls = select_impls([args.impl], log=lambda m: print(m, file=sys.stderr))
     if not impls:
         return 2

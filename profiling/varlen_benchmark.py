@@ -329,16 +329,8 @@ def main(argv=None):
     ap.add_argument("--settle", type=float, default=0.0, help="run each timed call untimed for this many seconds "
                     "first (its own power state under the cap, not the previous row's)")  # fmt: skip
     ap.add_argument("--no-peers", action="store_true", help="only cute-flash's packed call (no dense, no FA4)")
-    ap.add_argument("--bwd-variant", help="study: this sm90_bwd_variants variant as the d128 backward's default (its "
-                    "mask: --causal)")  # fmt: skip
     args = ap.parse_args(argv)
     SETTLE_S[0] = args.settle
-    if args.bwd_variant:
-        from .bwd_variant_patch import apply
-
-        for mask in {"both": ("none", "causal"), "yes": ("causal",), "no": ("none",)}[args.causal]:
-            apply(args.bwd_variant, args.head_dim, mask)
-        print(f"sm90 backward: study variant {args.bwd_variant} as the d{args.head_dim} default")
 
     if args.lengths:
         lens = parse_lengths(args.lengths)

@@ -5,13 +5,11 @@ with the power cap by more than the 1-2% this separates.
 
     ncu --profile-from-start off --clock-control none --csv --print-units base --log-file ncu.csv \\
         --metrics gpc__cycles_elapsed.max,gpu__time_duration.sum \\
-        python -m profiling.varlen_bwd_cycles --labels out/bwd_labels.txt [--variant m80_kb1_at_use] [--seeds 1,0,2]
+        python -m profiling.varlen_bwd_cycles --labels out/bwd_labels.txt [--seeds 1,0,2]
     python -m profiling.varlen_bwd_cycles --join ncu.csv out/bwd_labels.txt
 
 Every row's backward runs once for warm-up, then --repeats times in turn inside the profiler range, each after a
-`torch.cuda._sleep` launch that marks where it starts (--join splits the launches there). --variant: a
-profiling/sm90_bwd_variants.py variant, or BwdTileConfig fields as JSON, as the d128 no-mask default
-(profiling/bwd_variant_patch.py); then only our rows run (compare with a run without it).
+`torch.cuda._sleep` launch that marks where it starts (--join splits the launches there).
 """
 
 from __future__ import annotations
@@ -45,13 +43,8 @@ def rows(seeds: List[int], heads: int, head_dim: int, ours_only: bool, tag: str)
 
 
 def profile(args) -> None:
-    if args.variant:
-        from .bwd_variant_patch import apply
-
-        apply(args.variant, args.head_dim, "none")
-    tag = "ours" + (f" {args.variant}" if args.variant else "")
     prepared = []
-    for label, forward, leaves in rows(args.seeds, args.heads, args.head_dim, bool(args.variant), tag):
+    for label, forward, leaves in rows(args.seeds, args.heads, args.head_dim, False, "ours"):
         out = forward()
         dout = torch.randn_like(out)
         torch.autograd.grad(out, leaves, dout, retain_graph=True)  # builds, warms
@@ -96,12 +89,9 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--variant", help="a sm90_bwd_variants variant or JSON BwdTileConfig fields (ours only)")
     ap.add_argument("--labels", default="out/bwd_labels.txt", help="where the rows' labels go, in launch order")
     ap.add_argument("--join", nargs=2, metavar=("NCU_CSV", "LABELS"), help="print ncu's cycles per labelled row")
     args = ap.parse_args(argv)
-    if args.join and args.variant:
-        ap.error("--variant chooses what a profiled run builds; --join only reads one run's CSV and labels")
     if args.join:
         join(*args.join)
     else:

@@ -190,17 +190,17 @@ def compile_dq_postprocess(spec: AttentionSpec, cfg, target: str, extra_options:
 
 
 def compile_preprocess(spec: AttentionSpec, cfg, target: str, extra_options: Optional[str] = None):
-    """The sm80 family's preprocess (D and lse_log2) built with the sm90 backward's launch-overhead options
-    (BwdTileConfig.zero_dq_in_preprocess, .pdl; with both off the sm80 family's own, `preprocess_kernel`, serves):
-    fn(out, dout, lse, dpsum, lse_log2) or, zeroing the dQ accumulator, fn(out, dout, lse, dpsum, lse_log2,
-    dq_accum); packed specs: fn(out, dout, lse, dpsum, lse_log2, cu_seqlens_q, pad_q, num_blocks[, dq_accum])."""
+    """The sm80 family's preprocess (D and lse_log2) built as the sm90 backward runs it: it zeroes the dQ
+    accumulator and lets the main kernel launch early (programmatic dependent launch): fn(out, dout, lse, dpsum,
+    lse_log2, dq_accum); packed specs: fn(out, dout, lse, dpsum, lse_log2, cu_seqlens_q, pad_q, num_blocks,
+    dq_accum)."""
     from ..sm80.flash_bwd_preprocess import BackwardPreprocessSm80
 
     dtype = dsl_dtype(spec.dtype)
     dv = spec.head_dim_v
     block_m = 64  # STATS_ROW_MULTIPLE: one CTA per 64 padded query rows
     kernel = BackwardPreprocessSm80(dtype, dv, block_m=block_m, varlen=spec.varlen)
-    kernel.zero_dq_accum, kernel.launch_dependents = cfg.zero_dq_in_preprocess, cfg.pdl  # over the class defaults
+    kernel.zero_dq_accum, kernel.launch_dependents = True, True  # over the class defaults (the sm80 family's)
     kernel.dq_head_dim = d = spec.head_dim  # (the dQ accumulator's rows: head_dim, where dO and O are head_dim_v)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = compile_cache.compile_options(target, extra=extra_options or "")
@@ -211,8 +211,6 @@ def compile_preprocess(spec: AttentionSpec, cfg, target: str, extra_options: Opt
     do = _strided(dtype, (batch, seqlen_q, heads), dv)
     lse = fake_f32((batch, heads, seqlen_q))
     stats = [fake_f32((batch, heads, sq_pad), divisibility=block_m) for _ in range(2)]
-    if not cfg.zero_dq_in_preprocess:
-        return cute.compile(kernel, o, do, lse, *stats, stream, options=options)
     dq_accum = cute.runtime.make_fake_tensor(
         cutlass.Float32,
         (batch, heads, cute.sym_int()),
@@ -225,7 +223,5 @@ def compile_preprocess(spec: AttentionSpec, cfg, target: str, extra_options: Opt
 def _compile_packed_preprocess(kernel, dtype, dv: int, d: int, block_m: int, stream, options: str):
     """compile_preprocess's packed build: (total_q, h, dv) out / dout, (h, total_q) lse, (h, padded rows) statistics
     and the (h, padded rows * d) dQ accumulator."""
-    if not kernel.zero_dq_accum:
-        return cute.compile(kernel.packed, *fake_packed_preprocess_args(dtype, dv), stream, options=options)
     args = fake_packed_preprocess_args(dtype, dv, dq_zeroing_block=block_m, dq_head_dim=d)
     return cute.compile(kernel.packed_with_dq_zeroing, *args, stream, options=options)

@@ -23,8 +23,8 @@ on tiles swizzled in 64-byte atoms, `tile_config.operand_atom_cols`):
       the reduce of the tile two back to have read its buffer). With
       `deterministic`, a semaphore per (batch, head, query tile) makes the key tiles add in a fixed order.
       With BwdTileConfig.dq_red (d192, d256) there is no dQ writer and no shared dQ buffer: each consumer adds
-      its dQ share from registers with red.global.add.v4.f32 at the same offsets (after griddepcontrol.wait under
-      `pdl`, since the preprocess zeroes the accumulator); no deterministic build.
+      its dQ share from registers with red.global.add.v4.f32 at the same offsets (after griddepcontrol.wait, since
+      the preprocess zeroes the accumulator); no deterministic build.
   epilogue: dK (times the softmax scale) and dV converted to 16 bits and stored with stmatrix + one TMA store per
       tile, reusing the K and V tiles' shared memory. Under GQA/MQA the CTA's dK/dV are partial sums over the
       query heads of one KV head: they are added with red.global.add.v2 to fp32 buffers that a postprocess
@@ -35,23 +35,15 @@ when the key tile runs past seqlen_k, pay for element-wise masking. Query rows p
 and rows that see no key carry lse_log2 = +inf and D = 0 from the preprocess, so their P and dS are exactly 0.
 Masking happens on the scaled exponent, after the softmax scale, so a scale of 0 never meets -inf · 0.
 
-Launch overhead (BwdTileConfig.pdl, pdl_dq_post; on by default, off emits no griddepcontrol): with `pdl` the
-kernel is launched with programmatic dependent launch and may start while the preprocess still runs. Q, K, V and dO
-come from launches that ended before the preprocess began, so the producer loads K, V and the first Q and dO tiles
-at once; every access to what the preprocess (or a memset before it) wrote follows a griddepcontrol.wait: the
-producer's LSE / D loads, the dQ warp's reduce-adds and semaphores, the consumers' epilogue (dK / dV stores, GQA
-adds and semaphores). With `pdl_dq_post` the kernel lets the dQ postprocess launch early (it waits before its loads).
+Launch overhead: the kernel is launched with programmatic dependent launch and may start while the preprocess still
+runs. Q, K, V and dO come from launches that ended before the preprocess began, so the producer loads K, V and the
+first Q and dO tiles at once; every access to what the preprocess (or a memset before it) wrote follows a
+griddepcontrol.wait: the producer's LSE / D loads, the dQ warp's reduce-adds and semaphores, the consumers' epilogue
+(dK / dV stores, GQA adds and semaphores). The kernel lets the dQ postprocess launch early (it waits before its
+loads).
 
-K and V (BwdTileConfig.kv_with_first_tile, on by default) ride on the first Q and dO stage's barriers, which expect
-their bytes on top of the stage's: a CTA's first S product waits for K and Q only.
-
-Clusters (BwdTileConfig.cluster_n 2, a study field; packed sequences without a mask, not deterministic): the CTAs of
-a cluster take adjacent key tiles of one (sequence, head) and walk the same query tiles, so each loads its part of
-every Q and dO tile into both CTAs' shared memory (TMA multicast, `load_rows`); the Q / dO rings' empty barriers
-count both CTAs' consumer warps, and the consumers skip their last num_stages releases (pipelines.ClusterRing: no
-cluster barrier before exit). The sequences' odd last key tiles go two to a cluster after all pairs
-(common/packed_tiles.packed_tile_pairs): each of those CTAs loads whole tiles for itself alone ("single", multicast
-to itself, releases to its own barriers: `shared_ring`). LSE / D, K / V and the dQ path stay each CTA's own.
+K and V ride on the first Q and dO stage's barriers, which expect their bytes on top of the stage's: a CTA's first S
+product waits for K and Q only (FA3 / FA4's order).
 
 Global tensors are viewed as (seqlen, head_dim, heads, batch) as in the forward kernel.
 
@@ -67,7 +59,6 @@ reverses the key tiles within the sequence, whose tiles are consecutive in the g
 
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import partial
 from typing import NamedTuple, Tuple, Type
 
@@ -85,12 +76,12 @@ from ...common.entries import BwdEntries
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E
 from ...common.packed import packed_pads, seq_rows
-from ...common.packed_tiles import packed_tile, packed_tile_pairs, packed_tiles_bound
+from ...common.packed_tiles import packed_tile, packed_tiles_bound
 from ...spec import AttentionSpec
 from ..sm80.flash_bwd import red_add_f32_vec
 from .barriers import BwdBarrierId
 from .ptx import add_release_gpu, bulk_reduce_add_f32, load_acquire_gpu
-from .pipelines import ClusterRing, consumer_state, consumer_wait, producer_state
+from .pipelines import consumer_state, consumer_wait, producer_state
 from .epilogue import store_rows_predicated, zero_rows_from
 from .views import (
     accum_rows,
@@ -103,6 +94,7 @@ from .views import (
 )
 from .tile_config import (
     ROWS_PER_CONSUMER,
+    UNSHUFFLED_STAT_COLS,
     WARPGROUP_THREADS,
     BwdTileConfig,
     bwd_config_problem,
@@ -157,21 +149,16 @@ def dq_fragment_offset(i: int, tidx, chunk: int):
     return (tidx // WARPGROUP_THREADS) * chunk + (i // DQ_VEC) * (WARPGROUP_THREADS * DQ_VEC) + t * DQ_VEC + i % DQ_VEC
 
 
-# Above `max_unshuffled` (BwdTileConfig.max_unshuffled_stat_cols, 16) query columns per thread (tile_m > 64), each
-# thread keeps only an eighth of its columns' LSE and D and fetches the rest from the 7 lanes that share its columns
-# (shuffles): 32 + 32 registers would not fit at d64.
+# Above UNSHUFFLED_STAT_COLS (16) query columns per thread (tile_m > 64), each thread keeps only an eighth of its
+# columns' LSE and D and fetches the rest from the 7 lanes that share its columns (shuffles): 32 + 32 registers would
+# not fit at d64.
 
 
 @cute.jit
-def load_column_stats(
-    s_stat: cute.Tensor,
-    coords_rc: cute.Tensor,
-    num_cols: cutlass.Constexpr[int],
-    max_unshuffled: cutlass.Constexpr[int],
-) -> cute.Tensor:
+def load_column_stats(s_stat: cute.Tensor, coords_rc: cute.Tensor, num_cols: cutlass.Constexpr[int]) -> cute.Tensor:
     """This thread's share of a per-query statistic (LSE or D of one stage, `s_stat` (tile_m,)): every column's value,
-    or with more than `max_unshuffled` columns the columns of 8-column groups lane // 4 (mod 8)."""
-    if const_expr(num_cols <= max_unshuffled):
+    or with more than UNSHUFFLED_STAT_COLS columns the columns of 8-column groups lane // 4 (mod 8)."""
+    if const_expr(num_cols <= UNSHUFFLED_STAT_COLS):
         regs = cute.make_rmem_tensor(num_cols, Float32)
         for c in cutlass.range_constexpr(num_cols):
             regs[c] = s_stat[coords_rc[0, c][1]]
@@ -206,18 +193,17 @@ def column_stat(
     regs: cute.Tensor,
     c: cutlass.Constexpr[int],
     num_cols: cutlass.Constexpr[int],
-    max_unshuffled: cutlass.Constexpr[int],
     s_stat: cute.Tensor = None,
     coords_rc: cute.Tensor = None,
 ) -> Float32:
     """The statistic of column `c` from `load_column_stats`' registers, or with `s_stat` (the stage's shared-memory
-    statistics, given only above `max_unshuffled` columns with BwdTileConfig.stats_at_use) loaded here: columns 2 g
-    and 2 g + 1 are adjacent queries, one 8-byte load (the same load for both, merged by the compiler)."""
+    statistics, given only above UNSHUFFLED_STAT_COLS columns with BwdTileConfig.stats_at_use) loaded here: columns
+    2 g and 2 g + 1 are adjacent queries, one 8-byte load (the same load for both, merged by the compiler)."""
     if const_expr(s_stat is not None):
         value = column_pair(s_stat, coords_rc, c - c % 2)[c % 2]
     else:
         value = regs[0]
-        if const_expr(num_cols <= max_unshuffled):
+        if const_expr(num_cols <= UNSHUFFLED_STAT_COLS):
             value = regs[c]
         else:
             v, g = c % 2, c // 2
@@ -319,11 +305,6 @@ class Sm90FlashBackward(BwdEntries):
         # Packed sequences: sequence b's rows of the padded buffers (LSE / D, the dQ and GQA dK / dV sums) start at
         # cu_seqlens[b] + b * pad rounded down to a multiple of pad (common/packed.py).
         self.pad_q, self.pad_k = packed_pads(cfg.tile_m, cfg.tile_n)
-        self.cluster_n = cfg.cluster_n
-        assert cfg.cluster_n == 1 or (spec.varlen and mask_kind == "none" and not deterministic), (
-            "Q / dO multicast (cluster_n 2) needs packed sequences without a mask (the CTAs of a cluster walk the same "
-            "query tiles) and no deterministic order"
-        )
 
     @cute.jit
     def _launch(
@@ -370,11 +351,8 @@ class Sm90FlashBackward(BwdEntries):
 
         one = lambda layout: cute.select(layout, mode=[0, 1])  # noqa: E731  (one stage)
         load = cpasync.CopyBulkTensorTileG2SOp()
-        q_load, mcast = load, {}
-        if const_expr(self.cluster_n > 1):  # each CTA of the cluster loads a part of every Q / dO tile for both
-            q_load, mcast = cpasync.CopyBulkTensorTileG2SMulticastOp(), {"num_multicast": self.cluster_n}
-        atom_q, tma_q = cpasync.make_tiled_tma_atom(q_load, mQ, one(sQ_layout), (self.tile_m, d), **mcast)
-        atom_do, tma_do = cpasync.make_tiled_tma_atom(q_load, mdO, one(sdO_layout), (self.tile_m, dv), **mcast)
+        atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, one(sQ_layout), (self.tile_m, d))
+        atom_do, tma_do = cpasync.make_tiled_tma_atom(load, mdO, one(sdO_layout), (self.tile_m, dv))
         atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, one(sK_layout), (self.tile_n, d))
         atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, one(sV_layout), (self.tile_n, dv))
         stat_one = cute.make_layout(self.tile_m)
@@ -400,13 +378,10 @@ class Sm90FlashBackward(BwdEntries):
             grid = [num_n_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])]
             seqs = None
         else:
-            # Every sequence's key tiles in order (common/packed.py: at most batch + 1 per head without work; in
-            # clusters, pairs of key tiles: at most 2 (batch + 1) CTAs).
-            c = self.cluster_n
-            tiles = packed_tiles_bound(mK.shape[0], packed[0].shape[0] - 1, self.tile_n * c) * c
+            # Every sequence's key tiles in order (common/packed.py: at most batch + 1 per head without work).
+            tiles = packed_tiles_bound(mK.shape[0], packed[0].shape[0] - 1, self.tile_n)
             grid = [tiles, cute.size(mQ.shape[2]), 1]
             seqs = packed[:3]
-        cluster = {} if const_expr(self.cluster_n == 1) else {"cluster": [self.cluster_n, 1, 1]}
         self.kernel(
             tma_q,
             tma_k,
@@ -447,8 +422,7 @@ class Sm90FlashBackward(BwdEntries):
             block=[self.cfg.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
-            use_pdl=self.cfg.pdl,
-            **cluster,
+            use_pdl=True,
         )
 
     def _tiled_mmas(self) -> tuple:
@@ -541,9 +515,8 @@ class Sm90FlashBackward(BwdEntries):
         seqs,  # packed: (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK or None); dense: None
         SharedStorage: cutlass.Constexpr,
     ):
-        if const_expr(self.cfg.pdl_dq_post):
-            # The dQ postprocess may be scheduled now; it waits for this grid's end before reading the accumulator.
-            cute.arch.griddepcontrol_launch_dependents()
+        # The dQ postprocess may be scheduled now; it waits for this grid's end before reading the accumulator.
+        cute.arch.griddepcontrol_launch_dependents()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -557,23 +530,11 @@ class Sm90FlashBackward(BwdEntries):
             pipeline.PipelineTmaAsync.create, producer_group=producer, consumer_group=consumer_warps, defer_sync=True
         )
         pipe_kv = ring(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, tx_count=self.bytes_k + self.bytes_v)
-        if const_expr(self.cluster_n > 1):
-            # Q / dO stages are shared: a stage's empty barrier counts the consumer warps of both CTAs (lane r of each
-            # warp releases to CTA r), its full barrier still the whole tile (each CTA's part lands in both).
-            ring = partial(
-                pipeline.PipelineTmaAsync.create,
-                producer_group=producer,
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.num_consumer_threads // WARP_THREADS * self.cluster_n
-                ),
-                defer_sync=True,
-                cta_layout_vmnk=cute.make_layout((1, self.cluster_n, 1, 1)),
-            )
         pipe_q = ring(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages, tx_count=self.bytes_q_lse)
         pipe_do = ring(
             barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages, tx_count=self.bytes_do_dpsum
         )
-        pipeline.pipeline_init_arrive(self.cluster_shape(), is_relaxed=True)
+        pipeline.pipeline_init_arrive(None, is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
@@ -594,11 +555,7 @@ class Sm90FlashBackward(BwdEntries):
         if const_expr(seqs is not None):
             # This CTA's sequence and key tile (its sequence's keys: seqused_k when given); past the last tile, none.
             num_seqs = seqs[0].shape[0] - 1
-            if const_expr(self.cluster_n == 1):
-                batch, n_block = packed_tile(n_block, self.tile_n, seqs[1], seqs[2])
-            else:  # adjacent key tiles of one sequence, or two sequences' odd last tiles (packed_tile_pairs)
-                rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())  # (bidx % cluster_n)
-                batch, n_block, single = packed_tile_pairs(n_block // self.cluster_n, rank, self.tile_n, *seqs[1:3])
+            batch, n_block = packed_tile(n_block, self.tile_n, seqs[1], seqs[2])
             idle = batch >= num_seqs
             batch = cutlass.min(batch, num_seqs - 1)
             seq = seq_rows(batch, *seqs)
@@ -632,16 +589,7 @@ class Sm90FlashBackward(BwdEntries):
             if n_block * self.tile_n >= seqlen_k:
                 m_max = m_min
 
-        # In a cluster: (rank, single, multicast mask). A single CTA (a sequence's odd last key tile, its partner
-        # another sequence's) loads whole Q / dO tiles for itself alone; the CTAs of a pair load their parts for both.
-        multicast = None
-        if const_expr(self.cluster_n > 1):
-            mask = cutlass.Int16((1 << self.cluster_n) - 1)
-            if single != 0:
-                mask = cutlass.Int16(Int32(1) << rank)
-            multicast = (rank, single, mask)
-
-        pipeline.pipeline_init_wait(self.cluster_shape())
+        pipeline.pipeline_init_wait(None)
 
         # The producer's six loads (Q, K, V, dO, LSE, D): their TMA atoms, global (coordinate) and shared tensors.
         atoms = (atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum)
@@ -665,7 +613,6 @@ class Sm90FlashBackward(BwdEntries):
                     m_min,
                     m_max,
                     rows,
-                    multicast,
                 )
             if const_expr(not self.cfg.dq_red):
                 if warp_idx == 1:
@@ -705,12 +652,7 @@ class Sm90FlashBackward(BwdEntries):
                 tidx - WARPGROUP_THREADS,
                 warp_idx,
                 seqs,
-                multicast,
             )
-
-    def cluster_shape(self):
-        """The (n, 1) shape of a cluster where there are clusters (the Q / dO rings' barrier init is cluster-wide)."""
-        return None if const_expr(self.cluster_n == 1) else (self.cluster_n, 1)
 
     @cute.jit
     def produce(
@@ -728,12 +670,11 @@ class Sm90FlashBackward(BwdEntries):
         m_min: Int32,
         m_max: Int32,
         rows: PackedRows,
-        multicast=None,  # in a cluster: (rank, single, multicast mask) (kernel)
     ):
         """K and V once; then Q + LSE and dO + D per query tile, in the consumers' order. atoms / tensors / tiles: the
         TMA atoms, global coordinate tensors and shared-memory tiles of Q, K, V, dO, LSE and D, in that order.
-        cfg.pdl (launched while the preprocess may still run): K, V and the first Q and dO tiles (written before the
-        preprocess started) are loaded first, LSE and D (the preprocess's outputs) only after griddepcontrol.wait."""
+        Launched while the preprocess may still run: K, V and the first Q and dO tiles (written before the preprocess
+        started) are loaded first, LSE and D (the preprocess's outputs) only after griddepcontrol.wait."""
         atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum = atoms
         mQ, mK, mV, mdO, mLSElog2, mdPsum = tensors
         sQ, sK, sV, sdO, sLSE, sdPsum = tiles
@@ -754,40 +695,21 @@ class Sm90FlashBackward(BwdEntries):
         gdPsum = cute.local_tile(padded_stat_rows(mdPsum, head, batch, rows.padded_q), (self.tile_m,), (None,))
         tKsK, tKgK = part(atom_k, sK, gK)
         tVsV, tVgV = part(atom_v, sV, gV)
-        if const_expr(multicast is None):
-            tQsQ, tQgQ = part(atom_q, sQ, gQ)
-            tdOsdO, tdOgdO = part(atom_do, sdO, gdO)
-        else:
-            # Every CTA's part of the Q / dO tiles (a single CTA loads them all): tuples indexed by rank.
-            cluster = cute.make_layout(self.cluster_n)
-            q_parts = [
-                cpasync.tma_partition(atom_q, r, cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-                for r in range(self.cluster_n)
-            ]
-            do_parts = [
-                cpasync.tma_partition(atom_do, r, cluster, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
-                for r in range(self.cluster_n)
-            ]
-            tQsQ, tQgQ = tuple(p[0] for p in q_parts), tuple(p[1] for p in q_parts)
-            tdOsdO, tdOgdO = tuple(p[0] for p in do_parts), tuple(p[1] for p in do_parts)
+        tQsQ, tQgQ = part(atom_q, sQ, gQ)
+        tdOsdO, tdOgdO = part(atom_do, sdO, gdO)
         tLsL, tLgL = part1(atom_lse, sLSE, gLSE)
         tDsD, tDgD = part1(atom_dpsum, sdPsum, gdPsum)
 
         if m_max > m_min:
-            if const_expr(not self.cfg.kv_with_first_tile):
-                kv = producer_state(1)
-                pipe_kv.producer_acquire(kv)
-                cute.copy(atom_k, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
-                cute.copy(atom_v, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
             src = (tQgQ, tKgK, tVgV, tdOgdO, tLgL, tDgD)
             dst = (tQsQ, tKsK, tVsV, tdOsdO, tLsL, tDsD)
             q = producer_state(self.num_stages)
             do = producer_state(self.num_stages)
-            self.load_query_tile(pipe_q, pipe_do, q, do, atoms, src, dst, m_min, n_block, True, multicast)
+            self.load_query_tile(pipe_q, pipe_do, q, do, atoms, src, dst, m_min, n_block, True)
             q.advance()
             do.advance()
             for m_block in cutlass.range(m_min + 1, m_max, unroll=1):
-                self.load_query_tile(pipe_q, pipe_do, q, do, atoms, src, dst, m_block, n_block, False, multicast)
+                self.load_query_tile(pipe_q, pipe_do, q, do, atoms, src, dst, m_block, n_block, False)
                 q.advance()
                 do.advance()
 
@@ -816,39 +738,24 @@ class Sm90FlashBackward(BwdEntries):
         m_block: Int32,
         n_block: Int32,
         first: cutlass.Constexpr,
-        multicast=None,
     ):
         """Q + LSE on a Q stage's barrier, dO + D on a dO stage's. src / dst: the TMA partitions of Q, K, V, dO, LSE
-        and D in global and shared memory. The first query tile (`first`): with kv_with_first_tile, K completes Q's
-        first stage and V dO's (each barrier expects the extra bytes), so the first S product waits for K + Q only;
-        every load of an input comes before griddepcontrol.wait (pdl), LSE and D after it."""
+        and D in global and shared memory. The first query tile (`first`): K completes Q's first stage and V dO's
+        (each barrier expects the extra bytes), so the first S product waits for K + Q only; every load of an input
+        comes before griddepcontrol.wait, LSE and D after it."""
         atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum = atoms
         tQgQ, tKgK, tVgV, tdOgdO, tLgL, tDgD = src
         tQsQ, tKsK, tVsV, tdOsdO, tLsL, tDsD = dst
-        kv_here = first and self.cfg.kv_with_first_tile
-        bar_q = self.acquire_stage(pipe_q, q, atom_k, tKgK[None, n_block], tKsK[None, 0], self.bytes_k, kv_here)
-        self.load_rows(atom_q, tQgQ, tQsQ, m_block, q.index, bar_q, multicast)
+        bar_q = self.acquire_stage(pipe_q, q, atom_k, tKgK[None, n_block], tKsK[None, 0], self.bytes_k, first)
+        cute.copy(atom_q, tQgQ[None, m_block], tQsQ[None, q.index], tma_bar_ptr=bar_q)
         if const_expr(not first):
             cute.copy(atom_lse, tLgL[None, m_block], tLsL[None, q.index], tma_bar_ptr=bar_q)
-        bar_do = self.acquire_stage(pipe_do, do, atom_v, tVgV[None, n_block], tVsV[None, 0], self.bytes_v, kv_here)
-        self.load_rows(atom_do, tdOgdO, tdOsdO, m_block, do.index, bar_do, multicast)
+        bar_do = self.acquire_stage(pipe_do, do, atom_v, tVgV[None, n_block], tVsV[None, 0], self.bytes_v, first)
+        cute.copy(atom_do, tdOgdO[None, m_block], tdOsdO[None, do.index], tma_bar_ptr=bar_do)
         if const_expr(first):
-            if const_expr(self.cfg.pdl):
-                cute.arch.griddepcontrol_wait()  # the preprocess has ended and its writes are visible
+            cute.arch.griddepcontrol_wait()  # the preprocess has ended and its writes are visible
             cute.copy(atom_lse, tLgL[None, m_block], tLsL[None, q.index], tma_bar_ptr=bar_q)
         cute.copy(atom_dpsum, tDgD[None, m_block], tDsD[None, do.index], tma_bar_ptr=bar_do)
-
-    @cute.jit
-    def load_rows(self, atom, g, s, m_block: Int32, index: Int32, bar, multicast):
-        """Query tile m_block of Q or dO into stage `index` on `bar`. In a cluster (multicast: (rank, single, mask)),
-        g / s hold every CTA's part: this CTA's part goes to both CTAs, or a single CTA loads every part for itself."""
-        if const_expr(multicast is None):
-            cute.copy(atom, g[None, m_block], s[None, index], tma_bar_ptr=bar)
-        else:
-            rank, single, mask = multicast
-            for r in cutlass.range_constexpr(self.cluster_n):
-                if rank == r or single != 0:
-                    cute.copy(atom, g[r][None, m_block], s[r][None, index], tma_bar_ptr=bar, mcast_mask=mask)
 
     @cute.jit
     def consume(
@@ -885,13 +792,9 @@ class Sm90FlashBackward(BwdEntries):
         tidx: Int32,  # 0 .. num_consumer_threads - 1
         warp_idx: Int32,
         seqs,  # packed: the cu_seqlens / seqused_k tensors (see kernel); dense: None
-        multicast=None,  # in a cluster: (rank, single, multicast mask) (kernel)
     ):
         d = self.head_dim
         stages = self.num_stages
-        if const_expr(multicast is not None):
-            rank, single, _ = multicast
-            pipe_q, pipe_do = [self.shared_ring(p, rank, single, m_max - m_min) for p in (pipe_q, pipe_do)]
         # Warp-uniform, so that the operand descriptors of every wgmma are built in uniform registers (from tidx they
         # would be per-thread values, moved to uniform registers with R2UR before each wgmma).
         consumer = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
@@ -958,10 +861,8 @@ class Sm90FlashBackward(BwdEntries):
 
         if m_max > m_min:
             scale_log2 = softmax_scale * LOG2_E
-            if const_expr(self.cfg.pdl and self.cfg.dq_red):
+            if const_expr(self.cfg.dq_red):
                 cute.arch.griddepcontrol_wait()  # dQ adds from the first step: after the preprocess zeroed the sums
-            if const_expr(not self.cfg.kv_with_first_tile):
-                consumer_wait(pipe_kv, consumer_state(1))  # (otherwise K / V arrive with the first Q / dO stage)
             q = consumer_state(stages)
             do = consumer_state(stages)
             step = partial(
@@ -1023,10 +924,9 @@ class Sm90FlashBackward(BwdEntries):
                     self.zero_q_do_tail(pipe_q, pipe_do, q, do, sQ, sdO, rows, tidx)
                     q, do = step(q, do, m_end, True)
 
-        if const_expr(self.cfg.pdl):
-            # Before any global write of the consumers: dK / dV (GQA: sums zeroed by an earlier launch) and the GQA
-            # semaphores. (The LSE / D they read came through the producer's loads, issued after its wait.)
-            cute.arch.griddepcontrol_wait()
+        # Before any global write of the consumers: dK / dV (GQA: sums zeroed by an earlier launch) and the GQA
+        # semaphores. (The LSE / D they read came through the producer's loads, issued after its wait.)
+        cute.arch.griddepcontrol_wait()
         offset_k, padded_k = None, None
         if const_expr(seqs is not None):
             # Read again here rather than kept in registers through the walk (they are tight at d64).
@@ -1078,22 +978,14 @@ class Sm90FlashBackward(BwdEntries):
                 info.seqlen_k,
             )
 
-    def shared_ring(self, pipe: pipeline.PipelineTmaAsync, rank: Int32, single: Int32, num_tiles: Int32) -> ClusterRing:
-        """A consumer's view of the Q or dO ring in a cluster: lanes 0 and 1 of each warp release a stage to CTAs 0 and
-        1, or, in a single CTA, both to this CTA's barrier, whose count is the same; the releases of the last
-        num_stages tiles are skipped (pipelines.ClusterRing: no barrier before exit)."""
-        dst = pipe.consumer_mask + (rank - pipe.consumer_mask) * single  # (the lane's CTA; single: this CTA)
-        return ClusterRing(replace(pipe, consumer_mask=dst), num_tiles - self.num_stages)
-
     @cute.jit
     def zero_kv_tail(self, pipe_kv, pipe_q, pipe_do, sK: cute.Tensor, sV: cute.Tensor, keys: Int32, tidx: Int32):
         """Packed sequences: the K and V rows of a key tile past seqlen_k (`keys` rows are the sequence's) are the next
         sequence's rows, or a KV cache's unused slots after seqused_k, as TMA loaded them. The mask makes their P
         and dS exactly 0, but 0 · Inf / NaN (dP = V·dOᵀ, dQ = dS·K) would be NaN: every consumer warpgroup zeroes
         them (the same values, no race) once they have landed, before the first product of the walk."""
-        if const_expr(self.cfg.kv_with_first_tile):
-            consumer_wait(pipe_q, consumer_state(self.num_stages))  # K rides on the first Q stage, V on dO's
-            consumer_wait(pipe_do, consumer_state(self.num_stages))
+        consumer_wait(pipe_q, consumer_state(self.num_stages))  # K rides on the first Q stage, V on dO's
+        consumer_wait(pipe_do, consumer_state(self.num_stages))
         widths = (self.head_dim, self.head_dim_v)
         self.zero_tails((sK[None, None, 0], sV[None, None, 0]), widths, keys, self.tile_n, tidx)
 
@@ -1165,7 +1057,7 @@ class Sm90FlashBackward(BwdEntries):
             wgmma.gemm(tiled_mma_sdp, acc_S, tSrQ[None, None, None, q.index], tSrK, zero_init=True, wait=-1)
         # The statistics of this thread's queries go to registers while the products run (a shared-memory load after
         # the wgmma wait would stall the exponentials behind it), except with stats_at_use (columns beyond
-        # max_unshuffled_stat_cols), where each is loaded where it is used instead of shuffled from another lane.
+        # UNSHUFFLED_STAT_COLS), where each is loaded where it is used instead of shuffled from another lane.
         s_rc = rows_cols_view(acc_S)
         num_rows = cute.size(s_rc, mode=[0])
         num_cols = cute.size(s_rc, mode=[1])
@@ -1311,13 +1203,13 @@ class Sm90FlashBackward(BwdEntries):
         if const_expr(not self.keys_on_rows):
             regs = load_row_stats(s_stat, coords_rc, num_rows)
         elif const_expr(not self.stats_at_use(num_cols)):
-            regs = load_column_stats(s_stat, coords_rc, num_cols, self.cfg.max_unshuffled_stat_cols)
+            regs = load_column_stats(s_stat, coords_rc, num_cols)
         elif const_expr(ahead > 0):
             regs = load_column_pairs(s_stat, coords_rc, ahead)  # (tile_config: at most num_cols / 2)
         return regs
 
     def stats_at_use(self, num_cols: int) -> bool:
-        return self.cfg.stats_at_use and num_cols > self.cfg.max_unshuffled_stat_cols
+        return self.cfg.stats_at_use and num_cols > UNSHUFFLED_STAT_COLS
 
     @cute.jit
     def column_value(
@@ -1333,8 +1225,7 @@ class Sm90FlashBackward(BwdEntries):
         if const_expr(at_use and regs is not None and c < cute.size(regs)):
             value = regs[c]  # loaded ahead (lse_ahead)
         else:
-            cols = self.cfg.max_unshuffled_stat_cols
-            value = column_stat(regs, c, num_cols, cols, s_stat if at_use else None, coords_rc)
+            value = column_stat(regs, c, num_cols, s_stat if at_use else None, coords_rc)
         return value
 
     @cute.jit
@@ -1345,16 +1236,8 @@ class Sm90FlashBackward(BwdEntries):
         cute.arch.barrier(barrier_id=int(BwdBarrierId.DQ_EMPTY_FIRST) + consumer, number_of_threads=pair)
         if const_expr(self.cfg.dq_buffers > 1):
             sdQ = cute.make_tensor(sdQ.iterator + self.dq_buffer_offset(m_block), sdQ.layout)
-        # dq_stage_single_base: dq_fragment_offset(i * DQ_VEC, ...) = dq_fragment_offset(0, ...) + i * 128 * DQ_VEC, so
-        # one aligned base plus compile-time offsets gives the same addresses (tests/test_sm90_bwd_variants.py).
-        base = None
-        if const_expr(self.cfg.dq_stage_single_base):
-            base = (sdQ.iterator + dq_fragment_offset(0, tidx, self.dq_chunk)).align(DQ_VEC * 4)
         for i in cutlass.range_constexpr(cute.size(acc_dQ) // DQ_VEC):
-            if const_expr(self.cfg.dq_stage_single_base):
-                dst = base + i * (WARPGROUP_THREADS * DQ_VEC)
-            else:
-                dst = (sdQ.iterator + dq_fragment_offset(i * DQ_VEC, tidx, self.dq_chunk)).align(DQ_VEC * 4)
+            dst = (sdQ.iterator + dq_fragment_offset(i * DQ_VEC, tidx, self.dq_chunk)).align(DQ_VEC * 4)
             src = cute.make_tensor(acc_dQ.iterator + i * DQ_VEC, cute.make_layout(DQ_VEC))
             cute.autovec_copy(src, cute.make_tensor(dst, cute.make_layout(DQ_VEC)))
         cute.arch.fence_view_async_shared()  # read next by the bulk copy engine (async proxy)
@@ -1396,10 +1279,8 @@ class Sm90FlashBackward(BwdEntries):
         chunk = self.dq_chunk
         pair = WARPGROUP_THREADS + WARP_THREADS
         dq_base = accum_rows(mdQaccum, head, batch, rows.padded_q, self.head_dim).iterator
-        if const_expr(self.cfg.pdl):
-            # The accumulator (zeroed by the preprocess or a memset before it) and the semaphores only after the
-            # preprocess's end.
-            cute.arch.griddepcontrol_wait()
+        # The accumulator (zeroed by the preprocess) and the semaphores only after the preprocess's end.
+        cute.arch.griddepcontrol_wait()
         for m_block in cutlass.range(m_min, m_max, unroll=1):
             for c in cutlass.range_constexpr(self.num_dq_wgs):
                 if const_expr(not self.deterministic):
