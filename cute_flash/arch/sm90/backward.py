@@ -12,6 +12,11 @@
 The three launch back to back by programmatic dependent launch (preprocess -> main -> dQ postprocess): each may start
 while the one before it runs and waits (griddepcontrol.wait) before it reads what that one writes.
 
+Soft-capping (spec.softcap) changes the main kernel only (its feature entries take the cap; flash_bwd.py). A learnable
+sink (spec.sink) changes no kernel: the LSE the forward wrote includes it, so P and D are already right; its gradient,
+dsink_h = sum over rows of exp(sink_h - lse) * (dlse - D), comes from lse and the preprocess's D on the host side
+(arch/base.sink_grad), after the kernels (so that nothing sits between the programmatically launched ones).
+
 Packed sequences (`run_backward_varlen`): the same three steps on buffers whose sequence b starts at row
 cu_seqlens[b] + b * pad rounded down to a multiple of pad (common/packed.packed_pads): the sm80 family's packed
 preprocess (built as above: it zeroes each sequence's rows of the dQ sums and signals PDL), the main kernel's and the
@@ -36,7 +41,7 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import PackedSeqs, Problem, VarlenProblem, _round_up
 from ...common.packed import PRE_POST_ROWS, packed_pads, padded_rows
-from ..base import BwdTensors, Grads, KernelArtifact, fold_lse_grad, fold_lse_grad_packed
+from ..base import BwdTensors, Grads, KernelArtifact, fold_lse_grad, fold_lse_grad_packed, sink_grad
 from ..padded_head_dims import padded_launcher, widened_problem, widened_spec
 from .tile_config import (
     ROWS_PER_CONSUMER,
@@ -65,7 +70,7 @@ def kernel_dims(spec: AttentionSpec) -> Optional[Tuple[int, int]]:
     own = (spec.head_dim, spec.head_dim_v)
     if own in bwd_head_dim_pairs():
         return own
-    width = next((w for w in bwd_head_dims() if w >= max(own)), None)
+    width = next((w for w in bwd_head_dims(spec.softcap) if w >= max(own)), None)  # (softcap: d96 on d128's)
     return None if width is None else (width, width)
 
 
@@ -75,6 +80,7 @@ def kernel_spec(spec: AttentionSpec) -> AttentionSpec:
 
 
 def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
+    """None where the sm90 backward serves `spec` (every mask, soft-capping and learnable sinks included)."""
     if spec.dtype not in ("fp16", "bf16"):
         return f"the sm90 backward computes in fp16 or bf16, not {spec.dtype}"
     if spec.out_dtype != spec.dtype:
@@ -129,12 +135,14 @@ def _build(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str, extr
 def kernel_key(role: str, spec: AttentionSpec, cfg: BwdTileConfig) -> Tuple[AttentionSpec, BwdTileConfig]:
     """The (spec, configuration) that `role`'s kernel is built from: only what its code depends on, so builds that
     generate the same code share one cache entry. Calls (`_kernel`) and the compile command
-    (`compile_backward_artifacts`) both build from it, so what the CPU compile tests check is what calls run."""
+    (`compile_backward_artifacts`) both build from it, so what the CPU compile tests check is what calls run. No
+    kernel reads spec.sink (the sink is in the LSE), and only the main kernel spec.softcap."""
+    spec = _without_sink(spec)
     if role == "bwd_dq_postprocess":
         # The dQ conversion depends on the dtype, the head dim, the dQ MMA's shape and the output tile's swizzle atom
         # (operand_atom_cols: keys_on_rows) only, not on the mask, head_dim_v, stages, registers or ptxas level of
         # the main kernel.
-        key_spec = dataclasses.replace(spec, mask="none", head_dim_v=spec.head_dim)
+        key_spec = dataclasses.replace(spec, mask="none", head_dim_v=spec.head_dim, softcap=False)
         return key_spec, BwdTileConfig(
             tile_m=cfg.tile_m,
             dq_split=cfg.dq_split,
@@ -144,9 +152,18 @@ def kernel_key(role: str, spec: AttentionSpec, cfg: BwdTileConfig) -> Tuple[Atte
         )
     if role == "bwd_preprocess":
         # The dtype and head dims only (the sm80 family's preprocess, built to zero the dQ accumulator and signal PDL).
-        key_spec = dataclasses.replace(spec, mask="none")
+        key_spec = dataclasses.replace(spec, mask="none", softcap=False)
         return key_spec, BwdTileConfig(tile_m=ROWS_PER_CONSUMER, dq_split="m")
     return spec, cfg
+
+
+def _without_sink(spec: AttentionSpec) -> AttentionSpec:
+    return dataclasses.replace(spec, sink=False) if spec.sink else spec
+
+
+def _plain(spec: AttentionSpec) -> AttentionSpec:
+    """`spec` for the sm80 family's accumulator conversions, which neither feature changes."""
+    return dataclasses.replace(spec, softcap=False, sink=False) if spec.softcap or spec.sink else spec
 
 
 def _kernel(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str):
@@ -207,11 +224,12 @@ def _kernels(
         role = main_role(gqa, seqused, deterministic)
         convert = convert_v = None
         if gqa:
-            convert = sm80.accum_convert_kernel(spec, target)
+            convert = sm80.accum_convert_kernel(_plain(spec), target)
             convert_v = convert
             if spec.head_dim_v != spec.head_dim:
                 dv = spec.head_dim_v
-                convert_v = sm80.accum_convert_kernel(dataclasses.replace(spec, head_dim=dv, head_dim_v=dv), target)
+                spec_v = dataclasses.replace(_plain(spec), head_dim=dv, head_dim_v=dv)
+                convert_v = sm80.accum_convert_kernel(spec_v, target)
         kernels = _launch_sets[key] = _Kernels(
             chosen,
             _kernel("bwd_preprocess", spec, chosen, target),
@@ -256,6 +274,7 @@ def backward_launcher(
     dq_tiles = (p.batch, p.nheads, seqlen_q_pad // cfg.tile_m)
     dkv_tiles = (p.batch, p.nheads_kv, -(-p.seqlen_k // cfg.tile_n))
     scale, left, right = p.softmax_scale, mask.left, mask.right
+    features = _features(p)
     sm80 = _sm80_backward()  # the tensor helpers the two backward families share
     dkv_block = max(cfg.tile_n, STATS_ROW_MULTIPLE)  # whole conversion blocks
     f32 = dict(dtype=torch.float32, device=device)
@@ -276,11 +295,15 @@ def backward_launcher(
         semaphores = _semaphores(True, gqa, dq_tiles, dkv_tiles, device) if deterministic else no_semaphores
         kernels.preprocess(out, dout, lse, dpsum, lse_log2, dq_accum)
         fold_lse_grad(dpsum, dlse, lse)  # (between the two kernels when given: the main kernel then waits for it)
-        kernels.main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *semaphores, scale, left, right)
+        kernels.main(
+            q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *semaphores, scale, left, right, *features
+        )
         kernels.postprocess(dq_accum, dq, scale)
         if gqa:
             kernels.convert(dk_out, dk, 1.0)  # the main kernel already applied the softmax scale to dK
             kernels.convert_v(dv_out, dv, 1.0)
+        if p.spec.sink:
+            sink_grad(grads.dsink, t.sink, lse, dpsum[..., : p.seqlen_q])
 
     return launch
 
@@ -334,13 +357,33 @@ def run_backward_varlen(
     fold_lse_grad_packed(dpsum[0], dlse, lse, cu_seqlens_q, pad_q)
     kernels.main(
         q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *semaphores, softmax_scale, mask.left, mask.right,
-        cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k,
+        *_features(problem), cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k,
     )  # fmt: skip
     kernels.postprocess(dq_accum, dq, softmax_scale, cu_seqlens_q, pad_q, max_seqlen_q)
     if gqa:
         # Every key row of each sequence (cu_seqlens_k, not seqused_k): rows past seqused_k convert their zeros.
         kernels.convert(dk_out, dk, 1.0, cu_seqlens_k, pad_k, max_seqlen_k)
         kernels.convert_v(dv_out, dv, 1.0, cu_seqlens_k, pad_k, max_seqlen_k)
+    if spec.sink:
+        sink_grad(grads.dsink, t.sink, lse, packed_rows(dpsum[0], cu_seqlens_q, pad_q, total_q))
+
+
+def _features(problem) -> tuple:
+    """The main kernel's arguments after the window bounds in a spec.softcap build (its feature entry): the cap."""
+    return (float(problem.softcap),) if problem.spec.softcap else ()
+
+
+def packed_rows(buf: torch.Tensor, cu_seqlens_q: torch.Tensor, pad: int, total_q: int) -> torch.Tensor:
+    """The (h, total_q) rows of a padded (h, rows) buffer in which sequence b starts at its padded offset
+    (common/packed.py: cu_seqlens[b] + b * pad rounded down to a multiple of pad): a gather on the device, without
+    reading cu_seqlens on the host (CUDA-graph capturable)."""
+    cu = cu_seqlens_q.long()
+    batch = cu.shape[0] - 1
+    starts = torch.div(cu[:-1] + torch.arange(batch, device=cu.device) * pad, pad, rounding_mode="floor") * pad
+    rows = torch.arange(total_q, device=cu.device)
+    # The sequence of each packed row (cu_seqlens ends at total_q; the clamp only keeps a malformed one in bounds).
+    seq = torch.searchsorted(cu[1:], rows, right=True).clamp_(max=max(batch - 1, 0))
+    return buf[:, starts[seq] + rows - cu[seq]]
 
 
 def warm_backward(spec: AttentionSpec, target: str, *, gqa: bool, deterministic: bool) -> None:
@@ -398,11 +441,11 @@ def compile_backward_artifacts(
     if roles is not None:
         return artifacts
     sm80 = _sm80_backward()
-    for art in sm80.compile_backward_artifacts(spec, target, roles=["bwd_postprocess"]):
+    for art in sm80.compile_backward_artifacts(_plain(spec), target, roles=["bwd_postprocess"]):
         artifacts.append(KernelArtifact(f"sm80_{art.kernel}", art.ptx, art.cubin, {**art.config, "family": "sm80"}))
     if spec.head_dim_v != spec.head_dim:  # GQA's dV conversion at head_dim_v (_kernels' convert_v)
         dv = spec.head_dim_v
-        spec_v = dataclasses.replace(spec, head_dim=dv, head_dim_v=dv)
+        spec_v = dataclasses.replace(_plain(spec), head_dim=dv, head_dim_v=dv)
         for art in sm80.compile_backward_artifacts(spec_v, target, roles=["bwd_postprocess"]):
             config = {**art.config, "family": "sm80", "head_dim": dv}
             artifacts.append(KernelArtifact(f"sm80_{art.kernel}_v", art.ptx, art.cubin, config))

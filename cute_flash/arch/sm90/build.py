@@ -104,6 +104,7 @@ def compile_backward(
     """The compiled backward main kernel: fn(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphores,
     dkv_semaphores, softmax_scale, window_left, window_right), dk / dv fp32 padded sums under GQA; the semaphores
     are None, or int32 (b, h, query tiles) / (b, h_kv, key tiles) where a deterministic (GQA) build reads them.
+    spec.softcap: the feature entries (common/entries.py), with the cap after window_right.
 
     spec.varlen: the packed entry, fn(..., window_right, cu_seqlens_q, cu_seqlens_k, seqused_k (a tensor when
     `seqused`, else None), max_seqlen_k) with q / dout (total_q, h, d), k / v (total_k, h_kv, d), lse_log2 / dpsum
@@ -117,14 +118,17 @@ def compile_backward(
     tensors = _fake_backward_tensors(dtype, spec.head_dim, spec.head_dim_v, cfg, gqa, spec.varlen)
     sems = _fake_semaphores(deterministic, gqa)
     scalars = cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0)
+    features = (cutlass.Float32(1.0),) if spec.softcap else ()
     options = compile_cache.compile_options(target, extra=extra_options or "")
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     if not spec.varlen:
-        return cute.compile(kernel, *tensors, *sems, *scalars, stream, options=options)
+        entry = kernel.features if spec.softcap else kernel
+        return cute.compile(entry, *tensors, *sems, *scalars, *features, stream, options=options)
     cu = fake_cu_seqlens(cute.sym_int()), fake_cu_seqlens(cute.sym_int())
     seqused_k = fake_cu_seqlens(cute.sym_int()) if seqused else None
     packed = (*cu, seqused_k, cutlass.Int32(0))
-    return cute.compile(kernel.packed, *tensors, *sems, *scalars, *packed, stream, options=options)
+    entry = kernel.packed_features if spec.softcap else kernel.packed
+    return cute.compile(entry, *tensors, *sems, *scalars, *features, *packed, stream, options=options)
 
 
 def _fake_backward_tensors(dtype, d: int, dv: int, cfg, gqa: bool, packed: bool) -> tuple:

@@ -30,6 +30,11 @@ on tiles swizzled in 64-byte atoms, `tile_config.operand_atom_cols`):
       query heads of one KV head: they are added with red.global.add.v2 to fp32 buffers that a postprocess
       converts (with `deterministic`, in query-head order, behind a semaphore per (batch, KV head, key tile)).
 
+Soft-capping (spec.softcap; the feature entries take the cap): S becomes T = tanh(S · softmax_scale / softcap) before
+the mask and the exponent's factor is softcap · log2e, so P is that of the capped scores; dS = P ⊙ (dP − D) ⊙ (1 − T²),
+dK and dQ taking the softmax scale as always. T is not kept through the step: `tanh_grad` recovers it from P and the
+LSE (tile_config._BWD_SOFTCAP: the tiles it takes). A learnable sink needs nothing here: the LSE read includes it.
+
 Masks: whole query tiles outside the window are never visited; only tiles crossing a window edge, and every tile
 when the key tile runs past seqlen_k, pay for element-wise masking. Query rows past seqlen_q (TMA zero-fills them)
 and rows that see no key carry lse_log2 = +inf and D = 0 from the preprocess, so their P and dS are exactly 0.
@@ -77,6 +82,7 @@ from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E
 from ...common.packed import packed_pads, seq_rows
 from ...common.packed_tiles import packed_tile, packed_tiles_bound
+from ...common.softcap import apply_softcap, softcap_factors
 from ...spec import AttentionSpec
 from ..sm80.flash_bwd import red_add_f32_vec
 from .barriers import BwdBarrierId
@@ -237,6 +243,14 @@ def load_column_pairs(s_stat: cute.Tensor, coords_rc: cute.Tensor, pairs: cutlas
     return regs
 
 
+@cute.jit
+def tanh_deriv(p: Float32, inv_scale_log2: Float32, lse_scaled: Float32) -> Float32:
+    """1 − T², clamped at 0, of the T whose probability p = exp2(T · scale_log2 − lse_log2) is (softcap builds;
+    lse_scaled = lse_log2 / scale_log2; Sm90FlashBackward.tanh_grad)."""
+    t = cute.math.log2(p, fastmath=True) * inv_scale_log2 + lse_scaled
+    return cute.arch.fmax(1.0 - t * t, Float32(0.0))
+
+
 class PackedRows(NamedTuple):
     """Where one sequence's rows start in packed tensors (all None for dense ones, which index the batch instead):
     its queries and keys in the inputs (cu_seqlens), and its queries in the padded buffers of the query statistics
@@ -375,23 +389,27 @@ class StepLoop(NamedTuple):
     coords0_rc: cute.Tensor  # ... and of thread 0's (compile-time), for the mask
     info: BlockInfo
     n_block: Int32
-    scale_log2: Float32  # the exponent's factor: softmax_scale * log2(e)
+    scale_log2: Float32  # the exponent's factor: softmax_scale * log2(e), or softcap * log2(e)
+    pre_tanh: object  # softcap builds: softmax_scale / softcap (scores -> tanh's argument); None otherwise
+    inv_scale_log2: object  # softcap builds: 1 / scale_log2 (P -> T, tanh_grad); None otherwise
     thr_dq: object  # this thread's slice of the dQ MMA
     dq_dst: cute.Tensor  # the shared dQ buffer(s), or with dq_red the (sequence, head)'s accumulator
     tidx: Int32  # 0 .. num_consumer_threads - 1
 
 
 class Sm90FlashBackward(BwdEntries):
-    """Callable compiled once per (dtype, head dims (d, dv), mask kind, varlen, tile config, GQA, deterministic;
-    packed: also seqused_k); shapes and strides are runtime. dv (v, dout, dv) may differ from d (q, k, dq, dk) with
-    queries on rows only. Entries (common/entries.py): `__call__` (dense tensors) and `packed` (packed sequences,
-    spec.varlen); deterministic builds take their semaphores there.
+    """Callable compiled once per (dtype, head dims (d, dv), mask kind, varlen, softcap, tile config, GQA,
+    deterministic; packed: also seqused_k); shapes and strides are runtime. dv (v, dout, dv) may differ from d (q, k,
+    dq, dk) with queries on rows only. Entries (common/entries.py): `__call__` (dense tensors) and `packed` (packed
+    sequences, spec.varlen), `features` / `packed_features` for spec.softcap; deterministic builds take their
+    semaphores there.
 
     The kernel's roles: `produce` (the producer warp's TMA loads), `store_dq` (the dQ warp) and `consume` (each
     consumer warpgroup: `walk` over the query tiles, one `step` each, then `store_grads`)."""
 
     def __init__(self, spec: AttentionSpec, cfg: BwdTileConfig, gqa: bool, deterministic: bool = False):
-        """spec.varlen: packed sequences (the `packed` entry), else dense tensors (`__call__`)."""
+        """spec.varlen: packed sequences (the `packed` entry), else dense tensors (`__call__`); spec.softcap: the
+        feature entries, which take the cap (spec.sink changes nothing here: a sink is in the LSE the kernel reads)."""
         dtype, head_dim, mask_kind = dsl_dtype(spec.dtype), spec.head_dim, spec.mask
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         assert mask_kind in ("none", "causal", "local")
@@ -402,6 +420,7 @@ class Sm90FlashBackward(BwdEntries):
         self.head_dim_v = spec.head_dim_v  # (dO, V, dV; queries on rows only, where it may differ from head_dim)
         assert spec.head_dim_v == head_dim or not cfg.keys_on_rows, "keys on rows need head_dim_v == head_dim"
         self.mask_kind = mask_kind
+        self.softcap = spec.softcap
         self.cfg = cfg
         self.gqa = gqa
         self.deterministic = deterministic
@@ -436,10 +455,12 @@ class Sm90FlashBackward(BwdEntries):
         stream: cuda.CUstream,
         packed=None,  # (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k): packed tensors (common/entries.py)
         semaphores=(None, None),  # (mdQsem, mdKVsem): tensors where a deterministic build reads them
+        features=None,  # (softcap,) from the feature entries of a spec.softcap build
     ):
         """Packed tensors: q (total_q, h, d), dout (total_q, h, dv), k / v (total_k, h_kv, d / dv), lse_log2 / dpsum
         (1, h, rows_q) from the packed preprocess (rows_q >= total_q + batch * pad_q), the dQ sums (h, rows_q * d)
         zeroed, dk / dv (total_k, h_kv, d / dv) or fp32 (rows_k, h_kv, d / dv) sums zeroed under GQA."""
+        assert (features is not None) == self.softcap, "spec.softcap builds take the cap through the feature entries"
         gmem = self._kernel_views(BwdGmem(*tensors), packed)
         layouts = self._smem_layouts()
         mmas = self._tiled_mmas()
@@ -456,7 +477,7 @@ class Sm90FlashBackward(BwdEntries):
             seqs = packed[:3]
         self.kernel(
             tuple(tmas), semaphores, tuple(atoms), tuple(mmas), tuple(layouts), softmax_scale, window_left,
-            window_right, seqs, SharedStorage,
+            window_right, features, seqs, SharedStorage,
         ).launch(
             grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1, use_pdl=True
         )  # fmt: skip
@@ -581,6 +602,7 @@ class Sm90FlashBackward(BwdEntries):
         softmax_scale: Float32,
         window_left: Int32,
         window_right: Int32,
+        features,  # (softcap,) in a spec.softcap build, else None
         seqs,  # packed: (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK or None); dense: None
         SharedStorage: cutlass.Constexpr,
     ):
@@ -611,7 +633,8 @@ class Sm90FlashBackward(BwdEntries):
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             dkv = DkvTargets(gmem.dk, gmem.dv, mdKVsem, atoms.dk, atoms.dv)
-            self.consume(pipes, mmas, smem, dq_dst, dkv, softmax_scale, work, tidx, warp_idx, seqs)
+            softcap = None if const_expr(features is None) else features[0]
+            self.consume(pipes, mmas, smem, dq_dst, dkv, softmax_scale, softcap, work, tidx, warp_idx, seqs)
 
     @cute.jit
     def prologue(self, atoms: BwdAtoms, SharedStorage: cutlass.Constexpr):
@@ -793,6 +816,7 @@ class Sm90FlashBackward(BwdEntries):
         dq_dst: cute.Tensor,
         dkv: DkvTargets,
         softmax_scale: Float32,
+        softcap,  # spec.softcap: the cap (Float32), else None
         work: BwdWork,
         tidx: Int32,  # the thread's index in the CTA
         warp_idx: Int32,
@@ -819,19 +843,22 @@ class Sm90FlashBackward(BwdEntries):
         coords0_rc = rows_cols_view(mmas.sdp.get_slice(0).partition_C(cute.make_identity_tensor(self.s_tile)))
 
         if work.m_max > work.m_min:
-            scale_log2 = softmax_scale * LOG2_E
+            scale_log2, pre_tanh, inv_scale_log2 = softmax_scale * LOG2_E, None, None
+            if const_expr(softcap is not None):
+                pre_tanh, scale_log2 = softcap_factors(softmax_scale, softcap)
+                inv_scale_log2 = 1.0 / scale_log2
             if const_expr(self.cfg.dq_red):
                 cute.arch.griddepcontrol_wait()  # dQ adds from the first step: after the preprocess zeroed the sums
             loop = StepLoop(
                 pipes, mmas, frags, acc_dV, acc_dK, smem_copy_ds, tdSsdS, tPsP, smem.lse, smem.dpsum, coords_rc,
-                coords0_rc, work.info, work.n_block, scale_log2, thr.dq, dq_dst, tidx,
+                coords0_rc, work.info, work.n_block, scale_log2, pre_tanh, inv_scale_log2, thr.dq, dq_dst, tidx,
             )  # fmt: skip
             self.walk(loop, smem, work)
 
         # Before any global write of the consumers: dK / dV (GQA: sums zeroed by an earlier launch) and the GQA
         # semaphores. (The LSE / D they read came through the producer's loads, issued after its wait.)
         cute.arch.griddepcontrol_wait()
-        self.store_grads(acc_dK, acc_dV, mmas, smem, dkv, softmax_scale, work, head_in_group, tidx, warp_idx, seqs)
+        self.store_grads((acc_dK, acc_dV), mmas, smem, dkv, softmax_scale, work, head_in_group, tidx, warp_idx, seqs)
 
     def consumer_fragments(self, mmas: BwdMmas, smem: BwdSmem, tidx: Int32):
         """(BwdFragments, this thread's slices of the four MMAs as a BwdMmas) of consumer thread `tidx`."""
@@ -989,7 +1016,7 @@ class Sm90FlashBackward(BwdEntries):
         acc_S, acc_dP, lse = self.score_products(q, do, loop)
         self.probabilities(acc_S, lse, q, m_block, masked, loop)
         dpsum = self.dv_before_dp_wait(acc_S, do, loop)
-        self.score_grads(acc_S, acc_dP, dpsum, do, loop)
+        self.score_grads(acc_S, acc_dP, dpsum, lse, q, do, loop)
         self.stage_p_and_ds(acc_S, acc_dP, q, do, loop)
         self.dq_and_dk(q, do, m_block, loop)
         q.advance()
@@ -1031,8 +1058,11 @@ class Sm90FlashBackward(BwdEntries):
 
     @cute.jit
     def probabilities(self, acc_S: cute.Tensor, lse, q, m_block: Int32, masked: cutlass.Constexpr[bool], loop):
-        """P = exp2(S · scale · log2e − lse_log2[query]) in place (S has landed: dP's issue waited for it). The mask
-        (on the scaled exponent) leaves -inf -> P = 0."""
+        """P = exp2(S · scale · log2e − lse_log2[query]) in place (S has landed: dP's issue waited for it); softcap
+        builds take S to T = tanh(S · softmax_scale / softcap) first and scale by softcap · log2e. The mask (on the
+        scaled exponent) leaves -inf -> P = 0."""
+        if const_expr(loop.pre_tanh is not None):
+            apply_softcap(acc_S, loop.pre_tanh)
         s_rc = rows_cols_view(acc_S)
         num_rows = cute.size(s_rc, mode=[0])
         num_cols = cute.size(s_rc, mode=[1])
@@ -1092,8 +1122,8 @@ class Sm90FlashBackward(BwdEntries):
         return dpsum
 
     @cute.jit
-    def score_grads(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, dpsum, do, loop: StepLoop):
-        """dS = P ⊙ (dP − D[query]) in acc_dP."""
+    def score_grads(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, dpsum, lse, q, do, loop: StepLoop):
+        """dS = P ⊙ (dP − D[query]) in acc_dP; softcap builds times 1 − T² (`tanh_grad`)."""
         s_rc = rows_cols_view(acc_S)
         dp_rc = rows_cols_view(acc_dP)
         num_rows = cute.size(s_rc, mode=[0])
@@ -1107,6 +1137,31 @@ class Sm90FlashBackward(BwdEntries):
             for r in cutlass.range_constexpr(num_rows):
                 for c in cutlass.range_constexpr(num_cols):
                     dp_rc[r, c] = s_rc[r, c] * (dp_rc[r, c] - dpsum[r])
+        if const_expr(loop.pre_tanh is not None):
+            self.tanh_grad(s_rc, dp_rc, lse, q, loop)
+
+    @cute.jit
+    def tanh_grad(self, p_rc: cute.Tensor, ds_rc: cute.Tensor, lse, q, loop: StepLoop):
+        """dS *= 1 − T² (softcap builds), with T recovered from P rather than kept through the step (a tensor of T
+        is 32 more live registers per thread at d128, where the defaults leave few): P = exp2(T · scale_log2 −
+        lse_log2), so T = (log2 P + lse_log2) / scale_log2, one lg2 per element, with the LSE read again (keys on
+        rows: 8-byte pairs from the stage's shared memory, as stats_at_use does; queries on rows: the rows'
+        registers). A loop of its own after dS's: fused into it, or with the LSE from registers, the d64 / d96 builds
+        spilled more. Where P is 0 (masked, a row without keys: lse_log2 +inf) T is -inf or NaN and max(1 − T², 0)
+        is 0 (max returns the non-NaN operand), so dS stays 0."""
+        inv = loop.inv_scale_log2
+        num_rows = cute.size(p_rc, mode=[0])
+        num_cols = cute.size(p_rc, mode=[1])
+        if const_expr(self.keys_on_rows):
+            for c in cutlass.range_constexpr(num_cols):
+                lse_c = column_stat(None, c, num_cols, loop.sLSE[None, q.index], loop.coords_rc) * inv
+                for r in cutlass.range_constexpr(num_rows):
+                    ds_rc[r, c] = ds_rc[r, c] * tanh_deriv(p_rc[r, c], inv, lse_c)
+        else:
+            for r in cutlass.range_constexpr(num_rows):
+                lse_r = lse[r] * inv
+                for c in cutlass.range_constexpr(num_cols):
+                    ds_rc[r, c] = ds_rc[r, c] * tanh_deriv(p_rc[r, c], inv, lse_r)
 
     @cute.jit
     def stage_p_and_ds(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, q, do, loop: StepLoop):
@@ -1309,8 +1364,7 @@ class Sm90FlashBackward(BwdEntries):
     @cute.jit
     def store_grads(
         self,
-        acc_dK: cute.Tensor,
-        acc_dV: cute.Tensor,
+        accs: tuple,  # (acc_dK, acc_dV)
         mmas: BwdMmas,
         smem: BwdSmem,
         dkv: DkvTargets,
@@ -1329,34 +1383,24 @@ class Sm90FlashBackward(BwdEntries):
             seq = seq_rows(work.batch, *seqs)
             offset_k, padded_k = seq.offset_k, seq.padded_offset_k(self.pad_k)
         if const_expr(self.gqa):
-            add = partial(
-                self.add_dkv_partials, acc_dK, acc_dV, mmas, dkv, softmax_scale, work, head_in_group, tidx, padded_k
-            )
+            add = partial(self.add_dkv_partials, accs, mmas, dkv, softmax_scale, work, head_in_group, tidx, padded_k)
             if const_expr(self.varlen):
                 if work.n_block * self.tile_n < work.info.seqlen_k:  # (past it: not even padding rows of this sequence)
                     add()
             else:
                 add()
         else:
-            self.store_dkv(acc_dK, acc_dV, mmas, smem, dkv, softmax_scale, work, tidx, warp_idx, offset_k)
+            self.store_dkv(accs, mmas, smem, dkv, softmax_scale, work, tidx, warp_idx, offset_k)
 
     @cute.jit
     def store_dkv(
-        self,
-        acc_dK: cute.Tensor,
-        acc_dV: cute.Tensor,
-        mmas: BwdMmas,
-        smem: BwdSmem,
-        dkv: DkvTargets,
-        softmax_scale: Float32,
-        work: BwdWork,
-        tidx: Int32,
-        warp_idx: Int32,
-        offset_k,  # packed: the sequence's first key row (None: dense)
+        self, accs, mmas, smem: BwdSmem, dkv: DkvTargets, softmax_scale, work: BwdWork, tidx, warp_idx, offset_k
     ):
-        """dK·scale and dV in 16 bits through the K / V tiles' shared memory (every consumer is done reading them
-        once all have passed the barrier) and one TMA store each, clipped at seqlen_k; packed sequences by 16-byte
-        stores of the sequence's rows (a TMA store would clip only at the end of the tensor)."""
+        """dK·scale and dV (accs) in 16 bits through the K / V tiles' shared memory (every consumer is done reading
+        them once all have passed the barrier) and one TMA store each, clipped at seqlen_k; packed sequences
+        (offset_k: the sequence's first key row; None: dense) by 16-byte stores of the sequence's rows (a TMA store
+        would clip only at the end of the tensor)."""
+        acc_dK, acc_dV = accs
         sK, sV, n_block, head_kv, batch = smem.k, smem.v, work.n_block, work.head_kv, work.batch
         seqlen_k = work.info.seqlen_k
         dk_dv = ((sK, dkv.mdK, dkv.atom_dk, self.head_dim), (sV, dkv.mdV, dkv.atom_dv, self.head_dim_v))
@@ -1392,8 +1436,7 @@ class Sm90FlashBackward(BwdEntries):
     @cute.jit
     def add_dkv_partials(
         self,
-        acc_dK: cute.Tensor,
-        acc_dV: cute.Tensor,
+        accs: tuple,  # (acc_dK, acc_dV)
         mmas: BwdMmas,
         dkv: DkvTargets,
         softmax_scale: Float32,
@@ -1405,6 +1448,7 @@ class Sm90FlashBackward(BwdEntries):
         """GQA: this query head's dK·scale and dV added to the fp32 (b, sk_padded, h_kv, d) sums, two adjacent
         columns per red (the buffers are padded to whole key tiles, so no row needs a predicate). Deterministic: the
         query heads of a KV head add in head order, behind the (batch, KV head, key tile) semaphore."""
+        acc_dK, acc_dV = accs
         n_block, head_kv, batch = work.n_block, work.head_kv, work.batch
         sem = None
         if const_expr(self.deterministic):

@@ -395,9 +395,9 @@ _BWD_BY_HEAD_DIMS = {
 }
 
 
-def bwd_head_dims() -> tuple:
-    """Head dims (d == dv) with an sm90 backward configuration."""
-    return tuple(sorted(_BWD_BY_HEAD_DIM))
+def bwd_head_dims(softcap: bool = False) -> tuple:
+    """Head dims (d == dv) with an sm90 backward configuration (of soft-capping builds: _SOFTCAP_PADDED)."""
+    return tuple(sorted(d for d in _BWD_BY_HEAD_DIM if not (softcap and d in _SOFTCAP_PADDED)))
 
 
 def bwd_head_dim_pairs() -> tuple:
@@ -454,6 +454,19 @@ _BWD_LONG_QUERIES = {
 }
 LONG_QUERIES = 4096
 
+# Soft-capping builds (spec.softcap; flash_bwd.py: the tanh before the mask, T recovered from P for dS, the LSE read
+# again) hold a few more live values per score than the defaults above leave room for in two tiles (ptxas -v, CPU
+# builds; every other default tile stays spill-free):
+#   d64: the 128-row tile spilled 72-132 bytes (GQA builds; every formulation tried: T recovered from P or from the
+#         exponent, the LSE from shared memory or from the shuffled registers, one loop or two), so softcap builds take
+#         d96's shape: 64-row tiles, consumer 0 computing dQ (spill-free).
+#   d96: its 64-row tile spilled 64 bytes at both ptxas levels, and no other d96 shape splits dQ, dK and dV on whole
+#         swizzle atoms: softcap builds run the d128 kernels on operands zero-padded to 128 (_SOFTCAP_PADDED).
+#   long query sequences (d128 without a mask): the 80-row tile spilled 16 bytes; softcap builds keep the 64-row one.
+# Not timed: the capped backward has no measured baseline yet.
+_BWD_SOFTCAP = {64: {"tile_m": 64, "dq_split": "single", "dq_buffers": 1}}
+_SOFTCAP_PADDED = (96,)
+
 
 def long_queries(seqlen_q: int) -> bool:
     """Whether a backward over `seqlen_q` query rows (packed: max_seqlen_q) takes the long-sequence configuration."""
@@ -465,8 +478,10 @@ def bwd_tile_config(spec: AttentionSpec, deterministic: bool = False, long: bool
     sequences, `long_queries`), or None where it has none."""
     if spec.head_dim != spec.head_dim_v:
         cfg = _BWD_BY_HEAD_DIMS.get((spec.head_dim, spec.head_dim_v))
+    elif spec.head_dim in bwd_head_dims(spec.softcap):
+        cfg = _BWD_BY_HEAD_DIM[spec.head_dim]
     else:
-        cfg = _BWD_BY_HEAD_DIM.get(spec.head_dim)
+        cfg = None
     if cfg is None:
         return None
     key = (spec.head_dim, spec.mask)  # (a pair takes its head_dim's per-mask and deterministic changes)
@@ -475,6 +490,7 @@ def bwd_tile_config(spec: AttentionSpec, deterministic: bool = False, long: bool
     changes = {
         **per_mask,
         **(_BWD_DETERMINISTIC.get(spec.head_dim, {}) if deterministic else {}),
-        **(_BWD_LONG_QUERIES.get(key, {}) if long and not deterministic else {}),
+        **(_BWD_LONG_QUERIES.get(key, {}) if long and not deterministic and not spec.softcap else {}),
+        **(_BWD_SOFTCAP.get(spec.head_dim, {}) if spec.softcap else {}),
     }
     return replace(cfg, **changes) if changes else cfg
