@@ -14,18 +14,6 @@
 #   bench     [240] backward grid beside FA4 and cuDNN: d 64/128/256 x $BENCH_SEQLENS (default 1k/4k/16k) x causal
 #                   both (bench/report.md)
 #   fbbench   [240] the same grid, forward + backward (fbbench/report.md)
-#   m80       [240] d128 backward without a mask: 64-row query tiles against the 80-row dQᵀ form (dq_swap_ab, with
-#                   shuffled or register-held LSE / D) and dV before the dP wait, beside FA4
-#   variants  [240 + 420] d128 backward variants of docs/sm90_bwd_sass_study.md: their gradients
-#                   (tests/test_sm90_bwd_variants.py), then timed beside the default and FA4 (dV before the dP wait and
-#                   the dQ staging base with both masks; the 80-row tile with register-held LSE / D without a mask)
-#   vtests    [240] only the variants' gradients (tests/test_sm90_bwd_variants.py)
-#   vtime     [420] only the variants' timings (as in "variants")
-#   red       [240 + 300] dQ added from registers (BwdTileConfig.dq_red; "red2": d256 with 2 stages, "red" / "red3": d128
-#                   with 2 / 3 stages): gradients, then timings beside the default and FA4
-#   otests    [600] launch-overhead variants (dQaccum zeroed in the preprocess, PDL; BwdTileConfig): their gradients
-#                   at d64/128/256 (tests/test_sm90_bwd_variants.py -k test_sm90_backward_overhead_variants)
-#   otime     [540] their timings beside the default and FA4 at $OTIME_DIMS (default 128 256 64), 1k/4k/16k
 #   torch     [300] torch integration (issue 15): inductor, CUDA graphs, autocast, opcheck, the transformers / SDPA
 #                   plug-ins, the disk kernel cache loaded in a second process, the TVM-FFI launch
 #   varlen    [300] packed sequences (issue 16) on the sm80 kernels, forward + gradients, CUDA graphs
@@ -45,7 +33,7 @@
 #                   back; run profiling.hotspots there on a source-page export if needed)
 #
 # Two GPUs (nvidia-h100-x2): run two step lists side by side, each on its own GPU, e.g.
-#   CUDA_VISIBLE_DEVICES=0 STEPS="vtime bench" tests/gpu_suite.sh OUT/g0 & CUDA_VISIBLE_DEVICES=1 STEPS="vtests sm90" ...
+#   CUDA_VISIBLE_DEVICES=0 STEPS="bench varlen90" tests/gpu_suite.sh OUT/g0 & CUDA_VISIBLE_DEVICES=1 STEPS="sm90" ...
 set -u
 out=${1:?usage: tests/gpu_suite.sh OUT_DIR}
 mkdir -p "$out"
@@ -76,36 +64,6 @@ for s in $steps; do
             --seqlens "${BENCH_SEQLENS:-1024,4096,16384}" --directions $dir --impls cute-flash,fa4,sdpa-cudnn --no-memory --no-plots \
             --rep-ms 50 --warmup-ms 15 --out "$out/$s"
            grep -A 22 "bf16 $dir" "$out/$s/report.md" 2>/dev/null || tail -n 25 "$out/$s.log" ;;
-    m80) step m80 240 python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 --causal no \
-            --variants default,m80,m80_regstats,dv_early --fa4 --rounds 3 --rep-ms 50
-         tail -n 12 "$out/m80.log" ;;
-    variants) step variants_tests 240 python3 -m pytest -q -n 4 --dist loadgroup -p no:cacheprovider -rf \
-            tests/test_sm90_bwd_variants.py -k "not overhead"
-         step variants 420 bash -c "python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 \
-            --causal both --variants default,dv_early,dv_early_b,dq_base --fa4 --rounds 3 --rep-ms 50 && \
-            python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 --causal no \
-            --variants default,dv_early_b,m80,m80_regstats --rounds 3 --rep-ms 50"
-         tail -n 30 "$out/variants.log" ;;
-    vtests) step variants_tests 240 python3 -m pytest -q -n 4 --dist loadgroup -p no:cacheprovider -rf \
-            tests/test_sm90_bwd_variants.py -k "not overhead" ;;
-    otests) step overhead_tests 600 python3 -m pytest -q -n 8 --dist loadgroup -p no:cacheprovider -rf \
-            tests/test_sm90_bwd_variants.py -k test_sm90_backward_overhead_variants ;;
-    otime) step overhead 540 bash -c "for d in ${OTIME_DIMS:-128 256 64}; do python3 -m profiling.sm90_bwd_variants \
-            --head-dim \$d --seqlens 1024,4096,16384 --causal both \
-            --variants ${OTIME_VARIANTS:-default,plain,memset,no_pdl} --fa4 --rounds 2 --rep-ms 50 \
-            || exit 1; done"
-         tail -n 50 "$out/overhead.log" ;;
-    red) step red_tests 240 python3 -m pytest -q -n 12 --dist loadgroup -p no:cacheprovider -rf \
-            tests/test_sm90_bwd_variants.py -k "test_sm90_backward_dq_red"
-         step red_time 300 bash -c "python3 -m profiling.sm90_bwd_variants --head-dim 256 --seqlens 1024,4096,16384 \
-            --causal both --variants default,red2 --fa4 --rounds 2 --rep-ms 50 && python3 -m profiling.sm90_bwd_variants \
-            --head-dim 128 --seqlens 1024,4096,16384 --causal both --variants default,red,red3 --rounds 2 --rep-ms 50"
-         grep -E "geomean" "$out/red_time.log" ;;
-    vtime) step variants 420 bash -c "python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 \
-            --causal both --variants default,dv_early,dv_early_b,dq_base --fa4 --rounds 3 --rep-ms 50 && \
-            python3 -m profiling.sm90_bwd_variants --head-dim 128 --seqlens 1024,4096,16384 --causal no \
-            --variants default,dv_early_b,m80,m80_regstats --rounds 3 --rep-ms 50"
-         tail -n 30 "$out/variants.log" ;;
     torch) step torch 300 python3 -m pytest -q -n 3 --dist loadgroup -p no:cacheprovider -rf \
             tests/test_torch_integration_gpu.py tests/test_integrations_gpu.py tests/test_disk_cache_gpu.py \
             tests/test_launch_gpu.py ;;

@@ -96,7 +96,7 @@ def test_sm90_backward_compiles(builds, head_dim, causal):
         else:
             assert census["cp.reduce.async.bulk"] > 0, "dQ must be added by the bulk reduce-add"
             assert census["red.global.add.v4.f32"] == 0, "dQ from registers (dq_red) is on at d192 / d256 only"
-        # kv_with_first_tile: K and V ride on the first Q / dO stage's barrier, each adding its bytes there
+        # K and V ride on the first Q / dO stage's barrier, each adding its bytes there
         assert census["mbarrier.expect_tx"] == 2, census
         assert census["mma.sync"] == 0, "the sm90 backward must not fall back to mma.sync"
         assert report["threads"] == 384
@@ -118,9 +118,9 @@ def test_sm90_backward_compiles(builds, head_dim, causal):
             assert report["config"]["dq_buffers"] == 2 and report["shared_bytes"] == 232448, report["config"]
         else:
             assert report["config"]["dq_buffers"] == 1
-    # The launch-overhead switches (BwdTileConfig.zero_dq_in_preprocess, .pdl, .pdl_dq_post) are on by default: the
-    # sm90 preprocess build signals its dependent, the main kernel waits (producer, dQ warp, epilogue) and signals,
-    # the dQ postprocess waits (tests/test_sm90_bwd_variants.py builds them off).
+    # Programmatic dependent launch from the preprocess to the main kernel to the dQ postprocess: the sm90
+    # preprocess build signals its dependent, the main kernel waits (producer, dQ warp, epilogue) and signals, the dQ
+    # postprocess waits.
     expected = {"bwd_preprocess": (0, 1), "bwd_dq_postprocess": (1, 0), **{role: (3, 1) for role in roles | long_roles}}
     if long_roles:
         expected["bwd_dq_postprocess_long"] = (1, 0)

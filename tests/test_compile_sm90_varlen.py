@@ -33,15 +33,11 @@ with census.capture_fd_stderr() as captured:
             spec, fwd_tile_config(spec), "sm_90a", compile_cache.keep_artifacts_options(dump), seqused
         )
     else:
-        import dataclasses
         from cute_flash.arch.sm90 import backward
-        c2 = role.endswith("_c2")  # the study field BwdTileConfig.cluster_n = 2
-        role = role.removesuffix("_c2")
         det, long = role.endswith("_det"), role.endswith("_long")
         role = role.removesuffix("_det").removesuffix("_long")
         role += ("_seqused" if seqused else "") + ("_det" if det else "")
         cfg = backward.bwd_tile_config(spec, det, long)
-        cfg = dataclasses.replace(cfg, cluster_n=2) if c2 else cfg
         # (built from the role's cache key, as calls build it: backward.kernel_key)
         compiled = backward._build(
             role, *backward.kernel_key(role, spec, cfg), "sm_90a", compile_cache.keep_artifacts_options(dump)
@@ -73,7 +69,6 @@ BUILDS = [
     (128, 128, "causal", False, "bwd_gqa_det"),
     (128, 128, "none", False, "bwd_preprocess"),
     (128, 128, "none", True, "bwd_gqa_long"),  # the 80-row tile (long queries), LSE / D loaded where used
-    (128, 128, "none", True, "bwd_gqa_long_c2"),  # its study form in 2-CTA clusters sharing Q / dO (cluster_n)
 ]
 FORWARD_BUILDS = [b for b in BUILDS if b[4] == "fwd"]
 
@@ -157,40 +152,6 @@ def test_sm90_varlen_long_query_backward_compiles(builds):
     assert rep["shuffles"] < 20, rep["shuffles"]
 
 
-def test_sm90_varlen_backward_in_clusters_compiles(builds):
-    """The study field BwdTileConfig.cluster_n = 2 (2-CTA clusters of adjacent key tiles sharing Q / dO) on the 80-row
-    GQA build with seqused_k: spill-free, Q and dO by multicast TMA loads, the consumers' Q / dO releases in both CTAs
-    (remote mbarrier arrives), and only the init's cluster barrier (no barrier before exit: pipelines.ClusterRing)."""
-    rep = _report(builds, (128, 128, "none", True, "bwd_gqa_long_c2"))
-    assert rep["spills"] and set(rep["spills"]) == {0}, rep["spills"]
-    assert rep["multicast_loads"] > 0 and rep["remote_arrives"] > 0 and rep["cluster_barriers"] == 2, rep
-    plain = _report(builds, (128, 128, "none", True, "bwd_gqa_long"))
-    assert plain["multicast_loads"] == 0 and plain["remote_arrives"] == 0 and plain["cluster_barriers"] == 0, plain
-
-
-def test_backward_clusters_are_refused_where_they_cannot_run():
-    """cluster_n is 1 or 2, and 2 only for packed calls without a mask and without a deterministic order (the CTAs
-    of a cluster must walk the same query tiles; the deterministic order is per key tile)."""
-    from dataclasses import replace
-
-    from cute_flash.arch.sm90 import backward
-    from cute_flash.arch.sm90.flash_bwd import Sm90FlashBackward
-    from cute_flash.arch.sm90.tile_config import bwd_config_problem, bwd_tile_config
-    from cute_flash.spec import AttentionSpec
-
-    packed = AttentionSpec("bf16", 128, 128, "none", "bf16", varlen=True)
-    cfg = replace(bwd_tile_config(packed, long=True), cluster_n=2)
-    assert bwd_config_problem(cfg, 128) is None
-    assert "cluster_n" in bwd_config_problem(replace(cfg, cluster_n=3), 128)
-    Sm90FlashBackward(packed, cfg, gqa=False)
-    refused = ((replace(packed, varlen=False), False), (replace(packed, mask="causal"), False), (packed, True))
-    for spec, det in refused:
-        with pytest.raises(AssertionError, match="cluster_n"):
-            Sm90FlashBackward(spec, cfg, gqa=False, deterministic=det)
-        with pytest.raises(ValueError, match="cluster_n"):  # (a call with such a configuration, before any build)
-            backward._kernels(spec, cfg, "sm_90a", False, det)
-
-
 def test_sm90_varlen_deterministic_backward_compiles(builds):
     """The deterministic GQA build: the dQ warp and the GQA epilogue each wait on a semaphore (one acquire load
     each), dQ by the bulk reduce-add, spill-free."""
@@ -200,8 +161,8 @@ def test_sm90_varlen_deterministic_backward_compiles(builds):
 
 
 def test_sm90_varlen_preprocess_zeroes_dq_and_signals_pdl(builds):
-    """The packed preprocess with the backward's launch-overhead options: besides D and lse_log2 it zeroes its 64
-    rows of the dQ sums (64 x 128 floats in 16-byte stores over 128 threads) and lets the main kernel launch early."""
+    """The packed preprocess as the sm90 backward builds it: besides D and lse_log2 it zeroes its 64 rows of the dQ
+    sums (64 x 128 floats in 16-byte stores over 128 threads) and lets the main kernel launch early."""
     rep = _report(builds, (128, 128, "none", False, "bwd_preprocess"))
     assert rep["vector_stores"] == 64 * 128 * 4 // (16 * 128) and rep["launch_dependents"] == 1, rep
     assert rep["spills"] and set(rep["spills"]) == {0}, rep["spills"]

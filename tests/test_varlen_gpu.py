@@ -335,55 +335,6 @@ def test_sm90_varlen_multicast_forward_matches_one_cta_per_cluster(sm90_varlen, 
 
 
 @pytest.mark.sm90
-@pytest.mark.xdist_group("varlen90-bf16-d128-full")
-@pytest.mark.parametrize("long", [False, True], ids=["64-row tile", "80-row tile"])
-def test_sm90_varlen_multicast_backward_matches_one_cta_per_cluster(sm90_varlen, monkeypatch, long):
-    """The d128 packed backward without a mask in 2-CTA clusters of adjacent key tiles sharing Q / dO
-    (BwdTileConfig.cluster_n 2): dK / dV bitwise those of one CTA per cluster (the same products of the same tiles),
-    dQ the same sums in another order (its adds have no fixed order either way), and every gradient within the
-    rule of the float64 reference. Key lengths give sequences with an odd number of key tiles (5, 1, 64, 128, 300:
-    their last tiles go two to a cluster, each CTA loading whole tiles alone, the last cluster's second CTA without
-    work) and an even one (129, 256, 385, 650), no keys, queries without keys; GQA, with and without seqused_k; the
-    64-row tile and the 80-row one (max_seqlen_q from 4096)."""
-    import dataclasses
-
-    import cute_flash
-    from cute_flash.arch.sm90 import backward
-
-    lens_q = [0, 1, 64, 81, 129, 256, 300, 700, 5, 3] + ([4133] if long else [])
-    lens_k = [5, 1, 64, 128, 129, 256, 385, 650, 0, 300] + ([4000] if long else [])
-    q, k, v, cq, ck = _packed("bf16", 128, lens_q, lens_k, 4, 2, seed=12)
-    used = torch.tensor([max(0, n - 29) for n in lens_k], dtype=torch.int32, device="cuda")
-    default = backward.bwd_tile_config
-
-    def with_cluster(cluster_n):
-        def cfg(spec, deterministic=False, long=False):
-            chosen = default(spec, deterministic, long)
-            if spec.varlen and (spec.head_dim, spec.mask) == (128, "none") and not deterministic:
-                chosen = dataclasses.replace(chosen, cluster_n=cluster_n)
-            return chosen
-
-        monkeypatch.setattr(backward, "bwd_tile_config", cfg)
-        backward._launch_sets.clear()  # (the kernel sets of the other configuration)
-
-    try:
-        for seqused in (None, used):
-            mq, mk = max(lens_q), max(lens_k)
-            out, lse = cute_flash.attention_varlen(q, k, v, cq, ck, mq, mk, seqused_k=seqused, return_lse=True)
-            dout = torch.randn_like(out)
-            runs = {}
-            for cluster_n in (2, 1):
-                with_cluster(cluster_n)
-                runs[cluster_n] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-            (dq2, dk2, dv2), (dq1, dk1, dv1) = runs[2], runs[1]
-            assert torch.equal(dk2, dk1) and torch.equal(dv2, dv1)
-            torch.testing.assert_close(dq2, dq1, rtol=2**-7, atol=1e-3)
-            _check(q, k, v, cq, ck, mq, mk, out, lse, dout, runs[2], seqused_k=seqused)
-    finally:
-        backward._launch_sets.clear()  # (monkeypatch restores bwd_tile_config after the test)
-
-
-@pytest.mark.sm90
 @pytest.mark.xdist_group("varlen90-bf16-d128-causal")
 def test_sm90_varlen_equal_lengths_match_dense_attention():
     """Equal lengths: the packed calls and the dense sm90 calls compute the same outputs and gradients (to the

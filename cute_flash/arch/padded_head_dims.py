@@ -6,6 +6,8 @@ dK; zero columns of V, dO and O leave dP = dO·Vᵀ and D = rowsum(dO·O) unchan
 softmax scale is the call's own (a runtime argument of the kernels), so the gradients are exact; the padded columns
 cost their share of the products and a copy of each padded tensor. Used for head_dim != head_dim_v (e.g. DeepSeek's
 (192, 128)) and, on Hopper, for head dims without an sm90 backward tile of their own (d160 runs the d192 kernels).
+Soft-capping (the cap is the problem's, carried by widened_problem) and learnable sinks (their logits and dsink,
+shaped by the heads alone) pass through as they are.
 """
 
 from __future__ import annotations
@@ -56,14 +58,14 @@ def widened(t: torch.Tensor, width: int) -> torch.Tensor:
 def padded_launcher(dims: Dims, run: Callable[[BwdTensors, Grads], None]) -> Callable[[BwdTensors, Grads], None]:
     """`run` (a launcher of kernels built for head dims `dims`) as a launcher of a call's own tensors: the narrower
     operands zero-padded to their kernel width (q, k: head_dim's; v, dout, out: head_dim_v's), the narrower gradients
-    computed into wide buffers and their leading columns copied out."""
+    computed into wide buffers and their leading columns copied out; lse, dlse, the sink logits and dsink as given."""
     d, dv = dims
 
     def launch(t: BwdTensors, grads: Grads) -> None:
         dout, q, k, v, out, lse, dlse = t[:7]
         wide = [widened(x, w) for x, w in ((dout, dv), (q, d), (k, d), (v, dv), (out, dv))]
         wide_grads = [g if g.shape[-1] == w else g.new_empty(*g.shape[:-1], w) for g, w in zip(grads, (d, d, dv))]
-        run(BwdTensors(*wide, lse, dlse), Grads(*wide_grads))
+        run(BwdTensors(*wide, lse, dlse, t.sink), Grads(*wide_grads, grads.dsink))
         for g, w in zip(grads, wide_grads):
             if w is not g:
                 g.copy_(w[..., : g.shape[-1]])

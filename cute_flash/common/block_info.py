@@ -168,14 +168,22 @@ class BlockInfo:
     def q_block_range(self, n_block: Int) -> Tuple[Int, Int]:
         """[m_block_min, m_block_max) of the query blocks with at least one row that sees a key of `n_block`.
 
-        Keys past seqlen_k do not widen the range; a KV block no row sees gives an empty range.
+        Keys past seqlen_k and rows past seqlen_q do not widen the range, so that it agrees with `kv_block_range`
+        (n_block is in kv_block_range(m) iff m is in this range), which the deterministic backward's turn order
+        relies on; a KV block no row sees gives an empty range.
         """
         m_block_max = _ceil_div_nonneg(self.seqlen_q, self.tile_m)
         m_block_min = 0
         if self.has_right_bound:
             # Row i reaches key j iff j <= i + off + right, i.e. i >= first_key - off - right.
             first_key = n_block * self.tile_n
-            m_block_min = _max(first_key - self.offset - self.right, 0) // self.tile_m
+            first_row = first_key - self.offset - self.right
+            m_block_min = _max(first_row, 0) // self.tile_m
+            if self.mask == "local":
+                # A right bound below 0 can put that first row past seqlen_q, inside the last block's padding rows:
+                # then no block (this term is m_block_max there, and at most the one above for a first row before
+                # seqlen_q). Causal masks (right 0) never get there: a key tile's first key is below seqlen_k.
+                m_block_min = _max(m_block_min, _min(first_row, self.seqlen_q) - self.seqlen_q + m_block_max)
         if self.has_left_bound:
             # Row i reaches key j iff j >= i + off - left, i.e. i <= last_key - off + left.
             last_key = _min((n_block + 1) * self.tile_n, self.seqlen_k) - 1

@@ -5,7 +5,8 @@ Forward: `flash_fwd.Sm90FlashForward` (TMA + wgmma, warp-specialised ping-pong c
 Backward: `backward.py` (TMA + wgmma, flash_bwd.Sm90FlashBackward), built for the head dims with a tile configuration
 (tile_config.bwd_tile_config: d == dv in 64, 96, 128, 192, 256, and (192, 128)); every other fp16/bf16 call up to
 256 runs the narrowest d == dv one at least as wide as its head dims on zero-padded operands (backward.kernel_dims,
-arch/padded_head_dims.py), also after a forward of another family (its out / lse are taken as they are).
+arch/padded_head_dims.py), also after a forward of another family (its out / lse are taken as they are); soft-capping
+and learnable sinks (spec.softcap, spec.sink) included (the cap: Problem.softcap; dsink: Grads.dsink).
 FP8 (`spec.dtype == "fp8"`, forward only) is served by the `fp8` sub-package (`fp8.launch`; its kernel
 `fp8/flash_fwd.py` is a subclass of the bf16 forward).
 Packed sequences (`attention_varlen`): the forward's and the backward's packed builds (`build.compile_forward_packed`,

@@ -1,22 +1,26 @@
 """The sm90 backward pass: preprocess, main kernel, postprocess (see flash_bwd.py for the algorithm).
 
     1. preprocess:  D = rowsum(dO * O) and lse_log2 (both (b, h, sq_padded) fp32; padding and empty rows inert) —
-                    the sm80 family's kernel (memory-bound, a few percent of the backward), compiled for sm_90a
+                    the sm80 family's kernel (memory-bound, a few percent of the backward), compiled for sm_90a; it
+                    also zeroes the dQ accumulator (no torch.zeros before it)
     2. main:        per key tile: dK, dV in registers; each query tile's dQ added by a bulk reduce-add (through
                     shared memory) to (b, h, sq_padded * d) fp32 in the dQ MMA's register order
     3. postprocess: dq = scale * dQ accumulator in the input dtype (DqConvertSm90); under GQA/MQA the main kernel's
                     dK/dV partial sums go to (b, sk_padded, h_kv, d) fp32 buffers converted by the sm80 family's
                     accumulator conversion
 
-Launch-overhead options (BwdTileConfig, on by default): zero_dq_in_preprocess (a preprocess build that zeroes the dQ
-accumulator, in place of a torch.zeros), pdl / pdl_dq_post (programmatic dependent launch preprocess -> main -> dQ
-postprocess). With both of the first two off the preprocess is the sm80 family's own build.
+The three launch back to back by programmatic dependent launch (preprocess -> main -> dQ postprocess): each may start
+while the one before it runs and waits (griddepcontrol.wait) before it reads what that one writes.
+
+Soft-capping (spec.softcap) changes the main kernel only (its feature entries take the cap; flash_bwd.py). A learnable
+sink (spec.sink) changes no kernel: the LSE the forward wrote includes it, so P and D are already right; its gradient,
+dsink_h = sum over rows of exp(sink_h - lse) * (dlse - D), comes from lse and the preprocess's D on the host side
+(arch/base.sink_grad), after the kernels (so that nothing sits between the programmatically launched ones).
 
 Packed sequences (`run_backward_varlen`): the same three steps on buffers whose sequence b starts at row
 cu_seqlens[b] + b * pad rounded down to a multiple of pad (common/packed.packed_pads): the sm80 family's packed
-preprocess (its packed build with the launch-overhead options: it zeroes each sequence's rows of the dQ sums and
-signals PDL), the main kernel's and the dQ conversion's `packed` builds, the sm80 packed accumulator conversion under
-GQA.
+preprocess (built as above: it zeroes each sequence's rows of the dQ sums and signals PDL), the main kernel's and the
+dQ conversion's `packed` builds, the sm80 packed accumulator conversion under GQA.
 
 Kernels are compiled once per (target, role, spec, tile config) with symbolic batch, sequence and head extents and
 launched through TVM-FFI on torch's current stream.
@@ -37,7 +41,7 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import PackedSeqs, Problem, VarlenProblem, _round_up
 from ...common.packed import PRE_POST_ROWS, packed_pads, padded_rows
-from ..base import BwdTensors, Grads, KernelArtifact, fold_lse_grad, fold_lse_grad_packed
+from ..base import BwdTensors, Grads, KernelArtifact, fold_lse_grad, fold_lse_grad_packed, sink_grad
 from ..padded_head_dims import padded_launcher, widened_problem, widened_spec
 from .tile_config import (
     ROWS_PER_CONSUMER,
@@ -66,7 +70,7 @@ def kernel_dims(spec: AttentionSpec) -> Optional[Tuple[int, int]]:
     own = (spec.head_dim, spec.head_dim_v)
     if own in bwd_head_dim_pairs():
         return own
-    width = next((w for w in bwd_head_dims() if w >= max(own)), None)
+    width = next((w for w in bwd_head_dims(spec.softcap) if w >= max(own)), None)  # (softcap: d96 on d128's)
     return None if width is None else (width, width)
 
 
@@ -76,6 +80,7 @@ def kernel_spec(spec: AttentionSpec) -> AttentionSpec:
 
 
 def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
+    """None where the sm90 backward serves `spec` (every mask, soft-capping and learnable sinks included)."""
     if spec.dtype not in ("fp16", "bf16"):
         return f"the sm90 backward computes in fp16 or bf16, not {spec.dtype}"
     if spec.out_dtype != spec.dtype:
@@ -130,28 +135,35 @@ def _build(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str, extr
 def kernel_key(role: str, spec: AttentionSpec, cfg: BwdTileConfig) -> Tuple[AttentionSpec, BwdTileConfig]:
     """The (spec, configuration) that `role`'s kernel is built from: only what its code depends on, so builds that
     generate the same code share one cache entry. Calls (`_kernel`) and the compile command
-    (`compile_backward_artifacts`) both build from it, so what the CPU compile tests check is what calls run."""
+    (`compile_backward_artifacts`) both build from it, so what the CPU compile tests check is what calls run. No
+    kernel reads spec.sink (the sink is in the LSE), and only the main kernel spec.softcap."""
+    spec = _without_sink(spec)
     if role == "bwd_dq_postprocess":
         # The dQ conversion depends on the dtype, the head dim, the dQ MMA's shape and the output tile's swizzle atom
         # (operand_atom_cols: keys_on_rows) only, not on the mask, head_dim_v, stages, registers or ptxas level of
         # the main kernel.
-        key_spec = dataclasses.replace(spec, mask="none", head_dim_v=spec.head_dim)
+        key_spec = dataclasses.replace(spec, mask="none", head_dim_v=spec.head_dim, softcap=False)
         return key_spec, BwdTileConfig(
             tile_m=cfg.tile_m,
             dq_split=cfg.dq_split,
             keys_on_rows=cfg.keys_on_rows,
             num_consumer_wgs=cfg.num_consumer_wgs,
             dq_swap_ab=cfg.dq_swap_ab,
-            pdl_dq_post=cfg.pdl_dq_post,
         )
     if role == "bwd_preprocess":
-        # The launch-overhead options' builds (with both off, the sm80 family's preprocess_kernel serves): the
-        # dtype, head dim and the two options.
-        key_spec = dataclasses.replace(spec, mask="none")
-        return key_spec, BwdTileConfig(
-            tile_m=ROWS_PER_CONSUMER, dq_split="m", zero_dq_in_preprocess=cfg.zero_dq_in_preprocess, pdl=cfg.pdl
-        )
-    return spec, dataclasses.replace(cfg, zero_dq_in_preprocess=False)  # the main kernel's code does not read it
+        # The dtype and head dims only (the sm80 family's preprocess, built to zero the dQ accumulator and signal PDL).
+        key_spec = dataclasses.replace(spec, mask="none", softcap=False)
+        return key_spec, BwdTileConfig(tile_m=ROWS_PER_CONSUMER, dq_split="m")
+    return spec, cfg
+
+
+def _without_sink(spec: AttentionSpec) -> AttentionSpec:
+    return dataclasses.replace(spec, sink=False) if spec.sink else spec
+
+
+def _plain(spec: AttentionSpec) -> AttentionSpec:
+    """`spec` for the sm80 family's accumulator conversions, which neither feature changes."""
+    return dataclasses.replace(spec, softcap=False, sink=False) if spec.softcap or spec.sink else spec
 
 
 def _kernel(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str):
@@ -206,27 +218,21 @@ def _kernels(
         problem = bwd_config_problem(chosen, spec.head_dim, spec.head_dim_v)
         if problem is None and deterministic and chosen.dq_red:
             problem = "dq_red adds dQ with plain atomics in no fixed order: no deterministic build"
-        if problem is None and chosen.cluster_n > 1 and (deterministic or not spec.varlen or spec.mask != "none"):
-            # (the CTAs of a cluster must walk the same query tiles, and the deterministic order is per key tile)
-            problem = "cluster_n 2 (Q / dO multicast) needs packed sequences without a mask and no deterministic order"
         if problem is not None:
             raise ValueError(problem)
         sm80 = _sm80_backward()
         role = main_role(gqa, seqused, deterministic)
         convert = convert_v = None
         if gqa:
-            convert = sm80.accum_convert_kernel(spec, target)
+            convert = sm80.accum_convert_kernel(_plain(spec), target)
             convert_v = convert
             if spec.head_dim_v != spec.head_dim:
                 dv = spec.head_dim_v
-                convert_v = sm80.accum_convert_kernel(dataclasses.replace(spec, head_dim=dv, head_dim_v=dv), target)
-        if chosen.zero_dq_in_preprocess or chosen.pdl:
-            preprocess = _kernel("bwd_preprocess", spec, chosen, target)
-        else:
-            preprocess = sm80.preprocess_kernel(spec, target)
+                spec_v = dataclasses.replace(_plain(spec), head_dim=dv, head_dim_v=dv)
+                convert_v = sm80.accum_convert_kernel(spec_v, target)
         kernels = _launch_sets[key] = _Kernels(
             chosen,
-            preprocess,
+            _kernel("bwd_preprocess", spec, chosen, target),
             _kernel(role, spec, chosen, target),
             _kernel("bwd_dq_postprocess", spec, chosen, target),
             convert,
@@ -241,7 +247,7 @@ def run_backward(
     """Fills `grads` (shaped and typed like q, k, v) on torch's current stream.
 
     deterministic: dQ (and under GQA dK, dV) are summed in a fixed order, so repeated runs give bitwise-equal
-    gradients. cfg: a tile configuration other than the default (for studies; profiling/sm90_bwd_variants.py)."""
+    gradients. cfg: a tile configuration other than the default (tests and studies)."""
     backward_launcher(problem, t.q.device, deterministic, cfg)(t, grads)
 
 
@@ -263,12 +269,12 @@ def backward_launcher(
     cfg = kernels.cfg
     seqlen_q_pad = _round_up(p.seqlen_q, math.lcm(cfg.tile_m, STATS_ROW_MULTIPLE))
     stats_shape = (p.batch, p.nheads, seqlen_q_pad)
-    # zero_dq_in_preprocess: the preprocess zeroes every (padded) row of the accumulator itself.
+    # The preprocess zeroes every (padded) row of the accumulator itself.
     dq_accum_shape = (p.batch, p.nheads, seqlen_q_pad * p.head_dim)
-    new_dq_accum = torch.empty if cfg.zero_dq_in_preprocess else torch.zeros
     dq_tiles = (p.batch, p.nheads, seqlen_q_pad // cfg.tile_m)
     dkv_tiles = (p.batch, p.nheads_kv, -(-p.seqlen_k // cfg.tile_n))
     scale, left, right = p.softmax_scale, mask.left, mask.right
+    features = _features(p)
     sm80 = _sm80_backward()  # the tensor helpers the two backward families share
     dkv_block = max(cfg.tile_n, STATS_ROW_MULTIPLE)  # whole conversion blocks
     f32 = dict(dtype=torch.float32, device=device)
@@ -279,24 +285,25 @@ def backward_launcher(
         dq, dk, dv = grads[:3]
         lse_log2 = torch.empty(stats_shape, **f32)
         dpsum = torch.empty(stats_shape, **f32)
-        dq_accum = new_dq_accum(dq_accum_shape, **f32)
+        dq_accum = torch.empty(dq_accum_shape, **f32)
         if checked:
             assert q.shape == (p.batch, p.seqlen_q, p.nheads, p.head_dim) and k.shape[1:3] == (p.seqlen_k, p.nheads_kv)
             q, k, v, dout, out, dq, dk, dv = sm80.grad_views(q, k, v, dout, out, dq, dk, dv)
         # Every buffer (and memset) before the first kernel, so that the main kernel follows the preprocess directly
-        # in the stream (its programmatic predecessor under cfg.pdl).
+        # in the stream (its programmatic predecessor).
         dk_out, dv_out = sm80.dkv_destinations(dk, dv, gqa, dkv_block)
         semaphores = _semaphores(True, gqa, dq_tiles, dkv_tiles, device) if deterministic else no_semaphores
-        if cfg.zero_dq_in_preprocess:
-            kernels.preprocess(out, dout, lse, dpsum, lse_log2, dq_accum)
-        else:
-            kernels.preprocess(out, dout, lse, dpsum, lse_log2)
+        kernels.preprocess(out, dout, lse, dpsum, lse_log2, dq_accum)
         fold_lse_grad(dpsum, dlse, lse)  # (between the two kernels when given: the main kernel then waits for it)
-        kernels.main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *semaphores, scale, left, right)
+        kernels.main(
+            q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *semaphores, scale, left, right, *features
+        )
         kernels.postprocess(dq_accum, dq, scale)
         if gqa:
             kernels.convert(dk_out, dk, 1.0)  # the main kernel already applied the softmax scale to dK
             kernels.convert_v(dv_out, dv, 1.0)
+        if p.spec.sink:
+            sink_grad(grads.dsink, t.sink, lse, dpsum[..., : p.seqlen_q])
 
     return launch
 
@@ -330,13 +337,13 @@ def run_backward_varlen(
     lse_log2 = torch.empty(1, nheads, rows_q, **f32)
     dpsum = torch.empty(1, nheads, rows_q, **f32)
     cfg = kernels.cfg
-    # zero_dq_in_preprocess: the preprocess zeroes every row the main kernel adds to (each sequence's padded rows up to
-    # its length rounded up to pad_q); the rows between sequences are never read.
-    dq_accum = (torch.empty if cfg.zero_dq_in_preprocess else torch.zeros)(nheads, rows_q * head_dim, **f32)
+    # The preprocess zeroes every row the main kernel adds to (each sequence's padded rows up to its length rounded up
+    # to pad_q); the rows between sequences are never read.
+    dq_accum = torch.empty(nheads, rows_q * head_dim, **f32)
     sm80 = _sm80_backward()
     q, k, v, dout, out, dq, dk, dv = sm80.grad_views(q, k, v, dout, out, dq, dk, dv)
     # Every buffer (and memset) before the first kernel, so that the main kernel follows the preprocess directly in
-    # the stream (its programmatic predecessor under cfg.pdl).
+    # the stream (its programmatic predecessor).
     rows_k = padded_rows(total_k, batch, pad_k)
     dk_out, dv_out = sm80.packed_dkv_destinations(dk, dv, gqa, seqused_k is not None, rows_k)
     # One semaphore per tile of the padded buffers (whole pads): sequence b's tiles start at its padded offset / tile.
@@ -346,18 +353,37 @@ def run_backward_varlen(
     )
 
     pre_blocks = -(-max_seqlen_q // pad_q) * pad_q // STATS_ROW_MULTIPLE  # whole pad_q rows per sequence
-    zeroed = (dq_accum,) if cfg.zero_dq_in_preprocess else ()
-    kernels.preprocess(out, dout, lse, dpsum[0], lse_log2[0], cu_seqlens_q, pad_q, pre_blocks, *zeroed)
+    kernels.preprocess(out, dout, lse, dpsum[0], lse_log2[0], cu_seqlens_q, pad_q, pre_blocks, dq_accum)
     fold_lse_grad_packed(dpsum[0], dlse, lse, cu_seqlens_q, pad_q)
     kernels.main(
         q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *semaphores, softmax_scale, mask.left, mask.right,
-        cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k,
+        *_features(problem), cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k,
     )  # fmt: skip
     kernels.postprocess(dq_accum, dq, softmax_scale, cu_seqlens_q, pad_q, max_seqlen_q)
     if gqa:
         # Every key row of each sequence (cu_seqlens_k, not seqused_k): rows past seqused_k convert their zeros.
         kernels.convert(dk_out, dk, 1.0, cu_seqlens_k, pad_k, max_seqlen_k)
         kernels.convert_v(dv_out, dv, 1.0, cu_seqlens_k, pad_k, max_seqlen_k)
+    if spec.sink:
+        sink_grad(grads.dsink, t.sink, lse, packed_rows(dpsum[0], cu_seqlens_q, pad_q, total_q))
+
+
+def _features(problem) -> tuple:
+    """The main kernel's arguments after the window bounds in a spec.softcap build (its feature entry): the cap."""
+    return (float(problem.softcap),) if problem.spec.softcap else ()
+
+
+def packed_rows(buf: torch.Tensor, cu_seqlens_q: torch.Tensor, pad: int, total_q: int) -> torch.Tensor:
+    """The (h, total_q) rows of a padded (h, rows) buffer in which sequence b starts at its padded offset
+    (common/packed.py: cu_seqlens[b] + b * pad rounded down to a multiple of pad): a gather on the device, without
+    reading cu_seqlens on the host (CUDA-graph capturable)."""
+    cu = cu_seqlens_q.long()
+    batch = cu.shape[0] - 1
+    starts = torch.div(cu[:-1] + torch.arange(batch, device=cu.device) * pad, pad, rounding_mode="floor") * pad
+    rows = torch.arange(total_q, device=cu.device)
+    # The sequence of each packed row (cu_seqlens ends at total_q; the clamp only keeps a malformed one in bounds).
+    seq = torch.searchsorted(cu[1:], rows, right=True).clamp_(max=max(batch - 1, 0))
+    return buf[:, starts[seq] + rows - cu[seq]]
 
 
 def warm_backward(spec: AttentionSpec, target: str, *, gqa: bool, deterministic: bool) -> None:
@@ -374,23 +400,22 @@ def compile_backward_artifacts(
     spec: AttentionSpec, target: str, cfg: Optional[BwdTileConfig] = None, roles: Optional[List[str]] = None
 ) -> List[KernelArtifact]:
     """Compiles the sm90 backward kernels serving `spec` for `target` with fake tensors (no GPU needed); the shared
-    sm80 preprocess / accumulator conversion are reported with an `sm80_` prefix. cfg: a study configuration (its
-    launch-overhead options build the preprocess here, as role `bwd_preprocess`); roles: only these sm90 roles
-    (then no sm80 kernels). The default configuration's long-query form (tile_config.long_queries), where it differs,
-    adds its main kernels and dQ conversion as `<role>_long`."""
+    sm80 accumulator conversion is reported with an `sm80_` prefix (the preprocess, the sm80 family's kernel built
+    for this backward, as role `bwd_preprocess`). cfg: another configuration than the default; roles: only these
+    sm90 roles (then no sm80 kernels). The default configuration's long-query form (tile_config.long_queries),
+    where it differs, adds its main kernels and dQ conversion as `<role>_long`."""
     reason = backward_unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(reason)
     spec = kernel_spec(spec)
     default = cfg is None
     cfg = cfg or bwd_tile_config(spec)
-    own_preprocess = cfg.zero_dq_in_preprocess or cfg.pdl
     compile_cache.ensure_cute_dsl_arch(target)
     artifacts = []
     with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_bwd_") as dump:
         # dq_red has no deterministic build; the default configuration's deterministic roles take their own one.
         mains = [r for r, (_, s, d) in MAIN_ROLES.items() if not s and (default or not (cfg.dq_red and d))]
-        default_roles = (*mains, "bwd_dq_postprocess") + (("bwd_preprocess",) if own_preprocess else ())
+        default_roles = (*mains, "bwd_dq_postprocess", "bwd_preprocess")
         jobs = []  # (artifact name, role, configuration)
         for role in default_roles if roles is None else roles:
             deterministic = default and role in MAIN_ROLES and MAIN_ROLES[role][2]
@@ -415,13 +440,12 @@ def compile_backward_artifacts(
             artifacts.append(KernelArtifact(name, compiled.artifacts.PTX, compiled.artifacts.CUBIN, role_config))
     if roles is not None:
         return artifacts
-    sm80_roles = ["bwd_postprocess"] if own_preprocess else ["bwd_preprocess", "bwd_postprocess"]
     sm80 = _sm80_backward()
-    for art in sm80.compile_backward_artifacts(spec, target, roles=sm80_roles):
+    for art in sm80.compile_backward_artifacts(_plain(spec), target, roles=["bwd_postprocess"]):
         artifacts.append(KernelArtifact(f"sm80_{art.kernel}", art.ptx, art.cubin, {**art.config, "family": "sm80"}))
     if spec.head_dim_v != spec.head_dim:  # GQA's dV conversion at head_dim_v (_kernels' convert_v)
         dv = spec.head_dim_v
-        spec_v = dataclasses.replace(spec, head_dim=dv, head_dim_v=dv)
+        spec_v = dataclasses.replace(_plain(spec), head_dim=dv, head_dim_v=dv)
         for art in sm80.compile_backward_artifacts(spec_v, target, roles=["bwd_postprocess"]):
             config = {**art.config, "family": "sm80", "head_dim": dv}
             artifacts.append(KernelArtifact(f"sm80_{art.kernel}_v", art.ptx, art.cubin, config))

@@ -164,6 +164,7 @@ def compile_backward(
     """The compiled backward main kernel: fn(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphores,
     dkv_semaphores, softmax_scale, window_left, window_right), dk / dv fp32 padded sums under GQA; the semaphores
     are None, or int32 (b, h, query tiles) / (b, h_kv, key tiles) where a deterministic (GQA) build reads them.
+    spec.softcap: the feature entries (common/entries.py), with the cap after window_right.
 
     spec.varlen: the packed entry, fn(..., window_right, cu_seqlens_q, cu_seqlens_k, seqused_k (a tensor when
     `seqused`, else None), max_seqlen_k) with q / dout (total_q, h, d), k / v (total_k, h_kv, d), lse_log2 / dpsum
@@ -177,14 +178,17 @@ def compile_backward(
     tensors = _fake_backward_tensors(dtype, spec.head_dim, spec.head_dim_v, cfg, gqa, spec.varlen)
     sems = _fake_semaphores(deterministic, gqa)
     scalars = cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0)
+    features = (cutlass.Float32(1.0),) if spec.softcap else ()
     options = compile_cache.compile_options(target, extra=extra_options or "")
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     if not spec.varlen:
-        return cute.compile(kernel, *tensors, *sems, *scalars, stream, options=options)
+        entry = kernel.features if spec.softcap else kernel
+        return cute.compile(entry, *tensors, *sems, *scalars, *features, stream, options=options)
     cu = fake_cu_seqlens(cute.sym_int()), fake_cu_seqlens(cute.sym_int())
     seqused_k = fake_cu_seqlens(cute.sym_int()) if seqused else None
     packed = (*cu, seqused_k, cutlass.Int32(0))
-    return cute.compile(kernel.packed, *tensors, *sems, *scalars, *packed, stream, options=options)
+    entry = kernel.packed_features if spec.softcap else kernel.packed
+    return cute.compile(entry, *tensors, *sems, *scalars, *features, *packed, stream, options=options)
 
 
 def _fake_backward_tensors(dtype, d: int, dv: int, cfg, gqa: bool, packed: bool) -> tuple:
@@ -250,17 +254,17 @@ def compile_dq_postprocess(spec: AttentionSpec, cfg, target: str, extra_options:
 
 
 def compile_preprocess(spec: AttentionSpec, cfg, target: str, extra_options: Optional[str] = None):
-    """The sm80 family's preprocess (D and lse_log2) built with the sm90 backward's launch-overhead options
-    (BwdTileConfig.zero_dq_in_preprocess, .pdl; with both off the sm80 family's own, `preprocess_kernel`, serves):
-    fn(out, dout, lse, dpsum, lse_log2) or, zeroing the dQ accumulator, fn(out, dout, lse, dpsum, lse_log2,
-    dq_accum); packed specs: fn(out, dout, lse, dpsum, lse_log2, cu_seqlens_q, pad_q, num_blocks[, dq_accum])."""
+    """The sm80 family's preprocess (D and lse_log2) built as the sm90 backward runs it: it zeroes the dQ
+    accumulator and lets the main kernel launch early (programmatic dependent launch): fn(out, dout, lse, dpsum,
+    lse_log2, dq_accum); packed specs: fn(out, dout, lse, dpsum, lse_log2, cu_seqlens_q, pad_q, num_blocks,
+    dq_accum)."""
     from ..sm80.flash_bwd_preprocess import BackwardPreprocessSm80
 
     dtype = dsl_dtype(spec.dtype)
     dv = spec.head_dim_v
     block_m = 64  # STATS_ROW_MULTIPLE: one CTA per 64 padded query rows
     kernel = BackwardPreprocessSm80(dtype, dv, block_m=block_m, varlen=spec.varlen)
-    kernel.zero_dq_accum, kernel.launch_dependents = cfg.zero_dq_in_preprocess, cfg.pdl  # over the class defaults
+    kernel.zero_dq_accum, kernel.launch_dependents = True, True  # over the class defaults (the sm80 family's)
     kernel.dq_head_dim = d = spec.head_dim  # (the dQ accumulator's rows: head_dim, where dO and O are head_dim_v)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = compile_cache.compile_options(target, extra=extra_options or "")
@@ -271,8 +275,6 @@ def compile_preprocess(spec: AttentionSpec, cfg, target: str, extra_options: Opt
     do = _strided(dtype, (batch, seqlen_q, heads), dv)
     lse = fake_f32((batch, heads, seqlen_q))
     stats = [fake_f32((batch, heads, sq_pad), divisibility=block_m) for _ in range(2)]
-    if not cfg.zero_dq_in_preprocess:
-        return cute.compile(kernel, o, do, lse, *stats, stream, options=options)
     dq_accum = cute.runtime.make_fake_tensor(
         cutlass.Float32,
         (batch, heads, cute.sym_int()),
@@ -285,7 +287,5 @@ def compile_preprocess(spec: AttentionSpec, cfg, target: str, extra_options: Opt
 def _compile_packed_preprocess(kernel, dtype, dv: int, d: int, block_m: int, stream, options: str):
     """compile_preprocess's packed build: (total_q, h, dv) out / dout, (h, total_q) lse, (h, padded rows) statistics
     and the (h, padded rows * d) dQ accumulator."""
-    if not kernel.zero_dq_accum:
-        return cute.compile(kernel.packed, *fake_packed_preprocess_args(dtype, dv), stream, options=options)
     args = fake_packed_preprocess_args(dtype, dv, dq_zeroing_block=block_m, dq_head_dim=d)
     return cute.compile(kernel.packed_with_dq_zeroing, *args, stream, options=options)

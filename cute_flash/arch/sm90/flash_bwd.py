@@ -23,35 +23,32 @@ on tiles swizzled in 64-byte atoms, `tile_config.operand_atom_cols`):
       the reduce of the tile two back to have read its buffer). With
       `deterministic`, a semaphore per (batch, head, query tile) makes the key tiles add in a fixed order.
       With BwdTileConfig.dq_red (d192, d256) there is no dQ writer and no shared dQ buffer: each consumer adds
-      its dQ share from registers with red.global.add.v4.f32 at the same offsets (after griddepcontrol.wait under
-      `pdl`, since the preprocess zeroes the accumulator); no deterministic build.
+      its dQ share from registers with red.global.add.v4.f32 at the same offsets (after griddepcontrol.wait, since
+      the preprocess zeroes the accumulator); no deterministic build.
   epilogue: dK (times the softmax scale) and dV converted to 16 bits and stored with stmatrix + one TMA store per
       tile, reusing the K and V tiles' shared memory. Under GQA/MQA the CTA's dK/dV are partial sums over the
       query heads of one KV head: they are added with red.global.add.v2 to fp32 buffers that a postprocess
       converts (with `deterministic`, in query-head order, behind a semaphore per (batch, KV head, key tile)).
+
+Soft-capping (spec.softcap; the feature entries take the cap): S becomes T = tanh(S · softmax_scale / softcap) before
+the mask and the exponent's factor is softcap · log2e, so P is that of the capped scores; dS = P ⊙ (dP − D) ⊙ (1 − T²),
+dK and dQ taking the softmax scale as always. T is not kept through the step: `tanh_grad` recovers it from P and the
+LSE (tile_config._BWD_SOFTCAP: the tiles it takes). A learnable sink needs nothing here: the LSE read includes it.
 
 Masks: whole query tiles outside the window are never visited; only tiles crossing a window edge, and every tile
 when the key tile runs past seqlen_k, pay for element-wise masking. Query rows past seqlen_q (TMA zero-fills them)
 and rows that see no key carry lse_log2 = +inf and D = 0 from the preprocess, so their P and dS are exactly 0.
 Masking happens on the scaled exponent, after the softmax scale, so a scale of 0 never meets -inf · 0.
 
-Launch overhead (BwdTileConfig.pdl, pdl_dq_post; on by default, off emits no griddepcontrol): with `pdl` the
-kernel is launched with programmatic dependent launch and may start while the preprocess still runs. Q, K, V and dO
-come from launches that ended before the preprocess began, so the producer loads K, V and the first Q and dO tiles
-at once; every access to what the preprocess (or a memset before it) wrote follows a griddepcontrol.wait: the
-producer's LSE / D loads, the dQ warp's reduce-adds and semaphores, the consumers' epilogue (dK / dV stores, GQA
-adds and semaphores). With `pdl_dq_post` the kernel lets the dQ postprocess launch early (it waits before its loads).
+Launch overhead: the kernel is launched with programmatic dependent launch and may start while the preprocess still
+runs. Q, K, V and dO come from launches that ended before the preprocess began, so the producer loads K, V and the
+first Q and dO tiles at once; every access to what the preprocess (or a memset before it) wrote follows a
+griddepcontrol.wait: the producer's LSE / D loads, the dQ warp's reduce-adds and semaphores, the consumers' epilogue
+(dK / dV stores, GQA adds and semaphores). The kernel lets the dQ postprocess launch early (it waits before its
+loads).
 
-K and V (BwdTileConfig.kv_with_first_tile, on by default) ride on the first Q and dO stage's barriers, which expect
-their bytes on top of the stage's: a CTA's first S product waits for K and Q only.
-
-Clusters (BwdTileConfig.cluster_n 2, a study field; packed sequences without a mask, not deterministic): the CTAs of
-a cluster take adjacent key tiles of one (sequence, head) and walk the same query tiles, so each loads its part of
-every Q and dO tile into both CTAs' shared memory (TMA multicast, `load_rows`); the Q / dO rings' empty barriers
-count both CTAs' consumer warps, and the consumers skip their last num_stages releases (pipelines.ClusterRing: no
-cluster barrier before exit). The sequences' odd last key tiles go two to a cluster after all pairs
-(common/packed_tiles.packed_tile_pairs): each of those CTAs loads whole tiles for itself alone ("single", multicast
-to itself, releases to its own barriers: `shared_ring`). LSE / D, K / V and the dQ path stay each CTA's own.
+K and V ride on the first Q and dO stage's barriers, which expect their bytes on top of the stage's: a CTA's first S
+product waits for K and Q only (FA3 / FA4's order).
 
 Global tensors are viewed as (seqlen, head_dim, heads, batch) as in the forward kernel.
 
@@ -67,7 +64,6 @@ reverses the key tiles within the sequence, whose tiles are consecutive in the g
 
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import partial
 from typing import NamedTuple, Tuple, Type
 
@@ -85,12 +81,13 @@ from ...common.entries import BwdEntries
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E
 from ...common.packed import packed_pads, seq_rows
-from ...common.packed_tiles import packed_tile, packed_tile_pairs, packed_tiles_bound
+from ...common.packed_tiles import packed_tile, packed_tiles_bound
+from ...common.softcap import apply_softcap, softcap_factors
 from ...spec import AttentionSpec
 from ..sm80.flash_bwd import red_add_f32_vec
 from .barriers import BwdBarrierId
 from .ptx import add_release_gpu, bulk_reduce_add_f32, load_acquire_gpu
-from .pipelines import ClusterRing, consumer_state, consumer_wait, producer_state
+from .pipelines import consumer_state, consumer_wait, producer_state
 from .epilogue import store_rows_predicated, zero_rows_from
 from .views import (
     accum_rows,
@@ -103,6 +100,7 @@ from .views import (
 )
 from .tile_config import (
     ROWS_PER_CONSUMER,
+    UNSHUFFLED_STAT_COLS,
     WARPGROUP_THREADS,
     BwdTileConfig,
     bwd_config_problem,
@@ -114,6 +112,11 @@ from . import wgmma
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
 WARP_THREADS = 32
 DQ_VEC = 4  # consecutive floats of one thread in the dQ "fragment" layout (one 16-byte store)
+
+
+def _one(layout):
+    """One stage of a staged shared-memory layout."""
+    return cute.select(layout, mode=[0, 1])
 
 
 def _transposed(s: cute.Tensor, rows: int, cols: int, stages: int) -> cute.Tensor:
@@ -157,21 +160,16 @@ def dq_fragment_offset(i: int, tidx, chunk: int):
     return (tidx // WARPGROUP_THREADS) * chunk + (i // DQ_VEC) * (WARPGROUP_THREADS * DQ_VEC) + t * DQ_VEC + i % DQ_VEC
 
 
-# Above `max_unshuffled` (BwdTileConfig.max_unshuffled_stat_cols, 16) query columns per thread (tile_m > 64), each
-# thread keeps only an eighth of its columns' LSE and D and fetches the rest from the 7 lanes that share its columns
-# (shuffles): 32 + 32 registers would not fit at d64.
+# Above UNSHUFFLED_STAT_COLS (16) query columns per thread (tile_m > 64), each thread keeps only an eighth of its
+# columns' LSE and D and fetches the rest from the 7 lanes that share its columns (shuffles): 32 + 32 registers would
+# not fit at d64.
 
 
 @cute.jit
-def load_column_stats(
-    s_stat: cute.Tensor,
-    coords_rc: cute.Tensor,
-    num_cols: cutlass.Constexpr[int],
-    max_unshuffled: cutlass.Constexpr[int],
-) -> cute.Tensor:
+def load_column_stats(s_stat: cute.Tensor, coords_rc: cute.Tensor, num_cols: cutlass.Constexpr[int]) -> cute.Tensor:
     """This thread's share of a per-query statistic (LSE or D of one stage, `s_stat` (tile_m,)): every column's value,
-    or with more than `max_unshuffled` columns the columns of 8-column groups lane // 4 (mod 8)."""
-    if const_expr(num_cols <= max_unshuffled):
+    or with more than UNSHUFFLED_STAT_COLS columns the columns of 8-column groups lane // 4 (mod 8)."""
+    if const_expr(num_cols <= UNSHUFFLED_STAT_COLS):
         regs = cute.make_rmem_tensor(num_cols, Float32)
         for c in cutlass.range_constexpr(num_cols):
             regs[c] = s_stat[coords_rc[0, c][1]]
@@ -206,18 +204,17 @@ def column_stat(
     regs: cute.Tensor,
     c: cutlass.Constexpr[int],
     num_cols: cutlass.Constexpr[int],
-    max_unshuffled: cutlass.Constexpr[int],
     s_stat: cute.Tensor = None,
     coords_rc: cute.Tensor = None,
 ) -> Float32:
     """The statistic of column `c` from `load_column_stats`' registers, or with `s_stat` (the stage's shared-memory
-    statistics, given only above `max_unshuffled` columns with BwdTileConfig.stats_at_use) loaded here: columns 2 g
-    and 2 g + 1 are adjacent queries, one 8-byte load (the same load for both, merged by the compiler)."""
+    statistics, given only above UNSHUFFLED_STAT_COLS columns with BwdTileConfig.stats_at_use) loaded here: columns
+    2 g and 2 g + 1 are adjacent queries, one 8-byte load (the same load for both, merged by the compiler)."""
     if const_expr(s_stat is not None):
         value = column_pair(s_stat, coords_rc, c - c % 2)[c % 2]
     else:
         value = regs[0]
-        if const_expr(num_cols <= max_unshuffled):
+        if const_expr(num_cols <= UNSHUFFLED_STAT_COLS):
             value = regs[c]
         else:
             v, g = c % 2, c // 2
@@ -246,6 +243,14 @@ def load_column_pairs(s_stat: cute.Tensor, coords_rc: cute.Tensor, pairs: cutlas
     return regs
 
 
+@cute.jit
+def tanh_deriv(p: Float32, inv_scale_log2: Float32, lse_scaled: Float32) -> Float32:
+    """1 − T², clamped at 0, of the T whose probability p = exp2(T · scale_log2 − lse_log2) is (softcap builds;
+    lse_scaled = lse_log2 / scale_log2; Sm90FlashBackward.tanh_grad)."""
+    t = cute.math.log2(p, fastmath=True) * inv_scale_log2 + lse_scaled
+    return cute.arch.fmax(1.0 - t * t, Float32(0.0))
+
+
 class PackedRows(NamedTuple):
     """Where one sequence's rows start in packed tensors (all None for dense ones, which index the batch instead):
     its queries and keys in the inputs (cu_seqlens), and its queries in the padded buffers of the query statistics
@@ -257,8 +262,83 @@ class PackedRows(NamedTuple):
     padded_q: object
 
 
+class BwdGmem(NamedTuple):
+    """The kernel's global tensors: TMA coordinate tensors of the six loads (Q, K, V, dO (s, d, h, b) and the
+    (sq_padded, h, b) statistics), the fp32 dQ sums, and dK / dV (TMA coordinate tensors of dense builds, the
+    packed tensors, or the fp32 sums of GQA builds)."""
+
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    do: cute.Tensor
+    lse: cute.Tensor  # log2-domain LSE (the preprocess's)
+    dpsum: cute.Tensor  # D = rowsum(dO * O), dlse folded in
+    dq_accum: cute.Tensor
+    dk: cute.Tensor
+    dv: cute.Tensor
+
+
+class BwdAtoms(NamedTuple):
+    """The TMA atoms of BwdGmem's loads, and of dK / dV's stores (None where those go otherwise)."""
+
+    q: cute.CopyAtom
+    k: cute.CopyAtom
+    v: cute.CopyAtom
+    do: cute.CopyAtom
+    lse: cute.CopyAtom
+    dpsum: cute.CopyAtom
+    dk: cute.CopyAtom
+    dv: cute.CopyAtom
+
+
+class BwdLayouts(NamedTuple):
+    """Shared-memory layouts: the Q / dO stages, the K / V tiles, the dS (and P) stages, the LSE / D stages."""
+
+    q: cute.ComposedLayout
+    do: cute.ComposedLayout
+    k: cute.ComposedLayout
+    v: cute.ComposedLayout
+    ds: cute.ComposedLayout
+    stat: cute.Layout
+
+
+class BwdSmem(NamedTuple):
+    """The shared-memory tiles (p: P's stages with queries on rows; the dS tiles, unused, with keys on rows)."""
+
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    do: cute.Tensor
+    ds: cute.Tensor
+    p: cute.Tensor
+    lse: cute.Tensor
+    dpsum: cute.Tensor
+
+
+class BwdPipes(NamedTuple):
+    """The producer's mbarrier rings: Q + LSE, dO + D (K / V ride on their first stages)."""
+
+    q: pipeline.PipelineTmaAsync
+    do: pipeline.PipelineTmaAsync
+
+
+class BwdWork(NamedTuple):
+    """One CTA's share: a key tile of one (batch or sequence, query head), the query tiles [m_min, m_max) that see it,
+    the tile arithmetic and where the sequence's rows start (packed)."""
+
+    n_block: Int32
+    head: Int32
+    head_kv: Int32
+    group: Int32  # query heads per KV head (GQA / MQA)
+    batch: Int32
+    m_min: Int32
+    m_max: Int32
+    info: BlockInfo
+    rows: PackedRows
+
+
 class BwdMmas(NamedTuple):
-    """The tiled MMAs of a consumer: S and dP, dK, dV, dQ."""
+    """The tiled MMAs of a consumer: S and dP, dK, dV, dQ (or, from `get_slice`, one thread's slices of them)."""
 
     sdp: cute.TiledMma
     dk: cute.TiledMma
@@ -281,14 +361,55 @@ class BwdFragments(NamedTuple):
     tdQrKt: cute.Tensor
 
 
+class DkvTargets(NamedTuple):
+    """Where a consumer's dK / dV go: dense tensors by TMA store (their atoms), packed ones by predicated rows, or
+    the fp32 sums of GQA builds (deterministic: in head order behind mdKVsem)."""
+
+    mdK: cute.Tensor
+    mdV: cute.Tensor
+    mdKVsem: cute.Tensor
+    atom_dk: cute.CopyAtom
+    atom_dv: cute.CopyAtom
+
+
+class StepLoop(NamedTuple):
+    """What every step of a consumer's walk over the query tiles shares."""
+
+    pipes: BwdPipes
+    mmas: BwdMmas
+    frags: BwdFragments
+    acc_dV: cute.Tensor
+    acc_dK: cute.Tensor
+    smem_copy_ds: object  # this thread's stmatrix copy of dS (and P) in the S accumulator's order
+    tdSsdS: cute.Tensor  # its partition of the dS stages
+    tPsP: cute.Tensor  # ... and of P's (queries on rows)
+    sLSE: cute.Tensor
+    sdPsum: cute.Tensor
+    coords_rc: cute.Tensor  # (row, column) of this thread's S entries
+    coords0_rc: cute.Tensor  # ... and of thread 0's (compile-time), for the mask
+    info: BlockInfo
+    n_block: Int32
+    scale_log2: Float32  # the exponent's factor: softmax_scale * log2(e), or softcap * log2(e)
+    pre_tanh: object  # softcap builds: softmax_scale / softcap (scores -> tanh's argument); None otherwise
+    inv_scale_log2: object  # softcap builds: 1 / scale_log2 (P -> T, tanh_grad); None otherwise
+    thr_dq: object  # this thread's slice of the dQ MMA
+    dq_dst: cute.Tensor  # the shared dQ buffer(s), or with dq_red the (sequence, head)'s accumulator
+    tidx: Int32  # 0 .. num_consumer_threads - 1
+
+
 class Sm90FlashBackward(BwdEntries):
-    """Callable compiled once per (dtype, head dims (d, dv), mask kind, varlen, tile config, GQA, deterministic;
-    packed: also seqused_k); shapes and strides are runtime. dv (v, dout, dv) may differ from d (q, k, dq, dk) with
-    queries on rows only. Entries (common/entries.py): `__call__` (dense tensors) and
-    `packed` (packed sequences, spec.varlen); deterministic builds take their semaphores there."""
+    """Callable compiled once per (dtype, head dims (d, dv), mask kind, varlen, softcap, tile config, GQA,
+    deterministic; packed: also seqused_k); shapes and strides are runtime. dv (v, dout, dv) may differ from d (q, k,
+    dq, dk) with queries on rows only. Entries (common/entries.py): `__call__` (dense tensors) and `packed` (packed
+    sequences, spec.varlen), `features` / `packed_features` for spec.softcap; deterministic builds take their
+    semaphores there.
+
+    The kernel's roles: `produce` (the producer warp's TMA loads), `store_dq` (the dQ warp) and `consume` (each
+    consumer warpgroup: `walk` over the query tiles, one `step` each, then `store_grads`)."""
 
     def __init__(self, spec: AttentionSpec, cfg: BwdTileConfig, gqa: bool, deterministic: bool = False):
-        """spec.varlen: packed sequences (the `packed` entry), else dense tensors (`__call__`)."""
+        """spec.varlen: packed sequences (the `packed` entry), else dense tensors (`__call__`); spec.softcap: the
+        feature entries, which take the cap (spec.sink changes nothing here: a sink is in the LSE the kernel reads)."""
         dtype, head_dim, mask_kind = dsl_dtype(spec.dtype), spec.head_dim, spec.mask
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         assert mask_kind in ("none", "causal", "local")
@@ -299,6 +420,7 @@ class Sm90FlashBackward(BwdEntries):
         self.head_dim_v = spec.head_dim_v  # (dO, V, dV; queries on rows only, where it may differ from head_dim)
         assert spec.head_dim_v == head_dim or not cfg.keys_on_rows, "keys on rows need head_dim_v == head_dim"
         self.mask_kind = mask_kind
+        self.softcap = spec.softcap
         self.cfg = cfg
         self.gqa = gqa
         self.deterministic = deterministic
@@ -319,12 +441,10 @@ class Sm90FlashBackward(BwdEntries):
         # Packed sequences: sequence b's rows of the padded buffers (LSE / D, the dQ and GQA dK / dV sums) start at
         # cu_seqlens[b] + b * pad rounded down to a multiple of pad (common/packed.py).
         self.pad_q, self.pad_k = packed_pads(cfg.tile_m, cfg.tile_n)
-        self.cluster_n = cfg.cluster_n
-        assert cfg.cluster_n == 1 or (spec.varlen and mask_kind == "none" and not deterministic), (
-            "Q / dO multicast (cluster_n 2) needs packed sequences without a mask (the CTAs of a cluster walk the same "
-            "query tiles) and no deterministic order"
-        )
 
+    # ----------------------------------------------------------------------------------------------------------------
+    # Host side: views, layouts, TMA atoms, launch.
+    # ----------------------------------------------------------------------------------------------------------------
     @cute.jit
     def _launch(
         self,
@@ -335,123 +455,88 @@ class Sm90FlashBackward(BwdEntries):
         stream: cuda.CUstream,
         packed=None,  # (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k): packed tensors (common/entries.py)
         semaphores=(None, None),  # (mdQsem, mdKVsem): tensors where a deterministic build reads them
+        features=None,  # (softcap,) from the feature entries of a spec.softcap build
     ):
         """Packed tensors: q (total_q, h, d), dout (total_q, h, dv), k / v (total_k, h_kv, d / dv), lse_log2 / dpsum
         (1, h, rows_q) from the packed preprocess (rows_q >= total_q + batch * pad_q), the dQ sums (h, rows_q * d)
         zeroed, dk / dv (total_k, h_kv, d / dv) or fp32 (rows_k, h_kv, d / dv) sums zeroed under GQA."""
-        mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV = tensors
-        mdQsem, mdKVsem = semaphores
-        d = self.head_dim
+        assert (features is not None) == self.softcap, "spec.softcap builds take the cap through the feature entries"
+        gmem = self._kernel_views(BwdGmem(*tensors), packed)
+        layouts = self._smem_layouts()
+        mmas = self._tiled_mmas()
+        atoms, tmas = self._tma_atoms(gmem, layouts, packed)
+        SharedStorage = self._shared_storage(layouts)
         if const_expr(packed is None):
-            mQ, mK, mV, mdO = [seq_major_view(t) for t in (mQ, mK, mV, mdO)]
-            mLSElog2, mdPsum = stats_view(mLSElog2), stats_view(mdPsum)
-            if const_expr(not self.gqa):
-                mdK, mdV = seq_major_view(mdK), seq_major_view(mdV)
+            num_n_blocks = cute.ceil_div(gmem.k.shape[0], self.tile_n)
+            grid = [num_n_blocks, cute.size(gmem.q.shape[2]), cute.size(gmem.q.shape[3])]
+            seqs = None
         else:
-            mQ, mK, mV, mdO = [packed_seq_major_view(t) for t in (mQ, mK, mV, mdO)]
-            # (1, h, rows): the dense layout with one batch entry, loaded by the same TMA as dense calls
-            mLSElog2, mdPsum = stats_view(mLSElog2), stats_view(mdPsum)
-            if const_expr(not self.gqa):
-                mdK, mdV = packed_seq_major_view(mdK), packed_seq_major_view(mdV)
+            # Every sequence's key tiles in order (common/packed.py: at most batch + 1 per head without work).
+            tiles = packed_tiles_bound(gmem.k.shape[0], packed[0].shape[0] - 1, self.tile_n)
+            grid = [tiles, cute.size(gmem.q.shape[2]), 1]
+            seqs = packed[:3]
+        self.kernel(
+            tuple(tmas), semaphores, tuple(atoms), tuple(mmas), tuple(layouts), softmax_scale, window_left,
+            window_right, features, seqs, SharedStorage,
+        ).launch(
+            grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1, use_pdl=True
+        )  # fmt: skip
 
+    def _kernel_views(self, gmem: BwdGmem, packed) -> BwdGmem:
+        """The tensors as the kernel indexes them: (seqlen, head_dim, heads, batch), packed (total, head_dim, heads);
+        the statistics (rows, heads, batch) (packed: one batch entry, loaded by the same TMA as dense calls); GQA's
+        fp32 dK / dV sums as they come."""
+        view = seq_major_view if const_expr(packed is None) else packed_seq_major_view
+        dk, dv = gmem.dk, gmem.dv
+        if const_expr(not self.gqa):
+            dk, dv = view(dk), view(dv)
+        return gmem._replace(
+            q=view(gmem.q), k=view(gmem.k), v=view(gmem.v), do=view(gmem.do), lse=stats_view(gmem.lse),
+            dpsum=stats_view(gmem.dpsum), dk=dk, dv=dv,
+        )  # fmt: skip
+
+    def _smem_layouts(self) -> BwdLayouts:
         stages = self.num_stages
-        dv = self.head_dim_v
+        d, dv = self.head_dim, self.head_dim_v
         atom, atom_v = operand_atom_cols(d, self.cfg), operand_atom_cols(dv, self.cfg)
-        sQ_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_m, d, stages, atom_cols=atom)
-        sdO_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_m, dv, stages, atom_cols=atom_v)
-        sK_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, d, 1, atom_cols=atom)
-        sV_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, dv, 1, atom_cols=atom_v)
-        # The S / dP tile as the accumulators hold it (dSᵀ: keys x queries, or dS: queries x keys); P likewise.
-        sdS_layout = wgmma.k_major_smem_layout(self.dtype, *self.s_tile, stages)
-        # Each stage of LSE / D starts on a 128-byte boundary, as a TMA destination must (tile_m 80: 320 bytes).
-        sStat_layout = cute.make_layout((self.tile_m, stages), stride=(1, stat_stage_stride(self.tile_m)))
+        return BwdLayouts(
+            q=wgmma.k_major_smem_layout(self.dtype, self.tile_m, d, stages, atom_cols=atom),
+            do=wgmma.k_major_smem_layout(self.dtype, self.tile_m, dv, stages, atom_cols=atom_v),
+            k=wgmma.k_major_smem_layout(self.dtype, self.tile_n, d, 1, atom_cols=atom),
+            v=wgmma.k_major_smem_layout(self.dtype, self.tile_n, dv, 1, atom_cols=atom_v),
+            # The S / dP tile as the accumulators hold it (dSᵀ: keys x queries, or dS: queries x keys); P likewise.
+            ds=wgmma.k_major_smem_layout(self.dtype, *self.s_tile, stages),
+            # Each stage of LSE / D starts on a 128-byte boundary, as a TMA destination must (tile_m 80: 320 bytes).
+            stat=cute.make_layout((self.tile_m, stages), stride=(1, stat_stage_stride(self.tile_m))),
+        )
 
-        tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq = self._tiled_mmas()
-
-        one = lambda layout: cute.select(layout, mode=[0, 1])  # noqa: E731  (one stage)
+    def _tma_atoms(self, gmem: BwdGmem, layouts: BwdLayouts, packed):
+        """(BwdAtoms, BwdGmem of TMA coordinate tensors where TMA moves them); sets the stages' byte counts."""
+        d, dv = self.head_dim, self.head_dim_v
         load = cpasync.CopyBulkTensorTileG2SOp()
-        q_load, mcast = load, {}
-        if const_expr(self.cluster_n > 1):  # each CTA of the cluster loads a part of every Q / dO tile for both
-            q_load, mcast = cpasync.CopyBulkTensorTileG2SMulticastOp(), {"num_multicast": self.cluster_n}
-        atom_q, tma_q = cpasync.make_tiled_tma_atom(q_load, mQ, one(sQ_layout), (self.tile_m, d), **mcast)
-        atom_do, tma_do = cpasync.make_tiled_tma_atom(q_load, mdO, one(sdO_layout), (self.tile_m, dv), **mcast)
-        atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, one(sK_layout), (self.tile_n, d))
-        atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, one(sV_layout), (self.tile_n, dv))
+        atom_q, tma_q = cpasync.make_tiled_tma_atom(load, gmem.q, _one(layouts.q), (self.tile_m, d))
+        atom_do, tma_do = cpasync.make_tiled_tma_atom(load, gmem.do, _one(layouts.do), (self.tile_m, dv))
+        atom_k, tma_k = cpasync.make_tiled_tma_atom(load, gmem.k, _one(layouts.k), (self.tile_n, d))
+        atom_v, tma_v = cpasync.make_tiled_tma_atom(load, gmem.v, _one(layouts.v), (self.tile_n, dv))
         stat_one = cute.make_layout(self.tile_m)
-        atom_lse, tma_lse = cpasync.make_tiled_tma_atom(load, mLSElog2, stat_one, (self.tile_m,))
-        atom_dpsum, tma_dpsum = cpasync.make_tiled_tma_atom(load, mdPsum, stat_one, (self.tile_m,))
-        atom_dk, tma_dk, atom_dv, tma_dv = None, mdK, None, mdV
+        atom_lse, tma_lse = cpasync.make_tiled_tma_atom(load, gmem.lse, stat_one, (self.tile_m,))
+        atom_dpsum, tma_dpsum = cpasync.make_tiled_tma_atom(load, gmem.dpsum, stat_one, (self.tile_m,))
+        atom_dk, tma_dk, atom_dv, tma_dv = None, gmem.dk, None, gmem.dv
         # Packed sequences store dK / dV by predicated rows (a TMA store would clip only at the end of the tensor).
         if const_expr(not self.gqa and packed is None):
             store = cpasync.CopyBulkTensorTileS2GOp()
-            atom_dk, tma_dk = cpasync.make_tiled_tma_atom(store, mdK, one(sK_layout), (self.tile_n, d))
-            atom_dv, tma_dv = cpasync.make_tiled_tma_atom(store, mdV, one(sV_layout), (self.tile_n, dv))
-
+            atom_dk, tma_dk = cpasync.make_tiled_tma_atom(store, gmem.dk, _one(layouts.k), (self.tile_n, d))
+            atom_dv, tma_dv = cpasync.make_tiled_tma_atom(store, gmem.dv, _one(layouts.v), (self.tile_n, dv))
         stat_bytes = self.tile_m * 4
-        self.bytes_q_lse = cute.size_in_bytes(self.dtype, one(sQ_layout)) + stat_bytes
-        self.bytes_do_dpsum = cute.size_in_bytes(self.dtype, one(sdO_layout)) + stat_bytes
-        self.bytes_k = cute.size_in_bytes(self.dtype, one(sK_layout))
-        self.bytes_v = cute.size_in_bytes(self.dtype, one(sV_layout))
+        self.bytes_q_lse = cute.size_in_bytes(self.dtype, _one(layouts.q)) + stat_bytes
+        self.bytes_do_dpsum = cute.size_in_bytes(self.dtype, _one(layouts.do)) + stat_bytes
+        self.bytes_k = cute.size_in_bytes(self.dtype, _one(layouts.k))
+        self.bytes_v = cute.size_in_bytes(self.dtype, _one(layouts.v))
+        atoms = BwdAtoms(atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum, atom_dk, atom_dv)
+        tmas = gmem._replace(q=tma_q, k=tma_k, v=tma_v, do=tma_do, lse=tma_lse, dpsum=tma_dpsum, dk=tma_dk, dv=tma_dv)
+        return atoms, tmas
 
-        SharedStorage = self._shared_storage(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout)
-
-        if const_expr(packed is None):
-            num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
-            grid = [num_n_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])]
-            seqs = None
-        else:
-            # Every sequence's key tiles in order (common/packed.py: at most batch + 1 per head without work; in
-            # clusters, pairs of key tiles: at most 2 (batch + 1) CTAs).
-            c = self.cluster_n
-            tiles = packed_tiles_bound(mK.shape[0], packed[0].shape[0] - 1, self.tile_n * c) * c
-            grid = [tiles, cute.size(mQ.shape[2]), 1]
-            seqs = packed[:3]
-        cluster = {} if const_expr(self.cluster_n == 1) else {"cluster": [self.cluster_n, 1, 1]}
-        self.kernel(
-            tma_q,
-            tma_k,
-            tma_v,
-            tma_do,
-            tma_lse,
-            tma_dpsum,
-            mdQaccum,
-            tma_dk,
-            tma_dv,
-            mdQsem,
-            mdKVsem,
-            atom_q,
-            atom_k,
-            atom_v,
-            atom_do,
-            atom_lse,
-            atom_dpsum,
-            atom_dk,
-            atom_dv,
-            tiled_mma_sdp,
-            tiled_mma_dk,
-            tiled_mma_dv,
-            tiled_mma_dq,
-            sQ_layout,
-            sdO_layout,
-            sK_layout,
-            sV_layout,
-            sdS_layout,
-            sStat_layout,
-            softmax_scale,
-            window_left,
-            window_right,
-            seqs,
-            SharedStorage,
-        ).launch(
-            grid=grid,
-            block=[self.cfg.num_threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
-            use_pdl=self.cfg.pdl,
-            **cluster,
-        )
-
-    def _tiled_mmas(self) -> tuple:
+    def _tiled_mmas(self) -> BwdMmas:
         """The (S / dP, dK, dV, dQ) tiled MMAs (plain Python, called while `_launch` is traced)."""
         d, dv = self.head_dim, self.head_dim_v
         k_major = cute.nvgpu.OperandMajorMode.K
@@ -478,76 +563,87 @@ class Sm90FlashBackward(BwdEntries):
             tiled_mma_dv = tiled_mma_dk
             if dv != d:
                 tiled_mma_dv = wgmma.tiled_mma_f32(self.dtype, mn_major, mn_major, (1, w, 1), (self.tile_n, dv // w))
-        return tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, dq_tiled_mma(self.dtype, d, self.cfg)
+        return BwdMmas(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, dq_tiled_mma(self.dtype, d, self.cfg))
 
-    def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout):
+    def _shared_storage(self, layouts: BwdLayouts):
         """The kernel's shared-memory struct (plain Python: the P buffer exists only with queries on rows, and the
         DSL would turn an `if` in a class body under `cute.jit` into device control flow)."""
         stages, aligned, dt = self.num_stages, cute.struct.Align, self.dtype
         fields = {
-            "mbar_kv": cute.struct.MemRange[cutlass.Int64, 2],
+            "mbar_kv": cute.struct.MemRange[cutlass.Int64, 2],  # (unused: prologue)
             "mbar_q": cute.struct.MemRange[cutlass.Int64, 2 * stages],
             "mbar_do": cute.struct.MemRange[cutlass.Int64, 2 * stages],
-            "sLSE": aligned[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128],
-            "sdPsum": aligned[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128],
-            "sQ": aligned[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], SMEM_ALIGN],
-            "sdO": aligned[cute.struct.MemRange[dt, cute.cosize(sdO_layout)], SMEM_ALIGN],
-            "sK": aligned[cute.struct.MemRange[dt, cute.cosize(sK_layout)], SMEM_ALIGN],
-            "sV": aligned[cute.struct.MemRange[dt, cute.cosize(sV_layout)], SMEM_ALIGN],
-            "sdS": aligned[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], SMEM_ALIGN],
+            "sLSE": aligned[cute.struct.MemRange[Float32, cute.cosize(layouts.stat)], 128],
+            "sdPsum": aligned[cute.struct.MemRange[Float32, cute.cosize(layouts.stat)], 128],
+            "sQ": aligned[cute.struct.MemRange[dt, cute.cosize(layouts.q)], SMEM_ALIGN],
+            "sdO": aligned[cute.struct.MemRange[dt, cute.cosize(layouts.do)], SMEM_ALIGN],
+            "sK": aligned[cute.struct.MemRange[dt, cute.cosize(layouts.k)], SMEM_ALIGN],
+            "sV": aligned[cute.struct.MemRange[dt, cute.cosize(layouts.v)], SMEM_ALIGN],
+            "sdS": aligned[cute.struct.MemRange[dt, cute.cosize(layouts.ds)], SMEM_ALIGN],
         }
         if not self.cfg.dq_red:  # (with dq_red the consumers add dQ from registers)
             dq_floats = self.cfg.dq_buffers * self.tile_m * self.head_dim
             fields["sdQ"] = aligned[cute.struct.MemRange[Float32, dq_floats], SMEM_ALIGN]
         if not self.keys_on_rows:  # last, so that the other offsets do not move
-            fields["sP"] = aligned[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], SMEM_ALIGN]
+            fields["sP"] = aligned[cute.struct.MemRange[dt, cute.cosize(layouts.ds)], SMEM_ALIGN]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
+    # ----------------------------------------------------------------------------------------------------------------
+    # The kernel: one CTA's setup, then the roles.
+    # ----------------------------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,  # TMA coordinate tensors (s, d, h, b)
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mdO: cute.Tensor,
-        mLSElog2: cute.Tensor,  # TMA coordinate tensors (sq_padded, h, b)
-        mdPsum: cute.Tensor,
-        mdQaccum: cute.Tensor,  # (b, h, sq_padded * d) fp32
-        mdK: cute.Tensor,  # TMA coordinate tensor (sk, d, h_kv, b), or the fp32 (b, sk_padded, h_kv, d) buffer
-        mdV: cute.Tensor,
-        mdQsem: cute.Tensor,
-        mdKVsem: cute.Tensor,
-        atom_q: cute.CopyAtom,
-        atom_k: cute.CopyAtom,
-        atom_v: cute.CopyAtom,
-        atom_do: cute.CopyAtom,
-        atom_lse: cute.CopyAtom,
-        atom_dpsum: cute.CopyAtom,
-        atom_dk: cute.CopyAtom,
-        atom_dv: cute.CopyAtom,
-        tiled_mma_sdp: cute.TiledMma,
-        tiled_mma_dk: cute.TiledMma,
-        tiled_mma_dv: cute.TiledMma,
-        tiled_mma_dq: cute.TiledMma,
-        sQ_layout: cute.ComposedLayout,
-        sdO_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        sdS_layout: cute.ComposedLayout,
-        sStat_layout: cute.Layout,
+        tmas,  # BwdGmem's fields
+        semaphores,  # (mdQsem, mdKVsem): int32 tensors of deterministic (GQA) builds, else None
+        atoms,  # BwdAtoms' fields
+        mmas,  # BwdMmas' fields
+        layouts,  # BwdLayouts' fields
         softmax_scale: Float32,
         window_left: Int32,
         window_right: Int32,
+        features,  # (softcap,) in a spec.softcap build, else None
         seqs,  # packed: (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK or None); dense: None
         SharedStorage: cutlass.Constexpr,
     ):
-        if const_expr(self.cfg.pdl_dq_post):
-            # The dQ postprocess may be scheduled now; it waits for this grid's end before reading the accumulator.
-            cute.arch.griddepcontrol_launch_dependents()
+        gmem, atoms, mmas, layouts = BwdGmem(*tmas), BwdAtoms(*atoms), BwdMmas(*mmas), BwdLayouts(*layouts)
+        # The dQ postprocess may be scheduled now; it waits for this grid's end before reading the accumulator.
+        cute.arch.griddepcontrol_launch_dependents()
+        warp_idx, tidx, storage, pipes = self.prologue(atoms, SharedStorage)
+        smem = self.shared_tensors(storage, layouts)
+        work = self.cta_work(gmem, window_left, window_right, seqs)
+        # Where a consumer puts its dQ: its part of the shared buffer(s) that the dQ warp adds to the accumulator, or
+        # with dq_red this (sequence, head)'s accumulator itself.
+        if const_expr(self.cfg.dq_red):
+            dq_dst = accum_rows(gmem.dq_accum, work.head, work.batch, work.rows.padded_q, self.head_dim)
+        else:
+            dq_dst = storage.sdQ.get_tensor(cute.make_layout(self.cfg.dq_buffers * self.tile_m * self.head_dim))
+
+        pipeline.pipeline_init_wait(None)
+
+        mdQsem, mdKVsem = semaphores
+        warp_group = warp_idx // 4
+        if warp_group == 0:
+            cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
+            if warp_idx == 0:
+                self.produce(pipes, atoms, gmem, smem, work)
+            if const_expr(not self.cfg.dq_red):
+                if warp_idx == 1:
+                    self.store_dq(dq_dst, gmem.dq_accum, mdQsem, work)
+        else:
+            cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
+            dkv = DkvTargets(gmem.dk, gmem.dv, mdKVsem, atoms.dk, atoms.dv)
+            softcap = None if const_expr(features is None) else features[0]
+            self.consume(pipes, mmas, smem, dq_dst, dkv, softmax_scale, softcap, work, tidx, warp_idx, seqs)
+
+    @cute.jit
+    def prologue(self, atoms: BwdAtoms, SharedStorage: cutlass.Constexpr):
+        """Descriptor prefetch, shared memory, the Q / dO load rings (their init made visible later by
+        pipeline_init_wait)."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
-            for atom in (atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum):
+            for atom in atoms[:6]:  # (the loads' atoms)
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
@@ -556,49 +652,44 @@ class Sm90FlashBackward(BwdEntries):
         ring = partial(
             pipeline.PipelineTmaAsync.create, producer_group=producer, consumer_group=consumer_warps, defer_sync=True
         )
-        pipe_kv = ring(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, tx_count=self.bytes_k + self.bytes_v)
-        if const_expr(self.cluster_n > 1):
-            # Q / dO stages are shared: a stage's empty barrier counts the consumer warps of both CTAs (lane r of each
-            # warp releases to CTA r), its full barrier still the whole tile (each CTA's part lands in both).
-            ring = partial(
-                pipeline.PipelineTmaAsync.create,
-                producer_group=producer,
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.num_consumer_threads // WARP_THREADS * self.cluster_n
-                ),
-                defer_sync=True,
-                cta_layout_vmnk=cute.make_layout((1, self.cluster_n, 1, 1)),
-            )
+        # A one-stage ring that nothing waits on (K and V ride on the first Q / dO stages): it served the separate
+        # K / V barrier of an earlier study. Without it ptxas allocates differently: the packed d96 local GQA build
+        # went from 0 to 24 spill bytes (its plain build from 40 to 56), so it stays until the tight builds are
+        # re-tuned.
+        ring(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, tx_count=self.bytes_k + self.bytes_v)
         pipe_q = ring(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages, tx_count=self.bytes_q_lse)
         pipe_do = ring(
             barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages, tx_count=self.bytes_do_dpsum
         )
-        pipeline.pipeline_init_arrive(self.cluster_shape(), is_relaxed=True)
+        pipeline.pipeline_init_arrive(None, is_relaxed=True)
+        return warp_idx, tidx, storage, BwdPipes(pipe_q, pipe_do)
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sLSE = storage.sLSE.get_tensor(sStat_layout)
-        sdPsum = storage.sdPsum.get_tensor(sStat_layout)
+    def shared_tensors(self, storage, layouts: BwdLayouts) -> BwdSmem:
+        tile = lambda field, layout: field.get_tensor(layout.outer, swizzle=layout.inner)  # noqa: E731
+        sQ = tile(storage.sQ, layouts.q)
+        sdO = tile(storage.sdO, layouts.do)
+        sK = tile(storage.sK, layouts.k)
+        sV = tile(storage.sV, layouts.v)
+        sdS = tile(storage.sdS, layouts.ds)
+        sLSE = storage.sLSE.get_tensor(layouts.stat)
+        sdPsum = storage.sdPsum.get_tensor(layouts.stat)
         sP = sdS  # unused with keys on rows (P stays in registers)
         if const_expr(not self.keys_on_rows):
-            sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+            sP = tile(storage.sP, layouts.ds)
+        return BwdSmem(q=sQ, k=sK, v=sV, do=sdO, ds=sdS, p=sP, lse=sLSE, dpsum=sdPsum)
 
+    @cute.jit
+    def cta_work(self, gmem: BwdGmem, window_left: Int32, window_right: Int32, seqs) -> BwdWork:
+        """This CTA's key tile, heads, batch (or sequence) and query-tile range. Dense tensors index the batch;
+        packed ones offset the inputs by cu_seqlens and the padded buffers by their padded offset (PackedRows)."""
+        mQ, mK = gmem.q, gmem.k
         n_block, head, batch = cute.arch.block_idx()
-        # Where this (sequence, head)'s rows start: dense tensors index the batch (offsets None); packed ones offset the
-        # inputs by cu_seqlens and the padded buffers by their padded offset.
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         rows = PackedRows(None, None, None)
         if const_expr(seqs is not None):
             # This CTA's sequence and key tile (its sequence's keys: seqused_k when given); past the last tile, none.
             num_seqs = seqs[0].shape[0] - 1
-            if const_expr(self.cluster_n == 1):
-                batch, n_block = packed_tile(n_block, self.tile_n, seqs[1], seqs[2])
-            else:  # adjacent key tiles of one sequence, or two sequences' odd last tiles (packed_tile_pairs)
-                rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())  # (bidx % cluster_n)
-                batch, n_block, single = packed_tile_pairs(n_block // self.cluster_n, rank, self.tile_n, *seqs[1:3])
+            batch, n_block = packed_tile(n_block, self.tile_n, seqs[1], seqs[2])
             idle = batch >= num_seqs
             batch = cutlass.min(batch, num_seqs - 1)
             seq = seq_rows(batch, *seqs)
@@ -606,12 +697,6 @@ class Sm90FlashBackward(BwdEntries):
             if idle:
                 seqlen_k = Int32(0)  # no query tile to walk, nothing to store (below)
             rows = PackedRows(seq.offset_q, seq.offset_k, seq.padded_offset_q(self.pad_q))
-        # Where a consumer puts its dQ: its part of the shared buffer(s) that the dQ warp adds to the accumulator, or
-        # with dq_red this (sequence, head)'s accumulator itself.
-        if const_expr(self.cfg.dq_red):
-            dq_dst = accum_rows(mdQaccum, head, batch, rows.padded_q, self.head_dim)
-        else:
-            dq_dst = storage.sdQ.get_tensor(cute.make_layout(self.cfg.dq_buffers * self.tile_m * self.head_dim))
         group = mQ.shape[2] // mK.shape[2]  # query heads per KV head (GQA / MQA)
         head_kv = head // group
         info = BlockInfo(self.tile_m, self.tile_n, self.mask_kind, seqlen_q, seqlen_k, window_left, window_right)
@@ -631,113 +716,18 @@ class Sm90FlashBackward(BwdEntries):
             # nothing (its stores are predicated on seqlen_k).
             if n_block * self.tile_n >= seqlen_k:
                 m_max = m_min
+        return BwdWork(n_block, head, head_kv, group, batch, m_min, m_max, info, rows)
 
-        # In a cluster: (rank, single, multicast mask). A single CTA (a sequence's odd last key tile, its partner
-        # another sequence's) loads whole Q / dO tiles for itself alone; the CTAs of a pair load their parts for both.
-        multicast = None
-        if const_expr(self.cluster_n > 1):
-            mask = cutlass.Int16((1 << self.cluster_n) - 1)
-            if single != 0:
-                mask = cutlass.Int16(Int32(1) << rank)
-            multicast = (rank, single, mask)
-
-        pipeline.pipeline_init_wait(self.cluster_shape())
-
-        # The producer's six loads (Q, K, V, dO, LSE, D): their TMA atoms, global (coordinate) and shared tensors.
-        atoms = (atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum)
-        tensors = (mQ, mK, mV, mdO, mLSElog2, mdPsum)
-        tiles = (sQ, sK, sV, sdO, sLSE, sdPsum)
-        warp_group = warp_idx // 4
-        if warp_group == 0:
-            cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
-            if warp_idx == 0:
-                self.produce(
-                    pipe_kv,
-                    pipe_q,
-                    pipe_do,
-                    atoms,
-                    tensors,
-                    tiles,
-                    n_block,
-                    head,
-                    head_kv,
-                    batch,
-                    m_min,
-                    m_max,
-                    rows,
-                    multicast,
-                )
-            if const_expr(not self.cfg.dq_red):
-                if warp_idx == 1:
-                    self.store_dq(dq_dst, mdQaccum, mdQsem, info, n_block, head, batch, m_min, m_max, rows)
-        else:
-            cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            self.consume(
-                pipe_kv,
-                pipe_q,
-                pipe_do,
-                tiled_mma_sdp,
-                tiled_mma_dk,
-                tiled_mma_dv,
-                tiled_mma_dq,
-                sQ,
-                sK,
-                sV,
-                sdO,
-                sdS,
-                sP,
-                sLSE,
-                sdPsum,
-                dq_dst,
-                mdK,
-                mdV,
-                mdKVsem,
-                atom_dk,
-                atom_dv,
-                softmax_scale,
-                info,
-                n_block,
-                head % group,
-                head_kv,
-                batch,
-                m_min,
-                m_max,
-                tidx - WARPGROUP_THREADS,
-                warp_idx,
-                seqs,
-                multicast,
-            )
-
-    def cluster_shape(self):
-        """The (n, 1) shape of a cluster where there are clusters (the Q / dO rings' barrier init is cluster-wide)."""
-        return None if const_expr(self.cluster_n == 1) else (self.cluster_n, 1)
-
+    # ----------------------------------------------------------------------------------------------------------------
+    # The producer warp.
+    # ----------------------------------------------------------------------------------------------------------------
     @cute.jit
-    def produce(
-        self,
-        pipe_kv,
-        pipe_q,
-        pipe_do,
-        atoms: tuple,
-        tensors: tuple,
-        tiles: tuple,
-        n_block: Int32,
-        head: Int32,
-        head_kv: Int32,
-        batch: Int32,
-        m_min: Int32,
-        m_max: Int32,
-        rows: PackedRows,
-        multicast=None,  # in a cluster: (rank, single, multicast mask) (kernel)
-    ):
-        """K and V once; then Q + LSE and dO + D per query tile, in the consumers' order. atoms / tensors / tiles: the
-        TMA atoms, global coordinate tensors and shared-memory tiles of Q, K, V, dO, LSE and D, in that order.
-        cfg.pdl (launched while the preprocess may still run): K, V and the first Q and dO tiles (written before the
-        preprocess started) are loaded first, LSE and D (the preprocess's outputs) only after griddepcontrol.wait."""
-        atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum = atoms
-        mQ, mK, mV, mdO, mLSElog2, mdPsum = tensors
-        sQ, sK, sV, sdO, sLSE, sdPsum = tiles
+    def produce(self, pipes: BwdPipes, atoms: BwdAtoms, gmem: BwdGmem, smem: BwdSmem, work: BwdWork):
+        """K and V once; then Q + LSE and dO + D per query tile, in the consumers' order. Launched while the
+        preprocess may still run: K, V and the first Q and dO tiles (written before the preprocess started) are
+        loaded first, LSE and D (the preprocess's outputs) only after griddepcontrol.wait."""
         d = self.head_dim
+        head, head_kv, batch, rows = work.head, work.head_kv, work.batch, work.rows
         no_cluster = cute.make_layout(1)
 
         def part(atom, s, g):
@@ -746,48 +736,33 @@ class Sm90FlashBackward(BwdEntries):
         def part1(atom, s, g):
             return cpasync.tma_partition(atom, 0, no_cluster, cute.group_modes(s, 0, 1), cute.group_modes(g, 0, 1))
 
-        gK = cute.local_tile(head_tiles(mK, head_kv, batch, rows.offset_k), (self.tile_n, d), (None, 0))
-        gV = cute.local_tile(head_tiles(mV, head_kv, batch, rows.offset_k), (self.tile_n, self.head_dim_v), (None, 0))
-        gQ = cute.local_tile(head_tiles(mQ, head, batch, rows.offset_q), (self.tile_m, d), (None, 0))
-        gdO = cute.local_tile(head_tiles(mdO, head, batch, rows.offset_q), (self.tile_m, self.head_dim_v), (None, 0))
-        gLSE = cute.local_tile(padded_stat_rows(mLSElog2, head, batch, rows.padded_q), (self.tile_m,), (None,))
-        gdPsum = cute.local_tile(padded_stat_rows(mdPsum, head, batch, rows.padded_q), (self.tile_m,), (None,))
-        tKsK, tKgK = part(atom_k, sK, gK)
-        tVsV, tVgV = part(atom_v, sV, gV)
-        if const_expr(multicast is None):
-            tQsQ, tQgQ = part(atom_q, sQ, gQ)
-            tdOsdO, tdOgdO = part(atom_do, sdO, gdO)
-        else:
-            # Every CTA's part of the Q / dO tiles (a single CTA loads them all): tuples indexed by rank.
-            cluster = cute.make_layout(self.cluster_n)
-            q_parts = [
-                cpasync.tma_partition(atom_q, r, cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-                for r in range(self.cluster_n)
-            ]
-            do_parts = [
-                cpasync.tma_partition(atom_do, r, cluster, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
-                for r in range(self.cluster_n)
-            ]
-            tQsQ, tQgQ = tuple(p[0] for p in q_parts), tuple(p[1] for p in q_parts)
-            tdOsdO, tdOgdO = tuple(p[0] for p in do_parts), tuple(p[1] for p in do_parts)
-        tLsL, tLgL = part1(atom_lse, sLSE, gLSE)
-        tDsD, tDgD = part1(atom_dpsum, sdPsum, gdPsum)
+        gK = cute.local_tile(head_tiles(gmem.k, head_kv, batch, rows.offset_k), (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(
+            head_tiles(gmem.v, head_kv, batch, rows.offset_k), (self.tile_n, self.head_dim_v), (None, 0)
+        )
+        gQ = cute.local_tile(head_tiles(gmem.q, head, batch, rows.offset_q), (self.tile_m, d), (None, 0))
+        gdO = cute.local_tile(
+            head_tiles(gmem.do, head, batch, rows.offset_q), (self.tile_m, self.head_dim_v), (None, 0)
+        )
+        gLSE = cute.local_tile(padded_stat_rows(gmem.lse, head, batch, rows.padded_q), (self.tile_m,), (None,))
+        gdPsum = cute.local_tile(padded_stat_rows(gmem.dpsum, head, batch, rows.padded_q), (self.tile_m,), (None,))
+        tKsK, tKgK = part(atoms.k, smem.k, gK)
+        tVsV, tVgV = part(atoms.v, smem.v, gV)
+        tQsQ, tQgQ = part(atoms.q, smem.q, gQ)
+        tdOsdO, tdOgdO = part(atoms.do, smem.do, gdO)
+        tLsL, tLgL = part1(atoms.lse, smem.lse, gLSE)
+        tDsD, tDgD = part1(atoms.dpsum, smem.dpsum, gdPsum)
 
-        if m_max > m_min:
-            if const_expr(not self.cfg.kv_with_first_tile):
-                kv = producer_state(1)
-                pipe_kv.producer_acquire(kv)
-                cute.copy(atom_k, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
-                cute.copy(atom_v, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+        if work.m_max > work.m_min:
             src = (tQgQ, tKgK, tVgV, tdOgdO, tLgL, tDgD)
             dst = (tQsQ, tKsK, tVsV, tdOsdO, tLsL, tDsD)
             q = producer_state(self.num_stages)
             do = producer_state(self.num_stages)
-            self.load_query_tile(pipe_q, pipe_do, q, do, atoms, src, dst, m_min, n_block, True, multicast)
+            self.load_query_tile(pipes, q, do, atoms, src, dst, work.m_min, work.n_block, True)
             q.advance()
             do.advance()
-            for m_block in cutlass.range(m_min + 1, m_max, unroll=1):
-                self.load_query_tile(pipe_q, pipe_do, q, do, atoms, src, dst, m_block, n_block, False, multicast)
+            for m_block in cutlass.range(work.m_min + 1, work.m_max, unroll=1):
+                self.load_query_tile(pipes, q, do, atoms, src, dst, m_block, work.n_block, False)
                 q.advance()
                 do.advance()
 
@@ -806,106 +781,109 @@ class Sm90FlashBackward(BwdEntries):
     @cute.jit
     def load_query_tile(
         self,
-        pipe_q,
-        pipe_do,
+        pipes: BwdPipes,
         q,
         do,
-        atoms: tuple,
+        atoms: BwdAtoms,
         src: tuple,
         dst: tuple,
         m_block: Int32,
         n_block: Int32,
         first: cutlass.Constexpr,
-        multicast=None,
     ):
         """Q + LSE on a Q stage's barrier, dO + D on a dO stage's. src / dst: the TMA partitions of Q, K, V, dO, LSE
-        and D in global and shared memory. The first query tile (`first`): with kv_with_first_tile, K completes Q's
-        first stage and V dO's (each barrier expects the extra bytes), so the first S product waits for K + Q only;
-        every load of an input comes before griddepcontrol.wait (pdl), LSE and D after it."""
-        atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum = atoms
+        and D in global and shared memory. The first query tile (`first`): K completes Q's first stage and V dO's
+        (each barrier expects the extra bytes), so the first S product waits for K + Q only; every load of an input
+        comes before griddepcontrol.wait, LSE and D after it."""
         tQgQ, tKgK, tVgV, tdOgdO, tLgL, tDgD = src
         tQsQ, tKsK, tVsV, tdOsdO, tLsL, tDsD = dst
-        kv_here = first and self.cfg.kv_with_first_tile
-        bar_q = self.acquire_stage(pipe_q, q, atom_k, tKgK[None, n_block], tKsK[None, 0], self.bytes_k, kv_here)
-        self.load_rows(atom_q, tQgQ, tQsQ, m_block, q.index, bar_q, multicast)
+        bar_q = self.acquire_stage(pipes.q, q, atoms.k, tKgK[None, n_block], tKsK[None, 0], self.bytes_k, first)
+        cute.copy(atoms.q, tQgQ[None, m_block], tQsQ[None, q.index], tma_bar_ptr=bar_q)
         if const_expr(not first):
-            cute.copy(atom_lse, tLgL[None, m_block], tLsL[None, q.index], tma_bar_ptr=bar_q)
-        bar_do = self.acquire_stage(pipe_do, do, atom_v, tVgV[None, n_block], tVsV[None, 0], self.bytes_v, kv_here)
-        self.load_rows(atom_do, tdOgdO, tdOsdO, m_block, do.index, bar_do, multicast)
+            cute.copy(atoms.lse, tLgL[None, m_block], tLsL[None, q.index], tma_bar_ptr=bar_q)
+        bar_do = self.acquire_stage(pipes.do, do, atoms.v, tVgV[None, n_block], tVsV[None, 0], self.bytes_v, first)
+        cute.copy(atoms.do, tdOgdO[None, m_block], tdOsdO[None, do.index], tma_bar_ptr=bar_do)
         if const_expr(first):
-            if const_expr(self.cfg.pdl):
-                cute.arch.griddepcontrol_wait()  # the preprocess has ended and its writes are visible
-            cute.copy(atom_lse, tLgL[None, m_block], tLsL[None, q.index], tma_bar_ptr=bar_q)
-        cute.copy(atom_dpsum, tDgD[None, m_block], tDsD[None, do.index], tma_bar_ptr=bar_do)
+            cute.arch.griddepcontrol_wait()  # the preprocess has ended and its writes are visible
+            cute.copy(atoms.lse, tLgL[None, m_block], tLsL[None, q.index], tma_bar_ptr=bar_q)
+        cute.copy(atoms.dpsum, tDgD[None, m_block], tDsD[None, do.index], tma_bar_ptr=bar_do)
 
-    @cute.jit
-    def load_rows(self, atom, g, s, m_block: Int32, index: Int32, bar, multicast):
-        """Query tile m_block of Q or dO into stage `index` on `bar`. In a cluster (multicast: (rank, single, mask)),
-        g / s hold every CTA's part: this CTA's part goes to both CTAs, or a single CTA loads every part for itself."""
-        if const_expr(multicast is None):
-            cute.copy(atom, g[None, m_block], s[None, index], tma_bar_ptr=bar)
-        else:
-            rank, single, mask = multicast
-            for r in cutlass.range_constexpr(self.cluster_n):
-                if rank == r or single != 0:
-                    cute.copy(atom, g[r][None, m_block], s[r][None, index], tma_bar_ptr=bar, mcast_mask=mask)
-
+    # ----------------------------------------------------------------------------------------------------------------
+    # The consumer warpgroups.
+    # ----------------------------------------------------------------------------------------------------------------
     @cute.jit
     def consume(
         self,
-        pipe_kv,
-        pipe_q,
-        pipe_do,
-        tiled_mma_sdp: cute.TiledMma,
-        tiled_mma_dk: cute.TiledMma,
-        tiled_mma_dv: cute.TiledMma,
-        tiled_mma_dq: cute.TiledMma,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        sdO: cute.Tensor,
-        sdS: cute.Tensor,
-        sP: cute.Tensor,
-        sLSE: cute.Tensor,
-        sdPsum: cute.Tensor,
+        pipes: BwdPipes,
+        mmas: BwdMmas,
+        smem: BwdSmem,
         dq_dst: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
-        mdKVsem: cute.Tensor,
-        atom_dk: cute.CopyAtom,
-        atom_dv: cute.CopyAtom,
+        dkv: DkvTargets,
         softmax_scale: Float32,
-        info: BlockInfo,
-        n_block: Int32,
-        head_in_group: Int32,
-        head_kv: Int32,
-        batch: Int32,
-        m_min: Int32,
-        m_max: Int32,
-        tidx: Int32,  # 0 .. num_consumer_threads - 1
+        softcap,  # spec.softcap: the cap (Float32), else None
+        work: BwdWork,
+        tidx: Int32,  # the thread's index in the CTA
         warp_idx: Int32,
         seqs,  # packed: the cu_seqlens / seqused_k tensors (see kernel); dense: None
-        multicast=None,  # in a cluster: (rank, single, multicast mask) (kernel)
     ):
-        d = self.head_dim
-        stages = self.num_stages
-        if const_expr(multicast is not None):
-            rank, single, _ = multicast
-            pipe_q, pipe_do = [self.shared_ring(p, rank, single, m_max - m_min) for p in (pipe_q, pipe_do)]
+        """This consumer's key rows: its dK / dV over the walk of the query tiles, its share of each tile's dQ."""
+        head_in_group = work.head % work.group
+        tidx = tidx - WARPGROUP_THREADS  # 0 .. num_consumer_threads - 1
+        frags, thr = self.consumer_fragments(mmas, smem, tidx)
+        acc_dV = cute.make_rmem_tensor(thr.dv.partition_shape_C((self.tile_n, self.head_dim_v)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr.dk.partition_shape_C((self.tile_n, self.head_dim)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+
+        # dSᵀ / dS (and P, queries on rows) in 16 bits, accumulator order, to shared memory for the products that
+        # read them from there.
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        smem_copy_ds = cute.make_tiled_copy_C(stmatrix, mmas.sdp).get_slice(tidx)
+        tdSsdS = smem_copy_ds.partition_D(smem.ds)  # (CPY, CPY_M, CPY_N, stage)
+        tPsP = smem_copy_ds.partition_D(smem.p)
+
+        # (row, column) of this thread's S accumulator entries, and thread 0's (compile-time) for the mask.
+        coords_rc = rows_cols_view(thr.sdp.partition_C(cute.make_identity_tensor(self.s_tile)))
+        coords0_rc = rows_cols_view(mmas.sdp.get_slice(0).partition_C(cute.make_identity_tensor(self.s_tile)))
+
+        if work.m_max > work.m_min:
+            scale_log2, pre_tanh, inv_scale_log2 = softmax_scale * LOG2_E, None, None
+            if const_expr(softcap is not None):
+                pre_tanh, scale_log2 = softcap_factors(softmax_scale, softcap)
+                inv_scale_log2 = 1.0 / scale_log2
+            if const_expr(self.cfg.dq_red):
+                cute.arch.griddepcontrol_wait()  # dQ adds from the first step: after the preprocess zeroed the sums
+            loop = StepLoop(
+                pipes, mmas, frags, acc_dV, acc_dK, smem_copy_ds, tdSsdS, tPsP, smem.lse, smem.dpsum, coords_rc,
+                coords0_rc, work.info, work.n_block, scale_log2, pre_tanh, inv_scale_log2, thr.dq, dq_dst, tidx,
+            )  # fmt: skip
+            self.walk(loop, smem, work)
+
+        # Before any global write of the consumers: dK / dV (GQA: sums zeroed by an earlier launch) and the GQA
+        # semaphores. (The LSE / D they read came through the producer's loads, issued after its wait.)
+        cute.arch.griddepcontrol_wait()
+        self.store_grads((acc_dK, acc_dV), mmas, smem, dkv, softmax_scale, work, head_in_group, tidx, warp_idx, seqs)
+
+    def consumer_fragments(self, mmas: BwdMmas, smem: BwdSmem, tidx: Int32):
+        """(BwdFragments, this thread's slices of the four MMAs as a BwdMmas) of consumer thread `tidx`."""
+        d, stages = self.head_dim, self.num_stages
         # Warp-uniform, so that the operand descriptors of every wgmma are built in uniform registers (from tidx they
         # would be per-thread values, moved to uniform registers with R2UR before each wgmma).
         consumer = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
         wg_first = consumer * WARPGROUP_THREADS  # operand partitions are per warpgroup
-        wg_sdp = tiled_mma_sdp.get_slice(wg_first)
-        wg_dk = tiled_mma_dk.get_slice(wg_first)
-        wg_dv = tiled_mma_dv.get_slice(wg_first)
+        wg_sdp = mmas.sdp.get_slice(wg_first)
+        wg_dk = mmas.dk.get_slice(wg_first)
+        wg_dv = mmas.dv.get_slice(wg_first)
         # The dQ MMA spans one warpgroup with dq_split "single": every consumer slices it as consumer 0 (only consumer
         # 0 issues it).
-        wg_dq = tiled_mma_dq.get_slice(wg_first if const_expr(self.num_dq_wgs > 1) else 0)
-        thr_sdp = tiled_mma_sdp.get_slice(tidx)
-        thr_dk = tiled_mma_dk.get_slice(tidx)
-        thr_dv = tiled_mma_dv.get_slice(tidx)
-        thr_dq = tiled_mma_dq.get_slice(tidx if const_expr(self.num_dq_wgs > 1) else tidx % WARPGROUP_THREADS)
+        wg_dq = mmas.dq.get_slice(wg_first if const_expr(self.num_dq_wgs > 1) else 0)
+        thr = BwdMmas(
+            mmas.sdp.get_slice(tidx),
+            mmas.dk.get_slice(tidx),
+            mmas.dv.get_slice(tidx),
+            mmas.dq.get_slice(tidx if const_expr(self.num_dq_wgs > 1) else tidx % WARPGROUP_THREADS),
+        )
+        sQ, sK, sV, sdO, sdS, sP = smem.q, smem.k, smem.v, smem.do, smem.ds, smem.p
 
         # Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ (keys on rows), or S = Q·Kᵀ, dP = dO·Vᵀ: all K-major tiles as loaded. The Q and dO
         # fragments keep their stage mode: (MMA, 1, k-blocks, stage).
@@ -939,175 +917,75 @@ class Sm90FlashBackward(BwdEntries):
             tdQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed(sdS, self.tile_n, self.tile_m, stages)))
         else:
             tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))[None, None, None, 0]
-
-        acc_dV = cute.make_rmem_tensor(thr_dv.partition_shape_C((self.tile_n, self.head_dim_v)), Float32)
-        acc_dK = cute.make_rmem_tensor(thr_dk.partition_shape_C((self.tile_n, d)), Float32)
-        acc_dV.fill(0.0)
-        acc_dK.fill(0.0)
-
-        # dSᵀ / dS (and P, queries on rows) in 16 bits, accumulator order, to shared memory for the products that
-        # read them from there.
-        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        smem_copy_ds = cute.make_tiled_copy_C(stmatrix, tiled_mma_sdp).get_slice(tidx)
-        tdSsdS = smem_copy_ds.partition_D(sdS)  # (CPY, CPY_M, CPY_N, stage)
-        tPsP = smem_copy_ds.partition_D(sP)
-
-        # (row, column) of this thread's S accumulator entries, and thread 0's (compile-time) for the mask.
-        coords_rc = rows_cols_view(thr_sdp.partition_C(cute.make_identity_tensor(self.s_tile)))
-        coords0_rc = rows_cols_view(tiled_mma_sdp.get_slice(0).partition_C(cute.make_identity_tensor(self.s_tile)))
-
-        if m_max > m_min:
-            scale_log2 = softmax_scale * LOG2_E
-            if const_expr(self.cfg.pdl and self.cfg.dq_red):
-                cute.arch.griddepcontrol_wait()  # dQ adds from the first step: after the preprocess zeroed the sums
-            if const_expr(not self.cfg.kv_with_first_tile):
-                consumer_wait(pipe_kv, consumer_state(1))  # (otherwise K / V arrive with the first Q / dO stage)
-            q = consumer_state(stages)
-            do = consumer_state(stages)
-            step = partial(
-                self.step,
-                pipe_q=pipe_q,
-                pipe_do=pipe_do,
-                mmas=BwdMmas(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq),
-                frags=BwdFragments(tSrK, tSrQ, tdPrV, tdPrdO, tdVrdOt, tdKrQt, tdVrP, tdKrdS, tdQrdS, tdQrKt),
-                acc_dV=acc_dV,
-                acc_dK=acc_dK,
-                smem_copy_ds=smem_copy_ds,
-                tdSsdS=tdSsdS,
-                tPsP=tPsP,
-                sLSE=sLSE,
-                sdPsum=sdPsum,
-                coords_rc=coords_rc,
-                coords0_rc=coords0_rc,
-                info=info,
-                n_block=n_block,
-                scale_log2=scale_log2,
-                thr_dq=thr_dq,
-                dq_dst=dq_dst,
-                tidx=tidx,
-            )
-            # Query tiles in order; only those crossing a window edge (or all of them when this key tile runs
-            # past seqlen_k) are masked element by element. Packed sequences: a last query tile that reaches past the
-            # sequence's end is the walk's last step, taken after the loops (zero_q_do_tail; outside them, so that its
-            # addresses are not held through the loops: inside, the d128 / d64 / d96 builds spilled 20-24 bytes;
-            # this step costs the d96 causal build 20 bytes, a value reloaded once per step, and none at d64 / d128 /
-            # d256 without a window).
-            m_end = m_max
-            q_tail = False
-            if const_expr(self.varlen):
-                q_tail = m_max * self.tile_m > info.seqlen_q
-                if q_tail:
-                    m_end = m_max - 1
-            kv_tail = (n_block + 1) * self.tile_n > info.seqlen_k
-            masked_end = m_min
-            if const_expr(info.has_right_bound):
-                masked_end = cutlass.max(cutlass.min(info.q_right_masked_end(n_block), m_end), m_min)
-            left_start = m_end
-            if const_expr(info.has_left_bound):
-                left_start = cutlass.max(cutlass.min(info.q_left_masked_start(n_block), m_end), masked_end)
-            if kv_tail:
-                masked_end = m_end
-                left_start = m_end
-                if const_expr(self.varlen):
-                    self.zero_kv_tail(pipe_kv, pipe_q, pipe_do, sK, sV, info.seqlen_k - n_block * self.tile_n, tidx)
-            for m_block in cutlass.range(m_min, masked_end, unroll=1):
-                q, do = step(q, do, m_block, True)
-            for m_block in cutlass.range(masked_end, left_start, unroll=1):
-                q, do = step(q, do, m_block, False)
-            if const_expr(info.has_left_bound):
-                for m_block in cutlass.range(left_start, m_end, unroll=1):
-                    q, do = step(q, do, m_block, True)
-            if const_expr(self.varlen):
-                if q_tail:
-                    rows = info.seqlen_q - m_end * self.tile_m
-                    self.zero_q_do_tail(pipe_q, pipe_do, q, do, sQ, sdO, rows, tidx)
-                    q, do = step(q, do, m_end, True)
-
-        if const_expr(self.cfg.pdl):
-            # Before any global write of the consumers: dK / dV (GQA: sums zeroed by an earlier launch) and the GQA
-            # semaphores. (The LSE / D they read came through the producer's loads, issued after its wait.)
-            cute.arch.griddepcontrol_wait()
-        offset_k, padded_k = None, None
-        if const_expr(seqs is not None):
-            # Read again here rather than kept in registers through the walk (they are tight at d64).
-            seq = seq_rows(batch, *seqs)
-            offset_k, padded_k = seq.offset_k, seq.padded_offset_k(self.pad_k)
-        if const_expr(self.gqa):
-            add = partial(
-                self.add_dkv_partials,
-                acc_dK,
-                acc_dV,
-                tiled_mma_dk,
-                tiled_mma_dv,
-                mdK,
-                mdV,
-                mdKVsem,
-                softmax_scale,
-                n_block,
-                head_in_group,
-                head_kv,
-                batch,
-                tidx,
-                padded_k,
-            )
-            if const_expr(self.varlen):
-                if n_block * self.tile_n < info.seqlen_k:  # (past it: not even padding rows of this sequence)
-                    add()
-            else:
-                add()
-        else:
-            # A key tile no query sees still writes its (zero) dK / dV.
-            self.store_dkv(
-                acc_dK,
-                acc_dV,
-                tiled_mma_dk,
-                tiled_mma_dv,
-                sK,
-                sV,
-                mdK,
-                mdV,
-                atom_dk,
-                atom_dv,
-                softmax_scale,
-                n_block,
-                head_kv,
-                batch,
-                tidx,
-                warp_idx,
-                offset_k,
-                info.seqlen_k,
-            )
-
-    def shared_ring(self, pipe: pipeline.PipelineTmaAsync, rank: Int32, single: Int32, num_tiles: Int32) -> ClusterRing:
-        """A consumer's view of the Q or dO ring in a cluster: lanes 0 and 1 of each warp release a stage to CTAs 0 and
-        1, or, in a single CTA, both to this CTA's barrier, whose count is the same; the releases of the last
-        num_stages tiles are skipped (pipelines.ClusterRing: no barrier before exit)."""
-        dst = pipe.consumer_mask + (rank - pipe.consumer_mask) * single  # (the lane's CTA; single: this CTA)
-        return ClusterRing(replace(pipe, consumer_mask=dst), num_tiles - self.num_stages)
+        frags = BwdFragments(tSrK, tSrQ, tdPrV, tdPrdO, tdVrdOt, tdKrQt, tdVrP, tdKrdS, tdQrdS, tdQrKt)
+        return frags, thr
 
     @cute.jit
-    def zero_kv_tail(self, pipe_kv, pipe_q, pipe_do, sK: cute.Tensor, sV: cute.Tensor, keys: Int32, tidx: Int32):
+    def walk(self, loop: StepLoop, smem: BwdSmem, work: BwdWork):
+        """The query tiles [m_min, m_max) in order; only those crossing a window edge (or all of them when this key
+        tile runs past seqlen_k) are masked element by element. Packed sequences: a last query tile that reaches past
+        the sequence's end is the walk's last step, taken after the loops (zero_q_do_tail; outside them, so that its
+        addresses are not held through the loops: inside, the d128 / d64 / d96 builds spilled 20-24 bytes; this step
+        costs the d96 causal build 20 bytes, a value reloaded once per step, and none at d64 / d128 / d256 without a
+        window)."""
+        info, n_block, m_min, m_max, tidx = work.info, work.n_block, work.m_min, work.m_max, loop.tidx
+        q = consumer_state(self.num_stages)
+        do = consumer_state(self.num_stages)
+        step = partial(self.step, loop=loop)
+        m_end = m_max
+        q_tail = False
+        if const_expr(self.varlen):
+            q_tail = m_max * self.tile_m > info.seqlen_q
+            if q_tail:
+                m_end = m_max - 1
+        kv_tail = (n_block + 1) * self.tile_n > info.seqlen_k
+        masked_end = m_min
+        if const_expr(info.has_right_bound):
+            masked_end = cutlass.max(cutlass.min(info.q_right_masked_end(n_block), m_end), m_min)
+        left_start = m_end
+        if const_expr(info.has_left_bound):
+            left_start = cutlass.max(cutlass.min(info.q_left_masked_start(n_block), m_end), masked_end)
+        if kv_tail:
+            masked_end = m_end
+            left_start = m_end
+            if const_expr(self.varlen):
+                self.zero_kv_tail(loop.pipes, smem, info.seqlen_k - n_block * self.tile_n, tidx)
+        for m_block in cutlass.range(m_min, masked_end, unroll=1):
+            q, do = step(q, do, m_block, True)
+        for m_block in cutlass.range(masked_end, left_start, unroll=1):
+            q, do = step(q, do, m_block, False)
+        if const_expr(info.has_left_bound):
+            for m_block in cutlass.range(left_start, m_end, unroll=1):
+                q, do = step(q, do, m_block, True)
+        if const_expr(self.varlen):
+            if q_tail:
+                rows = info.seqlen_q - m_end * self.tile_m
+                self.zero_q_do_tail(loop.pipes, q, do, smem, rows, tidx)
+                q, do = step(q, do, m_end, True)
+
+    @cute.jit
+    def zero_kv_tail(self, pipes: BwdPipes, smem: BwdSmem, keys: Int32, tidx: Int32):
         """Packed sequences: the K and V rows of a key tile past seqlen_k (`keys` rows are the sequence's) are the next
         sequence's rows, or a KV cache's unused slots after seqused_k, as TMA loaded them. The mask makes their P
         and dS exactly 0, but 0 · Inf / NaN (dP = V·dOᵀ, dQ = dS·K) would be NaN: every consumer warpgroup zeroes
         them (the same values, no race) once they have landed, before the first product of the walk."""
-        if const_expr(self.cfg.kv_with_first_tile):
-            consumer_wait(pipe_q, consumer_state(self.num_stages))  # K rides on the first Q stage, V on dO's
-            consumer_wait(pipe_do, consumer_state(self.num_stages))
+        consumer_wait(pipes.q, consumer_state(self.num_stages))  # K rides on the first Q stage, V on dO's
+        consumer_wait(pipes.do, consumer_state(self.num_stages))
         widths = (self.head_dim, self.head_dim_v)
-        self.zero_tails((sK[None, None, 0], sV[None, None, 0]), widths, keys, self.tile_n, tidx)
+        self.zero_tails((smem.k[None, None, 0], smem.v[None, None, 0]), widths, keys, self.tile_n, tidx)
 
     @cute.jit
-    def zero_q_do_tail(self, pipe_q, pipe_do, q, do, sQ: cute.Tensor, sdO: cute.Tensor, rows: Int32, tidx: Int32):
+    def zero_q_do_tail(self, pipes: BwdPipes, q, do, smem: BwdSmem, rows: Int32, tidx: Int32):
         """Packed sequences: the Q and dO rows of a sequence's last query tile past seqlen_q (`rows` rows are the
         sequence's) are the next sequence's rows as TMA loaded them. Their P and dS are exactly 0 (lse_log2 = +inf,
         D = 0 in the padding rows), but 0 · Inf / NaN (S = K·Qᵀ, dP = V·dOᵀ, dV += Pᵀ·dO, dK += dSᵀ·Q) would carry
         non-finite values of that sequence into this one's dK / dV: every consumer warpgroup zeroes them (the same
         values, no race) once they have landed, before this step's first product."""
-        pipe_q.consumer_wait(q)
-        pipe_do.consumer_wait(do)
+        pipes.q.consumer_wait(q)
+        pipes.do.consumer_wait(do)
         widths = (self.head_dim, self.head_dim_v)
-        self.zero_tails((sQ[None, None, q.index], sdO[None, None, do.index]), widths, rows, self.tile_m, tidx)
+        tiles = (smem.q[None, None, q.index], smem.do[None, None, do.index])
+        self.zero_tails(tiles, widths, rows, self.tile_m, tidx)
 
     @cute.jit
     def zero_tails(
@@ -1125,6 +1003,9 @@ class Sm90FlashBackward(BwdEntries):
         cute.arch.fence_view_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
         cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
 
+    # ----------------------------------------------------------------------------------------------------------------
+    # One step of the walk: one query tile.
+    # ----------------------------------------------------------------------------------------------------------------
     @cute.jit
     def step(
         self,
@@ -1132,124 +1013,192 @@ class Sm90FlashBackward(BwdEntries):
         do: pipeline.PipelineState,
         m_block: Int32,
         masked: cutlass.Constexpr[bool],
-        pipe_q,
-        pipe_do,
-        mmas: "BwdMmas",
-        frags: "BwdFragments",
-        acc_dV: cute.Tensor,
-        acc_dK: cute.Tensor,
-        smem_copy_ds,
-        tdSsdS: cute.Tensor,
-        tPsP: cute.Tensor,
-        sLSE: cute.Tensor,
-        sdPsum: cute.Tensor,
-        coords_rc: cute.Tensor,
-        coords0_rc: cute.Tensor,
-        info: BlockInfo,
-        n_block: Int32,
-        scale_log2: Float32,
-        thr_dq,
-        dq_dst: cute.Tensor,
-        tidx: Int32,
+        loop: StepLoop,
     ):
-        """One query tile: S, dP, P, dS, dV, dQ, dK (see the module docstring for the order and the overlap)."""
-        tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq = mmas
-        tSrK, tSrQ, tdPrV, tdPrdO, tdVrdOt, tdKrQt, tdVrP, tdKrdS, tdQrdS, tdQrKt = frags
-        kor = self.keys_on_rows
-        s_shape = tiled_mma_sdp.get_slice(0).partition_shape_C(self.s_tile)
-        consumer_wait(pipe_q, q)
+        """One query tile: S and dP, P, (dV's early product,) dS, P and dS to their A operands or shared memory, dV,
+        dQ, dK (see the module docstring for the order and the overlap)."""
+        acc_S, acc_dP, lse = self.score_products(q, do, loop)
+        self.probabilities(acc_S, lse, q, m_block, masked, loop)
+        dpsum = self.dv_before_dp_wait(acc_S, do, loop)
+        self.score_grads(acc_S, acc_dP, dpsum, lse, q, do, loop)
+        self.stage_p_and_ds(acc_S, acc_dP, q, do, loop)
+        self.dq_and_dk(q, do, m_block, loop)
+        q.advance()
+        do.advance()
+        return q, do
+
+    def s_shape(self, loop: StepLoop):
+        """A thread's S (and dP) accumulator."""
+        return loop.mmas.sdp.get_slice(0).partition_shape_C(self.s_tile)
+
+    @cute.jit
+    def score_products(self, q, do, loop: StepLoop):
+        """Issues S (Sᵀ = K·Qᵀ with keys on rows) once Q has landed and dP once dO has, and loads the LSE while they
+        run: (acc_S, acc_dP, this thread's LSE registers or None)."""
+        mma, f, kor = loop.mmas.sdp, loop.frags, self.keys_on_rows
+        s_shape = self.s_shape(loop)
+        consumer_wait(loop.pipes.q, q)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         if const_expr(kor):
-            wgmma.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, q.index], zero_init=True, wait=-1)
+            wgmma.gemm(mma, acc_S, f.tSrK, f.tSrQ[None, None, None, q.index], zero_init=True, wait=-1)
         else:
-            wgmma.gemm(tiled_mma_sdp, acc_S, tSrQ[None, None, None, q.index], tSrK, zero_init=True, wait=-1)
+            wgmma.gemm(mma, acc_S, f.tSrQ[None, None, None, q.index], f.tSrK, zero_init=True, wait=-1)
         # The statistics of this thread's queries go to registers while the products run (a shared-memory load after
         # the wgmma wait would stall the exponentials behind it), except with stats_at_use (columns beyond
-        # max_unshuffled_stat_cols), where each is loaded where it is used instead of shuffled from another lane.
+        # UNSHUFFLED_STAT_COLS), where each is loaded where it is used instead of shuffled from another lane.
         s_rc = rows_cols_view(acc_S)
         num_rows = cute.size(s_rc, mode=[0])
         num_cols = cute.size(s_rc, mode=[1])
-        lse = self.load_stats(sLSE[None, q.index], coords_rc, num_rows, num_cols, ahead=self.cfg.lse_ahead)
+        lse = self.load_stats(loop.sLSE[None, q.index], loop.coords_rc, num_rows, num_cols, ahead=self.cfg.lse_ahead)
         # dO with the library's wait (no test first): the extra branch of `consumer_wait` here made the d64 GQA build
         # spill 72 bytes.
-        pipe_do.consumer_wait(do)
+        loop.pipes.do.consumer_wait(do)
         acc_dP = cute.make_rmem_tensor(s_shape, Float32)
         if const_expr(kor):
-            wgmma.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do.index], zero_init=True, wait=1)
+            wgmma.gemm(mma, acc_dP, f.tdPrV, f.tdPrdO[None, None, None, do.index], zero_init=True, wait=1)
         else:
-            wgmma.gemm(tiled_mma_sdp, acc_dP, tdPrdO[None, None, None, do.index], tdPrV, zero_init=True, wait=1)
+            wgmma.gemm(mma, acc_dP, f.tdPrdO[None, None, None, do.index], f.tdPrV, zero_init=True, wait=1)
+        return acc_S, acc_dP, lse
 
-        # P = exp2(S · scale · log2e − lse_log2[query]); the mask (on the scaled exponent) leaves -inf -> P = 0.
-        if const_expr(kor):
+    @cute.jit
+    def probabilities(self, acc_S: cute.Tensor, lse, q, m_block: Int32, masked: cutlass.Constexpr[bool], loop):
+        """P = exp2(S · scale · log2e − lse_log2[query]) in place (S has landed: dP's issue waited for it); softcap
+        builds take S to T = tanh(S · softmax_scale / softcap) first and scale by softcap · log2e. The mask (on the
+        scaled exponent) leaves -inf -> P = 0."""
+        if const_expr(loop.pre_tanh is not None):
+            apply_softcap(acc_S, loop.pre_tanh)
+        s_rc = rows_cols_view(acc_S)
+        num_rows = cute.size(s_rc, mode=[0])
+        num_cols = cute.size(s_rc, mode=[1])
+        if const_expr(self.keys_on_rows):
             for c in cutlass.range_constexpr(num_cols):
-                lse_c = self.column_value(lse, sLSE[None, q.index], coords_rc, c, num_cols)
+                lse_c = self.column_value(lse, loop.sLSE[None, q.index], loop.coords_rc, c, num_cols)
                 for r in cutlass.range_constexpr(num_rows):
-                    s_rc[r, c] = s_rc[r, c] * scale_log2 - lse_c
+                    s_rc[r, c] = s_rc[r, c] * loop.scale_log2 - lse_c
         else:
             for r in cutlass.range_constexpr(num_rows):
                 for c in cutlass.range_constexpr(num_cols):
-                    s_rc[r, c] = s_rc[r, c] * scale_log2 - lse[r]
+                    s_rc[r, c] = s_rc[r, c] * loop.scale_log2 - lse[r]
         if const_expr(masked):
-            apply_mask(s_rc, coords_rc, coords0_rc, info, m_block, n_block, True, True, keys_on_rows=kor)
+            kor = self.keys_on_rows
+            apply_mask(s_rc, loop.coords_rc, loop.coords0_rc, loop.info, m_block, loop.n_block, True, True, kor)
         acc_S.store(cute.math.exp2(acc_S.load(), fastmath=True))
-        dv_early = kor and self.cfg.dv_before_dp_wait
-        d_late = dv_early and self.cfg.d_after_dv_issue
-        # D is loaded here rather than with the LSE, and P is converted only once dS is formed: that keeps the
-        # live registers (Sᵀ, dPᵀ, D, dV, dK) under the 240 a consumer thread has at d64 (tile_m 128). With
-        # d_after_dv_issue, after dV's early product is issued instead: here ptxas gave a D load and the exponential
-        # that P's first conversion (for that product) waits for one scoreboard, so the conversion waited for the load.
-        dpsum = None
-        if const_expr(not d_late):
-            dpsum = self.load_stats(sdPsum[None, do.index], coords_rc, num_rows, num_cols)
 
-        # dS = P ⊙ (dP − D[query]).
-        # dV's k-blocks before the dP wait: all (None), or the first dv_early_kblocks and the rest after dS.
-        dv_kb = cute.size(tdVrP.shape[2])
+    def dv_kblocks(self, loop: StepLoop):
+        """dV's k-blocks before the dP wait (all: None, or the first dv_early_kblocks) and those after dS (None: none
+        left), for dv_before_dp_wait."""
+        dv_kb = cute.size(loop.frags.tdVrP.shape[2])
         early = None if const_expr(self.cfg.dv_early_kblocks is None) else (0, min(self.cfg.dv_early_kblocks, dv_kb))
         late = None if const_expr(early is None or early[1] == dv_kb) else (early[1], dv_kb)
+        return early, late
+
+    def dv_early(self) -> bool:
+        return self.keys_on_rows and self.cfg.dv_before_dp_wait
+
+    @cute.jit
+    def dv_before_dp_wait(self, acc_S: cute.Tensor, do, loop: StepLoop):
+        """D's registers (loaded here rather than with the LSE, and P converted only once dS is formed: that keeps the
+        live registers (Sᵀ, dPᵀ, D, dV, dK) under the 240 a consumer thread has at d64 (tile_m 128)); with
+        dv_before_dp_wait, dV += Pᵀ·dO issued first, its P the A operand, so that the exponentials it reads are
+        issued before the dP wait (ptxas hoists the wait above most of them otherwise; with the first k-blocks only,
+        ptxas still keeps the 32 of an unmasked d128 causal step ahead of it); dV stays in flight through the dS math.
+        With d_after_dv_issue, D's loads after dV's early product is issued instead: before it, ptxas gave a D load
+        and the exponential that P's first conversion (for that product) waits for one scoreboard, so the conversion
+        waited for the load. Returns once dP has landed."""
+        dv_early = self.dv_early()
+        d_late = dv_early and self.cfg.d_after_dv_issue
+        s_rc = rows_cols_view(acc_S)
+        num_rows = cute.size(s_rc, mode=[0])
+        num_cols = cute.size(s_rc, mode=[1])
+        dpsum = None
+        if const_expr(not d_late):
+            dpsum = self.load_stats(loop.sdPsum[None, do.index], loop.coords_rc, num_rows, num_cols)
+        early, _ = self.dv_kblocks(loop)
         if const_expr(dv_early):
-            # dV += Pᵀ·dO before the dP wait: P is its A operand, so the exponentials it reads are issued before that
-            # wait (ptxas hoists the wait above most of them otherwise; with the first k-blocks only, ptxas still
-            # keeps the 32 of an unmasked d128 causal step ahead of it); dV stays in flight through the dS math.
-            wgmma.store_p_operand(acc_S, tdVrP, early)
-            dO_t = tdVrdOt[None, None, None, do.index]
-            wgmma.gemm(tiled_mma_dv, acc_dV, tdVrP, dO_t, zero_init=False, wait=-1, k_blocks=early)
+            wgmma.store_p_operand(acc_S, loop.frags.tdVrP, early)
+            dO_t = loop.frags.tdVrdOt[None, None, None, do.index]
+            wgmma.gemm(loop.mmas.dv, loop.acc_dV, loop.frags.tdVrP, dO_t, zero_init=False, wait=-1, k_blocks=early)
             if const_expr(d_late):
-                dpsum = self.load_stats(sdPsum[None, do.index], coords_rc, num_rows, num_cols)
+                dpsum = self.load_stats(loop.sdPsum[None, do.index], loop.coords_rc, num_rows, num_cols)
             warpgroup.wait_group(1)  # dP done
         else:
             warpgroup.wait_group(0)
+        return dpsum
+
+    @cute.jit
+    def score_grads(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, dpsum, lse, q, do, loop: StepLoop):
+        """dS = P ⊙ (dP − D[query]) in acc_dP; softcap builds times 1 − T² (`tanh_grad`)."""
+        s_rc = rows_cols_view(acc_S)
         dp_rc = rows_cols_view(acc_dP)
-        if const_expr(kor):
+        num_rows = cute.size(s_rc, mode=[0])
+        num_cols = cute.size(s_rc, mode=[1])
+        if const_expr(self.keys_on_rows):
             for c in cutlass.range_constexpr(num_cols):
-                d = self.column_value(dpsum, sdPsum[None, do.index], coords_rc, c, num_cols)
+                d = self.column_value(dpsum, loop.sdPsum[None, do.index], loop.coords_rc, c, num_cols)
                 for r in cutlass.range_constexpr(num_rows):
                     dp_rc[r, c] = s_rc[r, c] * (dp_rc[r, c] - d)
         else:
             for r in cutlass.range_constexpr(num_rows):
                 for c in cutlass.range_constexpr(num_cols):
                     dp_rc[r, c] = s_rc[r, c] * (dp_rc[r, c] - dpsum[r])
+        if const_expr(loop.pre_tanh is not None):
+            self.tanh_grad(s_rc, dp_rc, lse, q, loop)
+
+    @cute.jit
+    def tanh_grad(self, p_rc: cute.Tensor, ds_rc: cute.Tensor, lse, q, loop: StepLoop):
+        """dS *= 1 − T² (softcap builds), with T recovered from P rather than kept through the step (a tensor of T
+        is 32 more live registers per thread at d128, where the defaults leave few): P = exp2(T · scale_log2 −
+        lse_log2), so T = (log2 P + lse_log2) / scale_log2, one lg2 per element, with the LSE read again (keys on
+        rows: 8-byte pairs from the stage's shared memory, as stats_at_use does; queries on rows: the rows'
+        registers). A loop of its own after dS's: fused into it, or with the LSE from registers, the d64 / d96 builds
+        spilled more. Where P is 0 (masked, a row without keys: lse_log2 +inf) T is -inf or NaN and max(1 − T², 0)
+        is 0 (max returns the non-NaN operand), so dS stays 0."""
+        inv = loop.inv_scale_log2
+        num_rows = cute.size(p_rc, mode=[0])
+        num_cols = cute.size(p_rc, mode=[1])
+        if const_expr(self.keys_on_rows):
+            for c in cutlass.range_constexpr(num_cols):
+                lse_c = column_stat(None, c, num_cols, loop.sLSE[None, q.index], loop.coords_rc) * inv
+                for r in cutlass.range_constexpr(num_rows):
+                    ds_rc[r, c] = ds_rc[r, c] * tanh_deriv(p_rc[r, c], inv, lse_c)
+        else:
+            for r in cutlass.range_constexpr(num_rows):
+                lse_r = lse[r] * inv
+                for c in cutlass.range_constexpr(num_cols):
+                    ds_rc[r, c] = ds_rc[r, c] * tanh_deriv(p_rc[r, c], inv, lse_r)
+
+    @cute.jit
+    def stage_p_and_ds(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, q, do, loop: StepLoop):
+        """Keys on rows: P (what dV's early product left) and dSᵀ into their 16-bit A fragments, dSᵀ to shared memory
+        for dQ, and dV's product (or its remaining k-blocks); queries on rows: P and dS to shared memory, then dV's
+        product once every consumer's are there."""
+        f, kor = loop.frags, self.keys_on_rows
+        dv_early = self.dv_early()
+        _, late = self.dv_kblocks(loop)
         if const_expr(kor):
             if const_expr(not dv_early):
-                wgmma.store_p_operand(acc_S, tdVrP)
+                wgmma.store_p_operand(acc_S, f.tdVrP)
             elif const_expr(late is not None):
-                wgmma.store_p_operand(acc_S, tdVrP, late)
-            wgmma.store_p_operand(acc_dP, tdKrdS)
+                wgmma.store_p_operand(acc_S, f.tdVrP, late)
+            wgmma.store_p_operand(acc_dP, f.tdKrdS)
             # The 16-bit A fragment holds dSᵀ in the accumulator's register order: store it as such for dQ.
-            rdS = cute.make_tensor(tdKrdS.iterator, cute.make_layout(s_shape))
-            cute.copy(smem_copy_ds, smem_copy_ds.retile(rdS), tdSsdS[None, None, None, q.index])
+            rdS = cute.make_tensor(f.tdKrdS.iterator, cute.make_layout(self.s_shape(loop)))
+            copy = loop.smem_copy_ds
+            cute.copy(copy, copy.retile(rdS), loop.tdSsdS[None, None, None, q.index])
             cute.arch.fence_view_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
             if const_expr(not dv_early):
-                wgmma.gemm(tiled_mma_dv, acc_dV, tdVrP, tdVrdOt[None, None, None, do.index], zero_init=False, wait=-1)
+                dO_t = f.tdVrdOt[None, None, None, do.index]
+                wgmma.gemm(loop.mmas.dv, loop.acc_dV, f.tdVrP, dO_t, zero_init=False, wait=-1)
             elif const_expr(late is not None):
-                dO_t = tdVrdOt[None, None, None, do.index]
-                wgmma.gemm(tiled_mma_dv, acc_dV, tdVrP, dO_t, zero_init=False, wait=-1, k_blocks=late)
+                dO_t = f.tdVrdOt[None, None, None, do.index]
+                wgmma.gemm(loop.mmas.dv, loop.acc_dV, f.tdVrP, dO_t, zero_init=False, wait=-1, k_blocks=late)
         else:
             # P and dS go to shared memory: the dK / dV products of every consumer read all of the tile's keys.
-            for acc, dst in ((acc_S, tPsP), (acc_dP, tdSsdS)):
-                r16 = cute.make_rmem_tensor(s_shape, self.dtype)
+            copy = loop.smem_copy_ds
+            for acc, dst in ((acc_S, loop.tPsP), (acc_dP, loop.tdSsdS)):
+                r16 = cute.make_rmem_tensor(self.s_shape(loop), self.dtype)
                 wgmma.convert_to_16bit(acc, r16)
-                cute.copy(smem_copy_ds, smem_copy_ds.retile(r16), dst[None, None, None, q.index])
+                cute.copy(copy, copy.retile(r16), dst[None, None, None, q.index])
             cute.arch.fence_view_async_shared()
         # Every consumer's dS (and P) is in shared memory. Nobody still reads this buffer: a consumer that reaches
         # this stage again has passed the barrier of the step in between (two stages), which every consumer reaches
@@ -1257,44 +1206,44 @@ class Sm90FlashBackward(BwdEntries):
         # only after that wait, and the producer reuses it only after every consumer has released it).
         cute.arch.barrier(barrier_id=int(BwdBarrierId.DS_READY), number_of_threads=self.num_consumer_threads)
         if const_expr(not kor):
-            wgmma.gemm(
-                tiled_mma_dv,
-                acc_dV,
-                tdVrP[None, None, None, q.index],
-                tdVrdOt[None, None, None, do.index],
-                zero_init=False,
-                wait=-1,
-            )
-        acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C(dq_tile(self.head_dim, self.cfg)), Float32)
+            P_t, dO_t = f.tdVrP[None, None, None, q.index], f.tdVrdOt[None, None, None, do.index]
+            wgmma.gemm(loop.mmas.dv, loop.acc_dV, P_t, dO_t, zero_init=False, wait=-1)
+
+    @cute.jit
+    def dq_and_dk(self, q, do, m_block: Int32, loop: StepLoop):
+        """dQ = dS·K (this consumer's share) and dK += dSᵀ·Q; dO's stage released once dV's product is done with it,
+        Q's once dK's is; dQ handed to the dQ warp (or added from registers) in between."""
+        f, mmas, tidx = loop.frags, loop.mmas, loop.tidx
+        acc_dQ = cute.make_rmem_tensor(loop.thr_dq.partition_shape_C(dq_tile(self.head_dim, self.cfg)), Float32)
         every_consumer_dq = self.num_dq_wgs == self.num_consumers
         consumer = tidx // WARPGROUP_THREADS
         if const_expr(self.cfg.dq_swap_ab):
-            wgmma.gemm(tiled_mma_dq, acc_dQ, tdQrKt, tdQrdS[None, None, None, q.index], zero_init=True, wait=1)
+            wgmma.gemm(mmas.dq, acc_dQ, f.tdQrKt, f.tdQrdS[None, None, None, q.index], zero_init=True, wait=1)
         elif const_expr(every_consumer_dq):
-            wgmma.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, q.index], tdQrKt, zero_init=True, wait=1)
+            wgmma.gemm(mmas.dq, acc_dQ, f.tdQrdS[None, None, None, q.index], f.tdQrKt, zero_init=True, wait=1)
         else:  # dq_split "single": consumer 0 computes dQ; the others only wait for dV
             if cute.arch.make_warp_uniform(consumer) == 0:
-                wgmma.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, q.index], tdQrKt, zero_init=True, wait=1)
+                wgmma.gemm(mmas.dq, acc_dQ, f.tdQrdS[None, None, None, q.index], f.tdQrKt, zero_init=True, wait=1)
             else:
                 warpgroup.wait_group(0)
-        pipe_do.consumer_release(do)  # dV's product is done with dO (the wait above leaves only dQ's in flight)
-        dS_t = tdKrdS if const_expr(kor) else tdKrdS[None, None, None, q.index]
-        wgmma.gemm(tiled_mma_dk, acc_dK, dS_t, tdKrQt[None, None, None, q.index], zero_init=False, wait=1)
+        loop.pipes.do.consumer_release(do)  # dV's product is done with dO (the wait above leaves only dQ's in flight)
+        dS_t = f.tdKrdS if const_expr(self.keys_on_rows) else f.tdKrdS[None, None, None, q.index]
+        wgmma.gemm(mmas.dk, loop.acc_dK, dS_t, f.tdKrQt[None, None, None, q.index], zero_init=False, wait=1)
 
         # dQ (unscaled) into this consumer's shared buffer, in the fragment layout, for the dQ warp to add; or with
         # dq_red added to the accumulator from registers.
         put_dq = self.red_dq if const_expr(self.cfg.dq_red) else self.stage_dq
         if const_expr(every_consumer_dq):
-            put_dq(acc_dQ, dq_dst, m_block, tidx, consumer)
+            put_dq(acc_dQ, loop.dq_dst, m_block, tidx, consumer)
         else:
             if cute.arch.make_warp_uniform(consumer) == 0:
-                put_dq(acc_dQ, dq_dst, m_block, tidx, consumer)
+                put_dq(acc_dQ, loop.dq_dst, m_block, tidx, consumer)
         warpgroup.wait_group(0)
-        pipe_q.consumer_release(q)
-        q.advance()
-        do.advance()
-        return q, do
+        loop.pipes.q.consumer_release(q)
 
+    # ----------------------------------------------------------------------------------------------------------------
+    # The query statistics (LSE, D) of a step.
+    # ----------------------------------------------------------------------------------------------------------------
     @cute.jit
     def load_stats(
         self,
@@ -1311,13 +1260,13 @@ class Sm90FlashBackward(BwdEntries):
         if const_expr(not self.keys_on_rows):
             regs = load_row_stats(s_stat, coords_rc, num_rows)
         elif const_expr(not self.stats_at_use(num_cols)):
-            regs = load_column_stats(s_stat, coords_rc, num_cols, self.cfg.max_unshuffled_stat_cols)
+            regs = load_column_stats(s_stat, coords_rc, num_cols)
         elif const_expr(ahead > 0):
             regs = load_column_pairs(s_stat, coords_rc, ahead)  # (tile_config: at most num_cols / 2)
         return regs
 
     def stats_at_use(self, num_cols: int) -> bool:
-        return self.cfg.stats_at_use and num_cols > self.cfg.max_unshuffled_stat_cols
+        return self.cfg.stats_at_use and num_cols > UNSHUFFLED_STAT_COLS
 
     @cute.jit
     def column_value(
@@ -1333,8 +1282,7 @@ class Sm90FlashBackward(BwdEntries):
         if const_expr(at_use and regs is not None and c < cute.size(regs)):
             value = regs[c]  # loaded ahead (lse_ahead)
         else:
-            cols = self.cfg.max_unshuffled_stat_cols
-            value = column_stat(regs, c, num_cols, cols, s_stat if at_use else None, coords_rc)
+            value = column_stat(regs, c, num_cols, s_stat if at_use else None, coords_rc)
         return value
 
     @cute.jit
@@ -1345,16 +1293,8 @@ class Sm90FlashBackward(BwdEntries):
         cute.arch.barrier(barrier_id=int(BwdBarrierId.DQ_EMPTY_FIRST) + consumer, number_of_threads=pair)
         if const_expr(self.cfg.dq_buffers > 1):
             sdQ = cute.make_tensor(sdQ.iterator + self.dq_buffer_offset(m_block), sdQ.layout)
-        # dq_stage_single_base: dq_fragment_offset(i * DQ_VEC, ...) = dq_fragment_offset(0, ...) + i * 128 * DQ_VEC, so
-        # one aligned base plus compile-time offsets gives the same addresses (tests/test_sm90_bwd_variants.py).
-        base = None
-        if const_expr(self.cfg.dq_stage_single_base):
-            base = (sdQ.iterator + dq_fragment_offset(0, tidx, self.dq_chunk)).align(DQ_VEC * 4)
         for i in cutlass.range_constexpr(cute.size(acc_dQ) // DQ_VEC):
-            if const_expr(self.cfg.dq_stage_single_base):
-                dst = base + i * (WARPGROUP_THREADS * DQ_VEC)
-            else:
-                dst = (sdQ.iterator + dq_fragment_offset(i * DQ_VEC, tidx, self.dq_chunk)).align(DQ_VEC * 4)
+            dst = (sdQ.iterator + dq_fragment_offset(i * DQ_VEC, tidx, self.dq_chunk)).align(DQ_VEC * 4)
             src = cute.make_tensor(acc_dQ.iterator + i * DQ_VEC, cute.make_layout(DQ_VEC))
             cute.autovec_copy(src, cute.make_tensor(dst, cute.make_layout(DQ_VEC)))
         cute.arch.fence_view_async_shared()  # read next by the bulk copy engine (async proxy)
@@ -1376,31 +1316,21 @@ class Sm90FlashBackward(BwdEntries):
             dst = (base + dq_fragment_offset(i * DQ_VEC, tidx, self.dq_chunk)).align(DQ_VEC * 4)
             red_add_f32_vec(dst, [acc_dQ[i * DQ_VEC + j] for j in range(DQ_VEC)])
 
+    # ----------------------------------------------------------------------------------------------------------------
+    # The dQ warp, and the consumers' epilogue.
+    # ----------------------------------------------------------------------------------------------------------------
     @cute.jit
-    def store_dq(
-        self,
-        sdQ: cute.Tensor,
-        mdQaccum: cute.Tensor,
-        mdQsem: cute.Tensor,
-        info: BlockInfo,
-        n_block: Int32,
-        head: Int32,
-        batch: Int32,
-        m_min: Int32,
-        m_max: Int32,
-        rows: PackedRows,
-    ):
+    def store_dq(self, sdQ: cute.Tensor, mdQaccum: cute.Tensor, mdQsem: cute.Tensor, work: BwdWork):
         """The dQ warp: per query tile, hands each consumer its (free) buffer, waits for it to be filled and adds it
         to the global accumulator with one bulk reduce-add. Deterministic: the key tiles that see a query tile add
         to it one after another, in key-tile order, behind its semaphore."""
+        info, n_block, head, batch, rows = work.info, work.n_block, work.head, work.batch, work.rows
         chunk = self.dq_chunk
         pair = WARPGROUP_THREADS + WARP_THREADS
         dq_base = accum_rows(mdQaccum, head, batch, rows.padded_q, self.head_dim).iterator
-        if const_expr(self.cfg.pdl):
-            # The accumulator (zeroed by the preprocess or a memset before it) and the semaphores only after the
-            # preprocess's end.
-            cute.arch.griddepcontrol_wait()
-        for m_block in cutlass.range(m_min, m_max, unroll=1):
+        # The accumulator (zeroed by the preprocess) and the semaphores only after the preprocess's end.
+        cute.arch.griddepcontrol_wait()
+        for m_block in cutlass.range(work.m_min, work.m_max, unroll=1):
             for c in cutlass.range_constexpr(self.num_dq_wgs):
                 if const_expr(not self.deterministic):
                     # Consumer c's part of this tile's buffer, last read by the reduce dq_buffers tiles back, is free
@@ -1436,35 +1366,52 @@ class Sm90FlashBackward(BwdEntries):
         cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the last reads
 
     @cute.jit
-    def store_dkv(
+    def store_grads(
         self,
-        acc_dK: cute.Tensor,
-        acc_dV: cute.Tensor,
-        tiled_mma_dk: cute.TiledMma,
-        tiled_mma_dv: cute.TiledMma,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
-        atom_dk: cute.CopyAtom,
-        atom_dv: cute.CopyAtom,
+        accs: tuple,  # (acc_dK, acc_dV)
+        mmas: BwdMmas,
+        smem: BwdSmem,
+        dkv: DkvTargets,
         softmax_scale: Float32,
-        n_block: Int32,
-        head_kv: Int32,
-        batch: Int32,
+        work: BwdWork,
+        head_in_group: Int32,
         tidx: Int32,
         warp_idx: Int32,
-        offset_k,  # packed: the sequence's first key row (None: dense)
-        seqlen_k: Int32,
+        seqs,
     ):
-        """dK·scale and dV in 16 bits through the K / V tiles' shared memory (every consumer is done reading them
-        once all have passed the barrier) and one TMA store each, clipped at seqlen_k; packed sequences by 16-byte
-        stores of the sequence's rows (a TMA store would clip only at the end of the tensor)."""
-        dk_dv = ((sK, mdK, atom_dk, self.head_dim), (sV, mdV, atom_dv, self.head_dim_v))
+        """The consumers' dK (times the softmax scale) and dV: stored (`store_dkv`; a key tile no query sees still
+        writes its zeros), or under GQA added to the KV head's fp32 sums (`add_dkv_partials`)."""
+        offset_k, padded_k = None, None
+        if const_expr(seqs is not None):
+            # Read again here rather than kept in registers through the walk (they are tight at d64).
+            seq = seq_rows(work.batch, *seqs)
+            offset_k, padded_k = seq.offset_k, seq.padded_offset_k(self.pad_k)
+        if const_expr(self.gqa):
+            add = partial(self.add_dkv_partials, accs, mmas, dkv, softmax_scale, work, head_in_group, tidx, padded_k)
+            if const_expr(self.varlen):
+                if work.n_block * self.tile_n < work.info.seqlen_k:  # (past it: not even padding rows of this sequence)
+                    add()
+            else:
+                add()
+        else:
+            self.store_dkv(accs, mmas, smem, dkv, softmax_scale, work, tidx, warp_idx, offset_k)
+
+    @cute.jit
+    def store_dkv(
+        self, accs, mmas, smem: BwdSmem, dkv: DkvTargets, softmax_scale, work: BwdWork, tidx, warp_idx, offset_k
+    ):
+        """dK·scale and dV (accs) in 16 bits through the K / V tiles' shared memory (every consumer is done reading
+        them once all have passed the barrier) and one TMA store each, clipped at seqlen_k; packed sequences
+        (offset_k: the sequence's first key row; None: dense) by 16-byte stores of the sequence's rows (a TMA store
+        would clip only at the end of the tensor)."""
+        acc_dK, acc_dV = accs
+        sK, sV, n_block, head_kv, batch = smem.k, smem.v, work.n_block, work.head_kv, work.batch
+        seqlen_k = work.info.seqlen_k
+        dk_dv = ((sK, dkv.mdK, dkv.atom_dk, self.head_dim), (sV, dkv.mdV, dkv.atom_dv, self.head_dim_v))
         cute.arch.barrier(barrier_id=int(BwdBarrierId.EPILOGUE), number_of_threads=self.num_consumer_threads)
         acc_dK.store(acc_dK.load() * softmax_scale)
         stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        for acc, s, mma in ((acc_dK, sK, tiled_mma_dk), (acc_dV, sV, tiled_mma_dv)):
+        for acc, s, mma in ((acc_dK, sK, mmas.dk), (acc_dV, sV, mmas.dv)):
             smem_copy = cute.make_tiled_copy_C(stmatrix, mma).get_slice(tidx)
             r16 = cute.make_rmem_tensor(acc.shape, self.dtype)
             wgmma.convert_to_16bit(acc, r16)
@@ -1493,27 +1440,23 @@ class Sm90FlashBackward(BwdEntries):
     @cute.jit
     def add_dkv_partials(
         self,
-        acc_dK: cute.Tensor,
-        acc_dV: cute.Tensor,
-        tiled_mma_dk: cute.TiledMma,
-        tiled_mma_dv: cute.TiledMma,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
-        mdKVsem: cute.Tensor,
+        accs: tuple,  # (acc_dK, acc_dV)
+        mmas: BwdMmas,
+        dkv: DkvTargets,
         softmax_scale: Float32,
-        n_block: Int32,
+        work: BwdWork,
         head_in_group: Int32,
-        head_kv: Int32,
-        batch: Int32,
         tidx: Int32,
         padded_k,  # packed: the sequence's first row of the (rows_k, h_kv, d) sums (None: dense)
     ):
         """GQA: this query head's dK·scale and dV added to the fp32 (b, sk_padded, h_kv, d) sums, two adjacent
         columns per red (the buffers are padded to whole key tiles, so no row needs a predicate). Deterministic: the
         query heads of a KV head add in head order, behind the (batch, KV head, key tile) semaphore."""
+        acc_dK, acc_dV = accs
+        n_block, head_kv, batch = work.n_block, work.head_kv, work.batch
         sem = None
         if const_expr(self.deterministic):
-            sem = tile_semaphores(mdKVsem, head_kv, batch, padded_k, self.tile_n).iterator + n_block
+            sem = tile_semaphores(dkv.mdKVsem, head_kv, batch, padded_k, self.tile_n).iterator + n_block
             if tidx == 0:
                 while load_acquire_gpu(sem) != head_in_group:
                     pass
@@ -1530,12 +1473,12 @@ class Sm90FlashBackward(BwdEntries):
             coords0_rc = rows_cols_view(mma.get_slice(0).partition_C(tile))
             return coords_rc, coords0_rc, coords_rc[0, 0][1] - coords0_rc[0, 0][1]
 
-        coords_rc, coords0_rc, col_shift = coords(tiled_mma_dk, self.head_dim)
+        coords_rc, coords0_rc, col_shift = coords(mmas.dk, self.head_dim)
         row0 = n_block * self.tile_n
         acc_dK.store(acc_dK.load() * softmax_scale)
-        for acc, m, d in ((acc_dK, mdK, self.head_dim), (acc_dV, mdV, self.head_dim_v)):
+        for acc, m, d in ((acc_dK, dkv.mdK, self.head_dim), (acc_dV, dkv.mdV, self.head_dim_v)):
             if const_expr(d != self.head_dim):  # dV's own tile (head_dim_v wide); else dK's coordinates serve
-                coords_rc, coords0_rc, col_shift = coords(tiled_mma_dv, d)
+                coords_rc, coords0_rc, col_shift = coords(mmas.dv, d)
             acc_rc = rows_cols_view(acc)
             for r in cutlass.range_constexpr(cute.size(acc_rc, mode=[0])):
                 if const_expr(padded_k is None):

@@ -66,7 +66,7 @@ class DqConvertSm90(AccumEntries):
             seqs = (mCuSeqlens, pad)
         self.kernel(
             mAccum, tma_o, atom_o, scale, dq_tiled_mma(self.dtype, d, self.cfg), sO_layout, seqs, SharedStorage
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, use_pdl=self.cfg.pdl_dq_post)
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(
@@ -118,8 +118,7 @@ class DqConvertSm90(AccumEntries):
 
         acc = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C(dq_tile(d, self.cfg)), Float32)
         base = accum_rows(mAccum, head, batch, padded_q, d).iterator + m_block * (tile_m * d)
-        if cutlass.const_expr(self.cfg.pdl_dq_post):
-            cute.arch.griddepcontrol_wait()  # launched while the main kernel may still add to the accumulator
+        cute.arch.griddepcontrol_wait()  # launched while the main kernel may still add to the accumulator
         for i in cutlass.range_constexpr(cute.size(acc) // DQ_VEC):  # the tile is padding past seqlen: in bounds
             ptr = (base + dq_fragment_offset(i * DQ_VEC, tidx, tile_m * d // self.cfg.num_dq_wgs)).align(DQ_VEC * 4)
             src = cute.make_tensor(ptr, cute.make_layout(DQ_VEC))

@@ -135,7 +135,10 @@ def multicast_kv(spec: AttentionSpec) -> bool:
     return spec.varlen and spec.mask == "none" and spec.head_dim == spec.head_dim_v and spec.head_dim in (128, 256)
 
 
-UNSHUFFLED_STAT_COLS = 16  # default of BwdTileConfig.max_unshuffled_stat_cols
+# Up to this many query columns per thread (keys on rows), LSE and D are held in registers; above it (tile_m > 64)
+# they come through shuffles (flash_bwd.load_column_stats) or, with BwdTileConfig.stats_at_use, from shared memory
+# where they are used.
+UNSHUFFLED_STAT_COLS = 16
 
 
 @dataclass(frozen=True)
@@ -156,66 +159,39 @@ class BwdTileConfig:
     (consumer 0 alone computes the whole 64-row dQ: head dims such as 96 that split neither way).
     dq_swap_ab computes dQᵀ = Kᵀ·dSᵀ instead (FlashAttention-3's dQ_swapAB): wgmma's M is then the 64 head-dim columns
     of each consumer and the query rows are its N, so tile_m need not be a multiple of 64 (d128's 80-row tile).
-    Study switches (docs/sm90_bwd_sass_study.md, variants A, B, C; timed on an H100 in session 9; of these only A is a
-    default: at d128, whole without a mask and split (dv_early_kblocks) with a causal one, _BWD_BY_HEAD_DIM_AND_MASK;
-    the two session-22 switches below are d128 defaults too):
-      dv_before_dp_wait (A; keys on rows only): dV += Pᵀ·dO is issued before the dP wait, which becomes
-          wait_group(1): P being dV's A operand pins all exponentials before that wait (ptxas hoists it otherwise).
+    Scheduling choices that some default takes (docs/sm90_bwd_sass_study.md; _BWD_BY_HEAD_DIM_AND_MASK and
+    _BWD_LONG_QUERIES say which and why):
+      dv_before_dp_wait (keys on rows only): dV += Pᵀ·dO is issued before the dP wait, which becomes wait_group(1):
+          P being dV's A operand pins all exponentials before that wait (ptxas hoists it otherwise).
           dv_early_kblocks: only that many of its k-blocks (16 queries each) go before the wait, the rest after dS,
           for builds where the whole product before it spills (d128 causal: 2 of 4 pin all 32 exponentials, no
           spills; the whole product spills 8 bytes).
-      dq_stage_single_base (B): stage_dq addresses its dQ stores from one aligned base plus compile-time offsets
-          (the same shared-memory offsets) instead of recomputing and re-aligning each of them.
-      max_unshuffled_stat_cols (C): above this many query columns per thread, LSE / D come through shuffles
-          (load_column_stats) unless stats_at_use; 20 keeps all of tile_m 80's columns in registers at d128.
-      stats_at_use (on for the 80-row d128 tile, _BWD_LONG_QUERIES): above max_unshuffled_stat_cols, each pair of
-          columns' LSE / D is one 8-byte shared-memory load where it is used instead of a shuffle from the lane that
-          loaded it: no registers held, 20 loads instead of 40 shuffles per step (459 SASS instructions per step
-          against 507; FA4's 463).
-      lse_ahead (with stats_at_use; 7 for the 80-row d128 tile): the LSE of the first this many column pairs goes
-          to registers while the S product runs, as FlashAttention-4 loads it, rather than after the S wait, where
-          the first exponentials waited for the loads; the other pairs are still loaded where used. D likewise, 4-6
-          pairs before dV's early product: 1-4% more cycles (session 24), not kept.
-      d_after_dv_issue (with A; on at d128 causal): D's shared-memory loads go after dV's early product is issued,
-          not between the exponentials and P's conversion, where ptxas gave a D load and the exponential that P's
-          first conversion waits for one scoreboard (Nsight Compute, session 21: that conversion's wait was 4.7% of
-          the d128 causal main loop's samples).
-    Launch-overhead switches, all on by default since session 10: with all three the backward measured +0.4..+2.6%
-    (d128, three runs), +1.7..+2.2% (d64), +0.3..+0.6% (d256) over none (geomean over 1k/4k/16k x causal both,
-    kernels alone, H100, docs/performance.md session 10; profiling/sm90_bwd_variants.py "plain" turns all three off,
-    "memset" / "no_pdl" one part):
-      zero_dq_in_preprocess: the preprocess zeroes the dQ accumulator (each CTA its 64 rows) instead of a separate
-          torch.zeros before it.
-      pdl: programmatic dependent launch of the main kernel after the preprocess (which signals
-          griddepcontrol.launch_dependents at its start): the producer issues the K and V loads and the first Q and
-          dO tiles, then waits (griddepcontrol.wait) before any LSE / D load; the dQ warp waits before its first
-          reduce-add or semaphore access, the consumers before their epilogue (dK / dV stores, GQA adds and
-          semaphores).
-      pdl_dq_post: the same between the main kernel (which signals at its start) and the dQ postprocess (which
-          waits before reading the accumulator).
-    kv_with_first_tile (FA3 / FA4's order; profiling/sm90_bwd_variants.py "kv_barrier" turns it off): K is loaded on
-        the first Q stage's barrier and V on the first dO stage's, so a CTA's first S product waits for K and Q
-        (48 KiB at d128) instead of K, V and Q (80 KiB); docs/sm90_bwd_sass_study.md item 5. Measured neutral on an
-        H100 (session 10: d128 1.001, d256 0.997, d64 1.023 against the single barrier); kept on (one barrier wait
-        fewer per CTA).
-    dq_red (on at d256; profiling/sm90_bwd_variants.py "red", "red2", "red3"): each consumer adds its dQ to the
-        fp32 accumulator from registers with red.global.add.v4.f32 (the fragment layout's 16-byte groups) instead
-        of staging it in shared memory for the dQ warp's bulk reduce-add. Frees the tile_m x d fp32 buffer (64 KiB at
-        d256), room for a second Q / dO stage at d256 ("red2": 64 x 64 tiles, 2 stages, 226 KiB), the pipelining FA4
-        gets there from 64 x 48 tiles; "red3": d128 with 3 stages. At d128 both measured 0.91x the default (H200,
-        session 11: the adds from registers cost more than the dQ warp's bulk reduce-add there). The adds have no
-        fixed order: deterministic builds take _BWD_DETERMINISTIC's configuration, and an explicit dq_red one is
-        refused (backward._kernels).
-    cluster_n (1 or 2; study field, profiling/varlen_bwd_cycles.py --variant '{"cluster_n": 2}'): packed
-        sequences without a mask in clusters of two CTAs with adjacent key tiles of one (sequence, head). Both walk
-        the same query tiles, so each loads half of every Q and dO tile into both CTAs' shared memory (TMA
-        multicast), halving the L2 reads of Q and dO; the sequences' odd last key tiles go two to a cluster, each
-        CTA loading whole tiles alone (flash_bwd.py, common/packed_tiles.packed_tile_pairs).
-    dq_buffers (2 at d64 causal, _BWD_BY_HEAD_DIM_AND_MASK; profiling/sm90_bwd_variants.py "dqbuf1", "dqbuf2"): the
-        consumers write query tile m_block's dQ into buffer m_block % dq_buffers, so before their dQ stores they wait
-        for the bulk reduce-add of the tile before the previous one to have read its buffer, not for that of the
-        previous one (the consumers' wait there: docs/performance.md, session 20's hot spots). Needs a walk that
-        alternates the parity of m_block (consecutive query tiles).
+      stats_at_use: above UNSHUFFLED_STAT_COLS query columns per thread, each pair of columns' LSE / D is one 8-byte
+          shared-memory load where it is used instead of a shuffle from the lane that loaded it: no registers held,
+          20 loads instead of 40 shuffles per step (459 SASS instructions per step against 507; FA4's 463).
+      lse_ahead (with stats_at_use): the LSE of the first this many column pairs goes to registers while the S
+          product runs, as FlashAttention-4 loads it, rather than after the S wait, where the first exponentials
+          waited for the loads; the other pairs are still loaded where used. D likewise, 4-6 pairs before dV's early
+          product: 1-4% more cycles (session 24), not kept.
+      d_after_dv_issue (with dv_before_dp_wait): D's shared-memory loads go after dV's early product is issued, not
+          between the exponentials and P's conversion, where ptxas gave a D load and the exponential that P's first
+          conversion waits for one scoreboard (Nsight Compute, session 21: that conversion's wait was 4.7% of the
+          d128 causal main loop's samples).
+      dq_red: each consumer adds its dQ to the fp32 accumulator from registers with red.global.add.v4.f32 (the
+          fragment layout's 16-byte groups) instead of staging it in shared memory for the dQ warp's bulk
+          reduce-add. Frees the tile_m x d fp32 buffer (64 KiB at d256), room for a second Q / dO stage at d256
+          (64 x 64 tiles, 2 stages, 226 KiB), the pipelining FA4 gets there from 64 x 48 tiles. At d128 it measured
+          0.91x the dQ warp (H200, session 11: the adds from registers cost more than the bulk reduce-add there). The
+          adds have no fixed order: deterministic builds take _BWD_DETERMINISTIC's configuration, and an explicit
+          dq_red one is refused (backward._kernels).
+      dq_buffers: the consumers write query tile m_block's dQ into buffer m_block % dq_buffers, so before their dQ
+          stores they wait for the bulk reduce-add of the tile before the previous one to have read its buffer, not
+          for that of the previous one (the consumers' wait there: docs/performance.md, session 20's hot spots).
+          Needs a walk that alternates the parity of m_block (consecutive query tiles).
+    Always on (measured and then hard-wired; docs/performance.md sessions 10 and 26 hold the numbers): the
+    preprocess zeroes the dQ accumulator; programmatic dependent launch from the preprocess to the main kernel and
+    from it to the dQ postprocess; K and V ride on the first Q and dO stages' barriers (flash_bwd.py). Not kept:
+    Q / dO multicast in 2-CTA clusters (0.6-0.8% on an H200, nothing on an H100: docs/status.md, session 26).
     """
 
     tile_m: int
@@ -228,20 +204,13 @@ class BwdTileConfig:
     producer_regs: int = 24
     opt_level: int = 3  # CuTe DSL --opt-level
     dq_swap_ab: bool = False
-    dv_before_dp_wait: bool = False  # A: dV's product before the dP wait (docs/sm90_bwd_sass_study.md)
-    dv_early_kblocks: Optional[int] = None  # with A: only dV's first k-blocks before the wait (None: all of them)
-    dq_stage_single_base: bool = False  # B: dQ stores from one base address (docs/sm90_bwd_sass_study.md)
-    max_unshuffled_stat_cols: int = UNSHUFFLED_STAT_COLS  # C: LSE / D held in registers up to this many columns
-    zero_dq_in_preprocess: bool = True  # the preprocess zeroes the dQ accumulator (no torch.zeros)
-    pdl: bool = True  # preprocess -> main kernel by programmatic dependent launch
-    pdl_dq_post: bool = True  # main kernel -> dQ postprocess by programmatic dependent launch
-    kv_with_first_tile: bool = True  # K / V complete the first Q / dO stage's barrier (not one K + V barrier)
+    dv_before_dp_wait: bool = False  # dV's product before the dP wait (docs/sm90_bwd_sass_study.md, variant A)
+    dv_early_kblocks: Optional[int] = None  # with it: only dV's first k-blocks before the wait (None: all of them)
     dq_red: bool = False  # consumers add dQ from registers (red.global.add.v4.f32): no shared dQ buffer, no dQ warp
     dq_buffers: int = 1  # shared dQ buffers the consumers alternate between (query tile m_block takes m_block % n)
-    d_after_dv_issue: bool = False  # with A: D's shared-memory loads after dV's early product is issued
-    stats_at_use: bool = False  # above max_unshuffled_stat_cols: LSE / D loaded where used, not shuffled
+    d_after_dv_issue: bool = False  # with dv_before_dp_wait: D's shared-memory loads after dV's early product
+    stats_at_use: bool = False  # above UNSHUFFLED_STAT_COLS: LSE / D loaded where used, not shuffled
     lse_ahead: int = 0  # with stats_at_use: LSE of this many column pairs into registers once S is issued
-    cluster_n: int = 1  # 2: adjacent key tiles' CTAs in 2-CTA clusters share Q / dO by multicast (packed, no mask)
 
     @property
     def num_threads(self) -> int:
@@ -315,22 +284,18 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int, head_dim_v: Optional[i
         return "d_after_dv_issue needs dv_before_dp_wait (D is loaded after dV's early product is issued)"
     if cfg.stats_at_use and not cfg.keys_on_rows:
         return "stats_at_use applies to keys on rows only (queries on rows keep one LSE / D per row)"
-    if cfg.stats_at_use and cfg.tile_m // 4 <= cfg.max_unshuffled_stat_cols:
-        # (keys on rows: a thread holds tile_m / 4 query columns; up to max_unshuffled_stat_cols they stay in
-        # registers, so the switch would change nothing)
+    if cfg.stats_at_use and cfg.tile_m // 4 <= UNSHUFFLED_STAT_COLS:
+        # (keys on rows: a thread holds tile_m / 4 query columns; up to UNSHUFFLED_STAT_COLS they stay in registers,
+        # so the switch would change nothing)
         return (
             f"stats_at_use needs more query columns per thread (tile_m / 4 = {cfg.tile_m // 4}) than "
-            f"max_unshuffled_stat_cols ({cfg.max_unshuffled_stat_cols}); below that LSE / D are held in registers"
+            f"{UNSHUFFLED_STAT_COLS}; below that LSE / D are held in registers"
         )
     if cfg.lse_ahead and not cfg.stats_at_use:
         return "lse_ahead needs stats_at_use (without it LSE is already loaded into registers once S is issued)"
     if not 0 <= cfg.lse_ahead <= cfg.tile_m // 8:
         # (keys on rows: tile_m / 4 query columns per thread, in adjacent pairs)
         return f"lse_ahead counts a thread's column pairs, 0..{cfg.tile_m // 8}, got {cfg.lse_ahead}"
-    if cfg.max_unshuffled_stat_cols < 1:
-        return f"max_unshuffled_stat_cols must be at least 1, got {cfg.max_unshuffled_stat_cols}"
-    if cfg.max_unshuffled_stat_cols != UNSHUFFLED_STAT_COLS and not cfg.keys_on_rows:
-        return "max_unshuffled_stat_cols applies to keys on rows only (queries on rows keep one LSE / D per row)"
     if cfg.dq_split == "m" and cfg.tile_m != ROWS_PER_CONSUMER * w:
         return f"dq_split 'm' needs tile_m = 64 x consumers = {ROWS_PER_CONSUMER * w}, got {cfg.tile_m}"
     if cfg.dq_swap_ab and (
@@ -351,8 +316,6 @@ def bwd_config_problem(cfg: BwdTileConfig, head_dim: int, head_dim_v: Optional[i
         return f"dq_split 'single' needs tile_m = 64, got {cfg.tile_m}"
     if cfg.dq_split not in ("m", "n", "single"):
         return f"dq_split must be 'm', 'n' or 'single', got {cfg.dq_split!r}"
-    if cfg.cluster_n not in (1, 2):
-        return f"cluster_n={cfg.cluster_n} must be 1 or 2"
     if cfg.dq_buffers not in (1, 2) or (cfg.dq_red and cfg.dq_buffers != 1):
         return f"dq_buffers must be 1 or 2 (and 1 with dq_red, which has no dQ buffer), got {cfg.dq_buffers!r}"
     if (problem := register_problem(cfg)) is not None:
@@ -390,9 +353,8 @@ def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, head_dim_v: Optional[int] 
 #   d128: 64 x 128 tiles, dQ split by head-dim halves: Sᵀ, dPᵀ (32 registers each), dV and dK (64 each) and dQ (32)
 #         fit the 240 registers of a consumer thread. FlashAttention-3 takes 80 x 128 tiles without a mask (25% more
 #         queries per step for the same per-step costs; dQᵀ = Kᵀ·dSᵀ, since 80 rows are no wgmma M): built here as
-#         dq_swap_ab (profiling/sm90_bwd_variants.py "m80", "m80_kb1", "m80_regstats", "m80_kb1_at_use"): the
-#         default without a mask from 4096 query rows on (_BWD_LONG_QUERIES, "m80_kb1_at_use" since session 22), not
-#         below (shorter walks and the partial last tile cost more).
+#         dq_swap_ab: the default without a mask from 4096 query rows on (_BWD_LONG_QUERIES; its form since session
+#         22), not below (shorter walks and the partial last tile cost more).
 #   d192: d256's form (64 x 64, queries on rows, dQ from registers, two stages; 178 KiB): each consumer's share of
 #         dK, dV and dQ is 96 head-dim columns (48 registers each), which start on a swizzle atom only with 64-byte
 #         atoms (operand_atom_cols). 1.3-2.0x the d256 kernels on padded operands and 0.76-0.81x FA4's
@@ -433,9 +395,9 @@ _BWD_BY_HEAD_DIMS = {
 }
 
 
-def bwd_head_dims() -> tuple:
-    """Head dims (d == dv) with an sm90 backward configuration."""
-    return tuple(sorted(_BWD_BY_HEAD_DIM))
+def bwd_head_dims(softcap: bool = False) -> tuple:
+    """Head dims (d == dv) with an sm90 backward configuration (of soft-capping builds: _SOFTCAP_PADDED)."""
+    return tuple(sorted(d for d in _BWD_BY_HEAD_DIM if not (softcap and d in _SOFTCAP_PADDED)))
 
 
 def bwd_head_dim_pairs() -> tuple:
@@ -492,6 +454,19 @@ _BWD_LONG_QUERIES = {
 }
 LONG_QUERIES = 4096
 
+# Soft-capping builds (spec.softcap; flash_bwd.py: the tanh before the mask, T recovered from P for dS, the LSE read
+# again) hold a few more live values per score than the defaults above leave room for in two tiles (ptxas -v, CPU
+# builds; every other default tile stays spill-free):
+#   d64: the 128-row tile spilled 72-132 bytes (GQA builds; every formulation tried: T recovered from P or from the
+#         exponent, the LSE from shared memory or from the shuffled registers, one loop or two), so softcap builds take
+#         d96's shape: 64-row tiles, consumer 0 computing dQ (spill-free).
+#   d96: its 64-row tile spilled 64 bytes at both ptxas levels, and no other d96 shape splits dQ, dK and dV on whole
+#         swizzle atoms: softcap builds run the d128 kernels on operands zero-padded to 128 (_SOFTCAP_PADDED).
+#   long query sequences (d128 without a mask): the 80-row tile spilled 16 bytes; softcap builds keep the 64-row one.
+# Not timed: the capped backward has no measured baseline yet.
+_BWD_SOFTCAP = {64: {"tile_m": 64, "dq_split": "single", "dq_buffers": 1}}
+_SOFTCAP_PADDED = (96,)
+
 
 def long_queries(seqlen_q: int) -> bool:
     """Whether a backward over `seqlen_q` query rows (packed: max_seqlen_q) takes the long-sequence configuration."""
@@ -503,8 +478,10 @@ def bwd_tile_config(spec: AttentionSpec, deterministic: bool = False, long: bool
     sequences, `long_queries`), or None where it has none."""
     if spec.head_dim != spec.head_dim_v:
         cfg = _BWD_BY_HEAD_DIMS.get((spec.head_dim, spec.head_dim_v))
+    elif spec.head_dim in bwd_head_dims(spec.softcap):
+        cfg = _BWD_BY_HEAD_DIM[spec.head_dim]
     else:
-        cfg = _BWD_BY_HEAD_DIM.get(spec.head_dim)
+        cfg = None
     if cfg is None:
         return None
     key = (spec.head_dim, spec.mask)  # (a pair takes its head_dim's per-mask and deterministic changes)
@@ -513,6 +490,7 @@ def bwd_tile_config(spec: AttentionSpec, deterministic: bool = False, long: bool
     changes = {
         **per_mask,
         **(_BWD_DETERMINISTIC.get(spec.head_dim, {}) if deterministic else {}),
-        **(_BWD_LONG_QUERIES.get(key, {}) if long and not deterministic else {}),
+        **(_BWD_LONG_QUERIES.get(key, {}) if long and not deterministic and not spec.softcap else {}),
+        **(_BWD_SOFTCAP.get(spec.head_dim, {}) if spec.softcap else {}),
     }
     return replace(cfg, **changes) if changes else cfg
