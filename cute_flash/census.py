@@ -24,9 +24,9 @@ CENSUS_PATTERNS: Dict[str, str] = {
     "wgmma.mma_async.e4m3": r"wgmma\.mma_async\.[^\s]*e4m3",
     "setmaxnreg": r"setmaxnreg\.",
     "cp.reduce.async.bulk": r"cp\.reduce\.async\.bulk\.",  # bulk reduce-add (the sm90 backward's dQ)
-    "griddepcontrol.wait": r"griddepcontrol\.wait",  # programmatic dependent launch (BwdTileConfig.pdl)
+    "griddepcontrol.wait": r"griddepcontrol\.wait",  # programmatic dependent launch
     "griddepcontrol.launch_dependents": r"griddepcontrol\.launch_dependents",
-    "mbarrier.expect_tx": r"mbarrier\.expect_tx",  # extra bytes on a stage's barrier (the sm90 backward loads K / V on the first Q / dO stages)
+    "mbarrier.expect_tx": r"mbarrier\.expect_tx",  # extra bytes on a stage's barrier (K / V with the first Q / dO)
     "red.global.add.v4.f32": r"red\.global\.add\.v4\.f32",  # vector reductions (sm80 dQ on sm_90a, sm90 dq_red)
     "stmatrix.trans": r"stmatrix\.sync\.aligned\.[^\s]*\.trans",  # transposing stores (the sm90 dQᵀ conversion)
     "shfl.sync": r"shfl\.sync\.",  # warp shuffles (the sm90 backward's LSE / D without BwdTileConfig.stats_at_use)

@@ -10,7 +10,7 @@ from a zero accumulator) as the main kernel's dP = dO V^T. When a row's output i
 sees a single key: P = 1, O = V_j bitwise), dP_ij - D_i is then exactly 0, as it is in plain torch, instead of the
 rounding difference between two summation orders.
 
-Two options serve the sm90 backward (zeroing its dQ accumulator and programmatic dependent launch; always on there, off here):
+Two options serve the sm90 backward (zeroing its dQ accumulator, programmatic dependent launch; on there, off here):
 zero_dq_accum also zeroes the main kernel's (b, h, sq_padded * d) fp32 dQ accumulator (packed: each sequence's padded
 rows of (h, rows * d)), each CTA its 64 rows (64 * d contiguous floats, 16-byte stores), in place of a separate
 memset; launch_dependents lets a dependent kernel launched
