@@ -12,7 +12,6 @@ graph and replays with new lengths and page tables):
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Dict, Optional, Tuple, Union
 
@@ -35,7 +34,9 @@ class _Plan:
     """What a warm call of one signature needs: the validated problem, the serving backend, the split count, the
     append kernel (None without new tokens), the device."""
 
-    __slots__ = ("problem", "backend", "splits", "append", "device", "lse_shape", "out_shape")
+    __slots__ = ("problem", "backend", "splits", "append", "device", "device_index", "lse_shape", "out_shape")
+    __slots__ += ("launch",)
+    __slots__ += ("_scratch",)
 
     def __init__(self, problem: KvCacheProblem, backend, splits: int, append, device: torch.device):
         p = problem
@@ -44,24 +45,34 @@ class _Plan:
             p.batch, p.seqlen_q, p.nheads, p.head_dim_v
         )  # fmt: skip
         self.lse_shape = (p.nheads, p.total_q) if p.packed_q else (p.batch, p.nheads, p.seqlen_q)
+        self.device_index = device.index if device.type == "cuda" else None
+        self.launch = None  # the backend's kvcache_launcher, made at the first launch
+        self._scratch = None
 
-
-def _meta(t: Optional[torch.Tensor]):
-    if t is None:
-        return None
-    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & (ALIGN_BYTES - 1))
+    def scratch_lse(self) -> torch.Tensor:
+        """The lse buffer of calls that do not return it: kept by the plan, since the kernels only write it (calls on
+        several streams may write it at once; nobody reads it)."""
+        if self._scratch is None:
+            self._scratch = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        return self._scratch
 
 
 def _signature(args: KvCacheArgs, max_seqlen_q, causal, softmax_scale, window_size, softcap, num_splits) -> tuple:
-    """What validation, routing and the split depend on, from metadata only (no device values)."""
-    scalars = (max_seqlen_q, causal, softmax_scale, *window_size, softcap, num_splits)
-    return (
-        tuple(_meta(t) for t in args),
-        scalars,
-        tuple(type(x) for x in scalars),
-        type(window_size),
-        os.environ.get(ARCH_ENV_VAR),
-    )
+    """What validation, routing and the split depend on, from metadata only (no device values): every tensor's
+    shape, strides, dtype and device, their addresses' 16-byte alignment, the scalars with their types (a cached
+    `True` never answers for a rejected `1`) and CUTE_FLASH_ARCH. Plain loops: this runs on every decoding step."""
+    key = [os.environ.get(ARCH_ENV_VAR), type(window_size), max_seqlen_q, causal, softmax_scale, *window_size]
+    key += (softcap, num_splits, type(max_seqlen_q), type(causal), type(softmax_scale), type(softcap))
+    key += (type(num_splits), *(type(w) for w in window_size))
+    align = 0
+    for t in args:
+        if t is None:
+            key.append(None)
+        else:
+            key += (t.shape, t.stride(), t.dtype, t.get_device())
+            align |= t.data_ptr()
+    key.append(align & (ALIGN_BYTES - 1))
+    return tuple(key)
 
 
 def _capability(device: torch.device) -> Tuple[int, int]:
@@ -182,25 +193,36 @@ def attention_with_kvcache(
             "cute_flash.attention_varlen, or call it under torch.no_grad()"
         )
     plan = _plan(args, max_seqlen_q, causal, softmax_scale, tuple(window_size), softcap, num_splits)
-    p = plan.problem
     if out is None:
         out = torch.empty(plan.out_shape, dtype=q.dtype, device=plan.device)
-    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
-    guard = torch.cuda.device(plan.device) if plan.device.type == "cuda" else contextlib.nullcontext()
-    with guard:
-        if plan.append is not None:
-            seqlens_k = torch.empty_like(cache_seqlens)
-            max_new = p.seqlen_q if p.packed_q else k_new.shape[1]
-            plan.append(
-                k_new, v_new, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, seqlens_k, k_descale,
-                v_descale, max_new,
-            )  # fmt: skip
-        else:
-            seqlens_k = cache_seqlens
-        sink = None if learnable_sink is None else learnable_sink.float().contiguous()
-        tensors = KvCacheTensors(
-            q, k_cache, v_cache, out, lse, seqlens_k, page_table, cu_seqlens_q, sink, k_descale, v_descale
-        )
-        if p.total_q and p.nheads:
-            plan.backend.forward_kvcache(tensors, p, plan.splits)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device) if return_lse else plan.scratch_lse()
+    if plan.device_index is None or torch.cuda.current_device() == plan.device_index:
+        _launch(plan, args, out, lse)
+    else:
+        with torch.cuda.device(plan.device):
+            _launch(plan, args, out, lse)
     return (out, lse) if return_lse else out
+
+
+def _launch(plan: _Plan, a: KvCacheArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
+    p = plan.problem
+    seqlens_k = a.cache_seqlens
+    if plan.append is not None:
+        seqlens_k = torch.empty_like(a.cache_seqlens)
+        max_new = p.seqlen_q if p.packed_q else a.k_new.shape[1]
+        plan.append(
+            a.k_new, a.v_new, a.k_cache, a.v_cache, a.page_table, a.cache_seqlens, a.cu_seqlens_q, seqlens_k,
+            a.k_descale, a.v_descale, max_new,
+        )  # fmt: skip
+    sink = a.learnable_sink
+    if sink is not None and (sink.dtype != torch.float32 or not sink.is_contiguous()):
+        sink = sink.float().contiguous()
+    if p.total_q and p.nheads:
+        t = KvCacheTensors(
+            a.q, a.k_cache, a.v_cache, out, lse, seqlens_k, a.page_table, a.cu_seqlens_q, sink, a.k_descale,
+            a.v_descale,
+        )  # fmt: skip
+        launch = plan.launch
+        if launch is None:
+            launch = plan.launch = plan.backend.kvcache_launcher(p, plan.device, plan.splits)
+        launch(t)

@@ -21,6 +21,9 @@ class _Recorder:
     def forward_kvcache(self, t, problem, num_splits):
         self.calls.append((t, problem, num_splits))
 
+    def kvcache_launcher(self, problem, device, num_splits):
+        return lambda t: self.forward_kvcache(t, problem, num_splits)
+
 
 @pytest.fixture
 def backend(monkeypatch):

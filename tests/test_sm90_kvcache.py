@@ -49,7 +49,10 @@ def _oracle(q, k, v, mask: MaskBounds, scale: float, dtype, softcap: float = 0.0
     else:
         base, mult = raw, scale
     hidden = ~visible_keys(sq, sk, mask, q.device)
-    row_max = base.masked_fill(hidden, float("-inf")).amax(dim=-1, keepdim=True)
+    if sk:
+        row_max = base.masked_fill(hidden, float("-inf")).amax(dim=-1, keepdim=True)
+    else:  # no key at all (amax of an empty dimension raises)
+        row_max = torch.full((h, sq, 1), float("-inf"), dtype=base.dtype, device=q.device)
     row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
     logits = ((base - row_max) * mult).masked_fill(hidden, float("-inf"))
     top = row_max * mult

@@ -146,6 +146,13 @@ class ArchBackend(Protocol):
         split over `num_splits` CTAs per query tile (combined exactly, deterministic for a given split). No host
         synchronisation and nothing data-dependent on the host, so that a decoding step captures in a CUDA graph."""
 
+    def kvcache_launcher(
+        self, problem: KvCacheProblem, device: torch.device, num_splits: int
+    ) -> Callable[[KvCacheTensors], None]:
+        """`forward_kvcache` of one problem on `device` with `num_splits` as a callable (t) -> None, what depends only
+        on them settled once (the front end keeps it per call signature); `launcher_through_kvcache` for a family
+        without a faster bound form."""
+
     def backward_launcher(
         self, problem: Problem, device: torch.device, deterministic: bool = False
     ) -> BackwardLauncher:
@@ -230,6 +237,11 @@ class SplitForward:
 def launcher_through_forward(backend: ArchBackend, problem: Problem) -> ForwardLauncher:
     """The `forward_launcher` of a family without a faster bound form: every call goes through `forward`."""
     return lambda q, k, v, out, lse, sink=None: backend.forward(FwdTensors(q, k, v, out, lse, sink), problem)
+
+
+def launcher_through_kvcache(backend: ArchBackend, problem: KvCacheProblem, num_splits: int):
+    """The `kvcache_launcher` of a family without a faster bound form: every call goes through `forward_kvcache`."""
+    return lambda t: backend.forward_kvcache(t, problem, num_splits)
 
 
 def launcher_through_backward(backend: ArchBackend, problem: Problem, deterministic: bool) -> BackwardLauncher:

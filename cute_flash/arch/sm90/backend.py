@@ -196,6 +196,9 @@ class _Backend:
     def forward_kvcache(self, t: KvCacheTensors, problem: KvCacheProblem, num_splits: int) -> None:
         _kvcache().run_forward_kvcache(t, problem, num_splits)
 
+    def kvcache_launcher(self, problem: KvCacheProblem, device: torch.device, num_splits: int):
+        return _kvcache().KvCacheLauncher(problem, device, num_splits)
+
     def backward_launcher(
         self, problem: Problem, device: torch.device, deterministic: bool = False
     ) -> BackwardLauncher:

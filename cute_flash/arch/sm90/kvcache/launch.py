@@ -56,37 +56,53 @@ def kvcache_kernel(spec: AttentionSpec, cfg: KvCacheTileConfig, target: str, pac
     return kernel
 
 
+class KvCacheLauncher:
+    """`forward_kvcache` of one problem on one device with a given split, everything that depends only on them
+    settled once (the front end keeps one per call signature: a decoding step pays a few attribute reads, the
+    allocation of a split's partials and the kernel calls)."""
+
+    def __init__(self, problem: KvCacheProblem, device, num_splits: int):
+        p = self.problem = problem
+        spec = p.spec
+        self.packed = p.packed_q
+        cfg = kv_tiles.kvcache_tile_config(spec, problem_rows(p))  # (through the module: a study may replace it)
+        target = compile_cache.runtime_target(device)
+        num_splits = min(num_splits, MAX_GRID_YZ // max(p.batch, 1))  # grid z = splits x b (changes speed only)
+        self.split = num_splits > 1
+        self.kernel = kvcache_kernel(spec, cfg, target, self.packed, self.split)
+        self.scalars = (int(p.seqlen_q), float(p.softmax_scale), int(p.mask.left), int(p.mask.right))
+        self.features = spec.softcap or spec.sink  # the feature entry (build.compile_forward_kvcache)
+        self.softcap = float(p.softcap)
+        self.combine = split_kv.combine_kernel(spec, target) if self.split else None
+        parts = num_splits * (1 if self.packed else p.batch)
+        rows = p.total_q if self.packed else p.seqlen_q
+        self.rows = rows
+        self.o_shape = (parts, rows, p.nheads, p.head_dim_v)
+        self.lse_shape = (parts, p.nheads, rows)
+        self.o_elems = parts * rows * p.nheads * p.head_dim_v
+
+    def __call__(self, t: KvCacheTensors) -> None:
+        p = self.problem
+        _check_features(t, p)
+        tail = (t.seqlens_k, t.page_table, t.cu_seqlens_q, t.k_descale, t.v_descale, *self.scalars)
+        if self.features:
+            tail += (self.softcap, None if self.split else t.sink)
+        if not self.split:
+            self.kernel(t.q, t.k_cache, t.v_cache, t.out, t.lse, *tail)
+            return
+        block = torch.empty(self.o_elems + self.o_elems // p.head_dim_v, dtype=torch.float32, device=t.q.device)
+        o_part = block[: self.o_elems].view(self.o_shape)
+        lse_part = block[self.o_elems :].view(self.lse_shape)
+        self.kernel(t.q, t.k_cache, t.v_cache, o_part, lse_part, *tail)
+        out, lse = (t.out.unsqueeze(0), t.lse.unsqueeze(0)) if self.packed else (t.out, t.lse)
+        if p.spec.sink:  # the combine's rows are the output's (token, query head) pairs: sink[head] for every token
+            self.combine(o_part, lse_part, out, lse, t.sink.view(1, p.nheads).expand(self.rows, p.nheads))
+        else:
+            self.combine(o_part, lse_part, out, lse)
+
+
 def run_forward_kvcache(t: KvCacheTensors, problem: KvCacheProblem, num_splits: int) -> None:
-    p = problem
-    spec = p.spec
-    packed = t.cu_seqlens_q is not None
-    cfg = kv_tiles.kvcache_tile_config(spec, problem_rows(p))  # (through the module: a study may replace it)
-    target = compile_cache.runtime_target(t.q.device)
-    num_splits = min(num_splits, MAX_GRID_YZ // max(p.batch, 1))  # grid z = splits x b (the count changes speed only)
-    split = num_splits > 1
-    _check_features(t, p)
-    kernel = kvcache_kernel(spec, cfg, target, packed, split)
-    tail = (t.seqlens_k, t.page_table, t.cu_seqlens_q, t.k_descale, t.v_descale, int(p.seqlen_q))
-    tail += (float(p.softmax_scale),)
-    tail += (int(p.mask.left), int(p.mask.right))
-    if spec.softcap or spec.sink:  # the feature entry (build.compile_forward_kvcache)
-        tail += (float(p.softcap), None if split else t.sink)
-    if not split:
-        kernel(t.q, t.k_cache, t.v_cache, t.out, t.lse, *tail)
-        return
-    parts = num_splits * (1 if packed else p.batch)
-    rows = p.total_q if packed else p.seqlen_q
-    o_elems = parts * rows * p.nheads * p.head_dim_v
-    block = torch.empty(o_elems + parts * p.nheads * rows, dtype=torch.float32, device=t.q.device)
-    o_part = block[:o_elems].view(parts, rows, p.nheads, p.head_dim_v)
-    lse_part = block[o_elems:].view(parts, p.nheads, rows)
-    kernel(t.q, t.k_cache, t.v_cache, o_part, lse_part, *tail)
-    out, lse = (t.out.unsqueeze(0), t.lse.unsqueeze(0)) if packed else (t.out, t.lse)
-    combine = split_kv.combine_kernel(spec, target)
-    if spec.sink:  # the combine's rows are the output's (token, query head) pairs: sink[head] for every token
-        combine(o_part, lse_part, out, lse, t.sink.view(1, p.nheads).expand(rows, p.nheads))
-    else:
-        combine(o_part, lse_part, out, lse)
+    KvCacheLauncher(problem, t.q.device, num_splits)(t)
 
 
 def _check_features(t: KvCacheTensors, p: KvCacheProblem) -> None:
