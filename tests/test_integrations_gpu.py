@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cute_flash import interface
+from cute_flash.core import launch
 
 pytestmark = [pytest.mark.sm90, pytest.mark.xdist_group("integrations")]
 
@@ -215,8 +215,8 @@ def test_sdpa_flash_backend_routes_to_cute_flash(monkeypatch, sq, sk, causal):
     if not sdpa._available():
         pytest.skip("torch has no register_flash_attention_impl")
     launches = []
-    real = interface._launch_forward
-    monkeypatch.setattr(interface, "_launch_forward", lambda *a: launches.append(1) or real(*a))
+    real = launch.forward
+    monkeypatch.setattr(launch, "forward", lambda *a: launches.append(1) or real(*a))
     q, k, v, do = _bhsd(2, 8, sq, 128, 1), _bhsd(2, 2, sk, 128, 2), _bhsd(2, 2, sk, 128, 3), _bhsd(2, 8, sq, 128, 4)
     args = dict(is_causal=causal, scale=0.1, enable_gqa=True)
     leaves32 = [t.detach().float().requires_grad_(True) for t in (q, k, v)]

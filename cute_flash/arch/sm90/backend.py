@@ -24,6 +24,7 @@ from ...spec import AttentionSpec
 from ...validation import PackedSeqs, Problem, VarlenProblem
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact
 from ..base import BoundForward, SplitForward, launch_packed_forward, launcher_through_forward, prepare_build
+from ..base import BackendBase
 from .. import split_kv
 from .tile_config import FwdTileConfig, budget_problem, fwd_tile_config, smem_bytes
 
@@ -84,7 +85,7 @@ def split_tile_config(spec: AttentionSpec) -> FwdTileConfig:
 _forward_kernels: Dict[tuple, object] = compile_cache.memo()
 
 
-class _Backend:
+class _Backend(BackendBase):
     name = FAMILY
     cute_arch = "sm_90a"
     varlen = True  # has packed-sequence kernels (forward_varlen / backward_varlen); see routing
