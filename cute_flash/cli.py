@@ -26,6 +26,7 @@ def _gpu_capability():
 
 # --- info -----------------------------------------------------------------------------------------------------
 def cmd_info(args) -> int:
+    """versions, GPU and the backend that would serve it"""
     import torch
 
     from . import __version__
@@ -172,6 +173,11 @@ def _take_report(reports: List[tuple], entry: str, stack_frame_bytes: Optional[i
 
 
 def cmd_compile(args) -> int:
+    """cross-compile kernels (no GPU needed), write .ptx/.cubin, report resources
+
+    Cross-compiles every kernel that serves one configuration on a family (no GPU needed), writes each kernel's .ptx
+    and .cubin and reports registers, spills, shared memory, threads and an instruction census. Exits 2 when the
+    family has no kernel for it."""
     # CuTe DSL reads CUTE_DSL_ARCH once, at import: set it before anything imports cutlass.
     os.environ.setdefault("CUTE_DSL_ARCH", CUTE_DSL_ARCH[args.arch])
     spec = _spec_from_args(args)
@@ -231,6 +237,11 @@ def _warmup_capability(args):
 
 
 def cmd_warmup(args) -> int:
+    """fill the disk kernel cache for a list of configurations (no GPU needed: kernels are cross-compiled)
+
+    Compiles (or finds on disk) every kernel that calls of the listed configurations launch on a GPU of the given
+    compute capability and writes them to the kernel cache (CUTE_FLASH_CACHE_DIR). Lists are comma-separated; every
+    combination is warmed."""
     from . import warmup
 
     try:
@@ -279,12 +290,24 @@ def cmd_warmup(args) -> int:
 
 # --- demo -----------------------------------------------------------------------------------------------------
 def cmd_demo(args) -> int:
+    """the main job: check and time cute_flash on this machine
+
+    On a GPU: cute_flash.attention at the given shape, checked against the float64 reference and timed beside torch
+    SDPA. Without one: the tiled online-softmax algorithm against the float64 reference (at the given shape, or a
+    small GQA one by default), then the forward kernels of every family cross-compiled for the given head dim and
+    mask."""
     from . import demo
 
     return demo.run(args)
 
 
 # --- bench ----------------------------------------------------------------------------------------------------
+_BENCH_DOC = """benchmark against peers (torch SDPA, FlashAttention-4, naive)
+
+Times cute-flash beside its peers over a grid of shapes (or --shape), checks every result against the float64
+reference, sweeps peak memory, and writes tables, CSV / JSON and plots. Needs a GPU, except --from-json."""
+
+
 def _bench_module():
     try:
         from .bench import cli as bench_cli
@@ -293,19 +316,29 @@ def _bench_module():
     return bench_cli
 
 
+def _command(sub, func, name: str = "", doc: str = "") -> argparse.ArgumentParser:
+    """The parser of the subcommand `func(args)` runs (`cmd_<name>`): its help is the first line of the docstring, its
+    description the rest."""
+    help_, _, description = (doc or func.__doc__).partition("\n\n")
+    parser = sub.add_parser(name or func.__name__[len("cmd_") :], help=help_, description=description or None)
+    parser.set_defaults(func=func)
+    return parser
+
+
+def _feature_flags(parser: argparse.ArgumentParser, builds: str) -> None:
+    """--softcap / --sink: the builds with soft-capping (Gemma 2) / learnable sinks (gpt-oss); their values (the
+    cap, the logits) are runtime arguments."""
+    parser.add_argument("--softcap", action="store_true", help=f"the soft-capping {builds} (e.g. Gemma 2)")
+    parser.add_argument("--sink", action="store_true", help=f"the learnable-sinks {builds} (e.g. gpt-oss)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cute_flash", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("info", help="versions, GPU and the backend that would serve it").set_defaults(func=cmd_info)
+    _command(sub, cmd_info)
 
-    c = sub.add_parser(
-        "compile",
-        help="cross-compile kernels (no GPU needed), write .ptx/.cubin, report resources",
-        description="Cross-compiles every kernel that serves one configuration on a family (no GPU needed), writes "
-        "each kernel's .ptx and .cubin and reports registers, spills, shared memory, threads and an instruction "
-        "census. Exits 2 when the family has no kernel for it.",
-    )
+    c = _command(sub, cmd_compile)
     c.add_argument("--arch", choices=sorted(ARCH_PACKAGES), required=True, help="the kernel family")
     c.add_argument("--head-dim", type=int, required=True, help="head dim of q and k")
     c.add_argument("--head-dim-v", type=int, default=None, help="head dim of v (default: the head dim)")
@@ -316,21 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--local", action="store_true",
         help="sliding-window mask (its bounds, negative ones included, are runtime values)",
     )  # fmt: skip
-    c.add_argument("--softcap", action="store_true", help="the soft-capping build (the cap is a runtime value)")
-    c.add_argument("--sink", action="store_true", help="the learnable-sinks build (the logits are runtime values)")
+    _feature_flags(c, "build")
     c.add_argument("--backward", action="store_true", help="also compile the backward kernels")
     out = os.path.join(tempfile.gettempdir(), "cute_flash_kernels")
     c.add_argument("--out", default=out, help="where the .ptx and .cubin files go (default %(default)s)")
     c.add_argument("--json", action="store_true", help="one JSON object per kernel")
-    c.set_defaults(func=cmd_compile)
 
-    w = sub.add_parser(
-        "warmup",
-        help="fill the disk kernel cache for a list of configurations (no GPU needed: kernels are cross-compiled)",
-        description="Compiles (or finds on disk) every kernel that calls of the listed configurations launch on a GPU "
-        "of the given compute capability and writes them to the kernel cache (CUTE_FLASH_CACHE_DIR). Lists are "
-        "comma-separated; every combination is warmed.",
-    )
+    w = _command(sub, cmd_warmup)
     target = w.add_mutually_exclusive_group()
     target.add_argument("--arch", choices=sorted(ARCH_PACKAGES), help="a family's GPU: sm80 = 8.0, sm90 = 9.0, ...")
     target.add_argument(
@@ -344,24 +369,15 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--backward", action="store_true", help="also the backward kernels (training)")
     w.add_argument("--gqa", choices=sorted(_BOTH), default="off", help="backward with grouped heads (default off)")
     w.add_argument("--deterministic", choices=sorted(_BOTH), default="off", help="deterministic backward (default off)")
-    w.add_argument("--softcap", action="store_true", help="the soft-capping builds (e.g. Gemma 2)")
-    w.add_argument("--sink", action="store_true", help="the learnable-sinks builds (e.g. gpt-oss)")
+    _feature_flags(w, "builds")
     w.add_argument("--jobs", type=int, default=1, help="processes compiling at once (default 1)")
     w.add_argument("--json", action="store_true", help="one JSON object with every configuration's result")
-    w.set_defaults(func=cmd_warmup)
 
-    d = sub.add_parser(
-        "demo",
-        help="the main job: check and time cute_flash on this machine",
-        description="On a GPU: cute_flash.attention at the given shape, checked against the float64 reference and "
-        "timed beside torch SDPA. Without one: the tiled online-softmax algorithm against the float64 reference "
-        "(at the given shape, or a small GQA one by default), then the forward kernels of every family "
-        "cross-compiled for the given head dim and mask.",
-    )
-    d.add_argument("--batch", type=_positive, default=None, help="batch (default: 4 on a GPU, 2 without)")
-    d.add_argument("--seqlen", type=_positive, default=None, help="seqlen (default: 4096 on a GPU, 100 / 173 without)")
-    d.add_argument("--nheads", type=_positive, default=None, help="heads (default: 16 on a GPU, 4 / 2 kv without)")
-    d.add_argument("--head-dim", type=_positive, default=None, help="head dim (default: 128 on a GPU, 64 without)")
+    d = _command(sub, cmd_demo)
+    for option, on_gpu, without in (("batch", 4, 2), ("seqlen", 4096, "100 / 173"), ("nheads", 16, "4 / 2 kv"),
+                                    ("head-dim", 128, 64)):  # fmt: skip
+        help_ = f"{option.replace('-', ' ')} (default: {on_gpu} on a GPU, {without} without)"
+        d.add_argument(f"--{option}", type=_positive, default=None, help=help_)
     d.add_argument("--causal", action="store_true", help="causal mask (without a GPU: the only mask shown)")
     d.add_argument(
         "--no-compile", action="store_true", help="without a GPU: show the algorithm only, no cross-compiles"
@@ -369,19 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--out", default=None, help="without a GPU: keep the cross-compiled PTX / cubins here (default: not kept)"
     )
-    d.set_defaults(func=cmd_demo)
 
     bench = _bench_module()
     if bench is not None:
-        b = sub.add_parser(
-            "bench",
-            help="benchmark against peers (torch SDPA, FlashAttention-4, naive)",
-            description="Times cute-flash beside its peers over a grid of shapes (or --shape), checks every result "
-            "against the float64 reference, sweeps peak memory, and writes tables, CSV / JSON and plots. Needs a "
-            "GPU, except --from-json.",
-        )
+        b = _command(sub, bench.main, "bench", _BENCH_DOC)
         bench.add_arguments(b)
-        b.set_defaults(func=lambda a: bench.main(a))
     return p
 
 

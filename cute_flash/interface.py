@@ -10,7 +10,7 @@ from .arch import resolve_arch
 from .core import call
 from .core import device as gpu
 from .core.plan import clear_call_cache  # noqa: F401  (public: forget every cached call plan)
-from .routing import CapabilityLike, Explanation, parse_capability
+from .routing import Explanation, explaining, parse_capability
 from .validation import validate
 
 
@@ -82,34 +82,16 @@ def attention(
     )  # fmt: skip
 
 
-def explain(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: Optional[float] = None,
-    window_size: Tuple[Optional[int], Optional[int]] = (None, None),
-    dtype: Optional[str] = None,
-    descale: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-    fp8_rotate: bool = True,
-    deterministic: bool = False,
-    softcap: float = 0.0,
-    learnable_sink: Optional[torch.Tensor] = None,
-    capability: Optional[CapabilityLike] = None,
-) -> Explanation:
-    """Which family would serve `attention(q, k, v, ...)` with these arguments, forward and backward, without
-    compiling or launching anything, and what the call asks of it (mask and window, softcap, learnable sinks: see
-    `Explanation`). Validates like `attention` (and raises the same errors).
+@explaining(attention)
+def explain(q, k, v, capability, **call) -> Explanation:
+    """Which family would serve `attention(q, k, v, ...)` with these arguments (attention's, return_lse aside),
+    forward and backward, without compiling or launching anything, and what the call asks of it (mask and window,
+    softcap, learnable sinks: see `Explanation`). Validates like `attention` (and raises the same errors).
 
     deterministic: explain the route of a deterministic backward (which families can sum in a fixed order).
     capability: explain for a GPU of this compute capability, (9, 0), "9.0" or "sm90", instead of q's own; then q, k,
     v may be CPU or meta tensors (only their shapes and dtypes are used). CUTE_FLASH_ARCH applies as in `attention`.
     """
     given = None if capability is None else parse_capability(capability)
-    problem = validate(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=dtype, descale=descale,
-        fp8_rotate=fp8_rotate, deterministic=deterministic, softcap=softcap, learnable_sink=learnable_sink,
-        any_device=given is not None,
-    )  # fmt: skip
-    return Explanation.of(problem, gpu.capability(q) if given is None else given, deterministic)
+    problem = validate(q, k, v, **call, any_device=given is not None)
+    return Explanation.of(problem, gpu.capability(q) if given is None else given, call["deterministic"])

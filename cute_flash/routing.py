@@ -23,10 +23,11 @@ holding the inputs or for a compute capability given as (9, 0), "9.0" or "sm90" 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 from .arch import ARCH_ENV_VAR, ARCH_PACKAGES, arch_for_capability, get_backend
 from .arch.base import ArchBackend
@@ -195,3 +196,27 @@ class Explanation:
         m = problem.mask
         window = tuple(None if b >= UNBOUNDED_WINDOW else b for b in (m.left, m.right))
         return cls(capability, forward, backward, padded_to, m.kind, window, problem.softcap, spec.sink)
+
+
+def explaining(call: Callable) -> Callable:
+    """Makes `explain(q, k, v, ..., capability, **keywords)` take exactly the arguments of `call` (an attention
+    function), return_lse aside, and `capability`: its signature (what help() and inspect show) and the check of the
+    arguments it is given (TypeError for unknown ones) come from `call`'s, so the two lists cannot drift apart. The
+    decorated function gets every argument by name, defaults filled in."""
+    sig = inspect.signature(call)
+    params = [p for name, p in sig.parameters.items() if name != "return_lse"]
+    kind = inspect.Parameter.KEYWORD_ONLY
+    params.append(inspect.Parameter("capability", kind, default=None, annotation=Optional[CapabilityLike]))
+    sig = sig.replace(parameters=params, return_annotation=Explanation)
+
+    def wrap(explainer: Callable) -> Callable:
+        @functools.wraps(explainer)
+        def explain(*args, **kwargs) -> Explanation:
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return explainer(**bound.arguments)
+
+        explain.__signature__ = sig
+        return explain
+
+    return wrap

@@ -24,20 +24,15 @@ import torch
 from .core import call
 from .core import device as gpu
 from .problem import PackedSeqs
-from .routing import CapabilityLike, Explanation, parse_capability
+from .routing import Explanation, explaining, parse_capability
 from .validation import validate_varlen
 
 Window = Tuple[Optional[int], Optional[int]]
 
 
 def attention_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
     *,
     causal: bool = False,
     softmax_scale: Optional[float] = None,
@@ -47,7 +42,7 @@ def attention_varlen(
     return_lse: bool = False,
     softcap: float = 0.0,
     learnable_sink: Optional[torch.Tensor] = None,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
     """Exact attention over a batch of packed sequences, on a CUDA GPU.
 
     q (total_q, nheads, head_dim), k (total_k, nheads_kv, head_dim), v (total_k, nheads_kv, head_dim_v); sequence b
@@ -77,33 +72,16 @@ def attention_varlen(
     )
 
 
+@explaining(attention_varlen)
 def explain_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    causal: bool = False,
-    softmax_scale: Optional[float] = None,
-    window_size: Window = (None, None),
-    seqused_k: Optional[torch.Tensor] = None,
-    deterministic: bool = False,
-    softcap: float = 0.0,
-    learnable_sink: Optional[torch.Tensor] = None,
-    capability: Optional[CapabilityLike] = None,
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, capability, **call
 ) -> Explanation:
-    """Which family would serve `attention_varlen(...)` with these arguments, forward and backward, why the others
-    were skipped (e.g. on Blackwell, "sm100" without a varlen kernel), and what the call asks of it (mask and
-    window, softcap, learnable sinks). Validates like `attention_varlen`. capability: explain for a GPU of that
-    compute capability, (9, 0), "9.0" or "sm90" (then the inputs may be CPU or meta tensors), as in
-    `cute_flash.explain`."""
+    """Which family would serve `attention_varlen(...)` with these arguments (attention_varlen's, return_lse
+    aside), forward and backward, why the others were skipped (e.g. on Blackwell, "sm100" without a varlen kernel),
+    and what the call asks of it (mask and window, softcap, learnable sinks). Validates like `attention_varlen`.
+    capability: explain for a GPU of that compute capability, (9, 0), "9.0" or "sm90" (then the inputs may be CPU or
+    meta tensors), as in `cute_flash.explain`."""
     given = None if capability is None else parse_capability(capability)
     seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
-    problem = validate_varlen(
-        q, k, v, seqs, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-        deterministic=deterministic, softcap=softcap, learnable_sink=learnable_sink, any_device=given is not None,
-    )  # fmt: skip
-    return Explanation.of(problem, gpu.capability(q) if given is None else given, deterministic)
+    problem = validate_varlen(q, k, v, seqs, **call, any_device=given is not None)
+    return Explanation.of(problem, gpu.capability(q) if given is None else given, call["deterministic"])

@@ -37,7 +37,7 @@ def test_the_protocol_declares_every_method_the_front_end_calls():
         "backward_launcher", "forward_varlen", "backward_varlen", "kvcache_splits", "forward_kvcache",
         "compile_artifacts", "warm",
     }  # fmt: skip
-    assert ATTRIBUTES == {"name": str, "cute_arch": str, "split_keys": bool, "varlen": bool}
+    assert ATTRIBUTES == {"name": str, "cute_arch": str, "split_keys": bool, "varlen": bool, "kvcache": bool}
     # The base class has a default for every method a family may lack, with the protocol's signature.
     for name in ("forward_varlen", "backward_varlen", "kvcache_splits", "forward_kvcache"):
         assert inspect.signature(getattr(BackendBase, name)) == inspect.signature(getattr(ArchBackend, name)), name
@@ -85,7 +85,7 @@ def test_a_family_without_a_kernel_says_which_one():
     for call in (lambda: Bare().kvcache_splits(None, 132), lambda: Bare().forward_kvcache(None, None, 1)):
         with pytest.raises(NotImplementedError, match="smXY family has no KV-cache forward kernel"):
             call()
-    assert not Bare.varlen and not Bare.split_keys
+    assert not Bare.varlen and not Bare.split_keys and not Bare.kvcache
     if not get_backend("sm100").varlen:  # sm100 has no varlen kernels yet: the defaults answer
         with pytest.raises(NotImplementedError, match="sm100 family has no varlen"):
             get_backend("sm100").forward_varlen(t, t, t, t, t, None, None)

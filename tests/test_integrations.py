@@ -199,6 +199,16 @@ def _tiny(kind: str, name: str, **extra):
     return model, twin
 
 
+def _cache_kw(cache) -> dict:
+    """The model's cache keyword: `cache` in transformers >= 5.2x, `past_key_values` before (deprecated since)."""
+    import inspect
+
+    import transformers
+
+    params = inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
+
+
 @pytest.fixture
 def registered():
     pytest.importorskip("transformers")
@@ -309,7 +319,7 @@ def _decode_teacher_forced(model, ids, mask, prefill, cache):
     with torch.no_grad():
         for t0, t1 in [(0, prefill)] + [(t, t + 1) for t in range(prefill, ids.shape[1])]:
             out = model(
-                ids[:, t0:t1], attention_mask=mask[:, :t1], position_ids=pos[:, t0:t1], past_key_values=cache,
+                ids[:, t0:t1], attention_mask=mask[:, :t1], position_ids=pos[:, t0:t1], **_cache_kw(cache),
                 use_cache=True,
             )  # fmt: skip
             steps.append(out.logits[:, -1])
@@ -341,7 +351,7 @@ def test_transformers_static_cache_prefill_without_mask(fake_gpu, registered):
         outs = []
         for m in (model, twin):
             cache = transformers.StaticCache(config=m.config, max_cache_len=16)
-            outs.append(m(ids, past_key_values=cache, use_cache=True).logits)
+            outs.append(m(ids, **_cache_kw(cache), use_cache=True).logits)
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=3e-2, rtol=3e-2)
 
 

@@ -119,6 +119,7 @@ class ArchBackend(Protocol):
     cute_arch: str  # default CuTe DSL target when cross-compiling: "sm_80" | "sm_90a" | "sm_100a"
     split_keys: bool  # forward_launcher splits the keys of calls with few query tiles over CTAs (decoding)
     varlen: bool  # has packed-sequence kernels (forward_varlen / backward_varlen): the router sends spec.varlen here
+    kvcache: bool  # has a KV-cache forward (kvcache_splits / forward_kvcache): the router sends spec.kvcache here
 
     def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
         """None when this family has kernels for `spec` (with `backward`: the backward's, deterministic if asked; the
@@ -196,6 +197,7 @@ class BackendBase:
 
     split_keys = False
     varlen = False
+    kvcache = False
 
     def _missing(self, kernel: str) -> NotImplementedError:
         return NotImplementedError(f"the {self.name} family has no {kernel} kernel")

@@ -26,23 +26,28 @@ class Field(NamedTuple):
     kind: str  # SCALAR or TENSOR
 
 
-CALL = (
-    Field("causal", "bool", SCALAR),
-    Field("softmax_scale", "float?", SCALAR),
-    Field("window_left", "int?", SCALAR),
-    Field("window_right", "int?", SCALAR),
-    Field("deterministic", "bool", SCALAR),
-    Field("softcap", "float", SCALAR),
-    Field("learnable_sink", "Tensor?", TENSOR),
-)
+def _table(text: str) -> tuple:
+    """Fields from lines of `name op_type kind`."""
+    return tuple(Field(*line.split()) for line in text.strip().splitlines())
+
+
+CALL = _table("""
+    causal          bool     scalar
+    softmax_scale   float?   scalar
+    window_left     int?     scalar
+    window_right    int?     scalar
+    deterministic   bool     scalar
+    softcap         float    scalar
+    learnable_sink  Tensor?  tensor
+""")
 # What a packed call (`attention_varlen`) adds; None / 0 in a dense call's op arguments.
-PACKED = (
-    Field("cu_seqlens_q", "Tensor?", TENSOR),
-    Field("cu_seqlens_k", "Tensor?", TENSOR),
-    Field("seqused_k", "Tensor?", TENSOR),
-    Field("max_seqlen_q", "SymInt", SCALAR),
-    Field("max_seqlen_k", "SymInt", SCALAR),
-)
+PACKED = _table("""
+    cu_seqlens_q    Tensor?  tensor
+    cu_seqlens_k    Tensor?  tensor
+    seqused_k       Tensor?  tensor
+    max_seqlen_q    SymInt   scalar
+    max_seqlen_k    SymInt   scalar
+""")
 NUM_SCALARS = sum(f.kind == SCALAR for f in CALL)
 _WINDOW = tuple(i for i, f in enumerate(CALL) if f.name in ("window_left", "window_right"))
 

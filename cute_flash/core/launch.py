@@ -150,7 +150,7 @@ def backward(plan: Plan, dout, q, k, v, out, lse, dlse=None, sink=None, seqs: Op
     dsink = None
     if sink is not None:
         sink = _sinks(sink)
-        dsink = torch.empty_like(sink)
+        dsink = torch.full_like(sink, float("nan"))  # (a backend that fills nothing leaves NaN, not a plausible value)
     if plan.empty:
         for g in (dq, dk, dv):
             g.zero_()
