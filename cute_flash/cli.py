@@ -10,7 +10,7 @@ import tempfile
 import time
 from typing import List, Optional
 
-from .arch import ARCH_PACKAGES, CUTE_DSL_ARCH
+from .arch import ARCH_ENV_VAR, ARCH_PACKAGES, CUTE_DSL_ARCH
 from .spec import AttentionSpec
 
 DTYPE_NAMES = ("bf16", "fp16", "fp8")
@@ -26,6 +26,7 @@ def _gpu_capability():
 
 # --- info -----------------------------------------------------------------------------------------------------
 def cmd_info(args) -> int:
+    """versions, GPU and the backend that would serve it"""
     import torch
 
     from . import __version__
@@ -51,14 +52,17 @@ def cmd_info(args) -> int:
     print(f"C++ call path: {native.describe()}")
     from .interface import backend
 
-    try:
-        print(f"backend: {backend()}")
-    except (RuntimeError, NotImplementedError) as e:
-        print(f"backend: none ({e})")
+    if cap is None and not os.environ.get(ARCH_ENV_VAR):
+        print(
+            "backend: none (no GPU visible; cross-compile for one with python -m cute_flash compile --arch ... or "
+            "warmup --arch ...)"
+        )
+    else:
+        try:
+            print(f"backend: {backend()}")
+        except (ValueError, NotImplementedError) as e:
+            print(f"backend: none ({e})")
     if cap is not None:
-        import os
-
-        from .arch import ARCH_ENV_VAR
         from .routing import candidate_families
 
         try:
@@ -97,7 +101,10 @@ def _spec_from_args(args) -> AttentionSpec:
     mask = "causal" if args.causal else ("local" if args.local else "none")
     out_dtype = "bf16" if args.dtype == "fp8" else args.dtype
     dv = args.head_dim_v if args.head_dim_v is not None else args.head_dim
-    return AttentionSpec(dtype=args.dtype, head_dim=args.head_dim, head_dim_v=dv, mask=mask, out_dtype=out_dtype)
+    return AttentionSpec(
+        dtype=args.dtype, head_dim=args.head_dim, head_dim_v=dv, mask=mask, out_dtype=out_dtype,
+        softcap=args.softcap, sink=args.sink,
+    )  # fmt: skip
 
 
 def compile_report(arch: str, spec: AttentionSpec, backward: bool, out_dir: str) -> List[dict]:
@@ -117,7 +124,8 @@ def compile_report(arch: str, spec: AttentionSpec, backward: bool, out_dir: str)
     ptxas = parse_ptxas_reports("".join(captured))
     reports = []
     for art in artifacts:
-        stem = f"{arch}_{art.kernel}_{spec.dtype}_d{spec.head_dim}x{spec.head_dim_v}_{spec.mask}"
+        features = "".join(f"_{name}" for name, on in (("softcap", spec.softcap), ("sink", spec.sink)) if on)
+        stem = f"{arch}_{art.kernel}_{spec.dtype}_d{spec.head_dim}x{spec.head_dim_v}_{spec.mask}{features}"
         with open(os.path.join(out_dir, stem + ".ptx"), "w") as f:
             f.write(art.ptx)
         with open(os.path.join(out_dir, stem + ".cubin"), "wb") as f:
@@ -134,6 +142,8 @@ def compile_report(arch: str, spec: AttentionSpec, backward: bool, out_dir: str)
                 "head_dim": spec.head_dim,
                 "head_dim_v": spec.head_dim_v,
                 "mask": spec.mask,
+                "softcap": spec.softcap,
+                "sink": spec.sink,
                 "registers": res.get("registers", rep.get("registers")),
                 "spill_bytes": rep.get("spill_bytes"),
                 "stack_frame_bytes": res.get("stack_frame_bytes", rep.get("stack_frame_bytes")),
@@ -163,6 +173,11 @@ def _take_report(reports: List[tuple], entry: str, stack_frame_bytes: Optional[i
 
 
 def cmd_compile(args) -> int:
+    """cross-compile kernels (no GPU needed), write .ptx/.cubin, report resources
+
+    Cross-compiles every kernel that serves one configuration on a family (no GPU needed), writes each kernel's .ptx
+    and .cubin and reports registers, spills, shared memory, threads and an instruction census. Exits 2 when the
+    family has no kernel for it."""
     # CuTe DSL reads CUTE_DSL_ARCH once, at import: set it before anything imports cutlass.
     os.environ.setdefault("CUTE_DSL_ARCH", CUTE_DSL_ARCH[args.arch])
     spec = _spec_from_args(args)
@@ -188,6 +203,13 @@ def _int_list(text: str) -> List[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _choice_list(choices):
     def parse(text: str) -> List[str]:
         items = [x.strip() for x in text.split(",") if x.strip()]
@@ -204,8 +226,9 @@ _BOTH = {"off": (False,), "on": (True,), "both": (False, True)}
 
 def _warmup_capability(args):
     if args.capability:
-        major, _, minor = args.capability.partition(".")
-        return int(major), int(minor or 0)
+        from .routing import parse_capability
+
+        return parse_capability(args.capability)
     if args.arch:
         from .warmup import FAMILY_CAPABILITY
 
@@ -214,9 +237,18 @@ def _warmup_capability(args):
 
 
 def cmd_warmup(args) -> int:
+    """fill the disk kernel cache for a list of configurations (no GPU needed: kernels are cross-compiled)
+
+    Compiles (or finds on disk) every kernel that calls of the listed configurations launch on a GPU of the given
+    compute capability and writes them to the kernel cache (CUTE_FLASH_CACHE_DIR). Lists are comma-separated; every
+    combination is warmed."""
     from . import warmup
 
-    capability = _warmup_capability(args)
+    try:
+        capability = _warmup_capability(args)
+    except ValueError as e:
+        print(f"cute_flash warmup: --capability: {e}", file=sys.stderr)
+        return 2
     if capability is None:
         print("cute_flash warmup: no GPU visible; name the target with --arch or --capability", file=sys.stderr)
         return 2
@@ -228,6 +260,8 @@ def cmd_warmup(args) -> int:
         gqa=_BOTH[args.gqa],
         deterministic=_BOTH[args.deterministic],
         head_dim_v=args.head_dim_v,
+        softcap=args.softcap,
+        sink=args.sink,
     )
     try:
         summary = warmup.run(config_list, capability, jobs=args.jobs)
@@ -256,12 +290,24 @@ def cmd_warmup(args) -> int:
 
 # --- demo -----------------------------------------------------------------------------------------------------
 def cmd_demo(args) -> int:
+    """the main job: check and time cute_flash on this machine
+
+    On a GPU: cute_flash.attention at the given shape, checked against the float64 reference and timed beside torch
+    SDPA. Without one: the tiled online-softmax algorithm against the float64 reference (at the given shape, or a
+    small GQA one by default), then the forward kernels of every family cross-compiled for the given head dim and
+    mask."""
     from . import demo
 
     return demo.run(args)
 
 
 # --- bench ----------------------------------------------------------------------------------------------------
+_BENCH_DOC = """benchmark against peers (torch SDPA, FlashAttention-4, naive)
+
+Times cute-flash beside its peers over a grid of shapes (or --shape), checks every result against the float64
+reference, sweeps peak memory, and writes tables, CSV / JSON and plots. Needs a GPU, except --from-json."""
+
+
 def _bench_module():
     try:
         from .bench import cli as bench_cli
@@ -270,35 +316,51 @@ def _bench_module():
     return bench_cli
 
 
+def _command(sub, func, name: str = "", doc: str = "") -> argparse.ArgumentParser:
+    """The parser of the subcommand `func(args)` runs (`cmd_<name>`): its help is the first line of the docstring, its
+    description the rest."""
+    help_, _, description = (doc or func.__doc__).partition("\n\n")
+    parser = sub.add_parser(name or func.__name__[len("cmd_") :], help=help_, description=description or None)
+    parser.set_defaults(func=func)
+    return parser
+
+
+def _feature_flags(parser: argparse.ArgumentParser, builds: str) -> None:
+    """--softcap / --sink: the builds with soft-capping (Gemma 2) / learnable sinks (gpt-oss); their values (the
+    cap, the logits) are runtime arguments."""
+    parser.add_argument("--softcap", action="store_true", help=f"the soft-capping {builds} (e.g. Gemma 2)")
+    parser.add_argument("--sink", action="store_true", help=f"the learnable-sinks {builds} (e.g. gpt-oss)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cute_flash", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("info", help="versions, GPU and the backend that would serve it").set_defaults(func=cmd_info)
+    _command(sub, cmd_info)
 
-    c = sub.add_parser("compile", help="cross-compile kernels (no GPU needed), write .ptx/.cubin, report resources")
-    c.add_argument("--arch", choices=sorted(ARCH_PACKAGES), required=True)
-    c.add_argument("--head-dim", type=int, required=True)
-    c.add_argument("--head-dim-v", type=int, default=None)
-    c.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16")
+    c = _command(sub, cmd_compile)
+    c.add_argument("--arch", choices=sorted(ARCH_PACKAGES), required=True, help="the kernel family")
+    c.add_argument("--head-dim", type=int, required=True, help="head dim of q and k")
+    c.add_argument("--head-dim-v", type=int, default=None, help="head dim of v (default: the head dim)")
+    c.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16", help="compute dtype (default %(default)s)")
     mask = c.add_mutually_exclusive_group()
     mask.add_argument("--causal", action="store_true", help="bottom-right causal mask")
-    mask.add_argument("--local", action="store_true", help="sliding-window mask (bounds are runtime values)")
+    mask.add_argument(
+        "--local", action="store_true",
+        help="sliding-window mask (its bounds, negative ones included, are runtime values)",
+    )  # fmt: skip
+    _feature_flags(c, "build")
     c.add_argument("--backward", action="store_true", help="also compile the backward kernels")
-    c.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "cute_flash_kernels"))
+    out = os.path.join(tempfile.gettempdir(), "cute_flash_kernels")
+    c.add_argument("--out", default=out, help="where the .ptx and .cubin files go (default %(default)s)")
     c.add_argument("--json", action="store_true", help="one JSON object per kernel")
-    c.set_defaults(func=cmd_compile)
 
-    w = sub.add_parser(
-        "warmup",
-        help="fill the disk kernel cache for a list of configurations (no GPU needed: kernels are cross-compiled)",
-        description="Compiles (or finds on disk) every kernel that calls of the listed configurations launch on a GPU "
-        "of the given compute capability and writes them to the kernel cache (CUTE_FLASH_CACHE_DIR). Lists are "
-        "comma-separated; every combination is warmed.",
-    )
+    w = _command(sub, cmd_warmup)
     target = w.add_mutually_exclusive_group()
     target.add_argument("--arch", choices=sorted(ARCH_PACKAGES), help="a family's GPU: sm80 = 8.0, sm90 = 9.0, ...")
-    target.add_argument("--capability", help="the GPU's compute capability, e.g. 9.0 or 8.6 (default: this GPU's)")
+    target.add_argument(
+        "--capability", help="the GPU's compute capability, e.g. 9.0, 8.6 or sm90 (default: this GPU's)"
+    )
     w.add_argument("--head-dims", type=_int_list, default=[64, 128], help="default 64,128")
     w.add_argument("--head-dim-v", type=int, default=None, help="default: equal to the head dim")
     w.add_argument("--dtypes", type=_choice_list(("bf16", "fp16")), default=["bf16"], help="bf16,fp16 (default bf16)")
@@ -307,26 +369,27 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--backward", action="store_true", help="also the backward kernels (training)")
     w.add_argument("--gqa", choices=sorted(_BOTH), default="off", help="backward with grouped heads (default off)")
     w.add_argument("--deterministic", choices=sorted(_BOTH), default="off", help="deterministic backward (default off)")
+    _feature_flags(w, "builds")
     w.add_argument("--jobs", type=int, default=1, help="processes compiling at once (default 1)")
     w.add_argument("--json", action="store_true", help="one JSON object with every configuration's result")
-    w.set_defaults(func=cmd_warmup)
 
-    d = sub.add_parser("demo", help="the main job: check and time cute_flash on this machine")
-    d.add_argument("--batch", type=int, default=4)
-    d.add_argument("--seqlen", type=int, default=4096)
-    d.add_argument("--nheads", type=int, default=16)
-    d.add_argument("--head-dim", type=int, default=128)
-    d.add_argument("--causal", action="store_true")
+    d = _command(sub, cmd_demo)
+    for option, on_gpu, without in (("batch", 4, 2), ("seqlen", 4096, "100 / 173"), ("nheads", 16, "4 / 2 kv"),
+                                    ("head-dim", 128, 64)):  # fmt: skip
+        help_ = f"{option.replace('-', ' ')} (default: {on_gpu} on a GPU, {without} without)"
+        d.add_argument(f"--{option}", type=_positive, default=None, help=help_)
+    d.add_argument("--causal", action="store_true", help="causal mask (without a GPU: the only mask shown)")
     d.add_argument(
         "--no-compile", action="store_true", help="without a GPU: show the algorithm only, no cross-compiles"
     )
-    d.set_defaults(func=cmd_demo)
+    d.add_argument(
+        "--out", default=None, help="without a GPU: keep the cross-compiled PTX / cubins here (default: not kept)"
+    )
 
     bench = _bench_module()
     if bench is not None:
-        b = sub.add_parser("bench", help="benchmark against peers (torch SDPA, FlashAttention-4, naive)")
+        b = _command(sub, bench.main, "bench", _BENCH_DOC)
         bench.add_arguments(b)
-        b.set_defaults(func=lambda a: bench.main(a))
     return p
 
 

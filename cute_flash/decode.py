@@ -9,9 +9,11 @@ copies, and the call runs as plain multi-head attention over the keys that its s
 them, or the slice its window leaves), without a mask: the same math (with a window the key blocks start at its
 first key rather than at a multiple of the tile, so the sums may round differently than the unpacked call's).
 On a family with `split_keys` (sm80, sm90) it packs at every batch: with few query tiles the packed problem's keys
-are split over CTAs (arch/split_kv.py). Eager calls (`interface._launch_forward`) and the custom op under
-torch.compile (`interface._run_forward`) both take it for every call that qualifies (`keys_seen`), so the two agree
-bit for bit. The packed problem runs the forward
+are split over CTAs (arch/split_kv.py). Every forward launch goes through the call core's one launcher
+(`core.launch.forward`: eager calls, the custom op under torch.compile, the ring's blocks), which takes it for every
+call that qualifies (`keys_seen`), so they agree bit for bit. Learnable sinks follow the packed rows (`sink_rows`).
+A window may leave the query row no key at all (a negative bound): then nothing is launched (out 0, lse -inf, or lse
+= the sink). The packed problem runs the forward
 kernel without a mask whatever the call's mask: `python -m cute_flash warmup` builds it with its default masks
 ("none" and "causal"); a warm-up restricted to other masks leaves it to the first decoding call.
 """
@@ -20,15 +22,17 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from .validation import Problem
+import torch
+
+from .problem import Problem
 
 
 def keys_seen(problem: Problem, sm_count: int, split_keys: bool) -> Optional[Tuple[int, int]]:
-    """The key rows [lo, hi) that the single query row of `problem` sees, when the call decodes with several query
-    heads per KV head (fp16 / bf16, seqlen_q 1, at least one key) and either has more (batch, query head) CTAs than
-    the GPU has SMs (`sm_count`) or runs on a family that splits the keys of few query tiles over CTAs (`split_keys`,
-    arch/split_kv.py, which then splits one problem per KV head rather than per query head);
-    None otherwise (the call runs as it comes: with few CTAs and no split, packed measured no faster on an H100)."""
+    """The key rows [lo, hi) that the single query row of `problem` sees (lo >= hi: none), when the call decodes with
+    several query heads per KV head (fp16 / bf16, seqlen_q 1, at least one key) and either has more (batch, query
+    head) CTAs than the GPU has SMs (`sm_count`) or runs on a family that splits the keys of few query tiles over
+    CTAs (`split_keys`, arch/split_kv.py, which then splits one problem per KV head rather than per query head); None
+    otherwise (the call runs as it comes: with few CTAs and no split, packed measured no faster on an H100)."""
     p = problem
     if p.seqlen_q != 1 or p.seqlen_k == 0 or p.batch == 0 or p.nheads_kv == 0 or p.nheads == p.nheads_kv:
         return None
@@ -38,11 +42,11 @@ def keys_seen(problem: Problem, sm_count: int, split_keys: bool) -> Optional[Tup
         return None
     m = p.mask
     # Bottom-right alignment puts the query row at key position seqlen_k - 1: it sees keys seqlen_k - 1 - left ..
-    # seqlen_k - 1 + right, clipped to the keys that exist ("none" and "causal": all of them).
-    # (Windows are never negative, so the query row always sees its own position's key.)
+    # seqlen_k - 1 + right, clipped to the keys that exist ("none" and "causal": all of them). Either bound may be
+    # negative, so the range may be empty (lo >= hi: the row sees no key).
     if m.kind != "local":
         return 0, p.seqlen_k
-    return max(0, p.seqlen_k - 1 - m.left), p.seqlen_k
+    return max(0, p.seqlen_k - 1 - m.left), min(p.seqlen_k, p.seqlen_k + m.right)
 
 
 def pack_gqa(q, k, v, out, lse, nheads_kv: int, keys: Tuple[int, int]):
@@ -57,6 +61,13 @@ def pack_gqa(q, k, v, out, lse, nheads_kv: int, keys: Tuple[int, int]):
     ob, _, oh, od = out.stride()
     out_rows = out.as_strided((b, group, nheads_kv, dv), (ob, oh, group * oh, od), out.storage_offset())
     lo, hi = keys
-    if lo:
+    if (lo, hi) != (0, k.shape[1]):
         k, v = k[:, lo:hi], v[:, lo:hi]
     return q_rows, k, v, out_rows, lse.view(b, nheads_kv, group)
+
+
+def sink_rows(sink: torch.Tensor, nheads_kv: int) -> torch.Tensor:
+    """The packed problem's sink view (arch/base.FwdTensors.sink) of (h,) fp32 contiguous sinks: (group, h_kv) with
+    strides (1, group), so that row j of KV head g reads the sink of query head g * group + j."""
+    group = sink.shape[0] // nheads_kv
+    return sink.as_strided((group, nheads_kv), (1, group))

@@ -17,7 +17,8 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from . import compile_cache, routing
+from . import compile_cache
+from .core import device as gpu
 from .arch import ARCH_ENV_VAR
 from .arch.base import KvCacheTensors
 from .validation import ALIGN_BYTES, KvCacheArgs, KvCacheProblem, validate_kvcache
@@ -75,12 +76,6 @@ def _signature(args: KvCacheArgs, max_seqlen_q, causal, softmax_scale, window_si
     return tuple(key)
 
 
-def _capability(device: torch.device) -> Tuple[int, int]:
-    from .interface import _device_capability  # the one capability lookup (tests replace it)
-
-    return _device_capability(torch.empty(0, device=device))
-
-
 def _append_kernel(args: KvCacheArgs, p: KvCacheProblem, device: torch.device):
     if args.k_new is None:
         return None
@@ -105,7 +100,7 @@ def _make_plan(args: KvCacheArgs, max_seqlen_q, causal, softmax_scale, window_si
         softcap=softcap, num_splits=num_splits,
     )  # fmt: skip
     device = args.q.device
-    backend = routing.route(problem.spec, _capability(device), backward=False).backend
+    backend = gpu.route(problem.spec, args.q, backward=False)
     if num_splits == 0:
         splits = backend.kvcache_splits(problem, compile_cache.sm_count(device))
     else:

@@ -6,7 +6,8 @@ makes one TVM-FFI call that finds the kernel and launches it (torch's current st
 instead of Python's signature lookup, two `torch.empty` calls and the kernel's own call from Python; decoding calls
 too (the packed GQA views made in C++, a split-key call's partials and combine: arch/base.SplitForward). Every other
 call, and every first call of a signature, takes the Python path, which validates and routes it and then registers
-what it launched (`interface._register_native`).
+what it launched (`core/native_path.register`). The key's layout comes from the call's fields (core/fields.py): the
+library is compiled with their number of scalars (`-DCUTE_FLASH_KEY_SCALARS`).
 
 CUTE_FLASH_NATIVE=0 turns it off (read when a process sets the path up, at its first registration). Without a C++
 compiler (or when the build fails) calls take the Python path and a warning says why, once. The library lives in
@@ -29,6 +30,7 @@ import warnings
 from typing import Any, Optional
 
 from . import disk_cache
+from .core import fields
 
 ENV_SWITCH = "CUTE_FLASH_NATIVE"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "eager_forward.cc")
@@ -56,7 +58,9 @@ def _build_hash(compiler: str) -> str:
     with open(SOURCE, "rb") as f:
         h.update(f.read())
     h.update(f"\0{tvm_ffi.__version__}\0{compiler}\0{sys.version}\0{platform.machine()}\0".encode())
-    h.update(disk_cache._sha256_file(tvm_ffi.libinfo.find_libtvm_ffi()).encode())
+    h.update(" ".join(_defines()).encode())
+    with open(tvm_ffi.libinfo.find_libtvm_ffi(), "rb") as f:  # the library this one links against
+        h.update(f.read())
     return h.hexdigest()[:24]
 
 
@@ -72,6 +76,11 @@ def library_dir(compiler: str) -> str:
     return os.path.join(base, "native", _build_hash(compiler))
 
 
+def _defines() -> list:
+    """What the library is compiled for besides its source: the call's scalar fields (the key's layout)."""
+    return [f"-DCUTE_FLASH_KEY_SCALARS={fields.NUM_SCALARS}"]
+
+
 def _build(compiler: str, path: str) -> None:
     import tvm_ffi
 
@@ -81,7 +90,7 @@ def _build(compiler: str, path: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".so")
     os.close(fd)
     try:
-        cmd = [compiler, "-std=c++17", "-O2", "-fPIC", "-shared", SOURCE, "-o", tmp]
+        cmd = [compiler, "-std=c++17", "-O2", "-fPIC", "-shared", *_defines(), SOURCE, "-o", tmp]
         cmd += [f"-I{p}" for p in includes]
         cmd += [f"-L{os.path.dirname(lib)}", "-ltvm_ffi", f"-Wl,-rpath,{os.path.dirname(lib)}"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -17,21 +17,26 @@ the saved out and lse follow one convention for every family (see arch/base.py).
 the list by that one family (no fallback), e.g. to run the sm80 kernels on an H100.
 
 Decisions are cached per (spec, capability, CUTE_FLASH_ARCH, direction): a warm call costs a dict lookup.
-`explain` in cute_flash.interface shows a decision and why the families before it were skipped.
+`cute_flash.explain` shows a decision and why the families before it were skipped (`Explanation`), for the GPU
+holding the inputs or for a compute capability given as (9, 0), "9.0" or "sm90" (`parse_capability`).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+import re
 from dataclasses import dataclass, field
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple, Union
 
 from .arch import ARCH_ENV_VAR, ARCH_PACKAGES, arch_for_capability, get_backend
 from .arch.base import ArchBackend
-from .spec import AttentionSpec
+from .problem import Problem, VarlenProblem
+from .spec import UNBOUNDED_WINDOW, AttentionSpec
 
 Capability = Tuple[int, int]
+CapabilityLike = Union[Capability, str]  # what `parse_capability` takes: (9, 0), "9.0", "sm90", "sm_90a"
 
 
 def candidate_families(capability: Optional[Capability], forced: Optional[str] = None) -> Tuple[str, ...]:
@@ -44,7 +49,10 @@ def candidate_families(capability: Optional[Capability], forced: Optional[str] =
             )
         return (forced,)
     if capability is None:
-        raise RuntimeError("no CUDA GPU is visible; set CUTE_FLASH_ARCH to pick a kernel family for cross-compiling")
+        raise RuntimeError(
+            "no CUDA GPU is visible: name a family with CUTE_FLASH_ARCH, or cross-compile for a GPU with "
+            "python -m cute_flash compile --arch ... / warmup --arch ..."
+        )
     primary = arch_for_capability(capability)  # raises for a capability no family serves
     if primary in ("sm90", "sm100"):
         return (primary, "sm80")
@@ -95,11 +103,11 @@ def _route(
 
 def _variant_reason(family: str, backend: ArchBackend, spec: AttentionSpec, backward: bool) -> Optional[str]:
     """Packed-sequence calls (`attention_varlen`) go only to families that declare a varlen kernel (`varlen` true on
-    the backend), KV-cache calls (`attention_with_kvcache`) only to those that declare a KV-cache forward
-    (`kvcache`); each family's `unsupported_reason` then says what else its variant lacks."""
-    if spec.varlen and not getattr(backend, "varlen", False):
+    the backend, arch/base.ArchBackend), KV-cache calls (`attention_with_kvcache`) only to those that declare a
+    KV-cache forward (`kvcache`); each family's `unsupported_reason` then says what else its variant lacks."""
+    if spec.varlen and not backend.varlen:
         return f"the {family} kernels have no varlen variant yet"
-    if spec.kvcache and not getattr(backend, "kvcache", False):
+    if spec.kvcache and not backend.kvcache:
         return f"the {family} kernels have no KV-cache forward yet"
     if spec.kvcache and backward:
         return "the KV-cache forward has no backward (attention_with_kvcache is forward-only)"
@@ -117,3 +125,104 @@ def route(
 def clear_cache() -> None:
     """Forget cached decisions (tests that change what a family supports)."""
     _route.cache_clear()
+
+
+_CAPABILITY_TEXT = re.compile(r"(?:(\d+)\.(\d+)|sm_?(\d+?)(\d)a?)")
+
+
+def parse_capability(capability: object) -> Capability:
+    """A compute capability as (major, minor), from (9, 0) / [9, 0], "9.0", or a target or family name ("sm90",
+    "sm_90a", "sm86"; "sm100" is 10.0); ValueError naming these forms for anything else."""
+    if isinstance(capability, str):
+        m = _CAPABILITY_TEXT.fullmatch(capability.strip().lower())
+        if m is not None:
+            major, minor = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+            return int(major), int(minor)
+    elif isinstance(capability, (tuple, list)) and len(capability) == 2:
+        if all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in capability):
+            return int(capability[0]), int(capability[1])
+    raise ValueError(
+        f"capability must be a compute capability as (major, minor), e.g. (9, 0), 'major.minor' such as '9.0', or a "
+        f"target such as 'sm90' / 'sm_90a'; got {capability!r}"
+    )
+
+
+Window = Tuple[Optional[int], Optional[int]]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Which kernel family serves a call, forward and backward, why the families before it were skipped, and what
+    the call asks of the kernels besides its shapes: the mask kind and window (None: unbounded on that side; a
+    negative bound moves that edge past the diagonal), the soft-capping value (0: none) and whether learnable sinks
+    take part."""
+
+    capability: Capability
+    forward: Route
+    backward: Route
+    # The head dim the backward's kernels run at where it is wider than the call's head dims (operands zero-padded
+    # to it, arch/padded_head_dims.py), else None.
+    backward_padded_to: Optional[int] = None
+    mask: str = "none"
+    window: Window = (None, None)
+    softcap: float = 0.0
+    sink: bool = False
+
+    @property
+    def forward_family(self) -> Optional[str]:
+        return self.forward.family
+
+    @property
+    def backward_family(self) -> Optional[str]:
+        return self.backward.family
+
+    def __str__(self) -> str:
+        cap = f"compute capability {self.capability[0]}.{self.capability[1]}"
+        backward = self.backward.describe()
+        if self.backward_padded_to is not None:
+            backward += f" (its head dim {self.backward_padded_to} kernels, on operands zero-padded to it)"
+        call = f"mask {self.mask}"
+        if self.window != (None, None):
+            call += f", window {self.window}"
+        if self.softcap:
+            call += f", softcap {self.softcap:g}"
+        if self.sink:
+            call += ", learnable sinks"
+        return f"{cap}, {call}: {self.forward.describe()}; {backward}"
+
+    @classmethod
+    def of(cls, problem: Union[Problem, VarlenProblem], capability: Capability, deterministic: bool) -> "Explanation":
+        spec = problem.spec
+        forward = route(spec, capability, backward=False)
+        backward = route(spec, capability, backward=True, deterministic=deterministic)
+        padded_to = None
+        if backward.family is not None:
+            dims = backward.backend.backward_head_dims(spec)
+            padded_to = max(dims) if dims != (spec.head_dim, spec.head_dim_v) else None
+        m = problem.mask
+        window = tuple(None if b >= UNBOUNDED_WINDOW else b for b in (m.left, m.right))
+        return cls(capability, forward, backward, padded_to, m.kind, window, problem.softcap, spec.sink)
+
+
+def explaining(call: Callable) -> Callable:
+    """Makes `explain(q, k, v, ..., capability, **keywords)` take exactly the arguments of `call` (an attention
+    function), return_lse aside, and `capability`: its signature (what help() and inspect show) and the check of the
+    arguments it is given (TypeError for unknown ones) come from `call`'s, so the two lists cannot drift apart. The
+    decorated function gets every argument by name, defaults filled in."""
+    sig = inspect.signature(call)
+    params = [p for name, p in sig.parameters.items() if name != "return_lse"]
+    kind = inspect.Parameter.KEYWORD_ONLY
+    params.append(inspect.Parameter("capability", kind, default=None, annotation=Optional[CapabilityLike]))
+    sig = sig.replace(parameters=params, return_annotation=Explanation)
+
+    def wrap(explainer: Callable) -> Callable:
+        @functools.wraps(explainer)
+        def explain(*args, **kwargs) -> Explanation:
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return explainer(**bound.arguments)
+
+        explain.__signature__ = sig
+        return explain
+
+    return wrap

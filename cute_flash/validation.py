@@ -1,20 +1,25 @@
-"""The one place that checks a call's inputs, before anything is compiled or launched, and the one place that
-normalises tensor layouts for the kernels (`kernel_view`).
+"""The one place that checks a call's inputs, before anything is compiled or launched, and the home of the one
+layout normalisation for the kernels (`kernel_view`, in kernel_layout.py) and of the validated call types
+(problem.py), which it re-exports.
 
-Every message names the argument and what was expected. Backend-specific limits (head dims a family lacks, fp8 on a
-family without an fp8 kernel) are asked of the backends by the router (`cute_flash.routing`) before any work starts,
-so that they surface as `NotImplementedError` naming every family's reason. `validate_reference` applies the same
-semantic checks to the plain-torch reference.
+Every message names the argument and what was expected: `ValueError` / `TypeError` for malformed input,
+`NotImplementedError` for what no kernel offers. Backend-specific limits (head dims a family lacks, fp8 on a family
+without an fp8 kernel) are asked of the backends by the router (`cute_flash.routing`) before any work starts, so that
+they surface as `NotImplementedError` naming every family's reason; limits of a path rather than of a family (the FP8
+path has neither soft-capping nor sinks) are checked here. `validate_reference` applies the same semantic checks to
+the plain-torch reference.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .kernel_layout import ALIGN_BYTES, is_kernel_layout, kernel_view  # noqa: F401  (re-exported: validation's own)
+from .kernel_layout import round_up as _round_up  # noqa: F401  (arch/sm90/backward.py imports it from here)
+from .problem import KvCacheProblem, PackedSeqs, Problem, Semantics, VarlenProblem  # noqa: F401  (re-exported)
 from .spec import AttentionSpec, MaskBounds, normalize_mask
 
 INPUT_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -26,32 +31,6 @@ MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
 # Device types whose tensors reach the kernels (tests add "meta" to exercise validation without a GPU).
 KERNEL_DEVICE_TYPES = ("cuda",)
-# Kernels load rows 16 bytes at a time; strides that break that alignment are copied once (see `kernel_view`).
-ALIGN_BYTES = 16
-
-
-@dataclass(frozen=True)
-class Semantics:
-    """What a call means, independent of how it is computed: shapes, the mask and the softmax scale."""
-
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    nheads: int
-    nheads_kv: int
-    head_dim: int
-    head_dim_v: int
-    mask: MaskBounds
-    softmax_scale: float
-
-
-@dataclass(frozen=True)
-class Problem(Semantics):
-    """A validated kernel call: its semantics (shapes, the runtime mask, the softmax scale) and the compile spec;
-    softcap: the soft-capping value where spec.softcap (0.0: none)."""
-
-    spec: AttentionSpec
-    softcap: float = 0.0
 
 
 def problem_of(
@@ -60,21 +39,28 @@ def problem_of(
     v: torch.Tensor,
     mask: MaskBounds,
     softmax_scale: float,
-    seqs: Optional["PackedSeqs"] = None,
-) -> Union[Problem, "VarlenProblem"]:
-    """The `Problem` of fp16/bf16 inputs that `validate` has already accepted (the custom ops and the ring's
-    kernel blocks rebuild it from tensors and a normalised mask; nothing is checked again); with `seqs`, the
-    `VarlenProblem` of packed inputs that `validate_varlen` accepted."""
+    seqs: Optional[PackedSeqs] = None,
+    softcap: float = 0.0,
+    sink: bool = False,
+) -> Union[Problem, VarlenProblem]:
+    """The `Problem` of fp16/bf16 inputs that `validate` has already accepted (views of an accepted call, e.g. the
+    packed problem of decoding under GQA or the ring's kernel blocks, are rebuilt from tensors and a normalised mask;
+    nothing is checked again); with `seqs`, the `VarlenProblem` of packed inputs that `validate_varlen` accepted.
+    softcap: the cap (0: none); sink: whether learnable sinks take part."""
     *_, nheads, head_dim = q.shape
     head_dim_v, nheads_kv = v.shape[-1], k.shape[-2]
     dtype = INPUT_DTYPES[q.dtype]
-    spec = AttentionSpec(dtype, head_dim, head_dim_v, mask.kind, dtype, varlen=seqs is not None)
+    spec = AttentionSpec(
+        dtype, head_dim, head_dim_v, mask.kind, dtype, varlen=seqs is not None, softcap=softcap > 0, sink=sink
+    )
     if seqs is None:
         batch, seqlen_q = q.shape[:2]
-        return Problem(batch, seqlen_q, k.shape[1], nheads, nheads_kv, head_dim, head_dim_v, mask, softmax_scale, spec)
+        return Problem(
+            batch, seqlen_q, k.shape[1], nheads, nheads_kv, head_dim, head_dim_v, mask, softmax_scale, spec, softcap
+        )
     return VarlenProblem(
         seqs.cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0], nheads, nheads_kv, head_dim, head_dim_v,
-        seqs.max_seqlen_q, seqs.max_seqlen_k, spec, mask, softmax_scale,
+        seqs.max_seqlen_q, seqs.max_seqlen_k, spec, mask, softmax_scale, softcap,
     )  # fmt: skip
 
 
@@ -150,6 +136,8 @@ def validate(
     descale: Optional[Sequence[torch.Tensor]] = None,
     fp8_rotate: bool = True,
     deterministic: bool = False,
+    softcap: float = 0.0,
+    learnable_sink: Optional[torch.Tensor] = None,
     any_device: bool = False,
 ) -> Problem:
     """Every check of a `cute_flash.attention` call; returns the validated problem (the spec a kernel compiles for).
@@ -180,8 +168,14 @@ def validate(
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     sem = _check_semantics(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
-    if deterministic and (dtype == "fp8" or prequantized):
+    softcap, sink = _check_features(softcap, learnable_sink, sem.nheads, q.device)
+    fp8 = dtype == "fp8" or prequantized
+    if deterministic and fp8:
         raise ValueError("deterministic=True concerns the backward, and the FP8 path has none (forward only)")
+    if fp8 and (softcap or sink):
+        # No family's FP8 kernel has these: a limit of the path, said here rather than by every family's router reason.
+        what = " and ".join(w for w, on in (("soft-capping", softcap), ("learnable sinks", sink)) if on)
+        raise NotImplementedError(f"the FP8 path (dtype='fp8' or float8_e4m3fn inputs) has no {what}")
     _check_launch_limits(sem)
 
     if prequantized:
@@ -189,17 +183,26 @@ def validate(
     # Pre-quantised inputs are written out in bf16; fp16/bf16 inputs keep their dtype on the FP8 path too.
     in_dtype = FP8_OUT_DTYPE if prequantized else INPUT_DTYPES[q.dtype]
     spec = AttentionSpec(
-        dtype="fp8" if (dtype == "fp8" or prequantized) else in_dtype,
+        dtype="fp8" if fp8 else in_dtype,
         head_dim=sem.head_dim,
         head_dim_v=sem.head_dim_v,
         mask=sem.mask.kind,
         out_dtype=in_dtype,
+        softcap=softcap > 0,
+        sink=sink,
     )
     # Field by field: this runs under torch.compile, and torch 2.11's dynamo cannot trace vars() of a dataclass.
     s = sem
     return Problem(
-        s.batch, s.seqlen_q, s.seqlen_k, s.nheads, s.nheads_kv, s.head_dim, s.head_dim_v, s.mask, s.softmax_scale, spec
-    )
+        s.batch, s.seqlen_q, s.seqlen_k, s.nheads, s.nheads_kv, s.head_dim, s.head_dim_v, s.mask, s.softmax_scale, spec,
+        softcap,
+    )  # fmt: skip
+
+
+def _check_features(softcap: object, learnable_sink: object, nheads: int, device) -> Tuple[float, bool]:
+    """(the cap, whether sinks take part) of a call's soft-capping and learnable sinks (check_softcap,
+    check_learnable_sink)."""
+    return check_softcap(softcap), check_learnable_sink(learnable_sink, nheads, device) is not None
 
 
 # Input dtypes of `cute_flash.reference` (it computes in a dtype of its own; fp8 inputs need their descales first).
@@ -283,9 +286,9 @@ def _check_semantics(q, k, v, *, causal, softmax_scale, window_size) -> Semantic
     ):
         raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
     elif softmax_scale < 0:
-        # Every kernel takes the running row max over raw scores, which is the max of the scaled scores only when
-        # the scale is not negative.
-        raise NotImplementedError(f"softmax_scale must be >= 0 for cute_flash kernels, got {softmax_scale}")
+        # Malformed rather than missing: a negative scale reverses which keys a row attends to most (and every kernel
+        # takes the running row max over raw scores, the max of the scaled ones only for a scale >= 0).
+        raise ValueError(f"softmax_scale must be >= 0 (None: 1/sqrt(head_dim)), got {softmax_scale}")
     return Semantics(
         batch=batch,
         seqlen_q=seqlen_q,
@@ -327,104 +330,6 @@ def _check_launch_limits(sem: Semantics) -> None:
             f"seqlen x head_dim = {longest} elements per head exceeds the kernels' Int32 indexing "
             f"({MAX_ELEMENTS_PER_HEAD}); split the sequence (e.g. ring attention over several calls)"
         )
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-# (shape, strides, dtype, base address mod 16) of layouts `kernel_view` hands over unchanged: the backends check every
-# tensor they launch with, several per call, and the answer depends on nothing else.
-_KERNEL_LAYOUTS: set = set()
-
-
-def _layout_problems(t: torch.Tensor) -> Tuple[bool, bool]:
-    """(needs a copy, needs a restrided view of a size-1 dimension) for `kernel_view`; see there."""
-    shape, strides = t.shape, t.stride()
-    align = max(1, ALIGN_BYTES // t.element_size())
-    last = len(shape) - 1
-    needs_copy = t.data_ptr() % ALIGN_BYTES != 0 or (shape[last] > 1 and strides[last] != 1)
-    fix_unit = False
-    for i in range(last):
-        n, st = shape[i], strides[i]
-        if n == 1:
-            fix_unit = fix_unit or st % align != 0
-        elif st == 0 or st % align != 0:
-            needs_copy = True
-    return needs_copy, fix_unit
-
-
-def is_kernel_layout(t: torch.Tensor) -> bool:
-    """Whether `kernel_view(t)` is `t` itself. Depends only on the shape, strides, element size and the base
-    address modulo 16, so a caller may cache the answer per (shape, strides, dtype, alignment)."""
-    return t.numel() == 0 or _layout_problems(t) == (False, False)
-
-
-def kernel_view(t: torch.Tensor, *, copy: bool = True, name: str = "tensor") -> torch.Tensor:
-    """The one layout normalisation between torch tensors and the kernels' compiled signatures.
-
-    Every kernel is compiled for: a 16-byte-aligned base address, a unit stride in the last dimension, and outer
-    strides that are multiples of 16 bytes (8 elements of fp16/bf16, what cp.async and TMA move at a time). This
-    returns, in order of preference:
-      * `t` itself when it already meets that contract (non-contiguous views included: no copy);
-      * a view of the same memory (no copy) when the only problem is the stride of a size-1 dimension, which
-        never addresses memory but which torch may leave at any value after slicing or unsqueezing; it becomes
-        the stride a contiguous tensor would have, rounded up to 16 bytes;
-      * a contiguous copy otherwise: a misaligned base (an offset view), a last dimension that is not unit-stride
-        (a transposed view), an outer stride that breaks 16-byte alignment, or a broadcast dimension (stride 0 with
-        size > 1, e.g. the expanded gradient autograd hands to backward after `out.sum().backward()`): a kernel
-        that reads through TMA needs every stride of a dimension it tiles to step to new memory.
-    With copy=False (for tensors a kernel writes, and for backends, whose inputs the front end has normalised) a
-    layout that would need a copy raises instead of copying.
-    """
-    key = (t.shape, t.stride(), t.dtype, t.data_ptr() & (ALIGN_BYTES - 1))
-    if key in _KERNEL_LAYOUTS:  # seen before and usable as is: the common case, a dict lookup
-        return t
-    if t.numel() == 0:
-        return t
-    needs_copy, fix_unit = _layout_problems(t)
-    if not (needs_copy or fix_unit):
-        if len(_KERNEL_LAYOUTS) >= 4096:
-            _KERNEL_LAYOUTS.clear()
-        _KERNEL_LAYOUTS.add(key)
-        return t
-    shape, strides = t.shape, t.stride()
-    elem = t.element_size()
-    align = max(1, ALIGN_BYTES // elem)
-    last = len(shape) - 1
-    if needs_copy:
-        if not copy:
-            raise ValueError(
-                f"cute_flash internal error: {name} (shape {tuple(shape)}, strides {tuple(strides)}, "
-                f"{elem}-byte elements) cannot be handed to a kernel without a copy"
-            )
-        # clone(), not contiguous(): a contiguous tensor can still start at a misaligned offset.
-        t = t.clone(memory_format=torch.contiguous_format)
-        shape, strides = t.shape, t.stride()
-        fix_unit = any(shape[i] == 1 and strides[i] % align != 0 for i in range(last))
-    if not fix_unit:
-        return t
-    new_strides = list(strides)
-    trailing = 1
-    for i in range(last, -1, -1):
-        if shape[i] == 1 and i < last and strides[i] % align != 0:
-            new_strides[i] = _round_up(max(trailing, 1), align)
-        elif shape[i] == 1 and i == last:
-            new_strides[i] = 1
-        trailing *= shape[i]
-    return t.as_strided(shape, new_strides)
-
-
-class PackedSeqs(NamedTuple):
-    """Where the sequences of a packed (varlen) batch lie: int32 `cu_seqlens_*` (batch + 1,) and optional
-    `seqused_k` (batch,) on the device, host ints bounding every sequence's length. The five arguments of
-    `attention_varlen` travel as this one value from its signature to the kernels (`validate_varlen` checks it)."""
-
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    seqused_k: Optional[torch.Tensor]
-    max_seqlen_q: int
-    max_seqlen_k: int
 
 
 def validate_varlen_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs) -> int:
@@ -482,25 +387,6 @@ def varlen_offsets(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Pack
     return cq, ck
 
 
-@dataclass(frozen=True)
-class VarlenProblem:
-    """A validated packed (variable-length) call: shapes, the compile spec (varlen=True) and the runtime mask."""
-
-    batch: int
-    total_q: int
-    total_k: int
-    nheads: int
-    nheads_kv: int
-    head_dim: int
-    head_dim_v: int
-    max_seqlen_q: int
-    max_seqlen_k: int
-    spec: AttentionSpec
-    mask: MaskBounds
-    softmax_scale: float
-    softcap: float = 0.0  # where spec.softcap (0.0: none)
-
-
 def validate_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -511,14 +397,17 @@ def validate_varlen(
     softmax_scale: Optional[float],
     window_size: Tuple[Optional[int], Optional[int]],
     deterministic: bool = False,
+    softcap: float = 0.0,
+    learnable_sink: Optional[torch.Tensor] = None,
     any_device: bool = False,
 ) -> VarlenProblem:
     """Every check of a `cute_flash.attention_varlen` call that needs no device-to-host copy (so that the call can
     be captured in a CUDA graph): the layout checks of `validate_varlen_layout` (ranks, int32 (batch + 1,)
     cu_seqlens and int32 (batch,) seqused_k on q's device, host-int max_seqlen >= 0), then what `validate` checks of
-    a dense call (CUDA device, unit last stride, one dtype fp16/bf16, heads and head dims, mask, softmax_scale).
-    Not checked (they would need the values on the host): cu_seqlens starting at 0, non-decreasing and ending at
-    total; each length <= its max_seqlen; seqused_k[b] <= that sequence's keys. The kernels trust them.
+    a dense call (CUDA device, unit last stride, one dtype fp16/bf16, heads and head dims, mask, softmax_scale,
+    softcap, learnable sinks). Not checked (they would need the values on the host): cu_seqlens starting at 0,
+    non-decreasing and ending at total; each length <= its max_seqlen; seqused_k[b] <= that sequence's keys. The
+    kernels trust them.
 
     any_device: skip the device check only (`explain_varlen` for a given compute capability)."""
     batch = validate_varlen_layout(q, k, v, seqs)
@@ -531,6 +420,7 @@ def validate_varlen(
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     sem = _check_semantics(q4, k4, v4, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+    softcap, sink = _check_features(softcap, learnable_sink, sem.nheads, q.device)
     _check_launch_limits(
         Semantics(batch, max_seqlen_q, max_seqlen_k, sem.nheads, sem.nheads_kv, sem.head_dim, sem.head_dim_v,
                   sem.mask, sem.softmax_scale)
@@ -543,7 +433,9 @@ def validate_varlen(
             f"kernels' Int32 indexing ({MAX_ELEMENTS_PER_HEAD}); split the batch into several calls"
         )
     dtype = INPUT_DTYPES[q.dtype]
-    spec = AttentionSpec(dtype, sem.head_dim, sem.head_dim_v, sem.mask.kind, dtype, varlen=True)
+    spec = AttentionSpec(
+        dtype, sem.head_dim, sem.head_dim_v, sem.mask.kind, dtype, varlen=True, softcap=softcap > 0, sink=sink
+    )
     return VarlenProblem(
         batch=batch,
         total_q=q.shape[0],
@@ -557,33 +449,8 @@ def validate_varlen(
         spec=spec,
         mask=sem.mask,
         softmax_scale=sem.softmax_scale,
+        softcap=softcap,
     )
-
-
-@dataclass(frozen=True)
-class KvCacheProblem:
-    """A validated `attention_with_kvcache` call: the shapes, the compile spec (spec.kvcache) and the runtime mask.
-
-    seqlen_q: query tokens per sequence (dense q), or the longest sequence's (packed q, `cu_seqlens_q`); total_q:
-    the packed rows (batch * seqlen_q for dense q). max_seqlen_k bounds every sequence's keys (the cache's capacity:
-    max_pages * page_size, or seqlen_cache), so splits and grids are chosen on the host without reading lengths.
-    The mask is bottom-right aligned per sequence: query row s of sequence b sees key j iff
-    s + off_b - left <= j <= s + off_b + right, off_b = seqlen_k[b] - seqlen_q[b]."""
-
-    batch: int
-    seqlen_q: int
-    total_q: int
-    nheads: int
-    nheads_kv: int
-    head_dim: int
-    head_dim_v: int
-    max_seqlen_k: int
-    num_pages: int  # pages of the cache (batch for a dense cache)
-    spec: AttentionSpec
-    mask: MaskBounds
-    softmax_scale: float
-    softcap: float = 0.0
-    packed_q: bool = False  # q is (total_q, h, d) with cu_seqlens_q
 
 
 class KvCacheArgs(NamedTuple):

@@ -40,7 +40,8 @@ class Config:
         s = self.spec
         dims = f"d{s.head_dim}" if s.head_dim == s.head_dim_v else f"d{s.head_dim}x{s.head_dim_v}"
         what = "backward" if self.backward else "forward"
-        extras = [x for x, on in (("gqa", self.gqa), ("deterministic", self.deterministic)) if on]
+        flags = (("softcap", s.softcap), ("sink", s.sink), ("gqa", self.gqa), ("deterministic", self.deterministic))
+        extras = [x for x, on in flags if on]
         return " ".join([what, s.dtype, dims, s.mask, *extras])
 
 
@@ -53,12 +54,14 @@ def configs(
     gqa: Iterable[bool] = (False,),
     deterministic: Iterable[bool] = (False,),
     head_dim_v: Optional[int] = None,
+    softcap: bool = False,
+    sink: bool = False,
 ) -> List[Config]:
     """Every forward configuration of the product, and with `backward` the backward ones too (GQA and deterministic
-    variants change the backward's kernels only)."""
+    variants change the backward's kernels only); softcap / sink: the builds with soft-capping / learnable sinks."""
     out = []
     for d, dtype, mask in itertools.product(head_dims, dtypes, masks):
-        spec = AttentionSpec(dtype, d, head_dim_v or d, mask, dtype)
+        spec = AttentionSpec(dtype, d, head_dim_v or d, mask, dtype, softcap=softcap, sink=sink)
         out.append(Config(spec))
         if backward:
             out += [Config(spec, True, g, det) for g, det in itertools.product(gqa, deterministic)]

@@ -141,10 +141,23 @@ def _breakdown(q, k, v, dout, calls: int, busy) -> None:
     """Host µs of the pieces of a warm causal cute-flash call (sm90 backend), each timed as the whole calls are."""
     from cute_flash import compile_cache, interface, native
     from cute_flash.arch.base import BwdTensors, FwdTensors, Grads
+    from cute_flash.core import plan as plans
+
+    scalars = (
+        True,
+        None,
+        None,
+        None,
+        False,
+        0.0,
+    )  # core/fields.py's: causal, scale, window bounds, deterministic, softcap
+
+    def planned():
+        return plans.dense(q, k, v, scalars, (None, None), (None,))
 
     with torch.no_grad():
         fwd_out, fwd_lse = interface.attention(q, k, v, causal=True, return_lse=True)  # warm: plan, kernels
-        plan = interface._plan(q, k, v, True, None, (None, None), False)
+        plan = planned()
         p = plan.problem
         out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=q.device)
         lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
@@ -156,7 +169,7 @@ def _breakdown(q, k, v, dout, calls: int, busy) -> None:
         bwd = plan.backward_backend(q)
         bwd_launch = bwd.backward_launcher(p, q.device, False)
         pieces = {
-            "signature + plan lookup": lambda: interface._plan(q, k, v, True, None, (None, None), False),
+            "signature + plan lookup": planned,
             "torch.empty out + lse": lambda: (
                 torch.empty(plan.out_shape, dtype=plan.out_dtype, device=q.device),
                 torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device),
@@ -172,9 +185,7 @@ def _breakdown(q, k, v, dout, calls: int, busy) -> None:
         }
         lib = native.loaded()
         if lib is not None:  # the C++ call path's own call (cute_flash/native.py), the signature registered above
-            pieces["the C++ path's forward call (out given)"] = lambda: lib.forward(
-                q, k, v, out, True, None, None, None, False
-            )
+            pieces["the C++ path's forward call (out given)"] = lambda: lib.forward(q, k, v, out, *scalars)
             pieces["torch.empty_like(q) (its out)"] = lambda: torch.empty_like(q, memory_format=torch.contiguous_format)
         for name, fn in pieces.items():
             print(f"  {name:>34} {_host_us(fn, calls, busy):>8.1f} µs", flush=True)

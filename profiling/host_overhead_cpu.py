@@ -32,7 +32,8 @@ def _zeros_without_memset(*size, **kwargs):
 @contextlib.contextmanager
 def fake_gpu(capability=(9, 0)) -> Iterator[None]:
     """Runs cute_flash's host path on CPU tensors with no-op kernels (see the module docstring)."""
-    from cute_flash import compile_cache, interface, native, validation
+    from cute_flash import compile_cache, native, validation
+    from cute_flash.core import device, native_path, plan
 
     def noop(*args):
         return None
@@ -42,9 +43,9 @@ def fake_gpu(capability=(9, 0)) -> Iterator[None]:
     forward_noop = lib.noop_kernel if lib is not None else noop
     saved = [
         (validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu")),
-        (interface, "_NATIVE_DEVICE_TYPES", ("cuda", "cpu")),
-        (interface, "_device_capability", lambda t: capability),
-        (interface, "_device_guard", lambda t: contextlib.nullcontext()),
+        (native_path, "DEVICE_TYPES", ("cuda", "cpu")),
+        (device, "capability", lambda t: capability),
+        (device, "guard", lambda t: contextlib.nullcontext()),
         (
             compile_cache,
             "get_or_compile",
@@ -59,12 +60,12 @@ def fake_gpu(capability=(9, 0)) -> Iterator[None]:
     try:
         for obj, name, value in saved:
             setattr(obj, name, value)
-        interface.clear_call_cache()
+        plan.clear_call_cache()
         yield
     finally:
         for obj, name, value in old:
             setattr(obj, name, value)
-        interface.clear_call_cache()
+        plan.clear_call_cache()
 
 
 def host_us(fn: Callable[[], object], calls: int, repeats: int = 7) -> float:

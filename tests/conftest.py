@@ -64,8 +64,8 @@ def _force_family(request, monkeypatch):
 def _fresh_call_cache():
     # cute_flash.attention caches validation and routing per call signature; tests that patch the device check,
     # the router or the backends must not see a plan made under another test's patches.
-    from cute_flash import interface
+    from cute_flash.core import plan
 
-    interface.clear_call_cache()
+    plan.clear_call_cache()
     yield
-    interface.clear_call_cache()
+    plan.clear_call_cache()

@@ -18,6 +18,8 @@ def test_info_runs():
     proc = run_cli("info")
     assert proc.returncode == 0, proc.stderr
     assert "cute_flash" in proc.stdout and "backend" in proc.stdout and "C++ call path: " in proc.stdout
+    if not torch.cuda.is_available():  # it points at the cross-compiling commands, which take --arch
+        assert "compile --arch" in proc.stdout and "CUTE_FLASH_ARCH to pick" not in proc.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU demo is exercised by the GPU tests")
@@ -116,3 +118,71 @@ def test_reports_are_matched_to_artifacts_by_name_and_stack_frame():
     assert _take_report(reports, "bwd", 8)["spill_bytes"] == 16
     assert _take_report(reports, "bwd", 32)["spill_bytes"] == 68
     assert _take_report(reports, "missing", 0) == {}
+
+
+def test_demo_refuses_bad_options(capsys):
+    from cute_flash.cli import build_parser
+
+    for bad in (["--batch", "-3"], ["--seqlen", "0"], ["--head-dim", "x"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["demo", "--no-compile", *bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and ("positive integer" in err or "invalid" in err), bad
+
+
+def test_demo_without_gpu_uses_its_options_and_leaves_no_directory(monkeypatch, tmp_path):
+    """The CPU demo runs the algorithm at the shape asked for and cross-compiles for the head dim and mask asked for,
+    into a temporary directory removed afterwards (or --out, kept)."""
+    import argparse
+    import os
+
+    from cute_flash import demo
+
+    seen = []
+
+    def fake_run(cmd, **kw):  # the cross-compiles (tests/test_compile_sm*.py run real ones)
+        seen.append(cmd)
+        out = cmd[cmd.index("--out") + 1]
+        assert os.path.isdir(out)
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(demo.subprocess, "run", fake_run)
+    args = argparse.Namespace(batch=1, seqlen=40, nheads=2, head_dim=32, causal=True, no_compile=False, out=None)
+    assert demo.run_cpu(args) == 0
+    assert len(seen) == 3 and all("--causal" in c and c[c.index("--head-dim") + 1] == "32" for c in seen)
+    assert not os.path.exists(seen[0][seen[0].index("--out") + 1])
+    seen.clear()
+    assert demo.run_cpu(argparse.Namespace(**{**vars(args), "out": str(tmp_path / "k"), "causal": False})) == 0
+    assert os.path.isdir(tmp_path / "k") and all("--causal" not in c for c in seen)
+
+
+def test_bench_help_explains_every_option_with_its_default():
+    from cute_flash.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if a.dest == "command"]
+    bench = sub.choices["bench"]
+    for action in bench._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, action.option_strings
+            if action.default is not None and not isinstance(action.default, bool):
+                assert "default" in action.help, action.option_strings
+    assert "(default 512,1024,2048,4096,8192,16384)" in " ".join(bench.format_help().split())
+
+
+def test_compile_and_warmup_take_the_new_builds():
+    from cute_flash.cli import _spec_from_args, _warmup_capability, build_parser
+    from cute_flash.warmup import configs
+
+    args = build_parser().parse_args(
+        ["compile", "--arch", "sm90", "--head-dim", "128", "--local", "--softcap", "--sink"]
+    )
+    spec = _spec_from_args(args)
+    assert (spec.mask, spec.softcap, spec.sink) == ("local", True, True)
+    args = build_parser().parse_args(["warmup", "--capability", "sm90", "--head-dims", "64", "--softcap"])
+    assert _warmup_capability(args) == (9, 0)
+    (cfg,) = configs(args.head_dims, masks=["causal"], softcap=args.softcap, sink=args.sink)
+    assert cfg.spec.softcap and not cfg.spec.sink and cfg.describe() == "forward bf16 d64 causal softcap"
+    from cute_flash.cli import main
+
+    assert main(["warmup", "--capability", "nine"]) == 2

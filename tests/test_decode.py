@@ -84,12 +84,57 @@ def test_decoding_gradients_are_unchanged(fake_gpu):  # noqa: F811
 
 
 def test_the_custom_op_packs_as_the_eager_path(fake_gpu):  # noqa: F811
-    # torch.compile's path (cute_flash::fwd -> interface._run_forward) packs too: the same launch, the same result.
+    # torch.compile's path (cute_flash::fwd -> the call core's one launcher) packs too: the same launch, same result.
     import cute_flash.ops  # noqa: F401  (registers the ops)
 
     q, k, v = _qkv(3, 29, 8, 2, 32)
     eager = cute_flash.attention(q, k, v, causal=True, window_size=(5, None), return_lse=True)
-    op = torch.ops.cute_flash.fwd(q, k, v, 32**-0.5, "local", 5, 0, False)
+    # core/fields.py's CALL then PACKED: causal, scale, window, deterministic, softcap, sink, packed (none)
+    op = torch.ops.cute_flash.fwd(q, k, v, True, None, 5, None, False, 0.0, None, None, None, None, 0, 0, False)
     assert [c[3] for c in fake_gpu.calls] == [(3, 4, 2, 32)] * 2
     for a, b in zip(eager, op):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "window,keys",
+    [((None, -3), (0, 26)), ((4, -2), (24, 27)), ((-2, 5), None), ((None, -29), None), ((-1, None), None)],
+    ids=["right_negative", "both_edges", "left_negative", "all_keys_hidden", "left_past_the_row"],
+)
+def test_decoding_with_negative_window_bounds(fake_gpu, window, keys):  # noqa: F811
+    """A negative bound moves a window edge past the query row (at key 28 of 29): the keys it leaves are the packed
+    problem's, and a window that leaves none launches nothing (out 0, lse -inf; with sinks lse = the sink)."""
+    q, k, v = _qkv(3, 29, 8, 2, 32)
+    p = validate(q, k, v, causal=False, softmax_scale=None, window_size=window, dtype=None)
+    lo, hi = decode.keys_seen(p, 0, True)
+    assert (lo, hi) == keys if keys is not None else lo >= hi
+    out, lse = cute_flash.attention(q, k, v, window_size=window, return_lse=True)
+    if keys is None:
+        assert fake_gpu.calls == [] and torch.all(out == 0) and torch.all(torch.isneginf(lse))
+        sink = torch.randn(8)
+        out, lse = cute_flash.attention(q, k, v, window_size=window, return_lse=True, learnable_sink=sink)
+        assert fake_gpu.calls == [] and torch.all(out == 0)
+        torch.testing.assert_close(lse, sink.view(1, 8, 1).expand(3, 8, 1))
+        return
+    ((_, _, _, q_shape, k_shape),) = fake_gpu.calls
+    assert q_shape == (3, 4, 2, 32) and k_shape == (3, keys[1] - keys[0], 2, 32)
+    want, want_lse = attention_reference(q, k, v, window_size=window, return_lse=True)
+    torch.testing.assert_close(out.double(), want.double(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, want_lse.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_decoding_maps_each_packed_row_to_its_query_heads_sink(fake_gpu):  # noqa: F811
+    """Packed decoding views the (h,) sinks as (group, h_kv) with strides (1, group): row j of KV head g reads the
+    sink of query head g * group + j (arch/base.FwdTensors.sink), and the result equals the unpacked call's."""
+    from .feature_reference import featured_reference
+
+    q, k, v = _qkv(3, 29, 8, 2, 32)
+    sink = torch.randn(8, dtype=torch.bfloat16)
+    out, lse = cute_flash.attention(q, k, v, causal=True, softcap=5.0, learnable_sink=sink, return_lse=True)
+    (call,) = fake_gpu.calls
+    assert call[3] == (3, 4, 2, 32)  # packed
+    assert fake_gpu.features == [("forward", 5.0, ((4, 2), (1, 4)))]
+    mask = validate(q, k, v, causal=True, softmax_scale=None, window_size=(None, None), dtype=None).mask
+    want, want_lse = featured_reference(q, k, v, 32**-0.5, mask, 5.0, sink.float().expand(1, 8))
+    torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-4, rtol=1e-4)

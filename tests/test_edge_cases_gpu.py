@@ -12,8 +12,16 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash import interface
+from cute_flash.core import plan
 from cute_flash.testing import check_backward, check_forward, random_qkv
+
+
+def _plan(q, k, v, kw):
+    """The call core's plan of attention(q, k, v, **kw) (cached: the one a warm call runs)."""
+    call = dict(causal=kw.get("causal", False), softmax_scale=kw.get("softmax_scale"))
+    call.update(window_size=kw.get("window_size", (None, None)), deterministic=False, softcap=0.0, learnable_sink=None)
+    return plan.of_call(q, k, v, **call)
+
 
 pytestmark = [pytest.mark.sm90, pytest.mark.xdist_group("edge-cases")]
 
@@ -87,9 +95,7 @@ def test_decoding_with_packed_query_heads(b, sk, h, hkv, d, dv, kw, head_major):
         q, k, v = random_qkv(b, 1, sk, h, hkv, d, dv, dtype=dtype, seed=sk)
         if head_major:
             q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-        assert interface._plan(
-            q, k, v, kw.get("causal", False), kw.get("softmax_scale"), kw.get("window_size", (None, None)), False
-        ).decode_keys
+        assert _plan(q, k, v, kw).decode_keys
         out, lse = cute_flash.attention(q, k, v, return_lse=True, **kw)
         check_forward(q, k, v, out, lse, **kw)
     # torch.compile's custom op packs the same way: bit for bit the eager result.
@@ -101,10 +107,8 @@ def test_decoding_with_packed_query_heads(b, sk, h, hkv, d, dv, kw, head_major):
 
 def _split_launch(q, k, v, kw):
     """The launcher a warm eager call of these arguments runs (the packed problem's under packed decoding)."""
-    plan = interface._plan(
-        q, k, v, kw.get("causal", False), kw.get("softmax_scale"), kw.get("window_size", (None, None)), False
-    )
-    return (plan.decode_plan or plan).launch
+    planned = _plan(q, k, v, kw)
+    return (planned.decode_plan or planned).launch
 
 
 @pytest.mark.parametrize("head_major", [False, True], ids=["seq_major", "head_major"])

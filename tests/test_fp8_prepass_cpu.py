@@ -159,11 +159,12 @@ def test_check_prequantized_descale_forms():
 # --- API validation of the FP8 keywords (meta tensors stand in for CUDA tensors; no kernel runs) ----------------------
 @pytest.fixture
 def meta_gpu(monkeypatch):
-    from cute_flash import interface, validation
+    from cute_flash import validation
+    from cute_flash.core import device
 
     monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "meta"))
     monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
-    monkeypatch.setattr(interface, "_device_capability", lambda t: (8, 0))  # an Ampere GPU: no FP8 kernel
+    monkeypatch.setattr(device, "capability", lambda t: (8, 0))  # an Ampere GPU: no FP8 kernel
 
 
 def _meta(*shape, dtype=torch.bfloat16):

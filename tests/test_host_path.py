@@ -1,48 +1,70 @@
-"""The eager host path's plan cache (interface._plan): a warm call skips validation and routing, but never accepts
+"""The eager host path's plan cache (core/plan.py): a warm call skips validation and routing, but never accepts
 what a cold call rejects, and sees a changed CUTE_FLASH_ARCH."""
 
 import pytest
 import torch
 
 import cute_flash
-from cute_flash import interface, validation
+from cute_flash import validation
+from cute_flash.core import device, plan
 
 
 @pytest.fixture(autouse=True)
 def meta_is_gpu(monkeypatch):
     monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "meta"))
-    monkeypatch.setattr(interface, "_device_capability", lambda t: (9, 0))
+    monkeypatch.setattr(device, "capability", lambda t: (9, 0))
 
 
 def _qkv():
     return tuple(torch.empty(1, 16, 2, 64, device="meta", dtype=torch.bfloat16) for _ in range(3))
 
 
+def _plan(q, k, v, causal, softmax_scale, window_size, deterministic, softcap=0.0, sink=None):
+    return plan.dense(q, k, v, (causal, softmax_scale, *window_size, deterministic, softcap), window_size, (sink,))
+
+
 def test_a_cached_signature_never_accepts_a_rejected_argument():
     q, k, v = _qkv()
-    a = interface._plan(q, k, v, True, 0.5, (3, None), False)
-    assert interface._plan(q, k, v, True, 0.5, (3, None), False) is a  # one lookup when warm
+    a = _plan(q, k, v, True, 0.5, (3, None), False)
+    assert _plan(q, k, v, True, 0.5, (3, None), False) is a  # one lookup when warm
     with pytest.raises(TypeError, match="causal must be a bool"):
-        interface._plan(q, k, v, 1, 0.5, (3, None), False)  # 1 == True, but it is not a bool
+        _plan(q, k, v, 1, 0.5, (3, None), False)  # 1 == True, but it is not a bool
     with pytest.raises(ValueError, match="window_size left"):
-        interface._plan(q, k, v, True, 0.5, (True, None), False)
+        _plan(q, k, v, True, 0.5, (True, None), False)
+    with pytest.raises(ValueError, match="softcap"):
+        _plan(q, k, v, True, 0.5, (3, None), False, softcap=True)  # True == 1.0, but not a cap
     with pytest.raises(ValueError, match="window_size"):
-        cute_flash.attention(q, k, v, window_size=[3])  # unhashable, validated the slow way
+        cute_flash.attention(q, k, v, window_size=[3])  # not a pair, validated the slow way
+
+
+def test_the_sink_is_keyed_by_its_metadata():
+    q, k, v = _qkv()
+    sink = torch.zeros(2, device="meta")
+    a = _plan(q, k, v, True, None, (None, None), False, sink=sink)
+    other = torch.ones(2, device="meta")  # other values, the same metadata: the same plan
+    assert a.problem.spec.sink and _plan(q, k, v, True, None, (None, None), False, sink=other) is a
+    assert not _plan(q, k, v, True, None, (None, None), False).problem.spec.sink
+    with pytest.raises(TypeError, match="learnable_sink has dtype"):
+        _plan(q, k, v, True, None, (None, None), False, sink=sink.double())
+    with pytest.raises(ValueError, match="learnable_sink must have shape"):
+        _plan(q, k, v, True, None, (None, None), False, sink=torch.zeros(3, device="meta"))
+    with pytest.raises(TypeError, match="learnable_sink must be a torch.Tensor"):
+        _plan(q, k, v, True, None, (None, None), False, sink=[0.0, 0.0])  # no metadata: validated the slow way
 
 
 def test_cute_flash_arch_is_part_of_the_signature(monkeypatch):
     q, k, v = _qkv()
-    assert interface._plan(q, k, v, True, None, (None, None), False).forward.name == "sm90"
+    assert _plan(q, k, v, True, None, (None, None), False).forward.name == "sm90"
     monkeypatch.setenv("CUTE_FLASH_ARCH", "sm80")
-    assert interface._plan(q, k, v, True, None, (None, None), False).forward.name == "sm80"
+    assert _plan(q, k, v, True, None, (None, None), False).forward.name == "sm80"
 
 
 def test_device_check_is_part_of_the_signature(monkeypatch):
     q, k, v = _qkv()
-    interface._plan(q, k, v, False, None, (None, None), False)
+    _plan(q, k, v, False, None, (None, None), False)
     monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda",))
     with pytest.raises(ValueError, match="CUDA GPUs only"):
-        interface._plan(q, k, v, False, None, (None, None), False)
+        _plan(q, k, v, False, None, (None, None), False)
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
@@ -84,18 +106,21 @@ def test_sm80_bound_launchers_launch_each_kernel_once_per_call(heads):
 
 
 def test_a_cached_packed_signature_never_accepts_a_rejected_argument(monkeypatch):
-    """attention_varlen's plan cache (varlen._plan), keyed like the dense one plus the packed-sequence arguments."""
+    """attention_varlen's plans (core/plan.packed), keyed like the dense ones plus the packed-sequence arguments."""
     import numpy as np
 
-    from cute_flash import varlen
     from cute_flash.validation import PackedSeqs
+
+    def packed(q, k, v, seqs, causal, softmax_scale, window_size, deterministic):
+        scalars = (causal, softmax_scale, *window_size, deterministic, 0.0)
+        return plan.packed(q, k, v, scalars, window_size, (None,), seqs)
 
     q, k, v = (torch.empty(40, 2, 64, device="meta", dtype=torch.bfloat16) for _ in range(3))
     cu = torch.empty(3, device="meta", dtype=torch.int32)
     seqs = PackedSeqs(cu, cu, None, 30, 30)
-    a = varlen._plan(q, k, v, seqs, True, None, (None, None), False)
-    assert varlen._plan(q, k, v, seqs, True, None, (None, None), False) is a and not a.copy_seqs
-    varlen._plan(q, k, v, seqs._replace(max_seqlen_q=1), True, None, (None, None), False)  # cached with 1
+    a = packed(q, k, v, seqs, True, None, (None, None), False)
+    assert packed(q, k, v, seqs, True, None, (None, None), False) is a and not a.copy_seqs
+    packed(q, k, v, seqs._replace(max_seqlen_q=1), True, None, (None, None), False)  # cached with 1
     rejected = [
         (seqs._replace(max_seqlen_q=True), "max_seqlen_q"),  # True == 1, but not a host int
         (seqs._replace(max_seqlen_k=np.int64(30)), "max_seqlen_k"),  # 30, but a numpy scalar
@@ -105,10 +130,10 @@ def test_a_cached_packed_signature_never_accepts_a_rejected_argument(monkeypatch
     ]
     for other, match in rejected:
         with pytest.raises(ValueError, match=match):
-            varlen._plan(q, k, v, other, True, None, (None, None), False)
+            packed(q, k, v, other, True, None, (None, None), False)
     strided = torch.empty(6, device="meta", dtype=torch.int32)[::2]
-    assert varlen._plan(q, k, v, seqs._replace(cu_seqlens_q=strided), True, None, (None, None), False).copy_seqs
+    assert packed(q, k, v, seqs._replace(cu_seqlens_q=strided), True, None, (None, None), False).copy_seqs
     monkeypatch.setenv("CUTE_FLASH_ARCH", "sm80")
-    assert varlen._plan(q, k, v, seqs, True, None, (None, None), False).arch.name == "sm80"
-    interface.clear_call_cache()
-    assert not varlen._plans
+    assert packed(q, k, v, seqs, True, None, (None, None), False).forward.name == "sm80"
+    cute_flash.interface.clear_call_cache()
+    assert not plan._plans

@@ -11,22 +11,28 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cute_flash.arch.base import launcher_through_backward, launcher_through_forward
-from cute_flash import interface, validation, varlen
+from cute_flash.arch.base import BackendBase, launcher_through_backward, launcher_through_forward
+from cute_flash import validation
+from cute_flash.core import device
 from cute_flash.reference import attention_reference, attention_varlen_reference
 
+from .feature_reference import featured_reference
 
-class _ReferenceBackend:
+
+class _ReferenceBackend(BackendBase):
     name = "fake"
     cute_arch = "sm_90a"
 
     def __init__(self):
         self.calls = []
+        self.features = []  # (direction, softcap, the sink view's shape and strides or None) per featured launch
 
     def unsupported_reason(self, spec, backward, deterministic=False):
         return None
 
-    def _ref(self, q, k, v, softmax_scale, mask):
+    def _ref(self, q, k, v, softmax_scale, mask, softcap=0.0, sink_rows=None):
+        if softcap or sink_rows is not None:
+            return featured_reference(q, k, v, softmax_scale, mask, softcap, sink_rows)
         return attention_reference(
             q, k, v, softmax_scale=softmax_scale, window_size=(mask.left, mask.right), return_lse=True
         )
@@ -38,58 +44,88 @@ class _ReferenceBackend:
         return launcher_through_backward(self, problem, deterministic)
 
     def forward(self, t, problem, descale=None):
-        q, k, v, out, lse = t[:5]
+        q, k, v, out, lse, sink = t
         softmax_scale, mask = problem.softmax_scale, problem.mask
         self.calls.append(("forward", mask, softmax_scale, tuple(q.shape), tuple(k.shape)))
-        o, l = self._ref(q, k, v, softmax_scale, mask)
+        assert (sink is not None) == problem.spec.sink and (problem.softcap > 0) == problem.spec.softcap
+        if problem.spec.softcap or problem.spec.sink:
+            view = None if sink is None else (tuple(sink.shape), sink.stride())
+            self.features.append(("forward", problem.softcap, view))
+        o, l = self._ref(q, k, v, softmax_scale, mask, problem.softcap, sink)
         out.copy_(o)
         lse.copy_(l)
 
     def backward(self, t, grads, problem, deterministic=False):
-        dout, q, k, v, out, lse, dlse = t[:7]
-        dq, dk, dv = grads[:3]
+        dout, q, k, v, out, lse, dlse, sink = t
+        dq, dk, dv, dsink = grads
         softmax_scale, mask = problem.softmax_scale, problem.mask
         self.calls.append(("backward", mask, softmax_scale, tuple(q.shape), tuple(k.shape)))
+        assert (sink is not None) == problem.spec.sink == (dsink is not None)
+        if problem.spec.softcap or problem.spec.sink:
+            self.features.append(("backward", problem.softcap, None if sink is None else tuple(sink.shape)))
         leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+        if sink is not None:
+            leaves.append(sink.detach().double().requires_grad_(True))
         with torch.enable_grad():  # a backward runs with grad mode off
-            o, l_ = self._ref(*leaves, softmax_scale, mask)
+            rows = None if sink is None else leaves[3].expand(q.shape[1], q.shape[2])
+            o, l_ = self._ref(*leaves[:3], softmax_scale, mask, problem.softcap, rows)
         outs, grads_in = ((o,), (dout.double(),)) if dlse is None else ((o, l_), (dout.double(), dlse.to(l_.dtype)))
-        for g, t in zip(torch.autograd.grad(outs, leaves, grads_in), (dq, dk, dv)):
-            t.copy_(g)
+        got = torch.autograd.grad(outs, leaves, grads_in, allow_unused=True)
+        for g, t in zip(got, (dq, dk, dv, dsink)):
+            t.copy_(torch.zeros_like(t) if g is None else g)
 
     # Packed sequences (what the transformers plug-in sends padded batches and packed documents to).
-    def _ref_varlen(self, q, k, v, seqs, problem):
+    def _ref_varlen(self, q, k, v, seqs, problem, sink_rows=None):
         cu_q, cu_k, seqused_k, max_q, max_k = seqs
         m = problem.mask
-        return attention_varlen_reference(
-            q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=problem.softmax_scale, seqused_k=seqused_k,
-            window_size=(m.left, m.right), return_lse=True,
-        )  # fmt: skip
+        if not (problem.softcap or sink_rows is not None):
+            return attention_varlen_reference(
+                q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=problem.softmax_scale, seqused_k=seqused_k,
+                window_size=(m.left, m.right), return_lse=True,
+            )  # fmt: skip
+        outs, lses = [], []  # one sequence at a time (a test double may read the offsets on the host)
+        for b, (q0, q1, k0, k1) in enumerate(zip(cu_q.tolist(), cu_q.tolist()[1:], cu_k.tolist(), cu_k.tolist()[1:])):
+            if seqused_k is not None:
+                k1 = k0 + int(seqused_k[b])
+            rows = None if sink_rows is None else sink_rows[q0:q1]
+            o, l_ = featured_reference(
+                q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], problem.softmax_scale, m, problem.softcap, rows
+            )
+            outs.append(o[0])
+            lses.append(l_[0])
+        return torch.cat(outs), torch.cat(lses, dim=-1)
 
-    def forward_varlen(self, q, k, v, out, lse, seqs, problem):
+    def forward_varlen(self, q, k, v, out, lse, seqs, problem, sink=None):
         self.calls.append(("forward_varlen", problem.mask, problem.softmax_scale, tuple(q.shape), tuple(k.shape)))
-        o, l_ = self._ref_varlen(q, k, v, seqs, problem)
+        assert (sink is not None) == problem.spec.sink and (problem.softcap > 0) == problem.spec.softcap
+        if problem.spec.softcap or problem.spec.sink:
+            view = None if sink is None else (tuple(sink.shape), sink.stride())
+            self.features.append(("forward_varlen", problem.softcap, view))
+        o, l_ = self._ref_varlen(q, k, v, seqs, problem, sink)
         out.copy_(o)
         lse.copy_(l_)
 
     def backward_varlen(self, t, grads, seqs, problem, deterministic=False):
-        dout, q, k, v, out, lse, dlse = t[:7]
+        dout, q, k, v, out, lse, dlse, sink = t
         self.calls.append(("backward_varlen", problem.mask, problem.softmax_scale, tuple(q.shape), tuple(k.shape)))
+        if problem.spec.softcap or problem.spec.sink:
+            self.features.append(("backward_varlen", problem.softcap, None if sink is None else tuple(sink.shape)))
         leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
+        if sink is not None:
+            leaves.append(sink.detach().double().requires_grad_(True))
         with torch.enable_grad():
-            o, _ = self._ref_varlen(*leaves, seqs, problem)
-        for g, x in zip(torch.autograd.grad(o, leaves, dout.double()), grads):
-            x.copy_(g)
+            rows = None if sink is None else leaves[3].expand(q.shape[0], q.shape[1])
+            o, _ = self._ref_varlen(*leaves[:3], seqs, problem, rows)
+        for g, x in zip(torch.autograd.grad(o, leaves, dout.double(), allow_unused=True), grads):
+            x.copy_(torch.zeros_like(x) if g is None else g)
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
     backend = _ReferenceBackend()
     monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(interface, "_route", lambda spec, t, backward, deterministic=False: backend)
-    monkeypatch.setattr(varlen, "_route", lambda spec, t, backward, deterministic=False: backend)
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())  # attention_varlen's guard
-    monkeypatch.setattr(interface, "_device_guard", lambda t: contextlib.nullcontext())
+    monkeypatch.setattr(device, "route", lambda spec, t, backward, deterministic=False: backend)
+    monkeypatch.setattr(device, "guard", lambda t: contextlib.nullcontext())
     return backend
 
 
@@ -161,6 +197,16 @@ def _tiny(kind: str, name: str, **extra):
     twin = transformers.AutoModelForCausalLM.from_config(cls(**common), attn_implementation=name).to(torch.bfloat16)
     twin.load_state_dict(model.state_dict())
     return model, twin
+
+
+def _cache_kw(cache) -> dict:
+    """The model's cache keyword: `cache` in transformers >= 5.2x, `past_key_values` before (deprecated since)."""
+    import inspect
+
+    import transformers
+
+    params = inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
 
 
 @pytest.fixture
@@ -273,7 +319,7 @@ def _decode_teacher_forced(model, ids, mask, prefill, cache):
     with torch.no_grad():
         for t0, t1 in [(0, prefill)] + [(t, t + 1) for t in range(prefill, ids.shape[1])]:
             out = model(
-                ids[:, t0:t1], attention_mask=mask[:, :t1], position_ids=pos[:, t0:t1], past_key_values=cache,
+                ids[:, t0:t1], attention_mask=mask[:, :t1], position_ids=pos[:, t0:t1], **_cache_kw(cache),
                 use_cache=True,
             )  # fmt: skip
             steps.append(out.logits[:, -1])
@@ -305,7 +351,7 @@ def test_transformers_static_cache_prefill_without_mask(fake_gpu, registered):
         outs = []
         for m in (model, twin):
             cache = transformers.StaticCache(config=m.config, max_cache_len=16)
-            outs.append(m(ids, past_key_values=cache, use_cache=True).logits)
+            outs.append(m(ids, **_cache_kw(cache), use_cache=True).logits)
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=3e-2, rtol=3e-2)
 
 
@@ -412,3 +458,74 @@ def test_transformers_mixed_layer_types(fake_gpu, registered, cache):
     assert {(c[1].left, c[1].right) for c in fake_gpu.calls if c[1].kind != "none"} == {(1 << 30, 0), (4, 0)}
     packed = [c for c in fake_gpu.calls if c[1].kind == "none"]
     assert all(c[3] == (3, 2, 2, 32) and c[4][1] <= 5 for c in packed)  # (static caches: none, 4D masks)
+
+
+# --- soft-capping (Gemma 2) and learnable sinks (gpt-oss) through the plug-in ------------------------------------
+def _tiny_featured(kind: str, name: str):
+    """A tiny Gemma 2 (attn_logit_softcapping, a sliding and a full layer) or gpt-oss (learnable sinks, a sliding
+    and a full layer) in bf16, with transformers' own eager attention as the twin to compare with (it implements
+    both, where "sdpa" refuses them)."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(
+        vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=64, sliding_window=5,
+    )  # fmt: skip
+    if kind == "gemma2":
+        cfg = dict(common, attn_logit_softcapping=20.0, final_logit_softcapping=None, query_pre_attn_scalar=32)
+        cls = transformers.Gemma2Config
+    else:
+        cfg = dict(common, num_local_experts=1, num_experts_per_tok=1)  # (no routing for a rounding to flip)
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+        cls = transformers.GptOssConfig
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cls(**cfg), attn_implementation="eager")
+    if kind == "gpt_oss":
+        for layer in model.model.layers:  # sinks large enough to matter
+            torch.nn.init.normal_(layer.self_attn.sinks, mean=1.0, std=2.0)
+    model = model.to(torch.bfloat16)
+    twin = transformers.AutoModelForCausalLM.from_config(cls(**cfg), attn_implementation=name).to(torch.bfloat16)
+    twin.load_state_dict(model.state_dict())
+    return model, twin
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])
+def test_transformers_softcap_and_sinks_match_eager(fake_gpu, registered, kind):
+    """The plug-in hands transformers' `softcap` (Gemma 2's attn_logit_softcapping) and `s_aux` (gpt-oss's sinks) to
+    cute_flash: the backend sees the cap and the sinks' (rows, h) view, and the logits and every parameter gradient
+    (the sinks' included) match transformers' eager attention, dense and padded (attention_varlen)."""
+    model, twin = _tiny_featured(kind, registered)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(11))
+    _compare_training_step(model, twin, slice(None), input_ids=ids)
+    softcap, sink = (20.0, False) if kind == "gemma2" else (0.0, True)
+    dense = [f for f in fake_gpu.features if f[0] == "forward"]
+    assert len(dense) == 2 and all(f[1] == softcap for f in dense)  # one launch per layer
+    assert all((f[2] is not None) == sink for f in dense)
+    if sink:
+        assert dense[0][2] == ((12, 4), (0, 1))  # the (h,) sinks expanded over the rows
+    assert {f[0] for f in fake_gpu.features} == {"forward", "backward"}
+    if kind == "gpt_oss":
+        assert all(layer.self_attn.sinks.grad is not None for layer in twin.model.layers)
+    model.zero_grad()
+    twin.zero_grad()
+    mask = _padding_mask([12, 7], 12, "left")
+    fake_gpu.features.clear()
+    _compare_training_step(model, twin, mask.bool(), input_ids=ids, attention_mask=mask)
+    assert {f[0] for f in fake_gpu.features} == {"forward_varlen", "backward_varlen"}
+    assert all(f[1] == softcap for f in fake_gpu.features)
+
+
+def test_transformers_sinks_keywords(fake_gpu):
+    """transformers passes sinks as `s_aux` (gpt-oss) or `sinks`; both at once must be the same tensor."""
+    from cute_flash.integrations import transformers as cft
+
+    q = torch.randn(1, 4, 8, 32, dtype=torch.bfloat16)
+    module = torch.nn.Module()
+    sink = torch.randn(4)
+    a = cft.attention_forward(module, q, q, q, None, s_aux=sink)[0]
+    b = cft.attention_forward(module, q, q, q, None, sinks=sink, s_aux=sink, softcap=None)[0]
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert [f[2] for f in fake_gpu.features] == [((8, 4), (0, 1))] * 2 and fake_gpu.features[0][1] == 0.0
+    with pytest.raises(NotImplementedError, match="s_aux and sinks"):
+        cft.attention_forward(module, q, q, q, None, s_aux=sink, sinks=sink.clone())
+    with pytest.raises(ValueError, match="softcap must be >= 0"):
+        cft.attention_forward(module, q, q, q, None, softcap=-1.0)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cute_flash import interface
+from cute_flash.core import launch
 
 pytestmark = [pytest.mark.sm90, pytest.mark.xdist_group("integrations")]
 
@@ -215,8 +215,8 @@ def test_sdpa_flash_backend_routes_to_cute_flash(monkeypatch, sq, sk, causal):
     if not sdpa._available():
         pytest.skip("torch has no register_flash_attention_impl")
     launches = []
-    real = interface._launch_forward
-    monkeypatch.setattr(interface, "_launch_forward", lambda *a: launches.append(1) or real(*a))
+    real = launch.forward
+    monkeypatch.setattr(launch, "forward", lambda *a: launches.append(1) or real(*a))
     q, k, v, do = _bhsd(2, 8, sq, 128, 1), _bhsd(2, 2, sk, 128, 2), _bhsd(2, 2, sk, 128, 3), _bhsd(2, 8, sq, 128, 4)
     args = dict(is_causal=causal, scale=0.1, enable_gqa=True)
     leaves32 = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
@@ -271,3 +271,60 @@ def test_transformers_plugin_under_torch_compile(kind, extra):
         assert errs[0][0] <= 2 * errs[0][1] + 1e-3, errs[0]
         for i, (got, base) in enumerate(errs[1:]):
             assert got <= 2 * base + 1e-4, (i, got, base)
+
+
+def _featured_models(kind: str, name: str):
+    """A randomly initialised Gemma 2 (attn_logit_softcapping, sliding and full layers) or gpt-oss (learnable sinks,
+    sliding and full layers; one expert, so that no routing decision can flip on a rounding) with transformers' own
+    eager attention as the reference (its float32 twin) and the baseline (bf16): "sdpa" implements neither."""
+    transformers = pytest.importorskip("transformers")
+    cfg = dict(
+        vocab_size=256, hidden_size=1024, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=128, max_position_embeddings=1024, attention_dropout=0.0, sliding_window=64,
+    )  # fmt: skip
+    if kind == "gemma2":
+        cfg.update(attn_logit_softcapping=30.0, final_logit_softcapping=None, query_pre_attn_scalar=128)
+        cls = transformers.Gemma2Config
+    else:
+        cfg.update(num_local_experts=1, num_experts_per_tok=1)
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+        cls = transformers.GptOssConfig
+    torch.manual_seed(0)
+    build = transformers.AutoModelForCausalLM.from_config
+    ref = build(cls(**cfg), attn_implementation="eager").cuda()  # float32
+    if kind == "gpt_oss":
+        for layer in ref.model.layers:
+            torch.nn.init.normal_(layer.self_attn.sinks, mean=1.0, std=2.0)
+    out = {"fp32": ref}
+    for impl in ("eager", name):
+        m = build(cls(**cfg), attn_implementation=impl).cuda()
+        m.load_state_dict(ref.state_dict())
+        out[impl] = m.to(torch.bfloat16)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])
+def test_transformers_plugin_softcap_and_sinks_match_eager(kind):
+    """Gemma 2's soft-capping and gpt-oss's sinks through the plug-in (dense and padded batches): logits and every
+    parameter gradient (the sinks' too) by FlashAttention's rule against transformers' eager attention in float32,
+    with its bf16 run as the baseline."""
+    from cute_flash.integrations import transformers as cft
+
+    name = cft.register()
+    models = _featured_models(kind, name)
+    ids = torch.randint(0, 256, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    mask = torch.ones(2, 256, dtype=torch.long, device="cuda")
+    mask[1, :77] = 0  # left padding: the packed path (attention_varlen)
+    for inputs, keep in ((dict(input_ids=ids), slice(None)), (dict(input_ids=ids, attention_mask=mask), mask.bool())):
+        for m in models.values():
+            m.zero_grad()
+        logits = {k: m(**inputs).logits for k, m in models.items()}
+        got, base = _err(logits[name][keep], logits["fp32"][keep]), _err(logits["eager"][keep], logits["fp32"][keep])
+        assert got <= 2 * base + 1e-3, (got, base)
+        for m_logits in logits.values():
+            m_logits[keep].float().logsumexp(-1).mean().backward()
+        for (pname, p32), p_eager, p_cute in zip(
+            models["fp32"].named_parameters(), models["eager"].parameters(), models[name].parameters()
+        ):
+            got, base = _err(p_cute.grad, p32.grad), _err(p_eager.grad, p32.grad)
+            assert got <= 2 * base + 1e-4, (pname, got, base)

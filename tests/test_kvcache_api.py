@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash import interface, kvcache, validation
+from cute_flash import kvcache, validation
+from cute_flash.core import device
 
 
 class _Recorder:
@@ -28,13 +29,8 @@ class _Recorder:
 @pytest.fixture
 def backend(monkeypatch):
     monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "meta"))
-    monkeypatch.setattr(interface, "_device_capability", lambda t: (9, 0))
     rec = _Recorder()
-
-    class _Route:
-        backend = rec
-
-    monkeypatch.setattr(kvcache.routing, "route", lambda spec, cap, backward=False: _Route)
+    monkeypatch.setattr(device, "route", lambda spec, t, backward=False, deterministic=False: rec)
     kvcache._plans.clear()
     yield rec
     kvcache._plans.clear()

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash.arch.base import launcher_through_backward, launcher_through_forward
-from cute_flash import interface, validation
+from cute_flash.arch.base import BackendBase, launcher_through_backward, launcher_through_forward
+from cute_flash import validation
+from cute_flash.core import device
 from cute_flash.reference import attention_reference, visible_keys
 from cute_flash.validation import kernel_view
 
@@ -96,7 +97,7 @@ def test_empty_tensors_pass():
 
 
 # --- the front end: whatever layout q, k, v and the gradient have, a backend only sees the contract --------------
-class _CheckingBackend:
+class _CheckingBackend(BackendBase):
     """Computes with the float64 reference, after asserting the layout contract of every tensor it is handed."""
 
     name = "fake"
@@ -153,7 +154,7 @@ class _CheckingBackend:
 def fake_gpu(monkeypatch):
     backend = _CheckingBackend()
     monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(interface, "_route", lambda spec, t, backward, deterministic=False: backend)
+    monkeypatch.setattr(device, "route", lambda spec, t, backward, deterministic=False: backend)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     return backend
 

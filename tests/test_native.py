@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash import interface, native
+from cute_flash import native
+from cute_flash.core import plan
 
 tvm_ffi = pytest.importorskip("tvm_ffi")
 
@@ -24,9 +25,9 @@ def lib():
 
 @pytest.fixture(autouse=True)
 def empty_table():
-    interface.clear_call_cache()
+    plan.clear_call_cache()
     yield
-    interface.clear_call_cache()
+    plan.clear_call_cache()
 
 
 class Recorder:
@@ -48,8 +49,18 @@ def _qkv(shape=(2, 33, 4, 64), kv_heads=2, dtype=torch.bfloat16):
     return torch.randn(b, s, h, d, dtype=dtype), *(torch.randn(b, s + 7, kv_heads, d, dtype=dtype) for _ in range(2))
 
 
-def _put(lib, q, k, v, kernel, args=(True, None, None, 0, False)):
-    return lib.put(q, k, v, *args, kernel, 0.125, -1, 0, "bfloat16", None, 1, 1, 0)
+# The call's scalar fields as the C++ key takes them (core/fields.py): causal, softmax_scale, window_left,
+# window_right, deterministic, softcap.
+ARGS = (True, None, None, 0, False, 0.0)
+
+
+def _put(lib, q, k, v, kernel, args=ARGS, softcap=0.0, features=False):
+    return lib.put(q, k, v, *args, kernel, 0.125, -1, 0, softcap, features, "bfloat16", None, 1, 1, 0)
+
+
+def _python_s(lib, q, k, v, args):
+    """Registers the signature as the Python path's own (no kernel)."""
+    return lib.put(q, k, v, *args, None, 0.0, 0, 0, 0.0, False, "bfloat16", None, 1, 1, 0)
 
 
 def _forward(lib, q, k, v, *args, out=None):
@@ -61,7 +72,7 @@ def _forward(lib, q, k, v, *args, out=None):
 def test_a_registered_signature_launches_its_kernel(lib):
     q, k, v = _qkv()
     rec = Recorder()
-    args = (True, None, None, 0, False)
+    args = ARGS
     assert _forward(lib, q, k, v, *args)[0] is None
     assert _put(lib, q, k, v, rec.fn, args)
     launched, out = _forward(lib, q, k, v, *args)
@@ -79,8 +90,8 @@ def test_a_registered_signature_launches_its_kernel(lib):
         assert lib.forward(q, k, v, bad, *args) is False
     assert len(rec.calls) == 1
     # A signature registered as the Python path's answers False (no launch).
-    assert lib.put(q, k, v, False, None, None, 0, False, None, 0.0, 0, 0, "bfloat16", None, 1, 1, 0)
-    assert _forward(lib, q, k, v, False, None, None, 0, False)[0] is False
+    assert _python_s(lib, q, k, v, (False, None, None, 0, False, 0.0))
+    assert _forward(lib, q, k, v, False, None, None, 0, False, 0.0)[0] is False
     assert lib.size() == 2
     lib.clear()
     assert lib.size() == 0 and _forward(lib, q, k, v, *args)[0] is None
@@ -89,7 +100,7 @@ def test_a_registered_signature_launches_its_kernel(lib):
 def test_the_key_sees_every_part_of_the_signature(lib, monkeypatch):
     q, k, v = _qkv()
     rec = Recorder()
-    args = (True, 0.5, 3, None, False)
+    args = (True, 0.5, 3, None, False, 0.0)
     _put(lib, q, k, v, rec.fn, args)
     assert _forward(lib, q, k, v, *args)[0] is True
     q2 = torch.randn(2, 34, 4, 64, dtype=torch.bfloat16)
@@ -105,20 +116,23 @@ def test_the_key_sees_every_part_of_the_signature(lib, monkeypatch):
         ((q.half(), k, v), args),
         ((q, k[:, :-1], v[:, :-1]), args),
         ((q_unit_batch, k1, v1), args),
-        ((q, k, v), (1, 0.5, 3, None, False)),  # 1 == True, but not a bool
-        ((q, k, v), (True, None, 3, None, False)),
-        ((q, k, v), (True, 0.5000001, 3, None, False)),
-        ((q, k, v), (True, 0.5, 3, 0, False)),
-        ((q, k, v), (True, 0.5, None, None, False)),
-        ((q, k, v), (True, 0.5, 3, None, True)),
-        ((q, k, v), (True, 0.5, 3.0, None, False)),
+        ((q, k, v), (1, 0.5, 3, None, False, 0.0)),  # 1 == True, but not a bool
+        ((q, k, v), (True, None, 3, None, False, 0.0)),
+        ((q, k, v), (True, 0.5000001, 3, None, False, 0.0)),
+        ((q, k, v), (True, 0.5, 3, 0, False, 0.0)),
+        ((q, k, v), (True, 0.5, None, None, False, 0.0)),
+        ((q, k, v), (True, 0.5, 3, None, True, 0.0)),
+        ((q, k, v), (True, 0.5, 3.0, None, False, 0.0)),
+        ((q, k, v), (True, 0.5, -3, None, False, 0.0)),  # a negative bound
+        ((q, k, v), (True, 0.5, 3, None, False, 30.0)),  # softcap
+        ((q, k, v), (True, 0.5, 3, None, False, 0)),  # 0 == 0.0, but an int
     ]
     for tensors, other in others:
         assert _forward(lib, *tensors, *other)[0] is None, other
     assert _forward(lib, q_size1, k, v, *args)[0] is True  # equal metadata, equal key
     # Strings, tensors and other objects as scalars are not keyed (Python validates them).
-    assert _forward(lib, q, k, v, "yes", 0.5, 3, None, False)[0] is None
-    assert _forward(lib, q, k, v, True, torch.tensor(0.5), 3, None, False)[0] is None
+    assert _forward(lib, q, k, v, "yes", 0.5, 3, None, False, 0.0)[0] is None
+    assert _forward(lib, q, k, v, True, torch.tensor(0.5), 3, None, False, 0.0)[0] is None
     assert lib.forward(q[0], k[0], v[0], q[0], *args) is None  # 3-D tensors
     monkeypatch.setenv("CUTE_FLASH_ARCH", "sm80")  # routing may change: the key is not served
     assert _forward(lib, q, k, v, *args)[0] is None
@@ -137,8 +151,8 @@ def fake_gpu_with_recorder(lib, monkeypatch):
     with fake_gpu((9, 0)):
         compile_cache.get_or_compile = lambda key, build: rec.fn if key[2] == "fwd" else (lambda *a: None)
         plans = []
-        real_plan = interface._plan
-        monkeypatch.setattr(interface, "_plan", lambda *a: plans.append(a) or real_plan(*a))
+        real_plan = plan.dense
+        monkeypatch.setattr(plan, "dense", lambda *a: plans.append(a) or real_plan(*a))
         yield rec, plans
 
 
@@ -186,12 +200,12 @@ def test_calls_python_serves_are_registered_as_its_own(lib, fake_gpu_with_record
         for _ in range(2):
             cute_flash.attention(qt, k, v)
     assert len(plans) == 2 and len(rec.calls) == 2
-    assert _forward(lib, qt, k, v, False, None, None, None, False)[0] is False
+    assert _forward(lib, qt, k, v, False, None, None, None, False, 0.0)[0] is False
     vw = torch.randn(2, 40, 2, 32, dtype=torch.bfloat16)  # head_dim_v != head_dim: out is not shaped like q
     with torch.no_grad():
         for _ in range(2):
             assert cute_flash.attention(q, k, vw).shape == (2, 33, 4, 32)
-    assert len(plans) == 4 and _forward(lib, q, k, vw, False, None, None, None, False)[0] is False
+    assert len(plans) == 4 and _forward(lib, q, k, vw, False, None, None, None, False, 0.0)[0] is False
 
 
 def test_clearing_the_caches_clears_the_cpp_keys(lib, fake_gpu_with_recorder):
@@ -327,11 +341,44 @@ def test_decoding_calls_take_the_cpp_path(lib, monkeypatch, shape, kw, launches)
             python = cute_flash.attention(q, k, v, **kw)
             first = list(calls)
             plans = []
-            real_plan = interface._plan
-            monkeypatch.setattr(interface, "_plan", lambda *a: plans.append(a) or real_plan(*a))
+            real_plan = plan.dense
+            monkeypatch.setattr(plan, "dense", lambda *a: plans.append(a) or real_plan(*a))
             cpp = cute_flash.attention(q, k, v, **kw)
     assert not plans, "the warm call did not take the C++ path"
     assert [c[0] for c in first] == launches and calls[len(first) :] == first  # same launches, same views
     assert torch.equal(python, cpp)
     want = attention_reference(q, k, v, **kw)
     torch.testing.assert_close(cpp.double(), want.double(), atol=2e-2, rtol=2e-2)
+
+
+def test_softcap_calls_take_the_cpp_path_with_the_feature_arguments_and_sinks_stay_python(lib, monkeypatch):
+    """softcap is one more scalar of the key: a softcap build (the feature entry, common/entries.py) is launched with
+    (softcap, sink=None) after the window bounds by either path. Calls with learnable sinks are the Python path's
+    (never registered, never answered from a key)."""
+    from cute_flash import compile_cache
+    from profiling.host_overhead_cpu import fake_gpu
+
+    calls = []
+
+    def kernel(q, k, v, out, lse, scale, left, right, *features):
+        calls.append((scale, left, right, features))
+        torch.from_dlpack(out).fill_(1)
+
+    fn = tvm_ffi.convert(kernel)
+    q, k, v = _qkv()
+    with fake_gpu((9, 0)):
+        compile_cache.get_or_compile = lambda key, build: fn if key[2] == "fwd" else (lambda *a: None)
+        plans = []
+        real_plan = plan.dense
+        monkeypatch.setattr(plan, "dense", lambda *a: plans.append(a) or real_plan(*a))
+        with torch.no_grad():
+            for _ in range(2):
+                cute_flash.attention(q, k, v, causal=True, softcap=30.0)
+            assert len(plans) == 1 and lib.size() == 1  # the second call: the C++ path
+            assert calls[0] == calls[1] and calls[0][3] == (30.0, None)
+            cute_flash.attention(q, k, v, causal=True, softcap=20.0)  # another cap: another key
+            assert len(plans) == 2 and lib.size() == 2 and calls[2][3] == (20.0, None)
+            sink = torch.zeros(4)
+            for _ in range(2):
+                cute_flash.attention(q, k, v, causal=True, softcap=30.0, learnable_sink=sink)
+            assert len(plans) == 4 and lib.size() == 2

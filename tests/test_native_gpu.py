@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash import interface, native
+from cute_flash import native
+from cute_flash.core import plan
 from cute_flash.testing import check_forward, random_qkv
 
 pytestmark = [pytest.mark.sm90, pytest.mark.xdist_group("native")]
@@ -23,8 +24,8 @@ def counted(monkeypatch):
     lib = native.library()
     assert lib is not None, "the C++ call path did not build on this machine (see the warning)"
     plans = []
-    real = interface._plan
-    monkeypatch.setattr(interface, "_plan", lambda *a: plans.append(a) or real(*a))
+    real = plan.dense
+    monkeypatch.setattr(plan, "dense", lambda *a: plans.append(a) or real(*a))
     return lib, plans
 
 

@@ -134,8 +134,8 @@ def test_pair_task_matches_global_rule_on_random_chunks():
         qs, ks = rng.randrange(n), rng.randrange(n)
         qc = plan_mod.Chunk(qs, 0, rng.randint(1, n - qs))
         kc = plan_mod.Chunk(ks, 0, rng.randint(1, n - ks))
-        left = rng.choice([None, 0, 1, 3, rng.randint(0, n)])
-        right = rng.choice([None, 0, 2, rng.randint(0, n)])
+        left = rng.choice([None, 0, 1, 3, rng.randint(0, n), -rng.randint(1, n)])  # negative: past the diagonal
+        right = rng.choice([None, 0, 2, rng.randint(0, n), -rng.randint(1, n)])
         truth = _global_truth(n, left, right)[qs : qs + qc.length, ks : ks + kc.length]
         task = pair_task(qc, kc, left, right)
         if task is None:
@@ -153,6 +153,7 @@ def test_pair_task_matches_global_rule_on_random_chunks():
 def test_ring_plan_covers_global_rule(layout):
     """Over all steps of all ranks, the launches see exactly the pairs of the global rule, each pair once."""
     cases = [(None, None), (None, 0), (3, 0), (5, 2), (0, 4), (0, 0), (1, None), (7, 7)]
+    cases += [(None, -2), (-3, None), (5, -2), (-1, 4), (-3, 2)]  # negative bounds (the last: no key at all)
     for world, (left, right) in itertools.product([1, 2, 3, 4], cases):
         seqlen_local = 6
         n = seqlen_local * world
@@ -251,6 +252,8 @@ def _gloo_job(rank: int, world_size: int) -> None:
     q, k, v = (torch.randn(1, 6, 2, 8, dtype=torch.float64) for _ in range(3))
     if not torch.equal(ring_attention(q, k, v, causal=True), ring_attention(q, k, v, causal=True, check_shapes=False)):
         results.failures.append(f"rank {rank}: check_shapes=False changed the result")
+    if world_size < 4:  # (four processes on the CI's two cores: the smaller groups cover the merge and the dsink sum)
+        _featured_checks(rank, world_size, results.failures)  # soft-capping, learnable sinks, negative windows
     if results.failures:
         raise AssertionError("\n".join(results.failures))
 
@@ -268,3 +271,84 @@ def test_kernel_blocks_reject_cpu_tensors_before_any_work():
     q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="CUDA GPUs only"):
         ring_attention(q, q, q, causal=True, blocks=KernelBlocks())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Soft-capping, learnable sinks and negative window bounds through the ring
+# ---------------------------------------------------------------------------------------------------------------------
+FEATURED = [
+    dict(softcap=2.0),
+    dict(causal=True, learnable_sink=True),
+    dict(window_size=(4, -1), softcap=1.5, learnable_sink=True),  # keys at least one before the diagonal
+    dict(window_size=(-2, 3)),  # keys 2..3 after the diagonal: the last rows see none
+]
+
+
+def _featured_inputs(n: int, seed: int, sink: bool):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(2, n, 4, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    s = torch.randn(4, generator=g, dtype=torch.float64).requires_grad_(True) if sink else None
+    return q, k, v, dout, s
+
+
+def _featured_ref(q, k, v, dout, s, kw):
+    from cute_flash.validation import validate_reference
+
+    from .feature_reference import featured_reference
+
+    sem = validate_reference(q, k, v, causal=kw.get("causal", False), softmax_scale=None,
+                             window_size=kw.get("window_size", (None, None)))  # fmt: skip
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)] + ([s] if s is not None else [])
+    rows = None if s is None else s.expand(q.shape[1], 4)
+    out, lse = featured_reference(*leaves[:3], sem.softmax_scale, sem.mask, kw.get("softcap", 0.0), rows)
+    return out, lse, torch.autograd.grad(out, leaves, dout)
+
+
+def _ring_kwargs(kw, s):
+    return {**kw, "learnable_sink": s} if kw.get("learnable_sink") else kw
+
+
+@pytest.mark.parametrize("kw", FEATURED, ids=["softcap", "causal_sink", "window_softcap_sink", "negative_left"])
+def test_single_rank_softcap_sinks_and_negative_windows(kw):
+    from cute_flash.distributed import ring_attention
+
+    q, k, v, dout, s = _featured_inputs(10, 3, kw.get("learnable_sink", False))
+    ref, ref_lse, ref_grads = _featured_ref(q, k, v, dout, s, kw)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)] + ([s] if s is not None else [])
+    out, lse = ring_attention(*leaves[:3], layout="contiguous", return_lse=True, **_ring_kwargs(kw, s))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-9)
+    torch.testing.assert_close(lse, ref_lse.float(), rtol=0, atol=1e-6)  # (lse is returned in float32)
+    for g, r in zip(torch.autograd.grad(out, leaves, dout), ref_grads):
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-9)
+
+
+def _featured_checks(rank: int, world_size: int, failures: list) -> None:
+    """Every featured case over the group (in `_gloo_job`'s processes): each rank's rows of out, lse, dq, dk, dv
+    against the unsharded reference, and the sinks' gradient summed over the ranks (each returns its rows' share)
+    against the reference's."""
+    import torch.distributed as dist
+
+    from cute_flash.distributed import ring_attention, shard_sequence
+
+    for layout in ("zigzag", "contiguous"):
+        for i, kw in enumerate(FEATURED):
+            q, k, v, dout, s = _featured_inputs(6 * world_size, 10 * world_size + i, kw.get("learnable_sink", False))
+            ref, ref_lse, ref_grads = _featured_ref(q, k, v, dout, s, kw)
+
+            def mine(t, dim=1):
+                return shard_sequence(t, rank, world_size, layout, dim=dim)
+
+            local = [mine(t).requires_grad_(True) for t in (q, k, v)]
+            out, lse = ring_attention(*local, layout=layout, return_lse=True, **_ring_kwargs(kw, s))
+            grads = torch.autograd.grad(out, local + ([s] if s is not None else []), mine(dout))
+            checks = [("out", out, mine(ref)), ("lse", lse, mine(ref_lse, dim=2))]
+            checks += [(n, g, mine(r)) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_grads)]
+            if s is not None:
+                dsink = grads[3].clone()
+                dist.all_reduce(dsink)
+                checks.append(("dsink", dsink, ref_grads[3]))
+            for name, got, want in checks:
+                try:  # (lse in float32; -inf rows, those without keys or sinks, must match exactly)
+                    torch.testing.assert_close(got, want.to(got.dtype), rtol=0, atol=1e-6 if name == "lse" else 1e-8)
+                except AssertionError as e:
+                    failures.append(f"rank {rank}/{world_size} {layout} {kw} {name}: {e}")

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash.arch.base import launcher_through_backward, launcher_through_forward
-from cute_flash import interface, routing, validation
+from cute_flash.arch.base import BackendBase, launcher_through_backward, launcher_through_forward
+from cute_flash import routing, validation
+from cute_flash.core import device
 from cute_flash.spec import AttentionSpec
 
 HOPPER, AMPERE, ADA, BLACKWELL = (9, 0), (8, 0), (8, 9), (10, 0)
@@ -148,7 +149,7 @@ def test_blackwell_prefers_its_own_family_then_the_sm80_kernels():
     assert routing.route(spec(128), BLACKWELL, backward=True).family == "sm80"  # sm100 has no backward
 
 
-class _Fake:
+class _Fake(BackendBase):
     """A family whose forward / backward support is given; counts how often it is asked."""
 
     def __init__(self, name, forward, backward):
@@ -205,7 +206,7 @@ def test_decisions_are_cached(fakes):
 
 def test_attention_runs_each_direction_on_its_family(fakes, monkeypatch):
     monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(interface, "_device_capability", lambda t: HOPPER)
+    monkeypatch.setattr(device, "capability", lambda t: HOPPER)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     q, k, v = (torch.randn(1, 8, 2, 64).to(torch.bfloat16).requires_grad_(True) for _ in range(3))
     cute_flash.attention(q, k, v).sum().backward()
@@ -216,7 +217,7 @@ def test_attention_runs_each_direction_on_its_family(fakes, monkeypatch):
 def test_backward_without_a_kernel_raises_naming_every_family(fakes, monkeypatch):
     fakes["sm80"].bwd = False
     monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(interface, "_device_capability", lambda t: HOPPER)
+    monkeypatch.setattr(device, "capability", lambda t: HOPPER)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     q, k, v = (torch.randn(1, 8, 2, 64).to(torch.bfloat16).requires_grad_(True) for _ in range(3))
     out = cute_flash.attention(q, k, v)
@@ -282,12 +283,43 @@ def test_explain_validates_like_attention():
 
 def test_explain_uses_the_device_of_q(monkeypatch):
     monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "meta"))
-    monkeypatch.setattr(interface, "_device_capability", lambda t: HOPPER)
+    monkeypatch.setattr(device, "capability", lambda t: HOPPER)
     assert cute_flash.explain(*_meta(160)).forward_family == "sm80"
 
 
 def test_attention_with_no_forward_kernel_names_every_family(monkeypatch):
     monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "meta"))
-    monkeypatch.setattr(interface, "_device_capability", lambda t: HOPPER)
+    monkeypatch.setattr(device, "capability", lambda t: HOPPER)
     with pytest.raises(NotImplementedError, match=r"no forward kernel.*sm90: .*sm80: .*fp8"):
         cute_flash.attention(*_meta(72), dtype="fp8")
+
+
+@pytest.mark.parametrize("given", [(9, 0), [9, 0], "9.0", "sm90", "sm_90a", " SM90 "])
+def test_explain_takes_a_capability_as_a_pair_or_a_name(given):
+    e = cute_flash.explain(*_meta(72), causal=True, capability=given)
+    assert e.capability == HOPPER and e.forward_family == "sm80" and e.backward_family == "sm90"
+    assert routing.parse_capability("sm100") == (10, 0) and routing.parse_capability("8.6") == (8, 6)
+
+
+@pytest.mark.parametrize("bad", ["9", "hopper", "sm9", (9,), (9, 0, 0), ("9", "0"), (True, 0), 9.0])
+def test_explain_refuses_a_capability_it_cannot_read(bad):
+    with pytest.raises(ValueError, match="capability must be"):
+        cute_flash.explain(*_meta(), capability=bad)
+    q, k, v = (t.flatten(0, 1) for t in _meta())
+    cu = torch.zeros(3, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="capability must be"):
+        cute_flash.explain_varlen(q, k, v, cu, cu, 16, 16, capability=bad)
+
+
+def test_explain_reports_the_window_softcap_and_sinks():
+    e = cute_flash.explain(*_meta(), window_size=(-2, 7), capability=HOPPER)
+    assert (e.mask, e.window, e.softcap, e.sink) == ("local", (-2, 7), 0.0, False)
+    assert "window (-2, 7)" in str(e) and "softcap" not in str(e) and "sinks" not in str(e)
+    sink = torch.zeros(4, device="meta")
+    e = cute_flash.explain(*_meta(), causal=True, softcap=30.0, learnable_sink=sink, capability="sm90")
+    assert (e.mask, e.window, e.softcap, e.sink) == ("causal", (None, 0), 30.0, True)
+    assert "mask causal, window (None, 0), softcap 30, learnable sinks" in str(e)
+    q, k, v = (t.flatten(0, 1) for t in _meta())
+    cu = torch.zeros(3, dtype=torch.int32, device="meta")
+    e = cute_flash.explain_varlen(q, k, v, cu, cu, 16, 16, softcap=5.0, learnable_sink=sink, capability="sm80")
+    assert (e.softcap, e.sink, e.capability) == (5.0, True, AMPERE)

@@ -23,14 +23,27 @@ def _qkv(sq=100, sk=120, h=4, hkv=2, d=64, dv=64, dtype=torch.bfloat16, grad=Tru
     return tuple(torch.empty(s, device="meta", dtype=dtype).requires_grad_(grad) for s in shapes)
 
 
-def test_ops_are_registered_with_their_schemas():
-    assert "softmax_scale" in str(torch.ops.cute_flash.fwd.default._schema)
-    assert "deterministic" in str(torch.ops.cute_flash.bwd.default._schema)
+# The ops' field arguments of a dense causal call, in core/fields.py's order: causal, softmax_scale, window_left,
+# window_right, deterministic, softcap, learnable_sink, then the packed ones (None / 0).
+def _fields(causal=True, scale=0.125, window=(None, None), deterministic=False, softcap=0.0, sink=None, packed=None):
+    return (causal, scale, *window, deterministic, softcap, sink, *(packed or (None, None, None, 0, 0)))
+
+
+def test_ops_are_registered_with_the_fields_schema():
+    from cute_flash.core import fields
+
+    for op in (torch.ops.cute_flash.fwd.default, torch.ops.cute_flash.bwd.default):
+        names = [a.name for a in op._schema.arguments]
+        assert [f.name for f in fields.CALL + fields.PACKED] == [
+            n for n in names if n in {f.name for f in fields.CALL + fields.PACKED}
+        ]
+    assert [a.name for a in torch.ops.cute_flash.fwd.default._schema.arguments][-1] == "check_deterministic"
+    assert len(torch.ops.cute_flash.bwd.default._schema.returns) == 4  # dq, dk, dv, dsink
 
 
 def test_fake_outputs_and_gradients_have_the_documented_shapes():
     q, k, v = _qkv(dv=128)
-    out, lse = torch.ops.cute_flash.fwd(q, k, v, 0.125, "causal", 1 << 30, 0, False)
+    out, lse = torch.ops.cute_flash.fwd(q, k, v, *_fields(), False)
     assert (out.shape, out.dtype, lse.shape, lse.dtype) == (
         (2, 100, 4, 128),
         torch.bfloat16,
@@ -61,19 +74,42 @@ def test_torch_compile_traces_attention_without_a_graph_break(backend):
     assert value.shape == () and [g.shape for g in grads] == [t.shape for t in (q, k, v)]
 
 
-def test_validation_still_runs_under_torch_compile():
+@pytest.mark.parametrize(
+    "kw,match",
+    [(dict(window_size=(1.5, 0)), "window_size"), (dict(softcap=-1.0), "softcap"), (dict(softmax_scale=-1), "scale")],
+)
+def test_validation_still_runs_under_torch_compile(kw, match):
     torch._dynamo.reset()
     q, k, v = _qkv()
-    with pytest.raises(Exception, match="window_size"):
-        torch.compile(lambda q, k, v: cute_flash.attention(q, k, v, window_size=(-1, 0)), fullgraph=True)(q, k, v)
+    with pytest.raises(Exception, match=match):
+        torch.compile(lambda q, k, v: cute_flash.attention(q, k, v, **kw), fullgraph=True)(q, k, v)
 
 
 def test_opcheck_on_fake_tensors():
     q, k, v = (t.detach() for t in _qkv(hkv=4))
-    args = (q, k, v, 0.125, "causal", 1 << 30, 0, False)
-    torch.library.opcheck(torch.ops.cute_flash.fwd.default, args, test_utils=("test_schema", "test_faketensor"))
-    out, lse = torch.ops.cute_flash.fwd(*args)
-    bargs = (torch.empty_like(out), q, k, v, out, lse, 0.125, "causal", 1 << 30, 0, False)
-    torch.library.opcheck(torch.ops.cute_flash.bwd.default, bargs, test_utils=("test_schema", "test_faketensor"))
-    with_dlse = (*bargs, None, None, None, 0, 0, torch.empty_like(lse))
-    torch.library.opcheck(torch.ops.cute_flash.bwd.default, with_dlse, test_utils=("test_schema", "test_faketensor"))
+    utils = ("test_schema", "test_faketensor")
+    sink = torch.empty(4, device="meta")
+    for fields in (_fields(), _fields(window=(-3, 5), softcap=30.0, sink=sink)):
+        args = (q, k, v, *fields, False)
+        torch.library.opcheck(torch.ops.cute_flash.fwd.default, args, test_utils=utils)
+        out, lse = torch.ops.cute_flash.fwd(*args)
+        for dlse in (None, torch.empty_like(lse)):
+            bargs = (torch.empty_like(out), q, k, v, out, lse, dlse, *fields)
+            torch.library.opcheck(torch.ops.cute_flash.bwd.default, bargs, test_utils=utils)
+            dsink = torch.ops.cute_flash.bwd(*bargs)[3]
+            assert dsink.shape == ((4,) if fields[6] is not None else (0,)) and dsink.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_traces_softcap_and_sinks_and_returns_the_sink_gradient(backend):
+    torch._dynamo.reset()
+    sink = torch.empty(4, device="meta", dtype=torch.bfloat16, requires_grad=True)
+
+    def loss(q, k, v, sink):
+        out = cute_flash.attention(q, k, v, window_size=(-2, 8), softcap=20.0, learnable_sink=sink)
+        return out.float().square().mean()
+
+    q, k, v = _qkv()
+    value = torch.compile(loss, fullgraph=True, backend=backend)(q, k, v, sink)
+    grads = torch.autograd.grad(value, (q, k, v, sink))
+    assert [g.shape for g in grads] == [t.shape for t in (q, k, v, sink)] and grads[3].dtype == torch.bfloat16

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash import interface, validation
+from cute_flash import validation
 from cute_flash.arch import arch_for_capability, resolve_arch
+from cute_flash.core import device
 
 
 @pytest.fixture
@@ -21,7 +22,7 @@ def meta_is_gpu(monkeypatch):
 def on_sm80(monkeypatch, meta_is_gpu):
     # An Ampere GPU as far as routing can tell (meta tensors stand in for its tensors).
     monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
-    monkeypatch.setattr(interface, "_device_capability", lambda t: (8, 0))
+    monkeypatch.setattr(device, "capability", lambda t: (8, 0))
 
 
 def qkv(b=2, sq=16, sk=16, h=4, hkv=4, d=64, dv=None, dtype=torch.bfloat16, device="meta"):
@@ -136,10 +137,12 @@ def test_bad_softmax_scale(meta_is_gpu, scale):
         cute_flash.attention(q, k, v, softmax_scale=scale)
 
 
-def test_negative_softmax_scale_is_not_implemented(meta_is_gpu):
+def test_negative_softmax_scale_is_malformed_input(meta_is_gpu):
     q, k, v = qkv()
-    with pytest.raises(NotImplementedError, match="softmax_scale must be >= 0"):
+    with pytest.raises(ValueError, match="softmax_scale must be >= 0"):
         cute_flash.attention(q, k, v, softmax_scale=-0.1)
+    with pytest.raises(ValueError, match="softmax_scale must be >= 0"):
+        cute_flash.explain(q, k, v, softmax_scale=-0.1, capability=(9, 0))
 
 
 def test_fp8_rotate_off_without_fp8_quantisation_is_rejected(meta_is_gpu):
@@ -238,3 +241,68 @@ def test_deterministic_is_a_bool_and_not_for_fp8():
         validate(q, q, q, dtype=None, deterministic=1, **kw)
     with pytest.raises(ValueError, match="FP8"):
         validate(q, q, q, dtype="fp8", deterministic=True, **kw)
+
+
+# --- soft-capping and learnable sinks: checked by the one validation, on every entry point -----------------------
+def _entry_points(q, k, v):
+    """Every public entry point, called with extra keywords: dense, packed, and their explain."""
+    seqs = (torch.zeros(3, dtype=torch.int32, device="meta"),) * 2 + (8, 8)
+    qp, kp, vp = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+    return [
+        lambda **kw: cute_flash.attention(q, k, v, **kw),
+        lambda **kw: cute_flash.explain(q, k, v, capability="sm90", **kw),
+        lambda **kw: cute_flash.attention_varlen(qp, kp, vp, *seqs, **kw),
+        lambda **kw: cute_flash.explain_varlen(qp, kp, vp, *seqs, capability="9.0", **kw),
+    ]
+
+
+@pytest.mark.parametrize(
+    "kw,error,match",
+    [
+        (dict(softcap=-1.0), ValueError, "softcap must be >= 0"),
+        (dict(softcap=float("inf")), ValueError, "softcap must be a finite float"),
+        (dict(softcap=True), ValueError, "softcap must be a finite float"),
+        (dict(softcap="30"), ValueError, "softcap must be a finite float"),
+        (dict(learnable_sink=[0.0] * 4), TypeError, "learnable_sink must be a torch.Tensor"),
+        (dict(learnable_sink=torch.zeros(3, device="meta")), ValueError, r"learnable_sink must have shape \(nheads,\)"),
+        (dict(learnable_sink=torch.zeros(4, 1, device="meta")), ValueError, "learnable_sink must have shape"),
+        (dict(learnable_sink=torch.zeros(4, dtype=torch.float64, device="meta")), TypeError, "has dtype"),
+        (dict(learnable_sink=torch.zeros(4)), ValueError, "learnable_sink is on cpu but q is on meta"),
+    ],
+)
+def test_softcap_and_sinks_are_validated_on_every_entry_point(meta_is_gpu, monkeypatch, kw, error, match):
+    monkeypatch.setattr(device, "capability", lambda t: (9, 0))
+    for entry in _entry_points(*qkv(b=2, sq=4, sk=4)):
+        with pytest.raises(error, match=match):
+            entry(**kw)
+
+
+def test_softcap_and_sinks_reach_the_spec_and_the_problem(meta_is_gpu):
+    q, k, v = qkv()
+    kw = dict(causal=False, softmax_scale=None, window_size=(None, None), dtype=None)
+    plain = validation.validate(q, k, v, **kw)
+    assert (plain.spec.softcap, plain.spec.sink, plain.softcap) == (False, False, 0.0)
+    p = validation.validate(q, k, v, softcap=30, learnable_sink=torch.zeros(4, device="meta"), **kw)
+    assert (p.spec.softcap, p.spec.sink, p.softcap) == (True, True, 30.0) and isinstance(p.softcap, float)
+    # softcap 0 is off: the plain build
+    assert validation.validate(q, k, v, softcap=0, **kw).spec == plain.spec
+    # a sink of any accepted dtype is one build (the kernels read it as fp32)
+    specs = {
+        validation.validate(q, k, v, learnable_sink=torch.zeros(4, dtype=dt, device="meta"), **kw).spec
+        for dt in validation.SINK_DTYPES
+    }
+    assert len(specs) == 1
+
+
+def test_the_fp8_path_refuses_softcap_and_sinks(meta_is_gpu):
+    q, k, v = qkv()
+    with pytest.raises(NotImplementedError, match="FP8 path .* has no soft-capping"):
+        cute_flash.explain(q, k, v, dtype="fp8", softcap=10.0, capability=(9, 0))
+    with pytest.raises(NotImplementedError, match="FP8 path .* has no learnable sinks"):
+        cute_flash.attention(q, k, v, dtype="fp8", learnable_sink=torch.zeros(4, device="meta"))
+
+
+def test_negative_window_bounds_are_accepted(meta_is_gpu):
+    q, k, v = qkv()
+    p = validation.validate(q, k, v, causal=False, softmax_scale=None, window_size=(-2, 5), dtype=None)
+    assert (p.mask.kind, p.mask.left, p.mask.right) == ("local", -2, 5)

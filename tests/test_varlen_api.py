@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash import interface, routing, validation
+from cute_flash import routing, validation
+from cute_flash.arch.base import BackendBase
+from cute_flash.core import device
 from cute_flash.reference import attention_varlen_reference
 
 HOPPER, AMPERE, BLACKWELL = (9, 0), (8, 0), (10, 0)
@@ -44,7 +46,7 @@ def test_cpu_inputs_are_refused_with_a_pointer_to_the_reference():
 @pytest.fixture
 def meta(monkeypatch):
     monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "meta"))
-    monkeypatch.setattr(interface, "_device_capability", lambda t: AMPERE)
+    monkeypatch.setattr(device, "capability", lambda t: AMPERE)
     return _packed([3, 5], [4, 4], device="meta")
 
 
@@ -61,6 +63,8 @@ def meta(monkeypatch):
         (lambda a: a.update(k=a["k"].half()), ValueError, "same dtype|share one dtype"),
         (lambda a: a.update(q=a["q"][..., :12], k=a["k"][..., :12]), NotImplementedError, "head_dim of q/k is 12"),
         (lambda a: a.update(window_size=(1.5, 0)), ValueError, "window_size"),
+        (lambda a: a.update(softcap=-2.0), ValueError, "softcap"),
+        (lambda a: a.update(learnable_sink=torch.zeros(3, device="meta")), ValueError, "learnable_sink"),
         (lambda a: a.update(deterministic=1), TypeError, "deterministic"),
         (lambda a: a.update(seqused_k=torch.zeros(3, dtype=torch.int32, device="meta")), ValueError, "seqused_k"),
         (
@@ -105,7 +109,7 @@ def test_explain_varlen_routes_to_families_with_a_varlen_kernel():
 
 
 # --- autograd plumbing with a fake backend ---------------------------------------------------------------------------
-class _RefBackend:
+class _RefBackend(BackendBase):
     """An sm80 stand-in whose varlen kernels are the float64 reference (gradients by torch autograd)."""
 
     name, varlen = "sm80", True
@@ -155,7 +159,7 @@ def ref_backend(monkeypatch):
     fake = _RefBackend()
     monkeypatch.setattr(routing, "get_backend", lambda name: fake)
     monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(interface, "_device_capability", lambda t: AMPERE)
+    monkeypatch.setattr(device, "capability", lambda t: AMPERE)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     return fake
 
@@ -268,14 +272,15 @@ def test_varlen_ops_fake_shapes_and_opcheck(meta):
     q, k, v = (t.to(torch.float16) for t in (q, k, v))
     v = torch.empty(k.shape[0], k.shape[1], 32, dtype=k.dtype, device="meta")
     used = torch.empty(2, dtype=torch.int32, device="meta")
-    args = (q, k, v, 0.125, "causal", 1 << 30, 0, False, cq, ck, used, mq, mk)
+    fields = (True, 0.125, None, None, False, 0.0, None)  # core/fields.py's CALL, then PACKED
+    args = (q, k, v, *fields, cq, ck, used, mq, mk, False)
     out, lse = torch.ops.cute_flash.fwd(*args)
     assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((8, 4, 32), torch.float16, (4, 8), torch.float32)
     torch.library.opcheck(torch.ops.cute_flash.fwd.default, args, test_utils=("test_schema", "test_faketensor"))
-    bargs = (torch.empty_like(out), q, k, v, out, lse, 0.125, "causal", 1 << 30, 0, False, cq, ck, None, mq, mk)
+    bargs = (torch.empty_like(out), q, k, v, out, lse, None, *fields, cq, ck, None, mq, mk)
     torch.library.opcheck(torch.ops.cute_flash.bwd.default, bargs, test_utils=("test_schema", "test_faketensor"))
     grads = torch.ops.cute_flash.bwd(*bargs)
-    assert [g.shape for g in grads] == [t.shape for t in (q, k, v)]
+    assert [g.shape for g in grads[:3]] == [t.shape for t in (q, k, v)] and grads[3].shape == (0,)
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])

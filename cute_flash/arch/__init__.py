@@ -52,7 +52,10 @@ def resolve_arch(capability: Optional[Tuple[int, int]]) -> str:
             )
         return forced
     if capability is None:
-        raise RuntimeError("no CUDA GPU is visible; set CUTE_FLASH_ARCH to pick a kernel family for cross-compiling")
+        raise RuntimeError(
+            "no CUDA GPU is visible: name a family with CUTE_FLASH_ARCH, or cross-compile for a GPU with "
+            "python -m cute_flash compile --arch ... / warmup --arch ..."
+        )
     return arch_for_capability(capability)
 
 

@@ -1,7 +1,7 @@
 """The contract between the torch front end and a kernel family.
 
-The front end (`cute_flash.interface`) validates every input before it reaches a backend, allocates the outputs and
-normalises the mask; a backend only checks what its kernels support (`unsupported_reason`), compiles through
+The front end (the call core, `cute_flash.core`) validates every input before it reaches a backend, allocates the
+outputs and normalises the mask; a backend only checks what its kernels support (`unsupported_reason`), compiles through
 `cute_flash.compile_cache`, and launches on torch's current stream.
 
 Tensor conventions handed to a backend (all on one CUDA device, last dimension contiguous, other strides arbitrary):
@@ -28,8 +28,9 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Protocol, Tuple
 import torch
 
 from .. import compile_cache
+from ..kernel_layout import kernel_view
+from ..problem import KvCacheProblem, PackedSeqs, Problem, VarlenProblem  # noqa: F401  (part of this contract)
 from ..spec import AttentionSpec
-from ..validation import KvCacheProblem, PackedSeqs, Problem, kernel_view  # noqa: F401  (part of this contract)
 
 
 @dataclass
@@ -101,16 +102,24 @@ class KvCacheTensors(NamedTuple):
     v_descale: Optional[torch.Tensor] = None
 
 
-# forward_launcher's result: (q, k, v, out, lse[, sink]) -> None, the tensors as FwdTensors holds them.
-ForwardLauncher = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# forward_launcher's result: (q, k, v, out, lse[, sink]) -> None, the tensors as FwdTensors holds them (the sink view
+# passed only with spec.sink).
+ForwardLauncher = Callable[..., None]
 # backward_launcher's result: (BwdTensors, Grads) -> None.
 BackwardLauncher = Callable[[BwdTensors, Grads], None]
 
 
 class ArchBackend(Protocol):
+    """Every attribute and method the front end uses (tests/test_backend_protocol.py checks each family against all
+    of it). A family implements what it has kernels for and inherits the rest from `BackendBase`, whose defaults
+    raise NotImplementedError naming the family and the missing kernel (the router asks `unsupported_reason` and
+    the `varlen` flag first, so a call reaches them only when a family claims what it lacks)."""
+
     name: str  # "sm80" | "sm90" | "sm100"
     cute_arch: str  # default CuTe DSL target when cross-compiling: "sm_80" | "sm_90a" | "sm_100a"
     split_keys: bool  # forward_launcher splits the keys of calls with few query tiles over CTAs (decoding)
+    varlen: bool  # has packed-sequence kernels (forward_varlen / backward_varlen): the router sends spec.varlen here
+    kvcache: bool  # has a KV-cache forward (kvcache_splits / forward_kvcache): the router sends spec.kvcache here
 
     def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
         """None when this family has kernels for `spec` (with `backward`: the backward's, deterministic if asked; the
@@ -129,13 +138,33 @@ class ArchBackend(Protocol):
         path's factors."""
 
     def forward_launcher(self, problem: Problem, device: torch.device) -> ForwardLauncher:
-        """`forward` of one fp16/bf16 `problem` on `device` as a callable (q, k, v, out, lse) -> None, with what
-        depends only on them settled once: the eager call cache keeps it per call signature, so that a warm call
+        """`forward` of one fp16/bf16 `problem` on `device` as a callable (q, k, v, out, lse[, sink]) -> None, with
+        what depends only on them settled once: the eager call cache keeps it per call signature, so that a warm call
         neither looks its kernel up nor converts its scalars again."""
 
     def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
         """Fills `grads` for the validated call `problem` (its spec, scale and mask); deterministic: bitwise-
         reproducible sums."""
+
+    def backward_launcher(
+        self, problem: Problem, device: torch.device, deterministic: bool = False
+    ) -> BackwardLauncher:
+        """`backward` of one fp16/bf16 `problem` on `device` as a callable (t, grads) -> None, with what depends only
+        on them settled once (kept by the eager call cache, like forward_launcher's). Its tensors must already be in
+        the kernels' layout (the eager path guarantees it; a launcher need not check it again)."""
+
+    def forward_varlen(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+        seqs: PackedSeqs, problem: VarlenProblem, sink: Optional[torch.Tensor] = None,
+    ) -> None:  # fmt: skip
+        """Packed forward (`varlen` families): q (total_q, h, d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv),
+        lse (h, total_q); sink (spec.sink): the (total_q, h) fp32 view of the conventions above (passed only then)."""
+
+    def backward_varlen(
+        self, t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: VarlenProblem, deterministic: bool = False
+    ) -> None:
+        """Packed backward (`varlen` families): tensors as in forward_varlen, dq / dk / dv shaped like q / k / v (and
+        dsink with spec.sink)."""
 
     def kvcache_splits(self, problem: KvCacheProblem, sm_count: int) -> int:
         """How many CTAs share each query tile's keys in `forward_kvcache` (1: unsplit), from the problem's host-side
@@ -153,13 +182,6 @@ class ArchBackend(Protocol):
         on them settled once (the front end keeps it per call signature); `launcher_through_kvcache` for a family
         without a faster bound form."""
 
-    def backward_launcher(
-        self, problem: Problem, device: torch.device, deterministic: bool = False
-    ) -> BackwardLauncher:
-        """`backward` of one fp16/bf16 `problem` on `device` as a callable (t, grads) -> None, with what depends only
-        on them settled once (kept by the eager call cache, like forward_launcher's). Its tensors must already be in
-        the kernels' layout (the eager path guarantees it; a launcher need not check it again)."""
-
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         """Compiles the kernels that serve `spec` for CuTe DSL target `target` with fake tensors (no GPU needed): the
         forward, and with `backward` the backward's (not the split-key decoding pair: tests/test_split_kv.py). A
@@ -173,6 +195,41 @@ class ArchBackend(Protocol):
         `target` launches, or with `backward` its backward call (with GQA/MQA heads if `gqa`, deterministic if
         asked), through the same cache keys as the launch path: `python -m cute_flash warmup` fills the disk cache
         with this, also without a GPU."""
+
+
+class BackendBase:
+    """What a family inherits for the parts of `ArchBackend` it has no kernels for (`class _Backend(BackendBase)`):
+    no split-key decoding, no packed-sequence kernels, no KV-cache forward, each missing kernel a NotImplementedError
+    that names the family. A family overrides what it implements."""
+
+    split_keys = False
+    varlen = False
+    kvcache = False
+
+    def _missing(self, kernel: str) -> NotImplementedError:
+        return NotImplementedError(f"the {self.name} family has no {kernel} kernel")
+
+    def forward_varlen(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+        seqs: PackedSeqs, problem: VarlenProblem, sink: Optional[torch.Tensor] = None,
+    ) -> None:  # fmt: skip
+        raise self._missing("varlen (packed sequences) forward")
+
+    def backward_varlen(
+        self, t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: VarlenProblem, deterministic: bool = False
+    ) -> None:
+        raise self._missing("varlen (packed sequences) backward")
+
+    def kvcache_splits(self, problem: KvCacheProblem, sm_count: int) -> int:
+        raise self._missing("KV-cache forward")
+
+    def forward_kvcache(self, t: KvCacheTensors, problem: KvCacheProblem, num_splits: int) -> None:
+        raise self._missing("KV-cache forward")
+
+    def kvcache_launcher(
+        self, problem: KvCacheProblem, device: torch.device, num_splits: int
+    ) -> Callable[[KvCacheTensors], None]:
+        return launcher_through_kvcache(self, problem, num_splits)
 
 
 class BoundForward:
@@ -324,7 +381,7 @@ def sink_grad(dsink: torch.Tensor, sink: torch.Tensor, lse: torch.Tensor, d_minu
     h_dim = lse.dim() - 2 if lse.dim() == 3 else 0
     shape = [1] * lse.dim()
     shape[h_dim] = sink.shape[0]
-    p_sink = torch.exp(sink.view(shape).float() - lse)
+    p_sink = torch.exp(sink.view(shape).to(lse.dtype) - lse)  # (in lse's precision: float32, float64 on the ring's CPU)
     p_sink = torch.where(torch.isneginf(lse), 0.0, p_sink)
     dims = [i for i in range(lse.dim()) if i != h_dim]
     dsink.copy_(-(p_sink * d_minus_dlse).sum(dim=dims))

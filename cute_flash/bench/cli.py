@@ -36,15 +36,39 @@ def _csv_list(cast: Callable = str):
     return parse
 
 
+def _listed(values) -> str:
+    return ",".join(str(x) for x in values)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options, each with its help and default (lists are comma-separated)."""
     g = parser.add_argument_group("grid")
-    g.add_argument("--dtypes", type=_csv_list(), default=list(grid_mod.DTYPES), help="bf16,fp16,fp8")
-    g.add_argument("--head-dims", type=_csv_list(int), default=list(grid_mod.HEAD_DIMS))
-    g.add_argument("--seqlens", type=_csv_list(int), default=list(grid_mod.SEQLENS))
-    g.add_argument("--masks", type=_csv_list(), default=["none", "causal"], help="none,causal")
-    g.add_argument("--directions", type=_csv_list(), default=list(grid_mod.DEFAULT_DIRECTIONS), help="fwd,bwd,fwdbwd")
-    g.add_argument("--tokens", type=int, default=grid_mod.DEFAULT_TOKENS, help="batch = tokens // seqlen")
-    g.add_argument("--hidden", type=int, default=grid_mod.DEFAULT_HIDDEN, help="heads = hidden // head_dim")
+    g.add_argument(
+        "--dtypes", type=_csv_list(), default=list(grid_mod.DTYPES),
+        help=f"input dtypes, of bf16,fp16,fp8 (default {_listed(grid_mod.DTYPES)})",
+    )  # fmt: skip
+    g.add_argument(
+        "--head-dims", type=_csv_list(int), default=list(grid_mod.HEAD_DIMS),
+        help=f"head dims of the sweep (default {_listed(grid_mod.HEAD_DIMS)})",
+    )  # fmt: skip
+    g.add_argument(
+        "--seqlens", type=_csv_list(int), default=list(grid_mod.SEQLENS),
+        help=f"sequence lengths of the sweep, seqlen_q = seqlen_k (default {_listed(grid_mod.SEQLENS)})",
+    )  # fmt: skip
+    g.add_argument("--masks", type=_csv_list(), default=["none", "causal"], help="of none,causal (default none,causal)")
+    g.add_argument(
+        "--directions", type=_csv_list(), default=list(grid_mod.DEFAULT_DIRECTIONS),
+        help=f"of fwd,bwd,fwdbwd (fwdbwd: a forward and its backward timed together; default "
+        f"{_listed(grid_mod.DEFAULT_DIRECTIONS)})",
+    )  # fmt: skip
+    g.add_argument(
+        "--tokens", type=int, default=grid_mod.DEFAULT_TOKENS,
+        help="tokens per case: batch = tokens // seqlen (default %(default)s)",
+    )  # fmt: skip
+    g.add_argument(
+        "--hidden", type=int, default=grid_mod.DEFAULT_HIDDEN,
+        help="hidden size: heads = hidden // head_dim (default %(default)s)",
+    )  # fmt: skip
     g.add_argument(
         "--shape",
         action="append",
@@ -61,27 +85,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-grid", action="store_true", help="run only the memory sweep")
 
     t = parser.add_argument_group("timing")
-    t.add_argument("--warmup-ms", type=float, default=25.0)
-    t.add_argument("--rep-ms", type=float, default=100.0)
-    t.add_argument("--host-calls", type=int, default=20, help="calls averaged for the warm host overhead")
-    quadratic = "time O(N^2)-memory implementations (naive, sdpa-math) only up to this seqlen"
+    t.add_argument(
+        "--warmup-ms", type=float, default=25.0, help="warm-up time before each measurement, ms (default %(default)s)"
+    )
+    t.add_argument("--rep-ms", type=float, default=100.0, help="measured time per case, ms (default %(default)s)")
+    t.add_argument(
+        "--host-calls", type=int, default=20, help="calls averaged for the warm host overhead (default %(default)s)"
+    )
+    quadratic = "time O(N^2)-memory implementations (naive, sdpa-math) only up to this seqlen (default: no limit)"
     t.add_argument("--quadratic-max-seqlen", type=int, default=None, help=quadratic)
-    t.add_argument("--check-rows", type=int, default=4096, help="query rows compared with the float64 reference")
-    budget = "start no new grid case after this many seconds (the memory sweep and the files follow)"
+    t.add_argument(
+        "--check-rows", type=int, default=4096,
+        help="query rows compared with the float64 reference (default %(default)s)",
+    )  # fmt: skip
+    budget = "start no new grid case after this many seconds (the memory sweep and the files follow; default: none)"
     t.add_argument("--time-budget-s", type=float, default=None, help=budget)
 
     m = parser.add_argument_group("memory sweep (batch 1, doubling seqlen until naive attention runs out of memory)")
     m.add_argument("--no-memory", action="store_true", help="skip the memory sweep")
-    m.add_argument("--memory-dtype", default="bf16", choices=("bf16", "fp16"))
-    m.add_argument("--memory-head-dim", type=int, default=128)
-    m.add_argument("--memory-heads", type=int, default=None, help="default: hidden // memory-head-dim")
-    m.add_argument("--memory-min-seqlen", type=int, default=1024)
-    m.add_argument("--memory-max-seqlen", type=int, default=131072)
-    m.add_argument("--memory-directions", type=_csv_list(), default=["fwd"], help="fwd,bwd")
+    m.add_argument(
+        "--memory-dtype", default="bf16", choices=("bf16", "fp16"), help="the sweep's dtype (default %(default)s)"
+    )
+    m.add_argument("--memory-head-dim", type=int, default=128, help="the sweep's head dim (default %(default)s)")
+    m.add_argument("--memory-heads", type=int, default=None, help="the sweep's heads (default: hidden // head dim)")
+    m.add_argument("--memory-min-seqlen", type=int, default=1024, help="first seqlen (default %(default)s)")
+    m.add_argument("--memory-max-seqlen", type=int, default=131072, help="last seqlen at most (default %(default)s)")
+    m.add_argument("--memory-directions", type=_csv_list(), default=["fwd"], help="of fwd,bwd (default fwd)")
 
     o = parser.add_argument_group("output")
     o.add_argument("--out", default=None, help="output directory (default out/bench-<UTC time>)")
-    o.add_argument("--no-plots", action="store_true")
+    o.add_argument("--no-plots", action="store_true", help="write no plots (tables, CSV and JSON only)")
     o.add_argument(
         "--from-json",
         default=None,

@@ -3,7 +3,7 @@
 // A warm no-grad `attention(q, k, v, ...)` in Python spends most of its host time on the call-signature lookup,
 // torch's allocations and TVM-FFI's argument conversion, not on the kernel launch. This library does those steps in
 // one TVM-FFI call: it keys the call on what the Python plan cache keys it on (shapes, strides, dtypes, devices,
-// 16-byte alignment, the scalar arguments with their types, CUTE_FLASH_ARCH), finds the compiled kernel that
+// 16-byte alignment, the scalar fields with their types, CUTE_FLASH_ARCH), finds the compiled kernel that
 // Python's slow path registered for that key (`put`) and launches it on the caller's stream (TVM-FFI's env stream:
 // torch's current one) into the `out` Python allocated (a plain torch tensor, so that record_stream and the caching
 // allocator treat it as any other) and an lse nobody reads (`LseBuffer`). Decoding calls launch as Python's plan
@@ -35,9 +35,15 @@ namespace ffi = tvm::ffi;
 
 namespace {
 
-// q, k, v: 4 extents, 4 strides, dtype, device each; the OR of their addresses' low bits; 5 scalars as (type, bits).
+// The call's scalar fields (cute_flash/core/fields.py: causal, softmax_scale, window bounds, deterministic, softcap,
+// in that order): their number comes from that list, passed by cute_flash/native.py's build.
+#ifndef CUTE_FLASH_KEY_SCALARS
+#error "build through cute_flash/native.py, which passes -DCUTE_FLASH_KEY_SCALARS from cute_flash/core/fields.py"
+#endif
+constexpr int kScalars = CUTE_FLASH_KEY_SCALARS;
+// q, k, v: 4 extents, 4 strides, dtype, device each; the OR of their addresses' low bits; the scalars as (type, bits).
 constexpr int kPerTensor = 10;
-constexpr int kKeyLen = 3 * kPerTensor + 1 + 2 * 5;
+constexpr int kKeyLen = 3 * kPerTensor + 1 + 2 * kScalars;
 using Key = std::array<int64_t, kKeyLen>;
 
 struct KeyHash {
@@ -56,6 +62,8 @@ struct Entry {
   ffi::Optional<ffi::Function> combine;  // the split-key combine kernel when splits > 1
   double scale;
   int64_t left, right;
+  double softcap;  // the soft-capping value, passed when `features`
+  bool features;   // a softcap build's kernel (common/entries.py's feature entry): softcap and a sink (None) follow
   DLDataType out_dtype;
   int64_t splits;   // 1: one launch into out; > 1: kernel into fp32 partials, then combine into out
   int64_t group;    // > 1: decoding under GQA, this many query heads per KV head launched as rows
@@ -106,8 +114,8 @@ bool PutScalar(const TVMFFIAny& a, int64_t* out) {
   return true;
 }
 
-// Fills `key` from args[0..3) = q, k, v and args[scalars..scalars + 5) = causal, softmax_scale, left, right,
-// deterministic; false if not keyable.
+// Fills `key` from args[0..3) = q, k, v and args[scalars..scalars + kScalars) = the scalar fields; false if not
+// keyable.
 bool MakeKey(const TVMFFIAny* args, int scalars, Key* key, const DLTensor* t[3]) {
   int64_t* w = key->data();
   uint64_t low_bits = 0;
@@ -132,7 +140,7 @@ bool MakeKey(const TVMFFIAny* args, int scalars, Key* key, const DLTensor* t[3])
     w += kPerTensor;
   }
   *w++ = static_cast<int64_t>(low_bits & 15);
-  for (int i = scalars; i < scalars + 5; ++i, w += 2) {
+  for (int i = scalars; i < scalars + kScalars; ++i, w += 2) {
     if (!PutScalar(args[i], w)) return false;
   }
   return true;
@@ -241,13 +249,13 @@ bool SameArchEnv(const std::string& registered) {
 
 }  // namespace
 
-// forward(q, k, v, out, causal, softmax_scale, left, right, deterministic)
+// forward(q, k, v, out, <the scalar fields>)
 //   -> True (launched into out), None (not registered), False (Python serves this call).
 extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_forward(void*, const TVMFFIAny* args, int32_t num_args,
                                                     TVMFFIAny* result) {
   TVM_FFI_SAFE_CALL_BEGIN();
   ffi::Any* ret = reinterpret_cast<ffi::Any*>(result);
-  TVM_FFI_ICHECK_EQ(num_args, 9) << "forward takes 9 arguments";
+  TVM_FFI_ICHECK_EQ(num_args, 4 + kScalars) << "forward takes q, k, v, out and " << kScalars << " scalars";
   Key key;
   const DLTensor* t[3];
   if (!MakeKey(args, 4, &key, t)) {
@@ -315,6 +323,7 @@ extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_forward(void*, const TVMFFIAny* args
   }
   ffi::Tensor lse = LseBuffer(q.device, b, heads, rows);
   ffi::Any unused;
+  const ffi::AnyView none;  // a feature build's sink: calls with sinks take the Python path
   if (entry.splits > 1) {
     // Partial O (splits * b, rows, heads, dv) and LSE (splits * b, heads, rows) in fp32, one allocation (torch's
     // caching allocator on the current stream, freed in its stream order when the call returns).
@@ -324,26 +333,27 @@ extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_forward(void*, const TVMFFIAny* args
     ffi::Tensor o_part = ffi::Tensor::FromNDAlloc(ViewOf{block, 0}, ffi::Shape({parts, rows, heads, dv}), f32, q.device);
     ffi::Tensor l_part = ffi::Tensor::FromNDAlloc(ViewOf{block, static_cast<uint64_t>(o_elems) * 4},
                                                   ffi::Shape({parts, heads, rows}), f32, q.device);
-    ffi::AnyView split[8] = {tq, tk, tv, o_part, l_part, entry.scale, entry.left, entry.right};
-    entry.kernel.value().CallPacked(split, 8, &unused);
+    ffi::AnyView split[10] = {tq, tk, tv, o_part, l_part, entry.scale, entry.left, entry.right, entry.softcap, none};
+    entry.kernel.value().CallPacked(split, entry.features ? 10 : 8, &unused);
     ffi::AnyView merge[4] = {o_part, l_part, to, lse};
     entry.combine.value().CallPacked(merge, 4, &unused);
   } else {
-    ffi::AnyView call[8] = {tq, tk, tv, to, lse, entry.scale, entry.left, entry.right};
-    entry.kernel.value().CallPacked(call, 8, &unused);
+    ffi::AnyView call[10] = {tq, tk, tv, to, lse, entry.scale, entry.left, entry.right, entry.softcap, none};
+    entry.kernel.value().CallPacked(call, entry.features ? 10 : 8, &unused);
   }
   *ret = true;
   TVM_FFI_SAFE_CALL_END();
 }
 
-// put(q, k, v, causal, softmax_scale, left, right, deterministic, kernel | None, scale, left, right, out_dtype,
-//     combine | None, splits, group, keys_lo) -> True when the call's key was stored.
+// put(q, k, v, <the scalar fields>, kernel | None, scale, left, right, softcap, features, out_dtype, combine | None,
+//     splits, group, keys_lo) -> True when the call's key was stored.
 extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_put(void*, const TVMFFIAny* args, int32_t num_args,
                                                 TVMFFIAny* result) {
   TVM_FFI_SAFE_CALL_BEGIN();
   const ffi::AnyView* a = reinterpret_cast<const ffi::AnyView*>(args);
   ffi::Any* ret = reinterpret_cast<ffi::Any*>(result);
-  TVM_FFI_ICHECK_EQ(num_args, 17) << "put takes 17 arguments";
+  constexpr int kEntry = 3 + kScalars;  // where the entry's own arguments start
+  TVM_FFI_ICHECK_EQ(num_args, kEntry + 11) << "put takes q, k, v, " << kScalars << " scalars and 11 entry fields";
   Key key;
   const DLTensor* t[3];
   if (!MakeKey(args, 3, &key, t)) {
@@ -351,15 +361,17 @@ extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_put(void*, const TVMFFIAny* args, in
     return 0;
   }
   Entry entry;
-  entry.kernel = a[8].cast<ffi::Optional<ffi::Function>>();
-  entry.scale = a[9].cast<double>();
-  entry.left = a[10].cast<int64_t>();
-  entry.right = a[11].cast<int64_t>();
-  entry.out_dtype = a[12].cast<DLDataType>();
-  entry.combine = a[13].cast<ffi::Optional<ffi::Function>>();
-  entry.splits = a[14].cast<int64_t>();
-  entry.group = a[15].cast<int64_t>();
-  entry.keys_lo = a[16].cast<int64_t>();
+  entry.kernel = a[kEntry].cast<ffi::Optional<ffi::Function>>();
+  entry.scale = a[kEntry + 1].cast<double>();
+  entry.left = a[kEntry + 2].cast<int64_t>();
+  entry.right = a[kEntry + 3].cast<int64_t>();
+  entry.softcap = a[kEntry + 4].cast<double>();
+  entry.features = a[kEntry + 5].cast<bool>();
+  entry.out_dtype = a[kEntry + 6].cast<DLDataType>();
+  entry.combine = a[kEntry + 7].cast<ffi::Optional<ffi::Function>>();
+  entry.splits = a[kEntry + 8].cast<int64_t>();
+  entry.group = a[kEntry + 9].cast<int64_t>();
+  entry.keys_lo = a[kEntry + 10].cast<int64_t>();
   TVM_FFI_ICHECK(entry.splits == 1 || entry.combine.has_value()) << "a split entry needs its combine kernel";
   entry.arch_env = ArchEnv();
   std::lock_guard<std::mutex> lock(mutex);

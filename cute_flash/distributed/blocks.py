@@ -7,15 +7,17 @@ kernel's bottom-right-aligned rule (`cute_flash.spec.MaskBounds`). Two implement
   KernelBlocks     cute-flash's routed kernels on CUDA (fp16/bf16), called exactly as `cute_flash.attention` does.
 
 Protocol (`BlockCompute`):
-  forward(q, k, v, mask, softmax_scale) -> (out, lse)
+  forward(q, k, v, mask, softmax_scale, softcap) -> (out, lse)
       attention of q over k/v alone: out (b, m, h, dv), lse (b, h, m) (float32 or wider); rows that see no key give
-      out 0 and lse -inf.
-  backward(t: BwdTensors, mask, softmax_scale) -> (dq, dk, dv)
+      out 0 and lse -inf. softcap > 0: every score is softcap * tanh(score * softmax_scale / softcap) before the mask
+      (0: none). Learnable sinks are not the blocks': the ring merges them once, after every block.
+  backward(t: BwdTensors, mask, softmax_scale, softcap) -> (dq, dk, dv)
       t = (dout, q, k, v, out, lse), as a kernel backend's backward reads them (`cute_flash.arch.base`); this block's
       share of the gradients, given the FINAL out and lse of the query rows over all keys of the ring:
       P = exp(S·scale - lse) is then the block's slice of the global softmax, and dS = P∘(dP - D) with
-      D = rowsum(dO∘O) over the final O; dq, dk, dv of the blocks add up to the gradients of the whole attention.
-  check(q, k, v, mask_kinds, backward) -> None
+      D = rowsum(dO∘O) over the final O (lse and O include the sinks: the key gradients need nothing else); dq, dk,
+      dv of the blocks add up to the gradients of the whole attention.
+  check(q, k, v, mask_kinds, backward, softcap) -> None
       raises before any communication when the blocks cannot serve these shards (every rank raises alike).
 """
 
@@ -25,24 +27,37 @@ from typing import Iterable, Optional, Protocol, Tuple
 
 import torch
 
-from ..arch.base import BwdTensors, Grads
+from ..arch.base import BwdTensors
+from ..core import launch, plan
+from ..kernel_layout import kernel_view
 from ..reference import visible_keys
 from ..spec import MaskBounds
-from ..validation import kernel_view, problem_of, validate
 
 
 class BlockCompute(Protocol):
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskBounds, softmax_scale: float
-    ) -> Tuple[torch.Tensor, torch.Tensor]: ...
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: MaskBounds,
+        softmax_scale: float,
+        softcap: float = 0.0,
+    ) -> Tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 
     def backward(
-        self, t: BwdTensors, mask: MaskBounds, softmax_scale: float
+        self, t: BwdTensors, mask: MaskBounds, softmax_scale: float, softcap: float = 0.0
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
     def check(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_kinds: Iterable[str], backward: bool
-    ) -> None: ...
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask_kinds: Iterable[str],
+        backward: bool,
+        softcap: float = 0.0,
+    ) -> None: ...  # fmt: skip
 
 
 def _expand_heads(x: torch.Tensor, nheads: int) -> torch.Tensor:
@@ -67,7 +82,7 @@ class ReferenceBlocks:
             return self.compute_dtype
         return torch.promote_types(t.dtype, torch.float32)
 
-    def check(self, q, k, v, mask_kinds, backward) -> None:
+    def check(self, q, k, v, mask_kinds, backward, softcap=0.0) -> None:
         return None  # plain torch serves every shape the ring's validation lets through
 
     def _scores(self, q, k, mask: MaskBounds, scale: float, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -76,9 +91,11 @@ class ReferenceBlocks:
         s = torch.einsum("bqhd,bkhd->bhqk", q.to(dtype), _expand_heads(k.to(dtype), h)) * scale
         return s, visible_keys(q.shape[1], k.shape[1], mask, device=q.device)
 
-    def forward(self, q, k, v, mask, softmax_scale):
+    def forward(self, q, k, v, mask, softmax_scale, softcap=0.0):
         dtype = self._dtype(q)
         s, visible = self._scores(q, k, mask, softmax_scale, dtype)
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
         s = s.masked_fill(~visible, float("-inf"))
         row_max = s.amax(dim=-1, keepdim=True)
         row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)  # no key: exp(-inf) = 0
@@ -89,11 +106,14 @@ class ReferenceBlocks:
         out = torch.einsum("bhqk,bkhd->bqhd", p, _expand_heads(v.to(dtype), q.shape[2]))
         return out, lse
 
-    def backward(self, t: BwdTensors, mask, softmax_scale):
+    def backward(self, t: BwdTensors, mask, softmax_scale, softcap=0.0):
         dout, q, k, v, out, lse, dlse = t[:7]
         dtype = self._dtype(q)
         h, h_kv = q.shape[2], k.shape[2]
         s, visible = self._scores(q, k, mask, softmax_scale, dtype)
+        if softcap:
+            tanh = torch.tanh(s / softcap)
+            s = softcap * tanh
         lse_c = lse.to(dtype).unsqueeze(-1)
         # P is this block's slice of the softmax over all keys of the ring (lse is the final one). Rows with no key
         # anywhere (lse -inf) and hidden keys get P = 0.
@@ -108,52 +128,55 @@ class ReferenceBlocks:
         dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
         dp = torch.einsum("bqhd,bkhd->bhqk", do, ve)
         ds = p * (dp - d_row)
+        if softcap:  # through the cap: d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2
+            ds = ds * (1 - tanh.square())
         dq = torch.einsum("bhqk,bkhd->bqhd", ds, ke) * softmax_scale
         dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(dtype)) * softmax_scale
         return dq, _fold_heads(dk, h_kv), _fold_heads(dv, h_kv)
 
 
+def _call_mask(mask: MaskBounds) -> dict:
+    """The (causal, window_size) of `cute_flash.attention` whose normalised mask is `mask` (a block's kernel mask)."""
+    if mask.kind == "none":
+        return dict(causal=False, window_size=(None, None))
+    if mask.kind == "causal":
+        return dict(causal=True, window_size=(None, None))
+    return dict(causal=False, window_size=(mask.left, mask.right))
+
+
 class KernelBlocks:
-    """Blocks on cute-flash's kernels (CUDA, fp16/bf16), routed per mask kind as `cute_flash.attention` routes them.
+    """Blocks on cute-flash's kernels (CUDA, fp16/bf16), planned and launched by the call core exactly as
+    `cute_flash.attention` calls are (core/plan.py, core/launch.py: one plan per block shape and mask, cached).
 
     deterministic: ask for the backward that sums in a fixed order (see `cute_flash.attention`)."""
 
     def __init__(self, deterministic: bool = False):
         self.deterministic = deterministic
 
-    def check(self, q, k, v, mask_kinds, backward) -> None:
-        from ..interface import _route
+    def _plan(self, q, k, v, mask: MaskBounds, softmax_scale, softcap: float):
+        return plan.of_call(
+            q, k, v, **_call_mask(mask), softmax_scale=float(softmax_scale), deterministic=self.deterministic,
+            softcap=softcap, learnable_sink=None,
+        )  # fmt: skip
 
-        # The shard as one call: device, dtype, head dims, launch limits (errors name the argument).
-        validate(q, k, v, causal=False, softmax_scale=None, window_size=(None, None), dtype=None)
-        for kind in sorted(set(mask_kinds)):
-            problem = problem_of(q, k, v, MaskBounds(kind, 0, 0), 1.0)
-            _route(problem.spec, q, backward=False)
+    def check(self, q, k, v, mask_kinds, backward, softcap=0.0) -> None:
+        # The shard as one call of each mask kind: device, dtype, head dims, launch limits (errors name the argument),
+        # then the route of each direction (a family without a kernel for it raises before any communication).
+        for kind in sorted(set(mask_kinds)) or ["none"]:
+            planned = self._plan(q, k, v, MaskBounds(kind, 1, 0), 1.0, softcap)
             if backward:
-                _route(problem.spec, q, backward=True, deterministic=self.deterministic)
+                planned.backward_backend(q)
 
-    def forward(self, q, k, v, mask, softmax_scale):
-        from ..interface import _route, _run_forward
+    def forward(self, q, k, v, mask, softmax_scale, softcap=0.0):
+        planned = self._plan(q, k, v, mask, softmax_scale, softcap)
+        return launch.forward(planned, *launch.kernel_inputs(planned, q, k, v))
 
-        problem = problem_of(q, k, v, mask, float(softmax_scale))
-        arch = _route(problem.spec, q, backward=False)
-        return _run_forward(kernel_view(q), kernel_view(k), kernel_view(v), problem, arch)
-
-    def backward(self, t: BwdTensors, mask, softmax_scale):
-        from ..interface import _route
-
-        problem = problem_of(t.q, t.k, t.v, mask, float(softmax_scale))
-        arch = _route(problem.spec, t.q, backward=True, deterministic=self.deterministic)
-        q, k, v = kernel_view(t.q), kernel_view(t.k), kernel_view(t.v)
-        if q.numel() == 0 or k.numel() == 0:  # no batch or no head: nothing to launch (as in cute_flash.attention)
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        with torch.cuda.device(q.device):
-            # The kernels read lse (b, h, m) contiguous float32.
-            saved = BwdTensors(
-                kernel_view(t.dout), q, k, v, kernel_view(t.out.to(q.dtype)), t.lse.float().contiguous(), t.dlse
-            )
-            arch.backward(saved, Grads(dq, dk, dv), problem, self.deterministic)
+    def backward(self, t: BwdTensors, mask, softmax_scale, softcap=0.0):
+        planned = self._plan(t.q, t.k, t.v, mask, softmax_scale, softcap)
+        q, k, v = launch.kernel_inputs(planned, t.q, t.k, t.v)
+        # The kernels read out in the inputs' dtype and lse (b, h, m) contiguous float32.
+        out, lse = kernel_view(t.out.to(q.dtype)), t.lse.float().contiguous()
+        dq, dk, dv, _ = launch.backward(planned, t.dout, q, k, v, out, lse, t.dlse)
         return dq, dk, dv
 
 

@@ -46,3 +46,13 @@ def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor
     lse, wa, wb = _merged_lse_and_weights(lse_acc, lse_b, lse_acc.dtype)
     out_acc.mul_(wa.to(out_acc.dtype)).addcmul_(out_b, wb.to(out_acc.dtype))
     lse_acc.copy_(lse)
+
+
+def merge_sink_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, sink: torch.Tensor) -> None:
+    """Merges learnable sinks (h,) into the accumulators in place: a key set of its own per head, whose lse is the
+    sink and whose out is 0 (it attends to no value), so lse = log(exp(lse) + exp(sink_h)) and out is scaled by
+    exp(old lse - lse). A row without keys gets out 0 and lse = sink_h."""
+    lse_sink = sink.to(lse_acc.dtype).view(1, -1, 1).expand_as(lse_acc)
+    lse, wa, _ = _merged_lse_and_weights(lse_acc, lse_sink, lse_acc.dtype)
+    out_acc.mul_(wa.to(out_acc.dtype))
+    lse_acc.copy_(lse)

@@ -1,7 +1,8 @@
 """Which blocks a rank computes at each ring step, and the mask each block gets.
 
 The global rule (self-attention over the whole sequence, so no offset): query at global position p sees the key at
-t iff  p - left <= t <= p + right  (causal: right = 0; None: unbounded). A kernel call over q rows [0, m) and keys
+t iff  p - left <= t <= p + right  (causal: right = 0; None: unbounded; either bound may be negative, and with
+left + right < 0 no query sees any key: every pair is skipped). A kernel call over q rows [0, m) and keys
 [0, n) applies the bottom-right-aligned rule  i + off - L <= j <= i + off + R,  off = n - m  (`cute_flash.spec`).
 
 For a query chunk at global [qs, qe) and a key chunk at [ks, ke) (`layout.Chunk`), `pair_task` first trims the pair
@@ -9,9 +10,11 @@ to the rows that see some key and the keys that some row sees:
     qs' = max(qs, ks - right)   qe' = min(qe, ke + left)   ks' = max(ks, qs - left)   ke' = min(ke, qe + right)
 (nothing visible is lost: a dropped row sees no key of the chunk, a dropped key is seen by no row), and skips the
 pair when nothing is left. On the trimmed rectangle, with delta = ke' - qe', the kernel's rule equals the global one
-for  L = left + delta,  R = right - delta,  and the trimming guarantees -left <= delta <= right, so L and R are never
-negative: no kernel ever sees a negative window bound. A side that cuts no (row, key) pair of the rectangle is
-dropped (UNBOUNDED_WINDOW), so fully visible pairs are kind "none", a diagonal pair "causal", others "local".
+for  L = left + delta,  R = right - delta,  and the trimming guarantees L >= 0 (ke' = ke gives L = left + ke - qe'
+>= 0 as qe' <= ke + left; ke' = qe + right gives L >= left + right) and likewise R >= 0 whenever some key is
+visible (left + right >= 0): no kernel ever sees a negative window bound, also for negative global bounds. A side
+that cuts no (row, key) pair of the rectangle is dropped (UNBOUNDED_WINDOW), so fully visible pairs are kind "none",
+a diagonal pair "causal", others "local".
 
 Per step, a shard pair holds up to 2 x 2 chunk pairs (zigzag); `step_tasks` fuses them into one launch where one
 rectangle with a "none" or "causal" mask reproduces the global rule exactly (checked row by row, `reproduces`):
@@ -72,6 +75,8 @@ def _kernel_mask(m: int, n: int, qs: int, ks: int, left: Bound, right: Bound) ->
 
 def pair_task(q_chunk: Chunk, k_chunk: Chunk, left: Bound, right: Bound) -> Optional[BlockTask]:
     """The launch for one (query chunk, key chunk) pair under the global rule, or None when no query sees any key."""
+    if left is not None and right is not None and left + right < 0:  # an empty window: p - left > p + right
+        return None
     qs, qe = q_chunk.global_start, q_chunk.global_start + q_chunk.length
     ks, ke = k_chunk.global_start, k_chunk.global_start + k_chunk.length
     qs2, qe2, ks2, ke2 = qs, qe, ks, ke

@@ -10,6 +10,11 @@ Backward: the same ring. Each step adds this rank's dq share locally and its dk/
 that travels with the K/V shard it belongs to; after W hops every accumulator is back on its owner. The block
 backward gets the final out and lse (see `blocks`), so its dq/dk/dv are exact shares of the full gradient.
 
+Soft-capping applies per score, inside every block. Learnable sinks (one logit per query head) join only the final
+merge, as a key set of their own with out 0 (`merge.merge_sink_into`); their gradient needs the final lse and
+D = rowsum(dO * O) alone (`arch.base.sink_grad`), so each rank returns its own rows' share of dsink, as for any
+parameter replicated over the group (sum it over the group, as data parallelism does).
+
 Memory per rank is O(seqlen_local): the local shards, one K/V shard in flight, the float32 out (forward) or dq and
 one dk/dv accumulator in flight (backward).
 """
@@ -22,12 +27,12 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ..arch.base import BwdTensors
-from ..interface import _Attention
-from ..validation import validate_reference
+from ..arch.base import BwdTensors, sink_grad
+from ..core.autograd import Attention
+from ..validation import check_learnable_sink, check_softcap, validate_reference
 from .blocks import BlockCompute, default_blocks
 from .layout import LAYOUTS, check_layout
-from .merge import merge_into
+from .merge import merge_into, merge_sink_into
 from .plan import BlockTask, global_bounds, ring_plan
 
 Plan = Tuple[Tuple[BlockTask, ...], ...]
@@ -83,22 +88,35 @@ class _Config:
     plan: Plan
     softmax_scale: float
     blocks: BlockCompute
+    softcap: float = 0.0
 
-    # What the autograd node (`interface._Attention`) asks of the config it carries.
-    def forward_saving(self, q, k, v):
-        out, lse = _ring_forward(q, k, v, self)
+    # What the call core's autograd node (core/autograd.py) asks of its `run`.
+    def forward_saving(self, q, k, v, sink, seqs):
+        out, lse = _ring_forward(q, k, v, self, sink)
         return q, k, v, out, lse
 
-    def backward_saved(self, dout, q, k, v, out, lse, dlse=None):
-        return _ring_backward(dout, q, k, v, out, lse, self, dlse)
+    def backward(self, dout, q, k, v, out, lse, dlse, sink, seqs):
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, self, dlse)
+        return dq, dk, dv, None if sink is None else _sink_grad(dout, out, lse, dlse, sink)
+
+
+def _sink_grad(dout, out, lse, dlse, sink) -> torch.Tensor:
+    """This rank's share of dsink (h,): its rows' P_sink * (dlse - D), D = rowsum(dO * O) over the final O."""
+    d = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1).transpose(1, 2)  # (b, h, s)
+    if dlse is not None:
+        d = d - torch.where(torch.isneginf(lse), 0.0, dlse.to(lse.dtype))
+    dsink = torch.empty(sink.shape, dtype=lse.dtype, device=lse.device)
+    sink_grad(dsink, sink, lse, d)
+    return dsink
 
 
 def _rows(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return t[:, start:end]
 
 
-def _ring_forward(q, k, v, cfg: _Config) -> Tuple[torch.Tensor, torch.Tensor]:
-    """out (b, s, h, dv) in q's dtype and lse (b, h, s) in the accumulation dtype (float32 or wider)."""
+def _ring_forward(q, k, v, cfg: _Config, sink=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """out (b, s, h, dv) in q's dtype and lse (b, h, s) in the accumulation dtype (float32 or wider); sink: the (h,)
+    learnable sinks, merged once after every block."""
     b, s, h, _ = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(b, s, h, v.shape[3], dtype=acc, device=q.device)
@@ -114,10 +132,13 @@ def _ring_forward(q, k, v, cfg: _Config) -> Tuple[torch.Tensor, torch.Tensor]:
                 _rows(kv[1], t.k_start, t.k_end),
                 t.mask,
                 cfg.softmax_scale,
+                cfg.softcap,
             )
             merge_into(out[:, t.q_start : t.q_end], lse[:, :, t.q_start : t.q_end], o, l)
         if pending is not None:
             kv = pending.wait()
+    if sink is not None:
+        merge_sink_into(out, lse, sink.detach())
     return out.to(q.dtype), lse
 
 
@@ -143,7 +164,7 @@ def _ring_backward(dout, q, k, v, out, lse, cfg: _Config, dlse=None) -> Tuple[to
                 lse[:, :, t.q_start : t.q_end],
                 None if dlse is None else dlse[:, :, t.q_start : t.q_end],  # lse's gradient: D - dlse, per block
             )
-            dq_b, dk_b, dv_b = cfg.blocks.backward(rows, t.mask, cfg.softmax_scale)
+            dq_b, dk_b, dv_b = cfg.blocks.backward(rows, t.mask, cfg.softmax_scale, cfg.softcap)
             dq[:, t.q_start : t.q_end] += dq_b
             shares.append((t, dk_b, dv_b))
         if dkv_pending is None:
@@ -192,8 +213,9 @@ def _check_same_on_every_rank(q, k, v, options: Sequence[int], group, world_size
             )
         if row[12:] != rows[0][12:]:
             raise ValueError(
-                "ring_attention: causal, window_size and layout must be the same on every rank; "
-                f"rank 0 has {rows[0][12:]}, rank {r} has {row[12:]} (causal, left, right, layout index)"
+                "ring_attention: causal, window_size, layout, softcap and whether learnable_sink is given must be the "
+                f"same on every rank; rank 0 has {rows[0][12:]}, rank {r} has {row[12:]} (causal, left unbounded, "
+                "left, right unbounded, right, layout index, softcap's float64 bits, sinks)"
             )
 
 
@@ -210,6 +232,8 @@ def ring_attention(
     return_lse: bool = False,
     blocks: Optional[BlockCompute] = None,
     check_shapes: bool = True,
+    softcap: float = 0.0,
+    learnable_sink: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention of a sequence sharded over the ranks of `group` (default: the world), differentiable.
 
@@ -219,8 +243,15 @@ def ring_attention(
     the same shapes and options (and, for gradients, run the backward too: it is collective as well).
 
     causal and window_size=(left, right) follow `cute_flash.attention` on the full sequence (query at global position
-    p sees key t iff p - left <= t <= p + right; causal: right = 0). Returns this rank's rows of out (input dtype)
-    and, with return_lse, of the float32 lse (batch, nheads, seqlen_local).
+    p sees key t iff p - left <= t <= p + right; causal: right = 0; bounds may be negative). Returns this rank's rows
+    of out (input dtype) and, with return_lse, of the float32 lse (batch, nheads, seqlen_local).
+
+    softcap and learnable_sink as in `cute_flash.attention`: softcap > 0 caps every score at
+    softcap * tanh(score * softmax_scale / softcap) before the mask; a (nheads,) learnable_sink (the same on every
+    rank) is one more logit per query head in every row's softmax denominator, attending to no value (lse includes
+    it; a row without keys gets out 0 and lse = sink_h). Its gradient on each rank is that rank's rows' share,
+    dsink_h = sum over batch and local rows of P_sink * (dlse - D): sum it over the group as any replicated
+    parameter's.
 
     blocks: the per-step computation (`cute_flash.distributed.blocks`); default KernelBlocks on CUDA (cute-flash's
     kernels, fp16/bf16), ReferenceBlocks elsewhere (plain torch, e.g. float64 on CPUs with gloo). Without an
@@ -231,6 +262,10 @@ def ring_attention(
     agree may pass False (ranks with different shapes then fail or hang inside the transfers).
     """
     sem = validate_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+    softcap = check_softcap(softcap)
+    # (float64 sinks beside float64 reference blocks: checked as a float32 stand-in of the same shape and device)
+    wide = isinstance(learnable_sink, torch.Tensor) and learnable_sink.dtype == torch.float64
+    check_learnable_sink(learnable_sink.detach().float() if wide else learnable_sink, sem.nheads, q.device)
     check_layout(layout)
     seqlen_local = q.shape[1]
     if k.shape[1] != seqlen_local:
@@ -247,9 +282,13 @@ def ring_attention(
     left_opt, right_opt = window_size
     options = [
         int(causal),
-        -1 if left_opt is None else int(left_opt),
-        -1 if right_opt is None else int(right_opt),
+        int(left_opt is None),  # (a flag beside each bound: a bound may be any int, -1 included)
+        0 if left_opt is None else int(left_opt),
+        int(right_opt is None),
+        0 if right_opt is None else int(right_opt),
         LAYOUTS.index(layout),
+        torch.tensor(softcap, dtype=torch.float64).view(torch.int64).item(),  # its bits
+        int(learnable_sink is not None),
     ]
     if world_size > 1 and check_shapes:
         _check_same_on_every_rank(q, k, v, options, group, world_size)
@@ -258,7 +297,8 @@ def ring_attention(
     plan = ring_plan(rank, world_size, seqlen_local, layout, left, right)
     if blocks is None:
         blocks = default_blocks(q.device)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    sink = learnable_sink
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sink))
     # Every rank checks the mask kinds of every rank's plan, so that all raise together or none does.
     kinds = {
         t.mask.kind
@@ -266,14 +306,14 @@ def ring_attention(
         for tasks in ring_plan(r, world_size, seqlen_local, layout, left, right)
         for t in tasks
     }
-    blocks.check(q, k, v, kinds, needs_grad)
-    cfg = _Config(group, rank, world_size, plan, sem.softmax_scale, blocks)
+    blocks.check(q, k, v, kinds, needs_grad, softcap)
+    cfg = _Config(group, rank, world_size, plan, sem.softmax_scale, blocks, softcap)
     k, v = k.contiguous(), v.contiguous()  # sent as they are
     if needs_grad:
-        out, lse = _Attention.apply(q, k, v, cfg)
+        out, lse = Attention.apply(cfg, q, k, v, sink)
     else:
         with torch.no_grad():
-            out, lse = _ring_forward(q, k, v, cfg)
+            out, lse = _ring_forward(q, k, v, cfg, sink)
     if not return_lse:
         return out
     return out, lse.float()

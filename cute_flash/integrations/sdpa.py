@@ -51,17 +51,18 @@ def _check(dropout_p: float, return_debug_mask: bool = False) -> None:
 
 
 def _planned(q, k, v, causal, scale, window, deterministic=False):
-    from cute_flash import interface
+    """The call core's plan of the (b, s, h, d) views (cached per signature, as an eager call's), and the views in the
+    kernels' layout."""
+    from cute_flash.core import launch, plan
 
-    plan = interface._plan(q, k, v, causal, scale, window, deterministic)
-    if plan.copies:
-        q, k, v = (interface.kernel_view(t) for t in (q, k, v))
-    return plan, q, k, v
+    call = dict(causal=causal, softmax_scale=scale, window_size=window, deterministic=deterministic)
+    planned = plan.of_call(q, k, v, **call, softcap=0.0, learnable_sink=None)
+    return (planned, *launch.kernel_inputs(planned, q, k, v))
 
 
 def forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
     """aten::_scaled_dot_product_flash_attention on (b, h, s, d) tensors."""
-    from cute_flash import interface
+    from cute_flash.core import launch
 
     _check(dropout_p, return_debug_mask)
     sq, sk = query.shape[2], key.shape[2]
@@ -70,7 +71,7 @@ def forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask
     if kept != sk:
         k, v = k[:, :kept], v[:, :kept]
     plan, q, k, v = _planned(q, k, v, causal, scale, window)
-    out, lse = interface._launch_forward(plan, q, k, v)
+    out, lse = launch.forward(plan, q, k, v)
     # out is (b, s, h, d) contiguous: returned as the (b, h, s, d) view, the layout torch's own flash kernel gives.
     rng_state = torch.empty(2, dtype=torch.uint64, device=query.device)
     unused = torch.empty((), dtype=torch.uint64, device=query.device)
@@ -83,7 +84,8 @@ def backward(
     philox_seed, philox_offset, *, scale=None,
 ):  # fmt: skip
     """aten::_scaled_dot_product_flash_attention_backward on (b, h, s, d) tensors."""
-    from cute_flash import interface
+    from cute_flash.core import launch
+    from cute_flash.kernel_layout import kernel_view
 
     _check(dropout_p)
     sq, sk = query.shape[2], key.shape[2]
@@ -92,8 +94,7 @@ def backward(
     if kept != sk:
         k, v = k[:, :kept], v[:, :kept]
     plan, q, k, v = _planned(q, k, v, causal, scale, window, torch.are_deterministic_algorithms_enabled())
-    o = interface.kernel_view(o)
-    dq, dk, dv = interface._launch_backward(plan, do, q, k, v, o, logsumexp)
+    dq, dk, dv, _ = launch.backward(plan, do, q, k, v, kernel_view(o), logsumexp)
     if kept != sk:  # the dropped keys get no gradient
         dk_full = torch.zeros(key.transpose(1, 2).shape, dtype=key.dtype, device=key.device)
         dv_full = torch.zeros(value.transpose(1, 2).shape, dtype=value.dtype, device=value.device)

@@ -13,8 +13,9 @@ the Hub.
 
 What is served: causal (decoder) self-attention, GQA / MQA (cute-flash reads the shared kv heads itself), sliding-window
 layers (the `sliding_window` argument: query i sees keys i - sliding_window < j <= i, as transformers' masks), the
-model's `scaling`, decoding against a cache (dynamic or static), and two kinds of batches that go through
-`cute_flash.attention_varlen`:
+model's `scaling`, logit soft-capping (the `softcap` keyword, e.g. Gemma 2's attn_logit_softcapping), learnable
+attention sinks (the `s_aux` keyword, gpt-oss's `sinks` parameter, or `sinks`), decoding against a cache (dynamic or
+static), and two kinds of batches that go through `cute_flash.attention_varlen`:
   - padded batches (a 2D `attention_mask`, left or right padding, prefill, training and decoding): the mask function
     hands the attention function the 2D padding mask instead of a materialised 4D one; the attention function gathers
     the valid query / key rows into packed sequences and scatters the outputs back (padded query rows get 0).
@@ -34,8 +35,7 @@ What raises instead of answering wrongly: any other mask (custom 4D masks, bidir
 that does not match its documents, a 2D mask wider than the positions seen, which transformers reads from the left),
 a sliding window over a padded row whose valid tokens are not contiguous (the window is a distance in positions;
 packing would close the gaps), sparse attention (`indices`, `block_indices`), attention dropout during training,
-soft-capping, attention sinks, non-causal attention. A caller that turns `allow_is_causal_skip` off gets the
-materialised mask it asked for.
+non-causal attention. A caller that turns `allow_is_causal_skip` off gets the materialised mask it asked for.
 """
 
 from __future__ import annotations
@@ -49,9 +49,6 @@ DEFAULT_NAME = "cute_attn"
 
 # Keyword arguments that change the result and that cute-flash does not implement: refused when set.
 _UNSUPPORTED = {
-    "softcap": "logit soft-capping",
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
     "cu_seqlens_q": "packed sequences by `cu_seqlens_q` (transformers' keyword is `cu_seq_lens_q`)",
     "cu_seqlens_k": "packed sequences by `cu_seqlens_k` (transformers' keyword is `cu_seq_lens_k`)",
     "position_bias": "an additive position bias",
@@ -266,6 +263,7 @@ def attention_forward(
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if not causal:
         raise _err("only causal (decoder) attention is served")
+    features = _features(kwargs)
     sliding_window = _layer_window(attention_mask, sliding_window)
     window = (None, None)
     if sliding_window is not None:
@@ -280,7 +278,7 @@ def attention_forward(
     packing = _packing(attention_mask, q, k, sliding_window, kwargs)
     if isinstance(packing, int):  # no padding: the layer's first `packing` key slots, queries aligned to their end
         k, v = k[:, :packing], v[:, :packing]
-        out = cute_flash.attention(q, k, v, causal=True, softmax_scale=scaling, window_size=window)
+        out = cute_flash.attention(q, k, v, causal=True, softmax_scale=scaling, window_size=window, **features)
         return out, None
     out = cute_flash.attention_varlen(
         q[packing.q_rows],
@@ -293,9 +291,20 @@ def attention_forward(
         causal=True,
         softmax_scale=scaling,
         window_size=window,
+        **features,
     )
     full = out.new_zeros(b, s, *out.shape[1:])  # padded query rows: 0 (as FlashAttention's own unpadding)
     return full.index_put(packing.q_rows, out), None
+
+
+def _features(kwargs: dict) -> dict:
+    """cute_flash's softcap and learnable_sink from transformers' keywords: `softcap` (None or 0: none; Gemma 2 / 3
+    pass the config's attn_logit_softcapping) and the sinks, `s_aux` (transformers' name, gpt-oss) or `sinks`."""
+    softcap = kwargs.get("softcap")
+    sinks = [kwargs[n] for n in ("s_aux", "sinks") if kwargs.get(n) is not None]
+    if len(sinks) == 2 and sinks[0] is not sinks[1]:
+        raise _err("both s_aux and sinks are given and differ: pass the attention sinks once")
+    return {"softcap": 0.0 if softcap is None else softcap, "learnable_sink": sinks[0] if sinks else None}
 
 
 def _layer_window(attention_mask, sliding_window):

@@ -14,6 +14,7 @@ from ...spec import AttentionSpec
 from ...validation import Problem, kernel_view
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact
 from ..base import launcher_through_backward, launcher_through_forward, prepare_build
+from ..base import BackendBase
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_feature_args, fake_operand
 from . import tile_config as cfgmod
@@ -114,7 +115,7 @@ def _fp8_args(spec: AttentionSpec, q, k, v, descale: Optional[Dict[str, torch.Te
     return tuple(out)
 
 
-class _Backend:
+class _Backend(BackendBase):
     name = "sm100"
     cute_arch = "sm_100a"
     split_keys = False

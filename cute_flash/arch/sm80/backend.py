@@ -24,6 +24,7 @@ from ...spec import AttentionSpec
 from ...validation import Problem, VarlenProblem, kernel_view
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, PackedSeqs
 from ..base import BoundForward, SplitForward, launch_packed_forward, prepare_build
+from ..base import BackendBase
 from .. import split_kv
 from ...census import cubin_resources
 from ...common.dsl_types import dsl_dtype
@@ -172,7 +173,7 @@ def _options(target: str, tile: FwdTileConfig, extra: str = "") -> str:
     return compile_cache.compile_options(target, extra=f"--opt-level {tile.opt_level} {extra}".strip())
 
 
-class _Backend:
+class _Backend(BackendBase):
     name = FAMILY
     cute_arch = "sm_80"
     varlen = True  # has packed-sequence kernels (forward_varlen / backward_varlen); see routing

@@ -22,7 +22,7 @@ builds apply the cap and leave the sink to their combine (arch/split_kv.py).
 from __future__ import annotations
 
 import tempfile
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -31,6 +31,7 @@ from ...spec import AttentionSpec
 from ...validation import KvCacheProblem, PackedSeqs, Problem, VarlenProblem
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, KvCacheTensors
 from ..base import BoundForward, SplitForward, launch_packed_forward, launcher_through_forward, prepare_build
+from ..base import BackendBase
 from .. import split_kv
 from .tile_config import FwdTileConfig, budget_problem, fwd_tile_config, smem_bytes
 
@@ -97,7 +98,7 @@ def split_tile_config(spec: AttentionSpec) -> FwdTileConfig:
 _forward_kernels: Dict[tuple, object] = compile_cache.memo()
 
 
-class _Backend:
+class _Backend(BackendBase):
     name = FAMILY
     cute_arch = "sm_90a"
     varlen = True  # has packed-sequence kernels (forward_varlen / backward_varlen); see routing
@@ -196,7 +197,9 @@ class _Backend:
     def forward_kvcache(self, t: KvCacheTensors, problem: KvCacheProblem, num_splits: int) -> None:
         _kvcache().run_forward_kvcache(t, problem, num_splits)
 
-    def kvcache_launcher(self, problem: KvCacheProblem, device: torch.device, num_splits: int):
+    def kvcache_launcher(
+        self, problem: KvCacheProblem, device: torch.device, num_splits: int
+    ) -> Callable[[KvCacheTensors], None]:
         return _kvcache().KvCacheLauncher(problem, device, num_splits)
 
     def backward_launcher(

@@ -114,7 +114,7 @@ WARP_THREADS = 32
 DQ_VEC = 4  # consecutive floats of one thread in the dQ "fragment" layout (one 16-byte store)
 
 
-def _one(layout):
+def one_stage(layout):
     """One stage of a staged shared-memory layout."""
     return cute.select(layout, mode=[0, 1])
 
@@ -514,10 +514,10 @@ class Sm90FlashBackward(BwdEntries):
         """(BwdAtoms, BwdGmem of TMA coordinate tensors where TMA moves them); sets the stages' byte counts."""
         d, dv = self.head_dim, self.head_dim_v
         load = cpasync.CopyBulkTensorTileG2SOp()
-        atom_q, tma_q = cpasync.make_tiled_tma_atom(load, gmem.q, _one(layouts.q), (self.tile_m, d))
-        atom_do, tma_do = cpasync.make_tiled_tma_atom(load, gmem.do, _one(layouts.do), (self.tile_m, dv))
-        atom_k, tma_k = cpasync.make_tiled_tma_atom(load, gmem.k, _one(layouts.k), (self.tile_n, d))
-        atom_v, tma_v = cpasync.make_tiled_tma_atom(load, gmem.v, _one(layouts.v), (self.tile_n, dv))
+        atom_q, tma_q = cpasync.make_tiled_tma_atom(load, gmem.q, one_stage(layouts.q), (self.tile_m, d))
+        atom_do, tma_do = cpasync.make_tiled_tma_atom(load, gmem.do, one_stage(layouts.do), (self.tile_m, dv))
+        atom_k, tma_k = cpasync.make_tiled_tma_atom(load, gmem.k, one_stage(layouts.k), (self.tile_n, d))
+        atom_v, tma_v = cpasync.make_tiled_tma_atom(load, gmem.v, one_stage(layouts.v), (self.tile_n, dv))
         stat_one = cute.make_layout(self.tile_m)
         atom_lse, tma_lse = cpasync.make_tiled_tma_atom(load, gmem.lse, stat_one, (self.tile_m,))
         atom_dpsum, tma_dpsum = cpasync.make_tiled_tma_atom(load, gmem.dpsum, stat_one, (self.tile_m,))
@@ -525,13 +525,13 @@ class Sm90FlashBackward(BwdEntries):
         # Packed sequences store dK / dV by predicated rows (a TMA store would clip only at the end of the tensor).
         if const_expr(not self.gqa and packed is None):
             store = cpasync.CopyBulkTensorTileS2GOp()
-            atom_dk, tma_dk = cpasync.make_tiled_tma_atom(store, gmem.dk, _one(layouts.k), (self.tile_n, d))
-            atom_dv, tma_dv = cpasync.make_tiled_tma_atom(store, gmem.dv, _one(layouts.v), (self.tile_n, dv))
+            atom_dk, tma_dk = cpasync.make_tiled_tma_atom(store, gmem.dk, one_stage(layouts.k), (self.tile_n, d))
+            atom_dv, tma_dv = cpasync.make_tiled_tma_atom(store, gmem.dv, one_stage(layouts.v), (self.tile_n, dv))
         stat_bytes = self.tile_m * 4
-        self.bytes_q_lse = cute.size_in_bytes(self.dtype, _one(layouts.q)) + stat_bytes
-        self.bytes_do_dpsum = cute.size_in_bytes(self.dtype, _one(layouts.do)) + stat_bytes
-        self.bytes_k = cute.size_in_bytes(self.dtype, _one(layouts.k))
-        self.bytes_v = cute.size_in_bytes(self.dtype, _one(layouts.v))
+        self.bytes_q_lse = cute.size_in_bytes(self.dtype, one_stage(layouts.q)) + stat_bytes
+        self.bytes_do_dpsum = cute.size_in_bytes(self.dtype, one_stage(layouts.do)) + stat_bytes
+        self.bytes_k = cute.size_in_bytes(self.dtype, one_stage(layouts.k))
+        self.bytes_v = cute.size_in_bytes(self.dtype, one_stage(layouts.v))
         atoms = BwdAtoms(atom_q, atom_k, atom_v, atom_do, atom_lse, atom_dpsum, atom_dk, atom_dv)
         tmas = gmem._replace(q=tma_q, k=tma_k, v=tma_v, do=tma_do, lse=tma_lse, dpsum=tma_dpsum, dk=tma_dk, dv=tma_dv)
         return atoms, tmas

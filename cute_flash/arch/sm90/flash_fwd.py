@@ -73,7 +73,7 @@ from . import wgmma
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
 
 
-def _one(layout):
+def one_stage(layout):
     """One stage (or one consumer slice) of a staged shared-memory layout."""
     return cute.select(layout, mode=[0, 1])
 
@@ -168,17 +168,17 @@ class Sm90FlashForward(FwdEntries):
         one O slice."""
         rows = ROWS_PER_CONSUMER
         load = cpasync.CopyBulkTensorTileG2SOp()
-        atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, _one(sQ_layout), (rows, self.head_dim))
+        atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, one_stage(sQ_layout), (rows, self.head_dim))
         kv_load, mcast = load, {}
         if const_expr(self.cluster_m > 1):  # each CTA of the cluster loads a part of K / V for all (loads.py)
             kv_load, mcast = cpasync.CopyBulkTensorTileG2SMulticastOp(), {"num_multicast": self.cluster_m}
         k_box = (self.tile_n, self.head_dim)
-        atom_k, tma_k = cpasync.make_tiled_tma_atom(kv_load, mK, _one(sK_layout), k_box, **mcast)
-        atom_v, tma_v = cpasync.make_tiled_tma_atom(kv_load, mV, _one(sV_layout), v_box, **mcast)
+        atom_k, tma_k = cpasync.make_tiled_tma_atom(kv_load, mK, one_stage(sK_layout), k_box, **mcast)
+        atom_v, tma_v = cpasync.make_tiled_tma_atom(kv_load, mV, one_stage(sV_layout), v_box, **mcast)
         if const_expr(mO is None):  # O stored without TMA (split_kv: fp32 partials from registers)
             return (atom_q, atom_k, atom_v), (tma_q, tma_k, tma_v, None)
         atom_o, tma_o = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, _one(sO_layout), (rows, self.head_dim_v)
+            cpasync.CopyBulkTensorTileS2GOp(), mO, one_stage(sO_layout), (rows, self.head_dim_v)
         )
         return (atom_q, atom_k, atom_v, atom_o), (tma_q, tma_k, tma_v, tma_o)
 
@@ -240,9 +240,9 @@ class Sm90FlashForward(FwdEntries):
             (self.tile_n, self.head_dim_v),
         )  # fmt: skip
         # Every consumer's slice, one barrier (not the layout's cosize: slices may be spaced wider than Q).
-        self.bytes_q = cute.size_in_bytes(self.dtype, _one(sQ_layout)) * self.num_consumers
-        self.bytes_k = cute.size_in_bytes(self.dtype, _one(sK_layout))
-        self.bytes_v = cute.size_in_bytes(self.dtype, _one(sV_layout))
+        self.bytes_q = cute.size_in_bytes(self.dtype, one_stage(sQ_layout)) * self.num_consumers
+        self.bytes_k = cute.size_in_bytes(self.dtype, one_stage(sK_layout))
+        self.bytes_v = cute.size_in_bytes(self.dtype, one_stage(sV_layout))
 
         q_elems = self.slice_elems * self.num_consumers
 

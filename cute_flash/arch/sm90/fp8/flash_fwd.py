@@ -47,7 +47,7 @@ from .softmax import MIN_TILE_SCALE, Fp8OnlineSoftmax
 from .tile_config import ROW_SUM_COLUMNS, Fp8FwdConfig, kv_scale_block
 from ..tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS
 from .. import wgmma
-from ..flash_fwd import Sm90FlashForward, _one
+from ..flash_fwd import Sm90FlashForward, one_stage
 
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KiB
 FP8 = cutlass.Float8E4M3FN
@@ -134,8 +134,8 @@ class Sm90FlashForwardFp8(Sm90FlashForward):
             mQ, mK, mVt, mO, sQ_layout, sK_layout, sVt_load_layout, sO_layout, (self.head_dim_v, self.tile_n)
         )
         self.bytes_q = cute.size_in_bytes(FP8, sQ_layout)
-        self.bytes_k = cute.size_in_bytes(FP8, _one(sK_layout))
-        self.bytes_v = cute.size_in_bytes(FP8, _one(sVt_load_layout))
+        self.bytes_k = cute.size_in_bytes(FP8, one_stage(sK_layout))
+        self.bytes_v = cute.size_in_bytes(FP8, one_stage(sVt_load_layout))
 
         @cute.struct
         class SharedStorage:

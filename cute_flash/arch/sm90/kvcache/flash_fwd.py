@@ -48,7 +48,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from ....common.block_info import BlockInfo, split_kv_range
 from ....spec import AttentionSpec
 from ..cta import CtaWork
-from ..flash_fwd import SMEM_ALIGN, Sm90FlashForward, _one
+from ..flash_fwd import SMEM_ALIGN, Sm90FlashForward, one_stage
 from ..tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS
 from .. import wgmma
 from ..pipelines import WARP_THREADS, LoadPipelines
@@ -168,13 +168,13 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
         )  # fmt: skip
 
         # One TMA box: `chunk` rows of a stage (loads.py), its layout the stage's rows [0, chunk).
-        box = cute.composition(_one(sKV_load_layout), cute.make_layout((self.chunk, d), stride=(1, self.tile_n)))
+        box = cute.composition(one_stage(sKV_load_layout), cute.make_layout((self.chunk, d), stride=(1, self.tile_n)))
         load = cpasync.CopyBulkTensorTileG2SOp()
         atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, box, (self.chunk, d))
         atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, box, (self.chunk, d))
         self.bytes_q = 0  # the Q ring's barrier completes on the row loader's arrival (loads.load_q_rows)
         self.box_bytes = self.chunk * d * self.cache_dtype.width // 8
-        self.bytes_k = self.bytes_v = cute.size_in_bytes(self.cache_dtype, _one(sKV_load_layout))
+        self.bytes_k = self.bytes_v = cute.size_in_bytes(self.cache_dtype, one_stage(sKV_load_layout))
 
         q_elems = self.slice_elems * self.num_consumers
         kv_elems = cute.cosize(sK_layout)

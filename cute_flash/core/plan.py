@@ -1,0 +1,163 @@
+"""Plans: everything a warm call needs, derived once per call signature (core/fields.py) and cached, so that a warm
+eager call builds one tuple from tensor metadata, does one dict lookup, allocates and launches (docs/torch.md, "Host
+time"). A miss validates completely (`cute_flash.validation`: the same errors as ever) and routes; errors are never
+cached. FP8 calls are planned per call (their descales are per-call tensors, and the pre-pass costs more than the
+checks).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import torch
+
+from .. import compile_cache, decode
+from ..arch.base import ArchBackend
+from ..problem import PackedSeqs, Problem, VarlenProblem
+from ..spec import normalize_mask
+from ..validation import is_kernel_layout, problem_of, validate, validate_varlen
+from . import device, fields
+
+OUT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Plan:
+    """One call signature's validated problem (dense `Problem` or packed `VarlenProblem`), its forward backend, the
+    outputs' shapes, whether the inputs need `kernel_view`'s fix-ups (and packed calls' offsets `contiguous()`), and
+    what the launchers bind on first use: the forward backend's launcher, the backward backend (routed at the first
+    backward, separately: the family that ran the forward may have none) and its launcher, and for decoding under GQA
+    the keys the query row sees and the packed problem's own plan (decode.py), and what the autograd node runs
+    (core/launch.PlanRun). fp8: (descale, rotate) of an FP8 call, else None."""
+
+    __slots__ = ("problem", "forward", "backward", "deterministic", "copies", "copy_seqs", "empty", "device")
+    __slots__ += ("device_index", "out_shape", "out_dtype", "lse_shape", "rows", "launch", "backward_launch")
+    __slots__ += ("decode_keys", "decode_plan", "fp8", "run")
+
+    def __init__(
+        self, problem, forward: ArchBackend, deterministic: bool, copies: bool, device_: torch.device,
+        copy_seqs: bool = False, fp8: Optional[tuple] = None,
+    ):  # fmt: skip
+        p = problem
+        self.problem, self.forward, self.backward, self.deterministic = problem, forward, None, deterministic
+        self.copies, self.copy_seqs, self.device, self.fp8 = copies, copy_seqs, device_, fp8
+        self.device_index = device_.index if device_.type == "cuda" else None
+        self.out_dtype = OUT_DTYPES[p.spec.out_dtype]
+        self.launch = self.backward_launch = self.decode_plan = self.run = None
+        self.decode_keys = None
+        if p.spec.varlen:
+            self.out_shape, self.lse_shape = (p.total_q, p.nheads, p.head_dim_v), (p.nheads, p.total_q)
+            self.rows = p.total_q
+            self.empty = 0 in (p.batch, p.total_q, p.nheads, p.max_seqlen_q, p.total_k, p.max_seqlen_k)
+            return
+        self.out_shape = (p.batch, p.seqlen_q, p.nheads, p.head_dim_v)
+        self.lse_shape, self.rows = (p.batch, p.nheads, p.seqlen_q), p.seqlen_q
+        self.empty = 0 in (p.batch, p.seqlen_q, p.seqlen_k, p.nheads)
+        if fp8 is None and not self.empty:
+            keys = decode.keys_seen(p, compile_cache.sm_count(device_), forward.split_keys)
+            if keys is not None and keys[0] >= keys[1]:  # a window that leaves the query row no key: no launch
+                self.empty = True
+            else:
+                self.decode_keys = keys
+
+    def backward_backend(self, q: torch.Tensor) -> ArchBackend:
+        arch = self.backward
+        if arch is None:
+            arch = self.backward = device.route(self.problem.spec, q, backward=True, deterministic=self.deterministic)
+        return arch
+
+
+def packed_decode_plan(plan: Plan, q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Plan:
+    """The plan of a decoding plan's packed problem (decode.pack_gqa's views; `plan.decode_plan`, made at its first
+    launch): plain multi-head attention without a mask over the keys the query row sees. The views' shapes, strides
+    and alignment follow from the call's signature, so one plan serves every call of it; views of tensors in the
+    kernels' layout are in it too (strides of whole 16-byte units, rows cut at 16 bytes)."""
+    p = plan.problem
+    unmasked = normalize_mask(False, (None, None))
+    packed = problem_of(q_rows, k, v, unmasked, p.softmax_scale, None, p.softcap, p.spec.sink)
+    return Plan(packed, device.route(packed.spec, q_rows, backward=False), plan.deterministic, False, plan.device)
+
+
+# Plans by call signature, dense and packed. Bounded: a workload with ever-new shapes rebuilds it now and then instead
+# of growing it. Emptied with the kernel cache (plans hold launchers).
+_plans: Dict[tuple, Plan] = compile_cache.memo()
+_MAX_PLANS = 4096
+_call_caches: list = [_plans]
+
+
+def clear_call_cache() -> None:
+    """Forget every plan (and what registered with `call_cache`): tests that change routing, the device check or the
+    backends call this."""
+    for cache in _call_caches:
+        cache.clear()
+
+
+def call_cache(cache):
+    """Registers another per-signature cache (anything with `clear()`) to be forgotten with the plans; returns it."""
+    _call_caches.append(cache)
+    return cache
+
+
+def cached(signature: Callable[..., tuple], make: Callable[..., Plan], *args) -> Plan:
+    """The plan kept under `signature(*args)`, else `make(*args)`'s (validating and routing, which raise what they
+    raise; errors are never kept). A signature that cannot be built (not tensors, unhashable or malformed arguments)
+    is not kept. (Plain functions and their arguments, no closures: this runs on every eager call.)"""
+    try:
+        key = signature(*args)
+        plan = _plans.get(key)
+    except (TypeError, ValueError, AttributeError):
+        key, plan = None, None
+    if plan is None:
+        plan = make(*args)
+        if key is not None:
+            if len(_plans) >= _MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+    return plan
+
+
+def _copies(q, k, v) -> bool:
+    return not (is_kernel_layout(q) and is_kernel_layout(k) and is_kernel_layout(v))
+
+
+def _make_dense(q, k, v, scalars: tuple, window_size, tensors: tuple) -> Plan:
+    kw = fields.keywords(scalars, window_size, tensors)
+    problem: Problem = validate(q, k, v, dtype=None, **kw)
+    forward = device.route(problem.spec, q, backward=False)
+    return Plan(problem, forward, kw["deterministic"], _copies(q, k, v), q.device)
+
+
+def _make_packed(q, k, v, scalars: tuple, window_size, tensors: tuple, seqs: PackedSeqs) -> Plan:
+    kw = fields.keywords(scalars, window_size, tensors)
+    problem: VarlenProblem = validate_varlen(q, k, v, seqs, **kw)
+    copy_seqs = not all(t is None or t.is_contiguous() for t in seqs[:3])
+    forward = device.route(problem.spec, q, backward=False)
+    return Plan(problem, forward, kw["deterministic"], _copies(q, k, v), q.device, copy_seqs)
+
+
+def dense(q, k, v, scalars: tuple, window_size, tensors: tuple) -> Plan:
+    """The cached plan of an fp16/bf16 call: scalars and tensors in core/fields.py's CALL order, window_size the
+    caller's own (left, right) object."""
+    return cached(fields.key, _make_dense, q, k, v, scalars, window_size, tensors)
+
+
+def packed(q, k, v, scalars: tuple, window_size, tensors: tuple, seqs: PackedSeqs) -> Plan:
+    """The cached plan of a packed (`attention_varlen`) call, keyed like `dense` plus the packed-sequence fields."""
+    return cached(fields.packed_key, _make_packed, q, k, v, scalars, window_size, tensors, seqs)
+
+
+def of_call(q, k, v, seqs: Optional[PackedSeqs] = None, **call) -> Plan:
+    """`dense` (`packed` with seqs) of a call given by keyword: every field by name (core/fields.py), window_size as
+    the (left, right) pair; for callers off the hot path (the ring's blocks, the SDPA plug-in)."""
+    scalars, tensors = fields.from_keywords(**call)
+    if seqs is None:
+        return dense(q, k, v, scalars, call["window_size"], tensors)
+    return packed(q, k, v, scalars, call["window_size"], tensors, seqs)
+
+
+def fp8(q, k, v, *, dtype, descale, fp8_rotate, **call) -> Plan:
+    """The plan of an FP8 call (dtype="fp8" or float8_e4m3fn inputs), made per call; `call`: `validate`'s other
+    keywords. Validation refuses everything else that reaches it (e.g. fp8_rotate=False without dtype="fp8")."""
+    problem = validate(q, k, v, dtype=dtype, descale=descale, fp8_rotate=fp8_rotate, **call)
+    assert problem.spec.dtype == "fp8", "only FP8 calls are planned here"
+    forward = device.route(problem.spec, q, backward=False)
+    return Plan(problem, forward, False, True, q.device, fp8=(descale, fp8_rotate))
