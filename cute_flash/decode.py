@@ -24,7 +24,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .problem import Problem
+from .problem import KvCacheProblem, Problem
+from .spec import AttentionSpec, normalize_mask
 
 
 def keys_seen(problem: Problem, sm_count: int, split_keys: bool) -> Optional[Tuple[int, int]]:
@@ -71,3 +72,18 @@ def sink_rows(sink: torch.Tensor, nheads_kv: int) -> torch.Tensor:
     strides (1, group), so that row j of KV head g reads the sink of query head g * group + j."""
     group = sink.shape[0] // nheads_kv
     return sink.as_strided((group, nheads_kv), (1, group))
+
+
+def kvcache_problem(problem: Problem, keys: Tuple[int, int]) -> KvCacheProblem:
+    """A decoding call as the KV-cache forward's problem (`ArchBackend.forward_kvcache`): q (b, 1, h, d) against the
+    dense "cache" of the keys [lo, hi) its query row sees (k[:, lo:hi], all of them valid), without a mask; the
+    KV-cache kernels pack the query heads of each KV head into one tile themselves."""
+    p, (lo, hi) = problem, keys
+    s = p.spec
+    spec = AttentionSpec(
+        s.dtype, s.head_dim, s.head_dim_v, "none", s.out_dtype, softcap=s.softcap, sink=s.sink, kvcache=True
+    )
+    return KvCacheProblem(
+        p.batch, 1, p.batch, p.nheads, p.nheads_kv, p.head_dim, p.head_dim_v, hi - lo, p.batch, spec,
+        normalize_mask(False, (None, None)), p.softmax_scale, p.softcap,
+    )  # fmt: skip

@@ -46,7 +46,7 @@ def visible_keys(
     return (j >= diag - mask.left) & (j <= diag + mask.right)
 
 
-def _expand_kv(x: torch.Tensor, nheads: int) -> torch.Tensor:
+def expand_kv(x: torch.Tensor, nheads: int) -> torch.Tensor:
     """(b, s, h_kv, d) -> (b, s, h, d): each kv head serves h // h_kv consecutive query heads."""
     return x.repeat_interleave(nheads // x.shape[2], dim=2)
 
@@ -89,8 +89,8 @@ def attention_reference(
     )
     b, sq, h, d = q.shape
     sk = k.shape[1]
-    kc = _expand_kv(k.to(compute_dtype), h)
-    vc = _expand_kv(v.to(compute_dtype), h)
+    kc = expand_kv(k.to(compute_dtype), h)
+    vc = expand_kv(v.to(compute_dtype), h)
     sink = None if learnable_sink is None else learnable_sink.to(compute_dtype)
     rows = max(1, REFERENCE_BLOCK_ELEMS // max(1, b * h * sk))
     blocks = [
@@ -189,8 +189,8 @@ def attention_tiled(
     b, sq, h, d = q.shape
     sk, dv = k.shape[1], v.shape[3]
     scale, mask = sem.softmax_scale, sem.mask
-    kc = _expand_kv(k, h)
-    vc = _expand_kv(v, h)
+    kc = expand_kv(k, h)
+    vc = expand_kv(v, h)
     sink = None if learnable_sink is None else learnable_sink.to(compute_dtype).view(1, h, 1, 1)
     out = torch.zeros(b, sq, h, dv, dtype=compute_dtype, device=q.device)
     lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)

@@ -19,15 +19,7 @@ ROOT = pathlib.Path(cute_flash.__file__).resolve().parent
 # Private imports in files the kernel helpers own (arch/sm*, common/) and the FP8 helpers, waiting for their owners
 # (each: a public name in the module imported from, or the helper moved to the importer). Listed so that no new ones
 # appear; an entry that no longer occurs fails the test until it is removed here.
-KNOWN_PRIVATE_IMPORTS = {
-    ("arch/sm90/backward.py", "cute_flash.validation._round_up"),  # kernel_layout.round_up is public
-    ("arch/sm90/flash_bwd_postprocess.py", "cute_flash.arch.sm90.flash_bwd._transposed"),
-    ("arch/sm90/fp8/flash_fwd.py", "cute_flash.arch.sm90.flash_fwd._one"),
-    ("arch/sm90/fp8/softmax.py", "cute_flash.common.online_softmax._add"),
-    ("arch/sm90/fp8/softmax.py", "cute_flash.common.online_softmax._lane_group_reduce"),
-    ("arch/sm90/fp8/softmax.py", "cute_flash.common.online_softmax._tree_reduce"),
-    ("fp8/emulate.py", "cute_flash.reference._expand_kv"),
-}
+KNOWN_PRIVATE_IMPORTS: set = set()
 
 
 def _modules():

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash.reference import _expand_kv, visible_keys
+from cute_flash.reference import expand_kv, visible_keys
 from cute_flash.spec import normalize_mask
 from cute_flash.testing import check_backward, check_forward, random_qkv
 
@@ -40,12 +40,12 @@ def _hard_max_check(q, k, v, out, causal=False, window_size=(None, None)):
     best scores are within 1e-3 (relative) are skipped: fp32 scores may order those differently from float64."""
     b, sq, h, d = q.shape
     sk = k.shape[1]
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), _expand_kv(k.double(), h))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), expand_kv(k.double(), h))
     hidden = ~visible_keys(sq, sk, normalize_mask(causal, window_size), device=q.device)
     scores = scores.masked_fill(hidden, float("-inf"))
     top = scores.topk(min(2, sk), dim=-1)
     best = top.indices[..., 0]  # (b, h, sq)
-    vx = _expand_kv(v.double(), h)  # (b, sk, h, dv)
+    vx = expand_kv(v.double(), h)  # (b, sk, h, dv)
     expect = torch.gather(vx.permute(0, 2, 1, 3), 2, best.unsqueeze(-1).expand(-1, -1, -1, v.shape[-1]))
     expect = expect.permute(0, 2, 1, 3)  # (b, sq, h, dv)
     empty = torch.isneginf(top.values[..., 0]).permute(0, 2, 1)  # (b, sq, h)

@@ -116,7 +116,7 @@ def row_exponent_scale(scale_log2: Float32, row_max: Float32, limit_bits: Int32,
     )
 
 
-def _tree_reduce(row: cute.Tensor, op, init):
+def tree_reduce(row: cute.Tensor, op, init):
     """op-reduction of a register row through 4 independent chains (shorter dependency chains than a linear scan).
 
     Plain Python on purpose: it only unrolls at trace time, so it needs no DSL control flow.
@@ -133,7 +133,7 @@ def _tree_reduce(row: cute.Tensor, op, init):
     return chains[0] if init is None else op(chains[0], init)
 
 
-def _sequential_reduce(row: cute.Tensor, op, init):
+def sequential_reduce(row: cute.Tensor, op, init):
     """op-reduction of a register row in one chain, from init (first element when None)."""
     acc = row[0] if init is None else op(init, row[0])
     for i in range(1, cute.size(row)):
@@ -141,11 +141,11 @@ def _sequential_reduce(row: cute.Tensor, op, init):
     return acc
 
 
-def _add(a, b):
+def add_values(a, b):
     return a + b
 
 
-def _lane_group_reduce(value: Float32, op, threads_per_row: int) -> Float32:
+def lane_group_reduce(value: Float32, op, threads_per_row: int) -> Float32:
     offset = threads_per_row // 2
     while offset > 0:
         value = op(value, cute.arch.shuffle_sync_bfly(value, offset=offset))
@@ -193,12 +193,12 @@ class OnlineSoftmax:
         is_first: the first block of the row (statistics still empty) — skips the rescale arithmetic.
         """
         row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
-        sum_reduce = _sequential_reduce if cutlass.const_expr(self.sequential_sum) else _tree_reduce
+        sum_reduce = sequential_reduce if cutlass.const_expr(self.sequential_sum) else tree_reduce
         for r in cutlass.range_constexpr(self.num_rows):
             row = acc_rc[r, None]
             prev_max = self.row_max[r]
-            new_max = _tree_reduce(row, cute.arch.fmax, None if cutlass.const_expr(is_first) else prev_max)
-            new_max = _lane_group_reduce(new_max, cute.arch.fmax, self.threads_per_row)
+            new_max = tree_reduce(row, cute.arch.fmax, None if cutlass.const_expr(is_first) else prev_max)
+            new_max = lane_group_reduce(new_max, cute.arch.fmax, self.threads_per_row)
             self.row_max[r] = new_max
             # A row with no visible key so far keeps max -inf; subtract 0 instead so P = exp2(-inf) = 0.
             safe_max = 0.0 if new_max == -Float32.inf else new_max
@@ -211,11 +211,11 @@ class OnlineSoftmax:
             row.store(p)
             if cutlass.const_expr(is_first):
                 row_scale[r] = 1.0
-                self.row_sum[r] = sum_reduce(row, _add, None)
+                self.row_sum[r] = sum_reduce(row, add_values, None)
             else:
                 scale = cute.math.exp2(prev_max * c_row - max_scaled, fastmath=True)
                 row_scale[r] = scale
-                self.row_sum[r] = sum_reduce(row, _add, self.row_sum[r] * scale)
+                self.row_sum[r] = sum_reduce(row, add_values, self.row_sum[r] * scale)
         return row_scale
 
     @cute.jit
@@ -236,7 +236,7 @@ class OnlineSoftmax:
         row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
         lse = cute.make_rmem_tensor(self.num_rows, Float32)
         for r in cutlass.range_constexpr(self.num_rows):
-            total = _lane_group_reduce(self.row_sum[r], _add, self.threads_per_row)
+            total = lane_group_reduce(self.row_sum[r], add_values, self.threads_per_row)
             if cutlass.const_expr(sinks_log2 is None):
                 empty = total == 0.0
                 row_scale[r] = 0.0 if empty else cute.arch.rcp_approx(total)

@@ -15,11 +15,11 @@ from typing import Optional, Tuple
 import torch
 
 from .. import decode
-from ..arch.base import BwdTensors, FwdTensors, Grads, sink_grad
+from ..arch.base import BwdTensors, FwdTensors, Grads, KvCacheTensors, sink_grad
 from ..kernel_layout import kernel_view
 from ..problem import PackedSeqs
 from . import device
-from .plan import Plan, packed_decode_plan
+from .plan import Plan, decode_kvcache, packed_decode_plan
 
 
 def kernel_inputs(plan: Plan, q, k, v) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,7 +71,21 @@ def forward(plan: Plan, q, k, v, sink=None, seqs: Optional[PackedSeqs] = None, o
     if sink is not None:
         sink = _sinks(sink)
     if plan.decode_keys is not None:
-        # One query row under GQA: the query heads of a KV head as the rows of one problem over the keys it sees.
+        # One query row under GQA: the KV-cache forward, which packs the query heads of a KV head into one tile and
+        # splits the keys (the same kernels as attention_with_kvcache); else the query heads as the rows of one
+        # packed problem over the keys the row sees (decode.py).
+        kv = plan.decode_kvcache
+        if kv is None:
+            with device.guard(q):
+                kv = plan.decode_kvcache = decode_kvcache(plan, q)
+        if kv:
+            launcher, seqlens = kv
+            lo, hi = plan.decode_keys
+            if (lo, hi) != (0, k.shape[1]):
+                k, v = k[:, lo:hi], v[:, lo:hi]
+            with device.guard(q):
+                launcher(KvCacheTensors(q, k, v, out, lse, seqlens, None, None, sink, None, None))
+            return out, lse
         nheads_kv = plan.problem.nheads_kv
         q, k, v, out_rows, lse_rows = decode.pack_gqa(q, k, v, out, lse, nheads_kv, plan.decode_keys)
         packed = plan.decode_plan

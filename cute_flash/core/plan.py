@@ -31,7 +31,7 @@ class Plan:
 
     __slots__ = ("problem", "forward", "backward", "deterministic", "copies", "copy_seqs", "empty", "device")
     __slots__ += ("device_index", "out_shape", "out_dtype", "lse_shape", "rows", "launch", "backward_launch")
-    __slots__ += ("decode_keys", "decode_plan", "fp8", "run")
+    __slots__ += ("decode_keys", "decode_plan", "decode_kvcache", "fp8", "run")
 
     def __init__(
         self, problem, forward: ArchBackend, deterministic: bool, copies: bool, device_: torch.device,
@@ -42,7 +42,7 @@ class Plan:
         self.copies, self.copy_seqs, self.device, self.fp8 = copies, copy_seqs, device_, fp8
         self.device_index = device_.index if device_.type == "cuda" else None
         self.out_dtype = OUT_DTYPES[p.spec.out_dtype]
-        self.launch = self.backward_launch = self.decode_plan = self.run = None
+        self.launch = self.backward_launch = self.decode_plan = self.run = self.decode_kvcache = None
         self.decode_keys = None
         if p.spec.varlen:
             self.out_shape, self.lse_shape = (p.total_q, p.nheads, p.head_dim_v), (p.nheads, p.total_q)
@@ -161,3 +161,20 @@ def fp8(q, k, v, *, dtype, descale, fp8_rotate, **call) -> Plan:
     assert problem.spec.dtype == "fp8", "only FP8 calls are planned here"
     forward = device.route(problem.spec, q, backward=False)
     return Plan(problem, forward, False, True, q.device, fp8=(descale, fp8_rotate))
+
+
+def decode_kvcache(plan: Plan, q: torch.Tensor):
+    """(launcher, seqlens_k) of a decoding plan on its GPU's KV-cache forward (decode.kvcache_problem; made at the
+    first launch), or False when no family serving this GPU has one for it (the call then runs packed, decode.py).
+    seqlens_k is the plan's own constant (b,) int32 tensor of the keys the query row sees."""
+    kv = decode.kvcache_problem(plan.problem, plan.decode_keys)
+    try:
+        backend = device.route(kv.spec, q, backward=False)
+    except NotImplementedError:
+        return False
+    if not backend.kvcache:
+        return False
+    splits = max(1, backend.kvcache_splits(kv, compile_cache.sm_count(plan.device)))
+    lo, hi = plan.decode_keys
+    seqlens = torch.full((kv.batch,), hi - lo, dtype=torch.int32, device=plan.device)
+    return backend.kvcache_launcher(kv, plan.device, splits), seqlens

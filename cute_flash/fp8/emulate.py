@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..reference import _expand_kv, visible_keys
+from ..reference import expand_kv, visible_keys
 from ..spec import normalize_mask
 from .hadamard import DEFAULT_SEED, hadamard_signs
 from .quantize import E4M3_MAX, FP8_DTYPE, dequantize_blocks, quantize_blocks, quantize_per_tensor, to_e4m3
@@ -75,7 +75,7 @@ def emulated_attention(
     sk = k.shape[1]
     scale_log2 = (softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)) * math.log2(math.e)
     qf, kf, vf = _dequant_inputs(q, k, v, scheme, block_m, block_n, seed)
-    kf, vf = _expand_kv(kf, h), _expand_kv(vf, h)
+    kf, vf = expand_kv(kf, h), expand_kv(vf, h)
     allowed = visible_keys(sq, sk, normalize_mask(causal, window_size), device=q.device)
     fp8 = scheme != "bf16"
     row_max = torch.full((b, h, sq, 1), float("-inf"), device=q.device)

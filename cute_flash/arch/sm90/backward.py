@@ -39,7 +39,8 @@ import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec
-from ...validation import PackedSeqs, Problem, VarlenProblem, _round_up
+from ...kernel_layout import round_up
+from ...validation import PackedSeqs, Problem, VarlenProblem
 from ...common.packed import PRE_POST_ROWS, packed_pads, padded_rows
 from ..base import BwdTensors, Grads, KernelArtifact, fold_lse_grad, fold_lse_grad_packed, sink_grad
 from ..padded_head_dims import padded_launcher, widened_problem, widened_spec
@@ -267,7 +268,7 @@ def backward_launcher(
     target = compile_cache.runtime_target(device)
     kernels = _kernels(p.spec, cfg, target, gqa, deterministic, long=long_queries(p.seqlen_q))
     cfg = kernels.cfg
-    seqlen_q_pad = _round_up(p.seqlen_q, math.lcm(cfg.tile_m, STATS_ROW_MULTIPLE))
+    seqlen_q_pad = round_up(p.seqlen_q, math.lcm(cfg.tile_m, STATS_ROW_MULTIPLE))
     stats_shape = (p.batch, p.nheads, seqlen_q_pad)
     # The preprocess zeroes every (padded) row of the accumulator itself.
     dq_accum_shape = (p.batch, p.nheads, seqlen_q_pad * p.head_dim)
@@ -331,7 +332,7 @@ def run_backward_varlen(
     pad_q, pad_k = packed_pads(kernels.cfg.tile_m, kernels.cfg.tile_n)
     batch = cu_seqlens_q.shape[0] - 1
     # Whole pad_q blocks: TMA boxes of the statistics and the dQ sums' query tiles stay inside the buffers.
-    rows_q = _round_up(padded_rows(total_q, batch, pad_q), pad_q)
+    rows_q = round_up(padded_rows(total_q, batch, pad_q), pad_q)
     f32 = dict(dtype=torch.float32, device=q.device)
     # (1, h, rows): the main kernel loads them in the dense layout (one batch entry); the preprocess writes (h, rows).
     lse_log2 = torch.empty(1, nheads, rows_q, **f32)
@@ -347,7 +348,7 @@ def run_backward_varlen(
     rows_k = padded_rows(total_k, batch, pad_k)
     dk_out, dv_out = sm80.packed_dkv_destinations(dk, dv, gqa, seqused_k is not None, rows_k)
     # One semaphore per tile of the padded buffers (whole pads): sequence b's tiles start at its padded offset / tile.
-    rows_k = _round_up(rows_k, pad_k)
+    rows_k = round_up(rows_k, pad_k)
     semaphores = _semaphores(
         deterministic, gqa, (1, nheads, rows_q // cfg.tile_m), (1, nheads_kv, rows_k // cfg.tile_n), q.device
     )

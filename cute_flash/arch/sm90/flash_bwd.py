@@ -119,7 +119,7 @@ def one_stage(layout):
     return cute.select(layout, mode=[0, 1])
 
 
-def _transposed(s: cute.Tensor, rows: int, cols: int, stages: int) -> cute.Tensor:
+def transposed_layout(s: cute.Tensor, rows: int, cols: int, stages: int) -> cute.Tensor:
     """The (cols, rows, stages) view of a (rows, cols, stages) shared-memory tile: a K-major tile read as the
     MN-major operand of another product (the swizzle atom transposes with it)."""
     return cute.composition(s, cute.make_ordered_layout((cols, rows, stages), order=(1, 0, 2)))
@@ -899,22 +899,22 @@ class Sm90FlashBackward(BwdEntries):
             tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
         # dV += Pᵀ·dO, dK += dSᵀ·Q: B = dOᵀ / Qᵀ, the (d, tile_m) views of the same tiles. A = Pᵀ / dSᵀ: register
         # fragments (keys on rows), else the (tile_n, tile_m) views of the P / dS tiles, with their stage mode.
-        tdVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(_transposed(sdO, self.tile_m, self.head_dim_v, stages)))
-        tdKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(_transposed(sQ, self.tile_m, d, stages)))
+        tdVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(transposed_layout(sdO, self.tile_m, self.head_dim_v, stages)))
+        tdKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(transposed_layout(sQ, self.tile_m, d, stages)))
         if const_expr(self.keys_on_rows):
             tdVrP = wg_dv.make_fragment_A(wg_dv.partition_shape_A((self.tile_n, self.tile_m)))
             tdKrdS = wg_dk.make_fragment_A(wg_dk.partition_shape_A((self.tile_n, self.tile_m)))
             # dQ = dS·K: A = dS, the (tile_m, tile_n) view of the dSᵀ tiles; B = Kᵀ, the (d, tile_n) view of K.
-            tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(_transposed(sdS, self.tile_n, self.tile_m, stages)))
+            tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(transposed_layout(sdS, self.tile_n, self.tile_m, stages)))
         else:
-            tdVrP = wg_dv.make_fragment_A(wg_dv.partition_A(_transposed(sP, self.tile_m, self.tile_n, stages)))
-            tdKrdS = wg_dk.make_fragment_A(wg_dk.partition_A(_transposed(sdS, self.tile_m, self.tile_n, stages)))
+            tdVrP = wg_dv.make_fragment_A(wg_dv.partition_A(transposed_layout(sP, self.tile_m, self.tile_n, stages)))
+            tdKrdS = wg_dk.make_fragment_A(wg_dk.partition_A(transposed_layout(sdS, self.tile_m, self.tile_n, stages)))
             tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        sKt = _transposed(sK, self.tile_n, d, 1)
+        sKt = transposed_layout(sK, self.tile_n, d, 1)
         if const_expr(self.cfg.dq_swap_ab):
             # dQᵀ = Kᵀ·dSᵀ: the same two views as A and B.
             tdQrKt = wg_dq.make_fragment_A(wg_dq.partition_A(sKt))[None, None, None, 0]
-            tdQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed(sdS, self.tile_n, self.tile_m, stages)))
+            tdQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(transposed_layout(sdS, self.tile_n, self.tile_m, stages)))
         else:
             tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))[None, None, None, 0]
         frags = BwdFragments(tSrK, tSrQ, tdPrV, tdPrdO, tdVrdOt, tdKrQt, tdVrP, tdKrdS, tdQrdS, tdQrKt)

@@ -24,7 +24,7 @@ from cutlass.cute.nvgpu import cpasync
 from ...common.entries import AccumEntries
 from ...common.packed import seq_rows
 from .epilogue import store_rows_predicated
-from .flash_bwd import DQ_VEC, SMEM_ALIGN, _transposed, dq_fragment_offset, dq_tile, dq_tiled_mma
+from .flash_bwd import DQ_VEC, SMEM_ALIGN, transposed_layout, dq_fragment_offset, dq_tile, dq_tiled_mma
 from .tile_config import WARPGROUP_THREADS, BwdTileConfig, operand_atom_cols
 from .views import accum_rows, head_tiles, packed_seq_major_view, seq_major_view
 from . import wgmma
@@ -130,7 +130,7 @@ class DqConvertSm90(AccumEntries):
         swap = self.cfg.dq_swap_ab
         stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=swap, num_matrices=4), self.dtype)
         smem_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma).get_slice(tidx)
-        s_dst = _transposed(sO, tile_m, d, 1) if cutlass.const_expr(swap) else sO
+        s_dst = transposed_layout(sO, tile_m, d, 1) if cutlass.const_expr(swap) else sO
         cute.copy(smem_copy, smem_copy.retile(r16), smem_copy.partition_D(s_dst[None, None, 0]))
         cute.arch.fence_view_async_shared()  # generic-proxy stores, read next by the TMA (async proxy)
         cute.arch.sync_threads()

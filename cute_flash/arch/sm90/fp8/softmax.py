@@ -28,7 +28,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from ....common.online_softmax import LN2, _add, _lane_group_reduce, _tree_reduce
+from ....common.online_softmax import LN2, add_values, lane_group_reduce, tree_reduce
 from ....common.inline_ptx import ptx_asm
 
 P_OFFSET_LOG2 = 8.0
@@ -104,8 +104,8 @@ class Fp8OnlineSoftmax:
         row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
         for r in cutlass.range_constexpr(self.num_rows):
             row = acc_rc[r, None]
-            raw_max = _tree_reduce(row, cute.arch.fmax, None)
-            raw_max = _lane_group_reduce(raw_max, cute.arch.fmax, self.threads_per_row)
+            raw_max = tree_reduce(row, cute.arch.fmax, None)
+            raw_max = lane_group_reduce(raw_max, cute.arch.fmax, self.threads_per_row)
             prev_max = self.row_max[r]
             new_max = raw_max * tile_scale
             if cutlass.const_expr(not is_first):
@@ -127,12 +127,12 @@ class Fp8OnlineSoftmax:
             if cutlass.const_expr(is_first):
                 row_scale[r] = 1.0
                 if cutlass.const_expr(not self.sum_in_mma):
-                    self.row_sum[r] = _tree_reduce(row, _add, None)
+                    self.row_sum[r] = tree_reduce(row, add_values, None)
             else:
                 scale = cute.math.exp2(prev_max - safe_max, fastmath=True)
                 row_scale[r] = scale
                 if cutlass.const_expr(not self.sum_in_mma):
-                    self.row_sum[r] = _tree_reduce(row, _add, self.row_sum[r] * scale)
+                    self.row_sum[r] = tree_reduce(row, add_values, self.row_sum[r] * scale)
         return row_scale
 
     @cute.jit
@@ -143,7 +143,7 @@ class Fp8OnlineSoftmax:
         for r in cutlass.range_constexpr(self.num_rows):
             total = self.row_sum[r]
             if cutlass.const_expr(not self.sum_in_mma):
-                total = _lane_group_reduce(total, _add, self.threads_per_row)
+                total = lane_group_reduce(total, add_values, self.threads_per_row)
             empty = total == 0.0
             if cutlass.const_expr(self.exp2_poly_per_row > 0):
                 empty = total < 1.0
