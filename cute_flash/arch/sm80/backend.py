@@ -62,9 +62,30 @@ def _backward_module():
         raise
 
 
+def fake_sink(rows=None, heads=None):
+    """The (rows, h) fp32 sink view of arch/base.py for compiling: both strides symbolic (row stride 0 for the (h,)
+    logits expanded along the rows, head stride other than 1 where decoding packs query heads as rows)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    shape = (rows if rows is not None else cute.sym_int(), heads if heads is not None else cute.sym_int())
+    return cute.runtime.make_fake_tensor(cutlass.Float32, shape, (cute.sym_int64(), cute.sym_int64()), assumed_align=4)
+
+
+def _feature_args(spec: AttentionSpec, rows, heads, split: bool) -> tuple:
+    """The feature entries' extra arguments (softcap, sink view) for a spec.softcap / spec.sink build, else (): the
+    split build takes no sink (its combine adds it)."""
+    import cutlass
+
+    if not (spec.softcap or spec.sink):
+        return ()
+    return cutlass.Float32(0.0), fake_sink(rows, heads) if spec.sink and not split else None
+
+
 def _build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str, seqused: bool = False, split=False):
     """Compiles the forward kernel with fake tensors: batch, seqlens and head counts are symbolic; split: the
-    split-key build, whose out / lse are the fp32 partials (splits * b, sq, h, dv) / (splits * b, h, sq)."""
+    split-key build, whose out / lse are the fp32 partials (splits * b, sq, h, dv) / (splits * b, h, sq). Specs with
+    softcap or sinks compile the feature entries (common/entries.py)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -87,10 +108,11 @@ def _build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str, sequs
         parts = cute.sym_int()
         out, lse = fake_f32((parts, seqlen_q, heads, spec.head_dim_v)), fake_f32((parts, heads, seqlen_q))
     kernel = Sm80FlashForward(spec, tile, split_kv=split)
+    features = _feature_args(spec, None, heads, split)
+    entry = kernel.features if features else kernel
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(
-        kernel, q, k, v, out, lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream, options=options
-    )
+    scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0))
+    return cute.compile(entry, q, k, v, out, lse, *scalars, *features, stream, options=options)
 
 
 def _build_forward_packed(spec: AttentionSpec, tile: FwdTileConfig, options: str, seqused: bool):
@@ -103,6 +125,9 @@ def _build_forward_packed(spec: AttentionSpec, tile: FwdTileConfig, options: str
     args = fake_packed_forward_args(dtype, spec.head_dim, spec.head_dim_v, seqused)
     kernel = Sm80FlashForward(spec, tile)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    features = _feature_args(spec, args[0].shape[0], args[0].shape[1], split=False)
+    if features:  # the packed_features entry: (softcap, sink view) after the window bounds
+        return cute.compile(kernel.packed_features, *args[:8], *features, *args[8:], stream, options=options)
     return cute.compile(kernel.packed, *args, stream, options=options)
 
 
@@ -138,17 +163,28 @@ class CompiledForward:
 def compile_forward(
     spec: AttentionSpec, target: str, extra_options: str = "", seqused: bool = False, split: bool = False
 ) -> CompiledForward:
-    """Compiles the first tile candidate that ptxas fits in registers without spilling (see fwd_tile_candidates).
+    """Compiles the first tile candidate that ptxas fits in registers without spilling (see fwd_tile_candidates)."""
+    candidates = fwd_tile_candidates(spec.head_dim, spec.head_dim_v, target)
+
+    def build(tile: FwdTileConfig, options: str):
+        return _build_forward(spec, tile, options, seqused, split)
+
+    return compile_first_fitting(spec, candidates, build, target, extra_options)
+
+
+def compile_first_fitting(
+    spec: AttentionSpec, candidates: List[FwdTileConfig], build: Callable, target: str, extra_options: str = ""
+) -> CompiledForward:
+    """build(tile, options) for each candidate in turn; the first that ptxas compiles without spilling is kept.
 
     Spills are read from the cubin's stack frame size (the kernel has no local arrays, so any frame is spill space).
     Above SPILL_FREE_MAX_HEAD_DIM the first candidate is kept whatever it spills.
     """
-    candidates = fwd_tile_candidates(spec.head_dim, spec.head_dim_v, target)
     strict = max(spec.head_dim, spec.head_dim_v) <= SPILL_FREE_MAX_HEAD_DIM
     tried: List[Dict[str, object]] = []
     for i, tile in enumerate(candidates):
         keep = compile_cache.keep_artifacts_options(_dump_dir(), ptxas_report=False)
-        compiled = _build_forward(spec, tile, _options(target, tile, f"{keep} {extra_options}"), seqused, split)
+        compiled = build(tile, _options(target, tile, f"{keep} {extra_options}"))
         ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
         frame = max((r.get("stack_frame_bytes", 0) for r in cubin_resources(cubin).values()), default=0)
         tried.append({**tile.as_dict(), "stack_frame_bytes": frame})
@@ -157,14 +193,18 @@ def compile_forward(
     raise AssertionError("unreachable: the last candidate always returns")
 
 
-def _compile_runnable_forward(spec: AttentionSpec, target: str, seqused: bool = False, split: bool = False):
-    # CuTe DSL only loads a kernel compiled for the arch it was imported for (CUTE_DSL_ARCH, else the GPU's own).
+def check_runnable_target(target: str) -> None:
+    """CuTe DSL only loads a kernel compiled for the arch it was imported for (CUTE_DSL_ARCH, else the GPU's own)."""
     dsl_arch = os.environ.get("CUTE_DSL_ARCH")
     if dsl_arch and dsl_arch != target:
         raise RuntimeError(
             f"CUTE_DSL_ARCH={dsl_arch} but this GPU runs {target} kernels; unset CUTE_DSL_ARCH (it is only for "
             f"cross-compiling without a GPU)"
         )
+
+
+def _compile_runnable_forward(spec: AttentionSpec, target: str, seqused: bool = False, split: bool = False):
+    check_runnable_target(target)
     return compile_forward(spec, target, seqused=seqused, split=split).kernel
 
 
@@ -221,13 +261,14 @@ class _Backend:
             raise NotImplementedError("the sm80 forward has no fp8 path, so it takes no descale factors")
         launch = self.forward_launcher(problem, q.device)  # (refuses what the family does not serve)
         q, k, v, out = (kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out)))
-        launch(q, k, v, out, lse)
+        launch(q, k, v, out, lse, t.sink)
 
     def forward_varlen(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-        seqs: PackedSeqs, problem: VarlenProblem,
+        seqs: PackedSeqs, problem: VarlenProblem, sink: Optional[torch.Tensor] = None,
     ) -> None:  # fmt: skip
-        """Packed forward: q (total_q, h, d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q)."""
+        """Packed forward: q (total_q, h, d), k / v (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q);
+        sink: spec.sink's (total_q, h) fp32 view (arch/base.py)."""
         spec = problem.spec
         reason = forward_unsupported_reason(spec)
         if reason is not None:
@@ -236,7 +277,7 @@ class _Backend:
         seqused = seqs.seqused_k is not None
         key = (FAMILY, target, "fwd", spec, seqused)
         kernel = compile_cache.get_or_compile(key, lambda: _compile_runnable_forward(spec, target, seqused))
-        launch_packed_forward(kernel, q, k, v, out, lse, seqs, problem)
+        launch_packed_forward(kernel, q, k, v, out, lse, seqs, problem, sink)
 
     def backward_head_dims(self, spec: AttentionSpec) -> Tuple[int, int]:
         return (_backward_module().kernel_width(spec),) * 2
