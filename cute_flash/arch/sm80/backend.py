@@ -21,10 +21,11 @@ import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec
-from ...validation import Problem, VarlenProblem, kernel_view
+from ...validation import KvCacheProblem, Problem, VarlenProblem, kernel_view
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, PackedSeqs
-from ..base import BoundForward, SplitForward, launch_packed_forward, prepare_build
+from ..base import BoundForward, KvCacheTensors, SplitForward, launch_packed_forward, prepare_build
 from .. import split_kv
+from . import kvcache
 from ...census import cubin_resources
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_operand, fake_packed_forward_args
@@ -223,6 +224,9 @@ class _Backend:
 
     def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
         reason = forward_unsupported_reason(spec)
+        if spec.kvcache:
+            reason = kvcache.unsupported_reason(spec, reason)
+            return reason if reason is not None or not backward else "the KV-cache forward has no backward"
         if reason is not None or not backward:
             return reason
         if deterministic:
@@ -238,9 +242,20 @@ class _Backend:
         key = (FAMILY, target, "fwd", spec) + (("split",) if split else ())
         return compile_cache.get_or_compile(key, lambda: _compile_runnable_forward(spec, target, split=split))
 
+    def kvcache_splits(self, problem: KvCacheProblem, sm_count: int) -> int:
+        return kvcache.num_splits(problem, sm_count)
+
+    def forward_kvcache(self, t: KvCacheTensors, problem: KvCacheProblem, num_splits: int) -> None:
+        reason = self.unsupported_reason(problem.spec, backward=False)
+        if reason is not None or not problem.spec.kvcache:
+            raise NotImplementedError(reason or "forward_kvcache needs a KV-cache spec (spec.kvcache)")
+        kvcache.forward(t, problem, num_splits)
+
     def forward_launcher(self, problem: Problem, device: torch.device) -> ForwardLauncher:
         spec = problem.spec
         reason = forward_unsupported_reason(spec)
+        if spec.kvcache:
+            reason = "a KV-cache spec runs through forward_kvcache"
         if reason is not None:
             raise NotImplementedError(reason)
         target = compile_cache.runtime_target(device)  # the device's own: a kernel loads only there (sm_90a on Hopper)
@@ -298,7 +313,9 @@ class _Backend:
         self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False
     ) -> None:
         prepare_build(self, spec, target, backward=backward, deterministic=deterministic, warming=True)
-        if backward:
+        if spec.kvcache:
+            kvcache.warm(spec, target)
+        elif backward:
             _backward_module().warm_backward(spec, target, gqa=gqa)
         else:
             self._forward_kernel(spec, target)
@@ -317,7 +334,10 @@ class _Backend:
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         prepare_build(self, spec, target, backward=backward)
         # remarks{ptx} makes ptxas print its register / spill report, which the compile command reads.
-        fwd = compile_forward(spec, target, "remarks{ptx}")
+        if spec.kvcache:  # the dense-q, unsplit build
+            fwd = kvcache.compile_kvcache(spec, target, packed_q=False, split=False, extra_options="remarks{ptx}")
+        else:
+            fwd = compile_forward(spec, target, "remarks{ptx}")
         config = {**fwd.tile.as_dict(), "candidates_tried": fwd.tried}
         config.update(shared_bytes=fwd.tile.smem_bytes(), threads=fwd.tile.num_threads)
         artifacts = [KernelArtifact(kernel="fwd", ptx=fwd.ptx, cubin=fwd.cubin, config=config)]
