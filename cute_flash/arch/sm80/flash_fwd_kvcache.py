@@ -238,8 +238,7 @@ class Sm80KvCacheForward(Sm80FlashForward):
             if row < rows:
                 src = cute.tiled_divide(self._row(mQ, row, head, seq, ctx.group), (vec,))
                 for k in cutlass.range_constexpr(cute.size(tQsQ.shape[2])):
-                    pred = None if tQpQ is None else tQpQ[None, m, k]
-                    cute.copy(copy_qk, src[None, tQcQ[0, m, k][1] // vec], tQsQ[None, m, k], pred=pred)
+                    _copy_chunk(copy_qk, src[None, tQcQ[0, m, k][1] // vec], tQsQ[None, m, k], tQpQ, m, k)
 
     def kv_loader(
         self, storage, sK, sV, mK, mV, copy_qk, copy_v, tKgK, tKsK, tKcK, t0KcK, tKpK, tVgV, tVsV, tVcV, t0VcV, tVpV,
@@ -413,8 +412,18 @@ class Sm80KvCacheForward(Sm80FlashForward):
             if row < rows:
                 dst = cute.tiled_divide(self._row(mO, row, head, ctx.seq, ctx.group), (vec,))
                 for k in cutlass.range_constexpr(cute.size(tOrO.shape[2])):
-                    pred = None if tOpO is None else tOpO[None, m, k]
-                    cute.copy(copy_o, tOrO[None, m, k], dst[None, tOcO[0, m, k][1] // vec], pred=pred)
+                    _copy_chunk(copy_o, tOrO[None, m, k], dst[None, tOcO[0, m, k][1] // vec], tOpO, m, k)
+
+
+@cute.jit
+def _copy_chunk(tiled_copy, src, dst, col_pred, row: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int]):
+    """One 16-byte chunk of a gathered row (src or dst a view of its own row, not a tile partition), skipped where
+    col_pred (a `_column_predicate`, or None) marks head-dim padding."""
+    if cutlass.const_expr(col_pred is None):
+        cute.copy(tiled_copy, src, dst)
+    else:
+        if col_pred[0, row, chunk]:
+            cute.copy(tiled_copy, src, dst)
 
 
 @dataclass(frozen=True)
@@ -489,8 +498,7 @@ class _PagedKVLoader:
         page = self.page_row[key // page_size]
         src = cute.tiled_divide(cache[page, key % page_size, self.head_kv, None], (vec,))
         for k in cutlass.range_constexpr(cute.size(smem.shape[2])):
-            pred = None if col_pred is None else col_pred[None, n, k]
-            cute.copy(tiled_copy, src[None, coords[0, n, k][1] // vec], smem[None, n, k, stage], pred=pred)
+            _copy_chunk(tiled_copy, src[None, coords[0, n, k][1] // vec], smem[None, n, k, stage], col_pred, n, k)
 
 
 @dataclass(frozen=True)
