@@ -77,6 +77,25 @@ def test_kvcache_splits():
     assert num_splits(_problem(0, 1, 8, 1, 100), 132) == 1
 
 
+def test_packed_rows_gathers_each_sequence():
+    """backward.packed_rows: the packed backward's padded per-sequence rows back to (h, total_q) (dsink reads D
+    there), empty sequences included."""
+    import torch
+
+    from cute_flash.arch.sm80.backward import packed_rows
+    from cute_flash.common.packed import padded_rows
+
+    lengths, pad, h = [0, 5, 64, 0, 1, 130], 64, 3
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    total = int(cu[-1])
+    stats = torch.randn(h, padded_rows(total, len(lengths), pad))
+    expected = torch.empty(h, total)
+    for b, n in enumerate(lengths):
+        start = (int(cu[b]) + b * pad) // pad * pad  # common/packed.py's padded offset
+        expected[:, int(cu[b]) : int(cu[b]) + n] = stats[:, start : start + n]
+    assert torch.equal(packed_rows(stats, cu, pad, total), expected)
+
+
 def _assert_fa2_kernel(ptx: str, cubin: bytes):
     from cute_flash.census import cubin_resources, ptx_census
 
