@@ -175,7 +175,8 @@ def _variant_report(spec, variant: str, tmp: str) -> List[dict]:
 def _sm80_reports(spec, target: str, tmp: str) -> List[dict]:
     """Every sm80 kernel serving `spec` on `target` (forward and backward); packed specs add the seqused_k variants."""
     from cute_flash.arch.base import KernelArtifact
-    from cute_flash.arch.sm80.backend import BACKEND, compile_forward
+    from cute_flash.arch.sm80.backend import BACKEND
+    from cute_flash.arch.sm80.build import compile_forward
     from cute_flash.arch.sm80.backward import compile_backward_artifacts
     from cute_flash.census import capture_fd_stderr
 

@@ -22,7 +22,6 @@ ATTRIBUTES = typing.get_type_hints(ArchBackend)
 # Parts of the contract a family does not meet yet, each named with what is missing and whose work adds it. Strict:
 # when the family meets it, the test fails until the entry is removed here.
 PENDING = {
-    ("sm80", "forward_varlen"): "the sink parameter (arch/base.py: sink=None, the (total_q, h) view): sm80 helper",
 }
 
 

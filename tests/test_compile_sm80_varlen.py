@@ -32,7 +32,7 @@ def _assert_fa2_instructions(ptx: str, cubin: bytes, spills_allowed: bool = Fals
     ids=["sm_90a-bf16-d128-causal", "sm_80-fp16-d128-none-seqused"],
 )
 def test_varlen_forward_compiles(target, spec, seqused):
-    from cute_flash.arch.sm80.backend import compile_forward
+    from cute_flash.arch.sm80.build import compile_forward
 
     fwd = compile_forward(spec, target, seqused=seqused)
     _assert_fa2_instructions(fwd.ptx, fwd.cubin)

@@ -150,7 +150,7 @@ _CENSUS = textwrap.dedent(
 
             report(f"split d{d} {mask}", lambda x: build.compile_forward_split(spec, fwd_tile_config(spec), target, x))
         else:
-            from cute_flash.arch.sm80.backend import compile_forward
+            from cute_flash.arch.sm80.build import compile_forward
             from cute_flash.census import cubin_resources
 
             fwd = compile_forward(spec, target, split=True)

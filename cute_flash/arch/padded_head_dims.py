@@ -65,7 +65,7 @@ def padded_launcher(dims: Dims, run: Callable[[BwdTensors, Grads], None]) -> Cal
         dout, q, k, v, out, lse, dlse = t[:7]
         wide = [widened(x, w) for x, w in ((dout, dv), (q, d), (k, d), (v, dv), (out, dv))]
         wide_grads = [g if g.shape[-1] == w else g.new_empty(*g.shape[:-1], w) for g, w in zip(grads, (d, d, dv))]
-        run(BwdTensors(*wide, lse, dlse, t.sink), Grads(*wide_grads, grads.dsink))
+        run(BwdTensors(*wide, lse, dlse, t.sink), Grads(*wide_grads, grads.dsink))  # the sink has no head dim
         for g, w in zip(grads, wide_grads):
             if w is not g:
                 g.copy_(w[..., : g.shape[-1]])

@@ -26,7 +26,7 @@ def _is_py_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _min(a: Int, b: Int) -> Int:
+def int_min(a: Int, b: Int) -> Int:
     if _is_py_int(a) and _is_py_int(b):
         return a if a < b else b
     import cutlass
@@ -34,7 +34,7 @@ def _min(a: Int, b: Int) -> Int:
     return cutlass.min(a, b)
 
 
-def _max(a: Int, b: Int) -> Int:
+def int_max(a: Int, b: Int) -> Int:
     if _is_py_int(a) and _is_py_int(b):
         return a if a > b else b
     import cutlass
@@ -113,8 +113,8 @@ class BlockInfo:
         """The query of m_block's last row inside the sequence (-1 for a sequence without queries; 0 with
         rows_per_query, whose tile then has no rows)."""
         if self.rows_per_query is None:
-            return _min((m_block + 1) * self.tile_m, self.seqlen_q) - 1
-        rows = _max(_min((m_block + 1) * self.tile_m, self.seqlen_q * self.rows_per_query), 1)
+            return int_min((m_block + 1) * self.tile_m, self.seqlen_q) - 1
+        rows = int_max(int_min((m_block + 1) * self.tile_m, self.seqlen_q * self.rows_per_query), 1)
         return (rows - 1) // self.rows_per_query
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -130,11 +130,11 @@ class BlockInfo:
         if self.has_right_bound:
             last_row = self.last_query(m_block)
             key_end = last_row + self.offset + self.right + 1  # exclusive
-            key_end = _max(_min(key_end, self.seqlen_k), 0)
+            key_end = int_max(int_min(key_end, self.seqlen_k), 0)
             n_block_max = _ceil_div_nonneg(key_end, self.tile_n)
         n_block_min = 0
         if self.has_left_bound:
-            key_start = _max(self.first_query(m_block) + self.offset - self.left, 0)
+            key_start = int_max(self.first_query(m_block) + self.offset - self.left, 0)
             n_block_min = key_start // self.tile_n
             # The rows' windows [i + off - left, i + off + right] move by one key per row, so the keys they see
             # form the one interval [key_start, key_end) unless it is empty, or every window is (left + right < 0;
@@ -154,13 +154,13 @@ class BlockInfo:
         """
         first_row = self.first_query(m_block)
         # Block n is clear of the right edge iff its last key (n+1)*tile_n - 1 <= first_row + off + right.
-        return _max(first_row + self.offset + self.right + 1, 0) // self.tile_n
+        return int_max(first_row + self.offset + self.right + 1, 0) // self.tile_n
 
     def kv_left_masked_end(self, m_block: Int) -> Int:
         """KV blocks n < this may hold keys left of some row's window: they need masking (local masks only)."""
         last_row = self.last_query(m_block)
         # Block n is clear of the left edge iff its first key n*tile_n >= last_row + off - left.
-        return _ceil_div_nonneg(_max(last_row + self.offset - self.left, 0), self.tile_n)
+        return _ceil_div_nonneg(int_max(last_row + self.offset - self.left, 0), self.tile_n)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Backward direction: query blocks of one KV block.
@@ -178,19 +178,19 @@ class BlockInfo:
             # Row i reaches key j iff j <= i + off + right, i.e. i >= first_key - off - right.
             first_key = n_block * self.tile_n
             first_row = first_key - self.offset - self.right
-            m_block_min = _max(first_row, 0) // self.tile_m
+            m_block_min = int_max(first_row, 0) // self.tile_m
             if self.mask == "local":
                 # A right bound below 0 can put that first row past seqlen_q, inside the last block's padding rows:
                 # then no block (this term is m_block_max there, and at most the one above for a first row before
                 # seqlen_q). Causal masks (right 0) never get there: a key tile's first key is below seqlen_k.
-                m_block_min = _max(m_block_min, _min(first_row, self.seqlen_q) - self.seqlen_q + m_block_max)
+                m_block_min = int_max(m_block_min, int_min(first_row, self.seqlen_q) - self.seqlen_q + m_block_max)
         if self.has_left_bound:
             # Row i reaches key j iff j >= i + off - left, i.e. i <= last_key - off + left.
-            last_key = _min((n_block + 1) * self.tile_n, self.seqlen_k) - 1
-            row_end = _max(_min(last_key - self.offset + self.left + 1, self.seqlen_q), 0)
+            last_key = int_min((n_block + 1) * self.tile_n, self.seqlen_k) - 1
+            row_end = int_max(int_min(last_key - self.offset + self.left + 1, self.seqlen_q), 0)
             m_block_max = _ceil_div_nonneg(row_end, self.tile_m)
             # As in kv_block_range: the rows that see the tile's keys are one interval, or none.
-            row_start = _max(first_key - self.offset - self.right, 0)
+            row_start = int_max(first_key - self.offset - self.right, 0)
             m_block_max = _select(self._no_keys(row_start, row_end), m_block_min, m_block_max)
         return m_block_min, m_block_max
 
@@ -198,13 +198,13 @@ class BlockInfo:
         """Query blocks m < this have a row whose right edge cuts `n_block`: they need masking (causal / local)."""
         last_key = (n_block + 1) * self.tile_n - 1
         # Block m is clear iff its first row m*tile_m satisfies last_key <= m*tile_m + off + right.
-        return _ceil_div_nonneg(_max(last_key - self.offset - self.right, 0), self.tile_m)
+        return _ceil_div_nonneg(int_max(last_key - self.offset - self.right, 0), self.tile_m)
 
     def q_left_masked_start(self, n_block: Int) -> Int:
         """Query blocks m >= this have a row whose left edge cuts `n_block`: they need masking (local only)."""
         first_key = n_block * self.tile_n
         # Block m is clear iff its last row (m+1)*tile_m - 1 satisfies first_key >= row + off - left.
-        return _max(first_key - self.offset + self.left + 1, 0) // self.tile_m
+        return int_max(first_key - self.offset + self.left + 1, 0) // self.tile_m
 
     def tile_needs_mask(self, m_block: Int, n_block: Int) -> Int:
         """Whether tile (m_block, n_block) needs element-wise masking: it holds keys past seqlen_k, or some row of it
@@ -225,6 +225,6 @@ def split_kv_range(n_min: Int, n_max: Int, split: Int, splits: Int) -> Tuple[Int
     """Run `split` of `splits` over the key tiles [n_min, n_max) of a query tile (split-key decoding,
     arch/split_kv.py): [lo, hi) with equal runs of ceil(tiles / splits), the last ones shorter or empty (lo >= hi);
     an empty range stays empty."""
-    per_split = _ceil_div_nonneg(_max(n_max - n_min, 0), splits)
-    lo = _min(n_min + split * per_split, n_max)
-    return lo, _min(lo + per_split, n_max)
+    per_split = _ceil_div_nonneg(int_max(n_max - n_min, 0), splits)
+    lo = int_min(n_min + split * per_split, n_max)
+    return lo, int_min(lo + per_split, n_max)

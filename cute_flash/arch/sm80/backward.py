@@ -8,6 +8,9 @@
 Under GQA/MQA the main kernel's dK/dV are partial sums per query head; they are added with fp32 atomics into
 (b, sk_padded, h_kv, d) buffers that the postprocess converts as well.
 
+Sinks (spec.sink) change no kernel: dsink is computed on the host from lse and the preprocess's D (dlse folded in),
+arch/base.sink_grad; the kernels are those of the spec without the sink (`kernel_spec`).
+
 The kernels take one head dim. head_dim != head_dim_v (e.g. DeepSeek's (192, 128) on Ampere) runs them at the wider
 of the two with the narrower operands zero-padded to it, exactly (arch/padded_head_dims.py).
 
@@ -17,6 +20,7 @@ launched through TVM-FFI on torch's current stream.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import tempfile
@@ -27,7 +31,7 @@ import torch
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ...validation import Problem, VarlenProblem, kernel_view
-from ..base import BwdTensors, Grads, KernelArtifact, PackedSeqs, fold_lse_grad, fold_lse_grad_packed
+from ..base import BwdTensors, Grads, KernelArtifact, PackedSeqs, fold_lse_grad, fold_lse_grad_packed, sink_grad
 from ..padded_head_dims import padded_launcher, widened_problem, widened_spec
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_tensor
@@ -42,6 +46,8 @@ _MAX_HEAD_DIM = 256
 
 # ---------------------------------------------------------------------------------------------------- support
 def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
+    if spec.kvcache:
+        return "the KV-cache forward (attention_with_kvcache) has no backward"
     if spec.dtype not in _SUPPORTED_DTYPES:
         return f"the sm80 backward supports fp16 and bf16 inputs, not {spec.dtype}"
     if spec.out_dtype != spec.dtype:
@@ -62,8 +68,9 @@ def kernel_width(spec: AttentionSpec) -> int:
 
 
 def kernel_spec(spec: AttentionSpec) -> AttentionSpec:
-    """The spec the kernels serving `spec` are built for."""
-    return widened_spec(spec, (kernel_width(spec),) * 2)
+    """The spec the kernels serving `spec` are built for: at the kernel width, and without the sink, which changes
+    no kernel of the backward (its gradient is computed on the host, `sink_grad`)."""
+    return dataclasses.replace(widened_spec(spec, (kernel_width(spec),) * 2), sink=False)
 
 
 # ---------------------------------------------------------------------------------------------------- compiling
@@ -132,8 +139,9 @@ def _build_main(
     dkv_rows = sk_pad if gqa else sk
     cfg = cfg or bwd_tile_config(d, target)
     kernel = Sm80FlashBackward(spec, cfg, gqa)
+    softcap = (cutlass.Float32(0.0),) if spec.softcap else ()  # the `features` entry's softcap
     return cute.compile(
-        kernel,
+        kernel.features if spec.softcap else kernel,
         _fake_bshd(dt, b, sq, h, d),  # q
         _fake_bshd(dt, b, sk, h_kv, d),  # k
         _fake_bshd(dt, b, sk, h_kv, d),  # v
@@ -148,6 +156,7 @@ def _build_main(
         cutlass.Float32(1.0),
         cutlass.Int32(0),
         cutlass.Int32(0),
+        *softcap,
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         options=options,
     )
@@ -226,8 +235,9 @@ def _build_packed(
     dkv = rows(cutlass.Float32, tk_pad, h_kv, d) if gqa else rows(dt, tk, h_kv, d)
     dkv2 = rows(cutlass.Float32, tk_pad, h_kv, d) if gqa else rows(dt, tk, h_kv, d)
     kernel = Sm80FlashBackward(spec, cfg, gqa)
+    softcap = (f32,) if spec.softcap else ()  # the `packed_features` entry's softcap
     return cute.compile(
-        kernel.packed,
+        kernel.packed_features if spec.softcap else kernel.packed,
         rows(dt, tq, h, d),  # q
         rows(dt, tk, h_kv, d),  # k
         rows(dt, tk, h_kv, d),  # v
@@ -242,6 +252,7 @@ def _build_packed(
         f32,
         i32,
         i32,
+        *softcap,
         fake_cu_seqlens(cute.sym_int()),
         fake_cu_seqlens(cute.sym_int()),
         fake_cu_seqlens(n) if seqused else None,
@@ -387,6 +398,17 @@ def packed_dkv_destinations(dk: torch.Tensor, dv: torch.Tensor, gqa: bool, sequs
     return dk, dv
 
 
+def packed_rows(stats: torch.Tensor, cu_seqlens_q: torch.Tensor, pad: int, total_q: int) -> torch.Tensor:
+    """The (h, total_q) rows of a packed row statistic `stats` (h, padded rows), in which sequence b starts at its
+    padded offset (common/packed.py): a gather on the device (no host copy of cu_seqlens). Each row finds its
+    sequence by a sorted search of the sequence ends (empty sequences own no row)."""
+    cu = cu_seqlens_q.long()
+    rows = torch.arange(total_q, device=stats.device)
+    seq = torch.searchsorted(cu[1:], rows, right=True)
+    starts = torch.div(cu[:-1] + torch.arange(cu.shape[0] - 1, device=cu.device) * pad, pad, rounding_mode="floor")
+    return stats[:, starts[seq] * pad + rows - cu[seq]]
+
+
 def run_backward(t: BwdTensors, grads: Grads, problem: Problem, cfg: Optional[BwdTileConfig] = None) -> None:
     """Fills `grads` (shaped and typed like q, k, v) on torch's current stream. cfg: a tile config other than the
     default (for studies: profiling/sm80_bwd_variants.py)."""
@@ -419,11 +441,13 @@ def backward_launcher(
     fragment = cfg.dq_layout == "fragment"
     dq_accum_shape = (batch, nheads, seqlen_q_pad * head_dim) if fragment else (batch, seqlen_q_pad, nheads, head_dim)
     dkv_block = max(cfg.block_n, _PRE_POST_BLOCK_M)  # whole postprocess blocks
-    preprocess = _kernel("bwd_preprocess", spec, target)
-    main = _kernel("bwd_gqa" if gqa else "bwd", spec, target, override)
-    postprocess = _kernel("bwd_postprocess", spec, target)
-    dq_postprocess = _kernel("bwd_dq_postprocess", spec, target, override) if fragment else postprocess
+    kspec = kernel_spec(spec)
+    preprocess = _kernel("bwd_preprocess", kspec, target)
+    main = _kernel("bwd_gqa" if gqa else "bwd", kspec, target, override)
+    postprocess = _kernel("bwd_postprocess", kspec, target)
+    dq_postprocess = _kernel("bwd_dq_postprocess", kspec, target, override) if fragment else postprocess
     scale, left, right = softmax_scale, mask.left, mask.right
+    softcap = (float(problem.softcap),) if spec.softcap else ()  # the feature entry's argument
 
     def launch(t: BwdTensors, grads: Grads) -> None:
         dout, q, k, v, out, lse, dlse = t[:7]
@@ -439,8 +463,11 @@ def backward_launcher(
             q, k, v, dout, out, dq, dk, dv = grad_views(q, k, v, dout, out, dq, dk, dv)
         preprocess(out, dout, lse, dpsum, lse_log2)
         fold_lse_grad(dpsum, dlse, lse)
+        if spec.sink:
+            sink_grad(grads.dsink, t.sink, lse, dpsum[..., :seqlen_q])
         dk_out, dv_out = dkv_destinations(dk, dv, gqa, dkv_block)
-        main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, None, None, scale, left, right)  # no semaphores
+        no_semaphores = (None, None)  # this family has no deterministic build
+        main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *no_semaphores, scale, left, right, *softcap)
         dq_postprocess(dq_accum, dq, scale)
         if gqa:
             # The main kernel already applied the softmax scale to dK.
@@ -489,19 +516,23 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
         dq_accum = torch.zeros(rows_q, nheads, head_dim, **f32)
     q, k, v, dout, out, dq, dk, dv = grad_views(q, k, v, dout, out, dq, dk, dv)
 
+    kspec = kernel_spec(spec)
     pre_blocks = -(-max_seqlen_q // pad_q) * pad_q // _PRE_POST_BLOCK_M  # whole pad_q rows per sequence
-    _kernel("bwd_preprocess", spec, target)(out, dout, lse, dpsum, lse_log2, cu_seqlens_q, pad_q, pre_blocks)
+    _kernel("bwd_preprocess", kspec, target)(out, dout, lse, dpsum, lse_log2, cu_seqlens_q, pad_q, pre_blocks)
     fold_lse_grad_packed(dpsum, dlse, lse, cu_seqlens_q, pad_q)
+    if spec.sink:
+        sink_grad(grads.dsink, t.sink, lse, packed_rows(dpsum, cu_seqlens_q, pad_q, total_q))
     dk_out, dv_out = packed_dkv_destinations(dk, dv, gqa, seqused_k is not None, padded_rows(total_k, batch, pad_k))
     role = ("bwd_gqa" if gqa else "bwd") + ("_seqused" if seqused_k is not None else "")
     no_semaphores = (None, None)  # this family has no deterministic build
-    _kernel(role, spec, target)(
+    softcap = (float(problem.softcap),) if spec.softcap else ()  # the feature entry's argument
+    _kernel(role, kspec, target)(
         q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *no_semaphores, softmax_scale, mask.left,
-        mask.right, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k,
+        mask.right, *softcap, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k,
     )  # fmt: skip
-    postprocess = _kernel("bwd_postprocess", spec, target)
+    postprocess = _kernel("bwd_postprocess", kspec, target)
     if cfg.dq_layout == "fragment":
-        _kernel("bwd_dq_postprocess", spec, target)(dq_accum, dq, softmax_scale, cu_seqlens_q, pad_q, max_seqlen_q)
+        _kernel("bwd_dq_postprocess", kspec, target)(dq_accum, dq, softmax_scale, cu_seqlens_q, pad_q, max_seqlen_q)
     else:
         postprocess(dq_accum, dq, softmax_scale, cu_seqlens_q, pad_q, max_seqlen_q)
     if gqa:

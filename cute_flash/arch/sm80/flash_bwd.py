@@ -12,6 +12,10 @@ here and to dQ in the postprocess kernel.
 GQA: a CTA works on a query head and reads kv head `head // (h // h_kv)`; its dK/dV are partial sums, added with fp32
 atomics to (b, sk_padded, h_kv, d) buffers that the postprocess converts. Without GQA the CTA writes dK/dV directly.
 
+Soft-capping (spec.softcap, the `features` entries): S becomes T = tanh(S * softmax_scale / softcap) before the mask,
+P = exp2(T * softcap * log2e - lse_log2), and dS = P * (dP - D) * (1 - T^2) (the tanh's derivative; P goes to shared
+memory first, while the factor is folded into the register copy); dK and dQ keep their softmax_scale factor.
+
 The exponent's factor softmax_scale * log2e is clamped into [FLT_MIN, FLT_MAX] as in the forward
 (common/online_softmax.py): at softmax_scale = 0 a masked -inf score times 0 would make P NaN.
 
@@ -38,6 +42,7 @@ from ...common.entries import BwdEntries
 from ...common.grid import block_grid
 from ...common.online_softmax import clamp_scale_log2
 from ...common.packed import SeqRows, cta_sequence, head_rows, head_stats, packed_pads
+from ...common.softcap import apply_softcap, softcap_factors
 from ...spec import AttentionSpec
 from .tile_config import BwdTileConfig
 
@@ -227,6 +232,7 @@ class Sm80FlashBackward(BwdEntries):
         stream,
         packed=None,  # (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k) of packed tensors (common/entries.py)
         semaphores=(None, None),  # the entries' deterministic semaphores: this family has no deterministic build
+        features=None,  # (softcap,) of a spec.softcap build (the feature entries)
     ):
         assert semaphores[0] is None and semaphores[1] is None, "the sm80 backward has no deterministic build"
         mQ, mK = tensors[0], tensors[1]
@@ -258,13 +264,19 @@ class Sm80FlashBackward(BwdEntries):
             sP_layout, g2s_copy, s2g_copy, self._tiled_mma(cfg.warps_m_sdp), self._tiled_mma(cfg.warps_n_dkv),
             self._tiled_mma(cfg.warps_m_dq), SharedStorage,
         )  # fmt: skip
-        self.kernel(params, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)).launch(
+        pre_tanh = None
+        if cutlass.const_expr(features is not None):
+            # The softmax runs on T = tanh(S * softmax_scale / softcap) with scale softcap (common/softcap.py); dK and
+            # dQ keep their softmax_scale factor, which with dS's (1 - T^2) is the capped score's derivative.
+            pre_tanh, scale_log2 = softcap_factors(softmax_scale, features[0])
+            params = params._replace(softmax_scale_log2=scale_log2)
+        self.kernel(params, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK), pre_tanh).launch(
             grid=grid, block=[cfg.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
         )
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
-    def kernel(self, params: BwdParams, packed: tuple):
+    def kernel(self, params: BwdParams, packed: tuple, pre_tanh: Optional[Float32]):
         """packed: (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK) of packed sequences, or three None."""
         # Only the exponent's factor is clamped (away from 0, where masked -inf scores times 0 gave NaN P, and from
         # inf); dK and dQ are scaled by softmax_scale itself, so scale 0 still gives dq = dk = 0 exactly.
@@ -275,15 +287,25 @@ class Sm80FlashBackward(BwdEntries):
         if cutlass.const_expr(self.varlen):
             # The grid spans the longest sequence's key blocks: the others' surplus blocks exit here.
             if n_block * self.cfg.block_n < seq.seqlen_k:
-                self.cta(params, tidx, n_block, head, head_kv, seq)
+                self.cta(params, tidx, n_block, head, head_kv, seq, pre_tanh)
         else:
-            self.cta(params, tidx, n_block, head, head_kv, seq)
+            self.cta(params, tidx, n_block, head, head_kv, seq, pre_tanh)
 
     @cute.jit
-    def cta(self, params: BwdParams, tidx: Int32, n_block: Int32, head: Int32, head_kv: Int32, seq: SeqRows):
+    def cta(
+        self,
+        params: BwdParams,
+        tidx: Int32,
+        n_block: Int32,
+        head: Int32,
+        head_kv: Int32,
+        seq: SeqRows,
+        pre_tanh: Optional[Float32] = None,
+    ):
         """One (key block, head, sequence) tile. Packed tensors: seq.offset_q / offset_k are the sequence's first
         rows of q, dO / k, v; stats_offset its first row in the padded buffers (LSE, D, dQ accumulator); dkv_offset
-        its first row of dK / dV (of their padded fp32 accumulators under GQA). None everywhere for dense tensors."""
+        its first row of dK / dV (of their padded fp32 accumulators under GQA). None everywhere for dense tensors.
+        pre_tanh: softmax_scale / softcap in a spec.softcap build, else None."""
         dkv_offset = seq.padded_offset_k(self.pad_k) if self.gqa else seq.offset_k
         stats_offset = seq.padded_offset_q(self.pad_q)
         (
@@ -419,13 +441,21 @@ class Sm80FlashBackward(BwdEntries):
                 acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
                 acc_S.fill(0.0)
                 _gemm_smem(tiled_mma_sdp, acc_S, tSrQ, tSrK, tSsQ[None, None, None, slot], tSsK, s2r_QdO, s2r_KV)
+                if cutlass.const_expr(pre_tanh is not None):
+                    apply_softcap(acc_S, pre_tanh)  # T = tanh(S * scale / softcap), before the mask
                 if blocks.tile_needs_mask(m_block, n_block):
                     self._apply_mask(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
                 acc_S_rc = _acc_rows_cols(acc_S)
-                for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
-                    acc_S_rc[r, None].store(
-                        cute.math.exp2(acc_S_rc[r, None].load() * softmax_scale_log2 - lse[r], fastmath=True)
-                    )
+                if cutlass.const_expr(pre_tanh is None):
+                    for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
+                        acc_S_rc[r, None].store(
+                            cute.math.exp2(acc_S_rc[r, None].load() * softmax_scale_log2 - lse[r], fastmath=True)
+                        )
+                else:
+                    # P goes to shared memory now (for dV) and acc_S keeps P * (1 - T^2), the tanh's derivative
+                    # folded in before dS = P * (dP - D) (T is gone once P is computed).
+                    rP = self._softcap_probs(acc_S, lse, softmax_scale_log2)
+                    cute.copy(r2s_PdS, r2s_PdS.retile(rP), tPsP)
 
                 # dP = dO V^T, then dS = P * (dP - D).
                 acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
@@ -435,9 +465,10 @@ class Sm80FlashBackward(BwdEntries):
                 for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
                     acc_dP_rc[r, None].store(acc_S_rc[r, None].load() * (acc_dP_rc[r, None].load() - dpsum[r]))
 
-                rP = cute.make_fragment_like(acc_S, self.dtype)
-                rP.store(acc_S.load().to(self.dtype))
-                cute.copy(r2s_PdS, r2s_PdS.retile(rP), tPsP)
+                if cutlass.const_expr(pre_tanh is None):
+                    rP = cute.make_fragment_like(acc_S, self.dtype)
+                    rP.store(acc_S.load().to(self.dtype))
+                    cute.copy(r2s_PdS, r2s_PdS.retile(rP), tPsP)
                 rdS = cute.make_fragment_like(acc_dP, self.dtype)
                 rdS.store(acc_dP.load().to(self.dtype))
                 cute.copy(r2s_PdS, r2s_PdS.retile(rdS), tdSsdS)
@@ -491,6 +522,24 @@ class Sm80FlashBackward(BwdEntries):
         rows = seqlen_q - m_block * self.cfg.block_m
         _load_rows(g2s_copy, tQgQ[None, None, None, m_block], tQsQ[None, None, None, slot], tQcQ, rows)
         _load_rows(g2s_copy, tdOgdO[None, None, None, m_block], tdOsdO[None, None, None, slot], tQcQ, rows)
+
+    @cute.jit
+    def _softcap_probs(self, acc_S: cute.Tensor, lse: cute.Tensor, scale_log2: Float32) -> cute.Tensor:
+        """The softcap build's P = exp2(T * softcap * log2(e) - lse_log2) from acc_S = T (tanh of the scores, masked to
+        -inf), returned in the input dtype, while acc_S becomes P * (1 - T^2) (`softcap_grad`'s factor). A masked
+        T = -inf has P = 0 and a factor of -inf: the factor is clamped at 0 so that their product is 0, not NaN."""
+        acc = _acc_rows_cols(acc_S)
+        probs = cute.make_fragment_like(acc_S)
+        probs_rc = _acc_rows_cols(probs)
+        for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                t = acc[r, c]
+                p = cute.math.exp2(t * scale_log2 - lse[r], fastmath=True)
+                probs_rc[r, c] = p
+                acc[r, c] = p * cute.arch.fmax(1.0 - t * t, Float32(0.0))
+        rP = cute.make_fragment_like(acc_S, self.dtype)
+        rP.store(probs.load().to(self.dtype))
+        return rP
 
     @cute.jit
     def _apply_mask(

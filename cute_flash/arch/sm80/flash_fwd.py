@@ -16,6 +16,15 @@ Tails are handled by predication: Q/K/V rows past the sequence ends are not load
 masked to -inf), head-dim padding (see tile_config) is zero-filled once, and only in-range rows of O and LSE are
 stored. GQA reads kv head (head // (h / h_kv)) directly.
 
+Soft-capping and sinks (spec.softcap / spec.sink, the "feature" entries of common/entries.py): S becomes
+tanh(S * softmax_scale / softcap) before the mask and the softmax runs with scale softcap (common/softcap.py); each
+thread reads its rows' sink from the (rows, h) view at the end and `OnlineSoftmax.finalize` folds it into the
+denominator and the LSE. The split build leaves the sink out (its combine adds it).
+
+Hooks (`block_info`, `global_tiles`, `load_q`, `kv_loader`, `mask_scores`, `sinks_log2`, `output_scale`,
+`store_lse`, `store_o`, `store_partials`) are where the KV-cache forward (flash_fwd_kvcache.py) differs; the
+defaults are this kernel's own steps, so its code is the same with or without them.
+
 Split-key build (`split_kv`, decoding: arch/split_kv.py): grid (query blocks, heads, splits x batch); the CTA at
 z = split * batch + b walks the split-th run of its query block's KV blocks and stores its normalised O and LSE in
 fp32 straight from registers at batch index z of the (splits * b, sq, h, dv) / (splits * b, h, sq) partials, which
@@ -42,6 +51,7 @@ from ...common.grid import block_grid
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
 from ...common.packed import SeqRows, cta_sequence, head_rows, head_stats
+from ...common.softcap import apply_softcap, softcap_factors
 from ...spec import AttentionSpec
 from .tile_config import FwdTileConfig, row_chunk_elems
 
@@ -61,6 +71,13 @@ def smem_layout_atom(dtype: Type[cutlass.Numeric], row_elems: int) -> cute.Compo
     return cute.make_composed_layout(
         cute.make_swizzle(bits, base, base), 0, cute.make_ordered_layout((8, chunk), order=(1, 0))
     )
+
+
+def shared_storage(**fields) -> type:
+    """A `cute.struct` of 1024-byte aligned shared-memory buffers, field name -> (dtype, elements), in order. (The
+    annotations are built as objects: this module's postponed annotations would leave a class body's as strings.)"""
+    annotations = {name: cute.struct.Align[cute.struct.MemRange[dt, n], 1024] for name, (dt, n) in fields.items()}
+    return cute.struct(type("SharedStorage", (), {"__annotations__": annotations}))
 
 
 def _split_mode(t: cute.Tensor, mode: int, size: int) -> cute.Tensor:
@@ -112,7 +129,7 @@ def gemm_reg_smem(tiled_mma, acc, tCrA, tCrB, tCsB, copy_B):
     _gemm_b_streamed(tiled_mma, acc, tCrA, tCrB, tCsB, copy_B, None)
 
 
-def _column_predicate(coords: cute.Tensor, limit: int, padded: int):
+def column_predicate(coords: cute.Tensor, limit: int, padded: int):
     """Per (vector, column-step) predicate of a gmem-copy partition: column < limit (rows are tested separately).
 
     None when the tile has no padding columns (limit == padded): unpredicated copies keep registers free.
@@ -130,6 +147,11 @@ def _column_predicate(coords: cute.Tensor, limit: int, padded: int):
         for k in range(pred.shape[2]):
             pred[v, 0, k] = cute.elem_less(coords[(0, v), 0, k][1], limit)
     return pred
+
+
+def _partition_S(thr_copy, tile):
+    """thr_copy's source partition of a global tile, or None where the kernel gathers the rows itself."""
+    return None if tile is None else thr_copy.partition_S(tile)
 
 
 def _slice_rows(pred, row: int):
@@ -156,6 +178,14 @@ class FwdParams(NamedTuple):
     copy_o: cute.TiledCopy
     tiled_mma: cute.TiledMma
     SharedStorage: object
+
+
+class FwdFeatures(NamedTuple):
+    """The runtime values of spec.softcap / spec.sink builds (None where the build has no such feature): the scores'
+    factor before the tanh (common/softcap.py) and the (rows, h) fp32 sink view (arch/base.py)."""
+
+    pre_tanh: object = None
+    mSink: object = None
 
 
 class Sm80FlashForward(FwdEntries):
@@ -188,8 +218,13 @@ class Sm80FlashForward(FwdEntries):
         self.d_pad, self.dv_pad = tile.head_dim_pad, tile.head_dim_v_pad
         self.num_threads = tile.num_threads
         self.num_stages = tile.num_stages
+        # Stages of the 16-bit K / V tiles the MMAs read: the pipeline's, unless a subclass loads K / V into buffers
+        # of their own and converts them into one stage (the KV-cache forward's fp8 caches).
+        self.smem_stages = self.num_stages
         self.varlen = spec.varlen
         self.split_kv = split_kv
+        self.softcap = spec.softcap
+        self.sink = spec.sink
         assert not (split_kv and spec.varlen)
         assert self.tile_n % 16 == 0 and self.tile_m % (16 * tile.num_warps) == 0
 
@@ -205,24 +240,40 @@ class Sm80FlashForward(FwdEntries):
         return cute.make_tiled_copy_tv(atom, thread_layout, cute.make_layout((1, vec)))
 
     @cute.jit
-    def _launch(self, mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, packed=_DENSE):
-        """Both entries (`__call__` from common/entries.py, `packed`); packed: (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
-        max_seqlen_q), all None for dense tensors."""
+    def _launch(
+        self, mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, packed=_DENSE, features=None
+    ):
+        """Every entry (`__call__`, `packed` and their `features` twins, common/entries.py); packed: (mCuSeqlensQ,
+        mCuSeqlensK, mSeqUsedK, max_seqlen_q), all None for dense tensors; features: (softcap, mSink) of builds for
+        spec.softcap / spec.sink (mSink None in the split build: its combine adds the sink)."""
         mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q = packed
+        scale_log2, extras = self._feature_args(softmax_scale, features)
+        layouts = self._shared_layouts_and_copies()
+        SharedStorage = layouts[-1]
+        num_m_blocks, heads, batch = block_grid(mQ, mQ, self.tile_m, mCuSeqlensQ, max_seqlen_q)
+        grid = (num_m_blocks, cute.size(heads), cute.size(batch))
+        if cutlass.const_expr(self.split_kv):
+            grid = (num_m_blocks, cute.size(heads), cute.size(mO.shape[0]))  # (split, batch) pairs
+        params = FwdParams(mQ, mK, mV, mO, mLSE, scale_log2, window_left, window_right, *layouts)
+        self.kernel(params, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK), extras).launch(
+            grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
+        )
+
+    def _shared_layouts_and_copies(self) -> tuple:
+        """FwdParams' compile-time part: (sQ, sK, sV, sO layouts, copy_qk, copy_v, copy_o, tiled_mma, SharedStorage)."""
         qk_atom = smem_layout_atom(self.dtype, self.d_pad)
         v_atom = smem_layout_atom(self.dtype, self.dv_pad)
         sQ_layout = cute.tile_to_shape(qk_atom, (self.tile_m, self.d_pad), (0, 1))
-        sK_layout = cute.tile_to_shape(qk_atom, (self.tile_n, self.d_pad, self.num_stages), (0, 1, 2))
-        sV_layout = cute.tile_to_shape(v_atom, (self.tile_n, self.dv_pad, self.num_stages), (0, 1, 2))
+        sK_layout = cute.tile_to_shape(qk_atom, (self.tile_n, self.d_pad, self.smem_stages), (0, 1, 2))
+        sV_layout = cute.tile_to_shape(v_atom, (self.tile_n, self.dv_pad, self.smem_stages), (0, 1, 2))
         sO_layout = cute.tile_to_shape(v_atom, (self.tile_m, self.dv_pad), (0, 1))
 
         q_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))  # O is staged through Q's buffer
 
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+        SharedStorage = shared_storage(
+            sQ=(self.dtype, q_elems), sK=(self.dtype, cute.cosize(sK_layout)), sV=(self.dtype, cute.cosize(sV_layout)),
+            **self.extra_smem(),
+        )  # fmt: skip
 
         load_op = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
         copy_qk = self._gmem_tiled_copy(load_op, self.d_pad)
@@ -235,24 +286,27 @@ class Sm80FlashForward(FwdEntries):
             (self.tile.num_warps, 1, 1),
             permutation_mnk=(self.tile.num_warps * 16, 16, 16),
         )
+        return sQ_layout, sK_layout, sV_layout, sO_layout, copy_qk, copy_v, copy_o, tiled_mma, SharedStorage
 
-        num_m_blocks, heads, batch = block_grid(mQ, mQ, self.tile_m, mCuSeqlensQ, max_seqlen_q)
-        grid = (num_m_blocks, cute.size(heads), cute.size(batch))
-        if cutlass.const_expr(self.split_kv):
-            grid = (num_m_blocks, cute.size(heads), cute.size(mO.shape[0]))  # (split, batch) pairs
-        params = FwdParams(
-            mQ, mK, mV, mO, mLSE, softmax_scale * LOG2_E, window_left, window_right, sQ_layout, sK_layout, sV_layout,
-            sO_layout, copy_qk, copy_v, copy_o, tiled_mma, SharedStorage,
-        )  # fmt: skip
-        self.kernel(params, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)).launch(
-            grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
-        )
+    def extra_smem(self) -> dict:
+        """Shared-memory buffers a subclass adds (`shared_storage`'s fields)."""
+        return {}
+
+    def _feature_args(self, softmax_scale, features):
+        """(scale_log2, FwdFeatures) of the softmax: softmax_scale * log2(e), or with softcap the tanh's factors."""
+        if cutlass.const_expr(features is None):
+            return softmax_scale * LOG2_E, FwdFeatures()
+        softcap, mSink = features
+        if cutlass.const_expr(self.softcap):
+            pre_tanh, scale_log2 = softcap_factors(softmax_scale, softcap)
+            return scale_log2, FwdFeatures(pre_tanh, mSink)
+        return softmax_scale * LOG2_E, FwdFeatures(None, mSink)
 
     # ------------------------------------------------------------------------------------------------------------
     # Device side.
     # ------------------------------------------------------------------------------------------------------------
     @cute.kernel
-    def kernel(self, params: FwdParams, packed: tuple):
+    def kernel(self, params: FwdParams, packed: tuple, features: FwdFeatures):
         """packed: (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK) of packed sequences, or three None."""
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
@@ -269,32 +323,39 @@ class Sm80FlashForward(FwdEntries):
         if cutlass.const_expr(self.varlen):
             # The grid spans the longest sequence's query blocks: the others' surplus blocks exit here.
             if m_block * self.tile_m < seq.seqlen_q:
-                self.cta(params, tidx, m_block, head, head_kv, seq)
+                self.cta(params, tidx, m_block, head, head_kv, seq, None, features)
         else:
-            self.cta(params, tidx, m_block, head, head_kv, seq, split)
+            self.cta(params, tidx, m_block, head, head_kv, seq, split, features)
 
     @cute.jit
     def cta(
-        self, params: FwdParams, tidx: Int32, m_block: Int32, head: Int32, head_kv: Int32, seq: SeqRows, split=None
+        self,
+        params: FwdParams,
+        tidx: Int32,
+        m_block: Int32,
+        head: Int32,
+        head_kv: Int32,
+        seq: SeqRows,
+        split=None,
+        features: FwdFeatures = FwdFeatures(),
+        ctx=None,
     ):
         """One (query block, head, sequence) tile; seq.offset_q / offset_k: the sequence's first rows in packed
         tensors (None: dense tensors, indexed by batch); split: the split-key build's (split, partials' batch
-        index, splits)."""
+        index, splits); features: softcap's factor and the sink view (None where the build has none); ctx: what a
+        subclass's hooks read besides (None here)."""
         (
             mQ, mK, mV, mO, mLSE, scale_log2, window_left, window_right, sQ_layout, sK_layout, sV_layout, sO_layout,
             copy_qk, copy_v, copy_o, tiled_mma, SharedStorage,
         ) = params  # fmt: skip
-        batch, offset_q, offset_k = seq.batch, seq.offset_q, seq.offset_k
-        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
-        info = BlockInfo(self.tile_m, self.tile_n, self.mask, seqlen_q, seqlen_k, window_left, window_right)
+        batch, offset_q, seqlen_q = seq.batch, seq.offset_q, seq.seqlen_q
+        info = self.block_info(seq, window_left, window_right, tidx, m_block, tiled_mma, ctx)
         n_block_min, n_block_max = info.kv_block_range(m_block)
         if cutlass.const_expr(split is not None):
             n_block_min, n_block_max = split_kv_range(n_block_min, n_block_max, split[0], split[2])
 
-        # ---- global tiles of this CTA ----------------------------------------------------------------------------
-        gQ = cute.local_tile(head_rows(mQ, batch, head, offset_q), (self.tile_m, self.d_pad), (m_block, 0))
-        gK = cute.local_tile(head_rows(mK, batch, head_kv, offset_k), (self.tile_n, self.d_pad), (None, 0))
-        gV = cute.local_tile(head_rows(mV, batch, head_kv, offset_k), (self.tile_n, self.dv_pad), (None, 0))
+        # ---- global tiles of this CTA (None where a subclass gathers the rows itself) -------------------------------
+        gQ, gK, gV = self.global_tiles(mQ, mK, mV, m_block, head, head_kv, seq)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -302,15 +363,15 @@ class Sm80FlashForward(FwdEntries):
         sK = storage.sK.get_tensor(sK_layout)
         sV = storage.sV.get_tensor(sV_layout)
         # V^T (dv, tile_n, stage): the B operand of O += P V, read with transposing ldmatrix.
-        vt_layout = cute.make_ordered_layout((self.dv_pad, self.tile_n, self.num_stages), order=(1, 0, 2))
+        vt_layout = cute.make_ordered_layout((self.dv_pad, self.tile_n, self.smem_stages), order=(1, 0, 2))
         sVt = cute.composition(sV, vt_layout)
 
         # ---- gmem -> smem copies and their predicates ---------------------------------------------------------------
         thr_copy_qk = copy_qk.get_slice(tidx)
         thr_copy_v = copy_v.get_slice(tidx)
-        tQgQ, tQsQ = thr_copy_qk.partition_S(gQ), thr_copy_qk.partition_D(sQ)
-        tKgK, tKsK = thr_copy_qk.partition_S(gK), thr_copy_qk.partition_D(sK)
-        tVgV, tVsV = thr_copy_v.partition_S(gV), thr_copy_v.partition_D(sV)
+        tQgQ, tQsQ = _partition_S(thr_copy_qk, gQ), thr_copy_qk.partition_D(sQ)
+        tKgK, tKsK = _partition_S(thr_copy_qk, gK), thr_copy_qk.partition_D(sK)
+        tVgV, tVsV = _partition_S(thr_copy_v, gV), thr_copy_v.partition_D(sV)
         cQK = cute.make_identity_tensor((self.tile_m, self.d_pad))
         cKV = cute.make_identity_tensor((self.tile_n, self.d_pad))
         cV = cute.make_identity_tensor((self.tile_n, self.dv_pad))
@@ -322,9 +383,9 @@ class Sm80FlashForward(FwdEntries):
         t0QcQ = copy_qk.get_slice(0).partition_S(cQK)
         t0KcK = copy_qk.get_slice(0).partition_S(cKV)
         t0VcV = copy_v.get_slice(0).partition_S(cV)
-        tQpQ = _column_predicate(tQcQ, self.head_dim, self.d_pad)
-        tKpK = _column_predicate(tKcK, self.head_dim, self.d_pad)
-        tVpV = _column_predicate(tVcV, self.head_dim_v, self.dv_pad)
+        tQpQ = column_predicate(tQcQ, self.head_dim, self.d_pad)
+        tKpK = column_predicate(tKcK, self.head_dim, self.d_pad)
+        tVpV = column_predicate(tVcV, self.head_dim_v, self.dv_pad)
 
         if cutlass.const_expr(self.head_dim != self.d_pad):
             # Q K^T sums over the padded head dim: those columns must be zero in Q and in every K stage. cp.async never
@@ -333,7 +394,7 @@ class Sm80FlashForward(FwdEntries):
                 for k in cutlass.range_constexpr(cute.size(tQsQ.shape[2])):
                     if not tQpQ[0, m, k]:
                         tQsQ[None, m, k].fill(0)
-            for s in cutlass.range_constexpr(self.num_stages):
+            for s in cutlass.range_constexpr(self.smem_stages):
                 for n in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
                     for k in cutlass.range_constexpr(cute.size(tKsK.shape[2])):
                         if not tKpK[0, n, k]:
@@ -364,13 +425,13 @@ class Sm80FlashForward(FwdEntries):
         softmax = OnlineSoftmax.create(scale_log2, cute.size(rows_cols_view(acc_O), mode=[0]))
 
         # ---- prologue: Q, then the first stages of K and V ---------------------------------------------------------
-        q_row_limit = seqlen_q - m_block * self.tile_m - tQcQ[0][0]
-        for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
-            if t0QcQ[0, m, 0][0] < q_row_limit:
-                cute.copy(copy_qk, tQgQ[None, m, None], tQsQ[None, m, None], pred=_slice_rows(tQpQ, m))
+        self.load_q(mQ, copy_qk, tQgQ, tQsQ, tQcQ, t0QcQ, tQpQ, m_block, head, seq, ctx)
         cute.arch.cp_async_commit_group()
 
-        kv = _KVLoader(self, copy_qk, copy_v, tKgK, tKsK, tKcK, t0KcK, tKpK, tVgV, tVsV, tVcV, t0VcV, tVpV, seqlen_k)
+        kv = self.kv_loader(
+            storage, sK, sV, mK, mV, copy_qk, copy_v, tKgK, tKsK, tKcK, t0KcK, tKpK, tVgV, tVsV, tVcV, t0VcV, tVpV,
+            head_kv, seq, ctx,
+        )  # fmt: skip
         n_block_last = n_block_max - 1
         has_work = n_block_max > n_block_min
         for s in cutlass.range_constexpr(self.num_stages):
@@ -384,7 +445,7 @@ class Sm80FlashForward(FwdEntries):
 
         step = _BlockStep(
             self, tiled_mma, thr_mma, kv, softmax, acc_O, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt,
-            smem_copy_Q, smem_copy_K, smem_copy_V, tScS_rc, t0ScS_rc, info, m_block, n_block_min,
+            smem_copy_Q, smem_copy_K, smem_copy_V, tScS_rc, t0ScS_rc, info, m_block, n_block_min, features.pre_tanh,
         )  # fmt: skip
 
         # ---- main loop over KV blocks, last to first ------------------------------------------------------------
@@ -396,18 +457,80 @@ class Sm80FlashForward(FwdEntries):
             read_stage = walk_kv_blocks(info, m_block, n_block_min, n_block_last, step.walk_step, read_stage)
 
         # ---- epilogue: normalise, write LSE and O ------------------------------------------------------------------
-        row_scale, lse = softmax.finalize()
-        softmax.rescale(rows_cols_view(acc_O), row_scale)
+        sinks_log2 = None
+        if cutlass.const_expr(features.mSink is not None):
+            sinks_log2 = self.sinks_log2(features.mSink, tScS_rc, m_block, head, seq, split, ctx)
+        row_scale, lse = softmax.finalize(sinks_log2)
+        softmax.rescale(rows_cols_view(acc_O), self.output_scale(row_scale, ctx))
         if cutlass.const_expr(split is not None):
             cute.arch.cp_async_wait_group(0)  # (a CTA with no KV block never waited for its Q load)
-            self.store_partials(acc_O, lse, mO, mLSE, tiled_mma, tidx, m_block, head, split[1], seqlen_q)
+            self.store_partials(acc_O, lse, mO, mLSE, tiled_mma, tidx, m_block, head, split[1], seqlen_q, ctx)
         else:
             self.epilogue(
-                acc_O, lse, mO, mLSE, sQ, sO_layout, copy_o, tiled_mma, tidx, m_block, head, batch, seqlen_q, offset_q
-            )
+                acc_O, lse, mO, mLSE, sQ, sO_layout, copy_o, tiled_mma, tidx, m_block, head, batch, seqlen_q, offset_q,
+                ctx,
+            )  # fmt: skip
+
+    # ---- hooks: what a subclass (the KV-cache forward, flash_fwd_kvcache.py) replaces ---------------------------
+    def block_info(self, seq: SeqRows, window_left, window_right, tidx, m_block, tiled_mma, ctx):
+        """Which key tiles the query tile visits and which need masking (common/block_info.py)."""
+        return BlockInfo(self.tile_m, self.tile_n, self.mask, seq.seqlen_q, seq.seqlen_k, window_left, window_right)
+
+    def global_tiles(self, mQ, mK, mV, m_block, head, head_kv, seq: SeqRows):
+        """This CTA's Q tile and the K / V tiles of its (sequence, KV head), indexed by key tile."""
+        batch, offset_q, offset_k = seq.batch, seq.offset_q, seq.offset_k
+        gQ = cute.local_tile(head_rows(mQ, batch, head, offset_q), (self.tile_m, self.d_pad), (m_block, 0))
+        gK = cute.local_tile(head_rows(mK, batch, head_kv, offset_k), (self.tile_n, self.d_pad), (None, 0))
+        gV = cute.local_tile(head_rows(mV, batch, head_kv, offset_k), (self.tile_n, self.dv_pad), (None, 0))
+        return gQ, gK, gV
 
     @cute.jit
-    def store_partials(self, acc_O, lse, mO, mLSE, tiled_mma, tidx, m_block, head, out_batch, seqlen_q):
+    def load_q(self, mQ, copy_qk, tQgQ, tQsQ, tQcQ, t0QcQ, tQpQ, m_block: Int32, head: Int32, seq: SeqRows, ctx):
+        """cp.async of the Q tile's rows inside the sequence."""
+        q_row_limit = seq.seqlen_q - m_block * self.tile_m - tQcQ[0][0]
+        for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+            if t0QcQ[0, m, 0][0] < q_row_limit:
+                cute.copy(copy_qk, tQgQ[None, m, None], tQsQ[None, m, None], pred=_slice_rows(tQpQ, m))
+
+    def kv_loader(
+        self, storage, sK, sV, mK, mV, copy_qk, copy_v, tKgK, tKsK, tKcK, t0KcK, tKpK, tVgV, tVsV, tVcV, t0VcV, tVpV,
+        head_kv, seq, ctx,
+    ):  # fmt: skip
+        """The K / V block loads of the main loop (`KVLoader`'s interface) into the 16-bit tiles sK / sV."""
+        return KVLoader(
+            self, copy_qk, copy_v, tKgK, tKsK, tKcK, t0KcK, tKpK, tVgV, tVsV, tVcV, t0VcV, tVpV, seq.seqlen_k
+        )
+
+    def output_scale(self, row_scale, ctx):
+        """O's per-row factor at the end (1 / l, from finalize)."""
+        return row_scale
+
+    @cute.jit
+    def mask_scores(self, acc_rc, tScS_rc, t0ScS_rc, info, m_block: Int32, n_block: Int32, mask_seqlen, mask_window):
+        """-inf where a query row must not see a key of `n_block` (common/mask.py)."""
+        apply_mask(acc_rc, tScS_rc, t0ScS_rc, info, m_block, n_block, mask_seqlen, mask_window)
+
+    @cute.jit
+    def sinks_log2(
+        self, mSink: cute.Tensor, tScS_rc: cute.Tensor, m_block: Int32, head: Int32, seq: SeqRows, split, ctx
+    ):
+        """sink[row, head] * log2(e) of this thread's rows (`OnlineSoftmax.finalize`); mSink is the (rows, h) view
+        of arch/base.py, its rows those of a dense sequence or of the packed (total_q, h) batch. Rows past the
+        sequence's end (never stored) read nothing."""
+        sinks = cute.make_rmem_tensor(cute.size(tScS_rc, mode=[0]), Float32)
+        for r in cutlass.range_constexpr(cute.size(tScS_rc, mode=[0])):
+            row = m_block * self.tile_m + tScS_rc[r, 0][0]
+            index = row
+            if cutlass.const_expr(seq.offset_q is not None):
+                index = row + seq.offset_q
+            value = Float32(0.0)
+            if row < seq.seqlen_q:
+                value = mSink[index, head]
+            sinks[r] = value * LOG2_E
+        return sinks
+
+    @cute.jit
+    def store_partials(self, acc_O, lse, mO, mLSE, tiled_mma, tidx, m_block, head, out_batch, seqlen_q, ctx=None):
         """The split-key build's normalised O and LSE of this CTA's run, fp32 straight from registers (few rows:
         decoding), at batch index `out_batch` of the partials."""
         coords = rows_cols_view(
@@ -431,8 +554,9 @@ class Sm80FlashForward(FwdEntries):
 
     @cute.jit
     def epilogue(
-        self, acc_O, lse, mO, mLSE, sQ, sO_layout, copy_o, tiled_mma, tidx, m_block, head, batch, seqlen_q, offset_q
-    ):
+        self, acc_O, lse, mO, mLSE, sQ, sO_layout, copy_o, tiled_mma, tidx, m_block, head, batch, seqlen_q, offset_q,
+        ctx=None,
+    ):  # fmt: skip
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         sO = cute.make_tensor(sQ.iterator, sO_layout)
@@ -441,13 +565,7 @@ class Sm80FlashForward(FwdEntries):
         # LSE: the lane holding column 0 of a row writes it.
         cO = cute.make_identity_tensor((self.tile_m, self.dv_pad))
         tOcO_rc = rows_cols_view(thr_mma.partition_C(cO))
-        gLSE = head_stats(mLSE, batch, head, offset_q)
-        row_base = m_block * self.tile_m
-        if tOcO_rc[0, 0][1] == 0:
-            for r in cutlass.range_constexpr(cute.size(lse)):
-                row = row_base + tOcO_rc[r, 0][0]
-                if row < seqlen_q:
-                    gLSE[row] = lse[r]
+        self.store_lse(mLSE, lse, tOcO_rc, m_block, head, batch, seqlen_q, offset_q, ctx)
 
         # O: registers -> smem (reusing Q's buffer once every warp is done with Q and V) -> 16-byte global stores.
         # A CTA with no KV block never waited for its Q load: drain it before its buffer is reused.
@@ -462,12 +580,29 @@ class Sm80FlashForward(FwdEntries):
         tOsO = thr_copy_o.partition_S(sO)
         tOrO = cute.make_fragment_like(tOsO, self.dtype)
         cute.autovec_copy(tOsO, tOrO)
+        self.store_o(mO, tOrO, copy_o, thr_copy_o, cO, m_block, head, batch, seqlen_q, offset_q, ctx)
+
+    @cute.jit
+    def store_lse(self, mLSE, lse, tOcO_rc, m_block: Int32, head: Int32, batch, seqlen_q: Int32, offset_q, ctx):
+        """This thread's rows' LSE, from the lane that holds their column 0."""
+        gLSE = head_stats(mLSE, batch, head, offset_q)
+        row_base = m_block * self.tile_m
+        if tOcO_rc[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = row_base + tOcO_rc[r, 0][0]
+                if row < seqlen_q:
+                    gLSE[row] = lse[r]
+
+    @cute.jit
+    def store_o(self, mO, tOrO, copy_o, thr_copy_o, cO, m_block: Int32, head: Int32, batch, seqlen_q, offset_q, ctx):
+        """16-byte global stores of this thread's part of the O tile (tOrO, copy_o's partition), rows inside the
+        sequence."""
         gO = cute.local_tile(head_rows(mO, batch, head, offset_q), (self.tile_m, self.dv_pad), (m_block, 0))
         tOgO = thr_copy_o.partition_D(gO)
         tOcO = thr_copy_o.partition_S(cO)
         t0OcO = copy_o.get_slice(0).partition_S(cO)
-        tOpO = _column_predicate(tOcO, self.head_dim_v, self.dv_pad)
-        row_limit = seqlen_q - row_base - tOcO[0][0]
+        tOpO = column_predicate(tOcO, self.head_dim_v, self.dv_pad)
+        row_limit = seqlen_q - m_block * self.tile_m - tOcO[0][0]
         for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
             if t0OcO[0, m, 0][0] < row_limit:
                 cute.copy(copy_o, tOrO[None, m, None], tOgO[None, m, None], pred=_slice_rows(tOpO, m))
@@ -476,7 +611,7 @@ class Sm80FlashForward(FwdEntries):
 # The two helpers below are frozen dataclasses: the DSL treats calls on frozen objects inside runtime branches and
 # loops as reads, whereas a mutable object there would have to be carried as loop state.
 @dataclass(frozen=True)
-class _KVLoader:
+class KVLoader:
     """cp.async loads of one K or V block into a shared-memory stage, predicated on seqlen_k for the tail block."""
 
     k: Sm80FlashForward
@@ -493,6 +628,13 @@ class _KVLoader:
     t0VcV: cute.Tensor
     tVpV: cute.Tensor
     seqlen_k: Int32
+
+    def convert_K(self, stage):
+        """The 16-bit stage the scores read once K of `stage` has landed: the same (loads go to the MMAs' tiles)."""
+        return stage
+
+    def convert_V(self, stage):
+        return stage
 
     @cute.jit
     def load_K(self, n_block: Int32, stage, tail: cutlass.Constexpr[bool]):
@@ -545,7 +687,7 @@ class _BlockStep:
     k: Sm80FlashForward
     tiled_mma: cute.TiledMma
     thr_mma: object
-    kv: _KVLoader
+    kv: KVLoader
     softmax: OnlineSoftmax
     acc_O: cute.Tensor
     tSrQ: cute.Tensor
@@ -562,6 +704,7 @@ class _BlockStep:
     info: BlockInfo
     m_block: Int32
     n_block_min: Int32
+    pre_tanh: object = None  # spec.softcap: softmax_scale / softcap, the scores' factor before the tanh
 
     @cute.jit
     def _wait_stage(self):
@@ -596,6 +739,7 @@ class _BlockStep:
         acc_S = cute.make_rmem_tensor(self.thr_mma.partition_shape_C((self.k.tile_m, self.k.tile_n)), Float32)
         acc_S.fill(0.0)
         self._wait_stage()
+        k_stage = self.kv.convert_K(read_stage)
         n_v = n_block - (stages - 1)
         if n_v >= self.n_block_min:
             self.kv.load_V(n_v, v_write_stage, is_first and stages == 1)
@@ -607,17 +751,20 @@ class _BlockStep:
             self.tSrQ,
             self.tSrK,
             self.tSsQ,
-            self.tSsK[None, None, None, read_stage],
+            self.tSsK[None, None, None, k_stage],
             self.smem_copy_Q,
             self.smem_copy_K,
         )
 
         if cutlass.const_expr(stages == 1):
             self._wait_stage()
+            v_stage = self.kv.convert_V(read_stage)
             self._load_next_K(n_block, read_stage)
 
+        if cutlass.const_expr(self.pre_tanh is not None):
+            apply_softcap(acc_S, self.pre_tanh)  # before the mask: masked scores stay -inf
         if cutlass.const_expr(mask_seqlen or (mask_window and self.info.has_right_bound)):
-            apply_mask(
+            self.k.mask_scores(
                 rows_cols_view(acc_S),
                 self.tScS_rc,
                 self.t0ScS_rc,
@@ -635,6 +782,7 @@ class _BlockStep:
 
         if cutlass.const_expr(stages > 1):
             self._wait_stage()
+            v_stage = self.kv.convert_V(read_stage)
             self._load_next_K(n_block, read_stage)
 
         gemm_reg_smem(
@@ -642,7 +790,7 @@ class _BlockStep:
             self.acc_O,
             sm80_acc_as_a_operand(rP),
             self.tOrVt,
-            self.tOsVt[None, None, None, read_stage],
+            self.tOsVt[None, None, None, v_stage],
             self.smem_copy_V,
         )
         return next_read_stage

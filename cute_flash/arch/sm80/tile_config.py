@@ -133,6 +133,22 @@ def fwd_tile_candidates(head_dim: int, head_dim_v: int, target: str) -> List[Fwd
     return [tile(128, 64, 8)]
 
 
+def kvcache_tile_candidates(head_dim: int, head_dim_v: int, target: str) -> List[FwdTileConfig]:
+    """The KV-cache forward's tiles (flash_fwd_kvcache.py), fastest expected first, as fwd_tile_candidates'.
+
+    Its rows are a KV head's query heads times the new tokens: a handful when decoding, so the tiles are
+    FlashAttention-2's split-KV ones, 64 rows (4 warps of 16), and keys per step by head dim (256 up to d64, 128 up
+    to d128, 64 beyond): long key steps amortise each block's softmax over the few rows and keep a whole K or V tile
+    in flight per CTA, which is what a memory-bound decoding step needs."""
+    d_max = max(head_dim, head_dim_v)
+    tile_n = 256 if d_max <= 64 else 128 if d_max <= 128 else 64
+
+    def tile(n, opt_level=OPT_LEVEL):
+        return _with_stages(64, n, 4, head_dim, head_dim_v, target, opt_level)
+
+    return [tile(tile_n), tile(tile_n, 1), tile(tile_n // 2, 1)]
+
+
 # ---------------------------------------------------------------------------------------------------- backward
 # Tile shapes of the sm80 backward main kernel (kept free of cutlass imports: the front end asks for them early).
 
