@@ -315,7 +315,8 @@ def test_timing_softcap_d128_16k(causal):
     sink = _sinks(16)
     flops = 4 * 16 * 16384**2 * 128 / (2 if causal else 1)
     times = {}
-    for name, kw in (("plain", {}), ("softcap", dict(softcap=30.0)), ("softcap+sink", dict(softcap=30.0, sink=sink))):
+    cases = (("plain", {}), ("softcap", dict(softcap=30.0)), ("sink", dict(sink=sink)))
+    for name, kw in cases + (("softcap+sink", dict(softcap=30.0, sink=sink)),):
         problem = _problem(q, k, v, causal=causal, **kw)
         launch = _backend().forward_launcher(problem, q.device)
         view = None if "sink" not in kw else sink.view(1, 16).expand(16384, 16)
@@ -323,7 +324,11 @@ def test_timing_softcap_d128_16k(causal):
     try:
         from flash_attn.cute import flash_attn_func
 
+        times["fa4 plain"] = median_ms(lambda: flash_attn_func(q, k, v, causal=causal), TimingOptions())
         times["fa4 softcap"] = median_ms(lambda: flash_attn_func(q, k, v, causal=causal, softcap=30.0), TimingOptions())
+        times["fa4 sink"] = median_ms(
+            lambda: flash_attn_func(q, k, v, causal=causal, learnable_sink=sink), TimingOptions()
+        )
     except Exception as e:  # FA4 absent or without softcap here: report ours alone
         print(f"FA4: {type(e).__name__}: {e}")
     for name, ms in times.items():

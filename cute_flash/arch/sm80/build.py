@@ -120,7 +120,7 @@ def compile_first_fitting(
     strict = max(spec.head_dim, spec.head_dim_v) <= SPILL_FREE_MAX_HEAD_DIM
     tried: List[Dict[str, object]] = []
     for i, tile in enumerate(candidates):
-        keep = compile_cache.keep_artifactstile_options(dump_dir(), ptxas_report=False)
+        keep = compile_cache.keep_artifacts_options(dump_dir(), ptxas_report=False)
         compiled = build(tile, tile_options(target, tile, f"{keep} {extra_options}"))
         ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
         frame = max((r.get("stack_frame_bytes", 0) for r in cubin_resources(cubin).values()), default=0)
@@ -146,4 +146,4 @@ def compile_runnable_forward(spec: AttentionSpec, target: str, seqused: bool = F
 
 
 def tile_options(target: str, tile: FwdTileConfig, extra: str = "") -> str:
-    return compile_cache.compiletile_options(target, extra=f"--opt-level {tile.opt_level} {extra}".strip())
+    return compile_cache.compile_options(target, extra=f"--opt-level {tile.opt_level} {extra}".strip())
