@@ -21,8 +21,7 @@ ATTRIBUTES = typing.get_type_hints(ArchBackend)
 
 # Parts of the contract a family does not meet yet, each named with what is missing and whose work adds it. Strict:
 # when the family meets it, the test fails until the entry is removed here.
-PENDING = {
-}
+PENDING = {}
 
 
 def _hints(fn) -> dict:
