@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Tuple
 
-from ...common.block_info import BlockInfo, int_min
+from ...common.block_info import BlockInfo
 
 Int = Any  # a Python int or a cutlass.Int32
 
@@ -38,17 +38,12 @@ class PackedGqaBlocks:
     row_pos: Any = None
 
     @property
-    def positions(self) -> BlockInfo:
-        """Block arithmetic over single query positions (tile_m 1): position s is its own "row tile" s."""
-        return BlockInfo(1, self.tile_n, self.mask, self.seqlen_q, self.seqlen_k, self.window_left, self.window_right)
-
-    @property
     def has_right_bound(self) -> bool:
-        return self.positions.has_right_bound
+        return self.rows.has_right_bound
 
     @property
     def has_left_bound(self) -> bool:
-        return self.positions.has_left_bound
+        return self.rows.has_left_bound
 
     @property
     def offset(self) -> Int:
@@ -56,26 +51,26 @@ class PackedGqaBlocks:
 
     @property
     def left(self) -> Int:
-        return self.positions.left
+        return self.rows.left
 
     @property
     def right(self) -> Int:
-        return self.positions.right
+        return self.rows.right
 
-    def first_position(self, m_block: Int) -> Int:
-        return m_block * self.tile_m // self.group
-
-    def last_position(self, m_block: Int) -> Int:
-        """The query position of row tile m_block's last row inside the sequence (m_block must hold a row)."""
-        return (int_min((m_block + 1) * self.tile_m, self.seqlen_q * self.group) - 1) // self.group
+    @property
+    def rows(self) -> BlockInfo:
+        """The same tile arithmetic over the packed rows (BlockInfo's rows_per_query): the key tiles of a row tile
+        are the union of its positions' windows, one interval because every window edge grows with the position."""
+        return BlockInfo(
+            self.tile_m, self.tile_n, self.mask, self.seqlen_q, self.seqlen_k, self.window_left, self.window_right,
+            rows_per_query=self.group,
+        )  # fmt: skip
 
     def kv_block_range(self, m_block: Int) -> Tuple[Int, Int]:
-        lo = self.positions.kv_block_range(self.first_position(m_block))[0]
-        hi = self.positions.kv_block_range(self.last_position(m_block))[1]
-        return lo, hi
+        return self.rows.kv_block_range(m_block)
 
     def kv_right_masked_start(self, m_block: Int) -> Int:
-        return self.positions.kv_right_masked_start(self.first_position(m_block))
+        return self.rows.kv_right_masked_start(m_block)
 
     def kv_left_masked_end(self, m_block: Int) -> Int:
-        return self.positions.kv_left_masked_end(self.last_position(m_block))
+        return self.rows.kv_left_masked_end(m_block)
