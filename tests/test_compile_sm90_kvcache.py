@@ -145,9 +145,10 @@ _CENSUS = textwrap.dedent(
                 fn = kvcache_kernel(spec, cfg, "sm_90a", False, False, compile_cache.keep_artifacts_options(dump))
             ptx, _ = census.read_artifacts(fn)
         (_, res), = census.parse_ptxas_reports("".join(err))
-        conversions = ptx.count("cvt.rn.f16x2.e4m3x2")
+        conversions = ptx.count("fma.rn.bf16x2")
+        cvt = ptx.count("cvt.rn.f16x2.e4m3x2") + ptx.count("cvt.f32.f16")
         print(json.dumps(dict(page_size=page_size, fp8=fp8, features=features, census=census.ptx_census(ptx),
-                              conversions=conversions, tanh=ptx.count("tanh.approx.f32"), **res)), flush=True)
+                              conversions=conversions, cvt=cvt, tanh=ptx.count("tanh.approx.f32"), **res)), flush=True)
     """
 )
 
@@ -173,5 +174,7 @@ def test_kvcache_decoding_builds_compile():
         # halves of a row (d128: two in 16 bits, one in e4m3).
         boxes = 64 // chunk_rows(r["page_size"], 64)
         assert c["cp.async.bulk.tensor"] == 4 * boxes * (1 if r["fp8"] else 2), r
-        # A converter thread's 16-element steps over a 64 x 128 tile (64 threads: 8 steps), at 4 conversion sites.
+        # A converter thread's 16-element steps over a 64 x 128 tile (64 threads: 8 steps), at 4 conversion sites,
+        # one bf16x2 multiply per two elements and no conversion instruction (common/e4m3.py).
         assert r["conversions"] == (4 * 8 * 16 // 2 if r["fp8"] else 0), r
+        assert r["cvt"] == 0, r

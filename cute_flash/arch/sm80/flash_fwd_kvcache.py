@@ -35,7 +35,7 @@ from ...common.acc_views import rows_cols_view
 from ...common.online_softmax import FLT_MAX, LOG2_E
 from ...common.packed import SeqRows
 from ...spec import AttentionSpec
-from .e4m3 import HIGH_PAIR, LOW_PAIR, e4m3x2_to_16bit
+from ...common.e4m3 import HIGH_PAIR, LOW_PAIR, e4m3x2_to_16bit
 from .flash_fwd import COPY_BITS, FwdFeatures, FwdParams, Sm80FlashForward, column_predicate, KVLoader
 from .kvcache_blocks import PackedGqaBlocks
 from .tile_config import FwdTileConfig
