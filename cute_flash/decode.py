@@ -2,7 +2,7 @@
 
 Run as it comes, a decoding call gives every (batch, query head) a CTA of its own: each walks its KV head's whole
 cache with one valid row in a 64- or 128-row query tile, so the cache is read once per query head and the other
-rows are wasted tensor-core work (measured 2-5x slower than SDPA's decoding kernel, docs/performance.md session 16).
+rows are wasted tensor-core work (measured 2-5x slower than SDPA's decoding kernel, H100).
 Here the query heads that share a KV head become the query rows of one (batch, KV head) problem, as
 FlashAttention-4's pack_gqa does: q (b, 1, h, d) is viewed as (b, group, h_kv, d), out and lse likewise, without
 copies, and the call runs as plain multi-head attention over the keys that its single query row sees (all of

@@ -59,9 +59,8 @@ _DSL_ENV_IGNORED = re.compile(r"^CUTE_DSL_(ARCH|LIBS|CACHE_DIR|LOG.*|DISABLE_FIL
 
 
 # --------------------------------------------------------------------------------------------------- settings
-# On by default since the GPU suites, which run with it on, passed on an H100 (session 9: a second process loads every
-# kernel of a forward + backward from disk and computes the same results, tests/test_disk_cache_gpu.py);
-# CUTE_FLASH_DISK_CACHE=0 turns it off.
+# On by default: the GPU suites run with it on, and a second process loads every kernel of a forward + backward
+# from disk and computes the same results (tests/test_disk_cache_gpu.py, H100); CUTE_FLASH_DISK_CACHE=0 turns it off.
 DEFAULT_SWITCH = "1"
 
 

@@ -153,9 +153,11 @@ def attention_with_kvcache(
     tokens per sequence).
     k_cache / v_cache: a dense cache (batch, seqlen_cache, nheads_kv, head_dim / head_dim_v), or a paged cache
     (num_pages, page_size, nheads_kv, head_dim / head_dim_v) with page_table (batch, max_pages) int32, vLLM's
-    layout: key position p of sequence b is row p % page_size of page page_table[b, p // page_size]. Any page size
-    >= 1; pages may be permuted, shared between sequences and non-contiguous. In q's dtype, or float8_e4m3fn with
-    k_descale / v_descale (batch, nheads_kv) float32: the cache stores K / descale (Hopper; half the bytes).
+    layout: key position p of sequence b is row p % page_size of page page_table[b, p // page_size]. Page sizes
+    1..256 (the sm80 family's gathers; on Hopper multiples of 8 take the sm90 kernel, larger ones too); pages may be
+    permuted, shared between sequences and non-contiguous. In q's dtype, or float8_e4m3fn with
+    k_descale / v_descale (batch, nheads_kv) float32: the cache stores K / descale (half the bytes; the sm90 and
+    sm80 KV-cache forwards convert it exactly in the kernel).
     cache_seqlens: (batch,) int32, the tokens each sequence already has in the cache. It is read, not updated: the
     caller advances it (by the appended tokens) for the next step.
     k_new / v_new: tokens appended at positions cache_seqlens[b] .. before attending, in q's dtype (quantised with

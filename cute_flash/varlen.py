@@ -2,7 +2,8 @@
 
 Served by the kernel families that have a packed (varlen) variant: the sm80 family (FlashAttention-2 design) on
 Ampere, and on Hopper the sm90 packed forward and backward (deterministic too); sm100 has none, so on a Blackwell GPU
-the call raises NotImplementedError. `explain_varlen` shows the skipped families with their reasons.
+the router sends the call to the sm80 kernels built for sm_100a (never run there). `explain_varlen` shows the
+skipped families with their reasons.
 
 The kernels read each sequence's offsets from cu_seqlens on the GPU, so a call makes no device-to-host copy and can
 be captured in a CUDA graph. The sm90 forward and backward main kernels launch one CTA per tile that exists (plus at

@@ -88,7 +88,7 @@ def test_unsupported_specs_say_why():
         assert reason is not None and words in reason, reason
 
 
-# (128, "local") builds spill-free too (session 4); out of the CPU suite for time. (The pre- and postprocess of a
+# (128, "local") builds spill-free too; out of the CPU suite for time. (The pre- and postprocess of a
 # d128 build: test_backward_kernels_census; `python -m cute_flash compile --arch sm80 --backward --head-dim 128`
 # reports every kernel's spills.)
 @pytest.mark.parametrize("head_dim,mask", [(128, "none"), (128, "causal"), (96, "causal"), (64, "none")])
@@ -134,10 +134,11 @@ def test_backward_postprocess_issues_every_load_before_any_branch(role):
 
 
 def test_every_tile_config_field_reaches_the_tiled_roles_cache_keys():
-    """The sm80 twin of the sm90 check (session 22's d192 bug: a reduced cache key that dropped a field its kernel
-    reads). The main kernels build from their full tile configuration, so every field must change their keys;
-    the preprocess and the rows-layout conversion take none of it, so their keys must not move with it, nor with
-    the mask. (The fragment dQ conversion is keyed on the whole configuration too, more than it reads.)"""
+    """The sm80 twin of the sm90 check (it guards against a reduced cache key that drops a field its kernel reads:
+    one such key once built the sm90 d192 dQ conversion with swizzle atoms its 96-column halves cannot start on).
+    The main kernels build from their full tile configuration, so every field must change their keys; the preprocess
+    and the rows-layout conversion take none of it, so their keys must not move with it, nor with the mask. (The
+    fragment dQ conversion is keyed on the whole configuration too, more than it reads.)"""
     import dataclasses
 
     from cute_flash.arch.sm80 import backward

@@ -103,10 +103,11 @@ def test_sm90_backward_compiles(builds, head_dim, causal):
         assert report["spill_bytes"] == 0, f"{role} d={head_dim} spills {report['spill_bytes']} bytes"
         # Built at the call's own head dims (no padding): (192, 128) reads dO and V 128 wide.
         assert (report["head_dim"], report["head_dim_v"]) == _dims(head_dim)
-        # d128 (session 22): the 80-row tile loads LSE / D where they are used (no shuffles), and the causal build
-        # loads D after dV's early product is issued
+        # d128: the 80-row tile loads LSE / D where they are used (no shuffles), and the causal build loads D after
+        # dV's early product is issued (tile_config._BWD_LONG_QUERIES, _BWD_BY_HEAD_DIM_AND_MASK)
         assert report["config"]["stats_at_use"] == (role in long_roles), role
-        assert report["config"]["lse_ahead"] == (7 if role in long_roles else 0), role  # session 24
+        # the 80-row tile loads 7 column pairs' LSE while S runs (tile_config.BwdTileConfig.lse_ahead)
+        assert report["config"]["lse_ahead"] == (7 if role in long_roles else 0), role
         if (
             role in long_roles
         ):  # no statistics shuffles: no more shuffles than the 64-row build (16 columns in registers)

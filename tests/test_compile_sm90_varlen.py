@@ -58,8 +58,8 @@ print(json.dumps({
 """
 
 # (d, dv, mask, seqused, role). Forward: d256 local, (192, 128) causal and d96 local built too when the kernel was
-# written (spill-free); backward: d 64 / 96 / 128 / 256, every mask, with and without GQA and seqused_k (session 11,
-# spill-free); kept out of CI for time.
+# written (spill-free); backward: d 64 / 96 / 128 / 256, every mask, with and without GQA and seqused_k (all
+# spill-free when they were built); kept out of CI for time.
 BUILDS = [
     (128, 128, "causal", False, "fwd"),
     (128, 128, "none", True, "fwd"),  # 2-CTA clusters sharing K / V (tile_config.multicast_kv)

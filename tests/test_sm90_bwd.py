@@ -258,8 +258,8 @@ def test_sm90_backward_deterministic(d, mask, h_kv, sq, sk):
 @pytest.mark.xdist_group("pad-d160")
 def test_padded_head_dim_deterministic(monkeypatch):
     """d160 (its wider tile's d192 kernels, zero-padded) in deterministic mode: bitwise-equal gradients over repeats,
-    within the rule, GQA and a window. (Until session 20 it trained on the sm80 backward, which has no deterministic
-    mode.)"""
+    within the rule, GQA and a window. (The sm80 backward, which has no deterministic mode, must not serve it: it
+    runs on the sm90 kernels padded to d192.)"""
     import cute_flash
     from cute_flash.testing import check_backward
 

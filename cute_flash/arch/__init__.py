@@ -2,8 +2,8 @@
 
 Each arch package (`cute_flash.arch.sm80`, ...) exposes a module-level object `BACKEND` implementing
 `cute_flash.arch.base.ArchBackend`. The packages are imported lazily, so importing cute_flash never imports cutlass.
-Adding an architecture means adding its package and one line to `ARCH_PACKAGES` (and to `CAPABILITY_TO_ARCH` when it
-serves a compute capability of its own).
+Adding an architecture means adding its package and one line to `ARCH_PACKAGES` and `CUTE_DSL_ARCH` (and a case in
+`arch_for_capability` when it serves a compute capability of its own).
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ class OnlineSoftmax:
     # Row sums in one chain instead of four. The sm90 forward takes it: with the 4-chain sums ptxas moves the wait
     # for the P·V wgmma ahead of the whole softmax; with one chain the maxima, the scale FFMAs and the first
     # exponentials run while that wgmma is still in flight, as in FA4's build. Timed against the 4-chain build
-    # (H200, session 14, docs/performance.md): within the noise (d128 1k -0.5 / 0.0% no mask / causal, three runs).
+    # (H200, 2026-11-26): within the noise (d128 1k -0.5 / 0.0% no mask / causal, three runs).
     sequential_sum: bool = False
 
     @staticmethod

@@ -7,5 +7,5 @@ the bookkeeping for callers who bring their own e4m3 tensors. Importing this pac
   prepare         `prepare_fp8_inputs` / `check_prequantized` -> `Fp8Inputs`, what the FP8 attention kernel reads
   emulate         the kernel's arithmetic in torch (the oracle of the FP8 tests and the benchmark's FP8 baseline)
 
-The accuracy study and the speed benchmark are research scripts: profiling/fp8_accuracy.py, profiling/fp8_benchmark.py.
+The speed benchmark is a research script outside the library: profiling/fp8_benchmark.py (accuracy: docs/fp8.md).
 """

@@ -57,8 +57,9 @@ def _backward_module():
         raise
 
 
-# Split-key decoding from 2 splits on: an unsplit CTA of this family reads the cache at ~20 GB/s (H100, 64 CTAs:
-# 1.3 TB/s), so halving the keys per CTA pays for the combine (docs/performance.md, session 18).
+# Split-key decoding from 2 splits on: an unsplit CTA of this family reads the cache at ~20 GB/s (the family forced
+# on an H100, 64 CTAs: ~1.2 TB/s), so halving the keys per CTA already pays for the combine (1.5-12x the unsplit
+# kernel at batch 1-8, H100, 2026-11-26).
 SPLIT_MIN_SPLITS = 2
 
 DETERMINISTIC_UNSUPPORTED = (

@@ -411,7 +411,7 @@ def packed_rows(stats: torch.Tensor, cu_seqlens_q: torch.Tensor, pad: int, total
 
 def run_backward(t: BwdTensors, grads: Grads, problem: Problem, cfg: Optional[BwdTileConfig] = None) -> None:
     """Fills `grads` (shaped and typed like q, k, v) on torch's current stream. cfg: a tile config other than the
-    default (for studies: profiling/sm80_bwd_variants.py)."""
+    default (for studies of other tiles)."""
     backward_launcher(problem, t.q.device, cfg)(t, grads)
 
 

@@ -21,8 +21,8 @@ Head dims are padded to the MMA k (16), and further where the 16-byte global-loa
 rows per pass than a tile has (8 warps with 16-element rows): the padding is zero-filled in shared memory.
 
 Measured on an NVIDIA H200 (sm_90a target, bf16, batch * seqlen = 16k tokens, heads * head_dim = 2048, forward
-TFLOP/s = 4 b h s^2 d / time (halved when causal), triton.testing.do_bench medians, by the sm80-forward session's
-tuning script; the project benchmark reproduces the comparison with `CUTE_FLASH_ARCH=sm80 python -m cute_flash bench
+TFLOP/s = 4 b h s^2 d / time (halved when causal), triton.testing.do_bench medians, by a tuning script no longer
+kept; the project benchmark reproduces the comparison with `CUTE_FLASH_ARCH=sm80 python -m cute_flash bench
 --impls cute-flash,sdpa-flash --dtypes bf16 --head-dims 64,128,256 --seqlens 4096 --directions fwd --no-memory`):
   d128 s4096: 128x64 O2 376 (O1 363, O3 381 but spills, 128x48 358, 1 stage 362); SDPA flash 350
   d128 s8192: 378 vs 347; d128 s4096 causal: 322 (O1 324) vs 304
@@ -208,7 +208,7 @@ class BwdTileConfig:
 
 def bwd_tile_config(head_dim: int, target: Optional[str] = None) -> BwdTileConfig:
     """The backward tile config for `head_dim` on `target` ("sm_80", "sm_90a", ...). Studies pass other configs to
-    `backward.run_backward(cfg=...)` (profiling/sm80_bwd_variants.py)."""
+    `backward.run_backward(cfg=...)`."""
     return _tile_config(head_dim, _target_major(target))
 
 
@@ -238,8 +238,8 @@ def fragment_dq(cfg: BwdTileConfig, vec: int, major: int, dq_first: bool = False
 
 # The "fragment" dQ layout with 4-float reductions and dQ before dK where it was measured faster and passed the GPU
 # test matrix (H200, sm_90a target, 2026-11-21: 1.07-1.12x SDPA flash at d128 seqlen 4k/16k, 0.98-1.03x at d64,
-# 1.05-1.09x at d256, where with one Q/dO stage dQ stays after dK; the "rows" layout 0.59-0.79x;
-# profiling/sm80_bwd_variants.py). Other head dims, sm_80 targets (where the same layout takes scalar atomics) and
+# 1.05-1.09x at d256, where with one Q/dO stage dQ stays after dK; the "rows" layout 0.59-0.79x). Other head dims,
+# sm_80 targets (where the same layout takes scalar atomics) and
 # sm_100a keep the previously tested "rows" until a GPU run covers them.
 _FRAGMENT_HEAD_DIMS = (64, 128, 256)
 

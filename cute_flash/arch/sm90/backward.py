@@ -67,7 +67,7 @@ def kernel_dims(spec: AttentionSpec) -> Optional[Tuple[int, int]]:
     narrowest d == dv tile's that is at least as wide as either. A narrower call runs them on zero-padded operands
     (arch/padded_head_dims.py): e.g. d160 the d192 kernels, d224 the d256 ones, (128, 64) the d128 ones, d72 the d96
     ones, d32 the d64 ones. Those routes measured up to 2.5x the sm80 backward's own tiles for d32 / d160 / d224, and
-    no slower but at one point within noise (H100, docs/performance.md session 20)."""
+    no slower but at one point within noise (H100, 2026-11-27)."""
     own = (spec.head_dim, spec.head_dim_v)
     if own in bwd_head_dim_pairs():
         return own

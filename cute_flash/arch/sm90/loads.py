@@ -78,8 +78,8 @@ def load_q_k_v(
 def load_tile(tiles, n: Int32, state) -> None:
     """Tile n of (ring, atom, gmem tiles, smem stages, multicast mask or None) into the stage `state` names."""
     ring, atom, src, dst, mcast_mask = tiles
-    # (the barrier's address taken after the tiles', as before clusters: the single-CTA builds' PTX is unchanged,
-    # profiling.ptx_identity --compare, session 25)
+    # (the barrier's address is taken after the tiles', in the order the single-CTA builds had before clusters, so
+    # their PTX stays identical)
     if cutlass.const_expr(mcast_mask is None):
         cute.copy(atom, src[None, n], dst[None, state.index], tma_bar_ptr=ring.producer_get_barrier(state))
     else:

@@ -7,8 +7,7 @@ consumer warpgroup owns 64 query rows: its own Q slice in shared memory, its own
 own slice of the O store. So `tile_m = 64 * num_consumer_wgs`; K and V tiles of `tile_n` keys go through
 `num_stages`-deep TMA pipelines shared by all consumers.
 
-Choices (measured on an H200, bf16; the sweep table is in docs/sm90.md, `profiling/sm90_fwd_sweep.py --sweep`
-reproduces it):
+Choices (measured on an H200, bf16; the sweep table is in docs/sm90.md):
   d <= 64:  3 consumers, 192 x 128, ping-pong. Short GEMMs: a third warpgroup keeps the tensor cores fed (+4-21%
             over 128-row tiles from 4k on); 160 registers per consumer thread suffice (O 32 + S 64 fp32).
   d <= 128: 2 consumers, 128 x 128, ping-pong. 240 registers hold S (64), P (32) and O (64) with the next block's S
@@ -107,8 +106,8 @@ _BY_HEAD_DIM = (
 # (head_dim, head_dim_v) pairs whose best tile differs from that of their wider head dim.
 _BY_HEAD_DIMS = {
     # DeepSeek-style (192, 128): O and S need the registers of d128, so d128's 128 x 128 ping-pong tile; Q 48 KiB +
-    # 2 x (K 48 + V 32) KiB = 208 KiB. 1.9-2.4x the sm80 route, 0.89-1.07x FA4 (H100, docs/performance.md session 5);
-    # the sweep's alternatives (profiling/sm90_fwd_sweep.SWEEP) were not measured.
+    # 2 x (K 48 + V 32) KiB = 208 KiB. 1.9-2.4x the sm80 route, 0.89-1.07x FA4 (H100, 2026-11-23); other tiles were
+    # not measured for this pair.
     (192, 128): FwdTileConfig(num_consumer_wgs=2, tile_n=128, num_stages=2),
 }
 
@@ -128,8 +127,8 @@ def fwd_tile_config(spec: AttentionSpec) -> FwdTileConfig:
 def multicast_kv(spec: AttentionSpec) -> bool:
     """Whether `spec`'s forward runs in 2-CTA clusters sharing K / V (FwdTileConfig.cluster_m): packed d128 and d256
     calls without a mask. At d128 they take 2.4-3.5% more cycles but run at a 4-6% higher clock under the power cap
-    (half the L2 reads of K and V): sustained 0.5-1.5% (H100) and 2.5-3.3% (H200) faster than one CTA per cluster
-    (docs/performance.md, session 25); at d256 1.5-2.9% (H100) and 3.8-3.9% (H200) faster (session 26). Dense calls
+    (half the L2 reads of K and V): sustained 0.5-1.5% (H100) and 2.5-3.3% (H200) faster than one CTA per cluster;
+    at d256 1.5-2.9% (H100) and 3.8-3.9% (H200) faster (1.5-second sustained windows, 2026-11-27). Dense calls
     gained nothing at d128 (their clock did not move); d64 did not gain (its extra cycles cancel its higher clock);
     d96 and (192, 128) were not measured."""
     return spec.varlen and spec.mask == "none" and spec.head_dim == spec.head_dim_v and spec.head_dim in (128, 256)
@@ -172,26 +171,27 @@ class BwdTileConfig:
       lse_ahead (with stats_at_use): the LSE of the first this many column pairs goes to registers while the S
           product runs, as FlashAttention-4 loads it, rather than after the S wait, where the first exponentials
           waited for the loads; the other pairs are still loaded where used. D likewise, 4-6 pairs before dV's early
-          product: 1-4% more cycles (session 24), not kept.
+          product: 1-4% more cycles (H100), not kept.
       d_after_dv_issue (with dv_before_dp_wait): D's shared-memory loads go after dV's early product is issued, not
           between the exponentials and P's conversion, where ptxas gave a D load and the exponential that P's first
-          conversion waits for one scoreboard (Nsight Compute, session 21: that conversion's wait was 4.7% of the
+          conversion waits for one scoreboard (Nsight Compute, H100: that conversion's wait was 4.7% of the
           d128 causal main loop's samples).
       dq_red: each consumer adds its dQ to the fp32 accumulator from registers with red.global.add.v4.f32 (the
           fragment layout's 16-byte groups) instead of staging it in shared memory for the dQ warp's bulk
           reduce-add. Frees the tile_m x d fp32 buffer (64 KiB at d256), room for a second Q / dO stage at d256
           (64 x 64 tiles, 2 stages, 226 KiB), the pipelining FA4 gets there from 64 x 48 tiles. At d128 it measured
-          0.91x the dQ warp (H200, session 11: the adds from registers cost more than the bulk reduce-add there). The
+          0.91x the dQ warp (H200: the adds from registers cost more than the bulk reduce-add there). The
           adds have no fixed order: deterministic builds take _BWD_DETERMINISTIC's configuration, and an explicit
           dq_red one is refused (backward._kernels).
       dq_buffers: the consumers write query tile m_block's dQ into buffer m_block % dq_buffers, so before their dQ
           stores they wait for the bulk reduce-add of the tile before the previous one to have read its buffer, not
-          for that of the previous one (the consumers' wait there: docs/performance.md, session 20's hot spots).
+          for that of the previous one (Nsight Compute's stall samples had the consumers waiting there).
           Needs a walk that alternates the parity of m_block (consecutive query tiles).
-    Always on (measured and then hard-wired; docs/performance.md sessions 10 and 26 hold the numbers): the
-    preprocess zeroes the dQ accumulator; programmatic dependent launch from the preprocess to the main kernel and
-    from it to the dQ postprocess; K and V ride on the first Q and dO stages' barriers (flash_bwd.py). Not kept:
-    Q / dO multicast in 2-CTA clusters (0.6-0.8% on an H200, nothing on an H100: docs/status.md, session 26).
+    Always on (measured and then hard-wired): the preprocess zeroes the dQ accumulator and programmatic dependent
+    launch runs from the preprocess to the main kernel and from it to the dQ postprocess (together 1.004-1.026x at
+    d128, 1.017-1.022x at d64, H100 pairs); K and V ride on the first Q and dO stages' barriers (neutral within noise,
+    one barrier wait fewer per CTA; flash_bwd.py). Not kept: Q / dO multicast in 2-CTA clusters (its halved L2 traffic
+    went into extra cycles: 0.6-0.8% on an H200, nothing on an H100).
     """
 
     tile_m: int
@@ -343,29 +343,29 @@ def bwd_smem_bytes(cfg: BwdTileConfig, head_dim: int, head_dim_v: Optional[int] 
     return qdo + kv + ds + dq + stats + SMEM_RESERVED_BYTES
 
 
-# Head dims the sm90 backward serves (d == dv), with the reason for each choice; measurements in docs/performance.md.
+# Head dims the sm90 backward serves (d == dv), with the reason and the measurement behind each choice.
 #   d64:  128 x 128 tiles, dQ split by query rows (a 32-column split would cut the 64-column swizzle atom):
 #         FlashAttention-3's shape for d64. Each thread then holds 32 query columns, so the LSE and D go through
 #         shuffles (flash_bwd.load_column_stats); ptxas level 2 (level 3 timed within noise; it spilled 4 B in the
-#         GQA build until the epilogue re-read the thread index in session 5).
+#         GQA build until the epilogue re-read the thread index instead of keeping it live).
 #   d96:  64 x 128 tiles like d128, but 48 columns per consumer would cut the swizzle atom: consumer 0 computes the
 #         whole dQ (48 registers; FlashAttention-3's d96 shape); dV and dK take 48 each.
 #   d128: 64 x 128 tiles, dQ split by head-dim halves: Sᵀ, dPᵀ (32 registers each), dV and dK (64 each) and dQ (32)
 #         fit the 240 registers of a consumer thread. FlashAttention-3 takes 80 x 128 tiles without a mask (25% more
 #         queries per step for the same per-step costs; dQᵀ = Kᵀ·dSᵀ, since 80 rows are no wgmma M): built here as
-#         dq_swap_ab: the default without a mask from 4096 query rows on (_BWD_LONG_QUERIES; its form since session
-#         22), not below (shorter walks and the partial last tile cost more).
+#         dq_swap_ab: the default without a mask from 4096 query rows on (_BWD_LONG_QUERIES), not below (shorter
+#         walks and the partial last tile cost more).
 #   d192: d256's form (64 x 64, queries on rows, dQ from registers, two stages; 178 KiB): each consumer's share of
 #         dK, dV and dQ is 96 head-dim columns (48 registers each), which start on a swizzle atom only with 64-byte
 #         atoms (operand_atom_cols). 1.3-2.0x the d256 kernels on padded operands and 0.76-0.81x FA4's
 #         64 x 96 tile (whose dK / dV products are swapped, dKᵀ = Qᵀ·dS, to make 96 keys a wgmma N); the dQ buffer
-#         with the dQ warp instead (which also fits two stages, 226 KiB) measured 1-4% slower (H100, session 20,
-#         docs/performance.md). Deterministic builds take that buffer.
+#         with the dQ warp instead (which also fits two stages, 226 KiB) measured 1-4% slower (H100, 2026-11-27).
+#         Deterministic builds take that buffer.
 #   d256: 64 x 64 tiles with queries on rows (FlashAttention-3's d256 shape): dK and dV split by head-dim halves
 #         (64 registers each) instead of 128 keys' rows (256 each); P and dS through shared memory. dQ is added from
 #         registers (dq_red), which frees the fp32 dQ buffer (64 KiB) for a second Q / dO stage (226 KiB): 1.34x the
-#         one-stage kernel with the dQ buffer and 1.14x FA4 over 1k/4k/16k, both masks (H200, session 11,
-#         docs/performance.md). Deterministic builds keep the dQ buffer and so one stage (_BWD_DETERMINISTIC).
+#         one-stage kernel with the dQ buffer and 1.14x FA4 over 1k/4k/16k, both masks (H200, 2026-11-26).
+#         Deterministic builds keep the dQ buffer and so one stage (_BWD_DETERMINISTIC).
 # Other head dims (d160, dv != d, ...) run the narrowest of these at least as wide on zero-padded operands
 # (backward.kernel_dims, arch/padded_head_dims.py).
 _BWD_BY_HEAD_DIM = {
@@ -388,7 +388,7 @@ _BWD_DETERMINISTIC = {
 # running head_dim's kernels on operands zero-padded to it.
 #   (192, 128) (DeepSeek): d192's configuration; dP and dV take 2/3 of d192's products and dO / V 2/3 of its shared
 #         memory (154 KiB), and no tensor is padded: 1.13-1.36x d192's kernels on dv padded to 192, 0.75-0.79x FA4;
-#         a third Q / dO stage (194 KiB) measured the same (H100, session 20, docs/performance.md). Deterministic
+#         a third Q / dO stage (194 KiB) measured the same (H100, 2026-11-27). Deterministic
 #         builds: d192's changes (the dQ buffer, 202 KiB).
 _BWD_BY_HEAD_DIMS = {
     (192, 128): _BWD_BY_HEAD_DIM[192],
@@ -408,21 +408,21 @@ def bwd_head_dim_pairs() -> tuple:
 # Per-mask changes to the head dim's configuration.
 #   d128 without a mask: dV's product issued before the dP wait (docs/sm90_bwd_sass_study.md, variant A), which keeps
 #         all 32 exponentials ahead of that wait: +1.4% on average over 1k/4k/16k in two H100 runs (-0.8 to +2.5% per
-#         point; docs/performance.md, session 9), no spills in any build. With a causal mask the whole product there
+#         point; 2026-11-25), no spills in any build. With a causal mask the whole product there
 #         measured neutral and spills 8 bytes (half of it: below). Long query sequences: _BWD_LONG_QUERIES.
 #   d128 causal: dV's first 2 of 4 k-blocks before the dP wait (dv_early_kblocks; the whole product there spills 8
 #         bytes): all 32 exponentials of the unmasked steps ahead of the wait (4 before), no spills in the dense,
 #         GQA and deterministic builds; +3.4% geomean over 1k / 4k / 16k (+1.2 / +2.5 / +6.6%; 3 of 4 k-blocks:
-#         -0.6%), H200, session 13 (docs/performance.md). D loaded after that product is issued (d_after_dv_issue):
+#         -0.6%), H200, 2026-11-26. D loaded after that product is issued (d_after_dv_issue):
 #         +1.5% / +2.9% geomean over 1k / 4k (/ 8k) / 16k in two H100 runs, packed drawn mix +1.8 / +2.6%; spill-free
-#         dense, GQA, deterministic and packed (session 22). Without a mask it spills 16-40 bytes at 64 rows and
+#         dense, GQA, deterministic and packed. Without a mask it spills 16-40 bytes at 64 rows and
 #         measured -1.2 to -2.0% packed at 80 rows: off there.
 #   d64 causal: two dQ buffers (dq_buffers; 227 KiB, all of it): +2.7 / +0.5 / +1.3% geomean over d64's 1k / 4k /
 #         16k x both masks in three H100 runs, all of it from the causal points (4k +8.7 / +1.8 / +5.6%, 16k +4.8 /
 #         +0.7 / +2.8%, 1k +0.7 / +1.0 / +1.5%); without a mask 0.99-1.00 (16k +0.3 / -1.3 / -1.6%). d128 (64-row
-#         tile) measured 0.994 (causal 4k / 16k -2.3%), d96 1.007: one buffer there (session 21, docs/performance.md).
+#         tile) measured 0.994 (causal 4k / 16k -2.3%), d96 1.007: one buffer there (H100, 2026-11-27).
 #         Dense only (_DENSE_ONLY): packed GQA builds spill 64-84 bytes with it (none with one buffer), and packed
-#         calls were not timed with it. Not deterministic (_NOT_DETERMINISTIC, session 23): those builds wait for
+#         calls were not timed with it. Not deterministic (_NOT_DETERMINISTIC): those builds wait for
 #         every reduce, so the second buffer overlapped nothing (and no deterministic call was timed with it).
 _BWD_BY_HEAD_DIM_AND_MASK = {
     (64, "causal"): {"dq_buffers": 2},
@@ -434,15 +434,15 @@ _BWD_BY_HEAD_DIM_AND_MASK = {
 # Per-mask changes for long query sequences (`long_queries`; not in deterministic builds).
 #   d128 without a mask: FlashAttention-3's 80-row tile (dQᵀ = Kᵀ·dSᵀ) with dV's first of 5 k-blocks before the dP
 #         wait (no spills; the whole product there spills 128 bytes, 2 k-blocks 8 and measured 0.86x). Against the
-#         64-row default, H200, session 14 (docs/performance.md), two runs: 1k -4.3 / -4.1%, 2k 0.0%, 4k 0.0 / +1.1%,
+#         64-row default, H200, 2026-11-26, two runs: 1k -4.3 / -4.1%, 2k 0.0%, 4k 0.0 / +1.1%,
 #         8k +1.7%, 16k +4.0 / +2.0%; the varlen benchmark's drawn mix (max 8037) +0.9% (two runs each). Below
 #         LONG_QUERIES the 80-row tile's partial last tile and shorter walks cost more than its 25% longer steps gain.
 #         LSE / D loaded where used (stats_at_use) instead of shuffled: +3.2% geomean over 4k / 8k / 16k (+4.1 / +1.4
-#         / +4.3%), +3.9% at b11 x 5888, packed drawn mixes +0.5 to +2.4%, H100, session 22; no spills in the dense,
+#         / +4.3%), +3.9% at b11 x 5888, packed drawn mixes +0.5 to +2.4%, H100, 2026-11-27; no spills in the dense,
 #         GQA and packed (seqused) builds. LSE of the first 7 of 10 column pairs loaded once S is issued (lse_ahead):
-#         loaded at use, the exponentials' FFMAs waited on them right after the S wait (Nsight Compute, session 24:
+#         loaded at use, the exponentials' FFMAs waited on them right after the S wait (Nsight Compute, H100:
 #         7.8% of the kernel's samples); 1.6-1.9% fewer cycles of the whole backward (main kernel 1.8-2.2%), dense
-#         and packed (H100, session 24, docs/performance.md). 6 pairs helped only the dense build (ptxas's
+#         and packed (H100, 2026-11-27). 6 pairs helped only the dense build (ptxas's
 #         schedule), 8 spill 4-8 bytes.
 _DENSE_ONLY = ("dq_buffers",)  # per-mask changes that packed (varlen) builds do not take
 # ... and that deterministic builds do not take: their dQ warp waits for each query tile's reduce to finish before

@@ -22,7 +22,7 @@ per consumer warpgroup, ping-pong) with these differences:
     either way). Needs promotion (the sums land in the fresh P·V accumulator), tile_n <= 128 and dv + 8 <= 256.
     Measured 2-3% faster causal with 128-key tiles (the causal default then), 1-3% slower without a mask.
 
-The alternatives measured against these defaults live outside the library (profiling/fp8_variants.py).
+The alternatives measured against these defaults stay out of the library (the numbers: docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -104,11 +104,11 @@ _BY_HEAD_DIM = (
     (128, Fp8FwdConfig(FwdTileConfig(2, 192, 2), promote_pv=False)),
     (256, Fp8FwdConfig(FwdTileConfig(2, 128, 2, ping_pong=False), promote_pv=False)),
 )
-# Measured on the H200 (docs/fp8.md, session 3), against the defaults until 2026-11-22 in the same process:
+# Measured on the H200 (docs/fp8.md), against the defaults until 2026-11-22 in the same process:
 # d <= 128: 192-key tiles, P·V accumulated in the wgmma: +7.6-8.4% at seqlen 16k without a mask, +4.8-5.6% causal,
 #   against 128-key tiles with promotion (and, causal, the wgmma row sums). Promotion does not fit beside a 192-key
 #   tile (S 96 + P 24 + O 64 + the promoted P·V 64 registers per thread); without it the RMSE at 32k keys is 0.45%
-#   above the exact-accumulation model, the promoted build's 0.14% (profiling/fp8_variants.py "tile128_promote").
+#   above the exact-accumulation model, the promoted 128-key build's 0.14%.
 # d <= 256: 128-key tiles instead of 64: +17-18% at 4k and 16k, both masks. O alone is 128 registers, so no
 #   promotion; 2 stages use 225 of the 227 KiB of shared memory.
 

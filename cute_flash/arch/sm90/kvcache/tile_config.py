@@ -26,7 +26,7 @@ The numbers (H200: 132 SMs, 4.8 TB/s, ~1.8-2.0 GHz under load):
                      64 KiB = 192 KiB in flight; 32 + 192 + 1 = 225 KiB of shared memory.
   more rows          (group x sq > 64: chunked prefill, long speculative runs) the forward's own tile for the head
                      dim (fwd_tile_config: 128 x 128 at d128), one CTA per SM: each KV byte is read once per 128 rows.
-These are design numbers; the lead measures them (profiling/decode_benchmark.py).
+These are design numbers, not yet measured on a GPU (profiling/decode_benchmark.py measures them).
 
 Splits (`kvcache_splits`): the grid has b x h_kv x row tiles CTAs per split; the split count is the smallest whose
 last wave fills the CTA slots (SMs x CTAs per SM) within 5% as well as any count up to the cap does
