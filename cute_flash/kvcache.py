@@ -23,8 +23,6 @@ from .arch import ARCH_ENV_VAR
 from .arch.base import KvCacheTensors
 from .validation import ALIGN_BYTES, KvCacheArgs, KvCacheProblem, validate_kvcache
 
-MAX_SPLITS = 64
-
 # (append kernel key) -> compiled append; (call signature) -> _Plan
 _append_kernels: Dict[tuple, object] = compile_cache.memo()
 _plans: Dict[tuple, "_Plan"] = compile_cache.memo()
@@ -101,11 +99,7 @@ def _make_plan(args: KvCacheArgs, max_seqlen_q, causal, softmax_scale, window_si
     )  # fmt: skip
     device = args.q.device
     backend = gpu.route(problem.spec, args.q, backward=False)
-    if num_splits == 0:
-        splits = backend.kvcache_splits(problem, compile_cache.sm_count(device))
-    else:
-        splits = num_splits
-    splits = max(1, min(splits, MAX_SPLITS))
+    splits = num_splits or max(1, backend.kvcache_splits(problem, compile_cache.sm_count(device)))
     return _Plan(problem, backend, splits, _append_kernel(args, problem, device), device)
 
 

@@ -67,6 +67,11 @@ class VarlenProblem:
     softcap: float = 0.0  # where spec.softcap (0.0: none)
 
 
+# The most CTAs that may share one query tile's keys in the KV-cache forward (batch 1 under MQA: 128 CTAs of a few
+# key tiles each keep 128 SMs' bytes in flight); attention_with_kvcache's num_splits is checked against it.
+KVCACHE_MAX_SPLITS = 128
+
+
 @dataclass(frozen=True)
 class KvCacheProblem:
     """A validated `attention_with_kvcache` call: the shapes, the compile spec (spec.kvcache) and the runtime mask.

@@ -19,7 +19,7 @@ import torch
 
 from .kernel_layout import ALIGN_BYTES, is_kernel_layout, kernel_view  # noqa: F401  (re-exported: validation's own)
 from .kernel_layout import round_up as _round_up  # noqa: F401  (arch/sm90/backward.py imports it from here)
-from .problem import KvCacheProblem, PackedSeqs, Problem, Semantics, VarlenProblem  # noqa: F401  (re-exported)
+from .problem import KVCACHE_MAX_SPLITS, KvCacheProblem, PackedSeqs, Problem, Semantics, VarlenProblem  # noqa: F401  (re-exported)
 from .spec import AttentionSpec, MaskBounds, normalize_mask
 
 INPUT_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -612,8 +612,10 @@ def validate_kvcache(
         raise ValueError(f"softmax_scale must be a finite float >= 0 or None, got {softmax_scale!r}")
     softcap = check_softcap(softcap)
     check_learnable_sink(args.learnable_sink, nheads, q.device)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0: chosen from the shapes), got {num_splits!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= KVCACHE_MAX_SPLITS:
+        raise ValueError(
+            f"num_splits must be an int in [0, {KVCACHE_MAX_SPLITS}] (0: chosen from the shapes), got {num_splits!r}"
+        )
 
     out_shape = (total_q, nheads, head_dim_v) if packed else (batch, seqlen_q, nheads, head_dim_v)
     if args.out is not None:

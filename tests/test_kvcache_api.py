@@ -93,6 +93,7 @@ def test_packed_queries_and_an_fp8_cache(backend):
         (dict(softmax_scale=-0.5), ValueError, "softmax_scale"),
         (dict(window_size=(1.5, None)), ValueError, "window_size"),
         (dict(num_splits=-1), ValueError, "num_splits"),
+        (dict(num_splits=129), ValueError, r"num_splits must be an int in \[0, 128\]"),
         (dict(out=_meta(2, 1, 8, 32)), ValueError, "out must be"),
         (dict(max_seqlen_q=3), ValueError, "max_seqlen_q belongs to packed"),
         (dict(learnable_sink=_meta(7, dtype=torch.float32)), ValueError, "learnable_sink must have shape"),
@@ -135,3 +136,4 @@ def test_a_warm_call_reuses_its_plan_and_a_rejected_argument_is_never_cached(bac
     with pytest.raises(TypeError, match="causal"):
         cute_flash.attention_with_kvcache(q, k, v, **kw, causal=1)
     assert len(kvcache._plans) == 1
+

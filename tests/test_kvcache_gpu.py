@@ -150,3 +150,20 @@ def test_fp8_cache_against_its_dequantised_cache():
 def test_the_sm80_family_serves_every_page_size(page):
     q, k, v, kw = _case(4, 2, 8, 2, 128, page, [0, 33, 700, 255], new=2, shared=0, seed=page)
     _run_and_check(q, k, v, kw)
+
+
+@pytest.mark.parametrize("family", ["default", pytest.param("sm80", marks=pytest.mark.sm80)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_cache_values_convert_exactly(family, dtype):
+    """One key per sequence: out is that key's value row, so every finite e4m3 byte (NaN bytes aside) must come
+    back as exactly its value, subnormals included."""
+    codes = torch.arange(256, dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    v = codes.to(torch.uint8).view(torch.float8_e4m3fn).view(2, 1, 1, 128).expand(2, 4, 2, 128).contiguous().cuda()
+    k = torch.zeros_like(v)
+    q = torch.randn(2, 1, 8, 128, device="cuda", dtype=dtype)
+    ones = torch.ones(2, 2, device="cuda")
+    lens = torch.ones(2, dtype=torch.int32, device="cuda")
+    out = cute_flash.attention_with_kvcache(q, k, v, cache_seqlens=lens, k_descale=ones, v_descale=ones)
+    want = v[:, :1].float().repeat_interleave(4, dim=2).to(dtype)
+    assert torch.equal(out, want), (out - want).abs().max()

@@ -19,6 +19,7 @@ from __future__ import annotations
 from .. import compile_cache
 from ..common.block_info import BlockInfo
 from ..spec import AttentionSpec
+from ..problem import KVCACHE_MAX_SPLITS  # noqa: F401  (the KV-cache families read it here)
 from ..validation import Problem
 
 MIN_TILES_PER_SPLIT = 2  # key tiles per CTA: fewer leaves each CTA mostly its pipeline's start-up
@@ -52,7 +53,6 @@ def num_splits(problem: Problem, tile_m: int, tile_n: int, sm_count: int, min_sp
 # The KV-cache forward (attention_with_kvcache; its families' kvcache_splits): splits chosen for the grid's waves.
 FILLED = 0.8  # a grid with this many CTAs per CTA slot of the GPU runs unsplit (FlashAttention-3's rule)
 FILL_SLACK = 0.95  # the fewest splits whose waves fill the slots within this of the best count's
-KVCACHE_MAX_SPLITS = 128  # batch 1 under MQA: 128 CTAs of a few tiles each keep 128 SMs' bytes in flight
 
 
 def splits_to_fill(ctas: int, slots: int, key_tiles: int, max_splits: int = MAX_SPLITS) -> int:

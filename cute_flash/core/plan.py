@@ -165,14 +165,16 @@ def fp8(q, k, v, *, dtype, descale, fp8_rotate, **call) -> Plan:
 
 def decode_kvcache(plan: Plan, q: torch.Tensor):
     """(launcher, seqlens_k) of a decoding plan on its GPU's KV-cache forward (decode.kvcache_problem; made at the
-    first launch), or False when no family serving this GPU has one for it (the call then runs packed, decode.py).
+    first launch), or False when the forward's family has none for it (the call then runs packed, decode.py).
     seqlens_k is the plan's own constant (b,) int32 tensor of the keys the query row sees."""
     kv = decode.kvcache_problem(plan.problem, plan.decode_keys)
     try:
         backend = device.route(kv.spec, q, backward=False)
     except NotImplementedError:
         return False
-    if not backend.kvcache:
+    if not backend.kvcache or backend.name != plan.forward.name:
+        # (another family's KV-cache kernel, e.g. the sm80 one for a head dim the sm90 KV-cache forward lacks on
+        # Hopper: the forward's own family packs the rows instead, on its faster kernels)
         return False
     splits = max(1, backend.kvcache_splits(kv, compile_cache.sm_count(plan.device)))
     lo, hi = plan.decode_keys
