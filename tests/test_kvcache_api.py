@@ -136,4 +136,3 @@ def test_a_warm_call_reuses_its_plan_and_a_rejected_argument_is_never_cached(bac
     with pytest.raises(TypeError, match="causal"):
         cute_flash.attention_with_kvcache(q, k, v, **kw, causal=1)
     assert len(kvcache._plans) == 1
-
