@@ -34,16 +34,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated, of %(default)s")
     p.add_argument("--fp8", action="store_true", help="also time cute-flash with a float8_e4m3fn cache")
     p.add_argument("--graphs", action="store_true", help="time CUDA-graph replays instead of eager calls")
+    p.add_argument("--splits", default="", help="also time cute-flash with these num_splits (e.g. 8,16,32)")
+    p.add_argument("--kernels", action="store_true", help="per config, each impl's kernels and their mean µs")
     p.add_argument("--max-gib", type=float, default=60.0, help="skip configs whose caches exceed this (%(default)s)")
     p.add_argument("--peak-tbs", type=float, default=4.8, help="DRAM bandwidth for the %% column (%(default)s)")
     args = p.parse_args(argv)
     try:
-        for name in ("batches", "contexts", "pages"):
+        for name in ("batches", "contexts", "pages", "splits"):
             setattr(args, name, [int(x) for x in getattr(args, name).split(",") if x != ""])
     except ValueError:
-        p.error("--batches, --contexts and --pages take comma-separated integers")
-    if min(args.batches + args.contexts) <= 0 or min(args.pages) < 0:
-        p.error("batches and contexts must be positive, page sizes >= 0")
+        p.error("--batches, --contexts, --pages and --splits take comma-separated integers")
+    if min(args.batches + args.contexts) <= 0 or min(args.pages + args.splits, default=0) < 0:
+        p.error("batches and contexts must be positive, page sizes and splits >= 0")
     args.impls = [x for x in args.impls.split(",") if x]
     bad = [x for x in args.impls if x not in IMPLS]
     if bad or not args.impls:
@@ -82,6 +84,10 @@ def impls_for(args, q, k, v, table, seqlens, fp8=None) -> Dict[str, Callable]:
     fns: Dict[str, Callable] = {}
     if "cute" in args.impls:
         fns["cute"] = lambda: cute_flash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, page_table=table)
+        for n in args.splits:
+            fns[f"cute s={n}"] = lambda n=n: cute_flash.attention_with_kvcache(
+                q, k, v, cache_seqlens=seqlens, page_table=table, num_splits=n
+            )
         if fp8 is not None:
             k8, v8, kd, vd = fp8
             fns["cute fp8"] = lambda: cute_flash.attention_with_kvcache(
@@ -107,6 +113,21 @@ def time_ms(fn, graphs: bool) -> float:
     if graphs:
         return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
     return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def kernel_times(fn, calls: int = 20) -> str:
+    """The kernels one call of `fn` launches, with their mean device µs (torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.count]
+    return "; ".join(f"{e.key[:48]} x{e.count / calls:g} {e.device_time_total / e.count:.1f}" for e in rows)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -147,6 +168,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                             moved = nbytes // 2 if name.endswith("fp8") else nbytes
                             tbs = moved / ms / 1e9
                             print(f"{row}{ms * 1e3:>24.1f}{tbs:>18.2f} ({100 * tbs / args.peak_tbs:.0f}%)")
+                            if args.kernels:
+                                print(f"{'':>21}kernels: {kernel_times(fn)}")
                         except Exception as e:  # noqa: BLE001 - one failed impl does not stop the grid
                             print(f"{row}  failed: {type(e).__name__}: {str(e)[:100]}")
                     del q, k, v, table, fp8
