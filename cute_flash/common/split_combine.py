@@ -16,7 +16,7 @@ split forward's grid writes them), out (b, sq, h, dv) and lse (b, h, sq) with an
 views included). Each thread owns 4 columns of one row: a CTA covers 128 // (dv / 4) rows of one (batch, head)
 (128 threads at dv 64 / 128 / 256, 120 at dv 96, 96 at dv 192). The partials are at most splits x b x h x sq x dv
 fp32 with b x h at most half the SMs (decoding: under 1 MiB; a full 128-row tile at d256: ~17 MiB), read once: plain
-loads and stores.
+loads and stores, the loops over splits unrolled so that their loads overlap (the combine is latency-bound).
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ from .online_softmax import LOG2_E
 
 COLS_PER_THREAD = 4
 THREADS = 128
+# Splits per unrolled step of the two loops: their loads are independent, so a step has UNROLL of them in flight
+# instead of one round trip to L2 per split (on an H200 the loops at unroll 1 cost ~0.4 us per split: 13 us of a
+# 20 us decoding step at batch 1 x 4k with 33 splits).
+UNROLL = 8
 LN2 = 0.6931471805599453
 
 
@@ -87,7 +91,7 @@ class SplitCombine:
             cute.arch.griddepcontrol_wait()  # the split forward's partials are complete and visible past this
         if row < mO.shape[1]:
             lse_max = -Float32.inf
-            for s in cutlass.range(splits, unroll=1):
+            for s in cutlass.range(splits, unroll=UNROLL):
                 lse_max = cutlass.max(lse_max, mLSEpart[s * nbatch + batch, head, row])
             sink = -Float32.inf
             if cutlass.const_expr(mSink is not None):
@@ -100,7 +104,7 @@ class SplitCombine:
             total = Float32(0.0)
             if cutlass.const_expr(mSink is not None):
                 total = cute.math.exp2((sink - shift) * LOG2_E, fastmath=True)  # the sink's weight: no value
-            for s in cutlass.range(splits, unroll=1):
+            for s in cutlass.range(splits, unroll=UNROLL):
                 z = s * nbatch + batch
                 w = cute.math.exp2((mLSEpart[z, head, row] - shift) * LOG2_E, fastmath=True)
                 total += w
