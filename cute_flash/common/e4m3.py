@@ -1,5 +1,5 @@
 """Exact float8_e4m3fn -> fp16 / bf16 conversion by integer arithmetic and one 16-bit multiply, for the KV-cache
-forwards' fp8 caches (sm80 family and sm90).
+forward of the sm80 family's fp8 caches.
 
 An e4m3 byte s EEEE MMM is the value (-1)^s 2^(E-7) (1 + M/8) (E > 0) or (-1)^s 2^-6 M/8 (E = 0). Placed below the
 sign of a 16-bit float, E M read as that float's low exponent bits and top mantissa bits: in an fp16 as
@@ -8,9 +8,8 @@ cases for E = 0 too (the bits then read as a subnormal of the same scale). One m
 gives the value, exactly: no rounding, and 16-bit multiplies keep subnormal inputs. fp16 and bf16 hold every e4m3
 value. The byte 0x7f / 0xff (e4m3's NaN) becomes +-480: a cache holds no NaN.
 
-Why not the conversion instructions: sm_90's cvt.rn.f16x2.e4m3x2 is exact, but bf16 then takes three more
-conversions (through fp32), and conversions issue at a quarter of the integer / fma rate: on an H200 a decoding
-step over a bf16-query fp8 cache ran at 1.9 TB/s, capped by them. Here every step is an integer or fma instruction.
+Why integers: sm_8x has no e4m3 conversion instruction (cvt.rn.f16x2.e4m3x2 needs sm_89). The sm90 converter
+warps use that instruction instead (arch/sm90/kvcache/convert.py): fewer instructions there, measured faster.
 
 Two bytes of a 32-bit word become one f16x2 / bf16x2 word: a byte permute puts them in the high bytes of the two
 halves, a shift and masks move E M below the sign, and the multiply scales both halves at once.

@@ -26,10 +26,12 @@ The numbers (H200: 132 SMs, 4.8 TB/s, ~1.8-2.0 GHz under load):
                      64 KiB = 192 KiB in flight; 32 + 192 + 1 = 225 KiB of shared memory.
   more rows          (group x sq > 64: chunked prefill, long speculative runs) the forward's own tile for the head
                      dim (fwd_tile_config: 128 x 128 at d128), one CTA per SM: each KV byte is read once per 128 rows.
-These are design numbers, not yet measured on a GPU (profiling/decode_benchmark.py measures them).
+Measured (H200, 2026-12-02, profiling/decode_benchmark.py --graphs, d128 h32/8): the 16-bit cache at 4.3-4.5 TB/s
+(90-93%) from batch 8 x 32k and batch 64 x 8k up, as fast as torch SDPA; paged (16 / 128) within 1% of dense.
 
 Splits (`kvcache_splits`): the grid has b x h_kv x row tiles CTAs per split; the split count is the smallest whose
-last wave fills the CTA slots (SMs x CTAs per SM) within 5% as well as any count up to the cap does
+last wave fills the CTA slots (SMs x CTAs per SM; one per SM for a small grid, SMALL_GRID_DIVISOR) within 5% as
+well as any count up to the cap does
 (arch/split_kv.splits_to_fill), from host shapes only: a CUDA graph replays it with new lengths and page tables.
 """
 
@@ -82,9 +84,12 @@ _DECODE_BY_HEAD_DIM = {
 # warpgroup, whose two converter warps hold a 16-byte load and its 32 converted bytes per step. d128: 16 + 64 + 32
 # + 1 KiB = 113 KiB per CTA, two per SM (228 KiB). Only the e4m3 stages are bytes in flight (the 16-bit ones are
 # converted already): 2 x 16 KiB per CTA, 64 KiB per SM, half the 16-bit decoding tile's 128 KiB for the same bytes
-# per second, at the edge of Little's law under load: the first thing to measure (the alternative: one CTA per SM
-# with 6 e4m3 stages, 16 + 64 + 96 = 177 KiB, 96 KiB in flight). d256: one CTA, 32 + 128 + 64 + 1 = 225 KiB. More
-# rows (d128): the forward's 128 x 128 tile with two e4m3 stages (225 KiB) and 232 / 40 registers; d64 and d256
+# per second, at the edge of Little's law under load. Measured (H200, 2026-12-02, profiling/fp8_decode_configs.py):
+# the converter warps bound the step, not the bytes in flight: one CTA per SM with 4, 6 or 8 e4m3 stages (half the
+# converter warps per SM) took 1.4x as long as this one whatever the stages (batch 8-64 x 8k-32k, the integer
+# conversion of common/e4m3.py). This one takes 1.13x the bf16 cache's time at batch 8 x 32k with the conversion
+# instructions (convert.py), 1.3x with the integer form: an fp8 cache saves memory, not yet time.
+# d256: one CTA, 32 + 128 + 64 + 1 = 225 KiB. More rows (d128): the forward's 128 x 128 tile with two e4m3 stages (225 KiB) and 232 / 40 registers; d64 and d256
 # keep the 64-row tile for every row count (the forward's tiles leave no room for the e4m3 stages).
 _FP8_DECODE_BY_HEAD_DIM = {
     64: _config(FwdTileConfig(1, 128, 2, ping_pong=False, consumer_regs=216, producer_regs=40), 2, 2),
@@ -168,6 +173,13 @@ def problem_rows(problem: KvCacheProblem) -> int:
     return problem.seqlen_q * (problem.nheads // problem.nheads_kv)
 
 
+# A grid of at most sm_count / SMALL_GRID_DIVISOR CTAs per split (batch 1-2 at 8 KV heads on an H200) is split to
+# fill one CTA per SM, not ctas_per_sm: each further split costs the combine a partial and its CTA a start-up, and
+# there the second CTA per SM gains nothing. H200, 2026-12-02, batch 1 d128 h32/8, CUDA graphs: 16 splits took
+# 10.8 us at 4k keys and 39.7 us at 32k, 33 splits (two CTAs per SM) 14.0 and 41.8.
+SMALL_GRID_DIVISOR = 8
+
+
 def kvcache_splits(problem: KvCacheProblem, sm_count: int) -> int:
     """CTAs per query tile's keys (arch/base.ArchBackend.kvcache_splits), from host shapes only: the row tiles of the
     longest sequence, the cache's capacity max_seqlen_k and the mask bound the key tiles a query tile walks."""
@@ -183,4 +195,5 @@ def kvcache_splits(problem: KvCacheProblem, sm_count: int) -> int:
         rows_per_query=p.nheads // p.nheads_kv,
     )  # fmt: skip
     key_tiles = max((hi - lo for lo, hi in map(info.kv_block_range, range(row_tiles))), default=0)
-    return split_kv.splits_to_fill(ctas, sm_count * cfg.ctas_per_sm, key_tiles, split_kv.KVCACHE_MAX_SPLITS)
+    slots = sm_count if ctas * SMALL_GRID_DIVISOR <= sm_count else sm_count * cfg.ctas_per_sm
+    return split_kv.splits_to_fill(ctas, slots, key_tiles, split_kv.KVCACHE_MAX_SPLITS)
