@@ -89,8 +89,9 @@ _DECODE_BY_HEAD_DIM = {
 # converter warps per SM) took 1.4x as long as this one whatever the stages (batch 8-64 x 8k-32k, the integer
 # conversion of common/e4m3.py). This one takes 1.13x the bf16 cache's time at batch 8 x 32k with the conversion
 # instructions (convert.py), 1.3x with the integer form: an fp8 cache saves memory, not yet time.
-# d256: one CTA, 32 + 128 + 64 + 1 = 225 KiB. More rows (d128): the forward's 128 x 128 tile with two e4m3 stages (225 KiB) and 232 / 40 registers; d64 and d256
-# keep the 64-row tile for every row count (the forward's tiles leave no room for the e4m3 stages).
+# d256: one CTA, 32 + 128 + 64 + 1 = 225 KiB. More rows (d128): the forward's 128 x 128 tile with two e4m3 stages
+# (225 KiB) and 232 / 40 registers; d64 and d256 keep the 64-row tile for every row count (the forward's tiles leave
+# no room for the e4m3 stages).
 _FP8_DECODE_BY_HEAD_DIM = {
     64: _config(FwdTileConfig(1, 128, 2, ping_pong=False, consumer_regs=216, producer_regs=40), 2, 2),
     128: _config(FwdTileConfig(1, 64, 2, ping_pong=False, consumer_regs=216, producer_regs=40), 2, 2),
