@@ -126,7 +126,7 @@ class _Backend(BackendBase):
     def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
         if backward:
             return (
-                "there is no sm100 backward kernel yet (forward only; use the sm80 backward via CUTE_FLASH_ARCH=sm80)"
+                "there is no sm100 backward kernel yet (the router sends a Blackwell GPU's backward to the sm80 family)"
             )
         return cfgmod.unsupported_reason(spec)
 
