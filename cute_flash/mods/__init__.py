@@ -1,0 +1,8 @@
+"""score_mod / mask_mod (FlexAttention-style callables) and block masks: tracing, the float64 reference, block
+classification. The kernels' side is not built yet (docs/status.md); `attention` does not take them yet."""
+
+from .block_mask import BlockMask, create_block_mask
+from .graph import ModError, ModGraph, score_derivative, trace_mask_mod, trace_score_mod
+
+__all__ = ["BlockMask", "ModError", "ModGraph", "create_block_mask", "score_derivative", "trace_mask_mod",
+           "trace_score_mod"]  # fmt: skip
