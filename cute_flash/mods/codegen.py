@@ -1,0 +1,125 @@
+"""A `ModGraph` emitted as CuTe DSL code: `emit` walks the nodes at trace time on DSL scalars (Float32 for the score,
+Int32 for the indices) and returns the result's DSL value, so a kernel calls it once per score element in place of
+the user's callable. Captured tensors are the kernel's `aux` arguments (global-memory cute.Tensors, in the graph's
+aux order); a read is one scalar load, converted to float32 / int32 / bool.
+
+Semantics match `graph.evaluate` in float32: Python / torch floor division and remainder on indices (the DSL's
+own), truncation toward zero for float -> int casts (torch's .int()), IEEE division, and the math functions of
+`cute.math` (exp / exp2 / log / log2 / tanh / sin / cos by their fast approximations where the DSL picks them;
+sigmoid as 1 / (1 + exp(-x)), pow as exp2(y * log2(x)) for x > 0 with the sign fixed for integral y, as
+`graph.evaluate`'s torch.pow gives for the finite values a score takes).
+Out-of-range reads of a captured tensor are the kernel's: positions past a sequence must be clamped before `emit`
+(block_mask.py does the same on the host).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32
+
+from .graph import BOOL, F32, I32, ModGraph, Node
+
+_CONVERT = {F32: Float32, I32: Int32, BOOL: Boolean}
+
+
+def _select(cond, a, b, type_: str):
+    return _CONVERT[type_](cutlass.select_(cond, a, b))
+
+
+def _cast(x, to: str):
+    if to == BOOL:
+        return Boolean(x != 0) if not isinstance(x, Boolean) else x
+    return _CONVERT[to](x)
+
+
+def _load(tensor: cute.Tensor, index: List, type_: str):
+    value = tensor[tuple(index)] if index else tensor[0]
+    if type_ == BOOL:
+        return Boolean(value != 0)
+    return _CONVERT[type_](value)
+
+
+def _pow(x, y):
+    # exp2(y log2|x|), negative for a negative base and an odd integral exponent (NaN for other negative bases,
+    # as torch.pow).
+    mag = cute.math.exp2(y * cute.math.log2(cute.math.abs(x)))
+    y_int = cute.math.floor(y) == y
+    odd = y_int & (cute.math.abs(y - Float32(2.0) * cute.math.floor(y * Float32(0.5))) == Float32(1.0))
+    neg = x < Float32(0.0)
+    signed = _select(odd, -mag, mag, F32)
+    return _select(neg, _select(y_int, signed, Float32(float("nan")), F32), mag, F32)
+
+
+_UNARY_DSL = {
+    "neg": lambda x: -x,
+    "exp": lambda x: cute.math.exp(x),
+    "exp2": lambda x: cute.math.exp2(x),
+    "log": lambda x: cute.math.log(x),
+    "log2": lambda x: cute.math.log2(x),
+    "sqrt": lambda x: cute.math.sqrt(x),
+    "rsqrt": lambda x: cute.math.rsqrt(x),
+    "tanh": lambda x: cute.math.tanh(x),
+    "sin": lambda x: cute.math.sin(x),
+    "cos": lambda x: cute.math.cos(x),
+    "sigmoid": lambda x: Float32(1.0) / (Float32(1.0) + cute.math.exp(-x)),
+}
+_BINARY_DSL = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "truediv": lambda a, b: a / b,
+    "floordiv": lambda a, b: a // b,
+    "mod": lambda a, b: a % b,
+    "pow": _pow,
+    "lt": lambda a, b: a < b,
+    "le": lambda a, b: a <= b,
+    "gt": lambda a, b: a > b,
+    "ge": lambda a, b: a >= b,
+    "eq": lambda a, b: a == b,
+    "ne": lambda a, b: a != b,
+    "and": lambda a, b: a & b,
+    "or": lambda a, b: a | b,
+    "xor": lambda a, b: a ^ b,
+}
+
+
+def _emit_node(node: Node, vals: List, inputs: Dict[str, object], aux: Sequence[cute.Tensor]):
+    a, t = node.args, node.type
+    if node.op == "input":
+        return _CONVERT[t](inputs[a[0]])
+    if node.op == "const":
+        return _CONVERT[t](a[0])
+    if node.op == "load":
+        return _load(aux[a[0]], [vals[i] for i in a[1:]], t)
+    if node.op == "cast":
+        return _cast(vals[a[0]], a[1])
+    if node.op == "where":
+        return _select(vals[a[0]], vals[a[1]], vals[a[2]], t)
+    xs = [vals[i] for i in a]
+    if node.op == "abs":
+        x = xs[0]
+        return _select(x < _CONVERT[t](0), -x, x, t)
+    if node.op in ("floor", "ceil"):
+        return xs[0] if t == I32 else Float32(getattr(cute.math, node.op)(xs[0]))
+    if node.op == "not":
+        return Boolean(xs[0] == Boolean(False))
+    if node.op in ("maximum", "minimum"):
+        x, y = xs
+        return _select(x > y if node.op == "maximum" else x < y, x, y, t)
+    if node.op in _UNARY_DSL:
+        return _CONVERT[t](_UNARY_DSL[node.op](xs[0]))
+    return _CONVERT[t](_BINARY_DSL[node.op](xs[0], xs[1]))
+
+
+def emit(graph: ModGraph, inputs: Dict[str, object], aux: Sequence[cute.Tensor] = ()):
+    """The graph's result as a DSL value (Float32 for a score_mod, Boolean for a mask_mod). inputs: "score" (a
+    score_mod's), "b", "h", "q_idx", "kv_idx" (those the graph uses). Call it inside @cute.jit / @cute.kernel code."""
+    if len(aux) != len(graph.aux_types):
+        raise ValueError(f"the graph reads {len(graph.aux_types)} captured tensors, {len(aux)} given")
+    vals: List = []
+    for node in graph.nodes:
+        vals.append(_emit_node(node, vals, inputs, aux))
+    return vals[-1]
