@@ -29,7 +29,10 @@ def _layout_problems(t: torch.Tensor) -> Tuple[bool, bool]:
     shape, strides = t.shape, t.stride()
     align = max(1, ALIGN_BYTES // t.element_size())
     last = len(shape) - 1
-    needs_copy = t.data_ptr() % ALIGN_BYTES != 0 or (shape[last] > 1 and strides[last] != 1)
+    # While torch.compile traces there is no address (fake tensors): the strides alone are checked then, and the
+    # op's run-time call checks the address.
+    misaligned = not torch.compiler.is_compiling() and t.data_ptr() % ALIGN_BYTES != 0
+    needs_copy = misaligned or (shape[last] > 1 and strides[last] != 1)
     fix_unit = False
     for i in range(last):
         n, st = shape[i], strides[i]

@@ -21,6 +21,7 @@ from . import compile_cache
 from .core import device as gpu
 from .arch import ARCH_ENV_VAR
 from .arch.base import KvCacheTensors
+from .spec import op_window_bound
 from .validation import ALIGN_BYTES, KvCacheArgs, KvCacheProblem, validate_kvcache
 
 # (append kernel key) -> compiled append; (call signature) -> _Plan
@@ -183,16 +184,23 @@ def attention_with_kvcache(
             "attention_with_kvcache is forward-only (serving); for gradients use cute_flash.attention or "
             "cute_flash.attention_varlen, or call it under torch.no_grad()"
         )
-    plan = _plan(args, max_seqlen_q, causal, softmax_scale, tuple(window_size), softcap, num_splits)
+    scalars = (max_seqlen_q, causal, softmax_scale, tuple(window_size), softcap, num_splits)
+    if torch.compiler.is_compiling():
+        return _traced(args, scalars, return_lse)
+    plan = _plan(args, *scalars)
     if out is None:
         out = torch.empty(plan.out_shape, dtype=q.dtype, device=plan.device)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device) if return_lse else plan.scratch_lse()
+    _launch_on_device(plan, args, out, lse)
+    return (out, lse) if return_lse else out
+
+
+def _launch_on_device(plan: _Plan, args: KvCacheArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
     if plan.device_index is None or torch.cuda.current_device() == plan.device_index:
         _launch(plan, args, out, lse)
     else:
         with torch.cuda.device(plan.device):
             _launch(plan, args, out, lse)
-    return (out, lse) if return_lse else out
 
 
 def _launch(plan: _Plan, a: KvCacheArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -217,3 +225,64 @@ def _launch(plan: _Plan, a: KvCacheArgs, out: torch.Tensor, lse: torch.Tensor) -
         if launch is None:
             launch = plan.launch = plan.backend.kvcache_launcher(p, plan.device, plan.splits)
         launch(t)
+
+
+# --- torch.compile: the call as one custom op -------------------------------------------------------------------
+# torch.ops.cute_flash.kvcache_fwd(q, k_cache!, v_cache!, cache_seqlens, page_table, k_new, v_new, cu_seqlens_q,
+#     max_seqlen_q, causal, softmax_scale, window_left, window_right, softcap, learnable_sink, k_descale, v_descale,
+#     num_splits, out!) -> lse
+# The caches and out are mutated in place (the append writes the caches; the op writes out, which the traced call
+# allocates when the caller gave none). Eager calls do not go through it (the dispatch's host cost); a trace sees the
+# call validated on metadata, the op, and out.
+KVCACHE_SCHEMA = (
+    "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? page_table, Tensor? k_new, "
+    "Tensor? v_new, Tensor? cu_seqlens_q, int? max_seqlen_q, bool causal, float? softmax_scale, int? window_left, "
+    "int? window_right, float softcap, Tensor? learnable_sink, Tensor? k_descale, Tensor? v_descale, int num_splits, "
+    "Tensor(c!) out) -> Tensor"
+)
+
+
+def _kvcache_op(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, cu_seqlens_q, max_seqlen_q, causal,
+                softmax_scale, window_left, window_right, softcap, learnable_sink, k_descale, v_descale, num_splits,
+                out):  # fmt: skip
+    args = KvCacheArgs(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, cu_seqlens_q, learnable_sink,
+                       k_descale, v_descale, out)  # fmt: skip
+    plan = _plan(args, max_seqlen_q, causal, softmax_scale, (window_left, window_right), softcap, num_splits)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
+    _launch_on_device(plan, args, out, lse)
+    return lse
+
+
+def _lse_shape(q: torch.Tensor, packed: bool) -> tuple:
+    return (q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, cu_seqlens_q, *rest):
+    return q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
+
+
+kvcache_fwd = torch.library.custom_op(
+    "cute_flash::kvcache_fwd", _kvcache_op, mutates_args=("k_cache", "v_cache", "out"), schema=KVCACHE_SCHEMA
+)
+kvcache_fwd.register_fake(_kvcache_fake)
+
+
+def _traced(args: KvCacheArgs, scalars: tuple, return_lse: bool):
+    """`attention_with_kvcache` while torch.compile traces it: validated on metadata (the eager call's errors), out
+    allocated when not given, then the op."""
+    max_seqlen_q, causal, softmax_scale, window, softcap, num_splits = scalars
+    p = validate_kvcache(
+        args, max_seqlen_q=max_seqlen_q, causal=causal, softmax_scale=softmax_scale, window_size=window,
+        softcap=softcap, num_splits=num_splits,
+    )  # fmt: skip
+    out = args.out
+    if out is None:
+        rows = (p.total_q,) if p.packed_q else (p.batch, p.seqlen_q)
+        out = args.q.new_empty(*rows, p.nheads, p.head_dim_v)
+    a = args
+    lse = torch.ops.cute_flash.kvcache_fwd(
+        a.q, a.k_cache, a.v_cache, a.cache_seqlens, a.page_table, a.k_new, a.v_new, a.cu_seqlens_q, max_seqlen_q,
+        causal, softmax_scale, op_window_bound(window[0]), op_window_bound(window[1]), float(softcap),
+        a.learnable_sink, a.k_descale, a.v_descale, int(num_splits), out,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out

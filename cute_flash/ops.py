@@ -23,14 +23,13 @@ op: it runs eagerly (a graph break).
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
 from .core import fields, launch, plan
 from .kernel_layout import kernel_view
 from .problem import PackedSeqs
-from .spec import UNBOUNDED_WINDOW
+from .spec import op_window_bound
 from .validation import validate, validate_varlen
 
 FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {fields.op_arguments()}, bool check_deterministic) -> (Tensor, Tensor)"
@@ -112,11 +111,6 @@ def _backward(ctx, dout, dlse):
 torch.library.register_autograd("cute_flash::fwd", _backward, setup_context=_setup_context)
 
 
-def _bound(w: Optional[int]) -> Optional[int]:
-    """A window bound as the ops' int64 argument: any bound beyond +-UNBOUNDED_WINDOW means the same as that."""
-    return None if w is None else max(-UNBOUNDED_WINDOW, min(int(w), UNBOUNDED_WINDOW))
-
-
 def _needs_grad(q, k, v, sink) -> bool:
     return torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad)
@@ -135,6 +129,6 @@ def traced(q, k, v, causal, softmax_scale, window_size, deterministic, softcap, 
         validate_varlen(q, k, v, seqs, **call)
         packed = tuple(seqs)
     left, right = call.pop("window_size")
-    call.update(window_left=_bound(left), window_right=_bound(right))
+    call.update(window_left=op_window_bound(left), window_right=op_window_bound(right))
     check = deterministic and _needs_grad(q, k, v, learnable_sink)
     return torch.ops.cute_flash.fwd(q, k, v, *(call[f.name] for f in fields.CALL), *packed, check)

@@ -18,6 +18,11 @@ ComputeDtype = Literal["fp16", "bf16", "fp8"]
 UNBOUNDED_WINDOW = 1 << 30
 
 
+def op_window_bound(w: Optional[int]) -> Optional[int]:
+    """A window bound as a custom op's int64 argument: any bound beyond +-UNBOUNDED_WINDOW means the same as that."""
+    return None if w is None else max(-UNBOUNDED_WINDOW, min(int(w), UNBOUNDED_WINDOW))
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     dtype: ComputeDtype  # operand dtype of the matrix products
