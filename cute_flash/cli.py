@@ -262,6 +262,9 @@ def cmd_warmup(args) -> int:
         head_dim_v=args.head_dim_v,
         softcap=args.softcap,
         sink=args.sink,
+        kvcache=args.kvcache,
+        page_sizes=args.page_sizes,
+        fp8_cache=_BOTH[args.fp8_cache],
     )
     try:
         summary = warmup.run(config_list, capability, jobs=args.jobs)
@@ -370,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--gqa", choices=sorted(_BOTH), default="off", help="backward with grouped heads (default off)")
     w.add_argument("--deterministic", choices=sorted(_BOTH), default="off", help="deterministic backward (default off)")
     _feature_flags(w, "builds")
+    w.add_argument("--kvcache", action="store_true", help="the KV-cache forward's kernels (serving) instead")
+    w.add_argument("--page-sizes", type=_int_list, default=[0, 16], help="with --kvcache; 0: dense (default 0,16)")
+    w.add_argument("--fp8-cache", choices=sorted(_BOTH), default="off", help="with --kvcache: an e4m3 cache (off)")
     w.add_argument("--jobs", type=int, default=1, help="processes compiling at once (default 1)")
     w.add_argument("--json", action="store_true", help="one JSON object with every configuration's result")
 

@@ -75,22 +75,27 @@ def _signature(args: KvCacheArgs, max_seqlen_q, causal, softmax_scale, window_si
     return tuple(key)
 
 
-def _append_kernel(args: KvCacheArgs, p: KvCacheProblem, device: torch.device):
-    if args.k_new is None:
-        return None
-    dtype = p.spec.dtype
-    key = ("kv_append", compile_cache.runtime_target(device), dtype, p.spec.kv_fp8, p.head_dim, p.head_dim_v)
-    key += (args.page_table is not None, p.packed_q)
+def append_kernel(dtype: str, kv_fp8: bool, head_dim: int, head_dim_v: int, paged: bool, packed: bool, target: str):
+    """The compiled append of new tokens (common/kv_append.py) for one cache kind, on `target` (also `warmup`'s)."""
+    key = ("kv_append", target, dtype, kv_fp8, head_dim, head_dim_v, paged, packed)
     kernel = _append_kernels.get(key)
     if kernel is None:
 
         def build():
             from .common.kv_append import compile_kv_append
 
-            return compile_kv_append(dtype, p.spec.kv_fp8, p.head_dim, p.head_dim_v, key[-2], key[-1], key[1])
+            return compile_kv_append(dtype, kv_fp8, head_dim, head_dim_v, paged, packed, target)
 
         kernel = _append_kernels[key] = compile_cache.get_or_compile(key, build)
     return kernel
+
+
+def _append_kernel(args: KvCacheArgs, p: KvCacheProblem, device: torch.device):
+    if args.k_new is None:
+        return None
+    target = compile_cache.runtime_target(device)
+    paged = args.page_table is not None
+    return append_kernel(p.spec.dtype, p.spec.kv_fp8, p.head_dim, p.head_dim_v, paged, p.packed_q, target)
 
 
 def _make_plan(args: KvCacheArgs, max_seqlen_q, causal, softmax_scale, window_size, softcap, num_splits) -> _Plan:

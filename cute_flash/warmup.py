@@ -40,6 +40,8 @@ class Config:
         s = self.spec
         dims = f"d{s.head_dim}" if s.head_dim == s.head_dim_v else f"d{s.head_dim}x{s.head_dim_v}"
         what = "backward" if self.backward else "forward"
+        if s.kvcache:
+            what = f"kvcache {'paged ' + str(s.page_size) if s.page_size else 'dense'}" + (" fp8" if s.kv_fp8 else "")
         flags = (("softcap", s.softcap), ("sink", s.sink), ("gqa", self.gqa), ("deterministic", self.deterministic))
         extras = [x for x, on in flags if on]
         return " ".join([what, s.dtype, dims, s.mask, *extras])
@@ -56,11 +58,21 @@ def configs(
     head_dim_v: Optional[int] = None,
     softcap: bool = False,
     sink: bool = False,
+    kvcache: bool = False,
+    page_sizes: Iterable[int] = (0,),
+    fp8_cache: Iterable[bool] = (False,),
 ) -> List[Config]:
     """Every forward configuration of the product, and with `backward` the backward ones too (GQA and deterministic
-    variants change the backward's kernels only); softcap / sink: the builds with soft-capping / learnable sinks."""
+    variants change the backward's kernels only); softcap / sink: the builds with soft-capping / learnable sinks.
+    kvcache: instead, the KV-cache forward's (`attention_with_kvcache`) for each page size (0: a dense cache) and
+    cache dtype (fp8_cache True: float8_e4m3fn), with the append kernels of new tokens."""
     out = []
     for d, dtype, mask in itertools.product(head_dims, dtypes, masks):
+        if kvcache:
+            for page, fp8 in itertools.product(page_sizes, fp8_cache):
+                out.append(Config(AttentionSpec(dtype, d, head_dim_v or d, mask, dtype, softcap=softcap, sink=sink,
+                                                kvcache=True, page_size=page, kv_fp8=fp8)))  # fmt: skip
+            continue
         spec = AttentionSpec(dtype, d, head_dim_v or d, mask, dtype, softcap=softcap, sink=sink)
         out.append(Config(spec))
         if backward:
@@ -81,6 +93,12 @@ def warm(config: Config, capability: Capability) -> dict:
         r.backend.warm(
             config.spec, target, backward=config.backward, gqa=config.gqa, deterministic=config.deterministic
         )
+        if config.spec.kvcache:  # the append of new tokens, for dense and packed queries
+            from .kvcache import append_kernel
+
+            s = config.spec
+            for packed in (False, True):
+                append_kernel(s.dtype, s.kv_fp8, s.head_dim, s.head_dim_v, s.page_size > 0, packed, target)
     except NotImplementedError as e:
         return {**report, "status": "unsupported", "reason": str(e)}
     seconds = time.perf_counter() - start

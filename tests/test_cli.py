@@ -186,3 +186,39 @@ def test_compile_and_warmup_take_the_new_builds():
     from cute_flash.cli import main
 
     assert main(["warmup", "--capability", "nine"]) == 2
+
+
+def test_warmup_kvcache_configs_are_the_specs_calls_compile_for(monkeypatch):
+    """`warmup --kvcache` warms the specs that attention_with_kvcache's calls validate to (else a warmed cache would
+    be looked up under other keys): dense and paged, bf16 and fp8 caches."""
+    import torch
+
+    from cute_flash import validation
+    from cute_flash.cli import build_parser
+    from cute_flash.validation import KvCacheArgs, validate_kvcache
+    from cute_flash.warmup import configs
+
+    args = build_parser().parse_args(["warmup", "--arch", "sm90", "--kvcache", "--fp8-cache", "both"])
+    assert args.kvcache and args.page_sizes == [0, 16] and args.fp8_cache == "both"
+    cfgs = configs([128], masks=["causal"], kvcache=True, page_sizes=[0, 16], fp8_cache=(False, True))
+    assert [c.describe() for c in cfgs] == [
+        "kvcache dense bf16 d128 causal", "kvcache dense fp8 bf16 d128 causal", "kvcache paged 16 bf16 d128 causal",
+        "kvcache paged 16 fp8 bf16 d128 causal",
+    ]  # fmt: skip
+    monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "meta"))
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    q, lens = meta(2, 1, 8, 128), meta(2, dtype=torch.int32)
+    for cfg in cfgs:
+        s = cfg.spec
+        cache_dtype = torch.float8_e4m3fn if s.kv_fp8 else torch.bfloat16
+        shape = (6, s.page_size, 2, 128) if s.page_size else (2, 64, 2, 128)
+        k, v = meta(*shape, dtype=cache_dtype), meta(*shape, dtype=cache_dtype)
+        table = meta(2, 3, dtype=torch.int32) if s.page_size else None
+        descale = meta(2, 2, dtype=torch.float32) if s.kv_fp8 else None
+        call = KvCacheArgs(q, k, v, lens, table, None, None, None, None, descale, descale, None)
+        p = validate_kvcache(call, max_seqlen_q=None, causal=True, softmax_scale=None, window_size=(None, None),
+                             softcap=0.0, num_splits=0)  # fmt: skip
+        assert p.spec == s
