@@ -84,7 +84,7 @@ _DECODE_BY_HEAD_DIM = {
 # warpgroup, whose two converter warps hold a 16-byte load and its 32 converted bytes per step. d128: 16 + 64 + 32
 # + 1 KiB = 113 KiB per CTA, two per SM (228 KiB). Only the e4m3 stages are bytes in flight (the 16-bit ones are
 # converted already): 2 x 16 KiB per CTA, 64 KiB per SM, half the 16-bit decoding tile's 128 KiB for the same bytes
-# per second, at the edge of Little's law under load. Measured (H200, 2026-12-02, profiling/fp8_decode_configs.py):
+# per second, at the edge of Little's law under load. Measured (H200, 2026-12-02, profiling/kvcache_configs.py):
 # the converter warps bound the step, not the bytes in flight: one CTA per SM with 4, 6 or 8 e4m3 stages (half the
 # converter warps per SM) took 1.4x as long as this one whatever the stages (batch 8-64 x 8k-32k, the integer
 # conversion of common/e4m3.py). This one takes 1.13x the bf16 cache's time at batch 8 x 32k with the conversion
