@@ -26,6 +26,10 @@
 #   fuzz      [540] randomised forward, training and packed-sequence calls against float64 (tests/test_fuzz_gpu.py;
 #                   FUZZ_CASES / FUZZ_TRAIN_CASES / FUZZ_VARLEN_CASES set how many)
 #   vbench    [180] packed sequences against dense cute-flash and FA4's varlen (profiling/varlen_benchmark.py)
+#   serving   [240] the KV-cache forward (both families, fp8 caches, append, CUDA graphs, torch.compile), split-key
+#                   decoding, the score_mod / mask_mod probe kernels
+#   decode    [240] profiling/decode_benchmark.py (CUDA graphs, beside SDPA and FA4) and the KV-cache tile studies
+#                   (profiling/kvcache_configs.py: small-grid 16-bit rings, the fp8 converter variants)
 #   hotspots  [420] Nsight Compute source-level stall samples of the d128 backward main kernel without a mask (b4 s4096
 #                   h16: the 80-row tile), ours and FA4's: summaries and profiling.hotspots tables next to the logs
 #   ncu       [420] Nsight Compute (full set) of the backward main kernel, ours and FA4's, d128 / d256, causal and
@@ -96,6 +100,14 @@ for s in $steps; do
             && ${NCU:-ncu} --import $d/profile.ncu-rep --page source --csv --print-source sass > $d/src.csv \
             && python3 -m profiling.hotspots $d/src.csv --top 60 > "'"$out"'/hotspots-$impl.txt"; done'
          head -n 40 "$out"/hotspots-*.txt 2>/dev/null ;;
+    serving) step serving 240 python3 -m pytest -q -n 8 -p no:cacheprovider -rf tests/test_kvcache_gpu.py \
+            tests/test_sm90_kvcache.py tests/test_sm80_kvcache.py tests/test_sm80_kvcache_features.py \
+            tests/test_sm80_kvcache_fp8.py tests/test_decode.py tests/test_split_kv.py tests/test_mods_gpu.py ;;
+    decode) step decode 240 bash -c "python3 -m profiling.decode_benchmark --graphs --impls cute,sdpa,fa4 --fp8 \
+            --batches 1,8,64 --contexts 4096,32768 --pages 0,16,128 && python3 -m profiling.kvcache_configs --cache bf16 \
+            --batches 1,2 --contexts 4096,32768 --pages 0 && python3 -m profiling.kvcache_configs --cache fp8 \
+            --batches 8 --contexts 32768 --pages 0"
+          grep -v -i warn "$out/decode.log" | tail -n 50 ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -33,11 +33,16 @@ def test_model_step_usage_errors(argv):
 def test_decode_benchmark_grid_and_bytes():
     args = decode_benchmark.parse_args(["--batches", "8", "--contexts", "32768", "--pages", "0,16"])
     assert args.batches == [8] and args.contexts == [32768] and args.pages == [0, 16]
+    assert args.splits == [] and not args.kernels
+    args = decode_benchmark.parse_args(["--splits", "8,16", "--kernels"])
+    assert args.splits == [8, 16] and args.kernels
     # 8 x 32k keys, 8 KV heads, d128, bf16: K and V are 1 GiB together
     assert decode_benchmark.cache_bytes(8, 32768, 8, 128, 2) == 2**30
 
 
-@pytest.mark.parametrize("argv", [["--pages", "-1"], ["--impls", "flashinfer"], ["--contexts", "x"]])
+@pytest.mark.parametrize(
+    "argv", [["--pages", "-1"], ["--impls", "flashinfer"], ["--contexts", "x"], ["--splits", "-2"]]
+)
 def test_decode_benchmark_usage_errors(argv):
     with pytest.raises(SystemExit) as e:
         decode_benchmark.parse_args(argv)
