@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
@@ -42,6 +42,8 @@ def attention(
     deterministic: bool = False,
     softcap: float = 0.0,
     learnable_sink: Optional[torch.Tensor] = None,
+    score_mod: Optional[Callable] = None,
+    mask_mod: Optional[Callable] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention softmax(q kᵀ · scale + mask) v on a CUDA GPU, by the kernel family that serves it.
 
@@ -75,7 +77,19 @@ def attention(
     deterministic: the backward sums dQ (and, under GQA/MQA, dK and dV) in a fixed order, so that repeated runs give
     bitwise-equal gradients (slower: see docs/performance.md). Families whose backward cannot do that raise
     NotImplementedError when gradients are needed.
+
+    score_mod(score, b, h, q_idx, kv_idx) -> score and mask_mod(b, h, q_idx, kv_idx) -> bool (FlexAttention's
+    callables, on the scaled score; docs/mods.md says what they may contain): experimental, forward only, and off
+    unless CUTE_FLASH_EXPERIMENTAL_MODS=1 (their kernels have not run on a GPU yet: NotImplementedError otherwise).
     """
+    if score_mod is not None or mask_mod is not None:
+        if dtype is not None or descale is not None or softcap or learnable_sink is not None or deterministic:
+            raise NotImplementedError(
+                "score_mod / mask_mod do not combine with dtype, descale, softcap, learnable_sink or deterministic"
+            )
+        from .mods.call import attention_mods
+
+        return attention_mods(q, k, v, score_mod, mask_mod, causal, softmax_scale, window_size, return_lse)
     return call.dense(
         q, k, v, causal, softmax_scale, window_size, deterministic, softcap, learnable_sink, return_lse, dtype,
         fp8_rotate, descale,
@@ -93,5 +107,10 @@ def explain(q, k, v, capability, **call) -> Explanation:
     v may be CPU or meta tensors (only their shapes and dtypes are used). CUTE_FLASH_ARCH applies as in `attention`.
     """
     given = None if capability is None else parse_capability(capability)
+    mods = call.pop("score_mod"), call.pop("mask_mod")
     problem = validate(q, k, v, **call, any_device=given is not None)
+    if mods != (None, None):
+        from .mods.call import mods_problem
+
+        problem, _ = mods_problem(problem, *mods)
     return Explanation.of(problem, gpu.capability(q) if given is None else given, call["deterministic"])

@@ -19,8 +19,8 @@ UNBOUNDED_WINDOW = 1 << 30
 
 
 def op_window_bound(w: Optional[int]) -> Optional[int]:
-    """A window bound as a custom op's int64 argument: any bound beyond +-UNBOUNDED_WINDOW means the same as that."""
-    return None if w is None else max(-UNBOUNDED_WINDOW, min(int(w), UNBOUNDED_WINDOW))
+    """A window bound as a custom op's int64 argument (None: unbounded): clamped as `normalize_mask` clamps it."""
+    return None if w is None else _clamp_bound(w)
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,16 @@ class AttentionSpec:
     @property
     def local(self) -> bool:
         return self.mask == "local"
+
+
+@dataclass(frozen=True)
+class ModsSpec(AttentionSpec):
+    """An AttentionSpec with a score_mod and / or a mask_mod (cute_flash/mods): their traced graphs' keys
+    (ModGraph.key: the operations and the tables' types, not the tables' values) change generated code. A class of
+    its own, so that the plain specs' keys stay as they are."""
+
+    score_mod: Optional[tuple] = None
+    mask_mod: Optional[tuple] = None
 
 
 @dataclass(frozen=True)

@@ -52,3 +52,36 @@ def test_mod_probes_compile_for_sm90_and_sm80():
         for name, r in reports.items():
             assert r["spill_bytes"] == 0, (target, r)
             assert r["loads"] == WANT_LOADS[name], (target, r)
+
+
+_ATTENTION = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["CUTE_DSL_ARCH"] = sys.argv[1]
+    from cute_flash.arch.sm80.build import compile_forward
+    from cute_flash.mods import trace_mask_mod, trace_score_mod
+    from cute_flash.spec import ModsSpec
+    import tests.test_mods as T
+
+    for score, mask in json.loads(sys.argv[2]):
+        spec = ModsSpec("bf16", 128, 128, "none", "bf16",
+                        score_mod=trace_score_mod(getattr(T, score)).key if score else None,
+                        mask_mod=trace_mask_mod(getattr(T, mask)).key if mask else None)
+        cf = compile_forward(spec, sys.argv[1])
+        print(json.dumps(dict(score=score, mask=mask, kept=cf.tried[-1], tanh=cf.ptx.count("tanh"))), flush=True)
+    """
+)
+
+
+def test_mods_attention_kernels_compile_spill_free():
+    """The sm80 forward with score_mod / mask_mod (arch/sm80/flash_fwd_mods.py), for sm_90a (the family on Hopper)
+    and sm_80: the tile search keeps a spill-free build for each pair."""
+    for target, pairs in (("sm_90a", [["alibi", "causal"], ["t5_bias", "document"]]), ("sm_80", [["softcap30",
+                          "sliding"]])):  # fmt: skip
+        done = subprocess.run([sys.executable, "-c", _ATTENTION, target, json.dumps(pairs)], cwd=REPO,
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        reports = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+        assert [[r["score"], r["mask"]] for r in reports] == pairs
+        for r in reports:
+            assert r["kept"]["stack_frame_bytes"] == 0, (target, r)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import cute_flash
 from cute_flash.mods import trace_mask_mod, trace_score_mod
 from cute_flash.mods.graph import evaluate
 from cute_flash.mods.probe import run_probe
@@ -41,3 +42,54 @@ def test_probe_matches_the_graph(fn):
         torch.testing.assert_close(got.double(), want.double(), rtol=2e-6, atol=2e-6)
     else:
         assert torch.equal(got.bool(), want)
+
+
+def _attention_case(d, causal, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    b, s, h, hk = examples.B, examples.SQ, examples.H, 2
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+
+    return randn(b, s, h, d), randn(b, s, hk, d), randn(b, s, hk, d)
+
+
+def _cuda_mod(fn, monkeypatch):
+    """The example with its tables on the GPU (the tables are module attributes the callables read)."""
+    for name in ("SLOPES", "T5_TABLE", "DOC", "PREFIX", "RANDOM_BLOCKS"):
+        monkeypatch.setattr(examples, name, getattr(examples, name).cuda())
+    return fn
+
+
+@pytest.mark.parametrize(
+    "score, mask",
+    [
+        ("alibi", None),
+        (None, "causal"),
+        ("t5_bias", "document"),
+        ("softcap30", "sliding"),
+        (None, "prefix_lm"),
+        ("alibi", "random_blocks"),
+    ],  # fmt: skip
+)
+@pytest.mark.parametrize("d, causal", [(64, False), (128, True)])
+def test_attention_with_mods_against_float64(monkeypatch, score, mask, d, causal):
+    """FlashAttention's rule against the float64 reference: |out - ref| <= 2 |out_torch_bf16 - ref| + 1e-5, with the
+    callables applied by the reference itself (not through their graphs); GQA 4 / 2, odd length 77."""
+    from cute_flash.mods.call import ENV_GATE
+    from cute_flash.mods.reference import attention_mods_reference
+
+    monkeypatch.setenv(ENV_GATE, "1")
+    score_mod = _cuda_mod(getattr(examples, score), monkeypatch) if score else None
+    mask_mod = _cuda_mod(getattr(examples, mask), monkeypatch) if mask else None
+    q, k, v = _attention_case(d, causal, seed=hash((score, mask, d)) % 1000)
+    kw = dict(score_mod=score_mod, mask_mod=mask_mod, causal=causal)
+    with torch.no_grad():
+        out, lse = cute_flash.attention(q, k, v, return_lse=True, **kw)
+        ref, ref_lse = attention_mods_reference(q, k, v, return_lse=True, **kw)
+        same = attention_mods_reference(q, k, v, compute_dtype=torch.bfloat16, **kw)
+    tol = 2 * (same.double() - ref).abs().max().item() + 1e-5
+    assert (out.double() - ref).abs().max().item() <= tol
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-3, rtol=1e-4)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .. import compile_cache
 from ..common.block_info import BlockInfo
-from ..spec import AttentionSpec
+from ..spec import AttentionSpec, ModsSpec
 from ..problem import KVCACHE_MAX_SPLITS  # noqa: F401  (the KV-cache families read it here)
 from ..validation import Problem
 
@@ -29,7 +29,7 @@ MAX_SPLITS = 64
 
 def splittable(spec: AttentionSpec) -> bool:
     """Whether calls of `spec` may run split (a family's split build exists): fp16 / bf16 on dense tensors."""
-    return spec.dtype in ("fp16", "bf16") and not spec.varlen
+    return spec.dtype in ("fp16", "bf16") and not spec.varlen and not isinstance(spec, ModsSpec)
 
 
 def num_splits(problem: Problem, tile_m: int, tile_n: int, sm_count: int, min_splits: int = 0) -> int:

@@ -10,7 +10,7 @@ import torch
 
 from ... import compile_cache
 from ...census import read_artifacts
-from ...spec import AttentionSpec
+from ...spec import AttentionSpec, ModsSpec
 from ...validation import Problem, kernel_view
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact
 from ..base import launcher_through_backward, launcher_through_forward, prepare_build
@@ -124,6 +124,8 @@ class _Backend(BackendBase):
         return cfgmod.FP8_KV_SCALE_KEYS
 
     def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
+        if isinstance(spec, ModsSpec):
+            return "no score_mod / mask_mod kernel in this family yet (the sm80 family's forward serves them)"
         if backward:
             return (
                 "there is no sm100 backward kernel yet (the router sends a Blackwell GPU's backward to the sm80 family)"

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ... import compile_cache
-from ...spec import AttentionSpec
+from ...spec import AttentionSpec, ModsSpec
 from ...validation import KvCacheProblem, Problem, VarlenProblem, kernel_view
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, PackedSeqs
 from ..base import BackendBase, BoundForward, KvCacheTensors, SplitForward, launch_packed_forward
@@ -39,6 +39,11 @@ def forward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
             return f"{name} {d} is not supported by the sm80 forward (multiples of 8 up to {MAX_HEAD_DIM})"
     if spec.mask not in ("none", "causal", "local"):
         return f"unknown mask kind {spec.mask!r}"
+    if isinstance(spec, ModsSpec):
+        if spec.varlen or spec.kvcache:
+            return "score_mod / mask_mod have a dense forward only (no packed sequences, no KV cache)"
+        if spec.softcap or spec.sink:
+            return "score_mod / mask_mod do not combine with softcap or sinks yet (write softcap as a score_mod)"
     return None
 
 
@@ -124,6 +129,22 @@ class _Backend(BackendBase):
             split = self._forward_kernel(spec, target, split=True)
             return SplitForward(split, split_kv.combine_kernel(spec, target), problem, splits)
         return BoundForward(self._forward_kernel(spec, target), problem)
+
+    def forward_mods(self, q, k, v, out, lse, problem: Problem, tables: List[torch.Tensor]) -> None:
+        """The dense forward of a ModsSpec (score_mod / mask_mod, flash_fwd_mods.py): tables are the graphs' captured
+        tensors as the kernel stores them (cute_flash/mods/call.py)."""
+        spec = problem.spec
+        reason = forward_unsupported_reason(spec)
+        if reason is None and not isinstance(spec, ModsSpec):
+            reason = "forward_mods needs a ModsSpec"
+        if reason is not None:
+            raise NotImplementedError(reason)
+        from .flash_fwd_mods import MAX_TABLES
+
+        kernel = self._forward_kernel(spec, compile_cache.runtime_target(q.device))
+        q, k, v, out = (kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out)))
+        scalars = (float(problem.softmax_scale), int(problem.mask.left), int(problem.mask.right))
+        kernel(q, k, v, out, lse, *scalars, *tables, *([None] * (MAX_TABLES - len(tables))))
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
         q, k, v, out, lse = t[:5]

@@ -13,8 +13,8 @@ from typing import Callable, Dict, List, Optional
 from ... import compile_cache
 from ...census import cubin_resources
 from ...common.dsl_types import dsl_dtype
-from ...common.fake_tensors import fake_f32, fake_feature_args, fake_operand, fake_packed_forward_args
-from ...spec import AttentionSpec
+from ...common.fake_tensors import fake_f32, fake_feature_args, fake_operand, fake_packed_forward_args, fake_tensor
+from ...spec import AttentionSpec, ModsSpec
 from .tile_config import FwdTileConfig, fwd_tile_candidates
 
 
@@ -36,6 +36,8 @@ def build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str, sequse
     from .flash_fwd import Sm80FlashForward
 
     dtype = dsl_dtype(spec.dtype)
+    if isinstance(spec, ModsSpec):
+        return build_forward_mods(spec, tile, options)
     if spec.varlen:
         return build_forward_packed(spec, tile, options, seqused)
     batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
@@ -57,6 +59,35 @@ def build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str, sequse
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0))
     return cute.compile(entry, q, k, v, out, lse, *scalars, *features, stream, options=options)
+
+
+def build_forward_mods(spec, tile: FwdTileConfig, options: str):
+    """The dense forward with a score_mod / mask_mod (flash_fwd_mods.py): the `mods` entry, whose tables a0 .. a3
+    are fake tensors of the graphs' read types and ranks (None past them)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .flash_fwd_mods import MAX_TABLES, Sm80ModsForward, graph_of
+
+    dtype = dsl_dtype(spec.dtype)
+    batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
+    q = fake_operand(dtype, (batch, seqlen_q, heads, spec.head_dim))
+    k = fake_operand(dtype, (batch, seqlen_k, heads_kv, spec.head_dim))
+    v = fake_operand(dtype, (batch, seqlen_k, heads_kv, spec.head_dim_v))
+    out = fake_operand(dtype, (batch, seqlen_q, heads, spec.head_dim_v))
+    lse = fake_f32((batch, heads, seqlen_q))
+    storage = {"f32": cutlass.Float32, "i32": cutlass.Int32, "bool": cutlass.Uint8}
+    tables = []
+    for key in (spec.score_mod, spec.mask_mod):
+        graph = graph_of(key)
+        for read, ndim in graph.aux_types if graph is not None else ():
+            shape = tuple(cute.sym_int() for _ in range(max(ndim, 1)))
+            tables.append(fake_tensor(storage[read], shape, 1, max(1, storage[read].width // 8)))
+    tables += [None] * (MAX_TABLES - len(tables))
+    kernel = Sm80ModsForward(spec, tile)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0))
+    return cute.compile(kernel.mods, q, k, v, out, lse, *scalars, *tables, stream, options=options)
 
 
 def build_forward_packed(spec: AttentionSpec, tile: FwdTileConfig, options: str, seqused: bool):

@@ -182,10 +182,12 @@ class FwdParams(NamedTuple):
 
 class FwdFeatures(NamedTuple):
     """The runtime values of spec.softcap / spec.sink builds (None where the build has no such feature): the scores'
-    factor before the tanh (common/softcap.py) and the (rows, h) fp32 sink view (arch/base.py)."""
+    factor before the tanh (common/softcap.py) and the (rows, h) fp32 sink view (arch/base.py); mods: the score_mod
+    / mask_mod build's softmax_scale and tables (flash_fwd_mods.py)."""
 
     pre_tanh: object = None
     mSink: object = None
+    mods: object = None
 
 
 class Sm80FlashForward(FwdEntries):
@@ -446,6 +448,7 @@ class Sm80FlashForward(FwdEntries):
         step = _BlockStep(
             self, tiled_mma, thr_mma, kv, softmax, acc_O, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt,
             smem_copy_Q, smem_copy_K, smem_copy_V, tScS_rc, t0ScS_rc, info, m_block, n_block_min, features.pre_tanh,
+            self.score_context(features, head, seq),
         )  # fmt: skip
 
         # ---- main loop over KV blocks, last to first ------------------------------------------------------------
@@ -472,6 +475,17 @@ class Sm80FlashForward(FwdEntries):
             )  # fmt: skip
 
     # ---- hooks: what a subclass (the KV-cache forward, flash_fwd_kvcache.py) replaces ---------------------------
+    def score_context(self, features, head, seq: SeqRows):
+        """What `modify_scores` reads besides the tile (None here; the score_mod / mask_mod build's indices and
+        tables, flash_fwd_mods.py)."""
+        return None
+
+    def modify_scores(self, acc_S: cute.Tensor, n_block: Int32, step: "_BlockStep"):
+        """What happens to a tile's raw scores before the mask: soft-capping where spec.softcap (common/softcap.py),
+        nothing otherwise."""
+        if cutlass.const_expr(step.pre_tanh is not None):
+            apply_softcap(acc_S, step.pre_tanh)  # before the mask: masked scores stay -inf
+
     def block_info(self, seq: SeqRows, window_left, window_right, tidx, m_block, tiled_mma, ctx):
         """Which key tiles the query tile visits and which need masking (common/block_info.py)."""
         return BlockInfo(self.tile_m, self.tile_n, self.mask, seq.seqlen_q, seq.seqlen_k, window_left, window_right)
@@ -705,6 +719,7 @@ class _BlockStep:
     m_block: Int32
     n_block_min: Int32
     pre_tanh: object = None  # spec.softcap: softmax_scale / softcap, the scores' factor before the tanh
+    score_ctx: object = None  # Sm80FlashForward.score_context: what modify_scores reads besides the tile
 
     @cute.jit
     def _wait_stage(self):
@@ -761,8 +776,7 @@ class _BlockStep:
             v_stage = self.kv.convert_V(read_stage)
             self._load_next_K(n_block, read_stage)
 
-        if cutlass.const_expr(self.pre_tanh is not None):
-            apply_softcap(acc_S, self.pre_tanh)  # before the mask: masked scores stay -inf
+        self.k.modify_scores(acc_S, n_block, self)
         if cutlass.const_expr(mask_seqlen or (mask_window and self.info.has_right_bound)):
             self.k.mask_scores(
                 rows_cols_view(acc_S),

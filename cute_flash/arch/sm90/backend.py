@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ... import compile_cache
-from ...spec import AttentionSpec
+from ...spec import AttentionSpec, ModsSpec
 from ...validation import KvCacheProblem, PackedSeqs, Problem, VarlenProblem
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, KvCacheTensors
 from ..base import BoundForward, SplitForward, launch_packed_forward, launcher_through_forward, prepare_build
@@ -113,6 +113,8 @@ class _Backend(BackendBase):
         return _bwd().kernel_dims(spec)
 
     def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
+        if isinstance(spec, ModsSpec):
+            return "no score_mod / mask_mod kernel in this family yet (the sm80 family's forward serves them)"
         if spec.kvcache:
             if backward:
                 return "the KV-cache forward (attention_with_kvcache) has no backward"

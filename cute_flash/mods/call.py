@@ -1,0 +1,85 @@
+"""`cute_flash.attention(..., score_mod=..., mask_mod=...)`: the call path of attention with FlexAttention-style
+callables, forward only, eager only, on the sm80 family's dense forward (arch/sm80/flash_fwd_mods.py; every GPU
+runs it, Hopper and Blackwell by the router's fallback).
+
+Experimental: the kernels are cross-compiled and census-checked on the CPU but have not run on a GPU yet, so a call
+raises NotImplementedError unless CUTE_FLASH_EXPERIMENTAL_MODS=1. What the callables may contain: mods/graph.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from ..core import device as gpu
+from ..spec import AttentionSpec, ModsSpec
+from ..validation import validate
+from .graph import BOOL, F32, ModGraph, trace_mask_mod, trace_score_mod
+
+ENV_GATE = "CUTE_FLASH_EXPERIMENTAL_MODS"
+MAX_TABLES = 4  # arch/sm80/flash_fwd_mods.MAX_TABLES (not imported: that module imports cutlass)
+_STORAGE = {F32: torch.float32, BOOL: torch.uint8}
+
+
+def _tables(graphs: List[Optional[ModGraph]], device: torch.device) -> List[torch.Tensor]:
+    """The graphs' captured tensors as the kernel reads them: float32 / int32 / uint8 (booleans), contiguous, a
+    scalar as a 1-element vector; they must live on q's device (no silent copies)."""
+    out = []
+    for graph in graphs:
+        for t, (read, _) in zip(graph.aux if graph is not None else (), graph.aux_types if graph is not None else ()):
+            if t.device != device:
+                raise ValueError(f"a tensor the score_mod / mask_mod reads is on {t.device}, q on {device}")
+            stored = t.to(torch.uint8) if read == BOOL else t.to(_STORAGE.get(read, torch.int32))
+            out.append(stored.contiguous().reshape(t.shape or (1,)))
+    if len(out) > MAX_TABLES:
+        raise NotImplementedError(f"score_mod and mask_mod read {len(out)} captured tensors; at most {MAX_TABLES}")
+    return out
+
+
+def mods_problem(problem, score_mod: Optional[Callable], mask_mod: Optional[Callable]):
+    """(the problem with its ModsSpec, [score graph, mask graph]) of a validated dense problem (also `explain`'s)."""
+    score_graph = trace_score_mod(score_mod) if score_mod is not None else None
+    mask_graph = trace_mask_mod(mask_mod) if mask_mod is not None else None
+    base = {f.name: getattr(problem.spec, f.name) for f in dataclasses.fields(AttentionSpec)}
+    spec = ModsSpec(
+        **base,
+        score_mod=score_graph.key if score_graph is not None else None,
+        mask_mod=mask_graph.key if mask_graph is not None else None,
+    )
+    return dataclasses.replace(problem, spec=spec), [score_graph, mask_graph]
+
+
+def attention_mods(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score_mod: Optional[Callable],
+    mask_mod: Optional[Callable],
+    causal: bool,
+    softmax_scale: Optional[float],
+    window_size: Tuple[Optional[int], Optional[int]],
+    return_lse: bool,
+):
+    if os.environ.get(ENV_GATE) != "1":
+        raise NotImplementedError(
+            "score_mod / mask_mod: the sm80 kernels are built and cross-compiled but have not run on a GPU yet; set "
+            f"{ENV_GATE}=1 to try them (forward only, eager), or use cute_flash.mods.reference."
+            "attention_mods_reference"
+        )
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("score_mod / mask_mod are not traceable by torch.compile yet (no custom op)")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError("score_mod / mask_mod have no backward yet: call under torch.no_grad()")
+    problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=None)
+    problem, graphs = mods_problem(problem, score_mod, mask_mod)
+    tables = _tables(graphs, q.device)
+    backend = gpu.route(problem.spec, q, backward=False)
+    b, sq, h, _ = q.shape
+    out = q.new_empty(b, sq, h, v.shape[-1])
+    lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
+    with gpu.guard(q):
+        backend.forward_mods(q, k, v, out, lse, problem, tables)
+    return (out, lse) if return_lse else out
