@@ -79,7 +79,7 @@ def attention(
     NotImplementedError when gradients are needed.
 
     score_mod(score, b, h, q_idx, kv_idx) -> score and mask_mod(b, h, q_idx, kv_idx) -> bool (FlexAttention's
-    callables, on the scaled score; docs/mods.md says what they may contain): experimental, forward only, and off
+    callables, on the scaled score; docs/mods.md says what they may contain): experimental, eager only, and off
     unless CUTE_FLASH_EXPERIMENTAL_MODS=1 (their kernels have not run on a GPU yet: NotImplementedError otherwise).
     """
     if score_mod is not None or mask_mod is not None:

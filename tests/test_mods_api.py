@@ -24,6 +24,9 @@ class _Recorder:
     def forward_mods(self, q, k, v, out, lse, problem, tables):
         self.calls.append((problem, tables))
 
+    def backward_mods(self, t, grads, problem, tables):
+        self.calls.append(("backward", problem, tables))
+
 
 @pytest.fixture
 def backend(monkeypatch):
@@ -88,10 +91,19 @@ def test_what_does_not_combine_is_refused(backend, kwargs, match):
         cute_flash.attention(q, k, v, score_mod=examples.alibi, **kwargs)
 
 
-def test_gradients_and_foreign_tables_are_refused(backend):
+def test_gradients_go_through_one_node_to_the_backward_with_the_tables(backend, monkeypatch):
+    monkeypatch.setattr(examples, "SLOPES", examples.SLOPES.to("meta"))
     q, k, v = (t.requires_grad_() for t in _qkv())
-    with pytest.raises(NotImplementedError, match="no backward"):
-        cute_flash.attention(q, k, v, mask_mod=examples.causal)
+    out, lse = cute_flash.attention(q, k, v, score_mod=examples.alibi, return_lse=True)
+    assert out.requires_grad and lse.requires_grad
+    dq, dk, dv = torch.autograd.grad((out.sum(), lse.sum()), (q, k, v))
+    (problem, tables), (tag, problem_b, tables_b) = backend.calls
+    assert tag == "backward" and problem_b is problem and len(tables_b) == len(tables) == 1
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_foreign_tables_and_unsupported_callables_are_refused(backend):
+    q, k, v = _qkv()
     with torch.no_grad():
         with pytest.raises(ValueError, match="is on cpu"):
             cute_flash.attention(q, k, v, score_mod=examples.alibi)  # SLOPES lives on the CPU, q on meta
@@ -103,4 +115,8 @@ def test_gradients_and_foreign_tables_are_refused(backend):
 def test_explain_routes_mods_to_the_sm80_family_everywhere(capability):
     q, k, v = _qkv(device="cpu")
     e = cute_flash.explain(q, k, v, mask_mod=examples.causal, capability=capability)
-    assert e.forward.family == "sm80", e
+    assert e.forward.family == "sm80" and e.backward.family == "sm80", e
+    # The backward takes head_dim == head_dim_v, a multiple of 32.
+    q, k, v = _qkv(d=72, device="cpu")
+    e = cute_flash.explain(q, k, v, mask_mod=examples.causal, capability=capability)
+    assert e.forward.family == "sm80" and e.backward.family is None, e

@@ -1,6 +1,6 @@
 """`cute_flash.attention(..., score_mod=..., mask_mod=...)`: the call path of attention with FlexAttention-style
-callables, forward only, eager only, on the sm80 family's dense forward (arch/sm80/flash_fwd_mods.py; every GPU
-runs it, Hopper and Blackwell by the router's fallback).
+callables, eager only, on the sm80 family's dense forward and backward (arch/sm80/flash_fwd_mods.py,
+flash_bwd_mods.py; every GPU runs them, Hopper and Blackwell by the router's fallback).
 
 Experimental: the kernels are cross-compiled and census-checked on the CPU but have not run on a GPU yet, so a call
 raises NotImplementedError unless CUTE_FLASH_EXPERIMENTAL_MODS=1. What the callables may contain: mods/graph.py.
@@ -17,10 +17,9 @@ import torch
 from ..core import device as gpu
 from ..spec import AttentionSpec, ModsSpec
 from ..validation import validate
-from .graph import BOOL, F32, ModGraph, trace_mask_mod, trace_score_mod
+from .graph import BOOL, F32, MAX_TABLES, ModGraph, trace_mask_mod, trace_score_mod
 
 ENV_GATE = "CUTE_FLASH_EXPERIMENTAL_MODS"
-MAX_TABLES = 4  # arch/sm80/flash_fwd_mods.MAX_TABLES (not imported: that module imports cutlass)
 _STORAGE = {F32: torch.float32, BOOL: torch.uint8}
 
 
@@ -66,20 +65,53 @@ def attention_mods(
     if os.environ.get(ENV_GATE) != "1":
         raise NotImplementedError(
             "score_mod / mask_mod: the sm80 kernels are built and cross-compiled but have not run on a GPU yet; set "
-            f"{ENV_GATE}=1 to try them (forward only, eager), or use cute_flash.mods.reference."
+            f"{ENV_GATE}=1 to try them (eager only), or use cute_flash.mods.reference."
             "attention_mods_reference"
         )
     if torch.compiler.is_compiling():
         raise NotImplementedError("score_mod / mask_mod are not traceable by torch.compile yet (no custom op)")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise NotImplementedError("score_mod / mask_mod have no backward yet: call under torch.no_grad()")
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=None)
     problem, graphs = mods_problem(problem, score_mod, mask_mod)
     tables = _tables(graphs, q.device)
     backend = gpu.route(problem.spec, q, backward=False)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        gpu.route(problem.spec, q, backward=True)  # refuses before the forward where no backward serves it
+        out, lse = _ModsAttention.apply(q, k, v, problem, backend, *tables)
+    else:
+        out, lse = _forward(q, k, v, problem, backend, tables)
+    return (out, lse) if return_lse else out
+
+
+def _forward(q, k, v, problem, backend, tables):
     b, sq, h, _ = q.shape
     out = q.new_empty(b, sq, h, v.shape[-1])
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
     with gpu.guard(q):
         backend.forward_mods(q, k, v, out, lse, problem, tables)
-    return (out, lse) if return_lse else out
+    return out, lse
+
+
+class _ModsAttention(torch.autograd.Function):
+    """The autograd node of a score_mod / mask_mod call: the sm80 forward and backward (flash_fwd_mods.py,
+    flash_bwd_mods.py) with the call's tables; lse is differentiable (its gradient folds into D)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, problem, backend, *tables):
+        out, lse = _forward(q, k, v, problem, backend, list(tables))
+        ctx.save_for_backward(q, k, v, out, lse, *tables)
+        ctx.problem = problem
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from ..arch.base import BwdTensors, Grads
+
+        q, k, v, out, lse, *tables = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        grads = Grads(torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        backend = gpu.route(ctx.problem.spec, q, backward=True)
+        with gpu.guard(q):
+            backend.backward_mods(BwdTensors(dout, q, k, v, out, lse, dlse), grads, ctx.problem, tables)
+        return (grads.dq, grads.dk, grads.dv, None, None, *([None] * len(tables)))

@@ -39,6 +39,7 @@ F32, I32, BOOL = "f32", "i32", "bool"
 SCORE_INPUTS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_INPUTS = ("b", "h", "q_idx", "kv_idx")
 _INPUT_TYPES = {"score": F32, "b": I32, "h": I32, "q_idx": I32, "kv_idx": I32}
+MAX_TABLES = 4  # captured tensors a kernel takes per call (score_mod's and mask_mod's together)
 
 
 class ModError(TypeError):
@@ -498,7 +499,8 @@ def score_derivative(graph: ModGraph) -> ModGraph:
         val.append(v)
         der.append(d)
     out = der[-1] if der[-1] is not None else tracer.const(0.0)
-    return _prune(tracer, tracer.cast(tracer.lift(out), F32), "score")
+    # The score_mod's tables in its slots: a kernel passes one list of tables to both graphs.
+    return _prune(tracer, tracer.cast(tracer.lift(out), F32), "score", keep_tables=True)
 
 
 def _apply(tracer: _Tracer, op: str, xs: List[Sym]) -> Sym:
@@ -562,9 +564,9 @@ def _chain(tracer: _Tracer, op: str, xs: List[Sym], ds: List[Optional[Sym]], v: 
     raise ModError(f"{op} of the score has no derivative here")
 
 
-def _prune(tracer: _Tracer, out: Sym, kind: str) -> ModGraph:
+def _prune(tracer: _Tracer, out: Sym, kind: str, keep_tables: bool = False) -> ModGraph:
     """The nodes `out` depends on, in order and renumbered (a callable may compute values it drops), and the captured
-    tensors they read, renumbered in first-read order."""
+    tensors they read, renumbered in first-read order (keep_tables: all of the tracer's, in its slots)."""
     live = {out.index}
     for i in range(out.index, -1, -1):
         if i in live:
@@ -572,6 +574,8 @@ def _prune(tracer: _Tracer, out: Sym, kind: str) -> ModGraph:
     order = sorted(live)
     remap = {old: new for new, old in enumerate(order)}
     nodes = tuple(_renumber(tracer.nodes[i], remap) for i in order)
+    if keep_tables:
+        return ModGraph(kind, nodes, tuple(tracer.aux), tuple(tracer.aux_types))
     used = list(dict.fromkeys(n.args[0] for n in nodes if n.op == "load"))
     slot = {old: new for new, old in enumerate(used)}
     nodes = tuple(Node("load", (slot[n.args[0]], *n.args[1:]), n.type) if n.op == "load" else n for n in nodes)

@@ -12,10 +12,9 @@ from typing import Optional
 
 import torch
 
-from .graph import ModGraph
+from .graph import MAX_TABLES, ModGraph
 
 THREADS = 128
-MAX_AUX = 4
 _AUX_DTYPES = {torch.float32: "Float32", torch.float16: "Float16", torch.bfloat16: "BFloat16", torch.int32: "Int32",
                torch.int64: "Int64", torch.int8: "Int8", torch.uint8: "Uint8", torch.bool: "Uint8",
                torch.int16: "Int16", torch.float64: "Float64"}  # fmt: skip
@@ -70,7 +69,7 @@ def _fake_args(graph: ModGraph):
         shape = tuple(cute.sym_int() for _ in range(max(t.dim(), 1)))
         strides = tuple(cute.sym_int64() for _ in shape[:-1]) + (1,)
         aux.append(cute.runtime.make_fake_tensor(dtype, shape, strides, assumed_align=max(1, dtype.width // 8)))
-    aux += [None] * (MAX_AUX - len(aux))
+    aux += [None] * (MAX_TABLES - len(aux))
     out = vec(cutlass.Float32 if graph.kind == "score" else cutlass.Uint8)
     ints = [vec(cutlass.Int32) for _ in range(4)]
     return (vec(cutlass.Float32), *ints, out, *aux, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
@@ -84,8 +83,8 @@ def compile_probe(graph: ModGraph, target: str, extra_options: str = ""):
 
     from .. import compile_cache
 
-    if len(graph.aux) > MAX_AUX:
-        raise ValueError(f"the probe takes at most {MAX_AUX} captured tensors, the graph reads {len(graph.aux)}")
+    if len(graph.aux) > MAX_TABLES:
+        raise ValueError(f"the probe takes at most {MAX_TABLES} captured tensors, the graph reads {len(graph.aux)}")
     for t in graph.aux:
         if t.dtype not in _AUX_DTYPES:
             raise ValueError(f"a captured tensor of dtype {t.dtype} cannot be passed to a kernel")
@@ -107,5 +106,5 @@ def run_probe(graph: ModGraph, score: Optional[torch.Tensor], b, h, q_idx, kv_id
         (t.view(torch.uint8) if t.dtype == torch.bool else t).contiguous().reshape(t.shape or (1,)) for t in graph.aux
     ]
     fn = compile_probe(graph, compile_cache.runtime_target(dev))
-    fn(s, *vec, out, *aux, *([None] * (MAX_AUX - len(aux))))
+    fn(s, *vec, out, *aux, *([None] * (MAX_TABLES - len(aux))))
     return out

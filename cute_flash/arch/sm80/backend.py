@@ -139,12 +139,22 @@ class _Backend(BackendBase):
             reason = "forward_mods needs a ModsSpec"
         if reason is not None:
             raise NotImplementedError(reason)
-        from .flash_fwd_mods import MAX_TABLES
+        from ...mods.graph import MAX_TABLES
 
         kernel = self._forward_kernel(spec, compile_cache.runtime_target(q.device))
         q, k, v, out = (kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out)))
         scalars = (float(problem.softmax_scale), int(problem.mask.left), int(problem.mask.right))
         kernel(q, k, v, out, lse, *scalars, *tables, *([None] * (MAX_TABLES - len(tables))))
+
+    def backward_mods(self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor]) -> None:
+        """The backward of `forward_mods` (flash_bwd_mods.py), with the same tables."""
+        spec = problem.spec
+        reason = self.unsupported_reason(spec, backward=True)
+        if reason is None and not isinstance(spec, ModsSpec):
+            reason = "backward_mods needs a ModsSpec"
+        if reason is not None:
+            raise NotImplementedError(reason)
+        _backward_module().backward_launcher(problem, t.q.device)(t, grads, tables)
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:
         q, k, v, out, lse = t[:5]

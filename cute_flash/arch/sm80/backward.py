@@ -29,7 +29,8 @@ from typing import Callable, List, Optional
 import torch
 
 from ... import compile_cache
-from ...spec import AttentionSpec
+from ...mods.graph import MAX_TABLES
+from ...spec import AttentionSpec, ModsSpec
 from ...validation import Problem, VarlenProblem, kernel_view
 from ..base import BwdTensors, Grads, KernelArtifact, PackedSeqs, fold_lse_grad, fold_lse_grad_packed, sink_grad
 from ..padded_head_dims import padded_launcher, widened_problem, widened_spec
@@ -52,6 +53,8 @@ def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
         return f"the sm80 backward supports fp16 and bf16 inputs, not {spec.dtype}"
     if spec.out_dtype != spec.dtype:
         return f"the sm80 backward needs out_dtype equal to the input dtype ({spec.dtype}), got {spec.out_dtype}"
+    if isinstance(spec, ModsSpec) and (spec.varlen or spec.head_dim != spec.head_dim_v or spec.head_dim % 32):
+        return "score_mod / mask_mod have a dense backward at head_dim == head_dim_v, a multiple of 32, only"
     width = kernel_width(spec)
     if width % 32 != 0 or not 0 < width <= _MAX_HEAD_DIM:
         dims = f"{spec.head_dim}" if spec.head_dim == spec.head_dim_v else f"({spec.head_dim}, {spec.head_dim_v})"
@@ -65,6 +68,13 @@ def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
 def kernel_width(spec: AttentionSpec) -> int:
     """The head dim of the kernels serving `spec`: the wider of head_dim and head_dim_v (arch/padded_head_dims.py)."""
     return max(spec.head_dim, spec.head_dim_v)
+
+
+def plain_spec(spec: AttentionSpec) -> AttentionSpec:
+    """`spec` as a plain AttentionSpec (a ModsSpec without its callables)."""
+    if not isinstance(spec, ModsSpec):
+        return spec
+    return AttentionSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(AttentionSpec)})
 
 
 def kernel_spec(spec: AttentionSpec) -> AttentionSpec:
@@ -138,6 +148,8 @@ def _build_main(
     dkv_dtype = cutlass.Float32 if gqa else dt
     dkv_rows = sk_pad if gqa else sk
     cfg = cfg or bwd_tile_config(d, target)
+    if isinstance(spec, ModsSpec):
+        return _build_main_mods(spec, options, cfg, gqa)
     kernel = Sm80FlashBackward(spec, cfg, gqa)
     softcap = (cutlass.Float32(0.0),) if spec.softcap else ()  # the `features` entry's softcap
     return cute.compile(
@@ -157,6 +169,41 @@ def _build_main(
         cutlass.Int32(0),
         cutlass.Int32(0),
         *softcap,
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=options,
+    )
+
+
+def _build_main_mods(spec: ModsSpec, options: str, cfg: BwdTileConfig, gqa: bool):
+    """The main kernel with a score_mod / mask_mod (flash_bwd_mods.py): the `mods` entry, its tables fake tensors of
+    the graphs' read types and ranks (as the forward's, build.build_forward_mods)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .build import fake_tables
+    from .flash_bwd_mods import Sm80ModsBackward
+
+    dt, d = dsl_dtype(spec.dtype), spec.head_dim
+    b, sq, sk, h, h_kv = (cute.sym_int() for _ in range(5))
+    sq_pad, sk_pad = cute.sym_int(), cute.sym_int()
+    dkv_dtype = cutlass.Float32 if gqa else dt
+    dkv_rows = sk_pad if gqa else sk
+    kernel = Sm80ModsBackward(spec, cfg, gqa)
+    return cute.compile(
+        kernel.mods,
+        _fake_bshd(dt, b, sq, h, d),
+        _fake_bshd(dt, b, sk, h_kv, d),
+        _fake_bshd(dt, b, sk, h_kv, d),
+        _fake_bshd(dt, b, sq, h, d),
+        _fake_bhs(b, h, sq_pad, divisibility=_PRE_POST_BLOCK_M),
+        _fake_bhs(b, h, sq_pad, divisibility=_PRE_POST_BLOCK_M),
+        _fake_dq_accum(cfg, b, sq_pad, h, d),
+        _fake_bshd(dkv_dtype, b, dkv_rows, h_kv, d),
+        _fake_bshd(dkv_dtype, b, dkv_rows, h_kv, d),
+        cutlass.Float32(1.0),
+        cutlass.Int32(0),
+        cutlass.Int32(0),
+        *fake_tables(spec),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         options=options,
     )
@@ -442,14 +489,17 @@ def backward_launcher(
     dq_accum_shape = (batch, nheads, seqlen_q_pad * head_dim) if fragment else (batch, seqlen_q_pad, nheads, head_dim)
     dkv_block = max(cfg.block_n, _PRE_POST_BLOCK_M)  # whole postprocess blocks
     kspec = kernel_spec(spec)
-    preprocess = _kernel("bwd_preprocess", kspec, target)
+    pspec = plain_spec(kspec)  # the pre- and postprocess do not depend on a score_mod / mask_mod
+    preprocess = _kernel("bwd_preprocess", pspec, target)
     main = _kernel("bwd_gqa" if gqa else "bwd", kspec, target, override)
-    postprocess = _kernel("bwd_postprocess", kspec, target)
-    dq_postprocess = _kernel("bwd_dq_postprocess", kspec, target, override) if fragment else postprocess
+    postprocess = _kernel("bwd_postprocess", pspec, target)
+    dq_postprocess = _kernel("bwd_dq_postprocess", pspec, target, override) if fragment else postprocess
+    mods = isinstance(spec, ModsSpec)
     scale, left, right = softmax_scale, mask.left, mask.right
     softcap = (float(problem.softcap),) if spec.softcap else ()  # the feature entry's argument
 
-    def launch(t: BwdTensors, grads: Grads) -> None:
+    def launch(t: BwdTensors, grads: Grads, tables=()) -> None:
+        """tables: a ModsSpec's captured tensors as the kernel stores them (cute_flash/mods/call.py)."""
         dout, q, k, v, out, lse, dlse = t[:7]
         dq, dk, dv = grads[:3]
         lse_log2 = torch.empty(stats_shape, **f32)
@@ -466,8 +516,13 @@ def backward_launcher(
         if spec.sink:
             sink_grad(grads.dsink, t.sink, lse, dpsum[..., :seqlen_q])
         dk_out, dv_out = dkv_destinations(dk, dv, gqa, dkv_block)
-        no_semaphores = (None, None)  # this family has no deterministic build
-        main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *no_semaphores, scale, left, right, *softcap)
+        if mods:
+            slots = (*tables, *([None] * (MAX_TABLES - len(tables))))
+            main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, scale, left, right, *slots)
+        else:
+            no_semaphores = (None, None)  # this family has no deterministic build
+            main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *no_semaphores, scale, left, right,
+                 *softcap)  # fmt: skip
         dq_postprocess(dq_accum, dq, scale)
         if gqa:
             # The main kernel already applied the softmax scale to dK.

@@ -67,7 +67,7 @@ def build_forward_mods(spec, tile: FwdTileConfig, options: str):
     import cutlass
     import cutlass.cute as cute
 
-    from .flash_fwd_mods import MAX_TABLES, Sm80ModsForward, graph_of
+    from .flash_fwd_mods import Sm80ModsForward
 
     dtype = dsl_dtype(spec.dtype)
     batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
@@ -76,6 +76,20 @@ def build_forward_mods(spec, tile: FwdTileConfig, options: str):
     v = fake_operand(dtype, (batch, seqlen_k, heads_kv, spec.head_dim_v))
     out = fake_operand(dtype, (batch, seqlen_q, heads, spec.head_dim_v))
     lse = fake_f32((batch, heads, seqlen_q))
+    kernel = Sm80ModsForward(spec, tile)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0))
+    return cute.compile(kernel.mods, q, k, v, out, lse, *scalars, *fake_tables(spec), stream, options=options)
+
+
+def fake_tables(spec) -> list:
+    """The `mods` entries' a0 .. a3 of a ModsSpec: fake tensors of its graphs' tables (score_mod's, then mask_mod's)
+    in the storage types mods/call.py gives them (float32, int32, uint8 for booleans), None past them."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .flash_fwd_mods import MAX_TABLES, graph_of
+
     storage = {"f32": cutlass.Float32, "i32": cutlass.Int32, "bool": cutlass.Uint8}
     tables = []
     for key in (spec.score_mod, spec.mask_mod):
@@ -83,11 +97,7 @@ def build_forward_mods(spec, tile: FwdTileConfig, options: str):
         for read, ndim in graph.aux_types if graph is not None else ():
             shape = tuple(cute.sym_int() for _ in range(max(ndim, 1)))
             tables.append(fake_tensor(storage[read], shape, 1, max(1, storage[read].width // 8)))
-    tables += [None] * (MAX_TABLES - len(tables))
-    kernel = Sm80ModsForward(spec, tile)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0))
-    return cute.compile(kernel.mods, q, k, v, out, lse, *scalars, *tables, stream, options=options)
+    return tables + [None] * (MAX_TABLES - len(tables))
 
 
 def build_forward_packed(spec: AttentionSpec, tile: FwdTileConfig, options: str, seqused: bool):

@@ -264,20 +264,26 @@ class Sm80FlashBackward(BwdEntries):
             sP_layout, g2s_copy, s2g_copy, self._tiled_mma(cfg.warps_m_sdp), self._tiled_mma(cfg.warps_n_dkv),
             self._tiled_mma(cfg.warps_m_dq), SharedStorage,
         )  # fmt: skip
-        pre_tanh = None
+        score_ctx = None
         if cutlass.const_expr(features is not None):
-            # The softmax runs on T = tanh(S * softmax_scale / softcap) with scale softcap (common/softcap.py); dK and
-            # dQ keep their softmax_scale factor, which with dS's (1 - T^2) is the capped score's derivative.
-            pre_tanh, scale_log2 = softcap_factors(softmax_scale, features[0])
+            scale_log2, score_ctx = self.score_factors(softmax_scale, features)
             params = params._replace(softmax_scale_log2=scale_log2)
-        self.kernel(params, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK), pre_tanh).launch(
+        self.kernel(params, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK), score_ctx).launch(
             grid=grid, block=[cfg.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
         )
 
     # ------------------------------------------------------------------ device side
+    def score_factors(self, softmax_scale, features):
+        """(the softmax's scale_log2, what `probs` reads besides the tile) of a feature build: softcap's. The softmax
+        runs on T = tanh(S * softmax_scale / softcap) with scale softcap (common/softcap.py); dK and dQ keep their
+        softmax_scale factor, which with dS's (1 - T^2) is the capped score's derivative."""
+        pre_tanh, scale_log2 = softcap_factors(softmax_scale, features[0])
+        return scale_log2, pre_tanh
+
     @cute.kernel
-    def kernel(self, params: BwdParams, packed: tuple, pre_tanh: Optional[Float32]):
-        """packed: (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK) of packed sequences, or three None."""
+    def kernel(self, params: BwdParams, packed: tuple, score_ctx):
+        """packed: (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK) of packed sequences, or three None; score_ctx:
+        `score_factors`' (None without features)."""
         # Only the exponent's factor is clamped (away from 0, where masked -inf scores times 0 gave NaN P, and from
         # inf); dK and dQ are scaled by softmax_scale itself, so scale 0 still gives dq = dk = 0 exactly.
         params = params._replace(softmax_scale_log2=clamp_scale_log2(params.softmax_scale_log2))
@@ -287,9 +293,9 @@ class Sm80FlashBackward(BwdEntries):
         if cutlass.const_expr(self.varlen):
             # The grid spans the longest sequence's key blocks: the others' surplus blocks exit here.
             if n_block * self.cfg.block_n < seq.seqlen_k:
-                self.cta(params, tidx, n_block, head, head_kv, seq, pre_tanh)
+                self.cta(params, tidx, n_block, head, head_kv, seq, score_ctx)
         else:
-            self.cta(params, tidx, n_block, head, head_kv, seq, pre_tanh)
+            self.cta(params, tidx, n_block, head, head_kv, seq, score_ctx)
 
     @cute.jit
     def cta(
@@ -300,12 +306,12 @@ class Sm80FlashBackward(BwdEntries):
         head: Int32,
         head_kv: Int32,
         seq: SeqRows,
-        pre_tanh: Optional[Float32] = None,
+        score_ctx=None,
     ):
         """One (key block, head, sequence) tile. Packed tensors: seq.offset_q / offset_k are the sequence's first
         rows of q, dO / k, v; stats_offset its first row in the padded buffers (LSE, D, dQ accumulator); dkv_offset
         its first row of dK / dV (of their padded fp32 accumulators under GQA). None everywhere for dense tensors.
-        pre_tanh: softmax_scale / softcap in a spec.softcap build, else None."""
+        score_ctx: `score_factors`' (softmax_scale / softcap in a spec.softcap build), else None."""
         dkv_offset = seq.padded_offset_k(self.pad_k) if self.gqa else seq.offset_k
         stats_offset = seq.padded_offset_q(self.pad_q)
         (
@@ -441,21 +447,13 @@ class Sm80FlashBackward(BwdEntries):
                 acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
                 acc_S.fill(0.0)
                 _gemm_smem(tiled_mma_sdp, acc_S, tSrQ, tSrK, tSsQ[None, None, None, slot], tSsK, s2r_QdO, s2r_KV)
-                if cutlass.const_expr(pre_tanh is not None):
-                    apply_softcap(acc_S, pre_tanh)  # T = tanh(S * scale / softcap), before the mask
-                if blocks.tile_needs_mask(m_block, n_block):
-                    self._apply_mask(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
-                acc_S_rc = _acc_rows_cols(acc_S)
-                if cutlass.const_expr(pre_tanh is None):
-                    for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
-                        acc_S_rc[r, None].store(
-                            cute.math.exp2(acc_S_rc[r, None].load() * softmax_scale_log2 - lse[r], fastmath=True)
-                        )
-                else:
-                    # P goes to shared memory now (for dV) and acc_S keeps P * (1 - T^2), the tanh's derivative
-                    # folded in before dS = P * (dP - D) (T is gone once P is computed).
-                    rP = self._softcap_probs(acc_S, lse, softmax_scale_log2)
+                rP = self.probs(
+                    acc_S, lse, softmax_scale_log2, tScS, m_block, n_block, blocks, seqlen_q, seqlen_k, window_left,
+                    window_right, head, batch, score_ctx,
+                )  # fmt: skip
+                if cutlass.const_expr(rP is not None):
                     cute.copy(r2s_PdS, r2s_PdS.retile(rP), tPsP)
+                acc_S_rc = _acc_rows_cols(acc_S)
 
                 # dP = dO V^T, then dS = P * (dP - D).
                 acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
@@ -465,7 +463,7 @@ class Sm80FlashBackward(BwdEntries):
                 for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
                     acc_dP_rc[r, None].store(acc_S_rc[r, None].load() * (acc_dP_rc[r, None].load() - dpsum[r]))
 
-                if cutlass.const_expr(pre_tanh is None):
+                if cutlass.const_expr(rP is None):
                     rP = cute.make_fragment_like(acc_S, self.dtype)
                     rP.store(acc_S.load().to(self.dtype))
                     cute.copy(r2s_PdS, r2s_PdS.retile(rP), tPsP)
@@ -522,6 +520,28 @@ class Sm80FlashBackward(BwdEntries):
         rows = seqlen_q - m_block * self.cfg.block_m
         _load_rows(g2s_copy, tQgQ[None, None, None, m_block], tQsQ[None, None, None, slot], tQcQ, rows)
         _load_rows(g2s_copy, tdOgdO[None, None, None, m_block], tdOsdO[None, None, None, slot], tQcQ, rows)
+
+    @cute.jit
+    def probs(
+        self, acc_S, lse, scale_log2, tScS, m_block, n_block, blocks, seqlen_q, seqlen_k, window_left, window_right,
+        head, batch, score_ctx,
+    ):  # fmt: skip
+        """acc_S = S (a tile's raw scores) -> P = exp2(S * scale_log2 - lse_log2), masked, in place; or a P in the
+        input dtype to store now, with acc_S left holding P times the score's derivative (softcap: (1 - T^2), the
+        tanh's, folded in before dS = P * (dP - D), since T is gone once P is computed). None in the first case."""
+        pre_tanh = score_ctx
+        if cutlass.const_expr(pre_tanh is not None):
+            apply_softcap(acc_S, pre_tanh)  # T = tanh(S * scale / softcap), before the mask
+        if blocks.tile_needs_mask(m_block, n_block):
+            self._apply_mask(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
+        rP = None
+        if cutlass.const_expr(pre_tanh is None):
+            acc_S_rc = _acc_rows_cols(acc_S)
+            for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
+                acc_S_rc[r, None].store(cute.math.exp2(acc_S_rc[r, None].load() * scale_log2 - lse[r], fastmath=True))
+        else:
+            rP = self._softcap_probs(acc_S, lse, scale_log2)
+        return rP
 
     @cute.jit
     def _softcap_probs(self, acc_S: cute.Tensor, lse: cute.Tensor, scale_log2: Float32) -> cute.Tensor:

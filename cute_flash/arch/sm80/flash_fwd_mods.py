@@ -6,7 +6,8 @@ Per score: s = S * softmax_scale; s = score_mod(s, b, h, q_idx, kv_idx); s = -in
 kv_idx). The softmax then runs with log2(e) as its scale (the scores are scaled already). q_idx / kv_idx are the
 positions within the sequence, clamped to the last row / key before the callables read their tables (positions past
 the sequence are masked by the kernel anyway), h the query head, b the batch index. Every key tile the causal /
-window range leaves is visited (no block mask yet), and the build is dense, unsplit and forward-only.
+window range leaves is visited (no block mask yet), and the build is dense and unsplit (its backward:
+flash_bwd_mods.py).
 
 The captured tensors are the `mods` entry's a0 .. a3 (None past the graphs' tables), stored as the graphs read them
 (float32, int32, or uint8 for booleans: mods/call.py converts them), score_mod's tables first, then mask_mod's.
@@ -24,12 +25,10 @@ from cutlass import Float32, Int32
 from ...common.acc_views import rows_cols_view
 from ...common.online_softmax import LOG2_E
 from ...mods.codegen import emit
-from ...mods.graph import ModGraph, Node
+from ...mods.graph import MAX_TABLES, ModGraph, Node
 from ...spec import ModsSpec
 from .flash_fwd import FwdFeatures, Sm80FlashForward
 from .tile_config import FwdTileConfig
-
-MAX_TABLES = 4
 
 
 class ScoreContext(NamedTuple):
