@@ -102,6 +102,13 @@ def test_gradients_go_through_one_node_to_the_backward_with_the_tables(backend, 
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 
+def test_captured_tensors_that_require_grad_are_refused(backend):
+    q, k, v = _qkv()
+    bias = torch.zeros(4, device="meta", requires_grad=True)
+    with pytest.raises(NotImplementedError, match="requires grad"):
+        cute_flash.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h])
+
+
 def test_foreign_tables_and_unsupported_callables_are_refused(backend):
     q, k, v = _qkv()
     with torch.no_grad():

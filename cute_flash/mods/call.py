@@ -74,6 +74,12 @@ def attention_mods(
     problem, graphs = mods_problem(problem, score_mod, mask_mod)
     tables = _tables(graphs, q.device)
     backend = gpu.route(problem.spec, q, backward=False)
+    captured = [t for g in graphs if g is not None for t in g.aux]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in captured):
+        raise NotImplementedError(
+            "a tensor the score_mod / mask_mod reads requires grad: gradients of captured tensors are not computed "
+            "(detach it, or compute that part outside attention)"
+        )
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         gpu.route(problem.spec, q, backward=True)  # refuses before the forward where no backward serves it
         out, lse = _ModsAttention.apply(q, k, v, problem, backend, *tables)

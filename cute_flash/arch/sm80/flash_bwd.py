@@ -105,7 +105,7 @@ def _transposed(t: cute.Tensor, rows: int, cols: int, stages: int = 0) -> cute.T
     return cute.composition(t, cute.make_layout((cols, rows, stages), stride=(rows, 1, rows * cols)))
 
 
-def _acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
+def acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
     """Views an mma.sync accumulator ((2, 2), MMA_M, MMA_N) as (rows, cols) of this thread."""
     flat = cute.make_layout(t.layout.shape)
     rows_cols = cute.make_layout(
@@ -405,7 +405,7 @@ class Sm80FlashBackward(BwdEntries):
         tdSsdS = r2s_PdS.partition_D(sdS)
 
         # Tile coordinates of this thread's S / dP accumulator entries, as (rows, cols).
-        tScS = _acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((block_m, block_n))))
+        tScS = acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((block_m, block_n))))
         acc_shape_S = thr_sdp.partition_shape_C((block_m, block_n))
 
         acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((block_n, d)), Float32)
@@ -453,13 +453,13 @@ class Sm80FlashBackward(BwdEntries):
                 )  # fmt: skip
                 if cutlass.const_expr(rP is not None):
                     cute.copy(r2s_PdS, r2s_PdS.retile(rP), tPsP)
-                acc_S_rc = _acc_rows_cols(acc_S)
+                acc_S_rc = acc_rows_cols(acc_S)
 
                 # dP = dO V^T, then dS = P * (dP - D).
                 acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
                 acc_dP.fill(0.0)
                 _gemm_smem(tiled_mma_sdp, acc_dP, tdPrdO, tdPrV, tdPsdO[None, None, None, slot], tdPsV, s2r_QdO, s2r_KV)
-                acc_dP_rc = _acc_rows_cols(acc_dP)
+                acc_dP_rc = acc_rows_cols(acc_dP)
                 for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
                     acc_dP_rc[r, None].store(acc_S_rc[r, None].load() * (acc_dP_rc[r, None].load() - dpsum[r]))
 
@@ -536,7 +536,7 @@ class Sm80FlashBackward(BwdEntries):
             self._apply_mask(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
         rP = None
         if cutlass.const_expr(pre_tanh is None):
-            acc_S_rc = _acc_rows_cols(acc_S)
+            acc_S_rc = acc_rows_cols(acc_S)
             for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
                 acc_S_rc[r, None].store(cute.math.exp2(acc_S_rc[r, None].load() * scale_log2 - lse[r], fastmath=True))
         else:
@@ -548,9 +548,9 @@ class Sm80FlashBackward(BwdEntries):
         """The softcap build's P = exp2(T * softcap * log2(e) - lse_log2) from acc_S = T (tanh of the scores, masked to
         -inf), returned in the input dtype, while acc_S becomes P * (1 - T^2) (`softcap_grad`'s factor). A masked
         T = -inf has P = 0 and a factor of -inf: the factor is clamped at 0 so that their product is 0, not NaN."""
-        acc = _acc_rows_cols(acc_S)
+        acc = acc_rows_cols(acc_S)
         probs = cute.make_fragment_like(acc_S)
-        probs_rc = _acc_rows_cols(probs)
+        probs_rc = acc_rows_cols(probs)
         for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
                 t = acc[r, c]
@@ -574,7 +574,7 @@ class Sm80FlashBackward(BwdEntries):
         window_right: Int32,
     ):
         """Sets S to -inf where the key is past seqlen_k or outside the query's window."""
-        acc = _acc_rows_cols(acc_S)
+        acc = acc_rows_cols(acc_S)
         offset = seqlen_k - seqlen_q
         for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
             query = m_block * self.cfg.block_m + tScS[r, 0][0]

@@ -23,7 +23,7 @@ from ...common.online_softmax import LOG2_E
 from ...mods.codegen import emit
 from ...mods.graph import score_derivative
 from ...spec import ModsSpec
-from .flash_bwd import Sm80FlashBackward, _acc_rows_cols
+from .flash_bwd import Sm80FlashBackward, acc_rows_cols
 from .flash_fwd_mods import MAX_TABLES, graph_of
 from .tile_config import BwdTileConfig
 
@@ -80,9 +80,9 @@ class Sm80ModsBackward(Sm80FlashBackward):
         tables = score_ctx[1:]
         score_tables = tables[: self.score_tables]
         mask_tables = tables[self.score_tables :]
-        acc = _acc_rows_cols(acc_S)
+        acc = acc_rows_cols(acc_S)
         factor = cute.make_fragment_like(acc_S)
-        factor_rc = _acc_rows_cols(factor)
+        factor_rc = acc_rows_cols(factor)
         last_q = cutlass.max(seqlen_q - 1, 0)
         last_k = cutlass.max(seqlen_k - 1, 0)
         for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
@@ -103,7 +103,7 @@ class Sm80ModsBackward(Sm80FlashBackward):
         if blocks.tile_needs_mask(m_block, n_block):
             self._apply_mask(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
         probs = cute.make_fragment_like(acc_S)
-        probs_rc = _acc_rows_cols(probs)
+        probs_rc = acc_rows_cols(probs)
         for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
                 p = cute.math.exp2(acc[r, c] * scale_log2 - lse[r], fastmath=True)
