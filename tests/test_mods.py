@@ -57,8 +57,12 @@ def random_blocks(b, h, q_idx, kv_idx):
     return RANDOM_BLOCKS[q_idx // 16, kv_idx // 16]
 
 
+def strided(b, h, q_idx, kv_idx):  # remainders of negative differences: Python's sign (the divisor's)
+    return ((q_idx - kv_idx) % 4) == 1
+
+
 SCORE_MODS = [alibi, t5_bias, softcap30]
-MASK_MODS = [causal, sliding, document, prefix_lm, random_blocks]
+MASK_MODS = [causal, sliding, document, prefix_lm, random_blocks, strided]
 B, SQ, SK = 2, 77, 77  # the document table's shape; random_blocks covers 128 positions
 
 
@@ -107,7 +111,6 @@ def test_graph_keys_depend_on_the_operations_not_on_captured_values():
         (lambda s, b, h, q, kv: torch.erf(s), "erf"),
         (lambda s, b, h, q, kv: s + SLOPES[h:], "slice bound"),
         (lambda s, b, h, q, kv: s + T5_TABLE[h], "2 dimensions"),
-        (lambda s, b, h, q, kv: torch.floor(s), "piecewise constant"),  # traces; has no derivative
         (lambda s, b, h, q, kv: s + SLOPES[q / 2], "integer expression"),
         (lambda s, b, h, q, kv: s.softmax(0), "softmax"),
         (lambda s, b, h, q, kv: s + "x", "str"),
@@ -134,6 +137,8 @@ def _derivative_cases():
     yield lambda s, b, h, q, kv: torch.log(s * s + 2.0) - torch.rsqrt(s * s + 1.0) + torch.pow(s.abs() + 1, 1.5)
     yield lambda s, b, h, q, kv: torch.exp2(s / 4) + torch.log2(s.abs() + 1) - torch.sin(s) * torch.cos(s)
     yield lambda s, b, h, q, kv: (q - kv).float()  # no dependence on the score: derivative 0
+    yield lambda s, b, h, q, kv: torch.floor(s) + s * 0.5  # floor: derivative 0, as autograd's
+    yield lambda s, b, h, q, kv: 2.0 ** (s / 4) + torch.pow(s.abs() + 1, s / 8)  # exponents that depend on the score
 
 
 @pytest.mark.parametrize("fn", list(_derivative_cases()))
@@ -224,3 +229,12 @@ def test_mods_reference_gradients_flow_through_score_mod():
 
     assert torch.autograd.gradcheck(fn, (q, k, v))
     assert math.isfinite(float(fn(q, k, v).detach().sum()))
+
+
+def test_evaluate_refuses_indices_outside_a_table():
+    """Kernels neither wrap negative indices nor check bounds: the graph's own evaluation raises instead of agreeing
+    with torch's wrap-around."""
+    graph = trace_score_mod(lambda s, b, h, q, kv: s + T5_TABLE[h, q - kv])
+    bi, hi, qi, ki = _indices(1, H, 4, 6)
+    with pytest.raises(IndexError, match="outside"):
+        evaluate(graph, {"score": torch.zeros(1, H, 4, 6), "b": bi, "h": hi, "q_idx": qi, "kv_idx": ki})

@@ -17,7 +17,8 @@ import torch
 from ..core import device as gpu
 from ..spec import AttentionSpec, ModsSpec
 from ..validation import validate
-from .graph import BOOL, F32, MAX_TABLES, ModGraph, trace_mask_mod, trace_score_mod
+from ..kernel_layout import kernel_view
+from .graph import BOOL, F32, MAX_TABLES, ModGraph, score_derivative, trace_mask_mod, trace_score_mod
 
 ENV_GATE = "CUTE_FLASH_EXPERIMENTAL_MODS"
 _STORAGE = {F32: torch.float32, BOOL: torch.uint8}
@@ -72,6 +73,8 @@ def attention_mods(
         raise NotImplementedError("score_mod / mask_mod are not traceable by torch.compile yet (no custom op)")
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=None)
     problem, graphs = mods_problem(problem, score_mod, mask_mod)
+    # Layouts the kernels cannot take are copied once (differentiably), as the plain path does.
+    q, k, v = (kernel_view(t, name=n) for n, t in (("q", q), ("k", k), ("v", v)))
     tables = _tables(graphs, q.device)
     backend = gpu.route(problem.spec, q, backward=False)
     captured = [t for g in graphs if g is not None for t in g.aux]
@@ -82,6 +85,8 @@ def attention_mods(
         )
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         gpu.route(problem.spec, q, backward=True)  # refuses before the forward where no backward serves it
+        if graphs[0] is not None:
+            score_derivative(graphs[0])  # (raises ModError now, not in the backward, where it has none)
         out, lse = _ModsAttention.apply(q, k, v, problem, backend, *tables)
     else:
         out, lse = _forward(q, k, v, problem, backend, tables)

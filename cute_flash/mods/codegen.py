@@ -50,7 +50,8 @@ def _pow(x, y):
     odd = y_int & (cute.math.abs(y - Float32(2.0) * cute.math.floor(y * Float32(0.5))) == Float32(1.0))
     neg = x < Float32(0.0)
     signed = _select(odd, -mag, mag, F32)
-    return _select(neg, _select(y_int, signed, Float32(float("nan")), F32), mag, F32)
+    value = _select(neg, _select(y_int, signed, Float32(float("nan")), F32), mag, F32)
+    return _select(y == Float32(0.0), Float32(1.0), value, F32)  # x ** 0 = 1 for every x, as torch.pow
 
 
 _UNARY_DSL = {
@@ -72,7 +73,7 @@ _BINARY_DSL = {
     "mul": lambda a, b: a * b,
     "truediv": lambda a, b: a / b,
     "floordiv": lambda a, b: a // b,
-    "mod": lambda a, b: a % b,
+    "mod": lambda a, b: a - (a // b) * b,  # Python's / torch.remainder's sign (the divisor's), from the floor division
     "pow": _pow,
     "lt": lambda a, b: a < b,
     "le": lambda a, b: a <= b,

@@ -17,7 +17,8 @@ What a callable may contain (anything else raises `ModError` naming it):
     == !=, and & | ~ ^ on booleans;
   - the torch functions of `_UNARY` / `_BINARY` below (torch.exp, torch.tanh, torch.where, torch.maximum, ...), as
     functions or as tensor methods, and `.to(torch.float32 / torch.int32 / torch.bool)` / `.float()` / `.int()`;
-  - reads of captured tensors by index: `bias[h, q_idx - kv_idx]`, one integer index expression per dimension
+  - reads of captured tensors by index: `bias[h, q_idx - kv_idx + max_len]`, one integer index expression per
+    dimension, each in [0, size) (kernels neither wrap negative indices, as torch does, nor check bounds)
     (a tensor of any dtype, read as float32, int32 or bool; its values are runtime data, its dtype and number of
     dimensions part of the graph).
 No Python control flow on the inputs (`if q_idx > 3:` raises: use torch.where), no randomness, no in-place ops.
@@ -447,6 +448,12 @@ def evaluate(graph: ModGraph, inputs: Dict[str, torch.Tensor], float_dtype=torch
             idx = [vals[i] for i in node.args[1:]]
             shape = torch.broadcast_shapes(*(i.shape for i in idx))
             idx = [i.to(aux.device).expand(shape) for i in idx]
+            for i, n in zip(idx, aux.shape):
+                if i.numel() and (int(i.min()) < 0 or int(i.max()) >= n):
+                    raise IndexError(
+                        f"a captured tensor of shape {tuple(aux.shape)} is read at an index outside [0, size): "
+                        "kernels neither wrap negative indices (as torch does) nor check bounds"
+                    )
             v = aux[tuple(idx)].to(types[node.type])
         elif node.op == "cast":
             v = vals[node.args[0]].to(types[node.type])
@@ -547,17 +554,20 @@ def _chain(tracer: _Tracer, op: str, xs: List[Sym], ds: List[Optional[Sym]], v: 
     if op in ("add", "sub"):
         return t.binary(op, d[0], d[1])
     if op in ("floor", "ceil"):
-        raise ModError(f"{op} of the score has no derivative (piecewise constant): give score_mod_bwd")
+        return None  # piecewise constant: derivative 0 (as autograd's)
     y = xs[1]
     if op == "mul":
         return t.binary("add", t.binary("mul", d[0], y), t.binary("mul", x, d[1]))
     if op == "truediv":  # (dx y - x dy) / y^2
         num = t.binary("sub", t.binary("mul", d[0], y), t.binary("mul", x, d[1]))
         return t.binary("truediv", num, t.binary("mul", y, y))
-    if op == "pow":
+    if op == "pow":  # d(x^y) = y x^(y-1) dx + x^y log(x) dy
+        terms = []
+        if ds[0] is not None:
+            terms.append(t.binary("mul", t.binary("mul", y, t.binary("pow", x, t.binary("sub", y, 1.0))), d[0]))
         if ds[1] is not None:
-            raise ModError("pow with an exponent that depends on the score has no derivative here")
-        return t.binary("mul", t.binary("mul", y, t.binary("pow", x, t.binary("sub", y, 1.0))), d[0])
+            terms.append(t.binary("mul", t.binary("mul", v, t.unary("log", x)), d[1]))
+        return terms[0] if len(terms) == 1 else t.binary("add", terms[0], terms[1])
     if op in ("maximum", "minimum"):
         pick_x = t.binary("ge" if op == "maximum" else "le", x, y)
         return t.where(pick_x, d[0], d[1])
