@@ -92,7 +92,7 @@ def _emit_node(node: Node, vals: List, inputs: Dict[str, object], aux: Sequence[
     if node.op == "input":
         return _CONVERT[t](inputs[a[0]])
     if node.op == "const":
-        return _CONVERT[t](a[0])
+        return Float32(float.fromhex(a[0])) if t == F32 else _CONVERT[t](a[0])
     if node.op == "load":
         return _load(aux[a[0]], [vals[i] for i in a[1:]], t)
     if node.op == "cast":
@@ -109,7 +109,8 @@ def _emit_node(node: Node, vals: List, inputs: Dict[str, object], aux: Sequence[
         return Boolean(xs[0] == Boolean(False))
     if node.op in ("maximum", "minimum"):
         x, y = xs
-        return _select(x > y if node.op == "maximum" else x < y, x, y, t)
+        pick = _select(x > y if node.op == "maximum" else x < y, x, y, t)  # (y when y is NaN)
+        return pick if t == I32 else _select(x != x, x, pick, t)  # and x when x is NaN: torch propagates NaN
     if node.op in _UNARY_DSL:
         return _CONVERT[t](_UNARY_DSL[node.op](xs[0]))
     return _CONVERT[t](_BINARY_DSL[node.op](xs[0], xs[1]))

@@ -49,7 +49,8 @@ class ModError(TypeError):
 
 @dataclass(frozen=True)
 class Node:
-    """op: "input" (args: (name,)), "const" (args: (value,)), "load" (args: (aux index, index node ids...)) or an
+    """op: "input" (args: (name,)), "const" (args: (value,), a float as its float.hex text), "load" (args: (aux
+    index, index node ids...)) or an
     operation of _UNARY / _BINARY / "where" / "cast" (args: node ids, and for "cast" the target type last)."""
 
     op: str
@@ -140,7 +141,8 @@ class _Tracer:
                 raise ModError(f"the integer constant {value} does not fit int32")
             return self.add("const", (int(value),), I32)
         if isinstance(value, numbers.Real):
-            return self.add("const", (float(value),), F32)
+            # As its exact hex text: 0.0 and -0.0 (equal as floats) are different constants, and keys.
+            return self.add("const", (float(value).hex(),), F32)
         if isinstance(value, torch.Tensor) and value.dim() == 0:
             return self.load(value, ())  # a captured scalar tensor: runtime data, like any captured tensor
         raise ModError(
@@ -442,7 +444,8 @@ def evaluate(graph: ModGraph, inputs: Dict[str, torch.Tensor], float_dtype=torch
             v = inputs[node.args[0]]
             v = v.to(types[node.type])
         elif node.op == "const":
-            v = torch.tensor(node.args[0], dtype=types[node.type])
+            value = float.fromhex(node.args[0]) if node.type == F32 else node.args[0]
+            v = torch.tensor(value, dtype=types[node.type])
         elif node.op == "load":
             aux = graph.aux[node.args[0]]
             idx = [vals[i] for i in node.args[1:]]
