@@ -24,19 +24,15 @@ from ...mods.codegen import emit
 from ...mods.graph import score_derivative
 from ...spec import ModsSpec
 from .flash_bwd import Sm80FlashBackward, acc_rows_cols
-from .flash_fwd_mods import MAX_TABLES, graph_of
+from .flash_fwd_mods import ModsGraphs
 from .tile_config import BwdTileConfig
 
 
-class Sm80ModsBackward(Sm80FlashBackward):
+class Sm80ModsBackward(ModsGraphs, Sm80FlashBackward):
     def __init__(self, spec: ModsSpec, config: BwdTileConfig, gqa: bool):
         super().__init__(spec, config, gqa)
-        self.score_graph = graph_of(spec.score_mod)
-        self.mask_graph = graph_of(spec.mask_mod)
+        self.init_graphs(spec)
         self.deriv_graph = score_derivative(self.score_graph) if self.score_graph is not None else None
-        self.score_tables = len(self.score_graph.aux_types) if self.score_graph is not None else 0
-        self.mask_tables = len(self.mask_graph.aux_types) if self.mask_graph is not None else 0
-        assert self.score_tables + self.mask_tables <= MAX_TABLES
 
     @cute.jit
     def mods(

@@ -48,14 +48,22 @@ def graph_of(key: Optional[tuple]) -> Optional[ModGraph]:
     return ModGraph(kind, tuple(Node(*n) if not isinstance(n, Node) else n for n in nodes), (), aux_types)
 
 
-class Sm80ModsForward(Sm80FlashForward):
-    def __init__(self, spec: ModsSpec, tile: FwdTileConfig):
-        super().__init__(spec, tile)
+class ModsGraphs:
+    """What both mods kernels (this forward, flash_bwd_mods.py's backward) read of a ModsSpec: its graphs and how
+    many of the tables a0 .. a3 each one takes."""
+
+    def init_graphs(self, spec: ModsSpec) -> None:
         self.score_graph = graph_of(spec.score_mod)
         self.mask_graph = graph_of(spec.mask_mod)
         self.score_tables = len(self.score_graph.aux_types) if self.score_graph is not None else 0
         self.mask_tables = len(self.mask_graph.aux_types) if self.mask_graph is not None else 0
         assert self.score_tables + self.mask_tables <= MAX_TABLES
+
+
+class Sm80ModsForward(ModsGraphs, Sm80FlashForward):
+    def __init__(self, spec: ModsSpec, tile: FwdTileConfig):
+        super().__init__(spec, tile)
+        self.init_graphs(spec)
 
     @cute.jit
     def mods(
