@@ -24,15 +24,13 @@ def round_up(x: int, m: int) -> int:
 _KERNEL_LAYOUTS: set = set()
 
 
-def _layout_problems(t: torch.Tensor) -> Tuple[bool, bool]:
-    """(needs a copy, needs a restrided view of a size-1 dimension) for `kernel_view`; see there."""
+def _layout_problems(t: torch.Tensor, address: bool = True) -> Tuple[bool, bool]:
+    """(needs a copy, needs a restrided view of a size-1 dimension) for `kernel_view`; see there. address=False:
+    the strides alone (a fake tensor while torch.compile traces has no address)."""
     shape, strides = t.shape, t.stride()
     align = max(1, ALIGN_BYTES // t.element_size())
     last = len(shape) - 1
-    # While torch.compile traces there is no address (fake tensors): the strides alone are checked then, and the
-    # op's run-time call checks the address.
-    misaligned = not torch.compiler.is_compiling() and t.data_ptr() % ALIGN_BYTES != 0
-    needs_copy = misaligned or (shape[last] > 1 and strides[last] != 1)
+    needs_copy = (address and t.data_ptr() % ALIGN_BYTES != 0) or (shape[last] > 1 and strides[last] != 1)
     fix_unit = False
     for i in range(last):
         n, st = shape[i], strides[i]
@@ -43,10 +41,11 @@ def _layout_problems(t: torch.Tensor) -> Tuple[bool, bool]:
     return needs_copy, fix_unit
 
 
-def is_kernel_layout(t: torch.Tensor) -> bool:
+def is_kernel_layout(t: torch.Tensor, address: bool = True) -> bool:
     """Whether `kernel_view(t)` is `t` itself. Depends only on the shape, strides, element size and the base
-    address modulo 16, so a caller may cache the answer per (shape, strides, dtype, alignment)."""
-    return t.numel() == 0 or _layout_problems(t) == (False, False)
+    address modulo 16, so a caller may cache the answer per (shape, strides, dtype, alignment). address=False: the
+    answer from the strides alone."""
+    return t.numel() == 0 or _layout_problems(t, address) == (False, False)
 
 
 def kernel_view(t: torch.Tensor, *, copy: bool = True, name: str = "tensor") -> torch.Tensor:
