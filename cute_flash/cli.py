@@ -236,6 +236,17 @@ def _warmup_capability(args):
     return _gpu_capability()
 
 
+def _kvcache_option_clash(args) -> str:
+    """Options that would be silently ignored: the KV-cache forward has no backward, and the cache options mean
+    nothing without --kvcache."""
+    if args.kvcache:
+        given = [o for o, on in (("--backward", args.backward), ("--gqa", args.gqa != "off"),
+                                 ("--deterministic", args.deterministic != "off")) if on]  # fmt: skip
+        return f"{', '.join(given)} with --kvcache: the KV-cache forward has no backward" if given else ""
+    given = [o for o, v in (("--page-sizes", args.page_sizes), ("--fp8-cache", args.fp8_cache)) if v is not None]
+    return f"{', '.join(given)} without --kvcache" if given else ""
+
+
 def cmd_warmup(args) -> int:
     """fill the disk kernel cache for a list of configurations (no GPU needed: kernels are cross-compiled)
 
@@ -252,6 +263,10 @@ def cmd_warmup(args) -> int:
     if capability is None:
         print("cute_flash warmup: no GPU visible; name the target with --arch or --capability", file=sys.stderr)
         return 2
+    clash = _kvcache_option_clash(args)
+    if clash:
+        print(f"cute_flash warmup: {clash}", file=sys.stderr)
+        return 2
     config_list = warmup.configs(
         args.head_dims,
         args.dtypes,
@@ -263,8 +278,8 @@ def cmd_warmup(args) -> int:
         softcap=args.softcap,
         sink=args.sink,
         kvcache=args.kvcache,
-        page_sizes=args.page_sizes,
-        fp8_cache=_BOTH[args.fp8_cache],
+        page_sizes=args.page_sizes if args.page_sizes is not None else (0, 16),
+        fp8_cache=_BOTH[args.fp8_cache or "off"],
     )
     try:
         summary = warmup.run(config_list, capability, jobs=args.jobs)
@@ -374,8 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--deterministic", choices=sorted(_BOTH), default="off", help="deterministic backward (default off)")
     _feature_flags(w, "builds")
     w.add_argument("--kvcache", action="store_true", help="the KV-cache forward's kernels (serving) instead")
-    w.add_argument("--page-sizes", type=_int_list, default=[0, 16], help="with --kvcache; 0: dense (default 0,16)")
-    w.add_argument("--fp8-cache", choices=sorted(_BOTH), default="off", help="with --kvcache: an e4m3 cache (off)")
+    w.add_argument("--page-sizes", type=_int_list, default=None, help="with --kvcache; 0: dense (default 0,16)")
+    w.add_argument("--fp8-cache", choices=sorted(_BOTH), default=None, help="with --kvcache: an e4m3 cache (off)")
     w.add_argument("--jobs", type=int, default=1, help="processes compiling at once (default 1)")
     w.add_argument("--json", action="store_true", help="one JSON object with every configuration's result")
 

@@ -199,7 +199,12 @@ def test_warmup_kvcache_configs_are_the_specs_calls_compile_for(monkeypatch):
     from cute_flash.warmup import configs
 
     args = build_parser().parse_args(["warmup", "--arch", "sm90", "--kvcache", "--fp8-cache", "both"])
-    assert args.kvcache and args.page_sizes == [0, 16] and args.fp8_cache == "both"
+    assert args.kvcache and args.page_sizes is None and args.fp8_cache == "both"
+    from cute_flash.cli import main
+
+    # Options that would be ignored are usage errors.
+    assert main(["warmup", "--arch", "sm90", "--kvcache", "--backward"]) == 2
+    assert main(["warmup", "--arch", "sm90", "--page-sizes", "16"]) == 2
     cfgs = configs([128], masks=["causal"], kvcache=True, page_sizes=[0, 16], fp8_cache=(False, True))
     assert [c.describe() for c in cfgs] == [
         "kvcache dense bf16 d128 causal", "kvcache dense fp8 bf16 d128 causal", "kvcache paged 16 bf16 d128 causal",
