@@ -32,11 +32,12 @@ def test_the_protocol_declares_every_method_the_front_end_calls():
     assert set(METHODS) >= {
         "unsupported_reason", "fp8_kv_scale_block", "backward_head_dims", "forward", "forward_launcher", "backward",
         "backward_launcher", "forward_varlen", "backward_varlen", "kvcache_splits", "forward_kvcache",
-        "kvcache_launcher", "compile_artifacts", "warm",
+        "kvcache_launcher", "compile_artifacts", "warm", "forward_mods", "backward_mods",
     }  # fmt: skip
     assert ATTRIBUTES == {"name": str, "cute_arch": str, "split_keys": bool, "varlen": bool, "kvcache": bool}
     # The base class has a default for every method a family may lack, with the protocol's signature.
-    for name in ("forward_varlen", "backward_varlen", "kvcache_splits", "forward_kvcache", "kvcache_launcher"):
+    defaults = ("forward_varlen", "backward_varlen", "kvcache_splits", "forward_kvcache", "kvcache_launcher")
+    for name in defaults + ("forward_mods", "backward_mods"):
         assert inspect.signature(getattr(BackendBase, name)) == inspect.signature(getattr(ArchBackend, name)), name
         assert _hints(getattr(BackendBase, name)) == _hints(getattr(ArchBackend, name)), name
 
@@ -82,6 +83,8 @@ def test_a_family_without_a_kernel_says_which_one():
     for call in (lambda: Bare().kvcache_splits(None, 132), lambda: Bare().forward_kvcache(None, None, 1)):
         with pytest.raises(NotImplementedError, match="smXY family has no KV-cache forward kernel"):
             call()
+    with pytest.raises(NotImplementedError, match="smXY family has no score_mod / mask_mod forward kernel"):
+        Bare().forward_mods(t, t, t, t, t, None, [])
     assert not Bare.varlen and not Bare.split_keys and not Bare.kvcache
     if not get_backend("sm100").varlen:  # sm100 has no varlen kernels yet: the defaults answer
         with pytest.raises(NotImplementedError, match="sm100 family has no varlen"):

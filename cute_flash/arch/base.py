@@ -182,6 +182,16 @@ class ArchBackend(Protocol):
         on them settled once (the front end keeps it per call signature); `launcher_through_kvcache` for a family
         without a faster bound form."""
 
+    def forward_mods(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+        problem: Problem, tables: List[torch.Tensor],
+    ) -> None:  # fmt: skip
+        """Dense forward of a spec.ModsSpec (score_mod / mask_mod, cute_flash/mods): out / lse as `forward`'s; tables:
+        the callables' captured tensors as the kernel stores them (mods/call.py), score_mod's first."""
+
+    def backward_mods(self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor]) -> None:
+        """The backward of `forward_mods`, with the same tables (dq / dk / dv as `backward`'s)."""
+
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         """Compiles the kernels that serve `spec` for CuTe DSL target `target` with fake tensors (no GPU needed): the
         forward, and with `backward` the backward's (not the split-key decoding pair: tests/test_split_kv.py). A
@@ -230,6 +240,15 @@ class BackendBase:
         self, problem: KvCacheProblem, device: torch.device, num_splits: int
     ) -> Callable[[KvCacheTensors], None]:
         return launcher_through_kvcache(self, problem, num_splits)
+
+    def forward_mods(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+        problem: Problem, tables: List[torch.Tensor],
+    ) -> None:  # fmt: skip
+        raise self._missing("score_mod / mask_mod forward")
+
+    def backward_mods(self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor]) -> None:
+        raise self._missing("score_mod / mask_mod backward")
 
 
 class BoundForward:

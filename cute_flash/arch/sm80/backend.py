@@ -130,7 +130,10 @@ class _Backend(BackendBase):
             return SplitForward(split, split_kv.combine_kernel(spec, target), problem, splits)
         return BoundForward(self._forward_kernel(spec, target), problem)
 
-    def forward_mods(self, q, k, v, out, lse, problem: Problem, tables: List[torch.Tensor]) -> None:
+    def forward_mods(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+        problem: Problem, tables: List[torch.Tensor],
+    ) -> None:  # fmt: skip
         """The dense forward of a ModsSpec (score_mod / mask_mod, flash_fwd_mods.py): tables are the graphs' captured
         tensors as the kernel stores them (cute_flash/mods/call.py)."""
         spec = problem.spec
