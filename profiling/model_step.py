@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import sys
 from typing import Dict, List, Optional
 
@@ -193,6 +194,7 @@ def time_training(model, batch, ctx, args, trace_path: str = "") -> Dict[str, fl
         result["attn_ms"] = times["attn_us"] / 3 / 1000
         result["gpu_busy"] = times["gpu_us"] / 3 / 1000 / result["ms"]
         if trace_path:
+            os.makedirs(os.path.dirname(trace_path) or ".", exist_ok=True)
             prof.export_chrome_trace(trace_path)
         if args.summary:
             averages = prof.key_averages()

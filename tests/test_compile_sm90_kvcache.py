@@ -149,15 +149,17 @@ _CENSUS = textwrap.dedent(
         (_, res), = census.parse_ptxas_reports("".join(err))
         conversions = ptx.count("cvt.rn.f16x2.e4m3x2")
         print(json.dumps(dict(page_size=page_size, fp8=fp8, features=features, census=census.ptx_census(ptx),
-                              conversions=conversions, tanh=ptx.count("tanh.approx.f32"), **res)), flush=True)
+                              conversions=conversions, tanh=ptx.count("tanh.approx.f32"),
+                              f16_mma=ptx.count(".f32.f16.f16"), f16_to_f32=ptx.count("cvt.f32.f16"), **res)),
+              flush=True)
     """
 )
 
 
 def test_kvcache_decoding_builds_compile():
     """Paged (page 16) and dense with a 16-bit cache, paged with an fp8 one (its e4m3 tiles converted by the
-    producer warpgroup's converter warps: wgmma stays 16-bit), and that one with soft-capping and sinks (the
-    `kvcache_features` entry) within the same 216 / 40 registers."""
+    producer warpgroup's converter warps: wgmma in fp16, the bf16 queries rounded to fp16 by the row loader), and
+    that one with soft-capping and sinks (the `kvcache_features` entry) within the same 216 / 40 registers."""
     done = subprocess.run([sys.executable, "-c", _CENSUS], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -170,7 +172,10 @@ def test_kvcache_decoding_builds_compile():
         assert r["spill_bytes"] == 0, r
         assert c["wgmma.mma_async.rs"] > 0 and c["wgmma.mma_async"] > c["wgmma.mma_async.rs"], r
         assert c["wgmma.mma_async.e4m3"] == 0 and c["setmaxnreg"] == 2 and c["mma.sync"] == 0, r
-        assert c["cp.async"] == 2 * 128 // 8, r  # a lane's two query rows, 16 bytes at a time
+        # bf16 queries: a lane's two query rows by cp.async, 16 bytes at a time; an fp8 cache converts them to fp16
+        # through registers, and every GEMM is fp16 (one cvt per two cache values, none through fp32).
+        assert c["cp.async"] == (0 if r["fp8"] else 2 * 128 // 8), r
+        assert (r["f16_mma"] == c["wgmma.mma_async"]) == r["fp8"] and r["f16_to_f32"] == 0, r
         # The K / V tiles (64 keys): 4 load sites (K first, K and V in the loop, V last) x boxes x the 128-byte
         # halves of a row (d128: two in 16 bits, one in e4m3).
         boxes = 64 // chunk_rows(r["page_size"], 64)

@@ -293,8 +293,9 @@ def _compare_training_step(model, twin, keep, **inputs):
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("kind,extra", [("llama", {}), ("mistral", {"sliding_window": 5})], ids=["llama", "sliding"])
 def test_transformers_padded_batch_matches_sdpa(fake_gpu, registered, kind, extra, side):
-    # A padded batch goes through attention_varlen: valid rows gathered into packed sequences, outputs scattered
-    # back. Compared on the valid positions (SDPA's padded rows are not meaningful).
+    # A padded batch goes through attention_varlen over the call's own rows (each row's valid tokens one packed
+    # sequence, its padding others that see no key): no gather, no scatter. Compared on the valid positions (SDPA's
+    # padded rows are not meaningful).
     model, twin = _tiny(kind, registered, **extra)
     ids = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(5))
     mask = _padding_mask([12, 7, 1], 12, side)
@@ -302,7 +303,7 @@ def test_transformers_padded_batch_matches_sdpa(fake_gpu, registered, kind, extr
     kinds = [c[0] for c in fake_gpu.calls]
     assert "forward_varlen" in kinds and "backward_varlen" in kinds and "forward" not in kinds
     call = next(c for c in fake_gpu.calls if c[0] == "forward_varlen")
-    assert call[3] == (20, 4, 32) and call[4] == (20, 2, 32)  # 12 + 7 + 1 valid rows, kv heads unrepeated
+    assert call[3] == (36, 4, 32) and call[4] == (36, 2, 32)  # the 3 x 12 rows as they are, kv heads unrepeated
     assert (call[1].left, call[1].right) == ((4, 0) if extra else (1 << 30, 0))
 
 
@@ -529,3 +530,43 @@ def test_transformers_sinks_keywords(fake_gpu):
         cft.attention_forward(module, q, q, q, None, s_aux=sink, sinks=sink.clone())
     with pytest.raises(ValueError, match="softcap must be >= 0"):
         cft.attention_forward(module, q, q, q, None, softcap=-1.0)
+
+
+@pytest.mark.parametrize("q_length", [1, 3, 12])
+@pytest.mark.parametrize("k_width", [12, 17])
+def test_transformers_unpad_sequences_keep_positions(q_length, k_width):
+    # The padded path's sequences over the call's own rows: every valid query sees exactly its row's valid keys at or
+    # before it (by the kernels' bottom-right alignment), padding queries see none, padding keys are never read.
+    from cute_flash.integrations.transformers import _unpad
+
+    width = 12
+    rows = [[1] * 12, [0] * 5 + [1] * 7, [1] * 4 + [0] * 8, [0] * 12, [0] * 11 + [1], [1] * 11 + [0]]
+    mask = torch.tensor(rows, dtype=torch.bool)
+    p = _unpad(mask, q_length, windowed=True, k_width=k_width)
+    assert p.q_rows is None and p.k_width == k_width
+    cu_q, cu_k, used = p.cu_seqlens_q.tolist(), p.cu_seqlens_k.tolist(), p.seqused_k.tolist()
+    assert cu_q[-1] == len(rows) * q_length and cu_k[-1] == len(rows) * k_width
+    assert p.max_seqlen_q == max(b - a for a, b in zip(cu_q, cu_q[1:]))
+    assert p.max_seqlen_k == max(b - a for a, b in zip(cu_k, cu_k[1:]))
+    seen = {}
+    for n in range(len(used)):
+        nq, nk = cu_q[n + 1] - cu_q[n], used[n]
+        for j in range(nq):
+            keys = [cu_k[n] + t for t in range(nk) if t <= j + nk - nq]  # causal, bottom-right
+            seen[cu_q[n] + j] = keys
+    for i, r in enumerate(rows):
+        for p_ in range(q_length):
+            slot = width - q_length + p_
+            want = [i * k_width + t for t in range(width) if r[t] and t <= slot] if r[slot] else []
+            assert seen[i * q_length + p_] == want, (i, p_)
+
+
+def test_transformers_unpad_gathers_rows_with_gaps():
+    from cute_flash.integrations.transformers import _unpad
+
+    mask = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    p = _unpad(mask, 4, windowed=False, k_width=4)
+    assert p.q_rows is not None and p.cu_seqlens_q.tolist() == [0, 3, 7] and p.max_seqlen_k == 4
+    with pytest.raises(NotImplementedError, match="not contiguous"):
+        _unpad(mask, 4, windowed=True, k_width=4)
+    assert _unpad(torch.ones(2, 4, dtype=torch.bool), 4, windowed=False, k_width=4) is None

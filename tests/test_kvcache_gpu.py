@@ -165,6 +165,17 @@ def test_fp8_cache_against_its_dequantised_cache():
     _run_and_check(q, k, v, kw)
 
 
+@pytest.mark.parametrize("q_scale", [1e-30, 1e-6, 300.0, 3e5, 1e30])
+def test_fp8_cache_with_extreme_query_magnitudes(q_scale):
+    """The sm90 fp8 cache's GEMMs run in fp16: bf16 queries far outside fp16's range (3e5, 1e30) or below its
+    normals must neither overflow nor flush (load_q_rows_as_fp16's power-of-two scale); one batch row with zero
+    queries (every row's scale its own tile's)."""
+    q, k, v, kw = _case(3, 2, 16, 4, 128, 0, [300, 77, 1], fp8=True, seed=23)
+    q = (q.float() * q_scale).to(q.dtype)
+    q[2] = 0
+    _run_and_check(q, k, v, kw)
+
+
 @pytest.mark.sm80
 @pytest.mark.parametrize("page", [0, 1, 5, 16, 128])
 def test_the_sm80_family_serves_every_page_size(page):

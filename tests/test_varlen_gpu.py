@@ -593,3 +593,37 @@ def test_varlen_other_head_dims_on_hopper(sm90_varlen, d, dv):
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     _check(q, k, v, cq, ck, mq, mk, out, lse, dout, grads, causal=True)
+
+
+@pytest.mark.parametrize(
+    "family", [pytest.param("sm80", marks=pytest.mark.sm80), pytest.param("sm90", marks=pytest.mark.sm90)]
+)
+@pytest.mark.parametrize("heads", [(4, 4), (4, 1)], ids=["mha", "mqa"])
+@pytest.mark.parametrize("window", [None, 37])
+def test_varlen_padded_batch_layout(family, heads, window):
+    """The transformers plug-in's padded path: a (b, s) batch with left / right / no / full padding run over its own
+    rows (integrations/transformers._unpad: each row's padding queries sequences that see no key, its valid keys
+    counted by seqused_k; the CPU suite checks that these sequences are the rows' own attention): against float64
+    with FlashAttention's rule, and the padding rows' out and q, k, v gradients exactly 0."""
+    import cute_flash
+    from cute_flash.integrations.transformers import _unpad
+
+    b, s, d = 5, 300, 128
+    mask = torch.zeros(b, s, dtype=torch.bool, device="cuda")
+    for i, n in enumerate([300, 171, 1, 0, 299]):
+        mask[i, s - n :] = i % 2 == 0  # even rows left padded, odd rows right padded
+        mask[i, :n] |= i % 2 == 1
+    p = _unpad(mask, s, windowed=window is not None, k_width=s)
+    assert p.q_rows is None
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(b * s, h, d, generator=g, device="cuda").bfloat16().requires_grad_() for h in
+               (heads[0], heads[1], heads[1]))  # fmt: skip
+    w = (None, None) if window is None else (window - 1, 0)
+    seqs = (p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k)
+    out, lse = cute_flash.attention_varlen(q, k, v, *seqs, causal=True, window_size=w, seqused_k=p.seqused_k,
+                                           return_lse=True)  # fmt: skip
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    _check(q, k, v, *seqs, out, lse, dout, grads, causal=True, window_size=w, seqused_k=p.seqused_k)
+    pad = ~mask.flatten()
+    assert torch.all(out[pad] == 0) and all(torch.all(t[pad] == 0) for t in grads)

@@ -17,8 +17,10 @@ model's `scaling`, logit soft-capping (the `softcap` keyword, e.g. Gemma 2's att
 attention sinks (the `s_aux` keyword, gpt-oss's `sinks` parameter, or `sinks`), decoding against a cache (dynamic or
 static), and two kinds of batches that go through `cute_flash.attention_varlen`:
   - padded batches (a 2D `attention_mask`, left or right padding, prefill, training and decoding): the mask function
-    hands the attention function the 2D padding mask instead of a materialised 4D one; the attention function gathers
-    the valid query / key rows into packed sequences and scatters the outputs back (padded query rows get 0).
+    hands the attention function the 2D padding mask instead of a materialised 4D one; the attention function runs
+    each row's valid tokens as a packed sequence over the call's own rows (views of q / k / v, no gather, no
+    scatter; padded query rows get 0 and padded rows zero gradients). Rows whose valid tokens have gaps (no window)
+    are gathered into packed sequences and scattered back.
   - packed sequences (several documents in one row, marked by `position_ids` restarting, or by the `cu_seq_lens_q` /
     `cu_seq_lens_k` / `max_length_q` / `max_length_k` keywords of transformers' DataCollatorWithFlattening): one packed
     sequence per document. transformers materialises a 4D mask for these; it is checked once per forward (the same
@@ -101,14 +103,19 @@ _DERIVED = _Derived()
 
 
 class _Packing(NamedTuple):
-    """Where each packed sequence's query / key rows sit in the (batch, seqlen) grid of the call's tensors."""
+    """Packed sequences over the rows of the call's (batch, seqlen) grid. q_rows / k_rows None: the rows in their own
+    order (q flattened over (batch, seqlen), k / v over (batch, k_width)), with the gaps between the sequences that
+    matter given sequences of their own that see no key; else the (batch index, position) tensors of every packed
+    query / key row, gathered (and the outputs scattered back)."""
 
-    q_rows: tuple  # (batch index, position) tensors of every packed query row, in packed order
-    k_rows: tuple  # the same for keys
+    q_rows: Optional[tuple]
+    k_rows: Optional[tuple]
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+    seqused_k: Optional[torch.Tensor] = None
+    k_width: int = 0  # key slots per batch row that cu_seqlens_k counts in (q_rows None)
 
 
 # The window a mask was built for travels with it (an attribute of the tensor the mask function returns): some
@@ -131,36 +138,62 @@ def _rows(flat_index: torch.Tensor, width: int) -> tuple:
     return flat_index // width, flat_index % width
 
 
-def _unpad(mask: torch.Tensor, q_length: int, windowed: bool) -> Optional[_Packing]:
+def _unpad(mask: torch.Tensor, q_length: int, windowed: bool, k_width: int) -> Optional[_Packing]:
     """Packed sequences of a 2D padding mask (b, L) over the layer's first L key slots, whose last q_length slots are
-    the queries. None: no padding (every row full). One device-to-host copy."""
+    the queries; the key rows are counted in k_width slots per batch row (k_width >= L). None: no padding (every row
+    full). One device-to-host copy.
+
+    Where every row's valid tokens are contiguous (left or right padding), nothing is gathered: row i becomes three
+    sequences over the call's own rows, the padding queries before its valid ones (seeing no key: out 0), its valid
+    queries against its valid keys (seqused_k: the slots after them are never read and get zero gradients), and the
+    padding queries after them. The valid queries are the last of the valid key slots, so the kernels' bottom-right
+    alignment of queries to keys is the positions' own, windows included."""
     b, width = mask.shape
     mq = mask[:, width - q_length :]
     lens_k, lens_q = mask.sum(1, dtype=torch.int32), mq.sum(1, dtype=torch.int32)
     # Gaps inside a row's valid keys change key distances once packed: harmless for causal order, not for a window.
-    first = mask.to(torch.int8).argmax(1)
-    last = width - 1 - mask.flip(1).to(torch.int8).argmax(1)
+    first = mask.to(torch.int8).argmax(1).int()
+    last = width - 1 - mask.flip(1).to(torch.int8).argmax(1).int()
     gaps = ((last - first + 1 != lens_k) & (lens_k > 0)).any()
     full = (lens_k == width).all()
+    # The three sequences per row (above), in rows of the flattened q (b * q_length) and k (b * k_width).
+    ka = torch.where(lens_k > 0, first, 0)
+    kb = ka + lens_k
+    qa = (ka - (width - q_length)).clamp(0, q_length)
+    qb = torch.maximum((kb - (width - q_length)).clamp(max=q_length), qa)
+    row = torch.arange(b, dtype=torch.int32, device=mask.device)
+    q_ends = torch.stack([qa, qb, torch.full_like(qa, q_length)], 1) + (row * q_length)[:, None]
+    k_ends = torch.stack([ka, torch.full_like(ka, k_width), torch.full_like(ka, k_width)], 1) + (row * k_width)[:, None]
+    cu_q, cu_k = _cu_from_ends(q_ends), _cu_from_ends(k_ends)
     zero = lens_k.new_zeros(())
-    max_q, max_k, gap, all_full = torch.stack(
-        [lens_q.max() if b else zero, lens_k.max() if b else zero, gaps.int(), full.int()]
+    max_q = cu_q.diff().max() if b else zero
+    max_k = cu_k.diff().max() if b else zero
+    max_q, max_k, gap, all_full, max_q_gather, max_k_gather = torch.stack(
+        [max_q, max_k, gaps.int(), full.int(), lens_q.max() if b else zero, lens_k.max() if b else zero]
     ).tolist()
     if all_full:
         return None
-    if windowed and gap:
-        raise _err(
-            "a sliding-window layer got a padded row whose valid tokens are not contiguous: packing them would "
-            "change the distances the window is measured in. Pad on one side only (left or right)."
+    if gap:
+        if windowed:
+            raise _err(
+                "a sliding-window layer got a padded row whose valid tokens are not contiguous: packing them would "
+                "change the distances the window is measured in. Pad on one side only (left or right)."
+            )
+        return _Packing(
+            _rows(mq.flatten().nonzero().flatten(), q_length),
+            _rows(mask.flatten().nonzero().flatten(), width),
+            _cu_seqlens(lens_q),
+            _cu_seqlens(lens_k),
+            max_q_gather,
+            max_k_gather,
         )
-    return _Packing(
-        _rows(mq.flatten().nonzero().flatten(), q_length),
-        _rows(mask.flatten().nonzero().flatten(), width),
-        _cu_seqlens(lens_q),
-        _cu_seqlens(lens_k),
-        max_q,
-        max_k,
-    )
+    used = torch.stack([torch.zeros_like(lens_k), lens_k, torch.zeros_like(lens_k)], 1).flatten()
+    return _Packing(None, None, cu_q, cu_k, max_q, max_k, used, k_width)
+
+
+def _cu_from_ends(ends: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens (n + 1,) int32 of consecutive sequences ending at `ends` (any shape, row-major order)."""
+    return torch.nn.functional.pad(ends.flatten().to(torch.int32), (1, 0))
 
 
 def _single_queries(visible: torch.Tensor) -> _Packing:
@@ -180,8 +213,7 @@ def _documents(starts: torch.Tensor, b: int, s: int) -> _Packing:
     begin = starts.flatten().nonzero().flatten()
     cu = torch.cat([begin, begin.new_full((1,), b * s)]).to(torch.int32)
     max_len = int(cu.diff().max()) if cu.numel() > 1 else 0
-    rows = _rows(torch.arange(b * s, device=starts.device), s)
-    return _Packing(rows, rows, cu, cu, max_len, max_len)
+    return _Packing(None, None, cu, cu, max_len, max_len, None, s)
 
 
 def _check_documents(mask: torch.Tensor, starts: torch.Tensor, window: Optional[int]) -> None:
@@ -280,6 +312,22 @@ def attention_forward(
         k, v = k[:, :packing], v[:, :packing]
         out = cute_flash.attention(q, k, v, causal=True, softmax_scale=scaling, window_size=window, **features)
         return out, None
+    if packing.q_rows is None:  # the call's own rows: views where the layouts allow, no gather, no scatter
+        out = cute_flash.attention_varlen(
+            q.reshape(b * s, *q.shape[2:]),
+            _flat_rows(k, packing.k_width),
+            _flat_rows(v, packing.k_width),
+            packing.cu_seqlens_q,
+            packing.cu_seqlens_k,
+            packing.max_seqlen_q,
+            packing.max_seqlen_k,
+            causal=True,
+            softmax_scale=scaling,
+            window_size=window,
+            seqused_k=packing.seqused_k,
+            **features,
+        )
+        return out.view(b, s, *out.shape[1:]), None
     out = cute_flash.attention_varlen(
         q[packing.q_rows],
         k[packing.k_rows],
@@ -295,6 +343,19 @@ def attention_forward(
     )
     full = out.new_zeros(b, s, *out.shape[1:])  # padded query rows: 0 (as FlashAttention's own unpadding)
     return full.index_put(packing.q_rows, out), None
+
+
+def _flat_rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """(b, sk, h, d) -> (b * width, h, d): the first `width` key slots of every batch row, a view where the layout
+    allows (a copy of those slots otherwise)."""
+    return x[:, :width].reshape(-1, *x.shape[2:])
+
+
+def _key_width(k: torch.Tensor, width: int) -> int:
+    """Key slots per batch row to pack over: all of them where (batch, slot) flattens to one row index without a
+    copy (the padding sequences then cover the slots past `width`), else the `width` in use (a copy of fewer rows)."""
+    flat = k.shape[1] <= 1 or k.shape[0] <= 1 or k.stride(0) == k.shape[1] * k.stride(1)
+    return k.shape[1] if flat else width
 
 
 def _features(kwargs: dict) -> dict:
@@ -344,10 +405,11 @@ def _packing_from_masks(attention_mask, q, k, sliding_window, kwargs):
         if _tracing(attention_mask):
             raise _err("padded batches read their lengths on the host: not under CUDA-graph capture or fake tensors")
         windowed = sliding_window is not None
+        k_width = _key_width(k, width)  # (v comes from the same cache; another layout is copied, not wrong)
         packing = _DERIVED.get(
             (attention_mask,),
-            ("pad", s, windowed),
-            lambda: _unpad(attention_mask.to(device=q.device, dtype=torch.bool), s, windowed),
+            ("pad", s, windowed, k_width),
+            lambda: _unpad(attention_mask.to(device=q.device, dtype=torch.bool), s, windowed, k_width),
         )
         return width if packing is None else packing
     if attention_mask is not None and attention_mask.dim() != 4:

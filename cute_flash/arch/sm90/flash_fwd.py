@@ -125,6 +125,7 @@ class Sm90FlashForward(FwdEntries):
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
         self.out_dtype = dtype
+        self.mma_dtype = dtype  # of the Q / K / V tiles the GEMMs read (the KV-cache forward's fp8 cache: fp16)
         self._init_cta(spec, cfg)
         # split_kv: the key tiles of each query tile are shared among several CTAs (decoding, arch/split_kv.py), each
         # writing its normalised O and LSE in fp32 for the combine kernel; mO / mLSE are then (splits * b, sq, h, dv)
@@ -550,7 +551,7 @@ class Sm90FlashForward(FwdEntries):
         if tail < self.tile_n:
             first = consumer_state(self.num_stages)
             consumer_wait(pipes.v, first)
-            zero_rows_from(sV[None, None, first.index], tail, self.dtype, self.tile_n, self.head_dim_v, tidx)
+            zero_rows_from(sV[None, None, first.index], tail, self.mma_dtype, self.tile_n, self.head_dim_v, tidx)
             cute.arch.fence_view_async_shared()
             warpgroup_sync(consumer)  # before the first P·V reads the tile
 

@@ -44,6 +44,7 @@ class Staging(NamedTuple):
     v: object
     sK8: cute.Tensor
     sV8: cute.Tensor
+    q_scale: cute.Tensor  # (2,) fp32 in shared memory: [0] the factor bf16 queries were scaled by, inverted
 
 
 @dsl_user_op

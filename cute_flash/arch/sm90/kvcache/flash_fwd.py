@@ -51,10 +51,10 @@ from ..cta import CtaWork
 from ..flash_fwd import SMEM_ALIGN, Sm90FlashForward, one_stage
 from ..tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS
 from .. import wgmma
-from ..pipelines import WARP_THREADS, LoadPipelines
+from ..pipelines import WARP_THREADS, LoadPipelines, consumer_state, consumer_wait
 from .convert import CONVERTER_WARPS, FIRST_CONVERTER_WARP, FP8, Staging, convert_cache_tiles
 from .epilogue import store_lse_rows, store_o_rows, store_partial_o_rows
-from .loads import cache_tiles, load_cache_tiles, load_q_rows
+from .loads import cache_tiles, load_cache_tiles, load_q_rows, load_q_rows_as_fp16
 from .tile_config import KvCacheTileConfig, chunk_rows
 from .views import cache_view, gqa_rows_view, gqa_sink_view, gqa_stats_view
 
@@ -79,6 +79,11 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
         self.fp8_stages = cfg.fp8_stages
         assert self.kv_fp8 == (cfg.fp8_stages > 0), "an fp8 cache has e4m3 stages, a 16-bit one none"
         self.cache_dtype = FP8 if spec.kv_fp8 else self.dtype
+        # An fp8 cache's GEMMs run in fp16 whatever q's dtype: e4m3 -> fp16 is one exact cvt per two values (bf16
+        # would take three more instructions per two, and the converter warps bound the step). bf16 queries are
+        # rounded to fp16 under a power-of-two scale the consumers fold into the score scale (load_q_rows_as_fp16).
+        self.mma_dtype = cutlass.Float16 if spec.kv_fp8 else self.dtype
+        self.q_to_fp16 = spec.kv_fp8 and self.dtype is cutlass.BFloat16
 
     @cute.jit
     def kvcache(
@@ -149,10 +154,11 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
 
         rows = ROWS_PER_CONSUMER
         d = self.head_dim
-        sQ_layout = wgmma.k_major_smem_layout(self.dtype, rows, d, self.num_consumers, self.slice_elems)
-        sK_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, d, self.num_stages)
-        sV_layout = wgmma.k_major_smem_layout(self.dtype, self.tile_n, d, self.num_stages)
-        sO_layout = wgmma.k_major_smem_layout(self.dtype, rows, d, self.num_consumers, self.slice_elems)
+        mma_dtype = self.mma_dtype
+        sQ_layout = wgmma.k_major_smem_layout(mma_dtype, rows, d, self.num_consumers, self.slice_elems)
+        sK_layout = wgmma.k_major_smem_layout(mma_dtype, self.tile_n, d, self.num_stages)
+        sV_layout = wgmma.k_major_smem_layout(mma_dtype, self.tile_n, d, self.num_stages)
+        sO_layout = wgmma.k_major_smem_layout(self.out_dtype, rows, d, self.num_consumers, self.slice_elems)
         # What TMA fills: the 16-bit stages, or an fp8 cache's e4m3 stages (convert.py).
         sKV_load_layout = sK_layout
         if const_expr(self.kv_fp8):
@@ -160,10 +166,10 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
 
         k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, k_major, k_major, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(rows, self.tile_n)
+            mma_dtype, mma_dtype, k_major, k_major, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(rows, self.tile_n)
         )
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, k_major, mn_major, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(rows, d),
+            mma_dtype, mma_dtype, k_major, mn_major, Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(rows, d),
             a_source=warpgroup.OperandSource.RMEM,
         )  # fmt: skip
 
@@ -199,9 +205,10 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
                 mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
                 mbar_k8: cute.struct.MemRange[cutlass.Int64, 2 * self.fp8_stages]
                 mbar_v8: cute.struct.MemRange[cutlass.Int64, 2 * self.fp8_stages]
-                sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], SMEM_ALIGN]
-                sK: cute.struct.Align[cute.struct.MemRange[self.dtype, kv_elems], SMEM_ALIGN]
-                sV: cute.struct.Align[cute.struct.MemRange[self.dtype, kv_elems], SMEM_ALIGN]
+                q_scale: cute.struct.MemRange[Float32, 2]  # [0]: load_q_rows_as_fp16's inverse factor
+                sQ: cute.struct.Align[cute.struct.MemRange[mma_dtype, q_elems], SMEM_ALIGN]  # Q, then O
+                sK: cute.struct.Align[cute.struct.MemRange[mma_dtype, kv_elems], SMEM_ALIGN]
+                sV: cute.struct.Align[cute.struct.MemRange[mma_dtype, kv_elems], SMEM_ALIGN]
                 sK8: cute.struct.Align[cute.struct.MemRange[FP8, kv8_elems], SMEM_ALIGN]
                 sV8: cute.struct.Align[cute.struct.MemRange[FP8, kv8_elems], SMEM_ALIGN]
 
@@ -256,13 +263,19 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
             warp_idx, tidx, storage, pipes, rings8 = self.prologue_fp8(atoms, SharedStorage)
             sK8 = storage.sK8.get_tensor(sKV_load_layout.outer, swizzle=sKV_load_layout.inner)
             sV8 = storage.sV8.get_tensor(sKV_load_layout.outer, swizzle=sKV_load_layout.inner)
-            staging = Staging(rings8.k, rings8.v, sK8, sV8)
+            q_scale = storage.q_scale.get_tensor(cute.make_layout(2))
+            staging = Staging(rings8.k, rings8.v, sK8, sV8, q_scale)
         else:
             warp_idx, tidx, storage, pipes = self.prologue(atoms, SharedStorage)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         _, sV, sO = self.v_and_o_smem(storage, layouts[:4])
+        if const_expr(self.mma_dtype is not self.out_dtype):  # O's 16-bit type in Q's fp16 slots
+            sO_layout = layouts[3]
+            sO = cute.make_tensor(
+                cute.recast_ptr(storage.sQ.data_ptr(), sO_layout.inner, dtype=self.out_dtype), sO_layout.outer
+            )
 
         # Keys a sequence can hold: a length past it reads as the capacity (a broken contract, undefined results),
         # so that no page-table entry past a sequence's row is read (TMA zero-fills what lies past a dense cache).
@@ -379,15 +392,21 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
                     mQ, sQ = gmem[0], smem[0]
                     first = work.m_block * self.tile_m
                     q_batch = 0 if const_expr(self.packed_q) else work.batch
-                    load_q_rows(
-                        pipes.q, mQ[None, None, work.head_kv, q_batch], sQ, work.offset_q + first,
-                        work.seqlen_q - first, self.dtype, self.head_dim, self.tile_m,
-                    )  # fmt: skip
+                    if const_expr(self.q_to_fp16):
+                        load_q_rows_as_fp16(
+                            pipes.q, mQ[None, None, work.head_kv, q_batch], sQ, staging.q_scale,
+                            work.offset_q + first, work.seqlen_q - first, self.head_dim, self.tile_m,
+                        )  # fmt: skip
+                    else:
+                        load_q_rows(
+                            pipes.q, mQ[None, None, work.head_kv, q_batch], sQ, work.offset_q + first,
+                            work.seqlen_q - first, self.dtype, self.head_dim, self.tile_m,
+                        )  # fmt: skip
             if const_expr(staging is not None):
                 if warp_idx >= FIRST_CONVERTER_WARP:
                     convert_cache_tiles(
                         staging, pipes, smem[1], smem[2], work.n_min, work.n_max,
-                        tidx - FIRST_CONVERTER_WARP * WARP_THREADS, self.dtype, self.head_dim, self.num_stages,
+                        tidx - FIRST_CONVERTER_WARP * WARP_THREADS, self.mma_dtype, self.head_dim, self.num_stages,
                         self.fp8_stages,
                     )  # fmt: skip
         else:
@@ -395,6 +414,10 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
             scale = softmax_scale
             if const_expr(self.kv_fp8):  # the K descale of this (sequence, KV head) joins the score scale
                 scale = softmax_scale * gmem[4][work.batch, work.head_kv]
+            if const_expr(self.q_to_fp16):  # and the inverse of the queries' factor, once they are in
+                if work.n_max > work.n_min:
+                    consumer_wait(pipes.q, consumer_state(1))
+                    scale = scale * staging.q_scale[0]
             consume(scale, work, warp_group - 1, tidx % WARPGROUP_THREADS, warp_idx % 4)
 
     @cute.jit

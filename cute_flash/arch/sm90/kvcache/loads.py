@@ -35,9 +35,11 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
+from ....common.inline_ptx import bits_float, float_bits
+from .. import wgmma
 from ..pipelines import producer_state
 from ..tile_config import ROWS_PER_CONSUMER
 
@@ -196,4 +198,61 @@ def load_q_rows(
     cute.arch.fence_view_async_shared()  # this thread's rows, generic proxy -> the consumers' wgmma (async proxy)
     cute.arch.sync_warp()
     if lane == 0:
+        cute.arch.mbarrier_arrive(q_ring.producer_get_barrier(producer_state(1)))
+
+
+@cute.jit
+def load_q_rows_as_fp16(
+    q_ring,
+    mQ_rows: cute.Tensor,  # ((group, tokens), d) bf16: as load_q_rows
+    sQ: cute.Tensor,  # (64, d, consumers) swizzled fp16 Q slices
+    sQScale: cute.Tensor,  # (1,) fp32: the factor the consumers fold into the score scale (1 / the scale here)
+    first_row: Int32,
+    rows_left: Int32,
+    head_dim: cutlass.Constexpr[int],
+    tile_m: cutlass.Constexpr[int],
+):
+    """load_q_rows for an fp8 cache's fp16 GEMMs with bf16 queries: the rows scaled by one power of two, 2^(14 - e)
+    with e the exponent of the tile's largest |q|, and rounded to fp16. The largest value lands in [2^14, 2^15),
+    so nothing overflows fp16 and every value within 2^-28 of the largest keeps all of bf16's bits (the scaling
+    is exact; only values below that, whose products are below the scores' own rounding, are rounded). Lane l
+    handles rows l, l + 32, ..; two passes over the rows (the maximum, then the conversion; the second reads L1)."""
+    lane = cute.arch.lane_idx()
+    elems = COPY_BITS // 16
+    amax = Float32(0.0)
+    for p in cutlass.range_constexpr(tile_m // 32):
+        row = p * 32 + lane
+        if row < rows_left:
+            gRow = cute.zipped_divide(mQ_rows[first_row + row, None], (elems,))
+            for c in cutlass.range_constexpr(head_dim // elems):
+                r = cute.make_fragment_like(gRow[None, c])
+                cute.autovec_copy(gRow[None, c], r)
+                for i in cutlass.range_constexpr(elems):
+                    amax = cute.arch.fmax(amax, abs(r[i].to(Float32)))
+    for offset in (16, 8, 4, 2, 1):
+        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset))
+    # E: amax's biased exponent; the factor 2^(141 - E) and its inverse 2^(E - 141) are normal floats for E in
+    # [15, 255] (smaller E: zero or tiny rows, a factor of 2^126 cannot overflow them; 255: inf / NaN stay so).
+    e = cutlass.max((float_bits(amax) >> 23) & 0xFF, 15)
+    scale = bits_float((127 + 127 + 14 - e) << 23)
+    for p in cutlass.range_constexpr(tile_m // 32):
+        row = p * 32 + lane
+        consumer = p * 32 // ROWS_PER_CONSUMER
+        sRow = cute.zipped_divide(sQ[row % ROWS_PER_CONSUMER, None, consumer], (elems,))
+        for c in cutlass.range_constexpr(head_dim // elems):
+            x = cute.make_rmem_tensor((elems,), Float32)
+            x.fill(0.0)
+            if row < rows_left:
+                gRow = cute.zipped_divide(mQ_rows[first_row + row, None], (elems,))
+                r = cute.make_fragment_like(gRow[None, c])
+                cute.autovec_copy(gRow[None, c], r)
+                for i in cutlass.range_constexpr(elems):
+                    x[i] = r[i].to(Float32) * scale
+            h = cute.make_rmem_tensor((elems,), cutlass.Float16)
+            wgmma.convert_to_16bit(x, h)
+            cute.autovec_copy(h, sRow[None, c])
+    cute.arch.fence_view_async_shared()  # this thread's rows, generic proxy -> the consumers' wgmma (async proxy)
+    cute.arch.sync_warp()
+    if lane == 0:
+        sQScale[0] = bits_float((e - 14) << 23)
         cute.arch.mbarrier_arrive(q_ring.producer_get_barrier(producer_state(1)))
