@@ -34,7 +34,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated, of %(default)s")
     p.add_argument("--fp8", action="store_true", help="also time cute-flash with a float8_e4m3fn cache")
     p.add_argument("--graphs", action="store_true", help="time CUDA-graph replays instead of eager calls")
-    p.add_argument("--splits", default="", help="also time cute-flash with these num_splits (e.g. 8,16,32)")
+    p.add_argument("--splits", default="", help="also time cute-flash (and fp8) with these num_splits (e.g. 8,16)")
     p.add_argument("--kernels", action="store_true", help="per config, each impl's kernels and their mean µs")
     p.add_argument("--max-gib", type=float, default=60.0, help="skip configs whose caches exceed this (%(default)s)")
     p.add_argument("--peak-tbs", type=float, default=4.8, help="DRAM bandwidth for the %% column (%(default)s)")
@@ -93,6 +93,10 @@ def impls_for(args, q, k, v, table, seqlens, fp8=None) -> Dict[str, Callable]:
             fns["cute fp8"] = lambda: cute_flash.attention_with_kvcache(
                 q, k8, v8, cache_seqlens=seqlens, page_table=table, k_descale=kd, v_descale=vd
             )
+            for n in args.splits:
+                fns[f"cute fp8 s={n}"] = lambda n=n: cute_flash.attention_with_kvcache(
+                    q, k8, v8, cache_seqlens=seqlens, page_table=table, k_descale=kd, v_descale=vd, num_splits=n
+                )
     if "sdpa" in args.impls and table is None:
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         fns["sdpa"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)

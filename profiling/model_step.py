@@ -14,6 +14,10 @@ sliding window), gptoss (learnable sinks, sliding window). --padding: none, left
 packed (documents flattened into one row, DataCollatorWithFlattening's keywords). The implementations: cute
 (cute_flash.integrations.transformers), sdpa_flash / sdpa_cudnn / sdpa_efficient (torch SDPA forced to one backend),
 sdpa (torch's own choice), eager; an implementation a model or batch cannot use is reported as such, not timed.
+
+Training steps are host-bound at these sizes, so they follow the host's speed, which drifts between runs and
+machines: the impls of one config are built side by side and timed in interleaved rounds (--rounds blocks of
+--steps steps each), and each impl's best round is reported beside all of them.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=1024, help="(default: %(default)s)")
     p.add_argument("--heads", type=int, default=16, help="(default: %(default)s)")
     p.add_argument("--kv-heads", type=int, default=4, help="(default: %(default)s)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per config (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per round (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per impl, interleaved (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: %(default)s)")
     p.add_argument("--compile", action="store_true", help="torch.compile the whole model")
     p.add_argument("--generate", type=int, default=0, help="time generate() of this many new tokens instead")
@@ -163,8 +168,8 @@ def _kernel_times(prof) -> Dict[str, float]:
     return {"gpu_us": total, "attn_us": attn}
 
 
-def time_training(model, batch, ctx, args, trace_path: str = "") -> Dict[str, float]:
-    import torch
+def training_step(model, batch, ctx):
+    """One forward + backward step of `model` on `batch` (returns the loss, on the device)."""
 
     def step():
         with ctx():
@@ -172,35 +177,42 @@ def time_training(model, batch, ctx, args, trace_path: str = "") -> Dict[str, fl
             out.loss.backward()
         return out.loss.detach()
 
-    for _ in range(args.warmup):
-        loss = step()
+    return step
+
+
+def time_steps(step, steps: int) -> float:
+    """ms per step over `steps` back-to-back steps (CUDA events around the block)."""
+    import torch
+
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(args.steps):
-        loss = step()
+    for _ in range(steps):
+        step()
     end.record()
     torch.cuda.synchronize()
-    result = {"ms": start.elapsed_time(end) / args.steps, "loss": float(loss)}
-    if not args.no_profile:
-        from torch.profiler import ProfilerActivity, profile
+    return start.elapsed_time(end) / steps
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-        times = _kernel_times(prof)
-        result["attn_share"] = times["attn_us"] / max(times["gpu_us"], 1e-9)
-        result["attn_ms"] = times["attn_us"] / 3 / 1000
-        result["gpu_busy"] = times["gpu_us"] / 3 / 1000 / result["ms"]
-        if trace_path:
-            os.makedirs(os.path.dirname(trace_path) or ".", exist_ok=True)
-            prof.export_chrome_trace(trace_path)
-        if args.summary:
-            averages = prof.key_averages()
-            print(averages.table(sort_by="self_device_time_total", row_limit=args.summary, max_name_column_width=60))
-            print(averages.table(sort_by="self_cpu_time_total", row_limit=args.summary, max_name_column_width=60))
-    model.zero_grad(set_to_none=True)
+
+def profile_training(step, args, trace_path: str = "") -> Dict[str, float]:
+    """The attention share and GPU busy time of three profiled steps (after the timed rounds)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    times = _kernel_times(prof)
+    result = {"attn_share": times["attn_us"] / max(times["gpu_us"], 1e-9), "attn_ms": times["attn_us"] / 3 / 1000}
+    result["gpu_ms"] = times["gpu_us"] / 3 / 1000
+    if trace_path:
+        os.makedirs(os.path.dirname(trace_path) or ".", exist_ok=True)
+        prof.export_chrome_trace(trace_path)
+    if args.summary:
+        averages = prof.key_averages()
+        print(averages.table(sort_by="self_device_time_total", row_limit=args.summary, max_name_column_width=60))
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=args.summary, max_name_column_width=60))
     return result
 
 
@@ -246,6 +258,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if args.tokens and b * s > args.tokens:
                     continue
                 batch = make_batch(b, s, args.padding, cfg.vocab_size, device)
+                built = {}  # impl -> (model, ctx)
                 for impl in args.impls:
                     label = f"{name:>8}{b:>6}{s:>6}{impl:>16}"
                     try:
@@ -259,20 +272,40 @@ def main(argv: Optional[List[str]] = None) -> int:
                         if args.generate:
                             r = time_generate(model, batch, ctx, args)
                             print(f"{label}{r['ms']:>9.1f}{r['tok_s']:>11.0f}{'':>9}{'':>8}{'':>8}{'':>9}")
+                            rows.append((name, b, s, impl, r))
                         else:
-                            trace = f"{args.trace}/{name}_b{b}_s{s}_{impl}.json" if args.trace else ""
-                            r = time_training(model, batch, ctx, args, trace)
-                            tok_s = b * s / r["ms"] * 1000
-                            share = r.get("attn_share", math.nan) * 100
-                            busy = r.get("gpu_busy", math.nan) * 100
-                            print(f"{label}{r['ms']:>9.2f}{tok_s:>11.0f}{r.get('attn_ms', math.nan):>9.2f}"
-                                  f"{share:>8.1f}{busy:>8.1f}{r['loss']:>9.4f}")  # fmt: skip
-                        rows.append((name, b, s, impl, r))
+                            step = training_step(model, batch, ctx)
+                            for _ in range(args.warmup):
+                                step()
+                            built[impl] = (model, step)
                     except Exception as e:  # noqa: BLE001 - reported per row, the grid goes on
                         print(f"{label}  not run: {type(e).__name__}: {str(e)[:120]}")
                     finally:
                         model = None
                         torch.cuda.empty_cache()
+                # Training: the impls' timed blocks interleaved over --rounds rounds (a host-bound step follows the
+                # host's speed, which drifts), each impl's best round reported.
+                times = {impl: [] for impl in built}
+                for _ in range(args.rounds):
+                    for impl, (_, step) in built.items():
+                        times[impl].append(time_steps(step, args.steps))
+                for impl, (model, step) in built.items():
+                    label = f"{name:>8}{b:>6}{s:>6}{impl:>16}"
+                    r = {"ms": min(times[impl]), "rounds_ms": times[impl], "loss": float(step())}
+                    if not args.no_profile:
+                        trace = f"{args.trace}/{name}_b{b}_s{s}_{impl}.json" if args.trace else ""
+                        r.update(profile_training(step, args, trace))
+                        r["gpu_busy"] = r["gpu_ms"] / r["ms"]
+                    model.zero_grad(set_to_none=True)
+                    tok_s = b * s / r["ms"] * 1000
+                    share = r.get("attn_share", math.nan) * 100
+                    busy = r.get("gpu_busy", math.nan) * 100
+                    print(f"{label}{r['ms']:>9.2f}{tok_s:>11.0f}{r.get('attn_ms', math.nan):>9.2f}"
+                          f"{share:>8.1f}{busy:>8.1f}{r['loss']:>9.4f}  rounds "
+                          + " ".join(f"{t:.2f}" for t in times[impl]))  # fmt: skip
+                    rows.append((name, b, s, impl, r))
+                built.clear()
+                torch.cuda.empty_cache()
     return 0
 
 

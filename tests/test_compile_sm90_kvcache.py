@@ -124,6 +124,15 @@ def test_kvcache_splits_fill_the_waves(batch, context, splits):
     assert kvcache_splits(_problem(batch, context), 0) == 1  # not a GPU
 
 
+def test_fp8_cache_small_grids_fill_two_ctas_per_sm():
+    # An fp8 cache's CTAs stream more slowly: a small grid fills both CTA slots of every SM (8 x 33 = 264 slots).
+    from dataclasses import replace
+
+    p = _problem(1, 32768)
+    assert kvcache_splits(replace(p, spec=replace(p.spec, kv_fp8=True)), 132) == 32
+    assert kvcache_splits(p, 132) == 16
+
+
 def test_kvcache_splits_see_the_window():
     # A 256-key window at 32k: the key tiles a query tile walks are the window's 5, not the cache's 512.
     assert kvcache_splits(_problem(1, 32768, mask=(True, (256, None))), 132) == 2

@@ -82,19 +82,29 @@ def _tile_copies(s8: cute.Tensor, s16: cute.Tensor, dtype, cols: int, tidx: Int3
 
 
 @cute.jit
-def _convert_tile(ring8, state8, ring16, state16, copies: _TileCopies, dtype: cutlass.Constexpr, lane: Int32):
+def _convert_tile(
+    ring8, state8, ring16, state16, copies: _TileCopies, dtype: cutlass.Constexpr, lane: Int32,
+    loads_ahead: cutlass.Constexpr[int],
+):  # fmt: skip
     consumer_wait(ring8, state8)
     ring16.sync_object_empty.wait(state16.index, state16.phase)
     to_bf16 = dtype is cutlass.BFloat16
-    for m in cutlass.range_constexpr(cute.size(copies.src, mode=[1])):
-        r8 = cute.make_fragment_like(copies.src[None, m, 0, 0])
-        cute.autovec_copy(copies.src[None, m, 0, state8.index], r8)
-        r16 = cute.make_fragment_like(copies.dst[None, m, 0, 0])
-        w8, w16 = cute.recast_tensor(r8, Int32), cute.recast_tensor(r16, Int32)
-        for w in cutlass.range_constexpr(cute.size(w8)):
-            w16[2 * w] = _e4m3x2_to_16bit(w8[w], False, to_bf16)
-            w16[2 * w + 1] = _e4m3x2_to_16bit(w8[w], True, to_bf16)
-        cute.autovec_copy(r16, copies.dst[None, m, 0, state16.index])
+    steps = cute.size(copies.src, mode=[1])
+    # `loads_ahead` loads before their conversions and stores: the compiler cannot move a shared-memory load above a
+    # store it might alias, so one load per step would make every step wait out the load's latency.
+    for m0 in cutlass.range_constexpr(0, steps, loads_ahead):
+        r8s = []
+        for m in cutlass.range_constexpr(m0, min(m0 + loads_ahead, steps)):
+            r8 = cute.make_fragment_like(copies.src[None, m, 0, 0])
+            cute.autovec_copy(copies.src[None, m, 0, state8.index], r8)
+            r8s.append(r8)
+        for i, r8 in enumerate(r8s):
+            r16 = cute.make_fragment_like(copies.dst[None, m0 + i, 0, 0])
+            w8, w16 = cute.recast_tensor(r8, Int32), cute.recast_tensor(r16, Int32)
+            for w in cutlass.range_constexpr(cute.size(w8)):
+                w16[2 * w] = _e4m3x2_to_16bit(w8[w], False, to_bf16)
+                w16[2 * w + 1] = _e4m3x2_to_16bit(w8[w], True, to_bf16)
+            cute.autovec_copy(r16, copies.dst[None, m0 + i, 0, state16.index])
     cute.arch.fence_view_async_shared()  # the 16-bit stores -> the consumers' wgmma (async proxy)
     cute.arch.sync_warp()
     if lane == 0:
@@ -118,6 +128,7 @@ def convert_cache_tiles(
     head_dim: cutlass.Constexpr[int],
     num_stages: cutlass.Constexpr[int],
     fp8_stages: cutlass.Constexpr[int],
+    loads_ahead: cutlass.Constexpr[int],
 ):
     lane = cute.arch.lane_idx()
     k_copies = _tile_copies(staging.sK8, sK, dtype, head_dim, tidx)
@@ -125,8 +136,8 @@ def convert_cache_tiles(
     if n_max > n_min:
         k8, v8 = consumer_state(fp8_stages), consumer_state(fp8_stages)
         k16, v16 = producer_state(num_stages), producer_state(num_stages)
-        k8, k16 = _convert_tile(staging.k, k8, pipes.k, k16, k_copies, dtype, lane)
+        k8, k16 = _convert_tile(staging.k, k8, pipes.k, k16, k_copies, dtype, lane, loads_ahead)
         for _ in cutlass.range(n_max - 1 - n_min, unroll=1):
-            k8, k16 = _convert_tile(staging.k, k8, pipes.k, k16, k_copies, dtype, lane)
-            v8, v16 = _convert_tile(staging.v, v8, pipes.v, v16, v_copies, dtype, lane)
-        _convert_tile(staging.v, v8, pipes.v, v16, v_copies, dtype, lane)
+            k8, k16 = _convert_tile(staging.k, k8, pipes.k, k16, k_copies, dtype, lane, loads_ahead)
+            v8, v16 = _convert_tile(staging.v, v8, pipes.v, v16, v_copies, dtype, lane, loads_ahead)
+        _convert_tile(staging.v, v8, pipes.v, v16, v_copies, dtype, lane, loads_ahead)

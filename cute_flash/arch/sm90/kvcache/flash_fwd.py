@@ -407,7 +407,7 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
                     convert_cache_tiles(
                         staging, pipes, smem[1], smem[2], work.n_min, work.n_max,
                         tidx - FIRST_CONVERTER_WARP * WARP_THREADS, self.mma_dtype, self.head_dim, self.num_stages,
-                        self.fp8_stages,
+                        self.fp8_stages, self.cfg.fp8_loads_ahead,
                     )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)

@@ -68,10 +68,14 @@ class KvCacheTileConfig(FwdTileConfig):
     # An fp8 cache (spec.kv_fp8): stages of the e4m3 K / V tiles that TMA fills and the producer warpgroup's
     # converter warps turn into the 16-bit stages the consumers read (convert.py); 0: a 16-bit cache.
     fp8_stages: int = 0
+    # Steps of a converter thread whose 16-byte e4m3 loads are issued before their conversions (convert.py): 4
+    # registers each, out of the producer warpgroup's producer_regs.
+    fp8_loads_ahead: int = 1
 
 
-def _config(cfg: FwdTileConfig, ctas_per_sm: int, fp8_stages: int = 0) -> KvCacheTileConfig:
-    return KvCacheTileConfig(**{**cfg.__dict__, "ctas_per_sm": ctas_per_sm, "fp8_stages": fp8_stages})
+def _config(cfg: FwdTileConfig, ctas_per_sm: int, fp8_stages: int = 0, fp8_loads_ahead: int = 1) -> KvCacheTileConfig:
+    extra = {"ctas_per_sm": ctas_per_sm, "fp8_stages": fp8_stages, "fp8_loads_ahead": fp8_loads_ahead}
+    return KvCacheTileConfig(**{**cfg.__dict__, **extra})
 
 
 # (head dim, decoding config); reasons in the module docstring.
@@ -93,9 +97,9 @@ _DECODE_BY_HEAD_DIM = {
 # (225 KiB) and 232 / 40 registers; d64 and d256 keep the 64-row tile for every row count (the forward's tiles leave
 # no room for the e4m3 stages).
 _FP8_DECODE_BY_HEAD_DIM = {
-    64: _config(FwdTileConfig(1, 128, 2, ping_pong=False, consumer_regs=216, producer_regs=40), 2, 2),
-    128: _config(FwdTileConfig(1, 64, 2, ping_pong=False, consumer_regs=216, producer_regs=40), 2, 2),
-    256: _config(FwdTileConfig(1, 64, 2, ping_pong=False, consumer_regs=240, producer_regs=40), 1, 2),
+    64: _config(FwdTileConfig(1, 128, 2, ping_pong=False, consumer_regs=200, producer_regs=56), 2, 2, 4),
+    128: _config(FwdTileConfig(1, 64, 2, ping_pong=False, consumer_regs=200, producer_regs=56), 2, 2, 4),
+    256: _config(FwdTileConfig(1, 64, 2, ping_pong=False, consumer_regs=240, producer_regs=72), 1, 2, 4),
 }
 _FP8_MORE_ROWS_BY_HEAD_DIM = {128: _config(FwdTileConfig(2, 128, 2, consumer_regs=232, producer_regs=40), 1, 2)}
 
@@ -177,7 +181,8 @@ def problem_rows(problem: KvCacheProblem) -> int:
 # A grid of at most sm_count / SMALL_GRID_DIVISOR CTAs per split (batch 1-2 at 8 KV heads on an H200) is split to
 # fill one CTA per SM, not ctas_per_sm: each further split costs the combine a partial and its CTA a start-up, and
 # there the second CTA per SM gains nothing. H200, 2026-12-02, batch 1 d128 h32/8, CUDA graphs: 16 splits took
-# 10.8 us at 4k keys and 39.7 us at 32k, 33 splits (two CTAs per SM) 14.0 and 41.8.
+# 10.8 us at 4k keys and 39.7 us at 32k, 33 splits (two CTAs per SM) 14.0 and 41.8. Not for an fp8 cache, whose
+# CTAs stream more slowly (the converter warps' hand-offs): there 32 splits took 19.7 / 41.9 us, 16 20.3 / 51.6.
 SMALL_GRID_DIVISOR = 8
 
 
@@ -196,5 +201,6 @@ def kvcache_splits(problem: KvCacheProblem, sm_count: int) -> int:
         rows_per_query=p.nheads // p.nheads_kv,
     )  # fmt: skip
     key_tiles = max((hi - lo for lo, hi in map(info.kv_block_range, range(row_tiles))), default=0)
-    slots = sm_count if ctas * SMALL_GRID_DIVISOR <= sm_count else sm_count * cfg.ctas_per_sm
+    small = ctas * SMALL_GRID_DIVISOR <= sm_count and not p.spec.kv_fp8
+    slots = sm_count if small else sm_count * cfg.ctas_per_sm
     return split_kv.splits_to_fill(ctas, slots, key_tiles, split_kv.KVCACHE_MAX_SPLITS)
