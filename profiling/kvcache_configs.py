@@ -32,6 +32,9 @@ VARIANTS: Dict[str, Dict[str, Optional[tuple]]] = {
         # hold them spill-free: one (the converter warps wait out every load), all eight.
         "1 ahead, 216 / 40 regs": (2, 2, 216, 40, {"fp8_loads_ahead": 1}),
         "8 ahead, 184 / 72 regs": (2, 2, 184, 72, {"fp8_loads_ahead": 8}),
+        # 1.5x the e4m3 bytes in flight in the same shared memory: four stages of 48-key tiles.
+        "2x4, tile 48": (2, 4, 200, 56, {"tile_n": 48, "fp8_loads_ahead": 3}),
+        "2x3, tile 48": (2, 3, 200, 56, {"tile_n": 48, "fp8_loads_ahead": 3}),
     },
     "bf16": {
         "shipped": None,

@@ -559,6 +559,10 @@ def test_transformers_unpad_sequences_keep_positions(q_length, k_width):
             slot = width - q_length + p_
             want = [i * k_width + t for t in range(width) if r[t] and t <= slot] if r[slot] else []
             assert seen[i * q_length + p_] == want, (i, p_)
+    # Told by the mask function that there are no gaps, the same sequences without a device read (bounded lengths).
+    told = _unpad(mask, q_length, windowed=True, k_width=k_width, gaps=False)
+    assert torch.equal(told.cu_seqlens_q, p.cu_seqlens_q) and torch.equal(told.cu_seqlens_k, p.cu_seqlens_k)
+    assert torch.equal(told.seqused_k, p.seqused_k) and (told.max_seqlen_q, told.max_seqlen_k) == (q_length, k_width)
 
 
 def test_transformers_unpad_gathers_rows_with_gaps():

@@ -122,12 +122,24 @@ class _Packing(NamedTuple):
 # models' attention modules do not pass `sliding_window` although their mask is a sliding-window one.
 _WINDOW_TAG = "_cute_flash_window"
 _FULL_TAG = "_cute_flash_full"
+_GAPS_TAG = "_cute_flash_gaps"  # whether a row's valid tokens have gaps, read once by the mask function
 
 
-def _tagged(mask: torch.Tensor, window: Optional[int], full: bool = False) -> torch.Tensor:
+def _tagged(mask: torch.Tensor, window: Optional[int], full: bool = False, gaps: Optional[bool] = None):
     setattr(mask, _WINDOW_TAG, window)
     setattr(mask, _FULL_TAG, full)
+    setattr(mask, _GAPS_TAG, gaps)
     return mask
+
+
+def _valid_ranges(mask: torch.Tensor):
+    """Per row of a 2D bool mask: its valid tokens' count, the first one's index (0 for none), and whether they have
+    gaps (as a 0-d bool tensor: any row's valid tokens not contiguous)."""
+    width = mask.shape[1]
+    lens = mask.sum(1, dtype=torch.int32)
+    first = mask.to(torch.int8).argmax(1).int()
+    last = width - 1 - mask.flip(1).to(torch.int8).argmax(1).int()
+    return lens, torch.where(lens > 0, first, 0), ((last - first + 1 != lens) & (lens > 0)).any()
 
 
 def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
@@ -138,10 +150,12 @@ def _rows(flat_index: torch.Tensor, width: int) -> tuple:
     return flat_index // width, flat_index % width
 
 
-def _unpad(mask: torch.Tensor, q_length: int, windowed: bool, k_width: int) -> Optional[_Packing]:
-    """Packed sequences of a 2D padding mask (b, L) over the layer's first L key slots, whose last q_length slots are
-    the queries; the key rows are counted in k_width slots per batch row (k_width >= L). None: no padding (every row
-    full). One device-to-host copy.
+def _unpad(mask: torch.Tensor, q_length: int, windowed: bool, k_width: int, gaps: Optional[bool] = None):
+    """Packed sequences (a `_Packing`) of a 2D padding mask (b, L) over the layer's first L key slots, whose last
+    q_length slots are the queries; the key rows are counted in k_width slots per batch row (k_width >= L). None: no
+    padding (every row full). `gaps`: whether some row's valid tokens have gaps, when the mask function has read it
+    (then nothing is read from the device here, and the longest sequences are bounded by q_length / k_width); else
+    one device-to-host copy.
 
     Where every row's valid tokens are contiguous (left or right padding), nothing is gathered: row i becomes three
     sequences over the call's own rows, the padding queries before its valid ones (seeing no key: out 0), its valid
@@ -149,15 +163,8 @@ def _unpad(mask: torch.Tensor, q_length: int, windowed: bool, k_width: int) -> O
     padding queries after them. The valid queries are the last of the valid key slots, so the kernels' bottom-right
     alignment of queries to keys is the positions' own, windows included."""
     b, width = mask.shape
-    mq = mask[:, width - q_length :]
-    lens_k, lens_q = mask.sum(1, dtype=torch.int32), mq.sum(1, dtype=torch.int32)
-    # Gaps inside a row's valid keys change key distances once packed: harmless for causal order, not for a window.
-    first = mask.to(torch.int8).argmax(1).int()
-    last = width - 1 - mask.flip(1).to(torch.int8).argmax(1).int()
-    gaps = ((last - first + 1 != lens_k) & (lens_k > 0)).any()
-    full = (lens_k == width).all()
+    lens_k, ka, any_gap = _valid_ranges(mask)
     # The three sequences per row (above), in rows of the flattened q (b * q_length) and k (b * k_width).
-    ka = torch.where(lens_k > 0, first, 0)
     kb = ka + lens_k
     qa = (ka - (width - q_length)).clamp(0, q_length)
     qb = torch.maximum((kb - (width - q_length)).clamp(max=q_length), qa)
@@ -165,27 +172,32 @@ def _unpad(mask: torch.Tensor, q_length: int, windowed: bool, k_width: int) -> O
     q_ends = torch.stack([qa, qb, torch.full_like(qa, q_length)], 1) + (row * q_length)[:, None]
     k_ends = torch.stack([ka, torch.full_like(ka, k_width), torch.full_like(ka, k_width)], 1) + (row * k_width)[:, None]
     cu_q, cu_k = _cu_from_ends(q_ends), _cu_from_ends(k_ends)
-    zero = lens_k.new_zeros(())
-    max_q = cu_q.diff().max() if b else zero
-    max_k = cu_k.diff().max() if b else zero
-    max_q, max_k, gap, all_full, max_q_gather, max_k_gather = torch.stack(
-        [max_q, max_k, gaps.int(), full.int(), lens_q.max() if b else zero, lens_k.max() if b else zero]
-    ).tolist()
-    if all_full:
-        return None
-    if gap:
+    if gaps is None:
+        zero = lens_k.new_zeros(())
+        max_q = cu_q.diff().max() if b else zero
+        max_k = cu_k.diff().max() if b else zero
+        max_q, max_k, gaps, all_full = torch.stack(
+            [max_q, max_k, any_gap.int(), (lens_k == width).all().int()]
+        ).tolist()
+        if all_full:
+            return None
+    else:
+        max_q, max_k = q_length, k_width
+    if gaps:
         if windowed:
             raise _err(
                 "a sliding-window layer got a padded row whose valid tokens are not contiguous: packing them would "
                 "change the distances the window is measured in. Pad on one side only (left or right)."
             )
+        mq = mask[:, width - q_length :]
+        lens_q = mq.sum(1, dtype=torch.int32)
         return _Packing(
             _rows(mq.flatten().nonzero().flatten(), q_length),
             _rows(mask.flatten().nonzero().flatten(), width),
             _cu_seqlens(lens_q),
             _cu_seqlens(lens_k),
-            max_q_gather,
-            max_k_gather,
+            int(lens_q.max()),
+            int(lens_k.max()),
         )
     used = torch.stack([torch.zeros_like(lens_k), lens_k, torch.zeros_like(lens_k)], 1).flatten()
     return _Packing(None, None, cu_q, cu_k, max_q, max_k, used, k_width)
@@ -409,7 +421,13 @@ def _packing_from_masks(attention_mask, q, k, sliding_window, kwargs):
         packing = _DERIVED.get(
             (attention_mask,),
             ("pad", s, windowed, k_width),
-            lambda: _unpad(attention_mask.to(device=q.device, dtype=torch.bool), s, windowed, k_width),
+            lambda: _unpad(
+                attention_mask.to(device=q.device, dtype=torch.bool),
+                s,
+                windowed,
+                k_width,
+                getattr(attention_mask, _GAPS_TAG, None),
+            ),  # fmt: skip
         )
         return width if packing is None else packing
     if attention_mask is not None and attention_mask.dim() != 4:
@@ -487,8 +505,12 @@ def _padding(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mas
         mask = attention_mask[:, -kv_length:].to(torch.bool)  # a sliding layer's cache holds the last kv_length
         if mask.shape != (batch_size, end):
             return False
-        if not bool(mask.all()):  # one host sync, as transformers' own flash-attention mask
-            return _tagged(mask, window)
+        # One host sync per mask, as transformers' own flash-attention mask: whether there is padding, and whether
+        # its rows' valid tokens are contiguous (what the attention function's packing needs: it reads nothing).
+        lens, _, gaps = _valid_ranges(mask)
+        full, gaps = torch.stack([(lens == mask.shape[1]).all(), gaps]).tolist()
+        if not full:
+            return _tagged(mask, window, gaps=bool(gaps))
     if end == kv_length and window is None:
         return None
     return _tagged(torch.ones(batch_size, end, dtype=torch.bool, device=device), window, full=True)
