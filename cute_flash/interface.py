@@ -79,8 +79,8 @@ def attention(
     NotImplementedError when gradients are needed.
 
     score_mod(score, b, h, q_idx, kv_idx) -> score and mask_mod(b, h, q_idx, kv_idx) -> bool (FlexAttention's
-    callables, on the scaled score; docs/mods.md says what they may contain): experimental, eager only, and off
-    unless CUTE_FLASH_EXPERIMENTAL_MODS=1 (their kernels have not run on a GPU yet: NotImplementedError otherwise).
+    callables, on the scaled score; docs/mods.md says what they may contain): eager only, on the sm80 family's
+    kernels on every GPU, without block skipping yet (correct, not yet fast: docs/mods.md).
     """
     if score_mod is not None or mask_mod is not None:
         if dtype is not None or descale is not None or softcap or learnable_sink is not None or deterministic:

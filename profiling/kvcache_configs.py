@@ -7,7 +7,8 @@ count read it through the module), then times the same calls (CUDA graphs) and c
        SM, half what the bf16 cache's two 16-bit stages keep: the variants deepen the e4m3 rings in the same shared
        memory. Measured (H200, 2026-12-02): one CTA per SM with 4 or 8 e4m3 stages (half the converter warps per
        SM) 1.45x slower than two; 8 stages of 32-key tiles 1.25x, one 16-bit stage with 4 e4m3 ones 1.1x slower.
-       The variants now: how many of a converter thread's loads go out before their conversions.
+       With the loads ahead, 3-4 stages of 48-key tiles 0.94x. The variants now: how many of a converter thread's
+       loads go out before their conversions (shipped: 4; docs/performance.md).
   bf16: small grids (batch 1-2, split to one CTA per SM: tile_config.SMALL_GRID_DIVISOR) keep only the 64 KiB of
        one CTA's two stages in flight per SM; the variants deepen the ring of that one CTA.
 
@@ -32,9 +33,6 @@ VARIANTS: Dict[str, Dict[str, Optional[tuple]]] = {
         # hold them spill-free: one (the converter warps wait out every load), all eight.
         "1 ahead, 216 / 40 regs": (2, 2, 216, 40, {"fp8_loads_ahead": 1}),
         "8 ahead, 184 / 72 regs": (2, 2, 184, 72, {"fp8_loads_ahead": 8}),
-        # 1.5x the e4m3 bytes in flight in the same shared memory: four stages of 48-key tiles.
-        "2x4, tile 48": (2, 4, 200, 56, {"tile_n": 48, "fp8_loads_ahead": 3}),
-        "2x3, tile 48": (2, 3, 200, 56, {"tile_n": 48, "fp8_loads_ahead": 3}),
     },
     "bf16": {
         "shipped": None,

@@ -9,7 +9,6 @@ import torch
 import cute_flash
 from cute_flash import validation
 from cute_flash.core import device
-from cute_flash.mods.call import ENV_GATE
 from cute_flash.spec import ModsSpec
 
 from . import test_mods as examples
@@ -30,7 +29,6 @@ class _Recorder:
 
 @pytest.fixture
 def backend(monkeypatch):
-    monkeypatch.setenv(ENV_GATE, "1")
     monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "meta"))
     rec = _Recorder()
     monkeypatch.setattr(device, "route", lambda spec, t, backward=False, deterministic=False: rec)
@@ -42,13 +40,6 @@ def _qkv(b=2, s=77, h=4, hk=2, d=64, device="meta"):
     return (torch.empty(b, s, h, d, dtype=torch.bfloat16, device=device),
             torch.empty(b, s, hk, d, dtype=torch.bfloat16, device=device),
             torch.empty(b, s, hk, d, dtype=torch.bfloat16, device=device))  # fmt: skip
-
-
-def test_the_gate_refuses_until_the_kernels_have_run(monkeypatch):
-    monkeypatch.delenv(ENV_GATE, raising=False)
-    q, k, v = _qkv(device="cpu")
-    with pytest.raises(NotImplementedError, match=ENV_GATE):
-        cute_flash.attention(q, k, v, mask_mod=examples.causal)
 
 
 def test_a_call_reaches_the_backend_with_its_spec_and_tables(backend, monkeypatch):

@@ -76,10 +76,8 @@ def _cuda_mod(fn, monkeypatch):
 def test_attention_with_mods_against_float64(monkeypatch, score, mask, d, causal):
     """FlashAttention's rule against the float64 reference: |out - ref| <= 2 |out_torch_bf16 - ref| + 1e-5, with the
     callables applied by the reference itself (not through their graphs); GQA 4 / 2, odd length 77."""
-    from cute_flash.mods.call import ENV_GATE
     from cute_flash.mods.reference import attention_mods_reference
 
-    monkeypatch.setenv(ENV_GATE, "1")
     score_mod = _cuda_mod(getattr(examples, score), monkeypatch) if score else None
     mask_mod = _cuda_mod(getattr(examples, mask), monkeypatch) if mask else None
     q, k, v = _attention_case(d, causal, seed=hash((score, mask, d)) % 1000)
@@ -100,10 +98,8 @@ def test_attention_with_mods_against_float64(monkeypatch, score, mask, d, causal
 def test_gradients_with_mods_against_float64(monkeypatch, score, mask, d):
     """dq, dk, dv (and lse's gradient folded into D) by FlashAttention's rule against autograd through the float64
     reference, GQA 4 / 2, odd length 77."""
-    from cute_flash.mods.call import ENV_GATE
     from cute_flash.mods.reference import attention_mods_reference
 
-    monkeypatch.setenv(ENV_GATE, "1")
     kw = dict(score_mod=_cuda_mod(getattr(examples, score), monkeypatch), mask_mod=getattr(examples, mask))
     q, k, v = (t.requires_grad_() for t in _attention_case(d, False, seed=hash((score, mask, d)) % 1000))
     g = torch.randn(q.shape[:3] + (v.shape[-1],), device="cuda", dtype=q.dtype)

@@ -324,26 +324,15 @@ def attention_forward(
         k, v = k[:, :packing], v[:, :packing]
         out = cute_flash.attention(q, k, v, causal=True, softmax_scale=scaling, window_size=window, **features)
         return out, None
-    if packing.q_rows is None:  # the call's own rows: views where the layouts allow, no gather, no scatter
-        out = cute_flash.attention_varlen(
-            q.reshape(b * s, *q.shape[2:]),
-            _flat_rows(k, packing.k_width),
-            _flat_rows(v, packing.k_width),
-            packing.cu_seqlens_q,
-            packing.cu_seqlens_k,
-            packing.max_seqlen_q,
-            packing.max_seqlen_k,
-            causal=True,
-            softmax_scale=scaling,
-            window_size=window,
-            seqused_k=packing.seqused_k,
-            **features,
-        )
-        return out.view(b, s, *out.shape[1:]), None
+    own_rows = packing.q_rows is None  # the call's own rows: views where the layouts allow, no gather, no scatter
+    if own_rows:
+        q, k, v = q.reshape(b * s, *q.shape[2:]), _flat_rows(k, packing.k_width), _flat_rows(v, packing.k_width)
+    else:
+        q, k, v = q[packing.q_rows], k[packing.k_rows], v[packing.k_rows]
     out = cute_flash.attention_varlen(
-        q[packing.q_rows],
-        k[packing.k_rows],
-        v[packing.k_rows],
+        q,
+        k,
+        v,
         packing.cu_seqlens_q,
         packing.cu_seqlens_k,
         packing.max_seqlen_q,
@@ -351,8 +340,11 @@ def attention_forward(
         causal=True,
         softmax_scale=scaling,
         window_size=window,
+        seqused_k=packing.seqused_k,
         **features,
     )
+    if own_rows:
+        return out.view(b, s, *out.shape[1:]), None
     full = out.new_zeros(b, s, *out.shape[1:])  # padded query rows: 0 (as FlashAttention's own unpadding)
     return full.index_put(packing.q_rows, out), None
 

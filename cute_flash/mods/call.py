@@ -2,14 +2,14 @@
 callables, eager only, on the sm80 family's dense forward and backward (arch/sm80/flash_fwd_mods.py,
 flash_bwd_mods.py; every GPU runs them, Hopper and Blackwell by the router's fallback).
 
-Experimental: the kernels are cross-compiled and census-checked on the CPU but have not run on a GPU yet, so a call
-raises NotImplementedError unless CUTE_FLASH_EXPERIMENTAL_MODS=1. What the callables may contain: mods/graph.py.
+Checked on an H200 (2026-12-02, tests/test_mods_gpu.py: every example's probe kernel against its graph, outputs and
+gradients against float64); not yet fast: no block skipping and no sm90 kernel. What the callables may contain:
+mods/graph.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -20,7 +20,6 @@ from ..validation import validate
 from ..kernel_layout import kernel_view
 from .graph import BOOL, F32, MAX_TABLES, ModGraph, score_derivative, trace_mask_mod, trace_score_mod
 
-ENV_GATE = "CUTE_FLASH_EXPERIMENTAL_MODS"
 _STORAGE = {F32: torch.float32, BOOL: torch.uint8}
 
 
@@ -63,12 +62,6 @@ def attention_mods(
     window_size: Tuple[Optional[int], Optional[int]],
     return_lse: bool,
 ):
-    if os.environ.get(ENV_GATE) != "1":
-        raise NotImplementedError(
-            "score_mod / mask_mod: the sm80 kernels are built and cross-compiled but have not run on a GPU yet; set "
-            f"{ENV_GATE}=1 to try them (eager only), or use cute_flash.mods.reference."
-            "attention_mods_reference"
-        )
     if torch.compiler.is_compiling():
         raise NotImplementedError("score_mod / mask_mod are not traceable by torch.compile yet (no custom op)")
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=None)

@@ -1,22 +1,21 @@
-"""The converter warps of the sm90 KV-cache forward with an fp8 cache (spec.kv_fp8): e4m3 K / V tiles to 16-bit.
+"""The converter warps of the sm90 KV-cache forward with an fp8 cache (spec.kv_fp8): e4m3 K / V tiles to fp16.
 
-q stays bf16 / fp16, and an e4m3 wgmma needs both operands in e4m3 (and V K-major, which a cache in place cannot
-be), so the GEMMs stay 16-bit and the cache's tiles are converted in shared memory, on the producer side: TMA fills
-`fp8_stages` e4m3 stages (their own rings, `Staging`), and warps 2 and 3 of the producer warpgroup turn each tile
-into the 16-bit stage the consumers wait on, in the consumers' order (K_last, K_{j-1} with V_j, V_first). The
-consumers' side does not change: its rings' full barriers complete on the converters' arrivals (one per converter
-warp) instead of TMA bytes. A converter warp, per tile: waits for the e4m3 stage and for the 16-bit stage to be
-free, converts its rows (16 elements per thread and step: one 16-byte load, two 16-byte stores, in the stages'
-swizzled layouts), fences its stores for the wgmma (async proxy), and arrives on the 16-bit stage's full barrier
-and the e4m3 stage's empty one.
+An e4m3 wgmma needs both operands in e4m3 (and V K-major, which a cache in place cannot be), and q is bf16 / fp16,
+so the GEMMs stay 16-bit: fp16, whatever q's dtype, since e4m3 -> fp16 is one exact cvt per two values (bf16 would
+take three more instructions per two, through fp32), and bf16 queries are rounded to fp16 under a power-of-two
+scale by the row loader (loads.load_q_rows_as_fp16). The cache's tiles are converted in shared memory, on the
+producer side: TMA fills `fp8_stages` e4m3 stages (their own rings, `Staging`), and warps 2 and 3 of the producer
+warpgroup turn each tile into the fp16 stage the consumers wait on, in the consumers' order (K_last, K_{j-1} with
+V_j, V_first). The consumers' side does not change: its rings' full barriers complete on the converters' arrivals
+(one per converter warp) instead of TMA bytes. A converter warp, per tile: waits for the e4m3 stage and for the
+fp16 stage to be free, converts its rows (16 elements per thread and step: one 16-byte load, two 16-byte stores, in
+the stages' swizzled layouts; `loads_ahead` loads issued before their conversions), fences its stores for the wgmma
+(async proxy), and arrives on the fp16 stage's full barrier and the e4m3 stage's empty one.
 
-The conversion is exact (every e4m3 value is a bf16 and an fp16): e4m3x2 -> f16x2 (cvt), then for bf16 through
-fp32 (two cvt, one packing cvt), two instructions per element. The integer form the sm80 family uses
-(common/e4m3.py: a permute, masks and one 16-bit multiply per two elements) has fewer conversion instructions but
-more instructions in all, and the converter warps are what bounds an fp8 step: on an H200 (2026-12-02, batch 8 x
-32k, CUDA graphs) the step took 326 us with it against 278 us with these (the bf16 cache: 247 us). The descales
-are per (sequence, KV head) scalars: k_descale joins the softmax scale and v_descale O's final factor
-(flash_fwd.py), not the tiles.
+Every e4m3 value is an fp16, so the conversion is exact. The integer form the sm80 family uses (common/e4m3.py,
+for its bf16 GEMMs) was slower here (H200, 2026-12-02, batch 8 x 32k: 326 us against 278 with cvt into bf16, 215
+with cvt into fp16 and four loads ahead; the bf16 cache: 240 us). The descales are per (sequence, KV head) scalars:
+k_descale joins the softmax scale and v_descale O's final factor (flash_fwd.py), not the tiles.
 """
 
 from __future__ import annotations
@@ -48,17 +47,10 @@ class Staging(NamedTuple):
 
 
 @dsl_user_op
-def _e4m3x2_to_16bit(word: Int32, high: bool, to_bf16: bool, *, loc=None, ip=None) -> Int32:
-    """The two e4m3 values in the low (or high) 16 bits of `word` as a bf16x2 / f16x2 word (low value low)."""
+def _e4m3x2_to_f16x2(word: Int32, high: bool, *, loc=None, ip=None) -> Int32:
+    """The two e4m3 values in the low (or high) 16 bits of `word` as an f16x2 word (low value low)."""
     half = "h" if high else "l"
-    body = f"{{\n.reg .b16 l, h, a, b;\n.reg .b32 p;\nmov.b32 {{l, h}}, $1;\ncvt.rn.f16x2.e4m3x2 p, {half};\n"
-    if to_bf16:
-        body += (
-            ".reg .f32 f0, f1;\nmov.b32 {a, b}, p;\ncvt.f32.f16 f0, a;\ncvt.f32.f16 f1, b;\n"
-            "cvt.rn.bf16x2.f32 $0, f1, f0;\n}"
-        )
-    else:
-        body += "mov.b32 $0, p;\n}"
+    body = f"{{\n.reg .b16 l, h;\nmov.b32 {{l, h}}, $1;\ncvt.rn.f16x2.e4m3x2 $0, {half};\n}}"
     return Int32(ptx_asm(T.i32(), [Int32(word).ir_value(loc=loc, ip=ip)], body, "=r,r", loc=loc, ip=ip))
 
 
@@ -88,7 +80,7 @@ def _convert_tile(
 ):  # fmt: skip
     consumer_wait(ring8, state8)
     ring16.sync_object_empty.wait(state16.index, state16.phase)
-    to_bf16 = dtype is cutlass.BFloat16
+    assert dtype is cutlass.Float16, "the fp8 cache's GEMMs are fp16 (module docstring)"
     steps = cute.size(copies.src, mode=[1])
     # `loads_ahead` loads before their conversions and stores: the compiler cannot move a shared-memory load above a
     # store it might alias, so one load per step would make every step wait out the load's latency.
@@ -102,8 +94,8 @@ def _convert_tile(
             r16 = cute.make_fragment_like(copies.dst[None, m0 + i, 0, 0])
             w8, w16 = cute.recast_tensor(r8, Int32), cute.recast_tensor(r16, Int32)
             for w in cutlass.range_constexpr(cute.size(w8)):
-                w16[2 * w] = _e4m3x2_to_16bit(w8[w], False, to_bf16)
-                w16[2 * w + 1] = _e4m3x2_to_16bit(w8[w], True, to_bf16)
+                w16[2 * w] = _e4m3x2_to_f16x2(w8[w], False)
+                w16[2 * w + 1] = _e4m3x2_to_f16x2(w8[w], True)
             cute.autovec_copy(r16, copies.dst[None, m0 + i, 0, state16.index])
     cute.arch.fence_view_async_shared()  # the 16-bit stores -> the consumers' wgmma (async proxy)
     cute.arch.sync_warp()

@@ -84,18 +84,15 @@ _DECODE_BY_HEAD_DIM = {
     128: _config(FwdTileConfig(1, 64, 2, ping_pong=False, consumer_regs=232), 2),
     256: _config(FwdTileConfig(1, 64, 3, ping_pong=False), 1),
 }
-# An fp8 cache: the same tiles with two e4m3 stages beside the two 16-bit ones, and 40 registers for the producer
-# warpgroup, whose two converter warps hold a 16-byte load and its 32 converted bytes per step. d128: 16 + 64 + 32
-# + 1 KiB = 113 KiB per CTA, two per SM (228 KiB). Only the e4m3 stages are bytes in flight (the 16-bit ones are
-# converted already): 2 x 16 KiB per CTA, 64 KiB per SM, half the 16-bit decoding tile's 128 KiB for the same bytes
-# per second, at the edge of Little's law under load. Measured (H200, 2026-12-02, profiling/kvcache_configs.py):
-# the converter warps bound the step, not the bytes in flight: one CTA per SM with 4, 6 or 8 e4m3 stages (half the
-# converter warps per SM) took 1.4x as long as this one whatever the stages (batch 8-64 x 8k-32k, the integer
-# conversion of common/e4m3.py). This one takes 1.13x the bf16 cache's time at batch 8 x 32k with the conversion
-# instructions (convert.py), 1.3x with the integer form: an fp8 cache saves memory, not yet time.
-# d256: one CTA, 32 + 128 + 64 + 1 = 225 KiB. More rows (d128): the forward's 128 x 128 tile with two e4m3 stages
-# (225 KiB) and 232 / 40 registers; d64 and d256 keep the 64-row tile for every row count (the forward's tiles leave
-# no room for the e4m3 stages).
+# An fp8 cache: the same tiles with two e4m3 stages beside the two 16-bit (fp16) ones, and 56 registers for the
+# producer warpgroup, whose two converter warps issue 4 of their 16-byte loads before converting them
+# (fp8_loads_ahead). d128: 16 + 64 + 32 + 1 KiB = 113 KiB per CTA, two per SM (228 KiB); (200 + 56) x 128 x 2 =
+# 64 K registers. Measured (H200, 2026-12-02, profiling/kvcache_configs.py; docs/performance.md): 1.11-1.14x the
+# bf16 cache's speed from batch 8 x 32k (one load ahead 1.05x; eight ahead as four; deeper e4m3 rings in 32- or
+# 48-key tiles and one CTA per SM with 4-8 stages slower): an fp8 cache halves the memory, not yet the time.
+# d256: one CTA, 32 + 128 + 64 + 1 = 225 KiB, 72 producer registers for its 16 steps per tile. More rows (d128): the
+# forward's 128 x 128 tile with two e4m3 stages (225 KiB) and 232 / 40 registers, loads one at a time; d64 and
+# d256 keep the 64-row tile for every row count (the forward's tiles leave no room for the e4m3 stages).
 _FP8_DECODE_BY_HEAD_DIM = {
     64: _config(FwdTileConfig(1, 128, 2, ping_pong=False, consumer_regs=200, producer_regs=56), 2, 2, 4),
     128: _config(FwdTileConfig(1, 64, 2, ping_pong=False, consumer_regs=200, producer_regs=56), 2, 2, 4),
