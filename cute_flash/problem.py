@@ -47,6 +47,27 @@ class PackedSeqs(NamedTuple):
     max_seqlen_q: int
     max_seqlen_k: int
 
+    def with_used_queries(self, seqused_q: Optional[torch.Tensor]) -> "PackedSeqs":
+        """The same attention with only the first seqused_q[b] query rows of each sequence b computed, as packed
+        sequences the kernels take: sequence b splits into its used rows (against its keys, bottom-right aligned on
+        the used count, as FlashAttention's seqused_q) and its other rows, a sequence that sees no key (out 0, lse
+        -inf, zero gradients). On the device, no host copy; values past a sequence's length count as its length."""
+        if seqused_q is None:
+            return self
+        cu_q, cu_k = self.cu_seqlens_q, self.cu_seqlens_k
+        used_q = torch.minimum(seqused_q.clamp(min=0), cu_q[1:] - cu_q[:-1])
+        used_k = cu_k[1:] - cu_k[:-1] if self.seqused_k is None else self.seqused_k
+        q_ends = torch.stack([cu_q[:-1] + used_q, cu_q[1:]], 1).flatten()
+        k_ends = torch.stack([cu_k[1:], cu_k[1:]], 1).flatten()
+        used = torch.stack([used_k, torch.zeros_like(used_k)], 1).flatten()
+        return PackedSeqs(
+            torch.cat([cu_q[:1], q_ends]).to(torch.int32),
+            torch.cat([cu_k[:1], k_ends]).to(torch.int32),
+            used.to(torch.int32),
+            self.max_seqlen_q,
+            self.max_seqlen_k,
+        )
+
 
 @dataclass(frozen=True)
 class VarlenProblem:

@@ -251,15 +251,18 @@ def attention_varlen_reference(
     learnable_sink: Optional[torch.Tensor] = None,
     compute_dtype: torch.dtype = torch.float64,
     return_lse: bool = False,
+    seqused_q: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Attention over packed sequences (issue 16's `attention_varlen` semantics), one `attention_reference` call per
     sequence: q (total_q, h, d), k / v (total_k, h_kv, d / dv); sequence i is q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]
     against the first seqused_k[i] (default: all) keys of k[cu_seqlens_k[i]:cu_seqlens_k[i+1]], with causal / window
     alignment per sequence exactly as `attention` defines it. Returns out (total_q, h, dv) in `compute_dtype` and,
     if asked, lse (h, total_q) float32; a row that sees no key (a sequence with no keys included) gets 0 / -inf (lse
-    = its head's sink with `learnable_sink`)."""
+    = its head's sink with `learnable_sink`). seqused_q: only the first seqused_q[i] rows of sequence i attend
+    (aligned on that count); its other rows see no key."""
     cq, ck = varlen_offsets(q, k, v, PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k))
     used = None if seqused_k is None else seqused_k.tolist()
+    used_q = None if seqused_q is None else seqused_q.tolist()
     h, dv = q.shape[1], v.shape[2]
     out = torch.zeros(q.shape[0], h, dv, dtype=compute_dtype, device=q.device)
     lse = torch.full((h, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
@@ -269,22 +272,25 @@ def attention_varlen_reference(
             if not 0 <= used[i] <= k1 - k0:
                 raise ValueError(f"seqused_k[{i}] = {used[i]} is not within [0, {k1 - k0}] (that sequence's keys)")
             k1 = k0 + used[i]
-        if q1 == q0:
-            continue
-        o, l_ = attention_reference(
-            q[None, q0:q1],
-            k[None, k0:k1],
-            v[None, k0:k1],
-            causal=causal,
-            softmax_scale=softmax_scale,
-            window_size=window_size,
-            softcap=softcap,
-            learnable_sink=learnable_sink,
-            compute_dtype=compute_dtype,
-            return_lse=True,
-        )
-        out[q0:q1] = o[0]
-        lse[:, q0:q1] = l_[0]
+        # seqused_q: the first used_q[i] rows attend (aligned on that count); the others see no key.
+        n = q1 - q0 if used_q is None else min(max(used_q[i], 0), q1 - q0)
+        for r0, r1, kend in ((q0, q0 + n, k1), (q0 + n, q1, k0)):
+            if r1 == r0:
+                continue
+            o, l_ = attention_reference(
+                q[None, r0:r1],
+                k[None, k0:kend],
+                v[None, k0:kend],
+                causal=causal,
+                softmax_scale=softmax_scale,
+                window_size=window_size,
+                softcap=softcap,
+                learnable_sink=learnable_sink,
+                compute_dtype=compute_dtype,
+                return_lse=True,
+            )
+            out[r0:r1] = o[0]
+            lse[:, r0:r1] = l_[0]
     return (out, lse) if return_lse else out
 
 

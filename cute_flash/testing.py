@@ -204,7 +204,7 @@ def check_varlen(
     """`attention_varlen`'s out, lse and (with grads) dq, dk, dv (and dsink, with `learnable_sink`) against the
     per-sequence float64 reference, by the same rule; dlse: the loss's gradient of lse too. A row that sees no key
     must give out 0 and dq 0 exactly, not merely small. attn_kwargs: causal, softmax_scale, window_size, seqused_k,
-    softcap, learnable_sink."""
+    seqused_q, softcap, learnable_sink."""
     from .reference import attention_varlen_reference
 
     sink = attn_kwargs.pop("learnable_sink", None)

@@ -358,12 +358,18 @@ def validate_varlen_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
         # torch.SymInt: a host int that torch.compile traces symbolically (still no device-to-host copy)
         if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)) or m < 0:
             raise ValueError(f"{name} must be a host int >= 0 (no device-to-host copy inside the call), got {m!r}")
-    if seqused_k is not None:
-        if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32 or seqused_k.shape != (batch,):
-            raise ValueError(f"seqused_k must be an int32 tensor of shape (batch,) = ({batch},)")
-        if seqused_k.device != q.device:
-            raise ValueError(f"seqused_k is on {seqused_k.device} but q is on {q.device}")
+    validate_seqused("seqused_k", seqused_k, batch, q)
     return batch
+
+
+def validate_seqused(name: str, used: Optional[torch.Tensor], batch: int, q: torch.Tensor) -> None:
+    """seqused_k / seqused_q: None or an int32 (batch,) tensor on q's device (its values are not read)."""
+    if used is None:
+        return
+    if not isinstance(used, torch.Tensor) or used.dtype != torch.int32 or used.shape != (batch,):
+        raise ValueError(f"{name} must be an int32 tensor of shape (batch,) = ({batch},)")
+    if used.device != q.device:
+        raise ValueError(f"{name} is on {used.device} but q is on {q.device}")
 
 
 def varlen_offsets(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs) -> Tuple[list, list]:

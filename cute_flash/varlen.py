@@ -26,7 +26,7 @@ from .core import call
 from .core import device as gpu
 from .problem import PackedSeqs
 from .routing import Explanation, explaining, parse_capability
-from .validation import validate_varlen
+from .validation import validate_seqused, validate_varlen, validate_varlen_layout
 
 Window = Tuple[Optional[int], Optional[int]]
 
@@ -39,6 +39,7 @@ def attention_varlen(
     softmax_scale: Optional[float] = None,
     window_size: Window = (None, None),
     seqused_k: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_lse: bool = False,
     softcap: float = 0.0,
@@ -58,6 +59,10 @@ def attention_varlen(
     gets out 0 and lse -inf. Returns out (total_q, nheads, head_dim_v) in q's dtype and, with return_lse, lse
     (nheads, total_q) float32 (differentiable like out).
 
+    seqused_q, int32 (batch,), as FlashAttention's: only the first seqused_q[b] query rows of sequence b are
+    attended (aligned on that count); its other rows get out 0, lse -inf and zero gradients. Its values are not read
+    on the host: one past a sequence's length counts as that length.
+
     softcap and learnable_sink as in `cute_flash.attention`: softcap > 0 caps every score at
     softcap * tanh(score * softmax_scale / softcap) before the mask and the softmax; a (nheads,) learnable_sink adds
     one logit per query head to each row's softmax denominator (attending to no value; lse includes it; a row
@@ -67,7 +72,8 @@ def attention_varlen(
     (the sm90 family's on Hopper); where the sm80 family would train, which has none, it raises NotImplementedError
     before the forward when gradients are needed.
     """
-    seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
+    seqs = _with_used_queries(q, k, v, PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k),
+                              seqused_q)  # fmt: skip
     return call.packed(
         q, k, v, seqs, causal, softmax_scale, window_size, deterministic, softcap, learnable_sink, return_lse
     )
@@ -75,7 +81,7 @@ def attention_varlen(
 
 @explaining(attention_varlen)
 def explain_varlen(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, capability, **call
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, seqused_q, capability, **call
 ) -> Explanation:
     """Which family would serve `attention_varlen(...)` with these arguments (attention_varlen's, return_lse
     aside), forward and backward, why the others were skipped (e.g. on Blackwell, "sm100" without a varlen kernel),
@@ -84,5 +90,15 @@ def explain_varlen(
     meta tensors), as in `cute_flash.explain`."""
     given = None if capability is None else parse_capability(capability)
     seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
+    if seqused_q is not None:
+        validate_seqused("seqused_q", seqused_q, validate_varlen_layout(q, k, v, seqs), q)
     problem = validate_varlen(q, k, v, seqs, **call, any_device=given is not None)
     return Explanation.of(problem, gpu.capability(q) if given is None else given, call["deterministic"])
+
+
+def _with_used_queries(q, k, v, seqs: PackedSeqs, seqused_q: Optional[torch.Tensor]) -> PackedSeqs:
+    """seqs with seqused_q applied (PackedSeqs.with_used_queries), after the checks it needs."""
+    if seqused_q is None:
+        return seqs
+    validate_seqused("seqused_q", seqused_q, validate_varlen_layout(q, k, v, seqs), q)
+    return seqs.with_used_queries(seqused_q)

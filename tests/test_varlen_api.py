@@ -182,6 +182,41 @@ def test_autograd_plumbing(ref_backend):
         torch.testing.assert_close(got.grad.double(), want, atol=2e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("with_seqused_k", [False, True])
+def test_seqused_q_runs_only_the_used_rows(ref_backend, with_seqused_k):
+    # seqused_q becomes packed sequences the kernels take (PackedSeqs.with_used_queries): checked against the
+    # reference's own reading of seqused_q, outputs, lse and the three gradients; unused rows 0 / -inf / 0.
+    lens_q, lens_k = [0, 5, 7, 3, 4], [2, 0, 9, 3, 6]
+    q, k, v, cq, ck, mq, mk = _packed(lens_q, lens_k, dtype=torch.float16, seed=3)
+    used_q = torch.tensor([0, 2, 7, 9, 0], dtype=torch.int32)  # 9 > 3: counts as the sequence's length
+    used_k = torch.tensor([1, 0, 6, 3, 6], dtype=torch.int32) if with_seqused_k else None
+    kw = dict(causal=True, seqused_k=used_k)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse = cute_flash.attention_varlen(*leaves, cq, ck, mq, mk, seqused_q=used_q, return_lse=True, **kw)
+    dout = torch.randn_like(out)
+    (out * dout).sum().backward()
+    ref_leaves = [t.clone().double().requires_grad_(True) for t in (q, k, v)]
+    ref, ref_lse = attention_varlen_reference(*ref_leaves, cq, ck, mq, mk, seqused_q=used_q, return_lse=True, **kw)
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=0)
+    for got, want in zip(leaves, torch.autograd.grad(ref, ref_leaves, dout.double())):
+        torch.testing.assert_close(got.grad.double(), want, atol=2e-2, rtol=1e-2)
+    unused = torch.cat([torch.arange(a + min(u, b - a), b) for a, b, u in
+                        zip(cq[:-1].tolist(), cq[1:].tolist(), used_q.tolist())])  # fmt: skip
+    assert torch.all(out[unused] == 0) and torch.all(lse[:, unused] == float("-inf"))
+    assert torch.all(leaves[0].grad[unused] == 0)
+    with pytest.raises(ValueError, match="seqused_q must be an int32"):
+        cute_flash.attention_varlen(q, k, v, cq, ck, mq, mk, seqused_q=used_q.long())
+
+
+def test_explain_varlen_takes_seqused_q():
+    q, k, v, cq, ck, mq, mk = _packed([3, 4], [3, 4])
+    used = torch.tensor([1, 4], dtype=torch.int32)
+    assert cute_flash.explain_varlen(q, k, v, cq, ck, mq, mk, seqused_q=used, capability=(9, 0)).forward_family
+    with pytest.raises(ValueError, match="seqused_q must be an int32 tensor of shape"):
+        cute_flash.explain_varlen(q, k, v, cq, ck, mq, mk, seqused_q=used[:1], capability=(9, 0))
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
 @pytest.mark.parametrize("uses", ["lse", "out_and_lse"])
 def test_lse_gradient_reaches_the_backward(ref_backend, uses, compiled):

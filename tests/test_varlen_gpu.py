@@ -627,3 +627,23 @@ def test_varlen_padded_batch_layout(family, heads, window):
     _check(q, k, v, *seqs, out, lse, dout, grads, causal=True, window_size=w, seqused_k=p.seqused_k)
     pad = ~mask.flatten()
     assert torch.all(out[pad] == 0) and all(torch.all(t[pad] == 0) for t in grads)
+
+
+@pytest.mark.parametrize(
+    "family", [pytest.param("sm80", marks=pytest.mark.sm80), pytest.param("sm90", marks=pytest.mark.sm90)]
+)
+@pytest.mark.parametrize("window", [(None, None), (40, 3)])
+def test_varlen_seqused_q(family, window):
+    """seqused_q (FlashAttention's): only the first seqused_q[b] rows of each sequence attend, aligned on that
+    count; the others give out 0 and zero dq (PackedSeqs.with_used_queries), with and without seqused_k."""
+    import cute_flash
+
+    lens_q, lens_k = [5, 0, 40, 200, 1, 77], [9, 4, 40, 300, 3, 0]
+    used_q = torch.tensor([3, 0, 40, 150, 0, 77], dtype=torch.int32, device="cuda")
+    for used_k in (None, torch.tensor([9, 0, 17, 250, 3, 0], dtype=torch.int32, device="cuda")):
+        q, k, v, cq, ck = _packed("bf16", 128, lens_q, lens_k, 4, 2, seed=11)
+        kw = dict(causal=True, window_size=window, seqused_k=used_k, seqused_q=used_q)
+        out, lse = cute_flash.attention_varlen(q, k, v, cq, ck, 200, 300, return_lse=True, **kw)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        _check(q, k, v, cq, ck, 200, 300, out, lse, dout, grads, **kw)

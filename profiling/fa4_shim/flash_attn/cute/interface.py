@@ -113,10 +113,10 @@ def flash_attn_varlen_func(
     disable_scheduler_metadata=False,
 ):
     _unsupported(qv, gather_kv_indices, score_mod, mask_mod, block_sparse_tensors)
-    if seqused_q is not None:
-        _skip("seqused_q")
     ws = _window(window_size)
     if cu_seqlens_k is None and seqused_k is not None:
+        if seqused_q is not None:
+            _skip("seqused_q with a KV cache")
         # FA4's KV-cache form: a dense (batch, seqlen_cache) or paged cache with per-sequence lengths.
         if cu_seqlens_q is not None and max_seqlen_q is None:
             max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
@@ -157,6 +157,7 @@ def flash_attn_varlen_func(
         softmax_scale=softmax_scale,
         window_size=ws,
         seqused_k=seqused_k,
+        seqused_q=None if seqused_q is None else seqused_q.to("cuda").int(),
         deterministic=deterministic,
         softcap=softcap or 0.0,
         learnable_sink=learnable_sink,
