@@ -457,8 +457,12 @@ def test_transformers_mixed_layer_types(fake_gpu, registered, cache):
     # (single-row decoding steps without padding run packed, without a mask: cute_flash/decode.py; q (b, group, h_kv,
     # d), the keys the window leaves)
     assert {(c[1].left, c[1].right) for c in fake_gpu.calls if c[1].kind != "none"} == {(1 << 30, 0), (4, 0)}
-    packed = [c for c in fake_gpu.calls if c[1].kind == "none"]
+    packed = [c for c in fake_gpu.calls if c[1].kind == "none" and c[0] == "forward"]
     assert all(c[3] == (3, 2, 2, 32) and c[4][1] <= 5 for c in packed)  # (static caches: none, 4D masks)
+    # Padded decoding steps (dynamic cache; a static one hands 4D masks): the cache read in place, one packed sequence
+    # per (row, KV head) with its 2 query heads as rows.
+    folded = [c for c in fake_gpu.calls if c[1].kind == "none" and c[0] == "forward_varlen"]
+    assert all(c[3] == (3 * 4, 1, 32) and c[4][1:] == (1, 32) for c in folded) and (cache == "static") != bool(folded)
 
 
 # --- soft-capping (Gemma 2) and learnable sinks (gpt-oss) through the plug-in ------------------------------------
@@ -574,3 +578,28 @@ def test_transformers_unpad_gathers_rows_with_gaps():
     with pytest.raises(NotImplementedError, match="not contiguous"):
         _unpad(mask, 4, windowed=True, k_width=4)
     assert _unpad(torch.ones(2, 4, dtype=torch.bool), 4, windowed=False, k_width=4) is None
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_transformers_fold_sequences_see_each_rows_keys(window):
+    # Padded decoding's layout (_fold): sequence 1 + row * h_kv + head holds that row's group of query heads and, in
+    # the cache flattened over (row, head, slot), exactly the row's valid slots the window keeps (none where the
+    # query's own slot is padding).
+    from cute_flash.integrations.transformers import _fold
+
+    h_kv, sk, group, width = 2, 9, 3, 7
+    rows = [[1] * 7, [0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0, 0], [0] * 7, [0] * 6 + [1]]
+    mask = torch.tensor(rows, dtype=torch.bool)
+    cu_q, cu_k, used = (t.tolist() for t in _fold(mask, h_kv, sk, group, window))
+    assert len(cu_q) == len(cu_k) == len(used) + 1 == len(rows) * h_kv + 2
+    assert cu_q[0] == cu_k[0] == 0 and used[0] == 0 and cu_q[1] == 0 and cu_k[-1] == len(rows) * h_kv * sk
+    for r, row in enumerate(rows):
+        for hd in range(h_kv):
+            n = 1 + r * h_kv + hd
+            assert cu_q[n + 1] - cu_q[n] == group and cu_q[n] == (r * h_kv + hd) * group
+            keys = list(range(cu_k[n], cu_k[n] + used[n]))
+            want = [] if not row[width - 1] else [
+                (r * h_kv + hd) * sk + t for t in range(width) if row[t] and (window is None or t > width - 1 - window)
+            ]  # fmt: skip
+            assert keys == want, (r, hd)
+            assert cu_k[n] + used[n] <= cu_k[n + 1]

@@ -20,7 +20,8 @@ static), and two kinds of batches that go through `cute_flash.attention_varlen`:
     hands the attention function the 2D padding mask instead of a materialised 4D one; the attention function runs
     each row's valid tokens as a packed sequence over the call's own rows (views of q / k / v, no gather, no
     scatter; padded query rows get 0 and padded rows zero gradients). Rows whose valid tokens have gaps (no window)
-    are gathered into packed sequences and scattered back.
+    are gathered into packed sequences and scattered back. Decoding a padded batch (one new token per row) reads
+    the cache in place: one packed sequence per (row, KV head) over the cache's own (b, h_kv, S, d) layout.
   - packed sequences (several documents in one row, marked by `position_ids` restarting, or by the `cu_seq_lens_q` /
     `cu_seq_lens_k` / `max_length_q` / `max_length_k` keywords of transformers' DataCollatorWithFlattening): one packed
     sequence per document. transformers materialises a 4D mask for these; it is checked once per forward (the same
@@ -317,6 +318,9 @@ def attention_forward(
             )
         window = (sliding_window - 1, 0)  # transformers: key j visible from query i iff i - sliding_window < j <= i
     # (b, h, s, d) -> (b, s, h, d): views, no copies (cute_flash takes any outer strides that keep 16-byte rows).
+    folded = _padded_decoding(query, key, value, attention_mask, scaling, sliding_window, features)
+    if folded is not None:
+        return folded, None
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     b, s = q.shape[:2]
     packing = _packing(attention_mask, q, k, sliding_window, kwargs)
@@ -353,6 +357,70 @@ def _flat_rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """(b, sk, h, d) -> (b * width, h, d): the first `width` key slots of every batch row, a view where the layout
     allows (a copy of those slots otherwise)."""
     return x[:, :width].reshape(-1, *x.shape[2:])
+
+
+def _padded_decoding(query, key, value, attention_mask, scaling, sliding_window, features):
+    """Decoding a padded batch (one query token per row, a 2D padding mask whose rows' valid keys are contiguous,
+    a cache laid out (b, h_kv, S, d) contiguously, as transformers' caches are): the cache is read in place, not
+    copied. Each (batch row, KV head) becomes one packed sequence over the cache flattened to (b * h_kv * S) rows of
+    one head: its group's query heads are its rows, its keys the row's valid slots (those the sliding window keeps),
+    without a causal mask (the query is the last slot). None where that does not apply (then the general path).
+    Learnable sinks differ per query head, which this layout makes rows of one head: they take the general path."""
+    b, h, s = query.shape[:3]
+    h_kv, sk = key.shape[1], key.shape[2]
+    if (
+        s != 1
+        or attention_mask is None
+        or attention_mask.dim() != 2
+        or getattr(attention_mask, _GAPS_TAG, None) is not False
+        or features["learnable_sink"] is not None
+        or not (key.is_contiguous() and value.is_contiguous())
+        or h % h_kv
+        or attention_mask.shape[0] != b
+        or not 1 <= attention_mask.shape[1] <= sk
+    ):
+        return None
+    import cute_flash
+
+    group = h // h_kv
+    seqs = _DERIVED.get(
+        (attention_mask,),
+        ("fold", h_kv, sk, group, sliding_window),
+        lambda: _fold(attention_mask.to(key.device, torch.bool), h_kv, sk, group, sliding_window),
+    )
+    cu_q, cu_k, used = seqs
+    d, dv = query.shape[3], value.shape[3]
+    out = cute_flash.attention_varlen(
+        query.reshape(b * h, 1, d),
+        key.view(b * h_kv * sk, 1, d),
+        value.view(b * h_kv * sk, 1, dv),
+        cu_q,
+        cu_k,
+        group,
+        2 * sk,  # a sequence's key rows run to the next one's first: at most two rows' slots
+        causal=False,
+        softmax_scale=scaling,
+        seqused_k=used,
+        softcap=features["softcap"],
+    )
+    return out.view(b, h, 1, dv).transpose(1, 2)
+
+
+def _fold(mask: torch.Tensor, h_kv: int, sk: int, group: int, window: Optional[int]):
+    """_padded_decoding's packed sequences (cu_seqlens_q, cu_seqlens_k, seqused_k), built on the device (no host
+    read). A leading sequence with no rows covers the first keys, so that cu_seqlens start at 0."""
+    b, width = mask.shape
+    lens, ka, _ = _valid_ranges(mask)
+    kb = ka + lens
+    if window is not None:  # the query (slot width - 1) sees slots > width - 1 - window
+        ka = torch.maximum(ka, torch.full_like(ka, width - window))
+    used = torch.where(kb == width, (kb - ka).clamp(min=0), 0)  # a padded query slot sees nothing
+    n = b * h_kv
+    seq = torch.arange(n, dtype=torch.int32, device=mask.device)
+    zero = seq.new_zeros(1)
+    cu_k = torch.cat([zero, seq * sk + ka.repeat_interleave(h_kv), seq.new_full((1,), n * sk)])
+    cu_q = torch.cat([zero, zero, (seq + 1) * group])
+    return cu_q.int(), cu_k.int(), torch.cat([zero, used.int().repeat_interleave(h_kv)])
 
 
 def _key_width(k: torch.Tensor, width: int) -> int:
