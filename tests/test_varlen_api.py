@@ -319,15 +319,18 @@ def test_varlen_ops_fake_shapes_and_opcheck(meta):
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_torch_compile_traces_attention_varlen_without_a_graph_break(ref_backend, backend):
+@pytest.mark.parametrize("with_seqused_q", [False, True])
+def test_torch_compile_traces_attention_varlen_without_a_graph_break(ref_backend, backend, with_seqused_q):
     torch._dynamo.reset()
     q, k, v, cq, ck, mq, mk = _packed([0, 1, 7, 3], [2, 0, 9, 3], dtype=torch.float16)
     used = torch.tensor([2, 0, 5, 3], dtype=torch.int32)
+    used_q = torch.tensor([0, 1, 4, 3], dtype=torch.int32) if with_seqused_q else None
 
     def loss(q, k, v, dout):
         out, lse = cute_flash.attention_varlen(
-            q, k, v, cq, ck, mq, mk, causal=True, seqused_k=used, softmax_scale=0.2, return_lse=True
-        )
+            q, k, v, cq, ck, mq, mk, causal=True, seqused_k=used, seqused_q=used_q, softmax_scale=0.2,
+            return_lse=True,
+        )  # fmt: skip
         return (out.float() * dout).sum(), lse
 
     compiled = torch.compile(loss, fullgraph=True, backend=backend)  # fullgraph: a graph break would raise
@@ -338,7 +341,9 @@ def test_torch_compile_traces_attention_varlen_without_a_graph_break(ref_backend
     assert ref_backend.calls == ["forward", "backward"] and lse.shape == (4, 11)
 
     ref_leaves = [t.clone().double().requires_grad_(True) for t in (q, k, v)]
-    ref = attention_varlen_reference(*ref_leaves, cq, ck, mq, mk, causal=True, seqused_k=used, softmax_scale=0.2)
+    ref = attention_varlen_reference(
+        *ref_leaves, cq, ck, mq, mk, causal=True, seqused_k=used, seqused_q=used_q, softmax_scale=0.2
+    )
     torch.testing.assert_close(value.double(), (ref * dout.double()).sum(), atol=2e-2, rtol=1e-3)
     for got, want in zip(grads, torch.autograd.grad(ref, ref_leaves, dout.double())):
         assert got.shape == want.shape and got.dtype == torch.float16
