@@ -52,7 +52,7 @@ from ..flash_fwd import SMEM_ALIGN, Sm90FlashForward, one_stage
 from ..tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS
 from .. import wgmma
 from ..pipelines import WARP_THREADS, LoadPipelines, consumer_state, consumer_wait
-from .convert import CONVERTER_WARPS, FIRST_CONVERTER_WARP, FP8, Staging, convert_cache_tiles
+from .convert import CONVERTER_WARPS, FIRST_CONVERTER_WARP, FP8, Staging, convert_cache_tiles, converting_ring
 from .epilogue import store_lse_rows, store_o_rows, store_partial_o_rows
 from .loads import cache_tiles, load_cache_tiles, load_q_rows, load_q_rows_as_fp16
 from .tile_config import KvCacheTileConfig, chunk_rows
@@ -84,6 +84,10 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
         # rounded to fp16 under a power-of-two scale the consumers fold into the score scale (load_q_rows_as_fp16).
         self.mma_dtype = cutlass.Float16 if spec.kv_fp8 else self.dtype
         self.q_to_fp16 = spec.kv_fp8 and self.dtype is cutlass.BFloat16
+        self.v_by_consumers = cfg.fp8_v_by_consumers
+        if self.v_by_consumers:
+            assert spec.kv_fp8 and cfg.fp8_stages == cfg.num_stages and cfg.num_consumer_wgs == 1, cfg
+            self.v_tail_dirty = False  # the converting ring zeroes the first V tile's rows past the sequence
 
     @cute.jit
     def kvcache(
@@ -285,7 +289,15 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
         work = self.kvcache_work(mQ, mSeqlensK, mCuSeqlensQ, capacity, window_left, window_right)
         pipeline.pipeline_init_wait(self.cluster_shape())
         if work.active(self.tile_m):
-            consume = partial(self.consume, pipes, mmas, (sQ, sK, sV), (sO, mO, mLSE, mVDescale), ())
+            consumer_pipes = pipes
+            if const_expr(self.v_by_consumers):
+                tail = work.info.seqlen_k - (work.n_max - 1) * self.tile_n
+                v_ring = converting_ring(
+                    staging.v, staging.sV8, sV, self.head_dim, tail, tidx % WARPGROUP_THREADS, 0,
+                    self.cfg.fp8_loads_ahead,
+                )  # fmt: skip
+                consumer_pipes = LoadPipelines(pipes.q, pipes.k, v_ring)
+            consume = partial(self.consume, consumer_pipes, mmas, (sQ, sK, sV), (sO, mO, mLSE, mVDescale), ())
             if const_expr(features is not None):
                 consume = partial(consume, features=features)
             self.roles_kvcache(
@@ -325,7 +337,13 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
         rings8 = LoadPipelines(
             None,
             ring(storage.mbar_k8.data_ptr(), self.fp8_stages, 1, CONVERTER_WARPS, self.bytes_k),
-            ring(storage.mbar_v8.data_ptr(), self.fp8_stages, 1, CONVERTER_WARPS, self.bytes_v),
+            ring(
+                storage.mbar_v8.data_ptr(),
+                self.fp8_stages,
+                1,
+                consumer_warps if const_expr(self.v_by_consumers) else CONVERTER_WARPS,
+                self.bytes_v,
+            ),  # fmt: skip
         )
         pipeline.pipeline_init_arrive(self.cluster_shape(), is_relaxed=True)
         return warp_idx, tidx, storage, pipes, rings8
@@ -407,7 +425,7 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
                     convert_cache_tiles(
                         staging, pipes, smem[1], smem[2], work.n_min, work.n_max,
                         tidx - FIRST_CONVERTER_WARP * WARP_THREADS, self.mma_dtype, self.head_dim, self.num_stages,
-                        self.fp8_stages, self.cfg.fp8_loads_ahead,
+                        self.fp8_stages, self.cfg.fp8_loads_ahead, self.v_by_consumers,
                     )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)

@@ -71,6 +71,9 @@ class KvCacheTileConfig(FwdTileConfig):
     # Steps of a converter thread whose 16-byte e4m3 loads are issued before their conversions (convert.py): 4
     # registers each, out of the producer warpgroup's producer_regs.
     fp8_loads_ahead: int = 1
+    # Under study (profiling/kvcache_configs.py; not shipped): the consumer warpgroup converts the V tiles itself
+    # (convert.ConvertingRing), the converter warps only K. Needs fp8_stages == num_stages and one consumer.
+    fp8_v_by_consumers: bool = False
 
 
 def _config(cfg: FwdTileConfig, ctas_per_sm: int, fp8_stages: int = 0, fp8_loads_ahead: int = 1) -> KvCacheTileConfig:
