@@ -81,8 +81,8 @@ def test_unsupported_specs_say_why():
     assert backward_unsupported_reason(AttentionSpec("bf16", 192, 128, "causal", "bf16")) is None  # padded to 192
     for spec, words in (
         (AttentionSpec("fp8", 128, 128, "none", "bf16"), "fp8"),
-        (AttentionSpec("bf16", 72, 64, "none", "bf16"), "(72, 64)"),  # dv != d: the wider one sets the kernels
-        (AttentionSpec("bf16", 72, 72, "none", "bf16"), "multiple of 32"),
+        (AttentionSpec("bf16", 264, 64, "none", "bf16"), "(264, 64)"),  # dv != d: the wider one sets the kernels
+        (AttentionSpec("bf16", 272, 272, "none", "bf16"), "up to 256"),
     ):
         reason = backward_unsupported_reason(spec)
         assert reason is not None and words in reason, reason

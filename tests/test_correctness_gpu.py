@@ -191,6 +191,18 @@ def test_hopper_serves_every_documented_shape(monkeypatch, d, dv, family):
         check_backward(q, k, v, dout, (q.grad, k.grad, v.grad), causal=True)
 
 
+@pytest.mark.sm80
+@pytest.mark.parametrize("d, dv", [(80, 80), (40, 40), (72, 64), (200, 200)], ids=lambda x: str(x))
+def test_sm80_backward_pads_head_dims_to_a_multiple_of_32(d, dv):
+    """The sm80 family's backward (Ampere's, and the fallback on Hopper and Blackwell) runs any head dim up to 256 at
+    the wider one rounded up to a multiple of 32, on zero-padded operands (sm80.backward.kernel_width)."""
+    q, k, v = random_qkv(2, 200, 300, 4, 2, d, dv, dtype=torch.bfloat16, seed=d * 3 + dv, requires_grad=True)
+    out = cute_flash.attention(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    check_backward(q, k, v, dout, (q.grad, k.grad, v.grad), causal=True)
+
+
 @pytest.mark.sm90
 def test_hopper_keeps_sm90_where_it_has_a_kernel(monkeypatch):
     monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)

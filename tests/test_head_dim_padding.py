@@ -83,6 +83,8 @@ def test_padded_head_dims_give_the_unpadded_gradients(d, dv, family):
 
 
 def test_wider_head_dim_must_be_one_the_kernels_build():
-    assert "multiple of 32" in sm80_backward.backward_unsupported_reason(AttentionSpec("bf16", 72, 64, "none"))
+    assert sm80_backward.backward_unsupported_reason(AttentionSpec("bf16", 72, 64, "none")) is None  # at 96
+    assert sm80_backward.kernel_width(AttentionSpec("bf16", 72, 64, "none")) == 96
+    assert sm80_backward.kernel_width(AttentionSpec("bf16", 8, 8, "none")) == 32
     assert "(288, 128)" in sm80_backward.backward_unsupported_reason(AttentionSpec("bf16", 288, 128, "none"))
     assert "(288, 128)" in sm90_backward.backward_unsupported_reason(AttentionSpec("bf16", 288, 128, "none"))

@@ -119,12 +119,11 @@ def test_skipped_families_say_why():
     assert r.family == "sm80" and [f for f, _ in r.skipped] == ["sm90"]
     assert "72" in r.skipped[0][1]
     assert routing.route(spec(72), HOPPER, backward=True).family == "sm90"  # its d96 kernels, padded
-    none = routing.route(spec(72), AMPERE, backward=True)
-    assert none.family is None and [f for f, _ in none.skipped] == ["sm80"]
-    with pytest.raises(NotImplementedError, match=r"no backward kernel.*sm80: .*multiple of 32"):
-        none.backend
+    assert routing.route(spec(72), AMPERE, backward=True).family == "sm80"  # its d96 kernels, padded
     fp8 = routing.route(spec(128, dtype="fp8"), HOPPER, backward=True)
     assert fp8.family is None and "forward-only" in fp8.skipped[0][1]
+    with pytest.raises(NotImplementedError, match=r"no backward kernel"):
+        fp8.backend
 
 
 def test_fp8_without_a_family_that_has_it():
@@ -241,7 +240,7 @@ def test_explain_for_a_given_capability():
     text = str(e)
     assert "compute capability 9.0" in text and "forward: sm80 (skipped sm90:" in text and "backward: sm90" in text
     e = cute_flash.explain(*_meta(72), causal=True, capability=AMPERE)
-    assert e.backward_family is None and "backward: none" in str(e)
+    assert e.backward_family == "sm80" and e.backward_padded_to == 96 and "backward: sm80" in str(e)
     e = cute_flash.explain(*_meta(128), capability=HOPPER)
     assert (e.forward_family, e.backward_family) == ("sm90", "sm90")
     assert cute_flash.explain(*_meta(128), capability=AMPERE).forward_family == "sm80"
@@ -264,11 +263,11 @@ def test_explain_dv_differs_on_hopper():
     assert cute_flash.explain(*_meta(160), capability=HOPPER).backward_padded_to == 192
     for dims in ((128, 64), (64, 128), (96, 256), (72, 64)):
         assert cute_flash.explain(*_meta(*dims), capability=HOPPER).backward_family == "sm90", dims
-        # Ampere: the sm80 backward at the wider head dim, when that is a multiple of 32.
+        # Ampere (and Blackwell's fallback): the sm80 backward at the wider head dim rounded up to a multiple of 32.
         e = cute_flash.explain(*_meta(*dims), capability=AMPERE)
-        assert e.backward_family == (None if dims == (72, 64) else "sm80"), dims
-    e = cute_flash.explain(*_meta(72, 64), capability=AMPERE)
-    assert "multiple of 32" in e.backward.skipped[-1][1]
+        assert e.backward_family == "sm80", dims
+    assert cute_flash.explain(*_meta(72, 64), capability=AMPERE).backward_padded_to == 96
+    assert cute_flash.explain(*_meta(80), capability=(10, 0)).backward_family == "sm80"
 
 
 def test_explain_validates_like_attention():

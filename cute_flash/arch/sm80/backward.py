@@ -11,8 +11,9 @@ Under GQA/MQA the main kernel's dK/dV are partial sums per query head; they are 
 Sinks (spec.sink) change no kernel: dsink is computed on the host from lse and the preprocess's D (dlse folded in),
 arch/base.sink_grad; the kernels are those of the spec without the sink (`kernel_spec`).
 
-The kernels take one head dim. head_dim != head_dim_v (e.g. DeepSeek's (192, 128) on Ampere) runs them at the wider
-of the two with the narrower operands zero-padded to it, exactly (arch/padded_head_dims.py).
+The kernels take one head dim, a multiple of 32. Other calls (head_dim != head_dim_v, e.g. DeepSeek's (192, 128) on
+Ampere, or a head dim such as 80) run them at the wider of the two rounded up to a multiple of 32, with the operands
+zero-padded to it, exactly (arch/padded_head_dims.py).
 
 Kernels are compiled once per (target, role, spec, tile config) with symbolic batch, sequence and head extents and
 launched through TVM-FFI on torch's current stream.
@@ -55,19 +56,16 @@ def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
         return f"the sm80 backward needs out_dtype equal to the input dtype ({spec.dtype}), got {spec.out_dtype}"
     if isinstance(spec, ModsSpec) and (spec.varlen or spec.head_dim != spec.head_dim_v or spec.head_dim % 32):
         return "score_mod / mask_mod have a dense backward at head_dim == head_dim_v, a multiple of 32, only"
-    width = kernel_width(spec)
-    if width % 32 != 0 or not 0 < width <= _MAX_HEAD_DIM:
+    if not 0 < max(spec.head_dim, spec.head_dim_v) <= _MAX_HEAD_DIM:
         dims = f"{spec.head_dim}" if spec.head_dim == spec.head_dim_v else f"({spec.head_dim}, {spec.head_dim_v})"
-        return (
-            f"the sm80 backward supports head dims whose wider one (head_dim or head_dim_v) is a multiple of 32 up to "
-            f"{_MAX_HEAD_DIM} (32, 64, 96, 128, 160, 192, 224, 256), got {dims}"
-        )
+        return f"the sm80 backward supports head dims up to {_MAX_HEAD_DIM}, got {dims}"
     return None
 
 
 def kernel_width(spec: AttentionSpec) -> int:
-    """The head dim of the kernels serving `spec`: the wider of head_dim and head_dim_v (arch/padded_head_dims.py)."""
-    return max(spec.head_dim, spec.head_dim_v)
+    """The head dim of the kernels serving `spec`: the wider of head_dim and head_dim_v rounded up to a multiple of
+    32, the kernels' (the narrower operands zero-padded to it: arch/padded_head_dims.py)."""
+    return -(-max(spec.head_dim, spec.head_dim_v) // 32) * 32
 
 
 def plain_spec(spec: AttentionSpec) -> AttentionSpec:
