@@ -519,6 +519,20 @@ def test_transformers_softcap_and_sinks_match_eager(fake_gpu, registered, kind):
     assert all(f[1] == softcap for f in fake_gpu.features)
 
 
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])
+def test_transformers_padded_decoding_with_softcap_and_sinks_matches_eager(fake_gpu, registered, kind):
+    # Padded decoding past the sliding window: Gemma 2's softcap on the in-place cache layout (one packed sequence
+    # per row and KV head), gpt-oss's sinks on the general packed path (sinks differ per query head).
+    model, twin = _tiny_featured(kind, registered)
+    ids = torch.randint(1, 64, (3, 14), generator=torch.Generator().manual_seed(12))
+    mask = _padding_mask([14, 9, 11], 14, "left")
+    want = _decode_teacher_forced(model, ids, mask, 8, "dynamic")
+    got = _decode_teacher_forced(twin, ids, mask, 8, "dynamic")
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    folded = [c for c in fake_gpu.calls if c[0] == "forward_varlen" and c[3][1] == 1]
+    assert bool(folded) == (kind == "gemma2")
+
+
 def test_transformers_sinks_keywords(fake_gpu):
     """transformers passes sinks as `s_aux` (gpt-oss) or `sinks`; both at once must be the same tensor."""
     from cute_flash.integrations import transformers as cft

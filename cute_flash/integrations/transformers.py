@@ -48,6 +48,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..validation import MAX_ELEMENTS_PER_HEAD
+
 DEFAULT_NAME = "cute_attn"
 
 # Keyword arguments that change the result and that cute-flash does not implement: refused when set.
@@ -359,6 +361,7 @@ def _flat_rows(x: torch.Tensor, width: int) -> torch.Tensor:
     return x[:, :width].reshape(-1, *x.shape[2:])
 
 
+@torch.compiler.disable  # as _packing_from_masks: per-forward results cached by the mask's identity
 def _padded_decoding(query, key, value, attention_mask, scaling, sliding_window, features):
     """Decoding a padded batch (one query token per row, a 2D padding mask whose rows' valid keys are contiguous,
     a cache laid out (b, h_kv, S, d) contiguously, as transformers' caches are): the cache is read in place, not
@@ -378,6 +381,8 @@ def _padded_decoding(query, key, value, attention_mask, scaling, sliding_window,
         or h % h_kv
         or attention_mask.shape[0] != b
         or not 1 <= attention_mask.shape[1] <= sk
+        # the flattened cache's rows within the kernels' Int32 indexing (validation's rule for packed calls)
+        or (b * h_kv * sk + (b * h_kv + 2) * 256) * max(query.shape[3], value.shape[3]) > MAX_ELEMENTS_PER_HEAD
     ):
         return None
     import cute_flash
