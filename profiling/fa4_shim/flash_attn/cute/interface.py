@@ -8,6 +8,8 @@ cute-flash chooses its own split and GQA packing.
 import os
 
 import pytest
+import torch
+
 import cute_flash
 
 
@@ -114,10 +116,12 @@ def flash_attn_varlen_func(
 ):
     _unsupported(qv, gather_kv_indices, score_mod, mask_mod, block_sparse_tensors)
     ws = _window(window_size)
-    if cu_seqlens_k is None and seqused_k is not None:
+    if page_table is not None:
+        if cu_seqlens_k is not None or seqused_k is None:
+            _skip("paged KV with cu_seqlens_k")
         if seqused_q is not None:
-            _skip("seqused_q with a KV cache")
-        # FA4's KV-cache form: a dense (batch, seqlen_cache) or paged cache with per-sequence lengths.
+            _skip("seqused_q with a paged KV cache")
+        # FA4's KV-cache form: a paged cache with per-sequence lengths (forward only here).
         if cu_seqlens_q is not None and max_seqlen_q is None:
             max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
         return _call(
@@ -136,15 +140,21 @@ def flash_attn_varlen_func(
             learnable_sink=learnable_sink,
             return_lse=True,
         )
-    if page_table is not None:
-        _skip("paged KV with cu_seqlens_k")
-    if cu_seqlens_q is None or cu_seqlens_k is None:
-        _skip("varlen with a padded (batch, seqlen) side (cu_seqlens None)")
+    # A padded (batch, seqlen) side (cu_seqlens None): its rows flattened, one sequence per batch row (seqused_q /
+    # seqused_k then say how many of them count), so that the call is differentiable through attention_varlen.
+    padded_q = cu_seqlens_q is None
+    if padded_q:
+        batch, seqlen_q = q.shape[:2]
+        q, cu_seqlens_q, max_seqlen_q = q.reshape(batch * seqlen_q, *q.shape[2:]), _rows_cu(batch, seqlen_q), seqlen_q
+    if cu_seqlens_k is None:
+        b_k, seqlen_k = k.shape[:2]
+        k, v = k.reshape(b_k * seqlen_k, *k.shape[2:]), v.reshape(b_k * seqlen_k, *v.shape[2:])
+        cu_seqlens_k, max_seqlen_k = _rows_cu(b_k, seqlen_k), seqlen_k
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     if max_seqlen_k is None:
         max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
-    return _call(
+    result = _call(
         cute_flash.attention_varlen,
         q,
         k,
@@ -156,13 +166,21 @@ def flash_attn_varlen_func(
         causal=causal,
         softmax_scale=softmax_scale,
         window_size=ws,
-        seqused_k=seqused_k,
+        seqused_k=None if seqused_k is None else seqused_k.to("cuda").int(),
         seqused_q=None if seqused_q is None else seqused_q.to("cuda").int(),
         deterministic=deterministic,
         softcap=softcap or 0.0,
         learnable_sink=learnable_sink,
         return_lse=True,
     )
+    if not padded_q:
+        return result
+    out, lse = result
+    return out.view(batch, seqlen_q, *out.shape[1:]), lse.view(lse.shape[0], batch, seqlen_q).transpose(0, 1)
+
+
+def _rows_cu(batch, seqlen):
+    return torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device="cuda")
 
 
 def get_scheduler_metadata(*a, **kw):
