@@ -194,3 +194,41 @@ def test_cli_compile_reports_census(tmp_path):
     print(f"cli: {rep['registers']} registers, census {rep['census']}")
     assert rep["registers"] and rep["census"]["mma.sync"] > 0 and rep["census"]["ldmatrix"] > 0
     assert rep["census"]["cp.async"] > 0
+
+
+_BLACKWELL_SCRIPT = textwrap.dedent(
+    """
+    import json
+    from cute_flash.arch.sm80 import BACKEND
+    from cute_flash.census import capture_fd_stderr, cubin_resources, ptx_census
+    from cute_flash.spec import AttentionSpec
+
+    for spec in (AttentionSpec("bf16", 128, 128, "causal", "bf16"), AttentionSpec("fp16", 80, 80, "none", "fp16")):
+        with capture_fd_stderr():
+            artifacts = BACKEND.compile_artifacts(spec, True, "sm_100a")
+        for art in artifacts:
+            res = next(iter(cubin_resources(art.cubin).values()))
+            print(json.dumps({"spec": spec.head_dim, "kernel": art.kernel, "census": ptx_census(art.ptx),
+                              "target": ".target sm_100a" in art.ptx, **res}), flush=True)
+    """
+)
+
+
+def test_sm80_kernels_cross_compile_for_blackwell():
+    """On Blackwell every call without an sm100 kernel (every backward, other head dims, packed sequences, KV caches)
+    runs the sm80 family built for sm_100a (routing.py): its forward and backward compile for that target with the
+    FlashAttention-2 instructions (d128 causal, and d80, whose backward runs the d96 kernels on padded operands).
+    Never run on a Blackwell GPU. Their stack frames (ptxas' spills at 255 registers, as on sm_90a) stay small."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_100a", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, "-c", _BLACKWELL_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=1800)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    for d in (128, 80):
+        kernels = {r["kernel"]: r for r in reports if r["spec"] == d}
+        assert set(kernels) == {"fwd", "bwd_preprocess", "bwd", "bwd_gqa", "bwd_postprocess"}, kernels.keys()
+        for name in ("fwd", "bwd", "bwd_gqa"):
+            r = kernels[name]
+            assert r["target"] and r["census"]["mma.sync"] > 0 and r["census"]["cp.async"] > 0, r
+            assert r["census"]["wgmma.mma_async"] == 0 and r["census"]["tcgen05.mma"] == 0, r
+            assert r["stack_frame_bytes"] <= 64, r
