@@ -51,7 +51,8 @@ class PackedSeqs(NamedTuple):
         """The same attention with only the first seqused_q[b] query rows of each sequence b computed, as packed
         sequences the kernels take: sequence b splits into its used rows (against its keys, bottom-right aligned on
         the used count, as FlashAttention's seqused_q) and its other rows, a sequence that sees no key (out 0, lse
-        -inf, zero gradients). On the device, no host copy; values past a sequence's length count as its length."""
+        -inf or the sink's logit, zero gradients). On the device, no host copy; values past a sequence's length
+        count as its length."""
         if seqused_q is None:
             return self
         cu_q, cu_k = self.cu_seqlens_q, self.cu_seqlens_k

@@ -60,8 +60,8 @@ def attention_varlen(
     (nheads, total_q) float32 (differentiable like out).
 
     seqused_q, int32 (batch,), as FlashAttention's: only the first seqused_q[b] query rows of sequence b are
-    attended (aligned on that count); its other rows get out 0, lse -inf and zero gradients. Its values are not read
-    on the host: one past a sequence's length counts as that length.
+    attended (aligned on that count); its other rows get out 0, lse -inf (the sink's logit with a learnable_sink)
+    and zero gradients. Its values are not read on the host: one past a sequence's length counts as that length.
 
     softcap and learnable_sink as in `cute_flash.attention`: softcap > 0 caps every score at
     softcap * tanh(score * softmax_scale / softcap) before the mask and the softmax; a (nheads,) learnable_sink adds

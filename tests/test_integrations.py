@@ -617,3 +617,34 @@ def test_transformers_fold_sequences_see_each_rows_keys(window):
             ]  # fmt: skip
             assert keys == want, (r, hd)
             assert cu_k[n] + used[n] <= cu_k[n + 1]
+
+
+@pytest.mark.parametrize("s", [1, 8], ids=["decoding", "prefill"])
+def test_transformers_attention_forward_traces_in_one_graph_without_a_mask(fake_gpu, s):
+    """Under torch.compile a call with no mask (no padding) must not graph-break: the padded-decoding and packing
+    checks that decide it are plain code; only the calls that read the mask on the host run eagerly."""
+    pytest.importorskip("transformers")
+    from cute_flash.integrations import transformers as cft
+
+    torch._dynamo.reset()
+    q = torch.randn(2, 4, s, 32, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 8, 32, dtype=torch.bfloat16)
+    module = torch.nn.Module()
+    want = cft.attention_forward(module, q, k, k, None, scaling=0.2)[0]
+    compiled = torch.compile(lambda q, k: cft.attention_forward(module, q, k, k, None, scaling=0.2)[0],
+                             fullgraph=True, backend="eager")  # fmt: skip
+    torch.testing.assert_close(compiled(q, k), want, atol=0, rtol=0)
+    torch._dynamo.reset()
+
+
+def test_transformers_key_width_stays_within_int32_indexing():
+    # A padded batch packs over the whole cache where it flattens without a copy, but never past the kernels' Int32
+    # indexing: a huge static cache then packs over the slots in use.
+    pytest.importorskip("transformers")
+    from cute_flash.integrations.transformers import _key_width
+
+    small = torch.empty(2, 4096, 8, 128, device="meta")
+    assert _key_width(small, 700, 128) == 4096
+    assert _key_width(small.transpose(1, 2).contiguous().transpose(1, 2), 700, 128) == 700  # (b, h, s, d) storage
+    huge = torch.empty(1, 2**24, 8, 128, device="meta")
+    assert _key_width(huge, 700, 128) == 700

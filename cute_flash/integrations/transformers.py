@@ -361,7 +361,6 @@ def _flat_rows(x: torch.Tensor, width: int) -> torch.Tensor:
     return x[:, :width].reshape(-1, *x.shape[2:])
 
 
-@torch.compiler.disable  # as _packing_from_masks: per-forward results cached by the mask's identity
 def _padded_decoding(query, key, value, attention_mask, scaling, sliding_window, features):
     """Decoding a padded batch (one query token per row, a 2D padding mask whose rows' valid keys are contiguous,
     a cache laid out (b, h_kv, S, d) contiguously, as transformers' caches are): the cache is read in place, not
@@ -385,8 +384,16 @@ def _padded_decoding(query, key, value, attention_mask, scaling, sliding_window,
         or (b * h_kv * sk + (b * h_kv + 2) * 256) * max(query.shape[3], value.shape[3]) > MAX_ELEMENTS_PER_HEAD
     ):
         return None
+    return _decode_in_place(query, key, value, attention_mask, scaling, sliding_window, features)
+
+
+@torch.compiler.disable  # as _packing_from_masks: per-forward results cached by the mask's identity
+def _decode_in_place(query, key, value, attention_mask, scaling, sliding_window, features):
+    """_padded_decoding's call, once its plain checks (traceable, so no graph break on other calls) hold."""
     import cute_flash
 
+    b, h = query.shape[:2]
+    h_kv, sk = key.shape[1], key.shape[2]
     group = h // h_kv
     seqs = _DERIVED.get(
         (attention_mask,),
@@ -428,11 +435,15 @@ def _fold(mask: torch.Tensor, h_kv: int, sk: int, group: int, window: Optional[i
     return cu_q.int(), cu_k.int(), torch.cat([zero, used.int().repeat_interleave(h_kv)])
 
 
-def _key_width(k: torch.Tensor, width: int) -> int:
+def _key_width(k: torch.Tensor, width: int, head_dim: int) -> int:
     """Key slots per batch row to pack over: all of them where (batch, slot) flattens to one row index without a
-    copy (the padding sequences then cover the slots past `width`), else the `width` in use (a copy of fewer rows)."""
-    flat = k.shape[1] <= 1 or k.shape[0] <= 1 or k.stride(0) == k.shape[1] * k.stride(1)
-    return k.shape[1] if flat else width
+    copy (the padding sequences then cover the slots past `width`) and the flattened cache stays within the kernels'
+    Int32 indexing (validation's rule for packed calls, three sequences per row), else the `width` in use (a copy of
+    fewer rows)."""
+    b, sk = k.shape[:2]
+    flat = sk <= 1 or b <= 1 or k.stride(0) == sk * k.stride(1)
+    fits = (b * sk + (3 * b + 1) * 256) * head_dim <= MAX_ELEMENTS_PER_HEAD
+    return sk if flat and fits else width
 
 
 def _features(kwargs: dict) -> dict:
@@ -482,7 +493,8 @@ def _packing_from_masks(attention_mask, q, k, sliding_window, kwargs):
         if _tracing(attention_mask):
             raise _err("padded batches read their lengths on the host: not under CUDA-graph capture or fake tensors")
         windowed = sliding_window is not None
-        k_width = _key_width(k, width)  # (v comes from the same cache; another layout is copied, not wrong)
+        # (v comes from the same cache; another layout is copied, not wrong)
+        k_width = _key_width(k, width, max(q.shape[-1], k.shape[-1]))
         packing = _DERIVED.get(
             (attention_mask,),
             ("pad", s, windowed, k_width),

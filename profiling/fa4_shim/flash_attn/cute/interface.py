@@ -129,7 +129,7 @@ def flash_attn_varlen_func(
             q,
             k,
             v,
-            cache_seqlens=seqused_k.to("cuda").int(),
+            cache_seqlens=seqused_k.to(q.device).int(),
             page_table=page_table,
             cu_seqlens_q=cu_seqlens_q,
             max_seqlen_q=max_seqlen_q,
@@ -145,11 +145,12 @@ def flash_attn_varlen_func(
     padded_q = cu_seqlens_q is None
     if padded_q:
         batch, seqlen_q = q.shape[:2]
-        q, cu_seqlens_q, max_seqlen_q = q.reshape(batch * seqlen_q, *q.shape[2:]), _rows_cu(batch, seqlen_q), seqlen_q
+        cu_seqlens_q, max_seqlen_q = _rows_cu(batch, seqlen_q, q.device), seqlen_q
+        q = q.reshape(batch * seqlen_q, *q.shape[2:])
     if cu_seqlens_k is None:
         b_k, seqlen_k = k.shape[:2]
         k, v = k.reshape(b_k * seqlen_k, *k.shape[2:]), v.reshape(b_k * seqlen_k, *v.shape[2:])
-        cu_seqlens_k, max_seqlen_k = _rows_cu(b_k, seqlen_k), seqlen_k
+        cu_seqlens_k, max_seqlen_k = _rows_cu(b_k, seqlen_k, q.device), seqlen_k
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     if max_seqlen_k is None:
@@ -166,8 +167,8 @@ def flash_attn_varlen_func(
         causal=causal,
         softmax_scale=softmax_scale,
         window_size=ws,
-        seqused_k=None if seqused_k is None else seqused_k.to("cuda").int(),
-        seqused_q=None if seqused_q is None else seqused_q.to("cuda").int(),
+        seqused_k=None if seqused_k is None else seqused_k.to(q.device).int(),
+        seqused_q=None if seqused_q is None else seqused_q.to(q.device).int(),
         deterministic=deterministic,
         softcap=softcap or 0.0,
         learnable_sink=learnable_sink,
@@ -179,8 +180,8 @@ def flash_attn_varlen_func(
     return out.view(batch, seqlen_q, *out.shape[1:]), lse.view(lse.shape[0], batch, seqlen_q).transpose(0, 1)
 
 
-def _rows_cu(batch, seqlen):
-    return torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device="cuda")
+def _rows_cu(batch, seqlen, device):
+    return torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
 
 
 def get_scheduler_metadata(*a, **kw):
