@@ -17,7 +17,9 @@ sdpa (torch's own choice), eager; an implementation a model or batch cannot use 
 
 Training steps are host-bound at these sizes, so they follow the host's speed, which drifts between runs and
 machines: the impls of one config are built side by side and timed in interleaved rounds (--rounds blocks of
---steps steps each), and each impl's best round is reported beside all of them.
+--steps steps each; with --generate, one generate() call each), and each impl's best round is reported beside all
+of them. Single generate() calls of one tree disagreed (H200, 2026-12-03: cute-flash 13% behind SDPA for 32 new
+tokens, 166.5 against 146.7 ms, and 4% ahead for 16, 67.4 against 70.0).
 """
 
 from __future__ import annotations
@@ -216,7 +218,9 @@ def profile_training(step, args, trace_path: str = "") -> Dict[str, float]:
     return result
 
 
-def time_generate(model, batch, ctx, args) -> Dict[str, float]:
+def generate_runner(model, batch, ctx, args):
+    """generate() of --generate new tokens, warmed up once; returns (run: () -> ms of one timed call, profile: prints
+    where one call's host and device time go)."""
     import torch
 
     kwargs = dict(max_new_tokens=args.generate, min_new_tokens=args.generate, do_sample=False)
@@ -226,15 +230,28 @@ def time_generate(model, batch, ctx, args) -> Dict[str, float]:
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
     with torch.no_grad(), ctx():
         model.generate(**inputs, **kwargs)  # warm-up
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = model.generate(**inputs, **kwargs)
-        end.record()
-        torch.cuda.synchronize()
-    ms = start.elapsed_time(end)
-    new = out.shape[0] * args.generate
-    return {"ms": ms, "tok_s": new / ms * 1000, "ms_per_token": ms / args.generate}
+    torch.cuda.synchronize()
+
+    def run() -> float:
+        with torch.no_grad(), ctx():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            model.generate(**inputs, **kwargs)
+            end.record()
+            torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    def profile_once() -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        with torch.no_grad(), ctx(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            model.generate(**inputs, **kwargs)
+            torch.cuda.synchronize()
+        averages = prof.key_averages()
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=args.summary, max_name_column_width=60))
+        print(averages.table(sort_by="self_device_time_total", row_limit=args.summary, max_name_column_width=60))
+
+    return run, profile_once
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -270,9 +287,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         if args.compile:
                             model = torch.compile(model)
                         if args.generate:
-                            r = time_generate(model, batch, ctx, args)
-                            print(f"{label}{r['ms']:>9.1f}{r['tok_s']:>11.0f}{'':>9}{'':>8}{'':>8}{'':>9}")
-                            rows.append((name, b, s, impl, r))
+                            built[impl] = (model, generate_runner(model, batch, ctx, args))
                         else:
                             step = training_step(model, batch, ctx)
                             for _ in range(args.warmup):
@@ -288,7 +303,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                 times = {impl: [] for impl in built}
                 for _ in range(args.rounds):
                     for impl, (_, step) in built.items():
-                        times[impl].append(time_steps(step, args.steps))
+                        times[impl].append(step[0]() if args.generate else time_steps(step, args.steps))
+                if args.generate:
+                    for impl, (_, (_, profile_once)) in built.items():
+                        ms = min(times[impl])
+                        print(f"{name:>8}{b:>6}{s:>6}{impl:>16}{ms:>9.1f}{b * args.generate / ms * 1000:>11.0f}"
+                              f"{'':>42}rounds " + " ".join(f"{t:.1f}" for t in times[impl]))  # fmt: skip
+                        rows.append((name, b, s, impl, {"ms": ms, "rounds_ms": times[impl]}))
+                        if args.summary:
+                            profile_once()
+                    built.clear()
+                    torch.cuda.empty_cache()
+                    continue
                 for impl, (model, step) in built.items():
                     label = f"{name:>8}{b:>6}{s:>6}{impl:>16}"
                     r = {"ms": min(times[impl]), "rounds_ms": times[impl], "loss": float(step())}

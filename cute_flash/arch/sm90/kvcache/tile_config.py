@@ -71,8 +71,8 @@ class KvCacheTileConfig(FwdTileConfig):
     # Steps of a converter thread whose 16-byte e4m3 loads are issued before their conversions (convert.py): 4
     # registers each, out of the producer warpgroup's producer_regs.
     fp8_loads_ahead: int = 1
-    # Under study (profiling/kvcache_configs.py; not shipped): the consumer warpgroup converts the V tiles itself
-    # (convert.ConvertingRing), the converter warps only K. Needs fp8_stages == num_stages and one consumer.
+    # The consumer warpgroup converts the V tiles itself (convert.ConvertingRing), the converter warps only K: no
+    # converter -> consumer hand-off for V. Needs fp8_stages == num_stages and one consumer.
     fp8_v_by_consumers: bool = False
 
 
@@ -90,15 +90,19 @@ _DECODE_BY_HEAD_DIM = {
 # An fp8 cache: the same tiles with two e4m3 stages beside the two 16-bit (fp16) ones, and 56 registers for the
 # producer warpgroup, whose two converter warps issue 4 of their 16-byte loads before converting them
 # (fp8_loads_ahead). d128: 16 + 64 + 32 + 1 KiB = 113 KiB per CTA, two per SM (228 KiB); (200 + 56) x 128 x 2 =
-# 64 K registers. Measured (H200, 2026-12-02, profiling/kvcache_configs.py; docs/performance.md): 1.11-1.14x the
-# bf16 cache's speed from batch 8 x 32k (one load ahead 1.05x; eight ahead as four; deeper e4m3 rings in 32- or
+# 64 K registers; d128's consumers convert V themselves (fp8_v_by_consumers). Measured (H200, 2026-12-03,
+# profiling/kvcache_configs.py; docs/performance.md): 1.16-1.19x the bf16 cache's speed from batch 8 x 32k, 1.11-1.14x
+# with the converter warps converting V too (one load ahead 1.05x; eight ahead as four; deeper e4m3 rings in 32- or
 # 48-key tiles and one CTA per SM with 4-8 stages slower): an fp8 cache halves the memory, not yet the time.
 # d256: one CTA, 32 + 128 + 64 + 1 = 225 KiB, 72 producer registers for its 16 steps per tile. More rows (d128): the
 # forward's 128 x 128 tile with two e4m3 stages (225 KiB) and 232 / 40 registers, loads one at a time; d64 and
 # d256 keep the 64-row tile for every row count (the forward's tiles leave no room for the e4m3 stages).
 _FP8_DECODE_BY_HEAD_DIM = {
     64: _config(FwdTileConfig(1, 128, 2, ping_pong=False, consumer_regs=200, producer_regs=56), 2, 2, 4),
-    128: _config(FwdTileConfig(1, 64, 2, ping_pong=False, consumer_regs=200, producer_regs=56), 2, 2, 4),
+    128: replace(
+        _config(FwdTileConfig(1, 64, 2, ping_pong=False, consumer_regs=200, producer_regs=56), 2, 2, 4),
+        fp8_v_by_consumers=True,
+    ),
     256: _config(FwdTileConfig(1, 64, 2, ping_pong=False, consumer_regs=240, producer_regs=72), 1, 2, 4),
 }
 _FP8_MORE_ROWS_BY_HEAD_DIM = {128: _config(FwdTileConfig(2, 128, 2, consumer_regs=232, producer_regs=40), 1, 2)}
