@@ -8,7 +8,8 @@ count read it through the module), then times the same calls (CUDA graphs) and c
        memory. Measured (H200, 2026-12-02): one CTA per SM with 4 or 8 e4m3 stages (half the converter warps per
        SM) 1.45x slower than two; 8 stages of 32-key tiles 1.25x, one 16-bit stage with 4 e4m3 ones 1.1x slower.
        With the loads ahead, 3-4 stages of 48-key tiles 0.94x. The variants now: how many of a converter thread's
-       loads go out before their conversions (shipped: 4; docs/performance.md).
+       loads go out before their conversions (shipped: 4), and the converter warps converting V as well as K (the
+       shipped d128 configuration has the consumers convert V: 2-4% faster, 2026-12-03; docs/performance.md).
   bf16: small grids (batch 1-2, split to one CTA per SM: tile_config.SMALL_GRID_DIVISOR) keep only the 64 KiB of
        one CTA's two stages in flight per SM; the variants deepen the ring of that one CTA.
 
