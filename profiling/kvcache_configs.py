@@ -32,8 +32,8 @@ VARIANTS: Dict[str, Dict[str, Optional[tuple]]] = {
         "shipped": None,
         # The converter threads' loads issued ahead of their conversions (fp8_loads_ahead), at the registers that
         # hold them spill-free: one (the converter warps wait out every load), all eight.
-        "1 ahead, 216 / 40 regs": (2, 2, 216, 40, {"fp8_loads_ahead": 1}),
-        "8 ahead, 184 / 72 regs": (2, 2, 184, 72, {"fp8_loads_ahead": 8}),
+        "1 ahead, 216 / 40 regs": (2, 2, 216, 40, {"fp8_loads_ahead": 1, "fp8_v_by_consumers": False}),
+        "8 ahead, 184 / 72 regs": (2, 2, 184, 72, {"fp8_loads_ahead": 8, "fp8_v_by_consumers": False}),
         # The converter warps convert V too (the shipped d128 configuration has the consumers convert V).
         "converters convert V": (2, 2, 200, 56, {"fp8_loads_ahead": 4, "fp8_v_by_consumers": False}),
     },

@@ -275,7 +275,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if args.tokens and b * s > args.tokens:
                     continue
                 batch = make_batch(b, s, args.padding, cfg.vocab_size, device)
-                built = {}  # impl -> (model, ctx)
+                built = {}  # impl -> (model, a training step, or generate's (run, profile_once))
                 for impl in args.impls:
                     label = f"{name:>8}{b:>6}{s:>6}{impl:>16}"
                     try:
@@ -298,8 +298,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     finally:
                         model = None
                         torch.cuda.empty_cache()
-                # Training: the impls' timed blocks interleaved over --rounds rounds (a host-bound step follows the
-                # host's speed, which drifts), each impl's best round reported.
+                # The impls' timed blocks interleaved over --rounds rounds (a host-bound step follows the host's
+                # speed, which drifts), each impl's best round reported.
                 times = {impl: [] for impl in built}
                 for _ in range(args.rounds):
                     for impl, (_, step) in built.items():
@@ -308,7 +308,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     for impl, (_, (_, profile_once)) in built.items():
                         ms = min(times[impl])
                         print(f"{name:>8}{b:>6}{s:>6}{impl:>16}{ms:>9.1f}{b * args.generate / ms * 1000:>11.0f}"
-                              f"{'':>42}rounds " + " ".join(f"{t:.1f}" for t in times[impl]))  # fmt: skip
+                              f"{'':>34}  rounds " + " ".join(f"{t:.1f}" for t in times[impl]))  # fmt: skip
                         rows.append((name, b, s, impl, {"ms": ms, "rounds_ms": times[impl]}))
                         if args.summary:
                             profile_once()

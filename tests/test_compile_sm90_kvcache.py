@@ -166,8 +166,9 @@ _CENSUS = textwrap.dedent(
 
 
 def test_kvcache_decoding_builds_compile():
-    """Paged (page 16) and dense with a 16-bit cache, paged with an fp8 one (its e4m3 tiles converted by the
-    producer warpgroup's converter warps: wgmma in fp16, the bf16 queries rounded to fp16 by the row loader), and
+    """Paged (page 16) and dense with a 16-bit cache, paged with an fp8 one (its e4m3 K tiles converted by the
+    producer warpgroup's converter warps, its V tiles by the consumers: wgmma in fp16, the bf16 queries rounded to
+    fp16 by the row loader), and
     that one with soft-capping and sinks (the `kvcache_features` entry), spill-free."""
     done = subprocess.run([sys.executable, "-c", _CENSUS], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -190,6 +191,6 @@ def test_kvcache_decoding_builds_compile():
         boxes = 64 // chunk_rows(r["page_size"], 64)
         assert c["cp.async.bulk.tensor"] == 4 * boxes * (1 if r["fp8"] else 2), r
         # One e4m3x2 conversion per two elements. K: a converter thread's 16-element steps over a 64 x 128 tile (64
-        # threads: 8 steps) at its 2 load sites; V (fp8_v_by_consumers): a consumer thread's 64 elements of the tile
-        # (128 threads) at the consumers' 3 V sites (the masked and the unmasked walk steps, the last tile).
+        # threads: 8 steps) at its 2 conversion sites; V (fp8_v_by_consumers): a consumer thread's 64 elements of the
+        # tile (128 threads) at the consumers' 3 V sites (the masked and the unmasked walk steps, the last tile).
         assert r["conversions"] == (2 * 8 * 16 // 2 + 3 * 64 // 2 if r["fp8"] else 0), r

@@ -325,7 +325,7 @@ def attention_forward(
         return folded, None
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     b, s = q.shape[:2]
-    packing = _packing(attention_mask, q, k, sliding_window, kwargs)
+    packing = _packing(attention_mask, q, k, v, sliding_window, kwargs)
     if isinstance(packing, int):  # no padding: the layer's first `packing` key slots, queries aligned to their end
         k, v = k[:, :packing], v[:, :packing]
         out = cute_flash.attention(q, k, v, causal=True, softmax_scale=scaling, window_size=window, **features)
@@ -469,7 +469,7 @@ def _layer_window(attention_mask, sliding_window):
     return tagged
 
 
-def _packing(attention_mask, q, k, sliding_window, kwargs):
+def _packing(attention_mask, q, k, v, sliding_window, kwargs):
     """How a call runs: an int (dense, over that many key slots) or a `_Packing` (packed sequences). The dense cases
     read nothing from the device (no graph break under torch.compile); the others do, in `_packing_from_masks`."""
     b, s, sk = q.shape[0], q.shape[1], k.shape[1]
@@ -482,11 +482,11 @@ def _packing(attention_mask, q, k, sliding_window, kwargs):
                        f"and {sk} key slots")  # fmt: skip
         if getattr(attention_mask, _FULL_TAG, False):
             return width
-    return _packing_from_masks(attention_mask, q, k, sliding_window, kwargs)
+    return _packing_from_masks(attention_mask, q, k, v, sliding_window, kwargs)
 
 
 @torch.compiler.disable  # host reads of the mask: run eagerly (a guard on the mask's identity would recompile)
-def _packing_from_masks(attention_mask, q, k, sliding_window, kwargs):
+def _packing_from_masks(attention_mask, q, k, v, sliding_window, kwargs):
     b, s, sk = q.shape[0], q.shape[1], k.shape[1]
     if attention_mask is not None and attention_mask.dim() == 2:
         width = attention_mask.shape[1]
@@ -494,7 +494,7 @@ def _packing_from_masks(attention_mask, q, k, sliding_window, kwargs):
             raise _err("padded batches read their lengths on the host: not under CUDA-graph capture or fake tensors")
         windowed = sliding_window is not None
         # (v comes from the same cache; another layout is copied, not wrong)
-        k_width = _key_width(k, width, max(q.shape[-1], k.shape[-1]))
+        k_width = _key_width(k, width, max(q.shape[-1], v.shape[-1]))
         packing = _DERIVED.get(
             (attention_mask,),
             ("pad", s, windowed, k_width),

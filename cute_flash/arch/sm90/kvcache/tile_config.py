@@ -91,9 +91,10 @@ _DECODE_BY_HEAD_DIM = {
 # producer warpgroup, whose two converter warps issue 4 of their 16-byte loads before converting them
 # (fp8_loads_ahead). d128: 16 + 64 + 32 + 1 KiB = 113 KiB per CTA, two per SM (228 KiB); (200 + 56) x 128 x 2 =
 # 64 K registers; d128's consumers convert V themselves (fp8_v_by_consumers). Measured (H200, 2026-12-03,
-# profiling/kvcache_configs.py; docs/performance.md): 1.16-1.19x the bf16 cache's speed from batch 8 x 32k, 1.11-1.14x
-# with the converter warps converting V too (one load ahead 1.05x; eight ahead as four; deeper e4m3 rings in 32- or
-# 48-key tiles and one CTA per SM with 4-8 stages slower): an fp8 cache halves the memory, not yet the time.
+# profiling/kvcache_configs.py; docs/performance.md): 1.16-1.19x the bf16 cache's speed from batch 8 x 32k, 1.14-1.15x
+# with the converter warps converting V too (one load ahead 1.07-1.09x, eight ahead as four; 2026-12-02: deeper e4m3
+# rings in 32- or 48-key tiles and one CTA per SM with 4-8 stages slower): an fp8 cache halves the memory, not yet
+# the time.
 # d256: one CTA, 32 + 128 + 64 + 1 = 225 KiB, 72 producer registers for its 16 steps per tile. More rows (d128): the
 # forward's 128 x 128 tile with two e4m3 stages (225 KiB) and 232 / 40 registers, loads one at a time; d64 and
 # d256 keep the 64-row tile for every row count (the forward's tiles leave no room for the e4m3 stages).
