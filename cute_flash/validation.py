@@ -317,6 +317,13 @@ MAX_GRID_YZ = 65535
 MAX_ELEMENTS_PER_HEAD = 2**31 - 1
 
 
+def packed_elements_per_head(rows: int, sequences: int, head_dim: int) -> int:
+    """Elements per head a packed call of `rows` rows (the larger of q's and k's) over `sequences` sequences indexes
+    in the backward's buffers, each sequence padded to a tile (at most 256 rows): within MAX_ELEMENTS_PER_HEAD (the
+    kernels' Int32 indexing) or the call is refused."""
+    return (rows + (sequences + 1) * 256) * head_dim
+
+
 def _check_launch_limits(sem: Semantics) -> None:
     if sem.batch > MAX_GRID_YZ or sem.nheads > MAX_GRID_YZ:
         raise NotImplementedError(
@@ -431,8 +438,7 @@ def validate_varlen(
         Semantics(batch, max_seqlen_q, max_seqlen_k, sem.nheads, sem.nheads_kv, sem.head_dim, sem.head_dim_v,
                   sem.mask, sem.softmax_scale)
     )  # fmt: skip
-    # Padded to a tile (at most 256 rows) per sequence in the backward's buffers, which are indexed with Int32.
-    longest = (max(q.shape[0], k.shape[0]) + (batch + 1) * 256) * max(sem.head_dim, sem.head_dim_v)
+    longest = packed_elements_per_head(max(q.shape[0], k.shape[0]), batch, max(sem.head_dim, sem.head_dim_v))
     if longest > MAX_ELEMENTS_PER_HEAD:
         raise NotImplementedError(
             f"total rows x head_dim = {longest} elements per head (with one padding tile per sequence) exceeds the "

@@ -168,8 +168,7 @@ _CENSUS = textwrap.dedent(
 def test_kvcache_decoding_builds_compile():
     """Paged (page 16) and dense with a 16-bit cache, paged with an fp8 one (its e4m3 K tiles converted by the
     producer warpgroup's converter warps, its V tiles by the consumers: wgmma in fp16, the bf16 queries rounded to
-    fp16 by the row loader), and
-    that one with soft-capping and sinks (the `kvcache_features` entry), spill-free."""
+    fp16 by the row loader), and that one with soft-capping and sinks (the `kvcache_features` entry), spill-free."""
     done = subprocess.run([sys.executable, "-c", _CENSUS], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

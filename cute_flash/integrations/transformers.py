@@ -48,7 +48,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..validation import MAX_ELEMENTS_PER_HEAD
+from ..validation import MAX_ELEMENTS_PER_HEAD, packed_elements_per_head
 
 DEFAULT_NAME = "cute_attn"
 
@@ -380,8 +380,9 @@ def _padded_decoding(query, key, value, attention_mask, scaling, sliding_window,
         or h % h_kv
         or attention_mask.shape[0] != b
         or not 1 <= attention_mask.shape[1] <= sk
-        # the flattened cache's rows within the kernels' Int32 indexing (validation's rule for packed calls)
-        or (b * h_kv * sk + (b * h_kv + 2) * 256) * max(query.shape[3], value.shape[3]) > MAX_ELEMENTS_PER_HEAD
+        # the flattened cache's rows within the kernels' Int32 indexing (b * h_kv sequences and the leading one)
+        or packed_elements_per_head(b * h_kv * sk, b * h_kv + 1, max(query.shape[3], value.shape[3]))
+        > MAX_ELEMENTS_PER_HEAD
     ):
         return None
     return _decode_in_place(query, key, value, attention_mask, scaling, sliding_window, features)
@@ -442,7 +443,7 @@ def _key_width(k: torch.Tensor, width: int, head_dim: int) -> int:
     fewer rows)."""
     b, sk = k.shape[:2]
     flat = sk <= 1 or b <= 1 or k.stride(0) == sk * k.stride(1)
-    fits = (b * sk + (3 * b + 1) * 256) * head_dim <= MAX_ELEMENTS_PER_HEAD
+    fits = packed_elements_per_head(b * sk, 3 * b, head_dim) <= MAX_ELEMENTS_PER_HEAD
     return sk if flat and fits else width
 
 
