@@ -3,13 +3,9 @@
 Each variant replaces `kvcache_tile_config` for d128 decoding specs of that cache kind (the launcher and the split
 count read it through the module), then times the same calls (CUDA graphs) and checks them against the shipped one.
 
-  fp8: the shipped configuration (two CTAs per SM, two e4m3 stages each) keeps 64 KiB of e4m3 tiles in flight per
-       SM, half what the bf16 cache's two 16-bit stages keep: the variants deepen the e4m3 rings in the same shared
-       memory. Measured (H200, 2026-12-02): one CTA per SM with 4 or 8 e4m3 stages (half the converter warps per
-       SM) 1.45x slower than two; 8 stages of 32-key tiles 1.25x, one 16-bit stage with 4 e4m3 ones 1.1x slower.
-       With the loads ahead, 3-4 stages of 48-key tiles 0.94x. The variants now: how many of a converter thread's
-       loads go out before their conversions (shipped: 4), and the converter warps converting V as well as K (the
-       shipped d128 configuration has the consumers convert V: 2-4% faster, 2026-12-03; docs/performance.md).
+  fp8: the shipped d128 decoder is the swapped one (swapped.py: mma.sync with keys on M, the cache converted in
+       registers; tile_config.SwappedTileConfig). The variants: the wgmma kernel it replaced (converter warps, 64-row
+       tiles: 1.16-1.19x the bf16 cache, 2026-12-03), and the swapped decoder's stages, tile and warps.
   bf16: small grids (batch 1-2, split to one CTA per SM: tile_config.SMALL_GRID_DIVISOR) keep only the 64 KiB of
        one CTA's two stages in flight per SM; the variants deepen the ring of that one CTA.
 
@@ -25,17 +21,15 @@ import sys
 from dataclasses import replace
 from typing import Dict, List, Optional
 
-# cache -> name -> (ctas per SM, stages, consumer registers, producer registers[, other fields]); None: the shipped
-# configuration. For fp8 the stages are the e4m3 ring's; for bf16 the 16-bit ring's.
-VARIANTS: Dict[str, Dict[str, Optional[tuple]]] = {
+# cache -> name -> None (the shipped configuration), "wgmma" (fp8: the wgmma kernel's decoding configuration), a dict
+# of SwappedTileConfig fields (fp8), or (ctas per SM, 16-bit stages, consumer registers, producer registers) (bf16).
+VARIANTS: Dict[str, Dict[str, object]] = {
     "fp8": {
         "shipped": None,
-        # The converter threads' loads issued ahead of their conversions (fp8_loads_ahead), at the registers that
-        # hold them spill-free: one (the converter warps wait out every load), all eight.
-        "1 ahead, 216 / 40 regs": (2, 2, 216, 40, {"fp8_loads_ahead": 1, "fp8_v_by_consumers": False}),
-        "8 ahead, 184 / 72 regs": (2, 2, 184, 72, {"fp8_loads_ahead": 8, "fp8_v_by_consumers": False}),
-        # The converter warps convert V too (the shipped d128 configuration has the consumers convert V).
-        "converters convert V": (2, 2, 200, 56, {"fp8_loads_ahead": 4, "fp8_v_by_consumers": False}),
+        "wgmma kernel": "wgmma",
+        "3 stages x 2 CTAs": {"num_stages": 3, "ctas_per_sm": 2},
+        "64 keys x 6 stages x 2 CTAs": {"tile_n": 64, "num_stages": 6, "ctas_per_sm": 2},
+        "6 stages x 8 warps": {"num_stages": 6, "consumer_warps": 8},
     },
     "bf16": {
         "shipped": None,
@@ -49,13 +43,16 @@ VARIANTS: Dict[str, Dict[str, Optional[tuple]]] = {
 def variant_config(cache: str, name: str):
     from cute_flash.arch.sm90.kvcache import tile_config as kv
 
-    shipped = (kv._FP8_DECODE_BY_HEAD_DIM if cache == "fp8" else kv._DECODE_BY_HEAD_DIM)[128]
     v = VARIANTS[cache][name]
+    if cache == "fp8":
+        if v is None:
+            return kv.SwappedTileConfig()
+        return kv._FP8_DECODE_BY_HEAD_DIM[128] if v == "wgmma" else kv.SwappedTileConfig(**v)
+    shipped = kv._DECODE_BY_HEAD_DIM[128]
     if v is None:
         return shipped
-    ctas, stages, creg, preg = v[:4]
-    cfg = replace(shipped, ctas_per_sm=ctas, consumer_regs=creg, producer_regs=preg, **(v[4] if len(v) > 4 else {}))
-    return replace(cfg, fp8_stages=stages) if cache == "fp8" else replace(cfg, num_stages=stages)
+    ctas, stages, creg, preg = v
+    return replace(shipped, ctas_per_sm=ctas, consumer_regs=creg, producer_regs=preg, num_stages=stages)
 
 
 def use_variant(cache: str, name: str):
@@ -68,7 +65,7 @@ def use_variant(cache: str, name: str):
     cfg = variant_config(cache, name)
 
     def patched(spec, rows):
-        if spec.kv_fp8 == (cache == "fp8") and spec.head_dim == 128 and rows <= 64:
+        if spec.kv_fp8 == (cache == "fp8") and spec.head_dim == 128 and rows <= 8:
             return cfg
         return original(spec, rows)
 
@@ -91,7 +88,9 @@ def compile_only(cache: str) -> int:
         spec = AttentionSpec("bf16", 128, 128, "causal", "bf16", kvcache=True, page_size=page, kv_fp8=cache == "fp8")
         for name in VARIANTS[cache]:
             cfg = variant_config(cache, name)
-            why = kv.residency_problem(cfg, 128, 128) or kv.budget_problem(cfg, 128, 128)
+            why = kv.residency_problem(cfg, 128, 128)
+            if isinstance(cfg, kv.KvCacheTileConfig):
+                why = why or kv.budget_problem(cfg, 128, 128)
             with tempfile.TemporaryDirectory() as dump:
                 with census.capture_fd_stderr() as err:
                     kvcache_kernel(spec, cfg, "sm_90a", False, False, compile_cache.keep_artifacts_options(dump))
@@ -108,7 +107,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--batches", default=None, help="default: 8,64 (fp8), 1,2 (bf16)")
     p.add_argument("--contexts", default="8192,32768")
     p.add_argument("--pages", default="0,128")
+    p.add_argument("--variants", default=None, help="comma-separated names of VARIANTS[cache] (default: all)")
     args = p.parse_args(argv)
+    names = list(VARIANTS[args.cache]) if args.variants is None else args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS[args.cache]]
+    if unknown:
+        p.error(f"--variants: unknown {unknown} (choose from {list(VARIANTS[args.cache])})")
     if args.compile_only:
         return compile_only(args.cache)
     import torch
@@ -139,7 +143,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         rep=100, return_mode="median",
                     )  # fmt: skip
                     row = f"{b:>4} x {ctx:>6} page {page:>3}  bf16 {t16 * 1e3:7.1f}"
-                    for name in VARIANTS[args.cache]:
+                    for name in names:
                         use_variant(args.cache, name)
                         cache = (k8, v8, ds, ds) if fp8 else (k, v, None, None)
 

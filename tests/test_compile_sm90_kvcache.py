@@ -124,13 +124,36 @@ def test_kvcache_splits_fill_the_waves(batch, context, splits):
     assert kvcache_splits(_problem(batch, context), 0) == 1  # not a GPU
 
 
-def test_fp8_cache_small_grids_fill_two_ctas_per_sm():
-    # An fp8 cache's CTAs stream more slowly: a small grid fills both CTA slots of every SM (8 x 33 = 264 slots).
+def test_fp8_cache_small_grids():
+    """The swapped decoder (an fp8 cache at d128) runs one CTA per SM: a small grid is split to fill the SMs as the
+    bf16 cache's is. The wgmma kernel's fp8 tiles with two CTAs per SM (d64) fill both slots of the SMs (8 x 32
+    of 264): its CTAs stream more slowly (tile_config.SMALL_GRID_DIVISOR)."""
     from dataclasses import replace
 
     p = _problem(1, 32768)
-    assert kvcache_splits(replace(p, spec=replace(p.spec, kv_fp8=True)), 132) == 32
+    assert kvcache_splits(replace(p, spec=replace(p.spec, kv_fp8=True)), 132) == 16
     assert kvcache_splits(p, 132) == 16
+    spec64 = _spec(64, page_size=16, kv_fp8=True)
+    p64 = KvCacheProblem(1, 1, 1, 32, 8, 64, 64, 32768, 2048, spec64, normalize_mask(False, (None, None)), 0.125)
+    assert kvcache_splits(p64, 132) == 32
+
+
+def test_fp8_cache_grids_of_short_walks_take_two_ctas_per_sm():
+    from dataclasses import replace
+
+    from cute_flash.arch.sm90.kvcache.tile_config import SWAPPED_SHORT_WALKS, SwappedTileConfig, problem_tile_config
+
+    def fp8(batch, context, sq=1):
+        p = _problem(batch, context, sq=sq)
+        return replace(p, spec=replace(p.spec, kv_fp8=True))
+
+    assert problem_tile_config(fp8(64, 1024), 132) == SWAPPED_SHORT_WALKS  # 512 CTAs of 8 key tiles
+    assert problem_tile_config(fp8(256, 4096), 132) == SWAPPED_SHORT_WALKS
+    assert problem_tile_config(fp8(17, 4096, sq=3), 132) == replace(SWAPPED_SHORT_WALKS, row_tiles=2)
+    assert problem_tile_config(fp8(8, 1024), 132) == SwappedTileConfig()  # 64 CTAs: fewer than the SMs
+    assert problem_tile_config(fp8(64, 8192), 132) == SwappedTileConfig()  # 64 key tiles per CTA
+    assert problem_tile_config(fp8(64, 1024), 0) == SwappedTileConfig()  # not a GPU
+    assert not isinstance(problem_tile_config(_problem(64, 1024), 132), SwappedTileConfig)  # a bf16 cache
 
 
 def test_kvcache_splits_see_the_window():
@@ -150,7 +173,7 @@ _CENSUS = textwrap.dedent(
     for page_size, fp8, features in ((16, False, False), (0, False, False), (16, True, False), (16, True, True)):
         spec = AttentionSpec("bf16", 128, 128, "causal", "bf16", kvcache=True, page_size=page_size, kv_fp8=fp8,
                              softcap=features, sink=features)
-        cfg = kvcache_tile_config(spec, 4)
+        cfg = kvcache_tile_config(spec, 32)  # (an fp8 cache's <= 16 rows: the swapped decoder, below)
         with tempfile.TemporaryDirectory() as dump:
             with census.capture_fd_stderr() as err:
                 fn = kvcache_kernel(spec, cfg, "sm_90a", False, False, compile_cache.keep_artifacts_options(dump))
@@ -166,9 +189,9 @@ _CENSUS = textwrap.dedent(
 
 
 def test_kvcache_decoding_builds_compile():
-    """Paged (page 16) and dense with a 16-bit cache, paged with an fp8 one (its e4m3 K tiles converted by the
-    producer warpgroup's converter warps, its V tiles by the consumers: wgmma in fp16, the bf16 queries rounded to
-    fp16 by the row loader), and that one with soft-capping and sinks (the `kvcache_features` entry), spill-free."""
+    """Paged (page 16) and dense with a 16-bit cache, paged with an fp8 one at 32 rows (its e4m3 K tiles converted
+    by the producer warpgroup's converter warps, its V tiles by the consumers: wgmma in fp16, the bf16 queries rounded
+    to fp16 by the row loader), and that one with soft-capping and sinks (the `kvcache_features` entry), spill-free."""
     done = subprocess.run([sys.executable, "-c", _CENSUS], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -193,3 +216,57 @@ def test_kvcache_decoding_builds_compile():
         # threads: 8 steps) at its 2 conversion sites; V (fp8_v_by_consumers): a consumer thread's 64 elements of the
         # tile (128 threads) at the consumers' 3 V sites (the masked and the unmasked walk steps, the last tile).
         assert r["conversions"] == (2 * 8 * 16 // 2 + 3 * 64 // 2 if r["fp8"] else 0), r
+
+
+_SWAPPED_CENSUS = textwrap.dedent(
+    """
+    import json, os, tempfile
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+    from cute_flash import census, compile_cache
+    from cute_flash.arch.sm90.kvcache.launch import kvcache_kernel
+    from cute_flash.arch.sm90.kvcache.tile_config import SwappedTileConfig, kvcache_tile_config
+    from cute_flash.spec import AttentionSpec
+
+    cases = ((16, "causal", 4, False, False, False), (0, "local", 12, True, True, False),
+             (16, "none", 8, False, False, True))
+    for page_size, mask, rows, split, packed, features in cases:
+        spec = AttentionSpec("bf16", 128, 128, mask, "bf16", kvcache=True, page_size=page_size, kv_fp8=True,
+                             softcap=features, sink=features)
+        cfg = kvcache_tile_config(spec, rows)
+        assert isinstance(cfg, SwappedTileConfig), cfg
+        with tempfile.TemporaryDirectory() as dump:
+            with census.capture_fd_stderr() as err:
+                fn = kvcache_kernel(spec, cfg, "sm_90a", packed, split, compile_cache.keep_artifacts_options(dump))
+            ptx, _ = census.read_artifacts(fn)
+        (_, res), = census.parse_ptxas_reports("".join(err))
+        ops = ("cvt.rn.f16x2.e4m3x2", "movmatrix", "prmt.b32", "ld.shared.v4.b32", "tanh.approx.f32")
+        counts = {op: ptx.count(op) for op in ops}
+        print(json.dumps(dict(page_size=page_size, row_tiles=cfg.row_tiles, features=features, threads=cfg.num_threads,
+                              ctas=cfg.ctas_per_sm, census=census.ptx_census(ptx), **counts, **res)), flush=True)
+    """
+)
+
+
+def test_swapped_fp8_decoder_builds_compile():
+    """The swapped fp8-cache decoder (kvcache/swapped.py; an fp8 cache, d128, <= 16 rows): paged causal at 4 rows
+    and dense, windowed, split, packed at 12 rows (two row tiles), and with soft-capping and sinks (the
+    `kvcache_features` entry: one tanh per score of a thread's 2 m-tiles x 4 values). Spill-free at two CTAs per
+    SM; per 128-key stage and consumer warp (32 keys, 2 m-tiles): 8 k-blocks of K·Qᵀ and 8 d-tiles of Vᵀ·Pᵀ per
+    m-tile and row tile, no wgmma; one exact cvt per two e4m3 values (32 keys x 128 d x K and V / 32 lanes / 2),
+    one byte permute per two V cvts, one movmatrix per 8 x 8 block of P, and the stage read in 16-byte loads (8 of
+    K, 8 of V per stage)."""
+    done = subprocess.run([sys.executable, "-c", _SWAPPED_CENSUS], cwd=REPO, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [(r["page_size"], r["row_tiles"], r["features"]) for r in reports] == [(16, 1, False), (0, 2, False),
+                                                                                  (16, 1, True)]  # fmt: skip
+    for r in reports:
+        c, rt = r["census"], r["row_tiles"]
+        assert r["spill_bytes"] == 0 and r["registers"] * r["threads"] * r["ctas"] <= 65536, r
+        assert c["mma.sync"] == 2 * (8 + 8) * rt and c["wgmma.mma_async"] == 0 and c["setmaxnreg"] == 0, r
+        assert r["cvt.rn.f16x2.e4m3x2"] == 32 * 128 * 2 // 32 // 2 and r["prmt.b32"] == 2 * 8 * 2, r
+        assert r["movmatrix"] == 2 * 2 * rt and r["ld.shared.v4.b32"] >= 8 + 8, r  # (the epilogue reads v4 too)
+        assert r["tanh.approx.f32"] == (2 * 4 * rt if r["features"] else 0), r
+        # The K / V tiles (128 keys, one 128-byte e4m3 row each): 4 load sites x boxes.
+        assert c["cp.async.bulk.tensor"] == 4 * (128 // chunk_rows(r["page_size"], 128)), r

@@ -307,6 +307,70 @@ def test_fp8_cache_other_tiles(case):
     _check(cache, t, problem, seqlens_q)
 
 
+def _swapped(problem) -> bool:
+    from cute_flash.arch.sm90.kvcache.tile_config import SwappedTileConfig, kvcache_tile_config, problem_rows
+
+    return isinstance(kvcache_tile_config(problem.spec, problem_rows(problem)), SwappedTileConfig)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("page_size", [8, 16, 64, 128, 256, 0], ids=lambda p: f"page{p}" if p else "dense")
+def test_fp8_cache_swapped_decoder_page_sizes_and_lengths(page_size, splits):
+    """The swapped decoder (an fp8 cache at d128, <= 16 rows: kvcache/swapped.py): lengths 0, 1, at and either side
+    of page boundaries, NaN in every row past them (masked keys, zeroed V rows)."""
+    cache = Cache(_lengths(page_size), page_size, 2, 128, torch.bfloat16, seed=41 + page_size + splits, fp8=True)
+    t, problem = _run(cache, [1], 8, splits=splits, seed=page_size)
+    assert _swapped(problem)
+    _check(cache, t, problem, [1])
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("sq", [1, 3])
+@pytest.mark.parametrize("mask", WINDOWS, ids=lambda m: f"causal{m[1]}" if m[0] else f"window{m[1]}")
+def test_fp8_cache_swapped_decoder_masks(mask, sq, splits):
+    """Causal and windows (negative bounds too) in the swapped decoder: 4 rows (one token) and 12 (three: two row
+    tiles, each row's token its own diagonal)."""
+    causal, window = mask
+    cache = Cache([3, 129, 1000, 2047], 16, 2, 128, torch.bfloat16, seed=splits + 5 * sq, fp8=True)
+    t, problem = _run(cache, [sq], 8, causal=causal, window=window, splits=splits, seed=7 + sq)
+    assert _swapped(problem)
+    _check(cache, t, problem, [sq])
+
+
+@pytest.mark.parametrize("group, sq", [(1, 1), (2, 1), (8, 1), (16, 1), (8, 2), (1, 16), (5, 3)])
+def test_fp8_cache_swapped_decoder_groups(group, sq):
+    """Query heads per KV head x tokens from 1 to 16 rows (odd ones too), causal, split."""
+    cache = Cache([5, 300, 1000, 64], 16, 2, 128, torch.bfloat16, seed=group * 10 + sq, fp8=True)
+    t, problem = _run(cache, [sq], 2 * group, causal=True, splits=2, seed=sq)
+    assert _swapped(problem)
+    _check(cache, t, problem, [sq])
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("page_size", [16, 0], ids=["page16", "dense"])
+def test_fp8_cache_swapped_decoder_packed_queries(page_size, splits):
+    """q (total_q, h, d) with cu_seqlens_q through the swapped decoder: up to 4 tokens x 4 heads, a sequence
+    without queries; fp16 q too."""
+    seqlens_q = [1, 3, 0, 4, 2]
+    cache = Cache([17, 500, 40, 1500, 6], page_size, 2, 128, torch.bfloat16, seed=13, fp8=True)
+    for dtype in (torch.bfloat16, torch.float16):
+        t, problem = _run(cache, seqlens_q, 8, packed=True, causal=True, splits=splits, seed=6, dtype=dtype)
+        assert _swapped(problem)
+        _check(cache, t, problem, seqlens_q)
+
+
+def test_fp8_cache_swapped_decoder_many_short_walks():
+    """A grid of at least one CTA per SM with short caches runs the two-CTA form (tile_config.SWAPPED_SHORT_WALKS):
+    70 sequences x 2 KV heads of 0-1500 keys, paged."""
+    from cute_flash.arch.sm90.kvcache.tile_config import SWAPPED_SHORT_WALKS, problem_tile_config
+
+    lengths = torch.randint(0, 1500, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    cache = Cache(lengths, 16, 2, 128, torch.bfloat16, seed=47, fp8=True)
+    t, problem = _run(cache, [1], 8, causal=True, seed=47)
+    assert problem_tile_config(problem, compile_cache.sm_count(t.q.device)) == SWAPPED_SHORT_WALKS
+    _check(cache, t, problem, [1])
+
+
 def test_one_long_sequence_with_the_backends_splits():
     """Batch 1 x 32k keys, GQA 32 / 8: the split count kvcache_splits chooses for this GPU."""
     cache = Cache([32768], 128, 8, 128, torch.bfloat16, seed=1)

@@ -145,10 +145,11 @@ def add_values(a, b):
     return a + b
 
 
-def lane_group_reduce(value: Float32, op, threads_per_row: int) -> Float32:
+def lane_group_reduce(value: Float32, op, threads_per_row: int, lane_stride: int = 1) -> Float32:
+    """op over the `threads_per_row` lanes that share a row: lanes whose ids differ in multiples of lane_stride."""
     offset = threads_per_row // 2
     while offset > 0:
-        value = op(value, cute.arch.shuffle_sync_bfly(value, offset=offset))
+        value = op(value, cute.arch.shuffle_sync_bfly(value, offset=offset * lane_stride))
         offset //= 2
     return value
 
@@ -172,10 +173,17 @@ class OnlineSoftmax:
     # exponentials run while that wgmma is still in flight, as in FA4's build. Timed against the 4-chain build
     # (H200, 2026-11-26): within the noise (d128 1k -0.5 / 0.0% no mask / causal, three runs).
     sequential_sum: bool = False
+    # Lanes of a row differ by multiples of this (1: the neighbouring lanes above; the swapped decoder's Sᵀ tiles,
+    # keys on rows, hold a query row in the 8 lanes of one lane % 4: threads_per_row 8, lane_stride 4).
+    lane_stride: int = 1
 
     @staticmethod
     def create(
-        scale_log2: Float32, num_rows: int, threads_per_row: int = 4, sequential_sum: bool = False
+        scale_log2: Float32,
+        num_rows: int,
+        threads_per_row: int = 4,
+        sequential_sum: bool = False,
+        lane_stride: int = 1,
     ) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor(num_rows, Float32)
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
@@ -183,8 +191,9 @@ class OnlineSoftmax:
         row_sum.fill(0.0)
         scale_log2 = clamp_scale_log2(scale_log2)
         return OnlineSoftmax(
-            scale_log2, max_limit_bits(scale_log2), num_rows, threads_per_row, row_max, row_sum, sequential_sum
-        )
+            scale_log2, max_limit_bits(scale_log2), num_rows, threads_per_row, row_max, row_sum, sequential_sum,
+            lane_stride,
+        )  # fmt: skip
 
     @cute.jit
     def update(self, acc_rc: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
@@ -198,7 +207,7 @@ class OnlineSoftmax:
             row = acc_rc[r, None]
             prev_max = self.row_max[r]
             new_max = tree_reduce(row, cute.arch.fmax, None if cutlass.const_expr(is_first) else prev_max)
-            new_max = lane_group_reduce(new_max, cute.arch.fmax, self.threads_per_row)
+            new_max = lane_group_reduce(new_max, cute.arch.fmax, self.threads_per_row, self.lane_stride)
             self.row_max[r] = new_max
             # A row with no visible key so far keeps max -inf; subtract 0 instead so P = exp2(-inf) = 0.
             safe_max = 0.0 if new_max == -Float32.inf else new_max
@@ -236,7 +245,7 @@ class OnlineSoftmax:
         row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
         lse = cute.make_rmem_tensor(self.num_rows, Float32)
         for r in cutlass.range_constexpr(self.num_rows):
-            total = lane_group_reduce(self.row_sum[r], add_values, self.threads_per_row)
+            total = lane_group_reduce(self.row_sum[r], add_values, self.threads_per_row, self.lane_stride)
             if cutlass.const_expr(sinks_log2 is None):
                 empty = total == 0.0
                 row_scale[r] = 0.0 if empty else cute.arch.rcp_approx(total)

@@ -113,6 +113,7 @@ def compile_forward_kvcache(
     window_right, softcap, sink) with sink the (h,) fp32 logits (None without spec.sink, and for `split`: the
     partials leave the sink to the combine)."""
     from .kvcache.flash_fwd import Sm90FlashForwardKvCache
+    from .kvcache.tile_config import SwappedTileConfig
 
     dtype = dsl_dtype(spec.dtype)
     d, dv = spec.head_dim, spec.head_dim_v
@@ -137,7 +138,12 @@ def compile_forward_kvcache(
     seqlens_k = fake_cu_seqlens(batch)
     cu_seqlens_q = fake_cu_seqlens(cute.sym_int()) if packed_q else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    kernel = Sm90FlashForwardKvCache(spec, cfg, split_kv=split, packed_q=packed_q)
+    if isinstance(cfg, SwappedTileConfig):
+        from .kvcache.swapped import Sm90KvCacheSwapped
+
+        kernel = Sm90KvCacheSwapped(spec, cfg, split_kv=split, packed_q=packed_q)
+    else:
+        kernel = Sm90FlashForwardKvCache(spec, cfg, split_kv=split, packed_q=packed_q)
     options = compile_cache.compile_options(target, extra=extra_options or "")
     scalars = cutlass.Int32(1), cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0)
     args = (q, k, v, out, lse, seqlens_k, page_table, cu_seqlens_q, *descales, *scalars)

@@ -45,7 +45,6 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 import cutlass.utils.hopper_helpers as sm90_utils
 
-from ....common.block_info import BlockInfo, split_kv_range
 from ....spec import AttentionSpec
 from ..cta import CtaWork
 from ..flash_fwd import SMEM_ALIGN, Sm90FlashForward, one_stage
@@ -57,6 +56,7 @@ from .epilogue import store_lse_rows, store_o_rows, store_partial_o_rows
 from .loads import cache_tiles, load_cache_tiles, load_q_rows, load_q_rows_as_fp16
 from .tile_config import KvCacheTileConfig, chunk_rows
 from .views import cache_view, gqa_rows_view, gqa_sink_view, gqa_stats_view
+from .work import kvcache_cta_work
 
 
 class Sm90FlashForwardKvCache(Sm90FlashForward):
@@ -352,37 +352,11 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
     def kvcache_work(
         self, mQ, mSeqlensK, mCuSeqlensQ, capacity: Int32, window_left: Int32, window_right: Int32
     ) -> CtaWork:
-        """This CTA's rows and key tiles; its sequence's length clamped into [0, capacity] (and packed q's rows into
-        [0, total_q))."""
-        bidx, head_kv, z = cute.arch.block_idx()
-        num_seqs = mSeqlensK.shape[0]
-        batch, split = z, Int32(0)
-        if const_expr(self.split_kv):
-            split = z // num_seqs
-            batch = z - split * num_seqs
-        m_block = bidx
-        if const_expr(self.causal):  # the rows with the most keys first
-            m_block = cute.arch.grid_dim()[0] - 1 - bidx
-        group = mQ.shape[0][0]
-        seqlen_q, offset_q = mQ.shape[0][1], Int32(0)
-        out_batch = z if const_expr(self.split_kv) else batch
-        if const_expr(self.packed_q):
-            # cu_seqlens_q is not checked on the host (it would need its values): the sequence's rows are clamped into
-            # [0, total_q), so that no value makes the kernel read q or write out / lse outside their rows.
-            total_q = seqlen_q
-            offset_q = cutlass.min(cutlass.max(mCuSeqlensQ[batch], 0), total_q)
-            seqlen_q = cutlass.min(cutlass.max(mCuSeqlensQ[batch + 1], offset_q), total_q) - offset_q
-            out_batch = split
-        seqlen_k = cutlass.max(cutlass.min(mSeqlensK[batch], capacity), 0)
-        info = BlockInfo(
-            self.tile_m, self.tile_n, self.mask_kind, seqlen_q, seqlen_k, window_left, window_right,
-            rows_per_query=group,
+        """This CTA's rows and key tiles (work.kvcache_cta_work)."""
+        return kvcache_cta_work(
+            mQ, mSeqlensK, mCuSeqlensQ, capacity, window_left, window_right, self.tile_m, self.tile_n,
+            self.mask_kind, self.packed_q, self.split_kv,
         )  # fmt: skip
-        n_min, n_max = info.kv_block_range(m_block)
-        if const_expr(self.split_kv):
-            n_min, n_max = split_kv_range(n_min, n_max, split, cute.arch.grid_dim()[2] // num_seqs)
-        rows = seqlen_q * group
-        return CtaWork(m_block, head_kv, head_kv, batch, rows, info, n_min, n_max, offset_q * group, None, out_batch)
 
     @cute.jit
     def roles_kvcache(

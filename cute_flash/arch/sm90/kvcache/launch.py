@@ -28,16 +28,15 @@ from ....spec import AttentionSpec
 from ....validation import MAX_GRID_YZ, KvCacheProblem
 from ...base import KernelArtifact, KvCacheTensors
 from ... import split_kv
-from ..tile_config import smem_bytes
 from . import tile_config as kv_tiles
-from .tile_config import KvCacheTileConfig, kvcache_configs, problem_rows
+from .tile_config import AnyKvCacheConfig, kvcache_configs
 
 FAMILY = "sm90"
 
 _kernels = compile_cache.memo()  # (spec, target, cfg, packed_q, split) -> compiled kernel
 
 
-def kvcache_kernel(spec: AttentionSpec, cfg: KvCacheTileConfig, target: str, packed_q: bool, split: bool, extra=""):
+def kvcache_kernel(spec: AttentionSpec, cfg: AnyKvCacheConfig, target: str, packed_q: bool, split: bool, extra=""):
     """The compiled KV-cache forward (build.compile_forward_kvcache's calling convention)."""
     memo_key = (spec, target, cfg, packed_q, split)
     kernel = _kernels.get(memo_key) if not extra else None
@@ -65,7 +64,8 @@ class KvCacheLauncher:
         p = self.problem = problem
         spec = p.spec
         self.packed = p.packed_q
-        cfg = kv_tiles.kvcache_tile_config(spec, problem_rows(p))  # (through the module: a study may replace it)
+        # (through the module: a study may replace kvcache_tile_config)
+        cfg = kv_tiles.problem_tile_config(p, compile_cache.sm_count(device))
         target = compile_cache.runtime_target(device)
         num_splits = min(num_splits, MAX_GRID_YZ // max(p.batch, 1))  # grid z = splits x b (changes speed only)
         self.split = num_splits > 1
@@ -134,6 +134,6 @@ def compile_kvcache_artifacts(spec: AttentionSpec, target: str) -> List[KernelAr
     cfg = kvcache_configs(spec)[0]
     with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_kvcache_") as dump:
         compiled = kvcache_kernel(spec, cfg, target, False, False, compile_cache.keep_artifacts_options(dump))
-        config = {**cfg.as_dict(), "shared_bytes": smem_bytes(cfg, spec.head_dim, spec.head_dim_v)}
+        config = {**cfg.as_dict(), "shared_bytes": kv_tiles.kvcache_smem_bytes(cfg, spec.head_dim, spec.head_dim_v)}
         config["threads"] = cfg.num_threads
         return [KernelArtifact("fwd_kvcache", compiled.artifacts.PTX, compiled.artifacts.CUBIN, config)]

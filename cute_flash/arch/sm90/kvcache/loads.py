@@ -201,6 +201,14 @@ def load_q_rows(
         cute.arch.mbarrier_arrive(q_ring.producer_get_barrier(producer_state(1)))
 
 
+def fp16_exponent(amax: Float32) -> Int32:
+    """E, the biased exponent of the largest |q| of a tile (at least 15), for bf16 queries put into fp16 GEMMs: the
+    rows are scaled by 2^(268 - E) = 2^(14 - e) (the largest value lands in [2^14, 2^15)) and the scores by the
+    inverse 2^(E - 14 - 127). Both factors are normal floats for E in [15, 255] (smaller E: zero or tiny rows, a
+    factor of 2^126 cannot overflow them; 255: inf / NaN stay so)."""
+    return cutlass.max((float_bits(amax) >> 23) & 0xFF, 15)
+
+
 @cute.jit
 def load_q_rows_as_fp16(
     q_ring,
@@ -231,9 +239,7 @@ def load_q_rows_as_fp16(
                     amax = cute.arch.fmax(amax, abs(r[i].to(Float32)))
     for offset in (16, 8, 4, 2, 1):
         amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset))
-    # E: amax's biased exponent; the factor 2^(141 - E) and its inverse 2^(E - 141) are normal floats for E in
-    # [15, 255] (smaller E: zero or tiny rows, a factor of 2^126 cannot overflow them; 255: inf / NaN stay so).
-    e = cutlass.max((float_bits(amax) >> 23) & 0xFF, 15)
+    e = fp16_exponent(amax)
     scale = bits_float((127 + 127 + 14 - e) << 23)
     for p in cutlass.range_constexpr(tile_m // 32):
         row = p * 32 + lane

@@ -38,8 +38,8 @@ well as any count up to the cap does
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Optional
+from dataclasses import asdict, dataclass, replace
+from typing import Optional, Union
 
 from ....common.block_info import BlockInfo
 from ....spec import AttentionSpec
@@ -109,9 +109,72 @@ _FP8_DECODE_BY_HEAD_DIM = {
 _FP8_MORE_ROWS_BY_HEAD_DIM = {128: _config(FwdTileConfig(2, 128, 2, consumer_regs=232, producer_regs=40), 1, 2)}
 
 
-def kvcache_tile_config(spec: AttentionSpec, rows: int) -> KvCacheTileConfig:
+SWAPPED_ROWS_PER_TILE = 8  # n of the swapped decoder's m16n8k16 tiles: query rows per row tile
+SWAPPED_MAX_ROW_TILES = 2  # its O accumulators take 32 registers per row tile
+
+
+@dataclass(frozen=True)
+class SwappedTileConfig:
+    """The swapped fp8-cache decoder (swapped.py): one producer warp, `consumer_warps` warps that each take
+    tile_n / consumer_warps keys of every stage, 8 x row_tiles query rows.
+
+    d128, the numbers (H200): a stage of 128 keys is 32 KiB of e4m3 K + V; four stages, one CTA per SM: 128 KiB in
+    flight per SM (Little's law wants 55-73 KiB under load, this module's docstring) in 129 KiB of shared memory. A
+    warp's 32 keys per stage cost 16 mma.sync (2 x 8 for Sᵀ = K·Qᵀ, 2 x 8 for Oᵀ = Vᵀ·Pᵀ), 64 conversions per
+    thread and 16 byte permutes: against ~1700 cycles of memory time per stage and SM (32 KiB at ~19 bytes per
+    cycle) the four consumer warps are far from busy. Measured (H200, 2026-12-03, profiling/kvcache_configs.py;
+    docs/performance.md): 1.8-2.0x the bf16 cache's speed from batch 8 x 8k on; three stages with two CTAs per SM
+    1-3% slower there and 1.5x slower at batch 1 (twice the splits), 64-key tiles or eight warps no faster. Grids
+    of many short walks take SWAPPED_SHORT_WALKS instead (`problem_tile_config`)."""
+
+    tile_n: int = 128
+    num_stages: int = 4
+    consumer_warps: int = 4
+    row_tiles: int = 1
+    ctas_per_sm: int = 1
+
+    @property
+    def tile_m(self) -> int:
+        return SWAPPED_ROWS_PER_TILE * self.row_tiles
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * (1 + self.consumer_warps)
+
+    def as_dict(self) -> dict:
+        return {"tile_m": self.tile_m, "swapped": True, **asdict(self)}
+
+
+AnyKvCacheConfig = Union[KvCacheTileConfig, SwappedTileConfig]
+
+# Grids of many short walks (at least one CTA per SM unsplit, at most 32 key tiles = 4k keys each): every CTA starts
+# with dependent round trips (its length, page-table entries, first tile) that one CTA per SM leaves exposed; two CTAs
+# of three stages per SM overlap them. H200, 2026-12-03: 64 x 1k 35.9 against 39.0 µs (page 16: 38.0 / 44.0), 256 x
+# 1k page 16 132.6 against 170.7; at 8k keys within 1-2% either way, at batch <= 8 or 32k keys 2-50% slower.
+SWAPPED_SHORT_WALKS = SwappedTileConfig(num_stages=3, ctas_per_sm=2)
+SWAPPED_SHORT_WALK_TILES = 32
+
+
+def swapped_serves(spec: AttentionSpec, rows: int) -> bool:
+    """Whether the swapped decoder runs calls of `spec` with at most `rows` packed rows: an fp8 cache at d128, 16
+    rows at most."""
+    return (
+        spec.kv_fp8
+        and spec.head_dim == spec.head_dim_v == 128
+        and rows <= SWAPPED_ROWS_PER_TILE * SWAPPED_MAX_ROW_TILES
+    )
+
+
+def swapped_smem_bytes(cfg: SwappedTileConfig, head_dim: int, head_dim_v: int) -> int:
+    """The e4m3 K and V stages and their barriers (the cross-warp combine reuses the K stages)."""
+    return cfg.num_stages * cfg.tile_n * (head_dim + head_dim_v) + 1024 + 4 * 8 * cfg.num_stages
+
+
+def kvcache_tile_config(spec: AttentionSpec, rows: int) -> AnyKvCacheConfig:
     """The configuration for calls of `spec` whose sequences have at most `rows` packed rows (query tokens x group;
     a host-side bound, KvCacheProblem.seqlen_q x group)."""
+    if swapped_serves(spec, rows):
+        return SwappedTileConfig(row_tiles=max(1, -(-rows // SWAPPED_ROWS_PER_TILE)))
     if spec.kv_fp8:
         if rows > ROWS_PER_CONSUMER and spec.head_dim in _FP8_MORE_ROWS_BY_HEAD_DIM:
             return _FP8_MORE_ROWS_BY_HEAD_DIM[spec.head_dim]
@@ -121,18 +184,40 @@ def kvcache_tile_config(spec: AttentionSpec, rows: int) -> KvCacheTileConfig:
     return _config(replace(fwd_tile_config(replace(spec, kvcache=False, page_size=0)), cluster_m=1), 1)
 
 
-def kvcache_smem_bytes(cfg: KvCacheTileConfig, head_dim: int, head_dim_v: int) -> int:
+def problem_tile_config(problem: KvCacheProblem, sm_count: int) -> AnyKvCacheConfig:
+    """The configuration a call of `problem` runs on a GPU of `sm_count` SMs (host shapes only): kvcache_tile_config's,
+    or for the swapped decoder's grids of many short walks SWAPPED_SHORT_WALKS (with the same row tiles)."""
+    p = problem
+    rows = problem_rows(p)
+    cfg = kvcache_tile_config(p.spec, rows)
+    if isinstance(cfg, SwappedTileConfig) and cfg == SwappedTileConfig(row_tiles=cfg.row_tiles):
+        ctas = p.batch * p.nheads_kv * -(-rows // cfg.tile_m)
+        if sm_count > 0 and ctas >= sm_count and -(-p.max_seqlen_k // cfg.tile_n) <= SWAPPED_SHORT_WALK_TILES:
+            return replace(SWAPPED_SHORT_WALKS, row_tiles=cfg.row_tiles)
+    return cfg
+
+
+def kvcache_smem_bytes(cfg: AnyKvCacheConfig, head_dim: int, head_dim_v: int) -> int:
     """The forward's shared memory (Q / O slots, 16-bit K / V stages) and the e4m3 stages of an fp8 cache."""
+    if isinstance(cfg, SwappedTileConfig):
+        return swapped_smem_bytes(cfg, head_dim, head_dim_v)
     return smem_bytes(cfg, head_dim, head_dim_v) + cfg.fp8_stages * cfg.tile_n * (head_dim + head_dim_v)
 
 
 def kvcache_configs(spec: AttentionSpec) -> tuple:
-    """Every configuration calls of `spec` may run (decoding, more rows: one where they coincide)."""
-    return tuple(dict.fromkeys((kvcache_tile_config(spec, 1), kvcache_tile_config(spec, ROWS_PER_CONSUMER + 1))))
+    """Every configuration calls of `spec` may run (decoding, more rows: one where they coincide; the swapped
+    decoder's short-walk form)."""
+    bounds = (1, SWAPPED_ROWS_PER_TILE + 1, ROWS_PER_CONSUMER + 1)
+    configs = [kvcache_tile_config(spec, rows) for rows in bounds]
+    short = [replace(SWAPPED_SHORT_WALKS, row_tiles=c.row_tiles) for c in configs if isinstance(c, SwappedTileConfig)]
+    return tuple(dict.fromkeys(configs + short))
 
 
-def residency_problem(cfg: KvCacheTileConfig, head_dim: int, head_dim_v: int) -> Optional[str]:
+def residency_problem(cfg: AnyKvCacheConfig, head_dim: int, head_dim_v: int) -> Optional[str]:
     """Why `cfg.ctas_per_sm` CTAs do not fit one SM's registers and shared memory, or None."""
+    if isinstance(cfg, SwappedTileConfig):  # (registers: the compile census checks them, ~100 per thread)
+        smem = (swapped_smem_bytes(cfg, head_dim, head_dim_v) + SMEM_SYSTEM_BYTES_PER_CTA) * cfg.ctas_per_sm
+        return None if smem <= SMEM_PER_SM_BYTES else f"{cfg.ctas_per_sm} CTAs need {smem} B of shared memory per SM"
     threads = WARPGROUP_THREADS
     regs = (cfg.consumer_regs * cfg.num_consumer_wgs + cfg.producer_regs) * threads * cfg.ctas_per_sm
     if regs > REGISTERS_PER_SM:
@@ -164,9 +249,9 @@ def kvcache_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
             f"multiple of {PAGE_ROW_MULTIPLE}, got {spec.page_size}"
         )
     for cfg in kvcache_configs(spec):
-        problem = budget_problem(cfg, spec.head_dim, spec.head_dim_v) or residency_problem(
-            cfg, spec.head_dim, spec.head_dim_v
-        )
+        problem = residency_problem(cfg, spec.head_dim, spec.head_dim_v)
+        if isinstance(cfg, KvCacheTileConfig):
+            problem = budget_problem(cfg, spec.head_dim, spec.head_dim_v) or problem
         if problem is not None:
             return problem
     return None
@@ -196,7 +281,7 @@ def kvcache_splits(problem: KvCacheProblem, sm_count: int) -> int:
     longest sequence, the cache's capacity max_seqlen_k and the mask bound the key tiles a query tile walks."""
     p = problem
     rows = problem_rows(p)
-    cfg = kvcache_tile_config(p.spec, rows)
+    cfg = problem_tile_config(p, sm_count)
     row_tiles = -(-rows // cfg.tile_m)
     ctas = p.batch * p.nheads_kv * row_tiles
     if ctas == 0 or sm_count <= 0:
