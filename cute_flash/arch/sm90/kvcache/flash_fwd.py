@@ -37,7 +37,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
@@ -52,6 +51,7 @@ from ..tile_config import ROWS_PER_CONSUMER, WARPGROUP_THREADS
 from .. import wgmma
 from ..pipelines import WARP_THREADS, LoadPipelines, consumer_state, consumer_wait
 from .convert import CONVERTER_WARPS, FIRST_CONVERTER_WARP, FP8, Staging, convert_cache_tiles, converting_ring
+from .entries import KvCacheEntries
 from .epilogue import store_lse_rows, store_o_rows, store_partial_o_rows
 from .loads import cache_tiles, load_cache_tiles, load_q_rows, load_q_rows_as_fp16
 from .tile_config import KvCacheTileConfig, chunk_rows
@@ -59,7 +59,7 @@ from .views import cache_view, gqa_rows_view, gqa_sink_view, gqa_stats_view
 from .work import kvcache_cta_work
 
 
-class Sm90FlashForwardKvCache(Sm90FlashForward):
+class Sm90FlashForwardKvCache(KvCacheEntries, Sm90FlashForward):
     """Compiled once per (spec: dtype, head dims, mask kind, page size, fp8 cache; tile config; dense or packed q;
     split or not); shapes, strides, lengths, page tables, descales and the split count are runtime.
 
@@ -88,57 +88,6 @@ class Sm90FlashForwardKvCache(Sm90FlashForward):
         if self.v_by_consumers:
             assert spec.kv_fp8 and cfg.fp8_stages == cfg.num_stages and cfg.num_consumer_wgs == 1, cfg
             self.v_tail_dirty = False  # the converting ring zeroes the first V tile's rows past the sequence
-
-    @cute.jit
-    def kvcache(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mSeqlensK: cute.Tensor,
-        mPageTable,  # Optional[cute.Tensor]
-        mCuSeqlensQ,  # Optional[cute.Tensor]
-        mKDescale,  # Optional[cute.Tensor] (b, h_kv) fp32
-        mVDescale,  # Optional[cute.Tensor] (b, h_kv) fp32
-        max_seqlen_q: Int32,
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        stream: cuda.CUstream,
-    ):
-        self._launch_kvcache(
-            mQ, mK, mV, mO, mLSE, mSeqlensK, mPageTable, mCuSeqlensQ, mKDescale, mVDescale, max_seqlen_q,
-            softmax_scale, window_left, window_right, stream,
-        )  # fmt: skip
-
-    @cute.jit
-    def kvcache_features(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mSeqlensK: cute.Tensor,
-        mPageTable,
-        mCuSeqlensQ,
-        mKDescale,
-        mVDescale,
-        max_seqlen_q: Int32,
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        softcap: Float32,  # spec.softcap: the cap (> 0; 0.0 when unused)
-        mSink,  # Optional[cute.Tensor]: spec.sink, unsplit: the (h,) fp32 sink logits (split builds: None)
-        stream: cuda.CUstream,
-    ):
-        """The entry of builds for spec.softcap / spec.sink (`kvcache`'s arguments, then softcap and the sink)."""
-        self._launch_kvcache(
-            mQ, mK, mV, mO, mLSE, mSeqlensK, mPageTable, mCuSeqlensQ, mKDescale, mVDescale, max_seqlen_q,
-            softmax_scale, window_left, window_right, stream, features=(softcap, mSink),
-        )  # fmt: skip
 
     @cute.jit
     def _launch_kvcache(

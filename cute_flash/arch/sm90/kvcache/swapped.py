@@ -38,7 +38,6 @@ sink folded into each row's denominator when the warps' states are merged (split
 
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
@@ -55,6 +54,7 @@ from ..cta import CtaWork
 from ..flash_fwd import SMEM_ALIGN, one_stage
 from ..pipelines import consumer_state, consumer_wait
 from .convert import FP8
+from .entries import KvCacheEntries
 from .loads import cache_tiles, fp16_exponent, load_cache_tiles
 from .tile_config import SWAPPED_ROWS_PER_TILE, SwappedTileConfig, chunk_rows
 from .views import cache_view, gqa_rows_view, gqa_sink_view, gqa_stats_view
@@ -68,7 +68,7 @@ COMBINE_BARRIER = 1  # named barrier of the consumer warps (0 is __syncthreads)
 PAIR_LOW_BYTES, PAIR_HIGH_BYTES = 0x5140, 0x7362
 
 
-class Sm90KvCacheSwapped:
+class Sm90KvCacheSwapped(KvCacheEntries):
     """Compiled once per (spec: q dtype, mask kind, page size; tile config; dense or packed q; split or not); the
     `kvcache` entry and its tensors are the wgmma kernel's (flash_fwd.Sm90FlashForwardKvCache.kvcache)."""
 
@@ -98,58 +98,7 @@ class Sm90KvCacheSwapped:
         assert 4 * self.warps * self.tile_m * (HEAD_DIM + 2) <= self.num_stages * self.stage_bytes, cfg
 
     @cute.jit
-    def kvcache(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mSeqlensK: cute.Tensor,
-        mPageTable,  # Optional[cute.Tensor]
-        mCuSeqlensQ,  # Optional[cute.Tensor]
-        mKDescale: cute.Tensor,  # (b, h_kv) fp32
-        mVDescale: cute.Tensor,
-        max_seqlen_q: Int32,
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        stream: cuda.CUstream,
-    ):
-        self._launch(
-            mQ, mK, mV, mO, mLSE, mSeqlensK, mPageTable, mCuSeqlensQ, mKDescale, mVDescale, max_seqlen_q,
-            softmax_scale, window_left, window_right, stream,
-        )  # fmt: skip
-
-    @cute.jit
-    def kvcache_features(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mSeqlensK: cute.Tensor,
-        mPageTable,
-        mCuSeqlensQ,
-        mKDescale: cute.Tensor,
-        mVDescale: cute.Tensor,
-        max_seqlen_q: Int32,
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        softcap: Float32,  # spec.softcap: the cap (> 0; 0.0 when unused)
-        mSink,  # Optional[cute.Tensor]: spec.sink, unsplit: the (h,) fp32 sink logits (split builds: None)
-        stream: cuda.CUstream,
-    ):
-        """The entry of builds for spec.softcap / spec.sink (`kvcache`'s arguments, then softcap and the sink)."""
-        self._launch(
-            mQ, mK, mV, mO, mLSE, mSeqlensK, mPageTable, mCuSeqlensQ, mKDescale, mVDescale, max_seqlen_q,
-            softmax_scale, window_left, window_right, stream, features=(softcap, mSink),
-        )  # fmt: skip
-
-    @cute.jit
-    def _launch(
+    def _launch_kvcache(
         self, mQ, mK, mV, mO, mLSE, mSeqlensK, mPageTable, mCuSeqlensQ, mKDescale, mVDescale, max_seqlen_q,
         softmax_scale, window_left, window_right, stream, features=None,
     ):  # fmt: skip
