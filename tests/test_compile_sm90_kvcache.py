@@ -270,3 +270,17 @@ def test_swapped_fp8_decoder_builds_compile():
         assert r["tanh.approx.f32"] == (2 * 4 * rt if r["features"] else 0), r
         # The K / V tiles (128 keys, one 128-byte e4m3 row each): 4 load sites x boxes.
         assert c["cp.async.bulk.tensor"] == 4 * (128 // chunk_rows(r["page_size"], 128)), r
+
+
+def test_every_config_a_call_runs_is_warmed():
+    """problem_tile_config's choices for fp8 d128 at 1-64 rows (swapped, its short-walk form, the wgmma tile) are all
+    in kvcache_configs (what warmup builds and the backend checks)."""
+    from dataclasses import replace
+
+    from cute_flash.arch.sm90.kvcache.tile_config import kvcache_configs, problem_tile_config
+
+    for batch, context in ((1, 32768), (64, 1024)):
+        for sq in (1, 3, 5, 16, 17):
+            p = _problem(batch, context, sq=sq)
+            p = replace(p, spec=replace(p.spec, kv_fp8=True))
+            assert problem_tile_config(p, 132) in kvcache_configs(p.spec), (batch, context, sq)

@@ -207,7 +207,7 @@ def kvcache_smem_bytes(cfg: AnyKvCacheConfig, head_dim: int, head_dim_v: int) ->
 def kvcache_configs(spec: AttentionSpec) -> tuple:
     """Every configuration calls of `spec` may run (decoding, more rows: one where they coincide; the swapped
     decoder's short-walk form)."""
-    bounds = (1, SWAPPED_ROWS_PER_TILE + 1, ROWS_PER_CONSUMER + 1)
+    bounds = (1, SWAPPED_ROWS_PER_TILE + 1, SWAPPED_ROWS_PER_TILE * SWAPPED_MAX_ROW_TILES + 1, ROWS_PER_CONSUMER + 1)
     configs = [kvcache_tile_config(spec, rows) for rows in bounds]
     short = [replace(SWAPPED_SHORT_WALKS, row_tiles=c.row_tiles) for c in configs if isinstance(c, SwappedTileConfig)]
     return tuple(dict.fromkeys(configs + short))
@@ -215,7 +215,7 @@ def kvcache_configs(spec: AttentionSpec) -> tuple:
 
 def residency_problem(cfg: AnyKvCacheConfig, head_dim: int, head_dim_v: int) -> Optional[str]:
     """Why `cfg.ctas_per_sm` CTAs do not fit one SM's registers and shared memory, or None."""
-    if isinstance(cfg, SwappedTileConfig):  # (registers: the compile census checks them, ~100 per thread)
+    if isinstance(cfg, SwappedTileConfig):  # (registers: the compile census checks them, 150-220 per thread)
         smem = (swapped_smem_bytes(cfg, head_dim, head_dim_v) + SMEM_SYSTEM_BYTES_PER_CTA) * cfg.ctas_per_sm
         return None if smem <= SMEM_PER_SM_BYTES else f"{cfg.ctas_per_sm} CTAs need {smem} B of shared memory per SM"
     threads = WARPGROUP_THREADS
