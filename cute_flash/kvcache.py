@@ -20,6 +20,7 @@ import torch
 from . import compile_cache
 from .core import device as gpu
 from .arch import ARCH_ENV_VAR
+from .arch import split_kv
 from .arch.base import KvCacheTensors
 from .spec import op_window_bound
 from .validation import ALIGN_BYTES, KvCacheArgs, KvCacheProblem, validate_kvcache
@@ -105,7 +106,7 @@ def _make_plan(args: KvCacheArgs, max_seqlen_q, causal, softmax_scale, window_si
     )  # fmt: skip
     device = args.q.device
     backend = gpu.route(problem.spec, args.q, backward=False)
-    splits = num_splits or max(1, backend.kvcache_splits(problem, compile_cache.sm_count(device)))
+    splits = num_splits or split_kv.auto_kvcache_splits(backend, problem, compile_cache.sm_count(device))
     return _Plan(problem, backend, splits, _append_kernel(args, problem, device), device)
 
 

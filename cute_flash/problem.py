@@ -92,6 +92,11 @@ class VarlenProblem:
 # The most CTAs that may share one query tile's keys in the KV-cache forward (batch 1 under MQA: 128 CTAs of a few
 # key tiles each keep 128 SMs' bytes in flight); attention_with_kvcache's num_splits is checked against it.
 KVCACHE_MAX_SPLITS = 128
+# Split calls need every split's partial LSE (m * scale + log l, fp32) to be finite: where softmax_scale x score
+# overflows fp32 (a hard max; the unsplit kernels keep its exact answer, common/online_softmax.py) the partials are
+# +-inf and the combine could not weigh them. Calls with a scale above this run unsplit (num_splits=0) or are refused
+# (num_splits > 1); no model comes near it (1 / sqrt(d) <= 1).
+MAX_SPLIT_SCALE = 2.0**64
 
 
 @dataclass(frozen=True)

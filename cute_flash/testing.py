@@ -15,7 +15,8 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from .arch.base import BwdTensors, Grads
-from .reference import attention_reference, kvcache_reference
+from .reference import attention_reference, expand_kv, kvcache_reference, visible_keys
+from .spec import normalize_mask
 
 ABS_SLACK = 1e-5
 # FP8's max-error rule (docs/fp8.md, "Error budget"): 2x the error of an emulation of the FP8 recipe plus this.
@@ -251,6 +252,36 @@ def check_varlen(
 
 
 # --- KV-cache calls (serving) -----------------------------------------------------------------------------------
+def check_hard_max(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, causal: bool = False,
+                   window_size=(None, None)) -> None:  # fmt: skip
+    """For a softmax_scale so large that the softmax is a hard max (scale x score overflows fp32, where FlashAttention's
+    rule has no finite baseline): each row's output must be v at its best visible key (0 for a row without keys).
+    q (b, sq, h, d), k / v (b, sk, h_kv, d) dense (dequantise an fp8 cache first). Rows whose two best scores are
+    within 1e-3 (relative) are skipped: fp32 scores may order those differently from float64."""
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), expand_kv(k.double(), h))
+    hidden = ~visible_keys(sq, sk, normalize_mask(causal, window_size), device=q.device)
+    scores = scores.masked_fill(hidden, float("-inf"))
+    top = scores.topk(min(2, sk), dim=-1)
+    best = top.indices[..., 0]  # (b, h, sq)
+    vx = expand_kv(v.double(), h)  # (b, sk, h, dv)
+    expect = torch.gather(vx.permute(0, 2, 1, 3), 2, best.unsqueeze(-1).expand(-1, -1, -1, v.shape[-1]))
+    expect = expect.permute(0, 2, 1, 3)  # (b, sq, h, dv)
+    empty = torch.isneginf(top.values[..., 0]).permute(0, 2, 1)  # (b, sq, h)
+    expect[empty] = 0
+    clear = torch.ones_like(empty)
+    if sk > 1:
+        m1, m2 = top.values[..., 0], top.values[..., 1]
+        clear = ((m1 - m2) > 1e-3 * m1.abs().clamp_min(1.0)) | torch.isneginf(m2) | torch.isneginf(m1)
+        clear = clear.permute(0, 2, 1)
+    assert clear.float().mean() > 0.9, "test inputs have too many near-ties"
+    assert torch.isfinite(out).all()
+    # P is rounded to the input dtype for the P·V product and out once more: each costs up to 2^-9 relative in bf16.
+    err = ((out.double() - expect).abs() / (1.0 + expect.abs())).amax(dim=-1)[clear].max().item()
+    assert err <= 1e-2, f"hard-max error {err} (relative to 1 + |v|)"
+
+
 def random_page_table(
     batch: int,
     pages_per_seq: int,

@@ -19,7 +19,7 @@ import torch
 
 from .kernel_layout import ALIGN_BYTES, is_kernel_layout, kernel_view  # noqa: F401  (re-exported: validation's own)
 from .kernel_layout import round_up as _round_up  # noqa: F401  (arch/sm90/backward.py imports it from here)
-from .problem import KVCACHE_MAX_SPLITS, KvCacheProblem, PackedSeqs, Problem, Semantics, VarlenProblem  # noqa: F401  (re-exported)
+from .problem import KVCACHE_MAX_SPLITS, MAX_SPLIT_SCALE, KvCacheProblem, PackedSeqs, Problem, Semantics, VarlenProblem  # noqa: F401  (re-exported)
 from .spec import AttentionSpec, MaskBounds, normalize_mask
 
 INPUT_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -629,6 +629,11 @@ def validate_kvcache(
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= KVCACHE_MAX_SPLITS:
         raise ValueError(
             f"num_splits must be an int in [0, {KVCACHE_MAX_SPLITS}] (0: chosen from the shapes), got {num_splits!r}"
+        )
+    if num_splits > 1 and softmax_scale > MAX_SPLIT_SCALE:
+        raise ValueError(
+            f"num_splits={num_splits} with softmax_scale={softmax_scale:g}: above {MAX_SPLIT_SCALE:g} the scaled "
+            "scores may overflow fp32 (a hard max), which the split combine cannot weigh; use num_splits=0 or 1"
         )
 
     out_shape = (total_q, nheads, head_dim_v) if packed else (batch, seqlen_q, nheads, head_dim_v)

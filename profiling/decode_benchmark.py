@@ -169,7 +169,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         row = f"{b:>6}{ctx:>9}{page:>6}  {name:>22}"
                         try:
                             ms = time_ms(fn, args.graphs)
-                            moved = nbytes // 2 if name.endswith("fp8") else nbytes
+                            moved = nbytes // 2 if "fp8" in name.split() else nbytes
                             tbs = moved / ms / 1e9
                             print(f"{row}{ms * 1e3:>24.1f}{tbs:>18.2f} ({100 * tbs / args.peak_tbs:.0f}%)")
                             if args.kernels:

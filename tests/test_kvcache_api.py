@@ -58,6 +58,8 @@ def test_a_paged_decoding_call_reaches_the_backend_with_its_problem(backend):
     assert p.spec.mask == "causal" and not p.spec.kv_fp8 and t.seqlens_k is kw["cache_seqlens"]
     cute_flash.attention_with_kvcache(q, k, v, **kw, num_splits=5)
     assert backend.calls[-1][2] == 5
+    cute_flash.attention_with_kvcache(q, k, v, **kw, softmax_scale=1e30)  # a hard max may follow: unsplit
+    assert backend.calls[-1][2] == 1
 
 
 def test_a_dense_cache_is_one_page_per_sequence(backend):
@@ -94,6 +96,7 @@ def test_packed_queries_and_an_fp8_cache(backend):
         (dict(window_size=(1.5, None)), ValueError, "window_size"),
         (dict(num_splits=-1), ValueError, "num_splits"),
         (dict(num_splits=129), ValueError, r"num_splits must be an int in \[0, 128\]"),
+        (dict(num_splits=2, softmax_scale=1e30), ValueError, "the split combine cannot weigh"),
         (dict(out=_meta(2, 1, 8, 32)), ValueError, "out must be"),
         (dict(max_seqlen_q=3), ValueError, "max_seqlen_q belongs to packed"),
         (dict(learnable_sink=_meta(7, dtype=torch.float32)), ValueError, "learnable_sink must have shape"),

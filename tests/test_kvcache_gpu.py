@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash.testing import check_kvcache, random_page_table
+from cute_flash.testing import check_hard_max, check_kvcache, random_page_table
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -198,3 +198,29 @@ def test_fp8_cache_values_convert_exactly(family, dtype):
     out = cute_flash.attention_with_kvcache(q, k, v, cache_seqlens=lens, k_descale=ones, v_descale=ones)
     want = v[:, :1].float().repeat_interleave(4, dim=2).to(dtype)
     assert torch.equal(out, want), (out - want).abs().max()
+
+
+@pytest.mark.parametrize("rows", [4, 20])
+@pytest.mark.parametrize("sink", [False, True])
+@pytest.mark.parametrize("sign", [1, -1])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_scaled_logits_overflowing_fp32(fp8, sign, sink, rows):
+    """softmax_scale 1e38: scale x score overflows fp32 (a hard max). Every row's output is v at its best key, also
+    where every score is negative (sign -1: the scaled maximum is -inf in fp32 although keys exist) — except that
+    a sink then outweighs every key (output 0); beside a positive maximum (+inf) its weight is 0. Both KV-cache
+    kernels of the fp8 cache (4 query rows per KV head: the swapped decoder; 20: the wgmma kernel). Such calls run
+    unsplit (problem.MAX_SPLIT_SCALE): 8 key tiles per sequence, which would otherwise be split."""
+    q, k, v, kw = _case(2, 1, rows * 2, 2, 128, 0, [1000, 1000], fp8=fp8, seed=29 + rows)
+    if sign < 0:  # every score < 0: q > 0, k < 0 (fp8: negated through fp32)
+        q, k = q.abs(), (-k.float().abs()).to(k.dtype)
+    k_deq, v_deq = k.float(), v.float()
+    if fp8:
+        k_deq = k_deq * kw["k_descale"][:, None, :, None]
+        v_deq = v_deq * kw["v_descale"][:, None, :, None]
+    extra = {"learnable_sink": torch.zeros(q.shape[2], device="cuda")} if sink else {}
+    out = cute_flash.attention_with_kvcache(q, k, v, **kw, softmax_scale=1e38, **extra)
+    torch.cuda.synchronize()
+    if sink and sign < 0:
+        assert torch.equal(out, torch.zeros_like(out))
+    else:
+        check_hard_max(q, k_deq, v_deq, out, causal=True)

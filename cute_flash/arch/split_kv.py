@@ -19,7 +19,7 @@ from __future__ import annotations
 from .. import compile_cache
 from ..common.block_info import BlockInfo
 from ..spec import AttentionSpec, ModsSpec
-from ..problem import KVCACHE_MAX_SPLITS  # noqa: F401  (the KV-cache families read it here)
+from ..problem import KVCACHE_MAX_SPLITS, MAX_SPLIT_SCALE  # noqa: F401  (the KV-cache families read it here)
 from ..validation import Problem
 
 MIN_TILES_PER_SPLIT = 2  # key tiles per CTA: fewer leaves each CTA mostly its pipeline's start-up
@@ -39,7 +39,7 @@ def num_splits(problem: Problem, tile_m: int, tile_n: int, sm_count: int, min_sp
     affects speed only.)"""
     p = problem
     min_splits = min_splits or MIN_SPLITS
-    if not splittable(p.spec):
+    if not splittable(p.spec) or p.softmax_scale > MAX_SPLIT_SCALE:
         return 1
     ctas = p.batch * p.nheads
     if not (0 < p.seqlen_q <= tile_m) or ctas == 0 or min_splits * ctas > sm_count:
@@ -53,6 +53,14 @@ def num_splits(problem: Problem, tile_m: int, tile_n: int, sm_count: int, min_sp
 # The KV-cache forward (attention_with_kvcache; its families' kvcache_splits): splits chosen for the grid's waves.
 FILLED = 0.8  # a grid with this many CTAs per CTA slot of the GPU runs unsplit (FlashAttention-3's rule)
 FILL_SLACK = 0.95  # the fewest splits whose waves fill the slots within this of the best count's
+
+
+def auto_kvcache_splits(backend, problem, sm_count: int) -> int:
+    """num_splits=0's split count for a KV-cache call: the family's choice (backend.kvcache_splits), 1 for a
+    softmax_scale above MAX_SPLIT_SCALE (the split combine could not weigh a hard max's partials)."""
+    if problem.softmax_scale > MAX_SPLIT_SCALE:
+        return 1
+    return max(1, backend.kvcache_splits(problem, sm_count))
 
 
 def splits_to_fill(ctas: int, slots: int, key_tiles: int, max_splits: int = MAX_SPLITS) -> int:

@@ -258,7 +258,9 @@ class OnlineSoftmax:
                 max_scaled = self.row_max[r] * self.scale_log2
                 top = cute.arch.fmax(max_scaled, sink)
                 top = 0.0 if top == -Float32.inf else top
-                keys_weight = cute.math.exp2(max_scaled - top, fastmath=True)
+                # 1 where the keys dominate, +inf included (a hard max whose m * scale_log2 overflowed: inf - inf
+                # would be NaN).
+                keys_weight = 1.0 if max_scaled >= top else cute.math.exp2(max_scaled - top, fastmath=True)
                 denom = total * keys_weight + cute.math.exp2(sink - top, fastmath=True)
                 row_scale[r] = 0.0 if denom == 0.0 else keys_weight * cute.arch.rcp_approx(denom)
                 lse[r] = (top + cute.math.log2(denom, fastmath=True)) * LN2

@@ -12,6 +12,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from .. import compile_cache, decode
+from ..arch import split_kv
 from ..arch.base import ArchBackend
 from ..problem import PackedSeqs, Problem, VarlenProblem
 from ..spec import normalize_mask
@@ -176,7 +177,7 @@ def decode_kvcache(plan: Plan, q: torch.Tensor):
         # (another family's KV-cache kernel, e.g. the sm80 one for a head dim the sm90 KV-cache forward lacks on
         # Hopper: the forward's own family packs the rows instead, on its faster kernels)
         return False
-    splits = max(1, backend.kvcache_splits(kv, compile_cache.sm_count(plan.device)))
+    splits = split_kv.auto_kvcache_splits(backend, kv, compile_cache.sm_count(plan.device))
     lo, hi = plan.decode_keys
     seqlens = torch.full((kv.batch,), hi - lo, dtype=torch.int32, device=plan.device)
     return backend.kvcache_launcher(kv, plan.device, splits), seqlens

@@ -425,12 +425,16 @@ class Sm90KvCacheSwapped(KvCacheEntries):
                 top_raw = sStats[0, row, 0]
                 for w in cutlass.range_constexpr(1, warps):
                     top_raw = cute.arch.fmax(top_raw, sStats[0, row, w])
-                top = top_raw * c
+                keys_log2 = top_raw * c  # may overflow to +-inf in the hard-max regime although keys exist
+                top = keys_log2
+                shift = Float32(0.0)  # log2 weight of the keys' terms against top: 0 where the keys dominate
                 if const_expr(mSink is not None):
                     sink_log2 = mSink[first + row, work.head_kv] * LOG2_E
-                    top = cute.arch.fmax(top, sink_log2)
-                top = 0.0 if top == -Float32.inf else top
-                shift = top_raw * c - top  # (-inf without keys: every weight 0)
+                    top = cute.arch.fmax(keys_log2, sink_log2)
+                    top = 0.0 if top == -Float32.inf else top
+                    # keys_log2 >= top also holds for +inf (inf - inf would be NaN); -inf without keys or where
+                    # the sink outweighs an overflowed key term: every key weight 0.
+                    shift = 0.0 if keys_log2 >= top else keys_log2 - top
                 top_raw = 0.0 if top_raw == -Float32.inf else top_raw
                 o = cute.make_rmem_tensor(elems, Float32)
                 o.fill(0.0)
