@@ -105,10 +105,20 @@ def test_decoding_with_packed_query_heads(b, sk, h, hkv, d, dv, kw, head_major):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-def _split_launch(q, k, v, kw):
-    """The launcher a warm eager call of these arguments runs (the packed problem's under packed decoding)."""
+def _runs_split(q, k, v, kw) -> bool:
+    """Whether a warm eager call of these arguments splits its keys: decoding under GQA on the KV-cache forward (its
+    split count), else the launcher it runs (the packed problem's under packed decoding) is the split one."""
+    from cute_flash import compile_cache, decode
+    from cute_flash.arch import split_kv
+    from cute_flash.arch.base import SplitForward
+    from cute_flash.core import device
+
     planned = _plan(q, k, v, kw)
-    return (planned.decode_plan or planned).launch
+    if planned.decode_kvcache:
+        kv = decode.kvcache_problem(planned.problem, planned.decode_keys)
+        backend = device.route(kv.spec, q, backward=False)
+        return split_kv.auto_kvcache_splits(backend, kv, compile_cache.sm_count(q.device)) > 1
+    return isinstance((planned.decode_plan or planned).launch, SplitForward)
 
 
 @pytest.mark.parametrize("head_major", [False, True], ids=["seq_major", "head_major"])
@@ -142,8 +152,6 @@ def test_split_key_decoding(b, sq, sk, h, hkv, d, dv, kw, head_major, arch, monk
     taken, rows whose window misses a split's keys (causal with several rows, windows), torch.compile's custom op
     bit for bit the eager result, and gradients through a split forward; on Hopper's default family and on the
     sm80 family (forced: Ampere's kernels, which run on Hopper too)."""
-    from cute_flash.arch.base import SplitForward
-
     if arch is not None:
         monkeypatch.setenv("CUTE_FLASH_ARCH", arch)
 
@@ -152,7 +160,7 @@ def test_split_key_decoding(b, sq, sk, h, hkv, d, dv, kw, head_major, arch, monk
         if head_major:
             q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
         out, lse = cute_flash.attention(q, k, v, return_lse=True, **kw)
-        assert isinstance(_split_launch(q, k, v, kw), SplitForward)
+        assert _runs_split(q, k, v, kw)
         check_forward(q, k, v, out, lse, **kw)
         assert torch.equal(cute_flash.attention(q, k, v, **kw), out)  # the no-grad fast path agrees
     torch._dynamo.reset()
