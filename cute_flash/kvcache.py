@@ -170,7 +170,8 @@ def attention_with_kvcache(
     softmax_scale, window_size, softcap, learnable_sink: as in `cute_flash.attention`.
     num_splits: how many CTAs share each query tile's keys (0: chosen from batch, heads, the cache's capacity and
     the GPU's SM count; the choice depends on shapes only, so a CUDA graph replays with new lengths). The combine
-    is exact and, for a given split, deterministic.
+    is exact and, for a given split, deterministic. A softmax_scale above 2^64 (where scale x score may overflow
+    fp32, a hard max) runs unsplit: num_splits > 1 then raises ValueError.
     out: a preallocated output (q's shape with head_dim_v, q's dtype, in place: unit last stride, 16-byte units).
     Returns out, and with return_lse the float32 log-sum-exp, (batch, nheads, seqlen_q) or (nheads, total_q).
 

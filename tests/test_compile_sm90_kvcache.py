@@ -224,16 +224,19 @@ _SWAPPED_CENSUS = textwrap.dedent(
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"
     from cute_flash import census, compile_cache
     from cute_flash.arch.sm90.kvcache.launch import kvcache_kernel
-    from cute_flash.arch.sm90.kvcache.tile_config import SwappedTileConfig, kvcache_tile_config
+    from dataclasses import replace
+    from cute_flash.arch.sm90.kvcache.tile_config import SWAPPED_SHORT_WALKS, SwappedTileConfig, kvcache_tile_config
     from cute_flash.spec import AttentionSpec
 
-    cases = ((16, "causal", 4, False, False, False), (0, "local", 12, True, True, False),
-             (16, "none", 8, False, False, True))
-    for page_size, mask, rows, split, packed, features in cases:
+    cases = ((16, "causal", 4, False, False, False, False), (0, "local", 12, True, True, False, False),
+             (16, "none", 8, False, False, True, False), (16, "causal", 16, False, False, False, True))
+    for page_size, mask, rows, split, packed, features, short in cases:
         spec = AttentionSpec("bf16", 128, 128, mask, "bf16", kvcache=True, page_size=page_size, kv_fp8=True,
                              softcap=features, sink=features)
         cfg = kvcache_tile_config(spec, rows)
         assert isinstance(cfg, SwappedTileConfig), cfg
+        if short:  # the short-walk form (two CTAs per SM) at two row tiles: the tightest register bound
+            cfg = replace(SWAPPED_SHORT_WALKS, row_tiles=cfg.row_tiles)
         with tempfile.TemporaryDirectory() as dump:
             with census.capture_fd_stderr() as err:
                 fn = kvcache_kernel(spec, cfg, "sm_90a", packed, split, compile_cache.keep_artifacts_options(dump))
@@ -250,8 +253,8 @@ _SWAPPED_CENSUS = textwrap.dedent(
 def test_swapped_fp8_decoder_builds_compile():
     """The swapped fp8-cache decoder (kvcache/swapped.py; an fp8 cache, d128, <= 16 rows): paged causal at 4 rows
     and dense, windowed, split, packed at 12 rows (two row tiles), and with soft-capping and sinks (the
-    `kvcache_features` entry: one tanh per score of a thread's 2 m-tiles x 4 values). Spill-free at two CTAs per
-    SM; per 128-key stage and consumer warp (32 keys, 2 m-tiles): 8 k-blocks of K·Qᵀ and 8 d-tiles of Vᵀ·Pᵀ per
+    `kvcache_features` entry: one tanh per score of a thread's 2 m-tiles x 4 values), and the short-walk form at 16
+    rows. Spill-free, within the register file at its CTAs per SM (two for the short-walk form); per 128-key stage and consumer warp (32 keys, 2 m-tiles): 8 k-blocks of K·Qᵀ and 8 d-tiles of Vᵀ·Pᵀ per
     m-tile and row tile, no wgmma; one exact cvt per two e4m3 values (32 keys x 128 d x K and V / 32 lanes / 2),
     one byte permute per two V cvts, one movmatrix per 8 x 8 block of P, and the stage read in 16-byte loads (8 of
     K, 8 of V per stage)."""
@@ -259,8 +262,9 @@ def test_swapped_fp8_decoder_builds_compile():
                           timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [(r["page_size"], r["row_tiles"], r["features"]) for r in reports] == [(16, 1, False), (0, 2, False),
-                                                                                  (16, 1, True)]  # fmt: skip
+    assert [(r["page_size"], r["row_tiles"], r["features"], r["ctas"]) for r in reports] == [
+        (16, 1, False, 1), (0, 2, False, 1), (16, 1, True, 1), (16, 2, False, 2)
+    ]  # fmt: skip
     for r in reports:
         c, rt = r["census"], r["row_tiles"]
         assert r["spill_bytes"] == 0 and r["registers"] * r["threads"] * r["ctas"] <= 65536, r

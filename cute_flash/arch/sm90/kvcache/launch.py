@@ -120,8 +120,8 @@ def _check_features(t: KvCacheTensors, p: KvCacheProblem) -> None:
 
 
 def warm_kvcache(spec: AttentionSpec, target: str) -> None:
-    """Every build a call of `spec` may launch: both tile configurations, dense and packed q, split or not, and the
-    combine."""
+    """Every build a call of `spec` may launch: each tile configuration of kvcache_configs, dense and packed q, split
+    or not, and the combine."""
     for cfg in kvcache_configs(spec):
         for packed in (False, True):
             for split in (False, True):

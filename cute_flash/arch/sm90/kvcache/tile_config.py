@@ -147,7 +147,8 @@ class SwappedTileConfig:
 
 AnyKvCacheConfig = Union[KvCacheTileConfig, SwappedTileConfig]
 
-# Grids of many short walks (at least one CTA per SM unsplit, at most 32 key tiles = 4k keys each): every CTA starts
+# Grids of many short walks (at least one CTA per SM unsplit, a cache capacity of at most 32 key tiles = 4k keys):
+# every CTA starts
 # with dependent round trips (its length, page-table entries, first tile) that one CTA per SM leaves exposed; two CTAs
 # of three stages per SM overlap them. H200, 2026-12-03: 64 x 1k 35.9 against 39.0 µs (page 16: 38.0 / 44.0), 256 x
 # 1k page 16 132.6 against 170.7; at 8k keys within 1-2% either way, at batch <= 8 or 32k keys 2-50% slower.
@@ -215,7 +216,7 @@ def kvcache_configs(spec: AttentionSpec) -> tuple:
 
 def residency_problem(cfg: AnyKvCacheConfig, head_dim: int, head_dim_v: int) -> Optional[str]:
     """Why `cfg.ctas_per_sm` CTAs do not fit one SM's registers and shared memory, or None."""
-    if isinstance(cfg, SwappedTileConfig):  # (registers: the compile census checks them, 150-220 per thread)
+    if isinstance(cfg, SwappedTileConfig):  # (registers: the compile census checks them, 150-219 per thread)
         smem = (swapped_smem_bytes(cfg, head_dim, head_dim_v) + SMEM_SYSTEM_BYTES_PER_CTA) * cfg.ctas_per_sm
         return None if smem <= SMEM_PER_SM_BYTES else f"{cfg.ctas_per_sm} CTAs need {smem} B of shared memory per SM"
     threads = WARPGROUP_THREADS
@@ -271,8 +272,10 @@ def problem_rows(problem: KvCacheProblem) -> int:
 # A grid of at most sm_count / SMALL_GRID_DIVISOR CTAs per split (batch 1-2 at 8 KV heads on an H200) is split to
 # fill one CTA per SM, not ctas_per_sm: each further split costs the combine a partial and its CTA a start-up, and
 # there the second CTA per SM gains nothing. H200, 2026-12-02, batch 1 d128 h32/8, CUDA graphs: 16 splits took
-# 10.8 us at 4k keys and 39.7 us at 32k, 33 splits (two CTAs per SM) 14.0 and 41.8. Not for an fp8 cache, whose
-# CTAs stream more slowly (the converter warps' hand-offs): there 32 splits took 19.7 / 41.9 us, 16 20.3 / 51.6.
+# 10.8 us at 4k keys and 39.7 us at 32k, 33 splits (two CTAs per SM) 14.0 and 41.8. Not for an fp8 cache: the
+# wgmma kernel's fp8 CTAs stream more slowly (the converter warps' hand-offs; 32 splits took 19.7 / 41.9 us, 16 20.3 /
+# 51.6), and the swapped decoder runs one CTA per SM anyway (2026-12-03, 1 x 8k / 32k: 16 splits 10.9 / 25.5 us,
+# 32 splits 16.5 / 30.0).
 SMALL_GRID_DIVISOR = 8
 
 
