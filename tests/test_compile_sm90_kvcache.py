@@ -254,8 +254,9 @@ def test_swapped_fp8_decoder_builds_compile():
     """The swapped fp8-cache decoder (kvcache/swapped.py; an fp8 cache, d128, <= 16 rows): paged causal at 4 rows
     and dense, windowed, split, packed at 12 rows (two row tiles), and with soft-capping and sinks (the
     `kvcache_features` entry: one tanh per score of a thread's 2 m-tiles x 4 values), and the short-walk form at 16
-    rows. Spill-free, within the register file at its CTAs per SM (two for the short-walk form); per 128-key stage and consumer warp (32 keys, 2 m-tiles): 8 k-blocks of K·Qᵀ and 8 d-tiles of Vᵀ·Pᵀ per
-    m-tile and row tile, no wgmma; one exact cvt per two e4m3 values (32 keys x 128 d x K and V / 32 lanes / 2),
+    rows. Spill-free, within the register file at its CTAs per SM (two for the short-walk form); per 128-key stage
+    and consumer warp (32 keys, 2 m-tiles): 8 k-blocks of K·Qᵀ and 8 d-tiles of Vᵀ·Pᵀ per m-tile and row tile, no
+    wgmma; one exact cvt per two e4m3 values (32 keys x 128 d x K and V / 32 lanes / 2),
     one byte permute per two V cvts, one movmatrix per 8 x 8 block of P, and the stage read in 16-byte loads (8 of
     K, 8 of V per stage)."""
     done = subprocess.run([sys.executable, "-c", _SWAPPED_CENSUS], cwd=REPO, capture_output=True, text=True,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from cute_flash.arch.base import BackendBase, launcher_through_backward, launcher_through_forward
 from cute_flash import validation
 from cute_flash.core import device
-from cute_flash.reference import attention_reference, attention_varlen_reference
+from cute_flash.reference import attention_reference, attention_varlen_reference, kvcache_reference
 
 from .feature_reference import featured_reference
 
@@ -73,6 +73,23 @@ class _ReferenceBackend(BackendBase):
         got = torch.autograd.grad(outs, leaves, grads_in, allow_unused=True)
         for g, t in zip(got, (dq, dk, dv, dsink)):
             t.copy_(torch.zeros_like(t) if g is None else g)
+
+    # The KV-cache forward (what the transformers plug-in sends masked decoding to), one split.
+    kvcache = True
+
+    def kvcache_splits(self, problem, sm_count):
+        return 1
+
+    def forward_kvcache(self, t, problem, num_splits):
+        self.calls.append(("forward_kvcache", problem.mask, problem.softmax_scale, tuple(t.q.shape), t.k_cache.shape))
+        m = problem.mask
+        ref = kvcache_reference(
+            t.q, t.k_cache, t.v_cache, cache_seqlens=t.seqlens_k, page_table=t.page_table, causal=m.kind == "causal",
+            softmax_scale=problem.softmax_scale, window_size=(m.left, m.right) if m.kind == "local" else (None, None),
+            softcap=problem.softcap, learnable_sink=t.sink, return_lse=True,
+        )  # fmt: skip
+        t.out.copy_(ref.out)
+        t.lse.copy_(ref.lse)
 
     # Packed sequences (what the transformers plug-in sends padded batches and packed documents to).
     def _ref_varlen(self, q, k, v, seqs, problem, sink_rows=None):
@@ -338,6 +355,9 @@ def test_transformers_padded_decoding_matches_sdpa(fake_gpu, registered, kind, e
     got = _decode_teacher_forced(twin, ids, mask, 9, cache)
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
     assert any(c[0] == "forward_varlen" for c in fake_gpu.calls)
+    # A static cache's decoding steps come with a materialised 4D mask (so do a sliding window's past its width): the
+    # KV-cache forward over the cache in place.
+    assert any(c[0] == "forward_kvcache" for c in fake_gpu.calls) or cache == "dynamic"
     with torch.no_grad():  # and through generate itself
         twin.generate(ids[:, :9], attention_mask=mask[:, :9], max_new_tokens=3, do_sample=False, pad_token_id=0)
 
@@ -648,3 +668,39 @@ def test_transformers_key_width_stays_within_int32_indexing():
     assert _key_width(small.transpose(1, 2).contiguous().transpose(1, 2), 700, 128) == 700  # (b, h, s, d) storage
     huge = torch.empty(1, 2**24, 8, 128, device="meta")
     assert _key_width(huge, 700, 128) == 700
+
+
+@pytest.mark.parametrize("b, h, hkv, sk, d", [(3, 8, 2, 37, 64), (1, 4, 4, 5, 128), (4, 16, 4, 100, 128)])
+def test_transformers_captured_masked_decoding_reads_the_visible_slots(b, h, hkv, sk, d):
+    """Decoding with a 4D bool mask during CUDA-graph capture (no host read possible): the KV-cache call's pages of
+    one slot and page tables (built on the device) attend to exactly the slots the mask marks, gaps included; a row
+    that sees nothing gets 0. Checked through the paged reference against a direct float64 softmax, on the
+    cache's own storage (a (b, h_kv, S, d) cache and a (b, S, h_kv, d) one seen transposed)."""
+    import math
+
+    from cute_flash.integrations.transformers import _masked_decoding_args
+    from cute_flash.reference import kvcache_reference
+
+    g = torch.Generator().manual_seed(b * sk)
+    q = torch.randn(b, h, 1, d, dtype=torch.float64, generator=g)
+    mask = torch.rand(b, 1, 1, sk, generator=g) < 0.6
+    mask[0, 0, 0, :] = False
+    mask[-1, 0, 0, -1] = True
+    for layout in ("heads_first", "slots_first"):
+        k, v = (torch.randn(b, hkv, sk, d, dtype=torch.float64, generator=g) for _ in range(2))
+        if layout == "slots_first":
+            k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+        qq, k_pages, v_pages, lens, table = _masked_decoding_args(q, k, v, mask)
+        assert k_pages.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()  # in place, no copy
+        got = kvcache_reference(qq, k_pages, v_pages, cache_seqlens=lens, page_table=table, causal=False,
+                                softmax_scale=0.3)  # fmt: skip
+        got = got.out if hasattr(got, "out") else got
+        scores = (q @ k.repeat_interleave(h // hkv, 1).transpose(-1, -2)) * 0.3
+        p = torch.softmax(scores.masked_fill(~mask, -math.inf), -1).nan_to_num(0.0)
+        want = (p @ v.repeat_interleave(h // hkv, 1)).transpose(1, 2)
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    # What it does not serve: several queries, a float mask, K (slots first, from the loop's last layout) and V
+    # (heads first) whose page numbering differs (one KV head aside: then both layouts are one).
+    assert _masked_decoding_args(q.expand(b, h, 2, d), k, v, mask) is None
+    assert _masked_decoding_args(q, k, v, mask.double()) is None
+    assert (_masked_decoding_args(q, k, v.contiguous(), mask) is None) == (hkv > 1)

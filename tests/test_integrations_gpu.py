@@ -328,3 +328,51 @@ def test_transformers_plugin_softcap_and_sinks_match_eager(kind):
         ):
             got, base = _err(p_cute.grad, p32.grad), _err(p_eager.grad, p32.grad)
             assert got <= 2 * base + 1e-4, (pname, got, base)
+
+
+def test_transformers_masked_decoding_captures_in_a_cuda_graph(monkeypatch):
+    """One query per row with a materialised 4D bool mask (a static cache's decoding step) runs on the KV-cache
+    forward with page tables built on the device: it captures in a CUDA graph, and replays follow new mask contents
+    (left padding, a gap, a row of one key) and new cache values, against fp32 SDPA with the same mask. (Pages of
+    one slot are the sm80 family's gathers: the family is left to the router, not forced to sm90.)"""
+    from cute_flash.integrations import transformers as cft
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
+
+    b, h, hkv, sk, d = 3, 8, 2, 300, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, h, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    mask = torch.zeros(b, 1, 1, sk, dtype=torch.bool, device="cuda")
+    module = torch.nn.Module()
+
+    def set_mask(spans, gap=None):
+        mask.zero_()
+        for i, (lo, hi) in enumerate(spans):
+            mask[i, 0, 0, lo:hi] = True
+        if gap is not None:
+            mask[gap[0], 0, 0, gap[1] : gap[2]] = False
+
+    def want():
+        kk, vv = (x.float().repeat_interleave(h // hkv, 1) for x in (k, v))
+        return F.scaled_dot_product_attention(q.float(), kk, vv, attn_mask=mask, scale=0.1).transpose(1, 2)
+
+    def step():
+        return cft.attention_forward(module, q, k, v, mask, scaling=0.1)[0]
+
+    set_mask([(0, 300), (50, 200), (10, 150)])
+    torch.testing.assert_close(step().float(), want(), atol=1e-2, rtol=0)  # eager: the same path (and its kernels)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for spans, gap in [([(5, 250), (0, 300), (0, 20)], (1, 40, 60)), ([(0, 1), (299, 300), (100, 299)], None)]:
+        set_mask(spans, gap)
+        k.normal_(generator=g)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), want(), atol=1e-2, rtol=0)

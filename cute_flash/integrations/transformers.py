@@ -28,7 +28,10 @@ static), and two kinds of batches that go through `cute_flash.attention_varlen`:
     mask object reaches every layer) to be exactly the documents' causal (or sliding-window) pattern, so a mask
     that says anything else is refused, not ignored.
 Both cost a device-to-host copy per forward and mask (the packed lengths are host ints), as transformers' own
-flash-attention path does: graph breaks under torch.compile, refused during CUDA-graph capture.
+flash-attention path does: graph breaks under torch.compile, refused during CUDA-graph capture. Decoding (one query
+per row) against a materialised 4D bool mask (a static cache's steps) reads nothing on the host: the KV-cache
+forward over the cache in place, one page per key slot, page tables of the visible slots built on the device
+(`_masked_decoding`), which a CUDA graph captures.
 
 The window a layer's mask was built for travels with the mask (an attribute of the tensor the mask function returns),
 so models whose attention modules do not pass `sliding_window` (PhiMoE, Qwen2-MoE) still get it, and a module whose
@@ -323,6 +326,9 @@ def attention_forward(
     folded = _padded_decoding(query, key, value, attention_mask, scaling, sliding_window, features)
     if folded is not None:
         return folded, None
+    decoded = _masked_decoding(query, key, value, attention_mask, scaling, features)
+    if decoded is not None:
+        return decoded, None
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     b, s = q.shape[:2]
     packing = _packing(attention_mask, q, k, v, sliding_window, kwargs)
@@ -417,6 +423,59 @@ def _decode_in_place(query, key, value, attention_mask, scaling, sliding_window,
         softcap=features["softcap"],
     )
     return out.view(b, h, 1, dv).transpose(1, 2)
+
+
+def _masked_decoding(query, key, value, attention_mask, scaling, features):
+    """Decoding (one query token per row) with a materialised 4D bool mask (a static cache's, or any mask transformers
+    builds for one query): the KV-cache forward over the cache in place, each key slot a page of one row (page_size
+    1), each row's page table its visible slots in order. Built on the device: no host read, no gather of the keys,
+    so a CUDA graph captures it and its replays follow the mask's new contents. None where the layout does not
+    allow it or no family has that KV-cache kernel (page size 1: the sm80 family's gathers, which CUTE_FLASH_ARCH=sm90
+    excludes): the general path then runs."""
+    args = _masked_decoding_args(query, key, value, attention_mask)
+    if args is None:
+        return None
+    import cute_flash
+
+    q, k_pages, v_pages, lens, table = args
+    try:
+        return cute_flash.attention_with_kvcache(
+            q, k_pages, v_pages, cache_seqlens=lens, page_table=table, causal=False, softmax_scale=scaling, **features
+        )
+    except NotImplementedError:  # (raised while planning, before anything ran)
+        return None
+
+
+def _masked_decoding_args(query, key, value, attention_mask):
+    """attention_with_kvcache's (q, k_cache, v_cache, cache_seqlens, page_table) for one query token per row against
+    the keys a (b, 1, 1, sk) bool mask marks, the cache (b, h_kv, sk, d) read in place as pages of one slot: slot s
+    of row r is page r * (row stride / slot stride) + s. Device operations only. None where that does not apply
+    (not one query per row, another mask, slot strides that do not divide the row strides or differ between K and
+    V)."""
+    b, h, s, _ = query.shape
+    h_kv, sk = key.shape[1], key.shape[2]
+    if s != 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.dtype != torch.bool:
+        return None
+    if attention_mask.shape[1:] != (1, 1, sk) or attention_mask.shape[0] not in (1, b) or h % h_kv:
+        return None
+    rows = []
+    for x in (key, value):
+        if x.stride(-1) != 1 or x.stride(2) <= 0 or x.stride(0) % x.stride(2):
+            return None
+        rows.append(x.stride(0) // x.stride(2))
+    if rows[0] != rows[1]:
+        return None
+    visible = attention_mask[:, 0, 0, :].expand(b, sk).to(key.device)
+    lens = visible.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~visible).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # visible slots first
+    table = order + torch.arange(b, dtype=torch.int32, device=key.device).mul_(rows[0]).unsqueeze(1)
+    pages = (b - 1) * rows[0] + sk
+
+    def as_pages(x):
+        shape, stride = (pages, 1, h_kv, x.shape[3]), (x.stride(2), x.stride(2), x.stride(1), 1)
+        return x.as_strided(shape, stride, x.storage_offset())
+
+    return query.transpose(1, 2), as_pages(key), as_pages(value), lens, table
 
 
 def _fold(mask: torch.Tensor, h_kv: int, sk: int, group: int, window: Optional[int]):
