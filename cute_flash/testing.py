@@ -282,6 +282,21 @@ def check_hard_max(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     assert err <= 1e-2, f"hard-max error {err} (relative to 1 + |v|)"
 
 
+def capture_graph(fn):
+    """(graph, result): `fn` warmed once on a side stream (as torch's CUDA-graph docs do: kernels compiled and loaded
+    outside the capture), then one call captured in a new torch.cuda.CUDAGraph; replay it after writing new values
+    into the tensors `fn` reads."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
 def random_page_table(
     batch: int,
     pages_per_seq: int,

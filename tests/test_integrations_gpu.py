@@ -336,6 +336,7 @@ def test_transformers_masked_decoding_captures_in_a_cuda_graph(monkeypatch):
     (left padding, a gap, a row of one key) and new cache values, against fp32 SDPA with the same mask. (Pages of
     one slot are the sm80 family's gathers: the family is left to the router, not forced to sm90.)"""
     from cute_flash.integrations import transformers as cft
+    from cute_flash.testing import capture_graph
 
     monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
 
@@ -362,14 +363,7 @@ def test_transformers_masked_decoding_captures_in_a_cuda_graph(monkeypatch):
 
     set_mask([(0, 300), (50, 200), (10, 150)])
     torch.testing.assert_close(step().float(), want(), atol=1e-2, rtol=0)  # eager: the same path (and its kernels)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)
     for spans, gap in [([(5, 250), (0, 300), (0, 20)], (1, 40, 60)), ([(0, 1), (299, 300), (100, 299)], None)]:
         set_mask(spans, gap)
         k.normal_(generator=g)

@@ -141,19 +141,13 @@ def test_varlen_cuda_graph_capture():
     """A varlen call is captured in a CUDA graph (no device-to-host copy inside); replaying it after new values are
     written into q and into cu_seqlens (same batch size and totals) gives the eager result for the new values."""
     import cute_flash
+    from cute_flash.testing import capture_graph
 
     lens = [100, 3, 250, 47]
     with torch.no_grad():
         q, k, v, cq, ck = (t.detach() for t in _packed("bf16", 128, lens, lens, 4, 4, seed=5))
         call = lambda: cute_flash.attention_varlen(q, k, v, cq, ck, 256, 256, causal=True)  # noqa: E731
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            call()  # compile and warm up outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = call()
+        graph, out = capture_graph(call)  # (compiled and warmed up outside the capture)
 
         q.copy_(torch.randn_like(q))
         new = _cu([200, 50, 150, 0])  # same total (400), another segmentation
@@ -398,18 +392,12 @@ def test_sm90_varlen_deterministic_backward(sm90_varlen, dt, d, mask, heads, len
 @pytest.mark.xdist_group("varlen90-bf16-d128-causal")
 def test_sm90_varlen_forward_cuda_graph(sm90_varlen):
     import cute_flash
+    from cute_flash.testing import capture_graph
 
     lens = [100, 3, 250, 47]
     q, k, v, cq, ck = (t.detach() for t in _packed("bf16", 128, lens, lens, 4, 4, seed=5))
     call = lambda: cute_flash.attention_varlen(q, k, v, cq, ck, 256, 256, causal=True)  # noqa: E731
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = capture_graph(call)
     new = _cu([200, 50, 150, 0])
     cq.copy_(new)
     ck.copy_(new)
