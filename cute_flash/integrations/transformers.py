@@ -465,10 +465,17 @@ def _masked_decoding_args(query, key, value, attention_mask):
         rows.append(x.stride(0) // x.stride(2))
     if rows[0] != rows[1]:
         return None
-    visible = attention_mask[:, 0, 0, :].expand(b, sk).to(key.device)
-    lens = visible.sum(-1, dtype=torch.int32)
-    order = torch.argsort((~visible).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # visible slots first
-    table = order + torch.arange(b, dtype=torch.int32, device=key.device).mul_(rows[0]).unsqueeze(1)
+
+    def tables():
+        visible = attention_mask[:, 0, 0, :].expand(b, sk).to(key.device)
+        lens = visible.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~visible).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # visible slots first
+        return lens, order + torch.arange(b, dtype=torch.int32, device=key.device).mul_(rows[0]).unsqueeze(1)
+
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        lens, table = tables()  # (inside the graph: its replays recompute them from the mask's contents then)
+    else:  # once per forward: every layer gets the same mask object
+        lens, table = _DERIVED.get((attention_mask,), ("pages", b, sk, rows[0], key.device), tables)
     pages = (b - 1) * rows[0] + sk
 
     def as_pages(x):
