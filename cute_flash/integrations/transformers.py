@@ -430,8 +430,16 @@ def _masked_decoding(query, key, value, attention_mask, scaling, features):
     builds for one query): the KV-cache forward over the cache in place, each key slot a page of one row (page_size
     1), each row's page table its visible slots in order. Built on the device: no host read, no gather of the keys,
     so a CUDA graph captures it and its replays follow the mask's new contents. None where the layout does not
-    allow it or no family has that KV-cache kernel (page size 1: the sm80 family's gathers, which CUTE_FLASH_ARCH=sm90
-    excludes): the general path then runs."""
+    allow it, no family has that KV-cache kernel (page size 1: the sm80 family's gathers, which CUTE_FLASH_ARCH=sm90
+    excludes) or the paged view is refused (e.g. slots not 16-byte aligned): the general path then runs, and raises
+    its own error where it cannot serve the call either."""
+    if query.shape[2] != 1 or attention_mask is None or attention_mask.dim() != 4:
+        return None  # (traceable: calls without such a mask do not graph-break here)
+    return _masked_decoding_call(query, key, value, attention_mask, scaling, features)
+
+
+@torch.compiler.disable  # as _packing_from_masks: eager, its tables cached by the mask's identity across layers
+def _masked_decoding_call(query, key, value, attention_mask, scaling, features):
     args = _masked_decoding_args(query, key, value, attention_mask)
     if args is None:
         return None
@@ -442,7 +450,7 @@ def _masked_decoding(query, key, value, attention_mask, scaling, features):
         return cute_flash.attention_with_kvcache(
             q, k_pages, v_pages, cache_seqlens=lens, page_table=table, causal=False, softmax_scale=scaling, **features
         )
-    except NotImplementedError:  # (raised while planning, before anything ran)
+    except (NotImplementedError, ValueError):  # (nothing written: no append, out is the call's own)
         return None
 
 
@@ -457,6 +465,8 @@ def _masked_decoding_args(query, key, value, attention_mask):
     if s != 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.dtype != torch.bool:
         return None
     if attention_mask.shape[1:] != (1, 1, sk) or attention_mask.shape[0] not in (1, b) or h % h_kv:
+        return None
+    if (b - 1) * key.stride(0) // max(key.stride(2), 1) + sk > 2**31 - 1:  # page indices are int32
         return None
     rows = []
     for x in (key, value):
