@@ -74,8 +74,10 @@ class _ReferenceBackend(BackendBase):
         for g, t in zip(got, (dq, dk, dv, dsink)):
             t.copy_(torch.zeros_like(t) if g is None else g)
 
-    # The KV-cache forward (what the transformers plug-in sends masked decoding to), one split.
-    kvcache = True
+    # The KV-cache forward (what the transformers plug-in sends masked decoding to: the patched router hands every
+    # call here), one split. Not declared (kvcache False), so attention()'s decoding under GQA stays on the packed
+    # problem that test_decode checks.
+    kvcache = False
 
     def kvcache_splits(self, problem, sm_count):
         return 1
