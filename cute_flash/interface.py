@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Optional, Tuple, Union
 
 import torch
 
@@ -12,6 +12,9 @@ from .core import device as gpu
 from .core.plan import clear_call_cache  # noqa: F401  (public: forget every cached call plan)
 from .routing import Explanation, explaining, parse_capability
 from .validation import validate
+
+if TYPE_CHECKING:
+    from .mods.block_mask import BlockMask
 
 
 def backend(device: Optional[Union[torch.device, int, str]] = None) -> str:
@@ -44,6 +47,7 @@ def attention(
     learnable_sink: Optional[torch.Tensor] = None,
     score_mod: Optional[Callable] = None,
     mask_mod: Optional[Callable] = None,
+    block_mask: Optional[BlockMask] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention softmax(q kᵀ · scale + mask) v on a CUDA GPU, by the kernel family that serves it.
 
@@ -79,9 +83,13 @@ def attention(
     NotImplementedError when gradients are needed.
 
     score_mod(score, b, h, q_idx, kv_idx) -> score and mask_mod(b, h, q_idx, kv_idx) -> bool (FlexAttention's
-    callables, on the scaled score; docs/mods.md says what they may contain): eager only, on the sm80 family's
-    kernels on every GPU, without block skipping yet (correct, not yet fast: docs/mods.md).
+    callables, on the scaled score; docs/mods.md says what they may contain): eager only; the forward on the sm90
+    kernels on Hopper, the sm80 family's elsewhere and for every backward (docs/mods.md). block_mask
+    (cute_flash.mods.create_block_mask of the mask_mod, or your own `BlockMask` covering every key it keeps): the
+    forward visits only its non-empty tiles (the sm90 kernels; the others visit every tile).
     """
+    if block_mask is not None and mask_mod is None:
+        raise ValueError("block_mask needs the mask_mod it covers (the per-element mask inside its tiles)")
     if score_mod is not None or mask_mod is not None:
         if dtype is not None or descale is not None or softcap or learnable_sink is not None or deterministic:
             raise NotImplementedError(
@@ -89,7 +97,7 @@ def attention(
             )
         from .mods.call import attention_mods
 
-        return attention_mods(q, k, v, score_mod, mask_mod, causal, softmax_scale, window_size, return_lse)
+        return attention_mods(q, k, v, score_mod, mask_mod, causal, softmax_scale, window_size, return_lse, block_mask)
     return call.dense(
         q, k, v, causal, softmax_scale, window_size, deterministic, softcap, learnable_sink, return_lse, dtype,
         fp8_rotate, descale,
@@ -108,9 +116,10 @@ def explain(q, k, v, capability, **call) -> Explanation:
     """
     given = None if capability is None else parse_capability(capability)
     mods = call.pop("score_mod"), call.pop("mask_mod")
+    block_mask = call.pop("block_mask")
     problem = validate(q, k, v, **call, any_device=given is not None)
     if mods != (None, None):
         from .mods.call import mods_problem
 
-        problem, _ = mods_problem(problem, *mods)
+        problem, _ = mods_problem(problem, *mods, block_sparse=block_mask is not None)
     return Explanation.of(problem, gpu.capability(q) if given is None else given, call["deterministic"])

@@ -65,6 +65,7 @@ class ModsSpec(AttentionSpec):
 
     score_mod: Optional[tuple] = None
     mask_mod: Optional[tuple] = None
+    block_sparse: bool = False  # a block mask's key-tile lists (mods/block_mask.py): the forward visits those only
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """attention(..., score_mod=, mask_mod=) on the CPU: the experimental gate, what it refuses, the spec and tables the
-sm80 backend receives (a recording backend on meta tensors), explain's route (sm80 on every GPU)."""
+backend receives (a recording backend on meta tensors), explain's route (the forward on sm90 on Hopper, else sm80;
+the backward on sm80)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,12 @@ class _Recorder:
     def __init__(self):
         self.calls = []
 
-    def forward_mods(self, q, k, v, out, lse, problem, tables):
+    def forward_mods(self, q, k, v, out, lse, problem, tables, blocks=None):
         self.calls.append((problem, tables))
+        self.blocks = blocks
+
+    def mods_key_tiles(self, spec):
+        return (128, 128)
 
     def backward_mods(self, t, grads, problem, tables):
         self.calls.append(("backward", problem, tables))
@@ -110,11 +115,52 @@ def test_foreign_tables_and_unsupported_callables_are_refused(backend):
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0)])
-def test_explain_routes_mods_to_the_sm80_family_everywhere(capability):
+def test_explain_routes_mods_forward_to_sm90_on_hopper_and_backward_to_sm80(capability):
     q, k, v = _qkv(device="cpu")
     e = cute_flash.explain(q, k, v, mask_mod=examples.causal, capability=capability)
-    assert e.forward.family == "sm80" and e.backward.family == "sm80", e
-    # The backward takes head_dim == head_dim_v, a multiple of 32.
+    assert e.forward.family == ("sm90" if capability == (9, 0) else "sm80"), e
+    assert e.backward.family == "sm80", e
+    # No sm90 tile at d72 (its forward: sm80); the backward takes head_dim == head_dim_v, a multiple of 32.
     q, k, v = _qkv(d=72, device="cpu")
     e = cute_flash.explain(q, k, v, mask_mod=examples.causal, capability=capability)
     assert e.forward.family == "sm80" and e.backward.family is None, e
+
+
+def test_a_block_mask_reaches_the_backend_as_key_tile_lists(backend, monkeypatch):
+    monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))  # (the lists are built with torch ops)
+    q, k, v = (torch.empty(1, 300, 4, 64, dtype=torch.bfloat16) for _ in range(3))
+    mask = cute_flash.mods.create_block_mask(examples.causal, None, None, 300, 300, tile_m=64, tile_n=64)
+    with torch.no_grad():
+        cute_flash.attention(q, k, v, mask_mod=examples.causal, block_mask=mask)
+    ((problem, _),) = backend.calls
+    assert problem.spec.block_sparse
+    count, index = backend.blocks
+    assert count.shape == (1, 1, 3) and index.shape == (1, 1, 3, 3) and count.dtype == index.dtype == torch.int32
+    with pytest.raises(ValueError, match="needs the mask_mod"):
+        cute_flash.attention(q, k, v, block_mask=mask)
+    with pytest.raises(ValueError, match="seqlen_q, seqlen_k"):
+        cute_flash.attention(q[:, :200], k, v, mask_mod=examples.causal, block_mask=mask)
+
+
+@pytest.mark.parametrize("mask_tiles, kernel_tiles", [((64, 64), (128, 128)), ((128, 128), (128, 80)),
+                                                      ((32, 48), (128, 176))])  # fmt: skip
+def test_key_tile_lists_cover_every_visible_key_of_the_kernel_tiles(mask_tiles, kernel_tiles):
+    """The kernel's lists (any tile sizes from any block mask's) hold, ascending, every kernel tile with a visible key
+    (exactly those where the mask's tiles divide the kernel's)."""
+    from cute_flash.mods.call import key_tile_lists
+    from cute_flash.mods.graph import evaluate, trace_mask_mod
+
+    sq, sk = 333, 517
+    graph = trace_mask_mod(examples.sliding)
+    mask = cute_flash.mods.create_block_mask(examples.sliding, None, None, sq, sk, tile_m=mask_tiles[0],
+                                             tile_n=mask_tiles[1])  # fmt: skip
+    count, index = key_tile_lists(mask, *kernel_tiles, torch.device("cpu"))
+    vis = evaluate(graph, {"b": torch.zeros(1), "h": torch.zeros(1), "q_idx": torch.arange(sq).view(-1, 1),
+                           "kv_idx": torch.arange(sk).view(1, -1)}).expand(sq, sk)  # fmt: skip
+    tm, tn = kernel_tiles
+    for m in range(-(-sq // tm)):
+        want = [n for n in range(-(-sk // tn)) if vis[m * tm : (m + 1) * tm, n * tn : (n + 1) * tn].any()]
+        got = index[0, 0, m, : count[0, 0, m]].tolist()
+        assert got == sorted(got) and set(want) <= set(got), (m, got, want)
+        if tm % mask_tiles[0] == 0 and tn % mask_tiles[1] == 0:  # (finer mask tiles: exactly the visible ones)
+            assert got == want, (m, got, want)

@@ -3,7 +3,7 @@ errors before anything touches a GPU."""
 
 import pytest
 
-from profiling import decode_benchmark, model_step
+from profiling import decode_benchmark, mods_benchmark, model_step
 
 
 def test_model_step_defaults_and_lists():
@@ -47,3 +47,10 @@ def test_decode_benchmark_usage_errors(argv):
     with pytest.raises(SystemExit) as e:
         decode_benchmark.parse_args(argv)
     assert e.value.code == 2
+
+
+def test_mods_benchmark_arguments():
+    args = mods_benchmark._parse(["--examples", "alibi,causal", "--shapes", "2x1024,1x4096"])
+    assert args.examples == ["alibi", "causal"] and args.shapes == [(2, 1024), (1, 4096)]
+    with pytest.raises(SystemExit):
+        mods_benchmark._parse(["--examples", "relu"])

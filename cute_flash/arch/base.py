@@ -184,10 +184,15 @@ class ArchBackend(Protocol):
 
     def forward_mods(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-        problem: Problem, tables: List[torch.Tensor],
+        problem: Problem, tables: List[torch.Tensor], blocks: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> None:  # fmt: skip
         """Dense forward of a spec.ModsSpec (score_mod / mask_mod, cute_flash/mods): out / lse as `forward`'s; tables:
-        the callables' captured tensors as the kernel stores them (mods/call.py), score_mod's first."""
+        the callables' captured tensors as the kernel stores them (mods/call.py), score_mod's first; blocks (with
+        spec.block_sparse): the key-tile lists of the family's tiles (`mods_key_tiles`)."""
+
+    def mods_key_tiles(self, spec: AttentionSpec) -> Optional[Tuple[int, int]]:
+        """(tile_m, tile_n) of the block-sparse score_mod / mask_mod forward, or None where the family visits every
+        tile (a block mask then changes nothing)."""
 
     def backward_mods(self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor]) -> None:
         """The backward of `forward_mods`, with the same tables (dq / dk / dv as `backward`'s)."""
@@ -243,12 +248,29 @@ class BackendBase:
 
     def forward_mods(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-        problem: Problem, tables: List[torch.Tensor],
+        problem: Problem, tables: List[torch.Tensor], blocks: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> None:  # fmt: skip
         raise self._missing("score_mod / mask_mod forward")
 
+    def mods_key_tiles(self, spec: AttentionSpec) -> Optional[Tuple[int, int]]:
+        return None
+
     def backward_mods(self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor]) -> None:
         raise self._missing("score_mod / mask_mod backward")
+
+
+def launch_mods_forward(
+    kernel: Callable, q, k, v, out, lse, problem: Problem, tables: List[torch.Tensor], blocks: Optional[tuple] = None
+) -> None:
+    """A compiled score_mod / mask_mod forward (the `mods` entries: q, k, v, out, lse, softmax_scale, window_left,
+    window_right, a0 .. a3, then for the sm90 entry the block lists or None) on a call's tensors and the graphs'
+    tables (None past them). blocks: False for an entry without block arguments (sm80)."""
+    from ..mods.graph import MAX_TABLES
+
+    q, k, v, out = (kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out)))
+    scalars = (float(problem.softmax_scale), int(problem.mask.left), int(problem.mask.right))
+    extra = () if blocks is False else tuple(blocks) if blocks is not None else (None, None)
+    kernel(q, k, v, out, lse, *scalars, *tables, *([None] * (MAX_TABLES - len(tables))), *extra)
 
 
 class BoundForward:

@@ -47,3 +47,12 @@ def walk_kv_blocks(
         for i in cutlass.range(left_hi - n_min, unroll=1):
             state = step(state, left_hi - 1 - i, True)
     return state
+
+
+@cute.jit
+def walk_key_list(key_tiles: cute.Tensor, n_min: Int32, n_first: Int32, step: cutlass.Constexpr, state):
+    """Block-sparse builds: `state = step(state, key_tiles[j], True)` for j = n_first - 1 down to n_min (a block
+    mask's ascending list; every tile masked, since where it sits against the window is not known statically)."""
+    for i in cutlass.range(n_first - n_min, unroll=1):
+        state = step(state, key_tiles[n_first - 1 - i], True)
+    return state

@@ -107,3 +107,21 @@ def fake_packed_preprocess_args(dtype, head_dim_v: int, dq_zeroing_block: int = 
         d = dq_head_dim or head_dim_v
         args += (fake_f32((heads, cute.sym_int()), divisibility=dq_zeroing_block * d, align=16),)
     return args
+
+
+def fake_mods_tables(spec) -> list:
+    """The `mods` entries' a0 .. a3 of a ModsSpec: fake tensors of its graphs' tables (score_mod's, then mask_mod's)
+    in the storage types mods/call.py gives them (float32, int32, uint8 for booleans), None past them."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .mods_scores import MAX_TABLES, graph_of
+
+    storage = {"f32": cutlass.Float32, "i32": cutlass.Int32, "bool": cutlass.Uint8}
+    tables = []
+    for key in (spec.score_mod, spec.mask_mod):
+        graph = graph_of(key)
+        for read, ndim in graph.aux_types if graph is not None else ():
+            shape = tuple(cute.sym_int() for _ in range(max(ndim, 1)))
+            tables.append(fake_tensor(storage[read], shape, 1, max(1, storage[read].width // 8)))
+    return tables + [None] * (MAX_TABLES - len(tables))

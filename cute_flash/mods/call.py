@@ -18,6 +18,7 @@ from ..core import device as gpu
 from ..spec import AttentionSpec, ModsSpec
 from ..validation import validate
 from ..kernel_layout import kernel_view
+from .block_mask import BlockMask
 from .graph import BOOL, F32, MAX_TABLES, ModGraph, score_derivative, trace_mask_mod, trace_score_mod
 
 _STORAGE = {F32: torch.float32, BOOL: torch.uint8}
@@ -38,8 +39,9 @@ def _tables(graphs: List[Optional[ModGraph]], device: torch.device) -> List[torc
     return out
 
 
-def mods_problem(problem, score_mod: Optional[Callable], mask_mod: Optional[Callable]):
-    """(the problem with its ModsSpec, [score graph, mask graph]) of a validated dense problem (also `explain`'s)."""
+def mods_problem(problem, score_mod: Optional[Callable], mask_mod: Optional[Callable], block_sparse: bool = False):
+    """(the problem with its ModsSpec, [score graph, mask graph]) of a validated dense problem (also `explain`'s);
+    block_sparse: a block mask comes with the call."""
     score_graph = trace_score_mod(score_mod) if score_mod is not None else None
     mask_graph = trace_mask_mod(mask_mod) if mask_mod is not None else None
     base = {f.name: getattr(problem.spec, f.name) for f in dataclasses.fields(AttentionSpec)}
@@ -47,6 +49,7 @@ def mods_problem(problem, score_mod: Optional[Callable], mask_mod: Optional[Call
         **base,
         score_mod=score_graph.key if score_graph is not None else None,
         mask_mod=mask_graph.key if mask_graph is not None else None,
+        block_sparse=block_sparse,
     )
     return dataclasses.replace(problem, spec=spec), [score_graph, mask_graph]
 
@@ -61,15 +64,24 @@ def attention_mods(
     softmax_scale: Optional[float],
     window_size: Tuple[Optional[int], Optional[int]],
     return_lse: bool,
+    block_mask: Optional[BlockMask] = None,
 ):
     if torch.compiler.is_compiling():
         raise NotImplementedError("score_mod / mask_mod are not traceable by torch.compile yet (no custom op)")
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=None)
-    problem, graphs = mods_problem(problem, score_mod, mask_mod)
+    problem, graphs = mods_problem(problem, score_mod, mask_mod, block_mask is not None)
     # Layouts the kernels cannot take are copied once (differentiably), as the plain path does.
     q, k, v = (kernel_view(t, name=n) for n, t in (("q", q), ("k", k), ("v", v)))
     tables = _tables(graphs, q.device)
     backend = gpu.route(problem.spec, q, backward=False)
+    blocks = None
+    if block_mask is not None:
+        check_block_mask(block_mask, problem, q.device)
+        tiles = backend.mods_key_tiles(problem.spec)  # None: the family visits every tile
+        if tiles is None:
+            problem = dataclasses.replace(problem, spec=dataclasses.replace(problem.spec, block_sparse=False))
+        else:
+            blocks = key_tile_lists(block_mask, *tiles, q.device)
     captured = [t for g in graphs if g is not None for t in g.aux]
     if torch.is_grad_enabled() and any(t.requires_grad for t in captured):
         raise NotImplementedError(
@@ -80,19 +92,65 @@ def attention_mods(
         gpu.route(problem.spec, q, backward=True)  # refuses before the forward where no backward serves it
         if graphs[0] is not None:
             score_derivative(graphs[0])  # (raises ModError now, not in the backward, where it has none)
-        out, lse = _ModsAttention.apply(q, k, v, problem, backend, *tables)
+        out, lse = _ModsAttention.apply(q, k, v, problem, backend, blocks, *tables)
     else:
-        out, lse = _forward(q, k, v, problem, backend, tables)
+        out, lse = _forward(q, k, v, problem, backend, tables, blocks)
     return (out, lse) if return_lse else out
 
 
-def _forward(q, k, v, problem, backend, tables):
+def _forward(q, k, v, problem, backend, tables, blocks):
     b, sq, h, _ = q.shape
     out = q.new_empty(b, sq, h, v.shape[-1])
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
     with gpu.guard(q):
-        backend.forward_mods(q, k, v, out, lse, problem, tables)
+        backend.forward_mods(q, k, v, out, lse, problem, tables, blocks)
     return out, lse
+
+
+def check_block_mask(block_mask: BlockMask, problem, device: torch.device) -> None:
+    """A block mask fits a call when it was built for its lengths and its batch / heads (or broadcasts them)."""
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a cute_flash.mods.BlockMask, got {type(block_mask).__name__}")
+    b, sq, sk, h = problem.batch, problem.seqlen_q, problem.seqlen_k, problem.nheads
+    if (block_mask.seqlen_q, block_mask.seqlen_k) != (sq, sk):
+        raise ValueError(f"block_mask was built for seqlen_q, seqlen_k = {block_mask.seqlen_q}, "
+                         f"{block_mask.seqlen_k}; the call has {sq}, {sk}")  # fmt: skip
+    mb, mh = block_mask.partial_count.shape[:2]
+    if mb not in (1, b) or mh not in (1, h):
+        raise ValueError(f"block_mask has batch x heads {mb} x {mh}; the call {b} x {h} (or 1 to broadcast)")
+    if block_mask.partial_count.device != device:
+        raise ValueError(f"block_mask is on {block_mask.partial_count.device}, q on {device}")
+
+
+def key_tile_lists(block_mask: BlockMask, tile_m: int, tile_n: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(count (B, H, M) int32, ascending key tiles (B, H, M, N) int32) of the kernel's tile_m x tile_n tiles that
+    overlap a non-empty tile of the block mask (whatever its own tile sizes): on the device, no host sync."""
+    cache = block_mask.__dict__.setdefault("_key_tile_lists", {})  # (derived once per mask and tile shape)
+    if (tile_m, tile_n) in cache:
+        return cache[(tile_m, tile_n)]
+    nonempty = torch.zeros(block_mask.partial_index.shape, dtype=torch.float32, device=device)  # (B, H, m, n)
+    n = nonempty.shape[-1]
+    for count, index in ((block_mask.partial_count, block_mask.partial_index),
+                         (block_mask.full_count, block_mask.full_index)):  # fmt: skip
+        valid = (torch.arange(n, device=device) < count.unsqueeze(-1)).float()  # (no host sync: no nonzero)
+        nonempty.scatter_add_(-1, index.long(), valid)
+    nonempty = (nonempty > 0).float()
+    m = nonempty.shape[-2]
+
+    def overlap(kernel_tile: int, mask_tile: int, tiles_of_mask: int, length: int) -> torch.Tensor:
+        tiles = max(1, -(-length // kernel_tile))
+        starts = torch.arange(tiles, device=device) * kernel_tile
+        ends = torch.clamp(starts + kernel_tile, max=max(length, 1)) - 1
+        cols = torch.arange(tiles_of_mask, device=device)
+        return ((cols >= (starts // mask_tile).unsqueeze(1)) & (cols <= (ends // mask_tile).unsqueeze(1))).float()
+
+    rows = overlap(tile_m, block_mask.tile_m, m, block_mask.seqlen_q)  # (M, m)
+    cols = overlap(tile_n, block_mask.tile_n, n, block_mask.seqlen_k)  # (N, n)
+    selected = (rows @ nonempty @ cols.T) > 0  # (B, H, M, N)
+    count = selected.sum(-1, dtype=torch.int32)
+    index = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    cache[(tile_m, tile_n)] = lists = (count.contiguous(), index.contiguous())
+    return lists
 
 
 class _ModsAttention(torch.autograd.Function):
@@ -100,10 +158,13 @@ class _ModsAttention(torch.autograd.Function):
     flash_bwd_mods.py) with the call's tables; lse is differentiable (its gradient folds into D)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, problem, backend, *tables):
-        out, lse = _forward(q, k, v, problem, backend, list(tables))
+    def forward(ctx, q, k, v, problem, backend, blocks, *tables):
+        out, lse = _forward(q, k, v, problem, backend, list(tables), blocks)
         ctx.save_for_backward(q, k, v, out, lse, *tables)
+        # The backward visits every tile with the mask_mod (a block mask only skips what it masks anyway).
         ctx.problem = problem
+        if problem.spec.block_sparse:
+            ctx.problem = dataclasses.replace(problem, spec=dataclasses.replace(problem.spec, block_sparse=False))
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -118,4 +179,4 @@ class _ModsAttention(torch.autograd.Function):
         backend = gpu.route(ctx.problem.spec, q, backward=True)
         with gpu.guard(q):
             backend.backward_mods(BwdTensors(dout, q, k, v, out, lse, dlse), grads, ctx.problem, tables)
-        return (grads.dq, grads.dk, grads.dv, None, None, *([None] * len(tables)))
+        return (grads.dq, grads.dk, grads.dv, None, None, None, *([None] * len(tables)))

@@ -116,12 +116,42 @@ def _emit_node(node: Node, vals: List, inputs: Dict[str, object], aux: Sequence[
     return _CONVERT[t](_BINARY_DSL[node.op](xs[0], xs[1]))
 
 
-def emit(graph: ModGraph, inputs: Dict[str, object], aux: Sequence[cute.Tensor] = ()):
+def input_deps(graph: ModGraph) -> List[frozenset]:
+    """Per node, the inputs ("score", "b", "h", "q_idx", "kv_idx") its value depends on."""
+    deps: List[frozenset] = []
+    for node in graph.nodes:
+        if node.op == "input":
+            deps.append(frozenset((node.args[0],)))
+        elif node.op == "const":
+            deps.append(frozenset())
+        else:
+            ids = node.args[1:] if node.op == "load" else node.args[:-1] if node.op == "cast" else node.args
+            deps.append(frozenset().union(*(deps[i] for i in ids)))
+    return deps
+
+
+def emit(graph: ModGraph, inputs: Dict[str, object], aux: Sequence[cute.Tensor] = (), shared=None):
     """The graph's result as a DSL value (Float32 for a score_mod, Boolean for a mask_mod). inputs: "score" (a
-    score_mod's), "b", "h", "q_idx", "kv_idx" (those the graph uses). Call it inside @cute.jit / @cute.kernel code."""
+    score_mod's), "b", "h", "q_idx", "kv_idx" (those the graph uses). Call it inside @cute.jit / @cute.kernel code.
+
+    shared: (cache dict, {input name: key}) to compute a subexpression once for every element that shares its
+    inputs' keys (a tile's kernel passes the row for q_idx and the column for kv_idx, b and h being the tile's
+    constants): a table read indexed by q_idx alone is then loaded once per row, not once per score. The values
+    stay in one traced region (one tile), so reuse is plain SSA."""
     if len(aux) != len(graph.aux_types):
         raise ValueError(f"the graph reads {len(graph.aux_types)} captured tensors, {len(aux)} given")
+    cache, keys = shared if shared is not None else (None, None)
+    deps = input_deps(graph) if cache is not None else None
     vals: List = []
-    for node in graph.nodes:
-        vals.append(_emit_node(node, vals, inputs, aux))
+    for i, node in enumerate(graph.nodes):
+        key = None
+        if cache is not None and "score" not in deps[i]:
+            key = (id(graph), i) + tuple(keys.get(name) for name in sorted(deps[i]))
+            if key in cache:
+                vals.append(cache[key])
+                continue
+        value = _emit_node(node, vals, inputs, aux)
+        if key is not None:
+            cache[key] = value
+        vals.append(value)
     return vals[-1]

@@ -19,7 +19,7 @@ from ...spec import AttentionSpec, ModsSpec
 from ...validation import KvCacheProblem, Problem, VarlenProblem, kernel_view
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, PackedSeqs
 from ..base import BackendBase, BoundForward, KvCacheTensors, SplitForward, launch_packed_forward
-from ..base import prepare_build
+from ..base import launch_mods_forward, prepare_build
 from .. import split_kv
 from . import kvcache
 from .build import compile_forward, compile_runnable_forward
@@ -132,7 +132,7 @@ class _Backend(BackendBase):
 
     def forward_mods(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-        problem: Problem, tables: List[torch.Tensor],
+        problem: Problem, tables: List[torch.Tensor], blocks: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> None:  # fmt: skip
         """The dense forward of a ModsSpec (score_mod / mask_mod, flash_fwd_mods.py): tables are the graphs' captured
         tensors as the kernel stores them (cute_flash/mods/call.py)."""
@@ -142,12 +142,8 @@ class _Backend(BackendBase):
             reason = "forward_mods needs a ModsSpec"
         if reason is not None:
             raise NotImplementedError(reason)
-        from ...mods.graph import MAX_TABLES
-
         kernel = self._forward_kernel(spec, compile_cache.runtime_target(q.device))
-        q, k, v, out = (kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out)))
-        scalars = (float(problem.softmax_scale), int(problem.mask.left), int(problem.mask.right))
-        kernel(q, k, v, out, lse, *scalars, *tables, *([None] * (MAX_TABLES - len(tables))))
+        launch_mods_forward(kernel, q, k, v, out, lse, problem, tables, blocks=False)  # (every tile: no lists)
 
     def backward_mods(self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor]) -> None:
         """The backward of `forward_mods` (flash_bwd_mods.py), with the same tables."""

@@ -178,7 +178,7 @@ def _build_main_mods(spec: ModsSpec, options: str, cfg: BwdTileConfig, gqa: bool
     import cutlass
     import cutlass.cute as cute
 
-    from .build import fake_tables
+    from ...common.fake_tensors import fake_mods_tables
     from .flash_bwd_mods import Sm80ModsBackward
 
     dt, d = dsl_dtype(spec.dtype), spec.head_dim
@@ -201,7 +201,7 @@ def _build_main_mods(spec: ModsSpec, options: str, cfg: BwdTileConfig, gqa: bool
         cutlass.Float32(1.0),
         cutlass.Int32(0),
         cutlass.Int32(0),
-        *fake_tables(spec),
+        *fake_mods_tables(spec),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         options=options,
     )

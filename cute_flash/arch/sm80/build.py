@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional
 from ... import compile_cache
 from ...census import cubin_resources
 from ...common.dsl_types import dsl_dtype
-from ...common.fake_tensors import fake_f32, fake_feature_args, fake_operand, fake_packed_forward_args, fake_tensor
+from ...common.fake_tensors import fake_f32, fake_feature_args, fake_mods_tables, fake_operand, fake_packed_forward_args
 from ...spec import AttentionSpec, ModsSpec
 from .tile_config import FwdTileConfig, fwd_tile_candidates
 
@@ -79,25 +79,7 @@ def build_forward_mods(spec, tile: FwdTileConfig, options: str):
     kernel = Sm80ModsForward(spec, tile)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0))
-    return cute.compile(kernel.mods, q, k, v, out, lse, *scalars, *fake_tables(spec), stream, options=options)
-
-
-def fake_tables(spec) -> list:
-    """The `mods` entries' a0 .. a3 of a ModsSpec: fake tensors of its graphs' tables (score_mod's, then mask_mod's)
-    in the storage types mods/call.py gives them (float32, int32, uint8 for booleans), None past them."""
-    import cutlass
-    import cutlass.cute as cute
-
-    from .flash_fwd_mods import MAX_TABLES, graph_of
-
-    storage = {"f32": cutlass.Float32, "i32": cutlass.Int32, "bool": cutlass.Uint8}
-    tables = []
-    for key in (spec.score_mod, spec.mask_mod):
-        graph = graph_of(key)
-        for read, ndim in graph.aux_types if graph is not None else ():
-            shape = tuple(cute.sym_int() for _ in range(max(ndim, 1)))
-            tables.append(fake_tensor(storage[read], shape, 1, max(1, storage[read].width // 8)))
-    return tables + [None] * (MAX_TABLES - len(tables))
+    return cute.compile(kernel.mods, q, k, v, out, lse, *scalars, *fake_mods_tables(spec), stream, options=options)
 
 
 def build_forward_packed(spec: AttentionSpec, tile: FwdTileConfig, options: str, seqused: bool):

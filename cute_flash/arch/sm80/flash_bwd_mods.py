@@ -19,12 +19,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ...common.online_softmax import LOG2_E
 from ...mods.codegen import emit
 from ...mods.graph import score_derivative
 from ...spec import ModsSpec
 from .flash_bwd import Sm80FlashBackward, acc_rows_cols
-from .flash_fwd_mods import ModsGraphs
+from ...common.mods_scores import ModsGraphs
 from .tile_config import BwdTileConfig
 
 
@@ -64,8 +63,7 @@ class Sm80ModsBackward(ModsGraphs, Sm80FlashBackward):
         """(the softmax's scale_log2, the score context the kernel hands `probs`): with a score_mod the scores are
         scaled before it, so the softmax runs with log2(e)."""
         _, scale, *tables = features
-        scale_log2 = Float32(LOG2_E) if self.score_graph is not None else softmax_scale * LOG2_E
-        return scale_log2, (scale, *tables[: self.score_tables + self.mask_tables])
+        return self.mods_scale_log2(softmax_scale), (scale, *tables[: self.score_tables + self.mask_tables])
 
     @cute.jit
     def probs(

@@ -15,49 +15,16 @@ The captured tensors are the `mods` entry's a0 .. a3 (None past the graphs' tabl
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import cuda.bindings.driver as cuda
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ...common.acc_views import rows_cols_view
-from ...common.online_softmax import LOG2_E
-from ...mods.codegen import emit
-from ...mods.graph import MAX_TABLES, ModGraph, Node
+from ...common.mods_scores import ModsGraphs
 from ...spec import ModsSpec
 from .flash_fwd import FwdFeatures, Sm80FlashForward
 from .tile_config import FwdTileConfig
-
-
-class ScoreContext(NamedTuple):
-    scale: object
-    tables: tuple
-    head: object
-    batch: object
-    last_q: object
-    last_k: object
-
-
-def graph_of(key: Optional[tuple]) -> Optional[ModGraph]:
-    """A ModGraph from its key (spec.score_mod / spec.mask_mod): the nodes and tables' types, no values."""
-    if key is None:
-        return None
-    kind, nodes, aux_types = key
-    return ModGraph(kind, tuple(Node(*n) if not isinstance(n, Node) else n for n in nodes), (), aux_types)
-
-
-class ModsGraphs:
-    """What both mods kernels (this forward, flash_bwd_mods.py's backward) read of a ModsSpec: its graphs and how
-    many of the tables a0 .. a3 each one takes."""
-
-    def init_graphs(self, spec: ModsSpec) -> None:
-        self.score_graph = graph_of(spec.score_mod)
-        self.mask_graph = graph_of(spec.mask_mod)
-        self.score_tables = len(self.score_graph.aux_types) if self.score_graph is not None else 0
-        self.mask_tables = len(self.mask_graph.aux_types) if self.mask_graph is not None else 0
-        assert self.score_tables + self.mask_tables <= MAX_TABLES
 
 
 class Sm80ModsForward(ModsGraphs, Sm80FlashForward):
@@ -89,33 +56,11 @@ class Sm80ModsForward(ModsGraphs, Sm80FlashForward):
 
     def _feature_args(self, softmax_scale, features):
         scale, a0, a1, a2, a3 = features
-        scale_log2 = Float32(LOG2_E) if self.score_graph is not None else softmax_scale * LOG2_E
-        return scale_log2, FwdFeatures(None, None, (scale, a0, a1, a2, a3))
+        return self.mods_scale_log2(softmax_scale), FwdFeatures(None, None, (scale, a0, a1, a2, a3))
 
     def score_context(self, features, head, seq):
         scale, *tables = features.mods
-        last_q = cutlass.max(seq.seqlen_q - 1, 0)
-        last_k = cutlass.max(seq.seqlen_k - 1, 0)
-        return ScoreContext(scale, tuple(tables[: self.score_tables + self.mask_tables]), head, seq.batch, last_q,
-                            last_k)  # fmt: skip
+        return self.mods_context(scale, tables, head, seq.batch, seq.seqlen_q, seq.seqlen_k)
 
     def modify_scores(self, acc_S: cute.Tensor, n_block: Int32, step):
-        ctx: ScoreContext = step.score_ctx
-        acc_rc = rows_cols_view(acc_S)
-        coords = step.tScS_rc
-        score_tables = ctx.tables[: self.score_tables]
-        mask_tables = ctx.tables[self.score_tables :]
-        q_base = step.m_block * self.tile_m
-        k_base = n_block * self.tile_n
-        for r in range(cute.size(acc_rc, mode=[0])):  # (plain loops: this hook runs at trace time, unrolled)
-            q_idx = cutlass.min(q_base + coords[r, 0][0], ctx.last_q)
-            for c in range(cute.size(acc_rc, mode=[1])):
-                kv_idx = cutlass.min(k_base + coords[r, c][1], ctx.last_k)
-                idx = {"b": ctx.batch, "h": ctx.head, "q_idx": q_idx, "kv_idx": kv_idx}
-                s = acc_rc[r, c]
-                if self.score_graph is not None:
-                    s = emit(self.score_graph, {**idx, "score": s * ctx.scale}, score_tables)
-                if self.mask_graph is not None:
-                    visible = emit(self.mask_graph, idx, mask_tables)
-                    s = Float32(cutlass.select_(visible, s, -Float32.inf))
-                acc_rc[r, c] = s
+        self.apply_mods(acc_S, step.tScS_rc, step.m_block * self.tile_m, n_block * self.tile_n, step.score_ctx)

@@ -31,7 +31,7 @@ from ...spec import AttentionSpec, ModsSpec
 from ...validation import KvCacheProblem, PackedSeqs, Problem, VarlenProblem
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, KvCacheTensors
 from ..base import BoundForward, SplitForward, launch_packed_forward, launcher_through_forward, prepare_build
-from ..base import BackendBase
+from ..base import BackendBase, launch_mods_forward
 from .. import split_kv
 from .tile_config import FwdTileConfig, budget_problem, fwd_tile_config, smem_bytes
 
@@ -55,6 +55,20 @@ def forward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
     if spec.mask not in ("none", "causal", "local"):
         return f"unknown mask kind {spec.mask!r}"
     return budget_problem(fwd_tile_config(spec), spec.head_dim, spec.head_dim_v)
+
+
+def _mods_unsupported_reason(spec: ModsSpec, backward: bool) -> Optional[str]:
+    """score_mod / mask_mod (flash_fwd_mods.py): the dense fp16 / bf16 forward at this family's head dims; the
+    backward is the sm80 family's."""
+    if backward:
+        return "no score_mod / mask_mod backward in this family yet (the sm80 family's serves it)"
+    if spec.varlen or spec.kvcache:
+        return "score_mod / mask_mod have a dense forward only (no packed sequences, no KV cache)"
+    if spec.softcap or spec.sink:
+        return "score_mod / mask_mod do not combine with softcap or sinks yet (write softcap as a score_mod)"
+    if spec.dtype == "fp8":
+        return "score_mod / mask_mod have no FP8 forward"
+    return forward_unsupported_reason(spec)
 
 
 def _fp8():
@@ -114,7 +128,7 @@ class _Backend(BackendBase):
 
     def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
         if isinstance(spec, ModsSpec):
-            return "no score_mod / mask_mod kernel in this family yet (the sm80 family's forward serves them)"
+            return _mods_unsupported_reason(spec, backward)
         if spec.kvcache:
             if backward:
                 return "the KV-cache forward (attention_with_kvcache) has no backward"
@@ -154,6 +168,25 @@ class _Backend(BackendBase):
 
         kernel = _forward_kernels[(spec, target, variant)] = compile_cache.get_or_compile(key, build)
         return kernel
+
+    def forward_mods(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+        problem: Problem, tables: List[torch.Tensor], blocks: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    ) -> None:  # fmt: skip
+        """The dense forward of a ModsSpec (score_mod / mask_mod, flash_fwd_mods.py), block-sparse with
+        spec.block_sparse (blocks: the lists of `mods_key_tiles`' tiles); its backward: the sm80 family's."""
+        spec = problem.spec
+        reason = self.unsupported_reason(spec, backward=False) if isinstance(spec, ModsSpec) else "needs a ModsSpec"
+        if reason is not None:
+            raise NotImplementedError(reason)
+        if spec.block_sparse != (blocks is not None):
+            raise ValueError("a block-sparse build takes the block lists, and only it")
+        launch_mods_forward(self._forward_kernel(spec, compile_cache.runtime_target(q.device)), q, k, v, out, lse,
+                            problem, tables, blocks)  # fmt: skip
+
+    def mods_key_tiles(self, spec: AttentionSpec) -> Optional[Tuple[int, int]]:
+        cfg = fwd_tile_config(spec)
+        return cfg.tile_m, cfg.tile_n
 
     def forward_launcher(self, problem: Problem, device: torch.device) -> ForwardLauncher:
         spec = problem.spec

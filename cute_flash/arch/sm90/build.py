@@ -9,12 +9,13 @@ from __future__ import annotations
 from typing import Optional
 
 from ... import compile_cache
-from ...spec import AttentionSpec
+from ...spec import AttentionSpec, ModsSpec
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import (
     fake_cu_seqlens,
     fake_f32,
     fake_feature_args,
+    fake_mods_tables,
     fake_operand,
     fake_packed_forward_args,
     fake_packed_preprocess_args,
@@ -40,6 +41,8 @@ def compile_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_
     entry: fn(..., window_right, softcap, sink) with sink the (rows, h) fp32 view (None without spec.sink)."""
     if spec.varlen:
         return compile_forward_packed(spec, cfg, target, extra_options, seqused=False)
+    if isinstance(spec, ModsSpec):
+        return _compile_forward_mods(spec, cfg, target, extra_options)
     dtype = dsl_dtype(spec.dtype)
     batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
     q = _strided(dtype, (batch, seqlen_q, heads), spec.head_dim)
@@ -55,6 +58,31 @@ def compile_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_
         features = fake_feature_args(spec.sink)
         return cute.compile(kernel.features, q, k, v, out, lse, *scalars, *features, stream, options=options)
     return cute.compile(kernel, q, k, v, out, lse, *scalars, stream, options=options)
+
+
+def _compile_forward_mods(spec: ModsSpec, cfg: FwdTileConfig, target: str, extra_options: Optional[str]):
+    """The score_mod / mask_mod forward (flash_fwd_mods.py): fn(q, k, v, out, lse, softmax_scale, window_left,
+    window_right, a0, a1, a2, a3, block_count, block_index), the tables fake tensors of the graphs' read types and
+    ranks (None past them), the block mask's lists (spec.block_sparse) or None."""
+    from .flash_fwd_mods import Sm90ModsForward
+
+    dtype = dsl_dtype(spec.dtype)
+    batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
+    q = _strided(dtype, (batch, seqlen_q, heads), spec.head_dim)
+    k = _strided(dtype, (batch, seqlen_k, heads_kv), spec.head_dim)
+    v = _strided(dtype, (batch, seqlen_k, heads_kv), spec.head_dim_v)
+    out = _strided(dtype, (batch, seqlen_q, heads), spec.head_dim_v)
+    lse = fake_f32((batch, heads, seqlen_q))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    kernel = Sm90ModsForward(spec, cfg)
+    options = compile_cache.compile_options(target, extra=extra_options or "")
+    scalars = cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0)
+    blocks = (None, None)
+    if spec.block_sparse:
+        b, h, m, n = (cute.sym_int() for _ in range(4))
+        blocks = (fake_tensor(cutlass.Int32, (b, h, m), 1, 4), fake_tensor(cutlass.Int32, (b, h, m, n), 1, 4))
+    tables = fake_mods_tables(spec)
+    return cute.compile(kernel.mods, q, k, v, out, lse, *scalars, *tables, *blocks, stream, options=options)
 
 
 def compile_forward_split(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_options: Optional[str] = None):

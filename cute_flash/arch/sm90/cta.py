@@ -45,6 +45,11 @@ class CtaWork(NamedTuple):
     offset_q: object = None  # packed tensors: the sequence's first query / key row (None: dense, indexed by batch)
     offset_k: object = None
     out_batch: object = None  # split_kv: the batch index of this CTA's partial O and LSE (split * batch + b)
+    key_tiles: object = None  # block-sparse builds: the key tiles to visit, ascending ((n,) int32; [n_min, n_max))
+
+    def key_tile(self, j):
+        """The key tile at position j of the walk: j itself, or the j-th of a block-sparse build's list."""
+        return j if cutlass.const_expr(self.key_tiles is None) else self.key_tiles[j]
 
     def active(self, tile_m: int):
         """Whether the query tile holds a row of its sequence (always, dense without clusters: the grid is the

@@ -53,7 +53,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 
 from ...common.acc_views import rows_cols_view
 from ...common.block_info import BlockInfo
-from ...common.block_walk import walk_kv_blocks
+from ...common.block_walk import walk_key_list, walk_kv_blocks
 from ...common.dsl_types import dsl_dtype
 from ...common.entries import FwdEntries
 from ...common.packed_tiles import packed_tiles_bound
@@ -105,7 +105,7 @@ class TileLoop(NamedTuple):
     turns: WarpGroupTurns
     mask: Callable
     scales: Optional[Callable]  # the FP8 kernel's per-tile factors; None here
-    pre_tanh: Optional[Float32] = None  # spec.softcap: the factor before the tanh (common/softcap.py)
+    score_ctx: object = None  # what modify_scores reads (score_setup: softcap's factor before the tanh, or None)
 
 
 class Sm90FlashForward(FwdEntries):
@@ -328,7 +328,13 @@ class Sm90FlashForward(FwdEntries):
             window_right,
             consume,
             None if const_expr(not self.varlen) else (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK),
+            features,
         )
+
+    def refine_work(self, work: CtaWork, features) -> CtaWork:
+        """A feature build's CTA work from the mask's (the block-sparse score_mod / mask_mod build narrows the key
+        tiles to its list: flash_fwd_mods.py); unchanged here."""
+        return work
 
     def v_and_o_smem(self, storage, layouts):
         """V's shared memory as the producer fills it and as consume takes it, and O's (in Q's slots: slice_elems)."""
@@ -381,16 +387,20 @@ class Sm90FlashForward(FwdEntries):
         window_right: Int32,
         consume: cutlass.Constexpr,
         packed=None,
+        features=None,
     ):
-        """This CTA's work; then warpgroup 0 gives registers away and its warp 0 loads (atoms, gmem, smem: those of
-        Q, K and V), while the others take them and consume(work, consumer index, thread index within the
-        warpgroup, warp index within it). packed: the cu_seqlens_q, cu_seqlens_k, seqused_k tensors of packed
-        sequences (a CTA past its sequence's end does nothing, unless another CTA of its cluster has rows: then it
-        still loads its part of K / V and drains the rings)."""
+        """This CTA's work (features: a feature build's, which `refine_work` may read); then warpgroup 0 gives
+        registers away and its warp 0 loads (atoms, gmem, smem: those of Q, K and V), while the others take them
+        and consume(work, consumer index, thread index within the warpgroup, warp index within it). packed: the
+        cu_seqlens_q, cu_seqlens_k, seqused_k tensors of packed sequences (a CTA past its sequence's end does
+        nothing, unless another CTA of its cluster has rows: then it still loads its part of K / V and drains the
+        rings)."""
         work = cta_work(
             gmem[0], gmem[1], self.tile_m, self.tile_n, self.mask_kind, window_left, window_right, packed,
             self.split_kv, self.cluster_m,
         )  # fmt: skip
+        if const_expr(features is not None):
+            work = self.refine_work(work, features)
 
         pipeline.pipeline_init_wait(self.cluster_shape())
 
@@ -478,6 +488,7 @@ class Sm90FlashForward(FwdEntries):
             n_max,
             self.cluster_m,
             None if const_expr(self.cluster_m == 1) else work.slice_active(0, self.num_consumers, self.cluster_m),
+            None if const_expr(work.key_tiles is None) else work.key_tile,
         )
 
     @cute.jit
@@ -500,11 +511,7 @@ class Sm90FlashForward(FwdEntries):
         acc_O.fill(0.0)
 
         coords = self.score_coords(tiled_mma_qk, thr_qk, consumer)
-        scale_log2 = softmax_scale * LOG2_E
-        pre_tanh = None
-        if const_expr(self.softcap):
-            # T = tanh(S * pre_tanh) in place of S, and the softmax of T runs with softcap * log2(e) as its scale.
-            pre_tanh, scale_log2 = softcap_factors(softmax_scale, features[0])
+        score_ctx, scale_log2 = self.score_setup(softmax_scale, features, work, coords)
         softmax = OnlineSoftmax.create(scale_log2, cute.size(rows_cols_view(acc_O), mode=[0]), sequential_sum=True)
         sinks_log2 = None
         if const_expr(self.sink):  # loaded here, so that the loads' latency hides behind the main loop
@@ -517,12 +524,21 @@ class Sm90FlashForward(FwdEntries):
             if const_expr(self.v_tail_dirty):
                 zero_v = partial(self.zero_v_tail, pipes, sV, work, consumer, tidx)
             self.mainloop(
-                pipes, gemms.for_consumer(consumer), acc_O, softmax, turns, work, coords, None, zero_v, pre_tanh
+                pipes, gemms.for_consumer(consumer), acc_O, softmax, turns, work, coords, None, zero_v, score_ctx
             )
 
         row_scale, lse = softmax.finalize(sinks_log2)
         softmax.rescale(rows_cols_view(acc_O), row_scale)
         self.store_output(acc_O, lse, tiled_mma_pv, thr_pv, out, work, consumer, tidx, warp_in_wg)
+
+    def score_setup(self, softmax_scale: Float32, features, work: CtaWork, coords):
+        """(what `modify_scores` reads, the online softmax's scale in log2 units) of one consumer: soft-capping's
+        factor before the tanh (T = tanh(S * pre_tanh) in place of S, whose softmax runs with softcap * log2(e) as
+        its scale) where spec.softcap, else (None, softmax_scale * log2(e)). The score_mod build's override:
+        flash_fwd_mods.py."""
+        if const_expr(self.softcap):
+            return softcap_factors(softmax_scale, features[0])
+        return None, softmax_scale * LOG2_E
 
     @cute.jit
     def row_sinks(self, mSink: cute.Tensor, thr_o, work: CtaWork, consumer: Int32) -> cute.Tensor:
@@ -617,22 +633,22 @@ class Sm90FlashForward(FwdEntries):
 
     @cute.jit
     def first_scores(
-        self, pipes, gemms: ConsumerGemms, kv, s_shape: cutlass.Constexpr, mask, n_first: Int32, pre_tanh=None
+        self, pipes, gemms: ConsumerGemms, kv, s_shape: cutlass.Constexpr, mask, n_first: Int32, score_ctx=None
     ):
         """S of the right-most key tile (the seqlen_k tail and the diagonal live there), alone and masked."""
         consumer_wait(pipes.k, kv)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         wgmma.gemm(gemms.mma_qk, acc_S, gemms.tSrQ, gemms.tSrK[None, None, None, kv.index], zero_init=True, wait=0)
         pipes.k.consumer_release(kv)
-        self.modify_scores(acc_S, pre_tanh)
+        self.modify_scores(acc_S, n_first, score_ctx)
         mask(acc_S, n_first, True, self.causal or self.local)
         return acc_S
 
-    def modify_scores(self, acc_S: cute.Tensor, pre_tanh):
-        """What happens to a tile's raw scores before the mask: soft-capping where spec.softcap (one FMUL and one
-        MUFU.TANH per score, common/softcap.py), nothing otherwise."""
+    def modify_scores(self, acc_S: cute.Tensor, n_block: Int32, score_ctx):
+        """What happens to key tile n_block's raw scores before the mask (score_ctx: `score_setup`'s): soft-capping
+        where spec.softcap (one FMUL and one MUFU.TANH per score, common/softcap.py), nothing otherwise."""
         if const_expr(self.softcap):
-            apply_softcap(acc_S, pre_tanh)
+            apply_softcap(acc_S, score_ctx)
 
     @cute.jit
     def overlapped_gemms(
@@ -653,7 +669,7 @@ class Sm90FlashForward(FwdEntries):
         loop.turns.pass_turn()
         warpgroup.wait_group(1)  # S is ready; P·V may still run
         pipes.k.consumer_release(kv)
-        self.modify_scores(acc_S, loop.pre_tanh)
+        self.modify_scores(acc_S, n_block, loop.score_ctx)
         if const_expr(mask_window):
             loop.mask(acc_S, n_block, False, True)
         return kv, kv_v, acc_S
@@ -670,7 +686,7 @@ class Sm90FlashForward(FwdEntries):
         coords,  # score_coords
         scales: cutlass.Constexpr,  # FP8: per-tile factors (tile_factors); None here
         before_first_pv=None,  # packed sequences: zero_v_tail, once the first tile's P is formed
-        pre_tanh=None,  # spec.softcap: the factor before the tanh (softcap_factors)
+        score_ctx=None,  # what modify_scores reads (score_setup)
     ):
         """All key blocks of one CTA tile, right to left, for one consumer warpgroup; returns what the walk carried
         (the K/V pipeline state, and the FP8 kernel's V descale of the last tile)."""
@@ -683,8 +699,9 @@ class Sm90FlashForward(FwdEntries):
         )
 
         n_first = work.n_max - 1
-        factors = self.tile_factors(scales, n_first)
-        acc_S = self.first_scores(pipes, gemms, kv, s_shape, mask, n_first, pre_tanh)
+        first_tile = work.key_tile(n_first)
+        factors = self.tile_factors(scales, first_tile)
+        acc_S = self.first_scores(pipes, gemms, kv, s_shape, mask, first_tile, score_ctx)
         self.softmax_update(softmax, acc_S, factors, True)
         self.store_p(acc_S, gemms.tOrP)
         if const_expr(before_first_pv is not None):
@@ -693,9 +710,14 @@ class Sm90FlashForward(FwdEntries):
             before_first_pv()
 
         acc_PV, o_state, carry = self.loop_state(gemms, acc_O, softmax, kv, factors)
-        loop = TileLoop(pipes, gemms, acc_O, acc_PV, o_state, s_shape, softmax, turns, mask, scales, pre_tanh)
-        # Then the rest, right to left; only blocks crossing a window edge pay for masking.
-        carry = walk_kv_blocks(work.info, work.m_block, work.n_min, n_first, partial(self.step, loop=loop), carry)
+        loop = TileLoop(pipes, gemms, acc_O, acc_PV, o_state, s_shape, softmax, turns, mask, scales, score_ctx)
+        # Then the rest, right to left; only blocks crossing a window edge pay for masking (a block-sparse list's
+        # every tile: where it sits against the window is not known at compile time).
+        step = partial(self.step, loop=loop)
+        if const_expr(work.key_tiles is None):
+            carry = walk_kv_blocks(work.info, work.m_block, work.n_min, n_first, step, carry)
+        else:
+            carry = walk_key_list(work.key_tiles, work.n_min, n_first, step, carry)
 
         # The last P·V.
         kv = self.carry_kv(carry)

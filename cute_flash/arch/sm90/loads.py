@@ -37,10 +37,14 @@ def load_q_k_v(
     n_max: Int32,
     cluster_m: cutlass.Constexpr[int] = 1,
     has_rows=None,
+    key_tile=None,
 ):
     """Q slices first_q_slice.. (one per consumer) once; then K_last; then K_{j-1} with V_j, so each consumer step
     finds both; V_first last (the consumers' order). cluster_m > 1: K and V multicast (above), and Q only where
-    `has_rows` (a CTA past its sequence's end still loads its part of K and V for the others)."""
+    `has_rows` (a CTA past its sequence's end still loads its part of K and V for the others). key_tile: the key
+    tile at each position j in [n_min, n_max) (block-sparse builds, CtaWork.key_tile), else j itself."""
+    if cutlass.const_expr(key_tile is None):
+        key_tile = _same_tile
     no_cluster = cute.make_layout(1)
     tQsQ, tQgQ = cpasync.tma_partition(atom_q, 0, no_cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
     rank, cluster, mcast_mask = 0, no_cluster, None
@@ -62,17 +66,21 @@ def load_q_k_v(
         kv = producer_state(num_stages)
         n_last = n_max - 1
         pipes.k.producer_acquire(kv)
-        load_tile(k_tiles, n_last, kv)
+        load_tile(k_tiles, key_tile(n_last), kv)
         for i in cutlass.range(n_max - 1 - n_min, unroll=1):
             n_v = n_last - i
             kv_v = kv.clone()
             kv.advance()
             pipes.k.producer_acquire(kv)
-            load_tile(k_tiles, n_v - 1, kv)
+            load_tile(k_tiles, key_tile(n_v - 1), kv)
             pipes.v.producer_acquire(kv_v)
-            load_tile(v_tiles, n_v, kv_v)
+            load_tile(v_tiles, key_tile(n_v), kv_v)
         pipes.v.producer_acquire(kv)
-        load_tile(v_tiles, n_min, kv)
+        load_tile(v_tiles, key_tile(n_min), kv)
+
+
+def _same_tile(j):
+    return j
 
 
 def load_tile(tiles, n: Int32, state) -> None:

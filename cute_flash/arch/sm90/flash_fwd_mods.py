@@ -1,0 +1,87 @@
+"""The sm90 forward with a score_mod and / or a mask_mod (cute_flash/mods): `Sm90ModsForward`, the dense bf16 /
+fp16 forward (flash_fwd.py: TMA, wgmma, ping-pong consumers) whose `modify_scores` hook applies the traced callables
+to every score of every key tile right after its Q·Kᵀ wgmma (common/mods_scores.py: one scalar expression per
+element), before the kernel's own causal / window / sequence-end masks. Its softmax runs with log2(e) as its scale
+where a score_mod is present (the scores are scaled before it).
+
+Block-sparse builds (spec.block_sparse; a block mask, mods/block_mask.py) walk each query tile's list of key tiles
+in place of the mask's key range (`refine_work`; CtaWork.key_tile: the producer loads and the consumers read the same
+list), masking every listed tile with the kernel's own mask. Dense and unsplit; the backward of these calls is the
+sm80 family's (arch/sm80/flash_bwd_mods.py), which reads this forward's out and lse as they are.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from ...common.mods_scores import ModsGraphs, ScoreContext
+from ...spec import ModsSpec
+from .cta import CtaWork
+from .flash_fwd import Sm90FlashForward
+from .tile_config import FwdTileConfig
+
+
+class TileScores(NamedTuple):
+    """What `modify_scores` reads: the mods context, this thread's score coordinates within the CTA tile and the
+    tile's first query row."""
+
+    mods: ScoreContext
+    coords_rc: cute.Tensor
+    q_base: object
+
+
+class Sm90ModsForward(ModsGraphs, Sm90FlashForward):
+    def __init__(self, spec: ModsSpec, cfg: FwdTileConfig):
+        assert not spec.varlen and not spec.softcap and not spec.sink, "dense score_mod / mask_mod builds only"
+        super().__init__(spec, cfg)
+        assert self.cluster_m == 1
+        self.init_graphs(spec)
+        self.block_sparse = spec.block_sparse
+
+    @cute.jit
+    def mods(
+        self,
+        mQ: cute.Tensor,  # q: batch x seqlen_q x heads x head_dim
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        a0: Optional[cute.Tensor],
+        a1: Optional[cute.Tensor],
+        a2: Optional[cute.Tensor],
+        a3: Optional[cute.Tensor],
+        mBlockCount: Optional[cute.Tensor],  # spec.block_sparse: (B, H, M) int32 key tiles per query tile
+        mBlockIndex: Optional[cute.Tensor],  # (B, H, M, N) int32, ascending; B / H 1 where the mask is broadcast
+        stream: cuda.CUstream,
+    ):
+        self._launch(
+            mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream,
+            features=(softmax_scale, a0, a1, a2, a3, mBlockCount, mBlockIndex),
+        )  # fmt: skip
+
+    def refine_work(self, work: CtaWork, features) -> CtaWork:
+        """Block-sparse builds: the query tile's key tiles are the block mask's list (every tile of which is masked
+        by the kernel's own mask as well: exact whatever the list holds beyond the visible tiles)."""
+        if const_expr(not self.block_sparse):
+            return work
+        mCount, mIndex = features[5:]
+        b = cutlass.min(work.batch, mCount.shape[0] - 1)
+        h = cutlass.min(work.head, mCount.shape[1] - 1)
+        count = cutlass.min(mCount[b, h, work.m_block], Int32(mIndex.shape[3]))
+        return work._replace(n_min=Int32(0), n_max=count, key_tiles=mIndex[b, h, work.m_block, None])
+
+    def score_setup(self, softmax_scale: Float32, features, work: CtaWork, coords):
+        scale, *tables = features[:5]
+        ctx = self.mods_context(scale, tables, work.head, work.batch, work.seqlen_q, work.info.seqlen_k)
+        return TileScores(ctx, coords[0], work.m_block * self.tile_m), self.mods_scale_log2(softmax_scale)
+
+    def modify_scores(self, acc_S: cute.Tensor, n_block: Int32, score_ctx: TileScores):
+        self.apply_mods(acc_S, score_ctx.coords_rc, score_ctx.q_base, n_block * self.tile_n, score_ctx.mods)

@@ -1,0 +1,100 @@
+"""The sm90 score_mod / mask_mod forward (arch/sm90/flash_fwd_mods.py) on a Hopper GPU: outputs and lse against the
+float64 reference by FlashAttention's rule, dense and block-sparse (block masks of the mask_mod, and coarser ones
+that visit extra tiles), and the gradients of a call whose forward runs here and backward on the sm80 family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash.mods.reference import attention_mods_reference
+
+from . import test_mods as examples
+
+pytestmark = pytest.mark.sm90
+
+CASES = [
+    ("alibi", None, 300, 517),
+    (None, "sliding", 517, 517),
+    ("t5_bias", "document", 77, 77),
+    ("softcap30", "sliding", 300, 300),
+    (None, "prefix_lm", 333, 200),
+    ("alibi", "random_blocks", 128, 128),
+    ("t5_bias", "causal", 1000, 1000),
+]
+
+
+def _mods(score, mask, monkeypatch):
+    for name in ("SLOPES", "T5_TABLE", "DOC", "PREFIX", "RANDOM_BLOCKS"):
+        monkeypatch.setattr(examples, name, getattr(examples, name).cuda())
+    return (getattr(examples, score) if score else None), (getattr(examples, mask) if mask else None)
+
+
+def _qkv(sq, sk, d, seed, requires_grad=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    b, h, hk = examples.B, examples.H, 2
+
+    def randn(*shape):
+        t = torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+        return t.requires_grad_(requires_grad)
+
+    return randn(b, sq, h, d), randn(b, sk, hk, d), randn(b, sk, hk, d)
+
+
+def _check(out, lse, q, k, v, kw):
+    with torch.no_grad():
+        ref, ref_lse = attention_mods_reference(q, k, v, return_lse=True, **kw)
+        same = attention_mods_reference(q, k, v, compute_dtype=torch.bfloat16, **kw)
+    tol = 2 * (same.double() - ref).abs().max().item() + 1e-5
+    err = (out.double() - ref).abs().max().item()
+    assert err <= tol, (err, tol)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("score, mask, sq, sk", CASES)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_mods_forward_against_float64(monkeypatch, score, mask, sq, sk, d, causal):
+    score_mod, mask_mod = _mods(score, mask, monkeypatch)
+    q, k, v = _qkv(sq, sk, d, seed=hash((score, mask, d, causal)) % 1000)
+    kw = dict(score_mod=score_mod, mask_mod=mask_mod, causal=causal)
+    assert cute_flash.explain(q, k, v, **kw).forward.family == "sm90"
+    with torch.no_grad():
+        out, lse = cute_flash.attention(q, k, v, return_lse=True, **kw)
+    _check(out, lse, q, k, v, kw)
+    if mask_mod is None:
+        return
+    for tiles in ((128, 128), (64, 32), (256, 256)):  # the kernel's, finer, coarser: every tile list is exact
+        block = cute_flash.mods.create_block_mask(mask_mod, examples.B, examples.H, sq, sk, tile_m=tiles[0],
+                                                  tile_n=tiles[1], device="cuda")  # fmt: skip
+        with torch.no_grad():
+            out_b, lse_b = cute_flash.attention(q, k, v, return_lse=True, block_mask=block, **kw)
+        _check(out_b, lse_b, q, k, v, kw)
+
+
+@pytest.mark.parametrize("score, mask", [("alibi", "causal"), ("t5_bias", "document"), ("softcap30", "sliding")])
+def test_forward_on_sm90_backward_on_sm80_gradients(monkeypatch, score, mask):
+    """Natural routing (no family forced): the forward here, the backward on the sm80 kernels, through one node."""
+    monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
+    score_mod, mask_mod = _mods(score, mask, monkeypatch)
+    sq = 77 if mask == "document" else 300
+    q, k, v = _qkv(sq, sq, 64, seed=7, requires_grad=True)
+    kw = dict(score_mod=score_mod, mask_mod=mask_mod)
+    e = cute_flash.explain(q, k, v, **kw)
+    assert (e.forward.family, e.backward.family) == ("sm90", "sm80"), e
+    block = cute_flash.mods.create_block_mask(mask_mod, examples.B, examples.H, sq, sq, device="cuda")
+    g = torch.randn(q.shape[:3] + (v.shape[-1],), device="cuda", dtype=q.dtype)
+    out, lse = cute_flash.attention(q, k, v, return_lse=True, block_mask=block, **kw)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (g, torch.ones_like(lse)))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = attention_mods_reference(qd, kd, vd, return_lse=True, **kw)
+    ref = torch.autograd.grad((ref_out, ref_lse), (qd, kd, vd), (g.double(), torch.ones_like(ref_lse)))
+    qb, kb, vb = (t.detach().requires_grad_() for t in (q, k, v))
+    same_out, same_lse = attention_mods_reference(qb, kb, vb, return_lse=True, compute_dtype=torch.bfloat16, **kw)
+    same = torch.autograd.grad((same_out, same_lse), (qb, kb, vb), (g, torch.ones_like(same_lse)))
+    for name, got, want, base in zip(("dq", "dk", "dv"), grads, ref, same):
+        tol = 2 * (base.double() - want).abs().max().item() + 1e-5
+        assert (got.double() - want).abs().max().item() <= tol, name
