@@ -98,12 +98,19 @@ def test_attention_with_mods_against_float64(monkeypatch, score, mask, d, causal
 def test_gradients_with_mods_against_float64(monkeypatch, score, mask, d):
     """dq, dk, dv (and lse's gradient folded into D) by FlashAttention's rule against autograd through the float64
     reference, GQA 4 / 2, odd length 77."""
-    from cute_flash.mods.reference import attention_mods_reference
 
     kw = dict(score_mod=_cuda_mod(getattr(examples, score), monkeypatch), mask_mod=getattr(examples, mask))
     q, k, v = (t.requires_grad_() for t in _attention_case(d, False, seed=hash((score, mask, d)) % 1000))
+    check_gradients(q, k, v, kw)
+
+
+def check_gradients(q, k, v, kw, **call):
+    """dq, dk, dv of attention(q, k, v, **kw, **call) by FlashAttention's rule against autograd through the float64
+    reference with kw (the callables)."""
+    from cute_flash.mods.reference import attention_mods_reference
+
     g = torch.randn(q.shape[:3] + (v.shape[-1],), device="cuda", dtype=q.dtype)
-    out, lse = cute_flash.attention(q, k, v, return_lse=True, **kw)
+    out, lse = cute_flash.attention(q, k, v, return_lse=True, **kw, **call)
     grads = torch.autograd.grad((out, lse), (q, k, v), (g, torch.ones_like(lse)))
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref_out, ref_lse = attention_mods_reference(qd, kd, vd, return_lse=True, **kw)

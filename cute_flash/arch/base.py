@@ -262,15 +262,13 @@ class BackendBase:
 def launch_mods_forward(
     kernel: Callable, q, k, v, out, lse, problem: Problem, tables: List[torch.Tensor], blocks: Optional[tuple] = None
 ) -> None:
-    """A compiled score_mod / mask_mod forward (the `mods` entries: q, k, v, out, lse, softmax_scale, window_left,
-    window_right, a0 .. a3, then for the sm90 entry the block lists or None) on a call's tensors and the graphs'
-    tables (None past them). blocks: False for an entry without block arguments (sm80)."""
+    """A compiled score_mod / mask_mod forward (the `mods` entry, common/entries.ModsFwdEntry) on a call's tensors,
+    the graphs' tables (None past them) and the block lists of a block-sparse build (else None)."""
     from ..mods.graph import MAX_TABLES
 
     q, k, v, out = (kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out)))
     scalars = (float(problem.softmax_scale), int(problem.mask.left), int(problem.mask.right))
-    extra = () if blocks is False else tuple(blocks) if blocks is not None else (None, None)
-    kernel(q, k, v, out, lse, *scalars, *tables, *([None] * (MAX_TABLES - len(tables))), *extra)
+    kernel(q, k, v, out, lse, *scalars, *tables, *([None] * (MAX_TABLES - len(tables))), *(blocks or (None, None)))
 
 
 class BoundForward:

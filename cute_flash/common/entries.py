@@ -260,3 +260,33 @@ class AccumEntries(DenseAccumEntry):
     ):
         assert self.varlen
         self._launch(mAccum, mOut, scale, stream, mCuSeqlens, pad, max_seqlen)
+
+
+class ModsFwdEntry:
+    """`mods(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, a0, a1, a2, a3, mBlockCount,
+    mBlockIndex, stream)` -> `self._launch(..., stream, features=(softmax_scale, a0, a1, a2, a3, mBlockCount,
+    mBlockIndex))`: the score_mod / mask_mod forwards (cute_flash/mods) on dense tensors; a0 .. a3 the graphs'
+    tables (None past them), the block lists ((B, H, M) / (B, H, M, N) int32) only in block-sparse builds, else
+    None."""
+
+    @cute.jit
+    def mods(
+        self,
+        mQ: cute.Tensor,  # q: batch x seqlen_q x heads x head_dim
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        a0: Optional[cute.Tensor],
+        a1: Optional[cute.Tensor],
+        a2: Optional[cute.Tensor],
+        a3: Optional[cute.Tensor],
+        mBlockCount: Optional[cute.Tensor],
+        mBlockIndex: Optional[cute.Tensor],
+        stream: cuda.CUstream,
+    ):
+        features = (softmax_scale, a0, a1, a2, a3, mBlockCount, mBlockIndex)
+        self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, features=features)

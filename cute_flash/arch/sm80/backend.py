@@ -143,7 +143,9 @@ class _Backend(BackendBase):
         if reason is not None:
             raise NotImplementedError(reason)
         kernel = self._forward_kernel(spec, compile_cache.runtime_target(q.device))
-        launch_mods_forward(kernel, q, k, v, out, lse, problem, tables, blocks=False)  # (every tile: no lists)
+        if blocks is not None:
+            raise ValueError("the sm80 score_mod / mask_mod forward takes no block lists (it visits every tile)")
+        launch_mods_forward(kernel, q, k, v, out, lse, problem, tables)
 
     def backward_mods(self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor]) -> None:
         """The backward of `forward_mods` (flash_bwd_mods.py), with the same tables."""

@@ -15,47 +15,24 @@ The captured tensors are the `mods` entry's a0 .. a3 (None past the graphs' tabl
 
 from __future__ import annotations
 
-from typing import Optional
 
-import cuda.bindings.driver as cuda
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Int32
 
+from ...common.entries import ModsFwdEntry
 from ...common.mods_scores import ModsGraphs
 from ...spec import ModsSpec
 from .flash_fwd import FwdFeatures, Sm80FlashForward
 from .tile_config import FwdTileConfig
 
 
-class Sm80ModsForward(ModsGraphs, Sm80FlashForward):
+class Sm80ModsForward(ModsGraphs, ModsFwdEntry, Sm80FlashForward):
     def __init__(self, spec: ModsSpec, tile: FwdTileConfig):
         super().__init__(spec, tile)
         self.init_graphs(spec)
 
-    @cute.jit
-    def mods(
-        self,
-        mQ: cute.Tensor,  # q: batch x seqlen_q x heads x head_dim
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        a0: Optional[cute.Tensor],
-        a1: Optional[cute.Tensor],
-        a2: Optional[cute.Tensor],
-        a3: Optional[cute.Tensor],
-        stream: cuda.CUstream,
-    ):
-        self._launch(
-            mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream,
-            features=(softmax_scale, a0, a1, a2, a3),
-        )  # fmt: skip
-
     def _feature_args(self, softmax_scale, features):
-        scale, a0, a1, a2, a3 = features
+        scale, a0, a1, a2, a3 = features[:5]  # (no block lists: this kernel visits every tile)
         return self.mods_scale_log2(softmax_scale), FwdFeatures(None, None, (scale, a0, a1, a2, a3))
 
     def score_context(self, features, head, seq):

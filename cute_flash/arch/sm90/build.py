@@ -35,6 +35,17 @@ def _strided(dtype, shape, last_dim: int):
     return fake_operand(dtype, (*shape, last_dim))
 
 
+def _fake_dense_io(spec: AttentionSpec) -> tuple:
+    """q, k, v, out (b, s, h, d) in spec's dtype and lse (b, h, sq) fp32 of a dense forward, shapes symbolic."""
+    dtype = dsl_dtype(spec.dtype)
+    batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
+    q = _strided(dtype, (batch, seqlen_q, heads), spec.head_dim)
+    k = _strided(dtype, (batch, seqlen_k, heads_kv), spec.head_dim)
+    v = _strided(dtype, (batch, seqlen_k, heads_kv), spec.head_dim_v)
+    out = _strided(dtype, (batch, seqlen_q, heads), spec.head_dim_v)
+    return q, k, v, out, fake_f32((batch, heads, seqlen_q))
+
+
 def compile_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_options: Optional[str] = None):
     """The compiled forward: call it as fn(q, k, v, out, lse, softmax_scale, window_left, window_right); with
     spec.varlen the packed entry (compile_forward_packed). Builds for spec.softcap / spec.sink take the `features`
@@ -43,13 +54,7 @@ def compile_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_
         return compile_forward_packed(spec, cfg, target, extra_options, seqused=False)
     if isinstance(spec, ModsSpec):
         return _compile_forward_mods(spec, cfg, target, extra_options)
-    dtype = dsl_dtype(spec.dtype)
-    batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
-    q = _strided(dtype, (batch, seqlen_q, heads), spec.head_dim)
-    k = _strided(dtype, (batch, seqlen_k, heads_kv), spec.head_dim)
-    v = _strided(dtype, (batch, seqlen_k, heads_kv), spec.head_dim_v)
-    out = _strided(dtype, (batch, seqlen_q, heads), spec.head_dim_v)
-    lse = fake_f32((batch, heads, seqlen_q))
+    q, k, v, out, lse = _fake_dense_io(spec)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     kernel = Sm90FlashForward(spec, cfg)
     options = compile_cache.compile_options(target, extra=extra_options or "")
@@ -66,13 +71,7 @@ def _compile_forward_mods(spec: ModsSpec, cfg: FwdTileConfig, target: str, extra
     ranks (None past them), the block mask's lists (spec.block_sparse) or None."""
     from .flash_fwd_mods import Sm90ModsForward
 
-    dtype = dsl_dtype(spec.dtype)
-    batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
-    q = _strided(dtype, (batch, seqlen_q, heads), spec.head_dim)
-    k = _strided(dtype, (batch, seqlen_k, heads_kv), spec.head_dim)
-    v = _strided(dtype, (batch, seqlen_k, heads_kv), spec.head_dim_v)
-    out = _strided(dtype, (batch, seqlen_q, heads), spec.head_dim_v)
-    lse = fake_f32((batch, heads, seqlen_q))
+    q, k, v, out, lse = _fake_dense_io(spec)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     kernel = Sm90ModsForward(spec, cfg)
     options = compile_cache.compile_options(target, extra=extra_options or "")

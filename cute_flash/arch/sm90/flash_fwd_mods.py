@@ -12,13 +12,13 @@ sm80 family's (arch/sm80/flash_bwd_mods.py), which reads this forward's out and 
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from ...common.entries import ModsFwdEntry
 from ...common.mods_scores import ModsGraphs, ScoreContext
 from ...spec import ModsSpec
 from .cta import CtaWork
@@ -35,37 +35,13 @@ class TileScores(NamedTuple):
     q_base: object
 
 
-class Sm90ModsForward(ModsGraphs, Sm90FlashForward):
+class Sm90ModsForward(ModsGraphs, ModsFwdEntry, Sm90FlashForward):
     def __init__(self, spec: ModsSpec, cfg: FwdTileConfig):
         assert not spec.varlen and not spec.softcap and not spec.sink, "dense score_mod / mask_mod builds only"
         super().__init__(spec, cfg)
         assert self.cluster_m == 1
         self.init_graphs(spec)
         self.block_sparse = spec.block_sparse
-
-    @cute.jit
-    def mods(
-        self,
-        mQ: cute.Tensor,  # q: batch x seqlen_q x heads x head_dim
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        softmax_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        a0: Optional[cute.Tensor],
-        a1: Optional[cute.Tensor],
-        a2: Optional[cute.Tensor],
-        a3: Optional[cute.Tensor],
-        mBlockCount: Optional[cute.Tensor],  # spec.block_sparse: (B, H, M) int32 key tiles per query tile
-        mBlockIndex: Optional[cute.Tensor],  # (B, H, M, N) int32, ascending; B / H 1 where the mask is broadcast
-        stream: cuda.CUstream,
-    ):
-        self._launch(
-            mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream,
-            features=(softmax_scale, a0, a1, a2, a3, mBlockCount, mBlockIndex),
-        )  # fmt: skip
 
     def refine_work(self, work: CtaWork, features) -> CtaWork:
         """Block-sparse builds: the query tile's key tiles are the block mask's list (every tile of which is masked
