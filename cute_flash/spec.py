@@ -23,6 +23,16 @@ def op_window_bound(w: Optional[int]) -> Optional[int]:
     return None if w is None else _clamp_bound(w)
 
 
+# The largest cap whose capped logits (in [-softcap, softcap]) fit a fixed softmax reference: 2 * softcap * log2(e)
+# binades must stay within what common/softcap.CappedSoftmax places between 2^-120 and 2^64 (softcap <= 63.8).
+WIDE_SOFTCAP = 60.0
+
+
+def softcap_fields(softcap: float) -> dict:
+    """The spec fields of a call's cap (0: none): `softcap`, and `softcap_wide` above WIDE_SOFTCAP."""
+    return dict(softcap=softcap > 0, softcap_wide=softcap > WIDE_SOFTCAP)
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     dtype: ComputeDtype  # operand dtype of the matrix products
@@ -36,6 +46,10 @@ class AttentionSpec:
     # Soft-capping (Gemma 2): scores become softcap * tanh(score * softmax_scale / softcap) before the mask and the
     # softmax. The flag changes generated code; the cap itself is a runtime value (`Problem.softcap`).
     softcap: bool = False
+    # A cap above WIDE_SOFTCAP (`softcap_fields`): the capped logits span more binades than a fixed softmax reference
+    # leaves room for, so the sm90 bf16 forward keeps the running row max for it (common/softcap.CappedSoftmax);
+    # other kernels build the same code either way.
+    softcap_wide: bool = False
     # A learnable sink per query head (gpt-oss): one extra logit that joins every row's softmax denominator and
     # attends to no value. The logits are a runtime fp32 tensor (`FwdTensors.sink`, arch/base.py).
     sink: bool = False

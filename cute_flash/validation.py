@@ -20,7 +20,7 @@ import torch
 from .kernel_layout import ALIGN_BYTES, is_kernel_layout, kernel_view  # noqa: F401  (re-exported: validation's own)
 from .kernel_layout import round_up as _round_up  # noqa: F401  (arch/sm90/backward.py imports it from here)
 from .problem import KVCACHE_MAX_SPLITS, MAX_SPLIT_SCALE, KvCacheProblem, PackedSeqs, Problem, Semantics, VarlenProblem  # noqa: F401  (re-exported)
-from .spec import AttentionSpec, MaskBounds, normalize_mask
+from .spec import AttentionSpec, MaskBounds, normalize_mask, softcap_fields
 
 INPUT_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 COMPUTE_DTYPES = (None, "fp8")
@@ -51,7 +51,7 @@ def problem_of(
     head_dim_v, nheads_kv = v.shape[-1], k.shape[-2]
     dtype = INPUT_DTYPES[q.dtype]
     spec = AttentionSpec(
-        dtype, head_dim, head_dim_v, mask.kind, dtype, varlen=seqs is not None, softcap=softcap > 0, sink=sink
+        dtype, head_dim, head_dim_v, mask.kind, dtype, varlen=seqs is not None, **softcap_fields(softcap), sink=sink
     )
     if seqs is None:
         batch, seqlen_q = q.shape[:2]
@@ -188,7 +188,7 @@ def validate(
         head_dim_v=sem.head_dim_v,
         mask=sem.mask.kind,
         out_dtype=in_dtype,
-        softcap=softcap > 0,
+        **softcap_fields(softcap),
         sink=sink,
     )
     # Field by field: this runs under torch.compile, and torch 2.11's dynamo cannot trace vars() of a dataclass.
@@ -446,7 +446,7 @@ def validate_varlen(
         )
     dtype = INPUT_DTYPES[q.dtype]
     spec = AttentionSpec(
-        dtype, sem.head_dim, sem.head_dim_v, sem.mask.kind, dtype, varlen=True, softcap=softcap > 0, sink=sink
+        dtype, sem.head_dim, sem.head_dim_v, sem.mask.kind, dtype, varlen=True, **softcap_fields(softcap), sink=sink
     )
     return VarlenProblem(
         batch=batch,
@@ -651,7 +651,7 @@ def validate_kvcache(
     mask = normalize_mask(causal, (left, right))
     dtype = INPUT_DTYPES[q.dtype]
     spec = AttentionSpec(
-        dtype, head_dim, head_dim_v, mask.kind, dtype, softcap=softcap > 0, sink=args.learnable_sink is not None,
+        dtype, head_dim, head_dim_v, mask.kind, dtype, **softcap_fields(softcap), sink=args.learnable_sink is not None,
         kvcache=True, page_size=page_size, kv_fp8=kv_fp8,
     )  # fmt: skip
     return KvCacheProblem(

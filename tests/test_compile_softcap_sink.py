@@ -36,7 +36,8 @@ _BUILDS = textwrap.dedent(
             ptx, _ = census.read_artifacts(compiled)
         (_, res), = census.parse_ptxas_reports("".join(err))[-1:]
         counts = {op: len(re.findall(pat, ptx)) for op, pat in (
-            ("tanh", r"tanh\\.approx\\.f32"), ("ld_global", r"\\bld\\.global\\."), ("mul_before_tanh",
+            ("tanh", r"tanh\\.approx\\.f32"), ("ld_global", r"\\bld\\.global\\."),
+            ("fmax", r"\\bmax(?:\\.ftz)?(?:\\.NaN)?\\.f32"), ("fmul", r"\\bmul(?:\\.ftz)?\\.f32"), ("mul_before_tanh",
              r"mul(?:\\.ftz)?\\.f32\\s+(%r\\d+),[^\\n]*\\n(?:\\s*//[^\\n]*\\n)*\\s*tanh\\.approx\\.f32\\s+%r\\d+,\\s*\\1;"))}
         print(json.dumps(dict(name=name, census=census.ptx_census(ptx), **counts, **res)), flush=True)
 
@@ -46,8 +47,10 @@ _BUILDS = textwrap.dedent(
         from cute_flash.common.split_combine import compile_split_combine
 
         dense = AttentionSpec("bf16", 128, 128, "causal", softcap=True, sink=True)
+        wide = AttentionSpec("bf16", 128, 128, "causal", softcap=True, softcap_wide=True, sink=True)
         packed = AttentionSpec("bf16", 64, 64, "local", varlen=True, softcap=True, sink=True)
         report("dense", lambda x: build.compile_forward(dense, fwd_tile_config(dense), target, x))
+        report("wide", lambda x: build.compile_forward(wide, fwd_tile_config(wide), target, x))
         report("packed", lambda x: build.compile_forward_packed(packed, fwd_tile_config(packed), target, x))
         report("split", lambda x: build.compile_forward_split(dense, fwd_tile_config(dense), target, x))
         report("combine", lambda x: compile_split_combine("bf16", 128, target, x, sink=True))
@@ -69,7 +72,7 @@ def _reports(arch: str) -> dict:
 
 def test_sm90_softcap_sink_builds():
     reports = _reports("sm90")
-    assert set(reports) == {"dense", "packed", "split", "combine"}
+    assert set(reports) == {"dense", "wide", "packed", "split", "combine"}
     for r in reports.values():
         assert r["spill_bytes"] == 0, r
     # 64 scores per consumer thread and key tile (64 x 128 / 128 threads at d128; 64 x 128 / 128 at d64): the first
@@ -85,6 +88,14 @@ def test_sm90_softcap_sink_builds():
     # thread (2); the split build's partials leave the sink to the combine.
     assert dense["ld_global"] == 2, dense
     assert split["ld_global"] == 0, split
+    # bf16 caps up to spec.WIDE_SOFTCAP take no running max (common/softcap.CappedSoftmax): no FMNMX per score and
+    # no rescale of O per tile (64 FMULs per thread and step); wider caps keep both.
+    wide = reports["wide"]
+    assert wide["tanh"] == dense["tanh"] and wide["spill_bytes"] == 0, wide
+    for r in (dense, packed, split):
+        assert r["fmax"] <= 4, r
+    assert wide["fmax"] >= dense["tanh"], wide
+    assert wide["fmul"] - dense["fmul"] >= 64 * 2, (wide, dense)
     assert reports["combine"]["tanh"] == 0
 
 

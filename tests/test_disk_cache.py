@@ -53,7 +53,8 @@ def test_key_text_is_stable_and_rejects_addresses():
     text = disk_cache.key_text(("sm80", "sm_90a", "bwd", KEY[3], _Tile(128, 64), None, (("block_m", 64),)))
     assert text == (
         "('sm80', 'sm_90a', 'bwd', AttentionSpec(dtype='bf16', head_dim=64, head_dim_v=64, mask='causal', "
-        "out_dtype='bf16', varlen=False, softcap=False, sink=False, kvcache=False, page_size=0, kv_fp8=False), "
+        "out_dtype='bf16', varlen=False, softcap=False, softcap_wide=False, sink=False, kvcache=False, page_size=0, "
+        "kv_fp8=False), "
         "_Tile(m=128, n=64), None, (('block_m', 64),))"
     )
     with pytest.raises(disk_cache.UnstableKey):

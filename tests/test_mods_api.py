@@ -134,8 +134,10 @@ def test_a_block_mask_reaches_the_backend_as_key_tile_lists(backend, monkeypatch
         cute_flash.attention(q, k, v, mask_mod=examples.causal, block_mask=mask)
     ((problem, _),) = backend.calls
     assert problem.spec.block_sparse
-    count, index = backend.blocks
-    assert count.shape == (1, 1, 3) and index.shape == (1, 1, 3, 3) and count.dtype == index.dtype == torch.int32
+    count, index, full, tiles = backend.blocks
+    assert count.shape == tiles.shape == (1, 1, 3) and index.shape == full.shape == (1, 1, 3, 3)
+    assert count.dtype == index.dtype == full.dtype == tiles.dtype == torch.int32
+    assert tiles.tolist() == [[[2, 1, 0]]] and count.tolist() == [[[3, 2, 1]]]  # the longest list first
     with pytest.raises(ValueError, match="needs the mask_mod"):
         cute_flash.attention(q, k, v, block_mask=mask)
     with pytest.raises(ValueError, match="seqlen_q, seqlen_k"):
@@ -144,23 +146,37 @@ def test_a_block_mask_reaches_the_backend_as_key_tile_lists(backend, monkeypatch
 
 @pytest.mark.parametrize("mask_tiles, kernel_tiles", [((64, 64), (128, 128)), ((128, 128), (128, 80)),
                                                       ((32, 48), (128, 176))])  # fmt: skip
-def test_key_tile_lists_cover_every_visible_key_of_the_kernel_tiles(mask_tiles, kernel_tiles):
+@pytest.mark.parametrize("mask_mod", [examples.sliding, examples.prefix_lm])
+def test_key_tile_lists_cover_every_visible_key_of_the_kernel_tiles(mask_tiles, kernel_tiles, mask_mod):
     """The kernel's lists (any tile sizes from any block mask's) hold, ascending, every kernel tile with a visible key
-    (exactly those where the mask's tiles divide the kernel's)."""
+    (exactly those where the mask's tiles divide the kernel's); a tile flagged full sees every in-range key (and
+    where the tiles divide, every such tile is flagged)."""
     from cute_flash.mods.call import key_tile_lists
     from cute_flash.mods.graph import evaluate, trace_mask_mod
 
     sq, sk = 333, 517
-    graph = trace_mask_mod(examples.sliding)
-    mask = cute_flash.mods.create_block_mask(examples.sliding, None, None, sq, sk, tile_m=mask_tiles[0],
-                                             tile_n=mask_tiles[1])  # fmt: skip
-    count, index = key_tile_lists(mask, *kernel_tiles, torch.device("cpu"))
-    vis = evaluate(graph, {"b": torch.zeros(1), "h": torch.zeros(1), "q_idx": torch.arange(sq).view(-1, 1),
-                           "kv_idx": torch.arange(sk).view(1, -1)}).expand(sq, sk)  # fmt: skip
+    graph = trace_mask_mod(mask_mod)
+    batch = 2 if graph.uses("b") else None
+    mask = cute_flash.mods.create_block_mask(mask_mod, batch, None, sq, sk, tile_m=mask_tiles[0],
+                                             tile_n=mask_tiles[1], device="cpu")  # fmt: skip
+    count, index, full, tiles = key_tile_lists(mask, *kernel_tiles, torch.device("cpu"))
+    assert sorted(tiles[0, 0].tolist()) == list(range(count.shape[-1]))  # a permutation, the longest lists first
+    assert torch.all(count[..., :-1] >= count[..., 1:])
+    position = {m: p for p, m in enumerate(tiles[0, 0].tolist())}
+    idx = {"b": torch.zeros(1, dtype=torch.long), "h": torch.zeros(1), "q_idx": torch.arange(sq).view(-1, 1),
+           "kv_idx": torch.arange(sk).view(1, -1)}  # fmt: skip
+    vis = evaluate(graph, idx).expand(sq, sk)
     tm, tn = kernel_tiles
     for m in range(-(-sq // tm)):
         want = [n for n in range(-(-sk // tn)) if vis[m * tm : (m + 1) * tm, n * tn : (n + 1) * tn].any()]
-        got = index[0, 0, m, : count[0, 0, m]].tolist()
+        got = index[0, 0, position[m], : count[0, 0, position[m]]].tolist()
         assert got == sorted(got) and set(want) <= set(got), (m, got, want)
-        if tm % mask_tiles[0] == 0 and tn % mask_tiles[1] == 0:  # (finer mask tiles: exactly the visible ones)
+        divides = tm % mask_tiles[0] == 0 and tn % mask_tiles[1] == 0
+        if divides:  # (finer mask tiles: exactly the visible ones)
             assert got == want, (m, got, want)
+        for n in range(-(-sk // tn)):
+            all_visible = bool(vis[m * tm : (m + 1) * tm, n * tn : (n + 1) * tn].all())
+            assert not full[0, 0, m, n] or all_visible, (m, n)
+            if divides:
+                assert bool(full[0, 0, m, n]) == all_visible, (m, n)
+    assert full.any() or mask_mod is examples.sliding  # (its window is narrower than a tile)

@@ -38,8 +38,9 @@ def test_probe_matches_the_graph(fn):
     graph_cuda = type(graph)(graph.kind, graph.nodes, tuple(t.cuda() for t in graph.aux), graph.aux_types)
     got = run_probe(graph_cuda, cuda["score"] if score_mod else None, cuda["b"], cuda["h"], cuda["q_idx"],
                     cuda["kv_idx"]).cpu()  # fmt: skip
-    if score_mod:
-        torch.testing.assert_close(got.double(), want.double(), rtol=2e-6, atol=2e-6)
+    if score_mod:  # tanh by tanh.approx.f32 (relative error about 2^-11: mods/codegen.py), the rest within ulps
+        tol = 2e-3 if any(node.op == "tanh" for node in graph.nodes) else 2e-6
+        torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol)
     else:
         assert torch.equal(got.bool(), want)
 

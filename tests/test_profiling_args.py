@@ -52,5 +52,21 @@ def test_decode_benchmark_usage_errors(argv):
 def test_mods_benchmark_arguments():
     args = mods_benchmark._parse(["--examples", "alibi,causal", "--shapes", "2x1024,1x4096"])
     assert args.examples == ["alibi", "causal"] and args.shapes == [(2, 1024), (1, 4096)]
+    assert not args.no_fa4 and not args.no_flex  # FA4 and FlexAttention on by default
+    args = mods_benchmark._parse(["--no-fa4"])
+    assert args.no_fa4 and not args.no_flex and args.examples == list(mods_benchmark.EXAMPLES)
     with pytest.raises(SystemExit):
         mods_benchmark._parse(["--examples", "relu"])
+
+
+def test_mods_benchmark_tables_for_fa4():
+    """_callables hands FA4 (profiling/fa4_mods.py) what each example's callables read; fa4_mods imports without
+    flash_attn."""
+    from profiling import fa4_mods
+
+    keys = {"alibi": {"slopes"}, "t5_bias": {"table", "max_distance"}, "sliding": {"window"}, "document": {"doc"}}
+    keys["prefix_lm"] = {"prefix"}
+    for name in mods_benchmark.EXAMPLES:
+        score_mod, mask_mod, _, tables = mods_benchmark._callables(name, 2, 1024, 4, "cpu")
+        assert set(tables) == keys.get(name, set()) and (mask_mod is not None) == (name in fa4_mods.MASK_EXAMPLES)
+    assert fa4_mods.BLOCK_SIZE == (128, 128)

@@ -26,7 +26,7 @@ import torch
 
 from cute_flash.arch.base import FwdTensors, SplitForward
 from cute_flash.reference import visible_keys
-from cute_flash.spec import AttentionSpec, normalize_mask
+from cute_flash.spec import AttentionSpec, softcap_fields, normalize_mask
 from cute_flash.testing import ErrorReport, random_qkv
 from cute_flash.validation import PackedSeqs, Problem, VarlenProblem
 
@@ -91,7 +91,7 @@ def _problem(q, k, v, *, causal=False, window=(None, None), softmax_scale=None, 
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     mask = normalize_mask(causal, window)
     dt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
-    spec = AttentionSpec(dt, d, dv, mask.kind, dt, softcap=softcap > 0, sink=sink is not None)
+    spec = AttentionSpec(dt, d, dv, mask.kind, dt, **softcap_fields(softcap), sink=sink is not None)
     scale = d**-0.5 if softmax_scale is None else softmax_scale
     return Problem(b, sq, sk, h, hkv, d, dv, mask, scale, spec, softcap)
 
@@ -119,6 +119,10 @@ FEATURES = {
     "softcap": dict(softcap=4.0, softmax_scale=0.35),  # |score * scale| well past the cap: tanh saturates
     "sink": dict(sink=True),
     "both": dict(softcap=30.0, sink=True),
+    # Caps past 41.6: CappedSoftmax's fixed reference below the cap (P up to 2^(2k - 120)); past 60 (softcap_wide)
+    # the running max. Scores of up to ~3 x the cap (scale 1.5).
+    "cap50": dict(softcap=50.0, softmax_scale=1.5, sink=True),
+    "cap100": dict(softcap=100.0, softmax_scale=3.0),
 }
 # Windows with negative bounds: keys >= 7 before the diagonal; keys 3..40 after it; a window no row sees into
 # (left + right < 0); and one where only some rows of a tile see keys (seqlen_q > seqlen_k and a shifted window).
@@ -173,7 +177,8 @@ def test_dense_softcap_and_sink(d, dv, mask, seqlens, heads):
     check(q, k, v, out, lse, **kw)
 
 
-FEATURE_CASES = [(f, m, "bf16") for f in FEATURES for m in ("causal", "wNone_-7")] + [("both", "causal", "fp16")]
+FEATURE_CASES = [(f, m, "bf16") for f in FEATURES for m in ("causal", "wNone_-7")]
+FEATURE_CASES += [("both", "causal", "fp16"), ("cap50", "causal", "fp16")]
 
 
 @pytest.mark.parametrize("feature, mask, dtype", FEATURE_CASES, ids=["-".join(c) for c in FEATURE_CASES])
@@ -182,6 +187,19 @@ def test_each_feature_alone(feature, mask, dtype):
     q, k, v = random_qkv(1, 1000, 1030, 4, 2, 128, dtype=DTYPES[dtype], seed=11)
     kw = dict(_kw(feature, 4, 3), **_mask_kw(mask))
     out, lse = run_dense(q, k, v, **kw)
+    check(q, k, v, out, lse, **kw)
+
+
+@pytest.mark.parametrize("cap", [30.0, 50.0, 63.0, 100.0])
+def test_rows_of_only_very_negative_capped_scores(cap):
+    """Rows whose every capped score sits near -cap (and rows near +cap beside them): the softmax without a running
+    max keeps their P normal (2^-120 at least), so these rows are exact, not zeros."""
+    q, k, v = random_qkv(1, 200, 300, 4, 4, 128, dtype=torch.bfloat16, seed=5)
+    k = k.abs()  # scores of the sign of q's: rows of q < 0 see only large negative scores
+    q = q.abs() * torch.where(torch.arange(200, device="cuda") % 2 == 0, 1.0, -1.0).view(1, -1, 1, 1).to(q.dtype)
+    kw = dict(softcap=cap, softmax_scale=1.0, causal=True)
+    out, lse = run_dense(q, k, v, **kw)
+    assert torch.isfinite(lse).all() and out[:, 1::2].abs().amax() > 0  # (causal, sk - sq = 100: every row sees keys)
     check(q, k, v, out, lse, **kw)
 
 

@@ -268,7 +268,7 @@ def launch_mods_forward(
 
     q, k, v, out = (kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out)))
     scalars = (float(problem.softmax_scale), int(problem.mask.left), int(problem.mask.right))
-    kernel(q, k, v, out, lse, *scalars, *tables, *([None] * (MAX_TABLES - len(tables))), *(blocks or (None, None)))
+    kernel(q, k, v, out, lse, *scalars, *tables, *([None] * (MAX_TABLES - len(tables))), *(blocks or (None,) * 4))
 
 
 class BoundForward:

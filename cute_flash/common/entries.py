@@ -264,10 +264,11 @@ class AccumEntries(DenseAccumEntry):
 
 class ModsFwdEntry:
     """`mods(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, a0, a1, a2, a3, mBlockCount,
-    mBlockIndex, stream)` -> `self._launch(..., stream, features=(softmax_scale, a0, a1, a2, a3, mBlockCount,
-    mBlockIndex))`: the score_mod / mask_mod forwards (cute_flash/mods) on dense tensors; a0 .. a3 the graphs'
-    tables (None past them), the block lists ((B, H, M) / (B, H, M, N) int32) only in block-sparse builds, else
-    None."""
+    mBlockIndex, mBlockFull, mBlockTiles, stream)` -> `self._launch(..., stream, features=(softmax_scale, a0, a1,
+    a2, a3, mBlockCount, mBlockIndex, mBlockFull, mBlockTiles))`: the score_mod / mask_mod forwards (cute_flash/mods)
+    on dense tensors; a0 .. a3 the graphs' tables (None past them), the block lists (mods/call.KeyTileLists: counts
+    (B, H, M) and key tiles (B, H, M, N) by launch position, full flags (B, H, M, N) by query tile, the query tile of
+    each launch position (B, H, M), int32) only in block-sparse builds, else None."""
 
     @cute.jit
     def mods(
@@ -286,7 +287,9 @@ class ModsFwdEntry:
         a3: Optional[cute.Tensor],
         mBlockCount: Optional[cute.Tensor],
         mBlockIndex: Optional[cute.Tensor],
+        mBlockFull: Optional[cute.Tensor],
+        mBlockTiles: Optional[cute.Tensor],
         stream: cuda.CUstream,
     ):
-        features = (softmax_scale, a0, a1, a2, a3, mBlockCount, mBlockIndex)
+        features = (softmax_scale, a0, a1, a2, a3, mBlockCount, mBlockIndex, mBlockFull, mBlockTiles)
         self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, features=features)

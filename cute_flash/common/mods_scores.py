@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, const_expr
 
 from ..mods.codegen import emit
 from ..mods.graph import MAX_TABLES, ModGraph, Node
@@ -65,11 +65,27 @@ class ModsGraphs:
         used = tuple(tables[: self.score_tables + self.mask_tables])
         return ScoreContext(softmax_scale, used, head, batch, last_q, last_k)
 
-    def apply_mods(self, acc_S: cute.Tensor, coords_rc: cute.Tensor, q_base, k_base, ctx: ScoreContext):
+    def apply_mods(
+        self, acc_S: cute.Tensor, coords_rc: cute.Tensor, q_base, k_base, ctx: ScoreContext, full=None
+    ) -> None:
         """score_mod, then mask_mod, on every score of a tile in registers: coords_rc holds each score's (row, col)
-        within the tile (rows_cols_view layout), q_base / k_base the tile's first query row and key. Plain loops:
+        within the tile (rows_cols_view layout), q_base / k_base the tile's first query row and key; full (a
+        run-time Boolean, block-sparse builds) skips the mask_mod on a tile the block mask marks full. Plain loops:
         this runs at trace time, unrolled (one scalar expression per score, codegen.emit)."""
         acc_rc = rows_cols_view(acc_S)
+        if const_expr(full is None or self.mask_graph is None):
+            self._mods_pass(acc_rc, coords_rc, q_base, k_base, ctx, self.score_graph, self.mask_graph)
+        else:
+            if const_expr(self.score_graph is not None):
+                self._mods_pass(acc_rc, coords_rc, q_base, k_base, ctx, self.score_graph, None)
+            self._masked_pass(acc_rc, coords_rc, q_base, k_base, ctx, full)
+
+    @cute.jit
+    def _masked_pass(self, acc_rc: cute.Tensor, coords_rc: cute.Tensor, q_base, k_base, ctx: ScoreContext, full):
+        if not full:
+            self._mods_pass(acc_rc, coords_rc, q_base, k_base, ctx, None, self.mask_graph)
+
+    def _mods_pass(self, acc_rc, coords_rc, q_base, k_base, ctx: ScoreContext, score_graph, mask_graph) -> None:
         score_tables = ctx.tables[: self.score_tables]
         mask_tables = ctx.tables[self.score_tables :]
         rows, cols = cute.size(acc_rc, mode=[0]), cute.size(acc_rc, mode=[1])
@@ -84,9 +100,9 @@ class ModsGraphs:
                 idx = {"b": ctx.batch, "h": ctx.head, "q_idx": q_idx[r], "kv_idx": kv_idx}
                 shared = (cache, {"q_idx": r, "kv_idx": c})
                 s = acc_rc[r, c]
-                if self.score_graph is not None:
-                    s = emit(self.score_graph, {**idx, "score": s * ctx.scale}, score_tables, shared)
-                if self.mask_graph is not None:
-                    visible = emit(self.mask_graph, idx, mask_tables, shared)
+                if score_graph is not None:
+                    s = emit(score_graph, {**idx, "score": s * ctx.scale}, score_tables, shared)
+                if mask_graph is not None:
+                    visible = emit(mask_graph, idx, mask_tables, shared)
                     s = Float32(cutlass.select_(visible, s, -Float32.inf))
                 acc_rc[r, c] = s

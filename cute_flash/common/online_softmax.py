@@ -253,9 +253,10 @@ class OnlineSoftmax:
                 lse[r] = -Float32.inf if empty else (self.row_max[r] * self.scale_log2 + log2_sum) * LN2
             else:
                 sink = sinks_log2[r]
-                # m * scale_log2 is -inf for a row without keys (scale_log2 > 0); its total is then 0. A -inf sink
-                # (no sink) on such a row leaves nothing at all: shift by 0 there, and give it O 0 and LSE -inf.
-                max_scaled = self.row_max[r] * self.scale_log2
+                # A row without keys has total 0 (and m = -inf, except in CappedSoftmax, whose m is a fixed
+                # reference): its LSE is the sink's alone, exactly. A -inf sink (no sink) on such a row leaves nothing
+                # at all: shift by 0 there, and give it O 0 and LSE -inf.
+                max_scaled = -Float32.inf if total == 0.0 else self.row_max[r] * self.scale_log2
                 top = cute.arch.fmax(max_scaled, sink)
                 top = 0.0 if top == -Float32.inf else top
                 # 1 where the keys dominate, +inf included (a hard max whose m * scale_log2 overflowed: inf - inf

@@ -1,16 +1,13 @@
 """`cute_flash.attention(..., score_mod=..., mask_mod=...)`: the call path of attention with FlexAttention-style
-callables, eager only, on the sm80 family's dense forward and backward (arch/sm80/flash_fwd_mods.py,
-flash_bwd_mods.py; every GPU runs them, Hopper and Blackwell by the router's fallback).
-
-Checked on an H200 (2026-12-02, tests/test_mods_gpu.py: every example's probe kernel against its graph, outputs and
-gradients against float64); not yet fast: no block skipping and no sm90 kernel. What the callables may contain:
-mods/graph.py.
+callables, eager only. Forward: the sm90 kernel on Hopper (arch/sm90/flash_fwd_mods.py; a block mask's empty tiles
+skipped, its full tiles without the mask_mod), else the sm80 family's (every tile visited); backward: the sm80
+family's (arch/sm80/flash_bwd_mods.py). What the callables may contain: mods/graph.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -22,6 +19,7 @@ from .block_mask import BlockMask
 from .graph import BOOL, F32, MAX_TABLES, ModGraph, score_derivative, trace_mask_mod, trace_score_mod
 
 _STORAGE = {F32: torch.float32, BOOL: torch.uint8}
+MAX_POSITIONS = 1 << 24  # (mods/codegen.py: float32 holds every position exactly)
 
 
 def _tables(graphs: List[Optional[ModGraph]], device: torch.device) -> List[torch.Tensor]:
@@ -69,6 +67,10 @@ def attention_mods(
     if torch.compiler.is_compiling():
         raise NotImplementedError("score_mod / mask_mod are not traceable by torch.compile yet (no custom op)")
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=None)
+    if max(problem.seqlen_q, problem.seqlen_k) >= MAX_POSITIONS:
+        raise ValueError(f"score_mod / mask_mod calls take sequences of fewer than {MAX_POSITIONS} positions (the "
+                         "kernels convert positions to float32 exactly); got seqlen_q, seqlen_k = "
+                         f"{problem.seqlen_q}, {problem.seqlen_k}")  # fmt: skip
     problem, graphs = mods_problem(problem, score_mod, mask_mod, block_mask is not None)
     # Layouts the kernels cannot take are copied once (differentiably), as the plain path does.
     q, k, v = (kernel_view(t, name=n) for n, t in (("q", q), ("k", k), ("v", v)))
@@ -122,20 +124,35 @@ def check_block_mask(block_mask: BlockMask, problem, device: torch.device) -> No
         raise ValueError(f"block_mask is on {block_mask.partial_count.device}, q on {device}")
 
 
-def key_tile_lists(block_mask: BlockMask, tile_m: int, tile_n: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(count (B, H, M) int32, ascending key tiles (B, H, M, N) int32) of the kernel's tile_m x tile_n tiles that
-    overlap a non-empty tile of the block mask (whatever its own tile sizes): on the device, no host sync."""
-    cache = block_mask.__dict__.setdefault("_key_tile_lists", {})  # (derived once per mask and tile shape)
+class KeyTileLists(NamedTuple):
+    """A block mask as a kernel of tile_m x tile_n tiles reads it, int32 on the device. Its CTAs take the query
+    tiles in `tiles` order, the one with the most key tiles first (what a causal kernel's reversed grid does, for any
+    mask: a long tile started last would run alone at the end); count and index are by that launch position, full by
+    query tile."""
+
+    count: torch.Tensor  # (B, H, M): key tiles to visit, of the query tile at each launch position
+    index: torch.Tensor  # (B, H, M, N): those key tiles, ascending (the rest of a row is padding)
+    full: torch.Tensor  # (B, H, M, N): 1 where a query tile's key tile needs no mask_mod, by query tile and key tile
+    tiles: torch.Tensor  # (B, H, M): the query tile at each launch position
+
+
+def key_tile_lists(block_mask: BlockMask, tile_m: int, tile_n: int, device) -> KeyTileLists:
+    """The lists of the kernel's tile_m x tile_n tiles that overlap a non-empty tile of the block mask (whatever its
+    own tile sizes); a kernel tile is full (the kernel skips the mask_mod on it) when every mask tile it overlaps is.
+    On the device, no host sync; derived once per mask and tile shape."""
+    cache = block_mask.__dict__.setdefault("_key_tile_lists", {})
     if (tile_m, tile_n) in cache:
         return cache[(tile_m, tile_n)]
-    nonempty = torch.zeros(block_mask.partial_index.shape, dtype=torch.float32, device=device)  # (B, H, m, n)
-    n = nonempty.shape[-1]
-    for count, index in ((block_mask.partial_count, block_mask.partial_index),
-                         (block_mask.full_count, block_mask.full_index)):  # fmt: skip
+    n = block_mask.partial_index.shape[-1]
+
+    def marked(count: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # (B, H, m, n) 0 / 1
+        grid = torch.zeros(index.shape, dtype=torch.float32, device=device)
         valid = (torch.arange(n, device=device) < count.unsqueeze(-1)).float()  # (no host sync: no nonzero)
-        nonempty.scatter_add_(-1, index.long(), valid)
-    nonempty = (nonempty > 0).float()
-    m = nonempty.shape[-2]
+        return (grid.scatter_add_(-1, index.long(), valid) > 0).float()
+
+    partial = marked(block_mask.partial_count, block_mask.partial_index)
+    full = marked(block_mask.full_count, block_mask.full_index)
+    m = partial.shape[-2]
 
     def overlap(kernel_tile: int, mask_tile: int, tiles_of_mask: int, length: int) -> torch.Tensor:
         tiles = max(1, -(-length // kernel_tile))
@@ -146,10 +163,19 @@ def key_tile_lists(block_mask: BlockMask, tile_m: int, tile_n: int, device) -> T
 
     rows = overlap(tile_m, block_mask.tile_m, m, block_mask.seqlen_q)  # (M, m)
     cols = overlap(tile_n, block_mask.tile_n, n, block_mask.seqlen_k)  # (N, n)
-    selected = (rows @ nonempty @ cols.T) > 0  # (B, H, M, N)
+    touched = rows.sum(1, keepdim=True) * cols.sum(1)  # (M, N): mask tiles under each kernel tile
+    full_cover = rows @ full @ cols.T  # (B, H, M, N): how many of them are full
+    selected = ((rows @ partial @ cols.T) + full_cover) > 0
     count = selected.sum(-1, dtype=torch.int32)
     index = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    cache[(tile_m, tile_n)] = lists = (count.contiguous(), index.contiguous())
+    order = torch.argsort(count, dim=-1, descending=True, stable=True)
+    lists = KeyTileLists(
+        count.gather(-1, order).contiguous(),
+        index.gather(-2, order.unsqueeze(-1).expand_as(index)).contiguous(),
+        (full_cover == touched).to(torch.int32).contiguous(),
+        order.to(torch.int32).contiguous(),
+    )
+    cache[(tile_m, tile_n)] = lists
     return lists
 
 

@@ -4,10 +4,14 @@ the user's callable. Captured tensors are the kernel's `aux` arguments (global-m
 aux order); a read is one scalar load, converted to float32 / int32 / bool.
 
 Semantics match `graph.evaluate` in float32: Python / torch floor division and remainder on indices (the DSL's
-own), truncation toward zero for float -> int casts (torch's .int()), IEEE division, and the math functions of
-`cute.math` (exp / exp2 / log / log2 / tanh / sin / cos by their fast approximations where the DSL picks them;
-sigmoid as 1 / (1 + exp(-x)), pow as exp2(y * log2(x)) for x > 0 with the sign fixed for integral y, as
-`graph.evaluate`'s torch.pow gives for the finite values a score takes).
+own), truncation toward zero for float -> int casts (torch's .int()), IEEE division (by a constant: a product with
+its float32 reciprocal, within 1 ulp), and the math functions of `cute.math` (exp / exp2 / log / log2 / sin / cos by
+their fast approximations where the DSL picks them; tanh by the hardware's tanh.approx.f32, relative error about
+2^-11, far below the bf16 / fp16 scores' own rounding, as the softcap feature's; sigmoid as 1 / (1 + exp(-x)), pow
+as exp2(y * log2(x)) for x > 0 with the sign fixed for integral y, as `graph.evaluate`'s torch.pow gives for the
+finite values a score takes). A float conversion of a sum or difference of two index inputs / integer constants is
+the sum or difference of their conversions (exact: positions are below 2^24, mods/call.py checks), so that a
+relative position (ALiBi's q_idx - kv_idx) costs one conversion per row and per column, not per score.
 Out-of-range reads of a captured tensor are the kernel's: positions past a sequence must be clamped before `emit`
 (block_mask.py does the same on the host).
 """
@@ -20,6 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32
 
+from ..common.softcap import tanh_approx
 from .graph import BOOL, F32, I32, ModGraph, Node
 
 _CONVERT = {F32: Float32, I32: Int32, BOOL: Boolean}
@@ -62,7 +67,7 @@ _UNARY_DSL = {
     "log2": lambda x: cute.math.log2(x),
     "sqrt": lambda x: cute.math.sqrt(x),
     "rsqrt": lambda x: cute.math.rsqrt(x),
-    "tanh": lambda x: cute.math.tanh(x),
+    "tanh": tanh_approx,
     "sin": lambda x: cute.math.sin(x),
     "cos": lambda x: cute.math.cos(x),
     "sigmoid": lambda x: Float32(1.0) / (Float32(1.0) + cute.math.exp(-x)),
@@ -87,7 +92,15 @@ _BINARY_DSL = {
 }
 
 
-def _emit_node(node: Node, vals: List, inputs: Dict[str, object], aux: Sequence[cute.Tensor]):
+_EXACT_INT = 1 << 24  # integers of smaller magnitude convert to float32 exactly
+
+
+def _small_int(node: Node) -> bool:
+    """An index input or an integer constant that converts to float32 exactly (positions: below 2^24)."""
+    return node.type == I32 and (node.op == "input" or (node.op == "const" and abs(int(node.args[0])) < _EXACT_INT))
+
+
+def _emit_node(node: Node, vals: List, inputs: Dict[str, object], aux: Sequence[cute.Tensor], nodes: Sequence[Node]):
     a, t = node.args, node.type
     if node.op == "input":
         return _CONVERT[t](inputs[a[0]])
@@ -96,6 +109,10 @@ def _emit_node(node: Node, vals: List, inputs: Dict[str, object], aux: Sequence[
     if node.op == "load":
         return _load(aux[a[0]], [vals[i] for i in a[1:]], t)
     if node.op == "cast":
+        src = nodes[a[0]]
+        if a[1] == F32 and src.op in ("add", "sub") and all(_small_int(nodes[i]) for i in src.args):
+            x, y = (Float32(vals[i]) for i in src.args)  # (see the module's docstring)
+            return x + y if src.op == "add" else x - y
         return _cast(vals[a[0]], a[1])
     if node.op == "where":
         return _select(vals[a[0]], vals[a[1]], vals[a[2]], t)
@@ -113,7 +130,13 @@ def _emit_node(node: Node, vals: List, inputs: Dict[str, object], aux: Sequence[
         return pick if t == I32 else _select(x != x, x, pick, t)  # and x when x is NaN: torch propagates NaN
     if node.op in _UNARY_DSL:
         return _CONVERT[t](_UNARY_DSL[node.op](xs[0]))
+    if node.op == "truediv" and nodes[a[1]].op == "const" and 2.0**-125 < abs(float(_constant(nodes[a[1]]))) < 2.0**125:
+        return Float32(xs[0]) * Float32(1.0 / float(_constant(nodes[a[1]])))  # (a normal reciprocal)
     return _CONVERT[t](_BINARY_DSL[node.op](xs[0], xs[1]))
+
+
+def _constant(node: Node):
+    return float.fromhex(node.args[0]) if node.type == F32 else node.args[0]
 
 
 def input_deps(graph: ModGraph) -> List[frozenset]:
@@ -150,7 +173,7 @@ def emit(graph: ModGraph, inputs: Dict[str, object], aux: Sequence[cute.Tensor] 
             if key in cache:
                 vals.append(cache[key])
                 continue
-        value = _emit_node(node, vals, inputs, aux)
+        value = _emit_node(node, vals, inputs, aux, graph.nodes)
         if key is not None:
             cache[key] = value
         vals.append(value)

@@ -80,7 +80,7 @@ def build_forward_mods(spec, tile: FwdTileConfig, options: str):
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0))
     tables = fake_mods_tables(spec)  # (then no block lists: the sm80 kernel visits every tile)
-    return cute.compile(kernel.mods, q, k, v, out, lse, *scalars, *tables, None, None, stream, options=options)
+    return cute.compile(kernel.mods, q, k, v, out, lse, *scalars, *tables, *(None,) * 4, stream, options=options)
 
 
 def build_forward_packed(spec: AttentionSpec, tile: FwdTileConfig, options: str, seqused: bool):

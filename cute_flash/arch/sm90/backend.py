@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ... import compile_cache
-from ...spec import AttentionSpec, ModsSpec
+from ...spec import WIDE_SOFTCAP, AttentionSpec, ModsSpec
 from ...validation import KvCacheProblem, PackedSeqs, Problem, VarlenProblem
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact, KvCacheTensors
 from ..base import BoundForward, SplitForward, launch_packed_forward, launcher_through_forward, prepare_build
@@ -303,6 +303,10 @@ def _check_features(problem, sink: Optional[torch.Tensor]) -> None:
     spec = problem.spec
     if spec.softcap and not problem.softcap > 0:
         raise ValueError(f"a soft-capping build needs softcap > 0, got {problem.softcap}")
+    if spec.softcap_wide != (problem.softcap > WIDE_SOFTCAP):
+        raise ValueError(
+            f"softcap {problem.softcap} on a build with softcap_wide={spec.softcap_wide} (spec.softcap_fields)"
+        )
     if spec.sink and (sink is None or sink.dtype != torch.float32 or sink.dim() != 2):
         raise ValueError("a build with learnable sinks needs the (rows, h) float32 sink view (arch/base.FwdTensors)")
     if not spec.sink and sink is not None:

@@ -143,7 +143,7 @@ def kernel_key(role: str, spec: AttentionSpec, cfg: BwdTileConfig) -> Tuple[Atte
         # The dQ conversion depends on the dtype, the head dim, the dQ MMA's shape and the output tile's swizzle atom
         # (operand_atom_cols: keys_on_rows) only, not on the mask, head_dim_v, stages, registers or ptxas level of
         # the main kernel.
-        key_spec = dataclasses.replace(spec, mask="none", head_dim_v=spec.head_dim, softcap=False)
+        key_spec = dataclasses.replace(spec, mask="none", head_dim_v=spec.head_dim, softcap=False, softcap_wide=False)
         return key_spec, BwdTileConfig(
             tile_m=cfg.tile_m,
             dq_split=cfg.dq_split,
@@ -153,18 +153,21 @@ def kernel_key(role: str, spec: AttentionSpec, cfg: BwdTileConfig) -> Tuple[Atte
         )
     if role == "bwd_preprocess":
         # The dtype and head dims only (the sm80 family's preprocess, built to zero the dQ accumulator and signal PDL).
-        key_spec = dataclasses.replace(spec, mask="none", softcap=False)
+        key_spec = dataclasses.replace(spec, mask="none", softcap=False, softcap_wide=False)
         return key_spec, BwdTileConfig(tile_m=ROWS_PER_CONSUMER, dq_split="m")
     return spec, cfg
 
 
 def _without_sink(spec: AttentionSpec) -> AttentionSpec:
-    return dataclasses.replace(spec, sink=False) if spec.sink else spec
+    """`spec` without what the backward's kernels do not read: the sink (it is in the LSE) and the cap's range."""
+    return dataclasses.replace(spec, sink=False, softcap_wide=False) if spec.sink or spec.softcap_wide else spec
 
 
 def _plain(spec: AttentionSpec) -> AttentionSpec:
     """`spec` for the sm80 family's accumulator conversions, which neither feature changes."""
-    return dataclasses.replace(spec, softcap=False, sink=False) if spec.softcap or spec.sink else spec
+    if spec.softcap or spec.sink:
+        return dataclasses.replace(spec, softcap=False, softcap_wide=False, sink=False)
+    return spec
 
 
 def _kernel(role: str, spec: AttentionSpec, cfg: BwdTileConfig, target: str):

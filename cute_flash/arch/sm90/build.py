@@ -67,8 +67,8 @@ def compile_forward(spec: AttentionSpec, cfg: FwdTileConfig, target: str, extra_
 
 def _compile_forward_mods(spec: ModsSpec, cfg: FwdTileConfig, target: str, extra_options: Optional[str]):
     """The score_mod / mask_mod forward (flash_fwd_mods.py): fn(q, k, v, out, lse, softmax_scale, window_left,
-    window_right, a0, a1, a2, a3, block_count, block_index), the tables fake tensors of the graphs' read types and
-    ranks (None past them), the block mask's lists (spec.block_sparse) or None."""
+    window_right, a0, a1, a2, a3, block_count, block_index, block_full, block_tiles), the tables fake tensors of the
+    graphs' read types and ranks (None past them), the block mask's lists (spec.block_sparse) or None."""
     from .flash_fwd_mods import Sm90ModsForward
 
     q, k, v, out, lse = _fake_dense_io(spec)
@@ -76,10 +76,11 @@ def _compile_forward_mods(spec: ModsSpec, cfg: FwdTileConfig, target: str, extra
     kernel = Sm90ModsForward(spec, cfg)
     options = compile_cache.compile_options(target, extra=extra_options or "")
     scalars = cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0)
-    blocks = (None, None)
+    blocks = (None,) * 4
     if spec.block_sparse:
         b, h, m, n = (cute.sym_int() for _ in range(4))
-        blocks = (fake_tensor(cutlass.Int32, (b, h, m), 1, 4), fake_tensor(cutlass.Int32, (b, h, m, n), 1, 4))
+        shapes = ((b, h, m), (b, h, m, n), (b, h, m, n), (b, h, m))  # mods/call.KeyTileLists
+        blocks = tuple(fake_tensor(cutlass.Int32, shape, 1, 4) for shape in shapes)
     tables = fake_mods_tables(spec)
     return cute.compile(kernel.mods, q, k, v, out, lse, *scalars, *tables, *blocks, stream, options=options)
 

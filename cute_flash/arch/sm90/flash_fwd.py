@@ -59,7 +59,7 @@ from ...common.entries import FwdEntries
 from ...common.packed_tiles import packed_tiles_bound
 from ...common.mask import apply_mask
 from ...common.online_softmax import LOG2_E, OnlineSoftmax
-from ...common.softcap import apply_softcap, softcap_factors
+from ...common.softcap import CappedSoftmax, apply_softcap, softcap_factors
 from ...spec import AttentionSpec
 from .barriers import WarpGroupTurns, warpgroup_sync
 from .cta import CtaWork, cta_work
@@ -135,6 +135,7 @@ class Sm90FlashForward(FwdEntries):
         # Soft-capping and sinks (the feature entries, common/entries.py). A split build's partials leave the sink
         # out: the combine adds it once to the merged row (common/split_combine.py).
         self.softcap = spec.softcap
+        self.softcap_wide = spec.softcap_wide
         self.sink = spec.sink and not split_kv
         # O reuses each consumer's Q slice: one slot per consumer, as wide as the wider of the two, so that a consumer
         # writing its O never touches the Q another consumer may still be reading (head_dim != head_dim_v).
@@ -512,7 +513,7 @@ class Sm90FlashForward(FwdEntries):
 
         coords = self.score_coords(tiled_mma_qk, thr_qk, consumer)
         score_ctx, scale_log2 = self.score_setup(softmax_scale, features, work, coords)
-        softmax = OnlineSoftmax.create(scale_log2, cute.size(rows_cols_view(acc_O), mode=[0]), sequential_sum=True)
+        softmax = self.row_softmax(scale_log2, cute.size(rows_cols_view(acc_O), mode=[0]))
         sinks_log2 = None
         if const_expr(self.sink):  # loaded here, so that the loads' latency hides behind the main loop
             sinks_log2 = self.row_sinks(features[1], thr_pv, work, consumer)
@@ -530,6 +531,14 @@ class Sm90FlashForward(FwdEntries):
         row_scale, lse = softmax.finalize(sinks_log2)
         softmax.rescale(rows_cols_view(acc_O), row_scale)
         self.store_output(acc_O, lse, tiled_mma_pv, thr_pv, out, work, consumer, tidx, warp_in_wg)
+
+    def row_softmax(self, scale_log2: Float32, num_rows: int) -> OnlineSoftmax:
+        """The softmax statistics of one consumer's rows: soft-capped bf16 scores within a fixed reference's range
+        (spec.softcap, not spec.softcap_wide) need no running max (common/softcap.CappedSoftmax)."""
+        # (P is rounded to the P·V operand's dtype: bf16 holds the fixed reference's range, fp16 does not.)
+        if const_expr(self.softcap and not self.softcap_wide and self.mma_dtype == cutlass.BFloat16):
+            return CappedSoftmax.create(scale_log2, num_rows, sequential_sum=True)
+        return OnlineSoftmax.create(scale_log2, num_rows, sequential_sum=True)
 
     def score_setup(self, softmax_scale: Float32, features, work: CtaWork, coords):
         """(what `modify_scores` reads, the online softmax's scale in log2 units) of one consumer: soft-capping's

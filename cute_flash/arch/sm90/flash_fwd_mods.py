@@ -4,10 +4,12 @@ to every score of every key tile right after its Q·Kᵀ wgmma (common/mods_scor
 element), before the kernel's own causal / window / sequence-end masks. Its softmax runs with log2(e) as its scale
 where a score_mod is present (the scores are scaled before it).
 
-Block-sparse builds (spec.block_sparse; a block mask, mods/block_mask.py) walk each query tile's list of key tiles
-in place of the mask's key range (`refine_work`; CtaWork.key_tile: the producer loads and the consumers read the same
-list), masking every listed tile with the kernel's own mask. Dense and unsplit; the backward of these calls is the
-sm80 family's (arch/sm80/flash_bwd_mods.py), which reads this forward's out and lse as they are.
+Block-sparse builds (spec.block_sparse; a block mask, mods/block_mask.py) take the query tiles longest list first and
+walk each query tile's list of key tiles in place of the mask's key range (`refine_work`; CtaWork.key_tile: the
+producer loads and the consumers read the same list), masking every listed tile with the kernel's own mask, and skip
+the mask_mod on the tiles the block mask marks full (a branch uniform over the CTA: the flag is per key tile). Dense
+and unsplit; the backward of these calls is the sm80 family's (arch/sm80/flash_bwd_mods.py), which reads this
+forward's out and lse as they are.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class TileScores(NamedTuple):
     mods: ScoreContext
     coords_rc: cute.Tensor
     q_base: object
+    full: object = None  # block-sparse builds: this query tile's full flags by key tile ((N,) int32)
 
 
 class Sm90ModsForward(ModsGraphs, ModsFwdEntry, Sm90FlashForward):
@@ -44,20 +47,30 @@ class Sm90ModsForward(ModsGraphs, ModsFwdEntry, Sm90FlashForward):
         self.block_sparse = spec.block_sparse
 
     def refine_work(self, work: CtaWork, features) -> CtaWork:
-        """Block-sparse builds: the query tile's key tiles are the block mask's list (every tile of which is masked
-        by the kernel's own mask as well: exact whatever the list holds beyond the visible tiles)."""
+        """Block-sparse builds: the CTA's query tile is the one at its launch position (the longest lists first:
+        mods/call.KeyTileLists), its key tiles that tile's list (every tile of which is masked by the kernel's own
+        mask as well: exact whatever the list holds beyond the visible tiles)."""
         if const_expr(not self.block_sparse):
             return work
-        mCount, mIndex = features[5:]
+        mCount, mIndex, _, mTiles = features[5:9]
         b = cutlass.min(work.batch, mCount.shape[0] - 1)
         h = cutlass.min(work.head, mCount.shape[1] - 1)
-        count = cutlass.min(mCount[b, h, work.m_block], Int32(mIndex.shape[3]))
-        return work._replace(n_min=Int32(0), n_max=count, key_tiles=mIndex[b, h, work.m_block, None])
+        position = cute.arch.block_idx()[0]  # (not work.m_block: cta_work reverses causal grids)
+        count = cutlass.min(mCount[b, h, position], Int32(mIndex.shape[3]))
+        return work._replace(m_block=mTiles[b, h, position], n_min=Int32(0), n_max=count,
+                             key_tiles=mIndex[b, h, position, None])  # fmt: skip
 
     def score_setup(self, softmax_scale: Float32, features, work: CtaWork, coords):
         scale, *tables = features[:5]
         ctx = self.mods_context(scale, tables, work.head, work.batch, work.seqlen_q, work.info.seqlen_k)
-        return TileScores(ctx, coords[0], work.m_block * self.tile_m), self.mods_scale_log2(softmax_scale)
+        full = None
+        if const_expr(self.block_sparse):
+            mFull = features[7]
+            b = cutlass.min(work.batch, mFull.shape[0] - 1)
+            h = cutlass.min(work.head, mFull.shape[1] - 1)
+            full = mFull[b, h, work.m_block, None]
+        return TileScores(ctx, coords[0], work.m_block * self.tile_m, full), self.mods_scale_log2(softmax_scale)
 
     def modify_scores(self, acc_S: cute.Tensor, n_block: Int32, score_ctx: TileScores):
-        self.apply_mods(acc_S, score_ctx.coords_rc, score_ctx.q_base, n_block * self.tile_n, score_ctx.mods)
+        full = None if const_expr(score_ctx.full is None) else score_ctx.full[n_block] != 0
+        self.apply_mods(acc_S, score_ctx.coords_rc, score_ctx.q_base, n_block * self.tile_n, score_ctx.mods, full)
