@@ -131,7 +131,8 @@ class KeyTileLists(NamedTuple):
     query tile."""
 
     count: torch.Tensor  # (B, H, M): key tiles to visit, of the query tile at each launch position
-    index: torch.Tensor  # (B, H, M, N): those key tiles, ascending (the rest of a row is padding)
+    index: torch.Tensor  # (B, H, M, N): those key tiles, ascending, in the row's last count entries (the first a
+    # kernel walks is the row's last entry: read without waiting for the count)
     full: torch.Tensor  # (B, H, M, N): 1 where a query tile's key tile needs no mask_mod, by query tile and key tile
     tiles: torch.Tensor  # (B, H, M): the query tile at each launch position
 
@@ -167,7 +168,7 @@ def key_tile_lists(block_mask: BlockMask, tile_m: int, tile_n: int, device) -> K
     full_cover = rows @ full @ cols.T  # (B, H, M, N): how many of them are full
     selected = ((rows @ partial @ cols.T) + full_cover) > 0
     count = selected.sum(-1, dtype=torch.int32)
-    index = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    index = torch.argsort(selected.to(torch.int8), dim=-1, stable=True).to(torch.int32)  # (the selected last)
     order = torch.argsort(count, dim=-1, descending=True, stable=True)
     lists = KeyTileLists(
         count.gather(-1, order).contiguous(),

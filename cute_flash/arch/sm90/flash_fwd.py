@@ -645,17 +645,24 @@ class Sm90FlashForward(FwdEntries):
         self, pipes, gemms: ConsumerGemms, kv, s_shape: cutlass.Constexpr, mask, n_first: Int32, score_ctx=None
     ):
         """S of the right-most key tile (the seqlen_k tail and the diagonal live there), alone and masked."""
+        tile_ctx = self.key_tile_setup(n_first, score_ctx)
         consumer_wait(pipes.k, kv)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         wgmma.gemm(gemms.mma_qk, acc_S, gemms.tSrQ, gemms.tSrK[None, None, None, kv.index], zero_init=True, wait=0)
         pipes.k.consumer_release(kv)
-        self.modify_scores(acc_S, n_first, score_ctx)
+        self.modify_scores(acc_S, n_first, score_ctx, tile_ctx)
         mask(acc_S, n_first, True, self.causal or self.local)
         return acc_S
 
-    def modify_scores(self, acc_S: cute.Tensor, n_block: Int32, score_ctx):
-        """What happens to key tile n_block's raw scores before the mask (score_ctx: `score_setup`'s): soft-capping
-        where spec.softcap (one FMUL and one MUFU.TANH per score, common/softcap.py), nothing otherwise."""
+    def key_tile_setup(self, n_block: Int32, score_ctx):
+        """What `modify_scores` reads of key tile n_block alone, read before the tile's GEMMs are issued so that its
+        loads overlap them (nothing here)."""
+        return None
+
+    def modify_scores(self, acc_S: cute.Tensor, n_block: Int32, score_ctx, tile_ctx=None):
+        """What happens to key tile n_block's raw scores before the mask (score_ctx: `score_setup`'s, tile_ctx:
+        `key_tile_setup`'s): soft-capping where spec.softcap (one FMUL and one MUFU.TANH per score,
+        common/softcap.py), nothing otherwise."""
         if const_expr(self.softcap):
             apply_softcap(acc_S, score_ctx)
 
@@ -666,6 +673,7 @@ class Sm90FlashForward(FwdEntries):
         """S_n = Q·K_nᵀ issued together with P_{n+1}·V_{n+1} (into loop.acc_PV), in this consumer's turn; returns once
         S_n is ready and masked (P·V may still run), with the K/V state of n and the V state of n + 1."""
         pipes, gemms = loop.pipes, loop.gemms
+        tile_ctx = self.key_tile_setup(n_block, loop.score_ctx)
         kv_v = kv.clone()  # the V stage of the previous (right-hand) block
         kv.advance()
         consumer_wait(pipes.k, kv)
@@ -678,7 +686,7 @@ class Sm90FlashForward(FwdEntries):
         loop.turns.pass_turn()
         warpgroup.wait_group(1)  # S is ready; P·V may still run
         pipes.k.consumer_release(kv)
-        self.modify_scores(acc_S, n_block, loop.score_ctx)
+        self.modify_scores(acc_S, n_block, loop.score_ctx, tile_ctx)
         if const_expr(mask_window):
             loop.mask(acc_S, n_block, False, True)
         return kv, kv_v, acc_S

@@ -56,8 +56,9 @@ class Sm90ModsForward(ModsGraphs, ModsFwdEntry, Sm90FlashForward):
         b = cutlass.min(work.batch, mCount.shape[0] - 1)
         h = cutlass.min(work.head, mCount.shape[1] - 1)
         position = cute.arch.block_idx()[0]  # (not work.m_block: cta_work reverses causal grids)
-        count = cutlass.min(mCount[b, h, position], Int32(mIndex.shape[3]))
-        return work._replace(m_block=mTiles[b, h, position], n_min=Int32(0), n_max=count,
+        tiles = Int32(mIndex.shape[3])  # (the list fills the row's last count entries)
+        count = cutlass.min(mCount[b, h, position], tiles)
+        return work._replace(m_block=mTiles[b, h, position], n_min=tiles - count, n_max=tiles,
                              key_tiles=mIndex[b, h, position, None])  # fmt: skip
 
     def score_setup(self, softmax_scale: Float32, features, work: CtaWork, coords):
@@ -71,6 +72,10 @@ class Sm90ModsForward(ModsGraphs, ModsFwdEntry, Sm90FlashForward):
             full = mFull[b, h, work.m_block, None]
         return TileScores(ctx, coords[0], work.m_block * self.tile_m, full), self.mods_scale_log2(softmax_scale)
 
-    def modify_scores(self, acc_S: cute.Tensor, n_block: Int32, score_ctx: TileScores):
-        full = None if const_expr(score_ctx.full is None) else score_ctx.full[n_block] != 0
-        self.apply_mods(acc_S, score_ctx.coords_rc, score_ctx.q_base, n_block * self.tile_n, score_ctx.mods, full)
+    def key_tile_setup(self, n_block: Int32, score_ctx: TileScores):
+        """Block-sparse builds: whether key tile n_block is full, loaded before the tile's GEMMs (the softmax waits
+        on the branch it decides)."""
+        return None if const_expr(score_ctx.full is None) else score_ctx.full[n_block] != 0
+
+    def modify_scores(self, acc_S: cute.Tensor, n_block: Int32, score_ctx: TileScores, tile_ctx=None):
+        self.apply_mods(acc_S, score_ctx.coords_rc, score_ctx.q_base, n_block * self.tile_n, score_ctx.mods, tile_ctx)
