@@ -83,8 +83,9 @@ def attention(
     NotImplementedError when gradients are needed.
 
     score_mod(score, b, h, q_idx, kv_idx) -> score and mask_mod(b, h, q_idx, kv_idx) -> bool (FlexAttention's
-    callables, on the scaled score; docs/mods.md says what they may contain): eager only; the forward on the sm90
-    kernels on Hopper, the sm80 family's elsewhere and for every backward (docs/mods.md). block_mask
+    callables, on the scaled score; docs/mods.md says what they may contain): eager (under torch.compile a graph
+    break); the forward on the sm90 kernels on Hopper, the sm80 family's elsewhere and for every backward
+    (docs/mods.md). block_mask
     (cute_flash.mods.create_block_mask of the mask_mod, or your own `BlockMask` covering every key it keeps): the
     forward visits only its non-empty tiles (the sm90 kernels; the others visit every tile).
     """

@@ -10,6 +10,7 @@ import torch
 import cute_flash
 from cute_flash import validation
 from cute_flash.core import device
+from cute_flash.mods import trace_score_mod
 from cute_flash.spec import ModsSpec
 
 from . import test_mods as examples
@@ -181,3 +182,29 @@ def test_key_tile_lists_cover_every_visible_key_of_the_kernel_tiles(mask_tiles, 
             if divides:
                 assert bool(full[0, 0, m, n]) == all_visible, (m, n)
     assert full.any() or mask_mod is examples.sliding  # (its window is narrower than a tile)
+
+
+def test_under_torch_compile_the_call_runs_eagerly_as_a_graph_break(backend, monkeypatch):
+    """Dynamo does not trace the callables (mods/graph.py does): the call leaves the compiled graph and reaches the
+    backend as an eager call would, with the same spec; fullgraph=True reports the break."""
+    import torch._dynamo
+
+    monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    q, k, v = (torch.zeros(1, 64, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+
+    def step(q, k, v):
+        return cute_flash.attention(q * 2, k, v, score_mod=examples.softcap30, mask_mod=examples.causal) + 1
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(step, backend="eager")(q, k, v)
+    assert out.shape == q.shape
+    ((problem, _),) = backend.calls
+    assert problem.spec.score_mod == trace_score_mod(examples.softcap30).key
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception, match="(?i)graph break|disable|skip"):
+        torch.compile(step, backend="eager", fullgraph=True)(q, k, v)
+    torch._dynamo.reset()  # with autograd: the backward reaches the backend too, between the compiled graphs
+    q.requires_grad_()
+    torch.compile(step, backend="aot_eager")(q, k, v).sum().backward()
+    assert backend.calls[-1][0] == "backward" and q.grad is not None

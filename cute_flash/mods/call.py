@@ -1,7 +1,8 @@
 """`cute_flash.attention(..., score_mod=..., mask_mod=...)`: the call path of attention with FlexAttention-style
-callables, eager only. Forward: the sm90 kernel on Hopper (arch/sm90/flash_fwd_mods.py; a block mask's empty tiles
-skipped, its full tiles without the mask_mod), else the sm80 family's (every tile visited); backward: the sm80
-family's (arch/sm80/flash_bwd_mods.py). What the callables may contain: mods/graph.py.
+callables, eager (under torch.compile a graph break: `attention_mods`). Forward: the sm90 kernel on Hopper
+(arch/sm90/flash_fwd_mods.py; a block mask's empty tiles skipped, its full tiles without the mask_mod), else the sm80
+family's (every tile visited); backward: the sm80 family's (arch/sm80/flash_bwd_mods.py). What the callables may
+contain: mods/graph.py.
 """
 
 from __future__ import annotations
@@ -65,7 +66,11 @@ def attention_mods(
     block_mask: Optional[BlockMask] = None,
 ):
     if torch.compiler.is_compiling():
-        raise NotImplementedError("score_mod / mask_mod are not traceable by torch.compile yet (no custom op)")
+        # The callables are traced by mods/graph.py, not by dynamo: under torch.compile the call runs eagerly, a graph
+        # break (fullgraph=True reports it), its autograd node between the compiled graphs.
+        return _attention_mods_eager(
+            q, k, v, score_mod, mask_mod, causal, softmax_scale, window_size, return_lse, block_mask
+        )
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=None)
     if max(problem.seqlen_q, problem.seqlen_k) >= MAX_POSITIONS:
         raise ValueError(f"score_mod / mask_mod calls take sequences of fewer than {MAX_POSITIONS} positions (the "
@@ -98,6 +103,9 @@ def attention_mods(
     else:
         out, lse = _forward(q, k, v, problem, backend, tables, blocks)
     return (out, lse) if return_lse else out
+
+
+_attention_mods_eager = torch.compiler.disable(attention_mods)
 
 
 def _forward(q, k, v, problem, backend, tables, blocks):
