@@ -208,3 +208,23 @@ def test_under_torch_compile_the_call_runs_eagerly_as_a_graph_break(backend, mon
     q.requires_grad_()
     torch.compile(step, backend="aot_eager")(q, k, v).sum().backward()
     assert backend.calls[-1][0] == "backward" and q.grad is not None
+
+
+def test_warmup_builds_the_specs_a_call_runs(backend, monkeypatch):
+    """cute_flash.mods.warmup's configurations are the call's forward spec (block-sparse on Hopper) and its
+    backward's (the mask_mod alone), so the disk cache holds what the call looks up."""
+    from cute_flash import warmup as warm
+
+    warmed = []
+    monkeypatch.setattr(warm, "run", lambda configs, capability: warmed.extend(configs) or {})
+    monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    cute_flash.mods.warmup(examples.alibi, examples.sliding, head_dim=64, block_mask=True, backward=True, gqa=True)
+    q = torch.zeros(1, 300, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.zeros(1, 300, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    mask = cute_flash.mods.create_block_mask(examples.sliding, None, None, 300, 300)
+    cute_flash.attention(q, k, v, score_mod=examples.alibi, mask_mod=examples.sliding, block_mask=mask).sum().backward()
+    (forward, _), (_, backward, _) = backend.calls
+    assert [c.spec for c in warmed] == [forward.spec, backward.spec] and warmed[0].spec.block_sparse
+    assert [(c.backward, c.gqa) for c in warmed] == [(False, False), (True, True)]
+    with pytest.raises(ValueError, match="block_mask needs"):
+        cute_flash.mods.warmup(examples.alibi, head_dim=64, block_mask=True)

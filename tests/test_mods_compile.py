@@ -163,3 +163,33 @@ def test_sm90_mods_forward_compiles_spill_free():
     assert len(reports) == len(cases)
     for r in reports:
         assert r["spill_bytes"] <= (256 if r["mask"] == "document" else 0), r
+
+
+_WARMUP = textwrap.dedent(
+    """
+    import json
+    from cute_flash import compile_cache, mods
+    import tests.test_mods as T
+
+    kw = dict(head_dim=64, causal=False, block_mask=True, backward=True, capability=(9, 0))
+    first = mods.warmup(T.alibi, T.causal, **kw)
+    compile_cache.clear()  # (as a new process would: the in-memory cache is gone, the disk entries stay)
+    print(json.dumps([first["totals"], mods.warmup(T.alibi, T.causal, **kw)["totals"],
+                      [i["family"] for i in first["items"]]]))
+    """
+)
+
+
+def test_warmup_writes_the_mods_kernels_a_call_loads(tmp_path):
+    """cute_flash.mods.warmup cross-compiles a block-masked score_mod / mask_mod call's forward (sm90) and backward
+    (sm80) into the disk cache, and warming again finds both there (their keys: the spec tests/test_mods_api.py
+    checks against the call's)."""
+    import os
+
+    env = dict(os.environ, CUTE_FLASH_CACHE_DIR=str(tmp_path), CUTE_DSL_ARCH="sm_90a", PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-c", _WARMUP], cwd=REPO, capture_output=True, text=True, env=env,
+                          timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, again, families = json.loads(done.stdout.splitlines()[-1])
+    assert (first["built"], first["failed"], again["cached"], again["built"]) == (2, 0, 2, 0), (first, again)
+    assert families == ["sm90", "sm80"]

@@ -372,11 +372,12 @@ def accum_convert_kernel(spec: AttentionSpec, target: str):
 def warm_backward(spec: AttentionSpec, target: str, *, gqa: bool) -> None:
     """Gets every kernel `run_backward` launches for `spec` (default tile config) under the same cache keys."""
     spec = kernel_spec(spec)
-    _kernel("bwd_preprocess", spec, target)
+    pspec = plain_spec(spec)  # (as backward_launcher: the pre- and postprocess do not depend on a score_mod / mask_mod)
+    _kernel("bwd_preprocess", pspec, target)
     _kernel("bwd_gqa" if gqa else "bwd", spec, target)
-    _kernel("bwd_postprocess", spec, target)
+    _kernel("bwd_postprocess", pspec, target)
     if bwd_tile_config(spec.head_dim, target).dq_layout == "fragment":
-        _kernel("bwd_dq_postprocess", spec, target)
+        _kernel("bwd_dq_postprocess", pspec, target)
 
 
 def compile_backward_artifacts(
