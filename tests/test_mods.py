@@ -61,6 +61,14 @@ def strided(b, h, q_idx, kv_idx):  # remainders of negative differences: Python'
     return ((q_idx - kv_idx) % 4) == 1
 
 
+def hidden_by_score(score, b, h, q_idx, kv_idx):  # a mask written as a score_mod: -inf for the hidden keys
+    return torch.where((q_idx - kv_idx >= 8) | (kv_idx == 0), score, float("-inf"))
+
+
+def empty_rows_by_score(score, b, h, q_idx, kv_idx):  # the first 8 rows see no key at all
+    return torch.where(q_idx - kv_idx >= 8, score, float("-inf"))
+
+
 SCORE_MODS = [alibi, t5_bias, softcap30]
 MASK_MODS = [causal, sliding, document, prefix_lm, random_blocks, strided]
 B, SQ, SK = 2, 77, 77  # the document table's shape; random_blocks covers 128 positions
@@ -215,6 +223,10 @@ def test_mods_reference_agrees_with_the_plain_reference():
         attention_mods_reference(q, k, v, score_mod=softcap30, softmax_scale=0.5),
         attention_reference(q, k, v, softcap=30.0, softmax_scale=0.5),
     )
+    # A mask written as a score_mod (-inf scores) is that mask; its rows without keys get out 0 and lse -inf.
+    out, lse = attention_mods_reference(qs, ks, vs, score_mod=empty_rows_by_score, return_lse=True)
+    torch.testing.assert_close(out, attention_reference(qs, ks, vs, causal=True, window_size=(None, -8)))
+    assert torch.all(out[:, :8] == 0) and torch.all(torch.isneginf(lse[:, :, :8]))
     # A row that sees no key: out 0, lse -inf.
     out, lse = attention_mods_reference(q, k, v, mask_mod=lambda b, h, qi, ki: (qi > 0) & (ki >= 0), return_lse=True)
     assert torch.all(out[:, 0] == 0) and torch.all(torch.isneginf(lse[:, :, 0]))

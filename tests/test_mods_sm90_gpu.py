@@ -88,3 +88,19 @@ def test_forward_on_sm90_backward_on_sm80_gradients(monkeypatch, score, mask):
     assert (e.forward.family, e.backward.family) == ("sm90", "sm80"), e
     block = cute_flash.mods.create_block_mask(mask_mod, examples.B, examples.H, sq, sq, device="cuda")
     check_gradients(q, k, v, kw, block_mask=block)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq, sk", [(300, 300), (77, 517)])
+def test_scores_set_to_minus_infinity_by_a_score_mod(d, sq, sk):
+    """A mask written as a score_mod (torch.where(..., score, -inf), FlexAttention users' habit): hidden keys and
+    rows left without any key (out 0, lse -inf) in the sm90 forward; gradients through the sm80 backward where every
+    row keeps a key (the derivative is 0 where the score is -inf)."""
+    q, k, v = _qkv(sq, sk, d, seed=d + sq)
+    kw = dict(score_mod=examples.empty_rows_by_score)
+    with torch.no_grad():
+        out, lse = cute_flash.attention(q, k, v, return_lse=True, **kw)
+    _check(out, lse, q, k, v, kw)
+    assert torch.all(out[:, :8] == 0) and torch.all(torch.isneginf(lse[:, :, :8]))
+    q, k, v = _qkv(sq, sk, d, seed=d + sq, requires_grad=True)
+    check_gradients(q, k, v, dict(score_mod=examples.hidden_by_score))
