@@ -81,8 +81,9 @@ def kvcache_problem(problem: Problem, keys: Tuple[int, int]) -> KvCacheProblem:
     p, (lo, hi) = problem, keys
     s = p.spec
     spec = AttentionSpec(
-        s.dtype, s.head_dim, s.head_dim_v, "none", s.out_dtype, softcap=s.softcap, sink=s.sink, kvcache=True
-    )
+        s.dtype, s.head_dim, s.head_dim_v, "none", s.out_dtype, softcap=s.softcap, softcap_wide=s.softcap_wide,
+        sink=s.sink, kvcache=True,
+    )  # fmt: skip
     return KvCacheProblem(
         p.batch, 1, p.batch, p.nheads, p.nheads_kv, p.head_dim, p.head_dim_v, hi - lo, p.batch, spec,
         normalize_mask(False, (None, None)), p.softmax_scale, p.softcap,

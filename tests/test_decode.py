@@ -71,6 +71,15 @@ def test_what_is_not_packed(fake_gpu):  # noqa: F811
     assert decode.keys_seen(p, 132, True) == (0, 20)  # unless the family splits the packed problem's keys
 
 
+@pytest.mark.parametrize("cap", [30.0, 100.0])
+def test_the_packed_decode_problem_keeps_the_caps_spec(fake_gpu, cap):  # noqa: F811
+    """A cap above spec.WIDE_SOFTCAP keeps its running max on the KV-cache kernels too (softcap_wide travels)."""
+    q, k, v = _qkv(2, 20, 4, 2, 32)
+    p = validate(q, k, v, causal=True, softmax_scale=None, window_size=(None, None), dtype=None, softcap=cap)
+    spec = decode.kvcache_problem(p, (0, 20)).spec
+    assert spec.softcap and spec.softcap_wide == (cap > 60) == p.spec.softcap_wide
+
+
 def test_decoding_gradients_are_unchanged(fake_gpu):  # noqa: F811
     # The forward may run packed; the backward takes the saved q, k, v, out and lse as they are.
     q, k, v = (t.detach().requires_grad_(True) for t in _qkv(2, 17, 8, 2, 32))

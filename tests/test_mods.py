@@ -61,6 +61,10 @@ def strided(b, h, q_idx, kv_idx):  # remainders of negative differences: Python'
     return ((q_idx - kv_idx) % 4) == 1
 
 
+def chunks41(b, h, q_idx, kv_idx):  # a float quotient of positions: exact (x * (1 / 41) is not, at multiples of 41)
+    return torch.floor(q_idx / 41.0) == torch.floor(kv_idx / 41.0)
+
+
 def hidden_by_score(score, b, h, q_idx, kv_idx):  # a mask written as a score_mod: -inf for the hidden keys
     return torch.where((q_idx - kv_idx >= 8) | (kv_idx == 0), score, float("-inf"))
 
@@ -70,7 +74,7 @@ def empty_rows_by_score(score, b, h, q_idx, kv_idx):  # the first 8 rows see no 
 
 
 SCORE_MODS = [alibi, t5_bias, softcap30]
-MASK_MODS = [causal, sliding, document, prefix_lm, random_blocks, strided]
+MASK_MODS = [causal, sliding, document, prefix_lm, random_blocks, strided, chunks41]
 B, SQ, SK = 2, 77, 77  # the document table's shape; random_blocks covers 128 positions
 
 

@@ -204,6 +204,13 @@ def test_under_torch_compile_the_call_runs_eagerly_as_a_graph_break(backend, mon
     torch._dynamo.reset()
     with torch.no_grad(), pytest.raises(Exception, match="(?i)graph break|disable|skip"):
         torch.compile(step, backend="eager", fullgraph=True)(q, k, v)
+
+    class Step(torch.nn.Module):
+        def forward(self, q, k, v):
+            return step(q, k, v)
+
+    with pytest.raises(NotImplementedError, match="cannot be exported"):  # (no graph break there to fall back on)
+        torch.export.export(Step(), (q, k, v), strict=False)
     torch._dynamo.reset()  # with autograd: the backward reaches the backend too, between the compiled graphs
     q.requires_grad_()
     torch.compile(step, backend="aot_eager")(q, k, v).sum().backward()

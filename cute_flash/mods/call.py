@@ -65,12 +65,17 @@ def attention_mods(
     return_lse: bool,
     block_mask: Optional[BlockMask] = None,
 ):
+    args = (q, k, v, score_mod, mask_mod, causal, softmax_scale, window_size, return_lse, block_mask)
     if torch.compiler.is_compiling():
+        if not torch.compiler.is_dynamo_compiling():  # (torch.export(strict=False): no graph break to fall back on)
+            raise NotImplementedError("score_mod / mask_mod calls cannot be exported (torch.export): no custom op")
         # The callables are traced by mods/graph.py, not by dynamo: under torch.compile the call runs eagerly, a graph
         # break (fullgraph=True reports it), its autograd node between the compiled graphs.
-        return _attention_mods_eager(
-            q, k, v, score_mod, mask_mod, causal, softmax_scale, window_size, return_lse, block_mask
-        )
+        return _attention_mods_eager(*args)
+    return _attention_mods(*args)
+
+
+def _attention_mods(q, k, v, score_mod, mask_mod, causal, softmax_scale, window_size, return_lse, block_mask):
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=None)
     if max(problem.seqlen_q, problem.seqlen_k) >= MAX_POSITIONS:
         raise ValueError(f"score_mod / mask_mod calls take sequences of fewer than {MAX_POSITIONS} positions (the "
@@ -105,7 +110,7 @@ def attention_mods(
     return (out, lse) if return_lse else out
 
 
-_attention_mods_eager = torch.compiler.disable(attention_mods)
+_attention_mods_eager = torch.compiler.disable(_attention_mods)
 
 
 def _forward(q, k, v, problem, backend, tables, blocks):

@@ -4,9 +4,10 @@ the user's callable. Captured tensors are the kernel's `aux` arguments (global-m
 aux order); a read is one scalar load, converted to float32 / int32 / bool.
 
 Semantics match `graph.evaluate` in float32: Python / torch floor division and remainder on indices (the DSL's
-own), truncation toward zero for float -> int casts (torch's .int()), IEEE division (by a constant: a product with
-its float32 reciprocal, within 1 ulp), and the math functions of `cute.math` (exp / exp2 / log / log2 / sin / cos by
-their fast approximations where the DSL picks them; tanh by the hardware's tanh.approx.f32, relative error about
+own), truncation toward zero for float -> int casts (torch's .int()), IEEE division (of a quantity that depends on
+the score by a constant: a product with its float32 reciprocal, within 1 ulp; divisions of positions stay exact,
+since a mask's floor(q_idx / 41.0) must be), and the math functions of `cute.math` (exp / exp2 / log / log2 / sin /
+cos by their fast approximations where the DSL picks them; tanh by the hardware's tanh.approx.f32, relative error about
 2^-11, far below the bf16 / fp16 scores' own rounding, as the softcap feature's; sigmoid as 1 / (1 + exp(-x)), pow
 as exp2(y * log2(x)) for x > 0 with the sign fixed for integral y, as `graph.evaluate`'s torch.pow gives for the
 finite values a score takes). A float conversion of a sum or difference of two index inputs / integer constants is
@@ -100,7 +101,10 @@ def _small_int(node: Node) -> bool:
     return node.type == I32 and (node.op == "input" or (node.op == "const" and abs(int(node.args[0])) < _EXACT_INT))
 
 
-def _emit_node(node: Node, vals: List, inputs: Dict[str, object], aux: Sequence[cute.Tensor], nodes: Sequence[Node]):
+def _emit_node(
+    node: Node, vals: List, inputs: Dict[str, object], aux: Sequence[cute.Tensor], nodes: Sequence[Node],
+    score_dependent: bool,
+):  # fmt: skip
     a, t = node.args, node.type
     if node.op == "input":
         return _CONVERT[t](inputs[a[0]])
@@ -130,13 +134,21 @@ def _emit_node(node: Node, vals: List, inputs: Dict[str, object], aux: Sequence[
         return pick if t == I32 else _select(x != x, x, pick, t)  # and x when x is NaN: torch propagates NaN
     if node.op in _UNARY_DSL:
         return _CONVERT[t](_UNARY_DSL[node.op](xs[0]))
-    if node.op == "truediv" and nodes[a[1]].op == "const" and 2.0**-125 < abs(float(_constant(nodes[a[1]]))) < 2.0**125:
-        return Float32(xs[0]) * Float32(1.0 / float(_constant(nodes[a[1]])))  # (a normal reciprocal)
+    if node.op == "truediv" and score_dependent:
+        divisor = _constant_value(nodes, a[1])
+        if divisor is not None and 2.0**-125 < abs(divisor) < 2.0**125:  # (a normal reciprocal)
+            return Float32(xs[0]) * Float32(1.0 / divisor)
     return _CONVERT[t](_BINARY_DSL[node.op](xs[0], xs[1]))
 
 
-def _constant(node: Node):
-    return float.fromhex(node.args[0]) if node.type == F32 else node.args[0]
+def _constant_value(nodes: Sequence[Node], i: int):
+    """The value of node i where it is a numeric constant (or the float conversion of one), else None."""
+    node = nodes[i]
+    if node.op == "cast" and node.args[1] == F32:
+        node = nodes[node.args[0]]
+    if node.op != "const" or node.type == BOOL:
+        return None
+    return float.fromhex(node.args[0]) if node.type == F32 else float(node.args[0])
 
 
 def input_deps(graph: ModGraph) -> List[frozenset]:
@@ -164,7 +176,7 @@ def emit(graph: ModGraph, inputs: Dict[str, object], aux: Sequence[cute.Tensor] 
     if len(aux) != len(graph.aux_types):
         raise ValueError(f"the graph reads {len(graph.aux_types)} captured tensors, {len(aux)} given")
     cache, keys = shared if shared is not None else (None, None)
-    deps = input_deps(graph) if cache is not None else None
+    deps = input_deps(graph)
     vals: List = []
     for i, node in enumerate(graph.nodes):
         key = None
@@ -173,7 +185,7 @@ def emit(graph: ModGraph, inputs: Dict[str, object], aux: Sequence[cute.Tensor] 
             if key in cache:
                 vals.append(cache[key])
                 continue
-        value = _emit_node(node, vals, inputs, aux, graph.nodes)
+        value = _emit_node(node, vals, inputs, aux, graph.nodes, "score" in deps[i])
         if key is not None:
             cache[key] = value
         vals.append(value)

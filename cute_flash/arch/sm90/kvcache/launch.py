@@ -24,7 +24,7 @@ from typing import List
 import torch
 
 from .... import compile_cache
-from ....spec import AttentionSpec
+from ....spec import AttentionSpec, softcap_fields
 from ....validation import MAX_GRID_YZ, KvCacheProblem
 from ...base import KernelArtifact, KvCacheTensors
 from ... import split_kv
@@ -111,6 +111,8 @@ def _check_features(t: KvCacheTensors, p: KvCacheProblem) -> None:
     spec = p.spec
     if spec.softcap and not p.softcap > 0:
         raise ValueError(f"a soft-capping build needs softcap > 0, got {p.softcap}")
+    if spec.softcap_wide != softcap_fields(p.softcap)["softcap_wide"]:  # (the capped softmax's range: spec.py)
+        raise ValueError(f"softcap {p.softcap} on a build with softcap_wide={spec.softcap_wide} (spec.softcap_fields)")
     if spec.sink:
         s = t.sink
         if s is None or s.dtype != torch.float32 or tuple(s.shape) != (p.nheads,) or not s.is_contiguous():
