@@ -706,3 +706,31 @@ def test_transformers_captured_masked_decoding_reads_the_visible_slots(b, h, hkv
     assert _masked_decoding_args(q.expand(b, h, 2, d), k, v, mask) is None
     assert _masked_decoding_args(q, k, v, mask.double()) is None
     assert (_masked_decoding_args(q, k, v.contiguous(), mask) is None) == (hkv > 1)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_transformers_masked_decoding_follows_a_mask_changed_in_place(fake_gpu, mode):
+    """A decode loop that keeps one 4D mask and marks new slots in place: the next call attends to them, also under
+    inference_mode (whose tensors have no version counter to tell the change); a cache of another batch than the
+    queries is refused, not read in part."""
+    import math
+
+    pytest.importorskip("transformers")
+    from cute_flash.integrations.transformers import attention_forward
+
+    g = torch.Generator().manual_seed(5)
+    b, h, hkv, sk, d = 3, 8, 2, 24, 64
+    q, k, v = (torch.randn(*s, generator=g).bfloat16() for s in ((b, h, 1, d), (b, hkv, sk, d), (b, hkv, sk, d)))
+    module = torch.nn.Module()
+    with mode():
+        mask = torch.zeros(b, 1, 1, sk, dtype=torch.bool)
+        mask[..., :5] = True
+        attention_forward(module, q, k, v, mask, scaling=0.3)
+        mask[..., 5:9] = True  # the next step's slots, in the same tensor
+        out = attention_forward(module, q, k, v, mask, scaling=0.3)[0]
+    scores = (q.double() @ k.double().repeat_interleave(h // hkv, 1).transpose(-1, -2)) * 0.3
+    p = torch.softmax(scores.masked_fill(~mask, -math.inf), -1)
+    want = (p @ v.double().repeat_interleave(h // hkv, 1)).transpose(1, 2)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=0)
+    with pytest.raises(ValueError, match="one batch"):
+        attention_forward(module, q, torch.cat([k, k[:2]]), torch.cat([v, v[:2]]), mask, scaling=0.3)

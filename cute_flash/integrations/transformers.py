@@ -91,7 +91,11 @@ class _Derived:
 
     def get(self, tensors: tuple, extra: tuple, compute):
         present = tuple(t for t in tensors if t is not None)
-        # Inference tensors keep no version counter (transformers never changes a mask in place within a forward).
+        if any(t.is_inference() and not getattr(t, _BUILT_TAG, False) for t in present):
+            # An inference tensor has no version counter: one the caller may change in place between steps (a
+            # static cache's mask kept by a decode loop) is derived anew each time; the masks built here are not.
+            return compute()
+        # (Masks built by `mask_function` are new objects every forward, never changed in place: cached by identity.)
         versions = tuple(-1 if t.is_inference() else t._version for t in present)
         key = (tuple(id(t) for t in present), versions, extra)
         hit = self._entries.get(key)
@@ -129,9 +133,11 @@ class _Packing(NamedTuple):
 _WINDOW_TAG = "_cute_flash_window"
 _FULL_TAG = "_cute_flash_full"
 _GAPS_TAG = "_cute_flash_gaps"  # whether a row's valid tokens have gaps, read once by the mask function
+_BUILT_TAG = "_cute_flash_built"  # built by `mask_function` (not a caller's tensor): safe to cache by identity
 
 
 def _tagged(mask: torch.Tensor, window: Optional[int], full: bool = False, gaps: Optional[bool] = None):
+    setattr(mask, _BUILT_TAG, True)
     setattr(mask, _WINDOW_TAG, window)
     setattr(mask, _FULL_TAG, full)
     setattr(mask, _GAPS_TAG, gaps)
@@ -310,6 +316,15 @@ def attention_forward(
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
             raise _err(f"{what} ({name}=...) is not implemented")
+    if (
+        not (query.dim() == key.dim() == value.dim() == 4)
+        or key.shape[:3] != value.shape[:3]
+        or (key.shape[0] != query.shape[0])
+    ):
+        raise ValueError(
+            f"cute_flash (transformers plug-in): query (b, h, s, d), key / value (b, h_kv, s_k, d) of one batch and "
+            f"length, got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if not causal:
         raise _err("only causal (decoder) attention is served")
@@ -404,7 +419,7 @@ def _decode_in_place(query, key, value, attention_mask, scaling, sliding_window,
     group = h // h_kv
     seqs = _DERIVED.get(
         (attention_mask,),
-        ("fold", h_kv, sk, group, sliding_window),
+        ("fold", h_kv, sk, group, sliding_window, key.device),
         lambda: _fold(attention_mask.to(key.device, torch.bool), h_kv, sk, group, sliding_window),
     )
     cu_q, cu_k, used = seqs
@@ -466,6 +481,8 @@ def _masked_decoding_args(query, key, value, attention_mask):
         return None
     if attention_mask.shape[1:] != (1, 1, sk) or attention_mask.shape[0] not in (1, b) or h % h_kv:
         return None
+    if key.shape[0] != b or value.shape[0] != b or value.shape[1:3] != (h_kv, sk):
+        return None  # (the general path then serves or refuses the call)
     if (b - 1) * key.stride(0) // max(key.stride(2), 1) + sk > 2**31 - 1:  # page indices are int32
         return None
     rows = []
@@ -574,7 +591,7 @@ def _packing_from_masks(attention_mask, q, k, v, sliding_window, kwargs):
         k_width = _key_width(k, width, max(q.shape[-1], v.shape[-1]))
         packing = _DERIVED.get(
             (attention_mask,),
-            ("pad", s, windowed, k_width),
+            ("pad", s, windowed, k_width, q.device),
             lambda: _unpad(
                 attention_mask.to(device=q.device, dtype=torch.bool),
                 s,
@@ -597,7 +614,8 @@ def _packing_from_masks(attention_mask, q, k, v, sliding_window, kwargs):
             raise _err(f"a decoding mask of shape {tuple(attention_mask.shape)} / {attention_mask.dtype} is not served")
         if _tracing(attention_mask):
             raise _err("masked decoding reads its lengths on the host: not under CUDA-graph capture or fake tensors")
-        return _DERIVED.get((given,), ("one", b), lambda: _single_queries(attention_mask[:, 0, 0].to(q.device)))
+        visible = attention_mask[:, 0, 0]
+        return _DERIVED.get((given,), ("one", b, q.device), lambda: _single_queries(visible.to(q.device)))
     # Packed documents: a materialised 4D mask (or none, with the collator's keywords).
     if s != sk:
         raise _err("this call has a custom attention mask (queries and keys of different lengths)")
@@ -619,7 +637,7 @@ def _packing_from_masks(attention_mask, q, k, v, sliding_window, kwargs):
         return _documents(starts.to(q.device), b, s)
 
     tensors = (given, position_ids, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
-    return _DERIVED.get(tensors, ("docs", b, s, sliding_window), derive)
+    return _DERIVED.get(tensors, ("docs", b, s, sliding_window, q.device), derive)
 
 
 # --- the mask function -------------------------------------------------------------------------------------------
@@ -712,6 +730,7 @@ def mask_function(
     if mask is None:  # cannot happen with the skip disallowed; never let a masked call look unmasked
         mask = torch.zeros(batch_size, 1, q_length, kv_length, dtype=torch.bool)
     # The config's sliding window is part of this pattern (packed documents check it); a chunk size is not a window.
+    setattr(mask, _BUILT_TAG, True)
     return _tagged(mask, window) if window is not None else mask
 
 
