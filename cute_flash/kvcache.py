@@ -167,7 +167,8 @@ def attention_with_kvcache(
     Sequence b attends to its cache_seqlens[b] + new tokens keys. The mask is bottom-right aligned per sequence:
     query row s of a sequence with n_q query rows and n_k keys sees key j iff
     s + n_k - n_q - left <= j <= s + n_k - n_q + right (causal: right = 0), so new tokens see each other causally.
-    softmax_scale, window_size, softcap, learnable_sink: as in `cute_flash.attention`.
+    softmax_scale, window_size, softcap, learnable_sink: as in `cute_flash.attention` (FlashAttention-3's names, but
+    causal defaults to True and an unlimited window bound is None: FA3's -1 is a shifted edge here).
     num_splits: how many CTAs share each query tile's keys (0: chosen from batch, heads, the cache's capacity and
     the GPU's SM count; the choice depends on shapes only, so a CUDA graph replays with new lengths). The combine
     is exact and, for a given split, deterministic. A softmax_scale above 2^64 (where scale x score may overflow
@@ -213,9 +214,9 @@ def _launch_on_device(plan: _Plan, args: KvCacheArgs, out: torch.Tensor, lse: to
 def _launch(plan: _Plan, a: KvCacheArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
     p = plan.problem
     seqlens_k = a.cache_seqlens
-    if plan.append is not None:
+    max_new = 0 if plan.append is None else (p.seqlen_q if p.packed_q else a.k_new.shape[1])
+    if max_new > 0:  # (no new token: nothing to write, the lengths are the cache's)
         seqlens_k = torch.empty_like(a.cache_seqlens)
-        max_new = p.seqlen_q if p.packed_q else a.k_new.shape[1]
         plan.append(
             a.k_new, a.v_new, a.k_cache, a.v_cache, a.page_table, a.cache_seqlens, a.cu_seqlens_q, seqlens_k,
             a.k_descale, a.v_descale, max_new,

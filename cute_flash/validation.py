@@ -488,7 +488,25 @@ def _check_int32_vector(name: str, t: object, shape: tuple, device: torch.device
         raise ValueError(f"{name} must be an int32 tensor of shape {shape}, got {what}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but q is on {device}; all inputs must share one device")
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:  # (the kernels index it with a unit last stride)
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
     return t
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' byte ranges in one storage intersect (a conservative test: their spans, not elements)."""
+    if a.device.type == "meta" or a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        start = t.data_ptr()
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0) * t.element_size()
+        return start, start + last + t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _check_in_kernel_layout(name: str, t: torch.Tensor) -> None:
@@ -552,6 +570,8 @@ def validate_kvcache(
             raise ValueError("cu_seqlens_q must be an int32 tensor of shape (batch + 1,)")
         _check_int32_vector("cu_seqlens_q", args.cu_seqlens_q, (batch + 1,), q.device)
         seqlen_q = int(max_seqlen_q)
+        if total_q > batch * seqlen_q:  # (some sequence would have more rows than max_seqlen_q: rows left unwritten)
+            raise ValueError(f"q has {total_q} rows but {batch} sequences of at most max_seqlen_q={seqlen_q} rows")
     else:
         if max_seqlen_q is not None:
             raise ValueError("max_seqlen_q belongs to packed queries (cu_seqlens_q); dense q has its own seqlen_q")
@@ -603,6 +623,12 @@ def validate_kvcache(
                 raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {q.device})")
             if t.stride(-1) != 1:
                 raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
+            if not torch.compiler.is_compiling() and t.numel() and t.data_ptr() % ALIGN_BYTES:
+                raise ValueError(f"{name} must start at a {ALIGN_BYTES}-byte aligned address (the append copies whole "
+                                 "16-byte vectors)")  # fmt: skip
+        if not packed and args.k_new.shape[1] > max_seqlen_k:
+            raise ValueError(f"k_new has {args.k_new.shape[1]} tokens per sequence, more than the cache holds "
+                             f"({max_seqlen_k})")  # fmt: skip
 
     if kv_fp8:
         for name, t in (("k_descale", args.k_descale), ("v_descale", args.v_descale)):
@@ -610,6 +636,8 @@ def validate_kvcache(
                 raise ValueError(
                     f"an fp8 cache needs {name}: a float32 tensor of shape (batch, nheads_kv) = ({batch}, {nheads_kv})"
                 )
+            if nheads_kv > 1 and t.stride(-1) != 1:
+                raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
             if t.device != q.device:
                 raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
     elif args.k_descale is not None or args.v_descale is not None:
@@ -645,6 +673,9 @@ def validate_kvcache(
         if o.device != q.device:
             raise ValueError(f"out is on {o.device} but q is on {q.device}")
         _check_in_kernel_layout("out", o)
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if not torch.compiler.is_compiling() and _overlaps(o, t):
+                raise ValueError(f"out overlaps {name} in memory: the kernels read {name} while they write out")
     if batch > MAX_GRID_YZ or nheads > MAX_GRID_YZ:
         raise NotImplementedError(f"batch ({batch}) and nheads ({nheads}) must each be <= {MAX_GRID_YZ}")
 

@@ -101,6 +101,8 @@ def test_packed_queries_and_an_fp8_cache(backend):
         (dict(max_seqlen_q=3), ValueError, "max_seqlen_q belongs to packed"),
         (dict(learnable_sink=_meta(7, dtype=torch.float32)), ValueError, "learnable_sink must have shape"),
         (dict(causal=1), TypeError, "causal must be a bool"),
+        (dict(k_new=_meta(2, 65, 2, 64), v_new=_meta(2, 65, 2, 64)), ValueError, "more than the cache holds"),
+        (dict(cache_seqlens=_meta(4, dtype=torch.int32)[::2]), ValueError, "contiguous in its last dimension"),
     ],
 )
 def test_malformed_calls_raise_before_any_launch(backend, change, error, match):
@@ -139,3 +141,19 @@ def test_a_warm_call_reuses_its_plan_and_a_rejected_argument_is_never_cached(bac
     with pytest.raises(TypeError, match="causal"):
         cute_flash.attention_with_kvcache(q, k, v, **kw, causal=1)
     assert len(kvcache._plans) == 1
+
+
+def test_packed_rows_beyond_max_seqlen_q_and_an_out_over_the_cache_are_refused(backend, monkeypatch):
+    q = _meta(9, 8, 64)
+    k, v = _meta(10, 16, 2, 64), _meta(10, 16, 2, 64)
+    kw = dict(cache_seqlens=_meta(2, dtype=torch.int32), page_table=_meta(2, 5, dtype=torch.int32),
+              cu_seqlens_q=_meta(3, dtype=torch.int32))  # fmt: skip
+    with pytest.raises(ValueError, match="at most max_seqlen_q=4"):  # 9 rows cannot be 2 sequences of <= 4
+        cute_flash.attention_with_kvcache(q, k, v, **kw, max_seqlen_q=4)
+    monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    q = torch.zeros(2, 1, 8, 64, dtype=torch.bfloat16)
+    k, v = (torch.zeros(10, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    kw = dict(cache_seqlens=torch.zeros(2, dtype=torch.int32), page_table=torch.zeros(2, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out overlaps v_cache"):
+        cute_flash.attention_with_kvcache(q, k, v, **kw, out=v[0, :8].reshape(2, 1, 8, 64))
+    assert backend.calls == []

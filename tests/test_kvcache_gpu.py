@@ -78,6 +78,15 @@ def test_appended_tokens_see_each_other_causally(page, sq, new):
     _run_and_check(q, k, v, kw)
 
 
+@pytest.mark.parametrize("d", [96, 80])
+@pytest.mark.parametrize("packed", [False, True])
+def test_long_appends_at_head_dims_whose_rows_do_not_divide_the_block(d, packed):
+    """More than one 128-row block of new tokens at d 96 / 80 (12 / 10 threads per row: the append's last rows of
+    each block take a pass of their own)."""
+    q, k, v, kw = _case(2, 200, 8, 2, d, 16, [3, 130], new=200, packed=packed, seed=d)
+    _run_and_check(q, k, v, kw)
+
+
 @pytest.mark.parametrize("page", [0, 16])
 def test_chunked_prefill_with_packed_queries(page):
     q, k, v, kw = _case(3, 40, 8, 2, 128, page, [0, 100, 513], new=40, packed=True, seed=3)

@@ -89,14 +89,19 @@ class KvAppend:
             v_scale = mVdescale[b, head]
         col = (tidx % self.width) * COLS
         rows_per_pass = THREADS // self.width
-        for r in cutlass.range(ROWS_PER_CTA // rows_per_pass, unroll=1):
-            i = block * ROWS_PER_CTA + r * rows_per_pass + tidx // self.width
+        # Every row of the block: a width that does not divide THREADS (d 80, 96, 160, ...) leaves the last threads
+        # idle and takes one pass more.
+        local = tidx // self.width
+        for r in cutlass.range((ROWS_PER_CTA + rows_per_pass - 1) // rows_per_pass, unroll=1):
+            row_in_block = r * rows_per_pass + local
+            i = block * ROWS_PER_CTA + row_in_block
             pos = start + i
             # (a packed source row past k_new's rows, from a bad cu_seqlens, is dropped too)
             in_new = True
             if cutlass.const_expr(self.packed):
                 in_new = first + i < mKnew.shape[0] and first + i >= 0
-            if i < count and pos >= 0 and pos < capacity and in_new:
+            mine = local < rows_per_pass and row_in_block < ROWS_PER_CTA
+            if mine and i < count and pos >= 0 and pos < capacity and in_new:
                 page = b
                 row = pos
                 if cutlass.const_expr(self.paged):
@@ -117,8 +122,9 @@ class KvAppend:
                     x = mNew[b, src_row, head, col + c]
                 if cutlass.const_expr(self.fp8):
                     # x / descale rounded once (IEEE division, as the reference), saturated at e4m3's largest
-                    # finite value instead of producing NaN for out-of-range values
-                    y = cute.arch.fmin(cute.arch.fmax(x.to(Float32) / descale, Float32(-448.0)), Float32(448.0))
+                    # finite value instead of producing NaN for out-of-range values; a NaN input stays NaN
+                    scaled = x.to(Float32) / descale
+                    y = cute.arch.fmin(cute.arch.fmax(scaled, Float32(-448.0), nan=True), Float32(448.0), nan=True)
                     mCache[page, row, head, col + c] = y.to(self.cache_dtype)
                 else:
                     mCache[page, row, head, col + c] = x.to(self.cache_dtype)

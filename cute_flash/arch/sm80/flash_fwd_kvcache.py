@@ -172,9 +172,17 @@ class Sm80KvCacheForward(Sm80FlashForward):
         offset_q = None
         seqlen_q = mQ.shape[1]
         if cutlass.const_expr(self.packed_q):
-            offset_q = args.mCuSeqlensQ[batch]
-            seqlen_q = args.mCuSeqlensQ[batch + 1] - offset_q
-        seq = SeqRows(offset_q, None, seqlen_q, args.mSeqlensK[batch], batch)
+            # cu_seqlens_q and the lengths are not checked on the host (that would need their values): clamped here,
+            # the sequence's rows into [0, total_q) and its keys into [0, capacity], so that no value makes the
+            # kernel read or write outside q, out / lse, the page table or the cache (the sm90 kernels' rule).
+            total_q = mQ.shape[0]  # (packed q: (total_q, h, d))
+            offset_q = cutlass.min(cutlass.max(args.mCuSeqlensQ[batch], 0), total_q)
+            seqlen_q = cutlass.min(cutlass.max(args.mCuSeqlensQ[batch + 1], offset_q), total_q) - offset_q
+        capacity = mK.shape[1]  # a dense cache's rows per sequence, or a page's
+        if cutlass.const_expr(self.page_size > 0):
+            capacity = mK.shape[1] * args.mPageTable.shape[1]
+        seqlen_k = cutlass.max(cutlass.min(args.mSeqlensK[batch], capacity), 0)
+        seq = SeqRows(offset_q, None, seqlen_q, seqlen_k, batch)
         page_row = None
         if cutlass.const_expr(self.page_size > 0):
             page_row = args.mPageTable[batch, None]
@@ -495,7 +503,8 @@ class _PagedKVLoader:
     def _load_row(self, tiled_copy, cache, smem, coords, col_pred, key: Int32, n: cutlass.Constexpr[int], stage):
         vec = COPY_BITS // cache.element_type.width
         page_size = self.k.page_size
-        page = self.page_row[key // page_size]
+        # (a page index outside [0, num_pages) reads a page of the cache, never memory outside it: undefined results)
+        page = cutlass.min(cutlass.max(self.page_row[key // page_size], 0), cache.shape[0] - 1)
         src = cute.tiled_divide(cache[page, key % page_size, self.head_kv, None], (vec,))
         for k in cutlass.range_constexpr(cute.size(smem.shape[2])):
             _copy_chunk(tiled_copy, src[None, coords[0, n, k][1] // vec], smem[None, n, k, stage], col_pred, n, k)

@@ -18,7 +18,7 @@ from ... import compile_cache
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_cu_seqlens, fake_f32, fake_operand, fake_tensor
 from ...spec import AttentionSpec
-from ...validation import KvCacheProblem, kernel_view
+from ...validation import MAX_GRID_YZ, KvCacheProblem, kernel_view
 from .. import split_kv
 from ..base import KvCacheTensors
 from .tile_config import FwdTileConfig, kvcache_tile_candidates
@@ -148,6 +148,7 @@ def forward(t: KvCacheTensors, problem: KvCacheProblem, num_splits: int) -> None
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
     if p.batch == 0 or p.total_q == 0:
         return  # no row to fill (and no grid to launch)
+    num_splits = max(1, min(num_splits, MAX_GRID_YZ // p.batch))  # grid z = splits x b (changes speed only)
     target = compile_cache.runtime_target(t.q.device)
     views = [kernel_view(x, copy=False, name=n) for n, x in (("q", t.q), ("k_cache", t.k_cache),
                                                               ("v_cache", t.v_cache), ("out", t.out))]  # fmt: skip
