@@ -114,12 +114,26 @@ def _variant_reason(family: str, backend: ArchBackend, spec: AttentionSpec, back
     return None
 
 
+def forced_family() -> Optional[str]:
+    """The family CUTE_FLASH_ARCH forces now (None: none)."""
+    return os.environ.get(ARCH_ENV_VAR) or None
+
+
 def route(
     spec: AttentionSpec, capability: Optional[Capability], backward: bool = False, deterministic: bool = False
 ) -> Route:
     """The route of `spec` on a GPU of `capability` (forward, or backward when asked, a deterministic backward when
     `deterministic`); CUTE_FLASH_ARCH applies."""
-    return _route(spec, capability, os.environ.get(ARCH_ENV_VAR) or None, backward, backward and deterministic)
+    return route_forced(forced_family(), spec, capability, backward, deterministic)
+
+
+def route_forced(
+    forced: Optional[str], spec: AttentionSpec, capability: Optional[Capability], backward: bool = False,
+    deterministic: bool = False,
+) -> Route:  # fmt: skip
+    """`route` with the family `forced` (None: none) in place of CUTE_FLASH_ARCH's: a cached plan routes its
+    backward as the variable was when its forward was planned."""
+    return _route(spec, capability, forced, backward, backward and deterministic)
 
 
 def clear_cache() -> None:

@@ -95,9 +95,15 @@ def _check_window(window_size: object) -> Tuple[Optional[int], Optional[int]]:
     return out[0], out[1]
 
 
+def _finite(x) -> bool:
+    """math.isfinite in comparisons, which torch.compile traces for the symbolic floats it makes of a float argument
+    that changed between calls (math.isfinite on one fails the trace)."""
+    return x == x and abs(x) != math.inf
+
+
 def check_softcap(softcap: object) -> float:
     """softcap: 0 (off) or a finite cap > 0, as a float."""
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap):
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not _finite(softcap):
         raise ValueError(f"softcap must be a finite float >= 0 (0: no soft-capping), got {softcap!r}")
     if softcap < 0:
         raise ValueError(f"softcap must be >= 0 (0: no soft-capping), got {softcap}")
@@ -279,11 +285,7 @@ def _check_semantics(q, k, v, *, causal, softmax_scale, window_size) -> Semantic
     left, right = _check_window(window_size)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    elif (
-        isinstance(softmax_scale, bool)
-        or not isinstance(softmax_scale, (int, float))
-        or not math.isfinite(softmax_scale)
-    ):
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not _finite(softmax_scale):
         raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
     elif softmax_scale < 0:
         # Malformed rather than missing: a negative scale reverses which keys a row attends to most (and every kernel
@@ -650,7 +652,7 @@ def validate_kvcache(
         softmax_scale = 1.0 / math.sqrt(head_dim)
     elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise ValueError(f"softmax_scale must be a finite float >= 0 or None, got {softmax_scale!r}")
-    elif not math.isfinite(softmax_scale) or softmax_scale < 0:
+    elif not _finite(softmax_scale) or softmax_scale < 0:
         raise ValueError(f"softmax_scale must be a finite float >= 0 or None, got {softmax_scale!r}")
     softcap = check_softcap(softcap)
     check_learnable_sink(args.learnable_sink, nheads, q.device)

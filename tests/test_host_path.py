@@ -59,6 +59,19 @@ def test_cute_flash_arch_is_part_of_the_signature(monkeypatch):
     assert _plan(q, k, v, True, None, (None, None), False).forward.name == "sm80"
 
 
+def test_a_plans_backward_is_routed_as_cute_flash_arch_was_when_it_was_planned(monkeypatch):
+    """The variable is part of the plan's key: a backward routed after it changed still takes the forced family
+    (and a plan made without it the natural one), whenever the first backward runs."""
+    q, k, v = _qkv()
+    monkeypatch.setenv("CUTE_FLASH_ARCH", "sm80")
+    forced = _plan(q, k, v, True, None, (None, None), False)
+    monkeypatch.delenv("CUTE_FLASH_ARCH")
+    natural = _plan(q, k, v, True, None, (None, None), False)
+    assert forced.backward_backend(q).name == "sm80"
+    monkeypatch.setenv("CUTE_FLASH_ARCH", "sm80")
+    assert natural.backward_backend(q).name == "sm90"
+
+
 def test_device_check_is_part_of_the_signature(monkeypatch):
     q, k, v = _qkv()
     _plan(q, k, v, False, None, (None, None), False)

@@ -74,6 +74,17 @@ def test_torch_compile_traces_attention_without_a_graph_break(backend):
     assert value.shape == () and [g.shape for g in grads] == [t.shape for t in (q, k, v)]
 
 
+def test_a_float_argument_that_changes_between_calls_stays_in_one_graph():
+    """Dynamo makes a float that changed between calls symbolic: validation's checks of the cap and the scale trace
+    on it (fullgraph would raise on a break)."""
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, k, v, cap, scale: cute_flash.attention(q, k, v, softcap=cap, softmax_scale=scale),
+                         fullgraph=True, backend="eager")  # fmt: skip
+    q, k, v = _qkv(grad=False)
+    for cap, scale in ((30.0, 0.2), (20.0, 0.3), (75.0, 0.1)):  # (75: a wide cap, another kernel at run time)
+        assert step(q, k, v, cap, scale).shape == (2, 100, 4, 64)
+
+
 @pytest.mark.parametrize(
     "kw,match",
     [(dict(window_size=(1.5, 0)), "window_size"), (dict(softcap=-1.0), "softcap"), (dict(softmax_scale=-1), "scale")],

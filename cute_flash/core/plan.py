@@ -11,7 +11,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from .. import compile_cache, decode
+from .. import compile_cache, decode, routing
 from ..arch import split_kv
 from ..arch.base import ArchBackend
 from ..problem import PackedSeqs, Problem, VarlenProblem
@@ -32,7 +32,7 @@ class Plan:
 
     __slots__ = ("problem", "forward", "backward", "deterministic", "copies", "copy_seqs", "empty", "device")
     __slots__ += ("device_index", "out_shape", "out_dtype", "lse_shape", "rows", "launch", "backward_launch")
-    __slots__ += ("decode_keys", "decode_plan", "decode_kvcache", "fp8", "run")
+    __slots__ += ("decode_keys", "decode_plan", "decode_kvcache", "fp8", "run", "forced")
 
     def __init__(
         self, problem, forward: ArchBackend, deterministic: bool, copies: bool, device_: torch.device,
@@ -45,6 +45,7 @@ class Plan:
         self.out_dtype = OUT_DTYPES[p.spec.out_dtype]
         self.launch = self.backward_launch = self.decode_plan = self.run = self.decode_kvcache = None
         self.decode_keys = None
+        self.forced = routing.forced_family()  # (the family forced when the forward was planned: the backward's too)
         if p.spec.varlen:
             self.out_shape, self.lse_shape = (p.total_q, p.nheads, p.head_dim_v), (p.nheads, p.total_q)
             self.rows = p.total_q
@@ -63,7 +64,12 @@ class Plan:
     def backward_backend(self, q: torch.Tensor) -> ArchBackend:
         arch = self.backward
         if arch is None:
-            arch = self.backward = device.route(self.problem.spec, q, backward=True, deterministic=self.deterministic)
+            spec, det = self.problem.spec, self.deterministic
+            if self.forced == routing.forced_family():
+                arch = device.route(spec, q, backward=True, deterministic=det)
+            else:  # CUTE_FLASH_ARCH changed since: the plan's key holds the old value
+                arch = routing.route_forced(self.forced, spec, device.capability(q), True, det).backend
+            self.backward = arch
         return arch
 
 
