@@ -162,3 +162,6 @@ def test_fp8_gradient_raises():
     out = cute_flash.attention(q, k, v, dtype="fp8")
     with pytest.raises(NotImplementedError, match="forward-only"):
         out.sum().backward()
+    _, lse = cute_flash.attention(q, k, v, dtype="fp8", return_lse=True)
+    with pytest.raises(NotImplementedError, match="forward-only"):  # (a loss of lse alone: not silently dropped)
+        (lse.sum() + q.float().square().sum()).backward()

@@ -379,14 +379,15 @@ def launch_packed_forward(kernel, q, k, v, out, lse, seqs: PackedSeqs, problem, 
 # fold into the preprocess's D buffer before the main kernel reads it (FlashAttention-4 takes dlse in its
 # preprocess). A row without keys (lse -inf) keeps D = 0: its P is 0, and a non-finite dlse there (the gradient of
 # lse ** 2, or NaN through a torch.where) would otherwise make 0 * NaN in dS and spread to the head's dK / dV.
-def _finite_rows(dlse: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+def finite_rows(dlse: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """lse's gradient as the backward folds it, float32: 0 on rows without keys (lse -inf), whatever it was there."""
     return torch.where(torch.isneginf(lse), 0.0, dlse).to(torch.float32)
 
 
 def fold_lse_grad(dpsum: torch.Tensor, dlse: Optional[torch.Tensor], lse: torch.Tensor) -> None:
     """D -= dlse for a dense backward: dpsum (b, h, padded rows) as the preprocess wrote it, dlse and lse (b, h, sq)."""
     if dlse is not None:
-        dpsum[..., : lse.shape[-1]].sub_(_finite_rows(dlse, lse))
+        dpsum[..., : lse.shape[-1]].sub_(finite_rows(dlse, lse))
 
 
 def fold_lse_grad_packed(
@@ -407,7 +408,7 @@ def fold_lse_grad_packed(
     offset = cols - starts[seq]
     inside = offset < cu[seq + 1] - cu[seq]
     rows = (cu[seq] + offset).clamp(0, lse.shape[-1] - 1)
-    dpsum.sub_(torch.where(inside, _finite_rows(dlse, lse)[:, rows], 0.0))
+    dpsum.sub_(torch.where(inside, finite_rows(dlse, lse)[:, rows], 0.0))
 
 
 def sink_grad(dsink: torch.Tensor, sink: torch.Tensor, lse: torch.Tensor, d_minus_dlse: torch.Tensor) -> None:

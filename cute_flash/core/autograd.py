@@ -88,14 +88,15 @@ def refuse_second_order(grads, *inputs):
 
 
 class Fp8NoBackward(torch.autograd.Function):
-    """Passes the FP8 output through; asking for its gradient raises (the FP8 path has no backward kernel)."""
+    """Passes the FP8 output and lse through; asking for a gradient of either raises (the FP8 path has no backward
+    kernel)."""
 
     @staticmethod
-    def forward(ctx, out, q, k, v):
-        return out.view_as(out)
+    def forward(ctx, out, lse, q, k, v):
+        return out.view_as(out), lse.view_as(lse)
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, dlse):
         raise NotImplementedError(
             "cute_flash: the FP8 path (dtype='fp8' or float8_e4m3fn inputs) is forward-only; gradients need "
             "dtype=None (fp16/bf16 compute)"

@@ -99,7 +99,7 @@ def dense(
     with torch.no_grad():
         out, lse = launch.forward(planned, *launch.kernel_inputs(planned, q, k, v))
     if _needs_grad(q, k, v, None):
-        out = autograd.Fp8NoBackward.apply(out, q, k, v)
+        out, lse = autograd.Fp8NoBackward.apply(out, lse, q, k, v)  # (lse too: a loss of it must not pass silently)
     return (out, lse) if return_lse else out
 
 

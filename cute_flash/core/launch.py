@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import decode
-from ..arch.base import BwdTensors, FwdTensors, Grads, KvCacheTensors, sink_grad
+from ..arch.base import BwdTensors, FwdTensors, Grads, KvCacheTensors, finite_rows, sink_grad
 from ..kernel_layout import kernel_view
 from ..problem import PackedSeqs
 from . import device
@@ -169,7 +169,7 @@ def backward(plan: Plan, dout, q, k, v, out, lse, dlse=None, sink=None, seqs: Op
         for g in (dq, dk, dv):
             g.zero_()
         if sink is not None:  # out 0, so D = 0: the sink's gradient is dlse's sum (sink_grad with D - dlse = -dlse)
-            sink_grad(dsink, sink, lse, torch.zeros_like(lse) if dlse is None else -dlse)
+            sink_grad(dsink, sink, lse, torch.zeros_like(lse) if dlse is None else -finite_rows(dlse, lse))
         return dq, dk, dv, dsink
     t = BwdTensors(kernel_view(dout), q, k, v, out, lse, dlse, sink)
     grads = Grads(dq, dk, dv, dsink)
