@@ -404,6 +404,13 @@ def test_transformers_packed_documents_match_sdpa(fake_gpu, registered, kind, ex
         want = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
     assert [c[0] for c in fake_gpu.calls] == ["forward_varlen"] * 2
+    # The keywords alone (positions not restarting, the default cache): a sliding-window layer then gets an
+    # all-visible padding mask where a full one gets none; both keep the documents apart.
+    fake_gpu.calls.clear()
+    with torch.no_grad():
+        got = twin(input_ids=ids, **flat).logits
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    assert [c[0] for c in fake_gpu.calls] == ["forward_varlen"] * 2
     bad = dict(flat, cu_seq_lens_q=torch.tensor([0, 5, 20], dtype=torch.int32))
     bad["cu_seq_lens_k"] = bad["cu_seq_lens_q"]
     with pytest.raises(NotImplementedError, match="not the causal pattern"):

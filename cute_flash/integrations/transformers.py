@@ -575,7 +575,11 @@ def _packing(attention_mask, q, k, v, sliding_window, kwargs):
             raise _err(f"a padding mask of shape {tuple(attention_mask.shape)} does not fit {b} rows of {s} queries "
                        f"and {sk} key slots")  # fmt: skip
         if getattr(attention_mask, _FULL_TAG, False):
-            return width
+            if all(kwargs.get(n) is None for n in _PACKED_KEYWORDS):
+                return width
+            # No padding, but packed documents by the collator's keywords (a sliding-window layer gets this mask
+            # where a full-attention layer gets None): the documents, as there.
+            attention_mask = None
     return _packing_from_masks(attention_mask, q, k, v, sliding_window, kwargs)
 
 
