@@ -65,6 +65,10 @@ def chunks41(b, h, q_idx, kv_idx):  # a float quotient of positions: exact (x * 
     return torch.floor(q_idx / 41.0) == torch.floor(kv_idx / 41.0)
 
 
+def near(b, h, q_idx, kv_idx):  # a power of positions: products, exact (exp2(2 log2 6) is 36.000004)
+    return (q_idx - kv_idx) ** 2 <= 36
+
+
 def hidden_by_score(score, b, h, q_idx, kv_idx):  # a mask written as a score_mod: -inf for the hidden keys
     return torch.where((q_idx - kv_idx >= 8) | (kv_idx == 0), score, float("-inf"))
 
@@ -74,7 +78,7 @@ def empty_rows_by_score(score, b, h, q_idx, kv_idx):  # the first 8 rows see no 
 
 
 SCORE_MODS = [alibi, t5_bias, softcap30]
-MASK_MODS = [causal, sliding, document, prefix_lm, random_blocks, strided, chunks41]
+MASK_MODS = [causal, sliding, document, prefix_lm, random_blocks, strided, chunks41, near]
 B, SQ, SK = 2, 77, 77  # the document table's shape; random_blocks covers 128 positions
 
 
@@ -254,3 +258,20 @@ def test_evaluate_refuses_indices_outside_a_table():
     bi, hi, qi, ki = _indices(1, H, 4, 6)
     with pytest.raises(IndexError, match="outside"):
         evaluate(graph, {"score": torch.zeros(1, H, 4, 6), "b": bi, "h": hi, "q_idx": qi, "kv_idx": ki})
+
+
+def test_integer_semantics_are_the_kernels():
+    """Integers are 32-bit (products wrap as in the kernels), a constant index wraps as torch's, and an integer
+    division by the constant 0 is refused at trace time."""
+    big = trace_mask_mod(lambda b, h, qi, ki: qi * ki < 10**9)
+    idx = {"b": torch.zeros(1), "h": torch.zeros(1), "q_idx": torch.tensor([40000]), "kv_idx": torch.tensor([60000])}
+    assert bool(evaluate(big, idx)) == (torch.tensor([40000], dtype=torch.int32) * 60000 < 10**9).item()
+    table = torch.arange(6.0).view(2, 3)
+    last = trace_score_mod(lambda s, b, h, qi, ki: s + table[-1, h])
+    got = evaluate(last, {"score": torch.zeros(3), "b": 0, "h": torch.arange(3), "q_idx": 0, "kv_idx": 0})
+    assert torch.equal(got.float(), table[-1])
+    with pytest.raises(ModError, match="out of range"):
+        trace_score_mod(lambda s, b, h, qi, ki: s + table[2, h])
+    with pytest.raises(ModError, match="by the constant 0"):
+        trace_mask_mod(lambda b, h, qi, ki: qi // 0 == 1)
+

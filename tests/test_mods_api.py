@@ -235,3 +235,37 @@ def test_warmup_builds_the_specs_a_call_runs(backend, monkeypatch):
     assert [(c.backward, c.gqa) for c in warmed] == [(False, False), (True, True)]
     with pytest.raises(ValueError, match="block_mask needs"):
         cute_flash.mods.warmup(examples.alibi, head_dim=64, block_mask=True)
+
+
+def test_block_masks_that_do_not_fit_the_call_are_refused(backend, monkeypatch):
+    """A mask built for batch 1 of a mask_mod that reads b is not a broadcast; shapes must match the lengths; a mask
+    of another mask_mod is refused; padding past a row's count may hold anything; an in-place change of the mask's
+    tensors makes new lists."""
+    from cute_flash.mods import BlockMask
+    from cute_flash.mods.call import key_tile_lists
+
+    monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    doc = torch.tensor([[0] * 100 + [1] * 100, [0] * 50 + [1] * 150])
+
+    def documents(b, h, qi, ki):
+        return doc[b, qi] == doc[b, ki]
+
+    q, k, v = (torch.zeros(2, 200, 4, 64, dtype=torch.bfloat16) for _ in range(3))
+    one = cute_flash.mods.create_block_mask(documents, 1, None, 200, 200, tile_m=64, tile_n=64)
+    with torch.no_grad(), pytest.raises(ValueError, match="reads them"):
+        cute_flash.attention(q, k, v, mask_mod=documents, block_mask=one)
+    mask = cute_flash.mods.create_block_mask(examples.causal, None, None, 200, 200, tile_m=64, tile_n=64)
+    with torch.no_grad(), pytest.raises(ValueError, match="another mask_mod"):
+        cute_flash.attention(q, k, v, mask_mod=examples.sliding, block_mask=mask)
+    short = BlockMask(64, 64, 200, 200, mask.partial_count[:, :, :2], mask.partial_index[:, :, :2],
+                      mask.full_count[:, :, :2], mask.full_index[:, :, :2])  # fmt: skip
+    with torch.no_grad(), pytest.raises(ValueError, match="needs"):
+        cute_flash.attention(q, k, v, mask_mod=examples.causal, block_mask=short)
+    padded = BlockMask(64, 64, 200, 200, mask.partial_count, mask.partial_index.masked_fill(
+        torch.arange(4) >= mask.partial_count.unsqueeze(-1), -1), mask.full_count, mask.full_index)  # fmt: skip
+    want = key_tile_lists(mask, 64, 64, torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(key_tile_lists(padded, 64, 64, torch.device("cpu")), want))
+    before = key_tile_lists(mask, 64, 64, torch.device("cpu"))
+    mask.full_count.zero_()  # (every full tile now partial: visited, with the mask_mod)
+    after = key_tile_lists(mask, 64, 64, torch.device("cpu"))
+    assert before is not after and not after.full.any() and before.full.any()

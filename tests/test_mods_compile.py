@@ -36,7 +36,7 @@ _COMPILE = textwrap.dedent(
 # Global loads per example: the inputs it reads (score, q_idx, kv_idx, b, h vectors) and its captured-tensor reads.
 WANT_LOADS = {"alibi": 4 + 1, "t5_bias": 4 + 1, "softcap30": 1, "causal": 2, "sliding": 2, "document": 3 + 2,
               "prefix_lm": 3 + 1, "random_blocks": 2 + 1, "strided": 2,
-              "chunks41": 2}  # fmt: skip
+              "chunks41": 2, "near": 2}  # fmt: skip
 
 
 def _reports(target):

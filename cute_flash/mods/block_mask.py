@@ -31,6 +31,11 @@ class BlockMask:
     partial_index: torch.Tensor  # (B, H, M, N) int32
     full_count: torch.Tensor  # (B, H, M) int32: key tiles every in-range element of which is visible
     full_index: torch.Tensor  # (B, H, M, N) int32
+    # Whether a batch / heads extent of 1 broadcasts over the call's (create_block_mask: where the mask_mod does not
+    # read b / h); False: built for a batch / heads of 1, and only such calls take it.
+    broadcast_batch: bool = True
+    broadcast_heads: bool = True
+    mask_key: Optional[tuple] = None  # the traced mask_mod's key (create_block_mask): a call checks its own against it
 
     def tile_states(self) -> torch.Tensor:
         """(B, H, M, N) int8: EMPTY, PARTIAL or FULL per tile pair."""
@@ -113,4 +118,5 @@ def create_block_mask(
     states = _states(graph, dims["batch"], dims["heads"], seqlen_q, seqlen_k, tile_m, tile_n, torch.device(device))
     partial_count, partial_index = _lists(states == PARTIAL)
     full_count, full_index = _lists(states == FULL)
-    return BlockMask(tile_m, tile_n, seqlen_q, seqlen_k, partial_count, partial_index, full_count, full_index)
+    return BlockMask(tile_m, tile_n, seqlen_q, seqlen_k, partial_count, partial_index, full_count, full_index,
+                     not graph.uses("b"), not graph.uses("h"), graph.key)  # fmt: skip

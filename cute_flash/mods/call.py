@@ -88,7 +88,7 @@ def _attention_mods(q, k, v, score_mod, mask_mod, causal, softmax_scale, window_
     backend = gpu.route(problem.spec, q, backward=False)
     blocks = None
     if block_mask is not None:
-        check_block_mask(block_mask, problem, q.device)
+        check_block_mask(block_mask, problem, q.device, graphs[1].key if graphs[1] is not None else None)
         tiles = backend.mods_key_tiles(problem.spec)  # None: the family visits every tile
         if tiles is None:
             problem = dataclasses.replace(problem, spec=dataclasses.replace(problem.spec, block_sparse=False))
@@ -122,19 +122,50 @@ def _forward(q, k, v, problem, backend, tables, blocks):
     return out, lse
 
 
-def check_block_mask(block_mask: BlockMask, problem, device: torch.device) -> None:
-    """A block mask fits a call when it was built for its lengths and its batch / heads (or broadcasts them)."""
+def check_block_mask(block_mask: BlockMask, problem, device: torch.device, mask_key: Optional[tuple] = None) -> None:
+    """A block mask fits a call when it was built for its lengths, its batch / heads (or broadcasts them) and its
+    mask_mod (where it says which: create_block_mask's), with tensors of one consistent shape on q's device."""
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be a cute_flash.mods.BlockMask, got {type(block_mask).__name__}")
+    bm = block_mask
     b, sq, sk, h = problem.batch, problem.seqlen_q, problem.seqlen_k, problem.nheads
-    if (block_mask.seqlen_q, block_mask.seqlen_k) != (sq, sk):
-        raise ValueError(f"block_mask was built for seqlen_q, seqlen_k = {block_mask.seqlen_q}, "
-                         f"{block_mask.seqlen_k}; the call has {sq}, {sk}")  # fmt: skip
-    mb, mh = block_mask.partial_count.shape[:2]
+    if (bm.seqlen_q, bm.seqlen_k) != (sq, sk):
+        raise ValueError(f"block_mask was built for seqlen_q, seqlen_k = {bm.seqlen_q}, {bm.seqlen_k}; the call has "
+                         f"{sq}, {sk}")  # fmt: skip
+    if mask_key is not None and bm.mask_key is not None and bm.mask_key != mask_key:
+        raise ValueError("block_mask was built from another mask_mod than the call's")
+    for name, tile in (("tile_m", bm.tile_m), ("tile_n", bm.tile_n)):
+        if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+            raise ValueError(f"block_mask.{name} must be an int >= 1, got {tile!r}")
+    tensors = {n: getattr(bm, n) for n in ("partial_count", "partial_index", "full_count", "full_index")}
+    if not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise TypeError("a BlockMask's counts and indices must be torch tensors")
+    mb, mh, m = bm.partial_count.shape if bm.partial_count.dim() == 3 else (-1, -1, -1)
+    n = -(-sk // bm.tile_n)
+    want = {"partial_count": (mb, mh, m), "full_count": (mb, mh, m), "partial_index": (mb, mh, m, n),
+            "full_index": (mb, mh, m, n)}  # fmt: skip
+    for name, t in tensors.items():
+        if tuple(t.shape) != want[name] or m != -(-sq // bm.tile_m):
+            raise ValueError(f"block_mask.{name} has shape {tuple(t.shape)}; a mask of {sq} x {sk} positions in "
+                             f"{bm.tile_m} x {bm.tile_n} tiles needs {want[name][:2]} + ({-(-sq // bm.tile_m)}"
+                             f"{', ' + str(n) if 'index' in name else ''})")  # fmt: skip
+        if t.dtype not in (torch.int32, torch.int64) or t.device != device:
+            raise ValueError(f"block_mask.{name} must be an int32 / int64 tensor on {device}, got {t.dtype} on "
+                             f"{t.device}")  # fmt: skip
     if mb not in (1, b) or mh not in (1, h):
         raise ValueError(f"block_mask has batch x heads {mb} x {mh}; the call {b} x {h} (or 1 to broadcast)")
-    if block_mask.partial_count.device != device:
-        raise ValueError(f"block_mask is on {block_mask.partial_count.device}, q on {device}")
+    if (mb == 1 and b != 1 and not bm.broadcast_batch) or (mh == 1 and h != 1 and not bm.broadcast_heads):
+        raise ValueError(f"block_mask was built for batch x heads {mb} x {mh} of a mask_mod that reads them; the "
+                         f"call has {b} x {h}")  # fmt: skip
+
+
+def _versions(block_mask: BlockMask) -> Optional[tuple]:
+    """The mask tensors' versions (an in-place change makes new lists), or None for inference tensors (no
+    counter: not cached)."""
+    tensors = (block_mask.partial_count, block_mask.partial_index, block_mask.full_count, block_mask.full_index)
+    if any(t.is_inference() for t in tensors):
+        return None
+    return tuple(t._version for t in tensors)
 
 
 class KeyTileLists(NamedTuple):
@@ -155,14 +186,18 @@ def key_tile_lists(block_mask: BlockMask, tile_m: int, tile_n: int, device) -> K
     own tile sizes); a kernel tile is full (the kernel skips the mask_mod on it) when every mask tile it overlaps is.
     On the device, no host sync; derived once per mask and tile shape."""
     cache = block_mask.__dict__.setdefault("_key_tile_lists", {})
-    if (tile_m, tile_n) in cache:
-        return cache[(tile_m, tile_n)]
+    versions = _versions(block_mask)
+    key = (tile_m, tile_n, versions)
+    if versions is not None and key in cache:
+        return cache[key]
     n = block_mask.partial_index.shape[-1]
 
     def marked(count: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # (B, H, m, n) 0 / 1
         grid = torch.zeros(index.shape, dtype=torch.float32, device=device)
         valid = (torch.arange(n, device=device) < count.unsqueeze(-1)).float()  # (no host sync: no nonzero)
-        return (grid.scatter_add_(-1, index.long(), valid) > 0).float()
+        # (the padding past a row's count is unspecified: any value, scattered nowhere)
+        safe = torch.where(valid > 0, index.long(), 0).clamp(0, max(n - 1, 0))
+        return (grid.scatter_add_(-1, safe, valid) > 0).float()
 
     partial = marked(block_mask.partial_count, block_mask.partial_index)
     full = marked(block_mask.full_count, block_mask.full_index)
@@ -189,7 +224,10 @@ def key_tile_lists(block_mask: BlockMask, tile_m: int, tile_n: int, device) -> K
         (full_cover == touched).to(torch.int32).contiguous(),
         order.to(torch.int32).contiguous(),
     )
-    cache[(tile_m, tile_n)] = lists
+    if versions is not None:
+        for stale in [k for k in cache if k[2] != versions]:  # (lists of the tensors' older contents)
+            del cache[stale]
+        cache[key] = lists
     return lists
 
 

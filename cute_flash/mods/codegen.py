@@ -94,6 +94,7 @@ _BINARY_DSL = {
 
 
 _EXACT_INT = 1 << 24  # integers of smaller magnitude convert to float32 exactly
+MAX_PRODUCT_POWER = 8  # x ** n for a constant whole n up to this: repeated products (exact squares of positions)
 
 
 def _small_int(node: Node) -> bool:
@@ -134,6 +135,13 @@ def _emit_node(
         return pick if t == I32 else _select(x != x, x, pick, t)  # and x when x is NaN: torch propagates NaN
     if node.op in _UNARY_DSL:
         return _CONVERT[t](_UNARY_DSL[node.op](xs[0]))
+    if node.op == "pow":
+        n = _constant_value(nodes, a[1])
+        if n is not None and n == int(n) and 0 <= n <= MAX_PRODUCT_POWER:  # x * x * ...: exact where the value is
+            value = Float32(1.0)
+            for _ in range(int(n)):
+                value = value * Float32(xs[0])
+            return value
     if node.op == "truediv" and score_dependent:
         divisor = _constant_value(nodes, a[1])
         if divisor is not None and 2.0**-125 < abs(divisor) < 2.0**125:  # (a normal reciprocal)

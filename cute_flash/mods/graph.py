@@ -193,6 +193,9 @@ class _Tracer:
         a, b = self.cast(a, t), self.cast(b, t)
         if op in ("floordiv", "mod") and t == F32:
             raise ModError(f"{op} of floating-point values is not supported (only of indices)")
+        divisor = self.nodes[b.index]
+        if op in ("floordiv", "mod") and divisor.op == "const" and divisor.args[0] == 0:
+            raise ModError(f"{op} by the constant 0 (integer division by zero)")
         return self.add(op, (a.index, b.index), t if rule == "num" else rule)
 
     def where(self, cond, a, b) -> "Sym":
@@ -215,7 +218,14 @@ class _Tracer:
                 f"a captured tensor of {tensor.dim()} dimensions is read with {len(index)} indices: give one per "
                 "dimension"
             )
-        idx = [self.lift(i) for i in index]
+        wrapped = []
+        for dim, i in enumerate(index):  # a constant index wraps as torch's does; the kernels' reads never wrap
+            if isinstance(i, int) and not isinstance(i, bool):
+                if not -tensor.shape[dim] <= i < tensor.shape[dim]:
+                    raise ModError(f"index {i} is out of range for dimension {dim} of size {tensor.shape[dim]}")
+                i = i % tensor.shape[dim]
+            wrapped.append(i)
+        idx = [self.lift(i) for i in wrapped]
         for i in idx:
             if self.type_of(i) != I32:
                 raise ModError("a captured tensor's index must be an integer expression of b, h, q_idx, kv_idx")
@@ -471,8 +481,13 @@ def evaluate(graph: ModGraph, inputs: Dict[str, torch.Tensor], float_dtype=torch
             v = torch.pow(a, b)
         else:
             v = _TORCH_OPS[node.op](*(vals[i] for i in node.args))
+            if node.type == I32 and node.op in _WRAPPING:  # 32-bit integers, as the kernels': wraps past 2^31
+                v = torch.remainder(v + 2**31, 2**32) - 2**31
         vals.append(v)
     return vals[-1]
+
+
+_WRAPPING = frozenset(("add", "sub", "mul", "neg", "abs"))
 
 
 # --- the derivative of a score_mod in its score ----------------------------------------------------------------
