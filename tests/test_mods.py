@@ -274,4 +274,3 @@ def test_integer_semantics_are_the_kernels():
         trace_score_mod(lambda s, b, h, qi, ki: s + table[2, h])
     with pytest.raises(ModError, match="by the constant 0"):
         trace_mask_mod(lambda b, h, qi, ki: qi // 0 == 1)
-
