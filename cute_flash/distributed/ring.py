@@ -198,12 +198,31 @@ def _group_rank_and_size(group) -> Tuple[int, int]:
     return rank, dist.get_world_size(group)
 
 
-def _check_same_on_every_rank(q, k, v, options: Sequence[int], group, world_size: int) -> None:
-    """One all-gather of the shapes (and options) of every rank; every rank raises the same error on a mismatch."""
-    mine = torch.tensor([*q.shape, *k.shape, *v.shape, *options], dtype=torch.int64, device=q.device)
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def _dims(t) -> List[int]:
+    """A tensor's 4 dims for the all-gather (padded, so that every rank's payload has one length)."""
+    shape = list(t.shape) if isinstance(t, torch.Tensor) else []
+    return (shape + [-1] * 4)[:4] if len(shape) <= 4 else [-2] * 4
+
+
+def _check_same_on_every_rank(q, k, v, options: Sequence[int], group, world_size: int, error) -> None:
+    """One all-gather of every rank's shapes, dtypes, options and whether its own checks failed; every rank raises
+    (its own error, or the same ValueError) when any rank failed or the ranks differ, so that none waits in a
+    transfer the others never start."""
+    dtypes = [_DTYPE_CODES.get(getattr(t, "dtype", None), 0) for t in (q, k, v)]
+    mine = torch.tensor([int(error is not None), *_dims(q), *_dims(k), *_dims(v), *dtypes, *options],
+                        dtype=torch.int64, device=q.device)  # fmt: skip
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(everyone, mine, group=group)
     rows = [t.tolist() for t in everyone]
+    if error is not None:
+        raise error
+    failed = [r for r, row in enumerate(rows) if row[0]]
+    if failed:
+        raise ValueError(f"ring_attention: the arguments of rank(s) {failed} were refused there (see their error)")
+    rows = [row[1:] for row in rows]
     for r, row in enumerate(rows):
         if row[:12] != rows[0][:12]:
             shapes = lambda x: f"q {tuple(x[0:4])}, k {tuple(x[4:8])}, v {tuple(x[8:12])}"
@@ -211,12 +230,38 @@ def _check_same_on_every_rank(q, k, v, options: Sequence[int], group, world_size
                 "ring_attention: q, k and v must have the same shape on every rank (each rank holds an equal shard "
                 f"of the sequence); rank 0 has {shapes(rows[0])}, rank {r} has {shapes(row)}"
             )
-        if row[12:] != rows[0][12:]:
+        if row[12:15] != rows[0][12:15]:
+            raise ValueError(f"ring_attention: q, k and v must have the same dtypes on every rank; rank 0 has codes "
+                             f"{rows[0][12:15]}, rank {r} {row[12:15]} (1 fp16, 2 bf16, 3 fp32, 4 fp64)")  # fmt: skip
+        if row[15:] != rows[0][15:]:
             raise ValueError(
-                "ring_attention: causal, window_size, layout, softcap and whether learnable_sink is given must be the "
-                f"same on every rank; rank 0 has {rows[0][12:]}, rank {r} has {row[12:]} (causal, left unbounded, "
-                "left, right unbounded, right, layout index, softcap's float64 bits, sinks)"
+                "ring_attention: causal, window_size, layout, softcap, softmax_scale and whether learnable_sink is "
+                f"given must be the same on every rank; rank 0 has {rows[0][15:]}, rank {r} has {row[15:]} (causal, "
+                "left unbounded, left, right unbounded, right, layout index, softcap's float64 bits, sinks, scale "
+                "given, its float64 bits)"
             )
+
+
+def _check_locally(q, k, v, causal, softmax_scale, window_size, layout, softcap, learnable_sink):
+    """This rank's own checks of a call: (the reference problem's semantics, softcap as a float)."""
+    sem = validate_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+    softcap = check_softcap(softcap)
+    # (float64 sinks beside float64 reference blocks: checked as a float32 stand-in of the same shape and device)
+    wide = isinstance(learnable_sink, torch.Tensor) and learnable_sink.dtype == torch.float64
+    check_learnable_sink(learnable_sink.detach().float() if wide else learnable_sink, sem.nheads, q.device)
+    check_layout(layout)
+    seqlen_local = q.shape[1]
+    if k.shape[1] != seqlen_local:
+        raise ValueError(
+            f"ring_attention is self-attention over one sharded sequence: q and k/v must hold the same number of "
+            f"positions per rank, got q {seqlen_local}, k {k.shape[1]}"
+        )
+    if layout == "zigzag" and seqlen_local % 2:
+        raise ValueError(
+            f"the zigzag layout needs an even seqlen_local (each rank holds two chunks of seqlen_local / 2), "
+            f"got {seqlen_local}"
+        )
+    return sem, softcap
 
 
 def ring_attention(
@@ -261,37 +306,31 @@ def ring_attention(
     That costs one small all-gather and a host synchronisation per call; a training loop whose shapes are known to
     agree may pass False (ranks with different shapes then fail or hang inside the transfers).
     """
-    sem = validate_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
-    softcap = check_softcap(softcap)
-    # (float64 sinks beside float64 reference blocks: checked as a float32 stand-in of the same shape and device)
-    wide = isinstance(learnable_sink, torch.Tensor) and learnable_sink.dtype == torch.float64
-    check_learnable_sink(learnable_sink.detach().float() if wide else learnable_sink, sem.nheads, q.device)
-    check_layout(layout)
-    seqlen_local = q.shape[1]
-    if k.shape[1] != seqlen_local:
-        raise ValueError(
-            f"ring_attention is self-attention over one sharded sequence: q and k/v must hold the same number of "
-            f"positions per rank, got q {seqlen_local}, k {k.shape[1]}"
-        )
-    if layout == "zigzag" and seqlen_local % 2:
-        raise ValueError(
-            f"the zigzag layout needs an even seqlen_local (each rank holds two chunks of seqlen_local / 2), "
-            f"got {seqlen_local}"
-        )
     rank, world_size = _group_rank_and_size(group)
-    left_opt, right_opt = window_size
+    error = None
+    try:
+        sem, softcap = _check_locally(q, k, v, causal, softmax_scale, window_size, layout, softcap, learnable_sink)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        if world_size == 1 or not check_shapes or not isinstance(q, torch.Tensor):
+            raise
+        error = e  # (raised after the all-gather, so that the other ranks raise too instead of waiting)
+    left_opt, right_opt = window_size if error is None else (None, None)
+    bits = lambda x: torch.tensor(float(x), dtype=torch.float64).view(torch.int64).item()  # noqa: E731
     options = [
         int(causal),
         int(left_opt is None),  # (a flag beside each bound: a bound may be any int, -1 included)
         0 if left_opt is None else int(left_opt),
         int(right_opt is None),
         0 if right_opt is None else int(right_opt),
-        LAYOUTS.index(layout),
-        torch.tensor(softcap, dtype=torch.float64).view(torch.int64).item(),  # its bits
+        LAYOUTS.index(layout) if layout in LAYOUTS else -1,
+        bits(softcap) if error is None else 0,
         int(learnable_sink is not None),
+        int(softmax_scale is not None),
+        bits(softmax_scale) if softmax_scale is not None and error is None else 0,
     ]
     if world_size > 1 and check_shapes:
-        _check_same_on_every_rank(q, k, v, options, group, world_size)
+        _check_same_on_every_rank(q, k, v, options, group, world_size, error)
+    seqlen_local = q.shape[1]
 
     left, right = global_bounds(sem.mask, seqlen_local * world_size)
     plan = ring_plan(rank, world_size, seqlen_local, layout, left, right)

@@ -204,3 +204,11 @@ def check_rejections(rank: int, world_size: int, device: torch.device, dtype: to
     expect("layout name", "layout must be one of", lambda: ring_attention(*qkv(4), layout="striped"))
     expect("options differ", "same on every rank", lambda: ring_attention(*qkv(4), causal=(rank == world_size - 1)))
     expect("q/k lengths", "same number of positions", lambda: ring_attention(*qkv(4)[:1], *qkv(6)[1:]))
+    # A check that fails on one rank only: that rank raises its own error, the others a ValueError naming it (none
+    # waits in a transfer); dtypes and an explicit softmax_scale that differ between ranks.
+    odd = 5 if rank == 0 else 6
+    expect("one rank's odd zigzag shard", "even seqlen_local" if rank == 0 else "refused there",
+           lambda: ring_attention(*qkv(odd), layout="zigzag"))  # fmt: skip
+    other = [t.float() for t in qkv(4)] if rank == world_size - 1 else qkv(4)
+    expect("dtypes differ", "same dtypes on every rank", lambda: ring_attention(*other))
+    expect("scale differs", "same on every rank", lambda: ring_attention(*qkv(4), softmax_scale=0.1 * (rank + 1)))
