@@ -74,6 +74,8 @@ class FwdTileConfig:
 
 
 def unsupported_reason(spec: AttentionSpec) -> Optional[str]:
+    if spec.varlen or spec.kvcache:  # (routing sends these to the sm80 family; a direct build must not pass either)
+        return "the sm100 forward has no " + ("varlen (packed sequences)" if spec.varlen else "KV-cache") + " build"
     if spec.head_dim != spec.head_dim_v:
         return f"head_dim {spec.head_dim} != head_dim_v {spec.head_dim_v}: the sm100 forward needs equal head dims"
     if spec.head_dim not in SUPPORTED_HEAD_DIMS:

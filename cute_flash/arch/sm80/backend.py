@@ -175,11 +175,14 @@ class _Backend(BackendBase):
         reason = forward_unsupported_reason(spec)
         if reason is not None:
             raise NotImplementedError(reason)
-        target = compile_cache.runtime_target(q.device)
-        seqused = seqs.seqused_k is not None
-        key = (FAMILY, target, "fwd", spec, seqused)
-        kernel = compile_cache.get_or_compile(key, lambda: compile_runnable_forward(spec, target, seqused))
+        kernel = self._varlen_kernel(spec, compile_cache.runtime_target(q.device), seqs.seqused_k is not None)
         launch_packed_forward(kernel, q, k, v, out, lse, seqs, problem, sink)
+
+    @staticmethod
+    def _varlen_kernel(spec: AttentionSpec, target: str, seqused: bool):
+        """The packed forward (reading seqused_k or not), under the key `warm` fills too."""
+        key = (FAMILY, target, "fwd", spec, seqused)
+        return compile_cache.get_or_compile(key, lambda: compile_runnable_forward(spec, target, seqused))
 
     def backward_head_dims(self, spec: AttentionSpec) -> Tuple[int, int]:
         return (_backward_module().kernel_width(spec),) * 2
@@ -204,6 +207,9 @@ class _Backend(BackendBase):
             kvcache.warm(spec, target)
         elif backward:
             _backward_module().warm_backward(spec, target, gqa=gqa)
+        elif spec.varlen:  # (the keys of forward_varlen: with and without seqused_k)
+            for seqused in (False, True):
+                self._varlen_kernel(spec, target, seqused)
         else:
             self._forward_kernel(spec, target)
             if split_kv.splittable(spec):  # decoding calls of this spec run the split build and its combine
