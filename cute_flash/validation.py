@@ -495,6 +495,17 @@ def _check_int32_vector(name: str, t: object, shape: tuple, device: torch.device
     return t
 
 
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of t share memory (a written tensor's rows must not): each stride, innermost first,
+    must clear the extent of the dimensions inside it."""
+    extent = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride < extent:
+            return True
+        extent = stride * (size - 1) + extent
+    return False
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors' byte ranges in one storage intersect (a conservative test: their spans, not elements)."""
     if a.device.type == "meta" or a.numel() == 0 or b.numel() == 0:
@@ -675,6 +686,8 @@ def validate_kvcache(
         if o.device != q.device:
             raise ValueError(f"out is on {o.device} but q is on {q.device}")
         _check_in_kernel_layout("out", o)
+        if _self_overlapping(o):
+            raise ValueError(f"out (strides {tuple(o.stride())}) has elements that share memory: each written once")
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             if not torch.compiler.is_compiling() and _overlaps(o, t):
                 raise ValueError(f"out overlaps {name} in memory: the kernels read {name} while they write out")

@@ -154,6 +154,9 @@ def test_packed_rows_beyond_max_seqlen_q_and_an_out_over_the_cache_are_refused(b
     q = torch.zeros(2, 1, 8, 64, dtype=torch.bfloat16)
     k, v = (torch.zeros(10, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2))
     kw = dict(cache_seqlens=torch.zeros(2, dtype=torch.int32), page_table=torch.zeros(2, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="share memory"):  # (heads 8 elements apart, 64 wide)
+        cute_flash.attention_with_kvcache(q, k, v, **kw, out=torch.zeros(600, dtype=q.dtype).as_strided(
+            (2, 1, 8, 64), (256, 256, 8, 1)))  # fmt: skip
     with pytest.raises(ValueError, match="out overlaps v_cache"):
         cute_flash.attention_with_kvcache(q, k, v, **kw, out=v[0, :8].reshape(2, 1, 8, 64))
     assert backend.calls == []
