@@ -67,9 +67,22 @@ def _fwd_fake(q, k, v, *args):
 
 def _bwd(dout, q, k, v, out, lse, dlse, *args):
     p, sink, seqs = _planned(q, k, v, args)
+    given = q, k, v
     q, k, v = launch.kernel_inputs(p, q, k, v)
     dq, dk, dv, dsink = launch.backward(p, dout, q, k, v, kernel_view(out), lse, dlse, sink, seqs)
+    if any(a is not b for a, b in zip((q, k, v), given)):  # copies: return the fake's layout, empty_like(given)
+        dq, dk, dv = (_strided_like(g, x) for g, x in zip((dq, dk, dv), given))
     return dq, dk, dv, q.new_empty(0, dtype=torch.float32) if dsink is None else dsink
+
+
+def _strided_like(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """grad with the strides `torch.empty_like(x)` has, which the fake promises (inductor asserts on them)."""
+    like = torch.empty_like(x)
+    if like.stride() == grad.stride():
+        return grad
+    if all(a == b or n == 1 for a, b, n in zip(like.stride(), grad.stride(), grad.shape)):
+        return grad.as_strided(grad.shape, like.stride())  # only size-1 dimensions' strides differ: the same memory
+    return like.copy_(grad)
 
 
 def _bwd_fake(dout, q, k, v, out, lse, dlse, *args):

@@ -244,3 +244,31 @@ def test_double_backward_raises_instead_of_dropping_terms(fake_gpu):
     assert w.grad is not None and q.grad is not None
     with pytest.raises(NotImplementedError, match="double"):
         dq.float().square().sum().backward()
+
+
+def test_backward_op_returns_the_strides_its_fake_promises(fake_gpu):
+    """Inputs the kernels need copied (a non-unit last stride, a misaligned base) still get gradients with the strides
+    of `empty_like(input)`: the fake's, which inductor asserts on under torch.compile."""
+    from cute_flash import ops
+
+    torch.manual_seed(3)
+    flat = torch.randn(2 * 8 * 4 * 64 + 1).to(torch.bfloat16)
+    unit = torch.randn(8, 4, 64).to(torch.bfloat16)
+    cases = (
+        flat[1:].view(2, 4, 8, 64).transpose(1, 2),  # misaligned (b, h, s, d) view: copied
+        unit.expand(2, 8, 4, 64),  # broadcast batch: copied
+        unit.as_strided((1, 8, 4, 64), (3, 256, 64, 1)),  # a size-1 dimension's odd stride: restrided view
+    )
+    for q in cases:
+        b = q.shape[0]
+        k, v = torch.randn(b, 8, 4, 64).to(torch.bfloat16), torch.randn(b, 8, 4, 64).to(torch.bfloat16)
+        args = (False, None, None, None, False, 0.0, None, None, None, None, 0, 0)
+        out, lse = torch.ops.cute_flash.fwd(q, k, v, *args, False)
+        dout = torch.randn_like(out)
+        got = torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, None, *args)
+        fake = ops._bwd_fake(dout, q, k, v, out, lse, None, *args)
+        assert [g.stride() for g in got[:3]] == [f.stride() for f in fake[:3]]
+        ref = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+        (attention_reference(*ref).double() * dout.double()).sum().backward()
+        for g, r in zip(got[:3], ref):
+            torch.testing.assert_close(g.double(), r.grad, atol=3e-2, rtol=3e-2)
