@@ -7,12 +7,14 @@ one process, d128 bf16, 16 query heads / 16 KV heads.
     python3 -m profiling.mods_benchmark                          # every example at 4 x 4k and 1 x 16k
     python3 -m profiling.mods_benchmark --examples alibi,causal --shapes 1x16384
     python3 -m profiling.mods_benchmark --no-fa4 --no-flex       # cute-flash alone
+    python3 -m profiling.mods_benchmark --backward --no-fa4      # forward + backward (dq, dk, dv) beside Flex
 
 Prints ms (do_bench median) and cute-flash's speed-up over FlexAttention and over FA4 per example; dense FLOPs
 (4 b h s^2 d, halved for causal masks) as TFLOP/s where the mask keeps every key or a causal half. FA4 is on where
 flash_attn.cute imports (softcap through its own `softcap=` argument, which it applies as a score_mod); a cell it
 cannot fill (FA4 absent, or raising for that example) reads n/a, with the reason on stderr. FlexAttention's and FA4's
-outputs are checked against cute-flash's (a warning on stderr past 0.05).
+outputs are checked against cute-flash's (a warning on stderr past 0.05). With --backward every column times a
+forward and its backward (torch.autograd.grad of q, k, v; TF/s from 3.5x the forward's FLOPs).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def _parse(argv):
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     p.add_argument("--no-fa4", action="store_true", help="skip FlashAttention-4 (on by default where it imports)")
+    p.add_argument("--backward", action="store_true", help="time forward + backward instead of the forward")
     args = p.parse_args(argv)
     args.examples = [e for e in args.examples.split(",") if e]
     bad = [e for e in args.examples if e not in EXAMPLES]
@@ -92,6 +95,16 @@ def _suspect(name, fn, ours, block, do_bench):
     )
 
 
+def _timed(call, inputs, grad):
+    """call itself (no grad), or with `grad` a forward + backward: the gradients of `inputs` for that output
+    gradient."""
+    import torch
+
+    if grad is None:
+        return call
+    return lambda: torch.autograd.grad(call(), inputs, grad)
+
+
 def _cell(value, width, digits):
     """A time or a ratio, right-aligned in `width`; n/a where it was not measured (nan)."""
     return f"{'n/a':>{width}}" if value != value else f"{value:{width}.{digits}f}"
@@ -126,8 +139,14 @@ def main(argv=None) -> int:
     for b, s in args.shapes:
         h = args.heads
         q, k, v = (torch.randn(b, s, h, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
-        with torch.no_grad():
-            plain = do_bench(lambda: cute_flash.attention(q, k, v, causal=True), warmup=20, rep=200)
+        grad = grad_t = None
+        if args.backward:
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            grad = torch.randn_like(q)
+            grad_t = grad.transpose(1, 2)  # (FlexAttention's (b, h, s, d) output)
+        with torch.set_grad_enabled(args.backward):
+            plain_fn = _timed(lambda: cute_flash.attention(q, k, v, causal=True), (q, k, v), grad)
+            plain = do_bench(plain_fn, warmup=20, rep=200)
         for name in args.examples:
             score_mod, mask_mod, frac, tables = _callables(name, b, s, h, dev)
             per_batch = b if name in ("document", "prefix_lm") else None
@@ -140,21 +159,24 @@ def main(argv=None) -> int:
                     # One FlexAttention block mask for Flex and FA4, at FA4's sm90 d128 tile (128 x 128; FA4 wants
                     # its block-sparse tensors at its tile: profiling/fa4_mods.py), which is Flex's default too.
                     fb = flex_block_mask(mask_mod, per_batch, None, s, s, device=dev, BLOCK_SIZE=fa4_mods.BLOCK_SIZE)
-            with torch.no_grad():
-                fn = lambda: cute_flash.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,  # noqa: E731
-                                                  block_mask=block)  # fmt: skip
-                ref = fn()
+            with torch.set_grad_enabled(args.backward):
+                call = lambda: cute_flash.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,  # noqa: E731
+                                                    block_mask=block)  # fmt: skip
+                fn = _timed(call, (q, k, v), grad)
+                ref = call().detach()
                 ours = do_bench(fn, warmup=20, rep=200)
                 theirs = float("nan")
                 if flex is not None:
                     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-                    ffn = lambda: flex(qt, kt, vt, score_mod=score_mod, block_mask=fb)  # noqa: E731
-                    err = (ffn().transpose(1, 2).float() - ref.float()).abs().max().item()
+                    fcall = lambda: flex(qt, kt, vt, score_mod=score_mod, block_mask=fb)  # noqa: E731
+                    err = (fcall().detach().transpose(1, 2).float() - ref.float()).abs().max().item()
                     if err > 0.05:
                         print(f"  {name}: cute-flash and FlexAttention differ by {err:.3g}", file=sys.stderr)
-                    theirs = do_bench(ffn, warmup=20, rep=200)
+                    theirs = do_bench(_timed(fcall, (q, k, v), grad_t), warmup=20, rep=200)
                 fa4_ms = float("nan")
-                if fa4:
+                if fa4 and args.backward:
+                    print(f"  {name}: FA4 not timed with --backward", file=sys.stderr)
+                elif fa4:
                     try:
                         afn = fa4_mods.fa4_call(name, q, k, v, tables, fb)
                         err = (afn().float() - ref.float()).abs().max().item()
@@ -165,7 +187,8 @@ def main(argv=None) -> int:
                         print(f"  {name} {b}x{s}: FA4 n/a: {fa4_mods.reason(e)}", file=sys.stderr)
                 if ours > 2 * min(theirs, fa4_ms):  # (nan compares False) a row 5x off was seen twice: say more
                     _suspect(name, fn, ours, block, do_bench)
-            tf = f"{4 * b * h * s * s * 128 * frac / ours / 1e9:9.0f}" if frac else f"{'-':>9}"
+            flops = 4 * b * h * s * s * 128 * (3.5 if args.backward else 1.0)
+            tf = f"{flops * frac / ours / 1e9:9.0f}" if frac else f"{'-':>9}"
             print(f"{name:>10} {b}x{s:>7} {ours:8.3f} {_cell(theirs, 8, 3)} {_cell(fa4_ms, 8, 3)} {plain:14.3f} "
                   f"{tf} {_cell(theirs / ours, 11, 2)} {_cell(fa4_ms / ours, 10, 2)}", flush=True)  # fmt: skip
     return 0

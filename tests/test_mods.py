@@ -11,7 +11,7 @@ import torch
 
 from cute_flash.mods import ModError, create_block_mask, score_derivative, trace_mask_mod, trace_score_mod
 from cute_flash.mods.block_mask import EMPTY, FULL, PARTIAL
-from cute_flash.mods.graph import evaluate
+from cute_flash.mods.graph import constant_result, evaluate
 from cute_flash.mods.reference import attention_mods_reference
 from cute_flash.reference import attention_reference
 
@@ -20,6 +20,7 @@ SLOPES = torch.tensor([2.0 ** (-8 * (i + 1) / H) for i in range(H)])
 MAX_DIST = 16
 T5_TABLE = torch.randn(H, 2 * MAX_DIST + 1, generator=torch.Generator().manual_seed(0))
 DOC = torch.tensor([[0] * 20 + [1] * 30 + [2] * 27, [0] * 40 + [1] * 37])  # (2, 77) document ids
+HEAD_SCALES = torch.tensor([0.5, 1.0, 1.5, 2.0])
 PREFIX = torch.tensor([9, 33])  # per batch row: the bidirectional prefix length
 RANDOM_BLOCKS = torch.rand(8, 8, generator=torch.Generator().manual_seed(1)) < 0.5
 
@@ -35,6 +36,10 @@ def t5_bias(score, b, h, q_idx, kv_idx):
 
 def softcap30(score, b, h, q_idx, kv_idx):
     return 30.0 * torch.tanh(score / 30.0)
+
+
+def head_scaled(score, b, h, q_idx, kv_idx):  # a temperature per head: a derivative that reads no score
+    return score * HEAD_SCALES[h]
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -77,7 +82,7 @@ def empty_rows_by_score(score, b, h, q_idx, kv_idx):  # the first 8 rows see no 
     return torch.where(q_idx - kv_idx >= 8, score, float("-inf"))
 
 
-SCORE_MODS = [alibi, t5_bias, softcap30]
+SCORE_MODS = [alibi, t5_bias, softcap30, head_scaled]
 MASK_MODS = [causal, sliding, document, prefix_lm, random_blocks, strided, chunks41, near]
 B, SQ, SK = 2, 77, 77  # the document table's shape; random_blocks covers 128 positions
 
@@ -155,6 +160,19 @@ def _derivative_cases():
     yield lambda s, b, h, q, kv: (q - kv).float()  # no dependence on the score: derivative 0
     yield lambda s, b, h, q, kv: torch.floor(s) + s * 0.5  # floor: derivative 0, as autograd's
     yield lambda s, b, h, q, kv: 2.0 ** (s / 4) + torch.pow(s.abs() + 1, s / 8)  # exponents that depend on the score
+
+
+def test_score_derivatives_are_classified_for_the_kernels():
+    """What the sm90 backward keeps of each derivative (arch/sm90/flash_bwd_mods.py): a constant (added biases: 1,
+    a constant factor), a function of the positions only, or of the score. Terms of operands that do not depend on
+    the score are dropped (no 0 * x): s * 2 + 1 folds to 2."""
+    derivative = lambda fn: score_derivative(trace_score_mod(fn))  # noqa: E731
+    assert constant_result(derivative(alibi)) == constant_result(derivative(t5_bias)) == 1.0
+    assert constant_result(derivative(lambda s, b, h, q, kv: s * 2 + 1)) == 2.0
+    assert constant_result(derivative(lambda s, b, h, q, kv: (q - kv).float())) == 0.0
+    for fn, reads_score in ((head_scaled, False), (softcap30, True)):
+        d = derivative(fn)
+        assert constant_result(d) is None and d.uses("score") == reads_score
 
 
 @pytest.mark.parametrize("fn", list(_derivative_cases()))

@@ -116,15 +116,17 @@ def test_foreign_tables_and_unsupported_callables_are_refused(backend):
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0)])
-def test_explain_routes_mods_forward_to_sm90_on_hopper_and_backward_to_sm80(capability):
+def test_explain_routes_mods_calls_to_sm90_on_hopper_and_to_sm80_elsewhere(capability):
+    hopper = capability == (9, 0)
     q, k, v = _qkv(device="cpu")
     e = cute_flash.explain(q, k, v, mask_mod=examples.causal, capability=capability)
-    assert e.forward.family == ("sm90" if capability == (9, 0) else "sm80"), e
-    assert e.backward.family == "sm80", e
-    # No sm90 tile at d72 (its forward: sm80); the backward takes head_dim == head_dim_v, a multiple of 32.
+    assert e.forward.family == e.backward.family == ("sm90" if hopper else "sm80"), e
+    # No sm90 forward tile at d72 (its forward: sm80); the sm90 backward runs it on d128 kernels (zero-padded: no
+    # d96 tile for score_mod builds), the sm80 one takes head_dim == head_dim_v, a multiple of 32, only.
     q, k, v = _qkv(d=72, device="cpu")
     e = cute_flash.explain(q, k, v, mask_mod=examples.causal, capability=capability)
-    assert e.forward.family == "sm80" and e.backward.family is None, e
+    assert e.forward.family == "sm80" and e.backward.family == ("sm90" if hopper else None), e
+    assert e.backward_padded_to == (128 if hopper else None), e
 
 
 def test_a_block_mask_reaches_the_backend_as_key_tile_lists(backend, monkeypatch):
@@ -269,3 +271,38 @@ def test_block_masks_that_do_not_fit_the_call_are_refused(backend, monkeypatch):
     mask.full_count.zero_()  # (every full tile now partial: visited, with the mask_mod)
     after = key_tile_lists(mask, 64, 64, torch.device("cpu"))
     assert before is not after and not after.full.any() and before.full.any()
+
+
+def test_the_sm90_backward_launches_its_mods_kernel_with_the_tables():
+    """Forward and backward of a block-masked call on the sm90 host path with recording no-op kernels (CPU): the
+    main backward kernel is keyed on the callables without the block mask and takes (q .. dv, scale, window bounds,
+    the tables, None past them); the pre- and postprocess are keyed on plain specs (they do not read the callables)."""
+    from cute_flash import compile_cache
+    from cute_flash.arch.sm90 import backward as sm90_backward
+    from profiling.host_overhead_cpu import fake_gpu
+
+    launches = []
+
+    def kernel(key):
+        return lambda *args: launches.append((key, args))
+
+    q, k, v = (t.requires_grad_() for t in (torch.randn(2, 77, 4, 64).to(torch.bfloat16),
+               *(torch.randn(2, 77, 2, 64).to(torch.bfloat16) for _ in range(2))))  # fmt: skip
+    block = cute_flash.mods.create_block_mask(examples.document, 2, 1, 77, 77)
+    with fake_gpu((9, 0)):
+        compile_cache.get_or_compile = lambda key, build: kernel(key)
+        compile_cache.clear()
+        sm90_backward._launch_sets.clear()
+        out = cute_flash.attention(q, k, v, score_mod=examples.alibi, mask_mod=examples.document, block_mask=block)
+        out.sum().backward()
+    roles = {key[2]: (key, args) for key, args in launches}
+    key, args = roles["bwd_gqa"]
+    spec = key[3]
+    assert isinstance(spec, ModsSpec) and spec.score_mod is not None and spec.mask_mod is not None
+    assert not spec.block_sparse and key[4].tile_m == 64  # (score_mod builds: tile_config.score_heavy)
+    tables = args[12:]
+    assert len(args) == 16 and args[9] == 64**-0.5 and tables[2:] == (None, None)
+    assert torch.equal(tables[0], examples.SLOPES) and torch.equal(tables[1].cpu(), examples.DOC.int())
+    for role in ("bwd_preprocess", "bwd_dq_postprocess"):
+        assert not isinstance(roles[role][0][3], ModsSpec), role
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape

@@ -34,8 +34,8 @@ _COMPILE = textwrap.dedent(
 )
 
 # Global loads per example: the inputs it reads (score, q_idx, kv_idx, b, h vectors) and its captured-tensor reads.
-WANT_LOADS = {"alibi": 4 + 1, "t5_bias": 4 + 1, "softcap30": 1, "causal": 2, "sliding": 2, "document": 3 + 2,
-              "prefix_lm": 3 + 1, "random_blocks": 2 + 1, "strided": 2,
+WANT_LOADS = {"alibi": 4 + 1, "t5_bias": 4 + 1, "softcap30": 1, "head_scaled": 2 + 1, "causal": 2, "sliding": 2,
+              "document": 3 + 2, "prefix_lm": 3 + 1, "random_blocks": 2 + 1, "strided": 2,
               "chunks41": 2, "near": 2}  # fmt: skip
 
 
@@ -166,6 +166,52 @@ def test_sm90_mods_forward_compiles_spill_free():
         assert r["spill_bytes"] <= (256 if r["mask"] == "document" else 0), r
 
 
+_SM90_BACKWARD = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+    from cute_flash import census
+    from cute_flash.arch.sm90.backward import compile_backward_artifacts
+    from cute_flash.mods import trace_mask_mod, trace_score_mod
+    from cute_flash.spec import ModsSpec
+    import tests.test_mods as T
+
+    for score, mask, d, kind, role in json.loads(sys.argv[1]):
+        spec = ModsSpec("bf16", d, d, kind, "bf16",
+                        score_mod=trace_score_mod(getattr(T, score)).key if score else None,
+                        mask_mod=trace_mask_mod(getattr(T, mask)).key if mask else None)
+        with census.capture_fd_stderr() as err:
+            (art,) = compile_backward_artifacts(spec, "sm_90a", roles=[role])
+        (_, res), = census.parse_ptxas_reports("".join(err))
+        c = census.ptx_census(art.ptx)
+        wgmma = c["wgmma.mma_async"] + c["wgmma.mma_async.rs"]
+        print(json.dumps(dict(score=score, mask=mask, d=d, kind=kind, wgmma=wgmma, tanh=art.ptx.count("tanh.approx"),
+                              **res)), flush=True)
+    """
+)
+
+
+def test_sm90_mods_backward_compiles():
+    """The sm90 backward main kernel with score_mod / mask_mod (arch/sm90/flash_bwd_mods.py): each kind of score_mod
+    derivative (constant: alibi; of positions: head_scaled; of the score: softcap30, one tanh per score), keys on
+    the accumulator rows (d64, d128) and queries (d192, d256), MHA and GQA. Spill-free at d192 / d256 and for a
+    constant or a positions' derivative at d128; at d128 a derivative of the score kept through the step spills 16
+    bytes (328 causal), a document mask 160 causal, and a bias table read per score 56 at d64 (docs/mods.md)."""
+    cases = [["alibi", None, 128, "causal", "bwd", 0], ["head_scaled", "causal", 128, "none", "bwd_gqa", 0],
+             ["softcap30", "document", 256, "causal", "bwd", 0], ["t5_bias", "sliding", 64, "none", "bwd_gqa", 128],
+             ["softcap30", None, 128, "none", "bwd", 64],
+             ["alibi", "document", 192, "causal", "bwd_gqa", 0]]  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _SM90_BACKWARD, json.dumps([c[:5] for c in cases])], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    assert len(reports) == len(cases)
+    for r, case in zip(reports, cases):
+        assert r["spill_bytes"] <= case[5], (case, r)
+        assert r["tanh"] == (0 if r["score"] != "softcap30" else {128: 64, 256: 32}[r["d"]]), r  # (one per score)
+        assert r["wgmma"] > 0, r
+
+
 _WARMUP = textwrap.dedent(
     """
     import json
@@ -182,8 +228,8 @@ _WARMUP = textwrap.dedent(
 
 
 def test_warmup_writes_the_mods_kernels_a_call_loads(tmp_path):
-    """cute_flash.mods.warmup cross-compiles a block-masked score_mod / mask_mod call's forward (sm90) and backward
-    (sm80) into the disk cache, and warming again finds both there (their keys: the spec tests/test_mods_api.py
+    """cute_flash.mods.warmup cross-compiles a block-masked score_mod / mask_mod call's forward and backward (both
+    sm90 on Hopper) into the disk cache, and warming again finds both there (their keys: the spec tests/test_mods_api.py
     checks against the call's)."""
     import os
 
@@ -193,4 +239,4 @@ def test_warmup_writes_the_mods_kernels_a_call_loads(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     first, again, families = json.loads(done.stdout.splitlines()[-1])
     assert (first["built"], first["failed"], again["cached"], again["built"]) == (2, 0, 2, 0), (first, again)
-    assert families == ["sm90", "sm80"]
+    assert families == ["sm90", "sm90"]

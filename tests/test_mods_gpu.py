@@ -57,7 +57,7 @@ def _attention_case(d, causal, seed):
 
 def _cuda_mod(fn, monkeypatch):
     """The example with its tables on the GPU (the tables are module attributes the callables read)."""
-    for name in ("SLOPES", "T5_TABLE", "DOC", "PREFIX", "RANDOM_BLOCKS"):
+    for name in ("SLOPES", "T5_TABLE", "HEAD_SCALES", "DOC", "PREFIX", "RANDOM_BLOCKS"):
         monkeypatch.setattr(examples, name, getattr(examples, name).cuda())
     return fn
 

@@ -1,6 +1,6 @@
-"""The sm90 score_mod / mask_mod forward (arch/sm90/flash_fwd_mods.py) on a Hopper GPU: outputs and lse against the
-float64 reference by FlashAttention's rule, dense and block-sparse (block masks of the mask_mod, and coarser ones
-that visit extra tiles), and the gradients of a call whose forward runs here and backward on the sm80 family."""
+"""The sm90 score_mod / mask_mod kernels (arch/sm90/flash_fwd_mods.py, flash_bwd_mods.py) on a Hopper GPU: outputs
+and lse against the float64 reference by FlashAttention's rule, dense and block-sparse (block masks of the mask_mod,
+and coarser ones that visit extra tiles), and the gradients against autograd through the float64 reference."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ CASES = [
 
 
 def _mods(score, mask, monkeypatch):
-    for name in ("SLOPES", "T5_TABLE", "DOC", "PREFIX", "RANDOM_BLOCKS"):
+    for name in ("SLOPES", "T5_TABLE", "HEAD_SCALES", "DOC", "PREFIX", "RANDOM_BLOCKS"):
         monkeypatch.setattr(examples, name, getattr(examples, name).cuda())
     return (getattr(examples, score) if score else None), (getattr(examples, mask) if mask else None)
 
@@ -76,25 +76,52 @@ def test_sm90_mods_forward_against_float64(monkeypatch, score, mask, sq, sk, d, 
         _check(out_b, lse_b, q, k, v, kw)
 
 
+GRAD_CASES = [  # every kind of derivative (constant: alibi, t5_bias; of positions: head_scaled; of the score:
+    # softcap30), masks with and without tables, seqlen_q != seqlen_k and odd lengths
+    ("alibi", None, 300, 517),
+    (None, "sliding", 517, 517),
+    ("t5_bias", "document", 77, 77),
+    ("softcap30", "sliding", 300, 300),
+    ("head_scaled", "prefix_lm", 333, 200),
+    ("softcap30", "random_blocks", 128, 128),
+]
+
+
+@pytest.mark.parametrize("score, mask, sq, sk", GRAD_CASES)
+@pytest.mark.parametrize("d", [64, 128, 256])  # keys on the accumulator rows (64, 128) and queries (256)
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_mods_gradients_against_float64(monkeypatch, score, mask, sq, sk, d, causal):
+    """dq, dk, dv (lse's gradient too) of the sm90 forward and backward, GQA 4 / 2, by FlashAttention's rule."""
+    score_mod, mask_mod = _mods(score, mask, monkeypatch)
+    q, k, v = _qkv(sq, sk, d, seed=hash((score, mask, d, causal, "grad")) % 1000, requires_grad=True)
+    kw = dict(score_mod=score_mod, mask_mod=mask_mod, causal=causal)
+    e = cute_flash.explain(q, k, v, **kw)
+    assert (e.forward.family, e.backward.family) == ("sm90", "sm90"), e
+    check_gradients(q, k, v, kw)
+
+
 @pytest.mark.parametrize("score, mask", [("alibi", "causal"), ("t5_bias", "document"), ("softcap30", "sliding")])
-def test_forward_on_sm90_backward_on_sm80_gradients(monkeypatch, score, mask):
-    """Natural routing (no family forced): the forward here, the backward on the sm80 kernels, through one node."""
+def test_natural_routing_gradients_with_a_block_mask(monkeypatch, score, mask):
+    """Natural routing (no family forced): forward and backward here through one node, the forward walking the block
+    mask's lists, the backward the mask_mod alone; d72 (no sm90 forward tile: the sm80 forward, the sm90 backward on
+    d128 kernels, zero-padded: score_mod builds take no d96 tile)."""
     monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
     score_mod, mask_mod = _mods(score, mask, monkeypatch)
     sq = 77 if mask == "document" else 300
-    q, k, v = _qkv(sq, sq, 64, seed=7, requires_grad=True)
-    kw = dict(score_mod=score_mod, mask_mod=mask_mod)
-    e = cute_flash.explain(q, k, v, **kw)
-    assert (e.forward.family, e.backward.family) == ("sm90", "sm80"), e
-    block = cute_flash.mods.create_block_mask(mask_mod, examples.B, examples.H, sq, sq, device="cuda")
-    check_gradients(q, k, v, kw, block_mask=block)
+    for d, families in ((64, ("sm90", "sm90")), (72, ("sm80", "sm90"))):
+        q, k, v = _qkv(sq, sq, d, seed=7, requires_grad=True)
+        kw = dict(score_mod=score_mod, mask_mod=mask_mod)
+        e = cute_flash.explain(q, k, v, **kw)
+        assert (e.forward.family, e.backward.family) == families, e
+        block = cute_flash.mods.create_block_mask(mask_mod, examples.B, examples.H, sq, sq, device="cuda")
+        check_gradients(q, k, v, kw, block_mask=block)
 
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sq, sk", [(300, 300), (77, 517)])
 def test_scores_set_to_minus_infinity_by_a_score_mod(d, sq, sk):
     """A mask written as a score_mod (torch.where(..., score, -inf), FlexAttention users' habit): hidden keys and
-    rows left without any key (out 0, lse -inf) in the sm90 forward; gradients through the sm80 backward where every
+    rows left without any key (out 0, lse -inf) in the sm90 forward; gradients through the sm90 backward where every
     row keeps a key (the derivative is 0 where the score is -inf)."""
     q, k, v = _qkv(sq, sk, d, seed=d + sq)
     kw = dict(score_mod=examples.empty_rows_by_score)
@@ -104,3 +131,14 @@ def test_scores_set_to_minus_infinity_by_a_score_mod(d, sq, sk):
     assert torch.all(out[:, :8] == 0) and torch.all(torch.isneginf(lse[:, :, :8]))
     q, k, v = _qkv(sq, sk, d, seed=d + sq, requires_grad=True)
     check_gradients(q, k, v, dict(score_mod=examples.hidden_by_score))
+
+
+def test_a_broadcast_output_gradient(monkeypatch):
+    """out.sum().backward() hands the backward an expanded (stride 0) dO: copied into the kernels' layout."""
+    score_mod, mask_mod = _mods("alibi", "causal", monkeypatch)
+    q, k, v = _qkv(300, 300, 128, seed=11, requires_grad=True)
+    cute_flash.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod).sum().backward()
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    attention_mods_reference(qd, kd, vd, score_mod=score_mod, mask_mod=mask_mod).sum().backward()
+    for got, want in zip((q.grad, k.grad, v.grad), (qd.grad, kd.grad, vd.grad)):
+        torch.testing.assert_close(got.double(), want, atol=5e-2, rtol=5e-2)

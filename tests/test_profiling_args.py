@@ -55,6 +55,7 @@ def test_mods_benchmark_arguments():
     assert not args.no_fa4 and not args.no_flex  # FA4 and FlexAttention on by default
     args = mods_benchmark._parse(["--no-fa4"])
     assert args.no_fa4 and not args.no_flex and args.examples == list(mods_benchmark.EXAMPLES)
+    assert not args.backward and mods_benchmark._parse(["--backward"]).backward
     with pytest.raises(SystemExit):
         mods_benchmark._parse(["--examples", "relu"])
 

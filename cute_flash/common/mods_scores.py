@@ -85,24 +85,49 @@ class ModsGraphs:
         if not full:
             self._mods_pass(acc_rc, coords_rc, q_base, k_base, ctx, None, self.mask_graph)
 
-    def _mods_pass(self, acc_rc, coords_rc, q_base, k_base, ctx: ScoreContext, score_graph, mask_graph) -> None:
+    def _mods_pass(
+        self, acc_rc, coords_rc, q_base, k_base, ctx: ScoreContext, score_graph, mask_graph, keys_on_rows=False,
+        deriv=None,
+    ) -> None:  # fmt: skip
+        """score_graph, then mask_graph (either may be None), on every entry of a tile (see `for_each_score`);
+        deriv: (the score_mod's derivative graph, a tensor of the tile's shape in rows_cols_view), filled with
+        the derivative at each entry's score before the score_mod changes it (backward kernels)."""
         score_tables = ctx.tables[: self.score_tables]
         mask_tables = ctx.tables[self.score_tables :]
+
+        def one(r, c, idx, shared):
+            s = acc_rc[r, c]
+            if deriv is not None:
+                d_graph, d_rc = deriv
+                d_rc[r, c] = emit(d_graph, {**idx, "score": s * ctx.scale}, score_tables, shared)
+            if score_graph is not None:
+                s = emit(score_graph, {**idx, "score": s * ctx.scale}, score_tables, shared)
+            if mask_graph is not None:
+                visible = emit(mask_graph, idx, mask_tables, shared)
+                s = Float32(cutlass.select_(visible, s, -Float32.inf))
+            acc_rc[r, c] = s
+
+        self.for_each_score(acc_rc, coords_rc, q_base, k_base, ctx, keys_on_rows, one)
+
+    @staticmethod
+    def for_each_score(acc_rc, coords_rc, q_base, k_base, ctx: ScoreContext, keys_on_rows: bool, fn) -> None:
+        """fn(r, c, indices, shared) for every entry (r, c) of a tile in registers (trace time, unrolled): indices the
+        callables' inputs b, h, q_idx, kv_idx (positions clamped to the sequence), shared codegen.emit's cache of
+        what one row or one column shares. coords_rc: each entry's (row, col) within the tile (rows_cols_view
+        layout), rows queries from q_base and columns keys from k_base, or with keys_on_rows the transpose."""
         rows, cols = cute.size(acc_rc, mode=[0]), cute.size(acc_rc, mode=[1])
         # A score's row coordinate does not depend on its column nor its column on its row (MMA fragments), so
-        # whatever reads q_idx only is computed once per row, kv_idx only once per column (codegen.emit `shared`);
-        # column by column, so that a column's values die with it (a thread holds few rows, many columns).
-        q_idx = [cutlass.min(q_base + coords_rc[r, 0][0], ctx.last_q) for r in range(rows)]
+        # whatever reads the row's position only is computed once per row, the column's once per column
+        # (codegen.emit `shared`); column by column, so that a column's values die with it (a thread holds few rows,
+        # many columns).
+        if keys_on_rows:
+            row_base, row_last, col_base, col_last, names = k_base, ctx.last_k, q_base, ctx.last_q, ("kv_idx", "q_idx")
+        else:
+            row_base, row_last, col_base, col_last, names = q_base, ctx.last_q, k_base, ctx.last_k, ("q_idx", "kv_idx")
+        row_pos = [cutlass.min(row_base + coords_rc[r, 0][0], row_last) for r in range(rows)]
         cache = {}
         for c in range(cols):
-            kv_idx = cutlass.min(k_base + coords_rc[0, c][1], ctx.last_k)
+            col_pos = cutlass.min(col_base + coords_rc[0, c][1], col_last)
             for r in range(rows):
-                idx = {"b": ctx.batch, "h": ctx.head, "q_idx": q_idx[r], "kv_idx": kv_idx}
-                shared = (cache, {"q_idx": r, "kv_idx": c})
-                s = acc_rc[r, c]
-                if score_graph is not None:
-                    s = emit(score_graph, {**idx, "score": s * ctx.scale}, score_tables, shared)
-                if mask_graph is not None:
-                    visible = emit(mask_graph, idx, mask_tables, shared)
-                    s = Float32(cutlass.select_(visible, s, -Float32.inf))
-                acc_rc[r, c] = s
+                idx = {"b": ctx.batch, "h": ctx.head, names[0]: row_pos[r], names[1]: col_pos}
+                fn(r, c, idx, (cache, {names[0]: r, names[1]: c}))

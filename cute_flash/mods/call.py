@@ -253,6 +253,7 @@ class _ModsAttention(torch.autograd.Function):
         q, k, v, out, lse, *tables = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
+        dout = kernel_view(dout, name="dout")  # (autograd may hand over a broadcast: out.sum().backward())
         grads = Grads(torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         backend = gpu.route(ctx.problem.spec, q, backward=True)
         with gpu.guard(q):

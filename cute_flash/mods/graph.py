@@ -490,6 +490,14 @@ def evaluate(graph: ModGraph, inputs: Dict[str, torch.Tensor], float_dtype=torch
 _WRAPPING = frozenset(("add", "sub", "mul", "neg", "abs"))
 
 
+def constant_result(graph: ModGraph) -> Optional[float]:
+    """The graph's value where it reads no input and no captured tensor (a score_mod's derivative 1 for an added
+    bias), else None."""
+    if any(n.op in ("input", "load") for n in graph.nodes):
+        return None
+    return float(evaluate(graph, {}))
+
+
 # --- the derivative of a score_mod in its score ----------------------------------------------------------------
 def score_derivative(graph: ModGraph) -> ModGraph:
     """A graph computing d score_mod / d score at the same inputs (forward-mode differentiation of the nodes): the
@@ -569,13 +577,24 @@ def _chain(tracer: _Tracer, op: str, xs: List[Sym], ds: List[Optional[Sym]], v: 
         return t.binary("mul", t.unary("cos", x), d[0])
     if op == "cos":
         return t.binary("mul", t.unary("neg", t.unary("sin", x)), d[0])
+    # (An operand that does not depend on the score adds no term, as in autograd: no 0 * x, NaN for an infinite x.)
     if op in ("add", "sub"):
+        if ds[1] is None:
+            return d[0]
+        if ds[0] is None:
+            return d[1] if op == "add" else t.unary("neg", d[1])
         return t.binary(op, d[0], d[1])
     if op in ("floor", "ceil"):
         return None  # piecewise constant: derivative 0 (as autograd's)
     y = xs[1]
     if op == "mul":
+        if ds[1] is None:
+            return t.binary("mul", d[0], y)
+        if ds[0] is None:
+            return t.binary("mul", x, d[1])
         return t.binary("add", t.binary("mul", d[0], y), t.binary("mul", x, d[1]))
+    if op == "truediv" and ds[1] is None:
+        return t.binary("truediv", d[0], y)
     if op == "truediv":  # (dx y - x dy) / y^2
         num = t.binary("sub", t.binary("mul", d[0], y), t.binary("mul", x, d[1]))
         return t.binary("truediv", num, t.binary("mul", y, y))

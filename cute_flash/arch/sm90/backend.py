@@ -58,16 +58,16 @@ def forward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
 
 
 def _mods_unsupported_reason(spec: ModsSpec, backward: bool) -> Optional[str]:
-    """score_mod / mask_mod (flash_fwd_mods.py): the dense fp16 / bf16 forward at this family's head dims; the
-    backward is the sm80 family's."""
-    if backward:
-        return "no score_mod / mask_mod backward in this family yet (the sm80 family's serves it)"
+    """score_mod / mask_mod: the dense fp16 / bf16 forward (flash_fwd_mods.py) and backward (flash_bwd_mods.py) at
+    this family's head dims."""
     if spec.varlen or spec.kvcache:
-        return "score_mod / mask_mod have a dense forward only (no packed sequences, no KV cache)"
+        return "score_mod / mask_mod have dense kernels only (no packed sequences, no KV cache)"
     if spec.softcap or spec.sink:
         return "score_mod / mask_mod do not combine with softcap or sinks yet (write softcap as a score_mod)"
     if spec.dtype == "fp8":
-        return "score_mod / mask_mod have no FP8 forward"
+        return "score_mod / mask_mod have no FP8 kernels"
+    if backward:
+        return _bwd().backward_unsupported_reason(spec)
     return forward_unsupported_reason(spec)
 
 
@@ -183,6 +183,15 @@ class _Backend(BackendBase):
             raise ValueError("a block-sparse build takes the block lists, and only it")
         launch_mods_forward(self._forward_kernel(spec, compile_cache.runtime_target(q.device)), q, k, v, out, lse,
                             problem, tables, blocks)  # fmt: skip
+
+    def backward_mods(self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor]) -> None:
+        """The backward of `forward_mods` (flash_bwd_mods.py), with the same tables; a block mask changes nothing
+        here (every key tile walks its mask range's query tiles with the mask_mod)."""
+        spec = problem.spec
+        reason = self.unsupported_reason(spec, backward=True) if isinstance(spec, ModsSpec) else "needs a ModsSpec"
+        if reason is not None:
+            raise NotImplementedError(reason)
+        _bwd().backward_launcher(problem, t.q.device, tables=tuple(tables))(t, grads)
 
     def mods_key_tiles(self, spec: AttentionSpec) -> Optional[Tuple[int, int]]:
         cfg = fwd_tile_config(spec)

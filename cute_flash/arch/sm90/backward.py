@@ -38,8 +38,9 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from ... import compile_cache
-from ...spec import AttentionSpec
+from ...spec import AttentionSpec, ModsSpec
 from ...kernel_layout import round_up
+from ...mods.graph import MAX_TABLES
 from ...validation import PackedSeqs, Problem, VarlenProblem
 from ...common.packed import PRE_POST_ROWS, packed_pads, padded_rows
 from ..base import BwdTensors, Grads, KernelArtifact, fold_lse_grad, fold_lse_grad_packed, sink_grad
@@ -54,6 +55,7 @@ from .tile_config import (
     bwd_smem_bytes,
     bwd_tile_config,
     long_queries,
+    score_heavy,
 )
 
 FAMILY = "sm90"
@@ -71,7 +73,7 @@ def kernel_dims(spec: AttentionSpec) -> Optional[Tuple[int, int]]:
     own = (spec.head_dim, spec.head_dim_v)
     if own in bwd_head_dim_pairs():
         return own
-    width = next((w for w in bwd_head_dims(spec.softcap) if w >= max(own)), None)  # (softcap: d96 on d128's)
+    width = next((w for w in bwd_head_dims(score_heavy(spec)) if w >= max(own)), None)  # (softcap: d96 on d128's)
     return None if width is None else (width, width)
 
 
@@ -86,6 +88,8 @@ def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
         return f"the sm90 backward computes in fp16 or bf16, not {spec.dtype}"
     if spec.out_dtype != spec.dtype:
         return f"the sm90 backward needs out_dtype equal to the input dtype ({spec.dtype}), got {spec.out_dtype}"
+    if isinstance(spec, ModsSpec) and (spec.varlen or spec.kvcache or spec.softcap or spec.sink):
+        return "the score_mod / mask_mod backward is dense, without softcap or sinks (write softcap as a score_mod)"
     if kernel_dims(spec) is None:
         return (
             f"the sm90 backward has tile configurations for head dims {bwd_head_dims()} and (head_dim, head_dim_v) "
@@ -137,8 +141,14 @@ def kernel_key(role: str, spec: AttentionSpec, cfg: BwdTileConfig) -> Tuple[Atte
     """The (spec, configuration) that `role`'s kernel is built from: only what its code depends on, so builds that
     generate the same code share one cache entry. Calls (`_kernel`) and the compile command
     (`compile_backward_artifacts`) both build from it, so what the CPU compile tests check is what calls run. No
-    kernel reads spec.sink (the sink is in the LSE), and only the main kernel spec.softcap."""
+    kernel reads spec.sink (the sink is in the LSE), only the main kernel spec.softcap and a ModsSpec's graphs (no
+    block mask: the backward visits every tile its mask range gives)."""
     spec = _without_sink(spec)
+    if isinstance(spec, ModsSpec):
+        if role not in ("bwd", "bwd_gqa"):
+            spec = _sm80_backward().plain_spec(spec)  # (the pre- and postprocess do not read the callables)
+        elif spec.block_sparse:
+            spec = dataclasses.replace(spec, block_sparse=False)
     if role == "bwd_dq_postprocess":
         # The dQ conversion depends on the dtype, the head dim, the dQ MMA's shape and the output tile's swizzle atom
         # (operand_atom_cols: keys_on_rows) only, not on the mask, head_dim_v, stages, registers or ptxas level of
@@ -164,7 +174,8 @@ def _without_sink(spec: AttentionSpec) -> AttentionSpec:
 
 
 def _plain(spec: AttentionSpec) -> AttentionSpec:
-    """`spec` for the sm80 family's accumulator conversions, which neither feature changes."""
+    """`spec` for the sm80 family's accumulator conversions, which no feature changes."""
+    spec = _sm80_backward().plain_spec(spec)
     if spec.softcap or spec.sink:
         return dataclasses.replace(spec, softcap=False, softcap_wide=False, sink=False)
     return spec
@@ -222,6 +233,8 @@ def _kernels(
         problem = bwd_config_problem(chosen, spec.head_dim, spec.head_dim_v)
         if problem is None and deterministic and chosen.dq_red:
             problem = "dq_red adds dQ with plain atomics in no fixed order: no deterministic build"
+        if problem is None and isinstance(spec, ModsSpec) and (deterministic or seqused):
+            problem = "the score_mod / mask_mod backward has no deterministic or packed build"
         if problem is not None:
             raise ValueError(problem)
         sm80 = _sm80_backward()
@@ -256,15 +269,21 @@ def run_backward(
 
 
 def backward_launcher(
-    problem: Problem, device, deterministic: bool = False, cfg: Optional[BwdTileConfig] = None, checked: bool = True
+    problem: Problem,
+    device,
+    deterministic: bool = False,
+    cfg: Optional[BwdTileConfig] = None,
+    checked: bool = True,
+    tables: tuple = (),
 ) -> Callable[[BwdTensors, Grads], None]:
     """`run_backward` of one dense `problem` on `device` as launch(t, grads), with what depends only on them (the
     kernel set, the buffers' shapes, the scalars) settled once. checked: every tensor goes through kernel_view's
     check (grad_views: raises for a layout the kernels cannot take); the eager plan, whose tensors are in the
-    kernels' layout by construction, keeps an unchecked launcher."""
+    kernels' layout by construction, keeps an unchecked launcher. tables: a ModsSpec's captured tensors as the
+    kernel stores them (cute_flash/mods/call.py)."""
     dims = _checked_dims(problem.spec)
     if (problem.head_dim, problem.head_dim_v) != dims:
-        inner = backward_launcher(widened_problem(problem, dims), device, deterministic, cfg, checked)
+        inner = backward_launcher(widened_problem(problem, dims), device, deterministic, cfg, checked, tables)
         return padded_launcher(dims, inner)
     p, mask = problem, problem.mask
     gqa = p.nheads != p.nheads_kv
@@ -278,11 +297,12 @@ def backward_launcher(
     dq_tiles = (p.batch, p.nheads, seqlen_q_pad // cfg.tile_m)
     dkv_tiles = (p.batch, p.nheads_kv, -(-p.seqlen_k // cfg.tile_n))
     scale, left, right = p.softmax_scale, mask.left, mask.right
-    features = _features(p)
+    features = _features(p, tables)
     sm80 = _sm80_backward()  # the tensor helpers the two backward families share
     dkv_block = max(cfg.tile_n, STATS_ROW_MULTIPLE)  # whole conversion blocks
     f32 = dict(dtype=torch.float32, device=device)
     no_semaphores = (None, None)
+    mods = isinstance(p.spec, ModsSpec)
 
     def launch(t: BwdTensors, grads: Grads) -> None:
         dout, q, k, v, out, lse, dlse = t[:7]
@@ -299,9 +319,12 @@ def backward_launcher(
         semaphores = _semaphores(True, gqa, dq_tiles, dkv_tiles, device) if deterministic else no_semaphores
         kernels.preprocess(out, dout, lse, dpsum, lse_log2, dq_accum)
         fold_lse_grad(dpsum, dlse, lse)  # (between the two kernels when given: the main kernel then waits for it)
-        kernels.main(
-            q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *semaphores, scale, left, right, *features
-        )
+        if mods:  # (no semaphores: no deterministic build)
+            kernels.main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, scale, left, right, *features)
+        else:
+            kernels.main(
+                q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *semaphores, scale, left, right, *features
+            )
         kernels.postprocess(dq_accum, dq, scale)
         if gqa:
             kernels.convert(dk_out, dk, 1.0)  # the main kernel already applied the softmax scale to dK
@@ -372,8 +395,11 @@ def run_backward_varlen(
         sink_grad(grads.dsink, t.sink, lse, packed_rows(dpsum[0], cu_seqlens_q, pad_q, total_q))
 
 
-def _features(problem) -> tuple:
-    """The main kernel's arguments after the window bounds in a spec.softcap build (its feature entry): the cap."""
+def _features(problem, tables: tuple = ()) -> tuple:
+    """The main kernel's arguments after the window bounds: in a spec.softcap build (its feature entry) the cap, in a
+    ModsSpec's (the `mods` entry) the tables a0 .. a3 (None past the graphs')."""
+    if isinstance(problem.spec, ModsSpec):
+        return (*tables, *([None] * (MAX_TABLES - len(tables))))
     return (float(problem.softcap),) if problem.spec.softcap else ()
 
 

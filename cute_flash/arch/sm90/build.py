@@ -198,7 +198,9 @@ def compile_backward(
     """The compiled backward main kernel: fn(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphores,
     dkv_semaphores, softmax_scale, window_left, window_right), dk / dv fp32 padded sums under GQA; the semaphores
     are None, or int32 (b, h, query tiles) / (b, h_kv, key tiles) where a deterministic (GQA) build reads them.
-    spec.softcap: the feature entries (common/entries.py), with the cap after window_right.
+    spec.softcap: the feature entries (common/entries.py), with the cap after window_right. A ModsSpec (score_mod /
+    mask_mod, flash_bwd_mods.py): fn(q, ..., dv, softmax_scale, window_left, window_right, a0, a1, a2, a3), dense and
+    without semaphores, a0 .. a3 the graphs' tables (None past them).
 
     spec.varlen: the packed entry, fn(..., window_right, cu_seqlens_q, cu_seqlens_k, seqused_k (a tensor when
     `seqused`, else None), max_seqlen_k) with q / dout (total_q, h, d), k / v (total_k, h_kv, d), lse_log2 / dpsum
@@ -208,13 +210,20 @@ def compile_backward(
     from .flash_bwd import Sm90FlashBackward
 
     dtype = dsl_dtype(spec.dtype)
-    kernel = Sm90FlashBackward(spec, cfg, gqa, deterministic)
     tensors = _fake_backward_tensors(dtype, spec.head_dim, spec.head_dim_v, cfg, gqa, spec.varlen)
-    sems = _fake_semaphores(deterministic, gqa)
     scalars = cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0)
-    features = (cutlass.Float32(1.0),) if spec.softcap else ()
     options = compile_cache.compile_options(target, extra=extra_options or "")
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    if isinstance(spec, ModsSpec):  # (flash_bwd_mods.py: dense, no deterministic build, the tables after the scalars)
+        from .flash_bwd_mods import Sm90ModsBackward
+
+        assert not (deterministic or spec.varlen or seqused), "score_mod / mask_mod: a dense backward only"
+        kernel = Sm90ModsBackward(spec, cfg, gqa)
+        tables = fake_mods_tables(spec)
+        return cute.compile(kernel.mods, *tensors, *scalars, *tables, stream, options=options)
+    kernel = Sm90FlashBackward(spec, cfg, gqa, deterministic)
+    sems = _fake_semaphores(deterministic, gqa)
+    features = (cutlass.Float32(1.0),) if spec.softcap else ()
     if not spec.varlen:
         entry = kernel.features if spec.softcap else kernel
         return cute.compile(entry, *tensors, *sems, *scalars, *features, stream, options=options)

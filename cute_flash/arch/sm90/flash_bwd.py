@@ -395,6 +395,7 @@ class StepLoop(NamedTuple):
     thr_dq: object  # this thread's slice of the dQ MMA
     dq_dst: cute.Tensor  # the shared dQ buffer(s), or with dq_red the (sequence, head)'s accumulator
     tidx: Int32  # 0 .. num_consumer_threads - 1
+    score_ctx: object = None  # what a subclass's score hooks read (score_mod / mask_mod builds), else None
 
 
 class Sm90FlashBackward(BwdEntries):
@@ -421,6 +422,7 @@ class Sm90FlashBackward(BwdEntries):
         assert spec.head_dim_v == head_dim or not cfg.keys_on_rows, "keys on rows need head_dim_v == head_dim"
         self.mask_kind = mask_kind
         self.softcap = spec.softcap
+        self.takes_features = spec.softcap  # (the cap; a subclass with arguments of its own sets it too)
         self.cfg = cfg
         self.gqa = gqa
         self.deterministic = deterministic
@@ -460,7 +462,9 @@ class Sm90FlashBackward(BwdEntries):
         """Packed tensors: q (total_q, h, d), dout (total_q, h, dv), k / v (total_k, h_kv, d / dv), lse_log2 / dpsum
         (1, h, rows_q) from the packed preprocess (rows_q >= total_q + batch * pad_q), the dQ sums (h, rows_q * d)
         zeroed, dk / dv (total_k, h_kv, d / dv) or fp32 (rows_k, h_kv, d / dv) sums zeroed under GQA."""
-        assert (features is not None) == self.softcap, "spec.softcap builds take the cap through the feature entries"
+        assert (
+            features is not None
+        ) == self.takes_features, "feature builds take their arguments through their entries"
         gmem = self._kernel_views(BwdGmem(*tensors), packed)
         layouts = self._smem_layouts()
         mmas = self._tiled_mmas()
@@ -602,7 +606,7 @@ class Sm90FlashBackward(BwdEntries):
         softmax_scale: Float32,
         window_left: Int32,
         window_right: Int32,
-        features,  # (softcap,) in a spec.softcap build, else None
+        features,  # the feature entries' arguments ((softcap,) in a spec.softcap build), else None
         seqs,  # packed: (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK or None); dense: None
         SharedStorage: cutlass.Constexpr,
     ):
@@ -633,8 +637,7 @@ class Sm90FlashBackward(BwdEntries):
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             dkv = DkvTargets(gmem.dk, gmem.dv, mdKVsem, atoms.dk, atoms.dv)
-            softcap = None if const_expr(features is None) else features[0]
-            self.consume(pipes, mmas, smem, dq_dst, dkv, softmax_scale, softcap, work, tidx, warp_idx, seqs)
+            self.consume(pipes, mmas, smem, dq_dst, dkv, softmax_scale, features, work, tidx, warp_idx, seqs)
 
     @cute.jit
     def prologue(self, atoms: BwdAtoms, SharedStorage: cutlass.Constexpr):
@@ -820,7 +823,7 @@ class Sm90FlashBackward(BwdEntries):
         dq_dst: cute.Tensor,
         dkv: DkvTargets,
         softmax_scale: Float32,
-        softcap,  # spec.softcap: the cap (Float32), else None
+        features,  # the feature entries' arguments (spec.softcap: (the cap,)), else None
         work: BwdWork,
         tidx: Int32,  # the thread's index in the CTA
         warp_idx: Int32,
@@ -847,15 +850,13 @@ class Sm90FlashBackward(BwdEntries):
         coords0_rc = rows_cols_view(mmas.sdp.get_slice(0).partition_C(cute.make_identity_tensor(self.s_tile)))
 
         if work.m_max > work.m_min:
-            scale_log2, pre_tanh, inv_scale_log2 = softmax_scale * LOG2_E, None, None
-            if const_expr(softcap is not None):
-                pre_tanh, scale_log2 = softcap_factors(softmax_scale, softcap)
-                inv_scale_log2 = 1.0 / scale_log2
+            scale_log2, pre_tanh, inv_scale_log2, score_ctx = self.score_factors(softmax_scale, features, work)
             if const_expr(self.cfg.dq_red):
                 cute.arch.griddepcontrol_wait()  # dQ adds from the first step: after the preprocess zeroed the sums
             loop = StepLoop(
                 pipes, mmas, frags, acc_dV, acc_dK, smem_copy_ds, tdSsdS, tPsP, smem.lse, smem.dpsum, coords_rc,
                 coords0_rc, work.info, work.n_block, scale_log2, pre_tanh, inv_scale_log2, thr.dq, dq_dst, tidx,
+                score_ctx,
             )  # fmt: skip
             self.walk(loop, smem, work)
 
@@ -863,6 +864,14 @@ class Sm90FlashBackward(BwdEntries):
         # semaphores. (The LSE / D they read came through the producer's loads, issued after its wait.)
         cute.arch.griddepcontrol_wait()
         self.store_grads((acc_dK, acc_dV), mmas, smem, dkv, softmax_scale, work, head_in_group, tidx, warp_idx, seqs)
+
+    def score_factors(self, softmax_scale: Float32, features, work: BwdWork):
+        """(the exponent's factor, softcap's pre_tanh and inv_scale_log2 (or None), the score hooks' context): the
+        StepLoop fields the feature entries' arguments decide. A subclass with its own score hooks overrides this."""
+        if const_expr(features is None):
+            return softmax_scale * LOG2_E, None, None, None
+        pre_tanh, scale_log2 = softcap_factors(softmax_scale, features[0])
+        return scale_log2, pre_tanh, 1.0 / scale_log2, None
 
     def consumer_fragments(self, mmas: BwdMmas, smem: BwdSmem, tidx: Int32):
         """(BwdFragments, this thread's slices of the four MMAs as a BwdMmas) of consumer thread `tidx`."""
@@ -1018,9 +1027,9 @@ class Sm90FlashBackward(BwdEntries):
         """One query tile: S and dP, P, (dV's early product,) dS, P and dS to their A operands or shared memory, dV,
         dQ, dK (see the module docstring for the order and the overlap)."""
         acc_S, acc_dP, lse = self.score_products(q, do, loop)
-        self.probabilities(acc_S, lse, q, m_block, masked, loop)
+        factor = self.probabilities(acc_S, lse, q, m_block, masked, loop)
         dpsum = self.dv_before_dp_wait(acc_S, do, loop)
-        self.score_grads(acc_S, acc_dP, dpsum, lse, q, do, loop)
+        self.score_grads(acc_S, acc_dP, dpsum, lse, q, do, loop, m_block, factor)
         self.stage_p_and_ds(acc_S, acc_dP, q, do, loop)
         self.dq_and_dk(q, do, m_block, loop)
         q.advance()
@@ -1064,9 +1073,10 @@ class Sm90FlashBackward(BwdEntries):
     def probabilities(self, acc_S: cute.Tensor, lse, q, m_block: Int32, masked: cutlass.Constexpr[bool], loop):
         """P = exp2(S · scale · log2e − lse_log2[query]) in place (S has landed: dP's issue waited for it); softcap
         builds take S to T = tanh(S · softmax_scale / softcap) first and scale by softcap · log2e. The mask (on the
-        scaled exponent) leaves -inf -> P = 0."""
+        scaled exponent) leaves -inf -> P = 0. Returns what `modify_scores` kept for score_grads (None here)."""
         if const_expr(loop.pre_tanh is not None):
             apply_softcap(acc_S, loop.pre_tanh)
+        factor = self.modify_scores(acc_S, m_block, loop)
         s_rc = rows_cols_view(acc_S)
         num_rows = cute.size(s_rc, mode=[0])
         num_cols = cute.size(s_rc, mode=[1])
@@ -1079,10 +1089,24 @@ class Sm90FlashBackward(BwdEntries):
             for r in cutlass.range_constexpr(num_rows):
                 for c in cutlass.range_constexpr(num_cols):
                     s_rc[r, c] = s_rc[r, c] * loop.scale_log2 - lse[r]
+        self.mask_scores(s_rc, m_block, loop)
         if const_expr(masked):
             kor = self.keys_on_rows
             apply_mask(s_rc, loop.coords_rc, loop.coords0_rc, loop.info, m_block, loop.n_block, True, True, kor)
         acc_S.store(cute.math.exp2(acc_S.load(), fastmath=True))
+        return factor
+
+    def modify_scores(self, acc_S: cute.Tensor, m_block: Int32, loop: StepLoop):
+        """Hook: changes the raw scores S of a tile before the exponent's scale; returns what score_grads needs of them
+        (or None). None here."""
+        return None
+
+    def mask_scores(self, s_rc: cute.Tensor, m_block: Int32, loop: StepLoop) -> None:
+        """Hook: masks (-inf) entries of a tile's scaled exponent, before the kernel's own mask. Nothing here."""
+
+    def modify_score_grads(self, p_rc: cute.Tensor, ds_rc: cute.Tensor, m_block: Int32, factor, loop: StepLoop):
+        """Hook: changes dS (ds_rc, from P in p_rc) where the scores were changed; `factor`: modify_scores' result.
+        Nothing here."""
 
     def dv_kblocks(self, loop: StepLoop):
         """dV's k-blocks before the dP wait (all: None, or the first dv_early_kblocks) and those after dS (None: none
@@ -1126,8 +1150,11 @@ class Sm90FlashBackward(BwdEntries):
         return dpsum
 
     @cute.jit
-    def score_grads(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, dpsum, lse, q, do, loop: StepLoop):
-        """dS = P ⊙ (dP − D[query]) in acc_dP; softcap builds times 1 − T² (`tanh_grad`)."""
+    def score_grads(
+        self, acc_S: cute.Tensor, acc_dP: cute.Tensor, dpsum, lse, q, do, loop: StepLoop, m_block: Int32, factor
+    ):
+        """dS = P ⊙ (dP − D[query]) in acc_dP; softcap builds times 1 − T² (`tanh_grad`), score hooks' builds as
+        `modify_score_grads` says."""
         s_rc = rows_cols_view(acc_S)
         dp_rc = rows_cols_view(acc_dP)
         num_rows = cute.size(s_rc, mode=[0])
@@ -1143,6 +1170,7 @@ class Sm90FlashBackward(BwdEntries):
                     dp_rc[r, c] = s_rc[r, c] * (dp_rc[r, c] - dpsum[r])
         if const_expr(loop.pre_tanh is not None):
             self.tanh_grad(s_rc, dp_rc, lse, q, loop)
+        self.modify_score_grads(s_rc, dp_rc, m_block, factor, loop)
 
     @cute.jit
     def tanh_grad(self, p_rc: cute.Tensor, ds_rc: cute.Tensor, lse, q, loop: StepLoop):

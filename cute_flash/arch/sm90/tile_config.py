@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
-from ...spec import AttentionSpec
+from ...spec import AttentionSpec, ModsSpec
 
 # Hopper: 227 KiB of dynamic shared memory per CTA; mbarriers and alignment padding take the last few hundred bytes.
 SMEM_CAPACITY_BYTES = 227 * 1024
@@ -463,9 +463,13 @@ LONG_QUERIES = 4096
 #   d96: its 64-row tile spilled 64 bytes at both ptxas levels, and no other d96 shape splits dQ, dK and dV on whole
 #         swizzle atoms: softcap builds run the d128 kernels on operands zero-padded to 128 (_SOFTCAP_PADDED).
 #   long query sequences (d128 without a mask): the 80-row tile spilled 16 bytes; softcap builds keep the 64-row one.
-# Not timed: the capped backward has no measured baseline yet.
+# Not timed: the capped backward has no measured baseline yet. score_mod / mask_mod builds (a ModsSpec,
+# flash_bwd_mods.py) hold the callables' values per score as well: they take the same tiles (`score_heavy`), and at
+# d128 without dV's product before the dP wait (_MODS_DROPPED: a derivative of the score kept through the step spilled
+# 852 bytes with it without a mask, 16 without; causal 504 / 328, a document mask 160 / 160, ALiBi 0 / 0).
 _BWD_SOFTCAP = {64: {"tile_m": 64, "dq_split": "single", "dq_buffers": 1}}
 _SOFTCAP_PADDED = (96,)
+_MODS_DROPPED = ("dv_before_dp_wait", "dv_early_kblocks", "d_after_dv_issue")
 
 
 def long_queries(seqlen_q: int) -> bool:
@@ -473,12 +477,19 @@ def long_queries(seqlen_q: int) -> bool:
     return seqlen_q >= LONG_QUERIES
 
 
+def score_heavy(spec: AttentionSpec) -> bool:
+    """Whether the backward's scores carry more work than the defaults leave registers for: soft-capping and
+    score_mod / mask_mod builds (their tiles: _BWD_SOFTCAP, _SOFTCAP_PADDED)."""
+    return spec.softcap or isinstance(spec, ModsSpec)
+
+
 def bwd_tile_config(spec: AttentionSpec, deterministic: bool = False, long: bool = False) -> Optional[BwdTileConfig]:
     """The sm90 backward's configuration for `spec` (its deterministic build's when asked; `long`: for long query
     sequences, `long_queries`), or None where it has none."""
+    heavy = score_heavy(spec)
     if spec.head_dim != spec.head_dim_v:
         cfg = _BWD_BY_HEAD_DIMS.get((spec.head_dim, spec.head_dim_v))
-    elif spec.head_dim in bwd_head_dims(spec.softcap):
+    elif spec.head_dim in bwd_head_dims(heavy):
         cfg = _BWD_BY_HEAD_DIM[spec.head_dim]
     else:
         cfg = None
@@ -486,11 +497,12 @@ def bwd_tile_config(spec: AttentionSpec, deterministic: bool = False, long: bool
         return None
     key = (spec.head_dim, spec.mask)  # (a pair takes its head_dim's per-mask and deterministic changes)
     dropped = (_DENSE_ONLY if spec.varlen else ()) + (_NOT_DETERMINISTIC if deterministic else ())
+    dropped += _MODS_DROPPED if isinstance(spec, ModsSpec) else ()
     per_mask = {k: v for k, v in _BWD_BY_HEAD_DIM_AND_MASK.get(key, {}).items() if k not in dropped}
     changes = {
         **per_mask,
         **(_BWD_DETERMINISTIC.get(spec.head_dim, {}) if deterministic else {}),
-        **(_BWD_LONG_QUERIES.get(key, {}) if long and not deterministic and not spec.softcap else {}),
-        **(_BWD_SOFTCAP.get(spec.head_dim, {}) if spec.softcap else {}),
+        **(_BWD_LONG_QUERIES.get(key, {}) if long and not deterministic and not heavy else {}),
+        **(_BWD_SOFTCAP.get(spec.head_dim, {}) if heavy else {}),
     }
     return replace(cfg, **changes) if changes else cfg
