@@ -29,8 +29,11 @@ class _Recorder:
     def mods_key_tiles(self, spec):
         return (128, 128)
 
-    def backward_mods(self, t, grads, problem, tables):
-        self.calls.append(("backward", problem, tables))
+    def mods_query_tiles(self, spec):
+        return (64, 128)
+
+    def backward_mods(self, t, grads, problem, tables, blocks=None):
+        self.calls.append(("backward", problem, tables, blocks))
 
 
 @pytest.fixture
@@ -94,8 +97,8 @@ def test_gradients_go_through_one_node_to_the_backward_with_the_tables(backend, 
     out, lse = cute_flash.attention(q, k, v, score_mod=examples.alibi, return_lse=True)
     assert out.requires_grad and lse.requires_grad
     dq, dk, dv = torch.autograd.grad((out.sum(), lse.sum()), (q, k, v))
-    (problem, tables), (tag, problem_b, tables_b) = backend.calls
-    assert tag == "backward" and problem_b is problem and len(tables_b) == len(tables) == 1
+    (problem, tables), (tag, problem_b, tables_b, blocks) = backend.calls
+    assert tag == "backward" and problem_b is problem and len(tables_b) == len(tables) == 1 and blocks is None
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 
@@ -150,11 +153,12 @@ def test_a_block_mask_reaches_the_backend_as_key_tile_lists(backend, monkeypatch
 @pytest.mark.parametrize("mask_tiles, kernel_tiles", [((64, 64), (128, 128)), ((128, 128), (128, 80)),
                                                       ((32, 48), (128, 176))])  # fmt: skip
 @pytest.mark.parametrize("mask_mod", [examples.sliding, examples.prefix_lm])
-def test_key_tile_lists_cover_every_visible_key_of_the_kernel_tiles(mask_tiles, kernel_tiles, mask_mod):
+@pytest.mark.parametrize("by_key", [False, True], ids=["forward", "backward"])
+def test_tile_lists_cover_every_visible_key_of_the_kernel_tiles(mask_tiles, kernel_tiles, mask_mod, by_key):
     """The kernel's lists (any tile sizes from any block mask's) hold, ascending, every kernel tile with a visible key
     (exactly those where the mask's tiles divide the kernel's); a tile flagged full sees every in-range key (and
-    where the tiles divide, every such tile is flagged)."""
-    from cute_flash.mods.call import key_tile_lists
+    where the tiles divide, every such tile is flagged). The forward's by query tile, the backward's by key tile."""
+    from cute_flash.mods.call import key_tile_lists, query_tile_lists
     from cute_flash.mods.graph import evaluate, trace_mask_mod
 
     sq, sk = 333, 517
@@ -162,7 +166,8 @@ def test_key_tile_lists_cover_every_visible_key_of_the_kernel_tiles(mask_tiles, 
     batch = 2 if graph.uses("b") else None
     mask = cute_flash.mods.create_block_mask(mask_mod, batch, None, sq, sk, tile_m=mask_tiles[0],
                                              tile_n=mask_tiles[1], device="cpu")  # fmt: skip
-    count, index, full, tiles = key_tile_lists(mask, *kernel_tiles, torch.device("cpu"))
+    lists = query_tile_lists if by_key else key_tile_lists
+    count, index, full, tiles = lists(mask, *kernel_tiles, torch.device("cpu"))
     assert sorted(tiles[0, 0].tolist()) == list(range(count.shape[-1]))  # a permutation, the longest lists first
     assert torch.all(count[..., :-1] >= count[..., 1:])
     position = {m: p for p, m in enumerate(tiles[0, 0].tolist())}
@@ -170,12 +175,14 @@ def test_key_tile_lists_cover_every_visible_key_of_the_kernel_tiles(mask_tiles, 
            "kv_idx": torch.arange(sk).view(1, -1)}  # fmt: skip
     vis = evaluate(graph, idx).expand(sq, sk)
     tm, tn = kernel_tiles
+    divides = tm % mask_tiles[0] == 0 and tn % mask_tiles[1] == 0
+    if by_key:  # (rows: the key tiles, each listing query tiles)
+        vis, (tm, tn), (sq, sk) = vis.T, (tn, tm), (sk, sq)
     for m in range(-(-sq // tm)):
         want = [n for n in range(-(-sk // tn)) if vis[m * tm : (m + 1) * tm, n * tn : (n + 1) * tn].any()]
         p = position[m]
         got = index[0, 0, p, index.shape[-1] - count[0, 0, p] :].tolist()  # (right-aligned)
         assert got == sorted(got) and set(want) <= set(got), (m, got, want)
-        divides = tm % mask_tiles[0] == 0 and tn % mask_tiles[1] == 0
         if divides:  # (finer mask tiles: exactly the visible ones)
             assert got == want, (m, got, want)
         for n in range(-(-sk // tn)):
@@ -220,8 +227,8 @@ def test_under_torch_compile_the_call_runs_eagerly_as_a_graph_break(backend, mon
 
 
 def test_warmup_builds_the_specs_a_call_runs(backend, monkeypatch):
-    """cute_flash.mods.warmup's configurations are the call's forward spec (block-sparse on Hopper) and its
-    backward's (the mask_mod alone), so the disk cache holds what the call looks up."""
+    """cute_flash.mods.warmup's configurations are the call's forward spec and its backward's (both block-sparse on
+    Hopper), so the disk cache holds what the call looks up."""
     from cute_flash import warmup as warm
 
     warmed = []
@@ -232,8 +239,9 @@ def test_warmup_builds_the_specs_a_call_runs(backend, monkeypatch):
     k, v = (torch.zeros(1, 300, 2, 64, dtype=torch.bfloat16) for _ in range(2))
     mask = cute_flash.mods.create_block_mask(examples.sliding, None, None, 300, 300)
     cute_flash.attention(q, k, v, score_mod=examples.alibi, mask_mod=examples.sliding, block_mask=mask).sum().backward()
-    (forward, _), (_, backward, _) = backend.calls
+    (forward, _), (_, backward, _, blocks) = backend.calls
     assert [c.spec for c in warmed] == [forward.spec, backward.spec] and warmed[0].spec.block_sparse
+    assert warmed[1].spec.block_sparse and blocks is not None
     assert [(c.backward, c.gqa) for c in warmed] == [(False, False), (True, True)]
     with pytest.raises(ValueError, match="block_mask needs"):
         cute_flash.mods.warmup(examples.alibi, head_dim=64, block_mask=True)
@@ -275,8 +283,9 @@ def test_block_masks_that_do_not_fit_the_call_are_refused(backend, monkeypatch):
 
 def test_the_sm90_backward_launches_its_mods_kernel_with_the_tables():
     """Forward and backward of a block-masked call on the sm90 host path with recording no-op kernels (CPU): the
-    main backward kernel is keyed on the callables without the block mask and takes (q .. dv, scale, window bounds,
-    the tables, None past them); the pre- and postprocess are keyed on plain specs (they do not read the callables)."""
+    main backward kernel is keyed on the callables and the block mask and takes (q .. dv, scale, window bounds, the
+    tables, None past them, the lists by key tile at its tiles); the pre- and postprocess are keyed on plain specs
+    (they do not read the callables)."""
     from cute_flash import compile_cache
     from cute_flash.arch.sm90 import backward as sm90_backward
     from profiling.host_overhead_cpu import fake_gpu
@@ -299,10 +308,12 @@ def test_the_sm90_backward_launches_its_mods_kernel_with_the_tables():
     key, args = roles["bwd_gqa"]
     spec = key[3]
     assert isinstance(spec, ModsSpec) and spec.score_mod is not None and spec.mask_mod is not None
-    assert not spec.block_sparse and key[4].tile_m == 64  # (score_mod builds: tile_config.score_heavy)
-    tables = args[12:]
-    assert len(args) == 16 and args[9] == 64**-0.5 and tables[2:] == (None, None)
+    assert spec.block_sparse and (key[4].tile_m, key[4].tile_n) == (64, 128)  # (tile_config.score_heavy)
+    tables, blocks = args[12:16], args[16:]
+    assert len(args) == 20 and args[9] == 64**-0.5 and tables[2:] == (None, None)
     assert torch.equal(tables[0], examples.SLOPES) and torch.equal(tables[1].cpu(), examples.DOC.int())
+    want = cute_flash.mods.call.query_tile_lists(block, 64, 128, torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(blocks, want)) and blocks[0].shape == (2, 1, 1)
     for role in ("bwd_preprocess", "bwd_dq_postprocess"):
         assert not isinstance(roles[role][0][3], ModsSpec), role
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape

@@ -100,10 +100,23 @@ def test_sm90_mods_gradients_against_float64(monkeypatch, score, mask, sq, sk, d
     check_gradients(q, k, v, kw)
 
 
+@pytest.mark.parametrize("score, mask, sq, sk", [c for c in GRAD_CASES if c[1] is not None])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("tiles", [(128, 128), (64, 32), (256, 256)], ids=["128", "finer", "coarser"])
+def test_sm90_block_sparse_gradients_against_float64(monkeypatch, score, mask, sq, sk, d, tiles):
+    """The backward walking each key tile's list of query tiles (mods/call.query_tile_lists) from block masks at the
+    kernel's, finer and coarser tiles, full tiles without the mask_mod: gradients by FlashAttention's rule."""
+    score_mod, mask_mod = _mods(score, mask, monkeypatch)
+    q, k, v = _qkv(sq, sk, d, seed=hash((score, mask, d, tiles)) % 1000, requires_grad=True)
+    block = cute_flash.mods.create_block_mask(mask_mod, examples.B, examples.H, sq, sk, tile_m=tiles[0],
+                                              tile_n=tiles[1], device="cuda")  # fmt: skip
+    check_gradients(q, k, v, dict(score_mod=score_mod, mask_mod=mask_mod), block_mask=block)
+
+
 @pytest.mark.parametrize("score, mask", [("alibi", "causal"), ("t5_bias", "document"), ("softcap30", "sliding")])
 def test_natural_routing_gradients_with_a_block_mask(monkeypatch, score, mask):
-    """Natural routing (no family forced): forward and backward here through one node, the forward walking the block
-    mask's lists, the backward the mask_mod alone; d72 (no sm90 forward tile: the sm80 forward, the sm90 backward on
+    """Natural routing (no family forced): forward and backward here through one node, both walking the block
+    mask's lists; d72 (no sm90 forward tile: the sm80 forward, the sm90 backward on
     d128 kernels, zero-padded: score_mod builds take no d96 tile)."""
     monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
     score_mod, mask_mod = _mods(score, mask, monkeypatch)

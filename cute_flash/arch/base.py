@@ -194,8 +194,15 @@ class ArchBackend(Protocol):
         """(tile_m, tile_n) of the block-sparse score_mod / mask_mod forward, or None where the family visits every
         tile (a block mask then changes nothing)."""
 
-    def backward_mods(self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor]) -> None:
-        """The backward of `forward_mods`, with the same tables (dq / dk / dv as `backward`'s)."""
+    def mods_query_tiles(self, spec: AttentionSpec) -> Optional[Tuple[int, int]]:
+        """(tile_m, tile_n) of the block-sparse score_mod / mask_mod backward, or None where the family's backward
+        visits every tile of its mask range (a block mask then changes nothing there)."""
+
+    def backward_mods(
+        self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor], blocks: Optional[tuple] = None
+    ) -> None:
+        """The backward of `forward_mods`, with the same tables (dq / dk / dv as `backward`'s); blocks (with
+        spec.block_sparse): the query-tile lists of the family's tiles (`mods_query_tiles`)."""
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         """Compiles the kernels that serve `spec` for CuTe DSL target `target` with fake tensors (no GPU needed): the
@@ -255,7 +262,12 @@ class BackendBase:
     def mods_key_tiles(self, spec: AttentionSpec) -> Optional[Tuple[int, int]]:
         return None
 
-    def backward_mods(self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor]) -> None:
+    def mods_query_tiles(self, spec: AttentionSpec) -> Optional[Tuple[int, int]]:
+        return None
+
+    def backward_mods(
+        self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor], blocks: Optional[tuple] = None
+    ) -> None:
         raise self._missing("score_mod / mask_mod backward")
 
 

@@ -81,9 +81,13 @@ class ModsGraphs:
             self._masked_pass(acc_rc, coords_rc, q_base, k_base, ctx, full)
 
     @cute.jit
-    def _masked_pass(self, acc_rc: cute.Tensor, coords_rc: cute.Tensor, q_base, k_base, ctx: ScoreContext, full):
+    def _masked_pass(
+        self, acc_rc: cute.Tensor, coords_rc: cute.Tensor, q_base, k_base, ctx: ScoreContext, full,
+        keys_on_rows: cutlass.Constexpr[bool] = False,
+    ):  # fmt: skip
+        """The mask_mod alone, unless `full` (a run-time Boolean uniform over the CTA: the block mask's full tile)."""
         if not full:
-            self._mods_pass(acc_rc, coords_rc, q_base, k_base, ctx, None, self.mask_graph)
+            self._mods_pass(acc_rc, coords_rc, q_base, k_base, ctx, None, self.mask_graph, keys_on_rows)
 
     def _mods_pass(
         self, acc_rc, coords_rc, q_base, k_base, ctx: ScoreContext, score_graph, mask_graph, keys_on_rows=False,

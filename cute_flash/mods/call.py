@@ -1,8 +1,8 @@
 """`cute_flash.attention(..., score_mod=..., mask_mod=...)`: the call path of attention with FlexAttention-style
-callables, eager (under torch.compile a graph break: `attention_mods`). Forward: the sm90 kernel on Hopper
-(arch/sm90/flash_fwd_mods.py; a block mask's empty tiles skipped, its full tiles without the mask_mod), else the sm80
-family's (every tile visited); backward: the sm80 family's (arch/sm80/flash_bwd_mods.py). What the callables may
-contain: mods/graph.py.
+callables, eager (under torch.compile a graph break: `attention_mods`). On Hopper the sm90 kernels
+(arch/sm90/flash_fwd_mods.py, flash_bwd_mods.py; a block mask's empty tiles skipped, its full tiles without the
+mask_mod: lists by query tile for the forward, by key tile for the backward), else the sm80 family's (every tile
+visited). What the callables may contain: mods/graph.py.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def _attention_mods(q, k, v, score_mod, mask_mod, causal, softmax_scale, window_
         gpu.route(problem.spec, q, backward=True)  # refuses before the forward where no backward serves it
         if graphs[0] is not None:
             score_derivative(graphs[0])  # (raises ModError now, not in the backward, where it has none)
-        out, lse = _ModsAttention.apply(q, k, v, problem, backend, blocks, *tables)
+        out, lse = _ModsAttention.apply(q, k, v, problem, backend, blocks, block_mask, *tables)
     else:
         out, lse = _forward(q, k, v, problem, backend, tables, blocks)
     return (out, lse) if return_lse else out
@@ -169,7 +169,9 @@ def _versions(block_mask: BlockMask) -> Optional[tuple]:
 
 
 class KeyTileLists(NamedTuple):
-    """A block mask as a kernel of tile_m x tile_n tiles reads it, int32 on the device. Its CTAs take the query
+    """A block mask as a kernel of tile_m x tile_n tiles reads it, int32 on the device: the forward's lists (a CTA per
+    query tile, walking key tiles) or, by key tile (`query_tile_lists`), the backward's (a CTA per key tile, walking
+    query tiles); below for the forward, the backward's with the two kinds of tile swapped. Its CTAs take the query
     tiles in `tiles` order, the one with the most key tiles first (what a causal kernel's reversed grid does, for any
     mask: a long tile started last would run alone at the end); count and index are by that launch position, full by
     query tile."""
@@ -185,9 +187,19 @@ def key_tile_lists(block_mask: BlockMask, tile_m: int, tile_n: int, device) -> K
     """The lists of the kernel's tile_m x tile_n tiles that overlap a non-empty tile of the block mask (whatever its
     own tile sizes); a kernel tile is full (the kernel skips the mask_mod on it) when every mask tile it overlaps is.
     On the device, no host sync; derived once per mask and tile shape."""
+    return _tile_lists(block_mask, tile_m, tile_n, device, by_key=False)
+
+
+def query_tile_lists(block_mask: BlockMask, tile_m: int, tile_n: int, device) -> KeyTileLists:
+    """`key_tile_lists` by key tile, for the backward: count (B, H, N) and index (B, H, N, M) by launch position, the
+    query tiles each key tile visits; full (B, H, N, M) by key tile; tiles (B, H, N) the key tile at each position."""
+    return _tile_lists(block_mask, tile_m, tile_n, device, by_key=True)
+
+
+def _tile_lists(block_mask: BlockMask, tile_m: int, tile_n: int, device, by_key: bool) -> KeyTileLists:
     cache = block_mask.__dict__.setdefault("_key_tile_lists", {})
     versions = _versions(block_mask)
-    key = (tile_m, tile_n, versions)
+    key = (tile_m, tile_n, by_key, versions)
     if versions is not None and key in cache:
         return cache[key]
     n = block_mask.partial_index.shape[-1]
@@ -215,17 +227,20 @@ def key_tile_lists(block_mask: BlockMask, tile_m: int, tile_n: int, device) -> K
     touched = rows.sum(1, keepdim=True) * cols.sum(1)  # (M, N): mask tiles under each kernel tile
     full_cover = rows @ full @ cols.T  # (B, H, M, N): how many of them are full
     selected = ((rows @ partial @ cols.T) + full_cover) > 0
+    full = full_cover == touched
+    if by_key:  # (the lists by key tile: (B, H, N, M))
+        selected, full = selected.transpose(-1, -2), full.transpose(-1, -2)
     count = selected.sum(-1, dtype=torch.int32)
     index = torch.argsort(selected.to(torch.int8), dim=-1, stable=True).to(torch.int32)  # (the selected last)
     order = torch.argsort(count, dim=-1, descending=True, stable=True)
     lists = KeyTileLists(
         count.gather(-1, order).contiguous(),
         index.gather(-2, order.unsqueeze(-1).expand_as(index)).contiguous(),
-        (full_cover == touched).to(torch.int32).contiguous(),
+        full.to(torch.int32).contiguous(),
         order.to(torch.int32).contiguous(),
     )
     if versions is not None:
-        for stale in [k for k in cache if k[2] != versions]:  # (lists of the tensors' older contents)
+        for stale in [k for k in cache if k[3] != versions]:  # (lists of the tensors' older contents)
             del cache[stale]
         cache[key] = lists
     return lists
@@ -236,13 +251,10 @@ class _ModsAttention(torch.autograd.Function):
     flash_bwd_mods.py) with the call's tables; lse is differentiable (its gradient folds into D)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, problem, backend, blocks, *tables):
+    def forward(ctx, q, k, v, problem, backend, blocks, block_mask, *tables):
         out, lse = _forward(q, k, v, problem, backend, list(tables), blocks)
         ctx.save_for_backward(q, k, v, out, lse, *tables)
-        # The backward visits every tile with the mask_mod (a block mask only skips what it masks anyway).
-        ctx.problem = problem
-        if problem.spec.block_sparse:
-            ctx.problem = dataclasses.replace(problem, spec=dataclasses.replace(problem.spec, block_sparse=False))
+        ctx.problem, ctx.block_mask = problem, block_mask  # (the backward's lists: its family's tiles, by key tile)
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -255,7 +267,13 @@ class _ModsAttention(torch.autograd.Function):
             dout = torch.zeros_like(out)
         dout = kernel_view(dout, name="dout")  # (autograd may hand over a broadcast: out.sum().backward())
         grads = Grads(torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-        backend = gpu.route(ctx.problem.spec, q, backward=True)
+        problem, block_mask = ctx.problem, ctx.block_mask
+        backend = gpu.route(problem.spec, q, backward=True)
+        tiles = backend.mods_query_tiles(problem.spec) if block_mask is not None else None
+        blocks = None if tiles is None else query_tile_lists(block_mask, *tiles, q.device)
+        if problem.spec.block_sparse != (blocks is not None):  # (without lists: every tile of the mask range)
+            spec = dataclasses.replace(problem.spec, block_sparse=blocks is not None)
+            problem = dataclasses.replace(problem, spec=spec)
         with gpu.guard(q):
-            backend.backward_mods(BwdTensors(dout, q, k, v, out, lse, dlse), grads, ctx.problem, tables)
-        return (grads.dq, grads.dk, grads.dv, None, None, None, *([None] * len(tables)))
+            backend.backward_mods(BwdTensors(dout, q, k, v, out, lse, dlse), grads, problem, tables, blocks)
+        return (grads.dq, grads.dk, grads.dv, None, None, None, None, *([None] * len(tables)))

@@ -51,6 +51,8 @@ def warmup(
     if block_mask and forward.family is not None and forward.backend.mods_key_tiles(spec) is None:
         spec = dataclasses.replace(spec, block_sparse=False)  # (as the call: that family visits every tile)
     configs = [warm.Config(spec)]
-    if backward:  # the backward of a block-masked call is that of its mask_mod alone (mods/call.py)
-        configs.append(warm.Config(dataclasses.replace(spec, block_sparse=False), backward=True, gqa=gqa))
+    if backward:  # (block-sparse where that family's backward takes the lists: mods/call.py)
+        back = route(spec, capability, True, False)
+        sparse = block_mask and back.family is not None and back.backend.mods_query_tiles(spec) is not None
+        configs.append(warm.Config(dataclasses.replace(spec, block_sparse=sparse), backward=True, gqa=gqa))
     return warm.run(configs, capability)

@@ -147,8 +147,12 @@ class _Backend(BackendBase):
             raise ValueError("the sm80 score_mod / mask_mod forward takes no block lists (it visits every tile)")
         launch_mods_forward(kernel, q, k, v, out, lse, problem, tables)
 
-    def backward_mods(self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor]) -> None:
-        """The backward of `forward_mods` (flash_bwd_mods.py), with the same tables."""
+    def backward_mods(
+        self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor], blocks: Optional[tuple] = None
+    ) -> None:
+        """The backward of `forward_mods` (flash_bwd_mods.py), with the same tables; every tile visited (no block
+        lists: mods_query_tiles None)."""
+        assert blocks is None and not problem.spec.block_sparse, "this family's backward takes no block lists"
         spec = problem.spec
         reason = self.unsupported_reason(spec, backward=True)
         if reason is None and not isinstance(spec, ModsSpec):

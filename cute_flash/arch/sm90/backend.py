@@ -184,14 +184,19 @@ class _Backend(BackendBase):
         launch_mods_forward(self._forward_kernel(spec, compile_cache.runtime_target(q.device)), q, k, v, out, lse,
                             problem, tables, blocks)  # fmt: skip
 
-    def backward_mods(self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor]) -> None:
-        """The backward of `forward_mods` (flash_bwd_mods.py), with the same tables; a block mask changes nothing
-        here (every key tile walks its mask range's query tiles with the mask_mod)."""
+    def backward_mods(
+        self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor], blocks: Optional[tuple] = None
+    ) -> None:
+        """The backward of `forward_mods` (flash_bwd_mods.py), with the same tables; block-sparse with
+        spec.block_sparse (blocks: the lists by key tile of `mods_query_tiles`' tiles)."""
         spec = problem.spec
         reason = self.unsupported_reason(spec, backward=True) if isinstance(spec, ModsSpec) else "needs a ModsSpec"
         if reason is not None:
             raise NotImplementedError(reason)
-        _bwd().backward_launcher(problem, t.q.device, tables=tuple(tables))(t, grads)
+        _bwd().backward_launcher(problem, t.q.device, tables=tuple(tables), blocks=blocks)(t, grads)
+
+    def mods_query_tiles(self, spec: AttentionSpec) -> Optional[Tuple[int, int]]:
+        return _bwd().mods_query_tiles(spec)
 
     def mods_key_tiles(self, spec: AttentionSpec) -> Optional[Tuple[int, int]]:
         cfg = fwd_tile_config(spec)

@@ -141,14 +141,11 @@ def kernel_key(role: str, spec: AttentionSpec, cfg: BwdTileConfig) -> Tuple[Atte
     """The (spec, configuration) that `role`'s kernel is built from: only what its code depends on, so builds that
     generate the same code share one cache entry. Calls (`_kernel`) and the compile command
     (`compile_backward_artifacts`) both build from it, so what the CPU compile tests check is what calls run. No
-    kernel reads spec.sink (the sink is in the LSE), only the main kernel spec.softcap and a ModsSpec's graphs (no
-    block mask: the backward visits every tile its mask range gives)."""
+    kernel reads spec.sink (the sink is in the LSE), and only the main kernel spec.softcap and a ModsSpec's graphs
+    and block lists."""
     spec = _without_sink(spec)
-    if isinstance(spec, ModsSpec):
-        if role not in ("bwd", "bwd_gqa"):
-            spec = _sm80_backward().plain_spec(spec)  # (the pre- and postprocess do not read the callables)
-        elif spec.block_sparse:
-            spec = dataclasses.replace(spec, block_sparse=False)
+    if isinstance(spec, ModsSpec) and role not in ("bwd", "bwd_gqa"):
+        spec = _sm80_backward().plain_spec(spec)  # (the pre- and postprocess do not read the callables)
     if role == "bwd_dq_postprocess":
         # The dQ conversion depends on the dtype, the head dim, the dQ MMA's shape and the output tile's swizzle atom
         # (operand_atom_cols: keys_on_rows) only, not on the mask, head_dim_v, stages, registers or ptxas level of
@@ -275,15 +272,17 @@ def backward_launcher(
     cfg: Optional[BwdTileConfig] = None,
     checked: bool = True,
     tables: tuple = (),
+    blocks: Optional[tuple] = None,
 ) -> Callable[[BwdTensors, Grads], None]:
     """`run_backward` of one dense `problem` on `device` as launch(t, grads), with what depends only on them (the
     kernel set, the buffers' shapes, the scalars) settled once. checked: every tensor goes through kernel_view's
     check (grad_views: raises for a layout the kernels cannot take); the eager plan, whose tensors are in the
     kernels' layout by construction, keeps an unchecked launcher. tables: a ModsSpec's captured tensors as the
-    kernel stores them (cute_flash/mods/call.py)."""
+    kernel stores them (cute_flash/mods/call.py); blocks: a block-sparse ModsSpec's lists by key tile at the
+    kernels' tiles (`mods_query_tiles`)."""
     dims = _checked_dims(problem.spec)
     if (problem.head_dim, problem.head_dim_v) != dims:
-        inner = backward_launcher(widened_problem(problem, dims), device, deterministic, cfg, checked, tables)
+        inner = backward_launcher(widened_problem(problem, dims), device, deterministic, cfg, checked, tables, blocks)
         return padded_launcher(dims, inner)
     p, mask = problem, problem.mask
     gqa = p.nheads != p.nheads_kv
@@ -297,7 +296,7 @@ def backward_launcher(
     dq_tiles = (p.batch, p.nheads, seqlen_q_pad // cfg.tile_m)
     dkv_tiles = (p.batch, p.nheads_kv, -(-p.seqlen_k // cfg.tile_n))
     scale, left, right = p.softmax_scale, mask.left, mask.right
-    features = _features(p, tables)
+    features = _features(p, tables, blocks)
     sm80 = _sm80_backward()  # the tensor helpers the two backward families share
     dkv_block = max(cfg.tile_n, STATS_ROW_MULTIPLE)  # whole conversion blocks
     f32 = dict(dtype=torch.float32, device=device)
@@ -395,11 +394,12 @@ def run_backward_varlen(
         sink_grad(grads.dsink, t.sink, lse, packed_rows(dpsum[0], cu_seqlens_q, pad_q, total_q))
 
 
-def _features(problem, tables: tuple = ()) -> tuple:
+def _features(problem, tables: tuple = (), blocks: Optional[tuple] = None) -> tuple:
     """The main kernel's arguments after the window bounds: in a spec.softcap build (its feature entry) the cap, in a
-    ModsSpec's (the `mods` entry) the tables a0 .. a3 (None past the graphs')."""
+    ModsSpec's (the `mods` entry) the tables a0 .. a3 (None past the graphs') and the block lists (None without)."""
     if isinstance(problem.spec, ModsSpec):
-        return (*tables, *([None] * (MAX_TABLES - len(tables))))
+        assert (blocks is not None) == problem.spec.block_sparse, "block-sparse builds take the lists, others none"
+        return (*tables, *([None] * (MAX_TABLES - len(tables))), *(blocks or (None,) * 4))
     return (float(problem.softcap),) if problem.spec.softcap else ()
 
 
@@ -414,6 +414,12 @@ def packed_rows(buf: torch.Tensor, cu_seqlens_q: torch.Tensor, pad: int, total_q
     # The sequence of each packed row (cu_seqlens ends at total_q; the clamp only keeps a malformed one in bounds).
     seq = torch.searchsorted(cu[1:], rows, right=True).clamp_(max=max(batch - 1, 0))
     return buf[:, starts[seq] + rows - cu[seq]]
+
+
+def mods_query_tiles(spec: AttentionSpec) -> Tuple[int, int]:
+    """(tile_m, tile_n) of the main kernel serving a score_mod / mask_mod `spec`: the tiles of its block lists."""
+    cfg = bwd_tile_config(kernel_spec(spec))
+    return cfg.tile_m, cfg.tile_n
 
 
 def warm_backward(spec: AttentionSpec, target: str, *, gqa: bool, deterministic: bool) -> None:

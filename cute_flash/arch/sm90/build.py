@@ -199,8 +199,9 @@ def compile_backward(
     dkv_semaphores, softmax_scale, window_left, window_right), dk / dv fp32 padded sums under GQA; the semaphores
     are None, or int32 (b, h, query tiles) / (b, h_kv, key tiles) where a deterministic (GQA) build reads them.
     spec.softcap: the feature entries (common/entries.py), with the cap after window_right. A ModsSpec (score_mod /
-    mask_mod, flash_bwd_mods.py): fn(q, ..., dv, softmax_scale, window_left, window_right, a0, a1, a2, a3), dense and
-    without semaphores, a0 .. a3 the graphs' tables (None past them).
+    mask_mod, flash_bwd_mods.py): fn(q, ..., dv, softmax_scale, window_left, window_right, a0, a1, a2, a3,
+    block_count, block_index, block_full, block_tiles), dense and without semaphores, a0 .. a3 the graphs' tables
+    (None past them), the block lists by key tile (spec.block_sparse) or None.
 
     spec.varlen: the packed entry, fn(..., window_right, cu_seqlens_q, cu_seqlens_k, seqused_k (a tensor when
     `seqused`, else None), max_seqlen_k) with q / dout (total_q, h, d), k / v (total_k, h_kv, d), lse_log2 / dpsum
@@ -220,7 +221,12 @@ def compile_backward(
         assert not (deterministic or spec.varlen or seqused), "score_mod / mask_mod: a dense backward only"
         kernel = Sm90ModsBackward(spec, cfg, gqa)
         tables = fake_mods_tables(spec)
-        return cute.compile(kernel.mods, *tensors, *scalars, *tables, stream, options=options)
+        blocks = (None,) * 4
+        if spec.block_sparse:
+            b, h, n, m = (cute.sym_int() for _ in range(4))
+            shapes = ((b, h, n), (b, h, n, m), (b, h, n, m), (b, h, n))  # mods/call.TileLists by key tile
+            blocks = tuple(fake_tensor(cutlass.Int32, shape, 1, 4) for shape in shapes)
+        return cute.compile(kernel.mods, *tensors, *scalars, *tables, *blocks, stream, options=options)
     kernel = Sm90FlashBackward(spec, cfg, gqa, deterministic)
     sems = _fake_semaphores(deterministic, gqa)
     features = (cutlass.Float32(1.0),) if spec.softcap else ()

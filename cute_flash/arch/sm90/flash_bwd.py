@@ -335,6 +335,9 @@ class BwdWork(NamedTuple):
     m_max: Int32
     info: BlockInfo
     rows: PackedRows
+    # Block-sparse builds (refine_work): this key tile's list of query tiles; step i of [m_min, m_max) visits query
+    # tile query_tiles[i]. None: step i visits query tile i.
+    query_tiles: object = None
 
 
 class BwdMmas(NamedTuple):
@@ -615,7 +618,7 @@ class Sm90FlashBackward(BwdEntries):
         cute.arch.griddepcontrol_launch_dependents()
         warp_idx, tidx, storage, pipes = self.prologue(atoms, SharedStorage)
         smem = self.shared_tensors(storage, layouts)
-        work = self.cta_work(gmem, window_left, window_right, seqs)
+        work = self.refine_work(self.cta_work(gmem, window_left, window_right, seqs), features)
         # Where a consumer puts its dQ: its part of the shared buffer(s) that the dQ warp adds to the accumulator, or
         # with dq_red this (sequence, head)'s accumulator itself.
         if const_expr(self.cfg.dq_red):
@@ -721,6 +724,16 @@ class Sm90FlashBackward(BwdEntries):
                 m_max = m_min
         return BwdWork(n_block, head, head_kv, group, batch, m_min, m_max, info, rows)
 
+    def refine_work(self, work: BwdWork, features) -> BwdWork:
+        """Hook: a subclass's change to the CTA's work from its feature arguments (block-sparse builds: the key tile
+        at this launch position and its list of query tiles). The work as it is here."""
+        return work
+
+    @staticmethod
+    def query_tile(work: BwdWork, i: Int32) -> Int32:
+        """The query tile of step i (block-sparse builds: the i-th entry of the key tile's list)."""
+        return i if const_expr(work.query_tiles is None) else work.query_tiles[i]
+
     # ----------------------------------------------------------------------------------------------------------------
     # The producer warp.
     # ----------------------------------------------------------------------------------------------------------------
@@ -761,10 +774,12 @@ class Sm90FlashBackward(BwdEntries):
             dst = (tQsQ, tKsK, tVsV, tdOsdO, tLsL, tDsD)
             q = producer_state(self.num_stages)
             do = producer_state(self.num_stages)
-            self.load_query_tile(pipes, q, do, atoms, src, dst, work.m_min, work.n_block, True)
+            first = self.query_tile(work, work.m_min)
+            self.load_query_tile(pipes, q, do, atoms, src, dst, first, work.n_block, True)
             q.advance()
             do.advance()
-            for m_block in cutlass.range(work.m_min + 1, work.m_max, unroll=1):
+            for i in cutlass.range(work.m_min + 1, work.m_max, unroll=1):
+                m_block = self.query_tile(work, i)
                 self.load_query_tile(pipes, q, do, atoms, src, dst, m_block, work.n_block, False)
                 q.advance()
                 do.advance()
@@ -931,6 +946,23 @@ class Sm90FlashBackward(BwdEntries):
 
     @cute.jit
     def walk(self, loop: StepLoop, smem: BwdSmem, work: BwdWork):
+        """The key tile's walk over its query tiles: its list's (block-sparse builds), or the mask's range's."""
+        if const_expr(work.query_tiles is not None):
+            self.walk_list(loop, work)
+        else:
+            self.walk_range(loop, smem, work)
+
+    @cute.jit
+    def walk_list(self, loop: StepLoop, work: BwdWork):
+        """Block-sparse builds (dense tensors): the listed query tiles in order, every one masked element by element
+        (the kernel's own mask: exact whatever the list holds beyond the visible tiles)."""
+        q = consumer_state(self.num_stages)
+        do = consumer_state(self.num_stages)
+        for i in cutlass.range(work.m_min, work.m_max, unroll=1):
+            q, do = self.step(q, do, self.query_tile(work, i), True, loop)
+
+    @cute.jit
+    def walk_range(self, loop: StepLoop, smem: BwdSmem, work: BwdWork):
         """The query tiles [m_min, m_max) in order; only those crossing a window edge (or all of them when this key
         tile runs past seqlen_k) are masked element by element. Packed sequences: a last query tile that reaches past
         the sequence's end is the walk's last step, taken after the loops (zero_q_do_tail; outside them, so that its
@@ -1026,8 +1058,9 @@ class Sm90FlashBackward(BwdEntries):
     ):
         """One query tile: S and dP, P, (dV's early product,) dS, P and dS to their A operands or shared memory, dV,
         dQ, dK (see the module docstring for the order and the overlap)."""
+        tile_ctx = self.query_tile_setup(m_block, loop)
         acc_S, acc_dP, lse = self.score_products(q, do, loop)
-        factor = self.probabilities(acc_S, lse, q, m_block, masked, loop)
+        factor = self.probabilities(acc_S, lse, q, m_block, masked, loop, tile_ctx)
         dpsum = self.dv_before_dp_wait(acc_S, do, loop)
         self.score_grads(acc_S, acc_dP, dpsum, lse, q, do, loop, m_block, factor)
         self.stage_p_and_ds(acc_S, acc_dP, q, do, loop)
@@ -1070,7 +1103,9 @@ class Sm90FlashBackward(BwdEntries):
         return acc_S, acc_dP, lse
 
     @cute.jit
-    def probabilities(self, acc_S: cute.Tensor, lse, q, m_block: Int32, masked: cutlass.Constexpr[bool], loop):
+    def probabilities(
+        self, acc_S: cute.Tensor, lse, q, m_block: Int32, masked: cutlass.Constexpr[bool], loop, tile_ctx=None
+    ):
         """P = exp2(S · scale · log2e − lse_log2[query]) in place (S has landed: dP's issue waited for it); softcap
         builds take S to T = tanh(S · softmax_scale / softcap) first and scale by softcap · log2e. The mask (on the
         scaled exponent) leaves -inf -> P = 0. Returns what `modify_scores` kept for score_grads (None here)."""
@@ -1089,7 +1124,7 @@ class Sm90FlashBackward(BwdEntries):
             for r in cutlass.range_constexpr(num_rows):
                 for c in cutlass.range_constexpr(num_cols):
                     s_rc[r, c] = s_rc[r, c] * loop.scale_log2 - lse[r]
-        self.mask_scores(s_rc, m_block, loop)
+        self.mask_scores(s_rc, m_block, loop, tile_ctx)
         if const_expr(masked):
             kor = self.keys_on_rows
             apply_mask(s_rc, loop.coords_rc, loop.coords0_rc, loop.info, m_block, loop.n_block, True, True, kor)
@@ -1101,7 +1136,12 @@ class Sm90FlashBackward(BwdEntries):
         (or None). None here."""
         return None
 
-    def mask_scores(self, s_rc: cute.Tensor, m_block: Int32, loop: StepLoop) -> None:
+    def query_tile_setup(self, m_block: Int32, loop: StepLoop):
+        """Hook: what a step's score hooks read of its query tile (`mask_scores`' tile_ctx), loaded before the tile's
+        products are issued. None here."""
+        return None
+
+    def mask_scores(self, s_rc: cute.Tensor, m_block: Int32, loop: StepLoop, tile_ctx=None) -> None:
         """Hook: masks (-inf) entries of a tile's scaled exponent, before the kernel's own mask. Nothing here."""
 
     def modify_score_grads(self, p_rc: cute.Tensor, ds_rc: cute.Tensor, m_block: Int32, factor, loop: StepLoop):
@@ -1358,7 +1398,8 @@ class Sm90FlashBackward(BwdEntries):
         dq_base = accum_rows(mdQaccum, head, batch, rows.padded_q, self.head_dim).iterator
         # The accumulator (zeroed by the preprocess) and the semaphores only after the preprocess's end.
         cute.arch.griddepcontrol_wait()
-        for m_block in cutlass.range(work.m_min, work.m_max, unroll=1):
+        for i in cutlass.range(work.m_min, work.m_max, unroll=1):
+            m_block = self.query_tile(work, i)
             for c in cutlass.range_constexpr(self.num_dq_wgs):
                 if const_expr(not self.deterministic):
                     # Consumer c's part of this tile's buffer, last read by the reduce dq_buffers tiles back, is free

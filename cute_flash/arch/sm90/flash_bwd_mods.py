@@ -16,13 +16,19 @@ where it costs least:
 
 A masked entry has P = 0: its dS is 0 whatever the derivative there (a select, where the derivative is not a
 constant). The tables are the `mods` entry's a0 .. a3, score_mod's first (its derivative reads the same slots), then
-mask_mod's. A block mask's lists do not reach this kernel: every key tile walks the query tiles its causal / window
-range gives, with the mask_mod on every tile.
+mask_mod's.
+
+Block-sparse builds (spec.block_sparse; a block mask, mods/call.tile_lists by key tile): the key tiles are taken with
+the longest lists first and each walks its list of query tiles (`refine_work`; BwdWork.query_tiles: the producer,
+the dQ warp and the consumers read the same list), masking every listed tile with the kernel's own mask, and
+skipping the mask_mod on the tiles the block mask marks full (the flag loaded before the tile's products: a branch
+uniform over the CTA). Without a block mask every key tile walks the query tiles of its causal / window range, with
+the mask_mod on every tile.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -30,7 +36,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ...common.acc_views import rows_cols_view
-from ...common.mods_scores import ModsGraphs
+from ...common.mods_scores import ModsGraphs, ScoreContext
 from ...mods.codegen import emit
 from ...mods.graph import constant_result, score_derivative
 from ...spec import ModsSpec
@@ -38,12 +44,23 @@ from .flash_bwd import BwdWork, Sm90FlashBackward, StepLoop
 from .tile_config import BwdTileConfig
 
 
+class KeyTileScores(NamedTuple):
+    """The score hooks' context (StepLoop.score_ctx): the mods context and, in block-sparse builds, this key tile's
+    full flags by query tile ((M,) int32), else None."""
+
+    mods: ScoreContext
+    full: object = None
+
+
 class Sm90ModsBackward(ModsGraphs, Sm90FlashBackward):
     def __init__(self, spec: ModsSpec, cfg: BwdTileConfig, gqa: bool):
         assert not spec.varlen and not spec.softcap and not spec.sink, "dense score_mod / mask_mod builds only"
         super().__init__(spec, cfg, gqa, deterministic=False)
         self.init_graphs(spec)
-        self.takes_features = True  # (the tables a0 .. a3)
+        self.takes_features = True  # (the tables a0 .. a3, the block lists)
+        self.block_sparse = spec.block_sparse
+        # (a listed walk need not alternate query-tile parity: one dQ buffer)
+        assert not spec.block_sparse or cfg.dq_red or cfg.dq_buffers == 1
         self.deriv_graph, self.deriv_constant = None, 1.0
         if self.score_graph is not None:
             deriv = score_derivative(self.score_graph)
@@ -74,17 +91,49 @@ class Sm90ModsBackward(ModsGraphs, Sm90FlashBackward):
         a1: Optional[cute.Tensor],
         a2: Optional[cute.Tensor],
         a3: Optional[cute.Tensor],
+        mBlockCount: Optional[cute.Tensor],
+        mBlockIndex: Optional[cute.Tensor],
+        mBlockFull: Optional[cute.Tensor],
+        mBlockTiles: Optional[cute.Tensor],
         stream: cuda.CUstream,
     ):
+        """a0 .. a3: the graphs' tables (None past them); the block lists of a block-sparse build (mods/call.py's
+        TileLists by key tile: counts (B, H, N) and query tiles (B, H, N, M) by launch position, full flags (B, H, N,
+        M) by key tile, the key tile of each launch position (B, H, N), int32), else None."""
         tensors = (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV)
-        tables = (softmax_scale, a0, a1, a2, a3)
-        self._launch(tensors, softmax_scale, window_left, window_right, stream, None, (None, None), features=tables)
+        features = (softmax_scale, a0, a1, a2, a3, mBlockCount, mBlockIndex, mBlockFull, mBlockTiles)
+        self._launch(tensors, softmax_scale, window_left, window_right, stream, None, (None, None), features=features)
+
+    def refine_work(self, work: BwdWork, features) -> BwdWork:
+        """Block-sparse builds: the key tile at this CTA's launch position (the longest lists first) and its list of
+        query tiles, right-aligned in the row (steps [tiles - count, tiles))."""
+        if const_expr(not self.block_sparse):
+            return work
+        mCount, mIndex, _, mTiles = features[5:9]
+        b = cutlass.min(work.batch, mCount.shape[0] - 1)
+        h = cutlass.min(work.head, mCount.shape[1] - 1)
+        position = cute.arch.block_idx()[0]
+        tiles = Int32(mIndex.shape[3])
+        count = cutlass.min(mCount[b, h, position], tiles)
+        return work._replace(n_block=mTiles[b, h, position], m_min=tiles - count, m_max=tiles,
+                             query_tiles=mIndex[b, h, position, None])  # fmt: skip
 
     def score_factors(self, softmax_scale: Float32, features, work: BwdWork):
-        scale, *tables = features
+        scale, *tables = features[:5]
         info = work.info
         ctx = self.mods_context(scale, tables, work.head, work.batch, info.seqlen_q, info.seqlen_k)
-        return self.mods_scale_log2(softmax_scale), None, None, ctx
+        full = None
+        if const_expr(self.block_sparse and self.mask_graph is not None):
+            mFull = features[7]
+            b = cutlass.min(work.batch, mFull.shape[0] - 1)
+            h = cutlass.min(work.head, mFull.shape[1] - 1)
+            full = mFull[b, h, work.n_block, None]
+        return self.mods_scale_log2(softmax_scale), None, None, KeyTileScores(ctx, full)
+
+    def query_tile_setup(self, m_block: Int32, loop: StepLoop):
+        """Block-sparse builds: whether query tile m_block is full for this key tile (no mask_mod there)."""
+        full = loop.score_ctx.full
+        return None if const_expr(full is None) else full[m_block] != 0
 
     def _bases(self, m_block: Int32, loop: StepLoop):
         return m_block * self.tile_m, loop.n_block * self.tile_n
@@ -100,15 +149,18 @@ class Sm90ModsBackward(ModsGraphs, Sm90FlashBackward):
             deriv = (self.deriv_graph, rows_cols_view(factor))
         q_base, k_base = self._bases(m_block, loop)
         kor = self.keys_on_rows
-        self._mods_pass(s_rc, loop.coords_rc, q_base, k_base, loop.score_ctx, self.score_graph, None, kor, deriv)
+        self._mods_pass(s_rc, loop.coords_rc, q_base, k_base, loop.score_ctx.mods, self.score_graph, None, kor, deriv)
         return factor
 
-    def mask_scores(self, s_rc: cute.Tensor, m_block: Int32, loop: StepLoop) -> None:
-        """The exponent -inf where mask_mod is False."""
+    def mask_scores(self, s_rc: cute.Tensor, m_block: Int32, loop: StepLoop, tile_ctx=None) -> None:
+        """The exponent -inf where mask_mod is False (except on a block mask's full tiles: tile_ctx)."""
         if const_expr(self.mask_graph is not None):
             q_base, k_base = self._bases(m_block, loop)
-            kor = self.keys_on_rows
-            self._mods_pass(s_rc, loop.coords_rc, q_base, k_base, loop.score_ctx, None, self.mask_graph, kor)
+            kor, ctx = self.keys_on_rows, loop.score_ctx.mods
+            if const_expr(tile_ctx is None):
+                self._mods_pass(s_rc, loop.coords_rc, q_base, k_base, ctx, None, self.mask_graph, kor)
+            else:
+                self._masked_pass(s_rc, loop.coords_rc, q_base, k_base, ctx, tile_ctx, kor)
 
     def modify_score_grads(self, p_rc: cute.Tensor, ds_rc: cute.Tensor, m_block: Int32, factor, loop: StepLoop):
         """dS times score_mod's derivative (see the module docstring), 0 where P is."""
@@ -123,7 +175,7 @@ class Sm90ModsBackward(ModsGraphs, Sm90FlashBackward):
                 for c in range(cute.size(ds_rc, mode=[1])):
                     ds_rc[r, c] = _masked_product(p_rc[r, c], ds_rc[r, c], f_rc[r, c])
         else:
-            ctx = loop.score_ctx
+            ctx = loop.score_ctx.mods
             tables = ctx.tables[: self.score_tables]
 
             def one(r, c, idx, shared):
