@@ -18,7 +18,7 @@ arguments (cute_flash/ops.py), without a graph break; eager calls run the same s
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
@@ -44,6 +44,8 @@ def attention_varlen(
     return_lse: bool = False,
     softcap: float = 0.0,
     learnable_sink: Optional[torch.Tensor] = None,
+    score_mod: Optional[Callable] = None,
+    mask_mod: Optional[Callable] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
     """Exact attention over a batch of packed sequences, on a CUDA GPU.
 
@@ -71,7 +73,22 @@ def attention_varlen(
     Differentiable in q, k, v (and learnable_sink). deterministic=True asks for a backward that sums in a fixed order
     (the sm90 family's on Hopper); where the sm80 family would train, which has none, it raises NotImplementedError
     before the forward when gradients are needed.
+
+    score_mod / mask_mod as in `cute_flash.attention` (docs/mods.md), with b the sequence's index and q_idx /
+    kv_idx positions within the sequence (0 at its first row); the sm90 kernels on Hopper, forward and backward
+    (elsewhere NotImplementedError). Not with seqused_q, deterministic, softcap or learnable_sink.
     """
+    if score_mod is not None or mask_mod is not None:
+        if seqused_q is not None or deterministic or softcap or learnable_sink is not None:
+            raise NotImplementedError(
+                "score_mod / mask_mod over packed sequences do not combine with seqused_q, deterministic, softcap or "
+                "learnable_sink"
+            )
+        from .mods.call import attention_varlen_mods
+
+        seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
+        return attention_varlen_mods(q, k, v, seqs, score_mod, mask_mod, causal, softmax_scale, window_size,
+                                     return_lse)  # fmt: skip
     seqs = _with_used_queries(q, k, v, PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k),
                               seqused_q)  # fmt: skip
     return call.packed(
@@ -92,7 +109,12 @@ def explain_varlen(
     seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
     if seqused_q is not None:
         validate_seqused("seqused_q", seqused_q, validate_varlen_layout(q, k, v, seqs), q)
+    mods = call.pop("score_mod"), call.pop("mask_mod")
     problem = validate_varlen(q, k, v, seqs, **call, any_device=given is not None)
+    if mods != (None, None):
+        from .mods.call import mods_problem
+
+        problem, _ = mods_problem(problem, *mods)
     return Explanation.of(problem, gpu.capability(q) if given is None else given, call["deterministic"])
 
 

@@ -292,3 +292,22 @@ def test_integer_semantics_are_the_kernels():
         trace_score_mod(lambda s, b, h, qi, ki: s + table[2, h])
     with pytest.raises(ModError, match="by the constant 0"):
         trace_mask_mod(lambda b, h, qi, ki: qi // 0 == 1)
+
+
+def test_packed_reference_is_the_dense_one_per_sequence():
+    """attention_varlen_mods_reference: sequence b through the dense reference with the callables seeing b and
+    positions within the sequence; equal lengths give the dense batch's result, seqused_k drops keys."""
+    from cute_flash.mods.reference import attention_varlen_mods_reference
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 77, n, 32, generator=g, dtype=torch.float64) for n in (4, 2, 2))
+    cu = torch.tensor([0, 77, 154])
+    kw = dict(score_mod=alibi, mask_mod=document, causal=True)
+    out, lse = attention_varlen_mods_reference(*(t.flatten(0, 1) for t in (q, k, v)), cu, cu, return_lse=True, **kw)
+    want, want_lse = attention_mods_reference(q, k, v, return_lse=True, **kw)
+    torch.testing.assert_close(out, want.flatten(0, 1))
+    torch.testing.assert_close(lse, want_lse.transpose(0, 1).flatten(1))
+    used = torch.tensor([30, 77])
+    out = attention_varlen_mods_reference(*(t.flatten(0, 1) for t in (q, k, v)), cu, cu, seqused_k=used, **kw)
+    first = attention_mods_reference(q[:1], k[:1, :30], v[:1, :30], **kw)
+    torch.testing.assert_close(out[:77], first[0])

@@ -22,9 +22,9 @@ class _Recorder:
     def __init__(self):
         self.calls = []
 
-    def forward_mods(self, q, k, v, out, lse, problem, tables, blocks=None):
+    def forward_mods(self, q, k, v, out, lse, problem, tables, blocks=None, seqs=None):
         self.calls.append((problem, tables))
-        self.blocks = blocks
+        self.blocks, self.seqs = blocks, seqs
 
     def mods_key_tiles(self, spec):
         return (128, 128)
@@ -32,8 +32,9 @@ class _Recorder:
     def mods_query_tiles(self, spec):
         return (64, 128)
 
-    def backward_mods(self, t, grads, problem, tables, blocks=None):
+    def backward_mods(self, t, grads, problem, tables, blocks=None, seqs=None):
         self.calls.append(("backward", problem, tables, blocks))
+        self.backward_seqs = seqs
 
 
 @pytest.fixture
@@ -317,3 +318,63 @@ def test_the_sm90_backward_launches_its_mods_kernel_with_the_tables():
     for role in ("bwd_preprocess", "bwd_dq_postprocess"):
         assert not isinstance(roles[role][0][3], ModsSpec), role
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def _packed(total_q=100, total_k=120, d=64):
+    q = torch.randn(total_q, 4, d).to(torch.bfloat16)
+    k, v = (torch.randn(total_k, 2, d).to(torch.bfloat16) for _ in range(2))
+    cu_q = torch.tensor([0, 40, total_q], dtype=torch.int32)
+    cu_k = torch.tensor([0, 50, total_k], dtype=torch.int32)
+    return q, k, v, cu_q, cu_k
+
+
+def test_a_packed_call_reaches_the_backend_with_its_sequences(backend, monkeypatch):
+    """attention_varlen(score_mod=, mask_mod=): a varlen ModsSpec, the sequences to the forward and the backward;
+    out (total_q, h, dv), lse (h, total_q); what it does not combine with is refused."""
+    monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    q, k, v, cu_q, cu_k = _packed()
+    q.requires_grad_()
+    kw = dict(score_mod=examples.alibi, mask_mod=examples.causal)
+    out, lse = cute_flash.attention_varlen(q, k, v, cu_q, cu_k, 60, 70, return_lse=True, **kw)
+    assert out.shape == (100, 4, 64) and lse.shape == (4, 100)
+    ((problem, tables),) = backend.calls
+    assert isinstance(problem.spec, ModsSpec) and problem.spec.varlen and not problem.spec.block_sparse
+    assert torch.equal(backend.seqs.cu_seqlens_q, cu_q) and backend.seqs.max_seqlen_k == 70
+    out.float().sum().backward()
+    assert backend.calls[-1][0] == "backward" and backend.backward_seqs is backend.seqs
+    for bad in (dict(seqused_q=torch.tensor([10, 20], dtype=torch.int32)), dict(deterministic=True),
+                dict(softcap=5.0), dict(learnable_sink=torch.zeros(4))):  # fmt: skip
+        with pytest.raises(NotImplementedError, match="packed sequences do not combine"):
+            cute_flash.attention_varlen(q, k, v, cu_q, cu_k, 60, 70, **kw, **bad)
+    e = cute_flash.explain_varlen(q, k, v, cu_q, cu_k, 60, 70, **kw, capability=(8, 0))
+    assert e.forward.family is None and "packed" in dict(e.forward.skipped)["sm80"]
+    e = cute_flash.explain_varlen(q, k, v, cu_q, cu_k, 60, 70, **kw, capability=(9, 0))
+    assert (e.forward.family, e.backward.family) == ("sm90", "sm90")
+
+
+def test_the_sm90_packed_kernels_take_the_tables_and_the_sequences():
+    """The sm90 host path of a packed call with recording no-op kernels: the packed forward and backward main
+    kernels are keyed on the varlen ModsSpec and take the tables, then the packed arguments (the forward's
+    `packed_mods` entry; the backward's without semaphores)."""
+    from cute_flash import compile_cache
+    from cute_flash.arch.sm90 import backward as sm90_backward
+    from profiling.host_overhead_cpu import fake_gpu
+
+    launches = []
+    q, k, v, cu_q, cu_k = _packed()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with fake_gpu((9, 0)):
+        compile_cache.get_or_compile = lambda key, build: lambda *args: launches.append((key, args))
+        compile_cache.clear()
+        sm90_backward._launch_sets.clear()
+        out = cute_flash.attention_varlen(q, k, v, cu_q, cu_k, 60, 70, score_mod=examples.alibi,
+                                          mask_mod=examples.causal)  # fmt: skip
+        out.sum().backward()
+    roles = {key[2]: (key, args) for key, args in launches}
+    (fkey, fargs), (bkey, bargs) = roles["fwd"], roles["bwd_gqa"]
+    for key in (fkey, bkey):
+        assert isinstance(key[3], ModsSpec) and key[3].varlen
+    assert len(fargs) == 16 and torch.equal(fargs[8], examples.SLOPES) and fargs[9:12] == (None,) * 3
+    assert torch.equal(fargs[12], cu_q) and fargs[14] is None and fargs[15] == 60
+    assert len(bargs) == 20 and torch.equal(bargs[12], examples.SLOPES) and torch.equal(bargs[17], cu_k)
+    assert bargs[19] == 70 and q.grad.shape == q.shape and k.grad.shape == k.shape

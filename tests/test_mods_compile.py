@@ -218,6 +218,46 @@ def test_sm90_mods_backward_compiles():
         assert r["wgmma"] > 0, r
 
 
+_SM90_PACKED = textwrap.dedent(
+    """
+    import json, os, sys, tempfile
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+    from cute_flash import census, compile_cache
+    from cute_flash.arch.sm90.backward import compile_backward_artifacts
+    from cute_flash.arch.sm90.build import compile_forward_packed
+    from cute_flash.arch.sm90.tile_config import fwd_tile_config
+    from cute_flash.mods import trace_mask_mod, trace_score_mod
+    from cute_flash.spec import ModsSpec
+    import tests.test_mods as T
+
+    for score, mask, d, kind in json.loads(sys.argv[1]):
+        spec = ModsSpec("bf16", d, d, kind, "bf16", varlen=True,
+                        score_mod=trace_score_mod(getattr(T, score)).key if score else None,
+                        mask_mod=trace_mask_mod(getattr(T, mask)).key if mask else None)
+        with tempfile.TemporaryDirectory() as dump, census.capture_fd_stderr() as err:
+            compile_forward_packed(spec, fwd_tile_config(spec), "sm_90a", compile_cache.keep_artifacts_options(dump),
+                                   seqused=True)
+            compile_backward_artifacts(spec, "sm_90a", roles=["bwd_gqa_seqused"])
+        for role, (_, res) in zip(("fwd", "bwd"), census.parse_ptxas_reports("".join(err))):
+            print(json.dumps(dict(role=role, score=score, mask=mask, d=d, **res)), flush=True)
+    """
+)
+
+
+def test_sm90_packed_mods_kernels_compile_spill_free():
+    """attention_varlen(score_mod=, mask_mod=): the sm90 packed forward (`packed_mods` entry) and backward (with
+    seqused_k, GQA) with the callables, d64 / d128 / d256."""
+    cases = [["alibi", None, 128, "causal"], ["head_scaled", "sliding", 64, "none"],
+             ["softcap30", "prefix_lm", 256, "causal"]]  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _SM90_PACKED, json.dumps(cases)], cwd=REPO, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    assert [r["role"] for r in reports] == ["fwd", "bwd"] * len(cases)
+    for r in reports:
+        assert r["spill_bytes"] == 0, r
+
+
 _WARMUP = textwrap.dedent(
     """
     import json

@@ -155,3 +155,48 @@ def test_a_broadcast_output_gradient(monkeypatch):
     attention_mods_reference(qd, kd, vd, score_mod=score_mod, mask_mod=mask_mod).sum().backward()
     for got, want in zip((q.grad, k.grad, v.grad), (qd.grad, kd.grad, vd.grad)):
         torch.testing.assert_close(got.double(), want, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("score, mask", [("alibi", None), ("t5_bias", "causal"), ("softcap30", "sliding"),
+                                         ("head_scaled", "prefix_lm")])  # fmt: skip
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_sequences_with_mods_against_float64(monkeypatch, score, mask, d, causal):
+    """attention_varlen(score_mod=, mask_mod=): b the sequence, positions within it; lengths 0, odd, seqlen_q !=
+    seqlen_k, seqused_k; out, lse and gradients by FlashAttention's rule against the packed float64 reference."""
+    from cute_flash.mods.reference import attention_varlen_mods_reference
+
+    score_mod, mask_mod = _mods(score, mask, monkeypatch)
+    lens_q, lens_k = [77, 0, 300, 1], [77, 5, 517, 40]
+    if mask == "prefix_lm":  # (its table is indexed by b: two sequences)
+        lens_q, lens_k = [77, 300], [77, 517]
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    used = torch.tensor([min(n, 64 + 7 * i) for i, n in enumerate(lens_k)], dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(hash((score, mask, d, causal)) % 1000)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+
+    q, k, v = randn(sum(lens_q), examples.H, d), randn(sum(lens_k), 2, d), randn(sum(lens_k), 2, d)
+    kw = dict(score_mod=score_mod, mask_mod=mask_mod, causal=causal)
+    for seqused_k in (None, used):
+        args = (cu_q, cu_k, max(lens_q), max(lens_k))
+        out, lse = cute_flash.attention_varlen(q, k, v, *args, seqused_k=seqused_k, return_lse=True, **kw)
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad((out, lse), (q, k, v), (grad, torch.ones_like(lse)))
+        ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        same_in = [t.detach().requires_grad_() for t in (q, k, v)]
+        ref, ref_lse = attention_varlen_mods_reference(*ref_in, cu_q, cu_k, seqused_k=seqused_k, return_lse=True, **kw)
+        same, same_lse = attention_varlen_mods_reference(*same_in, cu_q, cu_k, seqused_k=seqused_k, return_lse=True,
+                                                         compute_dtype=torch.bfloat16, **kw)  # fmt: skip
+        want = torch.autograd.grad((ref, ref_lse), ref_in, (grad.double(), torch.ones_like(ref_lse)))
+        base = torch.autograd.grad((same, same_lse), same_in, (grad, torch.ones_like(same_lse)))
+        tol = 2 * (same.detach().double() - ref.detach()).abs().max().item() + 1e-5
+        assert (out.double() - ref.detach()).abs().max().item() <= tol
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), finite)
+        torch.testing.assert_close(lse[finite], ref_lse.detach()[finite], atol=1e-3, rtol=1e-4)
+        for name, a, w, b in zip(("dq", "dk", "dv"), got, want, base):
+            tol = 2 * (b.double() - w).abs().max().item() + 1e-5
+            assert (a.double() - w).abs().max().item() <= tol, (name, seqused_k is not None)

@@ -185,10 +185,12 @@ class ArchBackend(Protocol):
     def forward_mods(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
         problem: Problem, tables: List[torch.Tensor], blocks: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+        seqs: Optional[PackedSeqs] = None,
     ) -> None:  # fmt: skip
-        """Dense forward of a spec.ModsSpec (score_mod / mask_mod, cute_flash/mods): out / lse as `forward`'s; tables:
+        """Forward of a spec.ModsSpec (score_mod / mask_mod, cute_flash/mods): out / lse as `forward`'s; tables:
         the callables' captured tensors as the kernel stores them (mods/call.py), score_mod's first; blocks (with
-        spec.block_sparse): the key-tile lists of the family's tiles (`mods_key_tiles`)."""
+        spec.block_sparse): the key-tile lists of the family's tiles (`mods_key_tiles`); seqs (spec.varlen): packed
+        sequences, tensors as `forward_varlen`'s."""
 
     def mods_key_tiles(self, spec: AttentionSpec) -> Optional[Tuple[int, int]]:
         """(tile_m, tile_n) of the block-sparse score_mod / mask_mod forward, or None where the family visits every
@@ -199,10 +201,11 @@ class ArchBackend(Protocol):
         visits every tile of its mask range (a block mask then changes nothing there)."""
 
     def backward_mods(
-        self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor], blocks: Optional[tuple] = None
-    ) -> None:
+        self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor], blocks: Optional[tuple] = None,
+        seqs: Optional[PackedSeqs] = None,
+    ) -> None:  # fmt: skip
         """The backward of `forward_mods`, with the same tables (dq / dk / dv as `backward`'s); blocks (with
-        spec.block_sparse): the query-tile lists of the family's tiles (`mods_query_tiles`)."""
+        spec.block_sparse): the query-tile lists of the family's tiles (`mods_query_tiles`); seqs: as forward_mods'."""
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         """Compiles the kernels that serve `spec` for CuTe DSL target `target` with fake tensors (no GPU needed): the
@@ -256,6 +259,7 @@ class BackendBase:
     def forward_mods(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
         problem: Problem, tables: List[torch.Tensor], blocks: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+        seqs: Optional[PackedSeqs] = None,
     ) -> None:  # fmt: skip
         raise self._missing("score_mod / mask_mod forward")
 
@@ -266,21 +270,30 @@ class BackendBase:
         return None
 
     def backward_mods(
-        self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor], blocks: Optional[tuple] = None
-    ) -> None:
+        self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor], blocks: Optional[tuple] = None,
+        seqs: Optional[PackedSeqs] = None,
+    ) -> None:  # fmt: skip
         raise self._missing("score_mod / mask_mod backward")
 
 
 def launch_mods_forward(
-    kernel: Callable, q, k, v, out, lse, problem: Problem, tables: List[torch.Tensor], blocks: Optional[tuple] = None
-) -> None:
+    kernel: Callable, q, k, v, out, lse, problem: Problem, tables: List[torch.Tensor], blocks: Optional[tuple] = None,
+    seqs: Optional[PackedSeqs] = None,
+) -> None:  # fmt: skip
     """A compiled score_mod / mask_mod forward (the `mods` entry, common/entries.ModsFwdEntry) on a call's tensors,
-    the graphs' tables (None past them) and the block lists of a block-sparse build (else None)."""
+    the graphs' tables (None past them) and the block lists of a block-sparse build (else None); packed sequences
+    (seqs, a spec.varlen build): the `packed_mods` entry, tensors as `launch_packed_forward`'s."""
     from ..mods.graph import MAX_TABLES
 
     q, k, v, out = (kernel_view(t, copy=False, name=n) for n, t in (("q", q), ("k", k), ("v", v), ("out", out)))
     scalars = (float(problem.softmax_scale), int(problem.mask.left), int(problem.mask.right))
-    kernel(q, k, v, out, lse, *scalars, *tables, *([None] * (MAX_TABLES - len(tables))), *(blocks or (None,) * 4))
+    slots = (*tables, *([None] * (MAX_TABLES - len(tables))))
+    if seqs is not None:
+        assert blocks is None, "packed builds take no block lists"
+        kernel(q, k, v, out, lse, *scalars, *slots, seqs.cu_seqlens_q, seqs.cu_seqlens_k, seqs.seqused_k,
+               int(seqs.max_seqlen_q))  # fmt: skip
+        return
+    kernel(q, k, v, out, lse, *scalars, *slots, *(blocks or (None,) * 4))
 
 
 class BoundForward:

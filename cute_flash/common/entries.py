@@ -293,3 +293,31 @@ class ModsFwdEntry:
     ):
         features = (softmax_scale, a0, a1, a2, a3, mBlockCount, mBlockIndex, mBlockFull, mBlockTiles)
         self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, features=features)
+
+    @cute.jit
+    def packed_mods(
+        self,
+        mQ: cute.Tensor,  # q: total_q x heads x head_dim
+        mK: cute.Tensor,  # k: total_k x kv heads x head_dim
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,  # lse: heads x total_q, fp32
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        a0: Optional[cute.Tensor],
+        a1: Optional[cute.Tensor],
+        a2: Optional[cute.Tensor],
+        a3: Optional[cute.Tensor],
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        mSeqUsedK: Optional[cute.Tensor],
+        max_seqlen_q: Int32,
+        stream: cuda.CUstream,
+    ):
+        """Packed sequences (kernels built with varlen=True; no block lists): the callables see b = the sequence,
+        q_idx / kv_idx = positions within it."""
+        assert self.varlen
+        packed = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q)
+        features = (softmax_scale, a0, a1, a2, a3, None, None, None, None)
+        self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, stream, packed, features=features)

@@ -14,7 +14,8 @@ import torch
 
 from ..core import device as gpu
 from ..spec import AttentionSpec, ModsSpec
-from ..validation import validate
+from ..problem import PackedSeqs
+from ..validation import validate, validate_varlen
 from ..kernel_layout import kernel_view
 from .block_mask import BlockMask
 from .graph import BOOL, F32, MAX_TABLES, ModGraph, score_derivative, trace_mask_mod, trace_score_mod
@@ -75,12 +76,16 @@ def attention_mods(
     return _attention_mods(*args)
 
 
-def _attention_mods(q, k, v, score_mod, mask_mod, causal, softmax_scale, window_size, return_lse, block_mask):
-    problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=None)
-    if max(problem.seqlen_q, problem.seqlen_k) >= MAX_POSITIONS:
+def _check_positions(seqlen_q: int, seqlen_k: int) -> None:
+    if max(seqlen_q, seqlen_k) >= MAX_POSITIONS:
         raise ValueError(f"score_mod / mask_mod calls take sequences of fewer than {MAX_POSITIONS} positions (the "
                          "kernels convert positions to float32 exactly); got seqlen_q, seqlen_k = "
-                         f"{problem.seqlen_q}, {problem.seqlen_k}")  # fmt: skip
+                         f"{seqlen_q}, {seqlen_k}")  # fmt: skip
+
+
+def _attention_mods(q, k, v, score_mod, mask_mod, causal, softmax_scale, window_size, return_lse, block_mask):
+    problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=None)
+    _check_positions(problem.seqlen_q, problem.seqlen_k)
     problem, graphs = mods_problem(problem, score_mod, mask_mod, block_mask is not None)
     # Layouts the kernels cannot take are copied once (differentiably), as the plain path does.
     q, k, v = (kernel_view(t, name=n) for n, t in (("q", q), ("k", k), ("v", v)))
@@ -94,6 +99,46 @@ def _attention_mods(q, k, v, score_mod, mask_mod, causal, softmax_scale, window_
             problem = dataclasses.replace(problem, spec=dataclasses.replace(problem.spec, block_sparse=False))
         else:
             blocks = key_tile_lists(block_mask, *tiles, q.device)
+    return _run(q, k, v, problem, graphs, tables, backend, blocks, block_mask, None, return_lse)
+
+
+def attention_varlen_mods(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seqs: PackedSeqs,
+    score_mod: Optional[Callable],
+    mask_mod: Optional[Callable],
+    causal: bool,
+    softmax_scale: Optional[float],
+    window_size: Tuple[Optional[int], Optional[int]],
+    return_lse: bool,
+):
+    """`attention_varlen(..., score_mod=, mask_mod=)`: packed sequences, the callables seeing b = the sequence and
+    q_idx / kv_idx = positions within it (each sequence's own 0..). No block mask."""
+    args = (q, k, v, seqs, score_mod, mask_mod, causal, softmax_scale, window_size, return_lse)
+    if torch.compiler.is_compiling():
+        if not torch.compiler.is_dynamo_compiling():
+            raise NotImplementedError("score_mod / mask_mod calls cannot be exported (torch.export): no custom op")
+        return _attention_varlen_mods_eager(*args)
+    return _attention_varlen_mods(*args)
+
+
+def _attention_varlen_mods(q, k, v, seqs, score_mod, mask_mod, causal, softmax_scale, window_size, return_lse):
+    problem = validate_varlen(q, k, v, seqs, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+    _check_positions(int(seqs.max_seqlen_q), int(seqs.max_seqlen_k))
+    problem, graphs = mods_problem(problem, score_mod, mask_mod)
+    q, k, v = (kernel_view(t, name=n) for n, t in (("q", q), ("k", k), ("v", v)))
+    used = seqs.seqused_k
+    seqs = seqs._replace(cu_seqlens_q=seqs.cu_seqlens_q.contiguous(), cu_seqlens_k=seqs.cu_seqlens_k.contiguous(),
+                         seqused_k=None if used is None else used.contiguous())  # fmt: skip
+    tables = _tables(graphs, q.device)
+    backend = gpu.route(problem.spec, q, backward=False)
+    return _run(q, k, v, problem, graphs, tables, backend, None, None, seqs, return_lse)
+
+
+def _run(q, k, v, problem, graphs, tables, backend, blocks, block_mask, seqs, return_lse):
+    """The forward, through the autograd node where gradients are wanted."""
     captured = [t for g in graphs if g is not None for t in g.aux]
     if torch.is_grad_enabled() and any(t.requires_grad for t in captured):
         raise NotImplementedError(
@@ -104,21 +149,31 @@ def _attention_mods(q, k, v, score_mod, mask_mod, causal, softmax_scale, window_
         gpu.route(problem.spec, q, backward=True)  # refuses before the forward where no backward serves it
         if graphs[0] is not None:
             score_derivative(graphs[0])  # (raises ModError now, not in the backward, where it has none)
-        out, lse = _ModsAttention.apply(q, k, v, problem, backend, blocks, block_mask, *tables)
+        out, lse = _ModsAttention.apply(q, k, v, problem, backend, blocks, block_mask, seqs, *tables)
     else:
-        out, lse = _forward(q, k, v, problem, backend, tables, blocks)
+        out, lse = _forward(q, k, v, problem, backend, tables, blocks, seqs)
     return (out, lse) if return_lse else out
 
 
 _attention_mods_eager = torch.compiler.disable(_attention_mods)
+_attention_varlen_mods_eager = torch.compiler.disable(_attention_varlen_mods)
 
 
-def _forward(q, k, v, problem, backend, tables, blocks):
-    b, sq, h, _ = q.shape
-    out = q.new_empty(b, sq, h, v.shape[-1])
-    lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
+def _empty(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """No query row, or no key at all (dense or packed): no kernel runs (out 0, lse -inf, zero gradients)."""
+    return q.numel() == 0 or k.shape[-3] == 0
+
+
+def _forward(q, k, v, problem, backend, tables, blocks, seqs=None):
+    *rows, h, _ = q.shape  # dense (b, sq) or packed (total_q,)
+    out = q.new_empty(*rows, h, v.shape[-1])
+    lse = torch.empty(*rows[:-1], h, rows[-1], dtype=torch.float32, device=q.device)  # (b, h, sq) or (h, total_q)
+    if _empty(q, k):
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
     with gpu.guard(q):
-        backend.forward_mods(q, k, v, out, lse, problem, tables, blocks)
+        backend.forward_mods(q, k, v, out, lse, problem, tables, blocks, seqs)
     return out, lse
 
 
@@ -251,10 +306,11 @@ class _ModsAttention(torch.autograd.Function):
     flash_bwd_mods.py) with the call's tables; lse is differentiable (its gradient folds into D)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, problem, backend, blocks, block_mask, *tables):
-        out, lse = _forward(q, k, v, problem, backend, list(tables), blocks)
+    def forward(ctx, q, k, v, problem, backend, blocks, block_mask, seqs, *tables):
+        out, lse = _forward(q, k, v, problem, backend, list(tables), blocks, seqs)
         ctx.save_for_backward(q, k, v, out, lse, *tables)
         ctx.problem, ctx.block_mask = problem, block_mask  # (the backward's lists: its family's tiles, by key tile)
+        ctx.seqs = seqs
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -267,6 +323,9 @@ class _ModsAttention(torch.autograd.Function):
             dout = torch.zeros_like(out)
         dout = kernel_view(dout, name="dout")  # (autograd may hand over a broadcast: out.sum().backward())
         grads = Grads(torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        nones = (None,) * (5 + len(tables))  # (problem, backend, blocks, block_mask, seqs, tables)
+        if _empty(q, k):
+            return (grads.dq.zero_(), grads.dk.zero_(), grads.dv.zero_(), *nones)
         problem, block_mask = ctx.problem, ctx.block_mask
         backend = gpu.route(problem.spec, q, backward=True)
         tiles = backend.mods_query_tiles(problem.spec) if block_mask is not None else None
@@ -275,5 +334,5 @@ class _ModsAttention(torch.autograd.Function):
             spec = dataclasses.replace(problem.spec, block_sparse=blocks is not None)
             problem = dataclasses.replace(problem, spec=spec)
         with gpu.guard(q):
-            backend.backward_mods(BwdTensors(dout, q, k, v, out, lse, dlse), grads, problem, tables, blocks)
-        return (grads.dq, grads.dk, grads.dv, None, None, None, None, *([None] * len(tables)))
+            backend.backward_mods(BwdTensors(dout, q, k, v, out, lse, dlse), grads, problem, tables, blocks, ctx.seqs)
+        return (grads.dq, grads.dk, grads.dv, *nones)

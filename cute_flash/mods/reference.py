@@ -61,3 +61,47 @@ def attention_mods_reference(
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
     out = torch.einsum("bhqk,bkhd->bqhd", p, vf)
     return (out, lse.float()) if return_lse else out
+
+
+def attention_varlen_mods_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    score_mod: Optional[Callable] = None,
+    mask_mod: Optional[Callable] = None,
+    causal: bool = False,
+    window_size: Window = (None, None),
+    softmax_scale: Optional[float] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    compute_dtype: torch.dtype = torch.float64,
+    return_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Packed sequences (`attention_varlen`'s layout: q (total_q, h, d), k / v (total_k, h_kv, d / dv)): sequence b
+    through `attention_mods_reference` with the callables seeing b itself and positions within the sequence (only
+    its first seqused_k[b] keys with seqused_k). out (total_q, h, dv) in compute_dtype, lse (h, total_q) float32."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used = None if seqused_k is None else seqused_k.tolist()
+    outs, lses = [], []
+
+    def shifted(fn: Optional[Callable], b: int, score: bool) -> Optional[Callable]:
+        if fn is None:
+            return None
+        if score:
+            return lambda s, bi, h, qi, ki: fn(s, bi + b, h, qi, ki)
+        return lambda bi, h, qi, ki: fn(bi + b, h, qi, ki)
+
+    for b in range(len(cu_q) - 1):
+        k_end = cu_k[b + 1] if used is None else cu_k[b] + min(used[b], cu_k[b + 1] - cu_k[b])
+        qs, ks, vs = q[cu_q[b] : cu_q[b + 1]], k[cu_k[b] : k_end], v[cu_k[b] : k_end]
+        out, lse = attention_mods_reference(
+            qs[None], ks[None], vs[None], score_mod=shifted(score_mod, b, True), mask_mod=shifted(mask_mod, b, False),
+            causal=causal, window_size=window_size, softmax_scale=softmax_scale, compute_dtype=compute_dtype,
+            return_lse=True,
+        )  # fmt: skip
+        outs.append(out[0])
+        lses.append(lse[0])
+    out, lse = torch.cat(outs), torch.cat(lses, dim=-1)
+    return (out, lse) if return_lse else out

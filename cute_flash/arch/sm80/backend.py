@@ -133,11 +133,14 @@ class _Backend(BackendBase):
     def forward_mods(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
         problem: Problem, tables: List[torch.Tensor], blocks: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+        seqs: Optional[PackedSeqs] = None,
     ) -> None:  # fmt: skip
         """The dense forward of a ModsSpec (score_mod / mask_mod, flash_fwd_mods.py): tables are the graphs' captured
-        tensors as the kernel stores them (cute_flash/mods/call.py)."""
+        tensors as the kernel stores them (cute_flash/mods/call.py). No packed build (seqs: refused)."""
         spec = problem.spec
         reason = forward_unsupported_reason(spec)
+        if reason is None and seqs is not None:
+            reason = "the sm80 score_mod / mask_mod kernels take no packed sequences"
         if reason is None and not isinstance(spec, ModsSpec):
             reason = "forward_mods needs a ModsSpec"
         if reason is not None:
@@ -148,11 +151,13 @@ class _Backend(BackendBase):
         launch_mods_forward(kernel, q, k, v, out, lse, problem, tables)
 
     def backward_mods(
-        self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor], blocks: Optional[tuple] = None
-    ) -> None:
+        self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor], blocks: Optional[tuple] = None,
+        seqs: Optional[PackedSeqs] = None,
+    ) -> None:  # fmt: skip
         """The backward of `forward_mods` (flash_bwd_mods.py), with the same tables; every tile visited (no block
-        lists: mods_query_tiles None)."""
+        lists: mods_query_tiles None); dense only."""
         assert blocks is None and not problem.spec.block_sparse, "this family's backward takes no block lists"
+        assert seqs is None, "this family's score_mod / mask_mod backward takes no packed sequences"
         spec = problem.spec
         reason = self.unsupported_reason(spec, backward=True)
         if reason is None and not isinstance(spec, ModsSpec):

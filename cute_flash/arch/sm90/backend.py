@@ -60,8 +60,10 @@ def forward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
 def _mods_unsupported_reason(spec: ModsSpec, backward: bool) -> Optional[str]:
     """score_mod / mask_mod: the dense fp16 / bf16 forward (flash_fwd_mods.py) and backward (flash_bwd_mods.py) at
     this family's head dims."""
-    if spec.varlen or spec.kvcache:
-        return "score_mod / mask_mod have dense kernels only (no packed sequences, no KV cache)"
+    if spec.kvcache:
+        return "score_mod / mask_mod have no KV-cache kernels"
+    if spec.varlen and spec.block_sparse:
+        return "score_mod / mask_mod over packed sequences take no block mask"
     if spec.softcap or spec.sink:
         return "score_mod / mask_mod do not combine with softcap or sinks yet (write softcap as a score_mod)"
     if spec.dtype == "fp8":
@@ -172,27 +174,34 @@ class _Backend(BackendBase):
     def forward_mods(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
         problem: Problem, tables: List[torch.Tensor], blocks: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+        seqs: Optional[PackedSeqs] = None,
     ) -> None:  # fmt: skip
-        """The dense forward of a ModsSpec (score_mod / mask_mod, flash_fwd_mods.py), block-sparse with
-        spec.block_sparse (blocks: the lists of `mods_key_tiles`' tiles); its backward: the sm80 family's."""
+        """The forward of a ModsSpec (score_mod / mask_mod, flash_fwd_mods.py), block-sparse with spec.block_sparse
+        (blocks: the lists of `mods_key_tiles`' tiles), packed with spec.varlen (seqs; tensors as forward_varlen's)."""
         spec = problem.spec
         reason = self.unsupported_reason(spec, backward=False) if isinstance(spec, ModsSpec) else "needs a ModsSpec"
         if reason is not None:
             raise NotImplementedError(reason)
-        if spec.block_sparse != (blocks is not None):
-            raise ValueError("a block-sparse build takes the block lists, and only it")
-        launch_mods_forward(self._forward_kernel(spec, compile_cache.runtime_target(q.device)), q, k, v, out, lse,
-                            problem, tables, blocks)  # fmt: skip
+        if spec.block_sparse != (blocks is not None) or spec.varlen != (seqs is not None):
+            raise ValueError("a block-sparse (packed) build takes the block lists (the sequences), and only it")
+        variant = "seqused_k" if seqs is not None and seqs.seqused_k is not None else ""
+        kernel = self._forward_kernel(spec, compile_cache.runtime_target(q.device), variant)
+        launch_mods_forward(kernel, q, k, v, out, lse, problem, tables, blocks, seqs)
 
     def backward_mods(
-        self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor], blocks: Optional[tuple] = None
-    ) -> None:
+        self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor], blocks: Optional[tuple] = None,
+        seqs: Optional[PackedSeqs] = None,
+    ) -> None:  # fmt: skip
         """The backward of `forward_mods` (flash_bwd_mods.py), with the same tables; block-sparse with
-        spec.block_sparse (blocks: the lists by key tile of `mods_query_tiles`' tiles)."""
+        spec.block_sparse (blocks: the lists by key tile of `mods_query_tiles`' tiles); packed with seqs."""
         spec = problem.spec
         reason = self.unsupported_reason(spec, backward=True) if isinstance(spec, ModsSpec) else "needs a ModsSpec"
         if reason is not None:
             raise NotImplementedError(reason)
+        if seqs is not None:
+            assert blocks is None, "packed builds take no block lists"
+            _bwd().run_backward_varlen(t, grads, seqs, problem, tables=tuple(tables))
+            return
         _bwd().backward_launcher(problem, t.q.device, tables=tuple(tables), blocks=blocks)(t, grads)
 
     def mods_query_tiles(self, spec: AttentionSpec) -> Optional[Tuple[int, int]]:

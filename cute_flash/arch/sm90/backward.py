@@ -88,8 +88,13 @@ def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
         return f"the sm90 backward computes in fp16 or bf16, not {spec.dtype}"
     if spec.out_dtype != spec.dtype:
         return f"the sm90 backward needs out_dtype equal to the input dtype ({spec.dtype}), got {spec.out_dtype}"
-    if isinstance(spec, ModsSpec) and (spec.varlen or spec.kvcache or spec.softcap or spec.sink):
-        return "the score_mod / mask_mod backward is dense, without softcap or sinks (write softcap as a score_mod)"
+    if isinstance(spec, ModsSpec) and (
+        spec.kvcache or spec.softcap or spec.sink or (spec.varlen and spec.block_sparse)
+    ):
+        return (
+            "the score_mod / mask_mod backward takes no softcap or sinks (write softcap as a score_mod) and no block "
+            "mask with packed sequences"
+        )
     if kernel_dims(spec) is None:
         return (
             f"the sm90 backward has tile configurations for head dims {bwd_head_dims()} and (head_dim, head_dim_v) "
@@ -230,8 +235,8 @@ def _kernels(
         problem = bwd_config_problem(chosen, spec.head_dim, spec.head_dim_v)
         if problem is None and deterministic and chosen.dq_red:
             problem = "dq_red adds dQ with plain atomics in no fixed order: no deterministic build"
-        if problem is None and isinstance(spec, ModsSpec) and (deterministic or seqused):
-            problem = "the score_mod / mask_mod backward has no deterministic or packed build"
+        if problem is None and isinstance(spec, ModsSpec) and deterministic:
+            problem = "the score_mod / mask_mod backward has no deterministic build"
         if problem is not None:
             raise ValueError(problem)
         sm80 = _sm80_backward()
@@ -335,15 +340,17 @@ def backward_launcher(
 
 
 def run_backward_varlen(
-    t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: VarlenProblem, deterministic: bool = False
-) -> None:
+    t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: VarlenProblem, deterministic: bool = False,
+    tables: tuple = (),
+) -> None:  # fmt: skip
     """The packed backward: q / dout / out / dq (total_q, h, d), k / v / dk / dv (total_k, h_kv, d), lse (h, total_q).
     Keys past seqused_k[b] get zero gradients. deterministic: as `run_backward`'s, with semaphores per (head, padded
-    query tile) and (KV head, padded key tile)."""
+    query tile) and (KV head, padded key tile). tables: a ModsSpec's captured tensors (as `backward_launcher`'s)."""
     dims = _checked_dims(problem.spec)
     if (problem.head_dim, problem.head_dim_v) != dims:
         wide = widened_problem(problem, dims)
-        padded_launcher(dims, lambda tw, gw: run_backward_varlen(tw, gw, seqs, wide, deterministic))(t, grads)
+        inner = lambda tw, gw: run_backward_varlen(tw, gw, seqs, wide, deterministic, tables)  # noqa: E731
+        padded_launcher(dims, inner)(t, grads)
         return
     dout, q, k, v, out, lse, dlse = t[:7]
     dq, dk, dv = grads[:3]
@@ -381,9 +388,13 @@ def run_backward_varlen(
     pre_blocks = -(-max_seqlen_q // pad_q) * pad_q // STATS_ROW_MULTIPLE  # whole pad_q rows per sequence
     kernels.preprocess(out, dout, lse, dpsum[0], lse_log2[0], cu_seqlens_q, pad_q, pre_blocks, dq_accum)
     fold_lse_grad_packed(dpsum[0], dlse, lse, cu_seqlens_q, pad_q)
+    if isinstance(spec, ModsSpec):  # (the `packed_mods` entry: no semaphores, the tables without block lists)
+        semaphores, features = (), _features(problem, tables)[:MAX_TABLES]
+    else:
+        features = _features(problem)
     kernels.main(
         q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *semaphores, softmax_scale, mask.left, mask.right,
-        *_features(problem), cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k,
+        *features, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k,
     )  # fmt: skip
     kernels.postprocess(dq_accum, dq, softmax_scale, cu_seqlens_q, pad_q, max_seqlen_q)
     if gqa:

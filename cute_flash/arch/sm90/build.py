@@ -114,13 +114,19 @@ def compile_forward_packed(
     cu_seqlens_k, seqused_k (a tensor when `seqused`, else None), max_seqlen_q) with q (total_q, h, d), k / v
     (total_k, h_kv, d / dv), out (total_q, h, dv), lse (h, total_q); batch = cu_seqlens_q's length - 1. Builds for
     spec.softcap / spec.sink take the `packed_features` entry: softcap and the (total_q, h) sink view (None without
-    spec.sink) after window_right."""
+    spec.sink) after window_right; a ModsSpec the `packed_mods` entry: the tables a0 .. a3 there."""
     dtype = dsl_dtype(spec.dtype)
     args = fake_packed_forward_args(dtype, spec.head_dim, spec.head_dim_v, seqused)
     assert spec.varlen
-    kernel = Sm90FlashForward(spec, cfg)  # the `packed` entry (common/entries.FwdEntries)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = compile_cache.compile_options(target, extra=extra_options or "")
+    if isinstance(spec, ModsSpec):  # (flash_fwd_mods.py's `packed_mods` entry: the tables after the scalars)
+        from .flash_fwd_mods import Sm90ModsForward
+
+        kernel = Sm90ModsForward(spec, cfg)
+        args = (*args[:8], *fake_mods_tables(spec), *args[8:])
+        return cute.compile(kernel.packed_mods, *args, stream, options=options)
+    kernel = Sm90FlashForward(spec, cfg)  # the `packed` entry (common/entries.FwdEntries)
     if spec.softcap or spec.sink:
         args = (*args[:8], *fake_feature_args(spec.sink), *args[8:])
         return cute.compile(kernel.packed_features, *args, stream, options=options)
@@ -218,9 +224,13 @@ def compile_backward(
     if isinstance(spec, ModsSpec):  # (flash_bwd_mods.py: dense, no deterministic build, the tables after the scalars)
         from .flash_bwd_mods import Sm90ModsBackward
 
-        assert not (deterministic or spec.varlen or seqused), "score_mod / mask_mod: a dense backward only"
+        assert not deterministic, "score_mod / mask_mod: no deterministic backward"
         kernel = Sm90ModsBackward(spec, cfg, gqa)
         tables = fake_mods_tables(spec)
+        if spec.varlen:
+            cu = fake_cu_seqlens(cute.sym_int()), fake_cu_seqlens(cute.sym_int())
+            packed = (*cu, fake_cu_seqlens(cute.sym_int()) if seqused else None, cutlass.Int32(0))
+            return cute.compile(kernel.packed_mods, *tensors, *scalars, *tables, *packed, stream, options=options)
         blocks = (None,) * 4
         if spec.block_sparse:
             b, h, n, m = (cute.sym_int() for _ in range(4))

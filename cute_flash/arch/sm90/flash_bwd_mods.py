@@ -23,7 +23,8 @@ the longest lists first and each walks its list of query tiles (`refine_work`; B
 the dQ warp and the consumers read the same list), masking every listed tile with the kernel's own mask, and
 skipping the mask_mod on the tiles the block mask marks full (the flag loaded before the tile's products: a branch
 uniform over the CTA). Without a block mask every key tile walks the query tiles of its causal / window range, with
-the mask_mod on every tile.
+the mask_mod on every tile. Packed sequences (spec.varlen, the `packed_mods` entry; no block lists): b is the
+sequence, q_idx / kv_idx positions within it.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class KeyTileScores(NamedTuple):
 
 class Sm90ModsBackward(ModsGraphs, Sm90FlashBackward):
     def __init__(self, spec: ModsSpec, cfg: BwdTileConfig, gqa: bool):
-        assert not spec.varlen and not spec.softcap and not spec.sink, "dense score_mod / mask_mod builds only"
+        assert not spec.softcap and not spec.sink, "score_mod / mask_mod builds without softcap / sinks"
+        assert not (spec.varlen and spec.block_sparse), "packed builds take no block lists"
         super().__init__(spec, cfg, gqa, deterministic=False)
         self.init_graphs(spec)
         self.takes_features = True  # (the tables a0 .. a3, the block lists)
@@ -103,6 +105,38 @@ class Sm90ModsBackward(ModsGraphs, Sm90FlashBackward):
         tensors = (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV)
         features = (softmax_scale, a0, a1, a2, a3, mBlockCount, mBlockIndex, mBlockFull, mBlockTiles)
         self._launch(tensors, softmax_scale, window_left, window_right, stream, None, (None, None), features=features)
+
+    @cute.jit
+    def packed_mods(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSElog2: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        a0: Optional[cute.Tensor],
+        a1: Optional[cute.Tensor],
+        a2: Optional[cute.Tensor],
+        a3: Optional[cute.Tensor],
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        mSeqUsedK: Optional[cute.Tensor],
+        max_seqlen_k: Int32,
+        stream: cuda.CUstream,
+    ):
+        """Packed sequences (spec.varlen; tensors as common/entries.BwdEntries.packed's, no semaphores, no block
+        lists): the callables see b = the sequence, q_idx / kv_idx = positions within it."""
+        tensors = (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV)
+        features = (softmax_scale, a0, a1, a2, a3, None, None, None, None)
+        packed = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k)
+        self._launch(tensors, softmax_scale, window_left, window_right, stream, packed, (None, None), features=features)
 
     def refine_work(self, work: BwdWork, features) -> BwdWork:
         """Block-sparse builds: the key tile at this CTA's launch position (the longest lists first) and its list of

@@ -7,9 +7,9 @@ where a score_mod is present (the scores are scaled before it).
 Block-sparse builds (spec.block_sparse; a block mask, mods/block_mask.py) take the query tiles longest list first and
 walk each query tile's list of key tiles in place of the mask's key range (`refine_work`; CtaWork.key_tile: the
 producer loads and the consumers read the same list), masking every listed tile with the kernel's own mask, and skip
-the mask_mod on the tiles the block mask marks full (a branch uniform over the CTA: the flag is per key tile). Dense
-and unsplit; the backward of these calls is the sm80 family's (arch/sm80/flash_bwd_mods.py), which reads this
-forward's out and lse as they are.
+the mask_mod on the tiles the block mask marks full (a branch uniform over the CTA: the flag is per key tile). Unsplit;
+dense, or packed sequences (spec.varlen, the `packed_mods` entry: b is the sequence, q_idx / kv_idx positions within
+it; no block lists). The backward of these calls: flash_bwd_mods.py.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class TileScores(NamedTuple):
 
 class Sm90ModsForward(ModsGraphs, ModsFwdEntry, Sm90FlashForward):
     def __init__(self, spec: ModsSpec, cfg: FwdTileConfig):
-        assert not spec.varlen and not spec.softcap and not spec.sink, "dense score_mod / mask_mod builds only"
+        assert not spec.softcap and not spec.sink, "score_mod / mask_mod builds without softcap / sinks"
+        assert not (spec.varlen and spec.block_sparse), "packed builds take no block lists"
         super().__init__(spec, cfg)
         assert self.cluster_m == 1
         self.init_graphs(spec)

@@ -131,6 +131,8 @@ def multicast_kv(spec: AttentionSpec) -> bool:
     at d256 1.5-2.9% (H100) and 3.8-3.9% (H200) faster (1.5-second sustained windows, 2026-11-27). Dense calls
     gained nothing at d128 (their clock did not move); d64 did not gain (its extra cycles cancel its higher clock);
     d96 and (192, 128) were not measured."""
+    if isinstance(spec, ModsSpec):  # (the score_mod / mask_mod forward has no cluster form)
+        return False
     return spec.varlen and spec.mask == "none" and spec.head_dim == spec.head_dim_v and spec.head_dim in (128, 256)
 
 
