@@ -149,7 +149,7 @@ def kernel_key(role: str, spec: AttentionSpec, cfg: BwdTileConfig) -> Tuple[Atte
     kernel reads spec.sink (the sink is in the LSE), and only the main kernel spec.softcap and a ModsSpec's graphs
     and block lists."""
     spec = _without_sink(spec)
-    if isinstance(spec, ModsSpec) and role not in ("bwd", "bwd_gqa"):
+    if isinstance(spec, ModsSpec) and role not in MAIN_ROLES:
         spec = _sm80_backward().plain_spec(spec)  # (the pre- and postprocess do not read the callables)
     if role == "bwd_dq_postprocess":
         # The dQ conversion depends on the dtype, the head dim, the dQ MMA's shape and the output tile's swizzle atom
