@@ -462,6 +462,8 @@ def compile_backward_artifacts(
     with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_bwd_") as dump:
         # dq_red has no deterministic build; the default configuration's deterministic roles take their own one.
         mains = [r for r, (_, s, d) in MAIN_ROLES.items() if not s and (default or not (cfg.dq_red and d))]
+        if isinstance(spec, ModsSpec):  # (no deterministic score_mod / mask_mod build)
+            mains = [r for r in mains if not MAIN_ROLES[r][2]]
         default_roles = (*mains, "bwd_dq_postprocess", "bwd_preprocess")
         jobs = []  # (artifact name, role, configuration)
         for role in default_roles if roles is None else roles:
