@@ -23,7 +23,7 @@ from .arch import ARCH_ENV_VAR
 from .arch import split_kv
 from .arch.base import KvCacheTensors
 from .spec import op_window_bound
-from .validation import ALIGN_BYTES, KvCacheArgs, KvCacheProblem, validate_kvcache
+from .validation import ALIGN_BYTES, KvCacheArgs, KvCacheProblem, check_out_overlaps, validate_kvcache
 
 # (append kernel key) -> compiled append; (call signature) -> _Plan
 _append_kernels: Dict[tuple, object] = compile_cache.memo()
@@ -122,6 +122,8 @@ def _plan(args: KvCacheArgs, *scalars) -> _Plan:
             if len(_plans) >= _MAX_PLANS:
                 _plans.clear()
             _plans[key] = plan
+    elif args.out is not None:  # (the one check that depends on addresses, which the key leaves out)
+        check_out_overlaps(args.out, args.q, args.k_cache, args.v_cache)
     return plan
 
 
@@ -244,8 +246,9 @@ def _launch(plan: _Plan, a: KvCacheArgs, out: torch.Tensor, lse: torch.Tensor) -
 # call validated on metadata, the op, and out.
 KVCACHE_SCHEMA = (
     "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? page_table, Tensor? k_new, "
-    "Tensor? v_new, Tensor? cu_seqlens_q, int? max_seqlen_q, bool causal, float? softmax_scale, int? window_left, "
-    "int? window_right, float softcap, Tensor? learnable_sink, Tensor? k_descale, Tensor? v_descale, int num_splits, "
+    "Tensor? v_new, Tensor? cu_seqlens_q, SymInt? max_seqlen_q, bool causal, float? softmax_scale, "
+    "SymInt? window_left, SymInt? window_right, float softcap, Tensor? learnable_sink, Tensor? k_descale, "
+    "Tensor? v_descale, SymInt num_splits, "
     "Tensor(c!) out) -> Tensor"
 )
 

@@ -506,6 +506,14 @@ def _self_overlapping(t: torch.Tensor) -> bool:
     return False
 
 
+def check_out_overlaps(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """A KV-cache call's out must not share memory with what the kernels read: on every call (addresses are not part
+    of any plan key), after the cached checks of its layout."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not torch.compiler.is_compiling() and _overlaps(out, t):
+            raise ValueError(f"out overlaps {name} in memory: the kernels read {name} while they write out")
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors' byte ranges in one storage intersect (a conservative test: their spans, not elements)."""
     if a.device.type == "meta" or a.numel() == 0 or b.numel() == 0:
@@ -688,9 +696,7 @@ def validate_kvcache(
         _check_in_kernel_layout("out", o)
         if _self_overlapping(o):
             raise ValueError(f"out (strides {tuple(o.stride())}) has elements that share memory: each written once")
-        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            if not torch.compiler.is_compiling() and _overlaps(o, t):
-                raise ValueError(f"out overlaps {name} in memory: the kernels read {name} while they write out")
+        check_out_overlaps(o, q, k_cache, v_cache)
     if batch > MAX_GRID_YZ or nheads > MAX_GRID_YZ:
         raise NotImplementedError(f"batch ({batch}) and nheads ({nheads}) must each be <= {MAX_GRID_YZ}")
 

@@ -160,3 +160,6 @@ def test_packed_rows_beyond_max_seqlen_q_and_an_out_over_the_cache_are_refused(b
     with pytest.raises(ValueError, match="out overlaps v_cache"):
         cute_flash.attention_with_kvcache(q, k, v, **kw, out=v[0, :8].reshape(2, 1, 8, 64))
     assert backend.calls == []
+    cute_flash.attention_with_kvcache(q, k, v, **kw, out=torch.empty_like(q))  # (a warm plan of this signature)
+    with pytest.raises(ValueError, match="out overlaps q"):  # checked on every call: addresses are in no plan key
+        cute_flash.attention_with_kvcache(q, k, v, **kw, out=q)

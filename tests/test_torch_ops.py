@@ -74,15 +74,31 @@ def test_torch_compile_traces_attention_without_a_graph_break(backend):
     assert value.shape == () and [g.shape for g in grads] == [t.shape for t in (q, k, v)]
 
 
-def test_a_float_argument_that_changes_between_calls_stays_in_one_graph():
+def test_a_float_argument_that_changes_between_calls_compiles_without_a_break():
     """Dynamo makes a float that changed between calls symbolic: validation's checks of the cap and the scale trace
-    on it (fullgraph would raise on a break)."""
+    on it (fullgraph would raise on a break). A custom op's float argument specializes: each new value is one more
+    graph (torch's recompile limit applies; pass a fixed cap / scale in loops)."""
     torch._dynamo.reset()
     step = torch.compile(lambda q, k, v, cap, scale: cute_flash.attention(q, k, v, softcap=cap, softmax_scale=scale),
                          fullgraph=True, backend="eager")  # fmt: skip
     q, k, v = _qkv(grad=False)
     for cap, scale in ((30.0, 0.2), (20.0, 0.3), (75.0, 0.1)):  # (75: a wide cap, another kernel at run time)
         assert step(q, k, v, cap, scale).shape == (2, 100, 4, 64)
+
+
+def test_window_bounds_that_change_between_calls_share_a_graph():
+    """Window bounds are SymInt arguments of the op: after the first call's static graph, one dynamic graph serves
+    every other bound (an int argument would add an equality guard per value)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda q, k, v, w: cute_flash.attention(q, k, v, window_size=(w, 0)), fullgraph=True,
+                         backend="eager")  # fmt: skip
+    q, k, v = _qkv(grad=False)
+    for w in (5, 9, 17, 33, 40, 51):
+        step(q, k, v, w)
+    assert counters["stats"]["unique_graphs"] <= 2
 
 
 @pytest.mark.parametrize(

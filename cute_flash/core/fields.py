@@ -34,8 +34,8 @@ def _table(text: str) -> tuple:
 CALL = _table("""
     causal          bool     scalar
     softmax_scale   float?   scalar
-    window_left     int?     scalar
-    window_right    int?     scalar
+    window_left     SymInt?  scalar
+    window_right    SymInt?  scalar
     deterministic   bool     scalar
     softcap         float    scalar
     learnable_sink  Tensor?  tensor
