@@ -378,3 +378,14 @@ def test_the_sm90_packed_kernels_take_the_tables_and_the_sequences():
     assert torch.equal(fargs[12], cu_q) and fargs[14] is None and fargs[15] == 60
     assert len(bargs) == 20 and torch.equal(bargs[12], examples.SLOPES) and torch.equal(bargs[17], cu_k)
     assert bargs[19] == 70 and q.grad.shape == q.shape and k.grad.shape == k.shape
+
+
+def test_autocast_casts_the_inputs_as_the_plain_path_does(backend, monkeypatch):
+    """Under torch.autocast("cuda", dtype=bf16) fp32 inputs reach the mods kernels in bf16 (as `attention`'s)."""
+    monkeypatch.setattr(examples, "SLOPES", examples.SLOPES.to("meta"))
+    q, k, v = (t.float() for t in _qkv())
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: True)
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda *a: torch.bfloat16)
+    with torch.no_grad():
+        out = cute_flash.attention(q, k, v, score_mod=examples.alibi)
+    assert out.dtype == torch.bfloat16 and backend.calls[0][0].spec.dtype == "bf16"

@@ -20,7 +20,8 @@ from ..problem import PackedSeqs
 from ..validation import validate, validate_varlen
 from . import autograd, launch, native_path, plan
 
-_CAST = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# (not float64: autocast leaves it alone, as for torch's ops; the kernels then refuse it rather than run it in 16 bits)
+_CAST = (torch.float32, torch.float16, torch.bfloat16)
 _PAIRS = (tuple, list)  # what validation takes for window_size (with two entries)
 
 

@@ -34,3 +34,9 @@ def route(spec: AttentionSpec, t: torch.Tensor, backward: bool, deterministic: b
     NotImplementedError naming every family's reason when none has a kernel. Looked up on every plan made
     (CUTE_FLASH_ARCH may change); routing caches the decisions."""
     return routing.route(spec, capability(t), backward, deterministic).backend
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether torch's current CUDA stream is capturing a graph (a tensor filled now exists only in the graph: a
+    plan must not keep it for eager calls)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()

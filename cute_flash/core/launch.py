@@ -77,7 +77,9 @@ def forward(plan: Plan, q, k, v, sink=None, seqs: Optional[PackedSeqs] = None, o
         kv = plan.decode_kvcache
         if kv is None:
             with device.guard(q):
-                kv = plan.decode_kvcache = decode_kvcache(plan, q)
+                kv = decode_kvcache(plan, q)
+            if not device.capturing(q):  # (its lengths' fill, recorded in a capture, never ran outside it)
+                plan.decode_kvcache = kv
         if kv:
             launcher, seqlens = kv
             lo, hi = plan.decode_keys

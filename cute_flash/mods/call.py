@@ -83,7 +83,17 @@ def _check_positions(seqlen_q: int, seqlen_k: int) -> None:
                          f"{seqlen_q}, {seqlen_k}")  # fmt: skip
 
 
+def _autocast(q, k, v):
+    """torch.autocast("cuda"): the inputs in its dtype first, as `attention` does (core/call.autocast_inputs)."""
+    if not torch.is_autocast_enabled("cuda"):
+        return q, k, v
+    from ..core.call import autocast_inputs
+
+    return autocast_inputs(q, k, v)
+
+
 def _attention_mods(q, k, v, score_mod, mask_mod, causal, softmax_scale, window_size, return_lse, block_mask):
+    q, k, v = _autocast(q, k, v)
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, dtype=None)
     _check_positions(problem.seqlen_q, problem.seqlen_k)
     problem, graphs = mods_problem(problem, score_mod, mask_mod, block_mask is not None)
@@ -125,6 +135,7 @@ def attention_varlen_mods(
 
 
 def _attention_varlen_mods(q, k, v, seqs, score_mod, mask_mod, causal, softmax_scale, window_size, return_lse):
+    q, k, v = _autocast(q, k, v)
     problem = validate_varlen(q, k, v, seqs, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
     _check_positions(int(seqs.max_seqlen_q), int(seqs.max_seqlen_k))
     problem, graphs = mods_problem(problem, score_mod, mask_mod)
@@ -294,7 +305,7 @@ def _tile_lists(block_mask: BlockMask, tile_m: int, tile_n: int, device, by_key:
         full.to(torch.int32).contiguous(),
         order.to(torch.int32).contiguous(),
     )
-    if versions is not None:
+    if versions is not None and not gpu.capturing(lists.count):  # (lists built in a capture exist only in it)
         for stale in [k for k in cache if k[3] != versions]:  # (lists of the tensors' older contents)
             del cache[stale]
         cache[key] = lists
