@@ -68,7 +68,7 @@ def attention_mods(
 ):
     args = (q, k, v, score_mod, mask_mod, causal, softmax_scale, window_size, return_lse, block_mask)
     if torch.compiler.is_compiling():
-        if not torch.compiler.is_dynamo_compiling():  # (torch.export(strict=False): no graph break to fall back on)
+        if not torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting():  # (torch.export: no break)
             raise NotImplementedError("score_mod / mask_mod calls cannot be exported (torch.export): no custom op")
         # The callables are traced by mods/graph.py, not by dynamo: under torch.compile the call runs eagerly, a graph
         # break (fullgraph=True reports it), its autograd node between the compiled graphs.
@@ -128,7 +128,7 @@ def attention_varlen_mods(
     q_idx / kv_idx = positions within it (each sequence's own 0..). No block mask."""
     args = (q, k, v, seqs, score_mod, mask_mod, causal, softmax_scale, window_size, return_lse)
     if torch.compiler.is_compiling():
-        if not torch.compiler.is_dynamo_compiling():
+        if not torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting():
             raise NotImplementedError("score_mod / mask_mod calls cannot be exported (torch.export): no custom op")
         return _attention_varlen_mods_eager(*args)
     return _attention_varlen_mods(*args)
