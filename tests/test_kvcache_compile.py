@@ -118,3 +118,24 @@ def test_the_op_has_a_consistent_schema(backend):
     out = torch.empty(3, 1, 8, 64, dtype=torch.bfloat16)
     args = (q, k, v, lens, None, None, None, None, None, True, None, None, 0, 0.0, None, None, None, 0, out)
     torch.library.opcheck(torch.ops.cute_flash.kvcache_fwd, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_a_changing_max_seqlen_q_shares_one_dynamic_graph(backend):
+    """Chunked prefill / speculative decoding change max_seqlen_q every step: a SymInt op argument, so after the first
+    (static) graph one dynamic graph serves every value (an int argument recompiled per value and, with
+    fullgraph=True, failed at torch's recompile limit)."""
+    from torch._dynamo.utils import counters
+
+    def step(q, k, v, lens, cu, mq):
+        return cute_flash.attention_with_kvcache(q, k, v, cache_seqlens=lens, cu_seqlens_q=cu, max_seqlen_q=mq)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    k, v = (torch.randn(3, 64, 2, 64).to(torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([20, 30, 40], dtype=torch.int32)
+    for qlens in ([1, 2, 3], [2, 2, 4], [1, 5, 1], [3, 3, 6], [2, 7, 1], [1, 1, 8], [4, 4, 9], [2, 2, 10], [1, 1, 11]):
+        cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+        q = torch.randn(sum(qlens), 8, 64).to(torch.bfloat16)
+        torch.testing.assert_close(compiled(q, k, v, lens, cu, max(qlens)), step(q, k, v, lens, cu, max(qlens)))
+    assert counters["stats"]["unique_graphs"] <= 3
