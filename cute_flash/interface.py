@@ -84,10 +84,10 @@ def attention(
 
     score_mod(score, b, h, q_idx, kv_idx) -> score and mask_mod(b, h, q_idx, kv_idx) -> bool (FlexAttention's
     callables, on the scaled score; docs/mods.md says what they may contain): eager (under torch.compile a graph
-    break); the forward on the sm90 kernels on Hopper, the sm80 family's elsewhere and for every backward
-    (docs/mods.md). block_mask
-    (cute_flash.mods.create_block_mask of the mask_mod, or your own `BlockMask` covering every key it keeps): the
-    forward visits only its non-empty tiles (the sm90 kernels; the others visit every tile).
+    break); forward and backward on the sm90 kernels on Hopper, the sm80 family's elsewhere (docs/mods.md).
+    block_mask (cute_flash.mods.create_block_mask of the mask_mod, or your own `BlockMask` covering every key it
+    keeps, with full flags only where the mask_mod keeps every key of the tile): forward and backward visit only its
+    non-empty tiles and skip the mask_mod on its full ones (the sm90 kernels; the others visit every tile).
     """
     if block_mask is not None and mask_mod is None:
         raise ValueError("block_mask needs the mask_mod it covers (the per-element mask inside its tiles)")

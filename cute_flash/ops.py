@@ -77,12 +77,12 @@ def _bwd(dout, q, k, v, out, lse, dlse, *args):
 
 def _strided_like(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """grad with the strides `torch.empty_like(x)` has, which the fake promises (inductor asserts on them)."""
-    like = torch.empty_like(x)
-    if like.stride() == grad.stride():
+    strides = torch.empty_like(x, device="meta").stride()  # (no allocation)
+    if strides == grad.stride():
         return grad
-    if all(a == b or n == 1 for a, b, n in zip(like.stride(), grad.stride(), grad.shape)):
-        return grad.as_strided(grad.shape, like.stride())  # only size-1 dimensions' strides differ: the same memory
-    return like.copy_(grad)
+    if all(a == b or n == 1 for a, b, n in zip(strides, grad.stride(), grad.shape)):
+        return grad.as_strided(grad.shape, strides)  # only size-1 dimensions' strides differ: the same memory
+    return torch.empty_like(x).copy_(grad)
 
 
 def _bwd_fake(dout, q, k, v, out, lse, dlse, *args):

@@ -1,6 +1,6 @@
 """attention(..., score_mod=, mask_mod=) on the CPU: the experimental gate, what it refuses, the spec and tables the
-backend receives (a recording backend on meta tensors), explain's route (the forward on sm90 on Hopper, else sm80;
-the backward on sm80)."""
+backend receives (a recording backend on meta tensors), explain's route (forward and backward on sm90 on Hopper,
+else sm80), the sm90 host path with no-op kernels."""
 
 from __future__ import annotations
 
@@ -389,3 +389,14 @@ def test_autocast_casts_the_inputs_as_the_plain_path_does(backend, monkeypatch):
     with torch.no_grad():
         out = cute_flash.attention(q, k, v, score_mod=examples.alibi)
     assert out.dtype == torch.bfloat16 and backend.calls[0][0].spec.dtype == "bf16"
+
+
+def test_a_block_mask_changed_between_forward_and_backward_is_refused(backend, monkeypatch):
+    monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    q = torch.zeros(1, 300, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.zeros(1, 300, 4, 64, dtype=torch.bfloat16) for _ in range(2))
+    mask = cute_flash.mods.create_block_mask(examples.causal, None, None, 300, 300)
+    out = cute_flash.attention(q, k, v, mask_mod=examples.causal, block_mask=mask)
+    mask.partial_count.add_(0)  # (an in-place change: a new version)
+    with pytest.raises(RuntimeError, match="changed in place"):
+        out.sum().backward()

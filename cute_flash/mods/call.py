@@ -157,10 +157,12 @@ def _run(q, k, v, problem, graphs, tables, backend, blocks, block_mask, seqs, re
             "(detach it, or compute that part outside attention)"
         )
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        gpu.route(problem.spec, q, backward=True)  # refuses before the forward where no backward serves it
+        # (refuses before the forward where no backward serves it; the backward takes this route, as the plain
+        # path's plans do, whatever CUTE_FLASH_ARCH says by then)
+        back = gpu.route(problem.spec, q, backward=True)
         if graphs[0] is not None:
             score_derivative(graphs[0])  # (raises ModError now, not in the backward, where it has none)
-        out, lse = _ModsAttention.apply(q, k, v, problem, backend, blocks, block_mask, seqs, *tables)
+        out, lse = _ModsAttention.apply(q, k, v, problem, (backend, back), blocks, block_mask, seqs, *tables)
     else:
         out, lse = _forward(q, k, v, problem, backend, tables, blocks, seqs)
     return (out, lse) if return_lse else out
@@ -313,15 +315,16 @@ def _tile_lists(block_mask: BlockMask, tile_m: int, tile_n: int, device, by_key:
 
 
 class _ModsAttention(torch.autograd.Function):
-    """The autograd node of a score_mod / mask_mod call: the sm80 forward and backward (flash_fwd_mods.py,
-    flash_bwd_mods.py) with the call's tables; lse is differentiable (its gradient folds into D)."""
+    """The autograd node of a score_mod / mask_mod call: the routed families' forward and backward (the backward's
+    route fixed at the forward) with the call's tables; lse is differentiable (its gradient folds into D)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, problem, backend, blocks, block_mask, seqs, *tables):
-        out, lse = _forward(q, k, v, problem, backend, list(tables), blocks, seqs)
+    def forward(ctx, q, k, v, problem, backends, blocks, block_mask, seqs, *tables):
+        out, lse = _forward(q, k, v, problem, backends[0], list(tables), blocks, seqs)
         ctx.save_for_backward(q, k, v, out, lse, *tables)
         ctx.problem, ctx.block_mask = problem, block_mask  # (the backward's lists: its family's tiles, by key tile)
-        ctx.seqs = seqs
+        ctx.backend, ctx.seqs = backends[1], seqs
+        ctx.versions = None if block_mask is None else _versions(block_mask)
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -337,8 +340,9 @@ class _ModsAttention(torch.autograd.Function):
         nones = (None,) * (5 + len(tables))  # (problem, backend, blocks, block_mask, seqs, tables)
         if _empty(q, k):
             return (grads.dq.zero_(), grads.dk.zero_(), grads.dv.zero_(), *nones)
-        problem, block_mask = ctx.problem, ctx.block_mask
-        backend = gpu.route(problem.spec, q, backward=True)
+        problem, block_mask, backend = ctx.problem, ctx.block_mask, ctx.backend
+        if block_mask is not None and _versions(block_mask) != ctx.versions:
+            raise RuntimeError("the block mask was changed in place between the forward and its backward")
         tiles = backend.mods_query_tiles(problem.spec) if block_mask is not None else None
         blocks = None if tiles is None else query_tile_lists(block_mask, *tiles, q.device)
         if problem.spec.block_sparse != (blocks is not None):  # (without lists: every tile of the mask range)

@@ -595,6 +595,8 @@ def _chain(tracer: _Tracer, op: str, xs: List[Sym], ds: List[Optional[Sym]], v: 
         return t.binary("add", t.binary("mul", d[0], y), t.binary("mul", x, d[1]))
     if op == "truediv" and ds[1] is None:
         return t.binary("truediv", d[0], y)
+    if op == "truediv" and ds[0] is None:  # -x dy / y^2
+        return t.binary("truediv", t.unary("neg", t.binary("mul", x, d[1])), t.binary("mul", y, y))
     if op == "truediv":  # (dx y - x dy) / y^2
         num = t.binary("sub", t.binary("mul", d[0], y), t.binary("mul", x, d[1]))
         return t.binary("truediv", num, t.binary("mul", y, y))

@@ -294,6 +294,10 @@ def backward_launcher(
     target = compile_cache.runtime_target(device)
     kernels = _kernels(p.spec, cfg, target, gqa, deterministic, long=long_queries(p.seqlen_q))
     cfg = kernels.cfg
+    if blocks is not None:  # (lists built at mods_query_tiles' tiles must be this kernel's)
+        want = (-(-p.seqlen_k // cfg.tile_n), -(-p.seqlen_q // cfg.tile_m))
+        if (blocks.count.shape[-1], blocks.index.shape[-1]) != want:
+            raise ValueError(f"block lists of {tuple(blocks.index.shape[-2:])} tiles, the kernel has {want}")
     seqlen_q_pad = round_up(p.seqlen_q, math.lcm(cfg.tile_m, STATS_ROW_MULTIPLE))
     stats_shape = (p.batch, p.nheads, seqlen_q_pad)
     # The preprocess zeroes every (padded) row of the accumulator itself.
