@@ -67,13 +67,18 @@ def attention_mods(
     block_mask: Optional[BlockMask] = None,
 ):
     args = (q, k, v, score_mod, mask_mod, causal, softmax_scale, window_size, return_lse, block_mask)
+    return _call(_attention_mods, _attention_mods_eager, args)
+
+
+def _call(run: Callable, run_eager: Callable, args: tuple):
+    """run(*args), or under torch.compile run_eager(*args): the callables are traced by mods/graph.py, not by dynamo,
+    so the call runs eagerly, a graph break (fullgraph=True reports it), its autograd node between the compiled
+    graphs. torch.export has no break to fall back on: NotImplementedError."""
     if torch.compiler.is_compiling():
-        if not torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting():  # (torch.export: no break)
+        if not torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting():
             raise NotImplementedError("score_mod / mask_mod calls cannot be exported (torch.export): no custom op")
-        # The callables are traced by mods/graph.py, not by dynamo: under torch.compile the call runs eagerly, a graph
-        # break (fullgraph=True reports it), its autograd node between the compiled graphs.
-        return _attention_mods_eager(*args)
-    return _attention_mods(*args)
+        return run_eager(*args)
+    return run(*args)
 
 
 def _check_positions(seqlen_q: int, seqlen_k: int) -> None:
@@ -127,11 +132,7 @@ def attention_varlen_mods(
     """`attention_varlen(..., score_mod=, mask_mod=)`: packed sequences, the callables seeing b = the sequence and
     q_idx / kv_idx = positions within it (each sequence's own 0..). No block mask."""
     args = (q, k, v, seqs, score_mod, mask_mod, causal, softmax_scale, window_size, return_lse)
-    if torch.compiler.is_compiling():
-        if not torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting():
-            raise NotImplementedError("score_mod / mask_mod calls cannot be exported (torch.export): no custom op")
-        return _attention_varlen_mods_eager(*args)
-    return _attention_varlen_mods(*args)
+    return _call(_attention_varlen_mods, _attention_varlen_mods_eager, args)
 
 
 def _attention_varlen_mods(q, k, v, seqs, score_mod, mask_mod, causal, softmax_scale, window_size, return_lse):
