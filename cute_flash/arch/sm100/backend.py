@@ -1,4 +1,5 @@
-"""The sm100 entry point for the front end (see cute_flash.arch.base.ArchBackend): forward only, 1-CTA and 2-CTA."""
+"""The sm100 entry point for the front end (see cute_flash.arch.base.ArchBackend): the forward (1-CTA and 2-CTA) and
+the backward (backward.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from ...census import read_artifacts
 from ...spec import AttentionSpec, ModsSpec
 from ...validation import Problem, kernel_view
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact
-from ..base import launcher_through_backward, launcher_through_forward, prepare_build
+from ..base import launcher_through_forward, prepare_build
 from ..base import BackendBase
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_feature_args, fake_operand
@@ -125,11 +126,9 @@ class _Backend(BackendBase):
 
     def unsupported_reason(self, spec: AttentionSpec, backward: bool, deterministic: bool = False) -> Optional[str]:
         if isinstance(spec, ModsSpec):
-            return "no score_mod / mask_mod kernel in this family yet (the sm80 family's forward serves them)"
+            return "no score_mod / mask_mod kernel in this family yet (the sm80 family's serve them)"
         if backward:
-            return (
-                "there is no sm100 backward kernel yet (the router sends a Blackwell GPU's backward to the sm80 family)"
-            )
+            return _bwd().backward_unsupported_reason(spec, deterministic)
         return cfgmod.unsupported_reason(spec)
 
     def forward_launcher(self, problem: Problem, device: torch.device) -> ForwardLauncher:
@@ -170,27 +169,35 @@ class _Backend(BackendBase):
         )
 
     def backward_head_dims(self, spec: AttentionSpec) -> Tuple[int, int]:
-        return spec.head_dim, spec.head_dim_v  # (no backward yet)
+        width = cfgmod.bwd_kernel_dim(spec)  # (narrower calls run the kernel on zero-padded operands)
+        return width, width
 
     def backward_launcher(
         self, problem: Problem, device: torch.device, deterministic: bool = False
     ) -> BackwardLauncher:
-        return launcher_through_backward(self, problem, deterministic)
+        _check_backward(problem, deterministic)
+        return _bwd().backward_launcher(problem, device, checked=False)
 
     def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
-        raise NotImplementedError(self.unsupported_reason(problem.spec, True))
+        _check_backward(problem, deterministic)
+        _bwd().backward_launcher(problem, t.q.device)(t, grads)
 
     def warm(
         self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False
     ) -> None:
         prepare_build(self, spec, target, backward=backward, deterministic=deterministic, warming=True)
+        if backward:
+            _bwd().warm_backward(spec, target)
+            return
         for cfg in cfgmod.configs_for(spec):  # the 1-CTA and 2-CTA kernels: choose_config picks by seqlen_q
             _forward_kernel(spec, cfg, target)
 
     def compile_artifacts(self, spec: AttentionSpec, backward: bool, target: str) -> List[KernelArtifact]:
         prepare_build(self, spec, target, backward=backward)
         artifacts = []
-        for cfg in cfgmod.configs_for(spec):
+        # The forward where this family has one: a backward-only spec (d32: the sm80 forward's) builds its backward.
+        forward_configs = cfgmod.configs_for(spec) if cfgmod.unsupported_reason(spec) is None else []
+        for cfg in forward_configs:
             with tempfile.TemporaryDirectory(prefix="cute_flash_sm100_") as dump:
                 # remarks{ptx} makes ptxas print registers and spill bytes (the CLI parses them from stderr).
                 extra = compile_cache.keep_artifacts_options(dump)
@@ -219,7 +226,21 @@ class _Backend(BackendBase):
             )
         if spec.dtype == "fp8":
             artifacts.extend(_fp8_prepass_artifacts(spec, target))
+        if backward:
+            artifacts.extend(_bwd().compile_backward_artifacts(spec, target))
         return artifacts
+
+
+def _bwd():
+    from . import backward
+
+    return backward
+
+
+def _check_backward(problem: Problem, deterministic: bool) -> None:
+    reason = _bwd().backward_unsupported_reason(problem.spec, deterministic)
+    if reason is not None:
+        raise NotImplementedError(reason)
 
 
 def _fp8_prepass_artifacts(spec: AttentionSpec, target: str) -> List[KernelArtifact]:

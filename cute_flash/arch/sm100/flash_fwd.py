@@ -56,6 +56,7 @@ from ...common.softcap import apply_softcap, softcap_factors
 from ...spec import AttentionSpec
 from .tile_config import FP8_Q_SCALE_ROWS, M_BLOCK, N_BLOCK, Q_STAGES, TMEM_COLUMNS, FwdTileConfig
 from .tmem_softmax import TmemRowSoftmax, finalize_row, mask_row
+from .umma import gemm
 
 
 # Warp roles.
@@ -579,18 +580,6 @@ class Sm100FlashForward:
     # MMA warp (leader CTA)
     # ------------------------------------------------------------------------------------------------------------
     @cute.jit
-    def _gemm(self, tiled_mma, acc, a, b, accumulate):
-        """acc (+)= a @ b over the K blocks of the fragments.
-
-        A fresh atom per call carries the ACCUMULATE field: mutating the shared TiledMma inside staged control flow
-        would leak values out of their regions.
-        """
-        atom = cute.make_mma_atom(tiled_mma.op)
-        for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
-            atom.set(tcgen05.Field.ACCUMULATE, accumulate or k != 0)
-            cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
-
-    @cute.jit
     def mma_warp(self, mmas, thr_mma_pv, smem, tP_layout, s_layout, o_layout, tmem_ptr, pipes: Pipes, n_blocks):
         tiled_mma_qk, tiled_mma_pv = mmas
         sQ, sK, sV = smem
@@ -615,9 +604,7 @@ class Sm100FlashForward:
             q_handles = [q_consumer.wait_and_advance() for _ in range(Q_STAGES)]
             k_handle = kv_consumer.wait_and_advance()
             for s in cutlass.range_constexpr(Q_STAGES):
-                self._gemm(
-                    tiled_mma_qk, tStS[s], tSrQ[None, None, None, s], tSrK[None, None, None, k_handle.index], False
-                )
+                gemm(tiled_mma_qk, tStS[s], tSrQ[None, None, None, s], tSrK[None, None, None, k_handle.index], False)
                 pipe_s_p_o.producer_commit(_stage_state(s, 0))
             k_handle.release()
             # The first wait for "P written and O rescaled" is on phase 0 (not the producer's usual 1): the
@@ -628,14 +615,12 @@ class Sm100FlashForward:
                 k_next = v_handle
                 for s in cutlass.range_constexpr(Q_STAGES):
                     pipe_s_p_o.producer_acquire(_stage_state(s, p_phase))
-                    self._gemm(tiled_mma_pv, tOtO[s], tOrP[s], tOrV[None, None, None, v_handle.index], i > 0)
+                    gemm(tiled_mma_pv, tOtO[s], tOrP[s], tOrV[None, None, None, v_handle.index], i > 0)
                     if const_expr(s == 0):
                         k_next = kv_consumer.wait_and_advance()
                     if const_expr(s == Q_STAGES - 1):
                         v_handle.release()
-                    self._gemm(
-                        tiled_mma_qk, tStS[s], tSrQ[None, None, None, s], tSrK[None, None, None, k_next.index], False
-                    )
+                    gemm(tiled_mma_qk, tStS[s], tSrQ[None, None, None, s], tSrK[None, None, None, k_next.index], False)
                     pipe_s_p_o.producer_commit(_stage_state(s, 0))
                 k_next.release()
                 p_phase ^= 1
@@ -644,7 +629,7 @@ class Sm100FlashForward:
             v_handle = kv_consumer.wait_and_advance()
             for s in cutlass.range_constexpr(Q_STAGES):
                 pipe_s_p_o.producer_acquire(_stage_state(s, p_phase))
-                self._gemm(tiled_mma_pv, tOtO[s], tOrP[s], tOrV[None, None, None, v_handle.index], n_blocks > 1)
+                gemm(tiled_mma_pv, tOtO[s], tOrP[s], tOrV[None, None, None, v_handle.index], n_blocks > 1)
                 pipe_o_full.producer_commit(_stage_state(s, 0))
             v_handle.release()
 

@@ -125,3 +125,48 @@ def configs_for(spec: AttentionSpec):
     if two_cta_eligible(spec):
         configs.append(make_config(spec, use_2cta=True))
     return configs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Backward (flash_bwd.py): one CTA per 128-key tile, 128-query steps, dK / dV in TMEM.
+# ----------------------------------------------------------------------------------------------------------------
+BWD_HEAD_DIMS = (64, 128)  # dK | dV | S^T | dP^T (dQ over dP^T) in 512 TMEM columns: 2 d + 256
+
+
+@dataclass(frozen=True)
+class BwdTileConfig:
+    """Everything besides the AttentionSpec that changes the generated backward kernel (part of the compile key)."""
+
+    do_stages: int  # dO slots in shared memory (Q always has two)
+    # setmaxnreg per warpgroup: 2 compute WGs, the dQ WG, and the WG of the MMA / load / idle warps.
+    regs_compute: int = 192
+    regs_dq: int = 96
+    regs_other: int = 32
+    opt_level: int = 2
+
+    def __post_init__(self):
+        total = 8 * 32 * self.regs_compute + 4 * 32 * self.regs_dq + 4 * 32 * self.regs_other
+        if total > 64 * 1024:
+            raise ValueError(f"register split {self} needs {total} registers, more than the 65536 of an SM")
+
+
+def bwd_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
+    """None where the sm100 backward kernel serves `spec` (after padded_head_dims' widening of narrower dims)."""
+    if spec.varlen or spec.kvcache:
+        return "the sm100 backward has no " + ("packed-sequence" if spec.varlen else "KV-cache") + " build"
+    if spec.dtype not in ("fp16", "bf16") or spec.out_dtype != spec.dtype:
+        return f"the sm100 backward computes in fp16 or bf16 with out_dtype equal to it, not {spec.dtype}"
+    if max(spec.head_dim, spec.head_dim_v) > max(BWD_HEAD_DIMS):
+        return f"the sm100 backward has head dims up to {max(BWD_HEAD_DIMS)}, not ({spec.head_dim}, {spec.head_dim_v})"
+    return None
+
+
+def bwd_kernel_dim(spec: AttentionSpec) -> int:
+    """The head dim of the kernel serving `spec`: the narrowest built one at least as wide as d and dv (narrower calls
+    run on zero-padded operands, arch/padded_head_dims.py)."""
+    return next(w for w in BWD_HEAD_DIMS if w >= max(spec.head_dim, spec.head_dim_v))
+
+
+def bwd_config(spec: AttentionSpec) -> BwdTileConfig:
+    # Shared memory at d128: K, V, dS 32 KiB each, Q 2 x 32, dO 1 x 32, dQ staging 2 x 16 (224 KiB): one dO slot.
+    return BwdTileConfig(do_stages=2 if spec.head_dim <= 64 else 1)

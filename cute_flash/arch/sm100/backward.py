@@ -1,0 +1,185 @@
+"""The sm100 backward pass: preprocess, main kernel, dQ conversion (see flash_bwd.py for the algorithm).
+
+    1. preprocess:  D = rowsum(dO * O) and lse_log2, (b, h, sq padded to 128) fp32 — the sm80 family's kernel,
+                    built for sm_100a (padding and empty rows inert: P = 0 there)
+    2. main:        per key tile and KV head: dK, dV in TMEM over every query head of the group (no GQA partial
+                    sums), written in the input dtype; each query tile's dQ added by a TMA reduce-add into
+                    (b, sq_padded, h, d) fp32
+    3. conversion:  dq = softmax_scale * dQ sums in the input dtype (the sm80 family's accumulator conversion)
+
+Head dims below a built kernel's (BWD_HEAD_DIMS: 64, 128) run it on zero-padded operands (arch/padded_head_dims.py):
+d32 the d64 kernel, d96 the d128 one. A learnable sink changes no kernel (it is in the LSE; dsink comes from lse and
+D on the host, arch/base.sink_grad); soft-capping changes the main kernel (its `features` entry).
+
+No Blackwell GPU has run these kernels: they are verified by cross-compiling (zero spills, the instruction census
+of tests/test_sm100_backward.py) and by CPU checks of their shared-memory views; docs/status.md says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import tempfile
+from typing import Callable, List, Optional
+
+import torch
+
+from ... import compile_cache
+from ...kernel_layout import round_up
+from ...spec import AttentionSpec, ModsSpec
+from ...validation import Problem
+from ..base import BwdTensors, Grads, KernelArtifact, fold_lse_grad, sink_grad
+from ..padded_head_dims import padded_launcher, widened_problem, widened_spec
+from . import tile_config as cfgmod
+
+FAMILY = "sm100"
+ROW_MULTIPLE = cfgmod.M_BLOCK  # the statistics and dQ sums hold whole query tiles (the preprocess writes 64-row blocks)
+
+
+def backward_unsupported_reason(spec: AttentionSpec, deterministic: bool = False) -> Optional[str]:
+    """None where the sm100 backward serves `spec` (every mask, soft-capping and learnable sinks included)."""
+    if isinstance(spec, ModsSpec):
+        return "no score_mod / mask_mod kernel in this family yet"
+    if deterministic:
+        return "the sm100 backward adds dQ by TMA reduce-adds in no fixed order: no deterministic build"
+    return cfgmod.bwd_unsupported_reason(spec)
+
+
+def kernel_spec(spec: AttentionSpec) -> AttentionSpec:
+    """The spec the main kernel serving `spec` is built for: at its kernel head dim, without what it does not read
+    (the sink, in the LSE, and the cap's range)."""
+    width = cfgmod.bwd_kernel_dim(spec)
+    spec = widened_spec(spec, (width, width))
+    return dataclasses.replace(spec, sink=False, softcap_wide=False) if spec.sink or spec.softcap_wide else spec
+
+
+@functools.lru_cache(maxsize=None)
+def _sm80_backward():
+    """The sm80 backward module, whose preprocess and accumulator conversion this backward runs."""
+    from ..sm80 import backward
+
+    return backward
+
+
+def _build_main(spec: AttentionSpec, cfg: cfgmod.BwdTileConfig, target: str, extra: str = ""):
+    """Compiles the main kernel with fake tensors: batch, sequence lengths and head counts symbolic."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from ...common.dsl_types import dsl_dtype
+    from ...common.fake_tensors import fake_f32, fake_operand, fake_tensor
+    from .flash_bwd import Sm100FlashBackward
+
+    dt, d = dsl_dtype(spec.dtype), spec.head_dim
+    b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
+    sq_pad = cute.sym_int(divisibility=ROW_MULTIPLE)
+    q, dout = fake_operand(dt, (b, sq, h, d)), fake_operand(dt, (b, sq, h, d))
+    k, v, dk, dv = (fake_operand(dt, (b, sk, hk, d)) for _ in range(4))
+    # Rows of whole tiles (torch.empty of (b, h, sq_pad)): 16-byte aligned, strides of whole tiles (the TMA needs it).
+    lse_log2, dpsum = fake_f32((b, h, sq_pad), ROW_MULTIPLE, 16), fake_f32((b, h, sq_pad), ROW_MULTIPLE, 16)
+    dq_accum = fake_tensor(cutlass.Float32, (b, sq_pad, h, d), 4, 16)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = compile_cache.compile_options(target, extra=f"--opt-level {cfg.opt_level} {extra}".strip())
+    kernel = Sm100FlashBackward(spec, cfg)
+    args = (q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0))
+    if spec.softcap:
+        return cute.compile(kernel.features, *args, cutlass.Float32(1.0), stream, options=options), kernel
+    return cute.compile(kernel, *args, stream, options=options), kernel
+
+
+def _main_kernel(spec: AttentionSpec, target: str) -> Callable:
+    """The compiled main kernel of `spec` (a kernel_spec) for `target`."""
+    cfg = cfgmod.bwd_config(spec)
+    key = (FAMILY, target, "bwd", spec, cfg)
+    compile_cache.ensure_cute_dsl_arch(target)
+    return compile_cache.get_or_compile(key, lambda: _build_main(spec, cfg, target)[0])
+
+
+def _plain(spec: AttentionSpec) -> AttentionSpec:
+    """`spec` for the sm80 family's preprocess and conversion, which no mask or feature changes."""
+    spec = _sm80_backward().plain_spec(spec)
+    return dataclasses.replace(spec, softcap=False, softcap_wide=False, sink=False)
+
+
+def backward_launcher(problem: Problem, device, checked: bool = True) -> Callable[[BwdTensors, Grads], None]:
+    """The backward of one dense `problem` on `device` as launch(t, grads), with the kernels, the buffers' shapes and
+    the scalars settled once. checked: every tensor goes through kernel_view's check (the eager plan's tensors are in
+    the kernels' layout by construction)."""
+    spec = problem.spec
+    reason = backward_unsupported_reason(spec)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    width = cfgmod.bwd_kernel_dim(spec)
+    if (problem.head_dim, problem.head_dim_v) != (width, width):
+        dims = (width, width)
+        return padded_launcher(dims, backward_launcher(widened_problem(problem, dims), device, checked))
+    target = compile_cache.runtime_target(device)
+    sm80 = _sm80_backward()
+    main = _main_kernel(kernel_spec(spec), target)
+    preprocess = sm80.preprocess_kernel(_plain(spec), target)
+    convert = sm80.accum_convert_kernel(_plain(spec), target)
+    p, mask = problem, problem.mask
+    seqlen_q_pad = round_up(p.seqlen_q, ROW_MULTIPLE)
+    stats_shape = (p.batch, p.nheads, seqlen_q_pad)
+    dq_accum_shape = (p.batch, seqlen_q_pad, p.nheads, p.head_dim)
+    scalars = (p.softmax_scale, mask.left, mask.right) + ((float(p.softcap),) if spec.softcap else ())
+    f32 = dict(dtype=torch.float32, device=device)
+
+    def launch(t: BwdTensors, grads: Grads) -> None:
+        dout, q, k, v, out, lse, dlse = t[:7]
+        dq, dk, dv = grads[:3]
+        if checked:
+            assert q.shape == (p.batch, p.seqlen_q, p.nheads, p.head_dim) and k.shape[1:3] == (p.seqlen_k, p.nheads_kv)
+            q, k, v, dout, out, dq, dk, dv = sm80.grad_views(q, k, v, dout, out, dq, dk, dv)
+        lse_log2 = torch.empty(stats_shape, **f32)
+        dpsum = torch.empty(stats_shape, **f32)
+        dq_accum = torch.zeros(dq_accum_shape, **f32)
+        preprocess(out, dout, lse, dpsum, lse_log2)
+        fold_lse_grad(dpsum, dlse, lse)
+        main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, *scalars)
+        convert(dq_accum, dq, p.softmax_scale)
+        if spec.sink:
+            sink_grad(grads.dsink, t.sink, lse, dpsum[..., : p.seqlen_q])
+
+    return launch
+
+
+def warm_backward(spec: AttentionSpec, target: str) -> None:
+    """Gets every kernel `backward_launcher` launches for `spec` under the same cache keys."""
+    _main_kernel(kernel_spec(spec), target)
+    _sm80_backward().preprocess_kernel(_plain(spec), target)
+    _sm80_backward().accum_convert_kernel(_plain(spec), target)
+
+
+def compile_backward_artifacts(spec: AttentionSpec, target: str) -> List[KernelArtifact]:
+    """Compiles the main kernel serving `spec` for `target` with fake tensors (no GPU needed), with the sm80 family's
+    preprocess and conversion it launches (reported with an `sm80_` prefix)."""
+    reason = backward_unsupported_reason(spec)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    kspec = kernel_spec(spec)
+    cfg = cfgmod.bwd_config(kspec)
+    compile_cache.ensure_cute_dsl_arch(target)
+    with tempfile.TemporaryDirectory(prefix="cute_flash_sm100_bwd_") as dump:
+        compiled, kernel = _build_main(
+            kspec, cfg, target, compile_cache.keep_artifacts_options(os.path.join(dump, "m"))
+        )
+        config = {
+            **dataclasses.asdict(cfg),
+            "tile_n": cfgmod.N_BLOCK,
+            "tile_m": cfgmod.M_BLOCK,
+            "threads": 512,
+            "shared_bytes": kernel.smem_bytes,
+        }
+        artifacts = [KernelArtifact("bwd", compiled.artifacts.PTX, compiled.artifacts.CUBIN, config)]
+    roles = ["bwd_preprocess", "bwd_postprocess"]
+    for art in _sm80_backward().compile_backward_artifacts(_plain(kspec), target, roles=roles):
+        artifacts.append(KernelArtifact(f"sm80_{art.kernel}", art.ptx, art.cubin, {**art.config, "family": "sm80"}))
+    return artifacts
+
+
+def run_backward(t: BwdTensors, grads: Grads, problem: Problem) -> None:
+    """Fills `grads` (shaped and typed like q, k, v) on torch's current stream (tests and studies: the front end
+    keeps `backward_launcher`'s bound form)."""
+    backward_launcher(problem, t.q.device)(t, grads)

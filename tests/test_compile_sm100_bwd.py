@@ -1,0 +1,119 @@
+"""CPU: the sm100 backward cross-compiles for sm_100a and is built the way flash_bwd.py says (no GPU needed).
+
+No Blackwell GPU has run this kernel; what can be checked without one is checked here:
+  - ptxas reports zero spill bytes for every head dim, mask and soft-capping build;
+  - the instruction census: five MMAs per query tile (S^T, dP^T, dV, dK, dQ), issued as prologue (S, dP, dV), one
+    loop body (all five) and epilogue (dQ, dK); d / 32 TMA reduce-adds of dQ per tile; one TMEM allocation; three
+    setmaxnreg (compute up, dQ and the single warps down);
+  - the shared-memory buffers that two MMAs read under different layouts (Q and Q^T, K and K^T, dO and dO^T, dS and
+    dS^T) agree element by element, so each MMA reads the operand the other's layout wrote.
+"""
+
+import os
+import re
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
+
+import pytest  # noqa: E402
+
+from cute_flash.cli import compile_report  # noqa: E402
+from cute_flash.spec import AttentionSpec  # noqa: E402
+
+
+def _mma_count(d: int) -> int:
+    """tcgen05.mma instructions of the kernel: K-blocks of 16 per MMA (S^T, dP^T over d; dV, dK over 128 queries; dQ
+    over 128 keys), prologue + loop body + epilogue."""
+    s = dp = d // 16
+    dv = dk = dq = 128 // 16
+    return (s + dp + dv) + (s + dq + dk + dp + dv) + (dq + dk)
+
+
+@pytest.mark.parametrize(
+    "d, mask, softcap",
+    [(64, "none", False), (128, "causal", False), (128, "local", False), (128, "causal", True), (32, "local", True)],
+)
+def test_sm100_backward_builds(capsys, tmp_path, d, mask, softcap):
+    spec = AttentionSpec("bf16", d, d, mask, softcap=softcap)
+    with capsys.disabled():  # (ptxas' report goes to file descriptor 2, which compile_report captures)
+        reports = {r["kernel"]: r for r in compile_report("sm100", spec, backward=True, out_dir=str(tmp_path))}
+    assert {"bwd", "sm80_bwd_preprocess", "sm80_bwd_postprocess"} <= set(reports)
+    bwd = reports["bwd"]
+    width = max(d, 64)  # d32 runs the d64 kernel on zero-padded operands
+    census = bwd["census"]
+    assert bwd["spill_bytes"] == 0, f"the sm100 backward spills {bwd['spill_bytes']} bytes"
+    assert bwd["threads"] == 512
+    assert bwd["shared_bytes"] <= 227 * 1024
+    assert census["tcgen05.mma"] == _mma_count(width)
+    assert census["cp.reduce.async.bulk"] == width // 32
+    assert census["setmaxnreg"] == 3
+    for r in reports.values():
+        assert r["spill_bytes"] == 0, r["kernel"]
+
+
+# ------------------------------------------------------------------------------------------------ shared-memory views
+def _flat(t):
+    return [y for x in t for y in _flat(x)] if isinstance(t, tuple) else [t]
+
+
+def _parse(layout: str):
+    """'(shape):(stride)' of a static layout as flat lists."""
+    as_tuple = lambda s: eval(re.sub(r"\)", ",)", s))  # noqa: E731  ("(64,16)" -> (64, 16,); ints stay ints)
+    shape, stride = layout.split(":")
+    return _flat(as_tuple(shape)), _flat(as_tuple(stride))
+
+
+def _offset(layout, swizzle: str, index: int) -> int:
+    """The element offset of natural index `index` under a swizzled (`S<b,m,s>`) static layout."""
+    shape, stride = layout
+    off = 0
+    for n, s in zip(shape, stride):
+        off += (index % n) * s
+        index //= n
+    b, m, s = map(int, re.findall(r"-?\d+", swizzle)[:3])
+    return off ^ (((off >> (m + s)) & ((1 << b) - 1)) << m)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm100_backward_shared_views_agree(d):
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+
+    found = {}
+    dt = cutlass.BFloat16
+
+    @cute.jit
+    def layouts():
+        K, MN = OperandMajorMode.K, OperandMajorMode.MN
+
+        def mma(a, b, tiler, src=tcgen05.OperandSource.SMEM):
+            return sm100_utils.make_trivial_tiled_mma(
+                dt, dt, a, b, cutlass.Float32, tcgen05.CtaGroup.ONE, tiler[:2], src
+            )
+
+        t_s, t_dkv, t_dq = (128, 128, d), (128, d, 128), (128, d, 128)
+        m_s, m_dk, m_dq = mma(K, K, t_s), mma(K, MN, t_dkv), mma(MN, MN, t_dq)
+        m_dv = mma(K, MN, t_dkv, tcgen05.OperandSource.TMEM)
+        a, b = sm100_utils.make_smem_layout_a, sm100_utils.make_smem_layout_b
+        # (operand, its layout for one MMA, its transpose's for another, rows, columns, stages) as in flash_bwd.py
+        for name, one, other, rows, cols, stages in (
+            ("Q", b(m_s, t_s, dt, 2), b(m_dk, t_dkv, dt, 2), 128, d, 2),
+            ("K", a(m_s, t_s, dt, 1), b(m_dq, t_dq, dt, 1), 128, d, 1),
+            ("dO", b(m_s, t_s, dt, 1), b(m_dv, t_dkv, dt, 1), 128, d, 1),
+            ("dS", a(m_dq, t_dq, dt, 1), a(m_dk, t_dkv, dt, 1), 128, 128, 1),
+        ):
+            found[name] = (str(one.outer), str(one.inner), str(other.outer), str(other.inner), rows, cols, stages)
+
+    cute.compile(layouts)
+    assert set(found) == {"Q", "K", "dO", "dS"}
+    for name, (outer1, swz1, outer2, swz2, rows, cols, stages) in found.items():
+        l1, l2 = _parse(outer1), _parse(outer2)
+        bad = [
+            (s, r, c)
+            for s in range(stages)
+            for r in range(rows)
+            for c in range(cols)
+            if _offset(l1, swz1, r + rows * c + rows * cols * s) != _offset(l2, swz2, c + cols * r + rows * cols * s)
+        ]
+        assert not bad, f"{name}: {len(bad)} elements differ between the two views, e.g. {bad[:3]}"
