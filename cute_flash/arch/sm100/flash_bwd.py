@@ -572,7 +572,7 @@ class Sm100FlashBackward:
         tKtK = self._acc(mmas.dk, self.tiler_dkv, tmem_ptr, self.tmem_dk)
         tQtQ = self._acc(mmas.dq, self.tiler_dq, tmem_ptr, self.tmem_dq)
 
-        # Pipelines by name: a call `pipes.x.f()` inside runtime control flow would make the DSL carry `pipes` through it.
+        # Pipelines by name: `pipes.x.f()` inside runtime control flow would make the DSL carry `pipes` through it.
         pipe_kv, pipe_q, pipe_do, pipe_dkv = pipes.kv, pipes.q, pipes.do, pipes.dkv
         ops = MmaOperands(
             tSrK, tSrQ, tStS, tPrV, tPrdO, tPtP, tVrP, tVrdOt, tVtV, tKrdSt, tKrQt, tKtK, tQrdS, tQrKt, tQtQ
