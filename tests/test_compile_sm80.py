@@ -215,9 +215,10 @@ _BLACKWELL_SCRIPT = textwrap.dedent(
 
 
 def test_sm80_kernels_cross_compile_for_blackwell():
-    """On Blackwell every call without an sm100 kernel (every backward, other head dims, packed sequences, KV caches)
-    runs the sm80 family built for sm_100a (routing.py): its forward and backward compile for that target with the
-    FlashAttention-2 instructions (d128 causal, and d80, whose backward runs the d96 kernels on padded operands).
+    """On Blackwell every call without an sm100 kernel (other head dims, packed sequences, KV caches, score_mod /
+    mask_mod, a deterministic backward) runs the sm80 family built for sm_100a (routing.py): its forward and backward
+    compile for that target with the FlashAttention-2 instructions (d128 causal, and d80, whose backward runs the d96
+    kernels on padded operands).
     Never run on a Blackwell GPU. Their stack frames (ptxas' spills at 255 registers, as on sm_90a) stay small."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_100a", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run([sys.executable, "-c", _BLACKWELL_SCRIPT], env=env, capture_output=True, text=True,
