@@ -460,6 +460,93 @@ def test_transformers_window_comes_with_the_mask(fake_gpu, registered):
     assert {(c[1].left, c[1].right) for c in fake_gpu.calls} == {(3, 0)}
 
 
+def _tiny_eager_pair(cls_name: str, name: str, **extra):
+    """A tiny randomly initialised model (2 layers, hidden 64) in bf16 and its twin under the plug-in, against
+    transformers' eager attention."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(
+        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, **extra,
+    )  # fmt: skip
+    cls = getattr(transformers, cls_name)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cls(**common), attn_implementation="eager")
+    model = model.to(torch.bfloat16).eval()
+    twin = transformers.AutoModelForCausalLM.from_config(cls(**common), attn_implementation=name)
+    twin = twin.to(torch.bfloat16).eval()
+    twin.load_state_dict(model.state_dict())
+    return model, twin
+
+
+def _static_generate_logits(model, ids, mask, chunk, turn):
+    """generate() on a static cache, its logits: the prompt prefilled in chunks of `chunk` tokens, or (chunk None) in
+    one piece and then a second turn `turn` appended to it against the same cache (teacher forced: the first turn
+    generates nothing that the second one reads, so no greedy near-tie can make the models' inputs differ)."""
+    transformers = pytest.importorskip("transformers")
+    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+    kw = dict(
+        do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True, prefill_chunk_size=chunk,
+        **_cache_kw(cache),
+    )  # fmt: skip
+    with torch.no_grad():
+        first = model.generate(ids, attention_mask=mask, max_new_tokens=1 if turn is not None else 3, **kw)
+        logits = list(first.logits)
+        if turn is not None:
+            ids, mask = torch.cat([ids, turn], 1), torch.cat([mask, torch.ones_like(turn)], 1)
+            logits += model.generate(ids, attention_mask=mask, max_new_tokens=2, **kw).logits
+    return torch.stack(logits)
+
+
+# Qwen2-MoE's modules pass no sliding_window (the window comes with the mask); Gemma 2's pass theirs.
+_STATIC_MODELS = {
+    "qwen2_moe": ("Qwen2MoeConfig", dict(
+        use_sliding_window=True, sliding_window=4, max_window_layers=1, num_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    )),
+    "gemma2": ("Gemma2Config", dict(sliding_window=4, head_dim=16, query_pre_attn_scalar=16)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
+@pytest.mark.parametrize("steps", ["chunked_prefill", "second_turn"])
+@pytest.mark.parametrize("kind", sorted(_STATIC_MODELS))
+def test_transformers_static_cache_chunks_match_eager(fake_gpu, registered, kind, steps, padded):
+    """A static cache whose sliding-window layer is already full when more than one token arrives (a prefill in
+    chunks, a second turn): the padding mask then covers the layer's last slots (a slice of the 2D mask). It must
+    keep its window (Qwen2-MoE's modules do not pass theirs: generate()'s .contiguous() copy of the slice lost the tag
+    and ran full causal attention). Logits of generate() against transformers' eager attention."""
+    cls_name, extra = _STATIC_MODELS[kind]
+    model, twin = _tiny_eager_pair(cls_name, registered, **extra)
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(13))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    if padded:
+        mask[1, :6] = 0  # left padding reaching into the sliding layer's last slots after the first chunk
+    chunk, turn = (5, None) if steps == "chunked_prefill" else (None, torch.randint(1, 64, (2, 5)))
+    want = _static_generate_logits(model, ids, mask, chunk, turn)
+    got = _static_generate_logits(twin, ids, mask, chunk, turn)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    assert (3, 0) in {(c[1].left, c[1].right) for c in fake_gpu.calls if c[1].kind != "none"}  # the window applied
+
+
+def test_transformers_refuses_a_2d_mask_it_did_not_build(fake_gpu):
+    # A 2D mask without the mask function's tag (a caller's, or a copy of the plug-in's): its window and key slots are
+    # unknown, so it is refused, with or without a sliding_window from the module, not served as full causal padding.
+    pytest.importorskip("transformers")
+    from cute_flash.integrations import transformers as cft
+
+    q = torch.randn(2, 4, 6, 32, dtype=torch.bfloat16)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, :2] = False
+    module = torch.nn.Module()
+    for window in (None, 3):
+        with pytest.raises(NotImplementedError, match="without the plug-in's tag"):
+            cft.attention_forward(module, q, q, q, mask, sliding_window=window)
+    built = cft.mask_function(2, 6, 6, attention_mask=mask, local_size=None)
+    assert built is not None and cft.attention_forward(module, q, q, q, built)[0].shape == (2, 6, 4, 32)
+    with pytest.raises(NotImplementedError, match="without the plug-in's tag"):
+        cft.attention_forward(module, q, q, q, built.clone())
+
+
 def test_transformers_refuses_sparse_attention_keywords(fake_gpu):
     from cute_flash.integrations import transformers as cft
 

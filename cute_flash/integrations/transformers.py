@@ -34,8 +34,9 @@ forward over the cache in place, one page per key slot, page tables of the visib
 (`_masked_decoding`), which a CUDA graph captures.
 
 The window a layer's mask was built for travels with the mask (an attribute of the tensor the mask function returns),
-so models whose attention modules do not pass `sliding_window` (PhiMoE, Qwen2-MoE) still get it, and a module whose
-`sliding_window` disagrees with its mask raises.
+so models whose attention modules do not pass `sliding_window` (PhiMoE, Qwen2-MoE) still get it, a module whose
+`sliding_window` disagrees with its mask raises, and so does a 2D mask without the tag (one the mask function did not
+build, or a copy of one), whose window is unknown.
 
 What raises instead of answering wrongly: any other mask (custom 4D masks, bidirectional or chunked patterns, a mask
 that does not match its documents, a 2D mask wider than the positions seen, which transformers reads from the left),
@@ -552,10 +553,17 @@ def _features(kwargs: dict) -> dict:
 
 def _layer_window(attention_mask, sliding_window):
     """The layer's window: what its mask was built for (the mask function's tag), which the module's own
-    `sliding_window` must agree with; without a mask, the plain causal pattern (no window) unless the module asks."""
+    `sliding_window` must agree with; without a mask, the plain causal pattern (no window) unless the module asks.
+    A 2D mask must carry the tag: its window (some modules do not pass theirs) and the key slots it covers are known
+    only from the mask function, so an untagged one (a caller's, or a copy of the plug-in's: .clone(), .to() and a
+    non-contiguous .contiguous() drop attributes) is refused, not guessed."""
+    if attention_mask is not None and attention_mask.dim() == 2 and not hasattr(attention_mask, _WINDOW_TAG):
+        raise _err(
+            "a 2D attention mask without the plug-in's tag reached the attention function: only the padding masks "
+            "that the plug-in's mask function builds are served (their window and key slots travel with them); "
+            "register() the plug-in and let transformers build the masks, and do not copy them"
+        )
     if attention_mask is None or not hasattr(attention_mask, _WINDOW_TAG):
-        if sliding_window is not None and attention_mask is not None and attention_mask.dim() == 2:
-            raise _err("a 2D mask without the plug-in's window tag reached a sliding-window layer")
         return sliding_window
     tagged = getattr(attention_mask, _WINDOW_TAG)
     if sliding_window is not None and sliding_window != tagged:
@@ -678,7 +686,9 @@ def _padding(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mas
     if attention_mask is not None:
         if attention_mask.dim() != 2 or _tracing(attention_mask) or attention_mask.shape[-1] != q_offset + q_length:
             return False  # e.g. a fixed-width mask with future slots, which transformers reads from kv_offset
-        mask = attention_mask[:, -kv_length:].to(torch.bool)  # a sliding layer's cache holds the last kv_length
+        # A sliding layer's cache holds the last kv_length. Contiguous: a slice is a view with the mask's strides, and
+        # generate() calls .contiguous() on the masks it builds (static caches), whose copy would lose the tags.
+        mask = attention_mask[:, -kv_length:].to(torch.bool).contiguous()
         if mask.shape != (batch_size, end):
             return False
         # One host sync per mask, as transformers' own flash-attention mask: whether there is padding, and whether
