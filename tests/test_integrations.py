@@ -497,12 +497,14 @@ def _static_generate_logits(model, ids, mask, chunk, turn):
     return torch.stack(logits)
 
 
-# Qwen2-MoE's modules pass no sliding_window (the window comes with the mask); Gemma 2's pass theirs.
+# Qwen2-MoE's modules pass no sliding_window (the window comes with the mask); Mistral's config has no layer_types,
+# so the mask generate() builds reaches the model's own mask creation again; Gemma 2's has both layer types.
 _STATIC_MODELS = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(
         use_sliding_window=True, sliding_window=4, max_window_layers=1, num_experts=2, num_experts_per_tok=1,
         moe_intermediate_size=32, shared_expert_intermediate_size=32,
     )),
+    "mistral": ("MistralConfig", dict(sliding_window=4, head_dim=16)),
     "gemma2": ("Gemma2Config", dict(sliding_window=4, head_dim=16, query_pre_attn_scalar=16)),
 }  # fmt: skip
 
@@ -513,8 +515,9 @@ _STATIC_MODELS = {
 def test_transformers_static_cache_chunks_match_eager(fake_gpu, registered, kind, steps, padded):
     """A static cache whose sliding-window layer is already full when more than one token arrives (a prefill in
     chunks, a second turn): the padding mask then covers the layer's last slots (a slice of the 2D mask). It must
-    keep its window (Qwen2-MoE's modules do not pass theirs: generate()'s .contiguous() copy of the slice lost the tag
-    and ran full causal attention). Logits of generate() against transformers' eager attention."""
+    keep its window (Qwen2-MoE's modules do not pass theirs: a copy without the tag ran full causal attention), and
+    the plug-in's own mask, handed back to its mask function by a model that builds its masks again (Mistral), is
+    that mask, not a user's to read from the left. Logits of generate() against transformers' eager attention."""
     cls_name, extra = _STATIC_MODELS[kind]
     model, twin = _tiny_eager_pair(cls_name, registered, **extra)
     ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(13))
@@ -545,6 +548,35 @@ def test_transformers_refuses_a_2d_mask_it_did_not_build(fake_gpu):
     assert built is not None and cft.attention_forward(module, q, q, q, built)[0].shape == (2, 6, 4, 32)
     with pytest.raises(NotImplementedError, match="without the plug-in's tag"):
         cft.attention_forward(module, q, q, q, built.clone())
+
+
+def test_transformers_own_mask_back_in_the_mask_function():
+    # The plug-in's 2D mask covers the layer's key slots, not positions from 0: handed back to the mask function for
+    # the pattern it was built for, it is the answer (the same tensor); materialised (no skip), its slots stay where
+    # they are; for another window or cache state it is refused, not read from the left.
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    from cute_flash.integrations import transformers as cft
+
+    config = SimpleNamespace(sliding_window=4)
+    sliding = dict(local_size=4, config=config, mask_function=sliding_window_causal_mask_function(4))
+    user = torch.ones(2, 10, dtype=torch.bool)
+    user[1, :7] = False
+    built = cft.mask_function(2, 3, 6, q_offset=7, kv_offset=4, attention_mask=user, local_size=4, config=config)
+    assert built.shape == (2, 6) and built.is_contiguous() and torch.equal(built, user[:, 4:])
+    again = cft.mask_function(2, 3, 6, q_offset=7, kv_offset=4, attention_mask=built, local_size=4, config=config)
+    assert again is built
+    at = dict(q_offset=7, kv_offset=4, allow_is_causal_skip=False)
+    full = cft.mask_function(2, 3, 6, attention_mask=built, **at, **sliding)
+    want = cft.mask_function(2, 3, 6, attention_mask=user, **at, **sliding)
+    assert full.shape == (2, 1, 3, 6) and torch.equal(full, want)
+    with pytest.raises(NotImplementedError, match="came back"):
+        cft.mask_function(2, 3, 10, q_offset=7, attention_mask=built, config=config)  # a full-attention layer's
+    with pytest.raises(NotImplementedError, match="came back"):
+        cft.mask_function(2, 1, 6, q_offset=8, kv_offset=5, attention_mask=built, local_size=4, config=config)
 
 
 def test_transformers_refuses_sparse_attention_keywords(fake_gpu):

@@ -702,6 +702,27 @@ def _padding(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mas
     return _tagged(torch.ones(batch_size, end, dtype=torch.bool, device=device), window, full=True)
 
 
+def _own_mask(batch_size, q_length, q_offset, kv_offset, attention_mask, window):
+    """The plug-in's own 2D mask where it comes back as the `attention_mask` to build from (Mistral's model builds its
+    mask again from the one generate() built for a static cache), else None. It covers the layer's key slots, not the
+    positions from 0 that transformers reads a 2D mask at: it is the answer for the pattern it was built for (its
+    window, its slots ending at the queries'), and refused for any other."""
+    if attention_mask is None or attention_mask.dim() != 2 or not hasattr(attention_mask, _WINDOW_TAG):
+        return None
+    if isinstance(q_offset, torch.Tensor):
+        if _tracing(q_offset):
+            raise _err("the plug-in's own padding mask came back to its mask function under tracing: pass the 2D mask")
+        q_offset = int(q_offset)
+    tagged, slots = getattr(attention_mask, _WINDOW_TAG), q_offset + q_length - kv_offset
+    if tagged != window or tuple(attention_mask.shape) != (batch_size, slots):
+        raise _err(
+            f"the plug-in's own padding mask (sliding_window={tagged}, shape {tuple(attention_mask.shape)}) came back "
+            f"to its mask function for another pattern (sliding_window={window}, {batch_size} rows of {slots} key "
+            "slots): give transformers the 2D attention_mask over the tokens' positions instead"
+        )
+    return attention_mask
+
+
 def mask_function(
     batch_size: int,
     q_length: int,
@@ -718,11 +739,19 @@ def mask_function(
     """transformers' mask-interface contract. For the plain causal / sliding-window pattern: None (plain causal, no
     mask needed) or a 2D padding mask tagged with its window, which the attention function unpads into packed
     sequences. Anything else: the materialised 4D mask, which the attention function serves only when it is exactly
-    causal attention within packed documents, or the keys of one query per row."""
+    causal attention within packed documents, or the keys of one query per row. Its own 2D mask, handed back, is
+    returned as it is (`_own_mask`)."""
     from transformers.masking_utils import sdpa_mask
 
     window = local_size if local_size is not None and local_size == getattr(config, "sliding_window", None) else None
-    if _plain_pattern(mask_function, allow_is_causal_skip, local_size, config, kwargs):
+    own = _own_mask(batch_size, q_length, q_offset, kv_offset, attention_mask, window)
+    plain = _plain_pattern(mask_function, allow_is_causal_skip, local_size, config, kwargs)
+    if own is not None:
+        if plain:
+            return own
+        # Materialised below from the positions it covers (the ones before, left as padding, are never read).
+        attention_mask = torch.nn.functional.pad(own, (kv_offset, 0))
+    elif plain:
         device = kwargs.get("device", "cpu")
         padding = _padding(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, window, device)
         if padding is not False:
