@@ -579,6 +579,15 @@ def test_transformers_own_mask_back_in_the_mask_function():
         cft.mask_function(2, 1, 6, q_offset=8, kv_offset=5, attention_mask=built, local_size=4, config=config)
 
 
+def test_transformers_refuses_output_attentions(fake_gpu, registered):
+    # No attention weights are computed: asking for them raises, rather than returning empty attentions.
+    model, twin = _tiny("llama", registered)
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(NotImplementedError, match='output_attentions.*attn_implementation="eager"'):
+        twin(ids, output_attentions=True)
+    twin(ids, output_attentions=False)
+
+
 def test_transformers_refuses_sparse_attention_keywords(fake_gpu):
     from cute_flash.integrations import transformers as cft
 

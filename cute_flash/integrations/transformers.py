@@ -42,7 +42,8 @@ What raises instead of answering wrongly: any other mask (custom 4D masks, bidir
 that does not match its documents, a 2D mask wider than the positions seen, which transformers reads from the left),
 a sliding window over a padded row whose valid tokens are not contiguous (the window is a distance in positions;
 packing would close the gaps), sparse attention (`indices`, `block_indices`), attention dropout during training,
-non-causal attention. A caller that turns `allow_is_causal_skip` off gets the materialised mask it asked for.
+non-causal attention, attention weights (`output_attentions=True`). A caller that turns `allow_is_causal_skip` off
+gets the materialised mask it asked for.
 """
 
 from __future__ import annotations
@@ -313,6 +314,12 @@ def attention_forward(
         raise _err(
             f"attention dropout {dropout} is not implemented; set the config's attention_dropout to 0 for training "
             "(evaluation passes 0 already)"
+        )
+    if kwargs.get("output_attentions"):
+        # (transformers would return a tuple of Nones where the weights should be: refused, not left empty)
+        raise _err(
+            "output_attentions=True: cute-flash never materialises the attention weights; use "
+            'attn_implementation="eager" for a forward that returns them'
         )
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
