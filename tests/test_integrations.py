@@ -588,6 +588,91 @@ def test_transformers_refuses_output_attentions(fake_gpu, registered):
     twin(ids, output_attentions=False)
 
 
+def test_transformers_derived_results_follow_contents_a_version_does_not_tell(fake_gpu):
+    """What the layers of one forward share (page tables, packed sequences) is cached only for a mask the mask
+    function built this forward. The same tensor with new contents and an unchanged version (a CUDA-graph tree's
+    output under torch.compile mode="reduce-overhead" is the same tensor from replay to replay; here its contents
+    are written through .data, which bumps no version) is derived anew: a caller's mask, or a built one that is a
+    CUDA-graph output."""
+    import math
+
+    pytest.importorskip("transformers")
+    from transformers.masking_utils import causal_mask_function
+
+    from cute_flash.integrations import transformers as cft
+
+    g = torch.Generator().manual_seed(14)
+    b, h, hkv, sk, d = 2, 4, 2, 12, 32
+    q, k, v = (torch.randn(*s, generator=g).bfloat16() for s in ((b, h, 1, d), (b, hkv, sk, d), (b, hkv, sk, d)))
+    module = torch.nn.Module()
+    seen = torch.zeros(b, 10, dtype=torch.bool)
+    seen[:, 4:] = True
+    built = cft.mask_function(
+        b, 1, sk, q_offset=9, attention_mask=seen, allow_is_causal_skip=False, mask_function=causal_mask_function
+    )
+    assert built.shape == (b, 1, 1, sk) and built.is_contiguous()
+
+    def attend(mask):
+        scores = (q.double() @ k.double().repeat_interleave(h // hkv, 1).transpose(-1, -2)) * 0.3
+        p = torch.softmax(scores.masked_fill(~mask, -math.inf), -1)
+        return (p @ v.double().repeat_interleave(h // hkv, 1)).transpose(1, 2)
+
+    def check(mask):
+        before = mask._version
+        cft.attention_forward(module, q, k, v, mask, scaling=0.3)
+        mask.data[..., :4] = True  # the next replay's contents, the version unchanged
+        assert mask._version == before
+        out = cft.attention_forward(module, q, k, v, mask, scaling=0.3)[0]
+        torch.testing.assert_close(out.double(), attend(mask), atol=2e-2, rtol=0)
+        mask.data[..., :4] = False
+
+    check(built.clone())  # a caller's mask
+    # A built padding mask (2D, packed sequences) too.
+    qp, kp = (torch.randn(b, n, 6, d, generator=g).bfloat16() for n in (h, hkv))
+    user = torch.ones(b, 6, dtype=torch.bool)
+    user[1, :3] = False
+    pad = cft.mask_function(b, 6, 6, attention_mask=user)
+    torch._C._set_cached_tensors_enabled(True)  # registered as cudagraph_trees registers its outputs
+    try:
+        torch._C._add_cached_tensor(built)
+        check(built)
+        torch._C._add_cached_tensor(pad)
+        cft.attention_forward(module, qp, kp, kp, pad, scaling=0.3)
+        pad.data[1, :3] = True
+        out = cft.attention_forward(module, qp, kp, kp, pad, scaling=0.3)[0]
+    finally:
+        for t in (built, pad):
+            torch._C._remove_cached_tensor(t)
+        torch._C._set_cached_tensors_enabled(False)
+    want = cft.attention_forward(module, qp, kp, kp, None, scaling=0.3)[0]  # (no padding left)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+def test_transformers_packed_keywords_checked_in_one_read():
+    # The collator's keywords, derived in every layer that has no mask to key the forward on: their documents (empty
+    # ones included) and every refusal, from one host read.
+    from cute_flash.integrations.transformers import _packing_from_keywords
+
+    def keywords(cu, cu_k=None):
+        cu = torch.tensor(cu, dtype=torch.int32)
+        return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu if cu_k is None else torch.tensor(cu_k), max_length_q=1,
+                    max_length_k=1)  # fmt: skip
+
+    starts, p = _packing_from_keywords(keywords([0, 3, 3, 8, 10, 16]), 2, 8, "cpu")
+    assert starts.int().tolist() == [[1, 0, 0, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0, 0, 0]]
+    assert p.cu_seqlens_q.tolist() == [0, 3, 3, 8, 10, 16] and p.max_seqlen_q == p.max_seqlen_k == 6
+    for cu, cu_k, match in [
+        ([0, 4, 16], None, "crosses a batch row"),
+        ([0, 9, 8, 16], None, "without decreasing"),
+        ([0, 8, 15], None, "without decreasing"),
+        ([0, 8, 16], [0, 4, 16], "cu_seq_lens_q != cu_seq_lens_k"),
+        ([0, 8, 16], [0, 16], "same 1D offsets"),
+    ]:
+        with pytest.raises(NotImplementedError, match=match):
+            _packing_from_keywords(keywords(cu, cu_k), 2, 8, "cpu")
+    assert _packing_from_keywords({}, 2, 8, "cpu") is None
+
+
 def test_transformers_refuses_sparse_attention_keywords(fake_gpu):
     from cute_flash.integrations import transformers as cft
 

@@ -85,7 +85,14 @@ def _tracing(t: Optional[torch.Tensor] = None) -> bool:
 class _Derived:
     """Results derived from a mask (and position) tensor, reused by every layer of one forward: transformers hands
     the same mask object to each layer, so the device-to-host copy and the mask check happen once per forward.
-    Keyed on the tensors' identities and versions (an in-place change recomputes), held by weak reference."""
+
+    Cached only where the key holds a tensor that is provably new this forward: a mask built by `mask_function`
+    (which returns a new tensor every call, and nothing changes it in place), not one that a CUDA-graph tree hands
+    back (torch.compile mode="reduce-overhead" returns the same tensor from every replay, with the replay's contents
+    and its version unchanged). A caller's tensors alone (a 4D mask or cu_seq_lens it passes itself) are derived
+    anew on every call: their identity and version do not prove their contents (inference tensors have no version;
+    graph replays and other writers change contents without one). Keyed on identities and versions, held by weak
+    reference."""
 
     def __init__(self, size: int = 8):
         self._entries: dict = {}
@@ -93,11 +100,8 @@ class _Derived:
 
     def get(self, tensors: tuple, extra: tuple, compute):
         present = tuple(t for t in tensors if t is not None)
-        if any(t.is_inference() and not getattr(t, _BUILT_TAG, False) for t in present):
-            # An inference tensor has no version counter: one the caller may change in place between steps (a
-            # static cache's mask kept by a decode loop) is derived anew each time; the masks built here are not.
+        if not any(_fresh(t) for t in present):
             return compute()
-        # (Masks built by `mask_function` are new objects every forward, never changed in place: cached by identity.)
         versions = tuple(-1 if t.is_inference() else t._version for t in present)
         key = (tuple(id(t) for t in present), versions, extra)
         hit = self._entries.get(key)
@@ -109,6 +113,16 @@ class _Derived:
             self._entries.pop(next(iter(self._entries)))
         self._entries[key] = (tuple(weakref.ref(t) for t in present), value)
         return value
+
+
+# A CUDA-graph tree's outputs are "cached tensors": the same tensor from replay to replay (torch._inductor.
+# cudagraph_trees registers them with torch._C._add_cached_tensor).
+_is_graph_output = getattr(torch._C, "_is_cached_tensor", lambda t: False)
+
+
+def _fresh(t: torch.Tensor) -> bool:
+    """Whether `t` is new this forward (see `_Derived`): built by the mask function and not a CUDA-graph output."""
+    return getattr(t, _BUILT_TAG, False) and not _is_graph_output(t)
 
 
 _DERIVED = _Derived()
@@ -135,7 +149,7 @@ class _Packing(NamedTuple):
 _WINDOW_TAG = "_cute_flash_window"
 _FULL_TAG = "_cute_flash_full"
 _GAPS_TAG = "_cute_flash_gaps"  # whether a row's valid tokens have gaps, read once by the mask function
-_BUILT_TAG = "_cute_flash_built"  # built by `mask_function` (not a caller's tensor): safe to cache by identity
+_BUILT_TAG = "_cute_flash_built"  # built by `mask_function` (not a caller's tensor): new every forward (`_Derived`)
 
 
 def _tagged(mask: torch.Tensor, window: Optional[int], full: bool = False, gaps: Optional[bool] = None):
@@ -257,25 +271,41 @@ def _check_documents(mask: torch.Tensor, starts: torch.Tensor, window: Optional[
         )
 
 
-def _packing_from_keywords(kwargs: dict, b: int, s: int, device) -> Optional[torch.Tensor]:
-    """Document starts (b, s) from DataCollatorWithFlattening's cu_seq_lens_* keywords, or None when not given."""
+def _packing_from_keywords(kwargs: dict, b: int, s: int, device):
+    """(document starts (b, s), their `_Packing`) from DataCollatorWithFlattening's cu_seq_lens_* keywords, or None
+    when not given. One host read, the checks and the longest document together: without a mask to key the forward
+    on (a full-attention layer gets none), this runs in every layer (`_Derived`)."""
     given = [kwargs.get(n) is not None for n in _PACKED_KEYWORDS]
     if not any(given):
         return None
     if not all(given):
         raise _err(f"packed sequences need all of {', '.join(_PACKED_KEYWORDS)}")
     cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
-    if cu_q is not cu_k and not torch.equal(cu_q, cu_k):
+    if cu_q.dim() != 1 or cu_q.shape != cu_k.shape or cu_q.numel() == 0:
+        raise _err("cu_seq_lens_q and cu_seq_lens_k must be the same 1D offsets: only self-attention is served")
+    cu, n = cu_q.to(device=device, dtype=torch.long), b * s
+    lens = cu.diff()
+    checks = [
+        cu_k is cu_q or (cu == cu_k.to(device=device, dtype=torch.long)).all(),
+        cu[0] == 0,
+        cu[-1] == n,
+        (lens >= 0).all(),
+        torch.isin(torch.arange(0, n, max(s, 1), device=device), cu).all(),  # every row's first token starts one
+        lens.max() if lens.numel() else cu.new_zeros(()),
+    ]
+    same, first, last, rising, rows, longest = torch.stack(
+        [torch.as_tensor(c, device=device).long() for c in checks]
+    ).tolist()
+    if not same:
         raise _err("cu_seq_lens_q != cu_seq_lens_k: only self-attention over packed documents is served")
-    cu = cu_q.to(device=device, dtype=torch.long)
-    if cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != b * s or bool((cu.diff() < 0).any()):
-        raise _err(f"cu_seq_lens_q must run from 0 to the {b * s} tokens of the call without decreasing")
-    starts = torch.zeros(b * s, dtype=torch.bool, device=device)
-    starts[cu[:-1][cu.diff() > 0]] = True
-    starts = starts.view(b, s)
-    if b and s and not bool(starts[:, 0].all()):
+    if not (first and last and rising):
+        raise _err(f"cu_seq_lens_q must run from 0 to the {n} tokens of the call without decreasing")
+    if not rows:
         raise _err("a packed document crosses a batch row")
-    return starts
+    starts = torch.zeros(n + 1, dtype=torch.bool, device=device)
+    starts[cu] = True  # (no host read; an empty document's start is the next one's)
+    cu = cu.to(torch.int32)
+    return starts[:n].view(b, s), _Packing(None, None, cu, cu, longest, longest, None, s)
 
 
 def _packing_from_positions(position_ids: Optional[torch.Tensor], b: int, s: int) -> Optional[torch.Tensor]:
@@ -589,18 +619,19 @@ def _packing(attention_mask, q, k, v, sliding_window, kwargs):
         if not s <= width <= sk or attention_mask.shape[0] != b:
             raise _err(f"a padding mask of shape {tuple(attention_mask.shape)} does not fit {b} rows of {s} queries "
                        f"and {sk} key slots")  # fmt: skip
-        if getattr(attention_mask, _FULL_TAG, False):
-            if all(kwargs.get(n) is None for n in _PACKED_KEYWORDS):
-                return width
-            # No padding, but packed documents by the collator's keywords (a sliding-window layer gets this mask
-            # where a full-attention layer gets None): the documents, as there.
-            attention_mask = None
+        if getattr(attention_mask, _FULL_TAG, False) and all(kwargs.get(n) is None for n in _PACKED_KEYWORDS):
+            return width
     return _packing_from_masks(attention_mask, q, k, v, sliding_window, kwargs)
 
 
 @torch.compiler.disable  # host reads of the mask: run eagerly (a guard on the mask's identity would recompile)
 def _packing_from_masks(attention_mask, q, k, v, sliding_window, kwargs):
     b, s, sk = q.shape[0], q.shape[1], k.shape[1]
+    given = attention_mask  # (the per-forward results are keyed on the mask transformers hands every layer)
+    if attention_mask is not None and getattr(attention_mask, _FULL_TAG, False):
+        # No padding, but packed documents by the collator's keywords (a sliding-window layer gets this mask where a
+        # full-attention layer gets None): the documents, as there (the mask still keys this forward's results).
+        attention_mask = None
     if attention_mask is not None and attention_mask.dim() == 2:
         width = attention_mask.shape[1]
         if _tracing(attention_mask):
@@ -622,7 +653,6 @@ def _packing_from_masks(attention_mask, q, k, v, sliding_window, kwargs):
         return width if packing is None else packing
     if attention_mask is not None and attention_mask.dim() != 4:
         raise _err(f"an attention mask of {attention_mask.dim()} dims is not served")
-    given = attention_mask  # (the per-forward results are keyed on the mask transformers hands every layer)
     if attention_mask is not None and attention_mask.shape[0] == 1 and b > 1:
         attention_mask = attention_mask.expand(b, *attention_mask.shape[1:])  # broadcast over the batch, as SDPA
     if attention_mask is not None and s == 1:
@@ -643,17 +673,19 @@ def _packing_from_masks(attention_mask, q, k, v, sliding_window, kwargs):
     position_ids = kwargs.get("position_ids")
 
     def derive():
-        starts = _packing_from_keywords(kwargs, b, s, q.device)
-        if starts is None:
+        documents = _packing_from_keywords(kwargs, b, s, q.device)
+        if documents is None:
             starts = _packing_from_positions(position_ids, b, s)
-        if starts is None:
-            raise _err(
-                "this call has an attention mask that is neither padding nor packed documents (position_ids "
-                "restarting, or cu_seq_lens_q / cu_seq_lens_k): custom masks are not served"
-            )
+            if starts is None:
+                raise _err(
+                    "this call has an attention mask that is neither padding nor packed documents (position_ids "
+                    "restarting, or cu_seq_lens_q / cu_seq_lens_k): custom masks are not served"
+                )
+            documents = starts.to(q.device), None
+        starts, packing = documents
         if attention_mask is not None:
-            _check_documents(attention_mask.to(q.device), starts.to(q.device), sliding_window)
-        return _documents(starts.to(q.device), b, s)
+            _check_documents(attention_mask.to(q.device), starts, sliding_window)
+        return packing if packing is not None else _documents(starts, b, s)
 
     tensors = (given, position_ids, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
     return _DERIVED.get(tensors, ("docs", b, s, sliding_window, q.device), derive)
@@ -779,6 +811,9 @@ def mask_function(
     )
     if mask is None:  # cannot happen with the skip disallowed; never let a masked call look unmasked
         mask = torch.zeros(batch_size, 1, q_length, kv_length, dtype=torch.bool)
+    # Contiguous (sdpa_mask expands a mask without padding over the batch): generate() calls .contiguous() on the
+    # masks it builds for static caches, and a copy would lose the tags (then derived anew in every layer).
+    mask = mask.contiguous()
     # The config's sliding window is part of this pattern (packed documents check it); a chunk size is not a window.
     setattr(mask, _BUILT_TAG, True)
     return _tagged(mask, window) if window is not None else mask
