@@ -426,7 +426,7 @@ def test_transformers_refuses_what_it_cannot_serve(fake_gpu, registered):
         twin(ids, attention_mask=holes)
     llama, twin = _tiny("llama", registered)
     custom = torch.ones(2, 1, 8, 8, dtype=torch.bool)  # bidirectional: a custom 4D mask
-    with pytest.raises(NotImplementedError, match="neither padding nor packed|not the causal pattern"):
+    with pytest.raises(NotImplementedError, match="marks no packed documents|not the causal pattern"):
         twin(ids, attention_mask=custom)
     with pytest.raises(NotImplementedError, match="not the causal pattern"):
         twin(ids, attention_mask=custom, position_ids=torch.arange(8)[None].expand(2, 8))
@@ -671,6 +671,27 @@ def test_transformers_packed_keywords_checked_in_one_read():
         with pytest.raises(NotImplementedError, match=match):
             _packing_from_keywords(keywords(cu, cu_k), 2, 8, "cpu")
     assert _packing_from_keywords({}, 2, 8, "cpu") is None
+
+
+def test_transformers_refusals_say_what_is_served(fake_gpu, registered):
+    # A 4D causal + padding mask is refused with what is served (padding from the 2D mask); padding and the
+    # collator's packed documents together are ambiguous (which tokens are there), refused rather than one ignored.
+    model, twin = _tiny("llama", registered)
+    ids = torch.randint(0, 64, (2, 8))
+    pad = _padding_mask([8, 5], 8, "left").bool()
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    four_d = (causal[None] & pad[:, None, :])[:, None]
+    for position_ids in (None, torch.arange(8)[None].expand(2, 8)):
+        with pytest.raises(NotImplementedError, match="Padding is served from the 2D attention_mask"):
+            twin(ids, attention_mask=four_d, position_ids=position_ids)
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    flat = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=8, max_length_k=8)
+    with pytest.raises(NotImplementedError, match="ambiguous"):
+        twin(ids, attention_mask=pad.long(), **flat)
+    with torch.no_grad():  # an all-visible mask says nothing the documents do not
+        got = twin(ids, attention_mask=torch.ones(2, 8, dtype=torch.long), **flat).logits
+        want = model(ids).logits
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
 
 
 def test_transformers_refuses_sparse_attention_keywords(fake_gpu):

@@ -267,7 +267,7 @@ def _check_documents(mask: torch.Tensor, starts: torch.Tensor, window: Optional[
     if mask.dtype != torch.bool or mask.shape[1] != 1 or not torch.equal(mask[:, 0], want):
         raise _err(
             "this call's attention mask is not the causal pattern within its packed documents (a custom or "
-            "bidirectional mask?); only padding and packed documents are served"
+            f"bidirectional mask, or causal with padding?). {_FOUR_D_SERVED}"
         )
 
 
@@ -368,6 +368,12 @@ def attention_forward(
         raise _err("only causal (decoder) attention is served")
     features = _features(kwargs)
     sliding_window = _layer_window(attention_mask, sliding_window)
+    if _padded(attention_mask) and any(kwargs.get(n) is not None for n in _PACKED_KEYWORDS):
+        # Which would win is not defined: the documents' offsets count tokens the padding mask says are not there.
+        raise _err(
+            "packed documents (cu_seq_lens_q / cu_seq_lens_k) and a padded batch's attention_mask together are "
+            "ambiguous: give one of them (DataCollatorWithFlattening's batches need no attention_mask)"
+        )
     window = (None, None)
     if sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
@@ -412,6 +418,11 @@ def attention_forward(
         return out.view(b, s, *out.shape[1:]), None
     full = out.new_zeros(b, s, *out.shape[1:])  # padded query rows: 0 (as FlashAttention's own unpadding)
     return full.index_put(packing.q_rows, out), None
+
+
+def _padded(attention_mask) -> bool:
+    """Whether the call's mask is the mask function's 2D padding mask with padding in it (not its all-visible one)."""
+    return attention_mask is not None and attention_mask.dim() == 2 and not getattr(attention_mask, _FULL_TAG, False)
 
 
 def _flat_rows(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -624,6 +635,14 @@ def _packing(attention_mask, q, k, v, sliding_window, kwargs):
     return _packing_from_masks(attention_mask, q, k, v, sliding_window, kwargs)
 
 
+_FOUR_D_SERVED = (
+    "A materialised 4D mask over several queries is served only as causal (or the layer's sliding-window) attention "
+    "within packed documents marked by position_ids restarting or cu_seq_lens_q / cu_seq_lens_k; over one query "
+    "per row, any bool mask. Padding is served from the 2D attention_mask: pass that, not a 4D causal + padding "
+    "mask (nor a custom, bidirectional or chunked one)"
+)
+
+
 @torch.compiler.disable  # host reads of the mask: run eagerly (a guard on the mask's identity would recompile)
 def _packing_from_masks(attention_mask, q, k, v, sliding_window, kwargs):
     b, s, sk = q.shape[0], q.shape[1], k.shape[1]
@@ -667,7 +686,7 @@ def _packing_from_masks(attention_mask, q, k, v, sliding_window, kwargs):
         return _DERIVED.get((given,), ("one", b, q.device), lambda: _single_queries(visible.to(q.device)))
     # Packed documents: a materialised 4D mask (or none, with the collator's keywords).
     if s != sk:
-        raise _err("this call has a custom attention mask (queries and keys of different lengths)")
+        raise _err(f"this mask (queries and keys of different lengths) is not served. {_FOUR_D_SERVED}")
     if _tracing(attention_mask):
         raise _err("packed documents read their lengths on the host: not under CUDA-graph capture or fake tensors")
     position_ids = kwargs.get("position_ids")
@@ -677,10 +696,7 @@ def _packing_from_masks(attention_mask, q, k, v, sliding_window, kwargs):
         if documents is None:
             starts = _packing_from_positions(position_ids, b, s)
             if starts is None:
-                raise _err(
-                    "this call has an attention mask that is neither padding nor packed documents (position_ids "
-                    "restarting, or cu_seq_lens_q / cu_seq_lens_k): custom masks are not served"
-                )
+                raise _err(f"this call's 4D mask marks no packed documents. {_FOUR_D_SERVED}")
             documents = starts.to(q.device), None
         starts, packing = documents
         if attention_mask is not None:
