@@ -729,17 +729,20 @@ def test_transformers_mixed_layer_types(fake_gpu, registered, cache):
 
 
 # --- soft-capping (Gemma 2) and learnable sinks (gpt-oss) through the plug-in ------------------------------------
-def _tiny_featured(kind: str, name: str):
+def _tiny_featured(kind: str, name: str, query_pre_attn_scalar: int = 32):
     """A tiny Gemma 2 (attn_logit_softcapping, a sliding and a full layer) or gpt-oss (learnable sinks, a sliding
     and a full layer) in bf16, with transformers' own eager attention as the twin to compare with (it implements
-    both, where "sdpa" refuses them)."""
+    both, where "sdpa" refuses them). Gemma 2 scales by query_pre_attn_scalar ** -0.5, not head_dim's."""
     transformers = pytest.importorskip("transformers")
     common = dict(
         vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=64, sliding_window=5,
     )  # fmt: skip
     if kind == "gemma2":
-        cfg = dict(common, attn_logit_softcapping=20.0, final_logit_softcapping=None, query_pre_attn_scalar=32)
+        cfg = dict(
+            common, attn_logit_softcapping=20.0, final_logit_softcapping=None,
+            query_pre_attn_scalar=query_pre_attn_scalar,
+        )  # fmt: skip
         cls = transformers.Gemma2Config
     else:
         cfg = dict(common, num_local_experts=1, num_experts_per_tok=1)  # (no routing for a rounding to flip)
@@ -780,6 +783,23 @@ def test_transformers_softcap_and_sinks_match_eager(fake_gpu, registered, kind):
     _compare_training_step(model, twin, mask.bool(), input_ids=ids, attention_mask=mask)
     assert {f[0] for f in fake_gpu.features} == {"forward_varlen", "backward_varlen"}
     assert all(f[1] == softcap for f in fake_gpu.features)
+
+
+def test_transformers_gemma2_scale_is_query_pre_attn_scalar(fake_gpu, registered):
+    # Gemma 2's softmax scale is query_pre_attn_scalar ** -0.5, here not head_dim ** -0.5 (32): the backend gets the
+    # module's scaling, with the cap, and the logits match eager attention, dense and padded.
+    model, twin = _tiny_featured("gemma2", registered, query_pre_attn_scalar=8)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(15))
+    mask = _padding_mask([12, 7], 12, "left")
+    with torch.no_grad():
+        for m in (None, mask):
+            want, got = model(ids, attention_mask=m).logits, twin(ids, attention_mask=m).logits
+            keep = slice(None) if m is None else m.bool()
+            torch.testing.assert_close(got[keep].float(), want[keep].float(), atol=3e-2, rtol=3e-2)
+    launches = [c for c in fake_gpu.calls if c[0] in ("forward", "forward_varlen")]
+    assert {c[0] for c in launches} == {"forward", "forward_varlen"}
+    assert all(c[2] == pytest.approx(8**-0.5) for c in launches)
+    assert {f[1] for f in fake_gpu.features} == {20.0}
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])
