@@ -426,7 +426,7 @@ def test_transformers_refuses_what_it_cannot_serve(fake_gpu, registered):
         twin(ids, attention_mask=holes)
     llama, twin = _tiny("llama", registered)
     custom = torch.ones(2, 1, 8, 8, dtype=torch.bool)  # bidirectional: a custom 4D mask
-    with pytest.raises(NotImplementedError, match="neither padding nor packed|not the causal pattern"):
+    with pytest.raises(NotImplementedError, match="marks no packed documents|not the causal pattern"):
         twin(ids, attention_mask=custom)
     with pytest.raises(NotImplementedError, match="not the causal pattern"):
         twin(ids, attention_mask=custom, position_ids=torch.arange(8)[None].expand(2, 8))
@@ -458,6 +458,240 @@ def test_transformers_window_comes_with_the_mask(fake_gpu, registered):
             keep = slice(None) if mask is None else mask.bool()
             torch.testing.assert_close(got[keep].float(), want[keep].float(), atol=3e-2, rtol=3e-2)
     assert {(c[1].left, c[1].right) for c in fake_gpu.calls} == {(3, 0)}
+
+
+def _tiny_eager_pair(cls_name: str, name: str, **extra):
+    """A tiny randomly initialised model (2 layers, hidden 64) in bf16 and its twin under the plug-in, against
+    transformers' eager attention."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(
+        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, **extra,
+    )  # fmt: skip
+    cls = getattr(transformers, cls_name)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cls(**common), attn_implementation="eager")
+    model = model.to(torch.bfloat16).eval()
+    twin = transformers.AutoModelForCausalLM.from_config(cls(**common), attn_implementation=name)
+    twin = twin.to(torch.bfloat16).eval()
+    twin.load_state_dict(model.state_dict())
+    return model, twin
+
+
+def _static_generate_logits(model, ids, mask, chunk, turn):
+    """generate() on a static cache, its logits: the prompt prefilled in chunks of `chunk` tokens, or (chunk None) in
+    one piece and then a second turn `turn` appended to it against the same cache (teacher forced: the first turn
+    generates nothing that the second one reads, so no greedy near-tie can make the models' inputs differ)."""
+    transformers = pytest.importorskip("transformers")
+    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+    kw = dict(
+        do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True, prefill_chunk_size=chunk,
+        **_cache_kw(cache),
+    )  # fmt: skip
+    with torch.no_grad():
+        first = model.generate(ids, attention_mask=mask, max_new_tokens=1 if turn is not None else 3, **kw)
+        logits = list(first.logits)
+        if turn is not None:
+            ids, mask = torch.cat([ids, turn], 1), torch.cat([mask, torch.ones_like(turn)], 1)
+            logits += model.generate(ids, attention_mask=mask, max_new_tokens=2, **kw).logits
+    return torch.stack(logits)
+
+
+# Qwen2-MoE's modules pass no sliding_window (the window comes with the mask); Mistral's config has no layer_types,
+# so the mask generate() builds reaches the model's own mask creation again; Gemma 2's has both layer types.
+_STATIC_MODELS = {
+    "qwen2_moe": ("Qwen2MoeConfig", dict(
+        use_sliding_window=True, sliding_window=4, max_window_layers=1, num_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    )),
+    "mistral": ("MistralConfig", dict(sliding_window=4, head_dim=16)),
+    "gemma2": ("Gemma2Config", dict(sliding_window=4, head_dim=16, query_pre_attn_scalar=16)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
+@pytest.mark.parametrize("steps", ["chunked_prefill", "second_turn"])
+@pytest.mark.parametrize("kind", sorted(_STATIC_MODELS))
+def test_transformers_static_cache_chunks_match_eager(fake_gpu, registered, kind, steps, padded):
+    """A static cache whose sliding-window layer is already full when more than one token arrives (a prefill in
+    chunks, a second turn): the padding mask then covers the layer's last slots (a slice of the 2D mask). It must
+    keep its window (Qwen2-MoE's modules do not pass theirs: a copy without the tag ran full causal attention), and
+    the plug-in's own mask, handed back to its mask function by a model that builds its masks again (Mistral), is
+    that mask, not a user's to read from the left. Logits of generate() against transformers' eager attention."""
+    cls_name, extra = _STATIC_MODELS[kind]
+    model, twin = _tiny_eager_pair(cls_name, registered, **extra)
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(13))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    if padded:
+        mask[1, :6] = 0  # left padding reaching into the sliding layer's last slots after the first chunk
+    chunk, turn = (5, None) if steps == "chunked_prefill" else (None, torch.randint(1, 64, (2, 5)))
+    want = _static_generate_logits(model, ids, mask, chunk, turn)
+    got = _static_generate_logits(twin, ids, mask, chunk, turn)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    assert (3, 0) in {(c[1].left, c[1].right) for c in fake_gpu.calls if c[1].kind != "none"}  # the window applied
+
+
+def test_transformers_refuses_a_2d_mask_it_did_not_build(fake_gpu):
+    # A 2D mask without the mask function's tag (a caller's, or a copy of the plug-in's): its window and key slots are
+    # unknown, so it is refused, with or without a sliding_window from the module, not served as full causal padding.
+    pytest.importorskip("transformers")
+    from cute_flash.integrations import transformers as cft
+
+    q = torch.randn(2, 4, 6, 32, dtype=torch.bfloat16)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, :2] = False
+    module = torch.nn.Module()
+    for window in (None, 3):
+        with pytest.raises(NotImplementedError, match="without the plug-in's tag"):
+            cft.attention_forward(module, q, q, q, mask, sliding_window=window)
+    built = cft.mask_function(2, 6, 6, attention_mask=mask, local_size=None)
+    assert built is not None and cft.attention_forward(module, q, q, q, built)[0].shape == (2, 6, 4, 32)
+    with pytest.raises(NotImplementedError, match="without the plug-in's tag"):
+        cft.attention_forward(module, q, q, q, built.clone())
+
+
+def test_transformers_own_mask_back_in_the_mask_function():
+    # The plug-in's 2D mask covers the layer's key slots, not positions from 0: handed back to the mask function for
+    # the pattern it was built for, it is the answer (the same tensor); materialised (no skip), its slots stay where
+    # they are; for another window or cache state it is refused, not read from the left.
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    from cute_flash.integrations import transformers as cft
+
+    config = SimpleNamespace(sliding_window=4)
+    sliding = dict(local_size=4, config=config, mask_function=sliding_window_causal_mask_function(4))
+    user = torch.ones(2, 10, dtype=torch.bool)
+    user[1, :7] = False
+    built = cft.mask_function(2, 3, 6, q_offset=7, kv_offset=4, attention_mask=user, local_size=4, config=config)
+    assert built.shape == (2, 6) and built.is_contiguous() and torch.equal(built, user[:, 4:])
+    again = cft.mask_function(2, 3, 6, q_offset=7, kv_offset=4, attention_mask=built, local_size=4, config=config)
+    assert again is built
+    at = dict(q_offset=7, kv_offset=4, allow_is_causal_skip=False)
+    full = cft.mask_function(2, 3, 6, attention_mask=built, **at, **sliding)
+    want = cft.mask_function(2, 3, 6, attention_mask=user, **at, **sliding)
+    assert full.shape == (2, 1, 3, 6) and torch.equal(full, want)
+    with pytest.raises(NotImplementedError, match="came back"):
+        cft.mask_function(2, 3, 10, q_offset=7, attention_mask=built, config=config)  # a full-attention layer's
+    with pytest.raises(NotImplementedError, match="came back"):
+        cft.mask_function(2, 1, 6, q_offset=8, kv_offset=5, attention_mask=built, local_size=4, config=config)
+
+
+def test_transformers_refuses_output_attentions(fake_gpu, registered):
+    # No attention weights are computed: asking for them raises, rather than returning empty attentions.
+    model, twin = _tiny("llama", registered)
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(NotImplementedError, match='output_attentions.*attn_implementation="eager"'):
+        twin(ids, output_attentions=True)
+    twin(ids, output_attentions=False)
+
+
+def test_transformers_derived_results_follow_contents_a_version_does_not_tell(fake_gpu):
+    """What the layers of one forward share (page tables, packed sequences) is cached only for a mask the mask
+    function built this forward. The same tensor with new contents and an unchanged version (a CUDA-graph tree's
+    output under torch.compile mode="reduce-overhead" is the same tensor from replay to replay; here its contents
+    are written through .data, which bumps no version) is derived anew: a caller's mask, or a built one that is a
+    CUDA-graph output."""
+    import math
+
+    pytest.importorskip("transformers")
+    from transformers.masking_utils import causal_mask_function
+
+    from cute_flash.integrations import transformers as cft
+
+    g = torch.Generator().manual_seed(14)
+    b, h, hkv, sk, d = 2, 4, 2, 12, 32
+    q, k, v = (torch.randn(*s, generator=g).bfloat16() for s in ((b, h, 1, d), (b, hkv, sk, d), (b, hkv, sk, d)))
+    module = torch.nn.Module()
+    seen = torch.zeros(b, 10, dtype=torch.bool)
+    seen[:, 4:] = True
+    built = cft.mask_function(
+        b, 1, sk, q_offset=9, attention_mask=seen, allow_is_causal_skip=False, mask_function=causal_mask_function
+    )
+    assert built.shape == (b, 1, 1, sk) and built.is_contiguous()
+
+    def attend(mask):
+        scores = (q.double() @ k.double().repeat_interleave(h // hkv, 1).transpose(-1, -2)) * 0.3
+        p = torch.softmax(scores.masked_fill(~mask, -math.inf), -1)
+        return (p @ v.double().repeat_interleave(h // hkv, 1)).transpose(1, 2)
+
+    def check(mask):
+        before = mask._version
+        cft.attention_forward(module, q, k, v, mask, scaling=0.3)
+        mask.data[..., :4] = True  # the next replay's contents, the version unchanged
+        assert mask._version == before
+        out = cft.attention_forward(module, q, k, v, mask, scaling=0.3)[0]
+        torch.testing.assert_close(out.double(), attend(mask), atol=2e-2, rtol=0)
+        mask.data[..., :4] = False
+
+    check(built.clone())  # a caller's mask
+    # A built padding mask (2D, packed sequences) too.
+    qp, kp = (torch.randn(b, n, 6, d, generator=g).bfloat16() for n in (h, hkv))
+    user = torch.ones(b, 6, dtype=torch.bool)
+    user[1, :3] = False
+    pad = cft.mask_function(b, 6, 6, attention_mask=user)
+    torch._C._set_cached_tensors_enabled(True)  # registered as cudagraph_trees registers its outputs
+    try:
+        torch._C._add_cached_tensor(built)
+        check(built)
+        torch._C._add_cached_tensor(pad)
+        cft.attention_forward(module, qp, kp, kp, pad, scaling=0.3)
+        pad.data[1, :3] = True
+        out = cft.attention_forward(module, qp, kp, kp, pad, scaling=0.3)[0]
+    finally:
+        for t in (built, pad):
+            torch._C._remove_cached_tensor(t)
+        torch._C._set_cached_tensors_enabled(False)
+    want = cft.attention_forward(module, qp, kp, kp, None, scaling=0.3)[0]  # (no padding left)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+def test_transformers_packed_keywords_checked_in_one_read():
+    # The collator's keywords, derived in every layer that has no mask to key the forward on: their documents (empty
+    # ones included) and every refusal, from one host read.
+    from cute_flash.integrations.transformers import _packing_from_keywords
+
+    def keywords(cu, cu_k=None):
+        cu = torch.tensor(cu, dtype=torch.int32)
+        return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu if cu_k is None else torch.tensor(cu_k), max_length_q=1,
+                    max_length_k=1)  # fmt: skip
+
+    starts, p = _packing_from_keywords(keywords([0, 3, 3, 8, 10, 16]), 2, 8, "cpu")
+    assert starts.int().tolist() == [[1, 0, 0, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0, 0, 0]]
+    assert p.cu_seqlens_q.tolist() == [0, 3, 3, 8, 10, 16] and p.max_seqlen_q == p.max_seqlen_k == 6
+    for cu, cu_k, match in [
+        ([0, 4, 16], None, "crosses a batch row"),
+        ([0, 9, 8, 16], None, "without decreasing"),
+        ([0, 8, 15], None, "without decreasing"),
+        ([0, 8, 16], [0, 4, 16], "cu_seq_lens_q != cu_seq_lens_k"),
+        ([0, 8, 16], [0, 16], "same 1D offsets"),
+    ]:
+        with pytest.raises(NotImplementedError, match=match):
+            _packing_from_keywords(keywords(cu, cu_k), 2, 8, "cpu")
+    assert _packing_from_keywords({}, 2, 8, "cpu") is None
+
+
+def test_transformers_refusals_say_what_is_served(fake_gpu, registered):
+    # A 4D causal + padding mask is refused with what is served (padding from the 2D mask); padding and the
+    # collator's packed documents together are ambiguous (which tokens are there), refused rather than one ignored.
+    model, twin = _tiny("llama", registered)
+    ids = torch.randint(0, 64, (2, 8))
+    pad = _padding_mask([8, 5], 8, "left").bool()
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    four_d = (causal[None] & pad[:, None, :])[:, None]
+    for position_ids in (None, torch.arange(8)[None].expand(2, 8)):
+        with pytest.raises(NotImplementedError, match="Padding is served from the 2D attention_mask"):
+            twin(ids, attention_mask=four_d, position_ids=position_ids)
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    flat = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=8, max_length_k=8)
+    with pytest.raises(NotImplementedError, match="ambiguous"):
+        twin(ids, attention_mask=pad.long(), **flat)
+    with torch.no_grad():  # an all-visible mask says nothing the documents do not
+        got = twin(ids, attention_mask=torch.ones(2, 8, dtype=torch.long), **flat).logits
+        want = model(ids).logits
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
 
 
 def test_transformers_refuses_sparse_attention_keywords(fake_gpu):
@@ -495,17 +729,20 @@ def test_transformers_mixed_layer_types(fake_gpu, registered, cache):
 
 
 # --- soft-capping (Gemma 2) and learnable sinks (gpt-oss) through the plug-in ------------------------------------
-def _tiny_featured(kind: str, name: str):
+def _tiny_featured(kind: str, name: str, query_pre_attn_scalar: int = 32):
     """A tiny Gemma 2 (attn_logit_softcapping, a sliding and a full layer) or gpt-oss (learnable sinks, a sliding
     and a full layer) in bf16, with transformers' own eager attention as the twin to compare with (it implements
-    both, where "sdpa" refuses them)."""
+    both, where "sdpa" refuses them). Gemma 2 scales by query_pre_attn_scalar ** -0.5, not head_dim's."""
     transformers = pytest.importorskip("transformers")
     common = dict(
         vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=64, sliding_window=5,
     )  # fmt: skip
     if kind == "gemma2":
-        cfg = dict(common, attn_logit_softcapping=20.0, final_logit_softcapping=None, query_pre_attn_scalar=32)
+        cfg = dict(
+            common, attn_logit_softcapping=20.0, final_logit_softcapping=None,
+            query_pre_attn_scalar=query_pre_attn_scalar,
+        )  # fmt: skip
         cls = transformers.Gemma2Config
     else:
         cfg = dict(common, num_local_experts=1, num_experts_per_tok=1)  # (no routing for a rounding to flip)
@@ -546,6 +783,23 @@ def test_transformers_softcap_and_sinks_match_eager(fake_gpu, registered, kind):
     _compare_training_step(model, twin, mask.bool(), input_ids=ids, attention_mask=mask)
     assert {f[0] for f in fake_gpu.features} == {"forward_varlen", "backward_varlen"}
     assert all(f[1] == softcap for f in fake_gpu.features)
+
+
+def test_transformers_gemma2_scale_is_query_pre_attn_scalar(fake_gpu, registered):
+    # Gemma 2's softmax scale is query_pre_attn_scalar ** -0.5, here not head_dim ** -0.5 (32): the backend gets the
+    # module's scaling, with the cap, and the logits match eager attention, dense and padded.
+    model, twin = _tiny_featured("gemma2", registered, query_pre_attn_scalar=8)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(15))
+    mask = _padding_mask([12, 7], 12, "left")
+    with torch.no_grad():
+        for m in (None, mask):
+            want, got = model(ids, attention_mask=m).logits, twin(ids, attention_mask=m).logits
+            keep = slice(None) if m is None else m.bool()
+            torch.testing.assert_close(got[keep].float(), want[keep].float(), atol=3e-2, rtol=3e-2)
+    launches = [c for c in fake_gpu.calls if c[0] in ("forward", "forward_varlen")]
+    assert {c[0] for c in launches} == {"forward", "forward_varlen"}
+    assert all(c[2] == pytest.approx(8**-0.5) for c in launches)
+    assert {f[1] for f in fake_gpu.features} == {20.0}
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])

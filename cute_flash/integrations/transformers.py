@@ -34,14 +34,16 @@ forward over the cache in place, one page per key slot, page tables of the visib
 (`_masked_decoding`), which a CUDA graph captures.
 
 The window a layer's mask was built for travels with the mask (an attribute of the tensor the mask function returns),
-so models whose attention modules do not pass `sliding_window` (PhiMoE, Qwen2-MoE) still get it, and a module whose
-`sliding_window` disagrees with its mask raises.
+so models whose attention modules do not pass `sliding_window` (PhiMoE, Qwen2-MoE) still get it, a module whose
+`sliding_window` disagrees with its mask raises, and so does a 2D mask without the tag (one the mask function did not
+build, or a copy of one), whose window is unknown.
 
 What raises instead of answering wrongly: any other mask (custom 4D masks, bidirectional or chunked patterns, a mask
 that does not match its documents, a 2D mask wider than the positions seen, which transformers reads from the left),
 a sliding window over a padded row whose valid tokens are not contiguous (the window is a distance in positions;
 packing would close the gaps), sparse attention (`indices`, `block_indices`), attention dropout during training,
-non-causal attention. A caller that turns `allow_is_causal_skip` off gets the materialised mask it asked for.
+non-causal attention, attention weights (`output_attentions=True`). A caller that turns `allow_is_causal_skip` off
+gets the materialised mask it asked for.
 """
 
 from __future__ import annotations
@@ -83,7 +85,14 @@ def _tracing(t: Optional[torch.Tensor] = None) -> bool:
 class _Derived:
     """Results derived from a mask (and position) tensor, reused by every layer of one forward: transformers hands
     the same mask object to each layer, so the device-to-host copy and the mask check happen once per forward.
-    Keyed on the tensors' identities and versions (an in-place change recomputes), held by weak reference."""
+
+    Cached only where the key holds a tensor that is provably new this forward: a mask built by `mask_function`
+    (which returns a new tensor every call, and nothing changes it in place), not one that a CUDA-graph tree hands
+    back (torch.compile mode="reduce-overhead" returns the same tensor from every replay, with the replay's contents
+    and its version unchanged). A caller's tensors alone (a 4D mask or cu_seq_lens it passes itself) are derived
+    anew on every call: their identity and version do not prove their contents (inference tensors have no version;
+    graph replays and other writers change contents without one). Keyed on identities and versions, held by weak
+    reference."""
 
     def __init__(self, size: int = 8):
         self._entries: dict = {}
@@ -91,11 +100,8 @@ class _Derived:
 
     def get(self, tensors: tuple, extra: tuple, compute):
         present = tuple(t for t in tensors if t is not None)
-        if any(t.is_inference() and not getattr(t, _BUILT_TAG, False) for t in present):
-            # An inference tensor has no version counter: one the caller may change in place between steps (a
-            # static cache's mask kept by a decode loop) is derived anew each time; the masks built here are not.
+        if not any(_fresh(t) for t in present):
             return compute()
-        # (Masks built by `mask_function` are new objects every forward, never changed in place: cached by identity.)
         versions = tuple(-1 if t.is_inference() else t._version for t in present)
         key = (tuple(id(t) for t in present), versions, extra)
         hit = self._entries.get(key)
@@ -107,6 +113,16 @@ class _Derived:
             self._entries.pop(next(iter(self._entries)))
         self._entries[key] = (tuple(weakref.ref(t) for t in present), value)
         return value
+
+
+# A CUDA-graph tree's outputs are "cached tensors": the same tensor from replay to replay (torch._inductor.
+# cudagraph_trees registers them with torch._C._add_cached_tensor).
+_is_graph_output = getattr(torch._C, "_is_cached_tensor", lambda t: False)
+
+
+def _fresh(t: torch.Tensor) -> bool:
+    """Whether `t` is new this forward (see `_Derived`): built by the mask function and not a CUDA-graph output."""
+    return getattr(t, _BUILT_TAG, False) and not _is_graph_output(t)
 
 
 _DERIVED = _Derived()
@@ -133,7 +149,7 @@ class _Packing(NamedTuple):
 _WINDOW_TAG = "_cute_flash_window"
 _FULL_TAG = "_cute_flash_full"
 _GAPS_TAG = "_cute_flash_gaps"  # whether a row's valid tokens have gaps, read once by the mask function
-_BUILT_TAG = "_cute_flash_built"  # built by `mask_function` (not a caller's tensor): safe to cache by identity
+_BUILT_TAG = "_cute_flash_built"  # built by `mask_function` (not a caller's tensor): new every forward (`_Derived`)
 
 
 def _tagged(mask: torch.Tensor, window: Optional[int], full: bool = False, gaps: Optional[bool] = None):
@@ -251,29 +267,45 @@ def _check_documents(mask: torch.Tensor, starts: torch.Tensor, window: Optional[
     if mask.dtype != torch.bool or mask.shape[1] != 1 or not torch.equal(mask[:, 0], want):
         raise _err(
             "this call's attention mask is not the causal pattern within its packed documents (a custom or "
-            "bidirectional mask?); only padding and packed documents are served"
+            f"bidirectional mask, or causal with padding?). {_FOUR_D_SERVED}"
         )
 
 
-def _packing_from_keywords(kwargs: dict, b: int, s: int, device) -> Optional[torch.Tensor]:
-    """Document starts (b, s) from DataCollatorWithFlattening's cu_seq_lens_* keywords, or None when not given."""
+def _packing_from_keywords(kwargs: dict, b: int, s: int, device):
+    """(document starts (b, s), their `_Packing`) from DataCollatorWithFlattening's cu_seq_lens_* keywords, or None
+    when not given. One host read, the checks and the longest document together: without a mask to key the forward
+    on (a full-attention layer gets none), this runs in every layer (`_Derived`)."""
     given = [kwargs.get(n) is not None for n in _PACKED_KEYWORDS]
     if not any(given):
         return None
     if not all(given):
         raise _err(f"packed sequences need all of {', '.join(_PACKED_KEYWORDS)}")
     cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
-    if cu_q is not cu_k and not torch.equal(cu_q, cu_k):
+    if cu_q.dim() != 1 or cu_q.shape != cu_k.shape or cu_q.numel() == 0:
+        raise _err("cu_seq_lens_q and cu_seq_lens_k must be the same 1D offsets: only self-attention is served")
+    cu, n = cu_q.to(device=device, dtype=torch.long), b * s
+    lens = cu.diff()
+    checks = [
+        cu_k is cu_q or (cu == cu_k.to(device=device, dtype=torch.long)).all(),
+        cu[0] == 0,
+        cu[-1] == n,
+        (lens >= 0).all(),
+        torch.isin(torch.arange(0, n, max(s, 1), device=device), cu).all(),  # every row's first token starts one
+        lens.max() if lens.numel() else cu.new_zeros(()),
+    ]
+    same, first, last, rising, rows, longest = torch.stack(
+        [torch.as_tensor(c, device=device).long() for c in checks]
+    ).tolist()
+    if not same:
         raise _err("cu_seq_lens_q != cu_seq_lens_k: only self-attention over packed documents is served")
-    cu = cu_q.to(device=device, dtype=torch.long)
-    if cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != b * s or bool((cu.diff() < 0).any()):
-        raise _err(f"cu_seq_lens_q must run from 0 to the {b * s} tokens of the call without decreasing")
-    starts = torch.zeros(b * s, dtype=torch.bool, device=device)
-    starts[cu[:-1][cu.diff() > 0]] = True
-    starts = starts.view(b, s)
-    if b and s and not bool(starts[:, 0].all()):
+    if not (first and last and rising):
+        raise _err(f"cu_seq_lens_q must run from 0 to the {n} tokens of the call without decreasing")
+    if not rows:
         raise _err("a packed document crosses a batch row")
-    return starts
+    starts = torch.zeros(n + 1, dtype=torch.bool, device=device)
+    starts[cu] = True  # (no host read; an empty document's start is the next one's)
+    cu = cu.to(torch.int32)
+    return starts[:n].view(b, s), _Packing(None, None, cu, cu, longest, longest, None, s)
 
 
 def _packing_from_positions(position_ids: Optional[torch.Tensor], b: int, s: int) -> Optional[torch.Tensor]:
@@ -313,6 +345,12 @@ def attention_forward(
             f"attention dropout {dropout} is not implemented; set the config's attention_dropout to 0 for training "
             "(evaluation passes 0 already)"
         )
+    if kwargs.get("output_attentions"):
+        # (transformers would return a tuple of Nones where the weights should be: refused, not left empty)
+        raise _err(
+            "output_attentions=True: cute-flash never materialises the attention weights; use "
+            'attn_implementation="eager" for a forward that returns them'
+        )
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
             raise _err(f"{what} ({name}=...) is not implemented")
@@ -330,6 +368,12 @@ def attention_forward(
         raise _err("only causal (decoder) attention is served")
     features = _features(kwargs)
     sliding_window = _layer_window(attention_mask, sliding_window)
+    if _padded(attention_mask) and any(kwargs.get(n) is not None for n in _PACKED_KEYWORDS):
+        # Which would win is not defined: the documents' offsets count tokens the padding mask says are not there.
+        raise _err(
+            "packed documents (cu_seq_lens_q / cu_seq_lens_k) and a padded batch's attention_mask together are "
+            "ambiguous: give one of them (DataCollatorWithFlattening's batches need no attention_mask)"
+        )
     window = (None, None)
     if sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
@@ -374,6 +418,11 @@ def attention_forward(
         return out.view(b, s, *out.shape[1:]), None
     full = out.new_zeros(b, s, *out.shape[1:])  # padded query rows: 0 (as FlashAttention's own unpadding)
     return full.index_put(packing.q_rows, out), None
+
+
+def _padded(attention_mask) -> bool:
+    """Whether the call's mask is the mask function's 2D padding mask with padding in it (not its all-visible one)."""
+    return attention_mask is not None and attention_mask.dim() == 2 and not getattr(attention_mask, _FULL_TAG, False)
 
 
 def _flat_rows(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -552,10 +601,17 @@ def _features(kwargs: dict) -> dict:
 
 def _layer_window(attention_mask, sliding_window):
     """The layer's window: what its mask was built for (the mask function's tag), which the module's own
-    `sliding_window` must agree with; without a mask, the plain causal pattern (no window) unless the module asks."""
+    `sliding_window` must agree with; without a mask, the plain causal pattern (no window) unless the module asks.
+    A 2D mask must carry the tag: its window (some modules do not pass theirs) and the key slots it covers are known
+    only from the mask function, so an untagged one (a caller's, or a copy of the plug-in's: .clone(), .to() and a
+    non-contiguous .contiguous() drop attributes) is refused, not guessed."""
+    if attention_mask is not None and attention_mask.dim() == 2 and not hasattr(attention_mask, _WINDOW_TAG):
+        raise _err(
+            "a 2D attention mask without the plug-in's tag reached the attention function: only the padding masks "
+            "that the plug-in's mask function builds are served (their window and key slots travel with them); "
+            "register() the plug-in and let transformers build the masks, and do not copy them"
+        )
     if attention_mask is None or not hasattr(attention_mask, _WINDOW_TAG):
-        if sliding_window is not None and attention_mask is not None and attention_mask.dim() == 2:
-            raise _err("a 2D mask without the plug-in's window tag reached a sliding-window layer")
         return sliding_window
     tagged = getattr(attention_mask, _WINDOW_TAG)
     if sliding_window is not None and sliding_window != tagged:
@@ -574,18 +630,27 @@ def _packing(attention_mask, q, k, v, sliding_window, kwargs):
         if not s <= width <= sk or attention_mask.shape[0] != b:
             raise _err(f"a padding mask of shape {tuple(attention_mask.shape)} does not fit {b} rows of {s} queries "
                        f"and {sk} key slots")  # fmt: skip
-        if getattr(attention_mask, _FULL_TAG, False):
-            if all(kwargs.get(n) is None for n in _PACKED_KEYWORDS):
-                return width
-            # No padding, but packed documents by the collator's keywords (a sliding-window layer gets this mask
-            # where a full-attention layer gets None): the documents, as there.
-            attention_mask = None
+        if getattr(attention_mask, _FULL_TAG, False) and all(kwargs.get(n) is None for n in _PACKED_KEYWORDS):
+            return width
     return _packing_from_masks(attention_mask, q, k, v, sliding_window, kwargs)
+
+
+_FOUR_D_SERVED = (
+    "A materialised 4D mask over several queries is served only as causal (or the layer's sliding-window) attention "
+    "within packed documents marked by position_ids restarting or cu_seq_lens_q / cu_seq_lens_k; over one query "
+    "per row, any bool mask. Padding is served from the 2D attention_mask: pass that, not a 4D causal + padding "
+    "mask (nor a custom, bidirectional or chunked one)"
+)
 
 
 @torch.compiler.disable  # host reads of the mask: run eagerly (a guard on the mask's identity would recompile)
 def _packing_from_masks(attention_mask, q, k, v, sliding_window, kwargs):
     b, s, sk = q.shape[0], q.shape[1], k.shape[1]
+    given = attention_mask  # (the per-forward results are keyed on the mask transformers hands every layer)
+    if attention_mask is not None and getattr(attention_mask, _FULL_TAG, False):
+        # No padding, but packed documents by the collator's keywords (a sliding-window layer gets this mask where a
+        # full-attention layer gets None): the documents, as there (the mask still keys this forward's results).
+        attention_mask = None
     if attention_mask is not None and attention_mask.dim() == 2:
         width = attention_mask.shape[1]
         if _tracing(attention_mask):
@@ -607,7 +672,6 @@ def _packing_from_masks(attention_mask, q, k, v, sliding_window, kwargs):
         return width if packing is None else packing
     if attention_mask is not None and attention_mask.dim() != 4:
         raise _err(f"an attention mask of {attention_mask.dim()} dims is not served")
-    given = attention_mask  # (the per-forward results are keyed on the mask transformers hands every layer)
     if attention_mask is not None and attention_mask.shape[0] == 1 and b > 1:
         attention_mask = attention_mask.expand(b, *attention_mask.shape[1:])  # broadcast over the batch, as SDPA
     if attention_mask is not None and s == 1:
@@ -622,23 +686,22 @@ def _packing_from_masks(attention_mask, q, k, v, sliding_window, kwargs):
         return _DERIVED.get((given,), ("one", b, q.device), lambda: _single_queries(visible.to(q.device)))
     # Packed documents: a materialised 4D mask (or none, with the collator's keywords).
     if s != sk:
-        raise _err("this call has a custom attention mask (queries and keys of different lengths)")
+        raise _err(f"this mask (queries and keys of different lengths) is not served. {_FOUR_D_SERVED}")
     if _tracing(attention_mask):
         raise _err("packed documents read their lengths on the host: not under CUDA-graph capture or fake tensors")
     position_ids = kwargs.get("position_ids")
 
     def derive():
-        starts = _packing_from_keywords(kwargs, b, s, q.device)
-        if starts is None:
+        documents = _packing_from_keywords(kwargs, b, s, q.device)
+        if documents is None:
             starts = _packing_from_positions(position_ids, b, s)
-        if starts is None:
-            raise _err(
-                "this call has an attention mask that is neither padding nor packed documents (position_ids "
-                "restarting, or cu_seq_lens_q / cu_seq_lens_k): custom masks are not served"
-            )
+            if starts is None:
+                raise _err(f"this call's 4D mask marks no packed documents. {_FOUR_D_SERVED}")
+            documents = starts.to(q.device), None
+        starts, packing = documents
         if attention_mask is not None:
-            _check_documents(attention_mask.to(q.device), starts.to(q.device), sliding_window)
-        return _documents(starts.to(q.device), b, s)
+            _check_documents(attention_mask.to(q.device), starts, sliding_window)
+        return packing if packing is not None else _documents(starts, b, s)
 
     tensors = (given, position_ids, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
     return _DERIVED.get(tensors, ("docs", b, s, sliding_window, q.device), derive)
@@ -678,7 +741,9 @@ def _padding(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mas
     if attention_mask is not None:
         if attention_mask.dim() != 2 or _tracing(attention_mask) or attention_mask.shape[-1] != q_offset + q_length:
             return False  # e.g. a fixed-width mask with future slots, which transformers reads from kv_offset
-        mask = attention_mask[:, -kv_length:].to(torch.bool)  # a sliding layer's cache holds the last kv_length
+        # A sliding layer's cache holds the last kv_length. Contiguous: a slice is a view with the mask's strides, and
+        # generate() calls .contiguous() on the masks it builds (static caches), whose copy would lose the tags.
+        mask = attention_mask[:, -kv_length:].to(torch.bool).contiguous()
         if mask.shape != (batch_size, end):
             return False
         # One host sync per mask, as transformers' own flash-attention mask: whether there is padding, and whether
@@ -690,6 +755,27 @@ def _padding(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mas
     if end == kv_length and window is None:
         return None
     return _tagged(torch.ones(batch_size, end, dtype=torch.bool, device=device), window, full=True)
+
+
+def _own_mask(batch_size, q_length, q_offset, kv_offset, attention_mask, window):
+    """The plug-in's own 2D mask where it comes back as the `attention_mask` to build from (Mistral's model builds its
+    mask again from the one generate() built for a static cache), else None. It covers the layer's key slots, not the
+    positions from 0 that transformers reads a 2D mask at: it is the answer for the pattern it was built for (its
+    window, its slots ending at the queries'), and refused for any other."""
+    if attention_mask is None or attention_mask.dim() != 2 or not hasattr(attention_mask, _WINDOW_TAG):
+        return None
+    if isinstance(q_offset, torch.Tensor):
+        if _tracing(q_offset):
+            raise _err("the plug-in's own padding mask came back to its mask function under tracing: pass the 2D mask")
+        q_offset = int(q_offset)
+    tagged, slots = getattr(attention_mask, _WINDOW_TAG), q_offset + q_length - kv_offset
+    if tagged != window or tuple(attention_mask.shape) != (batch_size, slots):
+        raise _err(
+            f"the plug-in's own padding mask (sliding_window={tagged}, shape {tuple(attention_mask.shape)}) came back "
+            f"to its mask function for another pattern (sliding_window={window}, {batch_size} rows of {slots} key "
+            "slots): give transformers the 2D attention_mask over the tokens' positions instead"
+        )
+    return attention_mask
 
 
 def mask_function(
@@ -708,11 +794,19 @@ def mask_function(
     """transformers' mask-interface contract. For the plain causal / sliding-window pattern: None (plain causal, no
     mask needed) or a 2D padding mask tagged with its window, which the attention function unpads into packed
     sequences. Anything else: the materialised 4D mask, which the attention function serves only when it is exactly
-    causal attention within packed documents, or the keys of one query per row."""
+    causal attention within packed documents, or the keys of one query per row. Its own 2D mask, handed back, is
+    returned as it is (`_own_mask`)."""
     from transformers.masking_utils import sdpa_mask
 
     window = local_size if local_size is not None and local_size == getattr(config, "sliding_window", None) else None
-    if _plain_pattern(mask_function, allow_is_causal_skip, local_size, config, kwargs):
+    own = _own_mask(batch_size, q_length, q_offset, kv_offset, attention_mask, window)
+    plain = _plain_pattern(mask_function, allow_is_causal_skip, local_size, config, kwargs)
+    if own is not None:
+        if plain:
+            return own
+        # Materialised below from the positions it covers (the ones before, left as padding, are never read).
+        attention_mask = torch.nn.functional.pad(own, (kv_offset, 0))
+    elif plain:
         device = kwargs.get("device", "cpu")
         padding = _padding(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, window, device)
         if padding is not False:
@@ -733,6 +827,9 @@ def mask_function(
     )
     if mask is None:  # cannot happen with the skip disallowed; never let a masked call look unmasked
         mask = torch.zeros(batch_size, 1, q_length, kv_length, dtype=torch.bool)
+    # Contiguous (sdpa_mask expands a mask without padding over the batch): generate() calls .contiguous() on the
+    # masks it builds for static caches, and a copy would lose the tags (then derived anew in every layer).
+    mask = mask.contiguous()
     # The config's sliding window is part of this pattern (packed documents check it); a chunk size is not a window.
     setattr(mask, _BUILT_TAG, True)
     return _tagged(mask, window) if window is not None else mask
