@@ -75,8 +75,9 @@ def attention_varlen(
     before the forward when gradients are needed.
 
     score_mod / mask_mod as in `cute_flash.attention` (docs/mods.md), with b the sequence's index and q_idx /
-    kv_idx positions within the sequence (0 at its first row); the sm90 kernels on Hopper, forward and backward
-    (elsewhere NotImplementedError). Not with seqused_q, deterministic, softcap or learnable_sink.
+    kv_idx positions within the sequence (0 at its first row); forward and backward on the sm90 kernels on Hopper,
+    elsewhere (Ampere, Blackwell) the sm80 family's, whose backward takes head_dim == head_dim_v, a multiple of 32.
+    Not with seqused_q, deterministic, softcap or learnable_sink.
     """
     if score_mod is not None or mask_mod is not None:
         if seqused_q is not None or deterministic or softcap or learnable_sink is not None:

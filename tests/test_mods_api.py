@@ -346,10 +346,22 @@ def test_a_packed_call_reaches_the_backend_with_its_sequences(backend, monkeypat
                 dict(softcap=5.0), dict(learnable_sink=torch.zeros(4))):  # fmt: skip
         with pytest.raises(NotImplementedError, match="packed sequences do not combine"):
             cute_flash.attention_varlen(q, k, v, cu_q, cu_k, 60, 70, **kw, **bad)
-    e = cute_flash.explain_varlen(q, k, v, cu_q, cu_k, 60, 70, **kw, capability=(8, 0))
-    assert e.forward.family is None and "packed" in dict(e.forward.skipped)["sm80"]
-    e = cute_flash.explain_varlen(q, k, v, cu_q, cu_k, 60, 70, **kw, capability=(9, 0))
-    assert (e.forward.family, e.backward.family) == ("sm90", "sm90")
+    for capability, family in (((8, 0), "sm80"), ((8, 6), "sm80"), ((9, 0), "sm90"), ((10, 0), "sm80")):
+        e = cute_flash.explain_varlen(q, k, v, cu_q, cu_k, 60, 70, **kw, capability=capability)
+        assert (e.forward.family, e.backward.family) == (family, family), (capability, e)
+
+
+def test_explain_varlen_routes_packed_mods_to_sm80_off_hopper_with_its_limits():
+    """On Ampere (and Blackwell) packed score_mod / mask_mod calls go to the sm80 family, forward and backward; its
+    backward takes head_dim == head_dim_v, a multiple of 32 (d72: a forward only, the backward refused with why)."""
+    q, k, v, cu_q, cu_k = _packed(d=72)
+    e = cute_flash.explain_varlen(q, k, v, cu_q, cu_k, 60, 70, mask_mod=examples.causal, capability=(8, 0))
+    assert e.forward.family == "sm80" and e.backward.family is None, e
+    assert "multiple of 32" in dict(e.backward.skipped)["sm80"], e
+    q, k, v, cu_q, cu_k = _packed(d=128)
+    e = cute_flash.explain_varlen(q, k, v, cu_q, cu_k, 60, 70, score_mod=examples.softcap30, causal=True,
+                                  seqused_k=torch.tensor([30, 60], dtype=torch.int32), capability=(8, 0))  # fmt: skip
+    assert (e.forward.family, e.backward.family) == ("sm80", "sm80"), e
 
 
 def test_the_sm90_packed_kernels_take_the_tables_and_the_sequences():
@@ -378,6 +390,43 @@ def test_the_sm90_packed_kernels_take_the_tables_and_the_sequences():
     assert torch.equal(fargs[12], cu_q) and fargs[14] is None and fargs[15] == 60
     assert len(bargs) == 20 and torch.equal(bargs[12], examples.SLOPES) and torch.equal(bargs[17], cu_k)
     assert bargs[19] == 70 and q.grad.shape == q.shape and k.grad.shape == k.shape
+
+
+@pytest.mark.parametrize("seqused", [False, True])
+def test_the_sm80_packed_kernels_take_the_tables_and_the_sequences(seqused):
+    """The sm80 host path of a packed call (capability 8.0) with recording no-op kernels: the packed forward and
+    backward main kernels are keyed on the varlen ModsSpec (the forward under forward_varlen's keys, with seqused_k
+    or not) and take the tables, then the packed arguments (the `packed_mods` entries: no semaphores); the pre- and
+    postprocess are the plain packed ones."""
+    from cute_flash import compile_cache
+    from cute_flash.arch.sm80 import backward as sm80_backward
+    from profiling.host_overhead_cpu import fake_gpu
+
+    launches = []
+    q, k, v, cu_q, cu_k = _packed()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    used = torch.tensor([33, 70], dtype=torch.int32) if seqused else None
+    with fake_gpu((8, 0)):
+        compile_cache.get_or_compile = lambda key, build: lambda *args: launches.append((key, args))
+        compile_cache.clear()
+        sm80_backward._cache_key.cache_clear()
+        out = cute_flash.attention_varlen(q, k, v, cu_q, cu_k, 60, 70, score_mod=examples.alibi,
+                                          mask_mod=examples.causal, seqused_k=used)  # fmt: skip
+        out.sum().backward()
+    roles = {key[2]: (key, args) for key, args in launches}
+    main = "bwd_gqa_seqused" if seqused else "bwd_gqa"
+    assert set(roles) >= {"fwd", "bwd_preprocess", main, "bwd_postprocess"}, sorted(roles)
+    (fkey, fargs), (bkey, bargs) = roles["fwd"], roles[main]
+    assert fkey[0] == "sm80" and fkey[4] is seqused  # (the key forward_varlen and warm use)
+    for key in (fkey, bkey):
+        assert isinstance(key[3], ModsSpec) and key[3].varlen and not key[3].block_sparse
+    assert len(fargs) == 16 and torch.equal(fargs[8], examples.SLOPES) and fargs[9:12] == (None,) * 3
+    assert torch.equal(fargs[12], cu_q) and (fargs[14] is used) and fargs[15] == 60
+    assert len(bargs) == 20 and bargs[9] == 64**-0.5 and torch.equal(bargs[12], examples.SLOPES)
+    assert bargs[13:16] == (None,) * 3 and torch.equal(bargs[17], cu_k) and bargs[19] == 70
+    for role in ("bwd_preprocess", "bwd_postprocess"):
+        assert not isinstance(roles[role][0][3], ModsSpec), role
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
 def test_autocast_casts_the_inputs_as_the_plain_path_does(backend, monkeypatch):

@@ -286,3 +286,51 @@ def test_warmup_writes_the_mods_kernels_a_call_loads(tmp_path):
     first, again, families = json.loads(done.stdout.splitlines()[-1])
     assert (first["built"], first["failed"], again["cached"], again["built"]) == (2, 0, 2, 0), (first, again)
     assert families == ["sm90", "sm90"]
+
+
+_SM80_PACKED = textwrap.dedent(
+    """
+    import json, os, re, sys
+    os.environ["CUTE_DSL_ARCH"] = sys.argv[1]
+    from cute_flash import census
+    from cute_flash.arch.sm80.backward import compile_backward_artifacts
+    from cute_flash.arch.sm80.build import compile_forward
+    from cute_flash.mods import trace_mask_mod, trace_score_mod
+    from cute_flash.spec import ModsSpec
+    import tests.test_mods as T
+
+    for score, mask, d, kind, seqused, role in json.loads(sys.argv[2]):
+        spec = ModsSpec("bf16", d, d, kind, "bf16", varlen=True,
+                        score_mod=trace_score_mod(getattr(T, score)).key if score else None,
+                        mask_mod=trace_mask_mod(getattr(T, mask)).key if mask else None)
+        fwd = compile_forward(spec, sys.argv[1], seqused=seqused)
+        with census.capture_fd_stderr() as err:
+            (art,) = compile_backward_artifacts(spec, sys.argv[1], roles=[role])
+        ((name, res),) = census.parse_ptxas_reports("".join(err))
+        entry = re.search(r"\\.entry\\s+(\\w+)", fwd.ptx).group(1)
+        print(json.dumps(dict(score=score, mask=mask, d=d, role=role, fwd=fwd.tried[-1], fwd_entry=entry,
+                              bwd_entry=name, **res)), flush=True)
+    """
+)
+
+
+def test_sm80_packed_mods_kernels_compile_spill_free():
+    """attention_varlen(score_mod=, mask_mod=) off Hopper: the sm80 packed forward (`packed_mods` entry, tile search:
+    a spill-free tile kept) and backward main kernel (its `packed_mods` entry: the mods class, not the plain one), d64
+    / d128, causal or not, with and without seqused_k, MHA and GQA, for sm_80; one d64 case for sm_90a (the family
+    built for Hopper's target). (A bias table read per score with a document mask, t5_bias + document, spills in
+    every forward tile candidate at d64 causal, dense as packed: sm_80 304 / 368 bytes, sm_90a 320 / 368.)"""
+    for target, cases in (
+        ("sm_80", [["alibi", None, 64, "causal", False, "bwd"], ["softcap30", "sliding", 128, "none", True,
+                   "bwd_gqa_seqused"], [None, "prefix_lm", 128, "causal", False, "bwd_gqa"],
+                   ["head_scaled", "causal", 64, "none", True, "bwd_seqused"]]),
+        ("sm_90a", [["alibi", "document", 64, "causal", True, "bwd_gqa_seqused"]]),
+    ):  # fmt: skip
+        done = subprocess.run([sys.executable, "-c", _SM80_PACKED, target, json.dumps(cases)], cwd=REPO,
+                              capture_output=True, text=True, timeout=900)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        reports = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+        assert len(reports) == len(cases), (target, done.stdout[-2000:])
+        for r in reports:
+            assert r["fwd"]["stack_frame_bytes"] == 0 and r["spill_bytes"] == 0, (target, r)
+            assert "Mods" in r["fwd_entry"] and "Mods" in r["bwd_entry"], r  # (the mods kernels, not the plain)

@@ -122,3 +122,45 @@ def check_gradients(q, k, v, kw, **call):
     for name, got, want, base in zip(("dq", "dk", "dv"), grads, ref, same):
         tol = 2 * (base.double() - want).abs().max().item() + 1e-5
         assert (got.double() - want).abs().max().item() <= tol, name
+
+
+def check_packed(score_mod, mask_mod, d, causal, lens_q, lens_k, heads_kv=2, seed=0, backward=True):
+    """attention_varlen(score_mod=, mask_mod=) over sequences of lens_q / lens_k rows (GQA: examples.H query heads,
+    heads_kv KV heads), without and with seqused_k: out and lse, and with `backward` dq / dk / dv (lse's gradient
+    folded in), by FlashAttention's rule against the packed float64 reference (the callables applied by it)."""
+    from cute_flash.mods.reference import attention_varlen_mods_reference
+
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    used = torch.tensor([min(n, 64 + 7 * i) for i, n in enumerate(lens_k)], dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16).requires_grad_(backward)
+
+    q = randn(sum(lens_q), examples.H, d)
+    k, v = randn(sum(lens_k), heads_kv, d), randn(sum(lens_k), heads_kv, d)
+    kw = dict(score_mod=score_mod, mask_mod=mask_mod, causal=causal)
+    for seqused_k in (None, used):
+        args = (cu_q, cu_k, max(lens_q), max(lens_k))
+        with torch.set_grad_enabled(backward):
+            out, lse = cute_flash.attention_varlen(q, k, v, *args, seqused_k=seqused_k, return_lse=True, **kw)
+        ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        same_in = [t.detach().requires_grad_() for t in (q, k, v)]
+        ref, ref_lse = attention_varlen_mods_reference(*ref_in, cu_q, cu_k, seqused_k=seqused_k, return_lse=True, **kw)
+        same, same_lse = attention_varlen_mods_reference(*same_in, cu_q, cu_k, seqused_k=seqused_k, return_lse=True,
+                                                         compute_dtype=torch.bfloat16, **kw)  # fmt: skip
+        tol = 2 * (same.detach().double() - ref.detach()).abs().max().item() + 1e-5
+        assert (out.detach().double() - ref.detach()).abs().max().item() <= tol, seqused_k is not None
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), finite)
+        torch.testing.assert_close(lse.detach()[finite], ref_lse.detach()[finite], atol=1e-3, rtol=1e-4)
+        if not backward:
+            continue
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad((out, lse), (q, k, v), (grad, torch.ones_like(lse)))
+        want = torch.autograd.grad((ref, ref_lse), ref_in, (grad.double(), torch.ones_like(ref_lse)))
+        base = torch.autograd.grad((same, same_lse), same_in, (grad, torch.ones_like(same_lse)))
+        for name, a, w, b in zip(("dq", "dk", "dv"), got, want, base):
+            tol = 2 * (b.double() - w).abs().max().item() + 1e-5
+            assert (a.double() - w).abs().max().item() <= tol, (name, seqused_k is not None)

@@ -11,7 +11,7 @@ import cute_flash
 from cute_flash.mods.reference import attention_mods_reference
 
 from . import test_mods as examples
-from .test_mods_gpu import check_gradients
+from .test_mods_gpu import check_gradients, check_packed
 
 pytestmark = pytest.mark.sm90
 
@@ -164,39 +164,19 @@ def test_a_broadcast_output_gradient(monkeypatch):
 def test_packed_sequences_with_mods_against_float64(monkeypatch, score, mask, d, causal):
     """attention_varlen(score_mod=, mask_mod=): b the sequence, positions within it; lengths 0, odd, seqlen_q !=
     seqlen_k, seqused_k; out, lse and gradients by FlashAttention's rule against the packed float64 reference."""
-    from cute_flash.mods.reference import attention_varlen_mods_reference
-
     score_mod, mask_mod = _mods(score, mask, monkeypatch)
     lens_q, lens_k = [77, 0, 300, 1], [77, 5, 517, 40]
     if mask == "prefix_lm":  # (its table is indexed by b: two sequences)
         lens_q, lens_k = [77, 300], [77, 517]
-    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    used = torch.tensor([min(n, 64 + 7 * i) for i, n in enumerate(lens_k)], dtype=torch.int32, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(hash((score, mask, d, causal)) % 1000)
+    check_packed(score_mod, mask_mod, d, causal, lens_q, lens_k, seed=hash((score, mask, d, causal)) % 1000)
 
-    def randn(*shape):
-        return torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
 
-    q, k, v = randn(sum(lens_q), examples.H, d), randn(sum(lens_k), 2, d), randn(sum(lens_k), 2, d)
-    kw = dict(score_mod=score_mod, mask_mod=mask_mod, causal=causal)
-    for seqused_k in (None, used):
-        args = (cu_q, cu_k, max(lens_q), max(lens_k))
-        out, lse = cute_flash.attention_varlen(q, k, v, *args, seqused_k=seqused_k, return_lse=True, **kw)
-        grad = torch.randn_like(out)
-        got = torch.autograd.grad((out, lse), (q, k, v), (grad, torch.ones_like(lse)))
-        ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        same_in = [t.detach().requires_grad_() for t in (q, k, v)]
-        ref, ref_lse = attention_varlen_mods_reference(*ref_in, cu_q, cu_k, seqused_k=seqused_k, return_lse=True, **kw)
-        same, same_lse = attention_varlen_mods_reference(*same_in, cu_q, cu_k, seqused_k=seqused_k, return_lse=True,
-                                                         compute_dtype=torch.bfloat16, **kw)  # fmt: skip
-        want = torch.autograd.grad((ref, ref_lse), ref_in, (grad.double(), torch.ones_like(ref_lse)))
-        base = torch.autograd.grad((same, same_lse), same_in, (grad, torch.ones_like(same_lse)))
-        tol = 2 * (same.detach().double() - ref.detach()).abs().max().item() + 1e-5
-        assert (out.double() - ref.detach()).abs().max().item() <= tol
-        finite = torch.isfinite(ref_lse)
-        assert torch.equal(torch.isfinite(lse), finite)
-        torch.testing.assert_close(lse[finite], ref_lse.detach()[finite], atol=1e-3, rtol=1e-4)
-        for name, a, w, b in zip(("dq", "dk", "dv"), got, want, base):
-            tol = 2 * (b.double() - w).abs().max().item() + 1e-5
-            assert (a.double() - w).abs().max().item() <= tol, (name, seqused_k is not None)
+def test_packed_sequences_at_a_head_dim_without_an_sm90_forward(monkeypatch):
+    """d72 on Hopper: the sm80 packed forward (no sm90 forward tile there), then the sm90 packed backward (zero-padded
+    to its d128 kernels) on that forward's out and lse (one layout in both families)."""
+    e_args = [torch.empty(10, h, 72, dtype=torch.bfloat16) for h in (examples.H, 2, 2)]
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    e = cute_flash.explain_varlen(*e_args, cu, cu, 10, 10, score_mod=examples.alibi, capability=(9, 0))
+    assert (e.forward.family, e.backward.family) == ("sm80", "sm90"), e
+    score_mod, mask_mod = _mods("alibi", "sliding", monkeypatch)
+    check_packed(score_mod, mask_mod, 72, True, [77, 0, 300, 1], [77, 5, 517, 40], seed=72)

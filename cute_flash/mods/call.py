@@ -1,8 +1,9 @@
 """`cute_flash.attention(..., score_mod=..., mask_mod=...)`: the call path of attention with FlexAttention-style
-callables, eager (under torch.compile a graph break: `attention_mods`). On Hopper the sm90 kernels
-(arch/sm90/flash_fwd_mods.py, flash_bwd_mods.py; a block mask's empty tiles skipped, its full tiles without the
-mask_mod: lists by query tile for the forward, by key tile for the backward), else the sm80 family's (every tile
-visited). What the callables may contain: mods/graph.py.
+callables, eager (under torch.compile a graph break: `attention_mods`), and `attention_varlen`'s over packed
+sequences (`attention_varlen_mods`). On Hopper the sm90 kernels (arch/sm90/flash_fwd_mods.py, flash_bwd_mods.py; a
+block mask's empty tiles skipped, its full tiles without the mask_mod: lists by query tile for the forward, by key
+tile for the backward), else the sm80 family's (every tile visited); both dense and packed. What the callables may
+contain: mods/graph.py.
 """
 
 from __future__ import annotations

@@ -40,8 +40,10 @@ def forward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
     if spec.mask not in ("none", "causal", "local"):
         return f"unknown mask kind {spec.mask!r}"
     if isinstance(spec, ModsSpec):
-        if spec.varlen or spec.kvcache:
-            return "score_mod / mask_mod have a dense forward only (no packed sequences, no KV cache)"
+        if spec.kvcache:
+            return "score_mod / mask_mod have no KV-cache kernels"
+        if spec.varlen and spec.block_sparse:
+            return "score_mod / mask_mod over packed sequences take no block mask"
         if spec.softcap or spec.sink:
             return "score_mod / mask_mod do not combine with softcap or sinks yet (write softcap as a score_mod)"
     return None
@@ -135,35 +137,44 @@ class _Backend(BackendBase):
         problem: Problem, tables: List[torch.Tensor], blocks: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
         seqs: Optional[PackedSeqs] = None,
     ) -> None:  # fmt: skip
-        """The dense forward of a ModsSpec (score_mod / mask_mod, flash_fwd_mods.py): tables are the graphs' captured
-        tensors as the kernel stores them (cute_flash/mods/call.py). No packed build (seqs: refused)."""
+        """The forward of a ModsSpec (score_mod / mask_mod, flash_fwd_mods.py): tables are the graphs' captured
+        tensors as the kernel stores them (cute_flash/mods/call.py); packed with spec.varlen (seqs, tensors as
+        forward_varlen's: the `packed_mods` entry, under forward_varlen's keys). No block lists (every tile)."""
         spec = problem.spec
         reason = forward_unsupported_reason(spec)
-        if reason is None and seqs is not None:
-            reason = "the sm80 score_mod / mask_mod kernels take no packed sequences"
         if reason is None and not isinstance(spec, ModsSpec):
             reason = "forward_mods needs a ModsSpec"
         if reason is not None:
             raise NotImplementedError(reason)
-        kernel = self._forward_kernel(spec, compile_cache.runtime_target(q.device))
         if blocks is not None:
             raise ValueError("the sm80 score_mod / mask_mod forward takes no block lists (it visits every tile)")
-        launch_mods_forward(kernel, q, k, v, out, lse, problem, tables)
+        if spec.varlen != (seqs is not None):
+            raise ValueError("a packed score_mod / mask_mod build takes the sequences, and only it")
+        target = compile_cache.runtime_target(q.device)
+        if seqs is not None:
+            kernel = self._varlen_kernel(spec, target, seqs.seqused_k is not None)
+        else:
+            kernel = self._forward_kernel(spec, target)
+        launch_mods_forward(kernel, q, k, v, out, lse, problem, tables, None, seqs)
 
     def backward_mods(
         self, t: BwdTensors, grads: Grads, problem: Problem, tables: List[torch.Tensor], blocks: Optional[tuple] = None,
         seqs: Optional[PackedSeqs] = None,
     ) -> None:  # fmt: skip
         """The backward of `forward_mods` (flash_bwd_mods.py), with the same tables; every tile visited (no block
-        lists: mods_query_tiles None); dense only."""
+        lists: mods_query_tiles None); packed with seqs (as forward_mods')."""
         assert blocks is None and not problem.spec.block_sparse, "this family's backward takes no block lists"
-        assert seqs is None, "this family's score_mod / mask_mod backward takes no packed sequences"
         spec = problem.spec
         reason = self.unsupported_reason(spec, backward=True)
         if reason is None and not isinstance(spec, ModsSpec):
             reason = "backward_mods needs a ModsSpec"
         if reason is not None:
             raise NotImplementedError(reason)
+        if spec.varlen != (seqs is not None):
+            raise ValueError("a packed score_mod / mask_mod build takes the sequences, and only it")
+        if seqs is not None:
+            _backward_module().run_backward_varlen(t, grads, seqs, problem, tables=tuple(tables))
+            return
         _backward_module().backward_launcher(problem, t.q.device)(t, grads, tables)
 
     def forward(self, t: FwdTensors, problem: Problem, descale: Optional[Dict[str, torch.Tensor]] = None) -> None:

@@ -54,8 +54,10 @@ def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
         return f"the sm80 backward supports fp16 and bf16 inputs, not {spec.dtype}"
     if spec.out_dtype != spec.dtype:
         return f"the sm80 backward needs out_dtype equal to the input dtype ({spec.dtype}), got {spec.out_dtype}"
-    if isinstance(spec, ModsSpec) and (spec.varlen or spec.head_dim != spec.head_dim_v or spec.head_dim % 32):
-        return "score_mod / mask_mod have a dense backward at head_dim == head_dim_v, a multiple of 32, only"
+    if isinstance(spec, ModsSpec) and (spec.head_dim != spec.head_dim_v or spec.head_dim % 32):
+        return "score_mod / mask_mod have a backward at head_dim == head_dim_v, a multiple of 32, only"
+    if isinstance(spec, ModsSpec) and spec.varlen and spec.block_sparse:
+        return "the score_mod / mask_mod backward takes no block mask with packed sequences"
     if not 0 < max(spec.head_dim, spec.head_dim_v) <= _MAX_HEAD_DIM:
         dims = f"{spec.head_dim}" if spec.head_dim == spec.head_dim_v else f"({spec.head_dim}, {spec.head_dim_v})"
         return f"the sm80 backward supports head dims up to {_MAX_HEAD_DIM}, got {dims}"
@@ -279,6 +281,17 @@ def _build_packed(
     gqa = role == "bwd_gqa"
     dkv = rows(cutlass.Float32, tk_pad, h_kv, d) if gqa else rows(dt, tk, h_kv, d)
     dkv2 = rows(cutlass.Float32, tk_pad, h_kv, d) if gqa else rows(dt, tk, h_kv, d)
+    if isinstance(spec, ModsSpec):  # (flash_bwd_mods.py's `packed_mods` entry: the tables after the scalars)
+        from ...common.fake_tensors import fake_mods_tables
+        from .flash_bwd_mods import Sm80ModsBackward
+
+        tensors = (rows(dt, tq, h, d), rows(dt, tk, h_kv, d), rows(dt, tk, h_kv, d), rows(dt, tq, h, d),
+                   stats(tq_pad), stats(tq_pad), dq_accum, dkv, dkv2)  # fmt: skip
+        packed = (fake_cu_seqlens(cute.sym_int()), fake_cu_seqlens(cute.sym_int()),
+                  fake_cu_seqlens(n) if seqused else None, i32)  # fmt: skip
+        kernel = Sm80ModsBackward(spec, cfg, gqa)
+        return cute.compile(kernel.packed_mods, *tensors, f32, i32, i32, *fake_mods_tables(spec), *packed, stream,
+                            options=options)  # fmt: skip
     kernel = Sm80FlashBackward(spec, cfg, gqa)
     softcap = (f32,) if spec.softcap else ()  # the `packed_features` entry's softcap
     return cute.compile(
@@ -531,13 +544,16 @@ def backward_launcher(
     return launch
 
 
-def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: VarlenProblem) -> None:
+def run_backward_varlen(
+    t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: VarlenProblem, tables: tuple = ()
+) -> None:
     """The packed backward: q / dout / out / dq (total_q, h, d), k / v / dk / dv (total_k, h_kv, d), lse (h, total_q).
 
     The same three steps as `run_backward`, on buffers whose sequence b starts at row cu_seqlens[b] + b * pad
     rounded down to a multiple of pad
     (common/packed.packed_pads): lse_log2 / D (h, rows), dQ's fp32 accumulator (rows, h, d) or (h, rows * d), and under
-    GQA dK / dV's (rows, h_kv, d). Keys past seqused_k[b] get zero gradients.
+    GQA dK / dV's (rows, h_kv, d). Keys past seqused_k[b] get zero gradients. tables: a ModsSpec's captured tensors
+    as the kernel stores them (cute_flash/mods/call.py), for the main kernel's `packed_mods` entry.
     """
     spec = problem.spec
     reason = backward_unsupported_reason(spec)
@@ -546,7 +562,7 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
     width = kernel_width(spec)
     if (problem.head_dim, problem.head_dim_v) != (width, width):
         wide = widened_problem(problem, (width, width))
-        padded_launcher((width, width), lambda tw, gw: run_backward_varlen(tw, gw, seqs, wide))(t, grads)
+        padded_launcher((width, width), lambda tw, gw: run_backward_varlen(tw, gw, seqs, wide, tables))(t, grads)
         return
     dout, q, k, v, out, lse, dlse = t[:7]
     dq, dk, dv = grads[:3]
@@ -571,22 +587,27 @@ def run_backward_varlen(t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: 
     q, k, v, dout, out, dq, dk, dv = grad_views(q, k, v, dout, out, dq, dk, dv)
 
     kspec = kernel_spec(spec)
+    pspec = plain_spec(kspec)  # the pre- and postprocess do not depend on a score_mod / mask_mod
     pre_blocks = -(-max_seqlen_q // pad_q) * pad_q // _PRE_POST_BLOCK_M  # whole pad_q rows per sequence
-    _kernel("bwd_preprocess", kspec, target)(out, dout, lse, dpsum, lse_log2, cu_seqlens_q, pad_q, pre_blocks)
+    _kernel("bwd_preprocess", pspec, target)(out, dout, lse, dpsum, lse_log2, cu_seqlens_q, pad_q, pre_blocks)
     fold_lse_grad_packed(dpsum, dlse, lse, cu_seqlens_q, pad_q)
     if spec.sink:
         sink_grad(grads.dsink, t.sink, lse, packed_rows(dpsum, cu_seqlens_q, pad_q, total_q))
     dk_out, dv_out = packed_dkv_destinations(dk, dv, gqa, seqused_k is not None, padded_rows(total_k, batch, pad_k))
     role = ("bwd_gqa" if gqa else "bwd") + ("_seqused" if seqused_k is not None else "")
-    no_semaphores = (None, None)  # this family has no deterministic build
-    softcap = (float(problem.softcap),) if spec.softcap else ()  # the feature entry's argument
+    scalars = (softmax_scale, mask.left, mask.right)
+    if isinstance(spec, ModsSpec):  # (the `packed_mods` entry: no semaphores, the tables after the scalars)
+        args = (*scalars, *tables, *([None] * (MAX_TABLES - len(tables))))
+    else:
+        softcap = (float(problem.softcap),) if spec.softcap else ()  # the feature entry's argument
+        args = (None, None, *scalars, *softcap)  # (no semaphores: this family has no deterministic build)
     _kernel(role, kspec, target)(
-        q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *no_semaphores, softmax_scale, mask.left,
-        mask.right, *softcap, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k,
+        q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, *args, cu_seqlens_q, cu_seqlens_k, seqused_k,
+        max_seqlen_k,
     )  # fmt: skip
-    postprocess = _kernel("bwd_postprocess", kspec, target)
+    postprocess = _kernel("bwd_postprocess", pspec, target)
     if cfg.dq_layout == "fragment":
-        _kernel("bwd_dq_postprocess", kspec, target)(dq_accum, dq, softmax_scale, cu_seqlens_q, pad_q, max_seqlen_q)
+        _kernel("bwd_dq_postprocess", pspec, target)(dq_accum, dq, softmax_scale, cu_seqlens_q, pad_q, max_seqlen_q)
     else:
         postprocess(dq_accum, dq, softmax_scale, cu_seqlens_q, pad_q, max_seqlen_q)
     if gqa:

@@ -37,7 +37,7 @@ def build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str, sequse
 
     dtype = dsl_dtype(spec.dtype)
     if isinstance(spec, ModsSpec):
-        return build_forward_mods(spec, tile, options)
+        return build_forward_mods(spec, tile, options, seqused)
     if spec.varlen:
         return build_forward_packed(spec, tile, options, seqused)
     batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
@@ -61,25 +61,30 @@ def build_forward(spec: AttentionSpec, tile: FwdTileConfig, options: str, sequse
     return cute.compile(entry, q, k, v, out, lse, *scalars, *features, stream, options=options)
 
 
-def build_forward_mods(spec, tile: FwdTileConfig, options: str):
-    """The dense forward with a score_mod / mask_mod (flash_fwd_mods.py): the `mods` entry, whose tables a0 .. a3
-    are fake tensors of the graphs' read types and ranks (None past them)."""
+def build_forward_mods(spec, tile: FwdTileConfig, options: str, seqused: bool = False):
+    """The forward with a score_mod / mask_mod (flash_fwd_mods.py): the `mods` entry, whose tables a0 .. a3 are fake
+    tensors of the graphs' read types and ranks (None past them); packed (spec.varlen) the `packed_mods` entry, the
+    tables between the window bounds and the packed arguments (as `build_forward_packed`'s, seqused_k with
+    `seqused`)."""
     import cutlass
     import cutlass.cute as cute
 
     from .flash_fwd_mods import Sm80ModsForward
 
     dtype = dsl_dtype(spec.dtype)
+    kernel = Sm80ModsForward(spec, tile)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    tables = fake_mods_tables(spec)  # (then no block lists: the sm80 kernel visits every tile)
+    if spec.varlen:
+        args = fake_packed_forward_args(dtype, spec.head_dim, spec.head_dim_v, seqused)
+        return cute.compile(kernel.packed_mods, *args[:8], *tables, *args[8:], stream, options=options)
     batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
     q = fake_operand(dtype, (batch, seqlen_q, heads, spec.head_dim))
     k = fake_operand(dtype, (batch, seqlen_k, heads_kv, spec.head_dim))
     v = fake_operand(dtype, (batch, seqlen_k, heads_kv, spec.head_dim_v))
     out = fake_operand(dtype, (batch, seqlen_q, heads, spec.head_dim_v))
     lse = fake_f32((batch, heads, seqlen_q))
-    kernel = Sm80ModsForward(spec, tile)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0))
-    tables = fake_mods_tables(spec)  # (then no block lists: the sm80 kernel visits every tile)
     return cute.compile(kernel.mods, q, k, v, out, lse, *scalars, *tables, *(None,) * 4, stream, options=options)
 
 

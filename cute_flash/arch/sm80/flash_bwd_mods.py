@@ -8,6 +8,9 @@ dS = P * dscore_mod/ds (s) * (dP - D): the derivative (mods.score_derivative, fo
 folded into the factor the kernel multiplies (dP - D) by, and dQ / dK keep their softmax_scale factor (ds / dS).
 A masked score has P = 0, so its gradient is 0 whatever the derivative. The tables are the `mods` entry's a0 .. a3,
 score_mod's first (its derivative reads the same slots), then mask_mod's.
+
+Packed sequences (spec.varlen, the `packed_mods` entry: the plain packed backward's tensors and sequences, no
+semaphores): b is the sequence, q_idx / kv_idx positions within it (the kernel's per-sequence tiles).
 """
 
 from __future__ import annotations
@@ -58,6 +61,39 @@ class Sm80ModsBackward(ModsGraphs, Sm80FlashBackward):
         self._launch(
             tensors, softmax_scale, window_left, window_right, stream, features=("mods", softmax_scale, a0, a1, a2, a3)
         )
+
+    @cute.jit
+    def packed_mods(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSElog2: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        a0: Optional[cute.Tensor],
+        a1: Optional[cute.Tensor],
+        a2: Optional[cute.Tensor],
+        a3: Optional[cute.Tensor],
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        mSeqUsedK: Optional[cute.Tensor],
+        max_seqlen_k: Int32,
+        stream: cuda.CUstream,
+    ):
+        """Packed sequences (spec.varlen; tensors as common/entries.BwdEntries.packed's, no semaphores): the
+        callables see b = the sequence, q_idx / kv_idx = positions within it."""
+        assert self.varlen
+        tensors = (mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV)
+        packed = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k)
+        features = ("mods", softmax_scale, a0, a1, a2, a3)
+        self._launch(tensors, softmax_scale, window_left, window_right, stream, packed, features=features)
 
     def score_factors(self, softmax_scale, features):
         """(the softmax's scale_log2, the score context the kernel hands `probs`): with a score_mod the scores are

@@ -1,4 +1,4 @@
-"""The sm80 forward with a score_mod and / or a mask_mod (cute_flash/mods): `Sm80ModsForward`, the dense forward
+"""The sm80 forward with a score_mod and / or a mask_mod (cute_flash/mods): `Sm80ModsForward`, the forward
 whose `modify_scores` hook applies the traced callables to every score of every key tile (codegen.emit, one scalar
 expression per element), before the kernel's own causal / window / sequence-end masks.
 
@@ -6,8 +6,9 @@ Per score: s = S * softmax_scale; s = score_mod(s, b, h, q_idx, kv_idx); s = -in
 kv_idx). The softmax then runs with log2(e) as its scale (the scores are scaled already). q_idx / kv_idx are the
 positions within the sequence, clamped to the last row / key before the callables read their tables (positions past
 the sequence are masked by the kernel anyway), h the query head, b the batch index. Every key tile the causal /
-window range leaves is visited (no block mask yet), and the build is dense and unsplit (its backward:
-flash_bwd_mods.py).
+window range leaves is visited (no block mask yet), and the build is unsplit (its backward: flash_bwd_mods.py).
+Packed sequences (spec.varlen, the `packed_mods` entry of common/entries.ModsFwdEntry, the plain packed forward's
+tensors and sequences): b is the sequence, q_idx / kv_idx positions within it, the kernel's per-sequence tiles.
 
 The captured tensors are the `mods` entry's a0 .. a3 (None past the graphs' tables), stored as the graphs read them
 (float32, int32, or uint8 for booleans: mods/call.py converts them), score_mod's tables first, then mask_mod's.
