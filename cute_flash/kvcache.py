@@ -54,7 +54,9 @@ class _Plan:
         """The lse buffer of calls that do not return it: kept by the plan, since the kernels only write it (calls on
         several streams may write it at once; nobody reads it)."""
         if self._scratch is None:
-            self._scratch = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+            # A normal tensor even when the first call runs under inference_mode: later calls outside it write it too.
+            with torch.inference_mode(False):
+                self._scratch = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         return self._scratch
 
 

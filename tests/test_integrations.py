@@ -589,11 +589,11 @@ def test_transformers_refuses_output_attentions(fake_gpu, registered):
 
 
 def test_transformers_derived_results_follow_contents_a_version_does_not_tell(fake_gpu):
-    """What the layers of one forward share (page tables, packed sequences) is cached only for a mask the mask
-    function built this forward. The same tensor with new contents and an unchanged version (a CUDA-graph tree's
-    output under torch.compile mode="reduce-overhead" is the same tensor from replay to replay; here its contents
-    are written through .data, which bumps no version) is derived anew: a caller's mask, or a built one that is a
-    CUDA-graph output."""
+    """What the layers of one forward share (page tables, packed sequences) is cached only where the tensors prove
+    their contents: a mask the mask function built this forward, or versioned tensors. The same tensor with new
+    contents and an unchanged version is derived anew: a CUDA-graph tree's output under torch.compile
+    mode="reduce-overhead" (the same tensor from replay to replay; here its contents are written through .data, which
+    bumps no version), or a caller's inference tensor (no version) changed in place."""
     import math
 
     pytest.importorskip("transformers")
@@ -626,7 +626,18 @@ def test_transformers_derived_results_follow_contents_a_version_does_not_tell(fa
         torch.testing.assert_close(out.double(), attend(mask), atol=2e-2, rtol=0)
         mask.data[..., :4] = False
 
-    check(built.clone())  # a caller's mask
+    versioned = built.clone()  # a caller's mask with a version counter: an in-place write bumps it
+    cft.attention_forward(module, q, k, v, versioned, scaling=0.3)
+    versioned[..., :4] = True
+    out = cft.attention_forward(module, q, k, v, versioned, scaling=0.3)[0]
+    torch.testing.assert_close(out.double(), attend(versioned), atol=2e-2, rtol=0)
+    with torch.inference_mode():  # a caller's mask without one, changed in place
+        caller = built.clone()
+        cft.attention_forward(module, q, k, v, caller, scaling=0.3)
+        caller[..., :4] = True
+        out = cft.attention_forward(module, q, k, v, caller, scaling=0.3)[0]
+        want = attend(caller)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=0)
     # A built padding mask (2D, packed sequences) too.
     qp, kp = (torch.randn(b, n, 6, d, generator=g).bfloat16() for n in (h, hkv))
     user = torch.ones(b, 6, dtype=torch.bool)

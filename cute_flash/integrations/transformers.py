@@ -86,13 +86,13 @@ class _Derived:
     """Results derived from a mask (and position) tensor, reused by every layer of one forward: transformers hands
     the same mask object to each layer, so the device-to-host copy and the mask check happen once per forward.
 
-    Cached only where the key holds a tensor that is provably new this forward: a mask built by `mask_function`
-    (which returns a new tensor every call, and nothing changes it in place), not one that a CUDA-graph tree hands
-    back (torch.compile mode="reduce-overhead" returns the same tensor from every replay, with the replay's contents
-    and its version unchanged). A caller's tensors alone (a 4D mask or cu_seq_lens it passes itself) are derived
-    anew on every call: their identity and version do not prove their contents (inference tensors have no version;
-    graph replays and other writers change contents without one). Keyed on identities and versions, held by weak
-    reference."""
+    Cached where the key's tensors prove their contents: a mask built by `mask_function` (a new tensor every call,
+    never changed in place), or tensors whose version counter tells every in-place write (a caller's 4D mask or
+    cu_seq_lens in eager code: the packed-training path keeps one device-to-host copy per forward, not per layer).
+    Derived anew on every call: anything holding an inference tensor (no version counter) or a CUDA-graph tree's
+    output (torch.compile mode="reduce-overhead" returns the same tensor from every replay, with the replay's
+    contents and its version unchanged), unless a mask built this forward is in the key. Keyed on identities and
+    versions, held by weak reference."""
 
     def __init__(self, size: int = 8):
         self._entries: dict = {}
@@ -100,7 +100,7 @@ class _Derived:
 
     def get(self, tensors: tuple, extra: tuple, compute):
         present = tuple(t for t in tensors if t is not None)
-        if not any(_fresh(t) for t in present):
+        if not (any(_fresh(t) for t in present) or all(_versioned(t) for t in present)):
             return compute()
         versions = tuple(-1 if t.is_inference() else t._version for t in present)
         key = (tuple(id(t) for t in present), versions, extra)
@@ -118,6 +118,11 @@ class _Derived:
 # A CUDA-graph tree's outputs are "cached tensors": the same tensor from replay to replay (torch._inductor.
 # cudagraph_trees registers them with torch._C._add_cached_tensor).
 _is_graph_output = getattr(torch._C, "_is_cached_tensor", lambda t: False)
+
+
+def _versioned(t: torch.Tensor) -> bool:
+    """Whether every in-place write to `t` bumps its version (see `_Derived`)."""
+    return not t.is_inference() and not _is_graph_output(t)
 
 
 def _fresh(t: torch.Tensor) -> bool:
