@@ -2,6 +2,7 @@
 
 No Blackwell GPU has run this kernel; what can be checked without one is checked here:
   - ptxas reports zero spill bytes for every head dim, mask and soft-capping build;
+  - the deterministic twin holds the same MMAs and adds behind acquire / release semaphore accesses;
   - the instruction census: five MMAs per query tile (S^T, dP^T, dV, dK, dQ), issued as prologue (S, dP, dV), one
     loop body (all five) and epilogue (dQ, dK); d / 32 TMA reduce-adds of dQ per tile; one TMEM allocation; three
     setmaxnreg (compute up, dQ and the single warps down);
@@ -36,7 +37,7 @@ def test_sm100_backward_builds(capsys, tmp_path, d, mask, softcap):
     spec = AttentionSpec("bf16", d, d, mask, softcap=softcap)
     with capsys.disabled():  # (ptxas' report goes to file descriptor 2, which compile_report captures)
         reports = {r["kernel"]: r for r in compile_report("sm100", spec, backward=True, out_dir=str(tmp_path))}
-    assert {"bwd", "sm80_bwd_preprocess", "sm80_bwd_postprocess"} <= set(reports)
+    assert {"bwd", "bwd_det", "sm80_bwd_preprocess", "sm80_bwd_postprocess"} <= set(reports)
     bwd = reports["bwd"]
     width = max(d, 64)  # d32 runs the d64 kernel on zero-padded operands
     census = bwd["census"]
@@ -48,6 +49,13 @@ def test_sm100_backward_builds(capsys, tmp_path, d, mask, softcap):
     assert census["setmaxnreg"] == 3
     for r in reports.values():
         assert r["spill_bytes"] == 0, r["kernel"]
+    # The deterministic twin: the same MMAs and adds, behind acquire / release semaphore accesses.
+    det = reports["bwd_det"]
+    assert det["census"]["tcgen05.mma"] == census["tcgen05.mma"]
+    assert det["census"]["cp.reduce.async.bulk"] == census["cp.reduce.async.bulk"]
+    ptx = {name: (tmp_path / reports[name]["files"][0]).read_text() for name in ("bwd", "bwd_det")}
+    assert "ld.acquire.gpu" in ptx["bwd_det"] and "red.release.gpu.global.add" in ptx["bwd_det"]
+    assert "ld.acquire.gpu" not in ptx["bwd"] and "red.release.gpu" not in ptx["bwd"]
 
 
 # ------------------------------------------------------------------------------------------------ shared-memory views

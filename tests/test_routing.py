@@ -145,13 +145,12 @@ def test_blackwell_prefers_its_own_family_then_the_sm80_kernels():
     assert routing.route(spec(128), BLACKWELL).family == "sm100"
     r = routing.route(spec(72), BLACKWELL)  # no sm100 forward at d72: the sm80 kernels, compiled for sm_100a
     assert r.family == "sm80" and [f for f, _ in r.skipped] == ["sm100"]
-    # The sm100 backward serves d <= 128 (d72 on the d128 kernel's zero-padded operands), not d192, not a
-    # deterministic backward (its dQ reduce-adds have no fixed order), not packed sequences.
+    # The sm100 backward serves d <= 128 (d72 on the d128 kernel's zero-padded operands), deterministic ones too, not
+    # d192.
     for d in (32, 64, 72, 128):
         assert routing.route(spec(d), BLACKWELL, backward=True).family == "sm100", d
+        assert routing.route(spec(d), BLACKWELL, backward=True, deterministic=True).family == "sm100", d
     assert routing.route(spec(192), BLACKWELL, backward=True).family == "sm80"
-    det = routing.route(spec(128), BLACKWELL, backward=True, deterministic=True)
-    assert det.family is None and "deterministic" in det.error()
 
 
 class _Fake(BackendBase):

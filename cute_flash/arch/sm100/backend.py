@@ -128,7 +128,7 @@ class _Backend(BackendBase):
         if isinstance(spec, ModsSpec):
             return "no score_mod / mask_mod kernel in this family yet (the sm80 family's serve them)"
         if backward:
-            return _bwd().backward_unsupported_reason(spec, deterministic)
+            return _bwd().backward_unsupported_reason(spec)  # (every build has a deterministic twin)
         return cfgmod.unsupported_reason(spec)
 
     def forward_launcher(self, problem: Problem, device: torch.device) -> ForwardLauncher:
@@ -175,19 +175,19 @@ class _Backend(BackendBase):
     def backward_launcher(
         self, problem: Problem, device: torch.device, deterministic: bool = False
     ) -> BackwardLauncher:
-        _check_backward(problem, deterministic)
-        return _bwd().backward_launcher(problem, device, checked=False)
+        _check_backward(problem)
+        return _bwd().backward_launcher(problem, device, deterministic, checked=False)
 
     def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
-        _check_backward(problem, deterministic)
-        _bwd().backward_launcher(problem, t.q.device)(t, grads)
+        _check_backward(problem)
+        _bwd().backward_launcher(problem, t.q.device, deterministic)(t, grads)
 
     def warm(
         self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False
     ) -> None:
         prepare_build(self, spec, target, backward=backward, deterministic=deterministic, warming=True)
         if backward:
-            _bwd().warm_backward(spec, target)
+            _bwd().warm_backward(spec, target, deterministic)
             return
         for cfg in cfgmod.configs_for(spec):  # the 1-CTA and 2-CTA kernels: choose_config picks by seqlen_q
             _forward_kernel(spec, cfg, target)
@@ -237,8 +237,8 @@ def _bwd():
     return backward
 
 
-def _check_backward(problem: Problem, deterministic: bool) -> None:
-    reason = _bwd().backward_unsupported_reason(problem.spec, deterministic)
+def _check_backward(problem: Problem) -> None:
+    reason = _bwd().backward_unsupported_reason(problem.spec)
     if reason is not None:
         raise NotImplementedError(reason)
 

@@ -37,12 +37,11 @@ FAMILY = "sm100"
 ROW_MULTIPLE = cfgmod.M_BLOCK  # the statistics and dQ sums hold whole query tiles (the preprocess writes 64-row blocks)
 
 
-def backward_unsupported_reason(spec: AttentionSpec, deterministic: bool = False) -> Optional[str]:
-    """None where the sm100 backward serves `spec` (every mask, soft-capping and learnable sinks included)."""
+def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
+    """None where the sm100 backward serves `spec` (every mask, soft-capping and learnable sinks included; each has a
+    deterministic build)."""
     if isinstance(spec, ModsSpec):
         return "no score_mod / mask_mod kernel in this family yet"
-    if deterministic:
-        return "the sm100 backward adds dQ by TMA reduce-adds in no fixed order: no deterministic build"
     return cfgmod.bwd_unsupported_reason(spec)
 
 
@@ -62,8 +61,9 @@ def _sm80_backward():
     return backward
 
 
-def _build_main(spec: AttentionSpec, cfg: cfgmod.BwdTileConfig, target: str, extra: str = ""):
-    """Compiles the main kernel with fake tensors: batch, sequence lengths and head counts symbolic."""
+def _build_main(spec: AttentionSpec, cfg: cfgmod.BwdTileConfig, target: str, deterministic: bool, extra: str = ""):
+    """Compiles the main kernel with fake tensors: batch, sequence lengths and head counts symbolic; deterministic:
+    the build that adds dQ in key-tile order behind semaphores."""
     import cutlass
     import cutlass.cute as cute
 
@@ -79,21 +79,23 @@ def _build_main(spec: AttentionSpec, cfg: cfgmod.BwdTileConfig, target: str, ext
     # Rows of whole tiles (torch.empty of (b, h, sq_pad)): 16-byte aligned, strides of whole tiles (the TMA needs it).
     lse_log2, dpsum = fake_f32((b, h, sq_pad), ROW_MULTIPLE, 16), fake_f32((b, h, sq_pad), ROW_MULTIPLE, 16)
     dq_accum = fake_tensor(cutlass.Float32, (b, sq_pad, h, d), 4, 16)
+    semaphores = fake_tensor(cutlass.Int32, (b, h, cute.sym_int()), 1, 4) if deterministic else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = compile_cache.compile_options(target, extra=f"--opt-level {cfg.opt_level} {extra}".strip())
-    kernel = Sm100FlashBackward(spec, cfg)
-    args = (q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0))
+    kernel = Sm100FlashBackward(spec, cfg, deterministic)
+    scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0))
+    args = (q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, semaphores, *scalars)
     if spec.softcap:
         return cute.compile(kernel.features, *args, cutlass.Float32(1.0), stream, options=options), kernel
     return cute.compile(kernel, *args, stream, options=options), kernel
 
 
-def _main_kernel(spec: AttentionSpec, target: str) -> Callable:
+def _main_kernel(spec: AttentionSpec, target: str, deterministic: bool) -> Callable:
     """The compiled main kernel of `spec` (a kernel_spec) for `target`."""
     cfg = cfgmod.bwd_config(spec)
-    key = (FAMILY, target, "bwd", spec, cfg)
+    key = (FAMILY, target, "bwd_det" if deterministic else "bwd", spec, cfg)
     compile_cache.ensure_cute_dsl_arch(target)
-    return compile_cache.get_or_compile(key, lambda: _build_main(spec, cfg, target)[0])
+    return compile_cache.get_or_compile(key, lambda: _build_main(spec, cfg, target, deterministic)[0])
 
 
 def _plain(spec: AttentionSpec) -> AttentionSpec:
@@ -102,10 +104,13 @@ def _plain(spec: AttentionSpec) -> AttentionSpec:
     return dataclasses.replace(spec, softcap=False, softcap_wide=False, sink=False)
 
 
-def backward_launcher(problem: Problem, device, checked: bool = True) -> Callable[[BwdTensors, Grads], None]:
+def backward_launcher(
+    problem: Problem, device, deterministic: bool = False, checked: bool = True
+) -> Callable[[BwdTensors, Grads], None]:
     """The backward of one dense `problem` on `device` as launch(t, grads), with the kernels, the buffers' shapes and
-    the scalars settled once. checked: every tensor goes through kernel_view's check (the eager plan's tensors are in
-    the kernels' layout by construction)."""
+    the scalars settled once. deterministic: dQ summed in key-tile order (bitwise-reproducible gradients; dK and dV
+    always are). checked: every tensor goes through kernel_view's check (the eager plan's tensors are in the kernels'
+    layout by construction)."""
     spec = problem.spec
     reason = backward_unsupported_reason(spec)
     if reason is not None:
@@ -113,16 +118,17 @@ def backward_launcher(problem: Problem, device, checked: bool = True) -> Callabl
     width = cfgmod.bwd_kernel_dim(spec)
     if (problem.head_dim, problem.head_dim_v) != (width, width):
         dims = (width, width)
-        return padded_launcher(dims, backward_launcher(widened_problem(problem, dims), device, checked))
+        return padded_launcher(dims, backward_launcher(widened_problem(problem, dims), device, deterministic, checked))
     target = compile_cache.runtime_target(device)
     sm80 = _sm80_backward()
-    main = _main_kernel(kernel_spec(spec), target)
+    main = _main_kernel(kernel_spec(spec), target, deterministic)
     preprocess = sm80.preprocess_kernel(_plain(spec), target)
     convert = sm80.accum_convert_kernel(_plain(spec), target)
     p, mask = problem, problem.mask
     seqlen_q_pad = round_up(p.seqlen_q, ROW_MULTIPLE)
     stats_shape = (p.batch, p.nheads, seqlen_q_pad)
     dq_accum_shape = (p.batch, seqlen_q_pad, p.nheads, p.head_dim)
+    semaphores_shape = (p.batch, p.nheads, seqlen_q_pad // cfgmod.M_BLOCK)
     scalars = (p.softmax_scale, mask.left, mask.right) + ((float(p.softcap),) if spec.softcap else ())
     f32 = dict(dtype=torch.float32, device=device)
 
@@ -135,9 +141,10 @@ def backward_launcher(problem: Problem, device, checked: bool = True) -> Callabl
         lse_log2 = torch.empty(stats_shape, **f32)
         dpsum = torch.empty(stats_shape, **f32)
         dq_accum = torch.zeros(dq_accum_shape, **f32)
+        semaphores = torch.zeros(semaphores_shape, dtype=torch.int32, device=device) if deterministic else None
         preprocess(out, dout, lse, dpsum, lse_log2)
         fold_lse_grad(dpsum, dlse, lse)
-        main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, *scalars)
+        main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, semaphores, *scalars)
         convert(dq_accum, dq, p.softmax_scale)
         if spec.sink:
             sink_grad(grads.dsink, t.sink, lse, dpsum[..., : p.seqlen_q])
@@ -145,9 +152,9 @@ def backward_launcher(problem: Problem, device, checked: bool = True) -> Callabl
     return launch
 
 
-def warm_backward(spec: AttentionSpec, target: str) -> None:
+def warm_backward(spec: AttentionSpec, target: str, deterministic: bool = False) -> None:
     """Gets every kernel `backward_launcher` launches for `spec` under the same cache keys."""
-    _main_kernel(kernel_spec(spec), target)
+    _main_kernel(kernel_spec(spec), target, deterministic)
     _sm80_backward().preprocess_kernel(_plain(spec), target)
     _sm80_backward().accum_convert_kernel(_plain(spec), target)
 
@@ -161,25 +168,26 @@ def compile_backward_artifacts(spec: AttentionSpec, target: str) -> List[KernelA
     kspec = kernel_spec(spec)
     cfg = cfgmod.bwd_config(kspec)
     compile_cache.ensure_cute_dsl_arch(target)
+    artifacts = []
     with tempfile.TemporaryDirectory(prefix="cute_flash_sm100_bwd_") as dump:
-        compiled, kernel = _build_main(
-            kspec, cfg, target, compile_cache.keep_artifacts_options(os.path.join(dump, "m"))
-        )
-        config = {
-            **dataclasses.asdict(cfg),
-            "tile_n": cfgmod.N_BLOCK,
-            "tile_m": cfgmod.M_BLOCK,
-            "threads": 512,
-            "shared_bytes": kernel.smem_bytes,
-        }
-        artifacts = [KernelArtifact("bwd", compiled.artifacts.PTX, compiled.artifacts.CUBIN, config)]
+        for role, deterministic in (("bwd", False), ("bwd_det", True)):
+            extra = compile_cache.keep_artifacts_options(os.path.join(dump, role))
+            compiled, kernel = _build_main(kspec, cfg, target, deterministic, extra)
+            config = {
+                **dataclasses.asdict(cfg),
+                "tile_n": cfgmod.N_BLOCK,
+                "tile_m": cfgmod.M_BLOCK,
+                "threads": 512,
+                "shared_bytes": kernel.smem_bytes,
+            }
+            artifacts.append(KernelArtifact(role, compiled.artifacts.PTX, compiled.artifacts.CUBIN, config))
     roles = ["bwd_preprocess", "bwd_postprocess"]
     for art in _sm80_backward().compile_backward_artifacts(_plain(kspec), target, roles=roles):
         artifacts.append(KernelArtifact(f"sm80_{art.kernel}", art.ptx, art.cubin, {**art.config, "family": "sm80"}))
     return artifacts
 
 
-def run_backward(t: BwdTensors, grads: Grads, problem: Problem) -> None:
+def run_backward(t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
     """Fills `grads` (shaped and typed like q, k, v) on torch's current stream (tests and studies: the front end
     keeps `backward_launcher`'s bound form)."""
-    backward_launcher(problem, t.q.device)(t, grads)
+    backward_launcher(problem, t.q.device, deterministic)(t, grads)

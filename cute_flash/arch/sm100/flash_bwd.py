@@ -50,13 +50,19 @@ P = exp2(S * softmax_scale * log2(e) - lse_log2) with the preprocess's lse_log2 
 their P is 0 without a mask) and dS = P (dP - D). dS is not scaled: the dQ conversion multiplies dQ by softmax_scale,
 the epilogue dK. Query rows past seqlen_q and keys past seqlen_k arrive as zeros from the TMA.
 
+Deterministic builds (`deterministic`): the key tiles that see a query tile add its dQ in key-tile order, behind one
+int32 semaphore per (batch, query head, query tile) (zeroed by the host): the dQ warp of key tile n waits until the
+semaphore counts the tiles before it, adds, waits for its adds to complete and increments it. CTAs of one (KV head,
+batch) start in key-tile order (blockIdx.x), so every wait is on a CTA that started earlier. dK and dV need no
+order: they accumulate in TMEM.
+
 Soft-capping (spec.softcap, the `features` entry): S becomes T = tanh(S * softmax_scale / softcap), P = exp2(T *
 softcap * log2(e) - lse_log2), and dS gets the tanh's derivative (1 - T^2) (common/softcap.py).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -67,6 +73,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ...common.block_info import BlockInfo
+from ...common.bulk_ptx import add_release_gpu, load_acquire_gpu
 from ...common.online_softmax import LOG2_E
 from ...common.softcap import apply_softcap, softcap_factors
 from ...spec import AttentionSpec
@@ -166,11 +173,12 @@ def _consumer(stages):
 class Sm100FlashBackward:
     """Builds (via `cute.compile`) the main backward kernel for one `AttentionSpec` and one `BwdTileConfig`."""
 
-    def __init__(self, spec: AttentionSpec, cfg: BwdTileConfig):
+    def __init__(self, spec: AttentionSpec, cfg: BwdTileConfig, deterministic: bool = False):
         if spec.head_dim != spec.head_dim_v or spec.head_dim not in BWD_HEAD_DIMS:
             raise ValueError(f"the sm100 backward kernel is built for d = dv in (64, 128), not {spec}")
         self.spec = spec
         self.cfg = cfg
+        self.deterministic = deterministic
         self.d = spec.head_dim
         self.has_right = spec.mask in ("causal", "local")
         self.has_left = spec.mask == "local"
@@ -200,12 +208,15 @@ class Sm100FlashBackward:
         mdQaccum: cute.Tensor,  # (b, sq_pad, h, d) fp32, zeroed
         mdK: cute.Tensor,  # (b, sk, h_kv, d)
         mdV: cute.Tensor,  # (b, sk, h_kv, d)
+        mdQsem: Optional[cute.Tensor],  # deterministic builds: (b, h, sq_pad / 128) int32, zeroed; else None
         softmax_scale: Float32,
         window_left: Int32,
         window_right: Int32,
         stream,
     ):
-        self._launch(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, softmax_scale, window_left, window_right, stream)
+        self._launch(
+            mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mdQsem, softmax_scale, window_left, window_right, stream
+        )
 
     @cute.jit
     def features(
@@ -219,6 +230,7 @@ class Sm100FlashBackward:
         mdQaccum: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
+        mdQsem: Optional[cute.Tensor],
         softmax_scale: Float32,
         window_left: Int32,
         window_right: Int32,
@@ -227,14 +239,17 @@ class Sm100FlashBackward:
     ):
         """The entry of spec.softcap builds."""
         self._launch(
-            mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, softmax_scale, window_left, window_right, stream, softcap
-        )
+            mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mdQsem, softmax_scale, window_left, window_right, stream,
+            softcap,
+        )  # fmt: skip
 
     @cute.jit
     def _launch(
-        self, mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, softmax_scale, window_left, window_right, stream,
+        self, mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mdQsem, softmax_scale, window_left, window_right, stream,
         softcap=None,
     ):  # fmt: skip
+        if const_expr(self.deterministic != (mdQsem is not None)):
+            raise ValueError("deterministic builds take the dQ semaphores, others none")
         dt = mQ.element_type
         self.dtype = dt
         if const_expr(mK.element_type != dt or mV.element_type != dt or mdO.element_type != dt):
@@ -333,6 +348,7 @@ class Sm100FlashBackward:
             mmas,
             (tma_k, tma_v, tma_q, tma_do, tma_lse, tma_d, tma_dq),
             (mdK, mdV),
+            mdQsem,
             tuple(layouts[name] for name in LAYOUT_NAMES),
             cute.size(mQ.shape[2]),
             softmax_scale,
@@ -350,6 +366,7 @@ class Sm100FlashBackward:
         mmas: Mmas,
         tmas,  # (atom, coordinate tensor) of K, V, Q, dO, lse_log2, D (loads) and the dQ accumulator (reduce-add)
         grads,  # (mdK, mdV) in (sk, d, h_kv, b) order
+        mdQsem,  # deterministic builds: (b, h, query tiles) int32, else None
         layout_list,  # shared-memory layouts (and P's TMEM operand layout) by LAYOUT_NAMES
         num_heads: Int32,
         softmax_scale: Float32,
@@ -431,7 +448,7 @@ class Sm100FlashBackward:
             cute.arch.setmaxregister_decrease(self.cfg.regs_dq)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.dq_warpgroup(warp_idx, mmas, tmas[6], buffers["sdQ"], tmem_ptr, pipes, tile)
+            self.dq_warpgroup(warp_idx, mmas, tmas[6], buffers["sdQ"], tmem_ptr, pipes, tile, blocks, mdQsem)
             tmem_barrier.arrive()
 
     def make_pipes(self, storage, cta_layout_vmnk) -> Pipes:
@@ -804,7 +821,9 @@ class Sm100FlashBackward:
     # dQ warpgroup
     # ------------------------------------------------------------------------------------------------------------
     @cute.jit
-    def dq_warpgroup(self, warp_idx, mmas: Mmas, tma_dq, sdQ, tmem_ptr, pipes: Pipes, tile: KeyTile):
+    def dq_warpgroup(
+        self, warp_idx, mmas: Mmas, tma_dq, sdQ, tmem_ptr, pipes: Pipes, tile: KeyTile, blocks: BlockInfo, mdQsem
+    ):
         atom_dq, mdQ = tma_dq
         tidx = cute.arch.thread_idx()[0] % WG_THREADS
         dq_2d = self._acc(mmas.dq, self.tiler_dq, tmem_ptr, self.tmem_dq)[(None, None), 0, 0]  # (queries, d)
@@ -838,9 +857,26 @@ class Sm100FlashBackward:
                 cute.arch.fence_view_async_shared()  # visible to the TMA unit
                 barrier.arrive_and_wait()
                 if issuer:
+                    if const_expr(self.deterministic and c == 0):
+                        self._wait_turn(mdQsem, blocks, tile, head, m_block)
                     cute.copy(atom_dq, tDsD[None, slot], tDgD[None, m_block, c])
                     cute.arch.cp_async_bulk_commit_group()
+                    if const_expr(self.deterministic and c == self.d // DQ_COLS - 1):
+                        cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are done, not only their reads
+                        cute.arch.fence_proxy("async.global")  # ... and visible to the generic-proxy release below
+                        with cute.arch.elect_one():
+                            add_release_gpu(mdQsem[tile.batch, head, None].iterator + m_block, Int32(1))
                 slot = (slot + 1) % DQ_SLOTS
             dq_state.advance()
         if issuer:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ stays valid until the last reduce has read it
+
+    @cute.jit
+    def _wait_turn(self, mdQsem, blocks: BlockInfo, tile: KeyTile, head, m_block):
+        """Deterministic builds: wait until the key tiles before this one that see query tile m_block have added
+        their dQ (the semaphore counts them; every key tile of kv_block_range(m_block) sees it)."""
+        sem = mdQsem[tile.batch, head, None].iterator + m_block
+        turn = tile.n_block - blocks.kv_block_range(m_block)[0]
+        while load_acquire_gpu(sem) != turn:
+            pass
+        cute.arch.fence_proxy("async.global")  # the adds after this are async-proxy accesses

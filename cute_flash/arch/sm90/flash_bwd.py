@@ -86,7 +86,7 @@ from ...common.softcap import apply_softcap, softcap_factors
 from ...spec import AttentionSpec
 from ..sm80.flash_bwd import red_add_f32_vec
 from .barriers import BwdBarrierId
-from .ptx import add_release_gpu, bulk_reduce_add_f32, load_acquire_gpu
+from ...common.bulk_ptx import add_release_gpu, bulk_reduce_add_f32, load_acquire_gpu
 from .pipelines import consumer_state, consumer_wait, producer_state
 from .epilogue import store_rows_predicated, zero_rows_from
 from .views import (

@@ -1,5 +1,6 @@
-"""PTX the sm90 backward needs and CuTe DSL 4.8.1 does not wrap: the bulk reduce-add of a shared-memory buffer into
-global memory, and the acquire / release accesses of the semaphores that order those adds in deterministic mode."""
+"""PTX the backwards need and CuTe DSL 4.8.1 does not wrap: the bulk reduce-add of a shared-memory buffer into global
+memory (sm90), and the acquire / release accesses of the semaphores that order such adds in deterministic mode (sm90,
+sm100)."""
 
 from __future__ import annotations
 
