@@ -30,11 +30,18 @@ def _mma_count(d: int) -> int:
 
 
 @pytest.mark.parametrize(
-    "d, mask, softcap",
-    [(64, "none", False), (128, "causal", False), (128, "local", False), (128, "causal", True), (32, "local", True)],
+    "d, mask, softcap, varlen",
+    [
+        (64, "none", False, False),
+        (128, "causal", False, False),
+        (128, "local", False, False),
+        (128, "causal", True, False),
+        (32, "local", True, False),
+        (128, "causal", False, True),  # packed sequences (the `packed` entry; no sm100 forward: the sm80 one's)
+    ],
 )
-def test_sm100_backward_builds(capsys, tmp_path, d, mask, softcap):
-    spec = AttentionSpec("bf16", d, d, mask, softcap=softcap)
+def test_sm100_backward_builds(capsys, tmp_path, d, mask, softcap, varlen):
+    spec = AttentionSpec("bf16", d, d, mask, softcap=softcap, varlen=varlen)
     with capsys.disabled():  # (ptxas' report goes to file descriptor 2, which compile_report captures)
         reports = {r["kernel"]: r for r in compile_report("sm100", spec, backward=True, out_dir=str(tmp_path))}
     assert {"bwd", "bwd_det", "sm80_bwd_preprocess", "sm80_bwd_postprocess"} <= set(reports)

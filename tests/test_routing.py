@@ -2,6 +2,7 @@
 no GPU needed. The real backends' `unsupported_reason` runs (it imports no cutlass); no kernel is compiled."""
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -151,6 +152,9 @@ def test_blackwell_prefers_its_own_family_then_the_sm80_kernels():
         assert routing.route(spec(d), BLACKWELL, backward=True).family == "sm100", d
         assert routing.route(spec(d), BLACKWELL, backward=True, deterministic=True).family == "sm100", d
     assert routing.route(spec(192), BLACKWELL, backward=True).family == "sm80"
+    packed = dataclasses.replace(spec(128), varlen=True)  # packed sequences: the sm80 forward, the sm100 backward
+    assert routing.route(packed, BLACKWELL).family == "sm80"
+    assert routing.route(packed, BLACKWELL, backward=True).family == "sm100"
 
 
 class _Fake(BackendBase):

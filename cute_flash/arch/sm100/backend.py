@@ -12,7 +12,7 @@ import torch
 from ... import compile_cache
 from ...census import read_artifacts
 from ...spec import AttentionSpec, ModsSpec
-from ...validation import Problem, kernel_view
+from ...validation import PackedSeqs, Problem, VarlenProblem, kernel_view
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact
 from ..base import launcher_through_forward, prepare_build
 from ..base import BackendBase
@@ -120,6 +120,7 @@ class _Backend(BackendBase):
     name = "sm100"
     cute_arch = "sm_100a"
     split_keys = False
+    varlen = True  # a packed-sequence backward (backward_varlen); its forward has none (unsupported_reason says so)
 
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         return cfgmod.FP8_KV_SCALE_KEYS
@@ -181,6 +182,13 @@ class _Backend(BackendBase):
     def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
         _check_backward(problem)
         _bwd().backward_launcher(problem, t.q.device, deterministic)(t, grads)
+
+    def backward_varlen(
+        self, t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: VarlenProblem, deterministic: bool = False
+    ) -> None:
+        """Packed backward: tensors as in forward_varlen, dq / dk / dv shaped like q / k / v."""
+        _check_backward(problem)
+        _bwd().run_backward_varlen(t, grads, seqs, problem, deterministic)
 
     def warm(
         self, spec: AttentionSpec, target: str, *, backward: bool, gqa: bool = False, deterministic: bool = False

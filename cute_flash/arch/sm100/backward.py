@@ -7,6 +7,11 @@
                     (b, sq_padded, h, d) fp32
     3. conversion:  dq = softmax_scale * dQ sums in the input dtype (the sm80 family's accumulator conversion)
 
+Packed sequences (`run_backward_varlen`): the same three steps, the statistics and dQ sums in padded rows (sequence b
+from row cu_seqlens[b] + b * 128 rounded down to a multiple of 128, common/packed.py), the sm80 family's packed
+preprocess and conversion; one CTA row per sequence (grid y: KV heads, z: sequences); keys past seqused_k[b] get
+zero gradients.
+
 Head dims below a built kernel's (BWD_HEAD_DIMS: 64, 128) run it on zero-padded operands (arch/padded_head_dims.py):
 d32 the d64 kernel, d96 the d128 one. A learnable sink changes no kernel (it is in the LSE; dsink comes from lse and
 D on the host, arch/base.sink_grad); soft-capping changes the main kernel (its `features` entry).
@@ -28,13 +33,15 @@ import torch
 from ... import compile_cache
 from ...kernel_layout import round_up
 from ...spec import AttentionSpec, ModsSpec
-from ...validation import Problem
-from ..base import BwdTensors, Grads, KernelArtifact, fold_lse_grad, sink_grad
+from ...common.packed import PRE_POST_ROWS, padded_rows
+from ...validation import PackedSeqs, Problem, VarlenProblem
+from ..base import BwdTensors, Grads, KernelArtifact, fold_lse_grad, fold_lse_grad_packed, sink_grad
 from ..padded_head_dims import padded_launcher, widened_problem, widened_spec
 from . import tile_config as cfgmod
 
 FAMILY = "sm100"
 ROW_MULTIPLE = cfgmod.M_BLOCK  # the statistics and dQ sums hold whole query tiles (the preprocess writes 64-row blocks)
+PACKED_PAD = 128  # padded rows of the packed statistics and dQ sums: flash_bwd.PACKED_PAD (common/packed.packed_pads)
 
 
 def backward_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
@@ -61,18 +68,24 @@ def _sm80_backward():
     return backward
 
 
-def _build_main(spec: AttentionSpec, cfg: cfgmod.BwdTileConfig, target: str, deterministic: bool, extra: str = ""):
+def _build_main(
+    spec: AttentionSpec, cfg: cfgmod.BwdTileConfig, target: str, deterministic: bool, seqused: bool = False,
+    extra: str = "",
+):  # fmt: skip
     """Compiles the main kernel with fake tensors: batch, sequence lengths and head counts symbolic; deterministic:
-    the build that adds dQ in key-tile order behind semaphores."""
+    the build that adds dQ in key-tile order behind semaphores; seqused (packed builds): the one reading
+    seqused_k."""
     import cutlass
     import cutlass.cute as cute
 
     from ...common.dsl_types import dsl_dtype
-    from ...common.fake_tensors import fake_f32, fake_operand, fake_tensor
+    from ...common.fake_tensors import fake_cu_seqlens, fake_f32, fake_operand, fake_tensor
     from .flash_bwd import Sm100FlashBackward
 
     dt, d = dsl_dtype(spec.dtype), spec.head_dim
     b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
+    if spec.varlen:  # packed: one batch entry, total rows; the statistics and dQ sums in padded rows
+        b = 1
     sq_pad = cute.sym_int(divisibility=ROW_MULTIPLE)
     q, dout = fake_operand(dt, (b, sq, h, d)), fake_operand(dt, (b, sq, h, d))
     k, v, dk, dv = (fake_operand(dt, (b, sk, hk, d)) for _ in range(4))
@@ -85,17 +98,28 @@ def _build_main(spec: AttentionSpec, cfg: cfgmod.BwdTileConfig, target: str, det
     kernel = Sm100FlashBackward(spec, cfg, deterministic)
     scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0))
     args = (q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, semaphores, *scalars)
-    if spec.softcap:
-        return cute.compile(kernel.features, *args, cutlass.Float32(1.0), stream, options=options), kernel
-    return cute.compile(kernel, *args, stream, options=options), kernel
+    softcap = (cutlass.Float32(1.0),) if spec.softcap else ()
+    if spec.varlen:
+        n = cute.sym_int()
+        seqs = (fake_cu_seqlens(n), fake_cu_seqlens(n), fake_cu_seqlens(cute.sym_int()) if seqused else None)
+        entry = kernel.packed_features if spec.softcap else kernel.packed
+        return cute.compile(entry, *args, *softcap, *seqs, cutlass.Int32(1), stream, options=options), kernel
+    entry = kernel.features if spec.softcap else kernel
+    return cute.compile(entry, *args, *softcap, stream, options=options), kernel
 
 
-def _main_kernel(spec: AttentionSpec, target: str, deterministic: bool) -> Callable:
+def main_role(deterministic: bool, seqused: bool = False) -> str:
+    """The main kernel's role name: deterministic, reading seqused_k (packed specs only)."""
+    return "bwd" + ("_seqused" if seqused else "") + ("_det" if deterministic else "")
+
+
+def _main_kernel(spec: AttentionSpec, target: str, deterministic: bool, seqused: bool = False) -> Callable:
     """The compiled main kernel of `spec` (a kernel_spec) for `target`."""
+    assert spec.varlen or not seqused, "seqused_k is a packed-sequence argument"
     cfg = cfgmod.bwd_config(spec)
-    key = (FAMILY, target, "bwd_det" if deterministic else "bwd", spec, cfg)
+    key = (FAMILY, target, main_role(deterministic, seqused), spec, cfg)
     compile_cache.ensure_cute_dsl_arch(target)
-    return compile_cache.get_or_compile(key, lambda: _build_main(spec, cfg, target, deterministic)[0])
+    return compile_cache.get_or_compile(key, lambda: _build_main(spec, cfg, target, deterministic, seqused)[0])
 
 
 def _plain(spec: AttentionSpec) -> AttentionSpec:
@@ -172,7 +196,7 @@ def compile_backward_artifacts(spec: AttentionSpec, target: str) -> List[KernelA
     with tempfile.TemporaryDirectory(prefix="cute_flash_sm100_bwd_") as dump:
         for role, deterministic in (("bwd", False), ("bwd_det", True)):
             extra = compile_cache.keep_artifacts_options(os.path.join(dump, role))
-            compiled, kernel = _build_main(kspec, cfg, target, deterministic, extra)
+            compiled, kernel = _build_main(kspec, cfg, target, deterministic, extra=extra)
             config = {
                 **dataclasses.asdict(cfg),
                 "tile_n": cfgmod.N_BLOCK,
@@ -191,3 +215,61 @@ def run_backward(t: BwdTensors, grads: Grads, problem: Problem, deterministic: b
     """Fills `grads` (shaped and typed like q, k, v) on torch's current stream (tests and studies: the front end
     keeps `backward_launcher`'s bound form)."""
     backward_launcher(problem, t.q.device, deterministic)(t, grads)
+
+
+def run_backward_varlen(
+    t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: VarlenProblem, deterministic: bool = False
+) -> None:
+    """The packed backward: q / dout / out / dq (total_q, h, d), k / v / dk / dv (total_k, h_kv, d), lse (h, total_q).
+    Keys past seqused_k[b] get zero gradients. deterministic: as `backward_launcher`'s, one semaphore per (head,
+    padded query tile)."""
+    spec = problem.spec
+    reason = backward_unsupported_reason(spec)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    width = cfgmod.bwd_kernel_dim(spec)
+    if (problem.head_dim, problem.head_dim_v) != (width, width):
+        wide = widened_problem(problem, (width, width))
+        inner = lambda tw, gw: run_backward_varlen(tw, gw, seqs, wide, deterministic)  # noqa: E731
+        padded_launcher((width, width), inner)(t, grads)
+        return
+    dout, q, k, v, out, lse, dlse = t[:7]
+    dq, dk, dv = grads[:3]
+    cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k = seqs
+    mask = problem.mask
+    sm80 = _sm80_backward()
+    target = compile_cache.runtime_target(q.device)
+    pad = PACKED_PAD
+    batch = cu_seqlens_q.shape[0] - 1
+    total_q, nheads, head_dim = q.shape
+    q, k, v, dout, out, dq, dk, dv = sm80.grad_views(q, k, v, dout, out, dq, dk, dv)
+    dk, dv = sm80.packed_dkv_destinations(dk, dv, False, seqused_k is not None, 0)  # (zeroed with seqused_k)
+    if batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:  # no query sees a key: zero gradients, no launch
+        for g in (dq, dk, dv):
+            g.zero_()
+        if spec.sink:
+            grads.dsink.zero_()
+        return
+    rows_q = round_up(padded_rows(total_q, batch, pad), pad)  # whole query tiles
+    f32 = dict(dtype=torch.float32, device=q.device)
+    lse_log2 = torch.empty(1, nheads, rows_q, **f32)
+    dpsum = torch.empty(1, nheads, rows_q, **f32)
+    dq_accum = torch.zeros(rows_q, nheads, head_dim, **f32)  # (the sm80 packed conversion's layout)
+    semaphores = None
+    if deterministic:
+        semaphores = torch.zeros(1, nheads, rows_q // cfgmod.M_BLOCK, dtype=torch.int32, device=q.device)
+    plain = _plain(spec)
+    pre_blocks = -(-max_seqlen_q // pad) * pad // PRE_POST_ROWS  # whole padded tiles per sequence
+    sm80.preprocess_kernel(plain, target)(out, dout, lse, dpsum[0], lse_log2[0], cu_seqlens_q, pad, pre_blocks)
+    fold_lse_grad_packed(dpsum[0], dlse, lse, cu_seqlens_q, pad)
+    main = _main_kernel(kernel_spec(spec), target, deterministic, seqused_k is not None)
+    softcap = (float(problem.softcap),) if spec.softcap else ()
+    one = lambda x: x.unsqueeze(0)  # noqa: E731  (the kernel's one batch entry)
+    main(
+        one(q), one(k), one(v), one(dout), lse_log2, dpsum, one(dq_accum), one(dk), one(dv), semaphores,
+        problem.softmax_scale, mask.left, mask.right, *softcap, cu_seqlens_q, cu_seqlens_k, seqused_k,
+        int(max_seqlen_k),
+    )  # fmt: skip
+    sm80.accum_convert_kernel(plain, target)(dq_accum, dq, problem.softmax_scale, cu_seqlens_q, pad, max_seqlen_q)
+    if spec.sink:
+        sink_grad(grads.dsink, t.sink, lse, sm80.packed_rows(dpsum[0], cu_seqlens_q, pad, total_q))

@@ -75,6 +75,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from ...common.block_info import BlockInfo
 from ...common.bulk_ptx import add_release_gpu, load_acquire_gpu
 from ...common.online_softmax import LOG2_E
+from ...common.packed import packed_pads, seq_rows
 from ...common.softcap import apply_softcap, softcap_factors
 from ...spec import AttentionSpec
 from .tile_config import BWD_HEAD_DIMS, M_BLOCK, N_BLOCK, TMEM_COLUMNS, BwdTileConfig
@@ -100,13 +101,17 @@ TMEM_USER_THREADS = 32 * (1 + COMPUTE_WARPS + 4)
 DQ_COLS = 32  # dQ columns per TMA reduce-add (a 128 x 32 fp32 staging slot, 16 KiB)
 DQ_SLOTS = 2
 Q_STAGES = 2
+# Padded rows of the packed statistics and dQ sums (common/packed.py): whole query tiles.
+PACKED_PAD = packed_pads(M_BLOCK, N_BLOCK)[0]
 LAYOUT_NAMES = ("sK", "sKt", "sV", "sQ", "sQt", "sdO", "sdOt", "sdS", "sdSt", "tP", "sdQ")
 HALF = M_BLOCK // 2  # query columns per compute warpgroup
 
 
 class KeyTile(NamedTuple):
-    """What one CTA works on: its key tile, KV head and batch, the query heads per KV head, the query tiles
-    [m_block_min, m_block_min + q_tiles) of each, and the sequence lengths."""
+    """What one CTA works on: its key tile, KV head and batch index of the tensors (0 for packed sequences), the query
+    heads per KV head, the query tiles [m_block_min, m_block_min + q_tiles) of each, the sequence lengths and, for
+    packed sequences, the sequence's first query and key rows and its first row in the padded statistics and dQ sums
+    (common/packed.py; 0 in a dense batch)."""
 
     n_block: Int32
     head_kv: Int32
@@ -116,6 +121,9 @@ class KeyTile(NamedTuple):
     q_tiles: Int32
     seqlen_q: Int32
     seqlen_k: Int32
+    row_q: Int32
+    row_k: Int32
+    row_stats: Int32
 
     @property
     def steps(self):
@@ -179,6 +187,7 @@ class Sm100FlashBackward:
         self.spec = spec
         self.cfg = cfg
         self.deterministic = deterministic
+        self.varlen = spec.varlen
         self.d = spec.head_dim
         self.has_right = spec.mask in ("causal", "local")
         self.has_left = spec.mask == "local"
@@ -244,12 +253,75 @@ class Sm100FlashBackward:
         )  # fmt: skip
 
     @cute.jit
+    def packed(
+        self,
+        mQ: cute.Tensor,  # (1, total_q, h, d): packed sequences, sequence b from row cu_seqlens_q[b]
+        mK: cute.Tensor,  # (1, total_k, h_kv, d)
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,  # (1, h, rows) in padded rows (common/packed.py, pad = PACKED_PAD)
+        mD: cute.Tensor,
+        mdQaccum: cute.Tensor,  # (1, rows, h, d) fp32, padded rows, zeroed
+        mdK: cute.Tensor,  # (1, total_k, h_kv, d)
+        mdV: cute.Tensor,
+        mdQsem: Optional[cute.Tensor],  # deterministic builds: (1, h, rows / 128) int32, zeroed
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        mCuSeqlensQ: cute.Tensor,  # (batch + 1,) int32
+        mCuSeqlensK: cute.Tensor,
+        mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32 keys used per sequence, or None
+        max_seqlen_k: Int32,
+        stream,
+    ):
+        """The entry of packed-sequence builds (spec.varlen)."""
+        seqs = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k)
+        self._launch(
+            mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mdQsem, softmax_scale, window_left, window_right, stream,
+            None, seqs,
+        )  # fmt: skip
+
+    @cute.jit
+    def packed_features(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mD: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mdQsem: Optional[cute.Tensor],
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        softcap: Float32,
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        mSeqUsedK: Optional[cute.Tensor],
+        max_seqlen_k: Int32,
+        stream,
+    ):
+        """The entry of packed builds with spec.softcap."""
+        seqs = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_k)
+        self._launch(
+            mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mdQsem, softmax_scale, window_left, window_right, stream,
+            softcap, seqs,
+        )  # fmt: skip
+
+    @cute.jit
     def _launch(
         self, mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mdQsem, softmax_scale, window_left, window_right, stream,
-        softcap=None,
+        softcap=None, seqs=None,
     ):  # fmt: skip
+        """Every entry; softcap: the cap of spec.softcap builds; seqs: (cu_seqlens_q, cu_seqlens_k, seqused_k,
+        max_seqlen_k) of packed builds (their tensors have one batch entry)."""
         if const_expr(self.deterministic != (mdQsem is not None)):
             raise ValueError("deterministic builds take the dQ semaphores, others none")
+        if const_expr(self.varlen != (seqs is not None)):
+            raise ValueError("packed builds (spec.varlen) take the sequences, others none")
         dt = mQ.element_type
         self.dtype = dt
         if const_expr(mK.element_type != dt or mV.element_type != dt or mdO.element_type != dt):
@@ -344,6 +416,8 @@ class Sm100FlashBackward:
             raise ValueError(f"shared memory {self.smem_bytes} B exceeds sm100's capacity (do_stages too deep)")
 
         grid = (cute.ceil_div(cute.size(mK.shape[0]), N_BLOCK), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
+        if const_expr(self.varlen):  # one CTA row per sequence, as many key tiles as the longest one has
+            grid = (cute.ceil_div(seqs[3], N_BLOCK), cute.size(mK.shape[2]), cute.size(seqs[0].shape[0]) - 1)
         self.kernel(
             mmas,
             (tma_k, tma_v, tma_q, tma_do, tma_lse, tma_d, tma_dq),
@@ -355,6 +429,7 @@ class Sm100FlashBackward:
             window_left,
             window_right,
             softcap,
+            seqs,
         ).launch(grid=grid, block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -373,6 +448,7 @@ class Sm100FlashBackward:
         window_left: Int32,
         window_right: Int32,
         softcap,
+        seqs,  # packed builds: (cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k), else None
     ):
         layouts = dict(zip(LAYOUT_NAMES, layout_list))
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -414,13 +490,23 @@ class Sm100FlashBackward:
         )  # fmt: skip
 
         mK_shape = tmas[0][1].shape
-        seqlen_k = cute.size(mK_shape[0])
-        seqlen_q = cute.size(tmas[2][1].shape[0])
         group = num_heads // cute.size(mK_shape[2])
+        if const_expr(self.varlen):
+            seq = seq_rows(batch, seqs[0], seqs[1], seqs[2])
+            seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+            rows = (seq.offset_q, seq.offset_k, seq.padded_offset_q(PACKED_PAD))
+            batch = Int32(0)  # (the packed tensors' one batch entry)
+        else:
+            seqlen_k = cute.size(mK_shape[0])
+            seqlen_q = cute.size(tmas[2][1].shape[0])
+            rows = (Int32(0), Int32(0), Int32(0))
         blocks = BlockInfo(M_BLOCK, N_BLOCK, self.spec.mask, seqlen_q, seqlen_k, window_left, window_right)
         m_block_min, m_block_max = blocks.q_block_range(n_block)
         q_tiles = cutlass.max(m_block_max - m_block_min, 0)
-        tile = KeyTile(n_block, head_kv, batch, group, m_block_min, q_tiles, seqlen_q, seqlen_k)
+        if const_expr(self.varlen):
+            # A key tile past this sequence's keys (the grid covers the longest sequence) has nothing to do.
+            q_tiles = q_tiles if n_block * N_BLOCK < seqlen_k else Int32(0)
+        tile = KeyTile(n_block, head_kv, batch, group, m_block_min, q_tiles, seqlen_q, seqlen_k, *rows)
 
         pipeline_init_wait(cluster_shape_mn=cta_layout_vmnk)
 
@@ -500,6 +586,21 @@ class Sm100FlashBackward:
             dkv=umma_async(COMPUTE_THREADS, storage.mbar_dkv),
         )
 
+    def _head_rows(self, t, head, tile: KeyTile, row):
+        """The (rows, d) view of one head of a (rows, d, h, b) tensor; packed builds: from the sequence's `row`."""
+        x = t[None, None, head, tile.batch]
+        if const_expr(self.varlen):
+            x = cute.domain_offset((row, 0), x)
+        return x
+
+    def _stat_rows(self, t, head, tile: KeyTile):
+        """The (rows,) view of one head of the padded (rows, h, b) statistics; packed builds: from the sequence's
+        padded offset."""
+        x = t[None, head, tile.batch]
+        if const_expr(self.varlen):
+            x = cute.domain_offset((tile.row_stats,), x)
+        return x
+
     @cute.jit
     def _step(self, tile: KeyTile, i):
         """(query head, query tile) of step i: the query tiles of one head, then the next head of the group."""
@@ -524,12 +625,9 @@ class Sm100FlashBackward:
         q_producer = pipes.q.make_producer()
         do_producer = pipes.do.make_producer()
         if tile.steps > 0:
-            gK = cute.local_tile(
-                mK[None, None, tile.head_kv, tile.batch], cute.select(self.tiler_s, mode=[0, 2]), (None, 0)
-            )
-            gV = cute.local_tile(
-                mV[None, None, tile.head_kv, tile.batch], cute.select(self.tiler_s, mode=[0, 2]), (None, 0)
-            )
+            keys = cute.select(self.tiler_s, mode=[0, 2])
+            gK = cute.local_tile(self._head_rows(mK, tile.head_kv, tile, tile.row_k), keys, (None, 0))
+            gV = cute.local_tile(self._head_rows(mV, tile.head_kv, tile, tile.row_k), keys, (None, 0))
             tKsK, tKgK = part(atom_k, buffers["sK"], thr_s.partition_A(gK))
             tVsV, tVgV = part(atom_v, buffers["sV"], thr_dp.partition_A(gV))
             handle = kv_producer.acquire_and_advance()
@@ -537,14 +635,11 @@ class Sm100FlashBackward:
             cute.copy(atom_v, tVgV[None, tile.n_block], tVsV[None, 0], tma_bar_ptr=handle.barrier)
             for i in cutlass.range(tile.steps, unroll=1):
                 head, m_block = self._step(tile, i)
-                gQ = cute.local_tile(
-                    mQ[None, None, head, tile.batch], cute.select(self.tiler_s, mode=[1, 2]), (None, 0)
-                )
-                gdO = cute.local_tile(
-                    mdO[None, None, head, tile.batch], cute.select(self.tiler_s, mode=[1, 2]), (None, 0)
-                )
-                gLSE = cute.local_tile(mLSE[None, head, tile.batch], (M_BLOCK,), (None,))
-                gD = cute.local_tile(mD[None, head, tile.batch], (M_BLOCK,), (None,))
+                queries = cute.select(self.tiler_s, mode=[1, 2])
+                gQ = cute.local_tile(self._head_rows(mQ, head, tile, tile.row_q), queries, (None, 0))
+                gdO = cute.local_tile(self._head_rows(mdO, head, tile, tile.row_q), queries, (None, 0))
+                gLSE = cute.local_tile(self._stat_rows(mLSE, head, tile), (M_BLOCK,), (None,))
+                gD = cute.local_tile(self._stat_rows(mD, head, tile), (M_BLOCK,), (None,))
                 tQsQ, tQgQ = part(atom_q, buffers["sQ"], thr_s.partition_B(gQ))
                 tOsO, tOgO = part(atom_do, buffers["sdO"], thr_dp.partition_B(gdO))
                 tLsL, tLgL = part(atom_lse, buffers["sLSE"], gLSE)
@@ -811,7 +906,7 @@ class Sm100FlashBackward:
             out.store(frag.load().to(self.dtype))
             dst = mdV if name == "dv" else mdK
             if key < tile.seqlen_k:
-                row = dst[key, None, tile.head_kv, tile.batch]
+                row = dst[tile.row_k + key, None, tile.head_kv, tile.batch]
                 cute.autovec_copy(out, cute.logical_divide(row, cute.make_layout(half))[None, wg])
         if tile.steps > 0:
             cute.arch.fence_view_async_tmem_load()
@@ -838,7 +933,7 @@ class Sm100FlashBackward:
         slot = Int32(0)
         for i in cutlass.range(tile.steps, unroll=1):
             head, m_block = self._step(tile, i)
-            gdQ = cute.local_tile(mdQ[None, None, head, tile.batch], (M_BLOCK, DQ_COLS), (None, None))
+            gdQ = cute.local_tile(self._head_rows(mdQ, head, tile, tile.row_stats), (M_BLOCK, DQ_COLS), (None, None))
             tDsD, tDgD = cpasync.tma_partition(
                 atom_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
             )
@@ -865,7 +960,7 @@ class Sm100FlashBackward:
                         cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are done, not only their reads
                         cute.arch.fence_proxy("async.global")  # ... and visible to the generic-proxy release below
                         with cute.arch.elect_one():
-                            add_release_gpu(mdQsem[tile.batch, head, None].iterator + m_block, Int32(1))
+                            add_release_gpu(self._semaphore(mdQsem, tile, head, m_block), Int32(1))
                 slot = (slot + 1) % DQ_SLOTS
             dq_state.advance()
         if issuer:
@@ -875,8 +970,14 @@ class Sm100FlashBackward:
     def _wait_turn(self, mdQsem, blocks: BlockInfo, tile: KeyTile, head, m_block):
         """Deterministic builds: wait until the key tiles before this one that see query tile m_block have added
         their dQ (the semaphore counts them; every key tile of kv_block_range(m_block) sees it)."""
-        sem = mdQsem[tile.batch, head, None].iterator + m_block
+        sem = self._semaphore(mdQsem, tile, head, m_block)
         turn = tile.n_block - blocks.kv_block_range(m_block)[0]
         while load_acquire_gpu(sem) != turn:
             pass
         cute.arch.fence_proxy("async.global")  # the adds after this are async-proxy accesses
+
+    def _semaphore(self, mdQsem, tile: KeyTile, head, m_block):
+        """The dQ semaphore of (head, query tile m_block): one per tile of the (b, h, tiles) buffer; packed builds:
+        from the sequence's padded offset / 128 of the (1, h, rows / 128) one."""
+        first = tile.row_stats // M_BLOCK if const_expr(self.varlen) else 0
+        return mdQsem[tile.batch, head, None].iterator + (first + m_block)

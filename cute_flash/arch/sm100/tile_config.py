@@ -152,8 +152,8 @@ class BwdTileConfig:
 
 def bwd_unsupported_reason(spec: AttentionSpec) -> Optional[str]:
     """None where the sm100 backward kernel serves `spec` (after padded_head_dims' widening of narrower dims)."""
-    if spec.varlen or spec.kvcache:
-        return "the sm100 backward has no " + ("packed-sequence" if spec.varlen else "KV-cache") + " build"
+    if spec.kvcache:
+        return "the KV-cache forward (attention_with_kvcache) has no backward"
     if spec.dtype not in ("fp16", "bf16") or spec.out_dtype != spec.dtype:
         return f"the sm100 backward computes in fp16 or bf16 with out_dtype equal to it, not {spec.dtype}"
     if max(spec.head_dim, spec.head_dim_v) > max(BWD_HEAD_DIMS):
