@@ -88,7 +88,9 @@ def test_sm100_two_cta_choice():
 def test_sm100_rejects_what_it_lacks():
     assert BACKEND.unsupported_reason(AttentionSpec("bf16", 128, 128, "none"), backward=False) is None
     assert BACKEND.unsupported_reason(AttentionSpec("fp8", 64, 64, "causal"), backward=False) is None
-    assert "backward" in BACKEND.unsupported_reason(AttentionSpec("bf16", 128, 128, "none"), backward=True)
+    assert BACKEND.unsupported_reason(AttentionSpec("bf16", 128, 128, "none"), backward=True) is None
+    assert "up to 128" in BACKEND.unsupported_reason(AttentionSpec("bf16", 192, 192, "none"), backward=True)
+    assert "fp16 or bf16" in BACKEND.unsupported_reason(AttentionSpec("fp8", 128, 128, "none", "bf16"), backward=True)
     assert BACKEND.unsupported_reason(AttentionSpec("bf16", 96, 96, "local"), backward=False) is None
     assert "head_dim 256" in BACKEND.unsupported_reason(AttentionSpec("bf16", 256, 256, "none"), backward=False)
     assert "head_dim_v" in BACKEND.unsupported_reason(AttentionSpec("bf16", 128, 64, "none"), backward=False)
