@@ -96,3 +96,16 @@ def test_sm100_rejects_what_it_lacks():
     assert "head_dim_v" in BACKEND.unsupported_reason(AttentionSpec("bf16", 128, 64, "none"), backward=False)
     with pytest.raises(NotImplementedError):
         BACKEND.compile_artifacts(AttentionSpec("bf16", 256, 256, "none"), backward=False, target="sm_100a")
+
+
+def test_sm100_packed_forward_builds_one_cta_with_row_stores(capsys, tmp_path):
+    """Packed sequences (spec.varlen): one 1-CTA build whose epilogue stores O row by row inside each sequence (16-byte
+    st.global, no TMA store: a box would also write the next sequence's rows); spill-free."""
+    spec = AttentionSpec("bf16", 128, 128, "causal", varlen=True, softcap=True, sink=True)
+    reports = {r["kernel"]: r for r in _reports(capsys, tmp_path, spec)}
+    assert set(reports) == {"fwd"}
+    report = reports["fwd"]
+    _check_common(report)
+    assert report["config"]["cta_group"] == 1
+    ptx = (tmp_path / report["files"][0]).read_text()
+    assert "st.global.v4" in ptx and "cp.async.bulk.tensor.4d.global.shared" not in ptx

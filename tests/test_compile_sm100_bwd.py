@@ -71,10 +71,21 @@ def _flat(t):
 
 
 def _parse(layout: str):
-    """'(shape):(stride)' of a static layout as flat lists."""
+    """'(shape):(stride)' of a static layout (or the last, plain part of a composed one) as flat lists."""
+    layout = layout.split(" o ")[-1].rstrip(">")
+    layout = layout[layout.index("(") :] if "(" in layout else layout
     as_tuple = lambda s: eval(re.sub(r"\)", ",)", s))  # noqa: E731  ("(64,16)" -> (64, 16,); ints stay ints)
     shape, stride = layout.split(":")
     return _flat(as_tuple(shape)), _flat(as_tuple(stride))
+
+
+def _index(layout, index: int) -> int:
+    shape, stride = layout
+    off = 0
+    for n, s in zip(shape, stride):
+        off += (index % n) * s
+        index //= n
+    return off
 
 
 def _offset(layout, swizzle: str, index: int) -> int:
@@ -95,8 +106,11 @@ def test_sm100_backward_shared_views_agree(d):
     import cutlass.utils.blackwell_helpers as sm100_utils
     from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
+    from cute_flash.arch.sm100.tile_config import bwd_config
+
     found = {}
     dt = cutlass.BFloat16
+    do_stages = bwd_config(AttentionSpec("bf16", d, d, "none")).do_stages  # (2 at d64)
 
     @cute.jit
     def layouts():
@@ -115,7 +129,7 @@ def test_sm100_backward_shared_views_agree(d):
         for name, one, other, rows, cols, stages in (
             ("Q", b(m_s, t_s, dt, 2), b(m_dk, t_dkv, dt, 2), 128, d, 2),
             ("K", a(m_s, t_s, dt, 1), b(m_dq, t_dq, dt, 1), 128, d, 1),
-            ("dO", b(m_s, t_s, dt, 1), b(m_dv, t_dkv, dt, 1), 128, d, 1),
+            ("dO", b(m_s, t_s, dt, do_stages), b(m_dv, t_dkv, dt, do_stages), 128, d, do_stages),
             ("dS", a(m_dq, t_dq, dt, 1), a(m_dk, t_dkv, dt, 1), 128, 128, 1),
         ):
             found[name] = (str(one.outer), str(one.inner), str(other.outer), str(other.inner), rows, cols, stages)
@@ -132,3 +146,51 @@ def test_sm100_backward_shared_views_agree(d):
             if _offset(l1, swz1, r + rows * c + rows * cols * s) != _offset(l2, swz2, c + cols * r + rows * cols * s)
         ]
         assert not bad, f"{name}: {len(bad)} elements differ between the two views, e.g. {bad[:3]}"
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm100_backward_p_words_are_where_the_dv_mma_reads_them(d):
+    """P^T goes to TMEM as 32-bit words of two 16-bit probabilities (warpgroup wg's 64 query columns as words
+    32 wg .. 32 wg + 31, St32x32b) over the S^T columns; the dV MMA reads its A operand through make_fragment_A of the
+    dV MMA's A layout on the TMEM pointer. Element (key, query q) must be the same column and half in both."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+
+    got = {}
+    dt = cutlass.BFloat16
+
+    @cute.jit
+    def layouts():
+        mdv = sm100_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32, tcgen05.CtaGroup.ONE, (128, d),
+            tcgen05.OperandSource.TMEM,
+        )  # fmt: skip
+        tmem = cute.make_ptr(cutlass.Float32, 0, mem_space=cute.AddressSpace.tmem, assumed_align=16)
+        frag = mdv.make_fragment_A(
+            cute.make_tensor(tmem, sm100_utils.make_smem_layout_a(mdv, (128, d, 128), dt, 1).outer)
+        )
+        got["frag"] = str(frag[None, None, None, 0].layout)
+        load = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), cutlass.Float32)
+        store = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(32)), cutlass.Float32)
+        lanes = 65536  # (a TMEM address's lane stride)
+        for wg in cutlass.range_constexpr(2):
+            t_s = cute.make_tensor(tmem + wg * 64, cute.make_layout((128, 64), stride=(lanes, 1)))
+            t_p = cute.make_tensor(tmem + wg * 32, cute.make_layout((128, 32), stride=(lanes, 1)))
+            thr_load = tcgen05.make_tmem_copy(load, t_s).get_slice(0)
+            thr_store = tcgen05.make_tmem_copy(store, t_p).get_slice(0)
+            got[f"cols{wg}"] = str(thr_load.partition_D(cute.make_identity_tensor((128, 64))).layout)
+            got[f"words{wg}"] = str(thr_store.partition_D(t_p).layout)
+
+    cute.compile(layouts)
+    frag = _parse(got["frag"])  # ((M, 16), 1, K blocks) in 16-bit units
+    for wg in range(2):
+        # register j of a thread's S^T load is query column 64 wg + j
+        assert "1@1" in got[f"cols{wg}"] and "32@1" in got[f"cols{wg}"], got[f"cols{wg}"]
+        words = _parse(got[f"words{wg}"])
+        for j in range(64):
+            q = 64 * wg + j
+            column = wg * 32 + _index(words, j // 2) % 65536
+            offset = _index(frag, 128 * (q % 16 + 16 * (q // 16)))  # the MMA's element (key 0, query q)
+            assert (offset // 2, offset % 2) == (column, j % 2), (wg, j, offset, column)

@@ -152,9 +152,11 @@ def test_blackwell_prefers_its_own_family_then_the_sm80_kernels():
         assert routing.route(spec(d), BLACKWELL, backward=True).family == "sm100", d
         assert routing.route(spec(d), BLACKWELL, backward=True, deterministic=True).family == "sm100", d
     assert routing.route(spec(192), BLACKWELL, backward=True).family == "sm80"
-    packed = dataclasses.replace(spec(128), varlen=True)  # packed sequences: the sm80 forward, the sm100 backward
-    assert routing.route(packed, BLACKWELL).family == "sm80"
+    packed = dataclasses.replace(spec(128), varlen=True)  # packed sequences: both on sm100 (no fp8 packed forward)
+    assert routing.route(packed, BLACKWELL).family == "sm100"
     assert routing.route(packed, BLACKWELL, backward=True).family == "sm100"
+    r = routing.route(dataclasses.replace(spec(128, dtype="fp8"), varlen=True), BLACKWELL)
+    assert r.family is None and "varlen" in dict(r.skipped)["sm100"]
 
 
 class _Fake(BackendBase):

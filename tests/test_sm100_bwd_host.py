@@ -50,8 +50,10 @@ def test_a_dense_backward_launches_preprocess_main_and_conversion(monkeypatch, d
 
 
 @pytest.mark.parametrize("seqused", [False, True])
-def test_a_packed_backward_runs_the_sm100_kernel_on_padded_rows(seqused):
+def test_a_packed_backward_runs_the_sm100_kernel_on_padded_rows(monkeypatch, seqused):
     from profiling.host_overhead_cpu import fake_gpu
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))  # (the sm100 kernels' check)
 
     q = torch.randn(100, 4, 64, dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(120, 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
@@ -61,10 +63,15 @@ def test_a_packed_backward_runs_the_sm100_kernel_on_padded_rows(seqused):
     with fake_gpu((10, 0)):
         launches = _record()
         e = cute_flash.explain_varlen(q, k, v, cu_q, cu_k, 60, 70, causal=True, seqused_k=used)
-        assert (e.forward.family, e.backward.family) == ("sm80", "sm100"), e
+        assert (e.forward.family, e.backward.family) == ("sm100", "sm100"), e
         out = cute_flash.attention_varlen(q, k, v, cu_q, cu_k, 60, 70, causal=True, seqused_k=used)
         out.sum().backward()
-    mains = [(key, args) for key, args in launches if key[0] == "sm100"]
+    forwards = [(key, args) for key, args in launches if key[0] == "sm100" and key[2] == "fwd"]
+    assert len(forwards) == 1  # the packed forward: 1-CTA, keyed on seqused_k
+    ((fkey, fargs),) = forwards
+    assert fkey[3].varlen and not fkey[4].use_2cta and (fkey[5:] == ("seqused_k",)) == seqused
+    assert fargs[0].shape == (100, 4, 64) and fargs[4].shape == (4, 100) and fargs[-1] == 60  # max_seqlen_q
+    mains = [(key, args) for key, args in launches if key[0] == "sm100" and key[2].startswith("bwd")]
     assert len(mains) == 1
     key, args = mains[0]
     assert key[2] == ("bwd_seqused" if seqused else "bwd") and key[3].varlen

@@ -14,7 +14,7 @@ from ...census import read_artifacts
 from ...spec import AttentionSpec, ModsSpec
 from ...validation import PackedSeqs, Problem, VarlenProblem, kernel_view
 from ..base import BackwardLauncher, BwdTensors, ForwardLauncher, FwdTensors, Grads, KernelArtifact
-from ..base import launcher_through_forward, prepare_build
+from ..base import launch_packed_forward, launcher_through_forward, prepare_build
 from ..base import BackendBase
 from ...common.dsl_types import dsl_dtype
 from ...common.fake_tensors import fake_f32, fake_feature_args, fake_operand
@@ -25,12 +25,44 @@ def _kernel_role(cfg: cfgmod.FwdTileConfig) -> str:
     return "fwd_2cta" if cfg.use_2cta else "fwd"
 
 
-def _build(spec: AttentionSpec, cfg: cfgmod.FwdTileConfig, target: str, extra_options: str = "") -> Callable:
-    """Compiles the forward kernel with fake tensors: batch, seqlens and head counts symbolic, strides symbolic."""
-    return _build_with_kernel(spec, cfg, target, extra_options)[0]
+def _build(
+    spec: AttentionSpec, cfg: cfgmod.FwdTileConfig, target: str, extra_options: str = "", seqused: bool = False
+) -> Callable:
+    """Compiles the forward kernel with fake tensors: batch, seqlens and head counts symbolic, strides symbolic;
+    seqused (packed specs): the build reading seqused_k."""
+    return _build_with_kernel(spec, cfg, target, extra_options, seqused)[0]
 
 
-def _build_with_kernel(spec: AttentionSpec, cfg: cfgmod.FwdTileConfig, target: str, extra_options: str = ""):
+def _build_packed(spec: AttentionSpec, cfg: cfgmod.FwdTileConfig, target: str, extra_options: str, seqused: bool):
+    """The packed forward (spec.varlen; arch/base.launch_packed_forward's convention): q (total_q, h, d), k / v
+    (total_k, h_kv, d), out (total_q, h, dv), lse (h, total_q), cu_seqlens, seqused_k (or None), max_seqlen_q."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from ...common.fake_tensors import fake_cu_seqlens
+    from .flash_fwd import Sm100FlashForward
+
+    dt = dsl_dtype(spec.dtype)
+    tq, tk, h, hk, n = (cute.sym_int() for _ in range(5))
+    q, o = fake_operand(dt, (tq, h, spec.head_dim)), fake_operand(dt, (tq, h, spec.head_dim_v))
+    k, v = fake_operand(dt, (tk, hk, spec.head_dim)), fake_operand(dt, (tk, hk, spec.head_dim_v))
+    lse = fake_f32((h, tq))
+    seqs = (fake_cu_seqlens(n), fake_cu_seqlens(n), fake_cu_seqlens(cute.sym_int()) if seqused else None)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = compile_cache.compile_options(target, extra=f"--opt-level {cfg.opt_level} {extra_options}".strip())
+    kernel = Sm100FlashForward(spec, cfg)
+    scalars = cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0)
+    if spec.softcap or spec.sink:
+        entry, features = kernel.packed_features, fake_feature_args(spec.sink)
+    else:
+        entry, features = kernel.packed, ()
+    args = (q, k, v, o, lse, *scalars, *features, *seqs, cutlass.Int32(1))
+    return cute.compile(entry, *args, stream, options=options), kernel
+
+
+def _build_with_kernel(
+    spec: AttentionSpec, cfg: cfgmod.FwdTileConfig, target: str, extra_options: str = "", seqused: bool = False
+):
     import cutlass
     import cutlass.cute as cute
 
@@ -41,6 +73,8 @@ def _build_with_kernel(spec: AttentionSpec, cfg: cfgmod.FwdTileConfig, target: s
     b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
 
     strided = fake_operand  # last dim contiguous, the others multiples of 16 bytes (the front end; TMA needs it)
+    if spec.varlen:
+        return _build_packed(spec, cfg, target, extra_options, seqused)
 
     q = strided(in_dtype, (b, sq, h, spec.head_dim))
     k = strided(in_dtype, (b, sk, hk, spec.head_dim))
@@ -71,9 +105,10 @@ def _build_with_kernel(spec: AttentionSpec, cfg: cfgmod.FwdTileConfig, target: s
     return compiled, kernel
 
 
-def _forward_kernel(spec: AttentionSpec, cfg: cfgmod.FwdTileConfig, target: str) -> Callable:
-    key = ("sm100", target, _kernel_role(cfg), spec, cfg)
-    return compile_cache.get_or_compile(key, lambda: _build(spec, cfg, target))
+def _forward_kernel(spec: AttentionSpec, cfg: cfgmod.FwdTileConfig, target: str, seqused: bool = False) -> Callable:
+    """The compiled forward of `spec` (packed specs: with or without seqused_k)."""
+    key = ("sm100", target, _kernel_role(cfg), spec, cfg) + (("seqused_k",) if seqused else ())
+    return compile_cache.get_or_compile(key, lambda: _build(spec, cfg, target, "", seqused))
 
 
 def _fp8_args(spec: AttentionSpec, q, k, v, descale: Optional[Dict[str, torch.Tensor]]):
@@ -120,7 +155,7 @@ class _Backend(BackendBase):
     name = "sm100"
     cute_arch = "sm_100a"
     split_keys = False
-    varlen = True  # a packed-sequence backward (backward_varlen); its forward has none (unsupported_reason says so)
+    varlen = True  # packed-sequence kernels (forward_varlen, backward_varlen)
 
     def fp8_kv_scale_block(self, spec: AttentionSpec) -> int:
         return cfgmod.FP8_KV_SCALE_KEYS
@@ -141,13 +176,7 @@ class _Backend(BackendBase):
         reason = self.unsupported_reason(spec, backward=False)
         if reason is not None:
             raise NotImplementedError(reason)
-        capability = torch.cuda.get_device_capability(q.device)
-        if capability[0] != 10:
-            raise NotImplementedError(
-                f"the sm100 kernels need a compute capability 10.x GPU (tcgen05, tensor memory); this one is "
-                f"{capability[0]}.{capability[1]}. CUTE_FLASH_ARCH=sm100 elsewhere can only cross-compile: "
-                f"python -m cute_flash compile --arch sm100 ..."
-            )
+        _check_capability(q.device)
         # softmax_scale >= 0 (validation). 0 works like any other: the kernel clamps the exponent's factor
         # softmax_scale * log2(e) into [FLT_MIN, FLT_MAX] (flash_fwd.py), so masked -inf scores never meet a 0.
         descale_args = _fp8_args(spec, q, k, v, descale)
@@ -169,6 +198,23 @@ class _Backend(BackendBase):
             *descale_args,
         )
 
+    def forward_varlen(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+        seqs: PackedSeqs, problem: VarlenProblem, sink: Optional[torch.Tensor] = None,
+    ) -> None:  # fmt: skip
+        """Packed forward: q (total_q, h, d), k / v (total_k, h_kv, d), out (total_q, h, dv), lse (h, total_q); sink
+        (spec.sink): the (total_q, h) fp32 view, read at [row within its sequence, head]. 1-CTA (tile_config)."""
+        spec = problem.spec
+        reason = self.unsupported_reason(spec, backward=False)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        _check_capability(q.device)
+        if spec.sink and (sink is None or sink.dtype != torch.float32):
+            raise ValueError("a build with learnable sinks needs the (rows, h) float32 sink view (FwdTensors.sink)")
+        cfg = cfgmod.make_config(spec, use_2cta=False)
+        kernel = _forward_kernel(spec, cfg, compile_cache.runtime_target(q.device), seqs.seqused_k is not None)
+        launch_packed_forward(kernel, q, k, v, out, lse, seqs, problem, sink)
+
     def backward_head_dims(self, spec: AttentionSpec) -> Tuple[int, int]:
         width = cfgmod.bwd_kernel_dim(spec)  # (narrower calls run the kernel on zero-padded operands)
         return width, width
@@ -176,18 +222,18 @@ class _Backend(BackendBase):
     def backward_launcher(
         self, problem: Problem, device: torch.device, deterministic: bool = False
     ) -> BackwardLauncher:
-        _check_backward(problem)
+        _check_backward(problem, device)
         return _bwd().backward_launcher(problem, device, deterministic, checked=False)
 
     def backward(self, t: BwdTensors, grads: Grads, problem: Problem, deterministic: bool = False) -> None:
-        _check_backward(problem)
+        _check_backward(problem, t.q.device)
         _bwd().backward_launcher(problem, t.q.device, deterministic)(t, grads)
 
     def backward_varlen(
         self, t: BwdTensors, grads: Grads, seqs: PackedSeqs, problem: VarlenProblem, deterministic: bool = False
     ) -> None:
         """Packed backward: tensors as in forward_varlen, dq / dk / dv shaped like q / k / v."""
-        _check_backward(problem)
+        _check_backward(problem, t.q.device)
         _bwd().run_backward_varlen(t, grads, seqs, problem, deterministic)
 
     def warm(
@@ -245,10 +291,21 @@ def _bwd():
     return backward
 
 
-def _check_backward(problem: Problem) -> None:
+def _check_capability(device: torch.device) -> None:
+    capability = torch.cuda.get_device_capability(device)
+    if capability[0] != 10:
+        raise NotImplementedError(
+            f"the sm100 kernels need a compute capability 10.x GPU (tcgen05, tensor memory); this one is "
+            f"{capability[0]}.{capability[1]}. CUTE_FLASH_ARCH=sm100 elsewhere can only cross-compile: "
+            f"python -m cute_flash compile --arch sm100 ..."
+        )
+
+
+def _check_backward(problem: Problem, device: torch.device) -> None:
     reason = _bwd().backward_unsupported_reason(problem.spec)
     if reason is not None:
         raise NotImplementedError(reason)
+    _check_capability(device)
 
 
 def _fp8_prepass_artifacts(spec: AttentionSpec, target: str) -> List[KernelArtifact]:

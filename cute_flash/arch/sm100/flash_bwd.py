@@ -27,17 +27,23 @@ TMEM columns (fp32): dK [0, d) | dV [d, d + dv) | S^T [2d, 2d + 128) | dP^T [2d 
 column) overwrites the first 64 columns of S^T, and dQ (128 queries x d) the first d columns of dP^T: at d = 128 the
 512 columns are exactly full.
 
-MMA order (tcgen05.mma executes in issue order, which the overlaps rely on):
+MMA order (the overlaps rely on tcgen05.mma ops of one thread executing in issue order, as NVIDIA's CuTe DSL Blackwell
+FMHA backward example and FlashAttention-4 do; not verified on hardware here):
   prologue  S(0), dP(0), dV(0)
   step i    S(i), dQ(i-1), dK(i-1), dP(i), dV(i)
   epilogue  dQ(last), dK(last), then "dK and dV final"
 S(i) overwrites P(i-1) after dV(i-1) has been issued; dQ(i-1) overwrites dP(i-1) once dS(i-1) is in shared memory
 (the compute warps read dP before they write dS); dP(i) overwrites dQ(i-1) once the dQ warps have read it out.
 
+Every hand-off between a thread's tcgen05 operations and another thread's goes through a barrier or mbarrier framed
+by tcgen05.fence::before_thread_sync / after_thread_sync (umma.py), after tcgen05.wait::ld / ::st where TMEM was read
+or written.
+
 Synchronisation (mbarrier pipelines; one stage unless noted):
   kv     TMA -> MMA            K and V tiles, loaded once
   q      TMA -> MMA            Q_STAGES slots of Q with lse_log2 and D of its rows; freed after dK(i), so the compute
-                               warps read the statistics of step i (slot i % Q_STAGES) while it is live
+                               warps (which also wait on its full barrier, without releasing) read the statistics
+                               of step i (slot i % Q_STAGES) while it is live
   do     TMA -> MMA            cfg.do_stages slots of dO; freed after dV(i)
   s      MMA -> compute        S^T(i) in TMEM; released once P^T(i) is written
   p      compute -> MMA        P^T(i) in TMEM
@@ -80,7 +86,7 @@ from ...common.softcap import apply_softcap, softcap_factors
 from ...spec import AttentionSpec
 from .tile_config import BWD_HEAD_DIMS, M_BLOCK, N_BLOCK, TMEM_COLUMNS, BwdTileConfig
 from .tmem_softmax import mask_row
-from .umma import gemm
+from .umma import fence_after_thread_sync, fence_before_thread_sync, gemm
 
 # Warp roles.
 COMPUTE_WARPS = 8  # warps 0..7
@@ -731,6 +737,7 @@ class Sm100FlashBackward:
     def _qk(self, mmas: Mmas, ops, pipes: Pipes, s_state, q_index):
         """S^T = K Q^T into TMEM."""
         pipes.s.producer_acquire(s_state)
+        fence_after_thread_sync()
         gemm(mmas.s, ops.tStS, ops.tSrK[None, None, None, 0], ops.tSrQ[None, None, None, q_index], False)
         pipes.s.producer_commit(s_state)
 
@@ -739,9 +746,11 @@ class Sm100FlashBackward:
         """dP^T = V dO^T, then (once P^T is in TMEM) dV += P^T dO."""
         pipes.dq.producer_acquire(dq_state)  # dP^T overwrites dQ(i-1): read out by the dQ warps
         pipes.dp.producer_acquire(dp_state)
+        fence_after_thread_sync()
         gemm(mmas.dp, ops.tPtP, ops.tPrV[None, None, None, 0], ops.tPrdO[None, None, None, do_index], False)
         pipes.dp.producer_commit(dp_state)
         pipes.p.consumer_wait(p_state)
+        fence_after_thread_sync()
         gemm(mmas.dv, ops.tVtV, ops.tVrP, ops.tVrdOt[None, None, None, do_index], accumulate)
         pipes.p.consumer_release(p_state)
 
@@ -804,15 +813,21 @@ class Sm100FlashBackward:
         rel_end = key - blocks.offset + blocks.left + 1
         sLSE, sD = buffers["sLSE"], buffers["sD"]
 
-        pipe_s, pipe_p, pipe_dp, pipe_ds = pipes.s, pipes.p, pipes.dp, pipes.ds
+        pipe_s, pipe_p, pipe_dp, pipe_ds, pipe_q = pipes.s, pipes.p, pipes.dp, pipes.ds, pipes.q
         s_state, dp_state, dkv_state = _consumer(1), _consumer(1), _consumer(1)
         p_state, ds_state = _producer(1), _producer(1)
+        q_state = _consumer(Q_STAGES)  # waited on, never released here: the statistics ride with Q
         for i in cutlass.range(tile.steps, unroll=1):
             _, m_block = self._step(tile, i)
             slot = i % Q_STAGES
             q0 = m_block * M_BLOCK + col0
             # --- P^T = exp2(S^T * scale - lse) ---
             pipe_s.consumer_wait(s_state)
+            fence_after_thread_sync()
+            # lse_log2 and D of step i landed with Q(i): S(i) implies it, but wait on their own barrier (a wait
+            # only; the MMA warp frees the slot after dK(i), which needs this step's dS).
+            pipe_q.consumer_wait(q_state)
+            q_state.advance()
             tSrS = cute.make_rmem_tensor(tScS.shape, Float32)
             cute.copy(thr_load, tStS, tSrS)
             cute.arch.fence_view_async_tmem_load()
@@ -840,16 +855,20 @@ class Sm100FlashBackward:
             tSrP_words = cute.make_rmem_tensor(p_shape, Float32)
             tSrP = cute.make_tensor(cute.recast_ptr(tSrP_words.iterator, dtype=self.dtype), tSrS.layout)
             tSrP.store(tSrS.load().to(self.dtype))
+            fence_before_thread_sync()
             compute_barrier.arrive_and_wait()  # every S^T read (P^T overwrites the other warpgroup's columns)
+            fence_after_thread_sync()
             pipe_p.producer_acquire(p_state)
             cute.copy(thr_store, tSrP_words, tPtP)
             cute.arch.fence_view_async_tmem_store()
+            fence_before_thread_sync()
             pipe_p.producer_commit(p_state)
             p_state.advance()
             pipe_s.consumer_release(s_state)
             s_state.advance()
             # --- dS^T = P^T (dP^T - D) ---
             pipe_dp.consumer_wait(dp_state)
+            fence_after_thread_sync()
             pipe_ds.producer_acquire(ds_state)
             for c in cutlass.range_constexpr(HALF // chunk):
                 tdPr = cute.make_rmem_tensor(dp_shape, Float32)
@@ -872,6 +891,7 @@ class Sm100FlashBackward:
                 row = sdS_rows[tidx, None]
                 cute.autovec_copy(dS, cute.logical_divide(row, cute.make_layout(chunk))[None, (col0 // chunk) + c])
             cute.arch.fence_view_async_tmem_load()
+            fence_before_thread_sync()
             pipe_dp.consumer_release(dp_state)
             dp_state.advance()
             cute.arch.fence_view_async_shared()  # dS^T visible to the tensor core (async proxy)
@@ -889,6 +909,7 @@ class Sm100FlashBackward:
         key = tile.n_block * N_BLOCK + tidx
         if tile.steps > 0:
             pipe_dkv.consumer_wait(dkv_state)
+            fence_after_thread_sync()
         load_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(half)), Float32)
         for name, offset, scale in (("dv", self.tmem_dv, None), ("dk", self.tmem_dk, softmax_scale)):
             acc_2d = self._acc(mmas.dv, self.tiler_dkv, tmem_ptr, offset)[(None, None), 0, 0]
@@ -938,11 +959,13 @@ class Sm100FlashBackward:
                 atom_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
             )
             pipe_dq.consumer_wait(dq_state)
+            fence_after_thread_sync()
             for c in cutlass.range_constexpr(self.d // DQ_COLS):
                 frag = cute.make_rmem_tensor(frag_shape, Float32)
                 cute.copy(thr, thr.partition_S(tQ[c]), frag)
                 if const_expr(c == self.d // DQ_COLS - 1):
                     cute.arch.fence_view_async_tmem_load()
+                    fence_before_thread_sync()
                     pipe_dq.consumer_release(dq_state)
                 if issuer:
                     cute.arch.cp_async_bulk_wait_group(DQ_SLOTS - 1, read=True)  # this slot's last reduce has read it

@@ -52,6 +52,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ...common.block_info import BlockInfo
 from ...common.online_softmax import FLT_MIN, LOG2_E, clamp_scale_log2
+from ...common.packed import seq_rows
 from ...common.softcap import apply_softcap, softcap_factors
 from ...spec import AttentionSpec
 from .tile_config import FP8_Q_SCALE_ROWS, M_BLOCK, N_BLOCK, Q_STAGES, TMEM_COLUMNS, FwdTileConfig
@@ -76,7 +77,8 @@ TMEM_USER_THREADS = 32 * (1 + SOFTMAX_WARPS + 4)
 
 class ClusterTile(NamedTuple):
     """What one CTA works on: its (batch, head) and KV head, its cluster's query tile, its place in the CTA pair, and
-    the key blocks [n_block_min, n_block_max) some row of the cluster tile sees."""
+    the key blocks [n_block_min, n_block_max) some row of the cluster tile sees; packed builds: the sequence's first
+    query and key rows (0 in a dense batch; `batch` is then the tensors' one entry, 0)."""
 
     head: Int32
     head_kv: Int32
@@ -87,6 +89,8 @@ class ClusterTile(NamedTuple):
     seqlen_k: Int32
     n_block_min: Int32
     n_block_max: Int32
+    row_q: Int32 = 0
+    row_k: Int32 = 0
 
 
 class Pipes(NamedTuple):
@@ -126,6 +130,12 @@ class SoftmaxRow(NamedTuple):
     pre_tanh: Optional[Float32] = None  # spec.softcap: the factor before the tanh (common/softcap.py)
 
 
+def _one_batch(t: cute.Tensor) -> cute.Tensor:
+    """A packed (rows, ...) tensor as a batch of one, (1, rows, ...), for the dense kernel's views."""
+    # (The batch stride is never used; a whole tensor's extent keeps the TMA descriptor's strides increasing.)
+    return cute.make_tensor(t.iterator, cute.make_layout((1, *t.shape), stride=(t.shape[0] * t.stride[0], *t.stride)))
+
+
 def _stage_state(index, phase) -> pipeline.PipelineState:
     """Pipeline position for a pipeline whose slot is always the q stage (`index`); only the phase advances."""
     return pipeline.PipelineState(Q_STAGES, Int32(0), index, phase)
@@ -138,6 +148,8 @@ class Sm100FlashForward:
         self.spec = spec
         self.cfg = cfg
         self.is_fp8 = spec.dtype == "fp8"
+        self.varlen = spec.varlen
+        assert not (self.varlen and (self.is_fp8 or cfg.use_2cta)), "packed builds are fp16 / bf16, 1-CTA"
         # fp8 V arrives transposed from the front end, (b, h_kv, dv, sk_pad) with keys contiguous (K-major B for P @ V);
         # fp16/bf16 V stays (b, sk, h_kv, dv), head-dim contiguous (MN-major B). tcgen05 takes either for both kinds.
         self.v_seq_major = self.is_fp8 if v_seq_major is None else v_seq_major
@@ -208,11 +220,64 @@ class Sm100FlashForward:
         self._launch(mQ, mK, mV, mO, mLSE, softmax_scale_log2, window_left, window_right, descales, stream, features)
 
     @cute.jit
-    def _launch(
-        self, mQ, mK, mV, mO, mLSE, softmax_scale_log2, window_left, window_right, descales, stream, features=None
+    def packed(
+        self,
+        mQ: cute.Tensor,  # packed queries (total_q, h, d): sequence b from row cu_seqlens_q[b]
+        mK: cute.Tensor,  # (total_k, h_kv, d)
+        mV: cute.Tensor,  # (total_k, h_kv, dv)
+        mO: cute.Tensor,  # (total_q, h, dv)
+        mLSE: cute.Tensor,  # (h, total_q) fp32
+        softmax_scale: Float32,  # (the packed entries take the scale itself, as every family's: arch/base.py)
+        window_left: Int32,
+        window_right: Int32,
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        mSeqUsedK: Optional[cute.Tensor],
+        max_seqlen_q: Int32,
+        stream,
     ):
-        """Both entries; descales: fp8's (q, k, v) descale tensors or Nones; features: (softcap, sink view) of the
-        `features` entry."""
+        """The entry of packed-sequence builds (spec.varlen; arch/base.launch_packed_forward's convention)."""
+        seqs = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q)
+        mQ, mK, mV, mO, mLSE = (_one_batch(t) for t in (mQ, mK, mV, mO, mLSE))
+        scale_log2 = softmax_scale * LOG2_E
+        self._launch(mQ, mK, mV, mO, mLSE, scale_log2, window_left, window_right, (None,) * 3, stream, None, seqs)
+
+    @cute.jit
+    def packed_features(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        softcap: Float32,
+        mSink: Optional[cute.Tensor],  # spec.sink: the (total_q, h) fp32 sink view
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        mSeqUsedK: Optional[cute.Tensor],
+        max_seqlen_q: Int32,
+        stream,
+    ):
+        """The entry of packed builds with spec.softcap / spec.sink."""
+        seqs = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q)
+        mQ, mK, mV, mO, mLSE = (_one_batch(t) for t in (mQ, mK, mV, mO, mLSE))
+        scale_log2 = softmax_scale * LOG2_E
+        features = (softcap, mSink)
+        self._launch(mQ, mK, mV, mO, mLSE, scale_log2, window_left, window_right, (None,) * 3, stream, features, seqs)
+
+    @cute.jit
+    def _launch(
+        self, mQ, mK, mV, mO, mLSE, softmax_scale_log2, window_left, window_right, descales, stream, features=None,
+        seqs=None,
+    ):  # fmt: skip
+        """Every entry; descales: fp8's (q, k, v) descale tensors or Nones; features: (softcap, sink view) of the
+        feature entries; seqs: (cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q) of the packed ones (their
+        tensors with one batch entry)."""
+        if const_expr(self.varlen != (seqs is not None)):
+            raise ValueError("packed builds (spec.varlen) take the sequences, others none")
         self.q_dtype = mQ.element_type
         self.k_dtype = mK.element_type
         self.v_dtype = mV.element_type
@@ -298,6 +363,9 @@ class Sm100FlashForward:
 
         num_clusters = cute.ceil_div(cute.size(mQ.shape[0]), self.cfg.rows_per_cluster)
         grid = (num_clusters * self.cta, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        if const_expr(self.varlen):  # one CTA row per sequence, as many query tiles as the longest one has
+            num_clusters = cute.ceil_div(seqs[3], self.cfg.rows_per_cluster)
+            grid = (num_clusters * self.cta, cute.size(mQ.shape[2]), cute.size(seqs[0].shape[0]) - 1)
         self.kernel(
             (tiled_mma_qk, tiled_mma_pv),
             ((tma_atom_q, tma_q), (tma_atom_k, tma_k), (tma_atom_v, tma_v), (tma_atom_o, tma_o)),
@@ -308,6 +376,7 @@ class Sm100FlashForward:
             window_right,
             descales,
             features,
+            (*seqs, mO) if const_expr(self.varlen) else None,  # (the packed epilogue stores O itself)
         ).launch(
             grid=grid,
             block=[THREADS, 1, 1],
@@ -351,6 +420,7 @@ class Sm100FlashForward:
         window_right: Int32,
         descales,  # fp8: (q, k, v) descale tensors; None otherwise
         features=None,  # feature builds: (softcap, the (rows, h) sink view or None)
+        seqs=None,  # packed builds: (cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, O in the kernel's view)
     ):
         tiled_mma_qk, tiled_mma_pv = mmas
         (tma_atom_q, mQ), (tma_atom_k, mK), (tma_atom_v, mV), (tma_atom_o, mO) = tmas
@@ -405,12 +475,20 @@ class Sm100FlashForward:
 
         seqlen_q = cute.size(mQ.shape[0])
         seqlen_k = cute.size(mK.shape[0])
+        rows = ()
+        if const_expr(self.varlen):
+            seq = seq_rows(batch, seqs[0], seqs[1], seqs[2])
+            seqlen_q, seqlen_k, rows = seq.seqlen_q, seq.seqlen_k, (seq.offset_q, seq.offset_k)
+            batch = Int32(0)  # (the packed tensors' one batch entry)
         # The KV range is shared by every query row of the cluster (one MMA serves them all).
         cluster_blocks = BlockInfo(
             self.cfg.rows_per_cluster, N_BLOCK, self.spec.mask, seqlen_q, seqlen_k, window_left, window_right
         )
         n_block_min, n_block_max = cluster_blocks.kv_block_range(cluster_m)
-        tile = ClusterTile(head, head_kv, batch, cluster_m, cta_v, seqlen_q, seqlen_k, n_block_min, n_block_max)
+        if const_expr(self.varlen):
+            # A cluster past this sequence's queries (the grid covers the longest one) has no row to compute.
+            n_block_max = n_block_max if cluster_m * self.cfg.rows_per_cluster < seqlen_q else n_block_min
+        tile = ClusterTile(head, head_kv, batch, cluster_m, cta_v, seqlen_q, seqlen_k, n_block_min, n_block_max, *rows)
 
         pipeline_init_wait(cluster_shape_mn=cta_layout_vmnk)
 
@@ -419,7 +497,7 @@ class Sm100FlashForward:
             self.load_warp(thr_mma_qk, thr_mma_pv, tmas[:3], (sQ, sK, sV), pipes, tile)
         if warp_idx == EPILOGUE_WARP:
             cute.arch.setmaxregister_decrease(self.cfg.regs_other)
-            self.epilogue_warp(tma_atom_o, mO, sO, pipes.o_epi, tile)
+            self.epilogue_warp(tma_atom_o, seqs[4] if const_expr(self.varlen) else mO, sO, pipes.o_epi, tile)
         if warp_idx == NUM_WARPS - 1:
             cute.arch.setmaxregister_decrease(self.cfg.regs_other)
         if warp_idx < SOFTMAX_WARPS:
@@ -521,14 +599,19 @@ class Sm100FlashForward:
         """Q (both stages) once, then K and V of every key block, last block first (tmas, smem: of Q, K, V)."""
         (tma_atom_q, mQ), (tma_atom_k, mK), (tma_atom_v, mV) = tmas
         sQ, sK, sV = smem
-        head, head_kv, batch, cluster_m, _, _, _, n_block_min, n_block_max = tile
+        head, head_kv, batch, cluster_m, _, _, _, n_block_min, n_block_max = tile[:9]
         pipe_q, pipe_kv = pipes.q, pipes.kv
         q_producer = pipe_q.make_producer()
         kv_producer = pipe_kv.make_producer()
         # Tiles of the MMA's M extent (256 rows in 2-CTA mode); partition_A keeps this CTA's 128 rows.
-        gQ = cute.local_tile(mQ[None, None, head, batch], cute.select(self.mma_tiler_qk, mode=[0, 2]), (None, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], cute.select(self.mma_tiler_qk, mode=[1, 2]), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], cute.select(self.mma_tiler_pv, mode=[1, 2]), (0, None))
+        mQ_h, mK_h, mV_h = mQ[None, None, head, batch], mK[None, None, head_kv, batch], mV[None, None, head_kv, batch]
+        if const_expr(self.varlen):  # the sequence's rows (V is (dv, keys, ...): its keys are the second mode)
+            mQ_h = cute.domain_offset((tile.row_q, 0), mQ_h)
+            mK_h = cute.domain_offset((tile.row_k, 0), mK_h)
+            mV_h = cute.domain_offset((0, tile.row_k), mV_h)
+        gQ = cute.local_tile(mQ_h, cute.select(self.mma_tiler_qk, mode=[0, 2]), (None, 0))
+        gK = cute.local_tile(mK_h, cute.select(self.mma_tiler_qk, mode=[1, 2]), (None, 0))
+        gV = cute.local_tile(mV_h, cute.select(self.mma_tiler_pv, mode=[1, 2]), (0, None))
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_atom_q,
             0,
@@ -651,7 +734,7 @@ class Sm100FlashForward:
         window_right,
         features=None,
     ):
-        head, head_kv, batch, cluster_m, cta_v, seqlen_q, seqlen_k, n_block_min, n_block_max = tile
+        head, head_kv, batch, cluster_m, cta_v, seqlen_q, seqlen_k, n_block_min, n_block_max = tile[:9]
         mDescaleQ, mDescaleK, _ = descales
         pipe_stats = pipes.stats
         tidx = cute.arch.thread_idx()[0] % WG_THREADS
@@ -772,7 +855,7 @@ class Sm100FlashForward:
     def correction_warpgroup(
         self, o_layout, tOsO, tOcO, tmem_ptr, sStats, mLSE, pipes: Pipes, descales, tile: ClusterTile, features=None
     ):
-        _, head_kv, batch, _, _, _, _, n_block_min, n_block_max = tile
+        _, head_kv, batch, _, _, _, _, n_block_min, n_block_max = tile[:9]
         mDescaleV = descales[2]
         pipe_s_p_o, pipe_o_full, pipe_stats, pipe_o_epi = pipes.s_p_o, pipes.o_full, pipes.stats, pipes.o_epi
         tidx = cute.arch.thread_idx()[0] % WG_THREADS
@@ -836,14 +919,14 @@ class Sm100FlashForward:
             row = ((tile.cluster_m * Q_STAGES + s) * self.cta + tile.cta_v) * M_BLOCK + tidx
             sinks[s] = 0.0
             if row < tile.seqlen_q:
-                sinks[s] = mSink[row, tile.head] * LOG2_E
+                sinks[s] = mSink[row, tile.head] * LOG2_E  # (the view's rows are within the sequence: arch/base.py)
         return sinks
 
     @cute.jit
     def _write_lse(self, mLSE, lse, tile: ClusterTile, stage: cutlass.Constexpr[int], tidx):
         row = ((tile.cluster_m * Q_STAGES + stage) * self.cta + tile.cta_v) * M_BLOCK + tidx
         if row < tile.seqlen_q:
-            mLSE[row, tile.head, tile.batch] = lse
+            mLSE[tile.row_q + row, tile.head, tile.batch] = lse
 
     @cute.jit
     def _rescale_o(self, tOtO_s, tidx, scale):
@@ -906,7 +989,34 @@ class Sm100FlashForward:
     # ------------------------------------------------------------------------------------------------------------
     @cute.jit
     def epilogue_warp(self, tma_atom_o, mO, sO, pipe_o_epi, tile: ClusterTile):
-        head, _, batch, cluster_m, cta_v, _, _, _, _ = tile
+        if const_expr(self.varlen):
+            self._store_o_rows(mO, sO, pipe_o_epi, tile)
+        else:
+            self._store_o_tma(tma_atom_o, mO, sO, pipe_o_epi, tile)
+
+    @cute.jit
+    def _store_o_rows(self, mO, sO, pipe_o_epi, tile: ClusterTile):
+        """Packed builds: each q stage's O tile from sO to the sequence's rows, 16 bytes per lane and step, only the
+        rows inside the sequence (a TMA box would also write the next sequence's rows)."""
+        vec = 128 // self.o_dtype.width  # elements per 16 bytes
+        chunks = self.head_dim_v // vec  # per row
+        lane = cute.arch.lane_idx()
+        mO_h = cute.domain_offset((tile.row_q, 0), mO[None, None, tile.head, tile.batch])
+        for s in cutlass.range_constexpr(Q_STAGES):
+            pipe_o_epi.consumer_wait(_stage_state(s, 0))
+            first = ((tile.cluster_m * Q_STAGES + s) * self.cta + tile.cta_v) * M_BLOCK
+            rows = cutlass.min(tile.seqlen_q - first, M_BLOCK)
+            sO_s = sO[None, None, s]
+            for i in cutlass.range(lane, rows * chunks, 32, unroll=4):
+                r, c = i // chunks, i % chunks
+                src = cute.local_tile(sO_s, (1, vec), (r, c))
+                dst = cute.local_tile(mO_h, (1, vec), (first + r, c))
+                cute.autovec_copy(src, dst)
+
+    @cute.jit
+    def _store_o_tma(self, tma_atom_o, mO, sO, pipe_o_epi, tile: ClusterTile):
+        """Each q stage's O tile from sO by one TMA store (rows past seqlen_q are clipped by the TMA unit)."""
+        head, _, batch, cluster_m, cta_v, _, _, _, _ = tile[:9]
         gO = cute.local_tile(mO[None, None, head, batch], self.epi_tile, (None, 0))
         tOsO, tOgO = cpasync.tma_partition(
             tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)

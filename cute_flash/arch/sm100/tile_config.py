@@ -74,8 +74,10 @@ class FwdTileConfig:
 
 
 def unsupported_reason(spec: AttentionSpec) -> Optional[str]:
-    if spec.varlen or spec.kvcache:  # (routing sends these to the sm80 family; a direct build must not pass either)
-        return "the sm100 forward has no " + ("varlen (packed sequences)" if spec.varlen else "KV-cache") + " build"
+    if spec.kvcache:  # (routing sends these to the sm80 family; a direct build must not pass it)
+        return "the sm100 forward has no KV-cache build"
+    if spec.varlen and spec.dtype == "fp8":
+        return "the sm100 fp8 forward has no varlen (packed sequences) build"
     if spec.head_dim != spec.head_dim_v:
         return f"head_dim {spec.head_dim} != head_dim_v {spec.head_dim_v}: the sm100 forward needs equal head dims"
     if spec.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -105,7 +107,9 @@ def _kv_stages(spec: AttentionSpec, use_2cta: bool) -> int:
 
 
 def two_cta_eligible(spec: AttentionSpec) -> bool:
-    return spec.dtype in ("bf16", "fp16") and spec.head_dim == 128 and spec.head_dim_v == 128 and spec.mask != "local"
+    """Packed sequences stay 1-CTA: a 512-row cluster tile would mostly be padding of short sequences."""
+    dims = spec.head_dim == 128 and spec.head_dim_v == 128
+    return spec.dtype in ("bf16", "fp16") and dims and spec.mask != "local" and not spec.varlen
 
 
 def make_config(spec: AttentionSpec, use_2cta: bool) -> FwdTileConfig:
