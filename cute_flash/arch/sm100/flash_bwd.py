@@ -84,6 +84,7 @@ from ...common.online_softmax import LOG2_E
 from ...common.packed import packed_pads, seq_rows
 from ...common.softcap import apply_softcap, softcap_factors
 from ...spec import AttentionSpec
+from . import pipelines
 from .tile_config import BWD_HEAD_DIMS, M_BLOCK, N_BLOCK, TMEM_COLUMNS, BwdTileConfig
 from .tmem_softmax import mask_row
 from .umma import fence_after_thread_sync, fence_before_thread_sync, gemm
@@ -545,51 +546,17 @@ class Sm100FlashBackward:
 
     def make_pipes(self, storage, cta_layout_vmnk) -> Pipes:
         """The kernel's mbarrier pipelines, their initialisation deferred to pipeline_init_arrive / _wait."""
-
-        def threads(n):
-            return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
-
-        def tma_umma(num_stages, tx_count, barriers):
-            return pipeline.PipelineTmaUmma.create(
-                num_stages=num_stages,
-                producer_group=threads(1),
-                consumer_group=threads(1),
-                tx_count=tx_count,
-                barrier_storage=barriers.data_ptr(),
-                cta_layout_vmnk=cta_layout_vmnk,
-                defer_sync=True,
-            )
-
-        def umma_async(consumers, barriers):
-            return pipeline.PipelineUmmaAsync.create(
-                num_stages=1,
-                producer_group=threads(1),
-                consumer_group=threads(consumers),
-                barrier_storage=barriers.data_ptr(),
-                cta_layout_vmnk=cta_layout_vmnk,
-                defer_sync=True,
-            )
-
-        def async_umma(producers, barriers):
-            return pipeline.PipelineAsyncUmma.create(
-                num_stages=1,
-                producer_group=threads(producers),
-                consumer_group=threads(1),
-                barrier_storage=barriers.data_ptr(),
-                cta_layout_vmnk=cta_layout_vmnk,
-                defer_sync=True,
-            )
-
+        vmnk = cta_layout_vmnk
         return Pipes(
-            kv=tma_umma(1, self.kv_tx_bytes, storage.mbar_kv),
-            q=tma_umma(Q_STAGES, self.q_tx_bytes, storage.mbar_q),
-            do=tma_umma(self.cfg.do_stages, self.do_tx_bytes, storage.mbar_do),
-            s=umma_async(COMPUTE_THREADS, storage.mbar_s),
-            p=async_umma(COMPUTE_THREADS, storage.mbar_p),
-            dp=umma_async(COMPUTE_THREADS, storage.mbar_dp),
-            ds=async_umma(COMPUTE_THREADS, storage.mbar_ds),
-            dq=umma_async(WG_THREADS, storage.mbar_dq),
-            dkv=umma_async(COMPUTE_THREADS, storage.mbar_dkv),
+            kv=pipelines.tma_umma(1, self.kv_tx_bytes, storage.mbar_kv, vmnk),
+            q=pipelines.tma_umma(Q_STAGES, self.q_tx_bytes, storage.mbar_q, vmnk),
+            do=pipelines.tma_umma(self.cfg.do_stages, self.do_tx_bytes, storage.mbar_do, vmnk),
+            s=pipelines.umma_async(1, COMPUTE_THREADS, storage.mbar_s, vmnk),
+            p=pipelines.async_umma(1, COMPUTE_THREADS, storage.mbar_p, vmnk),
+            dp=pipelines.umma_async(1, COMPUTE_THREADS, storage.mbar_dp, vmnk),
+            ds=pipelines.async_umma(1, COMPUTE_THREADS, storage.mbar_ds, vmnk),
+            dq=pipelines.umma_async(1, WG_THREADS, storage.mbar_dq, vmnk),
+            dkv=pipelines.umma_async(1, COMPUTE_THREADS, storage.mbar_dkv, vmnk),
         )
 
     def _head_rows(self, t, head, tile: KeyTile, row):

@@ -55,6 +55,7 @@ from ...common.online_softmax import FLT_MIN, LOG2_E, clamp_scale_log2
 from ...common.packed import seq_rows
 from ...common.softcap import apply_softcap, softcap_factors
 from ...spec import AttentionSpec
+from . import pipelines
 from .tile_config import FP8_Q_SCALE_ROWS, M_BLOCK, N_BLOCK, Q_STAGES, TMEM_COLUMNS, FwdTileConfig
 from .tmem_softmax import TmemRowSoftmax, finalize_row, mask_row
 from .umma import gemm
@@ -547,48 +548,15 @@ class Sm100FlashForward:
 
     def make_pipes(self, storage, cta_layout_vmnk) -> Pipes:
         """The kernel's mbarrier pipelines, their initialisation deferred to pipeline_init_arrive / _wait."""
-
-        def threads(n):
-            return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
-
-        def tma_umma(num_stages, tx_count, barriers):
-            return pipeline.PipelineTmaUmma.create(
-                num_stages=num_stages,
-                producer_group=threads(1),
-                consumer_group=threads(1),
-                tx_count=tx_count,
-                barrier_storage=barriers.data_ptr(),
-                cta_layout_vmnk=cta_layout_vmnk,
-                defer_sync=True,
-            )
-
-        def umma_async(consumers, barriers):
-            return pipeline.PipelineUmmaAsync.create(
-                num_stages=Q_STAGES,
-                producer_group=threads(1),
-                consumer_group=threads(consumers),
-                barrier_storage=barriers.data_ptr(),
-                cta_layout_vmnk=cta_layout_vmnk,
-                defer_sync=True,
-            )
-
-        def thread_async(producers, consumers, barriers):
-            return pipeline.PipelineAsync.create(
-                num_stages=Q_STAGES,
-                producer_group=threads(producers),
-                consumer_group=threads(consumers),
-                barrier_storage=barriers.data_ptr(),
-                defer_sync=True,
-            )
-
+        vmnk = cta_layout_vmnk
         return Pipes(
-            q=tma_umma(Q_STAGES, self.q_tx_bytes, storage.mbar_q),
-            kv=tma_umma(self.cfg.kv_stages, self.kv_tx_bytes, storage.mbar_kv),
+            q=pipelines.tma_umma(Q_STAGES, self.q_tx_bytes, storage.mbar_q, vmnk),
+            kv=pipelines.tma_umma(self.cfg.kv_stages, self.kv_tx_bytes, storage.mbar_kv, vmnk),
             # Released by one softmax warpgroup and the correction warpgroup of every CTA of the pair.
-            s_p_o=umma_async(2 * WG_THREADS * self.cta, storage.mbar_s_p_o),
-            o_full=umma_async(WG_THREADS * self.cta, storage.mbar_o_full),
-            stats=thread_async(WG_THREADS, WG_THREADS, storage.mbar_stats),
-            o_epi=thread_async(WG_THREADS, 32, storage.mbar_o_epi),
+            s_p_o=pipelines.umma_async(Q_STAGES, 2 * WG_THREADS * self.cta, storage.mbar_s_p_o, vmnk),
+            o_full=pipelines.umma_async(Q_STAGES, WG_THREADS * self.cta, storage.mbar_o_full, vmnk),
+            stats=pipelines.thread_async(Q_STAGES, WG_THREADS, WG_THREADS, storage.mbar_stats),
+            o_epi=pipelines.thread_async(Q_STAGES, WG_THREADS, 32, storage.mbar_o_epi),
         )
 
     # ------------------------------------------------------------------------------------------------------------
