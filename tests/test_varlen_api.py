@@ -100,8 +100,9 @@ def test_explain_varlen_routes_to_families_with_a_varlen_kernel():
     # The sm90 packed backward has a deterministic build; the sm80 family has none (below).
     e = cute_flash.explain_varlen(q, k, v, cq, ck, mq, mk, causal=True, capability=HOPPER, deterministic=True)
     assert (e.forward_family, e.backward_family) == ("sm90", "sm90")
-    e = cute_flash.explain_varlen(q, k, v, cq, ck, mq, mk, capability=BLACKWELL)  # sm100 has none: sm80's
-    assert e.forward_family == "sm80" and "no varlen" in e.forward.describe()
+    # sm100 serves packed fp16/bf16 forwards and backwards at d <= 128 (deterministic included).
+    e = cute_flash.explain_varlen(q, k, v, cq, ck, mq, mk, causal=True, capability=BLACKWELL, deterministic=True)
+    assert (e.forward_family, e.backward_family) == ("sm100", "sm100")
     e = cute_flash.explain_varlen(q, k, v, cq, ck, mq, mk, capability=AMPERE, deterministic=True)
     assert (e.forward_family, e.backward_family) == ("sm80", None)
     # Dense calls keep their routes: the sm90 kernels still serve them on Hopper.
