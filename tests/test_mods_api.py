@@ -320,9 +320,9 @@ def test_the_sm90_backward_launches_its_mods_kernel_with_the_tables():
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
-def _packed(total_q=100, total_k=120, d=64):
+def _packed(total_q=100, total_k=120, d=64, heads_kv=2):
     q = torch.randn(total_q, 4, d).to(torch.bfloat16)
-    k, v = (torch.randn(total_k, 2, d).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(total_k, heads_kv, d).to(torch.bfloat16) for _ in range(2))
     cu_q = torch.tensor([0, 40, total_q], dtype=torch.int32)
     cu_k = torch.tensor([0, 50, total_k], dtype=torch.int32)
     return q, k, v, cu_q, cu_k
@@ -392,8 +392,8 @@ def test_the_sm90_packed_kernels_take_the_tables_and_the_sequences():
     assert bargs[19] == 70 and q.grad.shape == q.shape and k.grad.shape == k.shape
 
 
-@pytest.mark.parametrize("seqused", [False, True])
-def test_the_sm80_packed_kernels_take_the_tables_and_the_sequences(seqused):
+@pytest.mark.parametrize("seqused, heads_kv", [(False, 2), (True, 2), (False, 4)], ids=["gqa", "gqa-seqused", "mha"])
+def test_the_sm80_packed_kernels_take_the_tables_and_the_sequences(seqused, heads_kv):
     """The sm80 host path of a packed call (capability 8.0) with recording no-op kernels: the packed forward and
     backward main kernels are keyed on the varlen ModsSpec (the forward under forward_varlen's keys, with seqused_k
     or not) and take the tables, then the packed arguments (the `packed_mods` entries: no semaphores); the pre- and
@@ -403,7 +403,7 @@ def test_the_sm80_packed_kernels_take_the_tables_and_the_sequences(seqused):
     from profiling.host_overhead_cpu import fake_gpu
 
     launches = []
-    q, k, v, cu_q, cu_k = _packed()
+    q, k, v, cu_q, cu_k = _packed(heads_kv=heads_kv)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     used = torch.tensor([33, 70], dtype=torch.int32) if seqused else None
     with fake_gpu((8, 0)):
@@ -414,8 +414,9 @@ def test_the_sm80_packed_kernels_take_the_tables_and_the_sequences(seqused):
                                           mask_mod=examples.causal, seqused_k=used)  # fmt: skip
         out.sum().backward()
     roles = {key[2]: (key, args) for key, args in launches}
-    main = "bwd_gqa_seqused" if seqused else "bwd_gqa"
-    assert set(roles) >= {"fwd", "bwd_preprocess", main, "bwd_postprocess"}, sorted(roles)
+    main = ("bwd_gqa" if heads_kv < 4 else "bwd") + ("_seqused" if seqused else "")
+    post = "bwd_postprocess" if heads_kv < 4 else "bwd_dq_postprocess"  # (MHA: dK / dV written in place)
+    assert set(roles) >= {"fwd", "bwd_preprocess", main, post}, sorted(roles)
     (fkey, fargs), (bkey, bargs) = roles["fwd"], roles[main]
     assert fkey[0] == "sm80" and fkey[4] is seqused  # (the key forward_varlen and warm use)
     for key in (fkey, bkey):
@@ -424,7 +425,7 @@ def test_the_sm80_packed_kernels_take_the_tables_and_the_sequences(seqused):
     assert torch.equal(fargs[12], cu_q) and (fargs[14] is used) and fargs[15] == 60
     assert len(bargs) == 20 and bargs[9] == 64**-0.5 and torch.equal(bargs[12], examples.SLOPES)
     assert bargs[13:16] == (None,) * 3 and torch.equal(bargs[17], cu_k) and bargs[19] == 70
-    for role in ("bwd_preprocess", "bwd_postprocess"):
+    for role in ("bwd_preprocess", post):
         assert not isinstance(roles[role][0][3], ModsSpec), role
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 

@@ -157,7 +157,7 @@ def check_packed(score_mod, mask_mod, d, causal, lens_q, lens_k, heads_kv=2, see
         torch.testing.assert_close(lse.detach()[finite], ref_lse.detach()[finite], atol=1e-3, rtol=1e-4)
         if not backward:
             continue
-        grad = torch.randn_like(out)
+        grad = torch.randn(out.shape, generator=g, device="cuda", dtype=out.dtype)
         got = torch.autograd.grad((out, lse), (q, k, v), (grad, torch.ones_like(lse)))
         want = torch.autograd.grad((ref, ref_lse), ref_in, (grad.double(), torch.ones_like(ref_lse)))
         base = torch.autograd.grad((same, same_lse), same_in, (grad, torch.ones_like(same_lse)))
