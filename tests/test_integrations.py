@@ -531,23 +531,64 @@ def test_transformers_static_cache_chunks_match_eager(fake_gpu, registered, kind
     assert (3, 0) in {(c[1].left, c[1].right) for c in fake_gpu.calls if c[1].kind != "none"}  # the window applied
 
 
-def test_transformers_refuses_a_2d_mask_it_did_not_build(fake_gpu):
-    # A 2D mask without the mask function's tag (a caller's, or a copy of the plug-in's): its window and key slots are
-    # unknown, so it is refused, with or without a sliding_window from the module, not served as full causal padding.
+def test_transformers_untagged_2d_mask_takes_the_modules_window(fake_gpu):
+    # A 2D mask without the mask function's tag (a copy of the plug-in's, e.g. moved by .to(device)): its values and
+    # key slots stand, its window is the module's (the sliding_window it passes, else its layer type), and a module
+    # that tells none is refused, not served as plain causal padding.
     pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
     from cute_flash.integrations import transformers as cft
 
     q = torch.randn(2, 4, 6, 32, dtype=torch.bfloat16)
     mask = torch.ones(2, 6, dtype=torch.bool)
     mask[1, :2] = False
-    module = torch.nn.Module()
-    for window in (None, 3):
-        with pytest.raises(NotImplementedError, match="without the plug-in's tag"):
-            cft.attention_forward(module, q, q, q, mask, sliding_window=window)
     built = cft.mask_function(2, 6, 6, attention_mask=mask, local_size=None)
-    assert built is not None and cft.attention_forward(module, q, q, q, built)[0].shape == (2, 6, 4, 32)
+    want = cft.attention_forward(torch.nn.Module(), q, q, q, built)[0]
     with pytest.raises(NotImplementedError, match="without the plug-in's tag"):
-        cft.attention_forward(module, q, q, q, built.clone())
+        cft.attention_forward(torch.nn.Module(), q, q, q, built.clone())  # (no config: the window is unknown)
+
+    def windows(module, **kw):
+        fake_gpu.calls.clear()
+        out = cft.attention_forward(module, q, q, q, built.clone(), **kw)[0]
+        return out, {(c[1].left, c[1].right) for c in fake_gpu.calls}
+
+    plain = (1 << 30, 0)
+    got, seen = windows(torch.nn.Module(), sliding_window=3)
+    assert seen == {(2, 0)}
+    config = SimpleNamespace(layer_types=["full_attention", "sliding_attention"], sliding_window=3)
+    for index, window in ((0, plain), (1, (2, 0))):
+        got, seen = windows(SimpleNamespace(config=config, layer_idx=index))
+        assert seen == {window}
+    got, seen = windows(SimpleNamespace(config=SimpleNamespace(sliding_window=None), layer_idx=0))
+    assert seen == {plain}
+    assert torch.equal(got, want)
+    with pytest.raises(NotImplementedError, match="window the module does not tell"):  # PhiMoE: no layer types
+        cft.attention_forward(SimpleNamespace(config=SimpleNamespace(sliding_window=4), layer_idx=0), q, q, q,
+                              built.clone())  # fmt: skip
+
+
+def test_transformers_mask_copied_before_each_layer_matches_sdpa(fake_gpu, registered):
+    # accelerate's device_map hooks move every layer's inputs with .to(device), which copies a mask on another device
+    # and drops its tags: Qwen2 with a full and a sliding layer, its masks cloned before each decoder layer, trains
+    # as SDPA does, each layer under its own window.
+    model, twin = _tiny("qwen2", registered, use_sliding_window=True, sliding_window=5, max_window_layers=1)
+
+    copied = []
+
+    def copy_mask(layer, args, kwargs):
+        if isinstance(kwargs.get("attention_mask"), torch.Tensor):
+            kwargs["attention_mask"] = kwargs["attention_mask"].clone()
+            copied.append(kwargs["attention_mask"].dim())
+        return args, kwargs
+
+    for layer in twin.model.layers:
+        layer.register_forward_pre_hook(copy_mask, with_kwargs=True)
+    ids = torch.randint(1, 64, (3, 15), generator=torch.Generator().manual_seed(11))
+    mask = _padding_mask([15, 10, 12], 15, "left")
+    _compare_training_step(model, twin, mask.bool(), input_ids=ids, attention_mask=mask)
+    assert copied == [2, 2]  # (both layers' 2D padding masks were copies)
+    assert {(c[1].left, c[1].right) for c in fake_gpu.calls if c[1].kind != "none"} == {(1 << 30, 0), (4, 0)}
 
 
 def test_transformers_own_mask_back_in_the_mask_function():

@@ -34,9 +34,10 @@ forward over the cache in place, one page per key slot, page tables of the visib
 (`_masked_decoding`), which a CUDA graph captures.
 
 The window a layer's mask was built for travels with the mask (an attribute of the tensor the mask function returns),
-so models whose attention modules do not pass `sliding_window` (PhiMoE, Qwen2-MoE) still get it, a module whose
-`sliding_window` disagrees with its mask raises, and so does a 2D mask without the tag (one the mask function did not
-build, or a copy of one), whose window is unknown.
+so models whose attention modules do not pass `sliding_window` (PhiMoE, Qwen2-MoE) still get it, and a module whose
+`sliding_window` disagrees with its mask raises. A copy of the mask (accelerate's device_map hooks move it with
+.to(device), which drops attributes) keeps its values: its window is then the module's (`sliding_window`, or its
+layer's entry in config.layer_types), and one that cannot be told raises.
 
 What raises instead of answering wrongly: any other mask (custom 4D masks, bidirectional or chunked patterns, a mask
 that does not match its documents, a 2D mask wider than the positions seen, which transformers reads from the left),
@@ -372,7 +373,7 @@ def attention_forward(
     if not causal:
         raise _err("only causal (decoder) attention is served")
     features = _features(kwargs)
-    sliding_window = _layer_window(attention_mask, sliding_window)
+    sliding_window = _layer_window(attention_mask, sliding_window, module)
     if _padded(attention_mask) and any(kwargs.get(n) is not None for n in _PACKED_KEYWORDS):
         # Which would win is not defined: the documents' offsets count tokens the padding mask says are not there.
         raise _err(
@@ -604,24 +605,44 @@ def _features(kwargs: dict) -> dict:
     return {"softcap": 0.0 if softcap is None else softcap, "learnable_sink": sinks[0] if sinks else None}
 
 
-def _layer_window(attention_mask, sliding_window):
+def _layer_window(attention_mask, sliding_window, module=None):
     """The layer's window: what its mask was built for (the mask function's tag), which the module's own
     `sliding_window` must agree with; without a mask, the plain causal pattern (no window) unless the module asks.
-    A 2D mask must carry the tag: its window (some modules do not pass theirs) and the key slots it covers are known
-    only from the mask function, so an untagged one (a caller's, or a copy of the plug-in's: .clone(), .to() and a
-    non-contiguous .contiguous() drop attributes) is refused, not guessed."""
+    A 2D mask without the tag (a copy of the plug-in's: `.to(device)` by accelerate's device_map hooks or a caller,
+    `.clone()`; .contiguous() of a non-contiguous one) keeps its values, the key slots it covers, but not its window:
+    that is taken from the module (`_module_window`), and refused where the module does not say."""
     if attention_mask is not None and attention_mask.dim() == 2 and not hasattr(attention_mask, _WINDOW_TAG):
-        raise _err(
-            "a 2D attention mask without the plug-in's tag reached the attention function: only the padding masks "
-            "that the plug-in's mask function builds are served (their window and key slots travel with them); "
-            "register() the plug-in and let transformers build the masks, and do not copy them"
-        )
+        return _module_window(module, sliding_window)
     if attention_mask is None or not hasattr(attention_mask, _WINDOW_TAG):
         return sliding_window
     tagged = getattr(attention_mask, _WINDOW_TAG)
     if sliding_window is not None and sliding_window != tagged:
         raise _err(f"the layer asks for sliding_window={sliding_window} but its mask was built for {tagged}")
     return tagged
+
+
+def _module_window(module, sliding_window):
+    """The window of an attention module whose 2D mask lost its tag: the `sliding_window` it passes, else its layer's
+    entry in `config.layer_types` (transformers' sliding / full layers), else none where the config has no window."""
+    if sliding_window is not None:
+        return sliding_window
+    config = getattr(module, "config", None)
+    layer_types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    known = layer_types is not None and isinstance(index, int) and 0 <= index < len(layer_types)
+    kind = layer_types[index] if known else None
+    if known:
+        if kind == "full_attention":
+            return None
+        if kind == "sliding_attention" and getattr(config, "sliding_window", None) is not None:
+            return config.sliding_window
+    elif config is not None and getattr(config, "sliding_window", None) is None:
+        return None  # no layer of this model has a window
+    raise _err(
+        "a 2D attention mask without the plug-in's tag (a copy of its padding mask, e.g. moved by .to(device)) "
+        f"reached a layer whose window the module does not tell (no sliding_window argument, layer type {kind!r}, "
+        f"config.sliding_window {getattr(config, 'sliding_window', None)!r}): hand the layers the mask transformers "
+        "built, unchanged, or keep the model on one device"
+    )
 
 
 def _packing(attention_mask, q, k, v, sliding_window, kwargs):
