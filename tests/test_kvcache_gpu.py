@@ -123,6 +123,17 @@ def test_splits_agree_and_a_given_split_is_deterministic(splits):
     _run_and_check(q, k, v, kw, num_splits=splits)
 
 
+@pytest.mark.parametrize("splits", [16, 17, 40, 128])
+@pytest.mark.parametrize("sink", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_combine_merges_more_splits_than_one_chunk_of_its_loads(splits, sink, fp8):
+    """The combine loads its splits' partials 16 at a time and merges the chunks online: split counts past one
+    chunk, splits that see no key (lengths 0 and shorter than the splits' runs), sinks, both KV-cache kernels."""
+    q, k, v, kw = _case(4, 1, 32, 8, 128, 16, [9000, 0, 300, 4097], fp8=fp8, seed=splits)
+    options = {"learnable_sink": torch.randn(32, device="cuda")} if sink else {}
+    _run_and_check(q, k, v, kw, num_splits=splits, **options)
+
+
 def test_preallocated_out_is_filled_in_place():
     q, k, v, kw = _case(2, 1, 8, 2, 64, 16, [10, 20], seed=13)
     out = torch.full((2, 1, 8, 64), float("nan"), device="cuda", dtype=torch.bfloat16)

@@ -173,7 +173,9 @@ def test_packed_sequences_with_mods_against_float64(monkeypatch, score, mask, d,
 
 def test_packed_sequences_at_a_head_dim_without_an_sm90_forward(monkeypatch):
     """d72 on Hopper: the sm80 packed forward (no sm90 forward tile there), then the sm90 packed backward (zero-padded
-    to its d128 kernels) on that forward's out and lse (one layout in both families)."""
+    to its d128 kernels) on that forward's out and lse (one layout in both families). Natural routing: the sm90
+    marker forces CUTE_FLASH_ARCH=sm90, which would leave the forward no family."""
+    monkeypatch.delenv("CUTE_FLASH_ARCH", raising=False)
     e_args = [torch.empty(10, h, 72, dtype=torch.bfloat16) for h in (examples.H, 2, 2)]
     cu = torch.tensor([0, 10], dtype=torch.int32)
     e = cute_flash.explain_varlen(*e_args, cu, cu, 10, 10, score_mod=examples.alibi, capability=(9, 0))

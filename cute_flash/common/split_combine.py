@@ -16,7 +16,8 @@ split forward's grid writes them), out (b, sq, h, dv) and lse (b, h, sq) with an
 views included). Each thread owns 4 columns of one row: a CTA covers 128 // (dv / 4) rows of one (batch, head)
 (128 threads at dv 64 / 128 / 256, 120 at dv 96, 96 at dv 192). The partials are at most splits x b x h x sq x dv
 fp32 with b x h at most half the SMs (decoding: under 1 MiB; a full 128-row tile at d256: ~17 MiB), read once: plain
-loads and stores, the loops over splits unrolled so that their loads overlap (the combine is latency-bound).
+loads and stores, one pass over the splits whose loads of CHUNK splits at a time overlap (the combine is
+latency-bound), merged online as the forward merges key tiles.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ from .online_softmax import LOG2_E
 
 COLS_PER_THREAD = 4
 THREADS = 128
-# Splits per unrolled step of the two loops: their loads are independent, so a step has UNROLL of them in flight
-# instead of one round trip to L2 per split (on an H200 the loops at unroll 1 cost ~0.4 us per split: 13 us of a
-# 20 us decoding step at batch 1 x 4k with 33 splits).
-UNROLL = 8
+# Splits whose loads are in flight together: a decoding call's combine is a chain of round trips to L2 (on an H200
+# one per split cost ~0.4 us each: 13 us of a 20 us step at batch 1 x 4k with 33 splits), so one chunk of CHUNK
+# splits costs one (decoding's default counts at batch 1 are 16 or 32 splits).
+CHUNK = 16
 LN2 = 0.6931471805599453
 
 
@@ -90,26 +91,44 @@ class SplitCombine:
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # the split forward's partials are complete and visible past this
         if row < mO.shape[1]:
-            lse_max = -Float32.inf
-            for s in cutlass.range(splits, unroll=UNROLL):
-                lse_max = cutlass.max(lse_max, mLSEpart[s * nbatch + batch, head, row])
-            sink = -Float32.inf
-            if cutlass.const_expr(mSink is not None):
-                sink = mSink[row, head]
-                lse_max = cutlass.max(lse_max, sink)
-            # A row no split saw (and no sink): every weight exp(-inf) = 0 below, total 0.
-            shift = Float32(0.0) if lse_max == -Float32.inf else lse_max
-            acc = cute.make_rmem_tensor((COLS_PER_THREAD,), Float32)
-            acc.fill(0.0)
+            # One pass over the splits in chunks of CHUNK, merged online (the running max and sums rescaled per
+            # chunk): every load of a chunk is issued before any is used, so a chunk costs one round trip to L2
+            # (its indices clamped to the last split instead of predicated, the extra entries weighted 0).
+            run_max = -Float32.inf
             total = Float32(0.0)
             if cutlass.const_expr(mSink is not None):
-                total = cute.math.exp2((sink - shift) * LOG2_E, fastmath=True)  # the sink's weight: no value
-            for s in cutlass.range(splits, unroll=UNROLL):
-                z = s * nbatch + batch
-                w = cute.math.exp2((mLSEpart[z, head, row] - shift) * LOG2_E, fastmath=True)
-                total += w
+                run_max = mSink[row, head]
+                # The sink's weight relative to itself (no value); a -inf sink weighs 0.
+                total = Float32(0.0) if run_max == -Float32.inf else Float32(1.0)
+            acc = cute.make_rmem_tensor((COLS_PER_THREAD,), Float32)
+            acc.fill(0.0)
+            lse_c = cute.make_rmem_tensor((CHUNK,), Float32)
+            o_c = cute.make_rmem_tensor((CHUNK, COLS_PER_THREAD), Float32)
+            for c in cutlass.range(cute.ceil_div(splits, CHUNK), unroll=1):
+                for j in cutlass.range_constexpr(CHUNK):
+                    z = cutlass.min(c * CHUNK + j, splits - 1) * nbatch + batch
+                    lse_c[j] = mLSEpart[z, head, row]
+                    for i in cutlass.range_constexpr(COLS_PER_THREAD):
+                        o_c[j, i] = mOpart[z, row, head, col + i]
+                new_max = run_max
+                for j in cutlass.range_constexpr(CHUNK):
+                    if c * CHUNK + j >= splits:
+                        lse_c[j] = -Float32.inf
+                    new_max = cutlass.max(new_max, lse_c[j])
+                # Weights exp(lse - shift); while no split saw the row shift 0, so every weight is exp(-inf) = 0.
+                shift = Float32(0.0) if new_max == -Float32.inf else new_max
+                rescale = cute.math.exp2((run_max - shift) * LOG2_E, fastmath=True)  # 0 while run_max = -inf
+                total *= rescale
                 for i in cutlass.range_constexpr(COLS_PER_THREAD):
-                    acc[i] += w * mOpart[z, row, head, col + i]
+                    acc[i] *= rescale
+                for j in cutlass.range_constexpr(CHUNK):
+                    w = cute.math.exp2((lse_c[j] - shift) * LOG2_E, fastmath=True)
+                    total += w
+                    for i in cutlass.range_constexpr(COLS_PER_THREAD):
+                        acc[i] += w * o_c[j, i]
+                run_max = new_max
+            shift = Float32(0.0) if run_max == -Float32.inf else run_max
+            # A row no split saw (and no finite sink): total 0, so O = 0 and lse = -inf.
             empty = total == 0.0
             inv = Float32(0.0) if empty else cute.arch.rcp_approx(total)
             for i in cutlass.range_constexpr(COLS_PER_THREAD):
