@@ -49,8 +49,9 @@ def test_a_dense_backward_launches_preprocess_main_and_conversion(monkeypatch, d
     assert q.grad.shape == q.shape and k.grad.shape == k.shape
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("seqused", [False, True])
-def test_a_packed_backward_runs_the_sm100_kernel_on_padded_rows(monkeypatch, seqused):
+def test_a_packed_backward_runs_the_sm100_kernel_on_padded_rows(monkeypatch, seqused, deterministic):
     from profiling.host_overhead_cpu import fake_gpu
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))  # (the sm100 kernels' check)
@@ -64,7 +65,8 @@ def test_a_packed_backward_runs_the_sm100_kernel_on_padded_rows(monkeypatch, seq
         launches = _record()
         e = cute_flash.explain_varlen(q, k, v, cu_q, cu_k, 60, 70, causal=True, seqused_k=used)
         assert (e.forward.family, e.backward.family) == ("sm100", "sm100"), e
-        out = cute_flash.attention_varlen(q, k, v, cu_q, cu_k, 60, 70, causal=True, seqused_k=used)
+        kw = dict(causal=True, seqused_k=used, deterministic=deterministic)
+        out = cute_flash.attention_varlen(q, k, v, cu_q, cu_k, 60, 70, **kw)
         out.sum().backward()
     forwards = [(key, args) for key, args in launches if key[0] == "sm100" and key[2] == "fwd"]
     assert len(forwards) == 1  # the packed forward: 1-CTA, keyed on seqused_k
@@ -74,12 +76,15 @@ def test_a_packed_backward_runs_the_sm100_kernel_on_padded_rows(monkeypatch, seq
     mains = [(key, args) for key, args in launches if key[0] == "sm100" and key[2].startswith("bwd")]
     assert len(mains) == 1
     key, args = mains[0]
-    assert key[2] == ("bwd_seqused" if seqused else "bwd") and key[3].varlen
+    assert key[2] == ("bwd_seqused" if seqused else "bwd") + ("_det" if deterministic else "") and key[3].varlen
     q_, k_, v_, dout, lse_log2, dpsum, dq_accum, dk, dv, semaphores, scale, left, right, *seqs = args
     rows = 384  # 100 rows + 2 sequences x 128 of padding (common/packed.py), rounded up to whole 128-row tiles
     assert q_.shape == (1, 100, 4, 64) and k_.shape == dk.shape == (1, 120, 2, 64)
     assert lse_log2.shape == dpsum.shape == (1, 4, rows) and dq_accum.shape == (1, rows, 4, 64)
-    assert semaphores is None
+    if deterministic:  # one per (query head, 128-row tile of the padded rows): dQ adds in key-tile order
+        assert semaphores.shape == (1, 4, rows // 128) and semaphores.dtype == torch.int32
+    else:
+        assert semaphores is None
     cu_q_, cu_k_, used_, max_k = seqs
     assert torch.equal(cu_q_, cu_q) and torch.equal(cu_k_, cu_k) and used_ is used and max_k == 70
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
