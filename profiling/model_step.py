@@ -115,6 +115,19 @@ def make_config(model: str, args):
     raise ValueError(model)
 
 
+def build_model(cfg, attn_name: str):
+    """A randomly initialised model of `cfg` (seed 0) running `attn_name`, on its own copy of the config:
+    from_config sets the config's attention implementation in place, and every model built from one config object
+    shares it, so the models of a config's impls would all run the last one's attention."""
+    import copy
+
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=attn_name)
+
+
 def impl_context(impl: str):
     """(attn_implementation name, a context manager around each step)."""
     import torch
@@ -280,9 +293,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     label = f"{name:>8}{b:>6}{s:>6}{impl:>16}"
                     try:
                         attn_name, ctx = impl_context(impl)
-                        torch.manual_seed(0)
-                        model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_name)
-                        model = model.to(device=device, dtype=torch.bfloat16)
+                        model = build_model(cfg, attn_name).to(device=device, dtype=torch.bfloat16)
                         model.train(not args.generate)
                         if args.compile:
                             model = torch.compile(model)

@@ -71,3 +71,17 @@ def test_mods_benchmark_tables_for_fa4():
         score_mod, mask_mod, _, tables = mods_benchmark._callables(name, 2, 1024, 4, "cpu")
         assert set(tables) == keys.get(name, set()) and (mask_mod is not None) == (name in fa4_mods.MASK_EXAMPLES)
     assert fa4_mods.BLOCK_SIZE == (128, 128)
+
+
+def test_model_step_models_of_one_config_keep_their_own_attention():
+    """from_config writes the attention implementation into the config it is given: the models of one config's
+    impls must each get their own copy, or all of them run the last one built (transformers on the CPU)."""
+    pytest.importorskip("transformers")
+    from cute_flash.integrations import transformers as cft
+    from profiling.model_step import build_model, make_config, parse_args
+
+    args = parse_args(["--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--seqs", "16"])
+    cfg = make_config("mistral", args)
+    first = build_model(cfg, cft.register())
+    second = build_model(cfg, "sdpa")
+    assert first.config._attn_implementation == cft.DEFAULT_NAME and second.config._attn_implementation == "sdpa"
