@@ -12,14 +12,16 @@ the step (profiler time of the attention kernels, layout copies included, over t
 Models (--models): llama (GQA 16/4, d64), mistral (sliding window 256, GQA), qwen (GQA, qkv bias), gemma2 (softcap,
 sliding window), gptoss (learnable sinks, sliding window). --padding: none, left (every second row shorter), or
 packed (documents flattened into one row, DataCollatorWithFlattening's keywords). The implementations: cute
-(cute_flash.integrations.transformers), sdpa_flash / sdpa_cudnn / sdpa_efficient (torch SDPA forced to one backend),
-sdpa (torch's own choice), eager; an implementation a model or batch cannot use is reported as such, not timed.
+(cute_flash.integrations.transformers), fa4 (FlashAttention-4's flash_attn.cute.flash_attn_func behind a small
+attention function here: batches without padding, windows and softcap, no sinks), sdpa_flash / sdpa_cudnn /
+sdpa_efficient (torch SDPA forced to one backend), sdpa (torch's own choice), eager; an implementation a model or
+batch cannot use is reported as such, not timed. Each impl's model is built on its own copy of the config
+(`build_model`).
 
 Training steps are host-bound at these sizes, so they follow the host's speed, which drifts between runs and
 machines: the impls of one config are built side by side and timed in interleaved rounds (--rounds blocks of
 --steps steps each; with --generate, one generate() call each), and each impl's best round is reported beside all
-of them. Single generate() calls of one tree disagreed (H200, 2026-12-03: cute-flash 13% behind SDPA for 32 new
-tokens, 166.5 against 146.7 ms, and 4% ahead for 16, 67.4 against 70.0).
+of them.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import os
 import sys
 from typing import Dict, List, Optional
 
-IMPLS = ("cute", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "eager")
+IMPLS = ("cute", "fa4", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "eager")
+FA4_NAME = "fa4_cute"  # (transformers 5.x takes names with "flash" for Hub kernels)
 MODELS = ("llama", "mistral", "qwen", "gemma2", "gptoss")
 PADDINGS = ("none", "left", "packed")
 ATTN_MARKERS = ("flash", "fmha", "attention", "attn", "cute_flash", "sdpa", "cudnn", "kernel_cutlass")
@@ -128,11 +131,41 @@ def build_model(cfg, attn_name: str):
     return tf.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=attn_name)
 
 
+def fa4_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, softcap=None, **kwargs
+):
+    """transformers' attention-function contract over FlashAttention-4's flash_attn_func, for the comparison only:
+    causal batches without padding (the flash mask function hands over None then), windows and softcap."""
+    from flash_attn.cute import flash_attn_func
+
+    if attention_mask is not None or dropout or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("the fa4 impl here takes no padding mask, dropout or sinks")
+    window = (sliding_window - 1, 0) if sliding_window else (None, None)
+    out = flash_attn_func(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling, causal=True,
+        window_size=window, softcap=softcap or 0.0,
+    )  # fmt: skip
+    return (out[0] if isinstance(out, tuple) else out), None
+
+
+def register_fa4() -> str:
+    """fa4_attention under FA4_NAME, with transformers' flash-attention mask function (None without padding)."""
+    import flash_attn.cute  # noqa: F401  (fails here, reported as the impl's "not run", when FA4 is not installed)
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(FA4_NAME, fa4_attention)
+    AttentionMaskInterface.register(FA4_NAME, flash_attention_mask)
+    return FA4_NAME
+
+
 def impl_context(impl: str):
     """(attn_implementation name, a context manager around each step)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if impl == "fa4":
+        return register_fa4(), contextlib.nullcontext
     if impl == "cute":
         import cute_flash.integrations.transformers as cft
 

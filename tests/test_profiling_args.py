@@ -85,3 +85,31 @@ def test_model_step_models_of_one_config_keep_their_own_attention():
     first = build_model(cfg, cft.register())
     second = build_model(cfg, "sdpa")
     assert first.config._attn_implementation == cft.DEFAULT_NAME and second.config._attn_implementation == "sdpa"
+
+
+def test_model_step_fa4_impl_hands_flash_attn_func_its_layout(monkeypatch):
+    """The fa4 impl: FlashAttention-4's flash_attn_func (a stand-in here) gets (b, s, h, d) views, the layer's window
+    and softcap, and no mask for a batch without padding (transformers on the CPU)."""
+    import sys
+    import types
+
+    import torch
+
+    pytest.importorskip("transformers")
+    seen = []
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0):
+        seen.append((tuple(q.shape), tuple(k.shape), causal, window_size, softcap))
+        return torch.zeros_like(q), None
+
+    fake = types.ModuleType("flash_attn")
+    fake.cute = types.SimpleNamespace(flash_attn_func=flash_attn_func)
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", fake.cute)
+    args = model_step.parse_args(["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--seqs", "16"])
+    name, _ = model_step.impl_context("fa4")
+    model = model_step.build_model(model_step.make_config("gemma2", args), name)
+    ids = torch.randint(0, 100, (2, 16))
+    model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert seen == [((2, 16, 4, 16), (2, 16, 2, 16), True, (255, 0), 50.0), ((2, 16, 4, 16), (2, 16, 2, 16), True,
+                                                                             (None, None), 50.0)]  # fmt: skip
