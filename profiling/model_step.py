@@ -135,11 +135,13 @@ def fa4_attention(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, softcap=None, **kwargs
 ):
     """transformers' attention-function contract over FlashAttention-4's flash_attn_func, for the comparison only:
-    causal batches without padding (the flash mask function hands over None then), windows and softcap."""
+    causal batches without padding (the flash mask function hands over None then) or packed documents, windows and
+    softcap."""
     from flash_attn.cute import flash_attn_func
 
-    if attention_mask is not None or dropout or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("the fa4 impl here takes no padding mask, dropout or sinks")
+    packed = any(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"))
+    if attention_mask is not None or packed or dropout or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("the fa4 impl here takes no padding mask, packed documents, dropout or sinks")
     window = (sliding_window - 1, 0) if sliding_window else (None, None)
     out = flash_attn_func(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling, causal=True,

@@ -113,3 +113,5 @@ def test_model_step_fa4_impl_hands_flash_attn_func_its_layout(monkeypatch):
     model(input_ids=ids, attention_mask=torch.ones_like(ids))
     assert seen == [((2, 16, 4, 16), (2, 16, 2, 16), True, (255, 0), 50.0), ((2, 16, 4, 16), (2, 16, 2, 16), True,
                                                                              (None, None), 50.0)]  # fmt: skip
+    with pytest.raises(NotImplementedError, match="packed documents"):  # (one flattened row: not the same work)
+        model(**model_step.make_batch(2, 16, "packed", 100, "cpu"))
