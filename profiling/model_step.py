@@ -139,7 +139,9 @@ def fa4_attention(
     softcap."""
     from flash_attn.cute import flash_attn_func
 
-    packed = any(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"))
+    from cute_flash.integrations.transformers import _PACKED_KEYWORDS  # (the collator's keywords of packed documents)
+
+    packed = any(kwargs.get(n) is not None for n in _PACKED_KEYWORDS)
     if attention_mask is not None or packed or dropout or kwargs.get("s_aux") is not None:
         raise NotImplementedError("the fa4 impl here takes no padding mask, packed documents, dropout or sinks")
     window = (sliding_window - 1, 0) if sliding_window else (None, None)
