@@ -9,13 +9,18 @@ against the GPU's DRAM bandwidth (H200: 4.8 TB/s by its datasheet).
     python3 -m profiling.decode_benchmark --graphs              # time CUDA-graph replays (no host time)
 
 Page size 0 is the dense cache (batch, context, h_kv, d); others are paged caches whose pages are a random
-permutation (shared by no sequence). Timing: triton's do_bench median (--graphs: do_bench_cudagraph), each call
-with its own inputs; a config whose caches would not fit in --max-gib is skipped.
+permutation (shared by no sequence). Timing: triton's do_bench median (--graphs: do_bench_cudagraph), a config
+whose caches would not fit in --max-gib skipped. Each impl's calls rotate over copies of the inputs (--rotate-mib
+of caches at least, 3x the L2 by default), so that no call finds the cache it reads in L2: do_bench flushes L2
+before each call, but do_bench_cudagraph replays the same call back to back, and a cache smaller than L2 (50 MiB
+on an H100 / H200: batch 1 x 8k is 33.5 MB of bf16 K + V) would be read from it. --no-cluster-merge times the
+split calls with the combine kernel instead of the in-cluster merge (A/B of common/cluster_merge.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from typing import Callable, Dict, List, Optional
 
@@ -38,6 +43,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--kernels", action="store_true", help="per config, each impl's kernels and their mean µs")
     p.add_argument("--max-gib", type=float, default=60.0, help="skip configs whose caches exceed this (%(default)s)")
     p.add_argument("--peak-tbs", type=float, default=4.8, help="DRAM bandwidth for the %% column (%(default)s)")
+    p.add_argument("--rotate-mib", type=float, default=0.0, help="input copies to rotate over (0: 3 x the L2)")
     args = p.parse_args(argv)
     try:
         for name in ("batches", "contexts", "pages", "splits"):
@@ -46,6 +52,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--batches, --contexts, --pages and --splits take comma-separated integers")
     if min(args.batches + args.contexts) <= 0 or min(args.pages + args.splits, default=0) < 0:
         p.error("batches and contexts must be positive, page sizes and splits >= 0")
+    if args.rotate_mib < 0:
+        p.error("--rotate-mib must be >= 0")
     args.impls = [x for x in args.impls.split(",") if x]
     bad = [x for x in args.impls if x not in IMPLS]
     if bad or not args.impls:
@@ -73,6 +81,36 @@ def make_cache(batch, context, page, hkv, d, dtype, device, gen):
     v = torch.randn(pages, page, hkv, d, device=device, dtype=dtype)
     table = torch.randperm(pages, generator=gen).to(device=device, dtype=torch.int32).view(batch, per_seq)
     return k, v, table
+
+
+MAX_COPIES = 64
+
+
+def input_copies(nbytes: int, rotate_bytes: int) -> int:
+    """Copies of a config's inputs whose caches together hold at least rotate_bytes (1 .. MAX_COPIES)."""
+    return max(1, min(MAX_COPIES, -(-rotate_bytes // max(nbytes, 1))))
+
+
+def rotating(fns: List[Callable]) -> Callable:
+    """A call that runs the next of `fns` each time (a CUDA graph captured from it replays them in turn)."""
+    turn = itertools.cycle(fns)
+    return lambda: next(turn)()
+
+
+def input_set(args, batch: int, context: int, page: int, device, gen) -> tuple:
+    """(q, k_cache, v_cache, page_table, cache_seqlens, fp8 caches and descales or None) of one config."""
+    import torch
+
+    h, hkv, d = args.heads, args.heads_kv, args.head_dim
+    q = torch.randn(batch, args.seqlen_q, h, d, device=device, dtype=torch.bfloat16)
+    k, v, table = make_cache(batch, context, page, hkv, d, torch.bfloat16, device, gen)
+    seqlens = torch.full((batch,), context, device=device, dtype=torch.int32)
+    fp8 = None
+    if args.fp8:
+        kd = torch.full((batch, hkv), 0.05, device=device)
+        vd = torch.full((batch, hkv), 0.05, device=device)
+        fp8 = ((k / 0.05).to(torch.float8_e4m3fn), (v / 0.05).to(torch.float8_e4m3fn), kd, vd)
+    return q, k, v, table, seqlens, fp8
 
 
 def impls_for(args, q, k, v, table, seqlens, fp8=None) -> Dict[str, Callable]:
@@ -141,9 +179,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     h, hkv, d, sq = args.heads, args.heads_kv, args.head_dim, args.seqlen_q
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    rotate_bytes = int(args.rotate_mib * 2**20) if args.rotate_mib else 3 * l2
     mode = "CUDA-graph replays" if args.graphs else "eager calls"
-    print(f"{torch.cuda.get_device_name()}: decode sq{sq} h{h}/{hkv} d{d} bf16, {mode}; µs and K+V TB/s (% of "
-          f"{args.peak_tbs} TB/s)")  # fmt: skip
+    print(f"{torch.cuda.get_device_name()}: decode sq{sq} h{h}/{hkv} d{d} bf16, {mode}, inputs "
+          f"rotated over >= {rotate_bytes / 2**20:.0f} MiB; µs and K+V TB/s (% of {args.peak_tbs} TB/s)")  # fmt: skip
     print(f"{'batch':>6}{'context':>9}{'page':>6}  " + "  ".join(f"{n:>22}" for n in ("impl", "µs", "TB/s")))
     with torch.no_grad():
         busy = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)  # clocks up before the first row
@@ -157,15 +197,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                     print(f"{b:>6}{ctx:>9}{'':>6}  skipped: {nbytes / 2**30:.0f} GiB of cache > --max-gib")
                     continue
                 for page in args.pages:
-                    q = torch.randn(b, sq, h, d, device=device, dtype=torch.bfloat16)
-                    k, v, table = make_cache(b, ctx, page, hkv, d, torch.bfloat16, device, gen)
-                    seqlens = torch.full((b,), ctx, device=device, dtype=torch.int32)
-                    fp8 = None
-                    if args.fp8:
-                        kd = torch.full((b, hkv), 0.05, device=device)
-                        vd = torch.full((b, hkv), 0.05, device=device)
-                        fp8 = ((k / 0.05).to(torch.float8_e4m3fn), (v / 0.05).to(torch.float8_e4m3fn), kd, vd)
-                    for name, fn in impls_for(args, q, k, v, table, seqlens, fp8).items():
+                    sets = [
+                        input_set(args, b, ctx, page, device, gen)
+                        for _ in range(input_copies(nbytes, rotate_bytes))
+                    ]  # fmt: skip
+                    per_set = [impls_for(args, *inputs) for inputs in sets]
+                    for name in per_set[0]:
+                        fn = rotating([fns[name] for fns in per_set])
                         row = f"{b:>6}{ctx:>9}{page:>6}  {name:>22}"
                         try:
                             ms = time_ms(fn, args.graphs)
@@ -176,7 +214,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 print(f"{'':>21}kernels: {kernel_times(fn)}")
                         except Exception as e:  # noqa: BLE001 - one failed impl does not stop the grid
                             print(f"{row}  failed: {type(e).__name__}: {str(e)[:100]}")
-                    del q, k, v, table, fp8
+                    del sets, per_set
                     torch.cuda.empty_cache()
     return 0
 

@@ -40,8 +40,24 @@ def test_decode_benchmark_grid_and_bytes():
     assert decode_benchmark.cache_bytes(8, 32768, 8, 128, 2) == 2**30
 
 
+def test_decode_benchmark_rotates_over_copies_larger_than_l2():
+    """Calls rotate over input copies holding 3 x L2 of caches at least (a CUDA graph of back-to-back replays would
+    otherwise read a small cache from L2), at most MAX_COPIES, one copy for caches past that size."""
+    l2 = 50 * 2**20
+    assert decode_benchmark.input_copies(decode_benchmark.cache_bytes(1, 8192, 8, 128, 2), 3 * l2) == 5
+    assert decode_benchmark.input_copies(decode_benchmark.cache_bytes(8, 32768, 8, 128, 2), 3 * l2) == 1
+    assert decode_benchmark.input_copies(1024, 3 * l2) == decode_benchmark.MAX_COPIES
+    calls = []
+    fn = decode_benchmark.rotating([lambda i=i: calls.append(i) for i in range(3)])
+    for _ in range(7):
+        fn()
+    assert calls == [0, 1, 2, 0, 1, 2, 0]
+    assert decode_benchmark.parse_args(["--rotate-mib", "512"]).rotate_mib == 512
+
+
 @pytest.mark.parametrize(
-    "argv", [["--pages", "-1"], ["--impls", "flashinfer"], ["--contexts", "x"], ["--splits", "-2"]]
+    "argv",
+    [["--pages", "-1"], ["--impls", "flashinfer"], ["--contexts", "x"], ["--splits", "-2"], ["--rotate-mib", "-1"]],
 )
 def test_decode_benchmark_usage_errors(argv):
     with pytest.raises(SystemExit) as e:
