@@ -13,8 +13,8 @@ permutation (shared by no sequence). Timing: triton's do_bench median (--graphs:
 whose caches would not fit in --max-gib skipped. Each impl's calls rotate over copies of the inputs (--rotate-mib
 of caches at least, 3x the L2 by default), so that no call finds the cache it reads in L2: do_bench flushes L2
 before each call, but do_bench_cudagraph replays the same call back to back, and a cache smaller than L2 (50 MiB
-on an H100 / H200: batch 1 x 8k is 33.5 MB of bf16 K + V) would be read from it. --no-cluster-merge times the
-split calls with the combine kernel instead of the in-cluster merge (A/B of common/cluster_merge.py).
+on an H100 / H200: batch 1 x 8k is 33.5 MB of bf16 K + V) would be read from it. The % column is of --peak-tbs,
+by default the GPU's datasheet bandwidth where its name is known (PEAK_TBS).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import sys
 from typing import Callable, Dict, List, Optional
 
 IMPLS = ("cute", "sdpa", "fa4")
+# DRAM bandwidth by its datasheet (TB/s), by a substring of torch.cuda.get_device_name(), the first that matches.
+PEAK_TBS = (("H200", 4.8), ("H100 NVL", 3.9), ("H100", 3.35), ("A100-SXM4-80GB", 2.04), ("A100", 1.56))
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -42,7 +44,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--splits", default="", help="also time cute-flash (and fp8) with these num_splits (e.g. 8,16)")
     p.add_argument("--kernels", action="store_true", help="per config, each impl's kernels and their mean µs")
     p.add_argument("--max-gib", type=float, default=60.0, help="skip configs whose caches exceed this (%(default)s)")
-    p.add_argument("--peak-tbs", type=float, default=4.8, help="DRAM bandwidth for the %% column (%(default)s)")
+    p.add_argument("--peak-tbs", type=float, default=0.0, help="DRAM bandwidth for the %% column (0: PEAK_TBS's)")
     p.add_argument("--rotate-mib", type=float, default=0.0, help="input copies to rotate over (0: 3 x the L2)")
     args = p.parse_args(argv)
     try:
@@ -52,8 +54,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--batches, --contexts, --pages and --splits take comma-separated integers")
     if min(args.batches + args.contexts) <= 0 or min(args.pages + args.splits, default=0) < 0:
         p.error("batches and contexts must be positive, page sizes and splits >= 0")
-    if args.rotate_mib < 0:
-        p.error("--rotate-mib must be >= 0")
+    if args.rotate_mib < 0 or args.peak_tbs < 0:
+        p.error("--rotate-mib and --peak-tbs must be >= 0")
     args.impls = [x for x in args.impls.split(",") if x]
     bad = [x for x in args.impls if x not in IMPLS]
     if bad or not args.impls:
@@ -84,6 +86,11 @@ def make_cache(batch, context, page, hkv, d, dtype, device, gen):
 
 
 MAX_COPIES = 64
+
+
+def peak_tbs(device_name: str) -> float:
+    """The datasheet DRAM bandwidth of a GPU named `device_name` (PEAK_TBS), 0.0 where unknown."""
+    return next((tbs for name, tbs in PEAK_TBS if name in device_name), 0.0)
 
 
 def input_copies(nbytes: int, rotate_bytes: int) -> int:
@@ -180,10 +187,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     gen = torch.Generator().manual_seed(0)
     h, hkv, d, sq = args.heads, args.heads_kv, args.head_dim, args.seqlen_q
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    peak = args.peak_tbs or peak_tbs(torch.cuda.get_device_name())
     rotate_bytes = int(args.rotate_mib * 2**20) if args.rotate_mib else 3 * l2
     mode = "CUDA-graph replays" if args.graphs else "eager calls"
     print(f"{torch.cuda.get_device_name()}: decode sq{sq} h{h}/{hkv} d{d} bf16, {mode}, inputs "
-          f"rotated over >= {rotate_bytes / 2**20:.0f} MiB; µs and K+V TB/s (% of {args.peak_tbs} TB/s)")  # fmt: skip
+          f"rotated over >= {rotate_bytes / 2**20:.0f} MiB; µs and K+V TB/s (% of {peak or '?'} TB/s)")  # fmt: skip
     print(f"{'batch':>6}{'context':>9}{'page':>6}  " + "  ".join(f"{n:>22}" for n in ("impl", "µs", "TB/s")))
     with torch.no_grad():
         busy = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)  # clocks up before the first row
@@ -209,7 +217,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                             ms = time_ms(fn, args.graphs)
                             moved = nbytes // 2 if "fp8" in name.split() else nbytes
                             tbs = moved / ms / 1e9
-                            print(f"{row}{ms * 1e3:>24.1f}{tbs:>18.2f} ({100 * tbs / args.peak_tbs:.0f}%)")
+                            share = f"{100 * tbs / peak:.0f}%" if peak else "?"
+                            print(f"{row}{ms * 1e3:>24.1f}{tbs:>18.2f} ({share})")
                             if args.kernels:
                                 print(f"{'':>21}kernels: {kernel_times(fn)}")
                         except Exception as e:  # noqa: BLE001 - one failed impl does not stop the grid

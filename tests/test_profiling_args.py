@@ -53,11 +53,21 @@ def test_decode_benchmark_rotates_over_copies_larger_than_l2():
         fn()
     assert calls == [0, 1, 2, 0, 1, 2, 0]
     assert decode_benchmark.parse_args(["--rotate-mib", "512"]).rotate_mib == 512
+    assert decode_benchmark.peak_tbs("NVIDIA H100 80GB HBM3") == 3.35
+    assert decode_benchmark.peak_tbs("NVIDIA H200") == 4.8
+    assert decode_benchmark.peak_tbs("NVIDIA H100 NVL") == 3.9 and decode_benchmark.peak_tbs("some GPU") == 0.0
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["--pages", "-1"], ["--impls", "flashinfer"], ["--contexts", "x"], ["--splits", "-2"], ["--rotate-mib", "-1"]],
+    [
+        ["--pages", "-1"],
+        ["--impls", "flashinfer"],
+        ["--contexts", "x"],
+        ["--splits", "-2"],
+        ["--rotate-mib", "-1"],
+        ["--peak-tbs", "-3"],
+    ],
 )
 def test_decode_benchmark_usage_errors(argv):
     with pytest.raises(SystemExit) as e:
