@@ -22,8 +22,9 @@ from .core import device as gpu
 from .arch import ARCH_ENV_VAR
 from .arch import split_kv
 from .arch.base import KvCacheTensors
+from .kernel_layout import kernel_view
 from .spec import op_window_bound
-from .validation import ALIGN_BYTES, KvCacheArgs, KvCacheProblem, check_out_overlaps, validate_kvcache
+from .validation import ALIGN_BYTES, KvCacheArgs, KvCacheProblem, check_kvcache_addresses, validate_kvcache
 
 # (append kernel key) -> compiled append; (call signature) -> _Plan
 _append_kernels: Dict[tuple, object] = compile_cache.memo()
@@ -124,8 +125,8 @@ def _plan(args: KvCacheArgs, *scalars) -> _Plan:
             if len(_plans) >= _MAX_PLANS:
                 _plans.clear()
             _plans[key] = plan
-    elif args.out is not None:  # (the one check that depends on addresses, which the key leaves out)
-        check_out_overlaps(args.out, args.q, args.k_cache, args.v_cache)
+    else:  # (the checks that depend on addresses, which the key leaves out)
+        check_kvcache_addresses(args)
     return plan
 
 
@@ -177,7 +178,10 @@ def attention_with_kvcache(
     the GPU's SM count; the choice depends on shapes only, so a CUDA graph replays with new lengths). The combine
     is exact and, for a given split, deterministic. A softmax_scale above 2^64 (where scale x score may overflow
     fp32, a hard max) runs unsplit: num_splits > 1 then raises ValueError.
-    out: a preallocated output (q's shape with head_dim_v, q's dtype, in place: unit last stride, 16-byte units).
+    out: a preallocated output (q's shape with head_dim_v, q's dtype, in place: unit last stride, 16-byte units),
+    sharing no memory with any input. With k_new / v_new, k_cache and v_cache must share no element (a combined
+    cache's K and V halves may share a tensor). q may have any strides with a unit last one (it is copied into the
+    kernels' layout where it is not in it); the caches are used in place.
     Returns out, and with return_lse the float32 log-sum-exp, (batch, nheads, seqlen_q) or (nheads, total_q).
 
     Contract not checked on the host (it would need the values): cache_seqlens[b] plus the new tokens fit the
@@ -190,13 +194,18 @@ def attention_with_kvcache(
         v_descale, out,
     )  # fmt: skip
     if torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k_cache, v_cache, k_new, v_new, learnable_sink)
+        isinstance(t, torch.Tensor) and t.requires_grad
+        for t in (q, k_cache, v_cache, k_new, v_new, learnable_sink, k_descale, v_descale, out)
     ):
         raise NotImplementedError(
             "attention_with_kvcache is forward-only (serving); for gradients use cute_flash.attention or "
             "cute_flash.attention_varlen, or call it under torch.no_grad()"
         )
-    scalars = (max_seqlen_q, causal, softmax_scale, tuple(window_size), softcap, num_splits)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    # (a window that is not a pair goes to validation as given, which names the problem)
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    scalars = (max_seqlen_q, causal, softmax_scale, window, softcap, num_splits)
     if torch.compiler.is_compiling():
         return _traced(args, scalars, return_lse)
     plan = _plan(args, *scalars)
@@ -219,7 +228,10 @@ def _launch(plan: _Plan, a: KvCacheArgs, out: torch.Tensor, lse: torch.Tensor) -
     p = plan.problem
     seqlens_k = a.cache_seqlens
     max_new = 0 if plan.append is None else (p.seqlen_q if p.packed_q else a.k_new.shape[1])
-    if max_new > 0:  # (no new token: nothing to write, the lengths are the cache's)
+    # q in the kernels' layout (it is only read: a misaligned or broadcast q is copied, as `attention` does); before
+    # the append, so that nothing is written for a call that cannot launch.
+    q = kernel_view(a.q, name="q")
+    if max_new > 0 and p.batch:  # (no new token or no sequence: nothing to write, the lengths are the cache's)
         seqlens_k = torch.empty_like(a.cache_seqlens)
         plan.append(
             a.k_new, a.v_new, a.k_cache, a.v_cache, a.page_table, a.cache_seqlens, a.cu_seqlens_q, seqlens_k,
@@ -230,7 +242,7 @@ def _launch(plan: _Plan, a: KvCacheArgs, out: torch.Tensor, lse: torch.Tensor) -
         sink = sink.float().contiguous()
     if p.total_q and p.nheads:
         t = KvCacheTensors(
-            a.q, a.k_cache, a.v_cache, out, lse, seqlens_k, a.page_table, a.cu_seqlens_q, sink, a.k_descale,
+            q, a.k_cache, a.v_cache, out, lse, seqlens_k, a.page_table, a.cu_seqlens_q, sink, a.k_descale,
             a.v_descale,
         )  # fmt: skip
         launch = plan.launch

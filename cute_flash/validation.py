@@ -506,12 +506,44 @@ def _self_overlapping(t: torch.Tensor) -> bool:
     return False
 
 
-def check_out_overlaps(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """A KV-cache call's out must not share memory with what the kernels read: on every call (addresses are not part
-    of any plan key), after the cached checks of its layout."""
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not torch.compiler.is_compiling() and _overlaps(out, t):
-            raise ValueError(f"out overlaps {name} in memory: the kernels read {name} while they write out")
+_KVCACHE_READS = ("q", "k_cache", "v_cache", "cache_seqlens", "page_table", "k_new", "v_new", "cu_seqlens_q")
+_KVCACHE_READS += ("learnable_sink", "k_descale", "v_descale")
+
+
+def check_kvcache_addresses(args: "KvCacheArgs") -> None:
+    """The checks of a KV-cache call that depend on addresses, on every call (addresses are in no plan key), after
+    the cached checks of the layouts: out shares no memory with anything the kernels read, and with appended tokens
+    k_cache and v_cache share no element (the append writes both)."""
+    if torch.compiler.is_compiling():
+        return
+    if args.out is not None:
+        for name in _KVCACHE_READS:
+            t = getattr(args, name)
+            if isinstance(t, torch.Tensor) and _overlaps(args.out, t):
+                raise ValueError(f"out overlaps {name} in memory: the kernels read {name} while they write out")
+    if args.k_new is not None and _share_elements(args.k_cache, args.v_cache):
+        raise ValueError(
+            "k_cache and v_cache share elements (e.g. one tensor passed twice): appending k_new / v_new would write "
+            "one over the other"
+        )
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors address a common element. Views of one layout (shape, strides, dtype: a combined cache's
+    K and V halves) are tested exactly: the offset between them, decomposed over the strides largest first (exact
+    for strides that nest, as torch's contiguous and sliced layouts do), must be an index of the view; others by
+    their byte spans (conservative)."""
+    if not _overlaps(a, b):
+        return False
+    if a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype:
+        return True
+    delta, elem = abs(b.data_ptr() - a.data_ptr()), a.element_size()
+    if delta % elem:
+        return True  # (bytes of one element in both)
+    delta //= elem
+    for stride, size in sorted(((st, n) for n, st in zip(a.shape, a.stride()) if n > 1 and st > 0), reverse=True):
+        delta -= min(delta // stride, size - 1) * stride
+    return delta == 0
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -570,7 +602,6 @@ def validate_kvcache(
         _check_tensor(name, t)
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
-        _check_in_kernel_layout(name, t)
     if q.dtype not in INPUT_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; attention_with_kvcache takes torch.float16 or torch.bfloat16 queries")
     kv_fp8 = k_cache.dtype == FP8_INPUT_DTYPE
@@ -586,7 +617,8 @@ def validate_kvcache(
         total_q, nheads, head_dim = q.shape
         if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, torch.SymInt)) or max_seqlen_q < 0:
             raise ValueError(f"max_seqlen_q must be a host int >= 0 with cu_seqlens_q, got {max_seqlen_q!r}")
-        batch = args.cu_seqlens_q.shape[0] - 1 if isinstance(args.cu_seqlens_q, torch.Tensor) else -1
+        cu = args.cu_seqlens_q
+        batch = cu.shape[0] - 1 if isinstance(cu, torch.Tensor) and cu.dim() == 1 else -1
         if batch < 0:
             raise ValueError("cu_seqlens_q must be an int32 tensor of shape (batch + 1,)")
         _check_int32_vector("cu_seqlens_q", args.cu_seqlens_q, (batch + 1,), q.device)
@@ -610,6 +642,13 @@ def validate_kvcache(
             raise NotImplementedError(
                 f"{name} is {dim}; cute_flash supports multiples of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
             )
+        if kv_fp8 and dim % ALIGN_BYTES:
+            raise NotImplementedError(
+                f"{name} is {dim}; a float8_e4m3fn cache needs head dims that are multiples of {ALIGN_BYTES} (its rows "
+                f"are read {ALIGN_BYTES} bytes at a time)"
+            )
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):  # (after the head dims: the likelier cause)
+        _check_in_kernel_layout(name, t)
 
     page_table = args.page_table
     if page_table is not None:
@@ -696,7 +735,7 @@ def validate_kvcache(
         _check_in_kernel_layout("out", o)
         if _self_overlapping(o):
             raise ValueError(f"out (strides {tuple(o.stride())}) has elements that share memory: each written once")
-        check_out_overlaps(o, q, k_cache, v_cache)
+    check_kvcache_addresses(args)
     if batch > MAX_GRID_YZ or nheads > MAX_GRID_YZ:
         raise NotImplementedError(f"batch ({batch}) and nheads ({nheads}) must each be <= {MAX_GRID_YZ}")
 

@@ -103,6 +103,9 @@ def test_packed_queries_and_an_fp8_cache(backend):
         (dict(causal=1), TypeError, "causal must be a bool"),
         (dict(k_new=_meta(2, 65, 2, 64), v_new=_meta(2, 65, 2, 64)), ValueError, "more than the cache holds"),
         (dict(cache_seqlens=_meta(4, dtype=torch.int32)[::2]), ValueError, "contiguous in its last dimension"),
+        (dict(window_size=None), ValueError, "window_size must be a pair"),
+        (dict(window_size=5), ValueError, "window_size must be a pair"),
+        (dict(return_lse="no"), TypeError, "return_lse must be a bool"),
     ],
 )
 def test_malformed_calls_raise_before_any_launch(backend, change, error, match):
@@ -125,8 +128,25 @@ def test_cache_layouts_the_kernels_cannot_use_in_place_are_refused(backend):
         cute_flash.attention_with_kvcache(q, k, fp8, **kw)
 
 
+def test_a_0d_cu_seqlens_q_is_refused_by_name(backend):
+    _, k, v, kw = _paged()
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be an int32 tensor of shape \(batch \+ 1,\)"):
+        cute_flash.attention_with_kvcache(_meta(5, 8, 64), k, v, **kw, cu_seqlens_q=_meta(dtype=torch.int32),
+                                          max_seqlen_q=3)  # fmt: skip
+
+
+def test_fp8_cache_head_dims_must_fill_16_byte_rows(backend):
+    q, _, _, kw = _paged(d=8)
+    k8 = _meta(10, 16, 2, 8, dtype=torch.float8_e4m3fn)
+    desc = dict(k_descale=_meta(2, 2, dtype=torch.float32), v_descale=_meta(2, 2, dtype=torch.float32))
+    with pytest.raises(NotImplementedError, match="multiples of 16"):
+        cute_flash.attention_with_kvcache(q, k8, k8, **kw, **desc)
+
+
 def test_gradients_are_refused(backend):
     q, k, v, kw = _paged()
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        cute_flash.attention_with_kvcache(q, k, v, **kw, out=_meta(2, 1, 8, 64).requires_grad_())
     with pytest.raises(NotImplementedError, match="forward-only"):
         cute_flash.attention_with_kvcache(q.requires_grad_(), k, v, **kw)
     with torch.no_grad():
@@ -163,3 +183,69 @@ def test_packed_rows_beyond_max_seqlen_q_and_an_out_over_the_cache_are_refused(b
     cute_flash.attention_with_kvcache(q, k, v, **kw, out=torch.empty_like(q))  # (a warm plan of this signature)
     with pytest.raises(ValueError, match="out overlaps q"):  # checked on every call: addresses are in no plan key
         cute_flash.attention_with_kvcache(q, k, v, **kw, out=q)
+
+
+def _cpu_call(monkeypatch):
+    monkeypatch.setattr(validation, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    q = torch.zeros(2, 1, 8, 64, dtype=torch.bfloat16)
+    k, v = (torch.zeros(10, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    kw = dict(cache_seqlens=torch.zeros(2, dtype=torch.int32), page_table=torch.zeros(2, 4, dtype=torch.int32))
+    return q, k, v, kw
+
+
+def test_a_q_the_kernels_cannot_read_in_place_is_copied_into_their_layout(backend, monkeypatch):
+    """q is only read: a misaligned base or a broadcast head is copied (as `attention` does), the caches never."""
+    q, k, v, kw = _cpu_call(monkeypatch)
+    misaligned = torch.zeros(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
+    broadcast = torch.zeros(2, 1, 1, 64, dtype=q.dtype).expand(2, 1, 8, 64)
+    for x in (misaligned, broadcast):
+        cute_flash.attention_with_kvcache(x, k, v, **kw)
+        t = backend.calls[-1][0]
+        assert t.q is not x and t.q.data_ptr() % 16 == 0 and t.q.stride() == (512, 512, 64, 1) and torch.equal(t.q, x)
+    cute_flash.attention_with_kvcache(q, k, v, **kw)
+    assert backend.calls[-1][0].q is q  # (already in the kernels' layout: no copy)
+
+
+def test_appending_into_one_tensor_passed_as_both_caches_is_refused(backend, monkeypatch):
+    """With k_new / v_new the append writes both caches: one tensor passed twice (or views sharing elements) is
+    refused on every call, cold or warm; a combined cache's disjoint K / V halves (FlashInfer's (pages, 2, ...)
+    layout) are not."""
+    q, k, v, kw = _cpu_call(monkeypatch)
+    appended = []
+
+    def append_kernel(args, p, dev):
+        return None if args.k_new is None else lambda *a: appended.append(a)
+
+    monkeypatch.setattr(kvcache, "_append_kernel", append_kernel)
+    new = dict(k_new=torch.zeros(2, 1, 2, 64, dtype=q.dtype), v_new=torch.zeros(2, 1, 2, 64, dtype=q.dtype))
+    kv = torch.zeros(10, 2, 16, 2, 64, dtype=q.dtype)
+    cute_flash.attention_with_kvcache(q, kv[:, 0], kv[:, 1], **kw, **new)
+    cute_flash.attention_with_kvcache(q, k, v, **kw, **new)  # (warm: the same signature as the next call)
+    assert len(appended) == 2
+    for kc, vc in ((k, k), (kv[:, 0], kv.view(10, 32, 2, 64)[:, :16])):
+        with pytest.raises(ValueError, match="share elements"):
+            cute_flash.attention_with_kvcache(q, kc, vc, **kw, **new)
+    cute_flash.attention_with_kvcache(q, k, k, **kw)  # (nothing appended: reading one tensor twice is fine)
+    assert len(appended) == 2
+
+
+def test_out_may_not_overlap_any_tensor_the_kernels_read(backend, monkeypatch):
+    q, k, v, kw = _cpu_call(monkeypatch)
+    out = torch.zeros_like(q)
+    lens = out.view(torch.int32).view(-1)[:2]
+    with pytest.raises(ValueError, match="out overlaps cache_seqlens"):
+        cute_flash.attention_with_kvcache(q, k, v, cache_seqlens=lens, page_table=kw["page_table"], out=out)
+    table = out.view(torch.int32).view(-1)[8:16].view(2, 4)
+    with pytest.raises(ValueError, match="out overlaps page_table"):
+        cute_flash.attention_with_kvcache(q, k, v, cache_seqlens=kw["cache_seqlens"], page_table=table, out=out)
+    assert backend.calls == []
+
+
+def test_no_sequence_launches_nothing_even_with_new_tokens(backend, monkeypatch):
+    q, k, v, kw = _cpu_call(monkeypatch)
+    appended = []
+    monkeypatch.setattr(kvcache, "_append_kernel", lambda args, p, dev: lambda *a: appended.append(a))
+    empty = dict(cache_seqlens=torch.zeros(0, dtype=torch.int32), page_table=torch.zeros(0, 4, dtype=torch.int32))
+    new = dict(k_new=torch.zeros(0, 1, 2, 64, dtype=q.dtype), v_new=torch.zeros(0, 1, 2, 64, dtype=q.dtype))
+    out = cute_flash.attention_with_kvcache(q[:0], k, v, **empty, **new)
+    assert out.shape == (0, 1, 8, 64) and appended == [] and backend.calls == []
