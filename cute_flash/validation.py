@@ -95,10 +95,15 @@ def _check_window(window_size: object) -> Tuple[Optional[int], Optional[int]]:
     return out[0], out[1]
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the kernels take softmax_scale and softcap as float32
+FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal value
+
+
 def _finite(x) -> bool:
-    """math.isfinite in comparisons, which torch.compile traces for the symbolic floats it makes of a float argument
-    that changed between calls (math.isfinite on one fails the trace)."""
-    return x == x and abs(x) != math.inf
+    """Finite as the kernels' float32 (a Python int or float past its range is not), in comparisons, which
+    torch.compile traces for the symbolic floats it makes of a float argument that changed between calls
+    (math.isfinite on one fails the trace; float() of a huge int would raise OverflowError)."""
+    return x == x and abs(x) <= FLOAT32_MAX
 
 
 def check_softcap(softcap: object) -> float:
@@ -107,6 +112,8 @@ def check_softcap(softcap: object) -> float:
         raise ValueError(f"softcap must be a finite float >= 0 (0: no soft-capping), got {softcap!r}")
     if softcap < 0:
         raise ValueError(f"softcap must be >= 0 (0: no soft-capping), got {softcap}")
+    if 0 < softcap < FLOAT32_TINY:
+        raise ValueError(f"softcap {softcap!r} is below float32's range, in which the kernels divide by it")
     return float(softcap)
 
 
@@ -367,6 +374,12 @@ def validate_varlen_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
         # torch.SymInt: a host int that torch.compile traces symbolically (still no device-to-host copy)
         if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)) or m < 0:
             raise ValueError(f"{name} must be a host int >= 0 (no device-to-host copy inside the call), got {m!r}")
+    for name, total, longest in (("q", q.shape[0], max_seqlen_q), ("k", k.shape[0], max_seqlen_k)):
+        if total > batch * longest:  # (cu_seqlens end at the total: some sequence would be longer than its bound)
+            raise ValueError(
+                f"{name} has {total} rows but {batch} sequences of at most max_seqlen_{name}={longest} rows: a "
+                f"sequence is longer than its max_seqlen"
+            )
     validate_seqused("seqused_k", seqused_k, batch, q)
     return batch
 

@@ -306,3 +306,33 @@ def test_negative_window_bounds_are_accepted(meta_is_gpu):
     q, k, v = qkv()
     p = validation.validate(q, k, v, causal=False, softmax_scale=None, window_size=(-2, 5), dtype=None)
     assert (p.mask.kind, p.mask.left, p.mask.right) == ("local", -2, 5)
+
+
+def test_scalars_outside_float32_and_a_non_bool_return_lse_are_refused(on_sm80):
+    """softmax_scale and softcap reach the kernels as float32: a Python int or float past its range (huge ints
+    included, whose float() would overflow) and a positive softcap below its normal range are refused by name; so is
+    a return_lse that is not a bool."""
+    q, k, v = qkv()
+    for kw, match in (
+        (dict(softmax_scale=10**400), "softmax_scale"),
+        (dict(softmax_scale=1e300), "softmax_scale"),
+        (dict(softcap=10**400), "softcap"),
+        (dict(softcap=1e-300), "below float32's range"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            cute_flash.attention(q, k, v, **kw)
+    for bad in ("no", None, 1):
+        with pytest.raises(TypeError, match="return_lse must be a bool"):
+            cute_flash.attention(q, k, v, return_lse=bad)
+
+
+def test_packed_rows_that_no_sequence_bound_covers_are_refused(on_sm80):
+    """cu_seqlens end at the packed totals, so more rows than batch x max_seqlen means a sequence longer than its
+    bound (rows never written, keys never read): refused without reading the lengths."""
+    q, k, v = (torch.empty(100, 4, 64, dtype=torch.bfloat16, device="meta") for _ in range(3))
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    for max_q, max_k, name in ((10, 50, "q"), (60, 20, "k"), (0, 50, "q")):
+        with pytest.raises(ValueError, match=f"{name} has 100 rows but 2 sequences"):
+            cute_flash.attention_varlen(q, k, v, cu, cu, max_q, max_k)
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        cute_flash.attention_varlen(q, k, v, cu, cu, 50, 50, return_lse="yes")

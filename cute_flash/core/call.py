@@ -52,6 +52,8 @@ def dense(
     descale,
 ):  # fmt: skip
     """`cute_flash.attention` (its arguments, positionally)."""
+    if type(return_lse) is not bool:
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     sink = learnable_sink
     if dtype is None and descale is None and fp8_rotate is True:
         if torch.is_autocast_enabled("cuda"):
@@ -108,6 +110,8 @@ def packed(
     q, k, v, seqs: PackedSeqs, causal, softmax_scale, window_size, deterministic, softcap, learnable_sink, return_lse
 ):
     """`cute_flash.attention_varlen` (its arguments, positionally, the packed-sequence ones as `seqs`)."""
+    if type(return_lse) is not bool:
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     sink = learnable_sink
     if torch.is_autocast_enabled("cuda"):
         q, k, v = autocast_inputs(q, k, v)
