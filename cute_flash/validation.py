@@ -13,6 +13,7 @@ the plain-torch reference.
 from __future__ import annotations
 
 import math
+import sys
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -95,15 +96,14 @@ def _check_window(window_size: object) -> Tuple[Optional[int], Optional[int]]:
     return out[0], out[1]
 
 
-FLOAT32_MAX = 3.4028234663852886e38  # the kernels take softmax_scale and softcap as float32
-FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal value
+FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal value (the kernels take softcap as float32)
 
 
 def _finite(x) -> bool:
-    """Finite as the kernels' float32 (a Python int or float past its range is not), in comparisons, which
-    torch.compile traces for the symbolic floats it makes of a float argument that changed between calls
-    (math.isfinite on one fails the trace; float() of a huge int would raise OverflowError)."""
-    return x == x and abs(x) <= FLOAT32_MAX
+    """math.isfinite in comparisons, which torch.compile traces for the symbolic floats it makes of a float argument
+    that changed between calls (math.isfinite on one fails the trace); an int past the float range is not finite
+    (its float() would raise OverflowError)."""
+    return x == x and abs(x) <= sys.float_info.max
 
 
 def check_softcap(softcap: object) -> float:

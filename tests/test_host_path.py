@@ -128,7 +128,8 @@ def test_a_cached_packed_signature_never_accepts_a_rejected_argument(monkeypatch
         scalars = (causal, softmax_scale, *window_size, deterministic, 0.0)
         return plan.packed(q, k, v, scalars, window_size, (None,), seqs)
 
-    q, k, v = (torch.empty(40, 2, 64, device="meta", dtype=torch.bfloat16) for _ in range(3))
+    q = torch.empty(2, 2, 64, device="meta", dtype=torch.bfloat16)  # (2 rows: a bound of 1 row per sequence holds)
+    k, v = (torch.empty(40, 2, 64, device="meta", dtype=torch.bfloat16) for _ in range(2))
     cu = torch.empty(3, device="meta", dtype=torch.int32)
     seqs = PackedSeqs(cu, cu, None, 30, 30)
     a = packed(q, k, v, seqs, True, None, (None, None), False)
