@@ -560,10 +560,10 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors' byte ranges in one storage intersect (a conservative test: their spans, not elements)."""
-    if a.device.type == "meta" or a.numel() == 0 or b.numel() == 0:
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    """Whether two tensors' byte ranges intersect (a conservative test: their spans, not elements). Addresses alone
+    decide on one device (distinct storages never share one), with no storage lookup: this runs on every warm
+    KV-cache call that passes out= or appends."""
+    if a.device.type == "meta" or a.device != b.device or a.numel() == 0 or b.numel() == 0:
         return False
 
     def span(t):
