@@ -529,10 +529,12 @@ def check_kvcache_addresses(args: "KvCacheArgs") -> None:
     k_cache and v_cache share no element (the append writes both)."""
     if torch.compiler.is_compiling():
         return
-    if args.out is not None:
+    out = args.out
+    if out is not None:
+        out_span = _span(out)
         for name in _KVCACHE_READS:
             t = getattr(args, name)
-            if isinstance(t, torch.Tensor) and _overlaps(args.out, t):
+            if t is not None and _overlaps(out, t, out_span):
                 raise ValueError(f"out overlaps {name} in memory: the kernels read {name} while they write out")
     if args.k_new is not None and _share_elements(args.k_cache, args.v_cache):
         raise ValueError(
@@ -559,19 +561,21 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     return delta == 0
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _span(t: torch.Tensor) -> Tuple[int, int]:
+    """The byte range [start, end) that t's elements lie in (contiguous tensors without a walk over the strides)."""
+    start, elem = t.data_ptr(), t.element_size()
+    if t.is_contiguous():
+        return start, start + t.numel() * elem
+    return start, start + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0) * elem + elem
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor, a_span: Optional[Tuple[int, int]] = None) -> bool:
     """Whether two tensors' byte ranges intersect (a conservative test: their spans, not elements). Addresses alone
     decide on one device (distinct storages never share one), with no storage lookup: this runs on every warm
-    KV-cache call that passes out= or appends."""
+    KV-cache call that passes out= or appends (a_span: a's `_span`, when the caller tests a against several)."""
     if a.device.type == "meta" or a.device != b.device or a.numel() == 0 or b.numel() == 0:
         return False
-
-    def span(t):
-        start = t.data_ptr()
-        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0) * t.element_size()
-        return start, start + last + t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
+    (a0, a1), (b0, b1) = a_span or _span(a), _span(b)
     return a0 < b1 and b0 < a1
 
 
