@@ -12,6 +12,7 @@ graph and replays with new lengths and page tables):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Dict, Optional, Tuple, Union
 
@@ -23,7 +24,7 @@ from .arch import ARCH_ENV_VAR
 from .arch import split_kv
 from .arch.base import KvCacheTensors
 from .kernel_layout import kernel_view
-from .spec import op_window_bound
+from .spec import AttentionSpec, op_window_bound
 from .validation import ALIGN_BYTES, KvCacheArgs, KvCacheProblem, check_kvcache_addresses, validate_kvcache
 
 # (append kernel key) -> compiled append; (call signature) -> _Plan
@@ -292,14 +293,33 @@ kvcache_fwd = torch.library.custom_op(
 kvcache_fwd.register_fake(_kvcache_fake)
 
 
+_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionSpec))
+
+
+@torch.compiler.assume_constant_result
+def _unserved(spec_fields: tuple, q: torch.Tensor) -> Optional[str]:
+    """The router's reason why no family serves the spec of these fields (`_SPEC_FIELDS`: a trace hands plain values
+    over, not the object it made) on q's GPU, or None; asked while torch.compile traces (a constant of the trace),
+    so that a call no kernel serves fails there, as the eager call does, not when the graph runs (callers that fall
+    back on an error, as the transformers plug-in, then fall back at trace time)."""
+    try:
+        gpu.route(AttentionSpec(*spec_fields), q, backward=False)
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
 def _traced(args: KvCacheArgs, scalars: tuple, return_lse: bool):
-    """`attention_with_kvcache` while torch.compile traces it: validated on metadata (the eager call's errors), out
-    allocated when not given, then the op."""
+    """`attention_with_kvcache` while torch.compile traces it: validated on metadata and routed (the eager call's
+    errors), out allocated when not given, then the op."""
     max_seqlen_q, causal, softmax_scale, window, softcap, num_splits = scalars
     p = validate_kvcache(
         args, max_seqlen_q=max_seqlen_q, causal=causal, softmax_scale=softmax_scale, window_size=window,
         softcap=softcap, num_splits=num_splits,
     )  # fmt: skip
+    reason = _unserved(tuple(getattr(p.spec, name) for name in _SPEC_FIELDS), args.q)
+    if reason is not None:
+        raise NotImplementedError(reason)
     out = args.out
     if out is None:
         rows = (p.total_q,) if p.packed_q else (p.batch, p.seqlen_q)

@@ -4,7 +4,8 @@ kept beside the kernel cache, loaded through TVM-FFI.
 A warm no-grad forward whose call signature Python has already planned allocates out (`torch.empty_like(q)`) and
 makes one TVM-FFI call that finds the kernel and launches it (torch's current stream) with an lse nobody reads,
 instead of Python's signature lookup, two `torch.empty` calls and the kernel's own call from Python; decoding calls
-too (the packed GQA views made in C++, a split-key call's partials and combine: arch/base.SplitForward). Every other
+too (the sm90 KV-cache forward on the keys the row sees, or the packed GQA views made in C++; a split-key call's
+partials and combine: arch/base.SplitForward, arch/base.BoundKvCache). Every other
 call, and every first call of a signature, takes the Python path, which validates and routes it and then registers
 what it launched (`core/native_path.register`). The key's layout comes from the call's fields (core/fields.py): the
 library is compiled with their number of scalars (`-DCUTE_FLASH_KEY_SCALARS`).

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -210,6 +211,15 @@ def validate(
         s.batch, s.seqlen_q, s.seqlen_k, s.nheads, s.nheads_kv, s.head_dim, s.head_dim_v, s.mask, s.softmax_scale, spec,
         softcap,
     )  # fmt: skip
+
+
+def with_seqlen_k(problem: Problem, seqlen_k: int) -> Problem:
+    """`validate`'s answer for a call that differs from the validated one only in its key count (and in strides that
+    scale with it, keeping what `validate` reads of them: core/fields.decode_key): the problem with `seqlen_k`, after
+    the one check that depends on it (the kernels' indexing limits)."""
+    changed = replace(problem, seqlen_k=seqlen_k)
+    _check_launch_limits(changed)
+    return changed
 
 
 def _check_features(softcap: object, learnable_sink: object, nheads: int, device) -> Tuple[float, bool]:

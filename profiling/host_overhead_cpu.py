@@ -49,7 +49,7 @@ def fake_gpu(capability=(9, 0)) -> Iterator[None]:
         (
             compile_cache,
             "get_or_compile",
-            lambda key, build: forward_noop if key[2] in ("fwd", "split_combine") else noop,
+            lambda key, build: forward_noop if key[2] in ("fwd", "fwd_kvcache", "split_combine") else noop,
         ),
         (compile_cache, "runtime_target", lambda device: "sm_90a"),
         # On a GPU, zeroing a buffer is an asynchronous fill kernel; on the CPU it would be a memset of hundreds of

@@ -151,3 +151,57 @@ def test_a_cached_packed_signature_never_accepts_a_rejected_argument(monkeypatch
     assert packed(q, k, v, seqs, True, None, (None, None), False).forward.name == "sm80"
     cute_flash.interface.clear_call_cache()
     assert not plan._plans
+
+
+def _decoding(s, layout="bhsd", b=2, h=8, h_kv=2, d=64):
+    q = torch.empty(b, 1, h, d, device="meta", dtype=torch.bfloat16)
+    shape = (b, h_kv, s, d) if layout == "bhsd" else (b, s, h_kv, d)
+    k, v = (torch.empty(shape, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    return (q, k.transpose(1, 2), v.transpose(1, 2)) if layout == "bhsd" else (q, k, v)
+
+
+def test_a_growing_cache_plans_from_its_family_without_validating_again(monkeypatch):
+    """Decoding calls whose keys differ only in their count (and the strides that scale with it) share a family
+    (fields.decode_key): a new length is planned from the family's first plan by validation.with_seqlen_k, with the
+    problem a full validation gives."""
+    plan.clear_call_cache()
+    first = _plan(*_decoding(500), True, None, (None, None), False)
+    assert first.decode_keys == (0, 500)
+    validated = []
+    real = validation.validate
+    monkeypatch.setattr(plan, "validate", lambda *a, **kw: validated.append(a) or real(*a, **kw))
+    grown = _plan(*_decoding(501), True, None, (None, None), False)
+    assert not validated and grown is not first and grown.decode_keys == (0, 501)
+    assert grown.forward is first.forward and grown.copies == first.copies
+    plan.clear_call_cache()
+    assert _plan(*_decoding(501), True, None, (None, None), False).problem == grown.problem
+    assert len(validated) == 1  # (the cleared cache planned it afresh)
+
+
+def test_a_family_keeps_what_a_cold_call_would_refuse_and_route_apart(monkeypatch):
+    plan.clear_call_cache()
+    _plan(*_decoding(500), True, None, (None, None), False)
+    # The kernels' indexing limit is the length's own check: a family member past it is refused as a cold call is.
+    longest = validation.MAX_ELEMENTS_PER_HEAD // 64
+    with pytest.raises(NotImplementedError, match="Int32 indexing"):
+        _plan(*_decoding(longest), True, None, (None, None), False)
+    # Another layout, window, length-1 cache or several query rows is another family (or none).
+    from cute_flash.core import fields
+
+    args = ((True, None, None, None, False, 0.0), (None, None), (None,))
+    assert fields.decode_key(*_decoding(500), *args) == fields.decode_key(*_decoding(900), *args)
+    # (head-major or token-major memory: the same class, which validation and the kernels read alike)
+    assert fields.decode_key(*_decoding(500), *args) == fields.decode_key(*_decoding(500, "bshd"), *args)
+    q, k, v = _decoding(500)
+    expanded = k[:, :, :1].expand(2, 500, 2, 64)  # (one KV head's keys broadcast: stride 0, copied for the kernels)
+    assert fields.decode_key(q, expanded, v, *args) != fields.decode_key(q, k, v, *args)
+    assert fields.decode_key(*_decoding(1), *args) is None
+    q, k, v = _decoding(500)
+    assert fields.decode_key(q.expand(2, 3, 8, 64), k, v, *args) is None
+    odd = torch.empty(2, 2, 501, 64, device="meta", dtype=torch.bfloat16)[:, :, 1:].transpose(1, 2)  # (same class)
+    assert fields.decode_key(q, odd, v, *args) == fields.decode_key(*_decoding(500), *args)
+    narrow = torch.empty(2, 2, 500, 68, device="meta", dtype=torch.bfloat16)[..., :64].transpose(1, 2)  # rows 136 B
+    assert fields.decode_key(q, narrow, v, *args) != fields.decode_key(*_decoding(500), *args)
+    windowed = _plan(*_decoding(500), True, None, (100, None), False)
+    assert windowed.decode_keys == (399, 500)
+    assert _plan(*_decoding(600), True, None, (100, None), False).decode_keys == (499, 600)

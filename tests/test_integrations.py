@@ -972,6 +972,51 @@ def test_transformers_attention_forward_traces_in_one_graph_without_a_mask(fake_
     torch._dynamo.reset()
 
 
+def test_transformers_static_cache_decoding_step_traces_in_one_graph(fake_gpu, monkeypatch):
+    """A static cache's decoding step (what generate() compiles and CUDA-graphs) traces into one graph whose
+    attention is the KV-cache op, one per layer, and which runs; where no family serves that KV-cache call (as on
+    Hopper with CUTE_FLASH_ARCH=sm90, which excludes the sm80 family's page-size-1 gathers) the trace falls back to
+    the general path, as the eager call does, rather than failing when the graph runs."""
+    tf = pytest.importorskip("transformers")
+    from cute_flash.integrations import transformers as cft
+
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    name = cft.register()
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation=name, dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 64, (2, 9))
+    for refused in (False, True):
+        if refused:
+
+            def route(spec, t, backward, deterministic=False):
+                if spec.kvcache:
+                    raise NotImplementedError("no KV-cache forward here")
+                return fake_gpu
+
+            monkeypatch.setattr(device, "route", route)
+        torch._dynamo.reset()
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        with torch.no_grad():
+            cache = tf.StaticCache(config=model.config, max_cache_len=32)
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            step = torch.compile(model.forward, backend=backend, fullgraph=not refused)
+            logits = step(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True,
+                          cache_position=torch.tensor([9])).logits  # fmt: skip
+        assert logits.shape == (2, 1, 64)
+        ops = [n for g in graphs for n in g.graph.nodes if "kvcache_fwd" in str(n.target)]
+        if not refused:
+            assert len(graphs) == 1 and len(ops) == cfg.num_hidden_layers
+        else:
+            assert not ops and len(graphs) > 1  # (the general path reads the mask eagerly: graph breaks)
+    torch._dynamo.reset()
+
+
 def test_transformers_key_width_stays_within_int32_indexing():
     # A padded batch packs over the whole cache where it flattens without a copy, but never past the kernels' Int32
     # indexing: a huge static cache then packs over the slots in use.

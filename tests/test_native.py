@@ -55,12 +55,12 @@ ARGS = (True, None, None, 0, False, 0.0)
 
 
 def _put(lib, q, k, v, kernel, args=ARGS, softcap=0.0, features=False):
-    return lib.put(q, k, v, *args, kernel, 0.125, -1, 0, softcap, features, "bfloat16", None, 1, 1, 0)
+    return lib.put(q, k, v, *args, kernel, 0.125, -1, 0, softcap, features, "bfloat16", None, 1, 1, 0, None)
 
 
 def _python_s(lib, q, k, v, args):
     """Registers the signature as the Python path's own (no kernel)."""
-    return lib.put(q, k, v, *args, None, 0.0, 0, 0, 0.0, False, "bfloat16", None, 1, 1, 0)
+    return lib.put(q, k, v, *args, None, 0.0, 0, 0, 0.0, False, "bfloat16", None, 1, 1, 0, None)
 
 
 def _forward(lib, q, k, v, *args, out=None):

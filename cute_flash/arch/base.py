@@ -360,6 +360,24 @@ def launcher_through_forward(backend: ArchBackend, problem: Problem) -> ForwardL
     return lambda q, k, v, out, lse, sink=None: backend.forward(FwdTensors(q, k, v, out, lse, sink), problem)
 
 
+class BoundKvCache:
+    """A `kvcache_launcher` whose parts are public, as BoundForward's, for the C++ call path (cute_flash/native.py),
+    which launches decoding calls of `cute_flash.attention` on it itself: the compiled kernel (q, k_cache, v_cache,
+    out, lse, seqlens_k, page_table, cu_seqlens_q, k_descale, v_descale, *scalars, and with `features` softcap and
+    the sink), the split count (> 1: into fp32 partials (splits * b, seqlen_q, h, dv) / (splits * b, h, seqlen_q)
+    that `combine` merges), the scalars (seqlen_q, softmax_scale, window left, right), softcap, and whether q is
+    packed."""
+
+    __slots__ = ()
+    kernel: Callable
+    combine: Optional[Callable]
+    splits: int
+    scalars: tuple
+    features: bool
+    softcap: float
+    packed: bool
+
+
 def launcher_through_kvcache(backend: ArchBackend, problem: KvCacheProblem, num_splits: int):
     """The `kvcache_launcher` of a family without a faster bound form: every call goes through `forward_kvcache`."""
     return lambda t: backend.forward_kvcache(t, problem, num_splits)

@@ -67,13 +67,14 @@ def key(q, k, v, scalars: tuple, window_size, tensors: tuple) -> tuple:
     `True` never answers for a rejected `1`), the window's container type, the tensor fields' metadata, the device
     check in force and CUTE_FLASH_ARCH. Raises TypeError, ValueError or AttributeError for arguments that cannot be
     part of a key (the caller then validates them the slow way)."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride()) + _common_key(
+        q, k, v, scalars, window_size, tensors
+    )
+
+
+def _common_key(q, k, v, scalars: tuple, window_size, tensors: tuple) -> tuple:
+    """`key` past the inputs' shapes and strides."""
     return (
-        q.shape,
-        q.stride(),
-        k.shape,
-        k.stride(),
-        v.shape,
-        v.stride(),
         q.dtype,
         k.dtype,
         v.dtype,
@@ -88,6 +89,23 @@ def key(q, k, v, scalars: tuple, window_size, tensors: tuple) -> tuple:
         validation.KERNEL_DEVICE_TYPES,
         os.environ.get(ARCH_ENV_VAR),
     )
+
+
+def _keys_layout(t) -> tuple:
+    """What validation and `kernel_layout` read of a key tensor whose length is left out (`decode_key`): the other
+    extents, the last stride, and of each outer stride whether it is 0 and its remainder modulo 16 bytes."""
+    align = max(1, ALIGN_BYTES // t.element_size())
+    st = t.stride()
+    return (t.shape[0], t.shape[2], t.shape[3], st[3]) + tuple((st[i] == 0, st[i] % align) for i in range(3))
+
+
+def decode_key(q, k, v, scalars: tuple, window_size, tensors: tuple) -> Optional[tuple]:
+    """`key` of a decoding call (one query row) without the key count: k and v by `_keys_layout`, so that the calls
+    of a cache that grows by a token per step share it (core/plan.py's decoding families). None for other calls and
+    for fewer than two keys (a length-1 dimension is read differently)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[1] != 1 or k.shape[1] < 2 or v.shape[1] != k.shape[1]:
+        return None
+    return (q.shape, q.stride(), _keys_layout(k), _keys_layout(v)) + _common_key(q, k, v, scalars, window_size, tensors)
 
 
 def packed_key(q, k, v, scalars: tuple, window_size, tensors: tuple, seqs) -> tuple:

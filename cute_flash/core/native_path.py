@@ -6,7 +6,8 @@ C++ call (`forward`): the library keys it on the same fields as the plan cache (
 metadata, the scalar fields in order with their TVM-FFI kinds), finds the kernel and launches it into an out
 allocated here. A miss answers None: the Python path then launches and `register`s the signature, with what to
 launch or as Python's own (layout copies, empty problems, head_dim_v != head_dim, FP8, families without a bound
-form, decoding that leaves keys past the window).
+form, decoding that leaves keys past the window). Decoding launches as the plan does: on the sm90 KV-cache forward
+(arch/base.BoundKvCache, with the plan's lengths vector) or as the packed GQA problem.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Optional
 import torch
 
 from .. import compile_cache, native, validation
-from ..arch.base import BoundForward, SplitForward
+from ..arch.base import BoundForward, BoundKvCache, SplitForward
 from . import device
 from .plan import Plan, call_cache
 
@@ -74,8 +75,9 @@ def forward(q, k, v, causal, softmax_scale, window_left, window_right, determini
 def register(plan: Plan, q, k, v, scalars: tuple) -> None:
     """After the Python path launched a no-grad forward that the C++ path did not know: registers its signature, with
     what to launch when the plan's launcher is a plain bound kernel or a split-key pair (`SplitForward`) on tensors in
-    the kernels' layout whose out is shaped like q, also for packed decoding under GQA (the launcher of the packed
-    problem, with the views' group and the window's first key); or as Python's."""
+    the kernels' layout whose out is shaped like q, also for decoding under GQA (the bound KV-cache forward with the
+    plan's lengths vector, or the launcher of the packed problem with the views' group; either with the window's
+    first key); or as Python's."""
     global _forward, _device_types, _capability
     if q.device.type not in DEVICE_TYPES:
         return
@@ -86,27 +88,38 @@ def register(plan: Plan, q, k, v, scalars: tuple) -> None:
         lib.clear()  # keys registered under other checks
         _device_types, _capability = validation.KERNEL_DEVICE_TYPES, device.capability
     launch, p = plan.launch, plan.problem
-    group, keys_lo = 1, 0
-    if plan.decode_keys is not None:  # the packed problem's launcher (made at the first launch) on decode.py's views
-        launch = plan.decode_plan.launch if plan.decode_plan is not None else None
+    group, keys_lo, seqlens = 1, 0, None
+    if plan.decode_keys is not None:
+        kv = plan.decode_kvcache
+        if kv:  # the KV-cache forward (made at the first launch) over the keys the row sees, with its lengths
+            launch, seqlens = kv
+        else:  # the packed problem's launcher (made at the first launch) on decode.py's views
+            launch = plan.decode_plan.launch if plan.decode_plan is not None else None
+            group = p.nheads // p.nheads_kv
         if plan.decode_keys[1] != p.seqlen_k:  # the C++ views keep the keys from the window's first to the last
             launch = None
-        group, keys_lo = p.nheads // p.nheads_kv, plan.decode_keys[0]
+        keys_lo = plan.decode_keys[0]
     kernel = combine = None
     splits = 1
     # out is allocated like q (the fast path's): a kernel whose out is shaped otherwise stays Python's
     if not (plan.copies or plan.empty) and p.head_dim_v == p.head_dim:
-        if isinstance(launch, BoundForward):
+        if isinstance(launch, BoundKvCache) and not launch.packed:
+            kernel, splits = native.launchable(launch.kernel), launch.splits
+            combine = native.launchable(launch.combine) if splits > 1 else None
+            kernel = kernel if splits == 1 or combine is not None else None
+        elif isinstance(launch, BoundForward):
             kernel = native.launchable(launch.kernel)
         elif isinstance(launch, SplitForward):
             kernel, combine, splits = native.launchable(launch.kernel), native.launchable(launch.combine), launch.splits
             kernel = kernel if combine is not None else None
     bound: Optional[tuple] = None
-    if kernel is not None:
+    if kernel is not None and seqlens is not None:  # (the KV-cache kernel's scalars: seqlen_q, scale, left, right)
+        bound = (kernel, *launch.scalars[1:], launch.softcap, launch.features)
+    elif kernel is not None:
         bound = (kernel, launch.scale, launch.left, launch.right, launch.softcap, launch.features)
     dtype = _TVM_DTYPES[plan.out_dtype]
     if bound is None:
-        lib.put(q, k, v, *scalars, None, 0.0, 0, 0, 0.0, False, dtype, None, 1, 1, 0)
+        lib.put(q, k, v, *scalars, None, 0.0, 0, 0, 0.0, False, dtype, None, 1, 1, 0, None)
     else:
-        lib.put(q, k, v, *scalars, *bound, dtype, combine, splits, group, keys_lo)
+        lib.put(q, k, v, *scalars, *bound, dtype, combine, splits, group, keys_lo, seqlens)
     _forward = lib.forward

@@ -16,7 +16,7 @@ from ..arch import split_kv
 from ..arch.base import ArchBackend
 from ..problem import PackedSeqs, Problem, VarlenProblem
 from ..spec import normalize_mask
-from ..validation import is_kernel_layout, problem_of, validate, validate_varlen
+from ..validation import is_kernel_layout, problem_of, validate, validate_varlen, with_seqlen_k
 from . import device, fields
 
 OUT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -32,7 +32,7 @@ class Plan:
 
     __slots__ = ("problem", "forward", "backward", "deterministic", "copies", "copy_seqs", "empty", "device")
     __slots__ += ("device_index", "out_shape", "out_dtype", "lse_shape", "rows", "launch", "backward_launch")
-    __slots__ += ("decode_keys", "decode_plan", "decode_kvcache", "fp8", "run", "forced")
+    __slots__ += ("decode_keys", "decode_plan", "decode_kvcache", "kv_backend", "fp8", "run", "forced")
 
     def __init__(
         self, problem, forward: ArchBackend, deterministic: bool, copies: bool, device_: torch.device,
@@ -44,6 +44,7 @@ class Plan:
         self.device_index = device_.index if device_.type == "cuda" else None
         self.out_dtype = OUT_DTYPES[p.spec.out_dtype]
         self.launch = self.backward_launch = self.decode_plan = self.run = self.decode_kvcache = None
+        self.kv_backend = None  # (decode_kvcache's route of the KV-cache forward: None before it ran, False: none)
         self.decode_keys = None
         self.forced = routing.forced_family()  # (the family forced when the forward was planned: the backward's too)
         if p.spec.varlen:
@@ -60,6 +61,14 @@ class Plan:
                 self.empty = True
             else:
                 self.decode_keys = keys
+
+    def for_keys(self, seqlen_k: int) -> "Plan":
+        """This decoding plan's call with `seqlen_k` keys (a call of its `fields.decode_key`: its cache grew): validated
+        by `validation.with_seqlen_k`, on the same backends (their routes do not depend on the key count), its
+        launchers bound at the first launch as any plan's (the split and the tile shape do)."""
+        plan = Plan(with_seqlen_k(self.problem, seqlen_k), self.forward, self.deterministic, self.copies, self.device)
+        plan.backward, plan.kv_backend = self.backward, self.kv_backend
+        return plan
 
     def backward_backend(self, q: torch.Tensor) -> ArchBackend:
         arch = self.backward
@@ -126,11 +135,29 @@ def _copies(q, k, v) -> bool:
     return not (is_kernel_layout(q) and is_kernel_layout(k) and is_kernel_layout(v))
 
 
+# Decoding plans by `fields.decode_key` (the call without its key count): a cache that grows by a token per step
+# (transformers' DynamicCache) would otherwise be validated, routed and bound afresh in every step's first layer.
+_families: Dict[tuple, Plan] = call_cache(compile_cache.memo())
+
+
 def _make_dense(q, k, v, scalars: tuple, window_size, tensors: tuple) -> Plan:
+    try:
+        family = fields.decode_key(q, k, v, scalars, window_size, tensors)
+    except (TypeError, ValueError, AttributeError):
+        family = None
+    if family is not None:
+        template = _families.get(family)
+        if template is not None:
+            return template.for_keys(k.shape[1])
     kw = fields.keywords(scalars, window_size, tensors)
     problem: Problem = validate(q, k, v, dtype=None, **kw)
     forward = device.route(problem.spec, q, backward=False)
-    return Plan(problem, forward, kw["deterministic"], _copies(q, k, v), q.device)
+    plan = Plan(problem, forward, kw["deterministic"], _copies(q, k, v), q.device)
+    if family is not None and plan.decode_keys is not None:
+        if len(_families) >= _MAX_PLANS:
+            _families.clear()
+        _families[family] = plan
+    return plan
 
 
 def _make_packed(q, k, v, scalars: tuple, window_size, tensors: tuple, seqs: PackedSeqs) -> Plan:
@@ -175,11 +202,14 @@ def decode_kvcache(plan: Plan, q: torch.Tensor):
     first launch), or False when the forward's family has none for it (the call then runs packed, decode.py).
     seqlens_k is the plan's own constant (b,) int32 tensor of the keys the query row sees."""
     kv = decode.kvcache_problem(plan.problem, plan.decode_keys)
-    try:
-        backend = device.route(kv.spec, q, backward=False)
-    except NotImplementedError:
-        return False
-    if not backend.kvcache or backend.name != plan.forward.name:
+    backend = plan.kv_backend
+    if backend is None:
+        try:
+            backend = device.route(kv.spec, q, backward=False)
+        except NotImplementedError:
+            backend = False
+        plan.kv_backend = backend
+    if not backend or not backend.kvcache or backend.name != plan.forward.name:
         # (another family's KV-cache kernel, e.g. the sm80 one for a head dim the sm90 KV-cache forward lacks on
         # Hopper: the forward's own family packs the rows instead, on its faster kernels)
         return False

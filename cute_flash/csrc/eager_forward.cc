@@ -8,8 +8,10 @@
 // torch's current one) into the `out` Python allocated (a plain torch tensor, so that record_stream and the caching
 // allocator treat it as any other) and an lse nobody reads (`LseBuffer`). Decoding calls launch as Python's plan
 // does: under GQA a KV head's query heads as the rows of one problem (views of q and out, the keys a window leaves;
-// cute_flash/decode.py), and calls with few query tiles as a split-key forward into fp32 partials (one allocation
-// of torch's, through TVM-FFI's env allocator) and its combine kernel (arch/split_kv.py, arch/base.SplitForward).
+// cute_flash/decode.py), or on the KV-cache forward (which packs them itself: arch/base.BoundKvCache, the keys the
+// row sees as a dense cache with a constant lengths vector), and calls with few query tiles as a split-key forward
+// into fp32 partials (one allocation of torch's, through TVM-FFI's env allocator) and its combine kernel
+// (arch/split_kv.py, arch/base.SplitForward).
 // A key it has not seen returns None and Python takes its own path, which validates, routes, launches and registers
 // the key; a key registered as not served here (kernel None) returns False, as does a call this path cannot take
 // (another device than the current one, an `out` that is not the expected contiguous tensor).
@@ -67,7 +69,10 @@ struct Entry {
   DLDataType out_dtype;
   int64_t splits;   // 1: one launch into out; > 1: kernel into fp32 partials, then combine into out
   int64_t group;    // > 1: decoding under GQA, this many query heads per KV head launched as rows
-  int64_t keys_lo;  // packed decoding: the first key the query row sees (a window), the keys before it left out
+  int64_t keys_lo;  // decoding: the first key the query row sees (a window), the keys before it left out
+  // The KV-cache forward's (b,) int32 lengths (the keys from keys_lo on) when the entry launches that kernel
+  // (q, k, v, out, lse, seqlens, page_table, cu_seqlens_q, k_descale, v_descale, seqlen_q, scale, left, right).
+  ffi::Optional<ffi::Tensor> seqlens;
   std::string arch_env;  // CUTE_FLASH_ARCH when it was registered: a change routes again
 };
 
@@ -306,25 +311,57 @@ extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_forward(void*, const TVMFFIAny* args
     qs[2] *= rows;
     os[1] = os[2];
     os[2] *= rows;
+  }
+  if (entry.keys_lo > 0) {
     k_shape[1] = v_shape[1] = k.shape[1] - entry.keys_lo;
     k_off = static_cast<uint64_t>(entry.keys_lo * ks[1]) * (k.dtype.bits / 8);
     v_off = static_cast<uint64_t>(entry.keys_lo * vs[1]) * (v.dtype.bits / 8);
   }
-  // The tensors as the kernels take them: the caller's own, or (packed decoding) the views above.
+  // The tensors as the kernels take them: the caller's own, or (decoding) the views above.
   const ffi::AnyView* a = reinterpret_cast<const ffi::AnyView*>(args);
   ffi::Tensor views[4];
   ffi::AnyView tq = a[0], tk = a[1], tv = a[2], to = a[3];
   if (entry.group > 1) {
     views[0] = View4(q, q_shape, qs, 0);
+    views[3] = View4(out, o_shape, os, 0);
+    tq = views[0], to = views[3];
+  }
+  if (entry.keys_lo > 0) {
     views[1] = View4(k, k_shape, ks, k_off);
     views[2] = View4(v, v_shape, vs, v_off);
-    views[3] = View4(out, o_shape, os, 0);
-    tq = views[0], tk = views[1], tv = views[2], to = views[3];
+    tk = views[1], tv = views[2];
   }
   ffi::Tensor lse = LseBuffer(q.device, b, heads, rows);
   ffi::Any unused;
   const ffi::AnyView none;  // a feature build's sink: calls with sinks take the Python path
-  if (entry.splits > 1) {
+  if (entry.seqlens.has_value()) {
+    // The KV-cache forward: its launch arguments after out / lse (no pages, packed q or fp8 descales here), the
+    // feature build's softcap and sink (None) last.
+    ffi::AnyView lens = entry.seqlens.value();
+    ffi::AnyView tail[11] = {lens, none, none, none, none, rows, entry.scale, entry.left, entry.right,
+                             entry.softcap, none};
+    const int n_tail = entry.features ? 11 : 9;
+    ffi::AnyView call[16] = {tq, tk, tv, to, lse};
+    if (entry.splits > 1) {
+      const DLDataType f32{kDLFloat, 32, 1};
+      int64_t parts = entry.splits * b, o_elems = parts * rows * heads * dv, l_elems = parts * heads * rows;
+      ffi::Tensor block =
+          ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, ffi::Shape({o_elems + l_elems}), f32, q.device);
+      ffi::Tensor o_part =
+          ffi::Tensor::FromNDAlloc(ViewOf{block, 0}, ffi::Shape({parts, rows, heads, dv}), f32, q.device);
+      ffi::Tensor l_part = ffi::Tensor::FromNDAlloc(ViewOf{block, static_cast<uint64_t>(o_elems) * 4},
+                                                    ffi::Shape({parts, heads, rows}), f32, q.device);
+      call[3] = o_part;
+      call[4] = l_part;
+      std::copy(tail, tail + n_tail, call + 5);
+      entry.kernel.value().CallPacked(call, 5 + n_tail, &unused);
+      ffi::AnyView merge[4] = {o_part, l_part, to, lse};
+      entry.combine.value().CallPacked(merge, 4, &unused);
+    } else {
+      std::copy(tail, tail + n_tail, call + 5);
+      entry.kernel.value().CallPacked(call, 5 + n_tail, &unused);
+    }
+  } else if (entry.splits > 1) {
     // Partial O (splits * b, rows, heads, dv) and LSE (splits * b, heads, rows) in fp32, one allocation (torch's
     // caching allocator on the current stream, freed in its stream order when the call returns).
     const DLDataType f32{kDLFloat, 32, 1};
@@ -346,14 +383,14 @@ extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_forward(void*, const TVMFFIAny* args
 }
 
 // put(q, k, v, <the scalar fields>, kernel | None, scale, left, right, softcap, features, out_dtype, combine | None,
-//     splits, group, keys_lo) -> True when the call's key was stored.
+//     splits, group, keys_lo, seqlens | None) -> True when the call's key was stored.
 extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_put(void*, const TVMFFIAny* args, int32_t num_args,
                                                 TVMFFIAny* result) {
   TVM_FFI_SAFE_CALL_BEGIN();
   const ffi::AnyView* a = reinterpret_cast<const ffi::AnyView*>(args);
   ffi::Any* ret = reinterpret_cast<ffi::Any*>(result);
   constexpr int kEntry = 3 + kScalars;  // where the entry's own arguments start
-  TVM_FFI_ICHECK_EQ(num_args, kEntry + 11) << "put takes q, k, v, " << kScalars << " scalars and 11 entry fields";
+  TVM_FFI_ICHECK_EQ(num_args, kEntry + 12) << "put takes q, k, v, " << kScalars << " scalars and 12 entry fields";
   Key key;
   const DLTensor* t[3];
   if (!MakeKey(args, 3, &key, t)) {
@@ -372,6 +409,7 @@ extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_put(void*, const TVMFFIAny* args, in
   entry.splits = a[kEntry + 8].cast<int64_t>();
   entry.group = a[kEntry + 9].cast<int64_t>();
   entry.keys_lo = a[kEntry + 10].cast<int64_t>();
+  entry.seqlens = a[kEntry + 11].cast<ffi::Optional<ffi::Tensor>>();
   TVM_FFI_ICHECK(entry.splits == 1 || entry.combine.has_value()) << "a split entry needs its combine kernel";
   entry.arch_env = ArchEnv();
   std::lock_guard<std::mutex> lock(mutex);

@@ -357,9 +357,9 @@ def attention_forward(
             "output_attentions=True: cute-flash never materialises the attention weights; use "
             'attn_implementation="eager" for a forward that returns them'
         )
-    for name, what in _UNSUPPORTED.items():
-        if kwargs.get(name) is not None:
-            raise _err(f"{what} ({name}=...) is not implemented")
+    for name in _UNSUPPORTED:
+        if name in kwargs and kwargs[name] is not None:
+            raise _err(f"{_UNSUPPORTED[name]} ({name}=...) is not implemented")
     if (
         not (query.dim() == key.dim() == value.dim() == 4)
         or key.shape[:3] != value.shape[:3]
@@ -374,7 +374,8 @@ def attention_forward(
         raise _err("only causal (decoder) attention is served")
     features = _features(kwargs)
     sliding_window = _layer_window(attention_mask, sliding_window, module)
-    if _padded(attention_mask) and any(kwargs.get(n) is not None for n in _PACKED_KEYWORDS):
+    packed = any(kwargs.get(n) is not None for n in _PACKED_KEYWORDS)
+    if packed and _padded(attention_mask):
         # Which would win is not defined: the documents' offsets count tokens the padding mask says are not there.
         raise _err(
             "packed documents (cu_seq_lens_q / cu_seq_lens_k) and a padded batch's attention_mask together are "
@@ -387,18 +388,23 @@ def attention_forward(
                 f"cute_flash (transformers plug-in): sliding_window must be an int >= 1, got {sliding_window!r}"
             )
         window = (sliding_window - 1, 0)  # transformers: key j visible from query i iff i - sliding_window < j <= i
+    if attention_mask is not None:
+        folded = _padded_decoding(query, key, value, attention_mask, scaling, sliding_window, features)
+        if folded is not None:
+            return folded, None
+        decoded = _masked_decoding(query, key, value, attention_mask, scaling, features)
+        if decoded is not None:
+            return decoded, None
     # (b, h, s, d) -> (b, s, h, d): views, no copies (cute_flash takes any outer strides that keep 16-byte rows).
-    folded = _padded_decoding(query, key, value, attention_mask, scaling, sliding_window, features)
-    if folded is not None:
-        return folded, None
-    decoded = _masked_decoding(query, key, value, attention_mask, scaling, features)
-    if decoded is not None:
-        return decoded, None
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     b, s = q.shape[:2]
-    packing = _packing(attention_mask, q, k, v, sliding_window, kwargs)
+    if attention_mask is None and not packed:  # (plain causal: every key slot, nothing to derive)
+        packing = k.shape[1]
+    else:
+        packing = _packing(attention_mask, q, k, v, sliding_window, kwargs)
     if isinstance(packing, int):  # no padding: the layer's first `packing` key slots, queries aligned to their end
-        k, v = k[:, :packing], v[:, :packing]
+        if packing != k.shape[1]:
+            k, v = k[:, :packing], v[:, :packing]
         out = cute_flash.attention(q, k, v, causal=True, softmax_scale=scaling, window_size=window, **features)
         return out, None
     own_rows = packing.q_rows is None  # the call's own rows: views where the layouts allow, no gather, no scatter
@@ -505,12 +511,20 @@ def _masked_decoding(query, key, value, attention_mask, scaling, features):
     its own error where it cannot serve the call either."""
     if query.shape[2] != 1 or attention_mask is None or attention_mask.dim() != 4:
         return None  # (traceable: calls without such a mask do not graph-break here)
+    if torch.compiler.is_compiling():  # (traced into the graph: a static cache's decoding step is one CUDA graph)
+        return _masked_decoding_served(query, key, value, attention_mask, scaling, features, derive=False)
     return _masked_decoding_call(query, key, value, attention_mask, scaling, features)
 
 
 @torch.compiler.disable  # as _packing_from_masks: eager, its tables cached by the mask's identity across layers
 def _masked_decoding_call(query, key, value, attention_mask, scaling, features):
-    args = _masked_decoding_args(query, key, value, attention_mask)
+    return _masked_decoding_served(query, key, value, attention_mask, scaling, features, derive=True)
+
+
+def _masked_decoding_served(query, key, value, attention_mask, scaling, features, derive: bool):
+    """`_masked_decoding`'s call; derive: its tables kept per forward (eager), else made in every layer (a trace, whose
+    graph makes them on the device at every replay)."""
+    args = _masked_decoding_args(query, key, value, attention_mask, derive)
     if args is None:
         return None
     import cute_flash
@@ -524,7 +538,7 @@ def _masked_decoding_call(query, key, value, attention_mask, scaling, features):
         return None
 
 
-def _masked_decoding_args(query, key, value, attention_mask):
+def _masked_decoding_args(query, key, value, attention_mask, derive: bool = True):
     """attention_with_kvcache's (q, k_cache, v_cache, cache_seqlens, page_table) for one query token per row against
     the keys a (b, 1, 1, sk) bool mask marks, the cache (b, h_kv, sk, d) read in place as pages of one slot: slot s
     of row r is page r * (row stride / slot stride) + s. Device operations only. None where that does not apply
@@ -554,7 +568,7 @@ def _masked_decoding_args(query, key, value, attention_mask):
         order = torch.argsort((~visible).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # visible slots first
         return lens, order + torch.arange(b, dtype=torch.int32, device=key.device).mul_(rows[0]).unsqueeze(1)
 
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if not derive or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         lens, table = tables()  # (inside the graph: its replays recompute them from the mask's contents then)
     else:  # once per forward: every layer gets the same mask object
         lens, table = _DERIVED.get((attention_mask,), ("pages", b, sk, rows[0], key.device), tables)
@@ -562,7 +576,7 @@ def _masked_decoding_args(query, key, value, attention_mask):
 
     def as_pages(x):
         shape, stride = (pages, 1, h_kv, x.shape[3]), (x.stride(2), x.stride(2), x.stride(1), 1)
-        return x.as_strided(shape, stride, x.storage_offset())
+        return x.as_strided(shape, stride)  # (x's own storage offset)
 
     return query.transpose(1, 2), as_pages(key), as_pages(value), lens, table
 
@@ -772,12 +786,11 @@ def _padding(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mas
         mask = attention_mask[:, -kv_length:].to(torch.bool).contiguous()
         if mask.shape != (batch_size, end):
             return False
-        # One host sync per mask, as transformers' own flash-attention mask: whether there is padding, and whether
-        # its rows' valid tokens are contiguous (what the attention function's packing needs: it reads nothing).
-        lens, _, gaps = _valid_ranges(mask)
-        full, gaps = torch.stack([(lens == mask.shape[1]).all(), gaps]).tolist()
-        if not full:
-            return _tagged(mask, window, gaps=bool(gaps))
+        # One host read per mask, as transformers' own masks: whether there is padding (one reduction, what every
+        # decoding step of an unpadded batch pays), then for a padded batch whether its rows' valid tokens are
+        # contiguous (what the attention function's packing needs: it reads nothing itself).
+        if not bool(mask.all()):
+            return _tagged(mask, window, gaps=bool(_valid_ranges(mask)[2]))
     if end == kv_length and window is None:
         return None
     return _tagged(torch.ones(batch_size, end, dtype=torch.bool, device=device), window, full=True)

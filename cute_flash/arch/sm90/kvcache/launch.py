@@ -26,7 +26,7 @@ import torch
 from .... import compile_cache
 from ....spec import AttentionSpec, softcap_fields
 from ....validation import MAX_GRID_YZ, KvCacheProblem
-from ...base import KernelArtifact, KvCacheTensors
+from ...base import BoundKvCache, KernelArtifact, KvCacheTensors
 from ... import split_kv
 from . import tile_config as kv_tiles
 from .tile_config import AnyKvCacheConfig, kvcache_configs
@@ -55,10 +55,11 @@ def kvcache_kernel(spec: AttentionSpec, cfg: AnyKvCacheConfig, target: str, pack
     return kernel
 
 
-class KvCacheLauncher:
+class KvCacheLauncher(BoundKvCache):
     """`forward_kvcache` of one problem on one device with a given split, everything that depends only on them
     settled once (the front end keeps one per call signature: a decoding step pays a few attribute reads, the
-    allocation of a split's partials and the kernel calls)."""
+    allocation of a split's partials and the kernel calls). Its parts are BoundKvCache's (the C++ call path
+    launches them itself for decoding calls of `cute_flash.attention`)."""
 
     def __init__(self, problem: KvCacheProblem, device, num_splits: int):
         p = self.problem = problem
@@ -69,6 +70,7 @@ class KvCacheLauncher:
         target = compile_cache.runtime_target(device)
         num_splits = min(num_splits, MAX_GRID_YZ // max(p.batch, 1))  # grid z = splits x b (changes speed only)
         self.split = num_splits > 1
+        self.splits = num_splits if self.split else 1
         self.kernel = kvcache_kernel(spec, cfg, target, self.packed, self.split)
         self.scalars = (int(p.seqlen_q), float(p.softmax_scale), int(p.mask.left), int(p.mask.right))
         self.features = spec.softcap or spec.sink  # the feature entry (build.compile_forward_kvcache)
