@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import replace
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -217,7 +216,20 @@ def with_seqlen_k(problem: Problem, seqlen_k: int) -> Problem:
     """`validate`'s answer for a call that differs from the validated one only in its key count (and in strides that
     scale with it, keeping what `validate` reads of them: core/fields.decode_key): the problem with `seqlen_k`, after
     the one check that depends on it (the kernels' indexing limits)."""
-    changed = replace(problem, seqlen_k=seqlen_k)
+    p = problem
+    changed = Problem(
+        p.batch,
+        p.seqlen_q,
+        seqlen_k,
+        p.nheads,
+        p.nheads_kv,
+        p.head_dim,
+        p.head_dim_v,
+        p.mask,
+        p.softmax_scale,
+        p.spec,
+        p.softcap,
+    )  # fmt: skip  (field by field: dataclasses.replace costs more than the rest of the plan)
     _check_launch_limits(changed)
     return changed
 
