@@ -242,6 +242,22 @@ ffi::Tensor View4(const DLTensor& t, const int64_t shape[4], const int64_t strid
                                          ffi::Shape(strides, strides + 4), t.dtype, t.device);
 }
 
+// A split call's fp32 partials: O (splits * b, rows, heads, dv) and LSE (splits * b, heads, rows), one allocation
+// (torch's caching allocator on the current stream through TVM-FFI's env allocator, freed in its stream order when
+// the call returns).
+struct Partials {
+  ffi::Tensor o, lse;
+};
+
+Partials SplitPartials(const DLDevice& device, int64_t parts, int64_t rows, int64_t heads, int64_t dv) {
+  const DLDataType f32{kDLFloat, 32, 1};
+  int64_t o_elems = parts * rows * heads * dv, l_elems = parts * heads * rows;
+  ffi::Tensor block = ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, ffi::Shape({o_elems + l_elems}), f32, device);
+  return {ffi::Tensor::FromNDAlloc(ViewOf{block, 0}, ffi::Shape({parts, rows, heads, dv}), f32, device),
+          ffi::Tensor::FromNDAlloc(ViewOf{block, static_cast<uint64_t>(o_elems) * 4}, ffi::Shape({parts, heads, rows}),
+                                   f32, device)};
+}
+
 std::string ArchEnv() {
   const char* v = std::getenv("CUTE_FLASH_ARCH");
   return v == nullptr ? std::string("\x01unset") : std::string(v);
@@ -343,36 +359,22 @@ extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_forward(void*, const TVMFFIAny* args
     const int n_tail = entry.features ? 11 : 9;
     ffi::AnyView call[16] = {tq, tk, tv, to, lse};
     if (entry.splits > 1) {
-      const DLDataType f32{kDLFloat, 32, 1};
-      int64_t parts = entry.splits * b, o_elems = parts * rows * heads * dv, l_elems = parts * heads * rows;
-      ffi::Tensor block =
-          ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, ffi::Shape({o_elems + l_elems}), f32, q.device);
-      ffi::Tensor o_part =
-          ffi::Tensor::FromNDAlloc(ViewOf{block, 0}, ffi::Shape({parts, rows, heads, dv}), f32, q.device);
-      ffi::Tensor l_part = ffi::Tensor::FromNDAlloc(ViewOf{block, static_cast<uint64_t>(o_elems) * 4},
-                                                    ffi::Shape({parts, heads, rows}), f32, q.device);
-      call[3] = o_part;
-      call[4] = l_part;
+      Partials part = SplitPartials(q.device, entry.splits * b, rows, heads, dv);
+      call[3] = part.o;
+      call[4] = part.lse;
       std::copy(tail, tail + n_tail, call + 5);
       entry.kernel.value().CallPacked(call, 5 + n_tail, &unused);
-      ffi::AnyView merge[4] = {o_part, l_part, to, lse};
+      ffi::AnyView merge[4] = {part.o, part.lse, to, lse};
       entry.combine.value().CallPacked(merge, 4, &unused);
     } else {
       std::copy(tail, tail + n_tail, call + 5);
       entry.kernel.value().CallPacked(call, 5 + n_tail, &unused);
     }
   } else if (entry.splits > 1) {
-    // Partial O (splits * b, rows, heads, dv) and LSE (splits * b, heads, rows) in fp32, one allocation (torch's
-    // caching allocator on the current stream, freed in its stream order when the call returns).
-    const DLDataType f32{kDLFloat, 32, 1};
-    int64_t parts = entry.splits * b, o_elems = parts * rows * heads * dv, l_elems = parts * heads * rows;
-    ffi::Tensor block = ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, ffi::Shape({o_elems + l_elems}), f32, q.device);
-    ffi::Tensor o_part = ffi::Tensor::FromNDAlloc(ViewOf{block, 0}, ffi::Shape({parts, rows, heads, dv}), f32, q.device);
-    ffi::Tensor l_part = ffi::Tensor::FromNDAlloc(ViewOf{block, static_cast<uint64_t>(o_elems) * 4},
-                                                  ffi::Shape({parts, heads, rows}), f32, q.device);
-    ffi::AnyView split[10] = {tq, tk, tv, o_part, l_part, entry.scale, entry.left, entry.right, entry.softcap, none};
+    Partials part = SplitPartials(q.device, entry.splits * b, rows, heads, dv);
+    ffi::AnyView split[10] = {tq, tk, tv, part.o, part.lse, entry.scale, entry.left, entry.right, entry.softcap, none};
     entry.kernel.value().CallPacked(split, entry.features ? 10 : 8, &unused);
-    ffi::AnyView merge[4] = {o_part, l_part, to, lse};
+    ffi::AnyView merge[4] = {part.o, part.lse, to, lse};
     entry.combine.value().CallPacked(merge, 4, &unused);
   } else {
     ffi::AnyView call[10] = {tq, tk, tv, to, lse, entry.scale, entry.left, entry.right, entry.softcap, none};
