@@ -109,3 +109,66 @@ def test_sm100_packed_forward_builds_one_cta_with_row_stores(capsys, tmp_path):
     assert report["config"]["cta_group"] == 1
     ptx = (tmp_path / report["files"][0]).read_text()
     assert "st.global.v4" in ptx and "cp.async.bulk.tensor.4d.global.shared" not in ptx
+
+
+def _flat_rows_errors(tile, coords, width: int, rows) -> list:
+    """smem_tails' premise for one operand tile (plain Python at trace time): flat index x + width * k is element
+    (x, k), and each 16-byte chunk of flat indices is 8 consecutive, 8-aligned shared-memory elements (checked on
+    `rows` element by element, on every chunk's start otherwise)."""
+    import cutlass.cute as cute
+
+    from cute_flash.arch.sm100.smem_tails import flat_rows
+
+    bad = [] if flat_rows(tile) == width else [("width", flat_rows(tile), width)]
+    for k in rows:
+        for x in range(width):
+            i = x + width * k
+            if coords[i] != (x, k) or tile(i) != tile(i - x % 8) + x % 8:
+                bad.append((width, x, k))
+    return bad + [(width, i) for i in range(0, cute.size(tile), 8) if tile(i) % 8]
+
+
+def _tail_tile_errors() -> list:
+    """_flat_rows_errors of every tile the packed kernels zero rows of, laid out as the kernels lay them out, for
+    both 16-bit dtypes: the forward's V (B of P·V, keys along K) at d 64 / 96 / 128, and the backward's K^T (B of
+    dQ = dS K), Q^T (B of dK += dS^T Q) and dO^T (B of dV += P^T dO), rows along K, at d 64 / 128."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+
+    K, MN, TMEM = OperandMajorMode.K, OperandMajorMode.MN, tcgen05.OperandSource.TMEM
+    m, n = config.M_BLOCK, config.N_BLOCK
+    bad = []
+    for dtype in (cutlass.BFloat16, cutlass.Float16):
+
+        def tile(a, b, tiler, src=tcgen05.OperandSource.SMEM):
+            """(one stage of the B layout, its coordinates) of an MMA (A major, B major) over tiler (M, N, K)."""
+            mma = sm100_utils.make_trivial_tiled_mma(dtype, dtype, a, b, cutlass.Float32, tcgen05.CtaGroup.ONE,
+                                                     tiler[:2], src)  # fmt: skip
+            layout = sm100_utils.make_smem_layout_b(mma, tiler, dtype, 2)
+            coords = mma.get_slice(0).partition_B(cute.make_identity_tensor(tiler[1:]))
+            return cute.select(layout, mode=[0, 1, 2]), coords
+
+        tiles = [(tile(K, MN, (m, dv, n), TMEM), dv) for dv in (64, 96, 128)]  # forward V
+        for d in (64, 128):
+            tiles += [(tile(MN, MN, (m, d, n)), d), (tile(K, MN, (n, d, m)), d), (tile(K, MN, (n, d, m), TMEM), d)]
+        rows = (0, 1, 7, 8, 15, 16, 17, 63, 64, 127)
+        for (layout, coords), width in tiles:
+            bad += _flat_rows_errors(layout, coords, width, rows)
+    return bad
+
+
+def test_sm100_tail_tiles_flatten_to_rows():
+    """The packed kernels zero the rows past a sequence's end by flat index (smem_tails.zero_k_rows_from): the tiles
+    they zero must flatten as that assumes (the layouts are built and read at trace time, in a jit function)."""
+    import cutlass.cute as cute
+
+    found = []
+
+    @cute.jit
+    def trace():
+        found.extend(_tail_tile_errors())
+
+    trace()
+    assert not found, found[:5]

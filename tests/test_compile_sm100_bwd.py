@@ -63,6 +63,9 @@ def test_sm100_backward_builds(capsys, tmp_path, d, mask, softcap, varlen):
     ptx = {name: (tmp_path / reports[name]["files"][0]).read_text() for name in ("bwd", "bwd_det")}
     assert "ld.acquire.gpu" in ptx["bwd_det"] and "red.release.gpu.global.add" in ptx["bwd_det"]
     assert "ld.acquire.gpu" not in ptx["bwd"] and "red.release.gpu" not in ptx["bwd"]
+    # Packed builds zero the rows past a sequence's end in K, Q and dO (flash_bwd.tail_warps; 16-byte stores).
+    zero_stores = len(re.findall(r"st\.shared\.v4\.b32\s+\[[^]]+\], \{0, 0, 0, 0\}", ptx["bwd"]))
+    assert (zero_stores > 0) == varlen, zero_stores
 
 
 # ------------------------------------------------------------------------------------------------ shared-memory views

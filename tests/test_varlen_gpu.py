@@ -461,9 +461,9 @@ def test_varlen_strided_offset_and_expanded_tensors(family, kind, heads, dout_ki
 
 
 def _isolation_cases():
-    """(family, dtype, d, mask, heads, lengths): d128's 64-row tile on both families; on sm90 also d64's 128-row tile,
+    """(family, dtype, d, mask, heads, lengths): d128's 64-row tile on sm80 and sm90; on sm90 also d64's 128-row tile,
     d96 (one dQ warpgroup), d256 (queries on rows, P in shared memory), a window, and the 80-row tile of long query
-    sequences without a mask (max_seqlen_q >= 4096)."""
+    sequences without a mask (max_seqlen_q >= 4096); sm100's d128 and d64 kernels."""
     short = [37, 70, 0, 200, 5, 129]
     cases = [
         (family, "bf16", 128, mask, heads, short)
@@ -477,6 +477,12 @@ def _isolation_cases():
         ("sm90", "bf16", 256, "causal", (2, 1), short),
         ("sm90", "bf16", 128, "full", (4, 2), [37, 70, 0, 4133, 5, 129]),
     ]
+    # sm100 (never run: no Blackwell GPU): V zeroed by the forward's correction warps, K / Q / dO by the backward's
+    # tail warps (arch/sm100/smem_tails.py); sequences of 3 and 5 query tiles, so that a tail step follows steps
+    # without one
+    several = [37, 300, 0, 200, 5, 520]
+    cases += [("sm100", "bf16", 128, mask, heads, several) for mask in ("causal", "full") for heads in ((4, 4), (4, 2))]
+    cases += [("sm100", "fp16", 64, "window", (4, 2), several)]
     return [
         pytest.param(
             *c, id=f"{c[0]}-{c[1]}-d{c[2]}-{c[3]}-h{c[4][0]}_{c[4][1]}-max{max(c[5])}", marks=getattr(pytest.mark, c[0])

@@ -13,7 +13,7 @@ Sixteen warps, each with one job (setmaxnreg works per warpgroup):
   warps 8-11  dQ        each step's dQ tile TMEM -> shared memory -> TMA reduce-add into the dQ accumulator
   warp  12    MMA       allocates TMEM and issues every tcgen05.mma
   warp  13    load      TMA: K and V once; per step Q with its rows' lse_log2 and D, and dO
-  warps 14-15 idle
+  warps 14-15 tails     packed builds: zero the rows past the sequence's end in K, Q and dO (tail_warps); else idle
 
 The five MMAs of a step (M x N x K; A, B from shared memory unless noted):
 
@@ -51,10 +51,13 @@ Synchronisation (mbarrier pipelines; one stage unless noted):
   ds     compute -> MMA        dS^T(i) in shared memory; freed after dK(i) and dQ(i)
   dq     MMA -> dQ warps       dQ(i) in TMEM; released once read out
   dkv    MMA -> compute        dK and dV final
+  issued load -> tail warps    packed builds: a last query tile's Q and dO loads are issued (a phase per such step)
+  tails  tail warps -> MMA     packed builds: a tile's rows past the sequence are zero (a phase per zeroing)
 
 P = exp2(S * softmax_scale * log2(e) - lse_log2) with the preprocess's lse_log2 (+inf for padding and empty rows, so
 their P is 0 without a mask) and dS = P (dP - D). dS is not scaled: the dQ conversion multiplies dQ by softmax_scale,
-the epilogue dK. Query rows past seqlen_q and keys past seqlen_k arrive as zeros from the TMA.
+the epilogue dK. Query rows past seqlen_q and keys past seqlen_k arrive as zeros from the TMA (packed builds: the
+tail warps zero them, and the compute warps give keys past seqlen_k dS = 0).
 
 Deterministic builds (`deterministic`): the key tiles that see a query tile add its dQ in key-tile order, behind one
 int32 semaphore per (batch, query head, query tile) (zeroed by the host): the dQ warp of key tile n waits until the
@@ -85,6 +88,7 @@ from ...common.packed import packed_pads, seq_rows
 from ...common.softcap import apply_softcap, softcap_factors
 from ...spec import AttentionSpec
 from . import pipelines
+from .smem_tails import zero_k_rows_from
 from .tile_config import BWD_HEAD_DIMS, M_BLOCK, N_BLOCK, TMEM_COLUMNS, BwdTileConfig
 from .tmem_softmax import mask_row
 from .umma import fence_after_thread_sync, fence_before_thread_sync, gemm
@@ -94,10 +98,12 @@ COMPUTE_WARPS = 8  # warps 0..7
 DQ_WARP0 = 8  # warps 8..11
 MMA_WARP = 12
 LOAD_WARP = 13
+TAIL_WARP0 = 14  # warps 14..15: packed builds' tail rows (smem_tails.py); idle otherwise
 NUM_WARPS = 16
 THREADS = NUM_WARPS * 32
 WG_THREADS = 128
 COMPUTE_THREADS = COMPUTE_WARPS * 32
+TAIL_THREADS = (NUM_WARPS - TAIL_WARP0) * 32
 
 # Named barriers (0 is __syncthreads).
 TMEM_BARRIER_ID = 1  # TMEM allocation handshake: the MMA warp and every TMEM user
@@ -147,6 +153,8 @@ class Pipes(NamedTuple):
     ds: pipeline.PipelineAsyncUmma
     dq: pipeline.PipelineUmmaAsync
     dkv: pipeline.PipelineUmmaAsync
+    issued: Optional[pipeline.PipelineAsync] = None  # packed builds: tail tiles' loads issued -> tail warps
+    tails: Optional[pipeline.PipelineAsync] = None  # packed builds: tail rows zeroed -> MMA
 
 
 class MmaOperands(NamedTuple):
@@ -183,6 +191,11 @@ def _producer(stages):
 
 def _consumer(stages):
     return pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+
+
+def _one_slot(phase):
+    """The position in a one-slot pipeline whose phase is tracked by hand (advanced inside runtime branches)."""
+    return pipeline.PipelineState(1, Int32(0), Int32(0), phase)
 
 
 class Sm100FlashBackward:
@@ -407,6 +420,9 @@ class Sm100FlashBackward:
             mbar_ds: cute.struct.MemRange[Int64, 2]
             mbar_dq: cute.struct.MemRange[Int64, 2]
             mbar_dkv: cute.struct.MemRange[Int64, 2]
+            if const_expr(self.varlen):
+                mbar_issued: cute.struct.MemRange[Int64, 2]
+                mbar_tails: cute.struct.MemRange[Int64, 2]
             tmem_holding_buf: Int32
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, M_BLOCK * Q_STAGES], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, M_BLOCK * Q_STAGES], 128]
@@ -521,6 +537,9 @@ class Sm100FlashBackward:
             cute.arch.setmaxregister_decrease(self.cfg.regs_other)
             if warp_idx == LOAD_WARP:
                 self.load_warp(mmas, tmas, buffers, pipes, tile)
+            if const_expr(self.varlen):
+                if warp_idx >= TAIL_WARP0:
+                    self.tail_warps(buffers, pipes, tile)
             if warp_idx == MMA_WARP:
                 tmem.allocate(TMEM_COLUMNS)
                 tmem.wait_for_alloc()
@@ -547,7 +566,7 @@ class Sm100FlashBackward:
     def make_pipes(self, storage, cta_layout_vmnk) -> Pipes:
         """The kernel's mbarrier pipelines, their initialisation deferred to pipeline_init_arrive / _wait."""
         vmnk = cta_layout_vmnk
-        return Pipes(
+        pipes = Pipes(
             kv=pipelines.tma_umma(1, self.kv_tx_bytes, storage.mbar_kv, vmnk),
             q=pipelines.tma_umma(Q_STAGES, self.q_tx_bytes, storage.mbar_q, vmnk),
             do=pipelines.tma_umma(self.cfg.do_stages, self.do_tx_bytes, storage.mbar_do, vmnk),
@@ -558,6 +577,12 @@ class Sm100FlashBackward:
             dq=pipelines.umma_async(1, WG_THREADS, storage.mbar_dq, vmnk),
             dkv=pipelines.umma_async(1, COMPUTE_THREADS, storage.mbar_dkv, vmnk),
         )
+        if const_expr(self.varlen):
+            pipes = pipes._replace(
+                issued=pipelines.thread_async(1, 32, TAIL_THREADS, storage.mbar_issued),
+                tails=pipelines.thread_async(1, TAIL_THREADS, 32, storage.mbar_tails),
+            )
+        return pipes
 
     def _head_rows(self, t, head, tile: KeyTile, row):
         """The (rows, d) view of one head of a (rows, d, h, b) tensor; packed builds: from the sequence's `row`."""
@@ -597,6 +622,8 @@ class Sm100FlashBackward:
         kv_producer = pipes.kv.make_producer()
         q_producer = pipes.q.make_producer()
         do_producer = pipes.do.make_producer()
+        pipe_issued = pipes.issued
+        issued_phase = Int32(1)
         if tile.steps > 0:
             keys = cute.select(self.tiler_s, mode=[0, 2])
             gK = cute.local_tile(self._head_rows(mK, tile.head_kv, tile, tile.row_k), keys, (None, 0))
@@ -623,10 +650,83 @@ class Sm100FlashBackward:
                 cute.copy(atom_d, tDgD[None, m_block], tDsD[None, q_handle.index], tma_bar_ptr=q_handle.barrier)
                 do_handle = do_producer.acquire_and_advance()
                 cute.copy(atom_do, tOgO[None, m_block], tOsO[None, do_handle.index], tma_bar_ptr=do_handle.barrier)
+                if const_expr(self.varlen):
+                    if self._query_tail(tile, i) < M_BLOCK:  # (tail_warps: their waits are on these loads)
+                        pipe_issued.producer_acquire(_one_slot(issued_phase))
+                        pipe_issued.producer_commit(_one_slot(issued_phase))
+                        issued_phase ^= 1
         # Wait until the MMA warp released every slot: no tcgen05.commit may still target this CTA after exit.
         kv_producer.tail()
         q_producer.tail()
         do_producer.tail()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Tail warps (packed builds)
+    # ------------------------------------------------------------------------------------------------------------
+    @cute.jit
+    def _key_tail(self, tile: KeyTile):
+        """Keys of this CTA's tile inside the sequence (< N_BLOCK: the rows after them hold another's)."""
+        return tile.seqlen_k - tile.n_block * N_BLOCK
+
+    @cute.jit
+    def _query_tail(self, tile: KeyTile, i):
+        """Query rows of step i's tile inside the sequence (< M_BLOCK only in its last tile)."""
+        _, m_block = self._step(tile, i)
+        return tile.seqlen_q - m_block * M_BLOCK
+
+    @cute.jit
+    def tail_warps(self, buffers, pipes: Pipes, tile: KeyTile):
+        """Packed sequences: rows of a sequence's last tiles past its end are the next sequence's rows as TMA loaded
+        them (smem_tails.py). Zeroed here, so that every product reads zeros there as in a dense batch: K's rows past
+        seqlen_k once (dQ = dS K; their dS is 0, set by the compute warps, but 0 * NaN is not), Q's and dO's rows past
+        seqlen_q in each step's last query tile (dK += dS^T Q and dV += P^T dO sum over the queries; S^T and dP^T of
+        those queries then are 0 and their P^T is 0 through lse_log2 = +inf, as in a dense batch). Each zeroing
+        follows its tile's TMA load (a wait on the load's barrier, never released here) and is handed to the MMA
+        warp through `tails`, one phase per zeroing, in the order the MMA warp uses the tiles (K first, then the
+        steps).
+
+        A wait on a TMA barrier's phase parity is only unambiguous while that barrier is at the awaited load or the
+        one before it: the load warp's `issued` (after it issued a tail step's Q and dO, so the previous loads of their
+        slots have landed) bounds it from below, and the MMA warp's wait on `tails` before it uses (and later frees)
+        those slots bounds it from above."""
+        tidx = cute.arch.thread_idx()[0] - TAIL_WARP0 * 32
+        pipe_kv, pipe_q, pipe_do, pipe_issued, pipe_tails = pipes.kv, pipes.q, pipes.do, pipes.issued, pipes.tails
+        phase = Int32(1)  # (a producer's first wait on the empty barrier passes; one slot: the phase alone moves)
+        issued_phase = Int32(0)
+        if tile.steps > 0:
+            key_tail = self._key_tail(tile)
+            if key_tail < N_BLOCK:
+                pipe_kv.consumer_wait(_consumer(1))
+                pipe_tails.producer_acquire(_one_slot(phase))
+                zero_k_rows_from(buffers["sKt"][None, None, None, 0], key_tail, tidx, TAIL_THREADS)
+                cute.arch.fence_view_async_shared()
+                pipe_tails.producer_commit(_one_slot(phase))
+                phase ^= 1
+            q_state, do_state = _consumer(Q_STAGES), _consumer(self.cfg.do_stages)
+            for i in cutlass.range(tile.steps, unroll=1):
+                q_tail = self._query_tail(tile, i)
+                if q_tail < M_BLOCK:
+                    pipe_issued.consumer_wait(_one_slot(issued_phase))
+                    pipe_issued.consumer_release(_one_slot(issued_phase))
+                    issued_phase ^= 1
+                    pipe_q.consumer_wait(q_state)
+                    pipe_do.consumer_wait(do_state)
+                    pipe_tails.producer_acquire(_one_slot(phase))
+                    zero_k_rows_from(buffers["sQt"][None, None, None, q_state.index], q_tail, tidx, TAIL_THREADS)
+                    zero_k_rows_from(buffers["sdOt"][None, None, None, do_state.index], q_tail, tidx, TAIL_THREADS)
+                    cute.arch.fence_view_async_shared()
+                    pipe_tails.producer_commit(_one_slot(phase))
+                    phase ^= 1
+                q_state.advance()
+                do_state.advance()
+
+    @cute.jit
+    def _wait_tails(self, pipe_tails, phase):
+        """The MMA warp's side of `tail_warps`: the next zeroing has landed (it reads those tiles next); returns the
+        next phase."""
+        pipe_tails.consumer_wait(_one_slot(phase))
+        pipe_tails.consumer_release(_one_slot(phase))
+        return phase ^ 1
 
     # ------------------------------------------------------------------------------------------------------------
     # MMA warp
@@ -666,9 +766,17 @@ class Sm100FlashBackward:
         s_state, dp_state, dq_state, dkv_state = _producer(1), _producer(1), _producer(1), _producer(1)
         p_state, ds_state = _consumer(1), _consumer(1)
         q_done = _consumer(Q_STAGES)  # the slot of Q(i-1), freed after dK(i-1)
+        pipe_tails = pipes.tails
+        tails_phase = Int32(0)
         if tile.steps > 0:
             pipe_kv.consumer_wait(kv_state)
+            if const_expr(self.varlen):
+                if self._key_tail(tile) < N_BLOCK:
+                    tails_phase = self._wait_tails(pipe_tails, tails_phase)
             pipe_q.consumer_wait(q_state)
+            if const_expr(self.varlen):
+                if self._query_tail(tile, 0) < M_BLOCK:
+                    tails_phase = self._wait_tails(pipe_tails, tails_phase)
             self._qk(mmas, ops, pipes, s_state, q_state.index)
             q_state.advance()
             s_state.advance()
@@ -680,6 +788,9 @@ class Sm100FlashBackward:
             p_state.advance()
             for i in cutlass.range(1, tile.steps, unroll=1):
                 pipe_q.consumer_wait(q_state)
+                if const_expr(self.varlen):
+                    if self._query_tail(tile, i) < M_BLOCK:
+                        tails_phase = self._wait_tails(pipe_tails, tails_phase)
                 self._qk(mmas, ops, pipes, s_state, q_state.index)
                 q_state.advance()
                 s_state.advance()
@@ -855,6 +966,9 @@ class Sm100FlashBackward:
                         )
                 dS = cute.make_rmem_tensor((chunk,), self.dtype)
                 dS.store(tdPr.load().to(self.dtype))
+                if const_expr(self.varlen):
+                    if key >= tile.seqlen_k:  # (its dP^T read the rows past the sequence: tail_warps)
+                        dS.fill(0.0)
                 row = sdS_rows[tidx, None]
                 cute.autovec_copy(dS, cute.logical_divide(row, cute.make_layout(chunk))[None, (col0 // chunk) + c])
             cute.arch.fence_view_async_tmem_load()

@@ -5,7 +5,8 @@ block the mask lets them see. Sixteen warps, each with one job:
 
   warps 0-3   softmax, q stage 0   read S0 from TMEM, online softmax, write P0 (bf16/fp16/e4m3) back into TMEM
   warps 4-7   softmax, q stage 1   the same for S1 / P1
-  warps 8-11  correction           rescale O0/O1 in TMEM when a row max moves; final 1/rowsum, LSE, O -> smem
+  warps 8-11  correction           rescale O0/O1 in TMEM when a row max moves; final 1/rowsum, LSE, O -> smem;
+                                   packed builds: zero the first V tile's rows past the sequence (_zero_v_tail)
   warp  12    MMA                  allocates TMEM and issues every tcgen05.mma (leader CTA only in 2-CTA mode)
   warp  13    epilogue             TMA-stores O tiles from smem
   warp  14    load                 TMA-loads Q (2 tiles) and the K/V ring
@@ -56,6 +57,7 @@ from ...common.packed import seq_rows
 from ...common.softcap import apply_softcap, softcap_factors
 from ...spec import AttentionSpec
 from . import pipelines
+from .smem_tails import zero_k_rows_from
 from .tile_config import FP8_Q_SCALE_ROWS, M_BLOCK, N_BLOCK, Q_STAGES, TMEM_COLUMNS, FwdTileConfig
 from .tmem_softmax import TmemRowSoftmax, finalize_row, mask_row
 from .umma import gemm
@@ -74,6 +76,8 @@ WG_THREADS = 128
 # Named barrier 1: TMEM allocation / deallocation handshake between the MMA warp and every TMEM user.
 TMEM_BARRIER_ID = 1
 TMEM_USER_THREADS = 32 * (1 + SOFTMAX_WARPS + 4)
+# The ring slot of the first V tile (load_warp's order: that block's K, the Q tiles, then its V).
+V_FIRST_SLOT = 1
 
 
 class ClusterTile(NamedTuple):
@@ -151,6 +155,7 @@ class Sm100FlashForward:
         self.is_fp8 = spec.dtype == "fp8"
         self.varlen = spec.varlen
         assert not (self.varlen and (self.is_fp8 or cfg.use_2cta)), "packed builds are fp16 / bf16, 1-CTA"
+        assert cfg.kv_stages > V_FIRST_SLOT, "the first V tile has a ring slot of its own (_zero_v_tail)"
         # fp8 V arrives transposed from the front end, (b, h_kv, dv, sk_pad) with keys contiguous (K-major B for P @ V);
         # fp16/bf16 V stays (b, sk, h_kv, dv), head-dim contiguous (MN-major B). tcgen05 takes either for both kinds.
         self.v_seq_major = self.is_fp8 if v_seq_major is None else v_seq_major
@@ -523,7 +528,7 @@ class Sm100FlashForward:
             cute.arch.setmaxregister_decrease(self.cfg.regs_correction)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.correction_warpgroup(o_layout, tOsO, tOcO, tmem_ptr, sStats, mLSE, pipes, descales, tile, features)
+            self.correction_warpgroup(o_layout, tOsO, tOcO, tmem_ptr, sStats, mLSE, pipes, descales, tile, features, sV)
             tmem_barrier.arrive()
         if warp_idx == MMA_WARP:
             cute.arch.setmaxregister_decrease(self.cfg.regs_other)
@@ -821,7 +826,7 @@ class Sm100FlashForward:
     # ------------------------------------------------------------------------------------------------------------
     @cute.jit
     def correction_warpgroup(
-        self, o_layout, tOsO, tOcO, tmem_ptr, sStats, mLSE, pipes: Pipes, descales, tile: ClusterTile, features=None
+        self, o_layout, tOsO, tOcO, tmem_ptr, sStats, mLSE, pipes: Pipes, descales, tile: ClusterTile, features, sV
     ):
         _, head_kv, batch, _, _, _, _, n_block_min, n_block_max = tile[:9]
         mDescaleV = descales[2]
@@ -832,6 +837,9 @@ class Sm100FlashForward:
         sinks_log2 = None
         if const_expr(self.sink):
             sinks_log2 = self._row_sinks(features[1], tile, tidx)
+        if const_expr(self.varlen):
+            if n_blocks > 0:
+                self._zero_v_tail(sV, pipes.kv, tile, tidx)
         if n_blocks > 0:
             stats_phase = Int32(0)
             # fp8: O is kept in units of the current KV block's V factor. Before P_j V_j is added, O is rescaled by
@@ -877,6 +885,19 @@ class Sm100FlashForward:
                 if const_expr(self.sink):
                     empty_lse = sinks_log2[s] * (1.0 / LOG2_E)
                 self._write_lse(mLSE, empty_lse, tile, s, tidx)
+
+    @cute.jit
+    def _zero_v_tail(self, sV: cute.Tensor, pipe_kv, tile: ClusterTile, tidx):
+        """Packed sequences: the keys of the first block walked (the right-most) past seqlen_k are the next
+        sequence's rows as TMA loaded them (smem_tails.py); their V rows become 0 before any P·V reads them. The
+        correction warpgroup does it while the softmax warps work on that block (it has nothing to rescale there):
+        its release of s_p_o for q stage 0, which the first P·V waits for, follows the stores and their fence."""
+        tail = tile.seqlen_k - (tile.n_block_max - 1) * N_BLOCK
+        if tail < N_BLOCK:
+            # The load order (load_warp): K of that block in ring slot 0, its V in slot 1, both in phase 0.
+            pipe_kv.consumer_wait(pipeline.PipelineState(self.cfg.kv_stages, Int32(0), Int32(V_FIRST_SLOT), Int32(0)))
+            zero_k_rows_from(sV[None, None, None, V_FIRST_SLOT], tail, tidx, WG_THREADS)
+            cute.arch.fence_view_async_shared()
 
     @cute.jit
     def _row_sinks(self, mSink: cute.Tensor, tile: ClusterTile, tidx) -> cute.Tensor:
