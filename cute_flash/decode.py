@@ -20,7 +20,7 @@ kernel without a mask whatever the call's mask: `python -m cute_flash warmup` bu
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -74,17 +74,24 @@ def sink_rows(sink: torch.Tensor, nheads_kv: int) -> torch.Tensor:
     return sink.as_strided((group, nheads_kv), (1, group))
 
 
+# The KV-cache spec of each decoding spec (a growing cache's every step asks again: one lookup, not a new spec).
+_kvcache_specs: Dict[AttentionSpec, AttentionSpec] = {}
+_UNMASKED = normalize_mask(False, (None, None))
+
+
 def kvcache_problem(problem: Problem, keys: Tuple[int, int]) -> KvCacheProblem:
     """A decoding call as the KV-cache forward's problem (`ArchBackend.forward_kvcache`): q (b, 1, h, d) against the
     dense "cache" of the keys [lo, hi) its query row sees (k[:, lo:hi], all of them valid), without a mask; the
     KV-cache kernels pack the query heads of each KV head into one tile themselves."""
     p, (lo, hi) = problem, keys
     s = p.spec
-    spec = AttentionSpec(
-        s.dtype, s.head_dim, s.head_dim_v, "none", s.out_dtype, softcap=s.softcap, softcap_wide=s.softcap_wide,
-        sink=s.sink, kvcache=True,
-    )  # fmt: skip
+    spec = _kvcache_specs.get(s)
+    if spec is None:
+        spec = _kvcache_specs[s] = AttentionSpec(
+            s.dtype, s.head_dim, s.head_dim_v, "none", s.out_dtype, softcap=s.softcap, softcap_wide=s.softcap_wide,
+            sink=s.sink, kvcache=True,
+        )  # fmt: skip
     return KvCacheProblem(
-        p.batch, 1, p.batch, p.nheads, p.nheads_kv, p.head_dim, p.head_dim_v, hi - lo, p.batch, spec,
-        normalize_mask(False, (None, None)), p.softmax_scale, p.softcap,
+        p.batch, 1, p.batch, p.nheads, p.nheads_kv, p.head_dim, p.head_dim_v, hi - lo, p.batch, spec, _UNMASKED,
+        p.softmax_scale, p.softcap,
     )  # fmt: skip

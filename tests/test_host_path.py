@@ -189,19 +189,40 @@ def test_a_family_keeps_what_a_cold_call_would_refuse_and_route_apart(monkeypatc
     from cute_flash.core import fields
 
     args = ((True, None, None, None, False, 0.0), (None, None), (None,))
-    assert fields.decode_key(*_decoding(500), *args) == fields.decode_key(*_decoding(900), *args)
+
+    def family(q, k, v):
+        return fields.decode_key(q, k, v, fields.key(q, k, v, *args))
+
+    assert family(*_decoding(500)) == family(*_decoding(900))
     # (head-major or token-major memory: the same class, which validation and the kernels read alike)
-    assert fields.decode_key(*_decoding(500), *args) == fields.decode_key(*_decoding(500, "bshd"), *args)
+    assert family(*_decoding(500)) == family(*_decoding(500, "bshd"))
     q, k, v = _decoding(500)
     expanded = k[:, :, :1].expand(2, 500, 2, 64)  # (one KV head's keys broadcast: stride 0, copied for the kernels)
-    assert fields.decode_key(q, expanded, v, *args) != fields.decode_key(q, k, v, *args)
-    assert fields.decode_key(*_decoding(1), *args) is None
+    assert family(q, expanded, v) != family(q, k, v)
+    assert family(*_decoding(1)) is None
     q, k, v = _decoding(500)
-    assert fields.decode_key(q.expand(2, 3, 8, 64), k, v, *args) is None
+    assert family(q.expand(2, 3, 8, 64), k, v) is None
     odd = torch.empty(2, 2, 501, 64, device="meta", dtype=torch.bfloat16)[:, :, 1:].transpose(1, 2)  # (same class)
-    assert fields.decode_key(q, odd, v, *args) == fields.decode_key(*_decoding(500), *args)
+    assert family(q, odd, v) == family(*_decoding(500))
     narrow = torch.empty(2, 2, 500, 68, device="meta", dtype=torch.bfloat16)[..., :64].transpose(1, 2)  # rows 136 B
-    assert fields.decode_key(q, narrow, v, *args) != fields.decode_key(*_decoding(500), *args)
+    assert family(q, narrow, v) != family(*_decoding(500))
     windowed = _plan(*_decoding(500), True, None, (100, None), False)
     assert windowed.decode_keys == (399, 500)
     assert _plan(*_decoding(600), True, None, (100, None), False).decode_keys == (499, 600)
+
+
+def test_decoding_lengths_are_rows_of_shared_tables():
+    """A growing cache's decoding plans read their (b,) lengths from rows of one table per 1024 lengths (no fill per
+    step); under CUDA-graph capture a missing table is not made (it would exist only in the graph)."""
+    plan.clear_call_cache()
+    q = torch.empty(3, 1, 8, 64)
+    a, b, c = (plan.lengths_vector(3, n, q) for n in (1500, 1501, 2048))
+    assert a.dtype == torch.int32 and a.shape == (3,) and a.is_contiguous()
+    assert a.tolist() == [1500] * 3 and b.tolist() == [1501] * 3 and c.tolist() == [2048] * 3
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # (one table for 1024 .. 2047)
+    assert c.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(plan.device, "capturing", lambda t: True)
+        fresh = plan.lengths_vector(3, 5000, q)
+        assert fresh.tolist() == [5000] * 3 and plan.lengths_vector(3, 1502, q).tolist() == [1502] * 3
+    assert (3, q.device, 5000 // 1024) not in plan._length_tables

@@ -99,13 +99,13 @@ def _keys_layout(t) -> tuple:
     return (t.shape[0], t.shape[2], t.shape[3], st[3]) + tuple((st[i] == 0, st[i] % align) for i in range(3))
 
 
-def decode_key(q, k, v, scalars: tuple, window_size, tensors: tuple) -> Optional[tuple]:
-    """`key` of a decoding call (one query row) without the key count: k and v by `_keys_layout`, so that the calls
-    of a cache that grows by a token per step share it (core/plan.py's decoding families). None for other calls and
-    for fewer than two keys (a length-1 dimension is read differently)."""
+def decode_key(q, k, v, call_key: tuple) -> Optional[tuple]:
+    """The `key` of a decoding call (one query row), `call_key`, without the key count: k and v by `_keys_layout`,
+    so that the calls of a cache that grows by a token per step share it (core/plan.py's decoding families). None
+    for other calls and for fewer than two keys (a length-1 dimension is read differently)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[1] != 1 or k.shape[1] < 2 or v.shape[1] != k.shape[1]:
         return None
-    return (q.shape, q.stride(), _keys_layout(k), _keys_layout(v)) + _common_key(q, k, v, scalars, window_size, tensors)
+    return (call_key[0], call_key[1], _keys_layout(k), _keys_layout(v)) + call_key[6:]
 
 
 def packed_key(q, k, v, scalars: tuple, window_size, tensors: tuple, seqs) -> tuple:

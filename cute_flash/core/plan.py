@@ -114,16 +114,17 @@ def call_cache(cache):
 
 
 def cached(signature: Callable[..., tuple], make: Callable[..., Plan], *args) -> Plan:
-    """The plan kept under `signature(*args)`, else `make(*args)`'s (validating and routing, which raise what they
-    raise; errors are never kept). A signature that cannot be built (not tensors, unhashable or malformed arguments)
-    is not kept. (Plain functions and their arguments, no closures: this runs on every eager call.)"""
+    """The plan kept under `signature(*args)`, else `make(key, *args)`'s (validating and routing, which raise what
+    they raise; errors are never kept). A signature that cannot be built (not tensors, unhashable or malformed
+    arguments) is not kept, and `make` gets key None. (Plain functions and their arguments, no closures: this runs on
+    every eager call.)"""
     try:
         key = signature(*args)
         plan = _plans.get(key)
     except (TypeError, ValueError, AttributeError):
         key, plan = None, None
     if plan is None:
-        plan = make(*args)
+        plan = make(key, *args)
         if key is not None:
             if len(_plans) >= _MAX_PLANS:
                 _plans.clear()
@@ -140,11 +141,8 @@ def _copies(q, k, v) -> bool:
 _families: Dict[tuple, Plan] = call_cache(compile_cache.memo())
 
 
-def _make_dense(q, k, v, scalars: tuple, window_size, tensors: tuple) -> Plan:
-    try:
-        family = fields.decode_key(q, k, v, scalars, window_size, tensors)
-    except (TypeError, ValueError, AttributeError):
-        family = None
+def _make_dense(key: Optional[tuple], q, k, v, scalars: tuple, window_size, tensors: tuple) -> Plan:
+    family = None if key is None else fields.decode_key(q, k, v, key)
     if family is not None:
         template = _families.get(family)
         if template is not None:
@@ -160,7 +158,7 @@ def _make_dense(q, k, v, scalars: tuple, window_size, tensors: tuple) -> Plan:
     return plan
 
 
-def _make_packed(q, k, v, scalars: tuple, window_size, tensors: tuple, seqs: PackedSeqs) -> Plan:
+def _make_packed(_key, q, k, v, scalars: tuple, window_size, tensors: tuple, seqs: PackedSeqs) -> Plan:
     kw = fields.keywords(scalars, window_size, tensors)
     problem: VarlenProblem = validate_varlen(q, k, v, seqs, **kw)
     copy_seqs = not all(t is None or t.is_contiguous() for t in seqs[:3])
@@ -215,5 +213,28 @@ def decode_kvcache(plan: Plan, q: torch.Tensor):
         return False
     splits = split_kv.auto_kvcache_splits(backend, kv, compile_cache.sm_count(plan.device))
     lo, hi = plan.decode_keys
-    seqlens = torch.full((kv.batch,), hi - lo, dtype=torch.int32, device=plan.device)
-    return backend.kvcache_launcher(kv, plan.device, splits), seqlens
+    return backend.kvcache_launcher(kv, plan.device, splits), lengths_vector(kv.batch, hi - lo, q)
+
+
+# Rows of `lengths_vector`'s tables: (batch, device, block) -> (_LENGTH_ROWS, batch) int32, row r filled with
+# block * _LENGTH_ROWS + r.
+_LENGTH_ROWS = 1024
+_length_tables: Dict[tuple, torch.Tensor] = call_cache(compile_cache.memo())
+
+
+def lengths_vector(batch: int, n: int, q: torch.Tensor) -> torch.Tensor:
+    """A (batch,) int32 vector of n on q's device that nothing writes to: a row of a table of 1024 lengths, so that
+    a cache growing by a token per step fills one table per 1024 steps instead of a vector per step. Under CUDA-graph
+    capture a missing table is not made (it would exist only in the graph): a vector of its own then."""
+    block, row = divmod(n, _LENGTH_ROWS)
+    key = (batch, q.device, block)
+    table = _length_tables.get(key)
+    if table is None:
+        if device.capturing(q):
+            return torch.full((batch,), n, dtype=torch.int32, device=q.device)
+        if len(_length_tables) >= 64:
+            _length_tables.clear()
+        first = block * _LENGTH_ROWS
+        rows = torch.arange(first, first + _LENGTH_ROWS, dtype=torch.int32, device=q.device)
+        table = _length_tables[key] = rows.view(-1, 1).expand(-1, batch).contiguous()
+    return table[row]
