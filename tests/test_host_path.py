@@ -213,7 +213,7 @@ def test_a_family_keeps_what_a_cold_call_would_refuse_and_route_apart(monkeypatc
 
 def test_decoding_lengths_are_rows_of_shared_tables():
     """A growing cache's decoding plans read their (b,) lengths from rows of one table per 1024 lengths (no fill per
-    step); under CUDA-graph capture a missing table is not made (it would exist only in the graph)."""
+    step); under CUDA-graph capture never (a vector of the graph's own: the table's memory belongs to a cache)."""
     plan.clear_call_cache()
     q = torch.empty(3, 1, 8, 64)
     a, b, c = (plan.lengths_vector(3, n, q) for n in (1500, 1501, 2048))
@@ -223,6 +223,9 @@ def test_decoding_lengths_are_rows_of_shared_tables():
     assert c.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
     with pytest.MonkeyPatch.context() as m:
         m.setattr(plan.device, "capturing", lambda t: True)
-        fresh = plan.lengths_vector(3, 5000, q)
-        assert fresh.tolist() == [5000] * 3 and plan.lengths_vector(3, 1502, q).tolist() == [1502] * 3
+        fresh, shared_block = plan.lengths_vector(3, 5000, q), plan.lengths_vector(3, 1502, q)
+        assert fresh.tolist() == [5000] * 3 and shared_block.tolist() == [1502] * 3
+        assert fresh._base is None and shared_block._base is None  # (not views of a table)
     assert (3, q.device, 5000 // 1024) not in plan._length_tables
+    wide = plan.lengths_vector(1 << 16, 77, q)  # (a table of at most 2^20 entries)
+    assert wide.tolist() == [77] * (1 << 16) and wide._base.numel() <= 1 << 20

@@ -216,25 +216,34 @@ def decode_kvcache(plan: Plan, q: torch.Tensor):
     return backend.kvcache_launcher(kv, plan.device, splits), lengths_vector(kv.batch, hi - lo, q)
 
 
-# Rows of `lengths_vector`'s tables: (batch, device, block) -> (_LENGTH_ROWS, batch) int32, row r filled with
-# block * _LENGTH_ROWS + r.
-_LENGTH_ROWS = 1024
+# `lengths_vector`'s tables: (batch, device, block) -> (rows, batch) int32, row r filled with block * rows + r, where
+# rows = _length_rows(batch) (at most _LENGTH_ELEMENTS elements a table).
+_LENGTH_ELEMENTS = 1 << 20
 _length_tables: Dict[tuple, torch.Tensor] = call_cache(compile_cache.memo())
 
 
+def _length_rows(batch: int) -> int:
+    return max(1, min(1024, _LENGTH_ELEMENTS // max(batch, 1)))
+
+
 def lengths_vector(batch: int, n: int, q: torch.Tensor) -> torch.Tensor:
-    """A (batch,) int32 vector of n on q's device that nothing writes to: a row of a table of 1024 lengths, so that
-    a cache growing by a token per step fills one table per 1024 steps instead of a vector per step. Under CUDA-graph
-    capture a missing table is not made (it would exist only in the graph): a vector of its own then."""
-    block, row = divmod(n, _LENGTH_ROWS)
+    """A (batch,) int32 vector of n on q's device that nothing writes to: a row of a table of up to 1024 lengths, so
+    that a cache growing by a token per step fills one table per 1024 steps instead of a vector per step. A new
+    table is waited for once (its fill on the current stream), so that any stream may read it. Under CUDA-graph
+    capture a vector of its own (from the graph's pool, which lives as long as the graph: a table's memory is owned
+    by this cache, which may forget it while the graph still reads it)."""
+    if device.capturing(q):
+        return torch.full((batch,), n, dtype=torch.int32, device=q.device)
+    rows = _length_rows(batch)
+    block, row = divmod(n, rows)
     key = (batch, q.device, block)
     table = _length_tables.get(key)
     if table is None:
-        if device.capturing(q):
-            return torch.full((batch,), n, dtype=torch.int32, device=q.device)
         if len(_length_tables) >= 64:
             _length_tables.clear()
-        first = block * _LENGTH_ROWS
-        rows = torch.arange(first, first + _LENGTH_ROWS, dtype=torch.int32, device=q.device)
-        table = _length_tables[key] = rows.view(-1, 1).expand(-1, batch).contiguous()
+        first = block * rows
+        filled = torch.arange(first, first + rows, dtype=torch.int32, device=q.device).view(-1, 1)
+        table = _length_tables[key] = filled.expand(-1, batch).contiguous()
+        if table.is_cuda:
+            torch.cuda.current_stream(q.device).synchronize()
     return table[row]
