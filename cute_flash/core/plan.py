@@ -198,7 +198,8 @@ def fp8(q, k, v, *, dtype, descale, fp8_rotate, **call) -> Plan:
 def decode_kvcache(plan: Plan, q: torch.Tensor):
     """(launcher, seqlens_k) of a decoding plan on its GPU's KV-cache forward (decode.kvcache_problem; made at the
     first launch), or False when the forward's family has none for it (the call then runs packed, decode.py).
-    seqlens_k is the plan's own constant (b,) int32 tensor of the keys the query row sees."""
+    seqlens_k is a constant (b,) int32 vector of the keys the query row sees (`lengths_vector`: a row of a table
+    shared by the plans of other lengths, which nothing writes to)."""
     kv = decode.kvcache_problem(plan.problem, plan.decode_keys)
     backend = plan.kv_backend
     if backend is None:
